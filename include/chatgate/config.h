@@ -1,0 +1,79 @@
+/*
+ * config.h: the process's settings, from defaults, the environment, a JSON file and flags.
+ *
+ * Precedence: built-in defaults < environment (REDIS_URL) < --config FILE < flags.
+ * Every mistake is reported as DESIGN.md section 8 says: "file:line:col: message" for JSON
+ * syntax, "file: key: message" for a wrong value, "--flag: message" for a flag; the caller
+ * exits with status 2. Secrets never live here: they are read from the environment when used.
+ */
+#ifndef CHATGATE_CONFIG_H
+#define CHATGATE_CONFIG_H
+
+#include <stddef.h>
+
+#define CG_MAX_UPSTREAMS 32
+
+typedef enum cg_upstream_kind {
+    CG_UPSTREAM_DEMO,
+    CG_UPSTREAM_OPENAI, /* http:// or https:// */
+    CG_UPSTREAM_WS,     /* ws:// or wss:// */
+} cg_upstream_kind;
+
+typedef struct cg_upstream_config {
+    char *name;
+    char *url;
+    cg_upstream_kind kind;
+    int tls;
+    char *host;          /* NULL for demo */
+    int port;
+    char *path;          /* base path, "" or "/v1"; for ws the request path with query */
+    char *model;         /* OpenAI: the "model" of each request */
+    char *api_key_env;   /* OpenAI: environment variable holding the bearer token */
+    char *system_prompt; /* OpenAI: the first system message */
+    int connect_timeout_ms;
+    int first_byte_timeout_ms;
+    int idle_timeout_ms;
+    int delay_ms; /* demo: pause between words */
+} cg_upstream_config;
+
+typedef struct cg_config {
+    char *listen;      /* "HOST:PORT" as given */
+    char *listen_host; /* parsed from listen */
+    int listen_port;
+    cg_upstream_config upstreams[CG_MAX_UPSTREAMS];
+    int n_upstreams;
+    char *default_upstream;
+    int default_index; /* index of default_upstream in upstreams */
+    char *store;
+    char *rules_dir;
+    char *web_dir;
+    char *auth;
+    char *log_level;
+    long max_frame;
+    long max_connections;
+    long queue_limit;
+    long rate_per_second;
+    long rate_burst;
+    long max_reply_bytes;
+    long send_buffer;
+} cg_config;
+
+/* Result of cg_config_load besides 0: print nothing more and exit with this status. */
+#define CG_CONFIG_EXIT_OK 1    /* --help or --version was printed */
+#define CG_CONFIG_EXIT_USAGE 2 /* a mistake; err holds the message */
+
+/*
+ * Fills cfg from argv (argv[0] is the program) and the environment. On a mistake returns
+ * CG_CONFIG_EXIT_USAGE with the message in err. The strings in cfg are owned by cfg and
+ * released by cg_config_free().
+ */
+int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen);
+void cg_config_free(cg_config *cfg);
+
+/* Parses an upstream URL ("demo", "http://h:p/v1", "wss://h/app") into u; 0 or -1 with err. */
+int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *err, size_t errlen);
+
+/* Prints the flags' help text to stdout. */
+void cg_config_usage(const char *prog);
+
+#endif

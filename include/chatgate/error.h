@@ -1,0 +1,36 @@
+/*
+ * error.h: chatgate's error codes.
+ *
+ * Functions return 0 or one of these negative codes. One X-macro table gives the
+ * enum, the protocol's error code strings (DESIGN.md section 3) and cg_strerror(), so
+ * the names on the wire and in the code cannot drift apart.
+ */
+#ifndef CHATGATE_ERROR_H
+#define CHATGATE_ERROR_H
+
+/* XX(enum name, code on the wire, human text) */
+#define CG_ERR_MAP(XX)                                                          \
+    XX(BAD_FRAME, "bad_frame", "malformed frame")                               \
+    XX(TOO_LARGE, "too_large", "too large")                                     \
+    XX(RATE_LIMITED, "rate_limited", "rate limited")                            \
+    XX(UNAUTHORIZED, "unauthorized", "unauthorized")                            \
+    XX(NOT_FOUND, "not_found", "not found")                                     \
+    XX(UPSTREAM_UNAVAILABLE, "upstream_unavailable", "upstream unavailable")    \
+    XX(UPSTREAM_ERROR, "upstream_error", "upstream error")                      \
+    XX(UPSTREAM_TIMEOUT, "upstream_timeout", "upstream timed out")              \
+    XX(INTERNAL, "internal", "internal error")
+
+typedef enum cg_err {
+    CG_OK = 0,
+#define CG__ERR_ENUM(name, code, text) CG_E_##name,
+    CG__ERR_FIRST = -100,
+    CG_ERR_MAP(CG__ERR_ENUM)
+#undef CG__ERR_ENUM
+} cg_err;
+
+/* The protocol's code for err ("bad_frame"); "internal" for anything unknown. */
+const char *cg_err_code(int err);
+/* A short human text for err. */
+const char *cg_strerror(int err);
+
+#endif

@@ -1,0 +1,36 @@
+/*
+ * log.h: one line per event on stderr, with a level.
+ *
+ * The caller never logs what a user wrote at info level or above: message text may hold
+ * phone numbers and e-mail addresses (masking proper arrives with the operations work).
+ * libwebsockets' own log lines are routed here too, at warning and error level.
+ */
+#ifndef CHATGATE_LOG_H
+#define CHATGATE_LOG_H
+
+typedef enum cg_log_level {
+    CG_LOG_ERROR = 0,
+    CG_LOG_WARN = 1,
+    CG_LOG_INFO = 2,
+    CG_LOG_DEBUG = 3,
+} cg_log_level;
+
+/* Parses "error", "warn", "info" or "debug"; returns the level or -1. */
+int cg_log_level_parse(const char *name);
+void cg_log_set_level(cg_log_level level);
+int cg_log_enabled(cg_log_level level);
+/* Hands libwebsockets' log lines to cg_log. */
+void cg_log_route_lws(void);
+
+void cg_log(cg_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+#define cg_error(...) cg_log(CG_LOG_ERROR, __VA_ARGS__)
+#define cg_warn(...) cg_log(CG_LOG_WARN, __VA_ARGS__)
+#define cg_info(...) cg_log(CG_LOG_INFO, __VA_ARGS__)
+#define cg_debug(...)                                                           \
+    do {                                                                        \
+        if (cg_log_enabled(CG_LOG_DEBUG))                                       \
+            cg_log(CG_LOG_DEBUG, __VA_ARGS__);                                  \
+    } while (0)
+
+#endif

@@ -1,0 +1,54 @@
+/*
+ * protocol.h: the chatgate.v1 frames (DESIGN.md section 3), parsed and built.
+ *
+ * Parsing turns one client text frame into a cg_client_frame or a bad_frame error whose
+ * message names the field that was wrong. Building gives the gateway's frames as compact
+ * JSON strings the caller frees. Pure: no I/O, no clock.
+ */
+#ifndef CHATGATE_PROTOCOL_H
+#define CHATGATE_PROTOCOL_H
+
+#include <jansson.h>
+#include <stddef.h>
+
+#define CG_PROTOCOL_NAME "chatgate.v1"
+#define CG_MAX_ID 128    /* bytes of a client message id */
+#define CG_MAX_ROOM 256  /* bytes of a room id (DESIGN.md section 4) */
+
+typedef enum cg_frame_type {
+    CG_FRAME_MESSAGE,
+    CG_FRAME_CANCEL,
+} cg_frame_type;
+
+typedef struct cg_client_frame {
+    cg_frame_type type;
+    char id[CG_MAX_ID + 1]; /* "" when the frame had none */
+    char room[CG_MAX_ROOM + 1];
+    char *text;             /* message: owned, freed by cg_client_frame_clear() */
+} cg_client_frame;
+
+/*
+ * Parses one text frame. Returns 0, or CG_E_BAD_FRAME with a message in err naming what
+ * was wrong; out->id is filled whenever the frame carried a usable id, so that the error
+ * can be about that message.
+ */
+int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *err, size_t errlen);
+void cg_client_frame_clear(cg_client_frame *f);
+
+/* Builders: each returns a malloc'd compact JSON string (never NULL; aborts on no memory). */
+char *cg_protocol_hello(const char *user, const char *session, const char *resume);
+char *cg_protocol_ack(const char *id, const char *room, const char *route);
+char *cg_protocol_delta(const char *id, const char *text, size_t len);
+/* usage is borrowed and may be NULL; truncated says the text holds only the reply's start. */
+char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated);
+char *cg_protocol_cancelled(const char *id);
+/* id NULL or "" gives "id":null. */
+char *cg_protocol_error(const char *id, const char *code, const char *message);
+
+/* The largest n <= len such that text[0..n) does not end inside a UTF-8 sequence. */
+size_t cg_utf8_boundary(const char *text, size_t len);
+
+/* Serialises obj compactly and decrefs it; aborts on no memory. */
+char *cg_protocol_dump(json_t *obj);
+
+#endif

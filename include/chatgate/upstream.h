@@ -1,0 +1,101 @@
+/*
+ * upstream.h: the backends that answer messages, behind one table of operations.
+ *
+ * Three kinds (DESIGN.md section 6): the built-in demo, an OpenAI-compatible HTTP server
+ * streaming server-sent events, and a chat app's own WebSocket server. A session starts a
+ * call for one message and hears back through cg_upstream_events:
+ *
+ *   - start() either fails at once (returns < 0, never calls back) or returns 0 and later
+ *     calls on_delta zero or more times, then exactly one of on_done or on_error, always
+ *     from the event loop, never from inside start() itself;
+ *   - after cancel(), no callback comes for that call, and the upstream is told to stop
+ *     (the HTTP request is closed; a WebSocket app is sent {"type":"cancel","id":...});
+ *   - pause(call, 1) stops reading from the upstream until pause(call, 0): the session's
+ *     send buffer is full because its client reads slowly.
+ *
+ * The call is owned by the upstream module; the caller forgets it after on_done, on_error or
+ * cancel. Kinds that keep one upstream connection per client connection (ws) keep it in the
+ * slot the session passes to start(), and close it in close_conn() when the client goes.
+ */
+#ifndef CHATGATE_UPSTREAM_H
+#define CHATGATE_UPSTREAM_H
+
+#include <uv.h>
+#include <libwebsockets.h>
+#include <jansson.h>
+
+#include "chatgate/config.h"
+
+typedef struct cg_gateway cg_gateway;
+typedef struct cg_upstream cg_upstream;
+typedef struct cg_upstream_call cg_upstream_call;
+
+typedef struct cg_upstream_events {
+    void (*on_delta)(void *ctx, const char *text, size_t len);
+    /* usage is borrowed (NULL when the upstream gave none) */
+    void (*on_done)(void *ctx, json_t *usage);
+    /* err is a CG_E_UPSTREAM_* code; message names the upstream and what went wrong */
+    void (*on_error)(void *ctx, int err, const char *message);
+} cg_upstream_events;
+
+/* What the gateway forwards for one message; the strings are copied by start(). */
+typedef struct cg_upstream_message {
+    const char *id;
+    const char *user;
+    const char *room;
+    const char *text;
+    const char *route;
+} cg_upstream_message;
+
+typedef struct cg_upstream_ops {
+    const char *kind;
+    int (*start)(cg_upstream *up, void **conn_slot, const cg_upstream_message *m,
+                 const cg_upstream_events *ev, void *ctx, cg_upstream_call **call);
+    void (*cancel)(cg_upstream_call *call);
+    void (*pause)(cg_upstream_call *call, int paused);
+    /* The client connection that owns *conn_slot is gone; NULL when the kind keeps none. */
+    void (*close_conn)(void *conn);
+} cg_upstream_ops;
+
+struct cg_upstream {
+    const cg_upstream_ops *ops;
+    const cg_upstream_config *cfg;
+    cg_gateway *gw;
+};
+
+extern const cg_upstream_ops cg_upstream_demo_ops;
+extern const cg_upstream_ops cg_upstream_openai_ops;
+extern const cg_upstream_ops cg_upstream_ws_ops;
+
+/* The lws protocols of the client connections, registered by the gateway's vhost. */
+int cg_upstream_openai_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user,
+                                void *in, size_t len);
+int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
+                            size_t len);
+#define CG_LWS_PROTOCOL_OPENAI "cg-openai"
+#define CG_LWS_PROTOCOL_WS "cg-upstream-ws"
+
+/* Picks the ops for cfg->kind and fills up. */
+void cg_upstream_init(cg_upstream *up, cg_gateway *gw, const cg_upstream_config *cfg);
+
+/*
+ * Shared by the network kinds: resolves cfg's host off the loop (uv_getaddrinfo on libuv's
+ * thread pool; numeric addresses skip it) and calls done(data, address, err) on the loop
+ * with a numeric address, or address NULL and a message in err. The returned handle lets
+ * the caller give up: cg_resolve_abandon() makes done never be called.
+ */
+typedef struct cg_resolve cg_resolve;
+typedef void (*cg_resolve_fn)(void *data, const char *address, const char *err);
+cg_resolve *cg_resolve_start(uv_loop_t *loop, const char *host, cg_resolve_fn done, void *data);
+void cg_resolve_abandon(cg_resolve *r);
+
+/*
+ * Starts an lws client connection to up's host at a resolved address, with opaque as the
+ * wsi's opaque user data; lws stores the wsi in *pwsi before any callback. NULL on failure
+ * (a CLIENT_CONNECTION_ERROR callback may already have run).
+ */
+struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path,
+                                const char *method, const char *local_protocol, void *opaque,
+                                struct lws **pwsi);
+
+#endif

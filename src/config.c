@@ -1,0 +1,718 @@
+/*
+ * config.c: settings as table rows, filled from defaults, the environment, a JSON file and
+ * the command line, in that order (later wins).
+ *
+ * Each setting is one row of `settings[]` (name, type, bounds, where it lives); the JSON
+ * loader and the flag parser both go through the same row, so a value is checked the same
+ * way wherever it comes from. Upstreams are the one structured setting: an object of
+ * name -> {url, model, ...} in the file, `--upstream NAME=URL` on the command line.
+ */
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "chatgate/config.h"
+#include "chatgate/log.h"
+
+typedef enum { T_STR, T_INT, T_ENUM } setting_type;
+
+typedef struct setting {
+    const char *name; /* key in the JSON file; the flag is "--" + name with '_' as '-' */
+    setting_type type;
+    size_t offset;
+    long min, max;             /* T_INT bounds */
+    const char *const *choices; /* T_ENUM values, NULL-terminated */
+    int flag;                  /* 1 when the setting is also a command-line flag */
+    const char *help;
+} setting;
+
+static const char *const auth_choices[] = {"none", "jwt", "header", NULL};
+static const char *const log_choices[] = {"error", "warn", "info", "debug", NULL};
+
+#define OFF(f) offsetof(cg_config, f)
+static const setting settings[] = {
+    {"listen", T_STR, OFF(listen), 0, 0, NULL, 1, "HOST:PORT to listen on (default 127.0.0.1:8080)"},
+    {"default_upstream", T_STR, OFF(default_upstream), 0, 0, NULL, 1,
+     "NAME of the upstream messages go to (default: the first)"},
+    {"store", T_STR, OFF(store), 0, 0, NULL, 1,
+     "memory | redis://HOST:PORT[/DB] (default memory, or $REDIS_URL)"},
+    {"rules", T_STR, OFF(rules_dir), 0, 0, NULL, 1, "DIR of *.rules files (default: the shipped rules)"},
+    {"web", T_STR, OFF(web_dir), 0, 0, NULL, 1, "DIR served at / (default: the shipped demo page)"},
+    {"auth", T_ENUM, OFF(auth), 0, 0, auth_choices, 1, "none | jwt | header (default none)"},
+    {"log_level", T_ENUM, OFF(log_level), 0, 0, log_choices, 1, "error | warn | info | debug (default info)"},
+    {"max_frame", T_INT, OFF(max_frame), 256, 16 << 20, NULL, 1, "BYTES, largest client frame (default 65536)"},
+    {"max_connections", T_INT, OFF(max_connections), 1, 1000000, NULL, 1,
+     "N WebSocket connections at once; more get 503 (default 1024)"},
+    {"queue_limit", T_INT, OFF(queue_limit), 1, 1024, NULL, 0, NULL},
+    {"rate_limit.messages_per_second", T_INT, OFF(rate_per_second), 1, 1000000, NULL, 0, NULL},
+    {"rate_limit.burst", T_INT, OFF(rate_burst), 1, 1000000, NULL, 0, NULL},
+    {"max_reply_bytes", T_INT, OFF(max_reply_bytes), 1024, 64 << 20, NULL, 0, NULL},
+    {"send_buffer", T_INT, OFF(send_buffer), 4096, 16 << 20, NULL, 0, NULL},
+};
+#undef OFF
+
+typedef struct up_setting {
+    const char *name;
+    setting_type type;
+    size_t offset;
+    long min, max;
+} up_setting;
+
+#define UOFF(f) offsetof(cg_upstream_config, f)
+static const up_setting upstream_settings[] = {
+    {"model", T_STR, UOFF(model), 0, 0},
+    {"api_key_env", T_STR, UOFF(api_key_env), 0, 0},
+    {"system_prompt", T_STR, UOFF(system_prompt), 0, 0},
+    {"connect_timeout_ms", T_INT, UOFF(connect_timeout_ms), 1, 3600000},
+    {"first_byte_timeout_ms", T_INT, UOFF(first_byte_timeout_ms), 1, 3600000},
+    {"idle_timeout_ms", T_INT, UOFF(idle_timeout_ms), 1, 3600000},
+    {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000},
+};
+#undef UOFF
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static void replace_str(char **slot, const char *value)
+{
+    free(*slot);
+    *slot = value ? strdup(value) : NULL;
+}
+
+/* Parses a whole decimal number within [min, max]; 0 or -1. */
+static int parse_long(const char *s, long min, long max, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < min || v > max)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* Applies one textual value to a setting row; on error writes "must be ..." to err. */
+static int apply_setting(cg_config *cfg, const setting *st, const char *value, char *err, size_t errlen)
+{
+    void *field = (char *)cfg + st->offset;
+    switch (st->type) {
+    case T_STR:
+        if (!*value) {
+            set_err(err, errlen, "must not be empty");
+            return -1;
+        }
+        replace_str((char **)field, value);
+        return 0;
+    case T_INT:
+        if (parse_long(value, st->min, st->max, (long *)field) < 0) {
+            set_err(err, errlen, "'%s' is not a whole number from %ld to %ld", value, st->min, st->max);
+            return -1;
+        }
+        return 0;
+    case T_ENUM:
+        for (const char *const *c = st->choices; *c; c++)
+            if (strcmp(*c, value) == 0) {
+                replace_str((char **)field, value);
+                return 0;
+            }
+        set_err(err, errlen, "'%s' is not one of", value);
+        for (const char *const *c = st->choices; *c; c++) {
+            size_t used = strlen(err);
+            snprintf(err + used, errlen - used, " %s", *c);
+        }
+        return -1;
+    }
+    return -1;
+}
+
+static const setting *find_setting(const char *name)
+{
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
+        if (strcmp(settings[i].name, name) == 0)
+            return &settings[i];
+    return NULL;
+}
+
+/* ---- upstream URLs ---------------------------------------------------------------- */
+
+int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *err, size_t errlen)
+{
+    static const struct { const char *prefix; cg_upstream_kind kind; int tls; int port; } schemes[] = {
+        {"http://", CG_UPSTREAM_OPENAI, 0, 80},
+        {"https://", CG_UPSTREAM_OPENAI, 1, 443},
+        {"ws://", CG_UPSTREAM_WS, 0, 80},
+        {"wss://", CG_UPSTREAM_WS, 1, 443},
+    };
+    free(u->host);
+    free(u->path);
+    u->host = u->path = NULL;
+    replace_str(&u->url, url);
+    if (strcmp(url, "demo") == 0 || strcmp(url, "demo:") == 0) {
+        u->kind = CG_UPSTREAM_DEMO;
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof(schemes) / sizeof(schemes[0]); i++) {
+        size_t plen = strlen(schemes[i].prefix);
+        if (strncmp(url, schemes[i].prefix, plen) != 0)
+            continue;
+        const char *host = url + plen;
+        const char *path = host + strcspn(host, "/?");
+        const char *host_end = path;
+        const char *colon = NULL;
+        if (*host == '[') { /* [v6]:port */
+            const char *close = memchr(host, ']', (size_t)(path - host));
+            if (!close) {
+                set_err(err, errlen, "'%s': unterminated '[' in the host", url);
+                return -1;
+            }
+            colon = (close + 1 < path && close[1] == ':') ? close + 1 : NULL;
+            host_end = colon ? colon : close + 1;
+        } else {
+            colon = memchr(host, ':', (size_t)(path - host));
+            if (colon)
+                host_end = colon;
+        }
+        if (host_end == host) {
+            set_err(err, errlen, "'%s': no host", url);
+            return -1;
+        }
+        long port = schemes[i].port;
+        if (colon) {
+            char buf[16];
+            size_t n = (size_t)(path - colon - 1);
+            if (n == 0 || n >= sizeof(buf)) {
+                set_err(err, errlen, "'%s': bad port", url);
+                return -1;
+            }
+            memcpy(buf, colon + 1, n);
+            buf[n] = 0;
+            if (parse_long(buf, 1, 65535, &port) < 0) {
+                set_err(err, errlen, "'%s': port '%s' is not 1 to 65535", url, buf);
+                return -1;
+            }
+        }
+        const char *h = host, *he = host_end;
+        if (*h == '[') { /* lws and getaddrinfo want the bare v6 address */
+            h++;
+            he--;
+        }
+        u->host = strndup(h, (size_t)(he - h));
+        u->port = (int)port;
+        u->kind = schemes[i].kind;
+        u->tls = schemes[i].tls;
+        if (u->kind == CG_UPSTREAM_OPENAI) {
+            /* A base URL: drop a trailing '/' so "{base}/chat/completions" has one. */
+            size_t plen2 = strlen(path);
+            while (plen2 > 0 && path[plen2 - 1] == '/')
+                plen2--;
+            u->path = strndup(path, plen2);
+        } else {
+            u->path = strdup(*path == '/' ? path : "/");
+            if (*path == '?') { /* "ws://h:1?x" means path "/?x" */
+                free(u->path);
+                size_t n = strlen(path) + 2;
+                u->path = malloc(n);
+                snprintf(u->path, n, "/%s", path);
+            }
+        }
+        return 0;
+    }
+    set_err(err, errlen, "'%s': the scheme must be demo, http://, https://, ws:// or wss://", url);
+    return -1;
+}
+
+static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, char *err, size_t errlen)
+{
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        if (strcmp(cfg->upstreams[i].name, name) == 0)
+            return &cfg->upstreams[i];
+    if (cfg->n_upstreams == CG_MAX_UPSTREAMS) {
+        set_err(err, errlen, "more than %d upstreams", CG_MAX_UPSTREAMS);
+        return NULL;
+    }
+    size_t n = strlen(name);
+    if (n == 0 || n > 64 || strspn(name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") != n) {
+        set_err(err, errlen, "upstream name '%s' must be 1 to 64 letters, digits, '_' or '-'", name);
+        return NULL;
+    }
+    cg_upstream_config *u = &cfg->upstreams[cfg->n_upstreams++];
+    memset(u, 0, sizeof(*u));
+    u->name = strdup(name);
+    u->connect_timeout_ms = 5000;
+    u->first_byte_timeout_ms = 60000;
+    u->idle_timeout_ms = 60000;
+    u->delay_ms = 30;
+    u->api_key_env = strdup("CHATGATE_UPSTREAM_API_KEY");
+    u->system_prompt = strdup("You are a helpful assistant.");
+    return u;
+}
+
+/* ---- the JSON file ---------------------------------------------------------------- */
+
+static int load_upstream_object(cg_config *cfg, const char *file, const char *name, json_t *obj,
+                                char *err, size_t errlen)
+{
+    char msg[256];
+    if (json_is_string(obj)) { /* "llm": "http://..." is short for {"url": ...} */
+        cg_upstream_config *u = upstream_upsert(cfg, name, msg, sizeof(msg));
+        if (!u || cg_config_parse_upstream_url(u, json_string_value(obj), msg, sizeof(msg)) < 0) {
+            set_err(err, errlen, "%s: upstreams.%s: %s", file, name, msg);
+            return -1;
+        }
+        return 0;
+    }
+    if (!json_is_object(obj)) {
+        set_err(err, errlen, "%s: upstreams.%s: must be an object or a URL string", file, name);
+        return -1;
+    }
+    json_t *url = json_object_get(obj, "url");
+    if (!json_is_string(url)) {
+        set_err(err, errlen, "%s: upstreams.%s.url: missing, or not a string", file, name);
+        return -1;
+    }
+    cg_upstream_config *u = upstream_upsert(cfg, name, msg, sizeof(msg));
+    if (!u || cg_config_parse_upstream_url(u, json_string_value(url), msg, sizeof(msg)) < 0) {
+        set_err(err, errlen, "%s: upstreams.%s.url: %s", file, name, msg);
+        return -1;
+    }
+    const char *key;
+    json_t *val;
+    json_object_foreach(obj, key, val) {
+        if (strcmp(key, "url") == 0)
+            continue;
+        const up_setting *st = NULL;
+        for (size_t i = 0; i < sizeof(upstream_settings) / sizeof(upstream_settings[0]); i++)
+            if (strcmp(upstream_settings[i].name, key) == 0)
+                st = &upstream_settings[i];
+        if (!st) {
+            set_err(err, errlen, "%s: upstreams.%s.%s: unknown key", file, name, key);
+            return -1;
+        }
+        void *field = (char *)u + st->offset;
+        if (st->type == T_STR) {
+            if (!json_is_string(val)) {
+                set_err(err, errlen, "%s: upstreams.%s.%s: must be a string", file, name, key);
+                return -1;
+            }
+            replace_str((char **)field, json_string_value(val));
+        } else {
+            json_int_t v = json_is_integer(val) ? json_integer_value(val) : LLONG_MIN;
+            if (v < st->min || v > st->max) {
+                set_err(err, errlen, "%s: upstreams.%s.%s: must be a whole number from %ld to %ld",
+                        file, name, key, st->min, st->max);
+                return -1;
+            }
+            *(int *)field = (int)v;
+        }
+    }
+    return 0;
+}
+
+/* Applies one JSON value to the setting named path ("max_frame", "rate_limit.burst"). */
+static int load_json_value(cg_config *cfg, const char *file, const char *path, json_t *val,
+                           char *err, size_t errlen)
+{
+    const setting *st = find_setting(path);
+    if (!st) {
+        set_err(err, errlen, "%s: %s: unknown key", file, path);
+        return -1;
+    }
+    char text[64];
+    const char *value;
+    if (st->type == T_INT) {
+        if (!json_is_integer(val)) {
+            set_err(err, errlen, "%s: %s: must be a whole number", file, path);
+            return -1;
+        }
+        snprintf(text, sizeof(text), "%" JSON_INTEGER_FORMAT, json_integer_value(val));
+        value = text;
+    } else {
+        if (!json_is_string(val)) {
+            set_err(err, errlen, "%s: %s: must be a string", file, path);
+            return -1;
+        }
+        value = json_string_value(val);
+    }
+    char msg[256];
+    if (apply_setting(cfg, st, value, msg, sizeof(msg)) < 0) {
+        set_err(err, errlen, "%s: %s: %s", file, path, msg);
+        return -1;
+    }
+    return 0;
+}
+
+static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
+{
+    json_error_t jerr;
+    json_t *root = json_load_file(file, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) {
+        if (jerr.line < 0)
+            set_err(err, errlen, "%s: %s", file, jerr.text);
+        else
+            set_err(err, errlen, "%s:%d:%d: %s", file, jerr.line, jerr.column, jerr.text);
+        return -1;
+    }
+    int rc = -1;
+    if (!json_is_object(root)) {
+        set_err(err, errlen, "%s:1:1: the configuration must be a JSON object", file);
+        goto out;
+    }
+    const char *key;
+    json_t *val;
+    json_object_foreach(root, key, val) {
+        if (strcmp(key, "upstreams") == 0) {
+            if (!json_is_object(val)) {
+                set_err(err, errlen, "%s: upstreams: must be an object of name -> {\"url\": ...}", file);
+                goto out;
+            }
+            const char *name;
+            json_t *up;
+            json_object_foreach(val, name, up) {
+                if (load_upstream_object(cfg, file, name, up, err, errlen) < 0)
+                    goto out;
+            }
+        } else if (strcmp(key, "rate_limit") == 0) {
+            if (!json_is_object(val)) {
+                set_err(err, errlen, "%s: rate_limit: must be an object", file);
+                goto out;
+            }
+            const char *sub;
+            json_t *sval;
+            json_object_foreach(val, sub, sval) {
+                char path[128];
+                snprintf(path, sizeof(path), "rate_limit.%s", sub);
+                if (load_json_value(cfg, file, path, sval, err, errlen) < 0)
+                    goto out;
+            }
+        } else if (load_json_value(cfg, file, key, val, err, errlen) < 0) {
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    json_decref(root);
+    return rc;
+}
+
+/* ---- flags -------------------------------------------------------------------------- */
+
+void cg_config_usage(const char *prog)
+{
+    printf("Usage: %s [options]\n"
+           "       %s --config FILE [options]\n\n"
+           "chatgate: a WebSocket gateway between chat clients and LLM or app backends.\n\n",
+           prog, prog);
+    printf("  --%-18s %s\n", "upstream NAME=URL",
+           "an upstream; URL is demo, http(s)://BASE (OpenAI-compatible) or ws(s)://HOST/PATH "
+           "(a chat app); repeatable (default demo=demo)");
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++) {
+        if (!settings[i].flag)
+            continue;
+        char flag[64];
+        snprintf(flag, sizeof(flag), "%s", settings[i].name);
+        for (char *p = flag; *p; p++)
+            if (*p == '_')
+                *p = '-';
+        printf("  --%-18s %s\n", flag, settings[i].help);
+    }
+    printf("  --%-18s %s\n", "config FILE", "a JSON file with these settings and more (README.md); flags win");
+    printf("  --%-18s %s\n", "help", "this text");
+    printf("  --%-18s %s\n", "version", "the version");
+}
+
+/* Maps "--max-frame" to its row; NULL when the flag is not a setting. */
+static const setting *flag_setting(const char *flag)
+{
+    char name[64];
+    if (strlen(flag) >= sizeof(name))
+        return NULL;
+    snprintf(name, sizeof(name), "%s", flag);
+    for (char *p = name; *p; p++)
+        if (*p == '-')
+            *p = '_';
+    const setting *st = find_setting(name);
+    return st && st->flag ? st : NULL;
+}
+
+/*
+ * Splits argv[*i] into flag name and value ("--x=v" or "--x v"). Returns 0, or -1 when the
+ * value is missing. Flags without a value (help, version) get value NULL.
+ */
+static int next_flag(int argc, char **argv, int *i, char *name, size_t namelen, const char **value)
+{
+    const char *arg = argv[*i] + 2;
+    const char *eq = strchr(arg, '=');
+    size_t n = eq ? (size_t)(eq - arg) : strlen(arg);
+    if (n >= namelen)
+        n = namelen - 1;
+    memcpy(name, arg, n);
+    name[n] = 0;
+    if (strcmp(name, "help") == 0 || strcmp(name, "version") == 0) {
+        *value = NULL;
+        return 0;
+    }
+    if (eq) {
+        *value = eq + 1;
+        return 0;
+    }
+    if (*i + 1 >= argc)
+        return -1;
+    *value = argv[++*i];
+    return 0;
+}
+
+static int apply_flag(cg_config *cfg, const char *name, const char *value, char *err, size_t errlen)
+{
+    char msg[256];
+    if (strcmp(name, "upstream") == 0) {
+        const char *eq = strchr(value, '=');
+        if (!eq || eq == value) {
+            set_err(err, errlen, "--upstream: '%s' must be NAME=URL", value);
+            return -1;
+        }
+        char upname[80];
+        snprintf(upname, sizeof(upname), "%.*s", (int)(eq - value), value);
+        cg_upstream_config *u = upstream_upsert(cfg, upname, msg, sizeof(msg));
+        if (!u || cg_config_parse_upstream_url(u, eq + 1, msg, sizeof(msg)) < 0) {
+            set_err(err, errlen, "--upstream: %s", msg);
+            return -1;
+        }
+        return 0;
+    }
+    const setting *st = flag_setting(name);
+    if (!st) {
+        set_err(err, errlen, "--%s: unknown option (see --help)", name);
+        return -1;
+    }
+    if (apply_setting(cfg, st, value, msg, sizeof(msg)) < 0) {
+        set_err(err, errlen, "--%s: %s", name, msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- defaults and checks ------------------------------------------------------------ */
+
+static int is_dir(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+/*
+ * The shipped rules/ and web/: next to the installed binary (<prefix>/share/chatgate/NAME),
+ * then the install prefix chosen at build time, then the source tree (a build not installed).
+ */
+static char *default_data_dir(const char *name)
+{
+    char exe[PATH_MAX], path[PATH_MAX + 64];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n > 0) {
+        exe[n] = 0;
+        char *slash = strrchr(exe, '/');
+        if (slash) {
+            *slash = 0;
+            snprintf(path, sizeof(path), "%s/../share/chatgate/%s", exe, name);
+            if (is_dir(path))
+                return realpath(path, NULL);
+        }
+    }
+    snprintf(path, sizeof(path), "%s/%s", CG_DATADIR, name);
+    if (is_dir(path))
+        return strdup(path);
+    snprintf(path, sizeof(path), "%s/%s", CG_SOURCE_DIR, name);
+    return strdup(path);
+}
+
+static int parse_listen(cg_config *cfg, const char *where, char *err, size_t errlen)
+{
+    const char *s = cfg->listen;
+    const char *colon = strrchr(s, ':');
+    long port;
+    if (!colon || colon == s || parse_long(colon + 1, 1, 65535, &port) < 0) {
+        set_err(err, errlen, "%s: '%s' must be HOST:PORT with a port from 1 to 65535", where, s);
+        return -1;
+    }
+    const char *h = s, *he = colon;
+    if (*h == '[' && he[-1] == ']') {
+        h++;
+        he--;
+    }
+    free(cfg->listen_host);
+    cfg->listen_host = strndup(h, (size_t)(he - h));
+    cfg->listen_port = (int)port;
+    return 0;
+}
+
+/* Where a setting came from, for messages about values checked after loading. */
+static void origin_of(const char *key, const char *flag, int from_flag, const char *file,
+                      char *out, size_t outlen)
+{
+    if (from_flag)
+        snprintf(out, outlen, "--%s", flag);
+    else if (file)
+        snprintf(out, outlen, "%s: %s", file, key);
+    else
+        snprintf(out, outlen, "%s", key);
+}
+
+static int flag_given(int argc, char **argv, const char *flag)
+{
+    size_t n = strlen(flag);
+    for (int i = 1; i < argc; i++)
+        if (strncmp(argv[i], "--", 2) == 0 && strncmp(argv[i] + 2, flag, n) == 0 &&
+            (argv[i][2 + n] == 0 || argv[i][2 + n] == '='))
+            return 1;
+    return 0;
+}
+
+static int check(cg_config *cfg, int argc, char **argv, const char *file, char *err, size_t errlen)
+{
+    char where[PATH_MAX + 64];
+    origin_of("listen", "listen", flag_given(argc, argv, "listen"), file, where, sizeof(where));
+    if (parse_listen(cfg, where, err, errlen) < 0)
+        return -1;
+
+    if (cfg->n_upstreams == 0) {
+        char msg[64];
+        cg_upstream_config *u = upstream_upsert(cfg, "demo", msg, sizeof(msg));
+        cg_config_parse_upstream_url(u, "demo", msg, sizeof(msg));
+    }
+    cfg->default_index = 0;
+    if (cfg->default_upstream) {
+        cfg->default_index = -1;
+        for (int i = 0; i < cfg->n_upstreams; i++)
+            if (strcmp(cfg->upstreams[i].name, cfg->default_upstream) == 0)
+                cfg->default_index = i;
+        if (cfg->default_index < 0) {
+            origin_of("default_upstream", "default-upstream", flag_given(argc, argv, "default-upstream"),
+                      file, where, sizeof(where));
+            set_err(err, errlen, "%s: no upstream named '%s'", where, cfg->default_upstream);
+            return -1;
+        }
+    } else {
+        cfg->default_upstream = strdup(cfg->upstreams[0].name);
+    }
+
+    origin_of("store", "store", flag_given(argc, argv, "store"), file, where, sizeof(where));
+    if (strcmp(cfg->store, "memory") != 0) {
+        if (strncmp(cfg->store, "redis://", 8) != 0) {
+            set_err(err, errlen, "%s: '%s' must be memory or redis://HOST:PORT[/DB]", where, cfg->store);
+            return -1;
+        }
+        set_err(err, errlen, "%s: the Redis store is not in this version yet; use memory%s", where,
+                getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
+        return -1;
+    }
+    if (strcmp(cfg->auth, "none") != 0) {
+        origin_of("auth", "auth", flag_given(argc, argv, "auth"), file, where, sizeof(where));
+        set_err(err, errlen, "%s: '%s' is not in this version yet; use none", where, cfg->auth);
+        return -1;
+    }
+
+    static const struct { const char *key; size_t offset; const char *dir; } dirs[] = {
+        {"rules", offsetof(cg_config, rules_dir), "rules"},
+        {"web", offsetof(cg_config, web_dir), "web"},
+    };
+    for (size_t i = 0; i < 2; i++) {
+        char **slot = (char **)((char *)cfg + dirs[i].offset);
+        if (!*slot)
+            *slot = default_data_dir(dirs[i].dir);
+        if (!is_dir(*slot)) {
+            origin_of(dirs[i].key, dirs[i].key, flag_given(argc, argv, dirs[i].key), file, where, sizeof(where));
+            set_err(err, errlen, "%s: '%s' is not a directory", where, *slot);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void set_defaults(cg_config *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->listen = strdup("127.0.0.1:8080");
+    const char *redis = getenv("REDIS_URL");
+    cfg->store = strdup(redis && *redis ? redis : "memory");
+    cfg->auth = strdup("none");
+    cfg->log_level = strdup("info");
+    cfg->max_frame = 65536;
+    cfg->max_connections = 1024;
+    cfg->queue_limit = 8;
+    cfg->rate_per_second = 20;
+    cfg->rate_burst = 40;
+    cfg->max_reply_bytes = 1 << 20;
+    cfg->send_buffer = 64 * 1024;
+}
+
+int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen)
+{
+    set_defaults(cfg);
+    char name[64];
+    const char *value;
+    const char *file = NULL;
+
+    /* The file first, wherever --config stands, so that every flag wins over it. */
+    for (int i = 1; i < argc; i++) {
+        if (strncmp(argv[i], "--", 2) != 0) {
+            set_err(err, errlen, "'%s': unexpected argument (see --help)", argv[i]);
+            return CG_CONFIG_EXIT_USAGE;
+        }
+        if (next_flag(argc, argv, &i, name, sizeof(name), &value) < 0) {
+            set_err(err, errlen, "--%s: needs a value", name);
+            return CG_CONFIG_EXIT_USAGE;
+        }
+        if (strcmp(name, "help") == 0) {
+            cg_config_usage(argv[0]);
+            return CG_CONFIG_EXIT_OK;
+        }
+        if (strcmp(name, "version") == 0) {
+            printf("chatgate %s\n", CG_VERSION);
+            return CG_CONFIG_EXIT_OK;
+        }
+        if (strcmp(name, "config") == 0)
+            file = value;
+    }
+    if (file && load_file(cfg, file, err, errlen) < 0)
+        return CG_CONFIG_EXIT_USAGE;
+    for (int i = 1; i < argc; i++) {
+        next_flag(argc, argv, &i, name, sizeof(name), &value);
+        if (strcmp(name, "config") == 0)
+            continue;
+        if (apply_flag(cfg, name, value, err, errlen) < 0)
+            return CG_CONFIG_EXIT_USAGE;
+    }
+    if (check(cfg, argc, argv, file, err, errlen) < 0)
+        return CG_CONFIG_EXIT_USAGE;
+    return 0;
+}
+
+void cg_config_free(cg_config *cfg)
+{
+    for (int i = 0; i < cfg->n_upstreams; i++) {
+        cg_upstream_config *u = &cfg->upstreams[i];
+        free(u->name);
+        free(u->url);
+        free(u->host);
+        free(u->path);
+        free(u->model);
+        free(u->api_key_env);
+        free(u->system_prompt);
+    }
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
+        if (settings[i].type != T_INT)
+            free(*(char **)((char *)cfg + settings[i].offset));
+    free(cfg->listen_host);
+    memset(cfg, 0, sizeof(*cfg));
+}

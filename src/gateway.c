@@ -1,0 +1,106 @@
+/*
+ * gateway.c: the server: one libuv loop shared by libwebsockets (as a foreign loop), the
+ * upstream clients and every timer (DESIGN.md section 10).
+ *
+ * The vhost listens on --listen, serves the web directory at / (lws's file mount: missing
+ * files are 404), takes WebSocket connections on /ws with the chatgate.v1 protocol (also
+ * when the client names no subprotocol), and hosts the client protocols of the upstreams.
+ * SIGTERM and SIGINT stop it.
+ */
+#include <uv.h>
+#include <libwebsockets.h>
+
+#include <signal.h>
+#include <string.h>
+
+#include "chatgate/gateway.h"
+#include "chatgate/log.h"
+#include "chatgate/session.h"
+
+static struct lws_protocols protocols[] = {
+    {"chatgate.v1", cg_session_callback, 0, 4096, 0, NULL, 0},
+    {CG_LWS_PROTOCOL_OPENAI, cg_upstream_openai_callback, 0, 4096, 0, NULL, 0},
+    {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
+    {NULL, NULL, 0, 0, 0, NULL, 0}, /* 4.1 has no LWS_PROTOCOL_LIST_TERM */
+};
+
+cg_gateway *cg_gateway_of(struct lws *wsi)
+{
+    return lws_context_user(lws_get_context(wsi));
+}
+
+static void on_signal(uv_signal_t *sig, int signum)
+{
+    cg_gateway *gw = sig->data;
+    cg_info("signal %d: stopping", signum);
+    uv_signal_stop(&gw->sig_term);
+    uv_signal_stop(&gw->sig_int);
+    /* With a foreign loop, destroying the context closes its handles; the loop then runs
+     * until they are gone (DESIGN.md section 10). */
+    lws_context_destroy(gw->lws);
+    gw->lws = NULL;
+    uv_close((uv_handle_t *)&gw->sig_term, NULL);
+    uv_close((uv_handle_t *)&gw->sig_int, NULL);
+}
+
+int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
+{
+    memset(gw, 0, sizeof(*gw));
+    gw->cfg = cfg;
+    gw->loop = loop;
+    protocols[0].per_session_data_size = cg_session_size();
+    /* Client frames arrive in pieces of this size; a frame over it is reassembled. */
+    protocols[0].rx_buffer_size = 4096;
+
+    gw->mount.mountpoint = "/";
+    gw->mount.mountpoint_len = 1;
+    gw->mount.origin = cfg->web_dir;
+    gw->mount.def = "index.html";
+    gw->mount.origin_protocol = LWSMPRO_FILE;
+
+    void *foreign_loops[1] = {loop};
+    struct lws_context_creation_info info;
+    memset(&info, 0, sizeof(info));
+    info.options = LWS_SERVER_OPTION_LIBUV | LWS_SERVER_OPTION_DO_SSL_GLOBAL_INIT |
+                   LWS_SERVER_OPTION_HTTP_HEADERS_SECURITY_BEST_PRACTICES_ENFORCE;
+    info.foreign_loops = foreign_loops;
+    info.port = cfg->listen_port;
+    info.iface = cfg->listen_host;
+    info.protocols = protocols;
+    info.mounts = &gw->mount;
+    info.user = gw;
+    info.vhost_name = "chatgate";
+    info.fd_limit_per_thread = (unsigned int)(cfg->max_connections * 2 + 64);
+    info.timeout_secs = 30;
+    info.connect_timeout_secs = 30;
+    gw->lws = lws_create_context(&info);
+    if (!gw->lws) {
+        cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
+        return -1;
+    }
+    gw->vhost = lws_get_vhost_by_name(gw->lws, "chatgate");
+    gw->n_upstreams = cfg->n_upstreams;
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        cg_upstream_init(&gw->upstreams[i], gw, &cfg->upstreams[i]);
+
+    uv_signal_init(loop, &gw->sig_term);
+    uv_signal_init(loop, &gw->sig_int);
+    gw->sig_term.data = gw->sig_int.data = gw;
+    uv_signal_start(&gw->sig_term, on_signal, SIGTERM);
+    uv_signal_start(&gw->sig_int, on_signal, SIGINT);
+    signal(SIGPIPE, SIG_IGN);
+
+    cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s", CG_VERSION, cfg->listen, cfg->web_dir);
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
+                gw->upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");
+    return 0;
+}
+
+int cg_gateway_run(cg_gateway *gw)
+{
+    uv_run(gw->loop, UV_RUN_DEFAULT);
+    if (gw->lws)
+        lws_context_destroy(gw->lws);
+    return 0;
+}

@@ -1,0 +1,180 @@
+/*
+ * protocol.c: chatgate.v1 frames in and out (DESIGN.md section 3).
+ *
+ * jansson checks JSON syntax and UTF-8 (json_loadb refuses invalid UTF-8), so a text frame
+ * with bad bytes is answered as bad_frame with jansson's own position and reason.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/error.h"
+#include "chatgate/protocol.h"
+
+static int fail(char *err, size_t errlen, const char *msg)
+{
+    snprintf(err, errlen, "%s", msg);
+    return CG_E_BAD_FRAME;
+}
+
+/* Copies an optional string field of at most max bytes into out; 0 or CG_E_BAD_FRAME. */
+static int string_field(json_t *root, const char *key, char *out, size_t max, char *err, size_t errlen)
+{
+    json_t *v = json_object_get(root, key);
+    if (!v || json_is_null(v))
+        return 0;
+    if (!json_is_string(v)) {
+        snprintf(err, errlen, "field '%s' must be a string", key);
+        return CG_E_BAD_FRAME;
+    }
+    size_t n = json_string_length(v);
+    if (n == 0 || n > max) {
+        snprintf(err, errlen, "field '%s' must be 1 to %zu bytes", key, max);
+        return CG_E_BAD_FRAME;
+    }
+    if (memchr(json_string_value(v), 0, n)) {
+        snprintf(err, errlen, "field '%s' must not contain NUL", key);
+        return CG_E_BAD_FRAME;
+    }
+    memcpy(out, json_string_value(v), n + 1);
+    return 0;
+}
+
+int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *err, size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    json_error_t jerr;
+    json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) {
+        snprintf(err, errlen, "not JSON: %s at line %d column %d", jerr.text, jerr.line, jerr.column);
+        return CG_E_BAD_FRAME;
+    }
+    int rc;
+    if (!json_is_object(root)) {
+        rc = fail(err, errlen, "the frame must be a JSON object");
+        goto out;
+    }
+    /* The id first, so that later errors can name the message they are about. */
+    if ((rc = string_field(root, "id", out->id, CG_MAX_ID, err, errlen)) < 0)
+        goto out;
+    json_t *type = json_object_get(root, "type");
+    if (!json_is_string(type)) {
+        rc = fail(err, errlen, "field 'type' is missing or not a string");
+        goto out;
+    }
+    const char *t = json_string_value(type);
+    if (strcmp(t, "message") == 0) {
+        out->type = CG_FRAME_MESSAGE;
+        if ((rc = string_field(root, "room", out->room, CG_MAX_ROOM, err, errlen)) < 0)
+            goto out;
+        if (!out->room[0])
+            strcpy(out->room, "default");
+        json_t *text = json_object_get(root, "text");
+        if (!json_is_string(text)) {
+            rc = fail(err, errlen, "field 'text' is missing or not a string");
+            goto out;
+        }
+        if (json_string_length(text) == 0) {
+            rc = fail(err, errlen, "field 'text' is empty");
+            goto out;
+        }
+        if (memchr(json_string_value(text), 0, json_string_length(text))) {
+            rc = fail(err, errlen, "field 'text' must not contain NUL");
+            goto out;
+        }
+        out->text = strdup(json_string_value(text));
+    } else if (strcmp(t, "cancel") == 0) {
+        out->type = CG_FRAME_CANCEL;
+        if (!out->id[0]) {
+            rc = fail(err, errlen, "cancel needs the 'id' of the message to cancel");
+            goto out;
+        }
+    } else {
+        snprintf(err, errlen, "unknown type '%.64s'", t);
+        rc = CG_E_BAD_FRAME;
+        goto out;
+    }
+    rc = 0;
+out:
+    json_decref(root);
+    return rc;
+}
+
+void cg_client_frame_clear(cg_client_frame *f)
+{
+    free(f->text);
+    f->text = NULL;
+}
+
+char *cg_protocol_dump(json_t *obj)
+{
+    /* json_pack fails on text that is not UTF-8; callers cut text on code point
+     * boundaries (cg_utf8_boundary), so this is a bug, not an input, but it must not
+     * take the process down. */
+    if (!obj)
+        return strdup("{\"type\":\"error\",\"id\":null,\"code\":\"internal\","
+                      "\"message\":\"a frame could not be encoded\"}");
+    char *s = json_dumps(obj, JSON_COMPACT);
+    json_decref(obj);
+    if (!s)
+        abort();
+    return s;
+}
+
+size_t cg_utf8_boundary(const char *text, size_t len)
+{
+    size_t n = len;
+    /* Step back over continuation bytes (10xxxxxx) to the lead byte, then keep it only if
+     * its whole sequence fits. */
+    while (n > 0 && ((unsigned char)text[n - 1] & 0xC0) == 0x80 && len - n < 3)
+        n--;
+    if (n == 0)
+        return len;
+    unsigned char lead = (unsigned char)text[n - 1];
+    size_t need = lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 1;
+    return (len - (n - 1) >= need) ? len : n - 1;
+}
+
+static json_t *id_or_null(const char *id)
+{
+    return id && *id ? json_string(id) : json_null();
+}
+
+char *cg_protocol_hello(const char *user, const char *session, const char *resume)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:o}", "type", "hello", "protocol",
+                                      CG_PROTOCOL_NAME, "user", user, "session", session, "resume",
+                                      resume ? json_string(resume) : json_null()));
+}
+
+char *cg_protocol_ack(const char *id, const char *room, const char *route)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:n, s:{}, s:n, s:n, s:[]}", "type", "ack",
+                                      "id", id, "room", room, "route", route, "service", "params",
+                                      "enriched", "resolution", "rules"));
+}
+
+char *cg_protocol_delta(const char *id, const char *text, size_t len)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:s%}", "type", "delta", "id", id, "text", text, len));
+}
+
+char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated)
+{
+    json_t *o = json_pack("{s:s, s:s, s:s%, s:O}", "type", "done", "id", id, "text", text, len, "usage",
+                          usage ? usage : json_null());
+    if (o && truncated)
+        json_object_set_new(o, "truncated", json_true());
+    return cg_protocol_dump(o);
+}
+
+char *cg_protocol_cancelled(const char *id)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s}", "type", "cancelled", "id", id));
+}
+
+char *cg_protocol_error(const char *id, const char *code, const char *message)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:o, s:s, s:s}", "type", "error", "id", id_or_null(id), "code",
+                                      code, "message", message));
+}

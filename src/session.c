@@ -1,0 +1,557 @@
+/*
+ * session.c: one client WebSocket connection speaking chatgate.v1 (see session.h).
+ *
+ * State lives in struct cg_session, which libwebsockets allocates (zeroed) per connection
+ * and frees after LWS_CALLBACK_CLOSED. Three bounded queues hang off it:
+ *   - the receive buffer of the frame being reassembled (at most --max-frame bytes);
+ *   - the messages waiting for the reply in flight (at most queue_limit);
+ *   - the frames waiting to be written (high-water mark send_buffer; deltas of one message
+ *     coalesce into one pending frame, so a slow client holds text, not frames).
+ * Frames are written only from LWS_CALLBACK_SERVER_WRITEABLE, one lws_write each.
+ */
+#include <uv.h>
+#include <libwebsockets.h>
+
+#include <openssl/rand.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/error.h"
+#include "chatgate/gateway.h"
+#include "chatgate/log.h"
+#include "chatgate/pipeline.h"
+#include "chatgate/protocol.h"
+#include "chatgate/session.h"
+
+/* Text of one pending delta frame is cut here, so no single frame grows large. */
+#define CG_DELTA_CHUNK 16384
+
+typedef struct cg_msg cg_msg;
+
+/* One frame waiting to be written: a finished JSON frame, or delta text still growing. */
+typedef struct cg_out {
+    struct cg_out *next;
+    char *json;      /* finished frame, or NULL for a delta */
+    char *delta_id;  /* delta: the message id */
+    char *text;      /* delta: text so far */
+    size_t len, cap; /* json or text length; text capacity */
+} cg_out;
+
+/* One client message, from arrival to its terminal frame. */
+struct cg_msg {
+    cg_msg *next;
+    cg_session *s;
+    char id[CG_MAX_ID + 1];
+    char room[CG_MAX_ROOM + 1];
+    char *text;
+    int route;
+    cg_upstream_call *call; /* while in flight */
+    char *reply;            /* the whole reply, up to max_reply_bytes */
+    size_t reply_len, reply_cap;
+    int truncated;
+};
+
+struct cg_session {
+    struct lws *wsi;
+    cg_gateway *gw;
+    int established;
+    char user[24];
+    char session_id[24];
+    unsigned long auto_id;
+
+    char *rx; /* the frame being reassembled */
+    size_t rx_len;
+    int rx_too_large;
+
+    cg_out *out_head, *out_tail;
+    size_t out_bytes;
+    int upstream_paused;
+    int client_paused;
+
+    cg_msg *inflight;
+    cg_msg *queue_head, *queue_tail;
+    long queued;
+
+    double tokens; /* rate limit: a token bucket */
+    uint64_t tokens_at;
+
+    void *up_conns[CG_MAX_UPSTREAMS]; /* per-client upstream connections (ws kind) */
+};
+
+size_t cg_session_size(void)
+{
+    return sizeof(struct cg_session);
+}
+
+/* ---- the send queue ------------------------------------------------------------------- */
+
+static void out_free(cg_out *o)
+{
+    free(o->json);
+    free(o->delta_id);
+    free(o->text);
+    free(o);
+}
+
+/*
+ * Pauses the upstream in flight while the send queue is over its high-water mark and
+ * resumes it under a quarter of it. The client's own reading is paused only at twice the
+ * mark: deltas stop at the mark, so what grows past it is answers to a client that sends
+ * without reading.
+ */
+static void session_flow(cg_session *s)
+{
+    size_t high = (size_t)s->gw->cfg->send_buffer;
+    int want_upstream_paused = s->upstream_paused ? s->out_bytes > high / 4 : s->out_bytes > high;
+    int want_client_paused = s->client_paused ? s->out_bytes > high / 4 : s->out_bytes > 2 * high;
+    if (want_upstream_paused != s->upstream_paused) {
+        s->upstream_paused = want_upstream_paused;
+        if (s->inflight && s->inflight->call) {
+            const cg_upstream *up = &s->gw->upstreams[s->inflight->route];
+            up->ops->pause(s->inflight->call, want_upstream_paused);
+        }
+    }
+    if (want_client_paused != s->client_paused) {
+        s->client_paused = want_client_paused;
+        lws_rx_flow_control(s->wsi, !want_client_paused);
+    }
+}
+
+static void out_push(cg_session *s, cg_out *o)
+{
+    if (s->out_tail)
+        s->out_tail->next = o;
+    else
+        s->out_head = o;
+    s->out_tail = o;
+    lws_callback_on_writable(s->wsi);
+    session_flow(s);
+}
+
+/* Queues a finished frame; takes ownership of json. */
+static void session_send(cg_session *s, char *json)
+{
+    cg_out *o = calloc(1, sizeof(*o));
+    if (!o)
+        abort();
+    o->json = json;
+    o->len = strlen(json);
+    s->out_bytes += o->len;
+    out_push(s, o);
+}
+
+static void session_send_error(cg_session *s, const char *id, int err, const char *message)
+{
+    session_send(s, cg_protocol_error(id, cg_err_code(err), message));
+}
+
+/* Appends delta text, to the pending delta of the same message when there is one. */
+static void session_send_delta(cg_session *s, const char *id, const char *text, size_t len)
+{
+    cg_out *o = s->out_tail;
+    if (!o || o->json || strcmp(o->delta_id, id) != 0 || o->len + len > CG_DELTA_CHUNK) {
+        o = calloc(1, sizeof(*o));
+        if (!o || !(o->delta_id = strdup(id)))
+            abort();
+        o->cap = len + 64;
+        o->text = malloc(o->cap);
+        if (!o->text)
+            abort();
+        s->out_bytes += len;
+        memcpy(o->text, text, len);
+        o->len = len;
+        out_push(s, o);
+        return;
+    }
+    if (o->len + len > o->cap) {
+        size_t ncap = o->cap * 2 > o->len + len ? o->cap * 2 : o->len + len;
+        char *nt = realloc(o->text, ncap);
+        if (!nt)
+            abort();
+        o->text = nt;
+        o->cap = ncap;
+    }
+    memcpy(o->text + o->len, text, len);
+    o->len += len;
+    s->out_bytes += len;
+    session_flow(s);
+}
+
+/* Writes the frame at the head of the send queue. Returns -1 to close the connection. */
+static int session_write_one(cg_session *s)
+{
+    cg_out *o = s->out_head;
+    if (!o)
+        return 0;
+    s->out_head = o->next;
+    if (!s->out_head)
+        s->out_tail = NULL;
+    s->out_bytes -= o->len;
+
+    char *json = o->json ? o->json : cg_protocol_delta(o->delta_id, o->text, o->len);
+    if (o->json)
+        o->json = NULL;
+    size_t len = strlen(json);
+    unsigned char *buf = malloc(LWS_PRE + len);
+    if (!buf)
+        abort();
+    memcpy(buf + LWS_PRE, json, len);
+    free(json);
+    out_free(o);
+    int n = lws_write(s->wsi, buf + LWS_PRE, len, LWS_WRITE_TEXT);
+    free(buf);
+    if (n < (int)len)
+        return -1;
+    if (s->out_head)
+        lws_callback_on_writable(s->wsi);
+    session_flow(s);
+    return 0;
+}
+
+/* ---- messages ------------------------------------------------------------------------- */
+
+static void msg_free(cg_msg *m)
+{
+    free(m->text);
+    free(m->reply);
+    free(m);
+}
+
+static void session_pump(cg_session *s);
+
+/* The message in flight ended (its terminal frame is queued): start the next one. */
+static void msg_finish(cg_msg *m)
+{
+    cg_session *s = m->s;
+    if (s->inflight == m)
+        s->inflight = NULL;
+    msg_free(m);
+    session_pump(s);
+}
+
+/* Keeps the reply for the done frame, up to max_reply_bytes cut on a UTF-8 boundary. */
+static void msg_keep_reply(cg_msg *m, const char *text, size_t len)
+{
+    size_t max = (size_t)m->s->gw->cfg->max_reply_bytes;
+    if (m->truncated)
+        return;
+    if (m->reply_len + len > max) {
+        len = cg_utf8_boundary(text, max - m->reply_len);
+        m->truncated = 1;
+    }
+    if (m->reply_len + len + 1 > m->reply_cap) {
+        size_t ncap = m->reply_cap ? m->reply_cap : 256;
+        while (ncap < m->reply_len + len + 1)
+            ncap *= 2;
+        char *nr = realloc(m->reply, ncap);
+        if (!nr)
+            abort();
+        m->reply = nr;
+        m->reply_cap = ncap;
+    }
+    memcpy(m->reply + m->reply_len, text, len);
+    m->reply_len += len;
+    m->reply[m->reply_len] = 0;
+}
+
+static void on_upstream_delta(void *ctx, const char *text, size_t len)
+{
+    cg_msg *m = ctx;
+    if (len == 0)
+        return;
+    msg_keep_reply(m, text, len);
+    session_send_delta(m->s, m->id, text, len);
+}
+
+static void on_upstream_done(void *ctx, json_t *usage)
+{
+    cg_msg *m = ctx;
+    m->call = NULL;
+    session_send(m->s, cg_protocol_done(m->id, m->reply ? m->reply : "", m->reply_len, usage, m->truncated));
+    msg_finish(m);
+}
+
+static void on_upstream_error(void *ctx, int err, const char *message)
+{
+    cg_msg *m = ctx;
+    m->call = NULL;
+    cg_info("session %s: message %s: %s: %s", m->s->session_id, m->id, cg_err_code(err), message);
+    session_send_error(m->s, m->id, err, message);
+    msg_finish(m);
+}
+
+static const cg_upstream_events upstream_events = {
+    .on_delta = on_upstream_delta,
+    .on_done = on_upstream_done,
+    .on_error = on_upstream_error,
+};
+
+/* Runs the next waiting message, if none is in flight. */
+static void session_pump(cg_session *s)
+{
+    while (!s->inflight && s->queue_head) {
+        cg_msg *m = s->queue_head;
+        s->queue_head = m->next;
+        if (!s->queue_head)
+            s->queue_tail = NULL;
+        s->queued--;
+        m->next = NULL;
+
+        cg_pipeline_result res;
+        cg_pipeline_run(s->gw->cfg, m->text, &res);
+        m->route = res.route;
+        cg_upstream *up = &s->gw->upstreams[m->route];
+        session_send(s, cg_protocol_ack(m->id, m->room, up->cfg->name));
+
+        cg_upstream_message um = {
+            .id = m->id, .user = s->user, .room = m->room, .text = m->text, .route = up->cfg->name,
+        };
+        s->inflight = m;
+        if (up->ops->start(up, &s->up_conns[m->route], &um, &upstream_events, m, &m->call) < 0) {
+            s->inflight = NULL;
+            session_send_error(s, m->id, CG_E_INTERNAL, "the upstream request could not be started");
+            msg_free(m);
+            continue;
+        }
+        if (s->upstream_paused)
+            up->ops->pause(m->call, 1);
+    }
+}
+
+/* Token bucket: rate_limit.messages_per_second, bursts of rate_limit.burst. */
+static int session_take_token(cg_session *s)
+{
+    const cg_config *cfg = s->gw->cfg;
+    uint64_t now = uv_now(s->gw->loop);
+    s->tokens += (double)(now - s->tokens_at) * (double)cfg->rate_per_second / 1000.0;
+    if (s->tokens > (double)cfg->rate_burst)
+        s->tokens = (double)cfg->rate_burst;
+    s->tokens_at = now;
+    if (s->tokens < 1.0)
+        return 0;
+    s->tokens -= 1.0;
+    return 1;
+}
+
+static int session_id_in_use(cg_session *s, const char *id)
+{
+    if (s->inflight && strcmp(s->inflight->id, id) == 0)
+        return 1;
+    for (cg_msg *m = s->queue_head; m; m = m->next)
+        if (strcmp(m->id, id) == 0)
+            return 1;
+    return 0;
+}
+
+static void session_on_message(cg_session *s, cg_client_frame *f)
+{
+    char err[160];
+    if (!f->id[0])
+        snprintf(f->id, sizeof(f->id), "g%lu", ++s->auto_id);
+    if (!session_take_token(s)) {
+        snprintf(err, sizeof(err), "over %ld messages a second", s->gw->cfg->rate_per_second);
+        session_send_error(s, f->id, CG_E_RATE_LIMITED, err);
+        return;
+    }
+    if (s->queued >= s->gw->cfg->queue_limit) {
+        snprintf(err, sizeof(err), "%ld messages wait already for the reply in flight", s->queued);
+        session_send_error(s, f->id, CG_E_RATE_LIMITED, err);
+        return;
+    }
+    if (session_id_in_use(s, f->id)) {
+        snprintf(err, sizeof(err), "id '%.64s' is already in use by a message not yet answered", f->id);
+        session_send_error(s, f->id, CG_E_BAD_FRAME, err);
+        return;
+    }
+    cg_msg *m = calloc(1, sizeof(*m));
+    if (!m)
+        abort();
+    m->s = s;
+    memcpy(m->id, f->id, sizeof(m->id));
+    memcpy(m->room, f->room, sizeof(m->room));
+    m->text = f->text;
+    f->text = NULL;
+    if (s->queue_tail)
+        s->queue_tail->next = m;
+    else
+        s->queue_head = m;
+    s->queue_tail = m;
+    s->queued++;
+    session_pump(s);
+}
+
+/* A cancel acts at once: on the reply in flight, or on a message still waiting. */
+static void session_on_cancel(cg_session *s, const char *id)
+{
+    cg_msg *m = s->inflight;
+    if (m && strcmp(m->id, id) == 0) {
+        if (m->call)
+            s->gw->upstreams[m->route].ops->cancel(m->call);
+        m->call = NULL;
+        session_send(s, cg_protocol_cancelled(id));
+        msg_finish(m);
+        return;
+    }
+    for (cg_msg **pp = &s->queue_head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
+        if (strcmp((*pp)->id, id) != 0)
+            continue;
+        m = *pp;
+        *pp = m->next;
+        if (s->queue_tail == m)
+            s->queue_tail = prev;
+        s->queued--;
+        session_send(s, cg_protocol_cancelled(id));
+        msg_free(m);
+        return;
+    }
+    session_send_error(s, id, CG_E_NOT_FOUND, "no message with this id is waiting or in flight");
+}
+
+static void session_on_frame(cg_session *s, const char *buf, size_t len)
+{
+    cg_client_frame f;
+    char err[256];
+    if (cg_protocol_parse(buf, len, &f, err, sizeof(err)) < 0) {
+        cg_debug("session %s: bad frame: %s", s->session_id, err);
+        session_send_error(s, f.id, CG_E_BAD_FRAME, err);
+        cg_client_frame_clear(&f);
+        return;
+    }
+    if (f.type == CG_FRAME_MESSAGE)
+        session_on_message(s, &f);
+    else
+        session_on_cancel(s, f.id);
+    cg_client_frame_clear(&f);
+}
+
+/* Reassembles one frame from its fragments, within --max-frame. */
+static void session_on_receive(cg_session *s, const char *in, size_t len)
+{
+    struct lws *wsi = s->wsi;
+    size_t max = (size_t)s->gw->cfg->max_frame;
+    if (lws_is_first_fragment(wsi)) {
+        s->rx_len = 0;
+        s->rx_too_large = 0;
+    }
+    if (!s->rx_too_large) {
+        if (s->rx_len + len > max) {
+            s->rx_too_large = 1; /* read and drop the rest, answer at the end */
+        } else {
+            if (!s->rx) {
+                s->rx = malloc(max);
+                if (!s->rx)
+                    abort();
+            }
+            memcpy(s->rx + s->rx_len, in, len);
+            s->rx_len += len;
+        }
+    }
+    if (!lws_is_final_fragment(wsi))
+        return;
+    char err[128];
+    if (lws_frame_is_binary(wsi)) {
+        session_send_error(s, NULL, CG_E_BAD_FRAME, "binary frames are not accepted: send JSON text frames");
+    } else if (s->rx_too_large) {
+        snprintf(err, sizeof(err), "the frame is over the %zu-byte limit", max);
+        session_send_error(s, NULL, CG_E_TOO_LARGE, err);
+    } else {
+        session_on_frame(s, s->rx, s->rx_len);
+    }
+    s->rx_len = 0;
+}
+
+/* ---- the connection ------------------------------------------------------------------- */
+
+static void session_open(cg_session *s, struct lws *wsi)
+{
+    cg_gateway *gw = cg_gateway_of(wsi);
+    s->wsi = wsi;
+    s->gw = gw;
+    s->established = 1;
+    s->tokens = (double)gw->cfg->rate_burst;
+    s->tokens_at = uv_now(gw->loop);
+    unsigned char rnd[8];
+    if (RAND_bytes(rnd, sizeof(rnd)) != 1)
+        abort();
+    snprintf(s->user, sizeof(s->user), "u_%02x%02x%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2],
+             rnd[3], rnd[4], rnd[5], rnd[6], rnd[7]);
+    snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++gw->session_seq);
+    gw->n_sessions++;
+    cg_info("session %s: open (user %s, %ld connected)", s->session_id, s->user, gw->n_sessions);
+    session_send(s, cg_protocol_hello(s->user, s->session_id, NULL));
+}
+
+/* The client is gone: stop the reply in flight upstream and release everything. */
+static void session_close(cg_session *s)
+{
+    if (!s->established)
+        return;
+    cg_gateway *gw = s->gw;
+    if (s->inflight) {
+        if (s->inflight->call)
+            gw->upstreams[s->inflight->route].ops->cancel(s->inflight->call);
+        msg_free(s->inflight);
+        s->inflight = NULL;
+    }
+    while (s->queue_head) {
+        cg_msg *m = s->queue_head;
+        s->queue_head = m->next;
+        msg_free(m);
+    }
+    while (s->out_head) {
+        cg_out *o = s->out_head;
+        s->out_head = o->next;
+        out_free(o);
+    }
+    for (int i = 0; i < gw->n_upstreams; i++)
+        if (s->up_conns[i] && gw->upstreams[i].ops->close_conn)
+            gw->upstreams[i].ops->close_conn(s->up_conns[i]);
+    free(s->rx);
+    s->established = 0;
+    gw->n_sessions--;
+    cg_info("session %s: closed (%ld connected)", s->session_id, gw->n_sessions);
+}
+
+/*
+ * The WebSocket handshake: only on /ws, and only while under --max-connections. Refusals
+ * are HTTP answers (404, 503) so that a client or load balancer sees why.
+ */
+static int session_filter(struct lws *wsi)
+{
+    cg_gateway *gw = cg_gateway_of(wsi);
+    char uri[256];
+    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 || strcmp(uri, "/ws") != 0) {
+        lws_return_http_status(wsi, HTTP_STATUS_NOT_FOUND, "WebSocket connections go to /ws");
+        return -1;
+    }
+    if (gw->n_sessions >= gw->cfg->max_connections) {
+        cg_warn("refused a connection: %ld connected, the limit is %ld", gw->n_sessions,
+                gw->cfg->max_connections);
+        lws_return_http_status(wsi, HTTP_STATUS_SERVICE_UNAVAILABLE, "too many connections");
+        return -1;
+    }
+    return 0;
+}
+
+int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+{
+    cg_session *s = user;
+    switch (reason) {
+    case LWS_CALLBACK_FILTER_PROTOCOL_CONNECTION:
+        return session_filter(wsi);
+    case LWS_CALLBACK_ESTABLISHED:
+        session_open(s, wsi);
+        return 0;
+    case LWS_CALLBACK_RECEIVE:
+        session_on_receive(s, in, len);
+        return 0;
+    case LWS_CALLBACK_SERVER_WRITEABLE:
+        return session_write_one(s);
+    case LWS_CALLBACK_CLOSED:
+        session_close(s);
+        return 0;
+    default:
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    }
+}

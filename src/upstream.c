@@ -1,0 +1,118 @@
+/*
+ * upstream.c: what the upstream kinds share: picking the ops for a URL's kind, resolving
+ * host names off the event loop, and opening an lws client connection.
+ */
+#include <arpa/inet.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/gateway.h"
+#include "chatgate/log.h"
+#include "chatgate/upstream.h"
+
+void cg_upstream_init(cg_upstream *up, cg_gateway *gw, const cg_upstream_config *cfg)
+{
+    up->gw = gw;
+    up->cfg = cfg;
+    switch (cfg->kind) {
+    case CG_UPSTREAM_DEMO: up->ops = &cg_upstream_demo_ops; break;
+    case CG_UPSTREAM_OPENAI: up->ops = &cg_upstream_openai_ops; break;
+    case CG_UPSTREAM_WS: up->ops = &cg_upstream_ws_ops; break;
+    }
+}
+
+/*
+ * A resolution in flight. uv_getaddrinfo cannot be stopped once it runs on the thread
+ * pool, so abandoning only clears `done`; the request frees itself when libuv calls back.
+ */
+struct cg_resolve {
+    uv_getaddrinfo_t req;
+    uv_idle_t idle; /* numeric addresses still answer from the loop, never from start */
+    cg_resolve_fn done;
+    void *data;
+    char address[INET6_ADDRSTRLEN];
+};
+
+static void resolve_idle_closed(uv_handle_t *h)
+{
+    free(h->data);
+}
+
+static void resolve_numeric(uv_idle_t *idle)
+{
+    cg_resolve *r = idle->data;
+    uv_idle_stop(idle);
+    if (r->done)
+        r->done(r->data, r->address, NULL);
+    uv_close((uv_handle_t *)idle, resolve_idle_closed);
+}
+
+static void resolve_done(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
+{
+    cg_resolve *r = req->data;
+    char err[160];
+    const char *address = NULL;
+    if (status == 0 && res) {
+        const void *a = res->ai_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)res->ai_addr)->sin6_addr
+                                                   : (const void *)&((struct sockaddr_in *)res->ai_addr)->sin_addr;
+        if (inet_ntop(res->ai_family, a, r->address, sizeof(r->address)))
+            address = r->address;
+    }
+    if (!address)
+        snprintf(err, sizeof(err), "could not resolve the host: %s", status ? uv_strerror(status) : "no address");
+    if (r->done)
+        r->done(r->data, address, address ? NULL : err);
+    uv_freeaddrinfo(res);
+    free(r);
+}
+
+cg_resolve *cg_resolve_start(uv_loop_t *loop, const char *host, cg_resolve_fn done, void *data)
+{
+    cg_resolve *r = calloc(1, sizeof(*r));
+    if (!r)
+        return NULL;
+    r->done = done;
+    r->data = data;
+    unsigned char buf[sizeof(struct in6_addr)];
+    if (inet_pton(AF_INET, host, buf) == 1 || inet_pton(AF_INET6, host, buf) == 1) {
+        snprintf(r->address, sizeof(r->address), "%s", host);
+        uv_idle_init(loop, &r->idle);
+        r->idle.data = r;
+        uv_idle_start(&r->idle, resolve_numeric);
+        return r;
+    }
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+    r->req.data = r;
+    if (uv_getaddrinfo(loop, &r->req, resolve_done, host, NULL, &hints) < 0) {
+        free(r);
+        return NULL;
+    }
+    return r;
+}
+
+void cg_resolve_abandon(cg_resolve *r)
+{
+    r->done = NULL;
+}
+
+struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path, const char *method,
+                                const char *local_protocol, void *opaque, struct lws **pwsi)
+{
+    const cg_upstream_config *cfg = up->cfg;
+    struct lws_client_connect_info i;
+    memset(&i, 0, sizeof(i));
+    i.context = up->gw->lws;
+    i.vhost = up->gw->vhost;
+    i.address = address;
+    i.port = cfg->port;
+    i.path = path;
+    i.host = cfg->host;
+    i.origin = cfg->host;
+    i.method = method;
+    i.ssl_connection = cfg->tls ? LCCSCF_USE_SSL : 0;
+    i.local_protocol_name = local_protocol;
+    i.opaque_user_data = opaque;
+    i.pwsi = pwsi;
+    return lws_client_connect_via_info(&i);
+}
