@@ -79,6 +79,13 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
         return -1;
     }
     gw->vhost = lws_get_vhost_by_name(gw->lws, "chatgate");
+    if (!gw->vhost) {
+        /* lws keeps the context when only the listener failed. It is not destroyed here:
+         * outside uv_run, lws would unload its libuv plugin while the plugin's handles are
+         * still closing. The caller exits. */
+        cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
+        return -1;
+    }
     gw->n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_upstream_init(&gw->upstreams[i], gw, &cfg->upstreams[i]);

@@ -31,7 +31,9 @@ int main(int argc, char **argv)
     uv_loop_t loop;
     uv_loop_init(&loop);
     static cg_gateway gw;
-    rc = cg_gateway_start(&gw, &cfg, &loop) == 0 ? cg_gateway_run(&gw) : 1;
+    if (cg_gateway_start(&gw, &cfg, &loop) < 0)
+        return 1;
+    rc = cg_gateway_run(&gw);
     /* Run until the handles the gateway and lws closed are gone, then close the loop. */
     uv_run(&loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&loop) != 0)

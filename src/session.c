@@ -514,22 +514,38 @@ static void session_close(cg_session *s)
 }
 
 /*
- * The WebSocket handshake: only on /ws, and only while under --max-connections. Refusals
- * are HTTP answers (404, 503) so that a client or load balancer sees why.
+ * Answers an upgrade request with an HTTP error. lws_return_http_status() would say
+ * "HTTP/1.0" here (lws has not yet read the request's version at this stage), which strict
+ * WebSocket clients reject as no valid answer, so the status line is written by hand.
  */
-static int session_filter(struct lws *wsi)
+static int refuse_upgrade(struct lws *wsi, int status, const char *reason, const char *body)
+{
+    char buf[LWS_PRE + 512];
+    char *p = buf + LWS_PRE;
+    int n = snprintf(p, sizeof(buf) - LWS_PRE,
+                     "HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %zu\r\n"
+                     "connection: close\r\n\r\n%s",
+                     status, reason, strlen(body), body);
+    lws_write(wsi, (unsigned char *)p, (size_t)n, LWS_WRITE_HTTP_HEADERS);
+    return 1;
+}
+
+/*
+ * The WebSocket upgrade: only on /ws, and only while under --max-connections. Refusals
+ * are HTTP answers (404, 503) so that a client or load balancer sees why; returning 1
+ * tells lws the answer was written.
+ */
+static int session_confirm_upgrade(struct lws *wsi)
 {
     cg_gateway *gw = cg_gateway_of(wsi);
     char uri[256];
     if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 || strcmp(uri, "/ws") != 0) {
-        lws_return_http_status(wsi, HTTP_STATUS_NOT_FOUND, "WebSocket connections go to /ws");
-        return -1;
+        return refuse_upgrade(wsi, 404, "Not Found", "WebSocket connections go to /ws\n");
     }
     if (gw->n_sessions >= gw->cfg->max_connections) {
         cg_warn("refused a connection: %ld connected, the limit is %ld", gw->n_sessions,
                 gw->cfg->max_connections);
-        lws_return_http_status(wsi, HTTP_STATUS_SERVICE_UNAVAILABLE, "too many connections");
-        return -1;
+        return refuse_upgrade(wsi, 503, "Service Unavailable", "too many connections\n");
     }
     return 0;
 }
@@ -538,8 +554,8 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
 {
     cg_session *s = user;
     switch (reason) {
-    case LWS_CALLBACK_FILTER_PROTOCOL_CONNECTION:
-        return session_filter(wsi);
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        return session_confirm_upgrade(wsi);
     case LWS_CALLBACK_ESTABLISHED:
         session_open(s, wsi);
         return 0;

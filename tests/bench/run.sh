@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# Benchmark a built chatgate: start it on a free local port with the demo
+# upstream (no delay) and its limits opened up, drive it with cg_bench in a
+# closed loop, stop it with SIGTERM, and print the result.
+#
+#   tests/bench/run.sh BUILD_DIR [CONNECTIONS] [SECONDS]
+#
+# CONNECTIONS defaults to 10, SECONDS (the measured window, after a 1 s
+# warmup) to 10. Environment:
+#   CG_BENCH_ARGS   extra cg_bench options, e.g. "--warmup 2 --progress"
+#   CHATGATE_BIN    gateway binary (default BUILD_DIR/chatgate)
+#   CG_BENCH_KEEP=1 keep the temporary directory (config, gateway log)
+#
+# Exit status: 0 on a complete run; cg_bench's status if it failed (1: no
+# connection, no completed message, or every connection lost); 1 if the
+# gateway did not start; 3 if the gateway did not exit 0 on SIGTERM within
+# STOP_TIMEOUT seconds.
+set -u
+
+STOP_TIMEOUT=15
+
+usage() {
+	echo "usage: $0 BUILD_DIR [CONNECTIONS] [SECONDS]" >&2
+	exit 2
+}
+
+if [ $# -lt 1 ] || [ $# -gt 3 ]; then
+	usage
+fi
+build_dir=$1
+conns=${2:-10}
+secs=${3:-10}
+case $conns in '' | *[!0-9]*) usage ;; esac
+case $secs in '' | *[!0-9.]*) usage ;; esac
+
+gateway=${CHATGATE_BIN:-$build_dir/chatgate}
+bench=
+for candidate in "$build_dir/tests/bench/cg_bench" "$build_dir/cg_bench"; do
+	if [ -x "$candidate" ]; then
+		bench=$candidate
+		break
+	fi
+done
+if [ ! -x "$gateway" ]; then
+	echo "run.sh: no gateway binary at $gateway" >&2
+	exit 1
+fi
+if [ -z "$bench" ]; then
+	echo "run.sh: no cg_bench in $build_dir/tests/bench or $build_dir (build target cg_bench)" >&2
+	exit 1
+fi
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_bench.XXXXXX") || exit 1
+gateway_pid=
+
+# shellcheck disable=SC2317  # called through the EXIT trap
+cleanup() {
+	if [ -n "$gateway_pid" ] && kill -0 "$gateway_pid" 2>/dev/null; then
+		kill -KILL "$gateway_pid" 2>/dev/null
+		wait "$gateway_pid" 2>/dev/null
+	fi
+	if [ "${CG_BENCH_KEEP:-0}" = 1 ]; then
+		echo "run.sh: kept $tmp" >&2
+	else
+		rm -rf "$tmp"
+	fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Many connections need many descriptors, in the gateway and in cg_bench.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+
+max_connections=5000
+if [ "$conns" -gt $((max_connections - 100)) ]; then
+	max_connections=$((conns + 100))
+fi
+cat >"$tmp/config.json" <<EOF
+{"upstreams":{"demo":{"url":"demo","delay_ms":0}},"rate_limit":{"messages_per_second":100000,"burst":100000},"max_connections":$max_connections}
+EOF
+
+port_is_open() {
+	(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+pick_free_port() {
+	local port
+	for _ in $(seq 1 50); do
+		port=$((20000 + RANDOM % 40000))
+		if ! port_is_open "$port"; then
+			echo "$port"
+			return 0
+		fi
+	done
+	return 1
+}
+
+# Start the gateway; a port taken between the check and the bind makes it exit
+# at once, so try a few ports.
+started=0
+for attempt in 1 2 3; do
+	port=$(pick_free_port) || break
+	"$gateway" --listen "127.0.0.1:$port" --config "$tmp/config.json" >"$tmp/gateway.log" 2>&1 &
+	gateway_pid=$!
+	for _ in $(seq 1 100); do
+		if ! kill -0 "$gateway_pid" 2>/dev/null; then
+			break
+		fi
+		if port_is_open "$port"; then
+			started=1
+			break
+		fi
+		sleep 0.1
+	done
+	[ $started = 1 ] && break
+	if kill -0 "$gateway_pid" 2>/dev/null; then
+		echo "run.sh: gateway (pid $gateway_pid) did not listen on port $port within 10 s" >&2
+		break
+	fi
+	wait "$gateway_pid" 2>/dev/null
+	echo "run.sh: gateway exited at start (status $?, attempt $attempt):" >&2
+	tail -n 20 "$tmp/gateway.log" >&2
+	gateway_pid=
+done
+if [ $started != 1 ]; then
+	echo "run.sh: could not start $gateway" >&2
+	exit 1
+fi
+
+echo "run.sh: gateway pid $gateway_pid on 127.0.0.1:$port; $conns connections for $secs s"
+# shellcheck disable=SC2086  # CG_BENCH_ARGS is a list of options
+"$bench" --url "ws://127.0.0.1:$port/ws" --connections "$conns" --duration "$secs" \
+	--pid "$gateway_pid" ${CG_BENCH_ARGS:-} | tee "$tmp/bench.out"
+bench_status=${PIPESTATUS[0]}
+
+# Graceful shutdown: SIGTERM, then the gateway must exit 0 on its own.
+stop_status=0
+if ! kill -0 "$gateway_pid" 2>/dev/null; then
+	wait "$gateway_pid" 2>/dev/null
+	echo "run.sh: the gateway died during the run (status $?); its log ends:" >&2
+	tail -n 20 "$tmp/gateway.log" >&2
+	stop_status=3
+else
+	kill -TERM "$gateway_pid"
+	waited=0
+	while kill -0 "$gateway_pid" 2>/dev/null && [ $waited -lt $((STOP_TIMEOUT * 10)) ]; do
+		sleep 0.1
+		waited=$((waited + 1))
+	done
+	if kill -0 "$gateway_pid" 2>/dev/null; then
+		echo "run.sh: gateway still running ${STOP_TIMEOUT} s after SIGTERM; killing it" >&2
+		stop_status=3
+	else
+		wait "$gateway_pid"
+		gateway_status=$?
+		echo "run.sh: gateway stopped on SIGTERM after $((waited / 10)).$((waited % 10)) s, status $gateway_status"
+		if [ "$gateway_status" != 0 ]; then
+			tail -n 20 "$tmp/gateway.log" >&2
+			stop_status=3
+		fi
+		gateway_pid=
+	fi
+fi
+
+if [ "$bench_status" != 0 ]; then
+	echo "run.sh: cg_bench failed (status $bench_status); the gateway log ends:" >&2
+	tail -n 20 "$tmp/gateway.log" >&2
+	exit "$bench_status"
+fi
+grep '^RESULT ' "$tmp/bench.out"
+exit "$stop_status"
