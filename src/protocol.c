@@ -1,8 +1,9 @@
 /*
  * protocol.c: chatgate.v1 frames in and out (DESIGN.md section 3).
  *
- * jansson checks JSON syntax and UTF-8 (json_loadb refuses invalid UTF-8), so a text frame
- * with bad bytes is answered as bad_frame with jansson's own position and reason.
+ * jansson checks JSON syntax, UTF-8 and NUL (json_loadb refuses invalid UTF-8 and "\u0000"
+ * unless asked), so a text frame with bad bytes is answered as bad_frame with jansson's own
+ * position and reason, and every string taken from a frame is a proper C string.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,10 +33,6 @@ static int string_field(json_t *root, const char *key, char *out, size_t max, ch
         snprintf(err, errlen, "field '%s' must be 1 to %zu bytes", key, max);
         return CG_E_BAD_FRAME;
     }
-    if (memchr(json_string_value(v), 0, n)) {
-        snprintf(err, errlen, "field '%s' must not contain NUL", key);
-        return CG_E_BAD_FRAME;
-    }
     memcpy(out, json_string_value(v), n + 1);
     return 0;
 }
@@ -44,7 +41,7 @@ int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *e
 {
     memset(out, 0, sizeof(*out));
     json_error_t jerr;
-    json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES, &jerr);
+    json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
     if (!root) {
         snprintf(err, errlen, "not JSON: %s at line %d column %d", jerr.text, jerr.line, jerr.column);
         return CG_E_BAD_FRAME;
@@ -76,10 +73,6 @@ int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *e
         }
         if (json_string_length(text) == 0) {
             rc = fail(err, errlen, "field 'text' is empty");
-            goto out;
-        }
-        if (memchr(json_string_value(text), 0, json_string_length(text))) {
-            rc = fail(err, errlen, "field 'text' must not contain NUL");
             goto out;
         }
         out->text = strdup(json_string_value(text));

@@ -1,0 +1,198 @@
+/*
+ * test_config.c: settings from flags and from a JSON file, and the messages for mistakes:
+ * "--flag: ..." for a flag, "file:line:col: ..." for JSON syntax, "file: key: ..." for a
+ * wrong value (DESIGN.md section 8).
+ */
+#include <stdarg.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "chatgate/config.h"
+#include "unit.h"
+
+static char err[1024];
+
+/* Loads from a NULL-terminated list of arguments; returns cg_config_load's result. */
+static int load(cg_config *cfg, ...)
+{
+    char *argv[32] = {"chatgate"};
+    int argc = 1;
+    va_list ap;
+    va_start(ap, cfg);
+    for (char *a; (a = va_arg(ap, char *)) && argc < 31;)
+        argv[argc++] = a;
+    va_end(ap);
+    err[0] = 0;
+    return cg_config_load(cfg, argc, argv, err, sizeof(err));
+}
+
+static const char *write_file(const char *text)
+{
+    static char path[64];
+    snprintf(path, sizeof(path), "/tmp/cg-test-config-%d.json", (int)getpid());
+    FILE *f = fopen(path, "w");
+    fputs(text, f);
+    fclose(f);
+    return path;
+}
+
+/* Loading fails with status 2 and a message that contains want. */
+#define CHECK_FAILS(want, ...)                                                              \
+    do {                                                                                    \
+        cg_config c_;                                                                       \
+        int rc_ = load(&c_, __VA_ARGS__, NULL);                                             \
+        CHECK(rc_ == CG_CONFIG_EXIT_USAGE);                                                 \
+        if (!strstr(err, want))                                                             \
+            fprintf(stderr, "%s:%d: message \"%s\" lacks \"%s\"\n", __FILE__, __LINE__, err, want); \
+        CHECK(strstr(err, want) != NULL);                                                   \
+        cg_config_free(&c_);                                                                \
+    } while (0)
+
+static void test_defaults(void)
+{
+    cg_config c;
+    CHECK(load(&c, NULL) == 0);
+    CHECK_STR(c.listen_host, "127.0.0.1");
+    CHECK(c.listen_port == 8080);
+    CHECK(c.n_upstreams == 1);
+    CHECK_STR(c.upstreams[0].name, "demo");
+    CHECK(c.upstreams[0].kind == CG_UPSTREAM_DEMO);
+    CHECK_STR(c.default_upstream, "demo");
+    CHECK_STR(c.store, "memory");
+    CHECK_STR(c.auth, "none");
+    CHECK(c.max_frame == 65536);
+    CHECK(c.queue_limit == 8);
+    CHECK(c.rules_dir != NULL && c.web_dir != NULL);
+    cg_config_free(&c);
+}
+
+static void test_flags(void)
+{
+    cg_config c;
+    CHECK(load(&c, "--listen", "[::1]:9000", "--upstream", "llm=http://llm.local:8000/v1/", "--upstream=app=wss://chat.example/socket?x=1",
+               "--default-upstream", "app", "--max-frame=2048", "--log-level", "debug", NULL) == 0);
+    CHECK_STR(c.listen_host, "::1");
+    CHECK(c.listen_port == 9000);
+    CHECK(c.n_upstreams == 2);
+    CHECK(c.upstreams[0].kind == CG_UPSTREAM_OPENAI);
+    CHECK_STR(c.upstreams[0].host, "llm.local");
+    CHECK(c.upstreams[0].port == 8000);
+    CHECK_STR(c.upstreams[0].path, "/v1");
+    CHECK(c.upstreams[1].kind == CG_UPSTREAM_WS);
+    CHECK(c.upstreams[1].tls == 1);
+    CHECK(c.upstreams[1].port == 443);
+    CHECK_STR(c.upstreams[1].path, "/socket?x=1");
+    CHECK(c.default_index == 1);
+    CHECK(c.max_frame == 2048);
+    CHECK_STR(c.log_level, "debug");
+    cg_config_free(&c);
+}
+
+static void test_flag_mistakes(void)
+{
+    CHECK_FAILS("--max-frame: 'abc' is not a whole number", "--max-frame", "abc");
+    CHECK_FAILS("--max-frame: '10' is not a whole number from 256", "--max-frame", "10");
+    CHECK_FAILS("--listen: 'nowhere' must be HOST:PORT", "--listen", "nowhere");
+    CHECK_FAILS("--listen: '127.0.0.1:70000' must be HOST:PORT", "--listen", "127.0.0.1:70000");
+    CHECK_FAILS("--upstream: 'llm' must be NAME=URL", "--upstream", "llm");
+    CHECK_FAILS("--upstream: 'ftp://x': the scheme must be", "--upstream", "llm=ftp://x");
+    CHECK_FAILS("--upstream: 'http://h:0/v1': port '0'", "--upstream", "llm=http://h:0/v1");
+    CHECK_FAILS("--default-upstream: no upstream named 'nope'", "--default-upstream", "nope");
+    CHECK_FAILS("--bogus: unknown option", "--bogus", "1");
+    CHECK_FAILS("--auth: 'magic' is not one of none jwt header", "--auth", "magic");
+    CHECK_FAILS("--auth: 'jwt' is not in this version yet", "--auth", "jwt");
+    CHECK_FAILS("--store: the Redis store is not in this version yet", "--store", "redis://127.0.0.1:6379");
+    CHECK_FAILS("--store: 'mongo' must be memory or redis://", "--store", "mongo");
+    CHECK_FAILS("--web: '/nonexistent/web' is not a directory", "--web", "/nonexistent/web");
+    CHECK_FAILS("--listen: needs a value", "--listen");
+    CHECK_FAILS("'stray': unexpected argument", "stray");
+}
+
+static void test_file(void)
+{
+    cg_config c;
+    const char *path = write_file("{\n"
+                                  "  \"listen\": \"127.0.0.1:9100\",\n"
+                                  "  \"upstreams\": {\n"
+                                  "    \"llm\": {\"url\": \"http://127.0.0.1:8000/v1\", \"model\": \"qwen\",\n"
+                                  "            \"idle_timeout_ms\": 1500, \"system_prompt\": \"Be brief.\"},\n"
+                                  "    \"demo\": \"demo\"\n"
+                                  "  },\n"
+                                  "  \"default_upstream\": \"llm\",\n"
+                                  "  \"max_frame\": 1000,\n"
+                                  "  \"rate_limit\": {\"messages_per_second\": 5, \"burst\": 7}\n"
+                                  "}\n");
+    CHECK(load(&c, "--config", path, "--max-frame", "2000", NULL) == 0);
+    CHECK(c.listen_port == 9100);
+    CHECK(c.n_upstreams == 2);
+    CHECK_STR(c.upstreams[0].model, "qwen");
+    CHECK_STR(c.upstreams[0].system_prompt, "Be brief.");
+    CHECK(c.upstreams[0].idle_timeout_ms == 1500);
+    CHECK(c.upstreams[0].connect_timeout_ms == 5000);
+    CHECK(c.upstreams[1].kind == CG_UPSTREAM_DEMO);
+    CHECK(c.default_index == 0);
+    CHECK(c.max_frame == 2000); /* the flag wins over the file */
+    CHECK(c.rate_per_second == 5 && c.rate_burst == 7);
+    cg_config_free(&c);
+}
+
+static void test_file_mistakes(void)
+{
+    char want[256];
+    const char *path = write_file("{\n  \"listen\": \"127.0.0.1:9100\",\n  \"max_frame\": ,\n}\n");
+    snprintf(want, sizeof(want), "%s:3:", path);
+    CHECK_FAILS(want, "--config", path);
+
+    path = write_file("{\"max_frame\": \"big\"}");
+    snprintf(want, sizeof(want), "%s: max_frame: must be a whole number", path);
+    CHECK_FAILS(want, "--config", path);
+
+    path = write_file("{\"max_frames\": 5}");
+    snprintf(want, sizeof(want), "%s: max_frames: unknown key", path);
+    CHECK_FAILS(want, "--config", path);
+
+    path = write_file("{\"upstreams\": {\"llm\": {\"url\": \"http://h/v1\", \"idle_timeout_ms\": -1}}}");
+    snprintf(want, sizeof(want), "%s: upstreams.llm.idle_timeout_ms: must be a whole number", path);
+    CHECK_FAILS(want, "--config", path);
+
+    path = write_file("{\"upstreams\": {\"llm\": {\"model\": \"m\"}}}");
+    snprintf(want, sizeof(want), "%s: upstreams.llm.url: missing", path);
+    CHECK_FAILS(want, "--config", path);
+
+    path = write_file("{\"rate_limit\": {\"burst\": 0}}");
+    snprintf(want, sizeof(want), "%s: rate_limit.burst: '0' is not a whole number from 1", path);
+    CHECK_FAILS(want, "--config", path);
+
+    path = write_file("{\"listen\": \"x\"}");
+    snprintf(want, sizeof(want), "%s: listen: 'x' must be HOST:PORT", path);
+    CHECK_FAILS(want, "--config", path);
+
+    path = write_file("[1]");
+    snprintf(want, sizeof(want), "%s:1:1: the configuration must be a JSON object", path);
+    CHECK_FAILS(want, "--config", path);
+
+    CHECK_FAILS("/nonexistent.json: unable to open", "--config", "/nonexistent.json");
+    unlink(path);
+}
+
+static void test_redis_url_env(void)
+{
+    setenv("REDIS_URL", "redis://127.0.0.1:6379", 1);
+    CHECK_FAILS("REDIS_URL is set", "--listen", "127.0.0.1:1");
+    cg_config c;
+    CHECK(load(&c, "--store", "memory", NULL) == 0); /* the flag wins over the environment */
+    cg_config_free(&c);
+    unsetenv("REDIS_URL");
+}
+
+int main(void)
+{
+    unsetenv("REDIS_URL");
+    test_defaults();
+    test_flags();
+    test_flag_mistakes();
+    test_file();
+    test_file_mistakes();
+    test_redis_url_env();
+    return unit_done("test_config");
+}

@@ -1,0 +1,133 @@
+/*
+ * test_protocol.c: chatgate.v1 frame parsing (every bad_frame case names what was wrong)
+ * and the frames the gateway builds.
+ */
+#include <jansson.h>
+#include <stdlib.h>
+
+#include "chatgate/error.h"
+#include "chatgate/protocol.h"
+#include "unit.h"
+
+static int parse(const char *s, cg_client_frame *f, char *err, size_t errlen)
+{
+    return cg_protocol_parse(s, strlen(s), f, err, errlen);
+}
+
+/* The frame is refused as bad_frame with a message containing want. */
+static void check_bad(const char *frame, const char *want, const char *want_id)
+{
+    cg_client_frame f;
+    char err[256] = "";
+    int rc = cg_protocol_parse(frame, strlen(frame), &f, err, sizeof(err));
+    unit_checks++;
+    if (rc != CG_E_BAD_FRAME || !strstr(err, want) || strcmp(f.id, want_id) != 0) {
+        unit_failures++;
+        fprintf(stderr, "frame %s: rc %d, err \"%s\", id \"%s\"; expected bad_frame with \"%s\", id \"%s\"\n",
+                frame, rc, err, f.id, want, want_id);
+    }
+    cg_client_frame_clear(&f);
+}
+
+static void test_good(void)
+{
+    cg_client_frame f;
+    char err[256];
+    CHECK(parse("{\"type\":\"message\",\"id\":\"m1\",\"room\":\"trip\",\"text\":\"Find flights\"}", &f, err,
+                sizeof(err)) == 0);
+    CHECK(f.type == CG_FRAME_MESSAGE);
+    CHECK_STR(f.id, "m1");
+    CHECK_STR(f.room, "trip");
+    CHECK_STR(f.text, "Find flights");
+    cg_client_frame_clear(&f);
+
+    CHECK(parse("{\"type\":\"message\",\"text\":\"h\\u00e9llo \\ud83d\\udc4d\"}", &f, err, sizeof(err)) == 0);
+    CHECK_STR(f.id, "");
+    CHECK_STR(f.room, "default");
+    CHECK_STR(f.text, "h\xc3\xa9llo \xf0\x9f\x91\x8d");
+    cg_client_frame_clear(&f);
+
+    CHECK(parse("{\"type\":\"cancel\",\"id\":\"m1\"}", &f, err, sizeof(err)) == 0);
+    CHECK(f.type == CG_FRAME_CANCEL);
+    CHECK_STR(f.id, "m1");
+    cg_client_frame_clear(&f);
+}
+
+static void test_bad(void)
+{
+    check_bad("", "not JSON", "");
+    check_bad("hello", "not JSON", "");
+    check_bad("{\"type\":\"message\",", "not JSON", "");
+    check_bad("[1,2]", "must be a JSON object", "");
+    check_bad("42", "must be a JSON object", "");
+    check_bad("{}", "'type'", "");
+    check_bad("{\"type\":7}", "'type'", "");
+    check_bad("{\"type\":\"shout\",\"id\":\"x\"}", "unknown type 'shout'", "x");
+    check_bad("{\"type\":\"message\",\"id\":\"m2\"}", "'text'", "m2");
+    check_bad("{\"type\":\"message\",\"id\":\"m2\",\"text\":5}", "'text'", "m2");
+    check_bad("{\"type\":\"message\",\"id\":\"m2\",\"text\":\"\"}", "'text' is empty", "m2");
+    check_bad("{\"type\":\"message\",\"id\":3,\"text\":\"x\"}", "'id' must be a string", "");
+    check_bad("{\"type\":\"message\",\"id\":\"m3\",\"room\":[],\"text\":\"x\"}", "'room' must be a string", "m3");
+    check_bad("{\"type\":\"message\",\"id\":\"m4\",\"text\":\"a\\u0000b\"}", "NUL", ""); /* jansson refuses it */
+    check_bad("{\"type\":\"cancel\"}", "'id'", "");
+    check_bad("{\"type\":\"message\",\"type\":\"cancel\"}", "duplicate", "");
+    /* invalid UTF-8 inside a string: jansson refuses it */
+    check_bad("{\"type\":\"message\",\"text\":\"\xff\xfe\"}", "not JSON", "");
+
+    char big[400];
+    memset(big, 'r', sizeof(big));
+    char frame[600];
+    snprintf(frame, sizeof(frame), "{\"type\":\"message\",\"id\":\"m5\",\"room\":\"%.*s\",\"text\":\"x\"}", 300, big);
+    check_bad(frame, "'room' must be 1 to 256 bytes", "m5");
+}
+
+static void test_build(void)
+{
+    char *s = cg_protocol_ack("m1", "trip", "llm");
+    json_t *o = json_loads(s, 0, NULL);
+    CHECK_STR(json_string_value(json_object_get(o, "type")), "ack");
+    CHECK_STR(json_string_value(json_object_get(o, "route")), "llm");
+    CHECK(json_is_null(json_object_get(o, "service")));
+    CHECK(json_is_object(json_object_get(o, "params")));
+    CHECK(json_is_array(json_object_get(o, "rules")));
+    json_decref(o);
+    free(s);
+
+    s = cg_protocol_error(NULL, "bad_frame", "x");
+    CHECK_STR(s, "{\"type\":\"error\",\"id\":null,\"code\":\"bad_frame\",\"message\":\"x\"}");
+    free(s);
+
+    json_t *usage = json_pack("{s:i}", "prompt_tokens", 3);
+    s = cg_protocol_done("m1", "abc", 3, usage, 1);
+    CHECK_STR(s, "{\"type\":\"done\",\"id\":\"m1\",\"text\":\"abc\",\"usage\":{\"prompt_tokens\":3},\"truncated\":true}");
+    free(s);
+    json_decref(usage);
+
+    CHECK_STR(cg_err_code(CG_E_UPSTREAM_TIMEOUT), "upstream_timeout");
+    CHECK_STR(cg_err_code(CG_E_RATE_LIMITED), "rate_limited");
+}
+
+static void test_utf8_boundary(void)
+{
+    const char *s = "a\xc3\xa9"; /* a é */
+    CHECK(cg_utf8_boundary(s, 3) == 3);
+    CHECK(cg_utf8_boundary(s, 2) == 1); /* would end inside é */
+    const char *thumb = "\xf0\x9f\x91\x8d";
+    CHECK(cg_utf8_boundary(thumb, 4) == 4);
+    CHECK(cg_utf8_boundary(thumb, 3) == 0);
+    CHECK(cg_utf8_boundary(thumb, 1) == 0);
+    CHECK(cg_utf8_boundary("abc", 2) == 2);
+    /* a cut text always builds a valid frame */
+    char *d = cg_protocol_delta("m", thumb, cg_utf8_boundary(thumb, 2));
+    CHECK(strstr(d, "\"type\":\"delta\"") != NULL);
+    free(d);
+}
+
+int main(void)
+{
+    test_good();
+    test_bad();
+    test_build();
+    test_utf8_boundary();
+    return unit_done("test_protocol");
+}
