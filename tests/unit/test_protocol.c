@@ -97,6 +97,14 @@ static void test_build(void)
     CHECK_STR(s, "{\"type\":\"error\",\"id\":null,\"code\":\"bad_frame\",\"message\":\"x\"}");
     free(s);
 
+    /* an upstream's words cut mid-character, or not UTF-8 at all, still make a frame */
+    s = cg_protocol_error("m1", "upstream_error", "boom \xc3\xa9\xc3");
+    CHECK_STR(s, "{\"type\":\"error\",\"id\":\"m1\",\"code\":\"upstream_error\",\"message\":\"boom \xc3\xa9?\"}");
+    free(s);
+    s = cg_protocol_error("m1", "upstream_error", "\xff\xfe ok \xed\xa0\x80");
+    CHECK_STR(s, "{\"type\":\"error\",\"id\":\"m1\",\"code\":\"upstream_error\",\"message\":\"?? ok ???\"}");
+    free(s);
+
     json_t *usage = json_pack("{s:i}", "prompt_tokens", 3);
     s = cg_protocol_done("m1", "abc", 3, usage, 1);
     CHECK_STR(s, "{\"type\":\"done\",\"id\":\"m1\",\"text\":\"abc\",\"usage\":{\"prompt_tokens\":3},\"truncated\":true}");
