@@ -1,0 +1,1431 @@
+"""Shared machinery for chatgate's end-to-end tests.
+
+Every test script runs the real gateway binary as a subprocess on a free port and talks to it
+as a client would, over a real WebSocket (the `websockets` library, legacy asyncio API of
+Debian 12's python3-websockets 10.4). The backends the gateway forwards to are fakes that
+run inside the test process, on the same asyncio loop as the clients, so a test can look at
+what the gateway sent upstream and at when the gateway closed an upstream request:
+
+- `FakeOpenAI`: an OpenAI-compatible HTTP/1.1 server written by hand on asyncio streams
+  (`POST /<behaviour>/v1/chat/completions`, the path prefix picks the behaviour: ok, quick,
+  slow, huge, err500, err401, hang, garbage).
+- `FakeApp`: a chat application's WebSocket server (`websockets.serve`; the path picks the
+  behaviour: /app, /slow, /error, /garbage, /close).
+- `Gateway`: starts and stops the binary, captures its stderr to a log file, reads its RSS.
+- `Client`: a WebSocket client of the gateway that checks the hello, collects the frames
+  of one message (`collect_turn`) and keeps frames about other messages for later.
+- `FrameTracker`: checks the per-message invariants of the protocol on a whole stream of
+  frames: at most one ack, exactly one terminal frame (done, cancelled or error), nothing
+  after it, and done.text equal to the concatenation of the deltas.
+
+A script calls `run(main)`; `main(args)` is a coroutine. `run` parses `--gateway`, enforces
+an overall time limit, stops every gateway still running, fails the test if a gateway log
+holds a sanitizer report, and on failure prints which step failed and the tail of the log of
+the gateway concerned (the others' log paths). Parts of a script that are independent of each
+other run under `independent(...)`, so that one failure does not hide the next. Exit status:
+0 pass, 1 fail.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import websockets
+
+PROTOCOL = "chatgate.v1"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# A frame that ends a message. An error "not_found" is the answer to a cancel, not the end
+# of the message it names (DESIGN.md section 3), so it is not terminal.
+TERMINAL_TYPES = ("done", "cancelled", "error")
+ANY = object()  # matches any id
+DEFAULT_TIMEOUT = 10.0  # seconds to wait for one expected frame (ASan builds are slow)
+
+_options = argparse.Namespace(gateway=None, keep_logs=False)
+_gateways = []  # every Gateway started by this process, for logs and cleanup
+_current_step = [None]
+_failures = []  # (step, message, gateway) of every failure; any makes the script fail
+
+
+class TestFailure(AssertionError):
+    """A failed expectation; its message says what was expected and what came."""
+
+
+def fail(message):
+    raise TestFailure(message)
+
+
+def check(condition, message):
+    if not condition:
+        fail(message)
+
+
+def brief(obj, limit=300):
+    """A frame or value as one short line, for failure messages."""
+    text = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+@contextlib.contextmanager
+def step(name):
+    """Announce one part of a test; a failure inside names it."""
+    print(f"-- {name}", flush=True)
+    _current_step[0] = name
+    started = time.monotonic()
+    yield
+    print(f"   ok ({time.monotonic() - started:.2f}s)", flush=True)
+    _current_step[0] = None
+
+
+def describe_frames(frames, title, first=4, last=6):
+    """A list of frames for a failure message: count, the first and the last few."""
+    shown = [brief(f, 160) for f in frames]
+    if len(shown) > first + last:
+        shown = shown[:first] + [f"... {len(frames) - first - last} more ..."] + shown[-last:]
+    return f"{title} ({len(frames)} frames): [" + ", ".join(shown) + "]"
+
+
+def is_terminal(frame):
+    kind = frame.get("type")
+    if kind == "error" and frame.get("code") == "not_found":
+        return False
+    return kind in TERMINAL_TYPES
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of the call)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def words_of(text):
+    """Split a reply into the pieces a fake streams: each word with its trailing space."""
+    return re.findall(r"\S+\s*", text)
+
+
+def long_non_ascii(prefix, variant):
+    """`prefix` and 400 two-byte characters, shifted by `variant` % 2 ASCII bytes: of two
+    variants, one puts a character across any byte offset a gateway might cut the text at."""
+    return prefix + "x" * (variant % 2) + "é" * 400
+
+
+def asan_env(**options):
+    """ASAN_OPTIONS for a gateway: the caller's own, plus these (harmless without ASan)."""
+    current = os.environ.get("ASAN_OPTIONS", "")
+    extra = ":".join(f"{k}={v}" for k, v in options.items())
+    return {"ASAN_OPTIONS": f"{current}:{extra}" if current else extra}
+
+
+# --------------------------------------------------------------------------------------
+# The gateway process
+
+
+class Gateway:
+    """The chatgate binary as a subprocess.
+
+    `Gateway(args, config)` runs `chatgate --listen 127.0.0.1:PORT [--config FILE] *args`
+    with the repository root as working directory (so the default web/ and rules/ are
+    found). `config` may be a dict (written as JSON) or a string (written as is). `env`
+    adds environment variables; CHATGATE_* variables of the caller are not inherited, so a
+    test sees only what it sets.
+
+    Use `async with Gateway(...) as gw:` in tests (start and stop do not block the loop,
+    which also runs the fake upstreams), or `start()`/`stop()` with try/finally.
+    """
+
+    def __init__(self, args=(), config=None, env=None, binary=None, port=None, name=None):
+        self.binary = binary or _options.gateway
+        self.args = [str(a) for a in args]
+        self.config = config
+        self.port = port or free_port()
+        self.name = name or f"gateway:{self.port}"
+        self.extra_env = dict(env or {})
+        self.proc = None
+        self.returncode = None
+        self.stopped = False
+        self.failed = False  # this gateway caused the failure: show its log
+        self.stop_note = None  # how the process ended, when not by a clean exit 0
+        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-"))
+        self.log_path = self.dir / "gateway.log"
+        self.config_path = None
+
+    # -- properties
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc else None
+
+    @property
+    def url(self):
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    @property
+    def http_url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self):
+        cmd = [str(self.binary), "--listen", f"127.0.0.1:{self.port}"]
+        if self.config is not None:
+            cmd += ["--config", str(self.config_path)]
+        return cmd + self.args
+
+    # -- lifecycle
+    def _spawn(self):
+        if not self.binary:
+            fail("no gateway binary given (use --gateway PATH)")
+        if not os.access(self.binary, os.X_OK):
+            fail(f"gateway binary not found or not executable: {self.binary}")
+        if self.config is not None:
+            self.config_path = self.dir / "config.json"
+            text = self.config if isinstance(self.config, str) else json.dumps(self.config, indent=2)
+            self.config_path.write_text(text)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CHATGATE_")}
+        env.update(self.extra_env)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.command(), cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+            stdout=self._log, stderr=subprocess.STDOUT)
+        _gateways.append(self)
+
+    def _port_accepts(self):
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def _check_startup(self, deadline):
+        code = self.proc.poll()
+        if code is not None:
+            self.returncode = code
+            self.stopped = True
+            self._log.close()
+            self.failed = True
+            fail(f"{self.name} exited with status {code} before accepting connections\n"
+                 f"command: {' '.join(self.command())}")
+        if time.monotonic() > deadline:
+            self.failed = True
+            fail(f"{self.name} did not accept connections on port {self.port} within 10 s")
+
+    def start(self, timeout=10.0):
+        self._spawn()
+        deadline = time.monotonic() + timeout
+        while not self._port_accepts():
+            self._check_startup(deadline)
+            time.sleep(0.05)
+        return self
+
+    async def astart(self, timeout=10.0):
+        self._spawn()
+        deadline = time.monotonic() + timeout
+        while not await asyncio.to_thread(self._port_accepts):
+            self._check_startup(deadline)
+            await asyncio.sleep(0.05)
+        return self
+
+    def _terminate(self):
+        """Send SIGTERM; False if the process had already died on its own."""
+        code = self.proc.poll()
+        if code is not None:
+            self.stop_note = f"died on its own (status {code}) before the test stopped it"
+            return False
+        self.proc.send_signal(signal.SIGTERM)
+        return True
+
+    def _finish(self, code, was_running):
+        self.returncode = code
+        self.stopped = True
+        self._log.close()
+        if was_running and code == -signal.SIGKILL:
+            self.stop_note = "ignored SIGTERM for 5 s and was killed"
+        elif was_running and code == -signal.SIGTERM:
+            self.stop_note = "ended by SIGTERM's default action (DESIGN.md section 8: graceful exit 0)"
+        elif was_running and code != 0:
+            self.stop_note = f"exited with status {code} after SIGTERM"
+        if self.stop_note:
+            print(f"   note: {self.name} {self.stop_note}", flush=True)
+        if not was_running:
+            self.failed = True
+            fail(f"{self.name} {self.stop_note}")
+        return code
+
+    def stop(self, timeout=5.0):
+        """SIGTERM, wait up to `timeout`, then SIGKILL. Returns the exit status. Fails if
+        the process had died before (a crash)."""
+        if self.proc is None or self.stopped:
+            return self.returncode
+        was_running = self._terminate()
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        return self._finish(code, was_running)
+
+    async def astop(self, timeout=5.0):
+        """stop() without blocking the loop (the fakes keep serving meanwhile)."""
+        if self.proc is None or self.stopped:
+            return self.returncode
+        was_running = self._terminate()
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self._finish(self.proc.wait(), was_running)
+
+    async def __aenter__(self):
+        return await self.astart()
+
+    async def __aexit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            await self.astop()
+        else:
+            # Keep the original failure; still stop the process.
+            with contextlib.suppress(Exception):
+                await self.astop()
+        return False
+
+    # -- inspection
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def assert_alive(self):
+        if not self.alive():
+            self.failed = True
+            fail(f"{self.name} is not running any more (status {self.proc.poll()})")
+
+    def rss_kb(self):
+        """The gateway's resident set size (VmRSS) in kB."""
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        fail(f"no VmRSS for pid {self.pid}")
+
+    def log_text(self):
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines=40):
+        text = self.log_text().splitlines()
+        tail = "\n".join("   | " + line for line in text[-lines:])
+        return f"--- last {min(lines, len(text))} of {len(text)} log lines of {self.name} ({self.log_path}):\n{tail}"
+
+    def sanitizer_report(self):
+        """The first lines of an ASan/UBSan/LSan report in the log, or None."""
+        text = self.log_text()
+        match = re.search(r"^.*(ERROR: (Address|Leak|Memory|Thread)Sanitizer|runtime error:).*$",
+                          text, re.MULTILINE)
+        if not match:
+            return None
+        return "\n".join(text[match.start():].splitlines()[:30])
+
+
+def run_gateway(args=(), config=None, **kw):
+    """Shorthand: `async with run_gateway([...], cfg) as gw:`."""
+    return Gateway(args, config, **kw)
+
+
+def http_get(url, timeout=DEFAULT_TIMEOUT):
+    """A blocking GET: (status, headers, body). Run it with asyncio.to_thread."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+# --------------------------------------------------------------------------------------
+# Config helpers
+
+
+def openai_upstream(fake, behaviour, model="test-model", **timeouts):
+    """Config of an OpenAI-compatible upstream served by `fake` with `behaviour`."""
+    cfg = {"url": fake.url(behaviour), "model": model, "connect_timeout_ms": 2000,
+           "first_byte_timeout_ms": 2000, "idle_timeout_ms": 2000}
+    cfg.update(timeouts)
+    return cfg
+
+
+def app_upstream(app, path, **timeouts):
+    """Config of a WebSocket app upstream served by `app` at `path`."""
+    cfg = {"url": app.url(path), "connect_timeout_ms": 2000, "first_byte_timeout_ms": 2000,
+           "idle_timeout_ms": 2000}
+    cfg.update(timeouts)
+    return cfg
+
+
+def demo_upstream(delay_ms=0):
+    return {"url": "demo", "delay_ms": delay_ms}
+
+
+def make_config(upstreams, default, **extra):
+    cfg = {"upstreams": upstreams, "default_upstream": default, "log_level": "info"}
+    cfg.update(extra)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------
+# Fake OpenAI-compatible server
+
+
+class HttpConnection:
+    """One TCP connection to the fake server. A pump task reads everything into `buf`, so
+    the moment the gateway closes the connection is known (`closed_at`) even while a
+    handler sleeps between writes. (When the fake ends a response by closing the
+    connection itself, `closed_at` is that moment.)"""
+
+    def __init__(self, reader, writer):
+        self.reader = reader
+        self.writer = writer
+        self.buf = bytearray()
+        self.eof = False
+        self.opened_at = time.monotonic()
+        self.closed_at = None
+        self.closed = asyncio.Event()
+        self._wakeup = asyncio.Event()
+        self._pump_task = asyncio.create_task(self._pump())
+
+    async def _pump(self):
+        try:
+            while True:
+                data = await self.reader.read(65536)
+                if not data:
+                    break
+                self.buf += data
+                self._wakeup.set()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.mark_closed()
+
+    def mark_closed(self):
+        if not self.eof:
+            self.eof = True
+            self.closed_at = time.monotonic()
+            self.closed.set()
+            self._wakeup.set()
+
+    async def _wait_for(self, parse):
+        """Run `parse` over the buffer until it returns something; None at EOF."""
+        while True:
+            result = parse()
+            if result is not None:
+                return result
+            if self.eof:
+                return None
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def _take(self, n):
+        data = bytes(self.buf[:n])
+        del self.buf[:n]
+        return data
+
+    def _take_line(self, limit=65536):
+        end = self.buf.find(b"\r\n")
+        if end < 0:
+            if len(self.buf) > limit:
+                raise ValueError("line too long")
+            return None
+        line = self._take(end + 2)
+        return line[:-2]
+
+    async def read_request(self):
+        """Parse one HTTP/1.1 request, or None when the peer closed first."""
+        head = await self._wait_for(lambda: self._take(self.buf.index(b"\r\n\r\n") + 4)
+                                    if b"\r\n\r\n" in self.buf else None)
+        if head is None:
+            return None
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, version = lines[0].split(" ", 2)
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        if headers.get("expect", "").lower() == "100-continue":
+            await self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = b""
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            while True:
+                size_line = await self._wait_for(self._take_line)
+                if size_line is None:
+                    return None
+                size = int(size_line.split(b";")[0], 16)
+                chunk = await self._wait_for(
+                    lambda: self._take(size + 2) if len(self.buf) >= size + 2 else None)
+                if chunk is None:
+                    return None
+                if size == 0:
+                    break  # (trailers are not supported; the gateway sends none)
+                body += chunk[:-2]
+        elif "content-length" in headers:
+            n = int(headers["content-length"])
+            body = await self._wait_for(lambda: self._take(n) if len(self.buf) >= n else None)
+            if body is None:
+                return None
+        return UpstreamRequest(self, method, target, version, headers, body)
+
+    async def send(self, data):
+        """Write and drain; False if the gateway has gone (the caller stops)."""
+        if self.eof:
+            return False
+        try:
+            self.writer.write(data)
+            await self.writer.drain()
+        except (ConnectionError, OSError):
+            self.mark_closed()
+            return False
+        return not self.eof
+
+    def close(self):
+        """Close from the fake's side (closed_at is then this moment, if not set before)."""
+        self._pump_task.cancel()
+        self.writer.close()
+        self.mark_closed()
+
+
+class UpstreamRequest:
+    """One request the gateway made to the fake OpenAI server."""
+
+    def __init__(self, conn, method, target, version, headers, body):
+        self.conn = conn
+        self.method = method
+        self.path = target
+        self.version = version
+        self.headers = headers  # names lower-cased
+        self.raw_body = body
+        try:
+            self.json = json.loads(body) if body else None
+        except ValueError:
+            self.json = None
+        parts = target.split("?")[0].strip("/").split("/")
+        self.behaviour = parts[0] if parts else ""
+        self.received_at = time.monotonic()
+        self.finished_at = None      # when the fake wrote the whole response
+        self.aborted = False         # the gateway closed before the response was complete
+        self.bytes_written = 0       # response bytes written so far (headers included)
+        self.progress = []           # (monotonic time, bytes_written) after each write
+        self.reply_text = None       # what the deltas of an SSE reply add up to
+        self.usage = None            # the usage the fake reported
+        self.started = asyncio.Event()  # set when the first byte of the response was written
+
+    @property
+    def closed_at(self):
+        return self.conn.closed_at
+
+    @property
+    def messages(self):
+        return (self.json or {}).get("messages") or []
+
+    @property
+    def last_user_text(self):
+        for msg in reversed(self.messages):
+            if isinstance(msg, dict) and msg.get("role") == "user":
+                return msg.get("content")
+        return None
+
+    def bytes_written_at(self, when):
+        """Bytes written up to monotonic time `when`."""
+        written = 0
+        for t, n in self.progress:
+            if t > when:
+                break
+            written = n
+        return written
+
+    async def wait_closed(self, timeout):
+        """Wait until the gateway closes this request's connection; True if it did."""
+        try:
+            await asyncio.wait_for(self.conn.closed.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def describe(self):
+        return (f"{self.method} {self.path} auth={self.headers.get('authorization')!r} "
+                f"body={brief(self.json if self.json is not None else self.raw_body)}")
+
+
+def sse_event(obj):
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def completion_chunk(delta, finish_reason=None):
+    return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1700000000,
+            "model": "fake", "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+def chunk(data):
+    """One piece of a chunked transfer-encoded body."""
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+class FakeOpenAI:
+    """An OpenAI-compatible chat completions server in the test process.
+
+    `url(behaviour)` is the base URL an upstream config takes (`http://127.0.0.1:P/ok/v1`).
+    Behaviours (first path segment):
+      ok       echoes "echo: <last user message>" word by word as SSE, exercising the parser:
+               a role-only first delta, LF and CRLF line ends, a comment line, events split
+               across TCP writes and chunks, two events in one write, a finish_reason event,
+               a usage event, then `data: [DONE]`.
+      quick    6 words, 50 ms apart (queue tests).
+      slow     100 words, 100 ms apart (cancel tests).
+      huge     `huge_total` bytes of content in events of `huge_event` bytes, as fast as
+               the socket takes them (each write drained; a small SO_SNDBUF so the fake's own
+               kernel buffer hides little); `progress` records the bytes written over time.
+      err500   500 with {"error":{"message":"model overloaded"}}.
+      err401   401 with {"error":{"message":"invalid api key"}}.
+      err500utf8  500 whose message is "model overloaded " and 400 "é" (UTF-8, not
+               escaped), shifted by one byte on every other request (long_non_ascii).
+      midfail  3 words, then an event {"error":{"message":"context length exceeded"}}.
+      cutoff   3 words, then the connection is reset (no [DONE], no last chunk).
+      hang     reads the request and never answers.
+      garbage  200 text/event-stream whose data lines are not JSON.
+    Every request is kept in `requests` (path, lower-cased headers, parsed JSON body, timing).
+    """
+
+    def __init__(self):
+        self.requests = []
+        self.connections = []
+        self.server = None
+        self.port = None
+        self.huge_total = 20 * 1024 * 1024
+        self.huge_event = 16 * 1024
+        self.slow_words = 100
+        self.slow_interval = 0.1
+        self.quick_words = 6
+        self.quick_interval = 0.05
+
+    async def start(self):
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self):
+        if self.server:
+            self.server.close()
+            for conn in self.connections:
+                conn.close()
+            await self.server.wait_closed()
+
+    async def __aenter__(self):
+        return await self.start()
+
+    async def __aexit__(self, *exc):
+        await self.stop()
+
+    def url(self, behaviour):
+        return f"http://127.0.0.1:{self.port}/{behaviour}/v1"
+
+    def requests_for(self, behaviour):
+        return [r for r in self.requests if r.behaviour == behaviour]
+
+    async def next_request(self, behaviour=None, after=0, timeout=DEFAULT_TIMEOUT):
+        """The first request (of `behaviour`) with index >= `after`, waiting for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for req in self.requests[after:]:
+                if behaviour is None or req.behaviour == behaviour:
+                    return req
+            if time.monotonic() > deadline:
+                fail(f"the fake OpenAI server got no {behaviour or ''} request within {timeout}s; "
+                     f"requests so far: {[r.describe() for r in self.requests]}")
+            await asyncio.sleep(0.01)
+
+    async def _handle(self, reader, writer):
+        conn = HttpConnection(reader, writer)
+        self.connections.append(conn)
+        try:
+            while True:
+                req = await conn.read_request()
+                if req is None:
+                    break
+                self.requests.append(req)
+                keep_alive = await self._respond(conn, req)
+                if not keep_alive or conn.eof:
+                    break
+                if req.headers.get("connection", "").lower() == "close":
+                    break
+        except (ConnectionError, OSError, ValueError) as err:
+            print(f"   fake OpenAI: connection error: {err!r}", flush=True)
+        finally:
+            await asyncio.sleep(0)  # let the pump record an EOF that already arrived
+            conn.close()
+
+    # -- responses
+    async def _write(self, conn, req, data):
+        ok = await conn.send(data)
+        if ok:
+            req.bytes_written += len(data)
+            req.progress.append((time.monotonic(), req.bytes_written))
+            req.started.set()
+        else:
+            req.aborted = True
+        return ok
+
+    async def _respond(self, conn, req):
+        if req.method != "POST" or not req.path.split("?")[0].endswith("/chat/completions"):
+            return await self._json_response(conn, req, 404, "Not Found",
+                                             {"error": {"message": f"no route {req.path}"}})
+        handler = getattr(self, "_do_" + req.behaviour, None)
+        if handler is None:
+            return await self._json_response(conn, req, 404, "Not Found",
+                                             {"error": {"message": f"unknown behaviour {req.behaviour}"}})
+        return await handler(conn, req)
+
+    async def _json_response(self, conn, req, status, reason, obj):
+        body = json.dumps(obj).encode()
+        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        await self._write(conn, req, head + body)
+        req.finished_at = time.monotonic()
+        return False
+
+    async def _sse_head(self, conn, req):
+        return await self._write(conn, req, (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n"))
+
+    def _usage(self, req, completion_tokens):
+        prompt_tokens = sum(len(str(m.get("content", "")).split())
+                            for m in req.messages if isinstance(m, dict))
+        req.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        return {"choices": [], "usage": req.usage}
+
+    async def _sse_end(self, conn, req, n_tokens):
+        ok = (await self._write(conn, req, chunk(sse_event(completion_chunk({}, "stop"))))
+              and await self._write(conn, req, chunk(sse_event(self._usage(req, n_tokens))))
+              and await self._write(conn, req, chunk(b"data: [DONE]\n\n"))
+              and await self._write(conn, req, b"0\r\n\r\n"))
+        if ok:
+            req.finished_at = time.monotonic()
+        return ok
+
+    async def _do_ok(self, conn, req):
+        words = words_of("echo: " + str(req.last_user_text))
+        req.reply_text = "".join(words)
+        if not await self._sse_head(conn, req):
+            return False
+        events = [sse_event(completion_chunk({"role": "assistant", "content": ""}))]
+        events += [sse_event(completion_chunk({"content": w})) for w in words]
+        pieces = []  # the chunks to write, each its own TCP write
+        for i, ev in enumerate(events):
+            if i == 2:  # CRLF line ends
+                ev = ev.replace(b"\n", b"\r\n")
+            if i == 3:  # a comment line before the event
+                pieces.append(b": keep-alive\n\n")
+            if i == 1 or i == len(events) - 1:  # split mid-prefix and mid-JSON across writes
+                pieces += [ev[:3], ev[3:len(ev) // 2], ev[len(ev) // 2:]]
+            elif i == 4 and pieces:  # two events in one write
+                pieces[-1] += ev
+            else:
+                pieces.append(ev)
+        for piece in pieces:
+            if not await self._write(conn, req, chunk(piece)):
+                return False
+            await asyncio.sleep(0.002)  # separate TCP segments, so the gateway sees splits
+        return await self._sse_end(conn, req, len(words))
+
+    async def _stream_words(self, conn, req, count, interval):
+        words = [f"w{i} " for i in range(count)]
+        req.reply_text = "".join(words)
+        if not await self._sse_head(conn, req):
+            return False
+        for w in words:
+            if not await self._write(conn, req, chunk(sse_event(completion_chunk({"content": w})))):
+                return False
+            await asyncio.sleep(interval)
+            if conn.eof:
+                req.aborted = True
+                return False
+        return await self._sse_end(conn, req, count)
+
+    async def _do_slow(self, conn, req):
+        return await self._stream_words(conn, req, self.slow_words, self.slow_interval)
+
+    async def _do_quick(self, conn, req):
+        return await self._stream_words(conn, req, self.quick_words, self.quick_interval)
+
+    async def _do_huge(self, conn, req):
+        sock = conn.writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        conn.writer.transport.set_write_buffer_limits(high=64 * 1024)
+        if not await self._sse_head(conn, req):
+            return False
+        pattern = "abcdefghijklmnopqrstuvwxyz0123456789"
+        content = (pattern * (self.huge_event // len(pattern) + 1))[:self.huge_event]
+        event = chunk(sse_event(completion_chunk({"content": content})))
+        sent = 0
+        n_events = 0
+        while sent < self.huge_total:
+            if not await self._write(conn, req, event):
+                return False
+            sent += len(content)
+            n_events += 1
+        req.reply_text = None  # too big to keep; huge_content_bytes says how much
+        req.huge_content_bytes = sent
+        return await self._sse_end(conn, req, n_events)
+
+    async def _do_midfail(self, conn, req):
+        if not await self._sse_head(conn, req):
+            return False
+        for w in ("partial ", "reply ", "then "):
+            if not await self._write(conn, req, chunk(sse_event(completion_chunk({"content": w})))):
+                return False
+        error = {"error": {"message": "context length exceeded", "type": "invalid_request_error"}}
+        if await self._write(conn, req, chunk(sse_event(error)) + b"0\r\n\r\n"):
+            req.finished_at = time.monotonic()
+        return False
+
+    async def _do_cutoff(self, conn, req):
+        if not await self._sse_head(conn, req):
+            return False
+        for w in ("partial ", "reply ", "then "):
+            if not await self._write(conn, req, chunk(sse_event(completion_chunk({"content": w})))):
+                return False
+        await asyncio.sleep(0.05)
+        conn.writer.transport.abort()  # the upstream dies mid-reply: no [DONE], no last chunk
+        req.finished_at = time.monotonic()
+        return False
+
+    async def _do_err500(self, conn, req):
+        return await self._json_response(conn, req, 500, "Internal Server Error",
+                                         {"error": {"message": "model overloaded"}})
+
+    async def _do_err500utf8(self, conn, req):
+        variant = len(self.requests_for("err500utf8"))
+        message = long_non_ascii("model overloaded ", variant)
+        body = json.dumps({"error": {"message": message}}, ensure_ascii=False).encode()
+        head = (f"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        await self._write(conn, req, head + body)
+        req.finished_at = time.monotonic()
+        return False
+
+    async def _do_err401(self, conn, req):
+        return await self._json_response(conn, req, 401, "Unauthorized",
+                                         {"error": {"message": "invalid api key"}})
+
+    async def _do_hang(self, conn, req):
+        await conn.closed.wait()
+        req.aborted = True
+        return False
+
+    async def _do_garbage(self, conn, req):
+        if not await self._sse_head(conn, req):
+            return False
+        for _ in range(3):
+            if not await self._write(conn, req, chunk(b"data: this is not json\n\n")):
+                return False
+        if await self._write(conn, req, b"0\r\n\r\n"):
+            req.finished_at = time.monotonic()
+        return False
+
+
+# --------------------------------------------------------------------------------------
+# Fake WebSocket chat application
+
+
+class AppConnection:
+    """One upstream WebSocket connection the gateway opened to the fake app."""
+
+    def __init__(self, path):
+        self.path = path
+        self.opened_at = time.monotonic()
+        self.closed_at = None
+        self.closed = asyncio.Event()
+        self.frames = []   # every frame received, parsed (or the raw text if not JSON)
+        self.cancels = []  # (id, monotonic time) of each cancel frame received
+        self.tasks = {}
+
+    @property
+    def messages(self):
+        return [f for f in self.frames if isinstance(f, dict) and f.get("type") == "message"]
+
+    async def wait_closed(self, timeout):
+        try:
+            await asyncio.wait_for(self.closed.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+class FakeApp:
+    """A chat application's WebSocket server in the test process.
+
+    `url(path)` is the upstream URL (`ws://127.0.0.1:P/app`). Behaviour by path:
+      /app      replies "app got: <text>" word by word (delta frames, then done).
+      /slow     100 deltas 100 ms apart, then done; records cancel frames and stops that reply.
+      /error    answers {"type":"error","id":ID,"message":"backend exploded"}.
+      /garbage  answers a text frame that is not JSON, then nothing.
+      /error_utf8, /garbage_utf8  the same with long non-ASCII text (long_non_ascii),
+                shifted by one byte on every other reply.
+      /reply_then_garbage  odd messages of a connection as /app, even ones get "oops{".
+      /close    closes the connection as soon as a message arrives.
+      /close_mid  two deltas, then closes the connection (no done).
+    """
+
+    def __init__(self):
+        self.connections = []
+        self.server = None
+        self.port = None
+        self.slow_deltas = 100
+        self.slow_interval = 0.1
+        self.variant = 0  # counts the replies of the _utf8 paths
+
+    async def start(self):
+        self.server = await websockets.serve(self._handler, "127.0.0.1", 0, max_size=2**22)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self):
+        if self.server:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def __aenter__(self):
+        return await self.start()
+
+    async def __aexit__(self, *exc):
+        await self.stop()
+
+    def url(self, path):
+        return f"ws://127.0.0.1:{self.port}{path}"
+
+    @property
+    def opened(self):
+        return len(self.connections)
+
+    @property
+    def closed(self):
+        return sum(1 for c in self.connections if c.closed_at is not None)
+
+    @property
+    def messages(self):
+        return [m for c in self.connections for m in c.messages]
+
+    async def next_connection(self, after=0, timeout=DEFAULT_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        while len(self.connections) <= after:
+            if time.monotonic() > deadline:
+                fail(f"the fake app got no new upstream connection within {timeout}s")
+            await asyncio.sleep(0.01)
+        return self.connections[after]
+
+    async def _handler(self, ws):
+        conn = AppConnection(ws.path)
+        self.connections.append(conn)
+        try:
+            async for raw in ws:
+                try:
+                    frame = json.loads(raw)
+                except (ValueError, TypeError):
+                    conn.frames.append(raw)
+                    continue
+                conn.frames.append(frame)
+                if not isinstance(frame, dict):
+                    continue
+                if frame.get("type") == "cancel":
+                    conn.cancels.append((frame.get("id"), time.monotonic()))
+                    task = conn.tasks.pop(frame.get("id"), None)
+                    if task:
+                        task.cancel()
+                elif frame.get("type") == "message":
+                    if ws.path == "/close":
+                        await ws.close()
+                        break
+                    conn.tasks[frame.get("id")] = asyncio.create_task(self._reply(ws, conn, frame))
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            conn.closed_at = time.monotonic()
+            conn.closed.set()
+            for task in conn.tasks.values():
+                task.cancel()
+
+    async def _reply(self, ws, conn, frame):
+        mid = frame.get("id")
+        try:
+            if ws.path == "/app" or ws.path == "/reply_then_garbage" and len(conn.messages) % 2 == 1:
+                words = words_of(f"app got: {frame.get('text')}")
+                for w in words:
+                    await ws.send(json.dumps({"type": "delta", "id": mid, "text": w}))
+                await ws.send(json.dumps({"type": "done", "id": mid, "text": "".join(words)}))
+            elif ws.path == "/slow":
+                words = [f"s{i} " for i in range(self.slow_deltas)]
+                for w in words:
+                    await ws.send(json.dumps({"type": "delta", "id": mid, "text": w}))
+                    await asyncio.sleep(self.slow_interval)
+                await ws.send(json.dumps({"type": "done", "id": mid, "text": "".join(words)}))
+            elif ws.path == "/error":
+                await ws.send(json.dumps({"type": "error", "id": mid, "message": "backend exploded"}))
+            elif ws.path == "/error_utf8":
+                self.variant += 1
+                await ws.send(json.dumps({"type": "error", "id": mid,
+                                          "message": long_non_ascii("backend exploded ", self.variant)},
+                                         ensure_ascii=False))
+            elif ws.path == "/garbage":
+                await ws.send("this is not json {")
+            elif ws.path == "/close_mid":
+                for w in ("partial ", "reply "):
+                    await ws.send(json.dumps({"type": "delta", "id": mid, "text": w}))
+                await asyncio.sleep(0.05)
+                await ws.close()
+            elif ws.path == "/reply_then_garbage":
+                await ws.send("oops{")
+            elif ws.path == "/garbage_utf8":
+                self.variant += 1
+                await ws.send(long_non_ascii("this is not json { ", self.variant))
+            else:
+                await ws.send(json.dumps({"type": "error", "id": mid,
+                                          "message": f"fake app: unknown path {ws.path}"}))
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            if conn.tasks.get(mid) is asyncio.current_task():
+                del conn.tasks[mid]
+
+
+# --------------------------------------------------------------------------------------
+# Client of the gateway
+
+
+class Turn:
+    """The frames about one message id, in arrival order, ending with its terminal frame."""
+
+    def __init__(self, mid, frames):
+        self.id = mid
+        self.frames = frames
+
+    def of_type(self, kind):
+        return [f for f in self.frames if f.get("type") == kind]
+
+    @property
+    def ack(self):
+        acks = self.of_type("ack")
+        return acks[0] if acks else None
+
+    @property
+    def deltas(self):
+        return self.of_type("delta")
+
+    @property
+    def delta_text(self):
+        return "".join(str(f.get("text")) for f in self.deltas)
+
+    @property
+    def terminal(self):
+        return self.frames[-1]
+
+    @property
+    def kind(self):
+        return self.terminal.get("type")
+
+    def describe(self):
+        return describe_frames(self.frames, f"turn {self.id!r}")
+
+    def expect_done(self):
+        """Check ack, deltas, done in that order and done.text == concat(deltas)."""
+        FrameTracker().feed_all(self.frames)
+        if self.kind != "done":
+            fail(f"expected done for {self.id!r}, got {brief(self.terminal)}\n{self.describe()}")
+        check(self.ack is not None and self.frames[0] is self.ack,
+              f"expected an ack first\n{self.describe()}")
+        return self
+
+    def expect_error(self, *codes):
+        if self.kind != "error" or (codes and self.terminal.get("code") not in codes):
+            fail(f"expected error {'/'.join(codes)} for {self.id!r}, got {brief(self.terminal)}\n"
+                 f"{self.describe()}")
+        FrameTracker().feed_all(self.frames)
+        return self.terminal
+
+
+class Client:
+    """A WebSocket client of the gateway.
+
+    Frames are read in order; the collectors take the frames they look for and keep the
+    rest (`pending`) for later calls, so nothing is lost when replies of several messages
+    interleave. `received` keeps every frame for failure messages.
+    """
+
+    counter = 0
+
+    def __init__(self, ws, hello):
+        self.ws = ws
+        self.hello = hello
+        self.pending = []
+        self.received = []
+        self.tracker = None
+
+    def track(self):
+        """Check the per-message invariants on every frame from now on (FrameTracker)."""
+        self.tracker = FrameTracker()
+        return self.tracker
+
+    def position(self, frame):
+        """Where `frame` (the object itself) is in `received`."""
+        return next(i for i, f in enumerate(self.received) if f is frame)
+
+    @classmethod
+    async def connect(cls, gw, check_hello=True, **kwargs):
+        url = gw if isinstance(gw, str) else gw.url
+        kwargs.setdefault("open_timeout", DEFAULT_TIMEOUT)
+        kwargs.setdefault("max_size", 2**22)
+        ws = await websockets.connect(url, **kwargs)
+        client = cls(ws, None)
+        if check_hello:
+            hello = await client.recv()
+            check(hello.get("type") == "hello", f"first frame is not a hello: {brief(hello)}")
+            check(hello.get("protocol") == PROTOCOL, f"hello.protocol is not {PROTOCOL}: {brief(hello)}")
+            check(isinstance(hello.get("user"), str) and hello["user"].startswith("u_"),
+                  f"hello.user should be a string u_...: {brief(hello)}")
+            check(isinstance(hello.get("session"), str) and hello["session"].startswith("s_"),
+                  f"hello.session should be a string s_...: {brief(hello)}")
+            check("resume" in hello, f"hello has no resume field: {brief(hello)}")
+            client.hello = hello
+        return client
+
+    @property
+    def open(self):
+        return self.ws.open
+
+    async def close(self):
+        await self.ws.close()
+
+    async def send(self, obj):
+        await self.ws.send(json.dumps(obj))
+
+    async def send_raw(self, data):
+        """Send a str (text frame) or bytes (binary frame) as is."""
+        await self.ws.send(data)
+
+    async def send_message(self, text, mid=None, room=None, **extra):
+        frame = {"type": "message", "text": text}
+        if mid is not None:
+            frame["id"] = mid
+        if room is not None:
+            frame["room"] = room
+        frame.update(extra)
+        await self.send(frame)
+
+    async def cancel(self, mid):
+        await self.send({"type": "cancel", "id": mid})
+
+    async def _read(self, timeout):
+        try:
+            raw = await asyncio.wait_for(self.ws.recv(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        except websockets.ConnectionClosed as err:
+            fail(f"the gateway closed the connection (code {err.code}, reason {err.reason!r}); "
+                 f"last frames: {[brief(f, 120) for f in self.received[-5:]]}")
+        if isinstance(raw, bytes):
+            fail(f"the gateway sent a binary frame: {raw[:80]!r}")
+        try:
+            frame = json.loads(raw)
+        except ValueError:
+            fail(f"the gateway sent a frame that is not JSON: {brief(raw)}")
+        check(isinstance(frame, dict), f"the gateway sent a frame that is not an object: {brief(raw)}")
+        self.received.append(frame)
+        if self.tracker is not None:
+            self.tracker.feed(frame)
+        return frame
+
+    async def next_matching(self, predicate, timeout=DEFAULT_TIMEOUT, what="a frame"):
+        """The first frame (pending ones first) for which `predicate` holds; the others stay
+        pending, in order."""
+        for i, frame in enumerate(self.pending):
+            if predicate(frame):
+                return self.pending.pop(i)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            frame = await self._read(left) if left > 0 else None
+            if frame is None:
+                fail(f"no {what} within {timeout:.1f}s; frames not taken: "
+                     f"{[brief(f, 120) for f in self.pending[-8:]]}; "
+                     f"last frames: {[brief(f, 120) for f in self.received[-5:]]}")
+            if predicate(frame):
+                return frame
+            self.pending.append(frame)
+
+    async def recv(self, timeout=DEFAULT_TIMEOUT):
+        """The next frame (pending first)."""
+        return await self.next_matching(lambda f: True, timeout, "frame")
+
+    async def recv_type(self, kind, mid=None, timeout=DEFAULT_TIMEOUT):
+        def match(f):
+            return f.get("type") == kind and (mid is None or f.get("id") == mid)
+        return await self.next_matching(match, timeout, f"{kind} frame for id {mid!r}")
+
+    async def expect_error(self, code, mid=ANY, timeout=DEFAULT_TIMEOUT):
+        """The next error frame (about `mid` unless ANY); its code must be `code` (or one
+        of a tuple of codes)."""
+        def match(f):
+            return f.get("type") == "error" and (mid is ANY or f.get("id") == mid)
+        frame = await self.next_matching(match, timeout, f"error frame (want code {code})")
+        codes = code if isinstance(code, (tuple, list, set)) else (code,)
+        check(frame.get("code") in codes, f"expected error code {code}, got {brief(frame)}")
+        check(isinstance(frame.get("message"), str), f"error frame without a message: {brief(frame)}")
+        return frame
+
+    def frames_about(self, mid):
+        """Every frame received so far about message `mid` (answers to cancels excluded)."""
+        return [f for f in self.received if f.get("id") == mid
+                and not (f.get("type") == "error" and f.get("code") == "not_found")]
+
+    async def collect_turn(self, mid, timeout=DEFAULT_TIMEOUT):
+        """Wait for the terminal frame of `mid`; the Turn holds every frame about `mid`
+        received on this connection up to it, also those an earlier call took (an ack taken
+        with recv_type, say). Message ids are assumed unique per connection."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                frame = await self.next_matching(lambda f: f.get("id") == mid, left,
+                                                 f"terminal frame for id {mid!r}")
+            except TestFailure as err:
+                title = f"frames for {mid!r} so far"
+                raise TestFailure(f"{err}\n{describe_frames(self.frames_about(mid), title)}") from None
+            if is_terminal(frame):
+                frames = self.frames_about(mid)
+                end = next(i for i, f in enumerate(frames) if f is frame)
+                return Turn(mid, frames[:end + 1])
+
+    async def message(self, text, mid=None, room=None, timeout=DEFAULT_TIMEOUT, **extra):
+        """Send a message and collect its turn. Without `mid` the id comes from the ack."""
+        await self.send_message(text, mid, room, **extra)
+        if mid is None:
+            ack = await self.next_matching(lambda f: f.get("type") in ("ack", "error"), timeout,
+                                           "ack for a message without id")
+            check(ack.get("type") == "ack", f"expected an ack, got {brief(ack)}")
+            mid = ack.get("id")
+            check(isinstance(mid, str) and mid, f"the ack of a message without id has no id: {brief(ack)}")
+        return await self.collect_turn(mid, timeout)
+
+    async def expect_silence(self, seconds, predicate=lambda f: True, what="frame"):
+        """Fail if a frame matching `predicate` arrives within `seconds` (others stay pending)."""
+        for frame in self.pending:
+            if predicate(frame):
+                fail(f"unexpected {what}: {brief(frame)}")
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            frame = await self._read(left)
+            if frame is None:
+                return
+            if predicate(frame):
+                fail(f"unexpected {what}: {brief(frame)}")
+            self.pending.append(frame)
+
+    async def check_alive(self):
+        """The connection still answers: a cancel of an unknown id gets not_found."""
+        check(self.ws.open, "the gateway closed the connection")
+        Client.counter += 1
+        probe = f"probe-{Client.counter}"
+        await self.cancel(probe)
+        frame = await self.next_matching(lambda f: f.get("id") == probe, DEFAULT_TIMEOUT,
+                                         f"answer to cancel of unknown id {probe}")
+        check(frame.get("type") == "error" and frame.get("code") == "not_found",
+              f"cancel of an unknown id should get error not_found, got {brief(frame)}")
+
+
+def check_ack(ack, mid, room, route):
+    """An ack of a message with no rules involved: the exact shape of DESIGN.md section 3."""
+    expected = {"type": "ack", "id": mid, "room": room, "route": route, "service": None,
+                "params": {}, "enriched": None, "resolution": None, "rules": []}
+    for key, value in expected.items():
+        check(key in ack and ack[key] == value,
+              f"ack.{key} should be {value!r}, got {ack.get(key, '<missing>')!r}: {brief(ack)}")
+
+
+class FrameTracker:
+    """Checks, over all frames of one connection, the invariants of each message id:
+    ack at most once and before anything else about it, deltas and the terminal frame after
+    it, exactly one terminal frame, nothing after it, done.text == concat(deltas) (or, when
+    done says "truncated": true, a proper prefix of it)."""
+
+    def __init__(self):
+        self.state = {}       # id -> {"ack": bool, "deltas": [...], "terminal": frame}
+        self.order = []       # (kind, id) in arrival order, kind in ack/terminal
+        self.frames = []
+
+    def feed(self, frame):
+        self.frames.append(frame)
+        kind = frame.get("type")
+        mid = frame.get("id")
+        if kind not in ("ack", "delta", "done", "cancelled", "error") or mid is None:
+            return
+        if kind == "error" and frame.get("code") == "not_found":
+            return
+        st = self.state.setdefault(mid, {"ack": None, "deltas": [], "terminal": None})
+        if st["terminal"] is not None:
+            fail(f"frame after the terminal frame of {mid!r}: {brief(frame)} "
+                 f"(terminal was {brief(st['terminal'])})")
+        if kind == "ack":
+            check(st["ack"] is None, f"second ack for {mid!r}: {brief(frame)}")
+            check(not st["deltas"], f"ack after deltas for {mid!r}: {brief(frame)}")
+            st["ack"] = frame
+            self.order.append(("ack", mid))
+        elif kind == "delta":
+            check(st["ack"] is not None, f"delta before the ack of {mid!r}: {brief(frame)}")
+            check(isinstance(frame.get("text"), str), f"delta text is not a string: {brief(frame)}")
+            st["deltas"].append(frame["text"])
+        else:
+            st["terminal"] = frame
+            self.order.append(("terminal", mid))
+            if kind == "done":
+                check(st["ack"] is not None, f"done without an ack for {mid!r}: {brief(frame)}")
+                joined = "".join(st["deltas"])
+                text = frame.get("text")
+                if frame.get("truncated") is True:
+                    # The gateway keeps at most max_reply_bytes of a reply for done.text and
+                    # says so; the deltas still carry all of it.
+                    check(isinstance(text, str) and joined.startswith(text) and len(text) < len(joined),
+                          f"done.text of {mid!r} (truncated) is not a prefix of its deltas:\n"
+                          f"  done.text: {brief(text)}\n  deltas:    {brief(joined)}")
+                else:
+                    check(text == joined,
+                          f"done.text of {mid!r} is not the concatenation of its deltas:\n"
+                          f"  done.text: {brief(text)}\n  deltas:    {brief(joined)}")
+                check("usage" in frame, f"done without a usage field: {brief(frame)}")
+
+    def feed_all(self, frames):
+        for f in frames:
+            self.feed(f)
+        return self
+
+    def terminal(self, mid):
+        st = self.state.get(mid)
+        return st and st["terminal"]
+
+    def assert_one_terminal_each(self, ids):
+        """Every id in `ids` has got exactly one terminal frame (feed() refuses a second)."""
+        missing = [m for m in ids if not self.terminal(m)]
+        check(not missing, f"{len(missing)} message(s) got no terminal frame: {missing[:10]}")
+        extra = [m for m in self.state if m not in set(ids)]
+        check(not extra, f"frames about ids never sent: {extra[:10]}")
+
+
+# --------------------------------------------------------------------------------------
+# Running a test script
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gateway", default=os.environ.get("CHATGATE_BINARY",
+                                                            str(REPO_ROOT / "build" / "chatgate")),
+                        help="path of the chatgate binary (default: build/chatgate)")
+    parser.add_argument("--keep-logs", action="store_true", help="print where the logs are kept")
+    return parser.parse_args(argv)
+
+
+async def _stop_all():
+    for gw in _gateways:
+        if gw.proc is not None and not gw.stopped:
+            with contextlib.suppress(Exception):
+                await gw.astop()
+
+
+def _record_failure(message, err=None):
+    """Keep a failure with its step and the gateway it most likely concerns."""
+    if err is not None:
+        print("Traceback (most recent call last):\n" + "".join(traceback.format_tb(err.__traceback__)),
+              end="", file=sys.stderr, flush=True)
+    gw = next((g for g in reversed(_gateways) if g.failed), _gateways[-1] if _gateways else None)
+    _failures.append((_current_step[0], message, gw))
+    print(f"   FAILED: {message.splitlines()[0][:200]} (details at the end)", flush=True)
+    _current_step[0] = None
+
+
+async def independent(part):
+    """Await `part`, a coroutine that is one independent part of a test (it starts its own
+    gateway): if it fails, the failure is recorded, the test goes on with the next part,
+    and the script fails at the end. So one gateway bug does not hide the others."""
+    try:
+        await part
+    except TestFailure as err:
+        _record_failure(str(err), err)
+
+
+def run(main, timeout=100):
+    """Run `main(args)`, a coroutine function, as the whole test; exit 0 on pass, 1 on fail."""
+    global _options
+    _options = parse_args()
+    name = Path(sys.argv[0]).stem
+    started = time.monotonic()
+
+    async def guarded():
+        try:
+            await asyncio.wait_for(main(_options), timeout)
+        except asyncio.TimeoutError:
+            fail(f"the test did not finish within {timeout}s")
+        finally:
+            await _stop_all()
+
+    try:
+        asyncio.run(guarded())
+    except KeyboardInterrupt:
+        _record_failure("interrupted")
+    except TestFailure as err:
+        _record_failure(str(err), err)
+    except Exception as err:  # a bug in the test or an unexpected library error
+        traceback.print_exc()
+        _record_failure(f"{type(err).__name__}: {err}")
+    finally:
+        for gw in _gateways:
+            if gw.alive():
+                gw.proc.kill()
+                gw.proc.wait()
+
+    for gw in _gateways:
+        report = gw.sanitizer_report()
+        if report:
+            _failures.append((None, f"{gw.name} logged a sanitizer report:\n{report}", gw))
+    if _failures:
+        shown = set()
+        for step_name, message, gw in _failures:
+            print(f"\nFAIL {name}" + (f" (step: {step_name})" if step_name else "") + f": {message}",
+                  flush=True)
+            if gw is not None and gw not in shown:
+                print(gw.log_tail(), flush=True)
+                shown.add(gw)
+        others = [gw for gw in _gateways if gw not in shown]
+        if others:
+            print("--- other gateway logs: " + " ".join(str(gw.log_path) for gw in others), flush=True)
+        print(f"\nFAIL {name}: {len(_failures)} failure(s) in {time.monotonic() - started:.1f}s", flush=True)
+        sys.exit(1)
+    if _options.keep_logs:
+        for gw in _gateways:
+            print(f"log of {gw.name}: {gw.log_path}")
+    else:
+        for gw in _gateways:
+            with contextlib.suppress(OSError):
+                for p in gw.dir.iterdir():
+                    p.unlink()
+                gw.dir.rmdir()
+    print(f"PASS {name} ({time.monotonic() - started:.1f}s)", flush=True)
+    sys.exit(0)
