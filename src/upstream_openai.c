@@ -42,6 +42,7 @@ struct cg_upstream_call {
     size_t body_len;
     int status;
     int events_seen;
+    int finish_seen; /* a chunk with a finish_reason: the reply is complete */
     int paused;
     cg_sse sse;
     json_t *usage;
@@ -164,6 +165,9 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
         c->usage = json_incref(usage);
     }
     json_t *choice = json_array_get(json_object_get(o, "choices"), 0);
+    json_t *finish = json_object_get(choice, "finish_reason");
+    if (finish && !json_is_null(finish))
+        c->finish_seen = 1;
     json_t *content = json_object_get(json_object_get(choice, "delta"), "content");
     if (json_is_string(content) && json_string_length(content) > 0)
         c->ev->on_delta(c->ctx, json_string_value(content), json_string_length(content));
@@ -205,8 +209,10 @@ static void on_complete(cg_upstream_call *c)
         fail_with_status(c);
     else if (!c->events_seen)
         call_fail(c, CG_E_UPSTREAM_ERROR, "answered without any server-sent event (is it OpenAI-compatible?)");
+    else if (c->finish_seen)
+        call_done(c); /* no [DONE], but the last chunk said why it finished */
     else
-        call_done(c); /* the stream ended without [DONE]: what came is the reply */
+        call_fail(c, CG_E_UPSTREAM_ERROR, "ended the stream before the reply was complete (no [DONE])");
 }
 
 /* ---- the connection ------------------------------------------------------------------- */

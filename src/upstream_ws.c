@@ -191,8 +191,8 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     json_t *type = json_object_get(o, "type");
     if (!json_is_object(o) || !json_is_string(type)) {
         json_decref(o);
-        call_fail(k, CG_E_UPSTREAM_ERROR, "sent a frame that is not a chatgate JSON frame: %.80s",
-                  len ? buf : "(empty)");
+        call_fail(k, CG_E_UPSTREAM_ERROR, "sent a frame that is not a chatgate JSON frame: %.*s",
+                  (int)(len < 80 ? len : 80), buf);
         return;
     }
     if (!json_is_string(id) || strcmp(json_string_value(id), c->id) != 0) {

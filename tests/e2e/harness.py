@@ -7,10 +7,10 @@ run inside the test process, on the same asyncio loop as the clients, so a test 
 what the gateway sent upstream and at when the gateway closed an upstream request:
 
 - `FakeOpenAI`: an OpenAI-compatible HTTP/1.1 server written by hand on asyncio streams
-  (`POST /<behaviour>/v1/chat/completions`, the path prefix picks the behaviour: ok, quick,
-  slow, huge, err500, err401, hang, garbage).
+  (`POST /<behaviour>/v1/chat/completions`; the path prefix picks the behaviour: ok, quick,
+  slow, huge, errors, hangs, garbage..., listed in its docstring).
 - `FakeApp`: a chat application's WebSocket server (`websockets.serve`; the path picks the
-  behaviour: /app, /slow, /error, /garbage, /close).
+  behaviour: /app, /slow, /error, /garbage, /close..., listed in its docstring).
 - `Gateway`: starts and stops the binary, captures its stderr to a log file, reads its RSS.
 - `Client`: a WebSocket client of the gateway that checks the hello, collects the frames
   of one message (`collect_turn`) and keeps frames about other messages for later.
@@ -111,6 +111,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+async def wait_until(predicate, timeout):
+    """Poll `predicate` every 10 ms until it holds (True) or `timeout` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 def words_of(text):
     """Split a reply into the pieces a fake streams: each word with its trailing space."""
     return re.findall(r"\S+\s*", text)
@@ -206,7 +216,7 @@ class Gateway:
         except OSError:
             return False
 
-    def _check_startup(self, deadline):
+    def _check_startup(self, deadline, timeout):
         code = self.proc.poll()
         if code is not None:
             self.returncode = code
@@ -217,13 +227,13 @@ class Gateway:
                  f"command: {' '.join(self.command())}")
         if time.monotonic() > deadline:
             self.failed = True
-            fail(f"{self.name} did not accept connections on port {self.port} within 10 s")
+            fail(f"{self.name} did not accept connections on port {self.port} within {timeout:.0f} s")
 
     def start(self, timeout=10.0):
         self._spawn()
         deadline = time.monotonic() + timeout
         while not self._port_accepts():
-            self._check_startup(deadline)
+            self._check_startup(deadline, timeout)
             time.sleep(0.05)
         return self
 
@@ -231,7 +241,7 @@ class Gateway:
         self._spawn()
         deadline = time.monotonic() + timeout
         while not await asyncio.to_thread(self._port_accepts):
-            self._check_startup(deadline)
+            self._check_startup(deadline, timeout)
             await asyncio.sleep(0.05)
         return self
 
@@ -334,11 +344,6 @@ class Gateway:
         if not match:
             return None
         return "\n".join(text[match.start():].splitlines()[:30])
-
-
-def run_gateway(args=(), config=None, **kw):
-    """Shorthand: `async with run_gateway([...], cfg) as gw:`."""
-    return Gateway(args, config, **kw)
 
 
 def http_get(url, timeout=DEFAULT_TIMEOUT):
@@ -524,7 +529,6 @@ class UpstreamRequest:
         self.progress = []           # (monotonic time, bytes_written) after each write
         self.reply_text = None       # what the deltas of an SSE reply add up to
         self.usage = None            # the usage the fake reported
-        self.started = asyncio.Event()  # set when the first byte of the response was written
 
     @property
     def closed_at(self):
@@ -676,7 +680,6 @@ class FakeOpenAI:
         if ok:
             req.bytes_written += len(data)
             req.progress.append((time.monotonic(), req.bytes_written))
-            req.started.set()
         else:
             req.aborted = True
         return ok
@@ -1027,10 +1030,6 @@ class Turn:
     @property
     def deltas(self):
         return self.of_type("delta")
-
-    @property
-    def delta_text(self):
-        return "".join(str(f.get("text")) for f in self.deltas)
 
     @property
     def terminal(self):

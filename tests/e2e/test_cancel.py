@@ -35,7 +35,6 @@ async def cancel_and_expect(client, mid):
     await client.cancel(mid)
     turn = await client.collect_turn(mid)
     check(turn.kind == "cancelled", f"expected cancelled for {mid}: {turn.describe()}")
-    check(set(turn.terminal) >= {"type", "id"}, f"cancelled frame: {turn.terminal}")
     await client.expect_silence(0.5, lambda f: f.get("id") == mid, f"frame for {mid} after cancelled")
     return sent_at
 
@@ -50,7 +49,8 @@ async def test_openai_cancel(fake, gw):
         await wait_deltas(client, "m1", 2)
         req = await fake.next_request("slow", after=n)
         sent_at = await cancel_and_expect(client, "m1")
-        check(req.closed_at is not None, "the gateway did not close the upstream request after cancel")
+        closed = await req.wait_closed(max(0.0, sent_at + 1.0 - time.monotonic()))
+        check(closed, "the gateway did not close the upstream request within 1 s of the cancel")
         delay = req.closed_at - sent_at
         print(f"   upstream request closed {delay * 1000:.0f} ms after the cancel was sent")
         check(delay < 1.0, f"upstream request closed {delay:.2f}s after the cancel (limit 1 s)")
@@ -116,7 +116,9 @@ async def test_app_cancel(app, gw):
         await wait_deltas(client, "w1", 2)
         conn = app.connections[-1]
         sent_at = await cancel_and_expect(client, "w1")
-        check(conn.cancels, f"the app got no cancel frame; it got {[harness.brief(f, 80) for f in conn.frames]}")
+        await harness.wait_until(lambda: conn.cancels, max(0.0, sent_at + 1.0 - time.monotonic()))
+        check(conn.cancels, "the app got no cancel frame within 1 s; it got "
+                            f"{[harness.brief(f, 80) for f in conn.frames]}")
         cid, at = conn.cancels[0]
         check(cid == "w1", f"the app got a cancel for {cid!r}, expected w1")
         check(at - sent_at < 1.0, f"the cancel reached the app {at - sent_at:.2f}s after it was sent")

@@ -19,8 +19,8 @@ Covers, each with a gateway whose default upstream is the one under test:
 - WebSocket app failures: error frame -> upstream_error carrying "backend exploded", a frame
   that is not JSON -> upstream_error (both also with long non-ASCII text; and a short one
   after a long reply, whose error must quote that frame only, nothing left from the
-  previous one), the app closing -> upstream_unavailable or
-  upstream_error, a closed port -> upstream_unavailable.
+  previous one), the app closing (on the message, or mid-reply after two deltas) ->
+  upstream_unavailable or upstream_error, a closed port -> upstream_unavailable.
 After every failure the same client connection stays open: a cancel of an unknown id still
 gets not_found, a second message gets the same kind of error (the queue is not stuck), and
 the gateway is still running.
@@ -54,6 +54,7 @@ def build_config(fake, app):
         "app_reply_then_garbage": harness.app_upstream(app, "/reply_then_garbage"),
         "app_garbage_utf8": harness.app_upstream(app, "/garbage_utf8"),
         "app_close": harness.app_upstream(app, "/close"),
+        "app_close_mid": harness.app_upstream(app, "/close_mid"),
         "app_refused": {"url": f"ws://127.0.0.1:{closed}/app", "connect_timeout_ms": 2000},
     }
     return harness.make_config(upstreams, "llm")
@@ -213,6 +214,7 @@ async def test_app_failures(fake, app, config):
         ("app_error_utf8", ["upstream_error"], "backend exploded", "WS app error with a long non-ASCII message"),
         ("app_garbage_utf8", ["upstream_error"], None, "WS app long non-ASCII non-JSON frame"),
         ("app_close", ["upstream_unavailable", "upstream_error"], None, "WS app closes the connection"),
+        ("app_close_mid", ["upstream_unavailable", "upstream_error"], None, "WS app closes mid-reply"),
         ("app_refused", ["upstream_unavailable"], None, "WS app closed port"),
     ]
     for upstream, codes, contains, label in cases:
