@@ -41,10 +41,10 @@ static const setting settings[] = {
     {"default_upstream", T_STR, OFF(default_upstream), 0, 0, NULL, 1,
      "NAME of the upstream messages go to (default: the first)"},
     {"store", T_STR, OFF(store), 0, 0, NULL, 1,
-     "memory (default; redis://HOST:PORT[/DB] comes with the Redis store)"},
+     "memory | redis://[:PASSWORD@]HOST:PORT[/DB] (default memory, or $REDIS_URL)"},
     {"rules", T_STR, OFF(rules_dir), 0, 0, NULL, 1, "DIR of *.rules files (default: the shipped rules)"},
     {"web", T_STR, OFF(web_dir), 0, 0, NULL, 1, "DIR served at / (default: the shipped demo page)"},
-    {"auth", T_ENUM, OFF(auth), 0, 0, auth_choices, 1, "none (default; jwt and header come with identity)"},
+    {"auth", T_ENUM, OFF(auth), 0, 0, auth_choices, 1, "none | jwt | header: who the user is (default none: a signed resume token)"},
     {"log_level", T_ENUM, OFF(log_level), 0, 0, log_choices, 1, "error | warn | info | debug (default info)"},
     {"max_frame", T_INT, OFF(max_frame), 256, 16 << 20, NULL, 1, "BYTES, largest client frame (default 65536)"},
     {"max_connections", T_INT, OFF(max_connections), 1, 1000000, NULL, 1,
@@ -54,6 +54,21 @@ static const setting settings[] = {
     {"rate_limit.burst", T_INT, OFF(rate_burst), 1, 1000000, NULL, 0, NULL},
     {"max_reply_bytes", T_INT, OFF(max_reply_bytes), 1024, 64 << 20, NULL, 0, NULL},
     {"send_buffer", T_INT, OFF(send_buffer), 4096, 16 << 20, NULL, 0, NULL},
+    {"user_header", T_STR, OFF(user_header), 0, 0, NULL, 1,
+     "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
+    {"allow_origin", T_STR, OFF(allow_origin), 0, 0, NULL, 1,
+     "ORIGIN a browser may connect from besides the gateway's own host; repeatable; * allows all"},
+    {"lifetimes.params_s", T_INT, OFF(params_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"lifetimes.dialog_s", T_INT, OFF(dialog_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"lifetimes.awaiting_s", T_INT, OFF(awaiting_s), 1, 86400, NULL, 0, NULL},
+    {"lifetimes.soft_s", T_INT, OFF(soft_s), 1, 86400, NULL, 0, NULL},
+    {"lifetimes.history_s", T_INT, OFF(history_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"history_n", T_INT, OFF(history_n), 0, 200, NULL, 0, NULL},
+    {"params_cap", T_INT, OFF(params_cap), 64, 1 << 20, NULL, 0, NULL},
+    {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0, NULL},
+    {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0, NULL},
+    {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0, NULL},
+    {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0, NULL},
 };
 #undef OFF
 
@@ -353,6 +368,53 @@ static int load_json_value(cg_config *cfg, const char *file, const char *path, j
     return 0;
 }
 
+/* Appends one origin to the comma-separated allow list; -1 if it holds a comma. */
+static int add_origin(cg_config *cfg, const char *origin)
+{
+    if (!*origin || strchr(origin, ','))
+        return -1;
+    size_t n = (cfg->allow_origin ? strlen(cfg->allow_origin) + 1 : 0) + strlen(origin) + 1;
+    char *list = malloc(n);
+    if (!list)
+        abort();
+    snprintf(list, n, "%s%s%s", cfg->allow_origin ? cfg->allow_origin : "", cfg->allow_origin ? "," : "", origin);
+    free(cfg->allow_origin);
+    cfg->allow_origin = list;
+    return 0;
+}
+
+/* "services": {"travel": {"defaults": {"cabin_class": "economy"}}} */
+static int load_services(cg_config *cfg, const char *file, json_t *val, char *err, size_t errlen)
+{
+    if (!json_is_object(val)) {
+        set_err(err, errlen, "%s: services: must be an object of name -> {\"defaults\": {...}}", file);
+        return -1;
+    }
+    const char *name;
+    json_t *svc;
+    json_object_foreach(val, name, svc) {
+        const char *key;
+        json_t *v;
+        if (!json_is_object(svc)) {
+            set_err(err, errlen, "%s: services.%s: must be an object", file, name);
+            return -1;
+        }
+        json_object_foreach(svc, key, v) {
+            if (strcmp(key, "defaults") != 0) {
+                set_err(err, errlen, "%s: services.%s.%s: unknown key", file, name, key);
+                return -1;
+            }
+            if (!json_is_object(v)) {
+                set_err(err, errlen, "%s: services.%s.defaults: must be an object of name -> value", file, name);
+                return -1;
+            }
+        }
+    }
+    json_decref(cfg->services);
+    cfg->services = json_incref(val);
+    return 0;
+}
+
 static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
 {
     json_error_t jerr;
@@ -383,16 +445,24 @@ static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
                 if (load_upstream_object(cfg, file, name, up, err, errlen) < 0)
                     goto out;
             }
-        } else if (strcmp(key, "rate_limit") == 0) {
-            if (!json_is_object(val)) {
-                set_err(err, errlen, "%s: rate_limit: must be an object", file);
+        } else if (strcmp(key, "services") == 0) {
+            if (load_services(cfg, file, val, err, errlen) < 0)
                 goto out;
+        } else if (strcmp(key, "allow_origin") == 0 && json_is_array(val)) {
+            size_t i;
+            json_t *o;
+            json_array_foreach(val, i, o) {
+                if (!json_is_string(o) || add_origin(cfg, json_string_value(o)) < 0) {
+                    set_err(err, errlen, "%s: allow_origin[%zu]: must be an origin string without ','", file, i);
+                    goto out;
+                }
             }
+        } else if (json_is_object(val)) { /* rate_limit, lifetimes, redis: "key.sub" rows */
             const char *sub;
             json_t *sval;
             json_object_foreach(val, sub, sval) {
                 char path[128];
-                snprintf(path, sizeof(path), "rate_limit.%s", sub);
+                snprintf(path, sizeof(path), "%s.%s", key, sub);
                 if (load_json_value(cfg, file, path, sval, err, errlen) < 0)
                     goto out;
             }
@@ -487,6 +557,13 @@ static int apply_flag(cg_config *cfg, const char *name, const char *value, char 
         cg_upstream_config *u = upstream_upsert(cfg, upname, msg, sizeof(msg));
         if (!u || cg_config_parse_upstream_url(u, eq + 1, msg, sizeof(msg)) < 0) {
             set_err(err, errlen, "--upstream: %s", msg);
+            return -1;
+        }
+        return 0;
+    }
+    if (strcmp(name, "allow-origin") == 0) {
+        if (add_origin(cfg, value) < 0) {
+            set_err(err, errlen, "--allow-origin: '%s' must be one origin (repeat the flag for more)", value);
             return -1;
         }
         return 0;
@@ -607,21 +684,16 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
     }
 
     origin_of("store", "store", flag_given(argc, argv, "store"), file, where, sizeof(where));
-    if (strcmp(cfg->store, "memory") != 0) {
-        if (strncmp(cfg->store, "redis://", 8) != 0) {
-            set_err(err, errlen, "%s: '%s' must be memory or redis://HOST:PORT[/DB]", where, cfg->store);
-            return -1;
-        }
-        set_err(err, errlen, "%s: the Redis store is not in this version yet; use memory%s", where,
+    if (strcmp(cfg->store, "memory") != 0 && strncmp(cfg->store, "redis://", 8) != 0) {
+        set_err(err, errlen, "%s: '%s' must be memory or redis://HOST:PORT[/DB]%s", where, cfg->store,
                 getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
         return -1;
     }
-    if (strcmp(cfg->auth, "none") != 0) {
+    if (strcmp(cfg->auth, "jwt") == 0 && !(getenv("CHATGATE_JWT_SECRET") && *getenv("CHATGATE_JWT_SECRET"))) {
         origin_of("auth", "auth", flag_given(argc, argv, "auth"), file, where, sizeof(where));
-        set_err(err, errlen, "%s: '%s' is not in this version yet; use none", where, cfg->auth);
+        set_err(err, errlen, "%s: jwt needs the secret in the environment variable CHATGATE_JWT_SECRET", where);
         return -1;
     }
-
     static const struct { const char *key; size_t offset; const char *dir; } dirs[] = {
         {"rules", offsetof(cg_config, rules_dir), "rules"},
         {"web", offsetof(cg_config, web_dir), "web"},
@@ -654,6 +726,18 @@ static void set_defaults(cg_config *cfg)
     cfg->rate_burst = 40;
     cfg->max_reply_bytes = 1 << 20;
     cfg->send_buffer = 64 * 1024;
+    cfg->params_s = 6 * 3600;
+    cfg->dialog_s = 6 * 3600;
+    cfg->awaiting_s = 120;
+    cfg->soft_s = 300;
+    cfg->history_s = 30 * 60;
+    cfg->history_n = 10;
+    cfg->params_cap = 10000;
+    cfg->max_dialogs = 100000;
+    cfg->redis_prefix = strdup("chatgate");
+    cfg->redis_command_timeout_ms = 1000;
+    cfg->redis_connect_timeout_ms = 1000;
+    cfg->user_header = strdup("X-User-Id");
 }
 
 int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen)
@@ -714,5 +798,6 @@ void cg_config_free(cg_config *cfg)
         if (settings[i].type != T_INT)
             free(*(char **)((char *)cfg + settings[i].offset));
     free(cfg->listen_host);
+    json_decref(cfg->services);
     memset(cfg, 0, sizeof(*cfg));
 }

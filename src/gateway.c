@@ -10,7 +10,10 @@
 #include <uv.h>
 #include <libwebsockets.h>
 
+#include <openssl/rand.h>
 #include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "chatgate/gateway.h"
@@ -39,15 +42,66 @@ static void on_signal(uv_signal_t *sig, int signum)
      * until they are gone (DESIGN.md section 10). */
     lws_context_destroy(gw->lws);
     gw->lws = NULL;
+    if (gw->store) {
+        gw->store->ops->close(gw->store);
+        gw->store = NULL;
+    }
     uv_close((uv_handle_t *)&gw->sig_term, NULL);
     uv_close((uv_handle_t *)&gw->sig_int, NULL);
 }
 
-int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
+/* Secrets come from the environment only; the resume secret is random when unset, so
+ * resume tokens then do not survive a restart. */
+static void load_secrets(cg_gateway *gw, const cg_config *cfg)
+{
+    const char *resume = getenv("CHATGATE_RESUME_SECRET");
+    if (resume && *resume) {
+        gw->resume_secret_len = strlen(resume) < sizeof(gw->resume_secret) ? strlen(resume) : sizeof(gw->resume_secret);
+        memcpy(gw->resume_secret, resume, gw->resume_secret_len);
+    } else {
+        gw->resume_secret_len = 32;
+        if (RAND_bytes(gw->resume_secret, 32) != 1)
+            abort();
+    }
+    const char *jwt = getenv("CHATGATE_JWT_SECRET");
+    if (strcmp(cfg->auth, "jwt") == 0 && jwt) {
+        gw->jwt_secret_len = strlen(jwt) < sizeof(gw->jwt_secret) ? strlen(jwt) : sizeof(gw->jwt_secret);
+        memcpy(gw->jwt_secret, jwt, gw->jwt_secret_len);
+    }
+}
+
+static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t errlen)
+{
+    cg_store_config sc;
+    memset(&sc, 0, sizeof(sc));
+    sc.url = cfg->store;
+    sc.prefix = cfg->redis_prefix;
+    sc.max_dialogs = cfg->max_dialogs;
+    sc.command_timeout_ms = cfg->redis_command_timeout_ms;
+    sc.connect_timeout_ms = cfg->redis_connect_timeout_ms;
+    gw->lifetimes.params_s = cfg->params_s;
+    gw->lifetimes.dialog_s = cfg->dialog_s;
+    gw->lifetimes.awaiting_s = cfg->awaiting_s;
+    gw->lifetimes.soft_s = cfg->soft_s;
+    gw->lifetimes.history_s = cfg->history_s;
+    gw->lifetimes.history_n = cfg->history_n;
+    gw->lifetimes.params_cap = cfg->params_cap;
+    sc.lifetimes = gw->lifetimes;
+    char msg[256];
+    gw->store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));
+    if (!gw->store) {
+        snprintf(err, errlen, "store: %s", msg);
+        return -1;
+    }
+    return 0;
+}
+
+int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen)
 {
     memset(gw, 0, sizeof(*gw));
     gw->cfg = cfg;
     gw->loop = loop;
+    load_secrets(gw, cfg);
     protocols[0].per_session_data_size = cg_session_size();
     /* Client frames arrive in pieces of this size; a frame over it is reassembled. */
     protocols[0].rx_buffer_size = 4096;
@@ -86,6 +140,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
         return -1;
     }
+    if (open_store(gw, cfg, err, errlen) < 0)
+        return CG_GATEWAY_BAD_CONFIG;
     gw->n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_upstream_init(&gw->upstreams[i], gw, &cfg->upstreams[i]);
@@ -97,7 +153,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
     uv_signal_start(&gw->sig_int, on_signal, SIGINT);
     signal(SIGPIPE, SIG_IGN);
 
-    cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s", CG_VERSION, cfg->listen, cfg->web_dir);
+    cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
+            cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
                 gw->upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");

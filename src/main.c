@@ -31,7 +31,13 @@ int main(int argc, char **argv)
     uv_loop_t loop;
     uv_loop_init(&loop);
     static cg_gateway gw;
-    if (cg_gateway_start(&gw, &cfg, &loop) < 0)
+    srand((unsigned)(uv_hrtime() ^ (uint64_t)uv_os_getpid()));
+    rc = cg_gateway_start(&gw, &cfg, &loop, err, sizeof(err));
+    if (rc == CG_GATEWAY_BAD_CONFIG) {
+        fprintf(stderr, "chatgate: %s\n", err);
+        return 2;
+    }
+    if (rc < 0)
         return 1;
     rc = cg_gateway_run(&gw);
     /* Run until the handles the gateway and lws closed are gone, then close the loop. */

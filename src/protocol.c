@@ -76,6 +76,37 @@ int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *e
             goto out;
         }
         out->text = strdup(json_string_value(text));
+    } else if (strncmp(t, "context.", 8) == 0) {
+        static const struct { const char *name; cg_frame_type type; } kinds[] = {
+            {"context.get", CG_FRAME_CONTEXT_GET},
+            {"context.forget", CG_FRAME_CONTEXT_FORGET},
+            {"context.clear", CG_FRAME_CONTEXT_CLEAR},
+        };
+        size_t i = 0;
+        while (i < 3 && strcmp(t, kinds[i].name) != 0)
+            i++;
+        if (i == 3) {
+            snprintf(err, errlen, "unknown type '%.64s'", t);
+            rc = CG_E_BAD_FRAME;
+            goto out;
+        }
+        out->type = kinds[i].type;
+        if ((rc = string_field(root, "room", out->room, CG_MAX_ROOM, err, errlen)) < 0)
+            goto out;
+        if (!out->room[0])
+            strcpy(out->room, "default");
+        if (out->type == CG_FRAME_CONTEXT_FORGET) {
+            json_t *keys = json_object_get(root, "keys");
+            size_t k;
+            json_t *key;
+            int ok = json_is_array(keys) && json_array_size(keys) > 0 && json_array_size(keys) <= 100;
+            json_array_foreach(keys, k, key) ok &= json_is_string(key);
+            if (!ok) {
+                rc = fail(err, errlen, "context.forget needs 'keys': 1 to 100 strings like \"travel.from\"");
+                goto out;
+            }
+            out->keys = json_incref(keys);
+        }
     } else if (strcmp(t, "cancel") == 0) {
         out->type = CG_FRAME_CANCEL;
         if (!out->id[0]) {
@@ -97,6 +128,8 @@ void cg_client_frame_clear(cg_client_frame *f)
 {
     free(f->text);
     f->text = NULL;
+    json_decref(f->keys);
+    f->keys = NULL;
 }
 
 char *cg_protocol_dump(json_t *obj)
@@ -140,11 +173,24 @@ char *cg_protocol_hello(const char *user, const char *session, const char *resum
                                       resume ? json_string(resume) : json_null()));
 }
 
-char *cg_protocol_ack(const char *id, const char *room, const char *route)
+char *cg_protocol_ack(const char *id, const char *room, const char *route, const char *service, json_t *params)
 {
-    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:n, s:{}, s:n, s:n, s:[]}", "type", "ack",
-                                      "id", id, "room", room, "route", route, "service", "params",
-                                      "enriched", "resolution", "rules"));
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:n, s:n, s:[]}", "type", "ack", "id", id,
+                                      "room", room, "route", route, "service",
+                                      service ? json_string(service) : json_null(), "params",
+                                      params ? json_incref(params) : json_object(), "enriched", "resolution",
+                                      "rules"));
+}
+
+char *cg_protocol_context(const char *room, json_t *state)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:O}", "type", "context", "room", room, "state", state));
+}
+
+char *cg_protocol_warning(const char *id, const char *code, const char *message)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:o, s:s, s:s}", "type", "warning", "id", id_or_null(id), "code",
+                                      code, "message", message));
 }
 
 char *cg_protocol_delta(const char *id, const char *text, size_t len)

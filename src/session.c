@@ -13,12 +13,16 @@
 #include <libwebsockets.h>
 
 #include <openssl/rand.h>
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
+#include "chatgate/dialog.h"
 #include "chatgate/error.h"
 #include "chatgate/gateway.h"
+#include "chatgate/identity.h"
 #include "chatgate/log.h"
 #include "chatgate/pipeline.h"
 #include "chatgate/protocol.h"
@@ -38,13 +42,25 @@ typedef struct cg_out {
     size_t len, cap; /* json or text length; text capacity */
 } cg_out;
 
-/* One client message, from arrival to its terminal frame. */
+/*
+ * One client request, from arrival to its terminal frame: a chat message, or a context
+ * command (which waits its turn too, so it sees the state the message before it left).
+ * A turn is: load the dialog -> pipeline -> ack -> upstream -> reply -> save.
+ */
+typedef enum { MSG_CHAT, MSG_CONTEXT_GET, MSG_CONTEXT_FORGET, MSG_CONTEXT_CLEAR } msg_kind;
+
 struct cg_msg {
     cg_msg *next;
     cg_session *s;
+    msg_kind kind;
     char id[CG_MAX_ID + 1];
     char room[CG_MAX_ROOM + 1];
     char *text;
+    json_t *keys;         /* context.forget */
+    int64_t arrived;      /* unix seconds */
+    cg_store_req *load;   /* while the dialog loads */
+    cg_dialog dialog;     /* once loaded */
+    int has_dialog;
     int route;
     cg_upstream_call *call; /* while in flight */
     char *reply;            /* the whole reply, up to max_reply_bytes */
@@ -56,7 +72,8 @@ struct cg_session {
     struct lws *wsi;
     cg_gateway *gw;
     int established;
-    char user[24];
+    int unauthorized; /* close with 1008 once the error frame is out */
+    char user[CG_MAX_USER + 1];
     char session_id[24];
     unsigned long auto_id;
 
@@ -203,24 +220,36 @@ static int session_write_one(cg_session *s)
     free(buf);
     if (n < (int)len)
         return -1;
+    if (s->unauthorized && !s->out_head) {
+        lws_close_reason(s->wsi, LWS_CLOSE_STATUS_POLICY_VIOLATION, (unsigned char *)"unauthorized", 12);
+        return -1;
+    }
     if (s->out_head)
         lws_callback_on_writable(s->wsi);
     session_flow(s);
     return 0;
 }
 
-/* ---- messages ------------------------------------------------------------------------- */
+/* ---- turns --------------------------------------------------------------------------- */
 
 static void msg_free(cg_msg *m)
 {
+    if (m->has_dialog)
+        cg_dialog_free(&m->dialog);
+    json_decref(m->keys);
     free(m->text);
     free(m->reply);
     free(m);
 }
 
+static int64_t session_now(cg_session *s)
+{
+    return s->gw->store->now(s->gw->store->clock_ctx);
+}
+
 static void session_pump(cg_session *s);
 
-/* The message in flight ended (its terminal frame is queued): start the next one. */
+/* The request in flight ended (its terminal frame is queued): start the next one. */
 static void msg_finish(cg_msg *m)
 {
     cg_session *s = m->s;
@@ -228,6 +257,32 @@ static void msg_finish(cg_msg *m)
         s->inflight = NULL;
     msg_free(m);
     session_pump(s);
+}
+
+typedef enum { TURN_DONE, TURN_ERROR, TURN_CANCELLED } turn_end;
+
+/*
+ * Records the turn in the dialog and saves it: the user's message always joins the history;
+ * the reply joins it when done, and when cancelled (what the user saw of it, marked
+ * "cancelled"); an error leaves no assistant turn. The save needs no answer: the store
+ * orders it before any later load of the same dialog.
+ */
+static void turn_save(cg_msg *m, turn_end end)
+{
+    cg_session *s = m->s;
+    const cg_lifetimes *lt = &s->gw->lifetimes;
+    int64_t now = session_now(s);
+    cg_dialog *d = &m->dialog;
+    cg_dialog_push_history(d, "user", m->text, m->arrived, lt, NULL);
+    if (end == TURN_DONE || (end == TURN_CANCELLED && m->reply_len > 0)) {
+        json_t *extra = end == TURN_CANCELLED ? json_pack("{s:b}", "cancelled", 1) : NULL;
+        cg_dialog_push_history(d, "assistant", m->reply ? m->reply : "", now, lt, extra);
+        json_decref(extra);
+    }
+    if (end == TURN_DONE)
+        d->turn_count++;
+    d->last_activity = now;
+    s->gw->store->ops->save(s->gw->store, s->user, m->room, d, NULL, NULL);
 }
 
 /* Keeps the reply for the done frame, up to max_reply_bytes cut on a UTF-8 boundary. */
@@ -264,11 +319,24 @@ static void on_upstream_delta(void *ctx, const char *text, size_t len)
     session_send_delta(m->s, m->id, text, len);
 }
 
-static void on_upstream_done(void *ctx, json_t *usage)
+static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
 {
     cg_msg *m = ctx;
+    cg_session *s = m->s;
     m->call = NULL;
-    session_send(m->s, cg_protocol_done(m->id, m->reply ? m->reply : "", m->reply_len, usage, m->truncated));
+    if (state) {
+        char err[256];
+        int rc = cg_dialog_apply_directive(&m->dialog, state, s->gw->upstreams[m->route].cfg->name, session_now(s),
+                                           &s->gw->lifetimes, err, sizeof(err));
+        if (rc < 0) {
+            /* the reply itself is fine: a warning, then its done */
+            cg_warn("session %s: message %s: state from upstream '%s' refused: %s", s->session_id, m->id,
+                    s->gw->upstreams[m->route].cfg->name, err);
+            session_send(s, cg_protocol_warning(m->id, cg_err_code(rc), err));
+        }
+    }
+    session_send(s, cg_protocol_done(m->id, m->reply ? m->reply : "", m->reply_len, usage, m->truncated));
+    turn_save(m, TURN_DONE);
     msg_finish(m);
 }
 
@@ -278,6 +346,7 @@ static void on_upstream_error(void *ctx, int err, const char *message)
     m->call = NULL;
     cg_info("session %s: message %s: %s: %s", m->s->session_id, m->id, cg_err_code(err), message);
     session_send_error(m->s, m->id, err, message);
+    turn_save(m, TURN_ERROR);
     msg_finish(m);
 }
 
@@ -287,7 +356,81 @@ static const cg_upstream_events upstream_events = {
     .on_error = on_upstream_error,
 };
 
-/* Runs the next waiting message, if none is in flight. */
+static json_t *service_defaults(const cg_config *cfg, const char *service)
+{
+    return service ? json_object_get(json_object_get(cfg->services, service), "defaults") : NULL;
+}
+
+/* A chat message with its dialog loaded: pipeline, ack, upstream. */
+static void turn_start(cg_msg *m)
+{
+    cg_session *s = m->s;
+    cg_gateway *gw = s->gw;
+    cg_dialog *d = &m->dialog;
+    d->message_count++;
+    d->last_activity = session_now(s);
+
+    cg_pipeline_result res;
+    cg_pipeline_run(gw->cfg, m->text, &res);
+    m->route = res.route;
+    cg_upstream *up = &gw->upstreams[m->route];
+    json_t *params = cg_dialog_params_merged(d, d->service, service_defaults(gw->cfg, d->service));
+    session_send(s, cg_protocol_ack(m->id, m->room, up->cfg->name, d->service, params));
+
+    char *summary = cg_dialog_summary(d, params);
+    cg_upstream_message um = {
+        .id = m->id, .user = s->user, .room = m->room, .text = m->text, .route = up->cfg->name,
+        .service = d->service, .params = params, .awaiting = d->awaiting, .soft = d->soft,
+        .history = d->history, .summary = summary,
+    };
+    int rc = up->ops->start(up, &s->up_conns[m->route], &um, &upstream_events, m, &m->call);
+    free(summary);
+    json_decref(params);
+    if (rc < 0) {
+        session_send_error(s, m->id, CG_E_INTERNAL, "the upstream request could not be started");
+        turn_save(m, TURN_ERROR);
+        msg_finish(m);
+        return;
+    }
+    if (s->upstream_paused)
+        up->ops->pause(m->call, 1);
+}
+
+/* context.get, context.forget, context.clear: on the caller's own dialog only. */
+static void context_command(cg_msg *m)
+{
+    cg_session *s = m->s;
+    cg_store *st = s->gw->store;
+    if (m->kind == MSG_CONTEXT_FORGET) {
+        if (cg_dialog_forget(&m->dialog, m->keys) > 0)
+            st->ops->save(st, s->user, m->room, &m->dialog, NULL, NULL);
+    } else if (m->kind == MSG_CONTEXT_CLEAR) {
+        st->ops->remove(st, s->user, m->room, NULL, NULL);
+        cg_dialog_free(&m->dialog);
+        cg_dialog_init(&m->dialog, session_now(s));
+    }
+    json_t *state = cg_dialog_context(&m->dialog);
+    session_send(s, cg_protocol_context(m->room, state));
+    json_decref(state);
+    msg_finish(m);
+}
+
+static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *status)
+{
+    cg_msg *m = ctx;
+    m->load = NULL;
+    m->dialog = *d; /* ours now */
+    m->has_dialog = 1;
+    if (status->warn)
+        session_send(m->s, cg_protocol_warning(m->kind == MSG_CHAT ? m->id : NULL, "store_degraded",
+                                               "state kept in memory: Redis unreachable"));
+    if (m->kind == MSG_CHAT)
+        turn_start(m);
+    else
+        context_command(m);
+}
+
+/* Runs the next waiting request, if none is in flight: first, load its dialog. */
 static void session_pump(cg_session *s)
 {
     while (!s->inflight && s->queue_head) {
@@ -297,25 +440,14 @@ static void session_pump(cg_session *s)
             s->queue_tail = NULL;
         s->queued--;
         m->next = NULL;
-
-        cg_pipeline_result res;
-        cg_pipeline_run(s->gw->cfg, m->text, &res);
-        m->route = res.route;
-        cg_upstream *up = &s->gw->upstreams[m->route];
-        session_send(s, cg_protocol_ack(m->id, m->room, up->cfg->name));
-
-        cg_upstream_message um = {
-            .id = m->id, .user = s->user, .room = m->room, .text = m->text, .route = up->cfg->name,
-        };
         s->inflight = m;
-        if (up->ops->start(up, &s->up_conns[m->route], &um, &upstream_events, m, &m->call) < 0) {
-            s->inflight = NULL;
-            session_send_error(s, m->id, CG_E_INTERNAL, "the upstream request could not be started");
-            msg_free(m);
-            continue;
-        }
-        if (s->upstream_paused)
-            up->ops->pause(m->call, 1);
+        cg_store *st = s->gw->store;
+        m->load = st->ops->load(st, s->user, m->room, on_dialog_loaded, m);
+        if (m->load)
+            return;
+        s->inflight = NULL;
+        session_send_error(s, m->kind == MSG_CHAT ? m->id : NULL, CG_E_INTERNAL, "the dialog could not be loaded");
+        msg_free(m);
     }
 }
 
@@ -336,18 +468,20 @@ static int session_take_token(cg_session *s)
 
 static int session_id_in_use(cg_session *s, const char *id)
 {
-    if (s->inflight && strcmp(s->inflight->id, id) == 0)
+    if (s->inflight && s->inflight->kind == MSG_CHAT && strcmp(s->inflight->id, id) == 0)
         return 1;
     for (cg_msg *m = s->queue_head; m; m = m->next)
-        if (strcmp(m->id, id) == 0)
+        if (m->kind == MSG_CHAT && strcmp(m->id, id) == 0)
             return 1;
     return 0;
 }
 
-static void session_on_message(cg_session *s, cg_client_frame *f)
+/* Queues a message or context command, within the rate and queue limits. */
+static void session_on_request(cg_session *s, cg_client_frame *f)
 {
     char err[160];
-    if (!f->id[0])
+    int chat = f->type == CG_FRAME_MESSAGE;
+    if (chat && !f->id[0])
         snprintf(f->id, sizeof(f->id), "g%lu", ++s->auto_id);
     if (!session_take_token(s)) {
         snprintf(err, sizeof(err), "over %ld messages a second", s->gw->cfg->rate_per_second);
@@ -359,7 +493,7 @@ static void session_on_message(cg_session *s, cg_client_frame *f)
         session_send_error(s, f->id, CG_E_RATE_LIMITED, err);
         return;
     }
-    if (session_id_in_use(s, f->id)) {
+    if (chat && session_id_in_use(s, f->id)) {
         snprintf(err, sizeof(err), "id '%.64s' is already in use by a message not yet answered", f->id);
         session_send_error(s, f->id, CG_E_BAD_FRAME, err);
         return;
@@ -368,10 +502,16 @@ static void session_on_message(cg_session *s, cg_client_frame *f)
     if (!m)
         abort();
     m->s = s;
+    m->kind = chat ? MSG_CHAT
+              : f->type == CG_FRAME_CONTEXT_GET ? MSG_CONTEXT_GET
+              : f->type == CG_FRAME_CONTEXT_FORGET ? MSG_CONTEXT_FORGET : MSG_CONTEXT_CLEAR;
     memcpy(m->id, f->id, sizeof(m->id));
     memcpy(m->room, f->room, sizeof(m->room));
     m->text = f->text;
     f->text = NULL;
+    m->keys = f->keys;
+    f->keys = NULL;
+    m->arrived = session_now(s);
     if (s->queue_tail)
         s->queue_tail->next = m;
     else
@@ -381,20 +521,37 @@ static void session_on_message(cg_session *s, cg_client_frame *f)
     session_pump(s);
 }
 
+/*
+ * Stops the request in flight without a frame (the caller sends one, or the client is
+ * gone): its load is abandoned, or its upstream call cancelled and the turn saved as
+ * cancelled.
+ */
+static void inflight_stop(cg_session *s)
+{
+    cg_msg *m = s->inflight;
+    if (m->load) {
+        s->gw->store->ops->abandon(m->load);
+        m->load = NULL;
+    } else if (m->kind == MSG_CHAT && m->has_dialog) {
+        if (m->call)
+            s->gw->upstreams[m->route].ops->cancel(m->call);
+        m->call = NULL;
+        turn_save(m, TURN_CANCELLED);
+    }
+}
+
 /* A cancel acts at once: on the reply in flight, or on a message still waiting. */
 static void session_on_cancel(cg_session *s, const char *id)
 {
     cg_msg *m = s->inflight;
-    if (m && strcmp(m->id, id) == 0) {
-        if (m->call)
-            s->gw->upstreams[m->route].ops->cancel(m->call);
-        m->call = NULL;
+    if (m && m->kind == MSG_CHAT && strcmp(m->id, id) == 0) {
+        inflight_stop(s);
         session_send(s, cg_protocol_cancelled(id));
         msg_finish(m);
         return;
     }
     for (cg_msg **pp = &s->queue_head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
-        if (strcmp((*pp)->id, id) != 0)
+        if ((*pp)->kind != MSG_CHAT || strcmp((*pp)->id, id) != 0)
             continue;
         m = *pp;
         *pp = m->next;
@@ -418,10 +575,10 @@ static void session_on_frame(cg_session *s, const char *buf, size_t len)
         cg_client_frame_clear(&f);
         return;
     }
-    if (f.type == CG_FRAME_MESSAGE)
-        session_on_message(s, &f);
-    else
+    if (f.type == CG_FRAME_CANCEL)
         session_on_cancel(s, f.id);
+    else
+        session_on_request(s, &f);
     cg_client_frame_clear(&f);
 }
 
@@ -430,6 +587,8 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
 {
     struct lws *wsi = s->wsi;
     size_t max = (size_t)s->gw->cfg->max_frame;
+    if (s->unauthorized)
+        return;
     if (lws_is_first_fragment(wsi)) {
         s->rx_len = 0;
         s->rx_too_large = 0;
@@ -461,6 +620,60 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
     s->rx_len = 0;
 }
 
+/* ---- identity -------------------------------------------------------------------------- */
+
+/*
+ * Who this connection is (DESIGN.md section 4), from the handshake: a resume token or a
+ * fresh id (auth none), a JWT (auth jwt), or a proxy's header (auth header). 0, or -1 with
+ * the reason in err.
+ */
+static int session_identify(cg_session *s, struct lws *wsi, char *err, size_t errlen)
+{
+    cg_gateway *gw = s->gw;
+    const char *auth = gw->cfg->auth;
+    char buf[4096];
+    if (strcmp(auth, "jwt") == 0) {
+        const char *token = NULL;
+        if (lws_hdr_copy(wsi, buf, sizeof(buf), WSI_TOKEN_HTTP_AUTHORIZATION) > 7 && strncasecmp(buf, "Bearer ", 7) == 0)
+            token = buf + 7;
+        else
+            token = lws_get_urlarg_by_name(wsi, "access_token=", buf, sizeof(buf));
+        if (!token) {
+            snprintf(err, errlen, "a JWT is needed: Authorization: Bearer, or ?access_token=");
+            return -1;
+        }
+        return cg_identity_jwt_verify(gw->jwt_secret, gw->jwt_secret_len, token, session_now(s), 30, s->user,
+                                      sizeof(s->user), err, errlen);
+    }
+    if (strcmp(auth, "header") == 0) {
+        char name[128];
+        snprintf(name, sizeof(name), "%s:", gw->cfg->user_header);
+        for (char *p = name; *p; p++)
+            *p = (char)tolower((unsigned char)*p);
+        int n = lws_hdr_custom_copy(wsi, buf, sizeof(buf), name, (int)strlen(name));
+        if (n <= 0) {
+            snprintf(err, errlen, "no %s header", gw->cfg->user_header);
+            return -1;
+        }
+        if (n > CG_MAX_USER) {
+            snprintf(err, errlen, "the user id is over %d bytes", CG_MAX_USER);
+            return -1;
+        }
+        memcpy(s->user, buf, (size_t)n + 1);
+        return 0;
+    }
+    const char *resume = lws_get_urlarg_by_name(wsi, "resume=", buf, sizeof(buf));
+    if (resume && cg_identity_resume_check(gw->resume_secret, gw->resume_secret_len, resume, s->user,
+                                           sizeof(s->user)) == 0)
+        return 0;
+    unsigned char rnd[8];
+    if (RAND_bytes(rnd, sizeof(rnd)) != 1)
+        abort();
+    snprintf(s->user, sizeof(s->user), "u_%02x%02x%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2], rnd[3],
+             rnd[4], rnd[5], rnd[6], rnd[7]);
+    return 0;
+}
+
 /* ---- the connection ------------------------------------------------------------------- */
 
 static void session_open(cg_session *s, struct lws *wsi)
@@ -471,26 +684,32 @@ static void session_open(cg_session *s, struct lws *wsi)
     s->established = 1;
     s->tokens = (double)gw->cfg->rate_burst;
     s->tokens_at = uv_now(gw->loop);
-    unsigned char rnd[8];
-    if (RAND_bytes(rnd, sizeof(rnd)) != 1)
-        abort();
-    snprintf(s->user, sizeof(s->user), "u_%02x%02x%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2],
-             rnd[3], rnd[4], rnd[5], rnd[6], rnd[7]);
     snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++gw->session_seq);
     gw->n_sessions++;
-    cg_info("session %s: open (user %s, %ld connected)", s->session_id, s->user, gw->n_sessions);
-    session_send(s, cg_protocol_hello(s->user, s->session_id, NULL));
+    char err[256];
+    if (session_identify(s, wsi, err, sizeof(err)) < 0) {
+        cg_warn("session %s: refused: %s", s->session_id, err);
+        s->unauthorized = 1;
+        s->user[0] = 0;
+        session_send_error(s, NULL, CG_E_UNAUTHORIZED, err);
+        return;
+    }
+    cg_info("session %s: open (%ld connected)", s->session_id, gw->n_sessions);
+    char *resume = strcmp(gw->cfg->auth, "none") == 0
+                       ? cg_identity_resume_token(gw->resume_secret, gw->resume_secret_len, s->user)
+                       : NULL;
+    session_send(s, cg_protocol_hello(s->user, s->session_id, resume));
+    free(resume);
 }
 
-/* The client is gone: stop the reply in flight upstream and release everything. */
+/* The client is gone: stop the request in flight upstream and release everything. */
 static void session_close(cg_session *s)
 {
     if (!s->established)
         return;
     cg_gateway *gw = s->gw;
     if (s->inflight) {
-        if (s->inflight->call)
-            gw->upstreams[s->inflight->route].ops->cancel(s->inflight->call);
+        inflight_stop(s);
         msg_free(s->inflight);
         s->inflight = NULL;
     }
@@ -511,6 +730,29 @@ static void session_close(cg_session *s)
     s->established = 0;
     gw->n_sessions--;
     cg_info("session %s: closed (%ld connected)", s->session_id, gw->n_sessions);
+}
+
+/*
+ * The browser Origin check of DESIGN.md section 4 against cross-site WebSocket hijacking:
+ * an Origin, when present, must name the Host the request was sent to, or be allowed by
+ * --allow-origin ("*" allows all).
+ */
+static int origin_allowed(struct lws *wsi, const char *allow)
+{
+    char origin[512], host[512];
+    if (lws_hdr_copy(wsi, origin, sizeof(origin), WSI_TOKEN_ORIGIN) <= 0)
+        return 1; /* not a browser */
+    if (allow) {
+        size_t n = strlen(origin);
+        for (const char *p = allow; *p;) {
+            size_t len = strcspn(p, ",");
+            if ((len == 1 && *p == '*') || (len == n && strncmp(p, origin, n) == 0))
+                return 1;
+            p += len + (p[len] == ',');
+        }
+    }
+    const char *sep = strstr(origin, "://");
+    return sep && lws_hdr_copy(wsi, host, sizeof(host), WSI_TOKEN_HOST) > 0 && strcasecmp(sep + 3, host) == 0;
 }
 
 /*
@@ -541,6 +783,10 @@ static int session_confirm_upgrade(struct lws *wsi)
     char uri[256];
     if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 || strcmp(uri, "/ws") != 0) {
         return refuse_upgrade(wsi, 404, "Not Found", "WebSocket connections go to /ws\n");
+    }
+    if (!origin_allowed(wsi, gw->cfg->allow_origin)) {
+        cg_warn("refused a connection from another site's page (Origin not allowed; see --allow-origin)");
+        return refuse_upgrade(wsi, 403, "Forbidden", "this Origin may not connect (see --allow-origin)\n");
     }
     if (gw->n_sessions >= gw->cfg->max_connections) {
         cg_warn("refused a connection: %ld connected, the limit is %ld", gw->n_sessions,

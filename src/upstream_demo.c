@@ -53,7 +53,7 @@ static void demo_tick(uv_timer_t *t)
             demo_end(c); /* before the callbacks: they may start the next call */
         ev->on_delta(ctx, c->reply + start, end - start);
         if (last) {
-            ev->on_done(ctx, NULL);
+            ev->on_done(ctx, NULL, NULL);
             return;
         }
         if (c->delay_ms)
@@ -68,15 +68,20 @@ static int demo_start(cg_upstream *up, void **conn_slot, const cg_upstream_messa
     cg_upstream_call *c = calloc(1, sizeof(*c));
     if (!c)
         return -1;
-    const char *fmt = "This is chatgate's demo upstream '%s'. Route: %s. Room: %s. You said: \"%s\". "
-                      "No rules or dialog state are in this version yet, so that is all I understood.";
-    int n = snprintf(NULL, 0, fmt, up->cfg->name, m->route, m->room, m->text);
+    char *params = m->params ? json_dumps(m->params, JSON_COMPACT) : NULL;
+    const char *fmt = "This is chatgate's demo upstream '%s'. Route: %s. Room: %s. Service: %s. Params: %s. "
+                      "History: %zu earlier messages. You said: \"%s\".";
+    int n = snprintf(NULL, 0, fmt, up->cfg->name, m->route, m->room, m->service ? m->service : "none",
+                     params ? params : "{}", json_array_size(m->history), m->text);
     c->reply = malloc((size_t)n + 1);
     if (!c->reply) {
+        free(params);
         free(c);
         return -1;
     }
-    snprintf(c->reply, (size_t)n + 1, fmt, up->cfg->name, m->route, m->room, m->text);
+    snprintf(c->reply, (size_t)n + 1, fmt, up->cfg->name, m->route, m->room, m->service ? m->service : "none",
+             params ? params : "{}", json_array_size(m->history), m->text);
+    free(params);
     c->len = (size_t)n;
     c->ev = ev;
     c->ctx = ctx;

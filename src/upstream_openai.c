@@ -107,7 +107,7 @@ static void call_done(cg_upstream_call *c)
     void *ctx = c->ctx;
     json_t *usage = json_incref(c->usage);
     call_end(c);
-    ev->on_done(ctx, usage);
+    ev->on_done(ctx, usage, NULL);
     json_decref(usage);
 }
 
@@ -333,12 +333,30 @@ static void on_resolved(void *data, const char *address, const char *err)
     }
 }
 
+/* system (prompt + state summary), the history, then the user's message */
 static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message *m, size_t *len)
 {
-    json_t *o = json_pack("{s:s, s:b, s:{s:b}, s:[{s:s, s:s}, {s:s, s:s}]}", "model",
-                          cfg->model ? cfg->model : "default", "stream", 1, "stream_options", "include_usage", 1,
-                          "messages", "role", "system", "content", cfg->system_prompt ? cfg->system_prompt : "",
-                          "role", "user", "content", m->text);
+    json_t *messages = json_array();
+    const char *prompt = cfg->system_prompt ? cfg->system_prompt : "";
+    const char *summary = m->summary ? m->summary : "";
+    size_t n = strlen(prompt) + strlen(summary) + 2;
+    char *system = malloc(n);
+    if (!system)
+        abort();
+    snprintf(system, n, "%s%s%s", prompt, *prompt && *summary ? "\n" : "", summary);
+    if (*system)
+        json_array_append_new(messages, json_pack("{s:s, s:s}", "role", "system", "content", system));
+    free(system);
+    size_t i;
+    json_t *h;
+    json_array_foreach(m->history, i, h) {
+        json_t *role = json_object_get(h, "role"), *content = json_object_get(h, "content");
+        if (json_is_string(role) && json_is_string(content))
+            json_array_append_new(messages, json_pack("{s:O, s:O}", "role", role, "content", content));
+    }
+    json_array_append_new(messages, json_pack("{s:s, s:s}", "role", "user", "content", m->text));
+    json_t *o = json_pack("{s:s, s:b, s:{s:b}, s:o}", "model", cfg->model ? cfg->model : "default", "stream", 1,
+                          "stream_options", "include_usage", 1, "messages", messages);
     if (!o)
         return NULL;
     char *s = json_dumps(o, JSON_COMPACT);

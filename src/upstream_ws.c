@@ -57,6 +57,7 @@ struct cg_upstream_call {
     const cg_upstream_events *ev;
     void *ctx;
     char id[CG_MAX_ID + 1];
+    int got_delta;
 };
 
 static void conn_unref(ws_conn *k)
@@ -203,17 +204,20 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     json_t *text = json_object_get(o, "text");
     if (strcmp(t, "delta") == 0) {
         arm(k, PHASE_IDLE);
+        c->got_delta = 1;
         if (json_is_string(text) && json_string_length(text))
             c->ev->on_delta(c->ctx, json_string_value(text), json_string_length(text));
     } else if (strcmp(t, "done") == 0) {
         k->call = NULL;
         arm(k, PHASE_NONE);
-        /* A done with text but no deltas before it: the text is the reply. */
         const cg_upstream_events *ev = c->ev;
         void *ctx = c->ctx;
+        /* A done with text but no deltas before it: the text is the reply. */
+        if (!c->got_delta && json_is_string(text) && json_string_length(text))
+            ev->on_delta(ctx, json_string_value(text), json_string_length(text));
         free(c);
         json_t *usage = json_object_get(o, "usage");
-        ev->on_done(ctx, json_is_object(usage) ? usage : NULL);
+        ev->on_done(ctx, json_is_object(usage) ? usage : NULL, json_object_get(o, "state"));
     } else if (strcmp(t, "error") == 0) {
         json_t *m = json_object_get(o, "message");
         call_fail(k, CG_E_UPSTREAM_ERROR, "answered with an error: %.300s",
@@ -370,12 +374,19 @@ static ws_conn *conn_new(cg_upstream *up, void **slot)
     return k;
 }
 
+static json_t *or_null(json_t *j)
+{
+    return j ? json_incref(j) : json_null();
+}
+
 static char *message_frame(const cg_upstream_message *m)
 {
     return cg_protocol_dump(json_pack(
-        "{s:s, s:s, s:s, s:s, s:s, s:n, s:s, s:n, s:{}, s:n, s:n, s:n, s:[], s:[], s:{}}", "type", "message", "id",
-        m->id, "user", m->user, "room", m->room, "text", m->text, "enriched", "route", m->route, "service",
-        "params", "awaiting", "resolution", "soft_context", "history", "rules", "annotations"));
+        "{s:s, s:s, s:s, s:s, s:s, s:n, s:s, s:o, s:o, s:o, s:n, s:o, s:o, s:[], s:{}}", "type", "message", "id", m->id,
+        "user", m->user, "room", m->room, "text", m->text, "enriched", "route", m->route, "service",
+        m->service ? json_string(m->service) : json_null(), "params", m->params ? json_incref(m->params) : json_object(),
+        "awaiting", or_null(m->awaiting), "resolution", "soft_context", or_null(m->soft), "history",
+        m->history ? json_incref(m->history) : json_array(), "rules", "annotations"));
 }
 
 static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,

@@ -9,6 +9,7 @@
 #ifndef CHATGATE_CONFIG_H
 #define CHATGATE_CONFIG_H
 
+#include <jansson.h>
 #include <stddef.h>
 
 #define CG_MAX_UPSTREAMS 32
@@ -56,6 +57,18 @@ typedef struct cg_config {
     long rate_burst;
     long max_reply_bytes;
     long send_buffer;
+    /* dialog state (DESIGN.md section 5) */
+    long params_s, dialog_s, awaiting_s, soft_s, history_s;
+    long history_n;
+    long params_cap;
+    long max_dialogs;
+    char *redis_prefix;
+    long redis_command_timeout_ms;
+    long redis_connect_timeout_ms;
+    json_t *services; /* {"travel": {"defaults": {...}}} */
+    /* identity (DESIGN.md section 4) */
+    char *user_header;
+    char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */
 } cg_config;
 
 /* Result of cg_config_load besides 0: print nothing more and exit with this status. */

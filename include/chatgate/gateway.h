@@ -12,6 +12,8 @@
 #include <libwebsockets.h>
 
 #include "chatgate/config.h"
+#include "chatgate/dialog.h"
+#include "chatgate/store.h"
 #include "chatgate/upstream.h"
 
 struct cg_gateway {
@@ -25,10 +27,20 @@ struct cg_gateway {
     unsigned long session_seq; /* for session ids */
     uv_signal_t sig_term, sig_int;
     struct lws_http_mount mount;
+    cg_store *store;
+    cg_lifetimes lifetimes;
+    unsigned char resume_secret[64]; /* CHATGATE_RESUME_SECRET, or random per process */
+    size_t resume_secret_len;
+    unsigned char jwt_secret[256];   /* CHATGATE_JWT_SECRET with --auth jwt */
+    size_t jwt_secret_len;
 };
 
-/* Sets up the listener, mounts and upstreams on loop; 0, or -1 with a logged reason. */
-int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop);
+/*
+ * Sets up the store, listener, mounts and upstreams on loop. 0; -1 when the server cannot
+ * start (logged); CG_GATEWAY_BAD_CONFIG when the store URL is wrong (err says why).
+ */
+#define CG_GATEWAY_BAD_CONFIG (-2)
+int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen);
 /* Runs until SIGTERM or SIGINT, then tears down; returns the exit status. */
 int cg_gateway_run(cg_gateway *gw);
 

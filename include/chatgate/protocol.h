@@ -18,6 +18,9 @@
 typedef enum cg_frame_type {
     CG_FRAME_MESSAGE,
     CG_FRAME_CANCEL,
+    CG_FRAME_CONTEXT_GET,
+    CG_FRAME_CONTEXT_FORGET,
+    CG_FRAME_CONTEXT_CLEAR,
 } cg_frame_type;
 
 typedef struct cg_client_frame {
@@ -25,6 +28,7 @@ typedef struct cg_client_frame {
     char id[CG_MAX_ID + 1]; /* "" when the frame had none */
     char room[CG_MAX_ROOM + 1];
     char *text;             /* message: owned, freed by cg_client_frame_clear() */
+    json_t *keys;           /* context.forget: array of strings, owned */
 } cg_client_frame;
 
 /*
@@ -37,7 +41,11 @@ void cg_client_frame_clear(cg_client_frame *f);
 
 /* Builders: each returns a malloc'd compact JSON string (never NULL; aborts on no memory). */
 char *cg_protocol_hello(const char *user, const char *session, const char *resume);
-char *cg_protocol_ack(const char *id, const char *room, const char *route);
+/* service may be NULL; params is borrowed (NULL gives {}). */
+char *cg_protocol_ack(const char *id, const char *room, const char *route, const char *service, json_t *params);
+/* state is borrowed. */
+char *cg_protocol_context(const char *room, json_t *state);
+char *cg_protocol_warning(const char *id, const char *code, const char *message);
 char *cg_protocol_delta(const char *id, const char *text, size_t len);
 /* usage is borrowed and may be NULL; truncated says the text holds only the reply's start. */
 char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated);

@@ -32,19 +32,26 @@ typedef struct cg_upstream_call cg_upstream_call;
 
 typedef struct cg_upstream_events {
     void (*on_delta)(void *ctx, const char *text, size_t len);
-    /* usage is borrowed (NULL when the upstream gave none) */
-    void (*on_done)(void *ctx, json_t *usage);
+    /* usage and state are borrowed (NULL when the upstream gave none); state is a
+     * WebSocket app's state directive (DESIGN.md section 5) */
+    void (*on_done)(void *ctx, json_t *usage, json_t *state);
     /* err is a CG_E_UPSTREAM_* code; message names the upstream and what went wrong */
     void (*on_error)(void *ctx, int err, const char *message);
 } cg_upstream_events;
 
-/* What the gateway forwards for one message; the strings are copied by start(). */
+/* What the gateway forwards for one message; start() copies what it keeps. */
 typedef struct cg_upstream_message {
     const char *id;
     const char *user;
     const char *room;
     const char *text;
     const char *route;
+    const char *service; /* the active service, or NULL */
+    json_t *params;      /* merged params of service (flat object) */
+    json_t *awaiting;    /* the awaiting state before this message, or NULL */
+    json_t *soft;        /* soft context, or NULL */
+    json_t *history;     /* the last messages before this one: [{role, content, ts}] */
+    const char *summary; /* the state in a sentence, for an LLM's system message; may be "" */
 } cg_upstream_message;
 
 typedef struct cg_upstream_ops {

@@ -100,8 +100,9 @@ static void test_flag_mistakes(void)
     CHECK_FAILS("--default-upstream: no upstream named 'nope'", "--default-upstream", "nope");
     CHECK_FAILS("--bogus: unknown option", "--bogus", "1");
     CHECK_FAILS("--auth: 'magic' is not one of none jwt header", "--auth", "magic");
-    CHECK_FAILS("--auth: 'jwt' is not in this version yet", "--auth", "jwt");
-    CHECK_FAILS("--store: the Redis store is not in this version yet", "--store", "redis://127.0.0.1:6379");
+    unsetenv("CHATGATE_JWT_SECRET");
+    CHECK_FAILS("--auth: jwt needs the secret in the environment variable CHATGATE_JWT_SECRET", "--auth", "jwt");
+    CHECK_FAILS("--allow-origin: 'a,b' must be one origin", "--allow-origin", "a,b");
     CHECK_FAILS("--store: 'mongo' must be memory or redis://", "--store", "mongo");
     CHECK_FAILS("--web: '/nonexistent/web' is not a directory", "--web", "/nonexistent/web");
     CHECK_FAILS("--listen: needs a value", "--listen");
@@ -177,12 +178,46 @@ static void test_file_mistakes(void)
 
 static void test_redis_url_env(void)
 {
-    setenv("REDIS_URL", "redis://127.0.0.1:6379", 1);
-    CHECK_FAILS("REDIS_URL is set", "--listen", "127.0.0.1:1");
     cg_config c;
-    CHECK(load(&c, "--store", "memory", NULL) == 0); /* the flag wins over the environment */
+    setenv("REDIS_URL", "redis://127.0.0.1:6379", 1);
+    CHECK(load(&c, NULL) == 0);
+    CHECK_STR(c.store, "redis://127.0.0.1:6379");
     cg_config_free(&c);
+    CHECK(load(&c, "--store", "memory", NULL) == 0); /* the flag wins over the environment */
+    CHECK_STR(c.store, "memory");
+    cg_config_free(&c);
+    setenv("REDIS_URL", "mongodb://x", 1);
+    CHECK_FAILS("REDIS_URL is set in the environment", "--listen", "127.0.0.1:1");
     unsetenv("REDIS_URL");
+}
+
+static void test_state_settings(void)
+{
+    cg_config c;
+    const char *path = write_file("{\"lifetimes\": {\"awaiting_s\": 1, \"soft_s\": 2},\n"
+                                  " \"history_n\": 3, \"redis\": {\"prefix\": \"cg\", \"command_timeout_ms\": 250},\n"
+                                  " \"services\": {\"travel\": {\"defaults\": {\"cabin_class\": \"economy\"}}},\n"
+                                  " \"allow_origin\": [\"https://a.example\", \"https://b.example\"]}\n");
+    CHECK(load(&c, "--config", path, "--allow-origin", "http://c.example", "--auth", "header", NULL) == 0);
+    CHECK(c.awaiting_s == 1 && c.soft_s == 2 && c.params_s == 6 * 3600);
+    CHECK(c.history_n == 3);
+    CHECK_STR(c.redis_prefix, "cg");
+    CHECK(c.redis_command_timeout_ms == 250);
+    CHECK_STR(json_string_value(json_object_get(json_object_get(json_object_get(c.services, "travel"), "defaults"),
+                                                "cabin_class")),
+              "economy");
+    CHECK_STR(c.allow_origin, "https://a.example,https://b.example,http://c.example");
+    CHECK_STR(c.user_header, "X-User-Id");
+    cg_config_free(&c);
+
+    char want[256];
+    path = write_file("{\"services\": {\"travel\": {\"defaults\": 3}}}");
+    snprintf(want, sizeof(want), "%s: services.travel.defaults: must be an object", path);
+    CHECK_FAILS(want, "--config", path);
+    path = write_file("{\"lifetimes\": {\"awaiting\": 3}}");
+    snprintf(want, sizeof(want), "%s: lifetimes.awaiting: unknown key", path);
+    CHECK_FAILS(want, "--config", path);
+    unlink(path);
 }
 
 int main(void)
@@ -194,5 +229,6 @@ int main(void)
     test_file();
     test_file_mistakes();
     test_redis_url_env();
+    test_state_settings();
     return unit_done("test_config");
 }

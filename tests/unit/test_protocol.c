@@ -47,6 +47,17 @@ static void test_good(void)
     CHECK_STR(f.text, "h\xc3\xa9llo \xf0\x9f\x91\x8d");
     cg_client_frame_clear(&f);
 
+    CHECK(parse("{\"type\":\"context.forget\",\"room\":\"trip\",\"keys\":[\"travel.from\"]}", &f, err,
+                sizeof(err)) == 0);
+    CHECK(f.type == CG_FRAME_CONTEXT_FORGET);
+    CHECK_STR(f.room, "trip");
+    CHECK(json_array_size(f.keys) == 1);
+    cg_client_frame_clear(&f);
+    CHECK(parse("{\"type\":\"context.get\"}", &f, err, sizeof(err)) == 0);
+    CHECK(f.type == CG_FRAME_CONTEXT_GET);
+    CHECK_STR(f.room, "default");
+    cg_client_frame_clear(&f);
+
     CHECK(parse("{\"type\":\"cancel\",\"id\":\"m1\"}", &f, err, sizeof(err)) == 0);
     CHECK(f.type == CG_FRAME_CANCEL);
     CHECK_STR(f.id, "m1");
@@ -70,6 +81,9 @@ static void test_bad(void)
     check_bad("{\"type\":\"message\",\"id\":\"m3\",\"room\":[],\"text\":\"x\"}", "'room' must be a string", "m3");
     check_bad("{\"type\":\"message\",\"id\":\"m4\",\"text\":\"a\\u0000b\"}", "NUL", ""); /* jansson refuses it */
     check_bad("{\"type\":\"cancel\"}", "'id'", "");
+    check_bad("{\"type\":\"context.forget\",\"keys\":\"travel.from\"}", "'keys'", "");
+    check_bad("{\"type\":\"context.forget\",\"keys\":[1]}", "'keys'", "");
+    check_bad("{\"type\":\"context.explode\"}", "unknown type", "");
     check_bad("{\"type\":\"message\",\"type\":\"cancel\"}", "duplicate", "");
     /* invalid UTF-8 inside a string: jansson refuses it */
     check_bad("{\"type\":\"message\",\"text\":\"\xff\xfe\"}", "not JSON", "");
@@ -83,7 +97,7 @@ static void test_bad(void)
 
 static void test_build(void)
 {
-    char *s = cg_protocol_ack("m1", "trip", "llm");
+    char *s = cg_protocol_ack("m1", "trip", "llm", NULL, NULL);
     json_t *o = json_loads(s, 0, NULL);
     CHECK_STR(json_string_value(json_object_get(o, "type")), "ack");
     CHECK_STR(json_string_value(json_object_get(o, "route")), "llm");

@@ -1,0 +1,33 @@
+/*
+ * identity.h: who a connection is (DESIGN.md section 4). The user id never comes from a
+ * frame: it comes from a resume token the gateway signed (auth none), an HS256 JWT (auth
+ * jwt), or a header a trusted proxy set (auth header).
+ *
+ * Pure apart from OpenSSL's HMAC: the time is passed in, secrets are passed in.
+ */
+#ifndef CHATGATE_IDENTITY_H
+#define CHATGATE_IDENTITY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define CG_MAX_USER 256
+
+/* "<user>.<base64url HMAC-SHA256(secret, user)>", malloc'd. */
+char *cg_identity_resume_token(const unsigned char *secret, size_t secret_len, const char *user);
+/* Checks a resume token; 0 with the user id in user, or -1. */
+int cg_identity_resume_check(const unsigned char *secret, size_t secret_len, const char *token, char *user,
+                             size_t userlen);
+
+/*
+ * Verifies an HS256 JWT: signature, alg, exp and nbf against now (with leeway_s), and takes
+ * sub as the user id (1 to CG_MAX_USER bytes). 0, or -1 with the reason in err.
+ */
+int cg_identity_jwt_verify(const unsigned char *secret, size_t secret_len, const char *token, int64_t now,
+                           long leeway_s, char *user, size_t userlen, char *err, size_t errlen);
+
+/* base64url without padding; the decoder returns the length or -1. Used by tests too. */
+char *cg_base64url_encode(const unsigned char *in, size_t len);
+long cg_base64url_decode(const char *in, size_t len, unsigned char *out, size_t outlen);
+
+#endif

@@ -1,0 +1,313 @@
+/*
+ * dialog.c: the dialog model of dialog.h. Every function is pure and takes the time as an
+ * argument. JSON ownership follows jansson: parts held by cg_dialog are owned references.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/dialog.h"
+#include "chatgate/error.h"
+
+void cg_lifetimes_default(cg_lifetimes *lt)
+{
+    lt->params_s = 6 * 3600;
+    lt->dialog_s = 6 * 3600;
+    lt->awaiting_s = 120;
+    lt->soft_s = 300;
+    lt->history_s = 30 * 60;
+    lt->history_n = 10;
+    lt->params_cap = 10000;
+}
+
+void cg_dialog_init(cg_dialog *d, int64_t now)
+{
+    memset(d, 0, sizeof(*d));
+    d->params = json_object();
+    d->history = json_array();
+    d->created_at = d->last_activity = now;
+}
+
+void cg_dialog_free(cg_dialog *d)
+{
+    free(d->service);
+    json_decref(d->params);
+    json_decref(d->awaiting);
+    json_decref(d->soft);
+    json_decref(d->history);
+    json_decref(d->last_tool_result);
+    memset(d, 0, sizeof(*d));
+}
+
+void cg_dialog_expire(cg_dialog *d, int64_t now)
+{
+    if (d->awaiting && d->awaiting_expires <= now) {
+        json_decref(d->awaiting);
+        d->awaiting = NULL;
+    }
+    if (d->soft && d->soft_expires <= now) {
+        json_decref(d->soft);
+        d->soft = NULL;
+    }
+}
+
+static size_t json_size(json_t *j)
+{
+    char *s = json_dumps(j, JSON_COMPACT);
+    size_t n = s ? strlen(s) : 0;
+    free(s);
+    return n;
+}
+
+int cg_dialog_merge_params(cg_dialog *d, const char *service, json_t *params, const cg_lifetimes *lt,
+                           char *err, size_t errlen)
+{
+    if (!json_is_object(params) || !service || !*service) {
+        snprintf(err, errlen, "params must be an object of a named service");
+        return CG_E_BAD_FRAME;
+    }
+    json_t *all = json_deep_copy(d->params);
+    json_t *mine = json_object_get(all, service);
+    if (!json_is_object(mine)) {
+        mine = json_object();
+        json_object_set_new(all, service, mine);
+    }
+    const char *name;
+    json_t *value;
+    json_object_foreach(params, name, value) {
+        if (json_is_null(value))
+            json_object_del(mine, name);
+        else
+            json_object_set(mine, name, value);
+    }
+    if (json_object_size(mine) == 0)
+        json_object_del(all, service);
+    size_t size = json_size(all);
+    if ((long)size > lt->params_cap) {
+        snprintf(err, errlen, "params would take %zu bytes, over the %ld-byte cap; nothing was changed", size,
+                 lt->params_cap);
+        json_decref(all);
+        return CG_E_TOO_LARGE;
+    }
+    json_decref(d->params);
+    d->params = all;
+    return 0;
+}
+
+json_t *cg_dialog_params_merged(const cg_dialog *d, const char *service, json_t *defaults)
+{
+    json_t *out = json_is_object(defaults) ? json_deep_copy(defaults) : json_object();
+    json_t *kept = service ? json_object_get(d->params, service) : NULL;
+    if (json_is_object(kept))
+        json_object_update(out, kept);
+    return out;
+}
+
+int cg_dialog_forget(cg_dialog *d, json_t *keys)
+{
+    int n = 0;
+    size_t i;
+    json_t *k;
+    json_array_foreach(keys, i, k) {
+        if (!json_is_string(k))
+            continue;
+        const char *key = json_string_value(k);
+        const char *dot = strchr(key, '.');
+        char service[128];
+        const char *name = key;
+        if (dot && (size_t)(dot - key) < sizeof(service)) {
+            snprintf(service, sizeof(service), "%.*s", (int)(dot - key), key);
+            name = dot + 1;
+        } else if (d->service) {
+            snprintf(service, sizeof(service), "%s", d->service);
+        } else {
+            continue;
+        }
+        json_t *mine = json_object_get(d->params, service);
+        if (json_object_del(mine, name) == 0)
+            n++;
+        if (json_is_object(mine) && json_object_size(mine) == 0)
+            json_object_del(d->params, service);
+    }
+    return n;
+}
+
+static void set_service(cg_dialog *d, const char *service)
+{
+    free(d->service);
+    d->service = service ? strdup(service) : NULL;
+}
+
+int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, int64_t now,
+                              const cg_lifetimes *lt, char *err, size_t errlen)
+{
+    if (!json_is_object(state)) {
+        snprintf(err, errlen, "state must be an object");
+        return CG_E_BAD_FRAME;
+    }
+    json_t *service = json_object_get(state, "service");
+    if (json_is_string(service) && json_string_length(service) > 0 && json_string_length(service) <= 64)
+        set_service(d, json_string_value(service));
+    json_t *params = json_object_get(state, "params");
+    if (params) {
+        if (!d->service) {
+            snprintf(err, errlen, "state.params needs a service (state.service, or an active one)");
+            return CG_E_BAD_FRAME;
+        }
+        int rc = cg_dialog_merge_params(d, d->service, params, lt, err, errlen);
+        if (rc < 0)
+            return rc;
+    }
+    json_t *awaiting = json_object_get(state, "awaiting");
+    if (json_is_null(awaiting)) {
+        json_decref(d->awaiting);
+        d->awaiting = NULL;
+    } else if (json_is_object(awaiting)) {
+        json_t *type = json_object_get(awaiting, "type");
+        static const char *const types[] = {"selection", "confirmation", "metadata", "input"};
+        int ok = 0;
+        for (size_t i = 0; json_is_string(type) && i < 4; i++)
+            ok |= strcmp(json_string_value(type), types[i]) == 0;
+        if (!ok) {
+            snprintf(err, errlen, "state.awaiting.type must be selection, confirmation, metadata or input");
+            return CG_E_BAD_FRAME;
+        }
+        json_t *ttl = json_object_get(awaiting, "ttl");
+        long seconds = json_is_integer(ttl) && json_integer_value(ttl) > 0 ? (long)json_integer_value(ttl)
+                                                                             : lt->awaiting_s;
+        json_t *a = json_pack("{s:O, s:O, s:O, s:s}", "type", type, "options",
+                              json_object_get(awaiting, "options") ? json_object_get(awaiting, "options")
+                                                                   : json_null(),
+                              "context",
+                              json_object_get(awaiting, "context") ? json_object_get(awaiting, "context")
+                                                                   : json_null(),
+                              "source", source ? source : "");
+        json_decref(d->awaiting);
+        d->awaiting = a;
+        d->awaiting_expires = now + seconds;
+    }
+    json_t *soft = json_object_get(state, "soft_context");
+    if (json_is_null(soft)) {
+        json_decref(d->soft);
+        d->soft = NULL;
+    } else if (json_is_object(soft)) {
+        json_decref(d->soft);
+        d->soft = json_deep_copy(soft);
+        d->soft_expires = now + lt->soft_s;
+    }
+    json_t *tool = json_object_get(state, "last_tool_result");
+    if (tool) {
+        json_decref(d->last_tool_result);
+        d->last_tool_result = json_is_null(tool) ? NULL : json_deep_copy(tool);
+    }
+    return 0;
+}
+
+void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
+                            const cg_lifetimes *lt, json_t *extra)
+{
+    json_t *m = json_pack("{s:s, s:s, s:I}", "role", role, "content", content, "ts", (json_int_t)ts);
+    if (!m)
+        return; /* content that is not UTF-8 never reaches here: it came from JSON */
+    if (json_is_object(extra))
+        json_object_update(m, extra);
+    json_array_append_new(d->history, m);
+    while ((long)json_array_size(d->history) > lt->history_n)
+        json_array_remove(d->history, 0);
+}
+
+static json_t *or_null(json_t *j)
+{
+    return j ? json_incref(j) : json_null();
+}
+
+json_t *cg_dialog_context(const cg_dialog *d)
+{
+    return json_pack("{s:o, s:O, s:o, s:o, s:O, s:{s:I, s:I, s:I, s:I}, s:o}", "service",
+                     d->service ? json_string(d->service) : json_null(), "params", d->params, "awaiting",
+                     or_null(d->awaiting), "soft_context", or_null(d->soft), "history", d->history, "meta",
+                     "created_at", (json_int_t)d->created_at, "last_activity", (json_int_t)d->last_activity,
+                     "turn_count", (json_int_t)d->turn_count, "message_count", (json_int_t)d->message_count,
+                     "last_tool_result", or_null(d->last_tool_result));
+}
+
+json_t *cg_dialog_to_json(const cg_dialog *d)
+{
+    json_t *j = cg_dialog_context(d);
+    json_object_set_new(j, "awaiting_expires", json_integer(d->awaiting ? d->awaiting_expires : 0));
+    json_object_set_new(j, "soft_expires", json_integer(d->soft ? d->soft_expires : 0));
+    return j;
+}
+
+static int64_t int_of(json_t *o, const char *key)
+{
+    json_t *v = json_object_get(o, key);
+    return json_is_integer(v) ? (int64_t)json_integer_value(v) : 0;
+}
+
+void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now)
+{
+    cg_dialog_init(d, now);
+    if (!json_is_object(j))
+        return;
+    json_t *service = json_object_get(j, "service");
+    if (json_is_string(service))
+        set_service(d, json_string_value(service));
+    json_t *params = json_object_get(j, "params");
+    if (json_is_object(params)) {
+        json_decref(d->params);
+        d->params = json_deep_copy(params);
+    }
+    json_t *awaiting = json_object_get(j, "awaiting");
+    if (json_is_object(awaiting)) {
+        d->awaiting = json_deep_copy(awaiting);
+        d->awaiting_expires = int_of(j, "awaiting_expires");
+    }
+    json_t *soft = json_object_get(j, "soft_context");
+    if (json_is_object(soft)) {
+        d->soft = json_deep_copy(soft);
+        d->soft_expires = int_of(j, "soft_expires");
+    }
+    json_t *history = json_object_get(j, "history");
+    if (json_is_array(history)) {
+        json_decref(d->history);
+        d->history = json_deep_copy(history);
+    }
+    json_t *tool = json_object_get(j, "last_tool_result");
+    if (tool && !json_is_null(tool))
+        d->last_tool_result = json_deep_copy(tool);
+    json_t *meta = json_object_get(j, "meta");
+    if (json_is_object(meta)) {
+        d->created_at = int_of(meta, "created_at") ? int_of(meta, "created_at") : now;
+        d->last_activity = int_of(meta, "last_activity") ? int_of(meta, "last_activity") : now;
+        d->turn_count = (long)int_of(meta, "turn_count");
+        d->message_count = (long)int_of(meta, "message_count");
+    }
+    cg_dialog_expire(d, now);
+}
+
+char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params)
+{
+    json_t *parts = json_object();
+    if (d->service)
+        json_object_set_new(parts, "service", json_string(d->service));
+    if (json_object_size(merged_params))
+        json_object_set(parts, "params", merged_params);
+    if (d->awaiting)
+        json_object_set_new(parts, "awaiting", json_pack("{s:O, s:O}", "type", json_object_get(d->awaiting, "type"),
+                                                         "options", json_object_get(d->awaiting, "options")));
+    if (d->soft)
+        json_object_set(parts, "soft_context", d->soft);
+    char *out;
+    if (json_object_size(parts) == 0) {
+        out = strdup("");
+    } else {
+        char *s = json_dumps(parts, JSON_COMPACT);
+        size_t n = strlen(s) + 64;
+        out = malloc(n);
+        snprintf(out, n, "What the conversation has established so far: %s", s);
+        free(s);
+    }
+    json_decref(parts);
+    return out;
+}
