@@ -24,6 +24,7 @@ static struct lws_protocols protocols[] = {
     {"chatgate.v1", cg_session_callback, 0, 4096, 0, NULL, 0},
     {CG_LWS_PROTOCOL_OPENAI, cg_upstream_openai_callback, 0, 4096, 0, NULL, 0},
     {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
+    {CG_LWS_PROTOCOL_OPS, cg_ops_callback, 0, 0, 0, NULL, 0},
     {NULL, NULL, 0, 0, 0, NULL, 0}, /* 4.1 has no LWS_PROTOCOL_LIST_TERM */
 };
 
@@ -111,6 +112,16 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->mount.origin = cfg->web_dir;
     gw->mount.def = "index.html";
     gw->mount.origin_protocol = LWSMPRO_FILE;
+    gw->mount.mount_next = &gw->mount_metrics;
+    static const struct { const char *path; } ops_paths[] = {{"/metrics"}, {"/healthz"}};
+    struct lws_http_mount *ops_mounts[] = {&gw->mount_metrics, &gw->mount_healthz};
+    for (int i = 0; i < 2; i++) {
+        ops_mounts[i]->mountpoint = ops_paths[i].path;
+        ops_mounts[i]->mountpoint_len = (unsigned char)strlen(ops_paths[i].path);
+        ops_mounts[i]->protocol = CG_LWS_PROTOCOL_OPS;
+        ops_mounts[i]->origin_protocol = LWSMPRO_CALLBACK;
+    }
+    gw->mount_metrics.mount_next = &gw->mount_healthz;
 
     void *foreign_loops[1] = {loop};
     struct lws_context_creation_info info;

@@ -160,6 +160,10 @@ static void session_send(cg_session *s, char *json)
 
 static void session_send_error(cg_session *s, const char *id, int err, const char *message)
 {
+    if (err == CG_E_BAD_FRAME || err == CG_E_TOO_LARGE)
+        s->gw->metrics.bad_frames++;
+    else if (err == CG_E_RATE_LIMITED)
+        s->gw->metrics.rate_limited++;
     session_send(s, cg_protocol_error(id, cg_err_code(err), message));
 }
 
@@ -218,6 +222,7 @@ static int session_write_one(cg_session *s)
     out_free(o);
     int n = lws_write(s->wsi, buf + LWS_PRE, len, LWS_WRITE_TEXT);
     free(buf);
+    s->gw->metrics.frames_out++;
     if (n < (int)len)
         return -1;
     if (s->unauthorized && !s->out_head) {
@@ -281,6 +286,9 @@ static void turn_save(cg_msg *m, turn_end end)
     }
     if (end == TURN_DONE)
         d->turn_count++;
+    unsigned long *count = end == TURN_DONE ? &s->gw->metrics.turns_done
+                           : end == TURN_ERROR ? &s->gw->metrics.turns_error : &s->gw->metrics.turns_cancelled;
+    (*count)++;
     d->last_activity = now;
     s->gw->store->ops->save(s->gw->store, s->user, m->room, d, NULL, NULL);
 }
@@ -421,9 +429,11 @@ static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *sta
     m->load = NULL;
     m->dialog = *d; /* ours now */
     m->has_dialog = 1;
-    if (status->warn)
+    if (status->warn) {
+        m->s->gw->metrics.degraded_warnings++;
         session_send(m->s, cg_protocol_warning(m->kind == MSG_CHAT ? m->id : NULL, "store_degraded",
                                                "state kept in memory: Redis unreachable"));
+    }
     if (m->kind == MSG_CHAT)
         turn_start(m);
     else
@@ -512,6 +522,8 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
     m->keys = f->keys;
     f->keys = NULL;
     m->arrived = session_now(s);
+    if (chat)
+        s->gw->metrics.messages++;
     if (s->queue_tail)
         s->queue_tail->next = m;
     else
@@ -608,6 +620,7 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
     }
     if (!lws_is_final_fragment(wsi))
         return;
+    s->gw->metrics.frames_in++;
     char err[128];
     if (lws_frame_is_binary(wsi)) {
         session_send_error(s, NULL, CG_E_BAD_FRAME, "binary frames are not accepted: send JSON text frames");
@@ -691,6 +704,7 @@ static void session_open(cg_session *s, struct lws *wsi)
         cg_warn("session %s: refused: %s", s->session_id, err);
         s->unauthorized = 1;
         s->user[0] = 0;
+        gw->metrics.unauthorized++;
         session_send_error(s, NULL, CG_E_UNAUTHORIZED, err);
         return;
     }
@@ -786,11 +800,13 @@ static int session_confirm_upgrade(struct lws *wsi)
     }
     if (!origin_allowed(wsi, gw->cfg->allow_origin)) {
         cg_warn("refused a connection from another site's page (Origin not allowed; see --allow-origin)");
+        gw->metrics.refused_connections++;
         return refuse_upgrade(wsi, 403, "Forbidden", "this Origin may not connect (see --allow-origin)\n");
     }
     if (gw->n_sessions >= gw->cfg->max_connections) {
         cg_warn("refused a connection: %ld connected, the limit is %ld", gw->n_sessions,
                 gw->cfg->max_connections);
+        gw->metrics.refused_connections++;
         return refuse_upgrade(wsi, 503, "Service Unavailable", "too many connections\n");
     }
     return 0;

@@ -65,7 +65,6 @@ struct redis_store {
     uv_timer_t tick;          /* command timeouts */
     int backoff;
     int ever_connected;
-    uint64_t degraded_since;
     cg_memstore *mem;
     json_t *dirty;  /* key -> {"user","room","v"}: written to memory only */
     json_t *warned; /* keys told "store_degraded" in this outage */
@@ -90,7 +89,7 @@ static void enter_degraded(redis_store *rs, const char *why)
     if (rs->base.stats.degraded)
         return;
     rs->base.stats.degraded = 1;
-    rs->degraded_since = now_ms(rs);
+    rs->base.stats.degraded_since_ms = now_ms(rs);
     cg_warn("redis %s:%d: %s; serving dialogs from memory until it is back", rs->host, rs->port, why);
 }
 
@@ -99,7 +98,7 @@ static void leave_degraded(redis_store *rs)
     if (!rs->base.stats.degraded)
         return;
     rs->base.stats.degraded = 0;
-    rs->base.stats.degraded_seconds += (double)(now_ms(rs) - rs->degraded_since) / 1000.0;
+    rs->base.stats.degraded_seconds += (double)(now_ms(rs) - rs->base.stats.degraded_since_ms) / 1000.0;
     json_object_clear(rs->warned);
 }
 

@@ -13,6 +13,7 @@
 
 #include "chatgate/config.h"
 #include "chatgate/dialog.h"
+#include "chatgate/ops.h"
 #include "chatgate/store.h"
 #include "chatgate/upstream.h"
 
@@ -26,7 +27,8 @@ struct cg_gateway {
     long n_sessions;            /* WebSocket clients connected now */
     unsigned long session_seq; /* for session ids */
     uv_signal_t sig_term, sig_int;
-    struct lws_http_mount mount;
+    struct lws_http_mount mount, mount_metrics, mount_healthz;
+    cg_metrics metrics;
     cg_store *store;
     cg_lifetimes lifetimes;
     unsigned char resume_secret[64]; /* CHATGATE_RESUME_SECRET, or random per process */

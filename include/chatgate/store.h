@@ -40,7 +40,8 @@ typedef struct cg_store_stats {
     unsigned long reconnects;        /* successful connects after the first */
     unsigned long flushed;           /* dialogs written back to Redis after an outage */
     unsigned long evictions;         /* dialogs dropped by the memory bound */
-    double degraded_seconds;         /* time spent with Redis away */
+    double degraded_seconds;         /* time spent with Redis away, up to the last recovery */
+    uint64_t degraded_since_ms;      /* uv_now() when the current outage began */
     int degraded;                    /* Redis is away now */
 } cg_store_stats;
 

@@ -1,0 +1,32 @@
+/*
+ * ops.h: the operator's HTTP endpoints: GET /healthz and GET /metrics (Prometheus text).
+ *
+ * /healthz is 200 while serving, "degraded" when the store is away (a load balancer must
+ * not drop every gateway because Redis is), 503 only while shutting down (DESIGN.md
+ * section 8). /metrics shows the gateway's counters and the store's.
+ */
+#ifndef CHATGATE_OPS_H
+#define CHATGATE_OPS_H
+
+#include <uv.h>
+#include <libwebsockets.h>
+
+#define CG_LWS_PROTOCOL_OPS "cg-ops"
+
+/* Counters of the whole gateway; one worker, so plain integers. */
+typedef struct cg_metrics {
+    unsigned long messages;     /* chat messages accepted into a queue */
+    unsigned long turns_done;   /* messages answered with done */
+    unsigned long turns_error;  /* ... with error */
+    unsigned long turns_cancelled;
+    unsigned long frames_in, frames_out;
+    unsigned long bad_frames;
+    unsigned long rate_limited;
+    unsigned long refused_connections;
+    unsigned long unauthorized;
+    unsigned long degraded_warnings; /* store_degraded sent to clients */
+} cg_metrics;
+
+int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);
+
+#endif

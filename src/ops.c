@@ -1,0 +1,88 @@
+/*
+ * ops.c: GET /healthz and GET /metrics (see ops.h), served by lws callback mounts on the
+ * same listener as the demo page. Each answer is small and written at once.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "chatgate/gateway.h"
+#include "chatgate/ops.h"
+
+static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
+{
+    const cg_metrics *m = &gw->metrics;
+    const cg_store_stats *st = &gw->store->stats;
+    double degraded = st->degraded_seconds;
+    if (st->degraded)
+        degraded += (double)(uv_now(gw->loop) - st->degraded_since_ms) / 1000.0;
+    int n = snprintf(
+        buf, len,
+        "# HELP chatgate_connections WebSocket clients connected now.\n"
+        "# TYPE chatgate_connections gauge\nchatgate_connections %ld\n"
+        "# TYPE chatgate_messages_total counter\nchatgate_messages_total %lu\n"
+        "# TYPE chatgate_turns_total counter\n"
+        "chatgate_turns_total{end=\"done\"} %lu\nchatgate_turns_total{end=\"error\"} %lu\n"
+        "chatgate_turns_total{end=\"cancelled\"} %lu\n"
+        "# TYPE chatgate_frames_in_total counter\nchatgate_frames_in_total %lu\n"
+        "# TYPE chatgate_frames_out_total counter\nchatgate_frames_out_total %lu\n"
+        "# TYPE chatgate_bad_frames_total counter\nchatgate_bad_frames_total %lu\n"
+        "# TYPE chatgate_rate_limited_total counter\nchatgate_rate_limited_total %lu\n"
+        "# TYPE chatgate_refused_connections_total counter\nchatgate_refused_connections_total %lu\n"
+        "# TYPE chatgate_unauthorized_total counter\nchatgate_unauthorized_total %lu\n"
+        "# HELP chatgate_store_degraded 1 while Redis is away and dialogs are served from memory.\n"
+        "# TYPE chatgate_store_degraded gauge\nchatgate_store_degraded %d\n"
+        "# TYPE chatgate_store_degraded_seconds_total counter\nchatgate_store_degraded_seconds_total %.3f\n"
+        "# TYPE chatgate_store_degraded_warnings_total counter\nchatgate_store_degraded_warnings_total %lu\n"
+        "# TYPE chatgate_store_operations_total counter\n"
+        "chatgate_store_operations_total{op=\"load\"} %lu\nchatgate_store_operations_total{op=\"save\"} %lu\n"
+        "chatgate_store_operations_total{op=\"delete\"} %lu\n"
+        "# TYPE chatgate_store_errors_total counter\nchatgate_store_errors_total %lu\n"
+        "# TYPE chatgate_store_memory_answers_total counter\nchatgate_store_memory_answers_total %lu\n"
+        "# TYPE chatgate_store_reconnects_total counter\nchatgate_store_reconnects_total %lu\n"
+        "# TYPE chatgate_store_written_back_total counter\nchatgate_store_written_back_total %lu\n"
+        "# HELP chatgate_store_evictions_total Dialogs dropped by the in-memory bound (max_dialogs).\n"
+        "# TYPE chatgate_store_evictions_total counter\nchatgate_store_evictions_total %lu\n",
+        gw->n_sessions, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
+        m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
+        m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers, st->reconnects,
+        st->flushed, st->evictions);
+    return n < 0 ? 0 : (size_t)n < len ? (size_t)n : len - 1;
+}
+
+static int respond(struct lws *wsi, int status, const char *type, const char *body, size_t len)
+{
+    unsigned char buf[LWS_PRE + 8192];
+    unsigned char *start = buf + LWS_PRE, *p = start, *end = buf + sizeof(buf);
+    if (lws_add_http_common_headers(wsi, (unsigned int)status, type, (lws_filepos_t)len, &p, end) ||
+        lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_CACHE_CONTROL, (const unsigned char *)"no-store", 8, &p,
+                                     end) ||
+        lws_finalize_write_http_header(wsi, start, &p, end))
+        return -1;
+    if (lws_write(wsi, (unsigned char *)body, len, LWS_WRITE_HTTP_FINAL) < (int)len)
+        return -1;
+    return lws_http_transaction_completed(wsi) ? -1 : 0;
+}
+
+int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+{
+    if (reason != LWS_CALLBACK_HTTP)
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    cg_gateway *gw = cg_gateway_of(wsi);
+    char uri[64];
+    static char body[LWS_PRE + 8192];
+    char *text = body + LWS_PRE;
+    size_t cap = sizeof(body) - LWS_PRE;
+    lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI);
+    if (strcmp(uri, "/metrics") == 0) {
+        size_t n = metrics_text(gw, text, cap);
+        return respond(wsi, 200, "text/plain; version=0.0.4", text, n);
+    }
+    if (strcmp(uri, "/healthz") == 0) {
+        int degraded = gw->store->stats.degraded;
+        int n = snprintf(text, cap, degraded ? "{\"status\":\"degraded\",\"store\":\"redis unreachable: serving from memory\"}\n"
+                                             : "{\"status\":\"ok\"}\n");
+        return respond(wsi, 200, "application/json", text, (size_t)n);
+    }
+    int n = snprintf(text, cap, "not found\n");
+    return respond(wsi, 404, "text/plain", text, (size_t)n);
+}
