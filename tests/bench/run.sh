@@ -10,6 +10,9 @@
 #   CG_BENCH_ARGS   extra cg_bench options, e.g. "--warmup 2 --progress"
 #   CHATGATE_BIN    gateway binary (default BUILD_DIR/chatgate)
 #   CG_BENCH_KEEP=1 keep the temporary directory (config, gateway log)
+#   CG_BENCH_STORE=redis  run against a redis-server started here on a free
+#                   port (default: the in-memory store); prints Redis
+#                   commands and round trips per message (INFO commandstats)
 #
 # Exit status: 0 on a complete run; cg_bench's status if it failed (1: no
 # connection, no completed message, or every connection lost); 1 if the
@@ -52,12 +55,17 @@ fi
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_bench.XXXXXX") || exit 1
 gateway_pid=
+redis_pid=
 
 # shellcheck disable=SC2317  # called through the EXIT trap
 cleanup() {
 	if [ -n "$gateway_pid" ] && kill -0 "$gateway_pid" 2>/dev/null; then
 		kill -KILL "$gateway_pid" 2>/dev/null
 		wait "$gateway_pid" 2>/dev/null
+	fi
+	if [ -n "$redis_pid" ]; then
+		kill -TERM "$redis_pid" 2>/dev/null
+		wait "$redis_pid" 2>/dev/null
 	fi
 	if [ "${CG_BENCH_KEEP:-0}" = 1 ]; then
 		echo "run.sh: kept $tmp" >&2
@@ -95,12 +103,25 @@ pick_free_port() {
 	return 1
 }
 
+store=memory
+if [ "${CG_BENCH_STORE:-memory}" = redis ]; then
+	redis_port=$(pick_free_port) || exit 1
+	redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" \
+		>"$tmp/redis.log" 2>&1 &
+	redis_pid=$!
+	for _ in $(seq 1 50); do
+		redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break
+		sleep 0.1
+	done
+	store="redis://127.0.0.1:$redis_port"
+fi
+
 # Start the gateway; a port taken between the check and the bind makes it exit
 # at once, so try a few ports.
 started=0
 for attempt in 1 2 3; do
 	port=$(pick_free_port) || break
-	"$gateway" --listen "127.0.0.1:$port" --config "$tmp/config.json" >"$tmp/gateway.log" 2>&1 &
+	"$gateway" --listen "127.0.0.1:$port" --config "$tmp/config.json" --store "$store" >"$tmp/gateway.log" 2>&1 &
 	gateway_pid=$!
 	for _ in $(seq 1 100); do
 		if ! kill -0 "$gateway_pid" 2>/dev/null; then
@@ -127,7 +148,7 @@ if [ $started != 1 ]; then
 	exit 1
 fi
 
-echo "run.sh: gateway pid $gateway_pid on 127.0.0.1:$port; $conns connections for $secs s"
+echo "run.sh: gateway pid $gateway_pid on 127.0.0.1:$port; store $store; $conns connections for $secs s"
 # shellcheck disable=SC2086  # CG_BENCH_ARGS is a list of options
 "$bench" --url "ws://127.0.0.1:$port/ws" --connections "$conns" --duration "$secs" \
 	--pid "$gateway_pid" ${CG_BENCH_ARGS:-} | tee "$tmp/bench.out"
@@ -168,4 +189,15 @@ if [ "$bench_status" != 0 ]; then
 	exit "$bench_status"
 fi
 grep '^RESULT ' "$tmp/bench.out"
+if [ -n "$redis_pid" ]; then
+	# Every turn is one load and one save, each a MULTI/EXEC sent in one write: so the
+	# EXEC count is the round trips, and half of it the turns (warmup included).
+	redis-cli -p "$redis_port" info commandstats | tr -d '\r' | awk -F'[:=,]' '
+		/^cmdstat_/ { total += $3; if ($1 == "cmdstat_exec") execs = $3 }
+		END {
+			if (!execs) { print "REDIS no transactions"; exit }
+			printf "REDIS commands=%d round_trips=%d turns=%d commands_per_message=%.1f round_trips_per_message=%.1f\n",
+				total, execs, execs / 2, total / (execs / 2), 2
+		}'
+fi
 exit "$stop_status"
