@@ -76,6 +76,7 @@ struct redis_store {
 
 static void redis_connect(redis_store *rs);
 static void store_free_if_done(redis_store *rs);
+static void finish_close(redis_store *rs);
 
 static uint64_t now_ms(redis_store *rs)
 {
@@ -720,6 +721,11 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
     if (ac != rs->ac)
         return; /* we freed it ourselves */
     rs->ac = NULL;
+    if (rs->closing) { /* the graceful close of rs_close is complete */
+        uv_timer_stop(&rs->connect_timer);
+        finish_close(rs);
+        return;
+    }
     rs->state = R_CLOSED;
     enter_degraded(rs, ac->errstr[0] ? ac->errstr : "connection closed");
     schedule_reconnect(rs);
@@ -850,23 +856,47 @@ static void store_free_if_done(redis_store *rs)
     free(rs);
 }
 
+/* The last step of close: the timers go, and the store with the last handle. */
+static void finish_close(redis_store *rs)
+{
+    if (uv_is_closing((uv_handle_t *)&rs->connect_timer))
+        return;
+    uv_close((uv_handle_t *)&rs->connect_timer, handle_closed);
+    uv_close((uv_handle_t *)&rs->tick, handle_closed);
+}
+
+static void on_close_deadline(uv_timer_t *t)
+{
+    redis_store *rs = t->data;
+    if (rs->ac) {
+        redisAsyncContext *ac = rs->ac;
+        rs->ac = NULL;
+        if (rs->head)
+            cg_warn("redis %s:%d: writes still unanswered at shutdown are lost", rs->host, rs->port);
+        redisAsyncFree(ac);
+    }
+    finish_close(rs);
+}
+
+/*
+ * Shutdown: the saves the sessions just made are still on their way, so the connection is
+ * closed gracefully (hiredis waits for pending replies), for at most a second.
+ */
 static void rs_close(cg_store *st)
 {
     redis_store *rs = (redis_store *)st;
     rs->closing = 1;
+    uv_timer_stop(&rs->tick);
+    uv_timer_stop(&rs->connect_timer);
     if (json_object_size(rs->dirty))
         cg_warn("redis %s:%d: stopping with %zu dialogs not yet written back", rs->host, rs->port,
                 json_object_size(rs->dirty));
-    rs->handles++; /* held while freeing the context, whose callbacks finish requests */
-    if (rs->ac) {
-        redisAsyncContext *ac = rs->ac;
-        rs->ac = NULL;
-        redisAsyncFree(ac);
+    if (rs->ac && rs->state == R_CONNECTED && rs->head) {
+        redisAsyncDisconnect(rs->ac);
+        uv_timer_start(&rs->connect_timer, on_close_deadline, 1000, 0);
+        return;
     }
-    uv_close((uv_handle_t *)&rs->connect_timer, handle_closed);
-    uv_close((uv_handle_t *)&rs->tick, handle_closed);
-    rs->handles--;
-    store_free_if_done(rs);
+    on_close_deadline(&rs->connect_timer);
 }
 
 static const cg_store_ops redis_ops = {
