@@ -72,7 +72,7 @@ struct cg_session {
     struct lws *wsi;
     cg_gateway *gw;
     int established;
-    int unauthorized; /* close with 1008 once the error frame is out */
+    int unauthorized; /* 1: close with 1008 once the error frame is out; 2: close frame sent */
     char user[CG_MAX_USER + 1];
     char session_id[24];
     unsigned long auto_id;
@@ -203,6 +203,25 @@ static void session_send_delta(cg_session *s, const char *id, const char *text, 
 static int session_write_one(cg_session *s)
 {
     cg_out *o = s->out_head;
+    if (!o && s->unauthorized) {
+        /*
+         * The error frame is out; now the close frame with 1008, written here because
+         * lws 4.1 did not send the one lws_close_reason() prepares when this callback
+         * returned -1 (tried: the peer saw 1006). The connection goes at the next writable.
+         */
+        if (s->unauthorized == 2)
+            return -1;
+        unsigned char close[LWS_PRE + 16] = {0};
+        static const char reason[] = "unauthorized";
+        close[LWS_PRE] = LWS_CLOSE_STATUS_POLICY_VIOLATION >> 8;
+        close[LWS_PRE + 1] = LWS_CLOSE_STATUS_POLICY_VIOLATION & 0xff;
+        memcpy(close + LWS_PRE + 2, reason, sizeof(reason) - 1);
+        /* 4 is LWS_WRITE_CLOSE, which lws 4.1's public header leaves out */
+        lws_write(s->wsi, close + LWS_PRE, 2 + sizeof(reason) - 1, (enum lws_write_protocol)4);
+        s->unauthorized = 2;
+        lws_callback_on_writable(s->wsi);
+        return 0;
+    }
     if (!o)
         return 0;
     s->out_head = o->next;
@@ -225,11 +244,7 @@ static int session_write_one(cg_session *s)
     s->gw->metrics.frames_out++;
     if (n < (int)len)
         return -1;
-    if (s->unauthorized && !s->out_head) {
-        lws_close_reason(s->wsi, LWS_CLOSE_STATUS_POLICY_VIOLATION, (unsigned char *)"unauthorized", 12);
-        return -1;
-    }
-    if (s->out_head)
+    if (s->out_head || s->unauthorized) /* the close goes in a writable of its own */
         lws_callback_on_writable(s->wsi);
     session_flow(s);
     return 0;

@@ -313,7 +313,7 @@ static char *rooms_key(redis_store *rs, const char *user)
 
 static json_t *parse_json_reply(redisReply *r)
 {
-    return r && r->type == REDIS_REPLY_STRING ? json_loadb(r->str, r->len, 0, NULL) : NULL;
+    return r && r->type == REDIS_REPLY_STRING ? json_loadb(r->str, r->len, JSON_DECODE_ANY, NULL) : NULL;
 }
 
 /* Turns the five replies of a load into the JSON cg_dialog_from_json reads. */
@@ -506,19 +506,23 @@ static void send_save(redis_store *rs, cg_store_req *r)
     arg_own(&a, dialog_key(rs, r->key, "params"));
     send_argv(rs, &a, NULL, NULL);
     if (json_object_size(d.params)) {
-        arg_str(&a, "HSET");
-        arg_own(&a, dialog_key(rs, r->key, "params"));
+        /* one HSET per 100 fields, so any number of params fits the argument buffer */
         const char *service, *name;
         json_t *names, *value;
         json_object_foreach(d.params, service, names) {
             json_object_foreach(names, name, value) {
-                if (a.argc > 250)
-                    break;
+                if (a.argc == 0) {
+                    arg_str(&a, "HSET");
+                    arg_own(&a, dialog_key(rs, r->key, "params"));
+                }
                 arg_fmt(&a, "%s.%s", service, name);
                 arg_own(&a, json_dumps(value, JSON_COMPACT | JSON_ENCODE_ANY));
+                if (a.argc >= 202)
+                    send_argv(rs, &a, NULL, NULL);
             }
         }
-        send_argv(rs, &a, NULL, NULL);
+        if (a.argc)
+            send_argv(rs, &a, NULL, NULL);
         arg_str(&a, "EXPIRE");
         arg_own(&a, dialog_key(rs, r->key, "params"));
         arg_fmt(&a, "%ld", lt->params_s);

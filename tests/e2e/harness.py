@@ -149,8 +149,8 @@ class Gateway:
     `Gateway(args, config)` runs `chatgate --listen 127.0.0.1:PORT [--config FILE] *args`
     with the repository root as working directory (so the default web/ and rules/ are
     found). `config` may be a dict (written as JSON) or a string (written as is). `env`
-    adds environment variables; CHATGATE_* variables of the caller are not inherited, so a
-    test sees only what it sets.
+    adds environment variables; CHATGATE_* variables and REDIS_URL of the caller are not
+    inherited, so a test sees only what it sets.
 
     Use `async with Gateway(...) as gw:` in tests (start and stop do not block the loop,
     which also runs the fake upstreams), or `start()`/`stop()` with try/finally.
@@ -201,7 +201,9 @@ class Gateway:
             self.config_path = self.dir / "config.json"
             text = self.config if isinstance(self.config, str) else json.dumps(self.config, indent=2)
             self.config_path.write_text(text)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CHATGATE_")}
+        # Neither the caller's CHATGATE_* nor REDIS_URL (the gateway's default store).
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("CHATGATE_") and k != "REDIS_URL"}
         env.update(self.extra_env)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -603,6 +605,8 @@ class FakeOpenAI:
       cutoff   3 words, then the connection is reset (no [DONE], no last chunk).
       hang     reads the request and never answers.
       garbage  200 text/event-stream whose data lines are not JSON.
+      script   by the last user message: "FAIL" in it -> err500; "SLOW" -> `slow_words`
+               words `slow_interval` apart (w0 w1 ...); else "echo: <text>" word by word.
     Every request is kept in `requests` (path, lower-cased headers, parsed JSON body, timing).
     """
 
@@ -761,6 +765,21 @@ class FakeOpenAI:
                 return False
         return await self._sse_end(conn, req, count)
 
+    async def _do_script(self, conn, req):
+        text = str(req.last_user_text)
+        if "FAIL" in text:
+            return await self._do_err500(conn, req)
+        if "SLOW" in text:
+            return await self._do_slow(conn, req)
+        words = words_of("echo: " + text)
+        req.reply_text = "".join(words)
+        if not await self._sse_head(conn, req):
+            return False
+        for w in words:
+            if not await self._write(conn, req, chunk(sse_event(completion_chunk({"content": w})))):
+                return False
+        return await self._sse_end(conn, req, len(words))
+
     async def _do_slow(self, conn, req):
         return await self._stream_words(conn, req, self.slow_words, self.slow_interval)
 
@@ -885,6 +904,12 @@ class FakeApp:
       /reply_then_garbage  odd messages of a connection as /app, even ones get "oops{".
       /close    closes the connection as soon as a message arrives.
       /close_mid  two deltas, then closes the connection (no done).
+      /state    the "state app": replies "app got: <text before STATE:>" word by word, and
+                its done carries a state directive (DESIGN.md section 5) when the test
+                scripted one: the JSON after "STATE:" in the user's text, else
+                `directives[id]` (popped). "[delay=S]" in the text sleeps S seconds after
+                the first delta (for ordering and cancel tests). Every frame is recorded
+                (`message_frame(id)` finds the forwarded message frame of an id).
     """
 
     def __init__(self):
@@ -894,6 +919,7 @@ class FakeApp:
         self.slow_deltas = 100
         self.slow_interval = 0.1
         self.variant = 0  # counts the replies of the _utf8 paths
+        self.directives = {}  # /state: message id -> state directive for its done
 
     async def start(self):
         self.server = await websockets.serve(self._handler, "127.0.0.1", 0, max_size=2**22)
@@ -925,6 +951,22 @@ class FakeApp:
     @property
     def messages(self):
         return [m for c in self.connections for m in c.messages]
+
+    def message_frame(self, mid):
+        """The last message frame with id `mid` the app received (any connection), or None."""
+        found = None
+        for conn in self.connections:
+            for m in conn.messages:
+                if m.get("id") == mid:
+                    found = m
+        return found
+
+    async def wait_message(self, mid, timeout=DEFAULT_TIMEOUT):
+        """The message frame with id `mid`, waiting for it."""
+        if not await wait_until(lambda: self.message_frame(mid) is not None, timeout):
+            fail(f"the fake app got no message with id {mid!r} within {timeout}s; ids so far: "
+                 f"{[m.get('id') for m in self.messages][-10:]}")
+        return self.message_frame(mid)
 
     async def next_connection(self, after=0, timeout=DEFAULT_TIMEOUT):
         deadline = time.monotonic() + timeout
@@ -979,6 +1021,8 @@ class FakeApp:
                     await ws.send(json.dumps({"type": "delta", "id": mid, "text": w}))
                     await asyncio.sleep(self.slow_interval)
                 await ws.send(json.dumps({"type": "done", "id": mid, "text": "".join(words)}))
+            elif ws.path == "/state":
+                await self._reply_state(ws, frame)
             elif ws.path == "/error":
                 await ws.send(json.dumps({"type": "error", "id": mid, "message": "backend exploded"}))
             elif ws.path == "/error_utf8":
@@ -1008,6 +1052,33 @@ class FakeApp:
                 del conn.tasks[mid]
 
 
+    async def _reply_state(self, ws, frame):
+        mid = frame.get("id")
+        text = frame.get("text") or ""
+        visible, marker, blob = text.partition("STATE:")
+        state = self.directives.pop(mid, None)
+        if marker:
+            state = json.loads(blob)
+        delay = re.search(r"\[delay=([0-9.]+)\]", visible)
+        visible = re.sub(r"\s*\[delay=[0-9.]+\]", "", visible).strip()
+        words = words_of(f"app got: {visible}")
+        for i, w in enumerate(words):
+            await ws.send(json.dumps({"type": "delta", "id": mid, "text": w}))
+            if i == 0 and delay:
+                await asyncio.sleep(float(delay.group(1)))
+        done = {"type": "done", "id": mid, "text": "".join(words)}
+        if state is not None:
+            done["state"] = state
+        await ws.send(json.dumps(done))
+
+
+def state_reply_text(text):
+    """What the /state app answers to `text` (the done text the client and history see)."""
+    visible = text.partition("STATE:")[0]
+    visible = re.sub(r"\s*\[delay=[0-9.]+\]", "", visible).strip()
+    return "".join(words_of(f"app got: {visible}"))
+
+
 # --------------------------------------------------------------------------------------
 # Client of the gateway
 
@@ -1032,6 +1103,16 @@ class Turn:
         return self.of_type("delta")
 
     @property
+    def warnings(self):
+        """Warning frames about this message (never terminal: store_degraded, too_large)."""
+        return self.of_type("warning")
+
+    @property
+    def protocol_frames(self):
+        """The frames but warnings: ack, deltas, terminal."""
+        return [f for f in self.frames if f.get("type") != "warning"]
+
+    @property
     def terminal(self):
         return self.frames[-1]
 
@@ -1047,8 +1128,9 @@ class Turn:
         FrameTracker().feed_all(self.frames)
         if self.kind != "done":
             fail(f"expected done for {self.id!r}, got {brief(self.terminal)}\n{self.describe()}")
-        check(self.ack is not None and self.frames[0] is self.ack,
-              f"expected an ack first\n{self.describe()}")
+        frames = self.protocol_frames
+        check(self.ack is not None and frames[0] is self.ack,
+              f"expected an ack first (warnings aside)\n{self.describe()}")
         return self
 
     def expect_error(self, *codes):
@@ -1086,7 +1168,9 @@ class Client:
         return next(i for i, f in enumerate(self.received) if f is frame)
 
     @classmethod
-    async def connect(cls, gw, check_hello=True, **kwargs):
+    async def connect(cls, gw, check_hello=True, expect_user=None, **kwargs):
+        """Connect and check the hello. `expect_user`: None (a fresh u_... id of auth
+        none), a string (that exact user, as auth jwt/header or a resume gives), or ANY."""
         url = gw if isinstance(gw, str) else gw.url
         kwargs.setdefault("open_timeout", DEFAULT_TIMEOUT)
         kwargs.setdefault("max_size", 2**22)
@@ -1096,8 +1180,15 @@ class Client:
             hello = await client.recv()
             check(hello.get("type") == "hello", f"first frame is not a hello: {brief(hello)}")
             check(hello.get("protocol") == PROTOCOL, f"hello.protocol is not {PROTOCOL}: {brief(hello)}")
-            check(isinstance(hello.get("user"), str) and hello["user"].startswith("u_"),
-                  f"hello.user should be a string u_...: {brief(hello)}")
+            if expect_user is None:
+                check(isinstance(hello.get("user"), str) and hello["user"].startswith("u_"),
+                      f"hello.user should be a string u_...: {brief(hello)}")
+            elif expect_user is ANY:
+                check(isinstance(hello.get("user"), str) and hello["user"],
+                      f"hello.user should be a non-empty string: {brief(hello)}")
+            else:
+                check(hello.get("user") == expect_user,
+                      f"hello.user should be {expect_user!r}: {brief(hello)}")
             check(isinstance(hello.get("session"), str) and hello["session"].startswith("s_"),
                   f"hello.session should be a string s_...: {brief(hello)}")
             check("resume" in hello, f"hello has no resume field: {brief(hello)}")
@@ -1329,6 +1420,418 @@ class FrameTracker:
 
 
 # --------------------------------------------------------------------------------------
+# A real Redis for the state tests
+
+
+REDIS_SERVER = "/usr/bin/redis-server"
+_redis_servers = []  # every RedisServer started by this process, for cleanup
+
+
+class RedisError(Exception):
+    """An error reply from Redis (-ERR ...)."""
+
+
+def _resp_encode(args):
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        data = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+class _RespReader:
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = b""
+
+    def _fill(self):
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("Redis closed the connection")
+        self.buf += data
+
+    def _line(self):
+        while b"\r\n" not in self.buf:
+            self._fill()
+        line, _, self.buf = self.buf.partition(b"\r\n")
+        return line
+
+    def _exact(self, n):
+        while len(self.buf) < n + 2:
+            self._fill()
+        data, self.buf = self.buf[:n], self.buf[n + 2:]
+        return data
+
+    def read(self):
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            return RedisError(rest.decode())
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            return None if n < 0 else self._exact(n).decode("utf-8", "surrogateescape")
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self.read() for _ in range(n)]
+        raise ConnectionError(f"unexpected RESP line {line!r}")
+
+
+class RedisServer:
+    """A redis-server of the test's own on a free port (no persistence, its own temp dir).
+
+    `start()`/`astart()` spawn it and wait for PING; `stop()` (SIGTERM), `kill()` (SIGKILL),
+    `pause()` (SIGSTOP: the socket stays open and nothing answers), `resume()` (SIGCONT),
+    `restart()` (a new process on the same port, empty). A tiny synchronous client for
+    inspection: `command(*args)`, `keys`, `hgetall`, `lrange`, `ttl`, `get`, `smembers`,
+    `info_commandstats`. Each call opens its own short connection, so it never shares a
+    socket with a paused server.
+    """
+
+    def __init__(self, port=None):
+        self.port = port or free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-redis-"))
+        self.log_path = self.dir / "redis.log"
+        self.proc = None
+        self.paused = False
+        self.starts = 0
+        _redis_servers.append(self)
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}"
+
+    def command_line(self):
+        return [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir)]
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def _spawn(self):
+        if not os.access(REDIS_SERVER, os.X_OK):
+            fail(f"{REDIS_SERVER} not found (Debian package redis-server)")
+        check(not self.alive(), f"redis on port {self.port} is already running")
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command_line(), cwd=self.dir, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.paused = False
+        self.starts += 1
+
+    def _ping(self):
+        try:
+            return self.command("PING", timeout=0.5) == "PONG"
+        except (OSError, ConnectionError, RedisError):
+            return False
+
+    def _check_started(self, deadline):
+        if self.proc.poll() is not None:
+            fail(f"redis-server exited with status {self.proc.poll()} at start:\n{self.log_tail()}")
+        if time.monotonic() > deadline:
+            fail(f"redis-server did not answer PING on port {self.port}:\n{self.log_tail()}")
+
+    def start(self, timeout=10.0):
+        self._spawn()
+        deadline = time.monotonic() + timeout
+        while not self._ping():
+            self._check_started(deadline)
+            time.sleep(0.02)
+        return self
+
+    async def astart(self, timeout=10.0):
+        self._spawn()
+        deadline = time.monotonic() + timeout
+        while not await asyncio.to_thread(self._ping):
+            self._check_started(deadline)
+            await asyncio.sleep(0.02)
+        return self
+
+    def _wait_gone(self):
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def stop(self):
+        """SIGTERM and wait (SIGCONT first if paused)."""
+        if self.alive():
+            if self.paused:
+                self.resume()
+            self.proc.terminate()
+            self._wait_gone()
+
+    def kill(self):
+        """SIGKILL and wait: Redis vanishes without a word (its sockets are reset/closed)."""
+        if self.alive():
+            self.proc.kill()
+            self._wait_gone()
+            self.paused = False
+
+    def pause(self):
+        """SIGSTOP: connections stay open, nothing is answered."""
+        check(self.alive(), "redis is not running")
+        self.proc.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self):
+        if self.alive():
+            self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
+
+    def restart(self):
+        """A new, empty server on the same port (after stop or kill)."""
+        self.kill()
+        return self.start()
+
+    async def arestart(self):
+        self.kill()
+        return await self.astart()
+
+    def log_tail(self, lines=20):
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no redis log)"
+        return "\n".join("   | " + line for line in text[-lines:])
+
+    def cleanup(self, keep=False):
+        if self.alive():
+            with contextlib.suppress(OSError):
+                self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+        if not keep:
+            with contextlib.suppress(OSError):
+                for p in self.dir.iterdir():
+                    p.unlink()
+                self.dir.rmdir()
+
+    async def __aenter__(self):
+        return await self.astart()
+
+    async def __aexit__(self, *exc):
+        self.cleanup(keep=True)
+        return False
+
+    # -- the inspection client
+    def command(self, *args, timeout=2.0):
+        """Send one command on a fresh connection; the parsed reply (RedisError raised)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
+            sock.sendall(_resp_encode(args))
+            reply = _RespReader(sock).read()
+        if isinstance(reply, RedisError):
+            raise reply
+        return reply
+
+    def keys(self, pattern="*"):
+        return sorted(self.command("KEYS", pattern))
+
+    def get(self, key):
+        return self.command("GET", key)
+
+    def type(self, key):
+        return self.command("TYPE", key)
+
+    def hgetall(self, key):
+        flat = self.command("HGETALL", key)
+        return dict(zip(flat[::2], flat[1::2]))
+
+    def lrange(self, key, start=0, stop=-1):
+        return self.command("LRANGE", key, start, stop)
+
+    def smembers(self, key):
+        return set(self.command("SMEMBERS", key))
+
+    def ttl(self, key):
+        return self.command("TTL", key)
+
+    def find_key(self, key):
+        """`key` if it exists, else the same key with lower-case percent escapes if that one
+        exists (DESIGN.md does not fix the case of the hex digits), else None."""
+        lower = re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), key)
+        for k in (key, lower):
+            if self.type(k) != "none":
+                return k
+        return None
+
+    def flushall(self):
+        return self.command("FLUSHALL")
+
+    def config_resetstat(self):
+        return self.command("CONFIG", "RESETSTAT")
+
+    def info_commandstats(self):
+        """{command: {"calls": n, "usec": n, ...}} from INFO commandstats."""
+        stats = {}
+        for line in self.command("INFO", "commandstats").splitlines():
+            if line.startswith("cmdstat_"):
+                name, _, fields = line[len("cmdstat_"):].partition(":")
+                stats[name] = {}
+                for field in fields.split(","):
+                    k, _, v = field.partition("=")
+                    with contextlib.suppress(ValueError):
+                        stats[name][k] = float(v) if "." in v else int(v)
+        return stats
+
+
+def dialog_key(user, room, part, prefix="chatgate"):
+    """The Redis key of one part of a dialog (DESIGN.md section 5), ids escaped."""
+    return f"{prefix}:{{{escape_id(user)}:{escape_id(room)}}}:{part}"
+
+
+def rooms_key(user, prefix="chatgate"):
+    return f"{prefix}:user:{{{escape_id(user)}}}:rooms"
+
+
+def escape_id(ident):
+    """Percent-encoding of every byte outside [A-Za-z0-9_.@|-] (DESIGN.md section 4); upper-
+    case hex digits. (The tests also accept lower case: see keys_match_escaped.)"""
+    safe = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.@|-")
+    return "".join(chr(b) if b in safe else "%%%02X" % b for b in ident.encode())
+
+
+def empty_rules_dir():
+    """A directory without rule files: the state tests drive state by directives only."""
+    path = Path(tempfile.mkdtemp(prefix="chatgate-e2e-norules-"))
+    return str(path)
+
+
+def state_config(upstreams, default, store="memory", lifetimes=None, redis=None, **extra):
+    """A gateway config for the state tests: `store` ("memory" or a redis:// URL), the
+    travel service's defaults (cabin_class economy), short command timeouts for Redis."""
+    cfg = make_config(upstreams, default, store=store,
+                      services={"travel": {"defaults": {"cabin_class": "economy"}}},
+                      rate_limit={"messages_per_second": 100_000, "burst": 100_000})
+    if lifetimes:
+        cfg["lifetimes"] = lifetimes
+    redis_cfg = {"prefix": "chatgate", "command_timeout_ms": 1000, "connect_timeout_ms": 1000}
+    redis_cfg.update(redis or {})
+    cfg["redis"] = redis_cfg
+    cfg.update(extra)
+    return cfg
+
+
+def check_turn_done(turn):
+    """done after ack (warnings aside), and no state directive leaked to the client."""
+    turn.expect_done()
+    check("state" not in turn.terminal,
+          f"the client's done frame carries the app's state directive: {brief(turn.terminal)}")
+    return turn
+
+
+def history_pairs(history):
+    """[(role, content), ...] of a history list, for comparisons."""
+    check(isinstance(history, list), f"history should be a list, got {brief(history)}")
+    out = []
+    for m in history:
+        check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str),
+              f"a history entry is not {{role, content, ts}}: {brief(m)}")
+        out.append((m["role"], m["content"]))
+    return out
+
+
+def check_history_ts(history, slack=120):
+    now = time.time()
+    for m in history:
+        ts = m.get("ts")
+        check(isinstance(ts, (int, float)) and not isinstance(ts, bool) and abs(ts - now) < slack,
+              f"history entry ts should be unix seconds near now ({now:.0f}): {brief(m)}")
+
+
+async def context_command(client, kind, room, timeout=DEFAULT_TIMEOUT, **extra):
+    """Send context.get / context.forget / context.clear and return the context frame's
+    state (after checking its room)."""
+    frame = {"type": kind, "room": room}
+    frame.update(extra)
+    await client.send(frame)
+    answer = await client.next_matching(
+        lambda f: f.get("type") == "context" or (f.get("type") == "error" and f.get("id") is None),
+        timeout, f"context frame answering {kind} of room {room!r}")
+    check(answer.get("type") == "context", f"{kind} of room {room!r} got {brief(answer)}")
+    check(answer.get("room") == room, f"context frame for room {room!r} has room {answer.get('room')!r}")
+    state = answer.get("state")
+    check(isinstance(state, dict), f"context frame without a state object: {brief(answer)}")
+    return state
+
+
+# --------------------------------------------------------------------------------------
+# Identity helpers
+
+
+def b64url(data):
+    import base64
+    if isinstance(data, str):
+        data = data.encode()
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def make_jwt(secret, claims, header=None, sign=True, raw_payload=False):
+    """An HS256 JWT (compact form) signed with `secret`; `header` overrides the JOSE header
+    (alg "none" and the like, for forgeries); `raw_payload`: `claims` is the payload text."""
+    import hashlib
+    import hmac
+    head = header if header is not None else {"alg": "HS256", "typ": "JWT"}
+    payload = claims if raw_payload else json.dumps(claims, separators=(",", ":"))
+    signing_input = b64url(json.dumps(head, separators=(",", ":"))) + "." + b64url(payload)
+    if not sign:
+        return signing_input + "."
+    key = secret.encode() if isinstance(secret, str) else secret
+    sig = hmac.new(key, signing_input.encode(), hashlib.sha256).digest()
+    return signing_input + "." + b64url(sig)
+
+
+async def handshake_status(url, **kwargs):
+    """Open a WebSocket and close it again: 101 if accepted, else the HTTP status refused with."""
+    kwargs.setdefault("open_timeout", DEFAULT_TIMEOUT)
+    try:
+        ws = await websockets.connect(url, **kwargs)
+    except websockets.InvalidStatusCode as err:
+        return err.status_code
+    await ws.close()
+    return 101
+
+
+async def expect_unauthorized(url, what, **kwargs):
+    """Connect with bad credentials: the gateway must send an error frame with code
+    unauthorized (and id null), no hello, and close with 1008. Returns the error frame.
+    (A refusal in the HTTP handshake (401/403) is not what DESIGN.md section 3 says; it
+    fails with the status named.)"""
+    kwargs.setdefault("open_timeout", DEFAULT_TIMEOUT)
+    try:
+        ws = await websockets.connect(url, **kwargs)
+    except websockets.InvalidStatusCode as err:
+        fail(f"{what}: the handshake was refused with HTTP {err.status_code}; expected an "
+             f"error frame unauthorized and close 1008")
+    frames = []
+    code = None
+    try:
+        while True:
+            raw = await asyncio.wait_for(ws.recv(), DEFAULT_TIMEOUT)
+            frames.append(json.loads(raw) if isinstance(raw, str) else raw)
+    except websockets.ConnectionClosed as err:
+        code = err.code
+    except asyncio.TimeoutError:
+        await ws.close()
+        fail(f"{what}: the gateway did not close the connection within {DEFAULT_TIMEOUT}s; "
+             f"frames: {[brief(f, 160) for f in frames]}")
+    hellos = [f for f in frames if isinstance(f, dict) and f.get("type") == "hello"]
+    errors = [f for f in frames if isinstance(f, dict) and f.get("type") == "error"]
+    if hellos:
+        fail(f"{what}: the gateway sent a hello (a user id) before refusing: {brief(hellos[0])}")
+    check(errors and errors[0].get("code") == "unauthorized",
+          f"{what}: expected an error frame with code unauthorized, got {[brief(f, 160) for f in frames]} "
+          f"and close code {code}")
+    check(errors[0].get("id") is None, f"{what}: the unauthorized error should have id null: {brief(errors[0])}")
+    check(code == 1008, f"{what}: expected close code 1008, got {code}")
+    return errors[0]
+
+
+# --------------------------------------------------------------------------------------
 # Running a test script
 
 
@@ -1399,6 +1902,8 @@ def run(main, timeout=100):
             if gw.alive():
                 gw.proc.kill()
                 gw.proc.wait()
+        for rs in _redis_servers:
+            rs.cleanup(keep=True)
 
     for gw in _gateways:
         report = gw.sanitizer_report()
@@ -1415,6 +1920,8 @@ def run(main, timeout=100):
         others = [gw for gw in _gateways if gw not in shown]
         if others:
             print("--- other gateway logs: " + " ".join(str(gw.log_path) for gw in others), flush=True)
+        if _redis_servers:
+            print("--- redis logs: " + " ".join(str(rs.log_path) for rs in _redis_servers), flush=True)
         print(f"\nFAIL {name}: {len(_failures)} failure(s) in {time.monotonic() - started:.1f}s", flush=True)
         sys.exit(1)
     if _options.keep_logs:
@@ -1426,5 +1933,7 @@ def run(main, timeout=100):
                 for p in gw.dir.iterdir():
                     p.unlink()
                 gw.dir.rmdir()
+        for rs in _redis_servers:
+            rs.cleanup()
     print(f"PASS {name} ({time.monotonic() - started:.1f}s)", flush=True)
     sys.exit(0)

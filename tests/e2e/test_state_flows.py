@@ -1,0 +1,544 @@
+"""End-to-end test of dialog state (issue 3; DESIGN.md sections 3, 5 and 6), run twice:
+with the in-memory store and with a real redis-server started on a free port.
+
+State comes only from the state app's directives (harness FakeApp /state; no rule files:
+`--rules` names an empty directory), so what is checked is the gateway's keeping, merging
+and forwarding:
+- reference 000's flight turns: "Find flights from Nairobi to London on Feb 10" (the app
+  sets service travel and from/to/departure_date), "What about returning on Feb 20?" (the
+  app adds return_date): the 2nd forwarded frame carries the kept params, the travel
+  defaults (cabin_class economy), the first exchange as history, and the 2nd ack the same
+  merged params; a later value replaces a kept one (new > cached > defaults); the client's
+  done never carries `state`;
+- reference 000's payment turns (amount, currency, recipient; "another 3000 to the same
+  person"), and travel and payment params kept apart in one room;
+- awaiting: forwarded with the next message, cleared by "awaiting": null, gone after its ttl
+  (1 s) and after lifetimes.awaiting_s when the directive names no ttl; soft context
+  forwarded while fresh and gone after lifetimes.soft_s;
+- history: FIFO at history_n (12 turns with N = 10; each forwarded history is exactly the
+  last N messages before it, user and assistant, with ts);
+- params over params_cap: warning too_large, the message still answered, params unchanged;
+  params under it kept whole; 200 small params all kept;
+- context.get / context.forget / context.clear, and a context.get that waits behind the
+  reply in flight;
+- OpenAI upstream: system message (configured prompt), then the history, then the user's
+  message; a cancelled reply leaves the user turn and the partial assistant text marked
+  cancelled; an upstream error leaves only the user turn; no extra fields in messages.
+  With Redis also: a second gateway on the same Redis (auth header, same user) sees params
+  the app-side gateway kept, and its system message summarises them.
+- Redis only: the key layout of DESIGN.md section 5 (one hash tag per dialog), values as
+  JSON, TTLs (params ~ lifetimes.params_s, dialog ~ dialog_s, history ~ history_s,
+  awaiting ~ its ttl, soft ~ soft_s), the user's rooms set.
+"""
+
+import asyncio
+import json
+import time
+
+import harness
+from harness import (ANY, Client, check, check_history_ts, check_turn_done, context_command,
+                     history_pairs, independent, step, state_reply_text)
+
+LIFETIMES = {"params_s": 3600, "dialog_s": 7200, "awaiting_s": 1, "soft_s": 2, "history_s": 1800}
+SYSTEM_PROMPT = "You are chatgate's test assistant."
+FLIGHT = {"from": "Nairobi", "to": "London", "departure_date": "2026-02-10"}
+PAYMENT = {"amount": 5000, "currency": "KES", "recipient": "+254712345678"}
+
+
+class Ctx:
+    """What the parts of one run share."""
+
+    def __init__(self, mode, app, fake, gw, redis, rules):
+        self.mode = mode
+        self.app = app
+        self.fake = fake
+        self.gw = gw
+        self.redis = redis
+        self.rules = rules
+
+    def tag(self, name):
+        return f"[{self.mode}] {name}"
+
+
+async def turn(client, app, mid, text, room, state=None, timeout=harness.DEFAULT_TIMEOUT):
+    """One message through the state app: (turn, forwarded frame)."""
+    if state is not None:
+        app.directives[mid] = state
+    t = await client.message(text, mid=mid, room=room, timeout=timeout)
+    check_turn_done(t)
+    check(t.terminal.get("text") == state_reply_text(text), f"reply not relayed: {t.describe()}")
+    fwd = await app.wait_message(mid)
+    return t, fwd
+
+
+def check_forwarded(fwd, *, service=ANY, params=ANY, awaiting=ANY, soft=ANY, history=ANY, what=""):
+    """The forwarded message frame's state fields; ANY skips one."""
+    for key in ("service", "params", "awaiting", "soft_context", "history"):
+        check(key in fwd, f"{what}: the forwarded frame has no {key!r}: {harness.brief(fwd)}")
+    if service is not ANY:
+        check(fwd["service"] == service, f"{what}: forwarded service should be {service!r}, got {fwd['service']!r}")
+    if params is not ANY:
+        check(fwd["params"] == params,
+              f"{what}: forwarded params should be {params}, got {harness.brief(fwd['params'])}")
+    if awaiting is not ANY:
+        check(fwd["awaiting"] == awaiting, f"{what}: forwarded awaiting should be {awaiting}, got {fwd['awaiting']}")
+    if soft is not ANY:
+        check(fwd["soft_context"] == soft, f"{what}: forwarded soft_context should be {soft}, got {fwd['soft_context']}")
+    if history is not ANY:
+        got = history_pairs(fwd["history"])
+        check(got == history, f"{what}: forwarded history should be {history}, got {harness.brief(got, 800)}")
+        check_history_ts(fwd["history"])
+
+
+def check_ack_state(ack, service, params, what):
+    check(ack.get("service") == service, f"{what}: ack.service should be {service!r}: {harness.brief(ack)}")
+    check(ack.get("params") == params, f"{what}: ack.params should be {params}: {harness.brief(ack)}")
+
+
+def ttl_between(redis, key, low, high, what):
+    ttl = redis.ttl(key)
+    check(low <= ttl <= high, f"{what}: TTL of {key} should be in [{low}, {high}], got {ttl} "
+                              f"(-2: no such key, -1: no expiry); keys: {redis.keys('chatgate:*')[:20]}")
+    return ttl
+
+
+def redis_json_hash(redis, key):
+    raw = redis.hgetall(key)
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            fail_msg = f"hash {key} field {k} is not JSON: {v!r}"
+            harness.fail(fail_msg)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+
+
+async def part_flight(cx):
+    client = await Client.connect(cx.gw)
+    user = client.hello["user"]
+    room = "trip"
+    app = cx.app
+    with step(cx.tag("flight turns of reference 000: first message, directive applied")):
+        t1, f1 = await turn(client, app, "f1", "Find flights from Nairobi to London on Feb 10", room,
+                            {"service": "travel", "params": dict(FLIGHT)})
+        check_ack_state(t1.ack, None, {}, "first message")
+        check(f1.get("user") == user and f1.get("room") == room,
+              f"forwarded user/room should be {user!r}/{room!r}: {harness.brief(f1)}")
+        check_forwarded(f1, service=None, params={}, awaiting=None, soft=None, history=[], what="f1")
+    with step(cx.tag("'What about returning on Feb 20?': kept params, defaults, history, ack")):
+        t2, f2 = await turn(client, app, "f2", "What about returning on Feb 20?", room,
+                            {"params": {"return_date": "2026-02-20"}})
+        merged = dict(FLIGHT, cabin_class="economy")
+        check_forwarded(f2, service="travel", params=merged, awaiting=None, soft=None,
+                        history=[("user", "Find flights from Nairobi to London on Feb 10"),
+                                 ("assistant", t1.terminal["text"])], what="f2")
+        check_ack_state(t2.ack, "travel", merged, "f2")
+    with step(cx.tag("new > cached > defaults: a kept value over the default, a new one over the kept")):
+        t3, f3 = await turn(client, app, "f3", "Make it business class", room,
+                            {"params": {"cabin_class": "business"}})
+        merged3 = dict(FLIGHT, cabin_class="economy", return_date="2026-02-20")
+        check_forwarded(f3, service="travel", params=merged3, what="f3")
+        check_ack_state(t3.ack, "travel", merged3, "f3")
+        t4, f4 = await turn(client, app, "f4", "Actually from Mombasa", room,
+                            {"params": {"from": "Mombasa"}})
+        merged4 = dict(merged3, cabin_class="business")
+        check_forwarded(f4, service="travel", params=merged4, what="f4")
+        t5, f5 = await turn(client, app, "f5", "Show me the cheapest", room)
+        merged5 = dict(merged4, **{"from": "Mombasa"})
+        check_forwarded(f5, service="travel", params=merged5, what="f5")
+        check_ack_state(t5.ack, "travel", merged5, "f5")
+        check(len(f5["history"]) == 8, f"f5: forwarded history should hold the 4 exchanges before it, "
+                                       f"got {len(f5['history'])}")
+    with step(cx.tag("context.get after the flight turns")):
+        state = await context_command(client, "context.get", room)
+        kept = dict(FLIGHT, **{"from": "Mombasa"}, return_date="2026-02-20", cabin_class="business")
+        check(state.get("service") == "travel", f"context service should be travel: {harness.brief(state)}")
+        check(state.get("params") == {"travel": kept}, f"context params should be {{'travel': {kept}}}: "
+                                                       f"{harness.brief(state.get('params'))}")
+        meta = state.get("meta") or {}
+        for key in ("created_at", "last_activity", "turn_count", "message_count"):
+            check(isinstance(meta.get(key), int), f"context meta.{key} should be an integer: {harness.brief(state)}")
+        check(meta["created_at"] <= meta["last_activity"] <= time.time() + 5,
+              f"meta times out of order: {meta}")
+        check(meta["message_count"] >= 5, f"meta.message_count should count the 5 messages: {meta}")
+        hist = history_pairs(state.get("history"))
+        check(len(hist) == 10 and hist[-1] == ("assistant", state_reply_text("Show me the cheapest")),
+              f"context history should end with the 5th reply (10 entries): {hist}")
+    if cx.redis:
+        with step(cx.tag("Redis layout: keys with one hash tag, JSON values, TTLs, rooms set")):
+            r = cx.redis
+            tag = "{" + harness.escape_id(user) + ":" + room + "}"
+            keys = r.keys(f"chatgate:{tag}*".replace("{", "\\{").replace("}", "\\}"))
+            expected = {f"chatgate:{tag}:{p}" for p in ("params", "dialog", "history")}
+            check(expected <= set(keys), f"expected keys {sorted(expected)}, Redis has {keys} "
+                                         f"(all: {r.keys('chatgate:*')[:30]})")
+            check(r.type(f"chatgate:{tag}:params") == "hash", "params should be a HASH")
+            params = redis_json_hash(r, f"chatgate:{tag}:params")
+            check(params == {f"travel.{k}": v for k, v in kept.items()},
+                  f"params hash should be 'travel.<name>' -> JSON: {params}")
+            ttl_between(r, f"chatgate:{tag}:params", 3500, 3600, "params")
+            check(r.type(f"chatgate:{tag}:dialog") == "hash", "dialog should be a HASH")
+            dialog = r.hgetall(f"chatgate:{tag}:dialog")
+            check(dialog.get("service") == "travel", f"dialog hash service should be travel: {dialog}")
+            for key in ("created_at", "last_activity", "turn_count", "message_count"):
+                check(key in dialog, f"dialog hash lacks {key}: {dialog}")
+            ttl_between(r, f"chatgate:{tag}:dialog", 7100, 7200, "dialog")
+            check(r.type(f"chatgate:{tag}:history") == "list", "history should be a LIST")
+            entries = [json.loads(e) for e in r.lrange(f"chatgate:{tag}:history")]
+            check(len(entries) == 10 and {e.get("role") for e in entries} == {"user", "assistant"},
+                  f"history list should hold 10 JSON messages: {entries}")
+            ttl_between(r, f"chatgate:{tag}:history", 1700, 1800, "history")
+            rooms = harness.rooms_key(user)
+            check(r.type(rooms) == "set" and room in r.smembers(rooms),
+                  f"{rooms} should be a SET holding {room!r}: type {r.type(rooms)}, "
+                  f"keys {r.keys('chatgate:user:*')}")
+            check(not r.keys("dialog:*"), "keys of reference 000's layout (dialog:*) in Redis")
+    await client.close()
+
+
+async def part_payment(cx):
+    client = await Client.connect(cx.gw)
+    room = "wallet"
+    app = cx.app
+    with step(cx.tag("payment turns of reference 000")):
+        await turn(client, app, "p1", "Send 5000 shillings to +254712345678", room,
+                   {"service": "payment", "params": dict(PAYMENT)})
+        t2, f2 = await turn(client, app, "p2", "Send another 3000 to the same person", room,
+                            {"params": {"amount": 3000}})
+        check_forwarded(f2, service="payment", params=PAYMENT, what="p2")
+        check_ack_state(t2.ack, "payment", PAYMENT, "p2")
+        t3, f3 = await turn(client, app, "p3", "Thanks", room)
+        paid = dict(PAYMENT, amount=3000)
+        check_forwarded(f3, service="payment", params=paid, what="p3")
+        check_ack_state(t3.ack, "payment", paid, "p3")
+    with step(cx.tag("travel and payment params kept apart in one room")):
+        t4, f4 = await turn(client, app, "p4", "Now a flight to Paris", room,
+                            {"service": "travel", "params": {"to": "Paris"}})
+        t5, f5 = await turn(client, app, "p5", "Back to the payment", room, {"service": "payment"})
+        check_forwarded(f5, service="travel", params={"to": "Paris", "cabin_class": "economy"}, what="p5")
+        t6, f6 = await turn(client, app, "p6", "Send it again", room)
+        check_forwarded(f6, service="payment", params=paid, what="p6")
+        state = await context_command(client, "context.get", room)
+        check(state.get("params") == {"payment": paid, "travel": {"to": "Paris"}},
+              f"context params should keep both services apart: {harness.brief(state.get('params'))}")
+    await client.close()
+
+
+async def part_awaiting_soft(cx):
+    client = await Client.connect(cx.gw)
+    user = client.hello["user"]
+    app = cx.app
+    options = [{"name": "KQ100", "price": 650}, {"name": "BA65", "price": 720}]
+    awaiting = {"type": "selection", "options": options, "context": {"selection_type": "flight"}}
+    soft = {"last_action": "added_venue", "last_item_name": "Shake Shack"}
+    with step(cx.tag("awaiting forwarded with the next message, then cleared by null")):
+        await turn(client, app, "a1", "Which flight do you want?", "pick",
+                   {"service": "travel", "awaiting": dict(awaiting, ttl=30)})
+        t2, f2 = await turn(client, app, "a2", "Tell me more about them", "pick", {"awaiting": None})
+        fa = f2.get("awaiting")
+        check(isinstance(fa, dict) and fa.get("type") == "selection" and fa.get("options") == options
+              and fa.get("context") == awaiting["context"],
+              f"a2: forwarded awaiting should be the selection set by a1: {harness.brief(f2)}")
+        if cx.redis:
+            pass  # the TTL is checked on pick4 below (a2's directive cleared this one)
+        t3, f3 = await turn(client, app, "a3", "ok", "pick")
+        check_forwarded(f3, awaiting=None, what="a3 (after awaiting: null)")
+        if cx.redis:
+            key = harness.dialog_key(user, "pick", "awaiting")
+            check(cx.redis.get(key) is None, f"{key} should be gone after awaiting: null")
+    with step(cx.tag("awaiting ttl 1 s, lifetimes.awaiting_s 1, soft_s 2: expiry")):
+        await turn(client, app, "b1", "Pick one", "pick2", {"awaiting": dict(awaiting, ttl=1)})
+        await turn(client, app, "c1", "Pick one", "pick3", {"awaiting": awaiting})  # no ttl
+        await turn(client, app, "s1", "Added Shake Shack", "soft", {"soft_context": soft})
+        await turn(client, app, "d1", "Pick one", "pick4", {"awaiting": dict(awaiting, ttl=30)})
+        set_at = time.monotonic()
+        t, fs = await turn(client, app, "s2", "What else is there?", "soft")
+        check_forwarded(fs, soft=soft, what="s2 (soft context fresh)")
+        if cx.redis:
+            ttl_between(cx.redis, harness.dialog_key(user, "soft", "soft"), 1, 2, "soft context (soft_s 2)")
+            ttl_between(cx.redis, harness.dialog_key(user, "pick4", "awaiting"), 25, 30, "awaiting (ttl 30)")
+            raw = cx.redis.get(harness.dialog_key(user, "pick4", "awaiting"))
+            check(json.loads(raw).get("options") == options, f"awaiting key should hold the JSON: {raw!r}")
+        await asyncio.sleep(max(0.0, 3.2 - (time.monotonic() - set_at)))
+        _, fb = await turn(client, app, "b2", "The first one", "pick2")
+        check_forwarded(fb, awaiting=None, what="b2 (awaiting ttl 1 s, 3 s later)")
+        _, fc = await turn(client, app, "c2", "The first one", "pick3")
+        check_forwarded(fc, awaiting=None, what="c2 (awaiting_s 1, 3 s later)")
+        _, fs3 = await turn(client, app, "s3", "And now?", "soft")
+        check_forwarded(fs3, soft=None, what="s3 (soft_s 2, 3 s later)")
+        _, fd = await turn(client, app, "d2", "The first one", "pick4")
+        check(isinstance(fd.get("awaiting"), dict) and fd["awaiting"].get("options") == options,
+              f"d2: awaiting with ttl 30 should still be there after 3 s: {harness.brief(fd)}")
+    await client.close()
+
+
+async def part_history(cx):
+    client = await Client.connect(cx.gw)
+    user = client.hello["user"]
+    app = cx.app
+    n = 10
+    with step(cx.tag(f"history FIFO at {n}: 12 turns, each forwarded history the last {n} messages")):
+        everything = []
+        for k in range(1, 13):
+            text = f"history turn {k}"
+            t, fwd = await turn(client, app, f"h{k}", text, "hist")
+            check_forwarded(fwd, history=everything[-n:], what=f"h{k}")
+            everything += [("user", text), ("assistant", t.terminal["text"])]
+        state = await context_command(client, "context.get", "hist")
+        check(history_pairs(state.get("history")) == everything[-n:],
+              f"context history should be the last {n} messages: {harness.brief(state.get('history'), 600)}")
+        if cx.redis:
+            key = harness.dialog_key(user, "hist", "history")
+            entries = [json.loads(e) for e in cx.redis.lrange(key)]
+            check(len(entries) == n, f"{key} should hold {n} messages, holds {len(entries)}")
+            check(sorted(history_pairs(entries)) == sorted(everything[-n:]),
+                  f"{key} should hold the last {n} messages: {entries}")
+    await client.close()
+
+
+async def part_params_cap(cx):
+    client = await Client.connect(cx.gw)
+    user = client.hello["user"]
+    app = cx.app
+    with step(cx.tag("params over params_cap (10000): warning too_large, answered, nothing changed")):
+        await turn(client, app, "k1", "From Nairobi", "cap", {"service": "travel", "params": {"from": "Nairobi"}})
+        t2, _ = await turn(client, app, "k2", "Here are my notes", "cap", {"params": {"notes": "x" * 12000}})
+        warnings = t2.warnings
+        if not warnings:
+            # The directive comes with done, so the warning may follow it.
+            w = await client.next_matching(lambda f: f.get("type") == "warning" and f.get("id") == "k2",
+                                           3.0, "warning too_large for k2")
+            warnings = [w]
+        check(warnings[0].get("code") == "too_large", f"k2: expected warning too_large, got {warnings}")
+        check(isinstance(warnings[0].get("message"), str), f"warning without a message: {warnings[0]}")
+        _, f3 = await turn(client, app, "k3", "And now?", "cap", {"params": {"notes": "y" * 5000}})
+        check_forwarded(f3, service="travel", params={"from": "Nairobi", "cabin_class": "economy"},
+                        what="k3 (after the refused update)")
+        check(not [f for f in client.received if f.get("type") == "warning" and f.get("id") == "k3"],
+              "k3: a 5000-byte param under the cap should be accepted without a warning")
+        _, f4 = await turn(client, app, "k4", "Still there?", "cap")
+        check(f4["params"].get("notes") == "y" * 5000,
+              f"k4: the 5000-byte param should be kept whole, got {len(str(f4['params'].get('notes')))} chars")
+        if cx.redis:
+            params = redis_json_hash(cx.redis, harness.dialog_key(user, "cap", "params"))
+            check(set(params) == {"travel.from", "travel.notes"} and params["travel.notes"] == "y" * 5000,
+                  f"Redis params after the cap test: {harness.brief(params)}")
+    with step(cx.tag("200 small params are all kept (none dropped)")):
+        many = {f"p{i}": i for i in range(200)}
+        await turn(client, app, "m1", "Lots of details", "many", {"service": "travel", "params": many})
+        _, f2 = await turn(client, app, "m2", "Got them all?", "many")
+        got = {k: v for k, v in f2["params"].items() if k.startswith("p")}
+        check(got == many, f"m2: forwarded params should hold the 200 names, got {len(got)}; "
+                           f"missing e.g. {sorted(set(many) - set(got))[:5]}")
+        state = await context_command(client, "context.get", "many")
+        check(len((state.get("params") or {}).get("travel", {})) == 200,
+              f"context.get should show 200 travel params, got "
+              f"{len((state.get('params') or {}).get('travel', {}))}")
+    await client.close()
+
+
+async def part_context(cx):
+    client = await Client.connect(cx.gw)
+    user = client.hello["user"]
+    app = cx.app
+    tool = [{"flight": "KQ100", "price": 650}]
+    soft = {"last_action": "searched"}
+    with step(cx.tag("context.get: the state of DESIGN.md section 3")):
+        t1, _ = await turn(client, app, "x1", "Flights Nairobi to London", "ctx",
+                           {"service": "travel", "params": {"from": "Nairobi", "to": "London"},
+                            "soft_context": soft, "last_tool_result": tool})
+        await turn(client, app, "y1", "Keep me", "ctx2", {"service": "payment", "params": {"amount": 1}})
+        state = await context_command(client, "context.get", "ctx")
+        for key in ("service", "params", "awaiting", "soft_context", "history", "meta", "last_tool_result"):
+            check(key in state, f"context state lacks {key!r}: {harness.brief(state)}")
+        check(state["service"] == "travel" and state["params"] == {"travel": {"from": "Nairobi", "to": "London"}},
+              f"context service/params: {harness.brief(state)}")
+        check(state["awaiting"] is None and state["soft_context"] == soft and state["last_tool_result"] == tool,
+              f"context awaiting/soft_context/last_tool_result: {harness.brief(state)}")
+        check(history_pairs(state["history"]) == [("user", "Flights Nairobi to London"),
+                                                  ("assistant", t1.terminal["text"])],
+              f"context history: {state['history']}")
+        check_history_ts(state["history"])
+        empty = await context_command(client, "context.get", "void")
+        check(empty.get("params") in ({}, None) and not empty.get("history") and empty.get("service") is None,
+              f"context of a room never used should be empty: {harness.brief(empty)}")
+    with step(cx.tag("context.forget travel.from")):
+        state = await context_command(client, "context.forget", "ctx", keys=["travel.from"])
+        check(state.get("params") == {"travel": {"to": "London"}},
+              f"after forget, params should be {{'travel': {{'to': 'London'}}}}: {harness.brief(state)}")
+        if cx.redis:
+            params = redis_json_hash(cx.redis, harness.dialog_key(user, "ctx", "params"))
+            check(params == {"travel.to": "London"}, f"Redis params after forget: {params}")
+        _, f2 = await turn(client, app, "x2", "Any direct ones?", "ctx")
+        check_forwarded(f2, service="travel", params={"to": "London", "cabin_class": "economy"},
+                        what="x2 (after forget)")
+    with step(cx.tag("context.get waits behind the reply in flight")):
+        app.directives["x3"] = {"params": {"from": "Paris"}}
+        await client.send_message("From Paris instead [delay=0.6]", "x3", "ctx")
+        await client.send({"type": "context.get", "room": "ctx"})
+        done = await client.recv_type("done", "x3", timeout=5)
+        ctx_frame = await client.recv_type("context", timeout=5)
+        check(client.position(done) < client.position(ctx_frame),
+              "the context frame came before the done of the message sent before it")
+        st = ctx_frame.get("state") or {}
+        check((st.get("params") or {}).get("travel", {}).get("from") == "Paris",
+              f"the context frame should show x3's directive applied: {harness.brief(st)}")
+        check(history_pairs(st.get("history"))[-1] == ("assistant", state_reply_text("From Paris instead")),
+              f"the context frame's history should end with x3's reply: {harness.brief(st.get('history'))}")
+    with step(cx.tag("context.clear: everything of the room goes, other rooms stay")):
+        state = await context_command(client, "context.clear", "ctx")
+        check(state.get("params") in ({}, None) and not state.get("history") and state.get("service") is None
+              and state.get("awaiting") is None and state.get("soft_context") is None
+              and state.get("last_tool_result") is None,
+              f"after clear the state should be empty: {harness.brief(state)}")
+        if cx.redis:
+            for part in ("params", "history", "soft"):
+                key = harness.dialog_key(user, "ctx", part)
+                check(cx.redis.type(key) == "none", f"{key} should be gone after context.clear")
+        _, f4 = await turn(client, app, "x4", "Start again", "ctx")
+        check_forwarded(f4, service=None, params={}, soft=None, history=[], what="x4 (after clear)")
+        other = await context_command(client, "context.get", "ctx2")
+        check(other.get("params") == {"payment": {"amount": 1}},
+              f"clearing room ctx must not touch room ctx2: {harness.brief(other)}")
+    await client.close()
+
+
+async def part_llm(cx, fake, llm_gw):
+    client = await Client.connect(llm_gw)
+    with step(cx.tag("OpenAI upstream: system + history + user; history grows on done")):
+        n = len(fake.requests)
+        t1 = await client.message("Plan a trip to London", mid="l1", room="chat")
+        t1.expect_done()
+        r1 = await fake.next_request("script", after=n)
+        m1 = r1.messages
+        check(len(m1) == 2 and m1[0].get("role") == "system" and SYSTEM_PROMPT in m1[0].get("content", "")
+              and m1[1] == {"role": "user", "content": "Plan a trip to London"},
+              f"1st request messages should be [system with the prompt, user]: {harness.brief(m1, 800)}")
+        n = len(fake.requests)
+        t2 = await client.message("And hotels there?", mid="l2", room="chat")
+        t2.expect_done()
+        m2 = (await fake.next_request("script", after=n)).messages
+        check([(m.get("role"), m.get("content")) for m in m2[1:]] ==
+              [("user", "Plan a trip to London"), ("assistant", t1.terminal["text"]),
+               ("user", "And hotels there?")],
+              f"2nd request should be system, the 1st exchange, the new message: {harness.brief(m2, 800)}")
+        check(m2[0].get("role") == "system", f"2nd request should start with the system message: {m2[0]}")
+        for m in m2:
+            check(set(m) == {"role", "content"},
+                  f"request messages should carry only role and content (strict APIs refuse more): {m}")
+    with step(cx.tag("OpenAI upstream: a cancelled reply stays in history, marked cancelled")):
+        await client.send_message("Write a SLOW essay", "l3", "chat")
+        await client.recv_type("delta", "l3")
+        await client.cancel("l3")
+        t3 = await client.collect_turn("l3")
+        check(t3.kind == "cancelled", f"l3 should be cancelled: {t3.describe()}")
+        seen = "".join(d["text"] for d in t3.deltas)
+        state = await context_command(client, "context.get", "chat")
+        hist = state.get("history") or []
+        check(len(hist) >= 2 and hist[-2].get("role") == "user" and hist[-2].get("content") == "Write a SLOW essay",
+              f"the cancelled message's user turn should be in history: {harness.brief(hist, 800)}")
+        last = hist[-1]
+        full = "".join(f"w{i} " for i in range(fake.slow_words))
+        check(last.get("role") == "assistant" and last.get("cancelled") is True
+              and isinstance(last.get("content"), str) and last["content"]
+              and full.startswith(last["content"]),
+              f"the partial reply should be in history with cancelled: true: {harness.brief(last)}")
+        print(f"   partial reply kept: {last['content']!r}; the client saw {seen!r}")
+    with step(cx.tag("OpenAI upstream: an upstream error leaves only the user turn")):
+        t4 = await client.message("This will FAIL", mid="l4", room="chat")
+        t4.expect_error("upstream_error")
+        state = await context_command(client, "context.get", "chat")
+        hist = state.get("history") or []
+        check(hist and hist[-1].get("role") == "user" and hist[-1].get("content") == "This will FAIL",
+              f"after an upstream error history should end with the user's turn: {harness.brief(hist, 800)}")
+        n = len(fake.requests)
+        t5 = await client.message("Try again", mid="l5", room="chat")
+        t5.expect_done()
+        m5 = (await fake.next_request("script", after=n)).messages
+        check(m5[-1] == {"role": "user", "content": "Try again"} and m5[0].get("role") == "system",
+              f"request after an error: {harness.brief(m5, 800)}")
+    await client.close()
+
+
+async def part_llm_summary(cx, fake, app):
+    """Redis only: two gateways on one Redis, auth header, one user: params kept through the
+    app-side gateway show in the LLM-side gateway's system message."""
+    with step(cx.tag("two gateways, one Redis: the LLM's system message summarises the kept params")):
+        store = cx.redis.url
+        upstreams = {"app": harness.app_upstream(app, "/state"),
+                     "llm": dict(harness.openai_upstream(fake, "script"), system_prompt=SYSTEM_PROMPT)}
+        config = harness.state_config(upstreams, "app", store=store, lifetimes=LIFETIMES)
+        headers = {"X-User-Id": "summary-user"}
+        args = ["--rules", cx.rules, "--auth", "header", "--user-header", "X-User-Id"]
+        async with harness.Gateway(args, config, name="app-gateway") as gw_app, \
+                harness.Gateway(args + ["--default-upstream", "llm"], config, name="llm-gateway") as gw_llm:
+            c1 = await Client.connect(gw_app, expect_user="summary-user", extra_headers=headers)
+            await turn(c1, app, "s-f1", "Find flights from Nairobi to London on Feb 10", "trip",
+                       {"service": "travel", "params": dict(FLIGHT)})
+            c2 = await Client.connect(gw_llm, expect_user="summary-user", extra_headers=headers)
+            n = len(fake.requests)
+            t = await c2.message("What about returning on Feb 20?", mid="s-l1", room="trip")
+            t.expect_done()
+            check_ack_state(t.ack, "travel", dict(FLIGHT, cabin_class="economy"), "LLM-side ack")
+            msgs = (await fake.next_request("script", after=n)).messages
+            system = msgs[0].get("content", "") if msgs and msgs[0].get("role") == "system" else ""
+            check(SYSTEM_PROMPT in system and "travel" in system and "Nairobi" in system
+                  and "London" in system and "2026-02-10" in system,
+                  f"the system message should hold the prompt and a summary of service travel and its "
+                  f"params: {system!r}")
+            check([(m.get("role"), m.get("content")) for m in msgs[1:3]] ==
+                  [("user", "Find flights from Nairobi to London on Feb 10"),
+                   ("assistant", state_reply_text("Find flights from Nairobi to London on Feb 10"))],
+                  f"the history from the other gateway should follow the system message: {harness.brief(msgs, 800)}")
+            await c1.close()
+            await c2.close()
+
+
+async def run_mode(mode, app, fake, rules):
+    redis = None
+    if mode == "redis":
+        redis = await harness.RedisServer().astart()
+        store = redis.url
+        extra = {"history_n": 10, "params_cap": 10000}
+    else:
+        store = "memory"
+        extra = {}
+    upstreams = {"app": harness.app_upstream(app, "/state"),
+                 "llm": dict(harness.openai_upstream(fake, "script"), system_prompt=SYSTEM_PROMPT)}
+    config = harness.state_config(upstreams, "app", store=store, lifetimes=LIFETIMES, **extra)
+    try:
+        async with harness.Gateway(["--rules", rules], config, name=f"gateway-{mode}") as gw, \
+                harness.Gateway(["--rules", rules, "--default-upstream", "llm"], config,
+                                name=f"llm-gateway-{mode}") as llm_gw:
+            cx = Ctx(mode, app, fake, gw, redis, rules)
+            await independent(part_flight(cx))
+            await independent(part_payment(cx))
+            await independent(part_awaiting_soft(cx))
+            await independent(part_history(cx))
+            await independent(part_params_cap(cx))
+            await independent(part_context(cx))
+            await independent(part_llm(cx, fake, llm_gw))
+            if redis:
+                await independent(part_llm_summary(cx, fake, app))
+            gw.assert_alive()
+            llm_gw.assert_alive()
+    finally:
+        if redis:
+            redis.cleanup(keep=True)
+
+
+async def main(args):
+    rules = harness.empty_rules_dir()
+    async with harness.FakeApp() as app, harness.FakeOpenAI() as fake:
+        fake.slow_words = 60
+        fake.slow_interval = 0.05
+        for mode in ("memory", "redis"):
+            await independent(run_mode(mode, app, fake, rules))
+
+
+if __name__ == "__main__":
+    harness.run(main, timeout=100)
