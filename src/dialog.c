@@ -145,25 +145,18 @@ int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, i
         snprintf(err, errlen, "state must be an object");
         return CG_E_BAD_FRAME;
     }
+    /* Checked whole before anything changes: a refused directive changes nothing. */
     json_t *service = json_object_get(state, "service");
+    const char *svc = d->service;
     if (json_is_string(service) && json_string_length(service) > 0 && json_string_length(service) <= 64)
-        set_service(d, json_string_value(service));
-    json_t *params = json_object_get(state, "params");
-    if (params) {
-        if (!d->service) {
-            snprintf(err, errlen, "state.params needs a service (state.service, or an active one)");
-            return CG_E_BAD_FRAME;
-        }
-        int rc = cg_dialog_merge_params(d, d->service, params, lt, err, errlen);
-        if (rc < 0)
-            return rc;
+        svc = json_string_value(service);
+    else if (service && !json_is_null(service)) {
+        snprintf(err, errlen, "state.service must be a name of 1 to 64 bytes");
+        return CG_E_BAD_FRAME;
     }
     json_t *awaiting = json_object_get(state, "awaiting");
-    if (json_is_null(awaiting)) {
-        json_decref(d->awaiting);
-        d->awaiting = NULL;
-    } else if (json_is_object(awaiting)) {
-        json_t *type = json_object_get(awaiting, "type");
+    json_t *type = json_object_get(awaiting, "type");
+    if (json_is_object(awaiting)) {
         static const char *const types[] = {"selection", "confirmation", "metadata", "input"};
         int ok = 0;
         for (size_t i = 0; json_is_string(type) && i < 4; i++)
@@ -172,6 +165,23 @@ int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, i
             snprintf(err, errlen, "state.awaiting.type must be selection, confirmation, metadata or input");
             return CG_E_BAD_FRAME;
         }
+    }
+    json_t *params = json_object_get(state, "params");
+    if (params) {
+        if (!svc) {
+            snprintf(err, errlen, "state.params needs a service (state.service, or an active one)");
+            return CG_E_BAD_FRAME;
+        }
+        int rc = cg_dialog_merge_params(d, svc, params, lt, err, errlen);
+        if (rc < 0)
+            return rc;
+    }
+    if (svc != d->service)
+        set_service(d, svc);
+    if (json_is_null(awaiting)) {
+        json_decref(d->awaiting);
+        d->awaiting = NULL;
+    } else if (json_is_object(awaiting)) {
         json_t *ttl = json_object_get(awaiting, "ttl");
         long seconds = json_is_integer(ttl) && json_integer_value(ttl) > 0 ? (long)json_integer_value(ttl)
                                                                              : lt->awaiting_s;
@@ -286,7 +296,7 @@ void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now)
     cg_dialog_expire(d, now);
 }
 
-char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params)
+char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resolution, json_t *annotations)
 {
     json_t *parts = json_object();
     if (d->service)
@@ -298,6 +308,10 @@ char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params)
                                                          "options", json_object_get(d->awaiting, "options")));
     if (d->soft)
         json_object_set(parts, "soft_context", d->soft);
+    if (resolution)
+        json_object_set(parts, "this_message_resolves", resolution);
+    if (json_object_size(annotations))
+        json_object_set(parts, "annotations", annotations);
     char *out;
     if (json_object_size(parts) == 0) {
         out = strdup("");

@@ -33,12 +33,31 @@ cg_gateway *cg_gateway_of(struct lws *wsi)
     return lws_context_user(lws_get_context(wsi));
 }
 
+/* SIGHUP: load the rules again; a broken set is refused and the running one stays. */
+static void on_reload(uv_signal_t *sig, int signum)
+{
+    (void)signum;
+    cg_gateway *gw = sig->data;
+    cg_ruleset *rs;
+    char err[1024];
+    if (cg_rules_load(gw->cfg->rules_dir, &rs, err, sizeof(err)) < 0) {
+        gw->metrics.reload_failures++;
+        cg_error("rules: reload refused, the running set stays: %s", err);
+        return;
+    }
+    cg_ruleset_unref(gw->rules); /* messages in flight keep the old set until they end */
+    gw->rules = rs;
+    gw->metrics.reloads++;
+    cg_info("rules: reloaded %zu rules from %s", cg_ruleset_count(rs), gw->cfg->rules_dir);
+}
+
 static void on_signal(uv_signal_t *sig, int signum)
 {
     cg_gateway *gw = sig->data;
     cg_info("signal %d: stopping", signum);
     uv_signal_stop(&gw->sig_term);
     uv_signal_stop(&gw->sig_int);
+    uv_signal_stop(&gw->sig_hup);
     /* With a foreign loop, destroying the context closes its handles; the loop then runs
      * until they are gone (DESIGN.md section 10). */
     lws_context_destroy(gw->lws);
@@ -49,6 +68,11 @@ static void on_signal(uv_signal_t *sig, int signum)
     }
     uv_close((uv_handle_t *)&gw->sig_term, NULL);
     uv_close((uv_handle_t *)&gw->sig_int, NULL);
+    uv_close((uv_handle_t *)&gw->sig_hup, NULL);
+    cg_ruleset_unref(gw->rules);
+    gw->rules = NULL;
+    json_decref(gw->dialog_locks); /* empty: every session has closed */
+    gw->dialog_locks = NULL;
 }
 
 /* Secrets come from the environment only; the resume secret is random when unset, so
@@ -103,6 +127,12 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->cfg = cfg;
     gw->loop = loop;
     load_secrets(gw, cfg);
+    gw->dialog_locks = json_object();
+    char rerr[1024];
+    if (cg_rules_load(cfg->rules_dir, &gw->rules, rerr, sizeof(rerr)) < 0) {
+        snprintf(err, errlen, "rules: %s", rerr);
+        return CG_GATEWAY_BAD_CONFIG;
+    }
     protocols[0].per_session_data_size = cg_session_size();
     /* Client frames arrive in pieces of this size; a frame over it is reassembled. */
     protocols[0].rx_buffer_size = 4096;
@@ -162,10 +192,14 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->sig_term.data = gw->sig_int.data = gw;
     uv_signal_start(&gw->sig_term, on_signal, SIGTERM);
     uv_signal_start(&gw->sig_int, on_signal, SIGINT);
+    uv_signal_init(loop, &gw->sig_hup);
+    gw->sig_hup.data = gw;
+    uv_signal_start(&gw->sig_hup, on_reload, SIGHUP);
     signal(SIGPIPE, SIG_IGN);
 
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
             cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
+    cg_info("rules: %zu from %s", cg_ruleset_count(gw->rules), cfg->rules_dir);
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
                 gw->upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");

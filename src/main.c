@@ -6,13 +6,128 @@
 #include <uv.h>
 
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "chatgate/config.h"
 #include "chatgate/gateway.h"
 #include "chatgate/log.h"
+#include "chatgate/pipeline.h"
+#include "chatgate/rules.h"
+#include "chatgate/store.h"
+
+/* The clock of `rules check` and of `rules explain` without CHATGATE_NOW: rule tests that
+ * name dates ("Feb 20", "next week") mean the same thing every day. */
+#define RULES_CHECK_NOW 1770112800 /* 2026-02-03T10:00:00Z */
+
+static int rules_usage(void)
+{
+    fprintf(stderr, "usage: chatgate rules check DIR\n"
+                    "       chatgate rules explain DIR \"text\" [--state FILE.json]\n");
+    return 2;
+}
+
+/* chatgate rules check DIR: every expect/reject line; non-zero and file:line on a failure. */
+static int rules_check(const char *dir)
+{
+    cg_ruleset *rs;
+    char err[1024];
+    if (cg_rules_load(dir, &rs, err, sizeof(err)) < 0) {
+        fprintf(stderr, "%s\n", err);
+        return 1;
+    }
+    int n_tests = 0;
+    int failures = cg_rules_check(rs, RULES_CHECK_NOW, stdout, &n_tests);
+    printf("rules check: %zu rules, %d tests, %d passed, %d failed\n", cg_ruleset_count(rs), n_tests,
+           n_tests - failures, failures);
+    cg_ruleset_unref(rs);
+    return failures ? 1 : 0;
+}
+
+/* chatgate rules explain DIR "text" [--state FILE]: what fires and the state after, as JSON. */
+static int rules_explain(int argc, char **argv)
+{
+    const char *dir = argv[3], *text = argv[4], *state_file = NULL;
+    if (argc == 7 && strcmp(argv[5], "--state") == 0)
+        state_file = argv[6];
+    else if (argc != 5)
+        return rules_usage();
+    cg_ruleset *rs;
+    char err[1024];
+    if (cg_rules_load(dir, &rs, err, sizeof(err)) < 0) {
+        fprintf(stderr, "%s\n", err);
+        return 1;
+    }
+    int64_t now = getenv("CHATGATE_NOW") ? cg_store_default_now(NULL) : RULES_CHECK_NOW;
+    cg_dialog d;
+    json_t *state = NULL;
+    if (state_file) {
+        json_error_t jerr;
+        state = json_load_file(state_file, 0, &jerr);
+        if (!json_is_object(state)) {
+            fprintf(stderr, "%s:%d:%d: %s\n", state_file, jerr.line, jerr.column,
+                    state ? "the state must be a JSON object" : jerr.text);
+            json_decref(state);
+            cg_ruleset_unref(rs);
+            return 1;
+        }
+    }
+    cg_dialog_from_json(&d, state, now);
+    /* a state file written by hand gives awaiting and soft context without their expiry
+     * (so cg_dialog_from_json drops them): they hold for this explanation */
+    json_t *awaiting = json_object_get(state, "awaiting"), *soft = json_object_get(state, "soft_context");
+    if (json_is_object(awaiting) && !d.awaiting) {
+        d.awaiting = json_deep_copy(awaiting);
+        d.awaiting_expires = now + 120;
+    }
+    if (json_is_object(soft) && !d.soft) {
+        d.soft = json_deep_copy(soft);
+        d.soft_expires = now + 300;
+    }
+    static cg_config cfg; /* routes name the default upstream only */
+    cg_upstream_config up = {.name = "default"};
+    cfg.upstreams[0] = up;
+    cfg.n_upstreams = 1;
+    cg_lifetimes lt;
+    cg_lifetimes_default(&lt);
+    cg_rules_result rr;
+    cg_rules_eval(rs, text, &d, cg_pipeline_previous(&d), now, &rr);
+    cg_pipeline_result res;
+    cg_pipeline_run(&cfg, rs, &d, text, now, &lt, &res);
+    json_t *out = json_pack("{s:s, s:O, s:O, s:o, s:O, s:o, s:o, s:O, s:o, s:o}", "text", text, "fired", rr.fired,
+                            "limited", rr.limited, "cancel",
+                            res.cancel ? json_string(res.absorb ? "absorb" : "forward") : json_null(), "params",
+                            rr.params, "enriched", res.enriched ? json_string(res.enriched) : json_null(),
+                            "resolution", res.resolution ? json_incref(res.resolution) : json_null(), "annotations",
+                            res.annotations, "error",
+                            res.error ? json_string(res.error_message) : json_null(), "state", cg_dialog_context(&d));
+    if (rr.route[0])
+        json_object_set_new(out, "route", json_string(rr.route));
+    char *s = json_dumps(out, JSON_INDENT(2));
+    printf("%s\n", s);
+    free(s);
+    json_decref(out);
+    json_decref(state);
+    cg_rules_result_free(&rr);
+    cg_pipeline_result_free(&res);
+    cg_dialog_free(&d);
+    cg_ruleset_unref(rs);
+    return 0;
+}
+
+static int rules_command(int argc, char **argv)
+{
+    if (argc == 4 && strcmp(argv[2], "check") == 0)
+        return rules_check(argv[3]);
+    if (argc >= 5 && strcmp(argv[2], "explain") == 0)
+        return rules_explain(argc, argv);
+    return rules_usage();
+}
 
 int main(int argc, char **argv)
 {
+    if (argc >= 2 && strcmp(argv[1], "rules") == 0)
+        return rules_command(argc, argv);
     static cg_config cfg;
     char err[1024];
     int rc = cg_config_load(&cfg, argc, argv, err, sizeof(err));

@@ -46,7 +46,35 @@ static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
         m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
         m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers, st->reconnects,
         st->flushed, st->evictions);
-    return n < 0 ? 0 : (size_t)n < len ? (size_t)n : len - 1;
+    if (n < 0 || (size_t)n >= len)
+        return n < 0 ? 0 : len - 1;
+    size_t used = (size_t)n;
+    n = snprintf(buf + used, len - used,
+                 "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
+                 "# TYPE chatgate_awaiting_resolutions_total counter\nchatgate_awaiting_resolutions_total %lu\n"
+                 "# TYPE chatgate_cancels_total counter\nchatgate_cancels_total %lu\n"
+                 "# TYPE chatgate_soft_context_hits_total counter\nchatgate_soft_context_hits_total %lu\n"
+                 "# TYPE chatgate_enrichments_total counter\nchatgate_enrichments_total %lu\n"
+                 "# TYPE chatgate_rules_fired_total counter\nchatgate_rules_fired_total %lu\n"
+                 "# HELP chatgate_rules_limited_total Rules cut off by a match limit (counted as no match).\n"
+                 "# TYPE chatgate_rules_limited_total counter\nchatgate_rules_limited_total %lu\n"
+                 "# TYPE chatgate_rules_loaded gauge\nchatgate_rules_loaded %zu\n"
+                 "# TYPE chatgate_rules_reloads_total counter\nchatgate_rules_reloads_total{result=\"ok\"} %lu\n"
+                 "chatgate_rules_reloads_total{result=\"refused\"} %lu\n"
+                 "# TYPE chatgate_routed_total counter\n",
+                 m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
+                 m->rules_limited, cg_ruleset_count(gw->rules), m->reloads, m->reload_failures);
+    if (n < 0 || (size_t)n >= len - used)
+        return used;
+    used += (size_t)n;
+    for (int i = 0; i < gw->n_upstreams && used < len; i++) {
+        n = snprintf(buf + used, len - used, "chatgate_routed_total{upstream=\"%s\"} %lu\n",
+                     gw->upstreams[i].cfg->name, m->routed[i]);
+        if (n < 0 || (size_t)n >= len - used)
+            break;
+        used += (size_t)n;
+    }
+    return used;
 }
 
 static int respond(struct lws *wsi, int status, const char *type, const char *body, size_t len)

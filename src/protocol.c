@@ -173,13 +173,19 @@ char *cg_protocol_hello(const char *user, const char *session, const char *resum
                                       resume ? json_string(resume) : json_null()));
 }
 
-char *cg_protocol_ack(const char *id, const char *room, const char *route, const char *service, json_t *params)
+static json_t *str_or_null(const char *s)
 {
-    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:n, s:n, s:[]}", "type", "ack", "id", id,
-                                      "room", room, "route", route, "service",
-                                      service ? json_string(service) : json_null(), "params",
-                                      params ? json_incref(params) : json_object(), "enriched", "resolution",
-                                      "rules"));
+    return s ? json_string(s) : json_null();
+}
+
+char *cg_protocol_ack(const cg_ack *a)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o}", "type", "ack", "id", a->id,
+                                      "room", a->room, "route", a->route, "service", str_or_null(a->service),
+                                      "params", a->params ? json_incref(a->params) : json_object(), "enriched",
+                                      str_or_null(a->enriched), "resolution",
+                                      a->resolution ? json_incref(a->resolution) : json_null(), "rules",
+                                      a->rules ? json_incref(a->rules) : json_array()));
 }
 
 char *cg_protocol_context(const char *room, json_t *state)

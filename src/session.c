@@ -57,6 +57,10 @@ struct cg_msg {
     char room[CG_MAX_ROOM + 1];
     char *text;
     json_t *keys;         /* context.forget */
+    cg_ruleset *rules;    /* the rule set this message started with (a reference) */
+    char *lock_key;       /* its dialog's key while it holds or waits for the dialog's lock */
+    enum { LOCK_NONE, LOCK_HELD, LOCK_WAITING } lock_state;
+    cg_msg *lock_next;    /* the next message waiting for the same dialog */
     int64_t arrived;      /* unix seconds */
     cg_store_req *load;   /* while the dialog loads */
     cg_dialog dialog;     /* once loaded */
@@ -252,8 +256,13 @@ static int session_write_one(cg_session *s)
 
 /* ---- turns --------------------------------------------------------------------------- */
 
+static void lock_release(cg_msg *m);
+
 static void msg_free(cg_msg *m)
 {
+    if (m->lock_state)
+        lock_release(m);
+    cg_ruleset_unref(m->rules);
     if (m->has_dialog)
         cg_dialog_free(&m->dialog);
     json_decref(m->keys);
@@ -268,6 +277,8 @@ static int64_t session_now(cg_session *s)
 }
 
 static void session_pump(cg_session *s);
+static int msg_load(cg_msg *m);
+static int lock_acquire(cg_msg *m);
 
 /* The request in flight ended (its terminal frame is queued): start the next one. */
 static void msg_finish(cg_msg *m)
@@ -279,7 +290,7 @@ static void msg_finish(cg_msg *m)
     session_pump(s);
 }
 
-typedef enum { TURN_DONE, TURN_ERROR, TURN_CANCELLED } turn_end;
+typedef enum { TURN_DONE, TURN_ERROR, TURN_CANCELLED, TURN_ABSORBED } turn_end;
 
 /*
  * Records the turn in the dialog and saves it: the user's message always joins the history;
@@ -299,9 +310,9 @@ static void turn_save(cg_msg *m, turn_end end)
         cg_dialog_push_history(d, "assistant", m->reply ? m->reply : "", now, lt, extra);
         json_decref(extra);
     }
-    if (end == TURN_DONE)
+    if (end == TURN_DONE || end == TURN_ABSORBED)
         d->turn_count++;
-    unsigned long *count = end == TURN_DONE ? &s->gw->metrics.turns_done
+    unsigned long *count = end == TURN_DONE || end == TURN_ABSORBED ? &s->gw->metrics.turns_done
                            : end == TURN_ERROR ? &s->gw->metrics.turns_error : &s->gw->metrics.turns_cancelled;
     (*count)++;
     d->last_activity = now;
@@ -379,6 +390,23 @@ static const cg_upstream_events upstream_events = {
     .on_error = on_upstream_error,
 };
 
+/* reference 001's counters */
+static void count_pipeline(cg_gateway *gw, const cg_pipeline_result *res)
+{
+    cg_metrics *mt = &gw->metrics;
+    const char *type = json_string_value(json_object_get(res->resolution, "type"));
+    if (type && strcmp(type, "cancel") != 0)
+        mt->awaiting_resolutions++;
+    if (res->cancel)
+        mt->cancels++;
+    if (res->soft_context_hit)
+        mt->soft_context_hits++;
+    if (res->enriched)
+        mt->enrichments++;
+    mt->rules_fired += json_array_size(res->rules);
+    mt->rules_limited += json_array_size(res->limited);
+}
+
 static json_t *service_defaults(const cg_config *cfg, const char *service)
 {
     return service ? json_object_get(json_object_get(cfg->services, service), "defaults") : NULL;
@@ -393,22 +421,49 @@ static void turn_start(cg_msg *m)
     d->message_count++;
     d->last_activity = session_now(s);
 
+    json_t *awaiting_before = json_incref(d->awaiting); /* forwarded as it was */
     cg_pipeline_result res;
-    cg_pipeline_run(gw->cfg, m->text, &res);
+    cg_pipeline_run(gw->cfg, m->rules, d, m->text, session_now(s), &gw->lifetimes, &res);
+    count_pipeline(gw, &res);
+    if (res.error) { /* params over the cap: refused, nothing forwarded */
+        session_send_error(s, m->id, res.error, res.error_message);
+        json_decref(awaiting_before);
+        cg_pipeline_result_free(&res);
+        turn_save(m, TURN_ERROR);
+        msg_finish(m);
+        return;
+    }
     m->route = res.route;
     cg_upstream *up = &gw->upstreams[m->route];
     json_t *params = cg_dialog_params_merged(d, d->service, service_defaults(gw->cfg, d->service));
-    session_send(s, cg_protocol_ack(m->id, m->room, up->cfg->name, d->service, params));
+    cg_ack ack = {
+        .id = m->id, .room = m->room, .route = up->cfg->name, .service = d->service, .enriched = res.enriched,
+        .params = params, .resolution = res.resolution, .rules = res.rules,
+    };
+    session_send(s, cg_protocol_ack(&ack));
+    if (res.absorb) { /* `cancel absorb`: answered here */
+        session_send(s, cg_protocol_done(m->id, "", 0, NULL, 0));
+        json_decref(awaiting_before);
+        json_decref(params);
+        cg_pipeline_result_free(&res);
+        turn_save(m, TURN_ABSORBED);
+        msg_finish(m);
+        return;
+    }
 
-    char *summary = cg_dialog_summary(d, params);
+    char *summary = cg_dialog_summary(d, params, res.resolution, res.annotations);
     cg_upstream_message um = {
         .id = m->id, .user = s->user, .room = m->room, .text = m->text, .route = up->cfg->name,
-        .service = d->service, .params = params, .awaiting = d->awaiting, .soft = d->soft,
-        .history = d->history, .summary = summary,
+        .service = d->service, .params = params, .awaiting = awaiting_before, .soft = d->soft,
+        .history = d->history, .summary = summary, .enriched = res.enriched, .resolution = res.resolution,
+        .annotations = res.annotations, .rules = res.rules,
     };
+    gw->metrics.routed[m->route]++;
     int rc = up->ops->start(up, &s->up_conns[m->route], &um, &upstream_events, m, &m->call);
     free(summary);
     json_decref(params);
+    json_decref(awaiting_before);
+    cg_pipeline_result_free(&res);
     if (rc < 0) {
         session_send_error(s, m->id, CG_E_INTERNAL, "the upstream request could not be started");
         turn_save(m, TURN_ERROR);
@@ -455,6 +510,93 @@ static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *sta
         context_command(m);
 }
 
+/* Starts loading m's dialog; -1 (with an error frame sent) when the store refused. */
+static int msg_load(cg_msg *m)
+{
+    cg_session *s = m->s;
+    cg_store *st = s->gw->store;
+    m->load = st->ops->load(st, s->user, m->room, on_dialog_loaded, m);
+    if (m->load)
+        return 0;
+    session_send_error(s, m->kind == MSG_CHAT ? m->id : NULL, CG_E_INTERNAL, "the dialog could not be loaded");
+    return -1;
+}
+
+/*
+ * One turn at a time per dialog in this process: two connections of one user in one room
+ * (two tabs) would otherwise both load the dialog, and the second save would drop what the
+ * first added. A dialog's lock is held from load to save; the next message waiting for it
+ * starts when it is released. (Across gateways this needs a lock in Redis: DESIGN.md
+ * section 2.)
+ */
+typedef struct dialog_lock {
+    cg_msg *waiters, *last; /* in arrival order */
+} dialog_lock;
+
+static dialog_lock *lock_of(cg_gateway *gw, const char *key)
+{
+    json_t *v = json_object_get(gw->dialog_locks, key);
+    return v ? (dialog_lock *)(intptr_t)json_integer_value(v) : NULL;
+}
+
+/* 1 when m holds its dialog's lock now, 0 when it waits in line. */
+static int lock_acquire(cg_msg *m)
+{
+    cg_gateway *gw = m->s->gw;
+    m->lock_key = cg_store_dialog_key(m->s->user, m->room);
+    dialog_lock *l = lock_of(gw, m->lock_key);
+    if (!l) {
+        l = calloc(1, sizeof(*l));
+        if (!l)
+            abort();
+        json_object_set_new(gw->dialog_locks, m->lock_key, json_integer((json_int_t)(intptr_t)l));
+        m->lock_state = LOCK_HELD;
+        return 1;
+    }
+    m->lock_state = LOCK_WAITING;
+    if (l->last)
+        l->last->lock_next = m;
+    else
+        l->waiters = m;
+    l->last = m;
+    return 0;
+}
+
+/* m is done with its dialog (or gone while waiting): the next in line starts. */
+static void lock_release(cg_msg *m)
+{
+    cg_gateway *gw = m->s->gw;
+    dialog_lock *l = m->lock_state ? lock_of(gw, m->lock_key) : NULL;
+    if (l && m->lock_state == LOCK_WAITING) {
+        cg_msg **pp = &l->waiters, *prev = NULL;
+        while (*pp && *pp != m)
+            prev = *pp, pp = &(*pp)->lock_next;
+        if (*pp)
+            *pp = m->lock_next;
+        if (l->last == m)
+            l->last = prev;
+    } else if (l) {
+        cg_msg *next = l->waiters;
+        if (!next) {
+            json_object_del(gw->dialog_locks, m->lock_key);
+            free(l);
+        } else {
+            l->waiters = next->lock_next;
+            if (!l->waiters)
+                l->last = NULL;
+            next->lock_next = NULL;
+            next->lock_state = LOCK_HELD;
+            if (msg_load(next) < 0) { /* cannot happen with the shipped stores; keep the line moving */
+                next->s->inflight = NULL;
+                msg_finish(next);
+            }
+        }
+    }
+    m->lock_state = LOCK_NONE;
+    free(m->lock_key);
+    m->lock_key = NULL;
+}
+
 /* Runs the next waiting request, if none is in flight: first, load its dialog. */
 static void session_pump(cg_session *s)
 {
@@ -466,12 +608,11 @@ static void session_pump(cg_session *s)
         s->queued--;
         m->next = NULL;
         s->inflight = m;
-        cg_store *st = s->gw->store;
-        m->load = st->ops->load(st, s->user, m->room, on_dialog_loaded, m);
-        if (m->load)
+        if (!lock_acquire(m))
+            return; /* another connection's turn of this dialog runs; lock_release starts this one */
+        if (msg_load(m) == 0)
             return;
         s->inflight = NULL;
-        session_send_error(s, m->kind == MSG_CHAT ? m->id : NULL, CG_E_INTERNAL, "the dialog could not be loaded");
         msg_free(m);
     }
 }
@@ -501,6 +642,30 @@ static int session_id_in_use(cg_session *s, const char *id)
     return 0;
 }
 
+static void inflight_stop(cg_session *s);
+
+/*
+ * A message that a cancel rule matches acts at once on the reply in flight of its dialog
+ * (DESIGN.md section 1, "Arrival"): that reply gets `cancelled`; the message itself then
+ * waits its turn like any other and goes through the pipeline, which clears awaiting.
+ */
+static void cancel_on_arrival(cg_session *s, const cg_client_frame *f)
+{
+    cg_msg *m = s->inflight;
+    if (!m || m->kind != MSG_CHAT || strcmp(m->room, f->room) != 0)
+        return;
+    cg_rules_result rr;
+    cg_rules_eval(s->gw->rules, f->text, NULL, NULL, session_now(s), &rr);
+    int cancel = rr.cancel;
+    cg_rules_result_free(&rr);
+    if (!cancel)
+        return;
+    cg_info("session %s: message %s stopped by a cancel phrase", s->session_id, m->id);
+    inflight_stop(s);
+    session_send(s, cg_protocol_cancelled(m->id));
+    msg_finish(m);
+}
+
 /* Queues a message or context command, within the rate and queue limits. */
 static void session_on_request(cg_session *s, cg_client_frame *f)
 {
@@ -523,6 +688,8 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
         session_send_error(s, f->id, CG_E_BAD_FRAME, err);
         return;
     }
+    if (chat)
+        cancel_on_arrival(s, f);
     cg_msg *m = calloc(1, sizeof(*m));
     if (!m)
         abort();
@@ -537,6 +704,7 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
     m->keys = f->keys;
     f->keys = NULL;
     m->arrived = session_now(s);
+    m->rules = cg_ruleset_ref(s->gw->rules);
     if (chat)
         s->gw->metrics.messages++;
     if (s->queue_tail)

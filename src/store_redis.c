@@ -103,10 +103,12 @@ static void leave_degraded(redis_store *rs)
     json_object_clear(rs->warned);
 }
 
-static cg_store_status degraded_status(redis_store *rs, const char *key)
+/* The warning goes with the answer to a load, the one that reaches the client before its
+ * ack; a save's answer reaches nobody, so it must not use up the dialog's warning. */
+static cg_store_status degraded_status(redis_store *rs, const char *key, int load)
 {
     cg_store_status st = {1, 0};
-    if (!json_object_get(rs->warned, key)) {
+    if (load && !json_object_get(rs->warned, key)) {
         if (json_object_size(rs->warned) > 100000)
             json_object_clear(rs->warned);
         json_object_set_new(rs->warned, key, json_true());
@@ -188,7 +190,7 @@ static void answer_from_memory(cg_store_req *r)
 {
     redis_store *rs = r->rs;
     int64_t now = rs->base.now(rs->base.clock_ctx);
-    cg_store_status st = degraded_status(rs, r->key);
+    cg_store_status st = degraded_status(rs, r->key, r->kind == OP_LOAD);
     if (r->kind == OP_LOAD) {
         cg_dialog d;
         cg_memstore_get(rs->mem, r->key, now, &d);
@@ -313,7 +315,7 @@ static char *rooms_key(redis_store *rs, const char *user)
 
 static json_t *parse_json_reply(redisReply *r)
 {
-    return r && r->type == REDIS_REPLY_STRING ? json_loadb(r->str, r->len, JSON_DECODE_ANY, NULL) : NULL;
+    return r && r->type == REDIS_REPLY_STRING ? json_loadb(r->str, r->len, JSON_DECODE_ANY | JSON_ALLOW_NUL, NULL) : NULL;
 }
 
 /* Turns the five replies of a load into the JSON cg_dialog_from_json reads. */
@@ -920,7 +922,18 @@ static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
     if (at) {
         const char *colon = memchr(p, ':', (size_t)(at - p));
         const char *pw = colon ? colon + 1 : p;
-        snprintf(rs->password, sizeof(rs->password), "%.*s", (int)(at - pw), pw);
+        /* the password is percent-encoded in a URL ("%40" for '@') */
+        size_t n = 0;
+        for (const char *c = pw; c < at && n < sizeof(rs->password) - 1; c++) {
+            unsigned int byte;
+            if (*c == '%' && c + 2 < at && sscanf(c + 1, "%2x", &byte) == 1) {
+                rs->password[n++] = (char)byte;
+                c += 2;
+            } else {
+                rs->password[n++] = *c;
+            }
+        }
+        rs->password[n] = 0;
         p = at + 1;
     }
     const char *slash = strchr(p, '/');

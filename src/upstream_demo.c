@@ -69,19 +69,24 @@ static int demo_start(cg_upstream *up, void **conn_slot, const cg_upstream_messa
     if (!c)
         return -1;
     char *params = m->params ? json_dumps(m->params, JSON_COMPACT) : NULL;
+    char *resolution = m->resolution ? json_dumps(m->resolution, JSON_COMPACT) : NULL;
     const char *fmt = "This is chatgate's demo upstream '%s'. Route: %s. Room: %s. Service: %s. Params: %s. "
-                      "History: %zu earlier messages. You said: \"%s\".";
-    int n = snprintf(NULL, 0, fmt, up->cfg->name, m->route, m->room, m->service ? m->service : "none",
-                     params ? params : "{}", json_array_size(m->history), m->text);
+                      "Resolution: %s. Enriched: %s. History: %zu earlier messages. You said: \"%s\".";
+#define DEMO_ARGS                                                                                               \
+    up->cfg->name, m->route, m->room, m->service ? m->service : "none", params ? params : "{}",                 \
+        resolution ? resolution : "none", m->enriched ? m->enriched : "none", json_array_size(m->history), m->text
+    int n = snprintf(NULL, 0, fmt, DEMO_ARGS);
     c->reply = malloc((size_t)n + 1);
     if (!c->reply) {
         free(params);
+        free(resolution);
         free(c);
         return -1;
     }
-    snprintf(c->reply, (size_t)n + 1, fmt, up->cfg->name, m->route, m->room, m->service ? m->service : "none",
-             params ? params : "{}", json_array_size(m->history), m->text);
+    snprintf(c->reply, (size_t)n + 1, fmt, DEMO_ARGS);
+#undef DEMO_ARGS
     free(params);
+    free(resolution);
     c->len = (size_t)n;
     c->ev = ev;
     c->ctx = ctx;

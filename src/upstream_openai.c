@@ -354,7 +354,8 @@ static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message
         if (json_is_string(role) && json_is_string(content))
             json_array_append_new(messages, json_pack("{s:O, s:O}", "role", role, "content", content));
     }
-    json_array_append_new(messages, json_pack("{s:s, s:s}", "role", "user", "content", m->text));
+    json_array_append_new(messages, json_pack("{s:s, s:s}", "role", "user", "content",
+                                              m->enriched ? m->enriched : m->text));
     json_t *o = json_pack("{s:s, s:b, s:{s:b}, s:o}", "model", cfg->model ? cfg->model : "default", "stream", 1,
                           "stream_options", "include_usage", 1, "messages", messages);
     if (!o)

@@ -187,7 +187,7 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     if (!c)
         return; /* nothing in flight: a cancelled message's tail */
     json_error_t jerr;
-    json_t *o = json_loadb(buf, len, 0, &jerr);
+    json_t *o = json_loadb(buf, len, JSON_ALLOW_NUL, &jerr); /* "\u0000" is valid JSON */
     json_t *id = json_object_get(o, "id");
     json_t *type = json_object_get(o, "type");
     if (!json_is_object(o) || !json_is_string(type)) {
@@ -382,11 +382,14 @@ static json_t *or_null(json_t *j)
 static char *message_frame(const cg_upstream_message *m)
 {
     return cg_protocol_dump(json_pack(
-        "{s:s, s:s, s:s, s:s, s:s, s:n, s:s, s:o, s:o, s:o, s:n, s:o, s:o, s:[], s:{}}", "type", "message", "id", m->id,
-        "user", m->user, "room", m->room, "text", m->text, "enriched", "route", m->route, "service",
+        "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
+        "user", m->user, "room", m->room, "text", m->text, "enriched",
+        m->enriched ? json_string(m->enriched) : json_null(), "route", m->route, "service",
         m->service ? json_string(m->service) : json_null(), "params", m->params ? json_incref(m->params) : json_object(),
-        "awaiting", or_null(m->awaiting), "resolution", "soft_context", or_null(m->soft), "history",
-        m->history ? json_incref(m->history) : json_array(), "rules", "annotations"));
+        "awaiting", or_null(m->awaiting), "resolution", or_null(m->resolution), "soft_context", or_null(m->soft),
+        "history", m->history ? json_incref(m->history) : json_array(), "rules",
+        m->rules ? json_incref(m->rules) : json_array(), "annotations",
+        m->annotations ? json_incref(m->annotations) : json_object()));
 }
 
 static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,

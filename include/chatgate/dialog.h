@@ -80,7 +80,8 @@ json_t *cg_dialog_to_json(const cg_dialog *d);
 /* Reads what cg_dialog_to_json wrote; missing or wrong-typed parts are left empty. */
 void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now);
 
-/* A short text of the state for an LLM's system message; malloc'd, "" when empty. */
-char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params);
+/* A short text of the state, and of what this message resolved and carries, for an LLM's
+ * system message; malloc'd, "" when there is nothing. JSON arguments may be NULL. */
+char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resolution, json_t *annotations);
 
 #endif

@@ -14,6 +14,7 @@
 #include "chatgate/config.h"
 #include "chatgate/dialog.h"
 #include "chatgate/ops.h"
+#include "chatgate/rules.h"
 #include "chatgate/store.h"
 #include "chatgate/upstream.h"
 
@@ -30,6 +31,9 @@ struct cg_gateway {
     struct lws_http_mount mount, mount_metrics, mount_healthz;
     cg_metrics metrics;
     cg_store *store;
+    cg_ruleset *rules; /* the running set; messages hold references */
+    json_t *dialog_locks; /* dialog key -> lock (session.c): one turn at a time per dialog */
+    uv_signal_t sig_hup;
     cg_lifetimes lifetimes;
     unsigned char resume_secret[64]; /* CHATGATE_RESUME_SECRET, or random per process */
     size_t resume_secret_len;

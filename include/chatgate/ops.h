@@ -25,6 +25,14 @@ typedef struct cg_metrics {
     unsigned long refused_connections;
     unsigned long unauthorized;
     unsigned long degraded_warnings; /* store_degraded sent to clients */
+    /* reference 001's */
+    unsigned long awaiting_resolutions;
+    unsigned long cancels;
+    unsigned long soft_context_hits;
+    unsigned long enrichments;
+    unsigned long rules_fired, rules_limited;
+    unsigned long routed[32]; /* per upstream, by index (CG_MAX_UPSTREAMS) */
+    unsigned long reloads, reload_failures;
 } cg_metrics;
 
 int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);

@@ -41,8 +41,12 @@ void cg_client_frame_clear(cg_client_frame *f);
 
 /* Builders: each returns a malloc'd compact JSON string (never NULL; aborts on no memory). */
 char *cg_protocol_hello(const char *user, const char *session, const char *resume);
-/* service may be NULL; params is borrowed (NULL gives {}). */
-char *cg_protocol_ack(const char *id, const char *room, const char *route, const char *service, json_t *params);
+/* What an ack says about a message (DESIGN.md section 3); JSON parts borrowed, NULL gives null/{}/[]. */
+typedef struct cg_ack {
+    const char *id, *room, *route, *service, *enriched;
+    json_t *params, *resolution, *rules;
+} cg_ack;
+char *cg_protocol_ack(const cg_ack *a);
 /* state is borrowed. */
 char *cg_protocol_context(const char *room, json_t *state);
 char *cg_protocol_warning(const char *id, const char *code, const char *message);

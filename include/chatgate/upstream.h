@@ -52,6 +52,10 @@ typedef struct cg_upstream_message {
     json_t *soft;        /* soft context, or NULL */
     json_t *history;     /* the last messages before this one: [{role, content, ts}] */
     const char *summary; /* the state in a sentence, for an LLM's system message; may be "" */
+    const char *enriched; /* the rewritten message, or NULL; an LLM gets it instead of text */
+    json_t *resolution;   /* what this message resolved, or NULL */
+    json_t *annotations;  /* {"metadata": {...}} */
+    json_t *rules;        /* names of the rules that fired */
 } cg_upstream_message;
 
 typedef struct cg_upstream_ops {

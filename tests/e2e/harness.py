@@ -1491,8 +1491,9 @@ class RedisServer:
     socket with a paused server.
     """
 
-    def __init__(self, port=None):
+    def __init__(self, port=None, password=None):
         self.port = port or free_port()
+        self.password = password  # --requirepass; the inspection client AUTHs with it
         self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-redis-"))
         self.log_path = self.dir / "redis.log"
         self.proc = None
@@ -1502,11 +1503,15 @@ class RedisServer:
 
     @property
     def url(self):
-        return f"redis://127.0.0.1:{self.port}"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}"
 
     def command_line(self):
-        return [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir)]
+        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir)]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd
 
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
@@ -1619,11 +1624,23 @@ class RedisServer:
         return False
 
     # -- the inspection client
-    def command(self, *args, timeout=2.0):
-        """Send one command on a fresh connection; the parsed reply (RedisError raised)."""
+    def command(self, *args, timeout=2.0, db=None):
+        """Send one command on a fresh connection (in database `db` if given); the parsed
+        reply (RedisError raised)."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
+            reader = _RespReader(sock)
+            if self.password:
+                sock.sendall(_resp_encode(["AUTH", self.password]))
+                authed = reader.read()
+                if isinstance(authed, RedisError):
+                    raise authed
+            if db is not None:
+                sock.sendall(_resp_encode(["SELECT", db]))
+                selected = reader.read()
+                if isinstance(selected, RedisError):
+                    raise selected
             sock.sendall(_resp_encode(args))
-            reply = _RespReader(sock).read()
+            reply = reader.read()
         if isinstance(reply, RedisError):
             raise reply
         return reply

@@ -21,6 +21,10 @@ and forwarding:
   params under it kept whole; 200 small params all kept;
 - context.get / context.forget / context.clear, and a context.get that waits behind the
   reply in flight;
+- messages of one dialog sent back to back each see the previous one's state; one user on
+  two connections (a resume token) in one room with turns at the same time loses neither
+  update; non-ASCII and structured values round-trip; a U+0000 in a value is kept or
+  refused with a warning; the params cap is per dialog (over two services);
 - OpenAI upstream: system message (configured prompt), then the history, then the user's
   message; a cancelled reply leaves the user turn and the partial assistant text marked
   cancelled; an upstream error leaves only the user turn; no extra fields in messages.
@@ -28,7 +32,10 @@ and forwarding:
   the app-side gateway kept, and its system message summarises them.
 - Redis only: the key layout of DESIGN.md section 5 (one hash tag per dialog), values as
   JSON, TTLs (params ~ lifetimes.params_s, dialog ~ dialog_s, history ~ history_s,
-  awaiting ~ its ttl, soft ~ soft_s), the user's rooms set.
+  awaiting ~ its ttl, soft ~ soft_s), the user's rooms set; a store URL with /DB and
+  redis.prefix put the keys in that database under that prefix; a Redis with requirepass
+  works with the password in the URL, and a wrong one gives store_degraded.
+- Memory only: max_dialogs bounds the dialogs held, least recently used first.
 """
 
 import asyncio
@@ -243,8 +250,6 @@ async def part_awaiting_soft(cx):
         check(isinstance(fa, dict) and fa.get("type") == "selection" and fa.get("options") == options
               and fa.get("context") == awaiting["context"],
               f"a2: forwarded awaiting should be the selection set by a1: {harness.brief(f2)}")
-        if cx.redis:
-            pass  # the TTL is checked on pick4 below (a2's directive cleared this one)
         t3, f3 = await turn(client, app, "a3", "ok", "pick")
         check_forwarded(f3, awaiting=None, what="a3 (after awaiting: null)")
         if cx.redis:
@@ -320,13 +325,32 @@ async def part_params_cap(cx):
                         what="k3 (after the refused update)")
         check(not [f for f in client.received if f.get("type") == "warning" and f.get("id") == "k3"],
               "k3: a 5000-byte param under the cap should be accepted without a warning")
-        _, f4 = await turn(client, app, "k4", "Still there?", "cap")
+        _, f4 = await turn(client, app, "k4", "Still there?", "cap",
+                           {"service": "payment", "params": {"memo": "z" * 6000}})
         check(f4["params"].get("notes") == "y" * 5000,
               f"k4: the 5000-byte param should be kept whole, got {len(str(f4['params'].get('notes')))} chars")
+        w = [f for f in client.received if f.get("type") == "warning" and f.get("id") == "k4"]
+        w = w[0] if w else await client.next_matching(
+            lambda f: f.get("type") == "warning" and f.get("id") == "k4", 3.0,
+            "warning too_large for k4 (5000 + 6000 bytes over two services)")
+        check(w.get("code") == "too_large", f"k4: expected too_large, got {w}")
+        state = await context_command(client, "context.get", "cap")
+        check("payment" not in (state.get("params") or {}),
+              f"the cap is per dialog: 6000 bytes of payment params over 5000 of travel should be refused: "
+              f"{harness.brief(state.get('params'))}")
         if cx.redis:
             params = redis_json_hash(cx.redis, harness.dialog_key(user, "cap", "params"))
             check(set(params) == {"travel.from", "travel.notes"} and params["travel.notes"] == "y" * 5000,
                   f"Redis params after the cap test: {harness.brief(params)}")
+        check(state.get("service") == "travel",
+              f"a directive refused as too_large should change nothing, but its service switch to "
+              f"{state.get('service')!r} was applied")
+    await client.close()
+
+
+async def part_many_params(cx):
+    client = await Client.connect(cx.gw)
+    app = cx.app
     with step(cx.tag("200 small params are all kept (none dropped)")):
         many = {f"p{i}": i for i in range(200)}
         await turn(client, app, "m1", "Lots of details", "many", {"service": "travel", "params": many})
@@ -498,6 +522,151 @@ async def part_llm_summary(cx, fake, app):
             await c2.close()
 
 
+async def part_pipelined(cx):
+    """Messages of one dialog sent back to back: each sees the state the one before left."""
+    client = await Client.connect(cx.gw)
+    app = cx.app
+    with step(cx.tag("5 messages sent at once in one dialog: each forwarded with the previous one's state")):
+        for k in range(1, 6):
+            app.directives[f"q{k}"] = {"service": "travel", "params": {"n": k}}
+            await client.send_message(f"pipelined {k}", f"q{k}", "pipe")
+        problems = []
+        for k in range(1, 6):
+            t = await client.collect_turn(f"q{k}")
+            check_turn_done(t)
+            fwd = await app.wait_message(f"q{k}")
+            want = k - 1 if k > 1 else None
+            if fwd["params"].get("n") != want:
+                problems.append(f"q{k}: forwarded params.n {fwd['params'].get('n')!r}, expected {want!r}")
+            if len(fwd["history"]) != 2 * (k - 1):
+                problems.append(f"q{k}: forwarded history has {len(fwd['history'])} messages, expected {2 * (k - 1)}")
+        check(not problems, "; ".join(problems))
+    await client.close()
+
+
+async def part_two_tabs(cx):
+    """One user on two connections (a resume token), one room, turns at the same time."""
+    c1 = await Client.connect(cx.gw)
+    c2 = await Client.connect(f"{cx.gw.url}?resume={c1.hello['resume']}", expect_user=c1.hello["user"])
+    app = cx.app
+    with step(cx.tag("one user, two connections, one room, concurrent turns: neither update is lost")):
+        app.directives["tab1"] = {"service": "travel", "params": {"from": "Nairobi"}}
+        app.directives["tab2"] = {"service": "travel", "params": {"to": "London"}}
+        await c1.send_message("From Nairobi [delay=0.4]", "tab1", "tabs")
+        await asyncio.sleep(0.05)
+        await c2.send_message("To London [delay=0.4]", "tab2", "tabs")
+        check_turn_done(await c1.collect_turn("tab1"))
+        check_turn_done(await c2.collect_turn("tab2"))
+        state = await context_command(c1, "context.get", "tabs")
+        params = (state.get("params") or {}).get("travel", {})
+        users = [c for r, c in history_pairs(state.get("history")) if r == "user"]
+        check(params == {"from": "Nairobi", "to": "London"} and len(users) == 2,
+              f"after two concurrent turns of one dialog (two tabs) both should be kept: params {params}, "
+              f"user turns in history {users}")
+    await c1.close()
+    await c2.close()
+
+
+async def part_unicode(cx):
+    client = await Client.connect(cx.gw)
+    app = cx.app
+    values = {"to": "Zürich 東京", "note": 'emoji 🎉 "quotes" \\ back\\slash\nnewline', "n": 1.5,
+              "list": [1, "two", {"three": None}], "flag": False}
+    with step(cx.tag("non-ASCII and structured values round-trip (params, history)")):
+        text = "Flüge nach Zürich 🎉 — 東京?"
+        t1, _ = await turn(client, app, "u1", text, "uni", {"service": "travel", "params": values})
+        _, f2 = await turn(client, app, "u2", "and?", "uni")
+        check_forwarded(f2, service="travel", params=dict(values, cabin_class="economy"),
+                        history=[("user", text), ("assistant", t1.terminal["text"])], what="u2")
+    with step(cx.tag("a param value with U+0000 is kept or refused with a warning, never dropped silently")):
+        app.directives["u3"] = {"params": {"nul": "a\u0000b"}}
+        t3 = await client.message("nul", mid="u3", room="uni")
+        check(t3.kind == "done", f"a done whose state holds a U+0000 (valid JSON, RFC 8259) should still "
+                                 f"reach the client: {t3.describe()}")
+        _, f4 = await turn(client, app, "u4", "and now?", "uni")
+        warned = [f for f in client.received if f.get("type") == "warning" and f.get("id") == "u3"]
+        kept = f4["params"].get("nul")
+        check(kept == "a\u0000b" or warned,
+              f"a param value with U+0000: forwarded as {kept!r} and no warning (silently dropped)")
+        check(f4["params"].get("to") == "Zürich 東京",
+              f"the other params should survive a U+0000 value: {harness.brief(f4['params'])}")
+    await client.close()
+
+
+async def part_redis_password(app, rules):
+    """Redis with requirepass: the password in the store URL (percent-decoded, as in any URL);
+    a wrong one gives store_degraded (the gateway still answers)."""
+    plain = await harness.RedisServer(password="s3cret").astart()
+    spaced = await harness.RedisServer(password="s3cret pass/word").astart()
+    cases = (("the right password", f"redis://:s3cret@127.0.0.1:{plain.port}", plain, True),
+             ("a percent-encoded password (s3cret%20pass%2Fword)",
+              f"redis://:s3cret%20pass%2Fword@127.0.0.1:{spaced.port}", spaced, True),
+             ("a wrong password", f"redis://:wrong@127.0.0.1:{plain.port}", plain, False))
+    try:
+        for n, (what, url, redis, ok) in enumerate(cases):
+            config = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=url)
+            async with harness.Gateway(["--rules", rules], config, name=f"gateway-password-{n}") as gw:
+                with step(f"[redis] requirepass, store URL with {what}"):
+                    client = await Client.connect(gw)
+                    user = client.hello["user"]
+                    t1, _ = await turn(client, app, f"pw{n}a", "hello", "trip",
+                                       {"service": "travel", "params": {"from": "Nairobi"}})
+                    _, f = await turn(client, app, f"pw{n}b", "again", "trip")
+                    check(f["params"].get("from") == "Nairobi", f"params kept: {f['params']}")
+                    key = harness.dialog_key(user, "trip", "params")
+                    if ok:
+                        check(not t1.warnings, f"a warning with {what}: {t1.warnings}")
+                        check(redis.hgetall(key) == {"travel.from": '"Nairobi"'},
+                              f"{key}: {redis.hgetall(key)}")
+                    else:
+                        check([w.get("code") for w in t1.warnings] == ["store_degraded"],
+                              f"a wrong password should give store_degraded: {t1.describe()}")
+                        check(redis.type(key) == "none", f"{key} written with a wrong password?")
+                    await client.close()
+    finally:
+        plain.cleanup(keep=True)
+        spaced.cleanup(keep=True)
+
+
+async def part_memory_bound(app, rules):
+    """Memory store with max_dialogs 3: the least recently used dialog goes first."""
+    config = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", max_dialogs=3)
+    async with harness.Gateway(["--rules", rules], config, name="gateway-max-dialogs") as gw:
+        with step("[memory] max_dialogs 3: the least recently used dialog is dropped"):
+            client = await Client.connect(gw)
+            for room in ("r1", "r2", "r3"):
+                await turn(client, app, f"mb-{room}", f"hello {room}", room,
+                           {"service": "travel", "params": {"room": room}})
+            await turn(client, app, "mb-r1-again", "r1 again", "r1")  # r1 used last: r2 is the oldest
+            await turn(client, app, "mb-r4", "hello r4", "r4", {"service": "travel", "params": {"room": "r4"}})
+            kept = {}
+            for room in ("r1", "r2", "r3", "r4"):
+                state = await context_command(client, "context.get", room)
+                kept[room] = (state.get("params") or {}).get("travel", {}).get("room")
+            check(kept["r2"] is None, f"r2 (least recently used) should have been dropped: {kept}")
+            check(kept["r1"] == "r1" and kept["r4"] == "r4", f"r1 (used again) and r4 (new) should be kept: {kept}")
+            await client.close()
+
+
+async def part_redis_db_prefix(app, rules, redis):
+    """redis://HOST:PORT/3 and redis.prefix: the keys land in database 3 under the prefix."""
+    config = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app",
+                                  store=redis.url + "/3", redis={"prefix": "cgtest"})
+    async with harness.Gateway(["--rules", rules], config, name="gateway-db3") as gw:
+        with step("[redis] store redis://.../3 and prefix cgtest: keys in database 3 under cgtest:"):
+            client = await Client.connect(gw)
+            user = client.hello["user"]
+            await turn(client, app, "db1", "hello", "trip", {"service": "travel", "params": {"from": "Nairobi"}})
+            _, f = await turn(client, app, "db2", "again", "trip")
+            check(f["params"].get("from") == "Nairobi", f"params with DB 3: {f['params']}")
+            key = harness.dialog_key(user, "trip", "params", prefix="cgtest")
+            got = redis.command("HGETALL", key, db=3)
+            check(got == ["travel.from", '"Nairobi"'], f"{key} in DB 3 should hold travel.from: {got}; "
+                                                       f"DB 3 keys: {redis.command('KEYS', '*', db=3)}")
+            check(not redis.keys(f"*{user}*"), f"keys of this user in DB 0: {redis.keys(f'*{user}*')}")
+            await client.close()
+
+
 async def run_mode(mode, app, fake, rules):
     redis = None
     if mode == "redis":
@@ -520,10 +689,18 @@ async def run_mode(mode, app, fake, rules):
             await independent(part_awaiting_soft(cx))
             await independent(part_history(cx))
             await independent(part_params_cap(cx))
+            await independent(part_many_params(cx))
             await independent(part_context(cx))
             await independent(part_llm(cx, fake, llm_gw))
+            await independent(part_pipelined(cx))
+            await independent(part_two_tabs(cx))
+            await independent(part_unicode(cx))
             if redis:
                 await independent(part_llm_summary(cx, fake, app))
+                await independent(part_redis_db_prefix(app, rules, redis))
+                await independent(part_redis_password(app, rules))
+            else:
+                await independent(part_memory_bound(app, rules))
             gw.assert_alive()
             llm_gw.assert_alive()
     finally:

@@ -3,10 +3,11 @@
 50 dialogs (50 connections, auth none, one room each) talk through the state app with a
 real redis-server (redis.command_timeout_ms 1000, connect_timeout_ms 1000):
 1. Redis up: two messages each; the dialogs are in Redis; no warning.
-2. Redis killed (SIGKILL): three more messages each. Every message is answered with done;
+2. Redis killed (SIGKILL) while a reply of each dialog is in flight (its state is saved
+   after Redis died), then three more messages each. Every message is answered with done;
    each dialog gets exactly one warning store_degraded in this outage, about one of its
-   messages and before that message's ack; the conversation keeps its context meanwhile
-   (the params of the earlier turns are forwarded).
+   messages and before that message's ack (the in-flight one's may follow its ack); the
+   conversation keeps its context meanwhile (the params of the earlier turns are forwarded).
 3. Redis restarted (empty, same port): within the reconnect backoff (<= 5 s) the gateway
    writes back what it held: every dialog's params (with the outage's last value) and
    history show up in Redis; the next message of each gets no warning.
@@ -41,22 +42,23 @@ class Dialog:
         self.warnings = []  # (phase, frame)
         self.turns = []  # (phase, turn, seconds)
 
-    async def say(self, app, params=None, phase=""):
-        """One message; returns (turn, forwarded frame, seconds to done)."""
+    async def say(self, app, params=None, phase="", delay=None, late_warning_ok=False):
+        """One message; returns (turn, forwarded frame, seconds to done). `late_warning_ok`:
+        the store may fail while the reply is in flight, so a warning may follow the ack."""
         self.n += 1
         mid = f"d{self.i}-{self.n}"
         if params is not None:
             app.directives[mid] = {"service": "travel", "params": params}
         started = time.monotonic()
-        t = await self.client.message(f"message {self.n} of dialog {self.i}", mid=mid, room=self.room,
-                                      timeout=COMMAND_TIMEOUT + MARGIN + 5)
+        text = f"message {self.n} of dialog {self.i}" + (f" [delay={delay}]" if delay else "")
+        t = await self.client.message(text, mid=mid, room=self.room, timeout=COMMAND_TIMEOUT + MARGIN + 5)
         elapsed = time.monotonic() - started
         self.turns.append((phase, t, elapsed))
         check_turn_done(t)
         for w in t.warnings:
             check(w.get("code") == "store_degraded", f"dialog {self.i}: unexpected warning {w}")
             ack_at = self.client.position(t.ack)
-            check(self.client.position(w) < ack_at,
+            check(late_warning_ok or self.client.position(w) < ack_at,
                   f"dialog {self.i}: the store_degraded warning came after the ack of {mid}: {t.describe()}")
             self.warnings.append((phase, w))
         fwd = await app.wait_message(mid)
@@ -65,7 +67,7 @@ class Dialog:
 
 def phase_detail(d, phase):
     """The turns of dialog `d` in `phase`, for a failure message."""
-    return "; ".join(f"{t.id} after {sec:.2f}s: {[f.get('type') + ('/' + f['code'] if 'code' in f else '') for f in t.frames][:3]}..."
+    return "; ".join(f"{t.id} after {sec:.2f}s: {[f.get('type') + ('/' + f['code'] if 'code' in f else '') for f in t.frames]}"
                      for p, t, sec in d.turns if p == phase)
 
 
@@ -120,6 +122,7 @@ async def fifty_dialogs(app, rules):
     try:
         async with harness.Gateway(["--rules", rules, "--max-connections", 1000], config,
                                    name="gateway-faults") as gw:
+            deferred = []  # failures reported at the end, so that the later phases still run
             clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
             dialogs = [Dialog(i, c) for i, c in enumerate(clients)]
 
@@ -133,11 +136,17 @@ async def fifty_dialogs(app, rules):
                 check(not warned, f"store_degraded with Redis up, dialogs {warned[:10]}")
                 await wait_written(redis, dialogs, "to", "London", timeout=3)
 
-            with step("2. Redis killed: every message answered, one store_degraded per dialog, context kept"):
-                redis.kill()
+            with step("2. Redis killed with replies in flight, then 3 more messages each: every message "
+                      "answered, one store_degraded per dialog, context kept"):
                 latencies = []
 
+                async def killer():
+                    await asyncio.sleep(0.15)
+                    redis.kill()
+
                 async def down(d):
+                    _, _, elapsed = await d.say(app, {"inflight": 1}, "killed", delay=0.4, late_warning_ok=True)
+                    latencies.append(elapsed)
                     for k in range(3):
                         _, fwd, elapsed = await d.say(app, {"down": k}, "killed")
                         latencies.append(elapsed)
@@ -146,15 +155,21 @@ async def fifty_dialogs(app, rules):
                         if k:
                             check(fwd["params"].get("down") == k - 1,
                                   f"dialog {d.i}: a directive applied during the outage was lost: {fwd['params']}")
-                await all_dialogs(dialogs, down)
+                await asyncio.gather(all_dialogs(dialogs, down), killer())
                 counts = {d.i: sum(1 for p, _ in d.warnings if p == "killed") for d in dialogs}
                 none = [i for i, n in counts.items() if n == 0]
                 many = [i for i, n in counts.items() if n > 1]
-                check(not many, f"dialogs with more than one store_degraded in one outage: "
-                                f"{[(i, counts[i]) for i in many[:10]]}")
-                check(not none, f"{len(none)} dialogs got no store_degraded warning while Redis was dead: {none[:10]}; "
+                if many:
+                    deferred.append(f"dialogs with more than one store_degraded in one outage: "
+                                    f"{[(i, counts[i]) for i in many[:10]]}")
+                if none:
+                    deferred.append(f"{len(none)} dialogs got no store_degraded warning while Redis was dead: {none[:10]} "
+                                f"(warning frames of any id on all connections: "
+                                f"{sum(1 for d in dialogs for f in d.client.received if f.get('type') == 'warning')}); "
                                 f"dialog {none[0] if none else 0}'s turns: "
-                                f"{phase_detail(dialogs[none[0] if none else 0], 'killed')}")
+                                    f"{phase_detail(dialogs[none[0] if none else 0], 'killed')}")
+                if deferred:
+                    print("   deferred (reported at the end): " + "; ".join(x[:150] for x in deferred))
                 print(f"   {len(latencies)} messages, slowest {max(latencies):.2f}s")
 
             with step("3. Redis restarted: the gateway reconnects and writes back what it held"):
@@ -167,6 +182,7 @@ async def fifty_dialogs(app, rules):
                 params0 = redis.hgetall(harness.dialog_key(d0.user, d0.room, "params"))
                 check(json.loads(params0.get("travel.from", "null")) == "Nairobi",
                       f"dialog 0's params from before the outage should be written back too: {params0}")
+                await wait_written(redis, dialogs, "inflight", 1, timeout=2)
 
                 async def after(d):
                     _, fwd, _ = await d.say(app, None, "after-kill")
@@ -229,6 +245,8 @@ async def fifty_dialogs(app, rules):
             for d in dialogs:
                 await d.client.close()
             gw.assert_alive()
+            with step("2 (deferred). store_degraded once per dialog in the SIGKILL outage"):
+                check(not deferred, "\n".join(deferred))
     finally:
         redis.cleanup(keep=True)
 

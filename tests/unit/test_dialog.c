@@ -157,7 +157,7 @@ static void test_history_and_round_trip(void)
     CHECK(back.soft == NULL);
     cg_dialog_free(&back);
 
-    char *summary = cg_dialog_summary(&d, json_object_get(d.params, "travel"));
+    char *summary = cg_dialog_summary(&d, json_object_get(d.params, "travel"), NULL, NULL);
     CHECK(strstr(summary, "\"from\":\"Nairobi\"") != NULL);
     CHECK(strstr(summary, "\"service\":\"travel\"") != NULL);
     free(summary);

@@ -97,7 +97,8 @@ static void test_bad(void)
 
 static void test_build(void)
 {
-    char *s = cg_protocol_ack("m1", "trip", "llm", NULL, NULL);
+    cg_ack ack = {.id = "m1", .room = "trip", .route = "llm"};
+    char *s = cg_protocol_ack(&ack);
     json_t *o = json_loads(s, 0, NULL);
     CHECK_STR(json_string_value(json_object_get(o, "type")), "ack");
     CHECK_STR(json_string_value(json_object_get(o, "route")), "llm");
