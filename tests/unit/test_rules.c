@@ -1,0 +1,247 @@
+/*
+ * test_rules.c: the rules engine: normalisers at a fixed clock, loader errors that name
+ * file:line (and PCRE2's offset), actions and conditions, the match limit, the selection
+ * resolver and the pipeline's order (cancel before awaiting before extraction).
+ */
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "chatgate/error.h"
+#include "chatgate/pipeline.h"
+#include "chatgate/rules.h"
+#include "unit.h"
+
+#define NOW 1770112800 /* 2026-02-03T10:00:00Z, a Tuesday */
+
+static char dir[64];
+
+static void write_rules(const char *name, const char *text)
+{
+    char path[256];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    fputs(text, f);
+    fclose(f);
+}
+
+static void clear_dir(void)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -f %s/*.rules", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not clear %s\n", dir);
+}
+
+static void test_dates(void)
+{
+    static const struct { const char *in, *out; } cases[] = {
+        {"Feb 20", "2026-02-20"},      {"20 February", "2026-02-20"}, {"february 20th", "2026-02-20"},
+        {"20th of Feb", "2026-02-20"}, {"tomorrow", "2026-02-04"},    {"today", "2026-02-03"},
+        {"next week", "2026-02-10"},   {"2026-02-20", "2026-02-20"},  {"20/02/2026", "2026-02-20"},
+        {"Feb 1", "2027-02-01"},       /* already past this year: the next one */
+        {"Feb 3", "2026-02-03"},       /* today counts */
+        {"Feb 29", "2028-02-29"},      {"Dec 25, 2026", "2026-12-25"},
+    };
+    char out[11];
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int rc = cg_normalise_date(cases[i].in, NOW, out);
+        CHECK(rc == 0);
+        if (rc == 0)
+            CHECK_STR(out, cases[i].out);
+    }
+    CHECK(cg_normalise_date("Feb 30", NOW, out) < 0);
+    CHECK(cg_normalise_date("someday", NOW, out) < 0);
+    CHECK(cg_normalise_date("2026-13-01", NOW, out) < 0);
+    CHECK(cg_normalise_date("", NOW, out) < 0);
+}
+
+static void test_numbers(void)
+{
+    long v;
+    CHECK(cg_normalise_int("2", &v) == 0 && v == 2);
+    CHECK(cg_normalise_int("two", &v) == 0 && v == 2);
+    CHECK(cg_normalise_int("Three", &v) == 0 && v == 3);
+    CHECK(cg_normalise_int("many", &v) < 0);
+    double a;
+    char cur[4];
+    CHECK(cg_normalise_amount("5000 shillings", &a, cur) == 0 && a == 5000);
+    CHECK_STR(cur, "KES");
+    CHECK(cg_normalise_amount("3k", &a, cur) == 0 && a == 3000);
+    CHECK_STR(cur, "");
+    CHECK(cg_normalise_amount("KES 5,000", &a, cur) == 0 && a == 5000);
+    CHECK_STR(cur, "KES");
+    CHECK(cg_normalise_amount("$20", &a, cur) == 0 && a == 20);
+    CHECK_STR(cur, "USD");
+    CHECK(cg_normalise_amount("2.5k", &a, cur) == 0 && a == 2500);
+    CHECK(cg_normalise_amount("lots", &a, cur) < 0);
+}
+
+/* Loading fails with a message that contains want. */
+static void check_load_error(const char *text, const char *want)
+{
+    clear_dir();
+    write_rules("50-x.rules", text);
+    cg_ruleset *rs = NULL;
+    char err[1024] = "";
+    int rc = cg_rules_load(dir, &rs, err, sizeof(err));
+    unit_checks++;
+    if (rc == 0 || !strstr(err, want)) {
+        unit_failures++;
+        fprintf(stderr, "loading %s: rc %d, err \"%s\", wanted \"%s\"\n", text, rc, err, want);
+    }
+    if (rs)
+        cg_ruleset_unref(rs);
+}
+
+static void test_load_errors(void)
+{
+    char want[256];
+    snprintf(want, sizeof(want), "%s/50-x.rules:3: rule 'bad': bad pattern: missing closing parenthesis at offset 4 of: (abc", dir);
+    check_load_error("# x\nrule bad\n  match   (abc\n  do cancel\n", want);
+    snprintf(want, sizeof(want), "%s/50-x.rules:2: unknown action 'explode'", dir);
+    check_load_error("rule a\n  do explode\n", want);
+    check_load_error("rule a\n  do cancel\n", "rule 'a' has no 'match' line");
+    check_load_error("rule a\n  match x\n", "rule 'a' has no 'do' line");
+    check_load_error("match x\n", ":1: 'match' outside a rule");
+    check_load_error("rule a\n match x\n do cancel\nrule a\n match y\n do cancel\n", "rule 'a' is defined twice");
+    check_load_error("rule a\n match (?<d>x)\n do params travel\n type e date\n", "the pattern has no group (?<e>");
+    check_load_error("rule a\n match x\n do confirm maybe\n", "'do confirm' takes yes or no");
+    check_load_error("rule a\n match x\n do cancel\n when raining\n", "unknown condition 'when raining'");
+    check_load_error("rule a\n match x\n do cancel\n expect nevermind\n", "expect needs a double-quoted text");
+    check_load_error("rule a\n match x\n do cancel\n flavour sweet\n", "unknown keyword 'flavour'");
+}
+
+static void test_eval_and_check(void)
+{
+    clear_dir();
+    write_rules("10-cancel.rules", "rule cancel\n  match ^\\s*(?:cancel|never\\s*mind)\\s*[.!]*$\n  do cancel\n"
+                                    "  expect \"Never mind!\"\n  reject \"cancel my subscription\"\n");
+    write_rules("50-travel.rules",
+                "rule route\n  match \\bfrom\\s+(?<from>\\p{L}+)(?:\\s*\\(not\\s+\\p{L}+\\))?\\s+to\\s+(?<to>\\p{L}+)\n"
+                "  do params travel\n  expect \"from Mombasa (not Nairobi) to London\" from=Mombasa to=London\n"
+                "rule ret\n  match \\breturn(?:ing)?\\s+(?:on\\s+)?(?<return_date>[\\p{L}\\d ,]+?)\\s*[?.!]*$\n"
+                "  do params travel\n  type return_date date\n  expect \"What about returning on Feb 20?\" return_date=2026-02-20\n"
+                "rule yes\n  match ^\\s*(?:yes|\xf0\x9f\x91\x8d)\\s*$\n  do confirm yes\n  when awaiting confirmation\n"
+                "  expect \"\xf0\x9f\x91\x8d\"\n"
+                "rule when_later\n  match ^\\s*and\\s+(?<when>tomorrow)\\s*\\?*$\n  do enrich {previous} {when}?\n  when history\n"
+                "  expect \"And tomorrow?\" enriched=\"What's the weather in Tokyo tomorrow?\"\n"
+                "rule wrong\n  match flights\n  do params travel\n  expect \"cheap flights\" from=Paris\n");
+    cg_ruleset *rs;
+    char err[1024];
+    CHECK(cg_rules_load(dir, &rs, err, sizeof(err)) == 0);
+    CHECK(cg_ruleset_count(rs) == 6);
+
+    char *buf;
+    size_t len;
+    FILE *out = open_memstream(&buf, &len);
+    int n_tests;
+    CHECK(cg_rules_check(rs, NOW, out, &n_tests) == 1); /* only 'wrong' fails */
+    fclose(out);
+    CHECK(n_tests == 7);
+    CHECK(strstr(buf, "50-travel.rules:23: rule 'wrong' on \"cheap flights\": from is missing") != NULL);
+    free(buf);
+
+    cg_rules_result r;
+    cg_dialog d;
+    cg_dialog_init(&d, NOW);
+    cg_rules_eval(rs, "Find flights from Nairobi to London", &d, NULL, NOW, &r);
+    CHECK_STR(r.service, "travel");
+    CHECK_STR(json_string_value(json_object_get(json_object_get(r.params, "travel"), "from")), "Nairobi");
+    CHECK(r.cancel == 0 && r.confirm == -1);
+    cg_rules_result_free(&r);
+
+    cg_rules_eval(rs, "yes", &d, NULL, NOW, &r); /* not awaiting a confirmation: the rule waits */
+    CHECK(r.confirm == -1);
+    cg_rules_result_free(&r);
+    d.awaiting = json_pack("{s:s, s:s}", "type", "confirmation", "source", "app");
+    d.awaiting_expires = NOW + 60;
+    cg_rules_eval(rs, "\xf0\x9f\x91\x8d", &d, NULL, NOW, &r);
+    CHECK(r.confirm == 1);
+    cg_rules_result_free(&r);
+
+    cg_rules_eval(rs, "And tomorrow?", &d, "What's the weather in Tokyo?", NOW, &r);
+    CHECK_STR(r.enriched, "What's the weather in Tokyo tomorrow?");
+    cg_rules_result_free(&r);
+    cg_rules_eval(rs, "And tomorrow?", &d, NULL, NOW, &r); /* no history: no enrichment */
+    CHECK(r.enriched == NULL);
+    cg_rules_result_free(&r);
+
+    /* the pipeline: cancel comes before the awaiting confirmation it would otherwise answer */
+    static cg_config cfg;
+    cfg.n_upstreams = 2;
+    cfg.upstreams[0].name = "llm";
+    cfg.upstreams[1].name = "app";
+    cfg.default_index = 0;
+    cg_lifetimes lt;
+    cg_lifetimes_default(&lt);
+    cg_pipeline_result p;
+    cg_pipeline_run(&cfg, rs, &d, "never mind", NOW, &lt, &p);
+    CHECK(p.cancel && !p.absorb);
+    CHECK_STR(json_string_value(json_object_get(p.resolution, "type")), "cancel");
+    CHECK(d.awaiting == NULL);
+    cg_pipeline_result_free(&p);
+
+    d.awaiting = json_pack("{s:s, s:s}", "type", "confirmation", "source", "app");
+    cg_pipeline_run(&cfg, rs, &d, "yes", NOW, &lt, &p);
+    CHECK(json_is_true(json_object_get(p.resolution, "confirmed")));
+    CHECK(p.route == 1); /* back to the upstream that asked */
+    cg_pipeline_result_free(&p);
+
+    cg_dialog_free(&d);
+    cg_ruleset_unref(rs);
+}
+
+static void test_match_limit(void)
+{
+    clear_dir();
+    /* catastrophic backtracking: cut off by the match limit, counted as no match */
+    write_rules("10-redos.rules", "rule redos\n  match ^(a+)+$\n  do cancel\n");
+    cg_ruleset *rs;
+    char err[1024];
+    CHECK(cg_rules_load(dir, &rs, err, sizeof(err)) == 0);
+    char text[64];
+    memset(text, 'a', 40);
+    strcpy(text + 40, "!");
+    cg_rules_result r;
+    cg_rules_eval(rs, text, NULL, NULL, NOW, &r);
+    CHECK(r.cancel == 0);
+    CHECK(json_array_size(r.limited) == 1);
+    cg_rules_result_free(&r);
+    cg_ruleset_unref(rs);
+}
+
+static void test_selection(void)
+{
+    json_error_t jerr;
+    json_t *opts = json_loads("[{\"name\":\"Shake Shack\",\"district\":\"Shibuya\"},"
+                              "{\"name\":\"Shake Shack\",\"district\":\"Shinjuku\"},"
+                              "{\"name\":\"Shake Shack\",\"district\":\"Harajuku\"}]",
+                              0, &jerr);
+    CHECK(cg_pipeline_select(opts, "2") == 2);
+    CHECK(cg_pipeline_select(opts, "#3") == 3);
+    CHECK(cg_pipeline_select(opts, "the second one") == 2);
+    CHECK(cg_pipeline_select(opts, "second") == 2);
+    CHECK(cg_pipeline_select(opts, "in Shibuya") == 1);
+    CHECK(cg_pipeline_select(opts, "the Shinjuku one") == 2);
+    CHECK(cg_pipeline_select(opts, "the Shake Shack in Harajuku please") == 3);
+    CHECK(cg_pipeline_select(opts, "4") == 0);
+    CHECK(cg_pipeline_select(opts, "Shake Shack") == 0); /* names all three */
+    CHECK(cg_pipeline_select(opts, "what is the weather") == 0);
+    json_decref(opts);
+}
+
+int main(void)
+{
+    snprintf(dir, sizeof(dir), "/tmp/cg-test-rules-%d", (int)getpid());
+    mkdir(dir, 0700);
+    test_dates();
+    test_numbers();
+    test_load_errors();
+    test_eval_and_check();
+    test_match_limit();
+    test_selection();
+    clear_dir();
+    rmdir(dir);
+    return unit_done("test_rules");
+}
