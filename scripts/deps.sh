@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # scripts/deps.sh: installs the Debian 12 packages chatgate needs, when any is missing.
-# Usage: scripts/deps.sh [build|test]   (test adds what the test suite runs on)
+# Usage: scripts/deps.sh [build|test|fuzz]   (test adds what the test suite runs on,
+#        fuzz also clang and its libFuzzer runtime)
 set -euo pipefail
 
 packages=(gcc make cmake pkg-config libwebsockets-dev libuv1-dev libjansson-dev
           libhiredis-dev libpcre2-dev libssl-dev)
-if [ "${1:-build}" = test ]; then
-  packages+=(python3 python3-websockets)
-fi
+case "${1:-build}" in
+  test) packages+=(python3 python3-websockets redis-server) ;;
+  fuzz) packages+=(clang libclang-rt-14-dev) ;;
+esac
 
 missing=()
 for p in "${packages[@]}"; do

@@ -2,9 +2,18 @@
 # scripts/test.sh: installs what is missing, builds, and runs the whole test suite (ctest).
 #   scripts/test.sh              normal build in build/
 #   scripts/test.sh --sanitize   AddressSanitizer + UBSan build in build-asan/
+#   scripts/test.sh --fuzz       the libFuzzer targets (clang) in build-fuzz/, 30 s each
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh test
+
+if [ "${1:-}" = --fuzz ]; then
+  scripts/deps.sh fuzz
+  cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCHATGATE_FUZZ=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null
+  cmake --build build-fuzz --target fuzz_rules_load fuzz_pipeline -j "$(nproc)"
+  cd build-fuzz
+  exec ctest --output-on-failure -L fuzz
+fi
 
 dir=build
 flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)

@@ -481,6 +481,8 @@ static int parse_file(parse_ctx *p, FILE *f)
     return r ? finish_rule(p, r) : 0;
 }
 
+static cg_ruleset *ruleset_finish(cg_ruleset *rs);
+
 static int is_rules_file(const struct dirent *e)
 {
     size_t n = strlen(e->d_name);
@@ -520,6 +522,32 @@ int cg_rules_load(const char *dir, cg_ruleset **out, char *err, size_t errlen)
         ruleset_free(rs);
         return -1;
     }
+    *out = ruleset_finish(rs);
+    return 0;
+}
+
+int cg_rules_load_text(const char *name, const char *text, size_t len, cg_ruleset **out, char *err, size_t errlen)
+{
+    cg_ruleset *rs = calloc(1, sizeof(*rs));
+    rs->refs = 1;
+    rs->files = calloc(1, sizeof(char *));
+    rs->files[rs->n_files++] = strdup(name);
+    parse_ctx p = {.rs = rs, .file = rs->files[0], .err = err, .errlen = errlen};
+    FILE *f = len ? fmemopen((void *)text, len, "r") : NULL;
+    int rc = f ? parse_file(&p, f) : 0;
+    if (f)
+        fclose(f);
+    if (rc < 0) {
+        ruleset_free(rs);
+        return -1;
+    }
+    *out = ruleset_finish(rs);
+    return 0;
+}
+
+/* The match data and limits every evaluation of the set uses. */
+static cg_ruleset *ruleset_finish(cg_ruleset *rs)
+{
     uint32_t max_groups = 1;
     for (size_t i = 0; i < rs->n; i++) {
         uint32_t c = 0;
@@ -533,8 +561,7 @@ int cg_rules_load(const char *dir, cg_ruleset **out, char *err, size_t errlen)
     pcre2_set_depth_limit(rs->mctx, 1000); /* the interpreter's; the JIT ignores it (DESIGN.md section 7) */
     rs->jit = pcre2_jit_stack_create(32 * 1024, 512 * 1024, NULL);
     pcre2_jit_stack_assign(rs->mctx, NULL, rs->jit);
-    *out = rs;
-    return 0;
+    return rs;
 }
 
 /* ---- normalisers ------------------------------------------------------------------------ */

@@ -27,6 +27,8 @@ typedef struct cg_ruleset cg_ruleset;
 
 /* Loads every *.rules file of dir. 0, or -1 with "file:line: message" in err. */
 int cg_rules_load(const char *dir, cg_ruleset **out, char *err, size_t errlen);
+/* The same from one file's text held in memory (name is used in messages); for fuzzing. */
+int cg_rules_load_text(const char *name, const char *text, size_t len, cg_ruleset **out, char *err, size_t errlen);
 cg_ruleset *cg_ruleset_ref(cg_ruleset *rs);
 void cg_ruleset_unref(cg_ruleset *rs);
 size_t cg_ruleset_count(const cg_ruleset *rs);
