@@ -2,9 +2,11 @@
  * ops.c: GET /healthz and GET /metrics (see ops.h), served by lws callback mounts on the
  * same listener as the demo page. Each answer is small and written at once.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "chatgate/error.h"
 #include "chatgate/gateway.h"
 #include "chatgate/ops.h"
 
@@ -71,15 +73,53 @@ static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
         n = snprintf(buf + used, len - used, "chatgate_routed_total{upstream=\"%s\"} %lu\n",
                      gw->upstreams[i].cfg->name, m->routed[i]);
         if (n < 0 || (size_t)n >= len - used)
-            break;
+            return used;
         used += (size_t)n;
     }
+    n = snprintf(buf + used, len - used, "# TYPE chatgate_upstream_errors_total counter\n");
+    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
+    for (int i = 0; i < gw->n_upstreams && used < len; i++) {
+        n = snprintf(buf + used, len - used, "chatgate_upstream_errors_total{upstream=\"%s\"} %lu\n",
+                     gw->upstreams[i].cfg->name, m->upstream_errors[i]);
+        if (n < 0 || (size_t)n >= len - used)
+            return used;
+        used += (size_t)n;
+    }
+    n = snprintf(buf + used, len - used,
+                 "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n");
+    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
+    for (int code = CG__ERR_FIRST + 1; code < CG__ERR_FIRST + 1 + 16 && code < 0; code++) {
+        if (strcmp(cg_strerror(code), "unknown error") == 0)
+            break;
+        n = snprintf(buf + used, len - used, "chatgate_errors_total{code=\"%s\"} %lu\n", cg_err_code(code),
+                     m->errors[code - CG__ERR_FIRST - 1]);
+        if (n < 0 || (size_t)n >= len - used)
+            return used;
+        used += (size_t)n;
+    }
+    n = snprintf(buf + used, len - used,
+                 "# TYPE chatgate_cache_total counter\nchatgate_cache_total{result=\"hit\"} %lu\n"
+                 "chatgate_cache_total{result=\"miss\"} %lu\n"
+                 "# HELP chatgate_stage_seconds Latency per stage: store load, rules (the pipeline), first "
+                 "token (upstream start to first delta), turn (arrival to the terminal frame).\n"
+                 "# TYPE chatgate_stage_seconds histogram\n",
+                 m->cache_hits, m->cache_misses);
+    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
+    static const struct { const char *label; size_t offset; } stages[] = {
+        {"stage=\"store_load\"", offsetof(cg_metrics, store_load)},
+        {"stage=\"rules\"", offsetof(cg_metrics, rules)},
+        {"stage=\"first_token\"", offsetof(cg_metrics, first_token)},
+        {"stage=\"turn\"", offsetof(cg_metrics, turn)},
+    };
+    for (size_t i = 0; i < sizeof(stages) / sizeof(stages[0]); i++)
+        used += cg_histogram_format((const cg_histogram *)((const char *)m + stages[i].offset),
+                                    "chatgate_stage_seconds", stages[i].label, buf + used, len - used);
     return used;
 }
 
 static int respond(struct lws *wsi, int status, const char *type, const char *body, size_t len)
 {
-    unsigned char buf[LWS_PRE + 8192];
+    unsigned char buf[LWS_PRE + 1024];
     unsigned char *start = buf + LWS_PRE, *p = start, *end = buf + sizeof(buf);
     if (lws_add_http_common_headers(wsi, (unsigned int)status, type, (lws_filepos_t)len, &p, end) ||
         lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_CACHE_CONTROL, (const unsigned char *)"no-store", 8, &p,
@@ -97,7 +137,7 @@ int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     cg_gateway *gw = cg_gateway_of(wsi);
     char uri[64];
-    static char body[LWS_PRE + 8192];
+    static char body[LWS_PRE + 32768];
     char *text = body + LWS_PRE;
     size_t cap = sizeof(body) - LWS_PRE;
     lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI);

@@ -62,6 +62,8 @@ struct cg_msg {
     enum { LOCK_NONE, LOCK_HELD, LOCK_WAITING } lock_state;
     cg_msg *lock_next;    /* the next message waiting for the same dialog */
     int64_t arrived;      /* unix seconds */
+    uint64_t t_arrived, t_load, t_upstream; /* uv_hrtime() of arrival, load start, upstream start */
+    int got_first;        /* the first delta came (first-token latency) */
     cg_store_req *load;   /* while the dialog loads */
     cg_dialog dialog;     /* once loaded */
     int has_dialog;
@@ -164,6 +166,9 @@ static void session_send(cg_session *s, char *json)
 
 static void session_send_error(cg_session *s, const char *id, int err, const char *message)
 {
+    int slot = err - CG__ERR_FIRST - 1;
+    if (slot >= 0 && slot < 16)
+        s->gw->metrics.errors[slot]++;
     if (err == CG_E_BAD_FRAME || err == CG_E_TOO_LARGE)
         s->gw->metrics.bad_frames++;
     else if (err == CG_E_RATE_LIMITED)
@@ -286,6 +291,8 @@ static void msg_finish(cg_msg *m)
     cg_session *s = m->s;
     if (s->inflight == m)
         s->inflight = NULL;
+    if (m->kind == MSG_CHAT)
+        cg_histogram_observe(&s->gw->metrics.turn, (double)(uv_hrtime() - m->t_arrived) / 1e9);
     msg_free(m);
     session_pump(s);
 }
@@ -349,6 +356,10 @@ static void on_upstream_delta(void *ctx, const char *text, size_t len)
     cg_msg *m = ctx;
     if (len == 0)
         return;
+    if (!m->got_first) {
+        m->got_first = 1;
+        cg_histogram_observe(&m->s->gw->metrics.first_token, (double)(uv_hrtime() - m->t_upstream) / 1e9);
+    }
     msg_keep_reply(m, text, len);
     session_send_delta(m->s, m->id, text, len);
 }
@@ -378,6 +389,7 @@ static void on_upstream_error(void *ctx, int err, const char *message)
 {
     cg_msg *m = ctx;
     m->call = NULL;
+    m->s->gw->metrics.upstream_errors[m->route]++;
     cg_info("session %s: message %s: %s: %s", m->s->session_id, m->id, cg_err_code(err), message);
     session_send_error(m->s, m->id, err, message);
     turn_save(m, TURN_ERROR);
@@ -423,7 +435,9 @@ static void turn_start(cg_msg *m)
 
     json_t *awaiting_before = json_incref(d->awaiting); /* forwarded as it was */
     cg_pipeline_result res;
+    uint64_t t0 = uv_hrtime();
     cg_pipeline_run(gw->cfg, m->rules, d, m->text, session_now(s), &gw->lifetimes, &res);
+    cg_histogram_observe(&gw->metrics.rules, (double)(uv_hrtime() - t0) / 1e9);
     count_pipeline(gw, &res);
     if (res.error) { /* params over the cap: refused, nothing forwarded */
         session_send_error(s, m->id, res.error, res.error_message);
@@ -459,6 +473,7 @@ static void turn_start(cg_msg *m)
         .annotations = res.annotations, .rules = res.rules,
     };
     gw->metrics.routed[m->route]++;
+    m->t_upstream = uv_hrtime();
     int rc = up->ops->start(up, &s->up_conns[m->route], &um, &upstream_events, m, &m->call);
     free(summary);
     json_decref(params);
@@ -496,9 +511,15 @@ static void context_command(cg_msg *m)
 static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *status)
 {
     cg_msg *m = ctx;
+    cg_metrics *mt = &m->s->gw->metrics;
     m->load = NULL;
     m->dialog = *d; /* ours now */
     m->has_dialog = 1;
+    cg_histogram_observe(&mt->store_load, (double)(uv_hrtime() - m->t_load) / 1e9);
+    if (status->found)
+        mt->cache_hits++;
+    else
+        mt->cache_misses++;
     if (status->warn) {
         m->s->gw->metrics.degraded_warnings++;
         session_send(m->s, cg_protocol_warning(m->kind == MSG_CHAT ? m->id : NULL, "store_degraded",
@@ -515,6 +536,7 @@ static int msg_load(cg_msg *m)
 {
     cg_session *s = m->s;
     cg_store *st = s->gw->store;
+    m->t_load = uv_hrtime();
     m->load = st->ops->load(st, s->user, m->room, on_dialog_loaded, m);
     if (m->load)
         return 0;
@@ -704,6 +726,7 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
     m->keys = f->keys;
     f->keys = NULL;
     m->arrived = session_now(s);
+    m->t_arrived = uv_hrtime();
     m->rules = cg_ruleset_ref(s->gw->rules);
     if (chat)
         s->gw->metrics.messages++;

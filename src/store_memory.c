@@ -147,13 +147,14 @@ static void req_closed(uv_handle_t *h)
 static void req_run(uv_timer_t *t)
 {
     cg_store_req *r = t->data;
-    static const cg_store_status ok = {0, 0};
+    static const cg_store_status ok = {0, 0, 0};
     if (r->ms->closing) {
         /* shutting down: nobody waits */
     } else if (!r->abandoned && r->kind == OP_LOAD) {
         cg_dialog d;
-        cg_memstore_get(r->ms->mem, r->key, r->ms->base.now(r->ms->base.clock_ctx), &d);
-        r->load_cb(r->ctx, &d, &ok);
+        cg_store_status st = {0, 0, 0};
+        st.found = cg_memstore_get(r->ms->mem, r->key, r->ms->base.now(r->ms->base.clock_ctx), &d);
+        r->load_cb(r->ctx, &d, &st);
     } else if (!r->abandoned && r->done_cb) {
         r->done_cb(r->ctx, &ok);
     }

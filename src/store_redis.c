@@ -107,7 +107,7 @@ static void leave_degraded(redis_store *rs)
  * ack; a save's answer reaches nobody, so it must not use up the dialog's warning. */
 static cg_store_status degraded_status(redis_store *rs, const char *key, int load)
 {
-    cg_store_status st = {1, 0};
+    cg_store_status st = {1, 0, 0};
     if (load && !json_object_get(rs->warned, key)) {
         if (json_object_size(rs->warned) > 100000)
             json_object_clear(rs->warned);
@@ -193,7 +193,7 @@ static void answer_from_memory(cg_store_req *r)
     cg_store_status st = degraded_status(rs, r->key, r->kind == OP_LOAD);
     if (r->kind == OP_LOAD) {
         cg_dialog d;
-        cg_memstore_get(rs->mem, r->key, now, &d);
+        st.found = cg_memstore_get(rs->mem, r->key, now, &d);
         if (!r->abandoned && !rs->closing)
             r->load_cb(r->ctx, &d, &st);
         else
@@ -415,9 +415,12 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
     cg_dialog_from_json(&d, j, now);
     json_decref(j);
     cg_memstore_put(rs->mem, r->key, &d, now); /* the copy that survives an outage */
-    static const cg_store_status ok = {0, 0};
+    cg_store_status st = {0, 0, 0};
+    for (size_t i = 0; i < reply->elements; i++) /* any of the five keys there */
+        st.found |= reply->element[i]->type == REDIS_REPLY_STRING ||
+                    (reply->element[i]->type == REDIS_REPLY_ARRAY && reply->element[i]->elements > 0);
     if (!r->abandoned && !rs->closing)
-        r->load_cb(r->ctx, &d, &ok);
+        r->load_cb(r->ctx, &d, &st);
     else
         cg_dialog_free(&d);
     req_finish(r);
@@ -468,7 +471,7 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
         cg_memstore_put(rs->mem, r->key, &d, now);
         cg_dialog_free(&d);
     }
-    static const cg_store_status ok = {0, 0};
+    static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && !rs->closing && r->done_cb)
         r->done_cb(r->ctx, &ok);
     req_finish(r);
@@ -604,7 +607,7 @@ static void on_remove_reply(redisAsyncContext *ac, void *reply_, void *priv)
         return;
     }
     cg_memstore_del(rs->mem, r->key);
-    static const cg_store_status ok = {0, 0};
+    static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && !rs->closing && r->done_cb)
         r->done_cb(r->ctx, &ok);
     req_finish(r);

@@ -11,6 +11,8 @@
 #include <uv.h>
 #include <libwebsockets.h>
 
+#include "chatgate/metrics.h"
+
 #define CG_LWS_PROTOCOL_OPS "cg-ops"
 
 /* Counters of the whole gateway; one worker, so plain integers. */
@@ -33,6 +35,10 @@ typedef struct cg_metrics {
     unsigned long rules_fired, rules_limited;
     unsigned long routed[32]; /* per upstream, by index (CG_MAX_UPSTREAMS) */
     unsigned long reloads, reload_failures;
+    unsigned long cache_hits, cache_misses; /* dialog loads that found a dialog, or not */
+    unsigned long errors[16];               /* error frames by code, index -code - CG__ERR_FIRST - 1 */
+    unsigned long upstream_errors[32];      /* by upstream index */
+    cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
 } cg_metrics;
 
 int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);

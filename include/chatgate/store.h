@@ -27,6 +27,7 @@ typedef struct cg_store_req cg_store_req;
 typedef struct cg_store_status {
     int degraded; /* answered from memory: Redis is away */
     int warn;     /* the first such answer for this dialog: tell the client */
+    int found;    /* load: the dialog existed (a cache hit, in reference 001's words) */
 } cg_store_status;
 
 /* d is the caller's to keep (cg_dialog_free) */
