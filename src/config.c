@@ -66,6 +66,10 @@ static const setting settings[] = {
     {"history_n", T_INT, OFF(history_n), 0, 200, NULL, 0, NULL},
     {"params_cap", T_INT, OFF(params_cap), 64, 1 << 20, NULL, 0, NULL},
     {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0, NULL},
+    {"ping_interval_s", T_INT, OFF(ping_interval_s), 1, 3600, NULL, 0, NULL},
+    {"idle_timeout_s", T_INT, OFF(idle_timeout_s), 2, 65535, NULL, 0, NULL},
+    {"shutdown_timeout_s", T_INT, OFF(shutdown_timeout_s), 0, 3600, NULL, 1,
+     "SECONDS replies in flight may take to finish after SIGTERM (default 10)"},
     {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0, NULL},
     {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0, NULL},
     {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0, NULL},
@@ -689,6 +693,11 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
                 getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
         return -1;
     }
+    if (cfg->idle_timeout_s <= cfg->ping_interval_s) {
+        set_err(err, errlen, "%s%sidle_timeout_s: must be longer than ping_interval_s (%ld)", file ? file : "",
+                file ? ": " : "", cfg->ping_interval_s);
+        return -1;
+    }
     if (strcmp(cfg->auth, "jwt") == 0 && !(getenv("CHATGATE_JWT_SECRET") && *getenv("CHATGATE_JWT_SECRET"))) {
         origin_of("auth", "auth", flag_given(argc, argv, "auth"), file, where, sizeof(where));
         set_err(err, errlen, "%s: jwt needs the secret in the environment variable CHATGATE_JWT_SECRET", where);
@@ -738,6 +747,9 @@ static void set_defaults(cg_config *cfg)
     cfg->redis_command_timeout_ms = 1000;
     cfg->redis_connect_timeout_ms = 1000;
     cfg->user_header = strdup("X-User-Id");
+    cfg->ping_interval_s = 30;
+    cfg->idle_timeout_s = 300;
+    cfg->shutdown_timeout_s = 10;
 }
 
 int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen)

@@ -51,10 +51,16 @@ static void on_reload(uv_signal_t *sig, int signum)
     cg_info("rules: reloaded %zu rules from %s", cg_ruleset_count(rs), gw->cfg->rules_dir);
 }
 
-static void on_signal(uv_signal_t *sig, int signum)
+/* The end: close every connection (replies still running are cancelled and saved as
+ * such), flush the store, and let the loop run out. */
+static void gateway_stop(cg_gateway *gw)
 {
-    cg_gateway *gw = sig->data;
-    cg_info("signal %d: stopping", signum);
+    if (!gw->lws)
+        return;
+    if (gw->inflight_turns)
+        cg_warn("shutdown: %ld replies still running at the deadline are cancelled", gw->inflight_turns);
+    uv_timer_stop(&gw->drain);
+    uv_close((uv_handle_t *)&gw->drain, NULL);
     uv_signal_stop(&gw->sig_term);
     uv_signal_stop(&gw->sig_int);
     uv_signal_stop(&gw->sig_hup);
@@ -73,6 +79,34 @@ static void on_signal(uv_signal_t *sig, int signum)
     gw->rules = NULL;
     json_decref(gw->dialog_locks); /* empty: every session has closed */
     gw->dialog_locks = NULL;
+    cg_info("stopped cleanly");
+}
+
+static void on_drain_tick(uv_timer_t *t)
+{
+    cg_gateway *gw = t->data;
+    if (gw->inflight_turns == 0 || uv_now(gw->loop) >= gw->drain_deadline)
+        gateway_stop(gw);
+}
+
+/*
+ * SIGTERM, SIGINT: stop taking connections (upgrades get 503, /healthz says 503 so a load
+ * balancer moves on), let the replies in flight finish for up to shutdown_timeout_s, then
+ * stop. A second signal stops at once.
+ */
+static void on_signal(uv_signal_t *sig, int signum)
+{
+    cg_gateway *gw = sig->data;
+    if (gw->stopping) {
+        cg_info("signal %d again: stopping now", signum);
+        gateway_stop(gw);
+        return;
+    }
+    gw->stopping = 1;
+    gw->drain_deadline = uv_now(gw->loop) + (uint64_t)gw->cfg->shutdown_timeout_s * 1000;
+    cg_info("signal %d: stopping; %ld replies in flight may finish within %ld s", signum, gw->inflight_turns,
+            gw->cfg->shutdown_timeout_s);
+    uv_timer_start(&gw->drain, on_drain_tick, 0, 50);
 }
 
 /* Secrets come from the environment only; the resume secret is random when unset, so
@@ -167,6 +201,11 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     info.vhost_name = "chatgate";
     info.fd_limit_per_thread = (unsigned int)(cfg->max_connections * 2 + 64);
     info.timeout_secs = 30;
+    /* WebSocket pings when a connection is quiet (proxies drop idle ones: nginx after 60 s),
+     * and a hang-up when nothing valid, not even a pong, came for idle_timeout_s */
+    gw->retry.secs_since_valid_ping = (uint16_t)cfg->ping_interval_s;
+    gw->retry.secs_since_valid_hangup = (uint16_t)cfg->idle_timeout_s;
+    info.retry_and_idle_policy = &gw->retry;
     info.connect_timeout_secs = 30;
     gw->lws = lws_create_context(&info);
     if (!gw->lws) {
@@ -192,6 +231,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->sig_term.data = gw->sig_int.data = gw;
     uv_signal_start(&gw->sig_term, on_signal, SIGTERM);
     uv_signal_start(&gw->sig_int, on_signal, SIGINT);
+    uv_timer_init(loop, &gw->drain);
+    gw->drain.data = gw;
     uv_signal_init(loop, &gw->sig_hup);
     gw->sig_hup.data = gw;
     uv_signal_start(&gw->sig_hup, on_reload, SIGHUP);

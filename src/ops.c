@@ -146,6 +146,10 @@ int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
         return respond(wsi, 200, "text/plain; version=0.0.4", text, n);
     }
     if (strcmp(uri, "/healthz") == 0) {
+        if (gw->stopping) {
+            int n = snprintf(text, cap, "{\"status\":\"stopping\"}\n");
+            return respond(wsi, 503, "application/json", text, (size_t)n);
+        }
         int degraded = gw->store->stats.degraded;
         int n = snprintf(text, cap, degraded ? "{\"status\":\"degraded\",\"store\":\"redis unreachable: serving from memory\"}\n"
                                              : "{\"status\":\"ok\"}\n");

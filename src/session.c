@@ -64,6 +64,7 @@ struct cg_msg {
     int64_t arrived;      /* unix seconds */
     uint64_t t_arrived, t_load, t_upstream; /* uv_hrtime() of arrival, load start, upstream start */
     int got_first;        /* the first delta came (first-token latency) */
+    int counted;          /* in gw->inflight_turns (shutdown waits for it) */
     cg_store_req *load;   /* while the dialog loads */
     cg_dialog dialog;     /* once loaded */
     int has_dialog;
@@ -265,6 +266,8 @@ static void lock_release(cg_msg *m);
 
 static void msg_free(cg_msg *m)
 {
+    if (m->counted)
+        m->s->gw->inflight_turns--;
     if (m->lock_state)
         lock_release(m);
     cg_ruleset_unref(m->rules);
@@ -630,6 +633,10 @@ static void session_pump(cg_session *s)
         s->queued--;
         m->next = NULL;
         s->inflight = m;
+        if (m->kind == MSG_CHAT) {
+            m->counted = 1;
+            s->gw->inflight_turns++;
+        }
         if (!lock_acquire(m))
             return; /* another connection's turn of this dialog runs; lock_release starts this one */
         if (msg_load(m) == 0)
@@ -703,6 +710,10 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
     if (s->queued >= s->gw->cfg->queue_limit) {
         snprintf(err, sizeof(err), "%ld messages wait already for the reply in flight", s->queued);
         session_send_error(s, f->id, CG_E_RATE_LIMITED, err);
+        return;
+    }
+    if (s->gw->stopping) {
+        session_send_error(s, f->id, CG_E_INTERNAL, "the gateway is shutting down: reconnect");
         return;
     }
     if (chat && session_id_in_use(s, f->id)) {
@@ -1008,6 +1019,10 @@ static int session_confirm_upgrade(struct lws *wsi)
         cg_warn("refused a connection from another site's page (Origin not allowed; see --allow-origin)");
         gw->metrics.refused_connections++;
         return refuse_upgrade(wsi, 403, "Forbidden", "this Origin may not connect (see --allow-origin)\n");
+    }
+    if (gw->stopping) {
+        gw->metrics.refused_connections++;
+        return refuse_upgrade(wsi, 503, "Service Unavailable", "shutting down\n");
     }
     if (gw->n_sessions >= gw->cfg->max_connections) {
         cg_warn("refused a connection: %ld connected, the limit is %ld", gw->n_sessions,

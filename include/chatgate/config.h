@@ -69,6 +69,10 @@ typedef struct cg_config {
     /* identity (DESIGN.md section 4) */
     char *user_header;
     char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */
+    /* lifecycle */
+    long ping_interval_s;
+    long idle_timeout_s;
+    long shutdown_timeout_s;
 } cg_config;
 
 /* Result of cg_config_load besides 0: print nothing more and exit with this status. */

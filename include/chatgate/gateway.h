@@ -34,6 +34,11 @@ struct cg_gateway {
     cg_ruleset *rules; /* the running set; messages hold references */
     json_t *dialog_locks; /* dialog key -> lock (session.c): one turn at a time per dialog */
     uv_signal_t sig_hup;
+    int stopping;            /* SIGTERM came: draining */
+    uv_timer_t drain;
+    uint64_t drain_deadline; /* uv_now() */
+    long inflight_turns;     /* chat messages between load and terminal frame */
+    lws_retry_bo_t retry;    /* ping and idle policy */
     cg_lifetimes lifetimes;
     unsigned char resume_secret[64]; /* CHATGATE_RESUME_SECRET, or random per process */
     size_t resume_secret_len;
