@@ -34,6 +34,7 @@ typedef struct setting {
 
 static const char *const auth_choices[] = {"none", "jwt", "header", NULL};
 static const char *const log_choices[] = {"error", "warn", "info", "debug", NULL};
+static const char *const log_formats[] = {"text", "json", NULL};
 
 #define OFF(f) offsetof(cg_config, f)
 static const setting settings[] = {
@@ -46,6 +47,7 @@ static const setting settings[] = {
     {"web", T_STR, OFF(web_dir), 0, 0, NULL, 1, "DIR served at / (default: the shipped demo page)"},
     {"auth", T_ENUM, OFF(auth), 0, 0, auth_choices, 1, "none | jwt | header: who the user is (default none: a signed resume token)"},
     {"log_level", T_ENUM, OFF(log_level), 0, 0, log_choices, 1, "error | warn | info | debug (default info)"},
+    {"log_format", T_ENUM, OFF(log_format), 0, 0, log_formats, 1, "text | json: one line or one JSON object per event"},
     {"max_frame", T_INT, OFF(max_frame), 256, 16 << 20, NULL, 1, "BYTES, largest client frame (default 65536)"},
     {"max_connections", T_INT, OFF(max_connections), 1, 1000000, NULL, 1,
      "N WebSocket connections at once; more get 503 (default 1024)"},
@@ -728,6 +730,7 @@ static void set_defaults(cg_config *cfg)
     cfg->store = strdup(redis && *redis ? redis : "memory");
     cfg->auth = strdup("none");
     cfg->log_level = strdup("info");
+    cfg->log_format = strdup("text");
     cfg->max_frame = 65536;
     cfg->max_connections = 1024;
     cfg->queue_limit = 8;

@@ -141,6 +141,7 @@ int main(int argc, char **argv)
         return 2;
     }
     cg_log_set_level((cg_log_level)cg_log_level_parse(cfg.log_level));
+    cg_log_set_json(strcmp(cfg.log_format, "json") == 0);
     cg_log_route_lws();
 
     uv_loop_t loop;

@@ -50,6 +50,7 @@ typedef struct cg_config {
     char *web_dir;
     char *auth;
     char *log_level;
+    char *log_format;
     long max_frame;
     long max_connections;
     long queue_limit;

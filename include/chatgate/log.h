@@ -1,8 +1,9 @@
 /*
- * log.h: one line per event on stderr, with a level.
+ * log.h: one line per event on stderr, with a level, as text or as JSON.
  *
- * The caller never logs what a user wrote at info level or above: message text may hold
- * phone numbers and e-mail addresses (masking proper arrives with the operations work).
+ * Every line is masked before it is written: e-mail addresses, phone numbers and tokens
+ * (bearer tokens, JWTs, API keys, resume tokens, token query parameters) become [email],
+ * [phone], [token], whoever logged them (an upstream's error text can quote a user).
  * libwebsockets' own log lines are routed here too, at warning and error level.
  */
 #ifndef CHATGATE_LOG_H
@@ -18,6 +19,10 @@ typedef enum cg_log_level {
 /* Parses "error", "warn", "info" or "debug"; returns the level or -1. */
 int cg_log_level_parse(const char *name);
 void cg_log_set_level(cg_log_level level);
+/* 1: one JSON object per line ({"ts","level","pid","msg"}); 0: text (the default). */
+void cg_log_set_json(int json);
+/* Masks PII and secrets in text into out (always NUL-terminated); returns out. */
+char *cg_log_mask(const char *text, char *out, size_t outlen);
 int cg_log_enabled(cg_log_level level);
 /* Hands libwebsockets' log lines to cg_log. */
 void cg_log_route_lws(void);
