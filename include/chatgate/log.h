@@ -9,6 +9,8 @@
 #ifndef CHATGATE_LOG_H
 #define CHATGATE_LOG_H
 
+#include <stddef.h>
+
 typedef enum cg_log_level {
     CG_LOG_ERROR = 0,
     CG_LOG_WARN = 1,
