@@ -68,6 +68,8 @@ static const setting settings[] = {
     {"history_n", T_INT, OFF(history_n), 0, 200, NULL, 0, NULL},
     {"params_cap", T_INT, OFF(params_cap), 64, 1 << 20, NULL, 0, NULL},
     {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0, NULL},
+    {"admin_listen", T_STR, OFF(admin_listen), 0, 0, NULL, 1,
+     "HOST:PORT for the admin API alone (default: on --listen; on only with CHATGATE_ADMIN_TOKEN)"},
     {"ping_interval_s", T_INT, OFF(ping_interval_s), 1, 3600, NULL, 0, NULL},
     {"idle_timeout_s", T_INT, OFF(idle_timeout_s), 2, 65535, NULL, 0, NULL},
     {"shutdown_timeout_s", T_INT, OFF(shutdown_timeout_s), 0, 3600, NULL, 1,
@@ -619,12 +621,12 @@ static char *default_data_dir(const char *name)
     return strdup(path);
 }
 
-static int parse_listen(cg_config *cfg, const char *where, char *err, size_t errlen)
+/* HOST:PORT (or [v6]:PORT) into host and port; 0, or -1 with err. */
+static int parse_host_port(const char *s, char **host, int *port, const char *where, char *err, size_t errlen)
 {
-    const char *s = cfg->listen;
     const char *colon = strrchr(s, ':');
-    long port;
-    if (!colon || colon == s || parse_long(colon + 1, 1, 65535, &port) < 0) {
+    long p;
+    if (!colon || colon == s || parse_long(colon + 1, 1, 65535, &p) < 0) {
         set_err(err, errlen, "%s: '%s' must be HOST:PORT with a port from 1 to 65535", where, s);
         return -1;
     }
@@ -633,10 +635,15 @@ static int parse_listen(cg_config *cfg, const char *where, char *err, size_t err
         h++;
         he--;
     }
-    free(cfg->listen_host);
-    cfg->listen_host = strndup(h, (size_t)(he - h));
-    cfg->listen_port = (int)port;
+    free(*host);
+    *host = strndup(h, (size_t)(he - h));
+    *port = (int)p;
     return 0;
+}
+
+static int parse_listen(cg_config *cfg, const char *where, char *err, size_t errlen)
+{
+    return parse_host_port(cfg->listen, &cfg->listen_host, &cfg->listen_port, where, err, errlen);
 }
 
 /* Where a setting came from, for messages about values checked after loading. */
@@ -694,6 +701,11 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
         set_err(err, errlen, "%s: '%s' must be memory or redis://HOST:PORT[/DB]%s", where, cfg->store,
                 getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
         return -1;
+    }
+    if (cfg->admin_listen) {
+        origin_of("admin_listen", "admin-listen", flag_given(argc, argv, "admin-listen"), file, where, sizeof(where));
+        if (parse_host_port(cfg->admin_listen, &cfg->admin_host, &cfg->admin_port, where, err, errlen) < 0)
+            return -1;
     }
     if (cfg->idle_timeout_s <= cfg->ping_interval_s) {
         set_err(err, errlen, "%s%sidle_timeout_s: must be longer than ping_interval_s (%ld)", file ? file : "",
@@ -813,6 +825,7 @@ void cg_config_free(cg_config *cfg)
         if (settings[i].type != T_INT)
             free(*(char **)((char *)cfg + settings[i].offset));
     free(cfg->listen_host);
+    free(cfg->admin_host);
     json_decref(cfg->services);
     memset(cfg, 0, sizeof(*cfg));
 }

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/admin.h"
 #include "chatgate/gateway.h"
 #include "chatgate/log.h"
 #include "chatgate/session.h"
@@ -25,6 +26,7 @@ static struct lws_protocols protocols[] = {
     {CG_LWS_PROTOCOL_OPENAI, cg_upstream_openai_callback, 0, 4096, 0, NULL, 0},
     {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
     {CG_LWS_PROTOCOL_OPS, cg_ops_callback, 0, 0, 0, NULL, 0},
+    {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
     {NULL, NULL, 0, 0, 0, NULL, 0}, /* 4.1 has no LWS_PROTOCOL_LIST_TERM */
 };
 
@@ -33,22 +35,36 @@ cg_gateway *cg_gateway_of(struct lws *wsi)
     return lws_context_user(lws_get_context(wsi));
 }
 
-/* SIGHUP: load the rules again; a broken set is refused and the running one stays. */
-static void on_reload(uv_signal_t *sig, int signum)
+int cg_gateway_reload_rules(cg_gateway *gw, char *err, size_t errlen)
 {
-    (void)signum;
-    cg_gateway *gw = sig->data;
     cg_ruleset *rs;
-    char err[1024];
-    if (cg_rules_load(gw->cfg->rules_dir, &rs, err, sizeof(err)) < 0) {
+    if (cg_rules_load(gw->cfg->rules_dir, &rs, err, errlen) < 0) {
         gw->metrics.reload_failures++;
         cg_error("rules: reload refused, the running set stays: %s", err);
-        return;
+        return -1;
     }
     cg_ruleset_unref(gw->rules); /* messages in flight keep the old set until they end */
     gw->rules = rs;
     gw->metrics.reloads++;
     cg_info("rules: reloaded %zu rules from %s", cg_ruleset_count(rs), gw->cfg->rules_dir);
+    return 0;
+}
+
+/* SIGHUP: load the rules again; a broken set is refused and the running one stays. */
+static void on_reload(uv_signal_t *sig, int signum)
+{
+    (void)signum;
+    char err[1024];
+    cg_gateway_reload_rules(sig->data, err, sizeof(err));
+}
+
+void cg_gateway_abort(cg_gateway *gw)
+{
+    /* the lws context, when there is one, is left to the exit (see cg_gateway_start) */
+    cg_ruleset_unref(gw->rules);
+    gw->rules = NULL;
+    json_decref(gw->dialog_locks);
+    gw->dialog_locks = NULL;
 }
 
 /* The end: close every connection (replies still running are cancelled and saved as
@@ -129,6 +145,30 @@ static void load_secrets(cg_gateway *gw, const cg_config *cfg)
     }
 }
 
+/* --admin-listen: a vhost of its own that serves /admin and nothing else. */
+static int start_admin_listener(cg_gateway *gw, const cg_config *cfg, const struct lws_context_creation_info *main)
+{
+    static struct lws_protocols admin_protocols[] = {
+        {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
+        {NULL, NULL, 0, 0, 0, NULL, 0},
+    };
+    admin_protocols[0].per_session_data_size = cg_admin_session_size();
+    struct lws_context_creation_info info = *main;
+    info.port = cfg->admin_port;
+    info.iface = cfg->admin_host;
+    info.protocols = admin_protocols;
+    info.mounts = &gw->mount_admin;
+    info.vhost_name = "chatgate-admin";
+    info.foreign_loops = NULL;
+    if (!lws_create_vhost(gw->lws, &info)) {
+        cg_error("could not start the admin listener on %s", cfg->admin_listen);
+        return -1;
+    }
+    cg_info("admin API on http://%s/admin/%s", cfg->admin_listen,
+            getenv("CHATGATE_ADMIN_TOKEN") ? "" : " (off: CHATGATE_ADMIN_TOKEN is not set)");
+    return 0;
+}
+
 static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t errlen)
 {
     cg_store_config sc;
@@ -186,6 +226,16 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         ops_mounts[i]->origin_protocol = LWSMPRO_CALLBACK;
     }
     gw->mount_metrics.mount_next = &gw->mount_healthz;
+    /* the admin API: on the main listener, or only on its own (--admin-listen) */
+    gw->mount_admin.mountpoint = "/admin";
+    gw->mount_admin.mountpoint_len = 6;
+    gw->mount_admin.protocol = CG_LWS_PROTOCOL_ADMIN;
+    gw->mount_admin.origin_protocol = LWSMPRO_CALLBACK;
+    if (!cfg->admin_listen)
+        gw->mount_healthz.mount_next = &gw->mount_admin;
+    for (size_t i = 0; protocols[i].name; i++)
+        if (strcmp(protocols[i].name, CG_LWS_PROTOCOL_ADMIN) == 0)
+            protocols[i].per_session_data_size = cg_admin_session_size();
 
     void *foreign_loops[1] = {loop};
     struct lws_context_creation_info info;
@@ -213,6 +263,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         return -1;
     }
     gw->vhost = lws_get_vhost_by_name(gw->lws, "chatgate");
+    if (gw->vhost && cfg->admin_listen && start_admin_listener(gw, cfg, &info) < 0)
+        return -1;
     if (!gw->vhost) {
         /* lws keeps the context when only the listener failed. It is not destroyed here:
          * outside uv_run, lws would unload its libuv plugin while the plugin's handles are

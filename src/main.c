@@ -149,12 +149,13 @@ int main(int argc, char **argv)
     static cg_gateway gw;
     srand((unsigned)(uv_hrtime() ^ (uint64_t)uv_os_getpid()));
     rc = cg_gateway_start(&gw, &cfg, &loop, err, sizeof(err));
-    if (rc == CG_GATEWAY_BAD_CONFIG) {
-        fprintf(stderr, "chatgate: %s\n", err);
-        return 2;
+    if (rc < 0) {
+        if (rc == CG_GATEWAY_BAD_CONFIG)
+            fprintf(stderr, "chatgate: %s\n", err);
+        cg_gateway_abort(&gw);
+        cg_config_free(&cfg);
+        return rc == CG_GATEWAY_BAD_CONFIG ? 2 : 1;
     }
-    if (rc < 0)
-        return 1;
     rc = cg_gateway_run(&gw);
     /* Run until the handles the gateway and lws closed are gone, then close the loop. */
     uv_run(&loop, UV_RUN_DEFAULT);

@@ -17,8 +17,12 @@ const char *cg_pipeline_previous(const cg_dialog *d)
     for (size_t i = json_array_size(d->history); i > 0; i--) {
         json_t *m = json_array_get(d->history, i - 1);
         if (json_is_string(json_object_get(m, "role")) &&
-            strcmp(json_string_value(json_object_get(m, "role")), "user") == 0)
-            return json_string_value(json_object_get(m, "content"));
+            strcmp(json_string_value(json_object_get(m, "role")), "user") == 0) {
+            /* as it was understood: "And tomorrow?" then "and in Osaka?" chain */
+            json_t *enriched = json_object_get(m, "enriched");
+            return json_is_string(enriched) ? json_string_value(enriched)
+                                            : json_string_value(json_object_get(m, "content"));
+        }
     }
     return NULL;
 }

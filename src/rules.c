@@ -35,7 +35,7 @@ typedef enum {
 } rule_action;
 
 typedef enum { C_AWAITING, C_NO_AWAITING, C_SERVICE, C_HAS, C_HISTORY } cond_kind;
-typedef enum { N_DATE, N_INT, N_AMOUNT } normaliser;
+typedef enum { N_DATE, N_INT, N_AMOUNT, N_LOWER } normaliser;
 
 typedef struct rule_cond {
     cond_kind kind;
@@ -345,7 +345,7 @@ static int parse_type(parse_ctx *p, rule *r, char *rest)
     if (r->n_types == MAX_TYPES)
         return perr(p, "more than %d 'type' lines in rule '%s'", MAX_TYPES, r->name);
     if (!valid_name(group, 63))
-        return perr(p, "'type' needs a group name, then date, int or amount");
+        return perr(p, "'type' needs a group name, then date, int, amount or lower");
     rule_type *t = &r->types[r->n_types];
     if (strcmp(norm, "date") == 0)
         t->norm = N_DATE;
@@ -353,8 +353,10 @@ static int parse_type(parse_ctx *p, rule *r, char *rest)
         t->norm = N_INT;
     else if (strcmp(norm, "amount") == 0)
         t->norm = N_AMOUNT;
+    else if (strcmp(norm, "lower") == 0)
+        t->norm = N_LOWER;
     else
-        return perr(p, "unknown normaliser '%s' (date, int, amount)", norm);
+        return perr(p, "unknown normaliser '%s' (date, int, amount, lower)", norm);
     snprintf(t->group, sizeof(t->group), "%s", group);
     r->n_types++;
     return 0;
@@ -845,6 +847,14 @@ static json_t *normalised(const rule *r, const char *name, const char *text, int
             return cg_normalise_date(text, now, date) == 0 ? json_string(date) : NULL;
         case N_INT:
             return cg_normalise_int(text, &v) == 0 ? json_integer(v) : NULL;
+        case N_LOWER: { /* ASCII letters only: other scripts are left as written */
+            char *low = strdup(text);
+            for (char *c = low; *c; c++)
+                *c = (char)tolower((unsigned char)*c);
+            json_t *v = json_string(low);
+            free(low);
+            return v;
+        }
         case N_AMOUNT:
             if (cg_normalise_amount(text, &amount, currency) < 0)
                 return NULL;

@@ -65,6 +65,7 @@ struct cg_msg {
     uint64_t t_arrived, t_load, t_upstream; /* uv_hrtime() of arrival, load start, upstream start */
     int got_first;        /* the first delta came (first-token latency) */
     int counted;          /* in gw->inflight_turns (shutdown waits for it) */
+    char *enriched;       /* the pipeline's rewrite, kept for the history */
     cg_store_req *load;   /* while the dialog loads */
     cg_dialog dialog;     /* once loaded */
     int has_dialog;
@@ -271,6 +272,7 @@ static void msg_free(cg_msg *m)
     if (m->lock_state)
         lock_release(m);
     cg_ruleset_unref(m->rules);
+    free(m->enriched);
     if (m->has_dialog)
         cg_dialog_free(&m->dialog);
     json_decref(m->keys);
@@ -314,7 +316,9 @@ static void turn_save(cg_msg *m, turn_end end)
     const cg_lifetimes *lt = &s->gw->lifetimes;
     int64_t now = session_now(s);
     cg_dialog *d = &m->dialog;
-    cg_dialog_push_history(d, "user", m->text, m->arrived, lt, NULL);
+    json_t *user_extra = m->enriched ? json_pack("{s:s}", "enriched", m->enriched) : NULL;
+    cg_dialog_push_history(d, "user", m->text, m->arrived, lt, user_extra);
+    json_decref(user_extra);
     if (end == TURN_DONE || (end == TURN_CANCELLED && m->reply_len > 0)) {
         json_t *extra = end == TURN_CANCELLED ? json_pack("{s:b}", "cancelled", 1) : NULL;
         cg_dialog_push_history(d, "assistant", m->reply ? m->reply : "", now, lt, extra);
@@ -451,6 +455,8 @@ static void turn_start(cg_msg *m)
         return;
     }
     m->route = res.route;
+    if (res.enriched)
+        m->enriched = strdup(res.enriched);
     cg_upstream *up = &gw->upstreams[m->route];
     json_t *params = cg_dialog_params_merged(d, d->service, service_defaults(gw->cfg, d->service));
     cg_ack ack = {

@@ -96,6 +96,24 @@ void cg_memstore_del(cg_memstore *m, const char *key)
     json_object_del(m->entries, key);
 }
 
+int cg_memstore_del_user(cg_memstore *m, const char *user)
+{
+    char *prefix = cg_store_dialog_key(user, ""); /* "<user>:" */
+    size_t n = strlen(prefix);
+    int deleted = 0;
+    const char *key;
+    json_t *v;
+    void *tmp;
+    json_object_foreach_safe(m->entries, tmp, key, v) {
+        if (strncmp(key, prefix, n) == 0) {
+            json_object_del(m->entries, key);
+            deleted++;
+        }
+    }
+    free(prefix);
+    return deleted;
+}
+
 long cg_memstore_count(cg_memstore *m)
 {
     return (long)json_object_size(m->entries);
@@ -121,7 +139,7 @@ static void memory_store_free(memory_store *ms)
     free(ms);
 }
 
-typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE } op_kind;
+typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER } op_kind;
 
 struct cg_store_req {
     uv_timer_t timer;
@@ -212,6 +230,18 @@ static cg_store_req *mem_remove(cg_store *st, const char *user, const char *room
     return r;
 }
 
+static cg_store_req *mem_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
+{
+    memory_store *ms = (memory_store *)st;
+    st->stats.deletes++;
+    cg_store_req *r = req_new(ms, OP_REMOVE_USER, user, "", ctx);
+    if (!r)
+        return NULL;
+    r->done_cb = cb;
+    cg_memstore_del_user(ms->mem, user);
+    return r;
+}
+
 static void mem_abandon(cg_store_req *r)
 {
     r->abandoned = 1;
@@ -231,6 +261,7 @@ static const cg_store_ops memory_ops = {
     .load = mem_load,
     .save = mem_save,
     .remove = mem_remove,
+    .remove_user = mem_remove_user,
     .abandon = mem_abandon,
     .close = mem_close,
 };

@@ -35,7 +35,7 @@
 #include "chatgate/store.h"
 
 typedef enum { R_CLOSED, R_CONNECTING, R_PROBING, R_CONNECTED } redis_state;
-typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_PING } op_kind;
+typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING } op_kind;
 
 typedef struct redis_store redis_store;
 
@@ -185,6 +185,22 @@ static void inflight_remove(redis_store *rs, cg_store_req *r)
     r->prev = r->next = NULL;
 }
 
+/* Drops r's dialog (or, for remove_user, every dialog of its user) from the write-back. */
+static void forget_dirty(redis_store *rs, cg_store_req *r)
+{
+    if (r->kind != OP_REMOVE_USER) {
+        json_object_del(rs->dirty, r->key);
+        return;
+    }
+    const char *key;
+    json_t *entry;
+    void *tmp;
+    json_object_foreach_safe(rs->dirty, tmp, key, entry) {
+        if (strcmp(json_string_value(json_object_get(entry, "user")), r->user) == 0)
+            json_object_del(rs->dirty, key);
+    }
+}
+
 /* Answers r from memory (Redis is away or failed it), then finishes it. */
 static void answer_from_memory(cg_store_req *r)
 {
@@ -206,9 +222,12 @@ static void answer_from_memory(cg_store_req *r)
         mark_dirty(rs, r);
         if (!r->abandoned && !rs->closing && r->done_cb)
             r->done_cb(r->ctx, &st);
-    } else if (r->kind == OP_REMOVE) {
-        cg_memstore_del(rs->mem, r->key);
-        json_object_del(rs->dirty, r->key);
+    } else if (r->kind == OP_REMOVE || r->kind == OP_REMOVE_USER) {
+        if (r->kind == OP_REMOVE)
+            cg_memstore_del(rs->mem, r->key);
+        else
+            cg_memstore_del_user(rs->mem, r->user);
+        forget_dirty(rs, r);
         if (!r->abandoned && !rs->closing && r->done_cb)
             r->done_cb(r->ctx, &st);
     }
@@ -606,7 +625,8 @@ static void on_remove_reply(redisAsyncContext *ac, void *reply_, void *priv)
         answer_from_memory(r);
         return;
     }
-    cg_memstore_del(rs->mem, r->key);
+    if (r->kind == OP_REMOVE)
+        cg_memstore_del(rs->mem, r->key);
     static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && !rs->closing && r->done_cb)
         r->done_cb(r->ctx, &ok);
@@ -843,6 +863,60 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
     return r;
 }
 
+/* Second step of remove_user: the rooms are known; one transaction deletes them all. */
+static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    cg_store_req *r = priv;
+    redis_store *rs = r->rs;
+    redisReply *reply = reply_;
+    inflight_remove(rs, r);
+    if (reply_failed(rs, reply, 0, "forget user (SMEMBERS)") || reply->type != REDIS_REPLY_ARRAY || !rs->ac) {
+        rs->base.stats.errors++;
+        answer_from_memory(r);
+        return;
+    }
+    argv_buf a = {0};
+    arg_str(&a, "MULTI");
+    send_argv(rs, &a, NULL, NULL);
+    char *u = cg_store_escape(r->user);
+    static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history"};
+    for (size_t i = 0; i < reply->elements; i++) {
+        redisReply *room = reply->element[i];
+        if (room->type != REDIS_REPLY_STRING)
+            continue;
+        char key[1024];
+        snprintf(key, sizeof(key), "%s:%.*s", u, (int)room->len, room->str); /* the room is stored escaped */
+        arg_str(&a, "DEL");
+        for (int p = 0; p < 5; p++)
+            arg_own(&a, dialog_key(rs, key, parts[p]));
+        send_argv(rs, &a, NULL, NULL);
+    }
+    free(u);
+    arg_str(&a, "DEL");
+    arg_own(&a, rooms_key(rs, r->user));
+    send_argv(rs, &a, NULL, NULL);
+    send_exec(rs, &a, on_remove_reply, r);
+}
+
+static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
+{
+    redis_store *rs = (redis_store *)st;
+    st->stats.deletes++;
+    cg_store_req *r = req_new(rs, OP_REMOVE_USER, user, "", ctx);
+    r->done_cb = cb;
+    cg_memstore_del_user(rs->mem, user);
+    forget_dirty(rs, r);
+    argv_buf a = {0};
+    arg_str(&a, "SMEMBERS");
+    arg_own(&a, rooms_key(rs, user));
+    if (rs->state == R_CONNECTED && rs->ac && send_argv(rs, &a, on_rooms_reply, r) == 0)
+        inflight_add(rs, r);
+    else
+        answer_later_from_memory(r);
+    return r;
+}
+
 static void rs_abandon(cg_store_req *r)
 {
     r->abandoned = 1;
@@ -913,6 +987,7 @@ static const cg_store_ops redis_ops = {
     .load = rs_load,
     .save = rs_save,
     .remove = rs_remove,
+    .remove_user = rs_remove_user,
     .abandon = rs_abandon,
     .close = rs_close,
 };

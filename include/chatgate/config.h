@@ -70,6 +70,9 @@ typedef struct cg_config {
     /* identity (DESIGN.md section 4) */
     char *user_header;
     char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */
+    char *admin_listen; /* HOST:PORT of the admin API's own listener, or NULL */
+    char *admin_host;
+    int admin_port;
     /* lifecycle */
     long ping_interval_s;
     long idle_timeout_s;

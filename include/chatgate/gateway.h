@@ -28,7 +28,7 @@ struct cg_gateway {
     long n_sessions;            /* WebSocket clients connected now */
     unsigned long session_seq; /* for session ids */
     uv_signal_t sig_term, sig_int;
-    struct lws_http_mount mount, mount_metrics, mount_healthz;
+    struct lws_http_mount mount, mount_metrics, mount_healthz, mount_admin;
     cg_metrics metrics;
     cg_store *store;
     cg_ruleset *rules; /* the running set; messages hold references */
@@ -52,6 +52,12 @@ struct cg_gateway {
  */
 #define CG_GATEWAY_BAD_CONFIG (-2)
 int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen);
+/* After a failed start: frees what start made (the process is about to exit). */
+void cg_gateway_abort(cg_gateway *gw);
+/* Loads the rules again (SIGHUP, POST /admin/reload): 0, or -1 with err; the running set
+ * stays on failure. */
+int cg_gateway_reload_rules(cg_gateway *gw, char *err, size_t errlen);
+
 /* Runs until SIGTERM or SIGINT, then tears down; returns the exit status. */
 int cg_gateway_run(cg_gateway *gw);
 

@@ -36,7 +36,7 @@ typedef struct cg_pipeline_result {
     char error_message[256];
 } cg_pipeline_result;
 
-/* The previous user message in d's history, or NULL. */
+/* The previous user message in d's history (its enriched form when it was rewritten), or NULL. */
 const char *cg_pipeline_previous(const cg_dialog *d);
 
 void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, const char *text, int64_t now,

@@ -55,6 +55,9 @@ typedef struct cg_store_ops {
                           cg_store_done_fn cb, void *ctx);
     /* Deletes (user, room); cb may be NULL. */
     cg_store_req *(*remove)(cg_store *st, const char *user, const char *room, cg_store_done_fn cb, void *ctx);
+    /* Deletes every dialog of user (the right to be forgotten), through the user's room set,
+     * never a key scan; cb may be NULL. */
+    cg_store_req *(*remove_user)(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx);
     /* The caller is gone: its callback will not be called. */
     void (*abandon)(cg_store_req *req);
     /* Stops timers and connections; frees the store once its handles have closed. */
@@ -100,6 +103,8 @@ void cg_memstore_free(cg_memstore *m);
 int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d);
 void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now);
 void cg_memstore_del(cg_memstore *m, const char *key);
+/* Deletes every dialog of user (keys "<escaped user>:..."); returns how many. */
+int cg_memstore_del_user(cg_memstore *m, const char *user);
 long cg_memstore_count(cg_memstore *m);
 /* The dialog keys held, oldest use first (a borrowed object: key -> entry). */
 json_t *cg_memstore_entries(cg_memstore *m);
