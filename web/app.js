@@ -1,116 +1,653 @@
-// chatgate demo page: speaks chatgate.v1 to the gateway that served it.
-// One WebSocket to /ws; each message gets an ack, deltas and one terminal frame
-// (done, cancelled or error). Reconnects with a growing delay when the connection drops.
+// chatgate demo page: a chat client for the chatgate.v1 protocol (DESIGN.md section 3)
+// with a live view of the dialog state the gateway keeps for each room.
+//
+// One WebSocket to /ws of the gateway that served this page. Each message we send gets an
+// `ack` (route, service, params, rules that fired, enriched text), zero or more `delta`s
+// and exactly one terminal frame (`done`, `cancelled` or `error`). After every terminal
+// frame we send `context.get` for that message's room; the gateway handles frames of one
+// connection in order, so the `context` answer shows the state the reply left behind.
+//
+// No framework, no build step, no request anywhere but this gateway. The page never sets
+// inline styles (the gateway's Content-Security-Policy forbids them): it toggles classes
+// and data-* attributes, which style.css styles. The ids and data-* attributes are also
+// what tests/browser/demo.test.js uses.
 "use strict";
 
-const log = document.getElementById("log");
-const statusEl = document.getElementById("status");
-const form = document.getElementById("send");
-const input = document.getElementById("text");
-const stopBtn = document.getElementById("stop");
-const roomInput = document.getElementById("room");
+(function () {
+  // ---- small helpers ----------------------------------------------------------------
 
-let ws = null;
-let retry = 500;
-let seq = 0;
-let current = null; // id of the reply streaming now
-const bubbles = new Map(); // id -> {el, meta}
+  const $ = (id) => document.getElementById(id);
 
-function add(cls, text) {
-  const el = document.createElement("div");
-  el.className = "turn " + cls;
-  el.textContent = text;
-  log.appendChild(el);
-  log.scrollTop = log.scrollHeight;
-  return el;
-}
+  // el("div", {class: "x", "data-id": "m1"}, child, "text", ...)
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined || v === false) continue;
+      if (k === "class") node.className = v;
+      else if (k === "text") node.textContent = v;
+      else node.setAttribute(k, v === true ? "" : String(v));
+    }
+    for (const c of children) {
+      if (c === null || c === undefined || c === false) continue;
+      node.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
+    }
+    return node;
+  }
 
-function meta(el, text) {
-  const m = document.createElement("div");
-  m.className = "meta";
-  m.textContent = text;
-  el.after(m);
-}
-
-function setStatus(text, up) {
-  statusEl.textContent = text;
-  statusEl.classList.toggle("up", up);
-}
-
-function connect() {
-  const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws";
-  ws = new WebSocket(url, "chatgate.v1");
-  ws.onopen = () => { retry = 500; setStatus("connected", true); };
-  ws.onclose = () => {
-    setStatus("disconnected; retrying…", false);
-    current = null;
-    stopBtn.disabled = true;
-    setTimeout(connect, retry);
-    retry = Math.min(retry * 2, 10000);
+  // sessionStorage, but a page with storage blocked still works (it just forgets on reload).
+  const store = {
+    get(key) {
+      try { return sessionStorage.getItem("chatgate." + key); } catch (e) { return null; }
+    },
+    set(key, value) {
+      try {
+        if (value === null || value === undefined) sessionStorage.removeItem("chatgate." + key);
+        else sessionStorage.setItem("chatgate." + key, value);
+      } catch (e) { /* storage unavailable */ }
+    },
   };
-  ws.onmessage = (ev) => onFrame(JSON.parse(ev.data));
-}
 
-function onFrame(f) {
-  const b = f.id ? bubbles.get(f.id) : null;
-  switch (f.type) {
-    case "hello":
-      setStatus("connected as " + f.user, true);
-      break;
-    case "ack":
-      if (b) meta(b.user, "route: " + f.route);
-      break;
-    case "delta":
-      if (b) b.el.textContent += f.text;
-      break;
-    case "done":
-      if (b) b.el.textContent = f.text;
-      finish(f.id);
-      break;
-    case "cancelled":
-      if (b) b.el.textContent += " [stopped]";
-      finish(f.id);
-      break;
-    case "error":
-      if (b) {
-        b.el.classList.add("error");
-        b.el.textContent = f.code + ": " + f.message;
-        finish(f.id);
-      } else {
-        add("bot error", f.code + ": " + f.message);
+  // A param value as text: strings as they are, anything else as JSON.
+  function show(value) {
+    return typeof value === "string" ? value : JSON.stringify(value);
+  }
+
+  function shorten(text, max) {
+    text = String(text).replace(/\s+/g, " ").trim();
+    return text.length > max ? text.slice(0, max - 1) + "…" : text;
+  }
+
+  function formatTime(ts) {
+    if (typeof ts !== "number") return "";
+    const d = new Date(ts * 1000);
+    return d.toLocaleString([], { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit", second: "2-digit" });
+  }
+
+  // ---- page elements ----------------------------------------------------------------
+
+  const ui = {
+    app: $("app"),
+    status: $("status"),
+    statusText: $("status-text"),
+    roomSelect: $("room"),
+    roomForm: $("room-form"),
+    roomNew: $("room-new"),
+    log: $("log"),
+    suggestions: $("suggestions"),
+    composer: $("composer"),
+    text: $("text"),
+    send: $("send"),
+    stop: $("stop"),
+    ctxToggle: $("ctx-toggle"),
+    ctxBadge: $("ctx-badge"),
+    ctxRoom: $("ctx-room"),
+    ctxClear: $("ctx-clear"),
+    ctxService: $("ctx-service"),
+    ctxParams: $("ctx-params"),
+    ctxAwaiting: $("ctx-awaiting"),
+    ctxSoft: $("ctx-soft"),
+    ctxHistory: $("ctx-history"),
+    ctxHistoryCount: $("ctx-history-count"),
+    ctxMeta: $("ctx-meta"),
+  };
+
+  // ---- state ------------------------------------------------------------------------
+
+  const ROOM_RE = /^[^\s]{1,64}$/; // the gateway takes 1 to 256 bytes; keep names short and spaceless
+
+  let ws = null;               // the WebSocket, or null between attempts
+  let ready = false;           // true once the gateway's hello arrived
+  let retryMs = 500;           // next reconnect delay (doubles up to 10 s)
+  let retryTimer = null;
+  let seq = 0;                 // message ids: m1, m2, ...
+  const pending = [];          // ids without a terminal frame yet, in send order
+  const turns = new Map();     // id -> turn (see addTurn)
+  const transcripts = new Map(); // room -> element holding that room's turns
+  const contexts = new Map();  // room -> last state the gateway sent
+  const restored = new Set();  // rooms whose history was already shown after a reload
+
+  let rooms = [];
+  try { rooms = JSON.parse(store.get("rooms") || "[]").filter((r) => typeof r === "string" && ROOM_RE.test(r)); } catch (e) { rooms = []; }
+  for (const r of ["default", "trip", "weather", "payments"]) if (!rooms.includes(r)) rooms.push(r);
+  let room = store.get("room");
+  if (!room || !ROOM_RE.test(room)) room = "default";
+  if (!rooms.includes(room)) rooms.push(room);
+
+  // ---- connection -------------------------------------------------------------------
+
+  function setStatus(state, text, title) {
+    ui.status.dataset.state = state;
+    ui.statusText.textContent = text;
+    ui.status.title = title || text;
+    document.body.dataset.conn = state;
+    const open = state === "open";
+    ui.send.disabled = !open;
+    ui.ctxClear.disabled = !open;
+    updateStop();
+  }
+
+  function wsUrl() {
+    const params = new URLSearchParams();
+    const token = store.get("resume");
+    if (token) params.set("resume", token); // keeps our user id (and so our dialogs)
+    // With --auth jwt, open the page as /?access_token=JWT and it is passed along.
+    const jwt = new URLSearchParams(location.search).get("access_token");
+    if (jwt) params.set("access_token", jwt);
+    const q = params.toString();
+    return (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws" + (q ? "?" + q : "");
+  }
+
+  function connect() {
+    clearTimeout(retryTimer);
+    retryTimer = null;
+    if (ws) return;
+    setStatus("connecting", "connecting…");
+    let sock;
+    try {
+      sock = new WebSocket(wsUrl(), "chatgate.v1");
+    } catch (e) {
+      scheduleReconnect("could not connect");
+      return;
+    }
+    ws = sock;
+    sock.onmessage = (ev) => {
+      let frame;
+      try { frame = JSON.parse(ev.data); } catch (e) { console.warn("chatgate: not JSON", ev.data); return; }
+      if (frame && typeof frame === "object") onFrame(frame);
+    };
+    sock.onclose = (ev) => {
+      if (ws !== sock) return;
+      ws = null;
+      ready = false;
+      // Replies in flight are lost with the connection: say so on each.
+      for (const id of pending.splice(0)) endTurn(id, "lost", "connection lost");
+      if (ev.code === 1008) store.set("resume", null); // refused credentials: start afresh
+      scheduleReconnect(ev.code === 1008 ? "refused (" + (ev.reason || "unauthorized") + ")" : "disconnected");
+    };
+  }
+
+  function scheduleReconnect(why) {
+    const delay = Math.round(retryMs * (0.8 + Math.random() * 0.4));
+    retryMs = Math.min(retryMs * 2, 10000);
+    setStatus("closed", why + "; retrying in " + Math.max(1, Math.round(delay / 1000)) + " s", "click to retry now");
+    retryTimer = setTimeout(connect, delay);
+  }
+
+  function sendFrame(frame) {
+    if (!ws || !ready || ws.readyState !== WebSocket.OPEN) return false;
+    ws.send(JSON.stringify(frame));
+    return true;
+  }
+
+  // ---- frames from the gateway ------------------------------------------------------
+
+  function onFrame(f) {
+    const turn = typeof f.id === "string" ? turns.get(f.id) : undefined;
+    switch (f.type) {
+      case "hello": onHello(f); break;
+      case "ack": if (turn) onAck(turn, f); break;
+      case "delta": if (turn) onDelta(turn, f.text); break;
+      case "done":
+        if (!turn) break;
+        // A truncated done holds only the first max_reply_bytes: keep what streamed.
+        if (typeof f.text === "string" && !f.truncated) setReplyText(turn, f.text);
+        endTurn(f.id, "done", f.truncated ? "truncated" : "");
+        break;
+      case "cancelled": if (turn) endTurn(f.id, "stopped", "stopped"); break;
+      case "error": onError(turn, f); break;
+      case "warning":
+        if (turn) addNote(turn, "warning", f.code + ": " + (f.message || ""));
+        else systemNote(room, "warning", (f.code || "warning") + ": " + (f.message || ""));
+        if (f.code === "store_degraded") ui.status.title = "store degraded: " + (f.message || "");
+        break;
+      case "context": onContext(f); break;
+      default: console.info("chatgate: unhandled frame", f);
+    }
+  }
+
+  function onHello(f) {
+    const before = store.get("user");
+    ready = true;
+    retryMs = 500;
+    if (f.resume) store.set("resume", f.resume);
+    if (f.user) store.set("user", f.user);
+    if (before && f.user && before !== f.user) {
+      systemNote(room, "info", "The gateway did not take the saved session (it may have restarted): " +
+        "you are a new user, " + f.user + ", with empty rooms.");
+      contexts.clear();
+    }
+    setStatus("open", "connected", "user " + f.user + ", session " + f.session + ", protocol " + f.protocol);
+    ui.status.dataset.user = f.user || "";
+    requestContext(room);
+  }
+
+  function onError(turn, f) {
+    const text = (f.code || "error") + (f.message ? ": " + f.message : "");
+    if (turn && !turn.ended) {
+      endTurn(f.id, "error", text);
+    } else if (turn && f.code === "not_found") {
+      // The answer to a Stop that arrived just after the reply finished: nothing to show.
+    } else {
+      systemNote(room, "error", text);
+    }
+  }
+
+  // ---- turns (one user message and its reply) -------------------------------------
+
+  function transcript(r) {
+    let t = transcripts.get(r);
+    if (!t) {
+      t = el("div", { class: "transcript", "data-room": r });
+      t.appendChild(el("p", { class: "transcript-empty", text: "Room “" + r + "”: nothing said here yet. " +
+        "Each room is its own dialog with the gateway." }));
+      transcripts.set(r, t);
+      ui.log.appendChild(t);
+    }
+    return t;
+  }
+
+  // Follow the conversation while the reader is at the bottom; leave them alone when they
+  // scrolled up to read. `pinned` is kept across resizes (phone rotation, keyboard).
+  let pinned = true;
+  function nearBottom() {
+    return pinned;
+  }
+  ui.log.addEventListener("scroll", () => {
+    pinned = ui.log.scrollHeight - ui.log.scrollTop - ui.log.clientHeight < 80;
+  }, { passive: true });
+  if (window.ResizeObserver) {
+    new ResizeObserver(() => { if (pinned) ui.log.scrollTop = ui.log.scrollHeight; }).observe(ui.log);
+  }
+
+  function append(r, node) {
+    const stick = nearBottom();
+    const t = transcript(r);
+    t.classList.add("has-turns");
+    t.appendChild(node);
+    if (stick && r === room) ui.log.scrollTop = ui.log.scrollHeight;
+  }
+
+  function addTurn(id, r, text) {
+    const userText = el("div", { class: "msg-text", text });
+    const ack = el("div", { class: "ack", "data-ack": "pending" }, el("span", { class: "ack-wait", text: "waiting for the gateway…" }));
+    const replyText = el("div", { class: "msg-text" });
+    const replyStatus = el("div", { class: "msg-status" });
+    const reply = el("div", { class: "msg msg-assistant", "data-role": "assistant", "data-state": "queued" }, replyText, replyStatus);
+    const node = el("article", { class: "turn", "data-id": id, "data-room": r },
+      el("div", { class: "msg msg-user", "data-role": "user" }, userText),
+      ack,
+      reply);
+    const turn = { id, room: r, node, ack, reply, replyText, replyStatus, text: "", ended: false };
+    turns.set(id, turn);
+    append(r, node);
+    return turn;
+  }
+
+  function onAck(turn, f) {
+    const a = turn.ack;
+    a.textContent = "";
+    a.dataset.ack = "ok";
+    a.dataset.route = f.route || "";
+    const item = (label, value, cls) =>
+      el("span", { class: "ack-item " + (cls || "") }, el("span", { class: "ack-label", text: label }), value);
+    a.appendChild(item("route", el("code", { class: "ack-route", text: f.route || "?" })));
+    if (f.service) a.appendChild(item("service", el("code", { class: "ack-service", text: f.service })));
+    const rules = el("span", { class: "ack-rules" });
+    if (Array.isArray(f.rules) && f.rules.length) {
+      for (const r of f.rules) rules.appendChild(el("span", { class: "rule", "data-rule": r, text: r }));
+    } else {
+      rules.appendChild(el("span", { class: "none", text: "none fired" }));
+    }
+    a.appendChild(item("rules", rules));
+    if (f.resolution) {
+      const r = f.resolution;
+      let desc = r.type;
+      if (r.type === "selection") desc += " #" + r.index + (r.option ? " " + shorten(optionLabel(r.option), 40) : "");
+      else if (r.type === "confirmation") desc += r.confirmed ? " yes" : " no";
+      else if (r.type === "metadata") desc += " " + r.metadata_type + ": " + r.content;
+      else if (r.type === "input") desc += ": " + r.content;
+      a.appendChild(item("resolution", el("span", { class: "ack-resolution", text: desc })));
+    }
+    if (f.enriched) {
+      a.appendChild(item("enriched", el("q", { class: "ack-enriched", text: f.enriched }), "ack-wide"));
+    }
+  }
+
+  function onDelta(turn, text) {
+    if (turn.ended || typeof text !== "string") return;
+    if (turn.reply.dataset.state === "queued") turn.reply.dataset.state = "streaming";
+    setReplyText(turn, turn.text + text);
+  }
+
+  function setReplyText(turn, text) {
+    const stick = nearBottom();
+    turn.text = text;
+    turn.replyText.textContent = text;
+    if (stick && turn.room === room) ui.log.scrollTop = ui.log.scrollHeight;
+  }
+
+  // state: done | stopped | error | lost
+  function endTurn(id, state, note) {
+    const turn = turns.get(id);
+    const i = pending.indexOf(id);
+    if (i >= 0) pending.splice(i, 1);
+    if (turn && !turn.ended) {
+      turn.ended = true;
+      turn.reply.dataset.state = state;
+      turn.replyStatus.textContent = note || "";
+      if (turn.ack.dataset.ack === "pending") turn.ack.textContent = "";
+      if (state !== "lost") requestContext(turn.room); // the panel follows every turn
+    }
+    updateStop();
+  }
+
+  function addNote(turn, kind, text) {
+    turn.node.insertBefore(el("div", { class: "note note-" + kind, text }), turn.reply);
+  }
+
+  function systemNote(r, kind, text) {
+    append(r, el("div", { class: "note note-" + kind, role: kind === "error" ? "alert" : null, text }));
+  }
+
+  // ---- sending ----------------------------------------------------------------------
+
+  function sendMessage(text, r) {
+    text = text.trim();
+    if (!text) return false;
+    const id = "m" + ++seq;
+    if (!sendFrame({ type: "message", id, room: r, text })) {
+      flashStatus();
+      return false;
+    }
+    addTurn(id, r, text);
+    pending.push(id);
+    updateStop();
+    return true;
+  }
+
+  // Stop cancels the oldest reply without a terminal frame: the gateway answers one
+  // message of a connection at a time, in order, so that is the one streaming.
+  function stopCurrent() {
+    const id = pending[0];
+    if (!id) return;
+    const turn = turns.get(id);
+    if (turn && !turn.cancelSent) {
+      turn.cancelSent = true;
+      turn.replyStatus.textContent = "stopping…";
+      sendFrame({ type: "cancel", id });
+    }
+  }
+
+  function updateStop() {
+    const id = pending[0];
+    ui.stop.disabled = !id || !ready;
+    ui.stop.dataset.target = id || "";
+  }
+
+  function requestContext(r) {
+    sendFrame({ type: "context.get", room: r });
+  }
+
+  function flashStatus() {
+    ui.status.classList.remove("flash");
+    void ui.status.offsetWidth; // restart the animation
+    ui.status.classList.add("flash");
+  }
+
+  // ---- rooms ------------------------------------------------------------------------
+
+  const NEW_ROOM = "+ new"; // the select's last option (no room name has a space): opens the new-room form
+
+  function renderRooms() {
+    ui.roomSelect.textContent = "";
+    for (const r of rooms) ui.roomSelect.appendChild(el("option", { value: r, text: r, selected: r === room }));
+    ui.roomSelect.appendChild(el("option", { value: NEW_ROOM, text: "+ new room…" }));
+    ui.roomSelect.value = room;
+  }
+
+  function showRoomForm(open) {
+    ui.app.classList.toggle("adding-room", open);
+    if (open) ui.roomNew.focus();
+  }
+
+  function switchRoom(r) {
+    if (!ROOM_RE.test(r)) return;
+    if (!rooms.includes(r)) {
+      rooms.push(r);
+      store.set("rooms", JSON.stringify(rooms));
+    }
+    room = r;
+    store.set("room", r);
+    renderRooms();
+    for (const [name, t] of transcripts) t.hidden = name !== r;
+    transcript(r).hidden = false;
+    ui.log.scrollTop = ui.log.scrollHeight;
+    ui.ctxRoom.textContent = r;
+    document.title = "chatgate demo · " + r;
+    renderContext(contexts.get(r) || null, true);
+    requestContext(r);
+  }
+
+  // ---- the context panel ------------------------------------------------------------
+
+  function onContext(f) {
+    if (typeof f.room !== "string" || !f.state) return;
+    contexts.set(f.room, f.state);
+    // After a reload (resume keeps the user), show the room's remembered history once.
+    if (!restored.has(f.room)) {
+      restored.add(f.room);
+      const t = transcript(f.room);
+      if (!t.classList.contains("has-turns") && Array.isArray(f.state.history) && f.state.history.length) {
+        append(f.room, el("div", { class: "note note-info", text: "Earlier in this room (the gateway's history):" }));
+        for (const m of f.state.history) {
+          append(f.room, el("div", { class: "msg msg-" + (m.role === "user" ? "user" : "assistant") + " msg-restored",
+            "data-role": m.role, "data-state": m.cancelled ? "stopped" : "done" },
+          el("div", { class: "msg-text", text: String(m.content) }),
+          el("div", { class: "msg-status", text: m.cancelled ? "stopped" : "" })));
+        }
       }
-      break;
+    }
+    if (f.room === room) renderContext(f.state, false);
   }
-}
 
-function finish(id) {
-  bubbles.delete(id);
-  if (current === id) {
-    current = null;
-    stopBtn.disabled = true;
+  function section(node, emptyText) {
+    node.textContent = "";
+    if (emptyText) node.appendChild(el("p", { class: "empty", text: emptyText }));
   }
-  const next = bubbles.keys().next();
-  if (!next.done) {
-    current = next.value;
-    stopBtn.disabled = false;
+
+  function kvList(obj, cls) {
+    const dl = el("dl", { class: cls });
+    for (const [k, v] of Object.entries(obj)) {
+      dl.appendChild(el("dt", { text: k }));
+      dl.appendChild(el("dd", { text: show(v) }));
+    }
+    return dl;
   }
-}
 
-form.addEventListener("submit", (e) => {
-  e.preventDefault();
-  const text = input.value.trim();
-  if (!text || !ws || ws.readyState !== WebSocket.OPEN) return;
-  const id = "w" + (++seq);
-  const user = add("user", text);
-  bubbles.set(id, { user, el: add("bot", "") });
-  ws.send(JSON.stringify({ type: "message", id, room: roomInput.value || "default", text }));
-  if (!current) current = id;
-  stopBtn.disabled = false;
-  input.value = "";
-});
+  // An option of an awaited selection, as a short label: its name-like field, then the
+  // other short string fields ("Shake Shack · Shibuya").
+  function optionLabel(opt) {
+    if (opt === null || typeof opt !== "object") return show(opt);
+    const first = ["name", "title", "label", "text", "id"].find((k) => typeof opt[k] === "string" || typeof opt[k] === "number");
+    const parts = first ? [String(opt[first])] : [];
+    for (const [k, v] of Object.entries(opt)) {
+      if (k !== first && (typeof v === "string" || typeof v === "number") && String(v).length <= 40) parts.push(String(v));
+      if (parts.length >= 3) break;
+    }
+    return parts.length ? parts.join(" · ") : JSON.stringify(opt);
+  }
 
-stopBtn.addEventListener("click", () => {
-  if (current && ws) ws.send(JSON.stringify({ type: "cancel", id: current }));
-});
+  function renderContext(st, loading) {
+    const s = st || {};
+    $("context").dataset.state = st ? "ok" : loading ? "loading" : "empty";
+    $("context").dataset.room = room;
 
-connect();
+    // Active service
+    ui.ctxService.textContent = s.service || (st ? "none" : "…");
+    ui.ctxService.dataset.service = s.service || "";
+    ui.ctxService.classList.toggle("is-none", !s.service);
+
+    // Params, per service, the active service first; each with a forget button.
+    const params = s.params && typeof s.params === "object" ? s.params : {};
+    const services = Object.keys(params).filter((k) => params[k] && Object.keys(params[k]).length);
+    services.sort((a, b) => (a === s.service ? -1 : b === s.service ? 1 : a.localeCompare(b)));
+    let count = 0;
+    section(ui.ctxParams, services.length ? null : "none");
+    for (const svc of services) {
+      const group = el("div", { class: "param-group" + (svc === s.service ? " active" : ""), "data-service": svc },
+        el("div", { class: "param-service", text: svc + (svc === s.service ? " (active)" : "") }));
+      for (const [name, value] of Object.entries(params[svc])) {
+        const key = svc + "." + name;
+        count++;
+        group.appendChild(el("div", { class: "param", "data-param": key },
+          el("span", { class: "param-name", text: name }),
+          el("span", { class: "param-value", "data-value": show(value), text: show(value) }),
+          el("button", { type: "button", class: "btn-forget", "data-forget": key, title: "Forget " + key,
+            "aria-label": "Forget " + key, text: "×" })));
+      }
+      ui.ctxParams.appendChild(group);
+    }
+    ui.ctxBadge.textContent = String(count);
+    ui.ctxBadge.dataset.count = String(count);
+
+    // Awaiting: what the gateway waits for; a selection's options are clickable.
+    const aw = s.awaiting;
+    ui.ctxAwaiting.dataset.type = aw && aw.type ? aw.type : "";
+    section(ui.ctxAwaiting, aw ? null : "nothing");
+    if (aw) {
+      ui.ctxAwaiting.appendChild(el("p", { class: "await-head" },
+        el("span", { class: "await-type", text: aw.type || "?" }),
+        aw.source ? " from " : null, aw.source ? el("code", { text: aw.source }) : null));
+      if (Array.isArray(aw.options) && aw.options.length) {
+        const list = el("ol", { class: "await-options" });
+        aw.options.forEach((opt, i) => {
+          list.appendChild(el("li", {}, el("button", { type: "button", class: "option", "data-option": i + 1,
+            title: "Sends “" + (i + 1) + "”", text: optionLabel(opt) })));
+        });
+        ui.ctxAwaiting.appendChild(list);
+      } else if (aw.type === "confirmation") {
+        ui.ctxAwaiting.appendChild(el("p", { class: "await-options" },
+          el("button", { type: "button", class: "option", "data-reply": "yes", text: "Yes" }), " ",
+          el("button", { type: "button", class: "option", "data-reply": "no", text: "No" })));
+      } else {
+        ui.ctxAwaiting.appendChild(el("p", { class: "hint", text: "Answer in the message box." }));
+      }
+      if (aw.context !== undefined && aw.context !== null) {
+        ui.ctxAwaiting.appendChild(kvList(typeof aw.context === "object" ? aw.context : { context: aw.context }, "kv"));
+      }
+    }
+
+    // Soft context
+    const soft = s.soft_context;
+    section(ui.ctxSoft, soft ? null : "none");
+    if (soft) ui.ctxSoft.appendChild(kvList(typeof soft === "object" ? soft : { value: soft }, "kv"));
+
+    // History, compact: one line each, the whole text on hover.
+    const hist = Array.isArray(s.history) ? s.history : [];
+    ui.ctxHistory.textContent = "";
+    ui.ctxHistoryCount.textContent = hist.length ? "(" + hist.length + ")" : "";
+    if (!hist.length) ui.ctxHistory.appendChild(el("li", { class: "empty", text: "empty" }));
+    for (const m of hist) {
+      ui.ctxHistory.appendChild(el("li", { "data-role": m.role, title: String(m.content) },
+        el("span", { class: "h-role", text: m.role === "user" ? "you" : m.role === "assistant" ? "bot" : String(m.role) }),
+        el("span", { class: "h-text", text: shorten(m.content, 90) + (m.cancelled ? " (stopped)" : "") })));
+    }
+
+    // Dialog meta and the last tool result
+    ui.ctxMeta.textContent = "";
+    const meta = s.meta || {};
+    const rows = [
+      ["turns", meta.turn_count], ["messages", meta.message_count],
+      ["started", formatTime(meta.created_at)], ["last activity", formatTime(meta.last_activity)],
+    ];
+    for (const [k, v] of rows) {
+      if (v === undefined || v === "" || v === null) continue;
+      ui.ctxMeta.appendChild(el("dt", { text: k }));
+      ui.ctxMeta.appendChild(el("dd", { text: String(v) }));
+    }
+    if (s.last_tool_result !== undefined && s.last_tool_result !== null) {
+      ui.ctxMeta.appendChild(el("dt", { text: "last tool result" }));
+      ui.ctxMeta.appendChild(el("dd", {}, el("code", { class: "json", text: shorten(JSON.stringify(s.last_tool_result), 300) })));
+    }
+  }
+
+  // ---- events -----------------------------------------------------------------------
+
+  ui.composer.addEventListener("submit", (e) => {
+    e.preventDefault();
+    if (sendMessage(ui.text.value, room)) ui.text.value = "";
+  });
+
+  ui.text.addEventListener("keydown", (e) => {
+    if (e.key === "Escape") { e.preventDefault(); stopCurrent(); }
+  });
+
+  ui.stop.addEventListener("click", stopCurrent);
+
+  ui.roomSelect.addEventListener("change", () => {
+    if (ui.roomSelect.value === NEW_ROOM) {
+      ui.roomSelect.value = room;
+      showRoomForm(true);
+    } else {
+      switchRoom(ui.roomSelect.value);
+    }
+  });
+
+  ui.roomForm.addEventListener("submit", (e) => {
+    e.preventDefault();
+    const r = ui.roomNew.value.trim();
+    if (!ROOM_RE.test(r)) { ui.roomNew.setCustomValidity("1 to 64 characters, no spaces"); ui.roomNew.reportValidity(); return; }
+    ui.roomNew.setCustomValidity("");
+    ui.roomNew.value = "";
+    showRoomForm(false);
+    switchRoom(r);
+  });
+  ui.roomNew.addEventListener("input", () => ui.roomNew.setCustomValidity(""));
+  ui.roomNew.addEventListener("blur", () => { if (!ui.roomNew.value.trim()) showRoomForm(false); });
+  ui.roomNew.addEventListener("keydown", (e) => {
+    if (e.key === "Escape") { ui.roomNew.value = ""; showRoomForm(false); }
+  });
+
+  ui.ctxClear.addEventListener("click", () => {
+    if (sendFrame({ type: "context.clear", room })) systemNote(room, "info", "Context of room “" + room + "” cleared.");
+    else flashStatus();
+  });
+
+  // Forget buttons and awaiting options are re-rendered with each context frame, so
+  // their clicks are handled here, on the panel.
+  $("context").addEventListener("click", (e) => {
+    const btn = e.target.closest("button");
+    if (!btn) return;
+    if (btn.dataset.forget) {
+      if (!sendFrame({ type: "context.forget", room, keys: [btn.dataset.forget] })) flashStatus();
+    } else if (btn.dataset.option) {
+      sendMessage(String(btn.dataset.option), room); // the gateway resolves "2" to the 2nd option
+    } else if (btn.dataset.reply) {
+      sendMessage(btn.dataset.reply, room);
+    }
+  });
+
+  ui.suggestions.addEventListener("click", (e) => {
+    const chip = e.target.closest("[data-suggest]");
+    if (!chip) return;
+    ui.text.value = chip.dataset.suggest;
+    ui.text.focus();
+  });
+
+  // Narrow screens: the context panel is toggled instead of shown beside the chat.
+  ui.ctxToggle.addEventListener("click", () => {
+    const open = !ui.app.classList.contains("show-context");
+    ui.app.classList.toggle("show-context", open);
+    ui.ctxToggle.setAttribute("aria-expanded", String(open));
+  });
+
+  ui.status.addEventListener("click", () => { if (!ws) connect(); });
+  window.addEventListener("online", () => { if (!ws) { retryMs = 500; connect(); } });
+
+  // ---- start ------------------------------------------------------------------------
+
+  store.set("rooms", JSON.stringify(rooms));
+  renderRooms();
+  switchRoom(room);
+  connect();
+})();
