@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "chatgate/config.h"
+#include "chatgate/dropin.h"
 #include "chatgate/log.h"
 
 typedef enum { T_STR, T_INT, T_ENUM } setting_type;
@@ -453,6 +454,11 @@ static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
                 if (load_upstream_object(cfg, file, name, up, err, errlen) < 0)
                     goto out;
             }
+        } else if (strcmp(key, "dropin") == 0) {
+            if (cg_dropin_config_check(val, file, err, errlen) < 0)
+                goto out;
+            json_decref(cfg->dropin);
+            cfg->dropin = json_incref(val);
         } else if (strcmp(key, "services") == 0) {
             if (load_services(cfg, file, val, err, errlen) < 0)
                 goto out;
@@ -827,5 +833,6 @@ void cg_config_free(cg_config *cfg)
     free(cfg->listen_host);
     free(cfg->admin_host);
     json_decref(cfg->services);
+    json_decref(cfg->dropin);
     memset(cfg, 0, sizeof(*cfg));
 }

@@ -17,18 +17,44 @@
 #include <string.h>
 
 #include "chatgate/admin.h"
+#include "chatgate/dropin.h"
+#include "chatgate/protocol.h"
 #include "chatgate/gateway.h"
 #include "chatgate/log.h"
 #include "chatgate/session.h"
 
-static struct lws_protocols protocols[] = {
-    {"chatgate.v1", cg_session_callback, 0, 4096, 0, NULL, 0},
-    {CG_LWS_PROTOCOL_OPENAI, cg_upstream_openai_callback, 0, 4096, 0, NULL, 0},
-    {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
-    {CG_LWS_PROTOCOL_OPS, cg_ops_callback, 0, 0, 0, NULL, 0},
-    {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
-    {NULL, NULL, 0, 0, 0, NULL, 0}, /* 4.1 has no LWS_PROTOCOL_LIST_TERM */
-};
+/*
+ * The vhost's protocols: chatgate.v1 first (the default for a WebSocket without a
+ * subprotocol), then the drop-in app's subprotocols (lws accepts only names it was given;
+ * they are handled by the same session callback), then the client and HTTP handlers.
+ */
+static struct lws_protocols *build_protocols(const cg_config *cfg)
+{
+    static const struct lws_protocols fixed[] = {
+        {CG_LWS_PROTOCOL_OPENAI, cg_upstream_openai_callback, 0, 4096, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_OPS, cg_ops_callback, 0, 0, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_DROPIN_APP, cg_dropin_app_callback, 0, 4096, 0, NULL, 0},
+    };
+    json_t *subs = json_object_get(cfg->dropin, "subprotocols");
+    size_t n_fixed = sizeof(fixed) / sizeof(fixed[0]), n_subs = json_array_size(subs);
+    struct lws_protocols *p = calloc(1 + n_subs + n_fixed + 1, sizeof(*p)); /* zeroed: the list's end */
+    if (!p)
+        abort();
+    size_t n = 0;
+    p[n++] = (struct lws_protocols){CG_PROTOCOL_NAME, cg_session_callback, cg_session_size(), 4096, 0, NULL, 0};
+    for (size_t i = 0; i < n_subs; i++)
+        p[n++] = (struct lws_protocols){json_string_value(json_array_get(subs, i)), cg_session_callback,
+                                        cg_session_size(), 4096, 0, NULL, 0};
+    for (size_t i = 0; i < n_fixed; i++) {
+        p[n] = fixed[i];
+        if (strcmp(p[n].name, CG_LWS_PROTOCOL_ADMIN) == 0)
+            p[n].per_session_data_size = cg_admin_session_size();
+        n++;
+    }
+    return p;
+}
 
 cg_gateway *cg_gateway_of(struct lws *wsi)
 {
@@ -207,9 +233,16 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         snprintf(err, errlen, "rules: %s", rerr);
         return CG_GATEWAY_BAD_CONFIG;
     }
-    protocols[0].per_session_data_size = cg_session_size();
-    /* Client frames arrive in pieces of this size; a frame over it is reassembled. */
-    protocols[0].rx_buffer_size = 4096;
+    if (cfg->dropin) {
+        char uerr[256];
+        if (cg_config_parse_upstream_url(&gw->dropin_app, json_string_value(json_object_get(cfg->dropin, "app")),
+                                         uerr, sizeof(uerr)) < 0) {
+            snprintf(err, errlen, "dropin.app: %s", uerr);
+            return CG_GATEWAY_BAD_CONFIG;
+        }
+    }
+    /* Client frames arrive in pieces of 4096 bytes; a frame over it is reassembled. */
+    gw->protocols = build_protocols(cfg);
 
     gw->mount.mountpoint = "/";
     gw->mount.mountpoint_len = 1;
@@ -233,9 +266,6 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->mount_admin.origin_protocol = LWSMPRO_CALLBACK;
     if (!cfg->admin_listen)
         gw->mount_healthz.mount_next = &gw->mount_admin;
-    for (size_t i = 0; protocols[i].name; i++)
-        if (strcmp(protocols[i].name, CG_LWS_PROTOCOL_ADMIN) == 0)
-            protocols[i].per_session_data_size = cg_admin_session_size();
 
     void *foreign_loops[1] = {loop};
     struct lws_context_creation_info info;
@@ -245,7 +275,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     info.foreign_loops = foreign_loops;
     info.port = cfg->listen_port;
     info.iface = cfg->listen_host;
-    info.protocols = protocols;
+    info.protocols = gw->protocols;
     info.mounts = &gw->mount;
     info.user = gw;
     info.vhost_name = "chatgate";

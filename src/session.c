@@ -20,6 +20,7 @@
 #include <strings.h>
 
 #include "chatgate/dialog.h"
+#include "chatgate/dropin.h"
 #include "chatgate/error.h"
 #include "chatgate/gateway.h"
 #include "chatgate/identity.h"
@@ -102,6 +103,7 @@ struct cg_session {
     uint64_t tokens_at;
 
     void *up_conns[CG_MAX_UPSTREAMS]; /* per-client upstream connections (ws kind) */
+    cg_dropin *dropin; /* drop-in mode: this connection speaks the app's protocol (dropin.h) */
 };
 
 size_t cg_session_size(void)
@@ -843,6 +845,14 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
     }
     if (!lws_is_final_fragment(wsi))
         return;
+    if (s->dropin) { /* the app's protocol: frames of any kind go to drop-in */
+        if (s->rx_too_large)
+            cg_warn("session %s: dropped a frame over the %zu-byte limit", s->session_id, max);
+        else
+            cg_dropin_client_frame(s->dropin, s->rx ? s->rx : "", s->rx_len, lws_frame_is_binary(wsi));
+        s->rx_len = 0;
+        return;
+    }
     s->gw->metrics.frames_in++;
     char err[128];
     if (lws_frame_is_binary(wsi)) {
@@ -912,6 +922,9 @@ static int session_identify(cg_session *s, struct lws *wsi, char *err, size_t er
 
 /* ---- the connection ------------------------------------------------------------------- */
 
+static int is_dropin_path(cg_gateway *gw, struct lws *wsi);
+static void dropin_open(cg_session *s, struct lws *wsi);
+
 static void session_open(cg_session *s, struct lws *wsi)
 {
     cg_gateway *gw = cg_gateway_of(wsi);
@@ -923,6 +936,10 @@ static void session_open(cg_session *s, struct lws *wsi)
     snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++gw->session_seq);
     gw->n_sessions++;
     char err[256];
+    if (is_dropin_path(gw, wsi)) {
+        dropin_open(s, wsi);
+        return;
+    }
     if (session_identify(s, wsi, err, sizeof(err)) < 0) {
         cg_warn("session %s: refused: %s", s->session_id, err);
         s->unauthorized = 1;
@@ -945,6 +962,10 @@ static void session_close(cg_session *s)
     if (!s->established)
         return;
     cg_gateway *gw = s->gw;
+    if (s->dropin) {
+        cg_dropin_close(s->dropin);
+        s->dropin = NULL;
+    }
     if (s->inflight) {
         inflight_stop(s);
         msg_free(s->inflight);
@@ -967,6 +988,38 @@ static void session_close(cg_session *s)
     s->established = 0;
     gw->n_sessions--;
     cg_info("session %s: closed (%ld connected)", s->session_id, gw->n_sessions);
+}
+
+static int is_dropin_path(cg_gateway *gw, struct lws *wsi)
+{
+    const char *path = json_string_value(json_object_get(gw->cfg->dropin, "path"));
+    char uri[256];
+    return path && lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) > 0 && strcmp(uri, path) == 0;
+}
+
+/*
+ * A client of the app on the drop-in path: the user comes from --auth as usual, or with
+ * auth none from the app's session cookie (dropin.user_cookie), so the same session finds
+ * the same dialogs; no hello, no chatgate.v1: the app's protocol goes on.
+ */
+static void dropin_open(cg_session *s, struct lws *wsi)
+{
+    cg_gateway *gw = s->gw;
+    char err[256];
+    if (strcmp(gw->cfg->auth, "none") == 0 && cg_dropin_user_from_cookie(gw, wsi, s->user, sizeof(s->user)) == 0) {
+        /* the cookie's user */
+    } else if (session_identify(s, wsi, err, sizeof(err)) < 0) {
+        cg_warn("session %s: drop-in client refused: %s", s->session_id, err);
+        gw->metrics.unauthorized++;
+        lws_close_reason(wsi, LWS_CLOSE_STATUS_POLICY_VIOLATION, (unsigned char *)"unauthorized", 12);
+        lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, LWS_TO_KILL_ASYNC);
+        return;
+    }
+    s->dropin = cg_dropin_open(gw, wsi, s->user);
+    if (!s->dropin)
+        lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, LWS_TO_KILL_ASYNC);
+    else
+        cg_info("session %s: drop-in (%ld connected)", s->session_id, gw->n_sessions);
 }
 
 /*
@@ -1018,7 +1071,7 @@ static int session_confirm_upgrade(struct lws *wsi)
 {
     cg_gateway *gw = cg_gateway_of(wsi);
     char uri[256];
-    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 || strcmp(uri, "/ws") != 0) {
+    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 || (strcmp(uri, "/ws") != 0 && !is_dropin_path(gw, wsi))) {
         return refuse_upgrade(wsi, 404, "Not Found", "WebSocket connections go to /ws\n");
     }
     if (!origin_allowed(wsi, gw->cfg->allow_origin)) {
@@ -1052,7 +1105,7 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
         session_on_receive(s, in, len);
         return 0;
     case LWS_CALLBACK_SERVER_WRITEABLE:
-        return session_write_one(s);
+        return s->dropin ? cg_dropin_client_writable(s->dropin) : session_write_one(s);
     case LWS_CALLBACK_CLOSED:
         session_close(s);
         return 0;

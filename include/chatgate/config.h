@@ -70,6 +70,7 @@ typedef struct cg_config {
     /* identity (DESIGN.md section 4) */
     char *user_header;
     char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */
+    json_t *dropin;     /* the drop-in mapping (dropin.h), or NULL */
     char *admin_listen; /* HOST:PORT of the admin API's own listener, or NULL */
     char *admin_host;
     int admin_port;

@@ -39,6 +39,8 @@ struct cg_gateway {
     uint64_t drain_deadline; /* uv_now() */
     long inflight_turns;     /* chat messages between load and terminal frame */
     lws_retry_bo_t retry;    /* ping and idle policy */
+    cg_upstream_config dropin_app;  /* the app of drop-in mode, from dropin.app */
+    struct lws_protocols *protocols; /* built at start: the app's subprotocols are in it */
     cg_lifetimes lifetimes;
     unsigned char resume_secret[64]; /* CHATGATE_RESUME_SECRET, or random per process */
     size_t resume_secret_len;

@@ -1,0 +1,905 @@
+/*
+ * dropin.c: drop-in mode (see dropin.h).
+ *
+ * Each client connection has a cg_dropin with two bounded frame queues:
+ *   to_app:    client frames in arrival order. A chat frame enters "not ready" and waits
+ *              for its dialog to load and the pipeline to run; the frames behind it wait
+ *              too, so the app sees them in the order the client sent them.
+ *   to_client: app frames in arrival order (and a close frame at the end, when the app
+ *              closed), written one per writable callback.
+ * Past CG_DROPIN_HIGH bytes a queue pauses the side that fills it (lws rx flow control).
+ *
+ * One chat turn at a time: the turn in flight (its dialog, its id, the reply text read so
+ * far) ends at the app's end or cancelled marker, or when the next chat frame comes, and is
+ * then saved. Lifetime: the struct holds a reference for the client and one for the app
+ * connection, and is freed when both are gone.
+ */
+#include <openssl/evp.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/dropin.h"
+#include "chatgate/error.h"
+#include "chatgate/gateway.h"
+#include "chatgate/identity.h"
+#include "chatgate/jsonptr.h"
+#include "chatgate/log.h"
+#include "chatgate/pipeline.h"
+#include "chatgate/protocol.h"
+
+#define CG_DROPIN_HIGH (256 * 1024)
+#define CG_DROPIN_MAX_REPLY (1 << 20)
+#define MAX_FORWARD_HEADERS 8
+
+typedef struct frame {
+    struct frame *next;
+    unsigned char *data; /* LWS_PRE headroom, then len bytes */
+    size_t len;
+    int binary;
+    int ready; /* a chat frame is ready once the pipeline has run */
+    int close; /* to_client: a close frame, code in len's place */
+    int close_code;
+} frame;
+
+typedef struct frame_queue {
+    frame *head, *tail;
+    size_t bytes;
+} frame_queue;
+
+/* The chat message whose reply is in flight. */
+typedef struct turn {
+    int active;
+    char id[CG_MAX_ID + 1];
+    char room[CG_MAX_ROOM + 1];
+    char *text;
+    char *enriched;
+    cg_dialog dialog;
+    char *reply;
+    size_t reply_len;
+    int cancelled;  /* the user cancelled: relaying stops when the app has no cancel frame */
+    int64_t arrived;
+} turn;
+
+/* A chat frame waiting for its dialog. */
+typedef struct pending_chat {
+    struct pending_chat *next;
+    frame *slot; /* its place in to_app */
+    json_t *frame_json;
+    char id[CG_MAX_ID + 1];
+    char room[CG_MAX_ROOM + 1];
+    char *text;
+    int64_t arrived;
+} pending_chat;
+
+struct cg_dropin {
+    cg_gateway *gw;
+    json_t *cfg; /* the "dropin" object (borrowed from the config) */
+    struct lws *client;
+    struct lws *app;
+    int refs;
+    int app_open;
+    int client_gone;
+    char user[CG_MAX_USER + 1];
+    char *path;        /* app base path + the client's path and query */
+    char *subprotocol; /* the client's, forwarded */
+    char *headers[MAX_FORWARD_HEADERS][2];
+    int n_headers;
+    cg_resolve *resolve;
+    frame_queue to_app, to_client;
+    int client_paused, app_paused;
+    int closing; /* the close frame was written; the connection goes at the next writable */
+    pending_chat *chats, *chats_tail;
+    cg_store_req *load; /* the dialog of chats (the head) is loading */
+    turn t;
+    char close_reason[124];
+    int close_code;
+    int app_failed; /* CLIENT_CONNECTION_ERROR came */
+    char *app_rx;   /* the app frame being reassembled */
+    size_t app_rx_len;
+    int app_rx_too_large;
+};
+
+/* ---- the configuration ----------------------------------------------------------------- */
+
+static int check_pointer(json_t *obj, const char *key, int required, const char *file, const char *where,
+                         char *err, size_t errlen)
+{
+    json_t *v = json_object_get(obj, key);
+    if (!v && !required)
+        return 0;
+    if (!json_is_string(v) || !cg_json_pointer_valid(json_string_value(v))) {
+        snprintf(err, errlen, "%s: dropin.%s.%s: must be a JSON pointer (RFC 6901) such as \"/text\"", file, where,
+                 key);
+        return -1;
+    }
+    return 0;
+}
+
+/* {"pointer": "/type", "equals": "chat"} */
+static int check_marker(json_t *obj, const char *key, int required, const char *file, const char *where, char *err,
+                        size_t errlen)
+{
+    json_t *m = json_object_get(obj, key);
+    if (!m && !required)
+        return 0;
+    json_t *ptr = json_object_get(m, "pointer");
+    if (!json_is_object(m) || !json_is_string(ptr) || !cg_json_pointer_valid(json_string_value(ptr)) ||
+        !json_object_get(m, "equals")) {
+        snprintf(err, errlen,
+                 "%s: dropin.%s.%s: must be {\"pointer\": \"/type\", \"equals\": VALUE} with a JSON pointer (RFC 6901)",
+                 file, where, key);
+        return -1;
+    }
+    return 0;
+}
+
+int cg_dropin_config_check(json_t *d, const char *file, char *err, size_t errlen)
+{
+    static const char *const known[] = {"path", "app", "subprotocols", "forward_headers", "user_cookie", "client",
+                                        "app_frames", "object_key", "state_key", NULL};
+    if (!json_is_object(d)) {
+        snprintf(err, errlen, "%s: dropin: must be an object", file);
+        return -1;
+    }
+    const char *key;
+    json_t *v;
+    json_object_foreach(d, key, v) {
+        int ok = 0;
+        for (int i = 0; known[i]; i++)
+            ok |= strcmp(key, known[i]) == 0;
+        if (!ok && strcmp(key, "app") != 0) {
+            snprintf(err, errlen, "%s: dropin.%s: unknown key", file, key);
+            return -1;
+        }
+    }
+    json_t *path = json_object_get(d, "path");
+    if (!json_is_string(path) || json_string_value(path)[0] != '/' || strcmp(json_string_value(path), "/ws") == 0) {
+        snprintf(err, errlen, "%s: dropin.path: must be the app's WebSocket path, such as \"/socket\" (not /ws)",
+                 file);
+        return -1;
+    }
+    json_t *app = json_object_get(d, "app");
+    const char *url = json_string_value(json_object_get(d, "app"));
+    if (!json_is_string(app) || (strncmp(url, "ws://", 5) != 0 && strncmp(url, "wss://", 6) != 0)) {
+        snprintf(err, errlen, "%s: dropin.app: must be the app's ws:// or wss:// URL", file);
+        return -1;
+    }
+    static const char *const lists[] = {"subprotocols", "forward_headers"};
+    for (int i = 0; i < 2; i++) {
+        json_t *list = json_object_get(d, lists[i]);
+        size_t k;
+        json_t *item;
+        int ok = !list || (json_is_array(list) && json_array_size(list) <= MAX_FORWARD_HEADERS);
+        json_array_foreach(list, k, item) ok &= json_is_string(item) && json_string_length(item) > 0 &&
+                                               json_string_length(item) < 64;
+        if (!ok) {
+            snprintf(err, errlen, "%s: dropin.%s: must be a list of at most %d names", file, lists[i],
+                     MAX_FORWARD_HEADERS);
+            return -1;
+        }
+    }
+    json_t *client = json_object_get(d, "client");
+    if (!json_is_object(client)) {
+        snprintf(err, errlen, "%s: dropin.client: must be an object: chat, text, room, id, cancel, cancel_id", file);
+        return -1;
+    }
+    if (check_marker(client, "chat", 1, file, "client", err, errlen) < 0 ||
+        check_pointer(client, "text", 1, file, "client", err, errlen) < 0 ||
+        check_pointer(client, "room", 0, file, "client", err, errlen) < 0 ||
+        check_pointer(client, "id", 0, file, "client", err, errlen) < 0 ||
+        check_marker(client, "cancel", 0, file, "client", err, errlen) < 0 ||
+        check_pointer(client, "cancel_id", 0, file, "client", err, errlen) < 0)
+        return -1;
+    json_t *appf = json_object_get(d, "app_frames");
+    if (appf && !json_is_object(appf)) {
+        snprintf(err, errlen, "%s: dropin.app_frames: must be an object: text, id, end, cancelled, cancel_frame",
+                 file);
+        return -1;
+    }
+    if (check_pointer(appf, "text", 0, file, "app_frames", err, errlen) < 0 ||
+        check_pointer(appf, "id", 0, file, "app_frames", err, errlen) < 0 ||
+        check_marker(appf, "end", 0, file, "app_frames", err, errlen) < 0 ||
+        check_marker(appf, "cancelled", 0, file, "app_frames", err, errlen) < 0)
+        return -1;
+    json_t *cf = json_object_get(appf, "cancel_frame");
+    if (cf && !json_is_object(cf)) {
+        snprintf(err, errlen, "%s: dropin.app_frames.cancel_frame: must be the JSON object to send, \"{id}\" for the id",
+                 file);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- queues ---------------------------------------------------------------------------- */
+
+static frame *frame_new(const void *data, size_t len, int binary)
+{
+    frame *f = calloc(1, sizeof(*f));
+    if (!f || !(f->data = malloc(LWS_PRE + len + 1)))
+        abort();
+    if (len)
+        memcpy(f->data + LWS_PRE, data, len);
+    f->len = len;
+    f->binary = binary;
+    f->ready = 1;
+    return f;
+}
+
+static void frame_free(frame *f)
+{
+    free(f->data);
+    free(f);
+}
+
+static void queue_push(frame_queue *q, frame *f)
+{
+    if (q->tail)
+        q->tail->next = f;
+    else
+        q->head = f;
+    q->tail = f;
+    q->bytes += f->len;
+}
+
+static frame *queue_pop(frame_queue *q)
+{
+    frame *f = q->head;
+    if (!f)
+        return NULL;
+    q->head = f->next;
+    if (!q->head)
+        q->tail = NULL;
+    q->bytes -= f->len;
+    f->next = NULL;
+    return f;
+}
+
+static void queue_clear(frame_queue *q)
+{
+    frame *f;
+    while ((f = queue_pop(q)))
+        frame_free(f);
+}
+
+/* Pauses the side that fills a queue past the mark; resumes under a quarter of it. */
+static void dropin_flow(cg_dropin *d)
+{
+    int pause_app = d->app_paused ? d->to_client.bytes > CG_DROPIN_HIGH / 4 : d->to_client.bytes > CG_DROPIN_HIGH;
+    if (pause_app != d->app_paused && d->app && d->app_open) {
+        d->app_paused = pause_app;
+        lws_rx_flow_control(d->app, !pause_app);
+    }
+    int pause_client = d->client_paused ? d->to_app.bytes > CG_DROPIN_HIGH / 4 : d->to_app.bytes > CG_DROPIN_HIGH;
+    if (pause_client != d->client_paused && !d->client_gone) {
+        d->client_paused = pause_client;
+        lws_rx_flow_control(d->client, !pause_client);
+    }
+}
+
+static void to_client(cg_dropin *d, frame *f)
+{
+    if (d->client_gone) {
+        frame_free(f);
+        return;
+    }
+    queue_push(&d->to_client, f);
+    lws_callback_on_writable(d->client);
+    dropin_flow(d);
+}
+
+static void to_app(cg_dropin *d, frame *f)
+{
+    queue_push(&d->to_app, f);
+    if (d->app && d->app_open)
+        lws_callback_on_writable(d->app);
+    dropin_flow(d);
+}
+
+/* Closes the client with code and reason once what is queued for it is written. */
+static void close_client(cg_dropin *d, int code, const char *reason)
+{
+    if (d->client_gone)
+        return;
+    frame *f = frame_new(NULL, 0, 0);
+    f->close = 1;
+    f->close_code = code;
+    unsigned char *p = f->data + LWS_PRE;
+    free(f->data);
+    size_t rl = strlen(reason);
+    if (rl > 123)
+        rl = 123;
+    f->data = malloc(LWS_PRE + 2 + rl);
+    p = f->data + LWS_PRE;
+    p[0] = (unsigned char)(code >> 8);
+    p[1] = (unsigned char)(code & 0xff);
+    memcpy(p + 2, reason, rl);
+    f->len = 2 + rl;
+    to_client(d, f);
+}
+
+/* ---- lifetime -------------------------------------------------------------------------- */
+
+static void turn_end(cg_dropin *d, int cancelled);
+
+static void dropin_unref(cg_dropin *d)
+{
+    if (--d->refs > 0)
+        return;
+    queue_clear(&d->to_app);
+    queue_clear(&d->to_client);
+    while (d->chats) {
+        pending_chat *c = d->chats;
+        d->chats = c->next;
+        json_decref(c->frame_json);
+        free(c->text);
+        free(c);
+    }
+    for (int i = 0; i < d->n_headers; i++) {
+        free(d->headers[i][0]);
+        free(d->headers[i][1]);
+    }
+    free(d->path);
+    free(d->subprotocol);
+    free(d->app_rx);
+    free(d);
+}
+
+void cg_dropin_close(cg_dropin *d)
+{
+    d->client_gone = 1;
+    if (d->load) {
+        d->gw->store->ops->abandon(d->load);
+        d->load = NULL;
+    }
+    if (d->t.active)
+        turn_end(d, 1); /* the client went away mid-reply: saved as cancelled */
+    if (d->resolve) {
+        cg_resolve_abandon(d->resolve);
+        d->resolve = NULL;
+        d->refs--; /* the app connection that will not be */
+    }
+    if (d->app)
+        lws_set_timeout(d->app, PENDING_TIMEOUT_KILLED_BY_PARENT, LWS_TO_KILL_ASYNC);
+    dropin_unref(d); /* the client's reference */
+}
+
+/* ---- turns ----------------------------------------------------------------------------- */
+
+static const char *dcfg_str(cg_dropin *d, const char *section, const char *key)
+{
+    json_t *s = section ? json_object_get(d->cfg, section) : d->cfg;
+    return json_string_value(json_object_get(s, key));
+}
+
+/* Does the frame match a {"pointer", "equals"} marker of the config? */
+static int matches(json_t *frame_json, json_t *marker)
+{
+    if (!marker)
+        return 0;
+    json_t *v = cg_json_pointer_get(frame_json, json_string_value(json_object_get(marker, "pointer")));
+    return v && json_equal(v, json_object_get(marker, "equals"));
+}
+
+/* A pointer's value as text: strings as they are, numbers written out; "" when absent. */
+static void text_at(json_t *frame_json, const char *ptr, char *out, size_t outlen)
+{
+    json_t *v = ptr ? cg_json_pointer_get(frame_json, ptr) : NULL;
+    if (json_is_string(v))
+        snprintf(out, outlen, "%s", json_string_value(v));
+    else if (json_is_integer(v))
+        snprintf(out, outlen, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+    else
+        out[0] = 0;
+}
+
+static void turn_end(cg_dropin *d, int cancelled)
+{
+    turn *t = &d->t;
+    if (!t->active)
+        return;
+    cg_gateway *gw = d->gw;
+    const cg_lifetimes *lt = &gw->lifetimes;
+    int64_t now = gw->store->now(gw->store->clock_ctx);
+    json_t *user_extra = t->enriched ? json_pack("{s:s}", "enriched", t->enriched) : NULL;
+    cg_dialog_push_history(&t->dialog, "user", t->text, t->arrived, lt, user_extra);
+    json_decref(user_extra);
+    if (t->reply_len) {
+        json_t *extra = cancelled || t->cancelled ? json_pack("{s:b}", "cancelled", 1) : NULL;
+        cg_dialog_push_history(&t->dialog, "assistant", t->reply, now, lt, extra);
+        json_decref(extra);
+    }
+    if (!cancelled && !t->cancelled)
+        t->dialog.turn_count++;
+    t->dialog.last_activity = now;
+    gw->store->ops->save(gw->store, d->user, t->room, &t->dialog, NULL, NULL);
+    cg_dialog_free(&t->dialog);
+    free(t->text);
+    free(t->enriched);
+    free(t->reply);
+    memset(t, 0, sizeof(*t));
+}
+
+/* Writes the ready frames at the head of to_app, in order. */
+static void flush_to_app(cg_dropin *d)
+{
+    if (d->app && d->app_open && d->to_app.head && d->to_app.head->ready)
+        lws_callback_on_writable(d->app);
+}
+
+/* The user cancelled the reply in flight: tell the app, or stop relaying it. */
+static void cancel_reply(cg_dropin *d)
+{
+    if (!d->t.active || d->t.cancelled)
+        return;
+    d->t.cancelled = 1;
+    d->gw->metrics.cancels++;
+    json_t *tmpl = json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame");
+    if (!tmpl)
+        return; /* app frames of this reply are dropped until its end marker */
+    char *s = json_dumps(tmpl, JSON_COMPACT);
+    /* "{id}" anywhere in the template's strings becomes the id, JSON-escaped */
+    json_t *id = json_string(d->t.id);
+    char *id_json = json_dumps(id, JSON_ENCODE_ANY);
+    json_decref(id);
+    size_t idl = strlen(id_json) - 2, cap = strlen(s) * (idl + 1) + 1, n = 0;
+    char *out = malloc(cap);
+    for (const char *p = s; *p;) {
+        if (strncmp(p, "{id}", 4) == 0) {
+            memcpy(out + n, id_json + 1, idl);
+            n += idl;
+            p += 4;
+        } else {
+            out[n++] = *p++;
+        }
+    }
+    out[n] = 0;
+    to_app(d, frame_new(out, n, 0));
+    free(out);
+    free(s);
+    free(id_json);
+}
+
+static void process_next_chat(cg_dropin *d);
+
+static void on_chat_loaded(void *ctx, cg_dialog *dialog, const cg_store_status *st)
+{
+    cg_dropin *d = ctx;
+    cg_gateway *gw = d->gw;
+    d->load = NULL;
+    pending_chat *c = d->chats;
+    d->chats = c->next;
+    if (!d->chats)
+        d->chats_tail = NULL;
+    if (st->found)
+        gw->metrics.cache_hits++;
+    else
+        gw->metrics.cache_misses++;
+
+    int64_t now = gw->store->now(gw->store->clock_ctx);
+    dialog->message_count++;
+    dialog->last_activity = now;
+    json_t *awaiting_before = json_incref(dialog->awaiting);
+    cg_pipeline_result res;
+    cg_pipeline_run(gw->cfg, gw->rules, dialog, c->text, now, &gw->lifetimes, &res);
+    gw->metrics.messages++;
+    gw->metrics.rules_fired += json_array_size(res.rules);
+    if (res.enriched)
+        gw->metrics.enrichments++;
+    const char *service = dialog->service;
+    json_t *params = cg_dialog_params_merged(
+        dialog, service,
+        service ? json_object_get(json_object_get(gw->cfg->services, service), "defaults") : NULL);
+    json_t *object = json_pack(
+        "{s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:O, s:O}", "user", d->user, "room", c->room, "route", "app",
+        "service", service ? json_string(service) : json_null(), "params", params, "resolution",
+        res.resolution ? json_incref(res.resolution) : json_null(), "enriched",
+        res.enriched ? json_string(res.enriched) : json_null(), "soft_context",
+        dialog->soft ? json_incref(dialog->soft) : json_null(), "awaiting",
+        awaiting_before ? json_incref(awaiting_before) : json_null(), "rules", res.rules, "annotations",
+        res.annotations);
+    if (res.error)
+        json_object_set_new(object, "error", json_pack("{s:s, s:s}", "code", cg_err_code(res.error), "message",
+                                                       res.error_message));
+    const char *key = dcfg_str(d, NULL, "object_key");
+    json_object_set_new(c->frame_json, key ? key : "chatgate", object);
+    char *s = json_dumps(c->frame_json, JSON_COMPACT);
+    frame *f = c->slot;
+    size_t len = strlen(s);
+    free(f->data);
+    f->data = malloc(LWS_PRE + len);
+    memcpy(f->data + LWS_PRE, s, len);
+    d->to_app.bytes += len - f->len;
+    f->len = len;
+    f->ready = 1;
+    free(s);
+    json_decref(awaiting_before);
+
+    /* this message's reply is the turn in flight now */
+    turn *t = &d->t;
+    t->active = 1;
+    snprintf(t->id, sizeof(t->id), "%s", c->id);
+    snprintf(t->room, sizeof(t->room), "%s", c->room);
+    t->text = c->text;
+    c->text = NULL;
+    t->enriched = res.enriched ? strdup(res.enriched) : NULL;
+    t->dialog = *dialog;
+    t->arrived = c->arrived;
+    cg_pipeline_result_free(&res);
+    json_decref(c->frame_json);
+    free(c);
+    flush_to_app(d);
+    process_next_chat(d);
+}
+
+/* Loads the dialog of the first chat frame waiting, unless one is loading. */
+static void process_next_chat(cg_dropin *d)
+{
+    if (d->load || !d->chats || d->client_gone)
+        return;
+    turn_end(d, 0); /* the next message: the last turn is over */
+    cg_store *st = d->gw->store;
+    d->load = st->ops->load(st, d->user, d->chats->room, on_chat_loaded, d);
+}
+
+/* ---- frames from the client ------------------------------------------------------------ */
+
+void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binary)
+{
+    d->gw->metrics.frames_in++;
+    json_t *client_cfg = json_object_get(d->cfg, "client");
+    json_t *o = binary ? NULL : json_loadb(buf, len, 0, NULL);
+    if (o && matches(o, json_object_get(client_cfg, "cancel"))) {
+        cancel_reply(d); /* the client's own cancel frame goes on to the app as it is */
+    } else if (o && matches(o, json_object_get(client_cfg, "chat"))) {
+        json_t *text = cg_json_pointer_get(o, dcfg_str(d, "client", "text"));
+        if (json_is_string(text) && json_string_length(text) > 0) {
+            pending_chat *c = calloc(1, sizeof(*c));
+            if (!c)
+                abort();
+            c->text = strdup(json_string_value(text));
+            text_at(o, dcfg_str(d, "client", "id"), c->id, sizeof(c->id));
+            text_at(o, dcfg_str(d, "client", "room"), c->room, sizeof(c->room));
+            if (!c->room[0])
+                snprintf(c->room, sizeof(c->room), "default");
+            c->arrived = d->gw->store->now(d->gw->store->clock_ctx);
+            c->frame_json = o;
+            /* a cancel phrase acts at once on the reply in flight (DESIGN.md section 1) */
+            cg_rules_result rr;
+            cg_rules_eval(d->gw->rules, c->text, NULL, NULL, c->arrived, &rr);
+            if (rr.cancel)
+                cancel_reply(d);
+            cg_rules_result_free(&rr);
+            c->slot = frame_new(buf, len, 0);
+            c->slot->ready = 0;
+            queue_push(&d->to_app, c->slot);
+            dropin_flow(d);
+            if (d->chats_tail)
+                d->chats_tail->next = c;
+            else
+                d->chats = c;
+            d->chats_tail = c;
+            process_next_chat(d);
+            return;
+        }
+    }
+    json_decref(o);
+    to_app(d, frame_new(buf, len, binary)); /* not a chat message: untouched */
+}
+
+int cg_dropin_client_writable(cg_dropin *d)
+{
+    if (d->closing)
+        return -1;
+    frame *f = queue_pop(&d->to_client);
+    if (!f)
+        return 0;
+    int rc = 0;
+    if (f->close) {
+        /* 4 is LWS_WRITE_CLOSE, which lws 4.1's public header leaves out (see session.c) */
+        lws_write(d->client, f->data + LWS_PRE, f->len, (enum lws_write_protocol)4);
+        d->closing = 1;
+        lws_callback_on_writable(d->client);
+    } else {
+        int n = lws_write(d->client, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+        d->gw->metrics.frames_out++;
+        rc = n < (int)f->len ? -1 : 0;
+        if (d->to_client.head)
+            lws_callback_on_writable(d->client);
+    }
+    frame_free(f);
+    dropin_flow(d);
+    return rc;
+}
+
+/* ---- frames from the app --------------------------------------------------------------- */
+
+static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
+{
+    json_t *appf = json_object_get(d->cfg, "app_frames");
+    json_t *o = binary ? NULL : json_loadb(buf, len, JSON_ALLOW_NUL, NULL);
+    if (!json_is_object(o)) { /* not JSON: relayed as it is */
+        json_decref(o);
+        if (!(d->t.active && d->t.cancelled && !json_object_get(appf, "cancel_frame")))
+            to_client(d, frame_new(buf, len, binary));
+        return;
+    }
+    turn *t = &d->t;
+    char id[CG_MAX_ID + 1];
+    text_at(o, dcfg_str(d, "app_frames", "id"), id, sizeof(id));
+    int ours = t->active && (!id[0] || strcmp(id, t->id) == 0);
+    int end = matches(o, json_object_get(appf, "end")), stopped = matches(o, json_object_get(appf, "cancelled"));
+    const char *state_key = dcfg_str(d, NULL, "state_key");
+    json_t *state = state_key ? json_object_get(o, state_key) : NULL;
+    int changed = 0;
+    if (state) {
+        if (ours) {
+            char err[256];
+            if (cg_dialog_apply_directive(&t->dialog, state, "app", d->gw->store->now(d->gw->store->clock_ctx),
+                                          &d->gw->lifetimes, err, sizeof(err)) < 0)
+                cg_warn("dropin: state from the app refused: %s", err);
+        }
+        json_object_del(o, state_key);
+        changed = 1;
+    }
+    json_t *text = cg_json_pointer_get(o, dcfg_str(d, "app_frames", "text"));
+    if (ours && json_is_string(text) && t->reply_len + json_string_length(text) < CG_DROPIN_MAX_REPLY) {
+        size_t n = json_string_length(text);
+        t->reply = realloc(t->reply, t->reply_len + n + 1);
+        memcpy(t->reply + t->reply_len, json_string_value(text), n);
+        t->reply_len += n;
+        t->reply[t->reply_len] = 0;
+    }
+    /* without a cancel frame, the rest of a cancelled reply is not relayed (its end marker neither) */
+    int drop = ours && t->cancelled && !json_object_get(appf, "cancel_frame") && !stopped;
+    if (!drop) {
+        if (changed) {
+            char *s = json_dumps(o, JSON_COMPACT);
+            to_client(d, frame_new(s, strlen(s), 0));
+            free(s);
+        } else {
+            to_client(d, frame_new(buf, len, 0));
+        }
+    }
+    if (ours && (end || stopped))
+        turn_end(d, stopped);
+    json_decref(o);
+}
+
+static char *rx_buf_append(char **rx, size_t *rx_len, const void *in, size_t len, size_t max)
+{
+    if (*rx_len + len > max)
+        return NULL;
+    char *n = realloc(*rx, *rx_len + len + 1);
+    if (!n)
+        abort();
+    memcpy(n + *rx_len, in, len);
+    *rx = n;
+    *rx_len += len;
+    return n;
+}
+
+int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+{
+    cg_dropin *d = lws_get_opaque_user_data(wsi);
+    if (!d)
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    switch (reason) {
+    case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER: {
+        unsigned char **p = (unsigned char **)in, *end = *p + len;
+        for (int i = 0; i < d->n_headers; i++)
+            if (lws_add_http_header_by_name(wsi, (const unsigned char *)d->headers[i][0],
+                                            (const unsigned char *)d->headers[i][1], (int)strlen(d->headers[i][1]), p,
+                                            end))
+                return -1;
+        return 0;
+    }
+    case LWS_CALLBACK_CLIENT_ESTABLISHED:
+        if (d->client_gone)
+            return -1;
+        d->app_open = 1;
+        flush_to_app(d);
+        return 0;
+    case LWS_CALLBACK_CLIENT_WRITEABLE: {
+        if (d->client_gone)
+            return -1;
+        frame *f = d->to_app.head;
+        if (!f || !f->ready)
+            return 0;
+        queue_pop(&d->to_app);
+        int n = lws_write(wsi, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+        int short_write = n < (int)f->len;
+        frame_free(f);
+        dropin_flow(d);
+        if (short_write)
+            return -1;
+        flush_to_app(d);
+        return 0;
+    }
+    case LWS_CALLBACK_CLIENT_RECEIVE: /* reassembled up to 16 x --max-frame */
+        if (lws_is_first_fragment(wsi)) {
+            d->app_rx_len = 0;
+            d->app_rx_too_large = 0;
+        }
+        if (!d->app_rx_too_large &&
+            !rx_buf_append(&d->app_rx, &d->app_rx_len, in, len, (size_t)d->gw->cfg->max_frame * 16))
+            d->app_rx_too_large = 1;
+        if (!lws_is_final_fragment(wsi))
+            return 0;
+        if (d->app_rx_too_large)
+            cg_warn("dropin: a frame from the app over %ld bytes was dropped", d->gw->cfg->max_frame * 16);
+        else
+            on_app_frame(d, d->app_rx ? d->app_rx : "", d->app_rx_len, lws_frame_is_binary(wsi));
+        d->app_rx_len = 0;
+        return 0;
+    case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
+        if (len >= 2) {
+            const unsigned char *b = in;
+            d->close_code = b[0] << 8 | b[1];
+            snprintf(d->close_reason, sizeof(d->close_reason), "%.*s", (int)(len - 2 > 123 ? 123 : len - 2),
+                     (const char *)in + 2);
+        }
+        return 0;
+    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR:
+        cg_warn("dropin: the app could not be reached: %s", in ? (const char *)in : "connection failed");
+        close_client(d, 1014, "the app could not be reached");
+        lws_set_opaque_user_data(wsi, NULL);
+        d->app = NULL;
+        d->app_failed = 1;
+        dropin_unref(d);
+        return 0;
+    case LWS_CALLBACK_CLIENT_CLOSED:
+        cg_info("dropin: the app closed the connection (%d)", d->close_code);
+        close_client(d, d->close_code ? d->close_code : 1011, d->close_code ? d->close_reason : "the app went away");
+        lws_set_opaque_user_data(wsi, NULL);
+        d->app = NULL;
+        d->app_open = 0;
+        dropin_unref(d);
+        return 0;
+    default:
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    }
+}
+
+/* ---- opening --------------------------------------------------------------------------- */
+
+static void on_app_resolved(void *data, const char *address, const char *err)
+{
+    cg_dropin *d = data;
+    d->resolve = NULL;
+    cg_upstream_config *u = &d->gw->dropin_app;
+    if (!address) {
+        cg_warn("dropin: %s ('%s')", err, u->host);
+        close_client(d, 1014, "the app could not be reached");
+        dropin_unref(d);
+        return;
+    }
+    struct lws_client_connect_info i;
+    memset(&i, 0, sizeof(i));
+    i.context = d->gw->lws;
+    i.vhost = d->gw->vhost;
+    i.address = address;
+    i.port = u->port;
+    i.path = d->path;
+    i.host = u->host;
+    i.origin = u->host;
+    i.ssl_connection = u->tls ? LCCSCF_USE_SSL : 0;
+    i.protocol = d->subprotocol;
+    i.local_protocol_name = CG_LWS_PROTOCOL_DROPIN_APP;
+    i.opaque_user_data = d;
+    i.pwsi = &d->app;
+    if (!lws_client_connect_via_info(&i) && !d->app_failed) { /* refused before any callback said so */
+        d->app = NULL;
+        close_client(d, 1014, "the app could not be reached");
+        dropin_unref(d);
+    }
+}
+
+/* "a=1&b=two words" from lws's url-decoded fragments, encoded again for the app. */
+static void append_query(struct lws *client, char *out, size_t outlen)
+{
+    char frag[1024];
+    size_t n = strlen(out);
+    for (int idx = 0; lws_hdr_copy_fragment(client, frag, sizeof(frag), WSI_TOKEN_HTTP_URI_ARGS, idx) > 0; idx++) {
+        if (n + 2 >= outlen)
+            break;
+        out[n++] = idx ? '&' : '?';
+        for (const unsigned char *c = (unsigned char *)frag; *c && n + 4 < outlen; c++) {
+            int keep = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+                       strchr("-_.~=", *c);
+            if (keep) {
+                out[n++] = (char)*c;
+            } else {
+                snprintf(out + n, outlen - n, "%%%02X", *c);
+                n += 3;
+            }
+        }
+        out[n] = 0;
+    }
+}
+
+/* Copies the configured headers of the handshake, to send them on to the app. */
+static void copy_headers(cg_dropin *d, struct lws *client)
+{
+    json_t *names = json_object_get(d->cfg, "forward_headers");
+    json_t *defaults = NULL;
+    if (!names)
+        names = defaults = json_pack("[s, s]", "Cookie", "Authorization");
+    size_t i;
+    json_t *name;
+    json_array_foreach(names, i, name) {
+        char lower[80], value[4096];
+        snprintf(lower, sizeof(lower), "%s:", json_string_value(name));
+        for (char *p = lower; *p; p++)
+            *p = (char)(*p >= 'A' && *p <= 'Z' ? *p + 32 : *p);
+        int n = strcmp(lower, "cookie:") == 0          ? lws_hdr_copy(client, value, sizeof(value), WSI_TOKEN_HTTP_COOKIE)
+                : strcmp(lower, "authorization:") == 0 ? lws_hdr_copy(client, value, sizeof(value),
+                                                                      WSI_TOKEN_HTTP_AUTHORIZATION)
+                                                       : lws_hdr_custom_copy(client, value, sizeof(value), lower,
+                                                                             (int)strlen(lower));
+        if (n > 0 && d->n_headers < MAX_FORWARD_HEADERS) {
+            d->headers[d->n_headers][0] = strdup(lower);
+            d->headers[d->n_headers][1] = strdup(value);
+            d->n_headers++;
+        }
+    }
+    json_decref(defaults);
+}
+
+int cg_dropin_user_from_cookie(cg_gateway *gw, struct lws *client, char *out, size_t outlen)
+{
+    const char *name = json_string_value(json_object_get(gw->cfg->dropin, "user_cookie"));
+    char cookies[4096];
+    if (!name || lws_hdr_copy(client, cookies, sizeof(cookies), WSI_TOKEN_HTTP_COOKIE) <= 0)
+        return -1;
+    size_t nl = strlen(name);
+    for (char *p = cookies; p && *p;) {
+        while (*p == ' ' || *p == ';')
+            p++;
+        char *end = strchr(p, ';');
+        if (end)
+            *end = 0;
+        if (strncmp(p, name, nl) == 0 && p[nl] == '=' && p[nl + 1]) {
+            unsigned char md[32];
+            unsigned int mdlen = 0;
+            EVP_Digest(p + nl + 1, strlen(p + nl + 1), md, &mdlen, EVP_sha256(), NULL);
+            snprintf(out, outlen, "c_%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x", md[0], md[1], md[2], md[3],
+                     md[4], md[5], md[6], md[7], md[8], md[9], md[10], md[11]);
+            return 0;
+        }
+        p = end ? end + 1 : NULL;
+    }
+    return -1;
+}
+
+cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)
+{
+    cg_dropin *d = calloc(1, sizeof(*d));
+    if (!d)
+        return NULL;
+    d->gw = gw;
+    d->cfg = gw->cfg->dropin;
+    d->client = client;
+    d->refs = 2; /* the client's and the app connection's */
+    snprintf(d->user, sizeof(d->user), "%s", user);
+    char path[4096], uri[2048];
+    lws_hdr_copy(client, uri, sizeof(uri), WSI_TOKEN_GET_URI);
+    snprintf(path, sizeof(path), "%s%s", gw->dropin_app.path && strcmp(gw->dropin_app.path, "/") ? gw->dropin_app.path : "",
+             uri);
+    append_query(client, path, sizeof(path));
+    d->path = strdup(path);
+    const struct lws_protocols *proto = lws_get_protocol(client);
+    if (proto && strcmp(proto->name, CG_PROTOCOL_NAME) != 0)
+        d->subprotocol = strdup(proto->name);
+    copy_headers(d, client);
+    d->resolve = cg_resolve_start(gw->loop, gw->dropin_app.host, on_app_resolved, d);
+    if (!d->resolve) {
+        free(d->path);
+        free(d->subprotocol);
+        free(d);
+        return NULL;
+    }
+    cg_info("dropin: a client connected; opening the app connection");
+    return d;
+}
