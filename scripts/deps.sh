@@ -7,7 +7,11 @@ set -euo pipefail
 packages=(gcc make cmake pkg-config libwebsockets-dev libuv1-dev libjansson-dev
           libhiredis-dev libpcre2-dev libssl-dev)
 case "${1:-build}" in
-  test) packages+=(python3 python3-websockets redis-server) ;;
+  test)
+    packages+=(python3 python3-websockets redis-server chromium)
+    # the browser test runs on node; an image may bring its own node (not Debian's package)
+    command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
+    ;;
   fuzz) packages+=(clang libclang-rt-14-dev) ;;
 esac
 

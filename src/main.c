@@ -154,6 +154,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "chatgate: %s\n", err);
         cg_gateway_abort(&gw);
         cg_config_free(&cfg);
+        uv_loop_close(&loop); /* frees what uv_loop_init took, when no handle was opened yet */
         return rc == CG_GATEWAY_BAD_CONFIG ? 2 : 1;
     }
     rc = cg_gateway_run(&gw);

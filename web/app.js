@@ -550,7 +550,8 @@
     for (const m of hist) {
       ui.ctxHistory.appendChild(el("li", { "data-role": m.role, title: String(m.content) },
         el("span", { class: "h-role", text: m.role === "user" ? "you" : m.role === "assistant" ? "bot" : String(m.role) }),
-        el("span", { class: "h-text", text: shorten(m.content, 90) + (m.cancelled ? " (stopped)" : "") })));
+        el("span", { class: "h-text", text: shorten(m.content, 90) }),
+        m.cancelled ? el("span", { class: "h-flag", text: "(stopped)" }) : null));
     }
 
     // Dialog meta and the last tool result
@@ -603,7 +604,7 @@
     switchRoom(r);
   });
   ui.roomNew.addEventListener("input", () => ui.roomNew.setCustomValidity(""));
-  ui.roomNew.addEventListener("blur", () => { if (!ui.roomNew.value.trim()) showRoomForm(false); });
+  $("room-cancel").addEventListener("click", () => { ui.roomNew.value = ""; showRoomForm(false); });
   ui.roomNew.addEventListener("keydown", (e) => {
     if (e.key === "Escape") { ui.roomNew.value = ""; showRoomForm(false); }
   });
