@@ -96,6 +96,7 @@ struct cg_dropin {
     char close_reason[124];
     int close_code;
     int app_failed; /* CLIENT_CONNECTION_ERROR came */
+    int app_close_sent;
     char *app_rx;   /* the app frame being reassembled */
     size_t app_rx_len;
     int app_rx_too_large;
@@ -360,7 +361,9 @@ void cg_dropin_close(cg_dropin *d)
         d->resolve = NULL;
         d->refs--; /* the app connection that will not be */
     }
-    if (d->app)
+    if (d->app && d->app_open) /* a close frame (1001, going away), then the connection */
+        lws_callback_on_writable(d->app);
+    else if (d->app)
         lws_set_timeout(d->app, PENDING_TIMEOUT_KILLED_BY_PARENT, LWS_TO_KILL_ASYNC);
     dropin_unref(d); /* the client's reference */
 }
@@ -702,8 +705,19 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         flush_to_app(d);
         return 0;
     case LWS_CALLBACK_CLIENT_WRITEABLE: {
-        if (d->client_gone)
-            return -1;
+        if (d->client_gone) {
+            if (d->app_close_sent)
+                return -1;
+            unsigned char close[LWS_PRE + 16];
+            close[LWS_PRE] = 1001 >> 8;
+            close[LWS_PRE + 1] = 1001 & 0xff;
+            memcpy(close + LWS_PRE + 2, "client left", 11);
+            lws_write(wsi, close + LWS_PRE, 13, (enum lws_write_protocol)4); /* LWS_WRITE_CLOSE */
+            d->app_close_sent = 1;
+            lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, 1); /* the app's answer, or not */
+            lws_callback_on_writable(wsi);
+            return 0;
+        }
         frame *f = d->to_app.head;
         if (!f || !f->ready)
             return 0;
