@@ -39,8 +39,7 @@ typedef struct frame {
     size_t len;
     int binary;
     int ready; /* a chat frame is ready once the pipeline has run */
-    int close; /* to_client: a close frame, code in len's place */
-    int close_code;
+    int close; /* to_client: a close frame (2 bytes of code, then the reason) */
 } frame;
 
 typedef struct frame_queue {
@@ -301,22 +300,13 @@ static void to_app(cg_dropin *d, frame *f)
 /* Closes the client with code and reason once what is queued for it is written. */
 static void close_client(cg_dropin *d, int code, const char *reason)
 {
-    if (d->client_gone)
-        return;
-    frame *f = frame_new(NULL, 0, 0);
+    unsigned char payload[2 + 123];
+    size_t rl = strlen(reason) > 123 ? 123 : strlen(reason);
+    payload[0] = (unsigned char)(code >> 8);
+    payload[1] = (unsigned char)(code & 0xff);
+    memcpy(payload + 2, reason, rl);
+    frame *f = frame_new(payload, 2 + rl, 0);
     f->close = 1;
-    f->close_code = code;
-    unsigned char *p = f->data + LWS_PRE;
-    free(f->data);
-    size_t rl = strlen(reason);
-    if (rl > 123)
-        rl = 123;
-    f->data = malloc(LWS_PRE + 2 + rl);
-    p = f->data + LWS_PRE;
-    p[0] = (unsigned char)(code >> 8);
-    p[1] = (unsigned char)(code & 0xff);
-    memcpy(p + 2, reason, rl);
-    f->len = 2 + rl;
     to_client(d, f);
 }
 

@@ -185,6 +185,10 @@ class Gateway:
     def http_url(self):
         return f"http://127.0.0.1:{self.port}"
 
+    def ws_url(self, path):
+        """A WebSocket URL on this gateway for another path than /ws (drop-in mode)."""
+        return f"ws://127.0.0.1:{self.port}{path}"
+
     def command(self):
         cmd = [str(self.binary), "--listen", f"127.0.0.1:{self.port}"]
         if self.config is not None:
@@ -346,6 +350,32 @@ class Gateway:
         if not match:
             return None
         return "\n".join(text[match.start():].splitlines()[:30])
+
+
+async def gateway_exit(config=None, args=(), env=None, timeout=10.0):
+    """Run the gateway with `config` (a dict or a string, written to a file) and `args`,
+    expecting it to exit on its own (a configuration mistake): (exit status, stdout + stderr,
+    the config file's path). Fails if it is still running after `timeout` seconds."""
+    directory = Path(tempfile.mkdtemp(prefix="chatgate-e2e-cfg-"))
+    cmd = [str(_options.gateway), "--listen", f"127.0.0.1:{free_port()}"]
+    path = None
+    if config is not None:
+        path = directory / "config.json"
+        path.write_text(config if isinstance(config, str) else json.dumps(config, indent=2))
+        cmd += ["--config", str(path)]
+    cmd += [str(a) for a in args]
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("CHATGATE_") and k != "REDIS_URL"}
+    run_env.update(env or {})
+
+    def start():
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=run_env, cwd=REPO_ROOT)
+    try:
+        proc = await asyncio.to_thread(start)
+    except subprocess.TimeoutExpired:
+        fail(f"the gateway was still running after {timeout:.0f} s; it should have exited "
+             f"(command: {' '.join(cmd)})")
+    return proc.returncode, proc.stdout + proc.stderr, path
 
 
 def http_get(url, timeout=DEFAULT_TIMEOUT):
