@@ -96,6 +96,8 @@ struct cg_dropin {
     int close_code;
     int app_failed; /* CLIENT_CONNECTION_ERROR came */
     int app_close_sent;
+    char suppress_id[CG_MAX_ID + 1]; /* a cancelled reply not relayed (no cancel frame) */
+    int suppressing;
     char *app_rx;   /* the app frame being reassembled */
     size_t app_rx_len;
     int app_rx_too_large;
@@ -310,6 +312,11 @@ static void close_client(cg_dropin *d, int code, const char *reason)
     to_client(d, f);
 }
 
+void cg_dropin_client_refuse(cg_dropin *d, int code, const char *reason)
+{
+    close_client(d, code, reason);
+}
+
 /* ---- lifetime -------------------------------------------------------------------------- */
 
 static void turn_end(cg_dropin *d, int cancelled);
@@ -407,6 +414,7 @@ static void turn_end(cg_dropin *d, int cancelled)
         t->dialog.turn_count++;
     t->dialog.last_activity = now;
     gw->store->ops->save(gw->store, d->user, t->room, &t->dialog, NULL, NULL);
+    gw->inflight_turns--;
     cg_dialog_free(&t->dialog);
     free(t->text);
     free(t->enriched);
@@ -421,16 +429,25 @@ static void flush_to_app(cg_dropin *d)
         lws_callback_on_writable(d->app);
 }
 
-/* The user cancelled the reply in flight: tell the app, or stop relaying it. */
-static void cancel_reply(cg_dropin *d)
+/*
+ * The user cancelled the reply in flight: send the app the mapping's cancel frame (unless
+ * the client's own cancel frame, on its way to the app, already says so), or, when the
+ * mapping names none, stop relaying that reply's frames until its end marker.
+ */
+static void cancel_reply(cg_dropin *d, int client_frame_sent)
 {
     if (!d->t.active || d->t.cancelled)
         return;
     d->t.cancelled = 1;
     d->gw->metrics.cancels++;
     json_t *tmpl = json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame");
-    if (!tmpl)
-        return; /* app frames of this reply are dropped until its end marker */
+    if (!tmpl) {
+        snprintf(d->suppress_id, sizeof(d->suppress_id), "%s", d->t.id);
+        d->suppressing = 1;
+        return;
+    }
+    if (client_frame_sent)
+        return;
     char *s = json_dumps(tmpl, JSON_COMPACT);
     /* "{id}" anywhere in the template's strings becomes the id, JSON-escaped */
     json_t *id = json_string(d->t.id);
@@ -512,6 +529,7 @@ static void on_chat_loaded(void *ctx, cg_dialog *dialog, const cg_store_status *
     /* this message's reply is the turn in flight now */
     turn *t = &d->t;
     t->active = 1;
+    gw->inflight_turns++; /* a graceful shutdown waits for this reply too */
     snprintf(t->id, sizeof(t->id), "%s", c->id);
     snprintf(t->room, sizeof(t->room), "%s", c->room);
     t->text = c->text;
@@ -544,7 +562,7 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
     json_t *client_cfg = json_object_get(d->cfg, "client");
     json_t *o = binary ? NULL : json_loadb(buf, len, 0, NULL);
     if (o && matches(o, json_object_get(client_cfg, "cancel"))) {
-        cancel_reply(d); /* the client's own cancel frame goes on to the app as it is */
+        cancel_reply(d, 1); /* the client's own cancel frame goes on to the app as it is */
     } else if (o && matches(o, json_object_get(client_cfg, "chat"))) {
         json_t *text = cg_json_pointer_get(o, dcfg_str(d, "client", "text"));
         if (json_is_string(text) && json_string_length(text) > 0) {
@@ -562,7 +580,7 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
             cg_rules_result rr;
             cg_rules_eval(d->gw->rules, c->text, NULL, NULL, c->arrived, &rr);
             if (rr.cancel)
-                cancel_reply(d);
+                cancel_reply(d, 0);
             cg_rules_result_free(&rr);
             c->slot = frame_new(buf, len, 0);
             c->slot->ready = 0;
@@ -614,8 +632,7 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     json_t *o = binary ? NULL : json_loadb(buf, len, JSON_ALLOW_NUL, NULL);
     if (!json_is_object(o)) { /* not JSON: relayed as it is */
         json_decref(o);
-        if (!(d->t.active && d->t.cancelled && !json_object_get(appf, "cancel_frame")))
-            to_client(d, frame_new(buf, len, binary));
+        to_client(d, frame_new(buf, len, binary));
         return;
     }
     turn *t = &d->t;
@@ -623,6 +640,17 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     text_at(o, dcfg_str(d, "app_frames", "id"), id, sizeof(id));
     int ours = t->active && (!id[0] || strcmp(id, t->id) == 0);
     int end = matches(o, json_object_get(appf, "end")), stopped = matches(o, json_object_get(appf, "cancelled"));
+    json_t *text = cg_json_pointer_get(o, dcfg_str(d, "app_frames", "text"));
+    if (d->suppressing && (id[0] ? strcmp(id, d->suppress_id) == 0 : text != NULL)) {
+        /* the rest of a cancelled reply (no cancel frame to send): not relayed; its end
+         * marker is, so the client's view of the reply completes */
+        if (end || stopped) {
+            d->suppressing = 0;
+            to_client(d, frame_new(buf, len, 0));
+        }
+        json_decref(o);
+        return;
+    }
     const char *state_key = dcfg_str(d, NULL, "state_key");
     json_t *state = state_key ? json_object_get(o, state_key) : NULL;
     int changed = 0;
@@ -636,7 +664,6 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         json_object_del(o, state_key);
         changed = 1;
     }
-    json_t *text = cg_json_pointer_get(o, dcfg_str(d, "app_frames", "text"));
     if (ours && json_is_string(text) && t->reply_len + json_string_length(text) < CG_DROPIN_MAX_REPLY) {
         size_t n = json_string_length(text);
         t->reply = realloc(t->reply, t->reply_len + n + 1);
@@ -644,16 +671,12 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         t->reply_len += n;
         t->reply[t->reply_len] = 0;
     }
-    /* without a cancel frame, the rest of a cancelled reply is not relayed (its end marker neither) */
-    int drop = ours && t->cancelled && !json_object_get(appf, "cancel_frame") && !stopped;
-    if (!drop) {
-        if (changed) {
-            char *s = json_dumps(o, JSON_COMPACT);
-            to_client(d, frame_new(s, strlen(s), 0));
-            free(s);
-        } else {
-            to_client(d, frame_new(buf, len, 0));
-        }
+    if (changed) {
+        char *s = json_dumps(o, JSON_COMPACT);
+        to_client(d, frame_new(s, strlen(s), 0));
+        free(s);
+    } else {
+        to_client(d, frame_new(buf, len, 0));
     }
     if (ours && (end || stopped))
         turn_end(d, stopped);

@@ -93,14 +93,33 @@ void cg_gateway_abort(cg_gateway *gw)
     gw->dialog_locks = NULL;
 }
 
+static void gateway_stop(cg_gateway *gw);
+
+static void on_drain_tick(uv_timer_t *t)
+{
+    cg_gateway *gw = t->data;
+    if (gw->closing_all || gw->inflight_turns == 0 || uv_now(gw->loop) >= gw->drain_deadline)
+        gateway_stop(gw);
+}
+
 /* The end: close every connection (replies still running are cancelled and saved as
  * such), flush the store, and let the loop run out. */
 static void gateway_stop(cg_gateway *gw)
 {
     if (!gw->lws)
         return;
-    if (gw->inflight_turns)
-        cg_warn("shutdown: %ld replies still running at the deadline are cancelled", gw->inflight_turns);
+    if (!gw->closing_all) {
+        /* first every client gets a close frame (1001, going away), then the context goes */
+        if (gw->inflight_turns)
+            cg_warn("shutdown: %ld replies still running at the deadline are cancelled", gw->inflight_turns);
+        gw->closing_all = 1;
+        for (size_t i = 0; gw->protocols[i].name; i++)
+            if (gw->protocols[i].callback == cg_session_callback)
+                lws_callback_on_writable_all_protocol(gw->lws, &gw->protocols[i]);
+        uv_timer_stop(&gw->drain);
+        uv_timer_start(&gw->drain, on_drain_tick, 300, 0);
+        return;
+    }
     uv_timer_stop(&gw->drain);
     uv_close((uv_handle_t *)&gw->drain, NULL);
     uv_signal_stop(&gw->sig_term);
@@ -124,12 +143,6 @@ static void gateway_stop(cg_gateway *gw)
     cg_info("stopped cleanly");
 }
 
-static void on_drain_tick(uv_timer_t *t)
-{
-    cg_gateway *gw = t->data;
-    if (gw->inflight_turns == 0 || uv_now(gw->loop) >= gw->drain_deadline)
-        gateway_stop(gw);
-}
 
 /*
  * SIGTERM, SIGINT: stop taking connections (upgrades get 503, /healthz says 503 so a load

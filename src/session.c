@@ -81,7 +81,8 @@ struct cg_session {
     struct lws *wsi;
     cg_gateway *gw;
     int established;
-    int unauthorized; /* 1: close with 1008 once the error frame is out; 2: close frame sent */
+    int unauthorized; /* close with 1008 once the error frame is out */
+    int close_sent;   /* a close frame went out: the connection goes at the next writable */
     char user[CG_MAX_USER + 1];
     char session_id[24];
     unsigned long auto_id;
@@ -212,29 +213,34 @@ static void session_send_delta(cg_session *s, const char *id, const char *text, 
     session_flow(s);
 }
 
+/*
+ * Writes a close frame with code and reason, then closes at the next writable. (4 is
+ * LWS_WRITE_CLOSE, which lws 4.1's public header leaves out; lws_close_reason() followed by
+ * -1 did not send the frame: the peer saw 1006.)
+ */
+static int session_write_close(cg_session *s, int code, const char *reason)
+{
+    if (s->close_sent)
+        return -1;
+    unsigned char close[LWS_PRE + 2 + 123];
+    size_t rl = strlen(reason) > 123 ? 123 : strlen(reason);
+    close[LWS_PRE] = (unsigned char)(code >> 8);
+    close[LWS_PRE + 1] = (unsigned char)(code & 0xff);
+    memcpy(close + LWS_PRE + 2, reason, rl);
+    lws_write(s->wsi, close + LWS_PRE, 2 + rl, (enum lws_write_protocol)4);
+    s->close_sent = 1;
+    lws_callback_on_writable(s->wsi);
+    return 0;
+}
+
 /* Writes the frame at the head of the send queue. Returns -1 to close the connection. */
 static int session_write_one(cg_session *s)
 {
     cg_out *o = s->out_head;
-    if (!o && s->unauthorized) {
-        /*
-         * The error frame is out; now the close frame with 1008, written here because
-         * lws 4.1 did not send the one lws_close_reason() prepares when this callback
-         * returned -1 (tried: the peer saw 1006). The connection goes at the next writable.
-         */
-        if (s->unauthorized == 2)
-            return -1;
-        unsigned char close[LWS_PRE + 16] = {0};
-        static const char reason[] = "unauthorized";
-        close[LWS_PRE] = LWS_CLOSE_STATUS_POLICY_VIOLATION >> 8;
-        close[LWS_PRE + 1] = LWS_CLOSE_STATUS_POLICY_VIOLATION & 0xff;
-        memcpy(close + LWS_PRE + 2, reason, sizeof(reason) - 1);
-        /* 4 is LWS_WRITE_CLOSE, which lws 4.1's public header leaves out */
-        lws_write(s->wsi, close + LWS_PRE, 2 + sizeof(reason) - 1, (enum lws_write_protocol)4);
-        s->unauthorized = 2;
-        lws_callback_on_writable(s->wsi);
-        return 0;
-    }
+    if (s->gw->closing_all) /* shutdown: what is queued is dropped; a close frame, then the end */
+        return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
+    if (!o && s->unauthorized) /* the error frame is out: now the close frame */
+        return session_write_close(s, LWS_CLOSE_STATUS_POLICY_VIOLATION, "unauthorized");
     if (!o)
         return 0;
     s->out_head = o->next;
@@ -846,9 +852,10 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
     if (!lws_is_final_fragment(wsi))
         return;
     if (s->dropin) { /* the app's protocol: frames of any kind go to drop-in */
-        if (s->rx_too_large)
-            cg_warn("session %s: dropped a frame over the %zu-byte limit", s->session_id, max);
-        else
+        if (s->rx_too_large) {
+            cg_warn("session %s: a drop-in frame over the %zu-byte limit: closing with 1009", s->session_id, max);
+            cg_dropin_client_refuse(s->dropin, 1009, "frame over the gateway's max_frame");
+        } else
             cg_dropin_client_frame(s->dropin, s->rx ? s->rx : "", s->rx_len, lws_frame_is_binary(wsi));
         s->rx_len = 0;
         return;
@@ -1105,6 +1112,8 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
         session_on_receive(s, in, len);
         return 0;
     case LWS_CALLBACK_SERVER_WRITEABLE:
+        if (s->dropin && s->gw->closing_all)
+            return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
         return s->dropin ? cg_dropin_client_writable(s->dropin) : session_write_one(s);
     case LWS_CALLBACK_CLOSED:
         session_close(s);

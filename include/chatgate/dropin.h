@@ -33,6 +33,9 @@ int cg_dropin_config_check(json_t *dropin, const char *file, char *err, size_t e
 cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user);
 /* One whole frame from the client. */
 void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binary);
+/* Closes the client with code and reason (1009 for a frame over --max-frame: the app's
+ * protocol has no error frame of ours to say it with). */
+void cg_dropin_client_refuse(cg_dropin *d, int code, const char *reason);
 /* The client connection is writable: writes one frame; -1 closes the connection. */
 int cg_dropin_client_writable(cg_dropin *d);
 /* The client is gone: the app connection goes too; d is freed when that is done. */

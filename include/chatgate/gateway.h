@@ -38,6 +38,7 @@ struct cg_gateway {
     uv_timer_t drain;
     uint64_t drain_deadline; /* uv_now() */
     long inflight_turns;     /* chat messages between load and terminal frame */
+    int closing_all;         /* shutdown: clients are being sent close frames */
     lws_retry_bo_t retry;    /* ping and idle policy */
     cg_upstream_config dropin_app;  /* the app of drop-in mode, from dropin.app */
     struct lws_protocols *protocols; /* built at start: the app's subprotocols are in it */

@@ -176,8 +176,9 @@ def _short(frame, limit=140):
 class ChatApp:
     """The chat app's server, on an asyncio loop (in a test's own loop, or standalone)."""
 
-    def __init__(self, chunk_interval=0.05, long_chunks=20, short_chunks=3, verbose=False):
+    def __init__(self, chunk_interval=0.05, long_chunks=20, short_chunks=3, honour_halt=True, verbose=False):
         self.chunk_interval = chunk_interval
+        self.honour_halt = honour_halt  # False: an app that cannot stop a reply (halts are only recorded)
         self.long_chunks = long_chunks
         self.short_chunks = short_chunks
         self.verbose = verbose
@@ -282,6 +283,8 @@ class ChatApp:
                 elif kind == "halt":
                     mid = frame.get("msg_id")
                     sess.halts.append((mid, time.monotonic()))
+                    if not self.honour_halt:
+                        continue
                     task = sess.tasks.pop(mid, None)
                     if task is not None and not task.done():
                         task.cancel()

@@ -79,8 +79,10 @@ def config(app_url, cancel_frame=True, **dropin_extra):
             "rate_limit": {"messages_per_second": 1000, "burst": 1000}, "dropin": dropin}
 
 
-def gateway(app, name, cancel_frame=True, app_url=None):
-    return Gateway(config=config(app_url or app.url, cancel_frame), env=ENV, name=name)
+def gateway(app, name, cancel_frame=True, app_url=None, **top):
+    cfg = config(app_url or app.url, cancel_frame)
+    cfg.update(top)
+    return Gateway(config=cfg, env=ENV, name=name)
 
 
 def short(obj, limit=300):
@@ -257,7 +259,7 @@ async def part_cookie():
 
 async def part_passthrough():
     async with ChatApp() as app:
-        gw = gateway(app, "gateway:passthrough")
+        gw = gateway(app, "gateway:passthrough", max_frame=1 << 20)
         async with gw:
             sid = await login(app)
             client = await connect(gw.ws_url("/socket"), sid)
@@ -266,7 +268,7 @@ async def part_passthrough():
             blob2 = b"\x89PNG\r\n\x1a\n" + bytes(200_000)
             typing_raw = '{ "kind" : "typing",   "conversation":"trip" ,"x":[1,2 ,3]}'
             presence_raw = '{"status":"online","kind":"presence","since":1.50}'
-            with step("client -> app: typing, binary, say, presence, binary, in order and untouched"):
+            with step("client -> app: typing, binary, say, presence, binary (200 kB), in order and untouched"):
                 await client.send(typing_raw)
                 await client.send_binary(blob1)
                 say = await client.say("Hi, just checking in", "c1", "trip")
@@ -304,6 +306,78 @@ async def part_passthrough():
                 await client.say("still there?", "c2", "trip")
                 r = await reply(client, "c2")
                 check(r.kind == "end" and r.text == "you said: still there? w2", f"reply {shorts(r.frames)}")
+            await client.close()
+
+
+async def part_two_clients():
+    async with ChatApp() as app:
+        gw = gateway(app, "gateway:two-clients")
+        async with gw:
+            with step("two clients at once, long replies in the same conversation id: each has its own "
+                      "app connection and gets exactly what its connection was sent"):
+                sid1, sid2 = await login(app), await login(app)
+                c1 = await connect(gw.ws_url("/socket?who=one"), sid1)
+                c2 = await connect(gw.ws_url("/socket?who=two"), sid2)
+                await asyncio.gather(c1.say("a long one for one", "m1", "trip"), c2.say("a long one for two", "m1", "trip"))
+                await asyncio.gather(c1.typing("trip"), c2.send_binary(b"two's picture"))
+                r1, r2 = await asyncio.gather(reply(c1, "m1"), reply(c2, "m1"))
+                check(len(app.sessions) == 2, f"the app should have 2 connections, has {len(app.sessions)}")
+                by_path = {sess.path: sess for sess in app.sessions}
+                s1, s2 = by_path.get("/socket?who=one"), by_path.get("/socket?who=two")
+                check(s1 and s2, f"the app's connections: {list(by_path)}")
+                await asyncio.gather(c1.read_for(0.2), c2.read_for(0.2))
+                check(c1.received == s1.sent, f"client one got {shorts(c1.received[:5])}..., its app connection "
+                                              f"sent {shorts(s1.sent[:5])}...")
+                check(c2.received == s2.sent, f"client two got {shorts(c2.received[:5])}..., its app connection "
+                                              f"sent {shorts(s2.sent[:5])}...")
+                check(r1.chunks[1] == "a long one for one" and r2.chunks[1] == "a long one for two",
+                      f"replies crossed: {r1.chunks[:2]} / {r2.chunks[:2]}")
+                await c1.close()
+                await c2.close()
+
+
+async def part_shutdown():
+    async with ChatApp() as app:
+        gw = gateway(app, "gateway:shutdown")
+        await gw.astart()
+        with step("SIGTERM while a drop-in reply streams: the client gets a close frame (not a dropped "
+                  "TCP connection), the app's connection closes, exit 0"):
+            sid = await login(app)
+            client = await connect(gw.ws_url("/socket"), sid)
+            await client.say("Tell me a long story", "L1")
+            await wait_chunks(client, "L1", 2)
+            sess = app.sessions[-1]
+            stopping = asyncio.create_task(gw.astop(timeout=15))
+            code, reason, frames = await client.wait_closed(13)
+            status = await stopping
+            n = len(chunks_of(client.frames, "L1"))
+            check(code is not None, "the client's connection was still open 13 s after SIGTERM")
+            check(code != 1006, f"the client's connection was dropped without a close frame (1006) after {n} of 20 "
+                                f"chunks; a graceful shutdown closes it (1001 going away, after the reply or not)")
+            check(await sess.wait_closed(1), "the app's connection stayed open after the gateway exited")
+            check(status == 0, f"exit status {status} after SIGTERM")
+
+
+async def part_over_max_frame():
+    async with ChatApp() as app:
+        gw = gateway(app, "gateway:max-frame", max_frame=65536)
+        async with gw:
+            sid = await login(app)
+            client = await connect(gw.ws_url("/socket"), sid)
+            sess = await app.next_session(0)
+            with step("a binary frame over max_frame (100 kB > 64 KiB): delivered, or the client closed "
+                      "with 1009; never dropped silently"):
+                await client.typing("trip")
+                await client.send_binary(bytes(100_000))
+                await client.presence("away")
+                code, reason, frames = await client.wait_closed(1.5)
+                kinds = [short(f, 60) for f in sess.raw]
+                if code is None:
+                    check(len(sess.raw) == 3 and sess.raw[1] == bytes(100_000),
+                          f"the client's connection stayed open, yet the app got only {kinds} (the 100 kB binary "
+                          f"frame was dropped without telling anyone: no close 1009, nothing to the app)")
+                else:
+                    check(code == 1009, f"the client was closed with {code} {reason!r}; a frame too big is 1009")
             await client.close()
 
 
@@ -395,59 +469,90 @@ async def part_cancel():
                 late = chunks_of(frames, "L2")
                 check(not late, f"{len(late)} chunks of L2 came after halted: {shorts(late)}")
                 got = [m for m, _ in sess.halts[n_halts:]]
-                check(got == ["L2"], f"the app should have got one halt for L2, got halts for {got}")
             with step("the session goes on: the next say gets its whole reply"):
                 await client.say("are you there?", "c3", "trip")
                 r = await reply(client, "c3")
                 check(r.kind == "end" and r.text == "you said: are you there? w2", f"reply {shorts(r.frames)}")
+            with step("the app got the client's halt once (not also a copy from the gateway)"):
+                check(got == ["L2"], f"the app should have got one halt for L2, got halts for {got}: "
+                                     f"{shorts([f for f in sess.frames if isinstance(f, dict) and f.get('kind') == 'halt'])}")
             await client.close()
 
-    async with ChatApp() as app:
-        gw = gateway(app, "gateway:cancel-noframe", cancel_frame=False)
+
+def check_relay_stopped(client, sess, mid, trigger):
+    """No chunk of `mid` the app sent after it had received the frame `trigger` (a say's
+    msg_id or "halt") reached the client: those were sent after the gateway had the cancel."""
+    def is_trigger(f):
+        return isinstance(f, dict) and (f.get("kind") == "halt" if trigger == "halt" else f.get("msg_id") == trigger)
+    at = next((t for f, t in zip(sess.frames, sess.received_at) if is_trigger(f)), None)
+    check(at is not None, f"the app never got the {trigger!r} frame: {sess.describe()}")
+    sent_before = sum(1 for raw, t in zip(sess.sent, sess.sent_at)
+                      if t < at and isinstance(raw, str) and f'"reply_to": "{mid}"' in raw and '"chunk"' in raw)
+    got = chunks_of(client.frames, mid)
+    check(len(got) <= sent_before,
+          f"the client got {len(got)} chunks of {mid}; the app had sent {sent_before} of "
+          f"{len(sess.sent_about(mid, 'chunk'))} when the {trigger!r} frame reached it: the rest of the cancelled "
+          f"reply was relayed")
+    ends = [f for f in client.frames if isinstance(f, dict) and f.get("reply_to") == mid and f.get("kind") != "chunk"]
+    print(f"   note: the client got {len(got)} of 20 chunks of {mid}, and of its end frame: {shorts(ends)}", flush=True)
+
+
+async def part_cancel_relay(scenario):
+    """A mapping without cancel_frame, and an app that cannot stop a reply (it records halts
+    and goes on): the gateway stops relaying the rest of the cancelled reply."""
+    async with ChatApp(honour_halt=False) as app:
+        gw = gateway(app, f"gateway:cancel-noframe-{scenario}", cancel_frame=False)
         async with gw:
             sid = await login(app)
             client = await connect(gw.ws_url("/socket"), sid)
             sess = await app.next_session(0)
-            with step("no cancel_frame: 'stop' stops the relaying of the long reply, the app streams on"):
-                await client.say("Tell me a long story", "L1", "trip")
-                await wait_chunks(client, "L1", 3)
-                stop_sent = time.monotonic()
-                await client.say("stop", "s1", "trip")
-                ok = await harness.wait_until(lambda: sess.sent_about("L1", "end"), 5)
-                check(ok, f"the app should stream L1 to its end (nobody halted it): {sess.describe()}")
-                await client.read_for(0.5)
-                check(not sess.halts, f"the app got a halt though the mapping has no cancel_frame: {sess.halts}")
-                # The chunks the app sent before it saw "stop" may have been on their way; none
-                # sent after the gateway had the "stop" may reach the client.
-                stop_at_app = next((t for f, t in zip(sess.frames, sess.received_at)
-                                    if isinstance(f, dict) and f.get("msg_id") == "s1"), stop_sent + 0.25)
-                sent_before = sum(1 for raw, t in zip(sess.sent, sess.sent_at)
-                                  if t < stop_at_app and '"reply_to": "L1"' in raw and '"chunk"' in raw)
-                got = chunks_of(client.frames, "L1")
-                check(len(got) <= sent_before,
-                      f"the client got {len(got)} chunks of L1, the app had sent {sent_before} when it got 'stop' "
-                      f"(of {len(sess.sent_about('L1', 'chunk'))})")
-                ends = [f for f in client.frames if isinstance(f, dict) and f.get("reply_to") == "L1"
-                        and f.get("kind") != "chunk"]
-                print(f"   note: the client got {len(got)} of 20 chunks of L1, and of its end frame: {shorts(ends)}",
-                      flush=True)
+            if scenario == "phrase":
+                with step("no cancel_frame: 'stop' while a long reply streams stops relaying it; no halt sent"):
+                    await client.say("Tell me a long story", "L1", "trip")
+                    await wait_chunks(client, "L1", 3)
+                    await client.say("stop", "s1", "trip")
+                    ok = await harness.wait_until(lambda: sess.sent_about("L1", "end"), 5)
+                    check(ok, f"the app should stream L1 to its end (nobody halts it): {sess.describe()}")
+                    await client.read_for(0.4)
+                    check(not sess.halts, f"the app got a halt though the mapping has no cancel_frame: {sess.halts}")
+                    check_relay_stopped(client, sess, "L1", "s1")
+            elif scenario == "halt":
+                with step("no cancel_frame: the client's own halt frame goes to the app as it is and stops "
+                          "the relaying; non-chat frames (a binary echo) still pass meanwhile"):
+                    await client.say("Tell me a long story", "L1", "trip")
+                    await wait_chunks(client, "L1", 3)
+                    await client.halt("L1")
+                    await asyncio.sleep(0.15)
+                    blob = b"\x00image-bytes\xff" * 10
+                    await client.send_binary(blob)
+                    ok = await harness.wait_until(lambda: sess.sent_about("L1", "end"), 5)
+                    check(ok, f"the app should stream L1 to its end (it ignores halts): {sess.describe()}")
+                    await client.read_for(0.4)
+                    halts = [f for f in sess.frames if isinstance(f, dict) and f.get("kind") == "halt"]
+                    check(halts == [{"kind": "halt", "msg_id": "L1"}],
+                          f"the app should have got the client's halt frame once: {shorts(halts)}")
+                    check(blob in sess.raw, "the app never got the binary frame")
+                    check(blob in client.received,
+                          f"the app's binary echo, sent while the cancelled reply's tail was held back, never "
+                          f"reached the client (non-chat frames must pass); the client got {shorts(client.frames[-6:])}")
+                    check_relay_stopped(client, sess, "L1", "halt")
+            elif scenario == "say_after":
+                with step("no cancel_frame: 'nevermind' then at once another say, while the stopped reply "
+                          "still streams at the app: that say is answered, the stopped reply stays stopped"):
+                    await client.say("One more long story", "L2", "trip")
+                    await wait_chunks(client, "L2", 2)
+                    await client.say("nevermind", "s2", "trip")
+                    await client.say("hello again", "c4", "trip")
+                    r = await reply(client, "c4")
+                    check(r.kind == "end" and r.text == "you said: hello again w2", f"reply {shorts(r.frames)}")
+                    ok = await harness.wait_until(lambda: sess.sent_about("L2", "end"), 5)
+                    check(ok, "the app should stream L2 to its end")
+                    await client.read_for(0.3)
+                    check_relay_stopped(client, sess, "L2", "s2")
             with step("the session goes on: the next say gets its whole reply"):
                 await client.say("are you there?", "c3", "trip")
                 r = await reply(client, "c3")
                 check(r.kind == "end" and r.text == "you said: are you there? w2", f"reply {shorts(r.frames)}")
-            with step("a say right after 'stop', while the stopped reply still streams at the app"):
-                n = len(client.frames)
-                await client.say("One more long story", "L2", "trip")
-                await wait_chunks(client, "L2", 2)
-                await client.say("nevermind", "s2", "trip")
-                await client.say("hello again", "c4", "trip")
-                r = await reply(client, "c4")
-                check(r.kind == "end" and r.text == "you said: hello again w2", f"reply {shorts(r.frames)}")
-                ok = await harness.wait_until(lambda: sess.sent_about("L2", "end"), 5)
-                check(ok, "the app should stream L2 to its end")
-                await client.read_for(0.3)
-                got = chunks_of(client.frames[n:], "L2")
-                check(len(got) < 10, f"the client got {len(got)} of 20 chunks of L2 (cancelled after 2)")
             await client.close()
 
 
@@ -532,6 +637,9 @@ async def part_failure():
                 sess = app.sessions[-1]
                 await client.close()
                 check(await sess.wait_closed(1.0), "the app's connection was still open 1 s after the client closed")
+                check(sess.close_code not in (None, 1005, 1006),
+                      f"the gateway should close the app's connection with a close frame (1000/1001), the app saw "
+                      f"{sess.close_code} {sess.close_reason!r}")
             with step("the client closes mid-reply: the app's connection closes within 1 s"):
                 client = await connect(url, sid)
                 await client.say("Tell me a long story", "L3")
@@ -571,11 +679,16 @@ async def main(args):
     await independent(part_unchanged_client())
     await independent(part_cookie())
     await independent(part_passthrough())
+    await independent(part_two_clients())
+    await independent(part_over_max_frame())
     await independent(part_flights())
     await independent(part_cancel())
+    for scenario in ("phrase", "halt", "say_after"):
+        await independent(part_cancel_relay(scenario))
     await independent(part_state())
     await independent(part_failure())
     await independent(part_config())
+    await independent(part_shutdown())
 
 
 if __name__ == "__main__":
