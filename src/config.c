@@ -424,7 +424,68 @@ static int load_services(cg_config *cfg, const char *file, json_t *val, char *er
     return 0;
 }
 
+/*
+ * jansson keeps no positions for values, so "file: a.b.c: message" is turned into
+ * "file:line:col: a.b.c: message" by finding "a", then "b" after it, then "c" after that,
+ * in the file's text: the place the user has to look. Left as it is when not found.
+ */
+static void add_position(const char *file, char *err, size_t errlen)
+{
+    size_t flen = strlen(file);
+    if (strncmp(err, file, flen) != 0 || strncmp(err + flen, ": ", 2) != 0)
+        return;
+    const char *path = err + flen + 2;
+    const char *path_end = strstr(path, ": ");
+    FILE *f = fopen(file, "r");
+    if (!path_end || !f) {
+        if (f)
+            fclose(f);
+        return;
+    }
+    char text[65536];
+    size_t n = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    text[n] = 0;
+    const char *at = text, *found = NULL;
+    for (const char *key = path; key < path_end;) {
+        size_t klen = strcspn(key, ".:");
+        char quoted[160];
+        snprintf(quoted, sizeof(quoted), "\"%.*s\"", (int)(klen < 150 ? klen : 150), key);
+        found = strstr(at, quoted);
+        if (!found)
+            return;
+        at = found + strlen(quoted);
+        key += klen;
+        if (*key == '.')
+            key++;
+        else
+            break;
+    }
+    int line = 1, col = 1;
+    for (const char *p = text; p < found; p++) {
+        if (*p == '\n') {
+            line++;
+            col = 1;
+        } else {
+            col++;
+        }
+    }
+    char rest[1024];
+    snprintf(rest, sizeof(rest), "%s", path);
+    snprintf(err, errlen, "%s:%d:%d: %s", file, line, col, rest);
+}
+
+static int load_file_values(cg_config *cfg, const char *file, char *err, size_t errlen);
+
 static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
+{
+    int rc = load_file_values(cfg, file, err, errlen);
+    if (rc < 0)
+        add_position(file, err, errlen);
+    return rc;
+}
+
+static int load_file_values(cg_config *cfg, const char *file, char *err, size_t errlen)
 {
     json_error_t jerr;
     json_t *root = json_load_file(file, JSON_REJECT_DUPLICATES, &jerr);

@@ -145,15 +145,15 @@ static void test_file_mistakes(void)
     CHECK_FAILS(want, "--config", path);
 
     path = write_file("{\"max_frame\": \"big\"}");
-    snprintf(want, sizeof(want), "%s: max_frame: must be a whole number", path);
+    snprintf(want, sizeof(want), "%s:1:2: max_frame: must be a whole number", path);
     CHECK_FAILS(want, "--config", path);
 
     path = write_file("{\"max_frames\": 5}");
-    snprintf(want, sizeof(want), "%s: max_frames: unknown key", path);
+    snprintf(want, sizeof(want), "%s:1:2: max_frames: unknown key", path);
     CHECK_FAILS(want, "--config", path);
 
     path = write_file("{\"upstreams\": {\"llm\": {\"url\": \"http://h/v1\", \"idle_timeout_ms\": -1}}}");
-    snprintf(want, sizeof(want), "%s: upstreams.llm.idle_timeout_ms: must be a whole number", path);
+    snprintf(want, sizeof(want), "%s:1:46: upstreams.llm.idle_timeout_ms: must be a whole number", path);
     CHECK_FAILS(want, "--config", path);
 
     path = write_file("{\"upstreams\": {\"llm\": {\"model\": \"m\"}}}");
@@ -161,7 +161,7 @@ static void test_file_mistakes(void)
     CHECK_FAILS(want, "--config", path);
 
     path = write_file("{\"rate_limit\": {\"burst\": 0}}");
-    snprintf(want, sizeof(want), "%s: rate_limit.burst: '0' is not a whole number from 1", path);
+    snprintf(want, sizeof(want), "%s:1:17: rate_limit.burst: '0' is not a whole number from 1", path);
     CHECK_FAILS(want, "--config", path);
 
     path = write_file("{\"listen\": \"x\"}");
@@ -212,10 +212,10 @@ static void test_state_settings(void)
 
     char want[256];
     path = write_file("{\"services\": {\"travel\": {\"defaults\": 3}}}");
-    snprintf(want, sizeof(want), "%s: services.travel.defaults: must be an object", path);
+    snprintf(want, sizeof(want), "%s:1:26: services.travel.defaults: must be an object", path);
     CHECK_FAILS(want, "--config", path);
     path = write_file("{\"lifetimes\": {\"awaiting\": 3}}");
-    snprintf(want, sizeof(want), "%s: lifetimes.awaiting: unknown key", path);
+    snprintf(want, sizeof(want), "%s:1:16: lifetimes.awaiting: unknown key", path);
     CHECK_FAILS(want, "--config", path);
     unlink(path);
 }
