@@ -96,6 +96,7 @@ struct cg_dropin {
     int close_code;
     int app_failed; /* CLIENT_CONNECTION_ERROR came */
     int app_close_sent;
+    char origin[256]; /* the client's Origin header, passed on */
     char suppress_id[CG_MAX_ID + 1]; /* a cancelled reply not relayed (no cancel frame) */
     int suppressing;
     char *app_rx;   /* the app frame being reassembled */
@@ -360,8 +361,7 @@ void cg_dropin_close(cg_dropin *d)
     }
     if (d->app && d->app_open) /* a close frame (1001, going away), then the connection */
         lws_callback_on_writable(d->app);
-    else if (d->app)
-        lws_set_timeout(d->app, PENDING_TIMEOUT_KILLED_BY_PARENT, LWS_TO_KILL_ASYNC);
+    /* still connecting: the close frame goes once the handshake is done (ESTABLISHED) */
     dropin_unref(d); /* the client's reference */
 }
 
@@ -712,9 +712,11 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         return 0;
     }
     case LWS_CALLBACK_CLIENT_ESTABLISHED:
-        if (d->client_gone)
-            return -1;
         d->app_open = 1;
+        if (d->client_gone) { /* the client left during the handshake: a close frame (1001) */
+            lws_callback_on_writable(wsi);
+            return 0;
+        }
         flush_to_app(d);
         return 0;
     case LWS_CALLBACK_CLIENT_WRITEABLE: {
@@ -754,9 +756,10 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
             d->app_rx_too_large = 1;
         if (!lws_is_final_fragment(wsi))
             return 0;
-        if (d->app_rx_too_large)
-            cg_warn("dropin: a frame from the app over %ld bytes was dropped", d->gw->cfg->max_frame * 16);
-        else
+        if (d->app_rx_too_large) { /* never dropped silently: the client is told, with 1009 */
+            cg_warn("dropin: the app sent a frame over the limit (16 x max_frame): closing the client with 1009");
+            close_client(d, 1009, "the app sent a frame over the gateway's limit");
+        } else
             on_app_frame(d, d->app_rx ? d->app_rx : "", d->app_rx_len, lws_frame_is_binary(wsi));
         d->app_rx_len = 0;
         return 0;
@@ -768,14 +771,19 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
                      (const char *)in + 2);
         }
         return 0;
-    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR:
-        cg_warn("dropin: the app could not be reached: %s", in ? (const char *)in : "connection failed");
-        close_client(d, 1014, "the app could not be reached");
+    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {
+        /* refused at the TCP level, or the app answered the handshake with an HTTP error */
+        char reason[124];
+        snprintf(reason, sizeof(reason), "the app refused or could not be reached: %s",
+                 in ? (const char *)in : "connection failed");
+        cg_warn("dropin: %s", reason);
+        close_client(d, 1014, reason);
         lws_set_opaque_user_data(wsi, NULL);
         d->app = NULL;
         d->app_failed = 1;
         dropin_unref(d);
         return 0;
+    }
     case LWS_CALLBACK_CLIENT_CLOSED:
         cg_info("dropin: the app closed the connection (%d)", d->close_code);
         close_client(d, d->close_code ? d->close_code : 1011, d->close_code ? d->close_reason : "the app went away");
@@ -810,7 +818,7 @@ static void on_app_resolved(void *data, const char *address, const char *err)
     i.port = u->port;
     i.path = d->path;
     i.host = u->host;
-    i.origin = u->host;
+    i.origin = d->origin[0] ? d->origin : u->host; /* the browser's, so the app's own check still works */
     i.ssl_connection = u->tls ? LCCSCF_USE_SSL : 0;
     i.protocol = d->subprotocol;
     i.local_protocol_name = CG_LWS_PROTOCOL_DROPIN_APP;
@@ -920,6 +928,8 @@ cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)
     if (proto && strcmp(proto->name, CG_PROTOCOL_NAME) != 0)
         d->subprotocol = strdup(proto->name);
     copy_headers(d, client);
+    if (lws_hdr_copy(client, d->origin, sizeof(d->origin), WSI_TOKEN_ORIGIN) <= 0)
+        d->origin[0] = 0;
     d->resolve = cg_resolve_start(gw->loop, gw->dropin_app.host, on_app_resolved, d);
     if (!d->resolve) {
         free(d->path);

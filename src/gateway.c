@@ -336,6 +336,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
             cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
     cg_info("rules: %zu from %s", cg_ruleset_count(gw->rules), cfg->rules_dir);
+    if (cfg->dropin)
+        cg_info("drop-in: WebSocket %s... goes to the app at %s", json_string_value(json_object_get(cfg->dropin, "path")),
+                json_string_value(json_object_get(cfg->dropin, "app")));
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
                 gw->upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");

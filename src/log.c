@@ -36,7 +36,10 @@ static const struct { const char *pattern; const char *replacement; } masks[] = 
      "|(?<=[?&])(?:access_token|resume|token|api_key)=[^&\\s\"]+|\\bu_[0-9a-f]{16}\\.[\\w-]{20,}",
      "[token]"},
     {"[\\w.+-]+@[\\w-]+(?:\\.[\\w-]+)+", "[email]"},
-    {"(?<![\\w.:/-])\\+?\\d(?:[ ()-]{0,2}\\d){6,14}(?![\\w:/]|\\.\\d)", "[phone]"},
+    /* international (+...), national (0...) or (555) 123-4567; a bare count like 1048576 stays */
+    {"(?<![\\w.:/-])(?:\\+\\d(?:[ ()-]{0,2}\\d){6,14}|0\\d(?:[ ()-]{0,2}\\d){7,12}"
+     "|\\(\\d{3}\\)\\s?\\d{3}[ -]?\\d{4})(?![\\w:/]|\\.\\d)",
+     "[phone]"},
 };
 #define N_MASKS (sizeof(masks) / sizeof(masks[0]))
 

@@ -997,11 +997,17 @@ static void session_close(cg_session *s)
     cg_info("session %s: closed (%ld connected)", s->session_id, gw->n_sessions);
 }
 
+/* The drop-in path and what lies under it (/socket, /socket/websocket, /socket/room/1). */
 static int is_dropin_path(cg_gateway *gw, struct lws *wsi)
 {
     const char *path = json_string_value(json_object_get(gw->cfg->dropin, "path"));
-    char uri[256];
-    return path && lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) > 0 && strcmp(uri, path) == 0;
+    char uri[1024];
+    if (!path || lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) <= 0)
+        return 0;
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/')
+        n--;
+    return strncmp(uri, path, n) == 0 && (uri[n] == 0 || uri[n] == '/');
 }
 
 /*

@@ -314,6 +314,25 @@ class Gateway:
                 await self.astop()
         return False
 
+    # -- signals sent by the test itself (graceful shutdown tests)
+    def send_signal(self, signum=signal.SIGTERM):
+        """Send `signum` to the running gateway (the test then waits with await_exit)."""
+        check(self.alive(), f"{self.name} is not running (status {self.proc.poll()})")
+        self.proc.send_signal(signum)
+
+    async def await_exit(self, timeout):
+        """Wait up to `timeout` s for the process to exit after a signal the test sent; its
+        exit status, or None if it is still running (then `run` kills it at the end)."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        code = self.proc.poll()
+        if code is None:
+            return None
+        if not self.stopped:
+            self._finish(code, True)
+        return code
+
     # -- inspection
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
@@ -385,6 +404,109 @@ def http_get(url, timeout=DEFAULT_TIMEOUT):
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as err:
         return err.code, dict(err.headers), err.read()
+
+
+def http_request(url, method="GET", headers=None, body=None, timeout=DEFAULT_TIMEOUT):
+    """A blocking request with any method: (status, headers, body). Run it with
+    asyncio.to_thread. `body` is bytes, a str or a JSON-able object (sent as JSON)."""
+    if body is not None and not isinstance(body, (bytes, str)):
+        body = json.dumps(body)
+    if isinstance(body, str):
+        body = body.encode()
+    req = urllib.request.Request(url, data=body, method=method, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+class Metrics:
+    """A parsed Prometheus text exposition (version 0.0.4): `samples` maps (name, labels as a
+    sorted tuple of pairs) to a float, `types` a family name to its TYPE. `value(name,
+    **labels)` is one sample (fails when absent); `series(name)` every sample of a name."""
+
+    def __init__(self, text):
+        self.text = text
+        self.samples = {}
+        self.types = {}
+        self.helps = {}
+        self.order = []
+        label_re = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|$)')
+        sample_re = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+(-?\d+))?$')
+        for n, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] == "TYPE":
+                    check(len(parts) == 4 and parts[3] in ("counter", "gauge", "histogram", "summary", "untyped"),
+                          f"metrics line {n}: bad TYPE line {line!r}")
+                    check(parts[2] not in self.types, f"metrics line {n}: second TYPE for {parts[2]}")
+                    self.types[parts[2]] = parts[3]
+                elif len(parts) >= 3 and parts[1] == "HELP":
+                    self.helps[parts[2]] = parts[3] if len(parts) > 3 else ""
+                continue
+            m = sample_re.match(line)
+            check(m, f"metrics line {n} is not a sample: {line!r}")
+            name, raw_labels, raw_value = m.group(1), m.group(2), m.group(3)
+            labels = []
+            if raw_labels:
+                pos = 0
+                while pos < len(raw_labels):
+                    lm = label_re.match(raw_labels, pos)
+                    check(lm, f"metrics line {n}: bad labels {raw_labels!r}")
+                    value = re.sub(r"\\(.)", lambda e: "\n" if e.group(1) == "n" else e.group(1), lm.group(2))
+                    labels.append((lm.group(1), value))
+                    pos = lm.end()
+            names = [k for k, _ in labels]
+            check(len(set(names)) == len(names), f"metrics line {n}: a label twice: {line!r}")
+            try:
+                value = float(raw_value)  # also +Inf, -Inf, NaN
+            except ValueError:
+                fail(f"metrics line {n}: the value is not a number: {line!r}")
+            key = (name, tuple(sorted(labels)))
+            check(key not in self.samples, f"metrics line {n}: the same series twice: {line!r}")
+            self.samples[key] = value
+            self.order.append(key)
+
+    def family(self, name):
+        """The TYPE'd family a sample name belongs to (histogram _bucket/_sum/_count)."""
+        if name in self.types:
+            return name
+        for suffix in ("_bucket", "_sum", "_count"):
+            if name.endswith(suffix) and self.types.get(name[:-len(suffix)]) in ("histogram", "summary"):
+                return name[:-len(suffix)]
+        return None
+
+    def has(self, name, **labels):
+        return (name, tuple(sorted(labels.items()))) in self.samples
+
+    def value(self, name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        if key not in self.samples:
+            shown = [f"{n}{dict(l)}" for n, l in self.samples if n == name]
+            fail(f"/metrics has no sample {name}{labels or ''}; samples of that name: {shown}")
+        return self.samples[key]
+
+    def series(self, name):
+        """{labels dict as a sorted tuple: value} of every sample named `name`."""
+        return {labels: v for (n, labels), v in self.samples.items() if n == name}
+
+    def histogram(self, name, **labels):
+        """(buckets [(le, cumulative count)] in le order, sum, count) of one histogram."""
+        buckets = []
+        for (n, lbls), v in self.samples.items():
+            d = dict(lbls)
+            if n == name + "_bucket" and all(d.get(k) == str(val) for k, val in labels.items()) \
+                    and set(d) == set(labels) | {"le"}:
+                buckets.append((float(d["le"]), v))
+        buckets.sort()
+        return buckets, self.value(name + "_sum", **labels), self.value(name + "_count", **labels)
+
+
+def parse_metrics(text):
+    return Metrics(text)
 
 
 # --------------------------------------------------------------------------------------
@@ -628,6 +750,8 @@ class FakeOpenAI:
                the socket takes them (each write drained; a small SO_SNDBUF so the fake's own
                kernel buffer hides little); `progress` records the bytes written over time.
       err500   500 with {"error":{"message":"model overloaded"}}.
+      err500echo  500 whose message quotes the last user message ("model overloaded by: TEXT"),
+               as some servers do (the log masking tests).
       err401   401 with {"error":{"message":"invalid api key"}}.
       err500utf8  500 whose message is "model overloaded " and 400 "é" (UTF-8, not
                escaped), shifted by one byte on every other request (long_non_ascii).
@@ -859,6 +983,10 @@ class FakeOpenAI:
         req.finished_at = time.monotonic()
         return False
 
+    async def _do_err500echo(self, conn, req):
+        return await self._json_response(conn, req, 500, "Internal Server Error",
+                                         {"error": {"message": f"model overloaded by: {req.last_user_text}"}})
+
     async def _do_err500(self, conn, req):
         return await self._json_response(conn, req, 500, "Internal Server Error",
                                          {"error": {"message": "model overloaded"}})
@@ -928,6 +1056,7 @@ class FakeApp:
       /app      replies "app got: <text>" word by word (delta frames, then done).
       /slow     100 deltas 100 ms apart, then done; records cancel frames and stops that reply.
       /error    answers {"type":"error","id":ID,"message":"backend exploded"}.
+      /error_echo  an error whose message quotes the user's text ("backend exploded on: TEXT").
       /garbage  answers a text frame that is not JSON, then nothing.
       /error_utf8, /garbage_utf8  the same with long non-ASCII text (long_non_ascii),
                 shifted by one byte on every other reply.
@@ -1055,6 +1184,9 @@ class FakeApp:
                 await self._reply_state(ws, frame)
             elif ws.path == "/error":
                 await ws.send(json.dumps({"type": "error", "id": mid, "message": "backend exploded"}))
+            elif ws.path == "/error_echo":
+                await ws.send(json.dumps({"type": "error", "id": mid,
+                                          "message": f"backend exploded on: {frame.get('text')}"}))
             elif ws.path == "/error_utf8":
                 self.variant += 1
                 await ws.send(json.dumps({"type": "error", "id": mid,

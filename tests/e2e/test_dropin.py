@@ -18,25 +18,34 @@ that maps that protocol.
 - the cookie-checked session works; no cookie or an unknown one: the client is closed with
   the app's 4001 "no session"; the same cookie is the same user (dialogs kept across
   connections; chatgate.user is not the cookie), another cookie another user;
-- non-chat frames (typing, presence, binary, a text frame that is not JSON) pass untouched and
-  in order both ways, interleaved with a chat frame;
+- non-chat frames (typing, presence, binary up to 200 kB with max_frame 1 MiB, a text frame
+  that is not JSON, a JSON array) pass untouched and in order both ways, interleaved with a
+  chat frame; two clients at once each get their own app connection and only its frames; a
+  client frame over max_frame, or an app frame over the gateway's limit, is not dropped
+  silently (delivered, or close 1009);
 - reference 000's flight scenario: the second say carries chatgate.service travel and params
   {from Nairobi, to London, departure_date 2026-02-10, return_date 2026-02-20};
 - cancel: "stop" while a long reply streams sends the app {"kind":"halt","msg_id":<id>}, the
   client sees halted and no more chunks of it; the client's own halt frame reaches the app
-  once and works; without a cancel_frame in the mapping the gateway stops relaying that reply
-  (its later chunks never reach the client) and the session goes on;
+  once (no second copy from the gateway) and works; without a cancel_frame in the mapping (and
+  an app that cannot stop a reply) "stop", the client's own halt, or "nevermind" followed at
+  once by another say: no chunk of that reply the app sent after it got the cancelling frame
+  reaches the client, non-chat frames still pass meanwhile, and the session goes on;
 - a state directive (chatgate_state in the app's end frame) is removed from what the client
   sees and applied: the next say carries its params;
 - failure: app unreachable -> client closed 1014; the app closes with 4002 "bye" -> the
   client gets 4002 "bye"; the app drops the TCP connection -> 1011; the client goes away
-  (closing, or dropping TCP, mid-reply too) -> the app's connection closes within 1 s;
+  (closing, or dropping TCP, mid-reply too) -> the app's connection closes within 1 s, with a
+  close frame;
 - config mistakes: a mapping pointer that is not a JSON pointer, a non-ws app URL: exit 2 with
-  "FILE: dropin.KEY: ..." on stderr.
+  "FILE:LINE:COL: dropin.KEY: ..." on stderr, LINE that key's line;
+- SIGTERM while a drop-in reply streams: the client gets a close frame (not 1006), the app's
+  connection closes, exit 0.
 """
 
 import asyncio
 import json
+import re
 import time
 
 import websockets
@@ -379,6 +388,22 @@ async def part_over_max_frame():
                 else:
                     check(code == 1009, f"the client was closed with {code} {reason!r}; a frame too big is 1009")
             await client.close()
+            with step("an app frame over the gateway's limit for app frames (2 MiB): delivered, or the client "
+                      "closed with 1009; never dropped silently"):
+                client = await connect(gw.ws_url("/socket"), sid)
+                sess = await app.next_session(1)
+                await asyncio.sleep(0.1)
+                big = '{"kind":"big","body":"' + "x" * (2 << 20) + '"}'
+                await sess.send(big)
+                await sess.send('{"kind":"after"}')
+                code, reason, frames = await client.wait_closed(1.5)
+                if code is None:
+                    check(big in client.received,
+                          f"the client's connection stayed open, yet the app's 2 MiB frame never reached it (it got "
+                          f"{shorts(client.frames)}): dropped without telling anyone")
+                else:
+                    check(code == 1009, f"the client was closed with {code} {reason!r}; a frame too big is 1009")
+                await client.close()
 
 
 async def part_flights():
@@ -664,15 +689,23 @@ async def part_failure():
 
 
 async def part_config():
-    for where, mutate, needle in (
-            ("dropin.client.text", lambda d: d["client"].__setitem__("text", "body"), ": dropin.client.text: "),
-            ("dropin.app", lambda d: d.__setitem__("app", "http://127.0.0.1:9/"), ": dropin.app: ")):
-        with step(f"{where} wrong: exit 2 with 'FILE{needle}...'"):
+    """A wrong value in the mapping: exit 2, "FILE:LINE:COL: dropin.KEY: message" (issue 6 item 1),
+    LINE being the line of that key in the file."""
+    for where, mutate, key_text in (
+            ("dropin.client.text", lambda d: d["client"].__setitem__("text", "body"), '"text": "body"'),
+            ("dropin.app", lambda d: d.__setitem__("app", "http://127.0.0.1:9/"), '"app": "http://127.0.0.1:9/"')):
+        with step(f"{where} wrong: exit 2 with 'FILE:LINE:COL: {where}: ...' naming its line"):
             cfg = config("ws://127.0.0.1:9")
             mutate(cfg["dropin"])
             code, out, path = await harness.gateway_exit(cfg)
             check(code == 2, f"exit status {code}, expected 2:\n{out}")
-            check(f"{path}{needle}" in out, f"stderr should say '{path}{needle}...':\n{out}")
+            match = re.search(re.escape(str(path)) + r":(\d+):(\d+): " + re.escape(where) + r": \S", out)
+            check(match, f"stderr should say '{path}:LINE:COL: {where}: ...':\n{out}")
+            lines = path.read_text().splitlines()
+            line = int(match.group(1))
+            check(1 <= line <= len(lines) and key_text in lines[line - 1],
+                  f"line {line} of the config should be the one with {key_text}; it is "
+                  f"{lines[line - 1] if 1 <= line <= len(lines) else '(none)'!r}")
 
 
 async def main(args):

@@ -25,6 +25,8 @@ int main(void)
     check_mask("listening on 127.0.0.1:8080 at 2026-11-22T06:00:00Z", "listening on 127.0.0.1:8080 at 2026-11-22T06:00:00Z");
     check_mask("upstream 'llm' sent nothing within 60000 ms", "upstream 'llm' sent nothing within 60000 ms");
     check_mask("session s_12: open (1024 connected)", "session s_12: open (1024 connected)");
+    check_mask("a frame over 1048576 bytes", "a frame over 1048576 bytes");
+    check_mask("call (555) 123-4567", "call [phone]");
     check_mask("caf\xc3\xa9 +33 6 12 34 56 78", "caf\xc3\xa9 [phone]");
     return unit_done("test_log");
 }
