@@ -599,6 +599,11 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
     to_app(d, frame_new(buf, len, binary)); /* not a chat message: untouched */
 }
 
+int cg_dropin_client_idle(cg_dropin *d)
+{
+    return d->to_client.head == NULL;
+}
+
 int cg_dropin_client_writable(cg_dropin *d)
 {
     if (d->closing)
@@ -616,7 +621,7 @@ int cg_dropin_client_writable(cg_dropin *d)
         int n = lws_write(d->client, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
         d->gw->metrics.frames_out++;
         rc = n < (int)f->len ? -1 : 0;
-        if (d->to_client.head)
+        if (d->to_client.head || d->gw->closing_all)
             lws_callback_on_writable(d->client);
     }
     frame_free(f);

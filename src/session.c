@@ -237,7 +237,7 @@ static int session_write_close(cg_session *s, int code, const char *reason)
 static int session_write_one(cg_session *s)
 {
     cg_out *o = s->out_head;
-    if (s->gw->closing_all) /* shutdown: what is queued is dropped; a close frame, then the end */
+    if (s->gw->closing_all && !o) /* shutdown: what was queued is out; a close frame, then the end */
         return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
     if (!o && s->unauthorized) /* the error frame is out: now the close frame */
         return session_write_close(s, LWS_CLOSE_STATUS_POLICY_VIOLATION, "unauthorized");
@@ -263,7 +263,7 @@ static int session_write_one(cg_session *s)
     s->gw->metrics.frames_out++;
     if (n < (int)len)
         return -1;
-    if (s->out_head || s->unauthorized) /* the close goes in a writable of its own */
+    if (s->out_head || s->unauthorized || s->gw->closing_all) /* a close goes in a writable of its own */
         lws_callback_on_writable(s->wsi);
     session_flow(s);
     return 0;
@@ -1118,7 +1118,7 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
         session_on_receive(s, in, len);
         return 0;
     case LWS_CALLBACK_SERVER_WRITEABLE:
-        if (s->dropin && s->gw->closing_all)
+        if (s->dropin && s->gw->closing_all && cg_dropin_client_idle(s->dropin))
             return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
         return s->dropin ? cg_dropin_client_writable(s->dropin) : session_write_one(s);
     case LWS_CALLBACK_CLOSED:
