@@ -34,6 +34,7 @@ typedef struct admin_req {
     char *body; /* JSON, malloc'd, once answered */
     char user[CG_MAX_USER + 1];
     char room[CG_MAX_ROOM + 1];
+    int handled; /* routed already (a POST is routed once its body is in) */
 } admin_req;
 
 size_t cg_admin_session_size(void)
@@ -41,25 +42,27 @@ size_t cg_admin_session_size(void)
     return sizeof(admin_req);
 }
 
-/* Decodes %XX in a path segment into out; -1 when it is malformed or too long. */
-static int decode_segment(const char *s, size_t len, char *out, size_t outlen)
+/* Copies an id (lws has already percent-decoded the path) into out; -1 when empty or too long. */
+static int copy_id(const char *s, size_t len, char *out, size_t outlen)
 {
-    size_t n = 0;
-    for (size_t i = 0; i < len; i++) {
-        unsigned int byte;
-        if (n + 1 >= outlen)
-            return -1;
-        if (s[i] == '%') {
-            if (i + 2 >= len + 0 || sscanf(s + i + 1, "%2x", &byte) != 1)
-                return -1;
-            out[n++] = (char)byte;
-            i += 2;
-        } else {
-            out[n++] = s[i];
-        }
-    }
-    out[n] = 0;
-    return n > 0 && strlen(out) == n ? 0 : -1; /* no empty id, no NUL inside */
+    if (len == 0 || len >= outlen)
+        return -1;
+    memcpy(out, s, len);
+    out[len] = 0;
+    return 0;
+}
+
+/* ?user=...&room=... (each decoded by lws): the form for ids that hold a '/'. */
+static int ids_from_query(struct lws *wsi, admin_req *a, int want_room)
+{
+    char buf[CG_MAX_USER + 16];
+    const char *v = lws_get_urlarg_by_name(wsi, "user=", buf, sizeof(buf));
+    if (!v || copy_id(v, strlen(v), a->user, sizeof(a->user)) < 0)
+        return -1;
+    if (!want_room)
+        return 0;
+    v = lws_get_urlarg_by_name(wsi, "room=", buf, sizeof(buf));
+    return v ? copy_id(v, strlen(v), a->room, sizeof(a->room)) : -1;
 }
 
 static void answer(admin_req *a, int status, json_t *body)
@@ -106,6 +109,7 @@ static int authorized(struct lws *wsi, const char *token)
 /* Routes one request; answers now or once the store has. */
 static void admin_request(admin_req *a, struct lws *wsi)
 {
+    a->handled = 1;
     cg_gateway *gw = a->gw;
     cg_store *st = gw->store;
     char uri[2048];
@@ -135,22 +139,30 @@ static void admin_request(admin_req *a, struct lws *wsi)
             answer(a, 200, json_pack("{s:I}", "rules", (json_int_t)cg_ruleset_count(gw->rules)));
         return;
     }
+    /*
+     * lws has decoded the path already, so a '/' inside an id cannot be told from the one
+     * between user and room: the room is everything after the user's segment, and a user id
+     * with a '/' takes the query form (?user=...&room=...).
+     */
     const char *p;
-    if (strncmp(uri, "/admin/dialogs/", 15) == 0 && (is_get || is_delete)) {
-        p = uri + 15;
-        const char *slash = strchr(p, '/');
-        if (!slash || decode_segment(p, (size_t)(slash - p), a->user, sizeof(a->user)) < 0 ||
-            decode_segment(slash + 1, strlen(slash + 1), a->room, sizeof(a->room)) < 0) {
-            answer_error(a, 400, "the path must be /admin/dialogs/{user}/{room}, ids percent-encoded");
+    if ((strncmp(uri, "/admin/dialogs/", 15) == 0 || strcmp(uri, "/admin/dialogs") == 0) && (is_get || is_delete)) {
+        p = uri + 14;
+        const char *slash = *p ? strchr(p + 1, '/') : NULL;
+        int ok = *p ? slash && copy_id(p + 1, (size_t)(slash - p - 1), a->user, sizeof(a->user)) == 0 &&
+                          copy_id(slash + 1, strlen(slash + 1), a->room, sizeof(a->room)) == 0
+                    : ids_from_query(wsi, a, 1) == 0;
+        if (!ok) {
+            answer_error(a, 400, "use /admin/dialogs/{user}/{room} (percent-encoded) or /admin/dialogs?user=..&room=..");
             return;
         }
         cg_info("admin: %s dialog of one user", is_get ? "view" : "delete");
         a->pending = is_get ? st->ops->load(st, a->user, a->room, on_loaded, a)
                             : st->ops->remove(st, a->user, a->room, on_deleted, a);
-    } else if (strncmp(uri, "/admin/users/", 13) == 0 && is_delete) {
-        p = uri + 13;
-        if (decode_segment(p, strlen(p), a->user, sizeof(a->user)) < 0 || strchr(p, '/')) {
-            answer_error(a, 400, "the path must be /admin/users/{user}, the id percent-encoded");
+    } else if ((strncmp(uri, "/admin/users/", 13) == 0 || strcmp(uri, "/admin/users") == 0) && is_delete) {
+        p = uri + 12;
+        int ok = *p ? copy_id(p + 1, strlen(p + 1), a->user, sizeof(a->user)) == 0 : ids_from_query(wsi, a, 0) == 0;
+        if (!ok) {
+            answer_error(a, 400, "use /admin/users/{user} (percent-encoded) or /admin/users?user=..");
             return;
         }
         cg_info("admin: forget a user (every room)");
@@ -205,7 +217,8 @@ int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *u
     case LWS_CALLBACK_HTTP_BODY:
         return 0;
     case LWS_CALLBACK_HTTP_BODY_COMPLETION:
-        admin_request(a, wsi);
+        if (!a->handled) /* lws may also say so for an empty body it did not wait for */
+            admin_request(a, wsi);
         return 0;
     case LWS_CALLBACK_HTTP_WRITEABLE:
         return a && a->body ? write_answer(a, wsi) : 0;
