@@ -815,21 +815,14 @@ static void on_app_resolved(void *data, const char *address, const char *err)
         dropin_unref(d);
         return;
     }
-    struct lws_client_connect_info i;
-    memset(&i, 0, sizeof(i));
-    i.context = d->gw->lws;
-    i.vhost = d->gw->vhost;
-    i.address = address;
-    i.port = u->port;
-    i.path = d->path;
-    i.host = u->host;
-    i.origin = d->origin[0] ? d->origin : u->host; /* the browser's, so the app's own check still works */
-    i.ssl_connection = u->tls ? LCCSCF_USE_SSL : 0;
-    i.protocol = d->subprotocol;
-    i.local_protocol_name = CG_LWS_PROTOCOL_DROPIN_APP;
-    i.opaque_user_data = d;
-    i.pwsi = &d->app;
-    if (!lws_client_connect_via_info(&i) && !d->app_failed) { /* refused before any callback said so */
+    cg_connect_spec spec = {
+        .address = address,
+        .path = d->path,
+        .subprotocol = d->subprotocol,
+        .origin = d->origin[0] ? d->origin : NULL, /* the browser's, so the app's own check still works */
+        .local_protocol = CG_LWS_PROTOCOL_DROPIN_APP,
+    };
+    if (!cg_lws_connect(d->gw, u, &spec, d, &d->app) && !d->app_failed) { /* refused before any callback said so */
         d->app = NULL;
         close_client(d, 1014, "the app could not be reached");
         dropin_unref(d);

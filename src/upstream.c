@@ -99,19 +99,26 @@ void cg_resolve_abandon(cg_resolve *r)
 struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path, const char *method,
                                 const char *local_protocol, void *opaque, struct lws **pwsi)
 {
-    const cg_upstream_config *cfg = up->cfg;
+    cg_connect_spec spec = {.address = address, .path = path, .method = method, .local_protocol = local_protocol};
+    return cg_lws_connect(up->gw, up->cfg, &spec, opaque, pwsi);
+}
+
+struct lws *cg_lws_connect(cg_gateway *gw, const cg_upstream_config *cfg, const cg_connect_spec *spec, void *opaque,
+                           struct lws **pwsi)
+{
     struct lws_client_connect_info i;
     memset(&i, 0, sizeof(i));
-    i.context = up->gw->lws;
-    i.vhost = up->gw->vhost;
-    i.address = address;
+    i.context = gw->lws;
+    i.vhost = gw->vhost;
+    i.address = spec->address;
     i.port = cfg->port;
-    i.path = path;
+    i.path = spec->path;
     i.host = cfg->host;
-    i.origin = cfg->host;
-    i.method = method;
+    i.origin = spec->origin ? spec->origin : cfg->host;
+    i.protocol = spec->subprotocol;
+    i.method = spec->method;
     i.ssl_connection = cfg->tls ? LCCSCF_USE_SSL : 0;
-    i.local_protocol_name = local_protocol;
+    i.local_protocol_name = spec->local_protocol;
     i.opaque_user_data = opaque;
     i.pwsi = pwsi;
     return lws_client_connect_via_info(&i);

@@ -100,6 +100,21 @@ typedef void (*cg_resolve_fn)(void *data, const char *address, const char *err);
 cg_resolve *cg_resolve_start(uv_loop_t *loop, const char *host, cg_resolve_fn done, void *data);
 void cg_resolve_abandon(cg_resolve *r);
 
+/* Where and how one lws client connection goes (cg_lws_connect); NULLs for the defaults. */
+typedef struct cg_connect_spec {
+    const char *address;        /* numeric, resolved */
+    const char *path;
+    const char *method;         /* "POST", or NULL for a WebSocket */
+    const char *subprotocol;    /* Sec-WebSocket-Protocol to ask for */
+    const char *origin;         /* Origin header; the host when NULL */
+    const char *local_protocol; /* our lws protocol that handles the connection */
+} cg_connect_spec;
+
+/* Starts an lws client connection to cfg's host and port as spec says, with opaque as the
+ * wsi's opaque user data; lws stores the wsi in *pwsi before any callback. NULL on failure. */
+struct lws *cg_lws_connect(cg_gateway *gw, const cg_upstream_config *cfg, const cg_connect_spec *spec, void *opaque,
+                           struct lws **pwsi);
+
 /*
  * Starts an lws client connection to up's host at a resolved address, with opaque as the
  * wsi's opaque user data; lws stores the wsi in *pwsi before any callback. NULL on failure
