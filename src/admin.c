@@ -148,11 +148,14 @@ static void admin_request(admin_req *a, struct lws *wsi)
     if ((strncmp(uri, "/admin/dialogs/", 15) == 0 || strcmp(uri, "/admin/dialogs") == 0) && (is_get || is_delete)) {
         p = uri + 14;
         const char *slash = *p ? strchr(p + 1, '/') : NULL;
-        int ok = *p ? slash && copy_id(p + 1, (size_t)(slash - p - 1), a->user, sizeof(a->user)) == 0 &&
+        /* a '/' after the user's segment is refused: "a%2Fb/r" and "a/b%2Fr" read the same */
+        int ok = *p ? slash && !strchr(slash + 1, '/') &&
+                          copy_id(p + 1, (size_t)(slash - p - 1), a->user, sizeof(a->user)) == 0 &&
                           copy_id(slash + 1, strlen(slash + 1), a->room, sizeof(a->room)) == 0
                     : ids_from_query(wsi, a, 1) == 0;
         if (!ok) {
-            answer_error(a, 400, "use /admin/dialogs/{user}/{room} (percent-encoded) or /admin/dialogs?user=..&room=..");
+            answer_error(a, 400, "use /admin/dialogs/{user}/{room} (percent-encoded), or, when an id holds a '/', "
+                                 "/admin/dialogs?user=..&room=..");
             return;
         }
         cg_info("admin: %s dialog of one user", is_get ? "view" : "delete");
@@ -160,7 +163,8 @@ static void admin_request(admin_req *a, struct lws *wsi)
                             : st->ops->remove(st, a->user, a->room, on_deleted, a);
     } else if ((strncmp(uri, "/admin/users/", 13) == 0 || strcmp(uri, "/admin/users") == 0) && is_delete) {
         p = uri + 12;
-        int ok = *p ? copy_id(p + 1, strlen(p + 1), a->user, sizeof(a->user)) == 0 : ids_from_query(wsi, a, 0) == 0;
+        int ok = *p ? !strchr(p + 1, '/') && copy_id(p + 1, strlen(p + 1), a->user, sizeof(a->user)) == 0
+                    : ids_from_query(wsi, a, 0) == 0;
         if (!ok) {
             answer_error(a, 400, "use /admin/users/{user} (percent-encoded) or /admin/users?user=..");
             return;

@@ -533,9 +533,9 @@ static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *sta
     m->dialog = *d; /* ours now */
     m->has_dialog = 1;
     cg_histogram_observe(&mt->store_load, (double)(uv_hrtime() - m->t_load) / 1e9);
-    if (status->found)
+    if (m->kind == MSG_CHAT && status->found) /* reference 001's cache: a message found its dialog */
         mt->cache_hits++;
-    else
+    else if (m->kind == MSG_CHAT)
         mt->cache_misses++;
     if (status->warn) {
         m->s->gw->metrics.degraded_warnings++;

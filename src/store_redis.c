@@ -907,10 +907,14 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
     r->done_cb = cb;
     cg_memstore_del_user(rs->mem, user);
     forget_dirty(rs, r);
+    if (rs->state != R_CONNECTED || !rs->ac) {
+        answer_later_from_memory(r); /* degraded: the caller is told (503 at the admin API) */
+        return r;
+    }
     argv_buf a = {0};
     arg_str(&a, "SMEMBERS");
     arg_own(&a, rooms_key(rs, user));
-    if (rs->state == R_CONNECTED && rs->ac && send_argv(rs, &a, on_rooms_reply, r) == 0)
+    if (send_argv(rs, &a, on_rooms_reply, r) == 0)
         inflight_add(rs, r);
     else
         answer_later_from_memory(r);

@@ -16,8 +16,12 @@
   dialog, forget a user (every room, other users untouched), reload rules (200 {"rules":N};
   422 {"error":"file:line: ..."} for a broken set, which stays out); 401 without or with a
   wrong token; 404 everywhere under /admin when no token is configured; --admin-listen puts
-  it on its own port only. With Redis: no key of a forgotten user is left, through the
-  user's rooms set and without SCAN/KEYS.
+  it on its own port only; one POST /admin/reload is one reload (metrics). Ids with "/", "%",
+  "+" address exactly their own dialog (a user id with "/" through the README's query form
+  /admin/dialogs?user=..&room=..). With Redis: no key of a forgotten user is left, through
+  the user's rooms set and without SCAN/KEYS; a delete while Redis is away answers 503.
+- Logs also carry an sk- key, a bearer token and an access_token= URL parameter quoted by
+  the upstream: masked too.
 - Logs: a conversation with a phone number, an e-mail address, JWTs (?access_token= and
   Authorization) and a bad JWT, with upstreams whose errors quote the user's words: the log
   holds none of them, and [phone], [email], [token] instead; --log-format json gives one
@@ -453,8 +457,9 @@ async def part_admin_memory():
 
 def dialog_path(user, room):
     """The admin path of a dialog: /admin/dialogs/{user}/{room}, or the query form README
-    gives for a user id holding a "/" (libwebsockets decodes the path before the split)."""
-    if "/" in user:
+    gives for an id holding a "/" (libwebsockets decodes the path before the split, so the
+    path form refuses a "/" inside an id rather than guess)."""
+    if "/" in user or "/" in room:
         return f"/admin/dialogs?user={esc(user)}&room={esc(room)}"
     return f"/admin/dialogs/{esc(user)}/{esc(room)}"
 
@@ -480,7 +485,13 @@ async def part_admin_path_ids():
         problems = []  # every id is checked, then one failure lists what went wrong
         with step("admin ids: GET /admin/dialogs/{user}/{room} of each addresses exactly that dialog"):
             requests = [(user, room, dialog_path(user, room)) for user, room in dialogs]
-            requests.append(("a", "b/r", f"/admin/dialogs?user=a&room={esc('b/r')}"))  # query form, plain id
+            requests.append(("a", "r", f"/admin/dialogs?user=a&room=r"))  # the query form for plain ids too
+            # the path form with a "/" inside an id is refused, never read as another dialog
+            for path in (f"/admin/dialogs/a/{esc('b/r')}", f"/admin/dialogs/{esc('a/b')}/r"):
+                status, body, _ = await http(gw.http_url + path, "GET", AUTH)
+                if status != 400:
+                    problems.append(f"GET {path}: an id with '/' in the path form should be 400, got {status} "
+                                    f"{brief(body, 120)}")
             for user, room, path in requests:
                 status, body, _ = await http(gw.http_url + path, "GET", AUTH)
                 if status != 200 or not isinstance(body, dict):
