@@ -4,7 +4,7 @@
 #        fuzz also clang and its libFuzzer runtime)
 set -euo pipefail
 
-packages=(gcc make cmake pkg-config libwebsockets-dev libuv1-dev libjansson-dev
+packages=(gcc make cmake pkg-config tzdata libwebsockets-dev libuv1-dev libjansson-dev
           libhiredis-dev libpcre2-dev libssl-dev)
 case "${1:-build}" in
   test)

@@ -48,6 +48,8 @@ static const setting settings[] = {
     {"web", T_STR, OFF(web_dir), 0, 0, NULL, 1, "DIR served at / (default: the shipped demo page)"},
     {"auth", T_ENUM, OFF(auth), 0, 0, auth_choices, 1, "none | jwt | header: who the user is (default none: a signed resume token)"},
     {"log_level", T_ENUM, OFF(log_level), 0, 0, log_choices, 1, "error | warn | info | debug (default info)"},
+    {"timezone", T_STR, OFF(timezone), 0, 0, NULL, 1,
+     "ZONE for dates the rules read (\"tomorrow\", \"Feb 20\"), an IANA name such as Africa/Nairobi (default UTC)"},
     {"log_format", T_ENUM, OFF(log_format), 0, 0, log_formats, 1, "text | json: one line or one JSON object per event"},
     {"max_frame", T_INT, OFF(max_frame), 256, 16 << 20, NULL, 1, "BYTES, largest client frame (default 65536)"},
     {"max_connections", T_INT, OFF(max_connections), 1, 1000000, NULL, 1,
@@ -769,6 +771,17 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
                 getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
         return -1;
     }
+    if (strcmp(cfg->timezone, "UTC") != 0) {
+        char zone[PATH_MAX];
+        snprintf(zone, sizeof(zone), "/usr/share/zoneinfo/%s", cfg->timezone);
+        struct stat sb;
+        if (strstr(cfg->timezone, "..") || stat(zone, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+            origin_of("timezone", "timezone", flag_given(argc, argv, "timezone"), file, where, sizeof(where));
+            set_err(err, errlen, "%s: '%s' is not a time zone of this machine (an IANA name such as Africa/Nairobi)",
+                    where, cfg->timezone);
+            return -1;
+        }
+    }
     if (cfg->admin_listen) {
         origin_of("admin_listen", "admin-listen", flag_given(argc, argv, "admin-listen"), file, where, sizeof(where));
         if (parse_host_port(cfg->admin_listen, &cfg->admin_host, &cfg->admin_port, where, err, errlen) < 0)
@@ -810,6 +823,7 @@ static void set_defaults(cg_config *cfg)
     cfg->auth = strdup("none");
     cfg->log_level = strdup("info");
     cfg->log_format = strdup("text");
+    cfg->timezone = strdup("UTC");
     cfg->max_frame = 65536;
     cfg->max_connections = 1024;
     cfg->queue_limit = 8;

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "chatgate/config.h"
 #include "chatgate/gateway.h"
@@ -126,6 +127,8 @@ static int rules_command(int argc, char **argv)
 
 int main(int argc, char **argv)
 {
+    setenv("TZ", "UTC", 1); /* the rules' dates: UTC unless --timezone says otherwise */
+    tzset();
     if (argc >= 2 && strcmp(argv[1], "rules") == 0)
         return rules_command(argc, argv);
     static cg_config cfg;
@@ -142,6 +145,8 @@ int main(int argc, char **argv)
     }
     cg_log_set_level((cg_log_level)cg_log_level_parse(cfg.log_level));
     cg_log_set_json(strcmp(cfg.log_format, "json") == 0);
+    setenv("TZ", cfg.timezone, 1);
+    tzset();
     cg_log_route_lws();
 
     uv_loop_t loop;

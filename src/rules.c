@@ -598,7 +598,7 @@ static void format_date(int64_t t, char out[11])
 {
     time_t tt = (time_t)t;
     struct tm tm;
-    gmtime_r(&tt, &tm);
+    localtime_r(&tt, &tm); /* the gateway's time zone: TZ, set from --timezone (UTC by default) */
     put_date(out, tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday);
 }
 
@@ -612,8 +612,9 @@ static int valid_day(int y, int m, int d)
 
 static int64_t day_start(int y, int m, int d)
 {
-    struct tm tm = {.tm_year = y - 1900, .tm_mon = m - 1, .tm_mday = d};
-    return (int64_t)timegm(&tm);
+    struct tm tm = {.tm_year = y - 1900, .tm_mon = m - 1, .tm_mday = d, .tm_hour = 12}; /* noon: no DST edge */
+    tm.tm_isdst = -1;
+    return (int64_t)mktime(&tm);
 }
 
 int cg_normalise_date(const char *in, int64_t now, char out[11])
@@ -626,7 +627,7 @@ int cg_normalise_date(const char *in, int64_t now, char out[11])
     char *t = trim(s);
     time_t tt = (time_t)now;
     struct tm today;
-    gmtime_r(&tt, &today);
+    localtime_r(&tt, &today);
     int64_t midnight = day_start(today.tm_year + 1900, today.tm_mon + 1, today.tm_mday);
     static const struct { const char *word; int days; } relative[] = {
         {"today", 0}, {"tonight", 0}, {"tomorrow", 1}, {"day after tomorrow", 2}, {"the day after tomorrow", 2},

@@ -51,6 +51,7 @@ typedef struct cg_config {
     char *auth;
     char *log_level;
     char *log_format;
+    char *timezone; /* IANA name ("Africa/Nairobi"); dates are this zone's */
     long max_frame;
     long max_connections;
     long queue_limit;

@@ -60,7 +60,8 @@ void cg_rules_result_free(cg_rules_result *r);
  * "file:line: ..." to out and returns how many failed. */
 int cg_rules_check(const cg_ruleset *rs, int64_t now, FILE *out, int *n_tests);
 
-/* Normalisers (DESIGN.md section 5), in UTC. 0, or -1 when in is not one. */
+/* Normalisers (DESIGN.md section 5), in the process's time zone (TZ: main sets it from
+ * --timezone, UTC by default). 0, or -1 when in is not one. */
 int cg_normalise_date(const char *in, int64_t now, char out[11]);
 int cg_normalise_int(const char *in, long *out);
 /* "5000 shillings" -> 5000, "KES"; "3k" -> 3000, ""; currency is "" when none is said */

@@ -4,6 +4,7 @@
  * resolver and the pipeline's order (cancel before awaiting before extraction).
  */
 #include <stdlib.h>
+#include <time.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -231,8 +232,26 @@ static void test_selection(void)
     json_decref(opts);
 }
 
+/* A day in Nairobi (UTC+3) starts at 21:00 UTC the day before. */
+static void test_timezone(void)
+{
+    char out[11];
+    setenv("TZ", "Africa/Nairobi", 1);
+    tzset();
+    CHECK(cg_normalise_date("today", 1770152400 /* 2026-02-03T21:00:00Z */, out) == 0);
+    CHECK_STR(out, "2026-02-04");
+    CHECK(cg_normalise_date("tomorrow", 1770152400, out) == 0);
+    CHECK_STR(out, "2026-02-05");
+    setenv("TZ", "UTC", 1);
+    tzset();
+    CHECK(cg_normalise_date("today", 1770152400, out) == 0);
+    CHECK_STR(out, "2026-02-03");
+}
+
 int main(void)
 {
+    setenv("TZ", "UTC", 1);
+    tzset();
     snprintf(dir, sizeof(dir), "/tmp/cg-test-rules-%d", (int)getpid());
     mkdir(dir, 0700);
     test_dates();
@@ -241,6 +260,7 @@ int main(void)
     test_eval_and_check();
     test_match_limit();
     test_selection();
+    test_timezone();
     clear_dir();
     rmdir(dir);
     return unit_done("test_rules");
