@@ -50,6 +50,7 @@ typedef struct ws_conn {
     int rx_too_large;
     int paused;
     char close_reason[128];
+    int close_sent;
 } ws_conn;
 
 struct cg_upstream_call {
@@ -132,8 +133,26 @@ static void conn_kill(ws_conn *k)
         k->resolve = NULL;
     }
     uv_close((uv_handle_t *)&k->timer, timer_closed);
-    if (k->wsi)
+    if (k->wsi && k->open) /* a close frame (1001) first, at the next writable */
+        lws_callback_on_writable(k->wsi);
+    else if (k->wsi)
         lws_set_timeout(k->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT, LWS_TO_KILL_ASYNC);
+}
+
+/* The connection is dead: says goodbye with a close frame, then goes. */
+static int write_close(ws_conn *k, struct lws *wsi)
+{
+    if (k->close_sent)
+        return -1;
+    unsigned char close[LWS_PRE + 16];
+    close[LWS_PRE] = 1001 >> 8;
+    close[LWS_PRE + 1] = 1001 & 0xff;
+    memcpy(close + LWS_PRE + 2, "going away", 10);
+    lws_write(wsi, close + LWS_PRE, 12, (enum lws_write_protocol)4); /* LWS_WRITE_CLOSE, see session.c */
+    k->close_sent = 1;
+    lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, 1);
+    lws_callback_on_writable(wsi);
+    return 0;
 }
 
 static int queue_frame(ws_conn *k, char *json)
@@ -302,7 +321,7 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
         return 0;
     case LWS_CALLBACK_CLIENT_WRITEABLE:
         if (k->dead)
-            return -1;
+            return write_close(k, wsi);
         return write_one(k, wsi);
     case LWS_CALLBACK_CLIENT_RECEIVE:
         if (k->dead)
