@@ -1124,6 +1124,14 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
     case LWS_CALLBACK_CLOSED:
         session_close(s);
         return 0;
+    case LWS_CALLBACK_WSI_DESTROY: {
+        /* lws 4.1 tells protocols[0] (this one) of every wsi's end: pass it on to the
+         * protocol the wsi had (an upstream client's), whose callback lets go of it */
+        const struct lws_protocols *p = lws_get_protocol(wsi);
+        if (p && p->callback && p->callback != cg_session_callback)
+            return p->callback(wsi, reason, user, in, len);
+        return 0;
+    }
     default:
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     }
