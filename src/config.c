@@ -63,13 +63,13 @@ static const setting settings[] = {
      "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
     {"allow_origin", T_STR, OFF(allow_origin), 0, 0, NULL, 1,
      "ORIGIN a browser may connect from besides the gateway's own host; repeatable; * allows all"},
-    {"lifetimes.params_s", T_INT, OFF(params_s), 1, 30L * 86400, NULL, 0, NULL},
-    {"lifetimes.dialog_s", T_INT, OFF(dialog_s), 1, 30L * 86400, NULL, 0, NULL},
-    {"lifetimes.awaiting_s", T_INT, OFF(awaiting_s), 1, 86400, NULL, 0, NULL},
-    {"lifetimes.soft_s", T_INT, OFF(soft_s), 1, 86400, NULL, 0, NULL},
-    {"lifetimes.history_s", T_INT, OFF(history_s), 1, 30L * 86400, NULL, 0, NULL},
-    {"history_n", T_INT, OFF(history_n), 0, 200, NULL, 0, NULL},
-    {"params_cap", T_INT, OFF(params_cap), 64, 1 << 20, NULL, 0, NULL},
+    {"lifetimes.params_s", T_INT, OFF(lifetimes.params_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"lifetimes.dialog_s", T_INT, OFF(lifetimes.dialog_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"lifetimes.awaiting_s", T_INT, OFF(lifetimes.awaiting_s), 1, 86400, NULL, 0, NULL},
+    {"lifetimes.soft_s", T_INT, OFF(lifetimes.soft_s), 1, 86400, NULL, 0, NULL},
+    {"lifetimes.history_s", T_INT, OFF(lifetimes.history_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"history_n", T_INT, OFF(lifetimes.history_n), 0, 200, NULL, 0, NULL},
+    {"params_cap", T_INT, OFF(lifetimes.params_cap), 64, 1 << 20, NULL, 0, NULL},
     {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0, NULL},
     {"admin_listen", T_STR, OFF(admin_listen), 0, 0, NULL, 1,
      "HOST:PORT for the admin API alone (default: on --listen; on only with CHATGATE_ADMIN_TOKEN)"},
@@ -553,6 +553,11 @@ out:
     return rc;
 }
 
+json_t *cg_config_service_defaults(const cg_config *cfg, const char *service)
+{
+    return service ? json_object_get(json_object_get(cfg->services, service), "defaults") : NULL;
+}
+
 /* ---- flags -------------------------------------------------------------------------- */
 
 void cg_config_usage(const char *prog)
@@ -831,13 +836,7 @@ static void set_defaults(cg_config *cfg)
     cfg->rate_burst = 40;
     cfg->max_reply_bytes = 1 << 20;
     cfg->send_buffer = 64 * 1024;
-    cfg->params_s = 6 * 3600;
-    cfg->dialog_s = 6 * 3600;
-    cfg->awaiting_s = 120;
-    cfg->soft_s = 300;
-    cfg->history_s = 30 * 60;
-    cfg->history_n = 10;
-    cfg->params_cap = 10000;
+    cg_lifetimes_default(&cfg->lifetimes);
     cfg->max_dialogs = 100000;
     cfg->redis_prefix = strdup("chatgate");
     cfg->redis_command_timeout_ms = 1000;

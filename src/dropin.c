@@ -400,7 +400,7 @@ static void turn_end(cg_dropin *d, int cancelled)
     if (!t->active)
         return;
     cg_gateway *gw = d->gw;
-    const cg_lifetimes *lt = &gw->lifetimes;
+    const cg_lifetimes *lt = &gw->cfg->lifetimes;
     int64_t now = gw->store->now(gw->store->clock_ctx);
     json_t *user_extra = t->enriched ? json_pack("{s:s}", "enriched", t->enriched) : NULL;
     cg_dialog_push_history(&t->dialog, "user", t->text, t->arrived, lt, user_extra);
@@ -439,7 +439,6 @@ static void cancel_reply(cg_dropin *d, int client_frame_sent)
     if (!d->t.active || d->t.cancelled)
         return;
     d->t.cancelled = 1;
-    d->gw->metrics.cancels++;
     json_t *tmpl = json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame");
     if (!tmpl) {
         snprintf(d->suppress_id, sizeof(d->suppress_id), "%s", d->t.id);
@@ -492,15 +491,11 @@ static void on_chat_loaded(void *ctx, cg_dialog *dialog, const cg_store_status *
     dialog->last_activity = now;
     json_t *awaiting_before = json_incref(dialog->awaiting);
     cg_pipeline_result res;
-    cg_pipeline_run(gw->cfg, gw->rules, dialog, c->text, now, &gw->lifetimes, &res);
+    cg_pipeline_run(gw->cfg, gw->rules, dialog, c->text, now, &gw->cfg->lifetimes, &res);
     gw->metrics.messages++;
-    gw->metrics.rules_fired += json_array_size(res.rules);
-    if (res.enriched)
-        gw->metrics.enrichments++;
+    cg_metrics_count_pipeline(&gw->metrics, &res);
     const char *service = dialog->service;
-    json_t *params = cg_dialog_params_merged(
-        dialog, service,
-        service ? json_object_get(json_object_get(gw->cfg->services, service), "defaults") : NULL);
+    json_t *params = cg_dialog_params_merged(dialog, service, cg_config_service_defaults(gw->cfg, service));
     json_t *object = json_pack(
         "{s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:O, s:O}", "user", d->user, "room", c->room, "route", "app",
         "service", service ? json_string(service) : json_null(), "params", params, "resolution",
@@ -577,11 +572,8 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
             c->arrived = d->gw->store->now(d->gw->store->clock_ctx);
             c->frame_json = o;
             /* a cancel phrase acts at once on the reply in flight (DESIGN.md section 1) */
-            cg_rules_result rr;
-            cg_rules_eval(d->gw->rules, c->text, NULL, NULL, c->arrived, &rr);
-            if (rr.cancel)
+            if (cg_rules_cancels(d->gw->rules, c->text))
                 cancel_reply(d, 0);
-            cg_rules_result_free(&rr);
             c->slot = frame_new(buf, len, 0);
             c->slot->ready = 0;
             queue_push(&d->to_app, c->slot);
@@ -663,7 +655,7 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         if (ours) {
             char err[256];
             if (cg_dialog_apply_directive(&t->dialog, state, "app", d->gw->store->now(d->gw->store->clock_ctx),
-                                          &d->gw->lifetimes, err, sizeof(err)) < 0)
+                                          &d->gw->cfg->lifetimes, err, sizeof(err)) < 0)
                 cg_warn("dropin: state from the app refused: %s", err);
         }
         json_object_del(o, state_key);

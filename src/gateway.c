@@ -217,14 +217,7 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     sc.max_dialogs = cfg->max_dialogs;
     sc.command_timeout_ms = cfg->redis_command_timeout_ms;
     sc.connect_timeout_ms = cfg->redis_connect_timeout_ms;
-    gw->lifetimes.params_s = cfg->params_s;
-    gw->lifetimes.dialog_s = cfg->dialog_s;
-    gw->lifetimes.awaiting_s = cfg->awaiting_s;
-    gw->lifetimes.soft_s = cfg->soft_s;
-    gw->lifetimes.history_s = cfg->history_s;
-    gw->lifetimes.history_n = cfg->history_n;
-    gw->lifetimes.params_cap = cfg->params_cap;
-    sc.lifetimes = gw->lifetimes;
+    sc.lifetimes = cfg->lifetimes;
     char msg[256];
     gw->store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));
     if (!gw->store) {

@@ -9,6 +9,22 @@
 #include "chatgate/error.h"
 #include "chatgate/gateway.h"
 #include "chatgate/ops.h"
+#include "chatgate/pipeline.h"
+
+void cg_metrics_count_pipeline(cg_metrics *mt, const cg_pipeline_result *res)
+{
+    const char *type = json_string_value(json_object_get(res->resolution, "type"));
+    if (type && strcmp(type, "cancel") != 0)
+        mt->awaiting_resolutions++;
+    if (res->cancel)
+        mt->cancels++;
+    if (res->soft_context_hit)
+        mt->soft_context_hits++;
+    if (res->enriched)
+        mt->enrichments++;
+    mt->rules_fired += json_array_size(res->rules);
+    mt->rules_limited += json_array_size(res->limited);
+}
 
 static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
 {

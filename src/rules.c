@@ -1056,6 +1056,22 @@ void cg_rules_eval(const cg_ruleset *rs, const char *text, const cg_dialog *d, c
         eval_range(rs, 0, rs->n, text, d, previous, now, 1, out);
 }
 
+int cg_rules_cancels(const cg_ruleset *rs, const char *text)
+{
+    if (!rs)
+        return 0;
+    size_t len = strlen(text);
+    if (len > CG_RULES_MAX_SCAN)
+        len = cg_utf8_boundary(text, CG_RULES_MAX_SCAN);
+    for (size_t i = 0; i < rs->n; i++) {
+        const rule *r = &rs->rules[i];
+        if ((r->action == A_CANCEL || r->action == A_CANCEL_ABSORB) && r->n_conds == 0 &&
+            run_pattern(rs, r, text, len) > 0)
+            return 1;
+    }
+    return 0;
+}
+
 /* ---- rule tests -------------------------------------------------------------------------- */
 
 /* The rule's own output for a name of an expect line, as text. */

@@ -321,7 +321,7 @@ typedef enum { TURN_DONE, TURN_ERROR, TURN_CANCELLED, TURN_ABSORBED } turn_end;
 static void turn_save(cg_msg *m, turn_end end)
 {
     cg_session *s = m->s;
-    const cg_lifetimes *lt = &s->gw->lifetimes;
+    const cg_lifetimes *lt = &s->gw->cfg->lifetimes;
     int64_t now = session_now(s);
     cg_dialog *d = &m->dialog;
     json_t *user_extra = m->enriched ? json_pack("{s:s}", "enriched", m->enriched) : NULL;
@@ -387,7 +387,7 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
     if (state) {
         char err[256];
         int rc = cg_dialog_apply_directive(&m->dialog, state, s->gw->upstreams[m->route].cfg->name, session_now(s),
-                                           &s->gw->lifetimes, err, sizeof(err));
+                                           &s->gw->cfg->lifetimes, err, sizeof(err));
         if (rc < 0) {
             /* the reply itself is fine: a warning, then its done */
             cg_warn("session %s: message %s: state from upstream '%s' refused: %s", s->session_id, m->id,
@@ -417,28 +417,6 @@ static const cg_upstream_events upstream_events = {
     .on_error = on_upstream_error,
 };
 
-/* reference 001's counters */
-static void count_pipeline(cg_gateway *gw, const cg_pipeline_result *res)
-{
-    cg_metrics *mt = &gw->metrics;
-    const char *type = json_string_value(json_object_get(res->resolution, "type"));
-    if (type && strcmp(type, "cancel") != 0)
-        mt->awaiting_resolutions++;
-    if (res->cancel)
-        mt->cancels++;
-    if (res->soft_context_hit)
-        mt->soft_context_hits++;
-    if (res->enriched)
-        mt->enrichments++;
-    mt->rules_fired += json_array_size(res->rules);
-    mt->rules_limited += json_array_size(res->limited);
-}
-
-static json_t *service_defaults(const cg_config *cfg, const char *service)
-{
-    return service ? json_object_get(json_object_get(cfg->services, service), "defaults") : NULL;
-}
-
 /* A chat message with its dialog loaded: pipeline, ack, upstream. */
 static void turn_start(cg_msg *m)
 {
@@ -451,9 +429,9 @@ static void turn_start(cg_msg *m)
     json_t *awaiting_before = json_incref(d->awaiting); /* forwarded as it was */
     cg_pipeline_result res;
     uint64_t t0 = uv_hrtime();
-    cg_pipeline_run(gw->cfg, m->rules, d, m->text, session_now(s), &gw->lifetimes, &res);
+    cg_pipeline_run(gw->cfg, m->rules, d, m->text, session_now(s), &gw->cfg->lifetimes, &res);
     cg_histogram_observe(&gw->metrics.rules, (double)(uv_hrtime() - t0) / 1e9);
-    count_pipeline(gw, &res);
+    cg_metrics_count_pipeline(&gw->metrics, &res);
     if (res.error) { /* params over the cap: refused, nothing forwarded */
         session_send_error(s, m->id, res.error, res.error_message);
         json_decref(awaiting_before);
@@ -466,7 +444,7 @@ static void turn_start(cg_msg *m)
     if (res.enriched)
         m->enriched = strdup(res.enriched);
     cg_upstream *up = &gw->upstreams[m->route];
-    json_t *params = cg_dialog_params_merged(d, d->service, service_defaults(gw->cfg, d->service));
+    json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(gw->cfg, d->service));
     cg_ack ack = {
         .id = m->id, .room = m->room, .route = up->cfg->name, .service = d->service, .enriched = res.enriched,
         .params = params, .resolution = res.resolution, .rules = res.rules,
@@ -697,11 +675,7 @@ static void cancel_on_arrival(cg_session *s, const cg_client_frame *f)
     cg_msg *m = s->inflight;
     if (!m || m->kind != MSG_CHAT || strcmp(m->room, f->room) != 0)
         return;
-    cg_rules_result rr;
-    cg_rules_eval(s->gw->rules, f->text, NULL, NULL, session_now(s), &rr);
-    int cancel = rr.cancel;
-    cg_rules_result_free(&rr);
-    if (!cancel)
+    if (!cg_rules_cancels(s->gw->rules, f->text))
         return;
     cg_info("session %s: message %s stopped by a cancel phrase", s->session_id, m->id);
     inflight_stop(s);

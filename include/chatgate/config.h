@@ -12,6 +12,8 @@
 #include <jansson.h>
 #include <stddef.h>
 
+#include "chatgate/dialog.h"
+
 #define CG_MAX_UPSTREAMS 32
 
 typedef enum cg_upstream_kind {
@@ -60,9 +62,7 @@ typedef struct cg_config {
     long max_reply_bytes;
     long send_buffer;
     /* dialog state (DESIGN.md section 5) */
-    long params_s, dialog_s, awaiting_s, soft_s, history_s;
-    long history_n;
-    long params_cap;
+    cg_lifetimes lifetimes; /* lifetimes.*, history_n, params_cap */
     long max_dialogs;
     char *redis_prefix;
     long redis_command_timeout_ms;
@@ -95,6 +95,9 @@ void cg_config_free(cg_config *cfg);
 
 /* Parses an upstream URL ("demo", "http://h:p/v1", "wss://h/app") into u; 0 or -1 with err. */
 int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *err, size_t errlen);
+
+/* services.NAME.defaults (borrowed), or NULL: the params every dialog of that service starts from. */
+json_t *cg_config_service_defaults(const cg_config *cfg, const char *service);
 
 /* Prints the flags' help text to stdout. */
 void cg_config_usage(const char *prog);

@@ -42,7 +42,6 @@ struct cg_gateway {
     lws_retry_bo_t retry;    /* ping and idle policy */
     cg_upstream_config dropin_app;  /* the app of drop-in mode, from dropin.app */
     struct lws_protocols *protocols; /* built at start: the app's subprotocols are in it */
-    cg_lifetimes lifetimes;
     unsigned char resume_secret[64]; /* CHATGATE_RESUME_SECRET, or random per process */
     size_t resume_secret_len;
     unsigned char jwt_secret[256];   /* CHATGATE_JWT_SECRET with --auth jwt */

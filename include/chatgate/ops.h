@@ -41,6 +41,10 @@ typedef struct cg_metrics {
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
 } cg_metrics;
 
+typedef struct cg_pipeline_result cg_pipeline_result;
+/* Counts what the pipeline decided for one message (reference 001's counters). */
+void cg_metrics_count_pipeline(cg_metrics *m, const cg_pipeline_result *res);
+
 int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);
 
 #endif

@@ -56,6 +56,10 @@ void cg_rules_eval(const cg_ruleset *rs, const char *text, const cg_dialog *d, c
                    cg_rules_result *out);
 void cg_rules_result_free(cg_rules_result *r);
 
+/* Does a cancel rule without conditions match text? The check a message gets on arrival,
+ * before its dialog is loaded (DESIGN.md section 1): only those rules run, nothing else. */
+int cg_rules_cancels(const cg_ruleset *rs, const char *text);
+
 /* Runs the expect/reject lines of every rule at the clock `now`; prints each failure as
  * "file:line: ..." to out and returns how many failed. */
 int cg_rules_check(const cg_ruleset *rs, int64_t now, FILE *out, int *n_tests);

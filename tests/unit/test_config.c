@@ -199,8 +199,8 @@ static void test_state_settings(void)
                                   " \"services\": {\"travel\": {\"defaults\": {\"cabin_class\": \"economy\"}}},\n"
                                   " \"allow_origin\": [\"https://a.example\", \"https://b.example\"]}\n");
     CHECK(load(&c, "--config", path, "--allow-origin", "http://c.example", "--auth", "header", NULL) == 0);
-    CHECK(c.awaiting_s == 1 && c.soft_s == 2 && c.params_s == 6 * 3600);
-    CHECK(c.history_n == 3);
+    CHECK(c.lifetimes.awaiting_s == 1 && c.lifetimes.soft_s == 2 && c.lifetimes.params_s == 6 * 3600);
+    CHECK(c.lifetimes.history_n == 3);
     CHECK_STR(c.redis_prefix, "cg");
     CHECK(c.redis_command_timeout_ms == 250);
     CHECK_STR(json_string_value(json_object_get(json_object_get(json_object_get(c.services, "travel"), "defaults"),
