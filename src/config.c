@@ -20,6 +20,7 @@
 #include "chatgate/config.h"
 #include "chatgate/dropin.h"
 #include "chatgate/log.h"
+#include "chatgate/store.h"
 
 typedef enum { T_STR, T_INT, T_ENUM } setting_type;
 
@@ -71,6 +72,7 @@ static const setting settings[] = {
     {"history_n", T_INT, OFF(lifetimes.history_n), 0, 200, NULL, 0, NULL},
     {"params_cap", T_INT, OFF(lifetimes.params_cap), 64, 1 << 20, NULL, 0, NULL},
     {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0, NULL},
+    {"max_store_bytes", T_INT, OFF(max_store_bytes), 16384, 1L << 40, NULL, 0, NULL},
     {"admin_listen", T_STR, OFF(admin_listen), 0, 0, NULL, 1,
      "HOST:PORT for the admin API alone (default: on --listen; on only with CHATGATE_ADMIN_TOKEN)"},
     {"ping_interval_s", T_INT, OFF(ping_interval_s), 1, 3600, NULL, 0, NULL},
@@ -838,6 +840,7 @@ static void set_defaults(cg_config *cfg)
     cfg->send_buffer = 64 * 1024;
     cg_lifetimes_default(&cfg->lifetimes);
     cfg->max_dialogs = 100000;
+    cfg->max_store_bytes = (long)CG_MEMSTORE_DEFAULT_MAX_BYTES;
     cfg->redis_prefix = strdup("chatgate");
     cfg->redis_command_timeout_ms = 1000;
     cfg->redis_connect_timeout_ms = 1000;

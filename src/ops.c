@@ -58,12 +58,16 @@ static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
         "# TYPE chatgate_store_memory_answers_total counter\nchatgate_store_memory_answers_total %lu\n"
         "# TYPE chatgate_store_reconnects_total counter\nchatgate_store_reconnects_total %lu\n"
         "# TYPE chatgate_store_written_back_total counter\nchatgate_store_written_back_total %lu\n"
-        "# HELP chatgate_store_evictions_total Dialogs dropped by the in-memory bound (max_dialogs).\n"
-        "# TYPE chatgate_store_evictions_total counter\nchatgate_store_evictions_total %lu\n",
+        "# HELP chatgate_store_evictions_total Dialogs dropped by the in-memory bounds, by the bound passed\n"
+        "# (count: max_dialogs, bytes: max_store_bytes).\n"
+        "# TYPE chatgate_store_evictions_total counter\nchatgate_store_evictions_total{reason=\"count\"} %lu\n"
+        "chatgate_store_evictions_total{reason=\"bytes\"} %lu\n"
+        "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
+        "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
         gw->n_sessions, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
         m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
         m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers, st->reconnects,
-        st->flushed, st->evictions);
+        st->flushed, st->evictions, st->evictions_bytes, st->memory_bytes);
     if (n < 0 || (size_t)n >= len)
         return n < 0 ? 0 : len - 1;
     size_t used = (size_t)n;

@@ -1,11 +1,18 @@
 /*
  * store_memory.c: dialogs in this process, with the same lifetimes the Redis layout gets
- * from key expiry, and a bound on how many are held.
+ * from key expiry, and two bounds on what is held: a number of dialogs and a number of bytes.
  *
  * The table is a jansson object, whose keys keep insertion order: a dialog used is deleted
  * and set again, so it moves to the end, and the first key is always the least recently
  * used, the one to evict. Each entry is {"d": dialog JSON, "dialog_exp", "params_exp",
- * "history_exp"}: parts past their time read as empty, as Redis keys would have expired.
+ * "history_exp", "bytes"}: parts past their time read as empty, as Redis keys would have
+ * expired. "bytes" is what the entry counts against the byte bound: the length of its key
+ * and of its dialog as compact JSON, so a few dialogs of 1 MiB replies weigh what they are.
+ *
+ * Eviction takes the oldest entry by its own key (no copy into a buffer, so keys of any
+ * length go) and stops when an eviction frees nothing, so the loop cannot spin. The entry
+ * just written is never evicted: a dialog larger than the byte bound alone is still kept,
+ * until the next write pushes it out.
  *
  * The store's ops answer on the next loop iteration (a zero timer), never from inside the
  * call, as store.h promises.
@@ -19,6 +26,8 @@
 struct cg_memstore {
     json_t *entries;
     long max_dialogs;
+    size_t max_bytes;
+    size_t bytes; /* the sum of the entries' "bytes" */
     cg_lifetimes lt;
     cg_store_stats *stats;
 };
@@ -29,10 +38,25 @@ cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_
     if (!m)
         return NULL;
     m->entries = json_object();
+    if (!m->entries) {
+        free(m);
+        return NULL;
+    }
     m->max_dialogs = max_dialogs;
+    m->max_bytes = CG_MEMSTORE_DEFAULT_MAX_BYTES;
     m->lt = *lt;
     m->stats = stats;
     return m;
+}
+
+void cg_memstore_set_max_bytes(cg_memstore *m, size_t max_bytes)
+{
+    m->max_bytes = max_bytes;
+}
+
+size_t cg_memstore_bytes(cg_memstore *m)
+{
+    return m->bytes;
 }
 
 void cg_memstore_free(cg_memstore *m)
@@ -49,12 +73,74 @@ static int64_t exp_of(json_t *entry, const char *key)
     return json_is_integer(v) ? (int64_t)json_integer_value(v) : 0;
 }
 
+static size_t bytes_of(json_t *entry)
+{
+    json_t *v = json_object_get(entry, "bytes");
+    return json_is_integer(v) && json_integer_value(v) > 0 ? (size_t)json_integer_value(v) : 0;
+}
+
+static void publish_bytes(cg_memstore *m)
+{
+    if (m->stats)
+        m->stats->memory_bytes = m->bytes;
+}
+
+/* Deletes key's entry, if any, and takes its bytes off the total. */
+static void entry_drop(cg_memstore *m, const char *key)
+{
+    json_t *entry = json_object_get(m->entries, key);
+    if (!entry)
+        return;
+    size_t n = bytes_of(entry);
+    m->bytes -= n < m->bytes ? n : m->bytes;
+    json_object_del(m->entries, key);
+    publish_bytes(m);
+}
+
+/* Which bound is passed, if any: "count", "bytes" or NULL. */
+static const char *over_bound(const cg_memstore *m)
+{
+    if ((long)json_object_size(m->entries) > m->max_dialogs)
+        return "count";
+    if (m->bytes > m->max_bytes)
+        return "bytes";
+    return NULL;
+}
+
+/*
+ * Evicts least recently used entries until both bounds hold, keeping the newest one.
+ * Every turn removes an entry or stops: a key that cannot be deleted ends the loop with
+ * an error instead of spinning on it.
+ */
+static void evict(cg_memstore *m)
+{
+    const char *reason;
+    while ((reason = over_bound(m)) != NULL && json_object_size(m->entries) > 1) {
+        size_t before = json_object_size(m->entries);
+        const char *oldest = json_object_iter_key(json_object_iter(m->entries));
+        char *key = oldest ? strdup(oldest) : NULL; /* its own copy: the entry's key dies with it */
+        if (key)
+            entry_drop(m, key);
+        free(key);
+        if (json_object_size(m->entries) >= before) {
+            cg_error("memory store: could not evict the least recently used dialog; %zu held, %zu bytes",
+                     before, m->bytes);
+            return;
+        }
+        if (m->stats) {
+            if (strcmp(reason, "bytes") == 0)
+                m->stats->evictions_bytes++;
+            else
+                m->stats->evictions++;
+        }
+    }
+}
+
 int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
 {
     json_t *entry = json_object_get(m->entries, key);
     if (!entry || exp_of(entry, "dialog_exp") <= now) {
-        if (entry)
-            json_object_del(m->entries, key);
+        entry_drop(m, key);
         cg_dialog_init(d, now);
         return 0;
     }
@@ -70,30 +156,43 @@ int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
     /* most recently used: to the end of the order */
     json_incref(entry);
     json_object_del(m->entries, key);
-    json_object_set_new(m->entries, key, entry);
+    if (json_object_set_new(m->entries, key, entry) < 0) { /* out of memory: the entry is gone */
+        size_t n = bytes_of(entry);
+        m->bytes -= n < m->bytes ? n : m->bytes;
+        publish_bytes(m);
+    }
     return 1;
+}
+
+/* The entry kept for d: its dialog, lifetimes and weight; NULL when out of memory. */
+static json_t *entry_new(const cg_memstore *m, const char *key, const cg_dialog *d, int64_t now)
+{
+    json_t *dj = cg_dialog_to_json(d);
+    if (!dj)
+        return NULL;
+    size_t bytes = strlen(key) + json_dumpb(dj, NULL, 0, JSON_COMPACT);
+    return json_pack("{s:o, s:I, s:I, s:I, s:I}", "d", dj, "dialog_exp", (json_int_t)(now + m->lt.dialog_s),
+                     "params_exp", (json_int_t)(now + m->lt.params_s), "history_exp",
+                     (json_int_t)(now + m->lt.history_s), "bytes", (json_int_t)bytes);
 }
 
 void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now)
 {
-    json_t *entry = json_pack("{s:o, s:I, s:I, s:I}", "d", cg_dialog_to_json(d), "dialog_exp",
-                              (json_int_t)(now + m->lt.dialog_s), "params_exp", (json_int_t)(now + m->lt.params_s),
-                              "history_exp", (json_int_t)(now + m->lt.history_s));
-    json_object_del(m->entries, key);
-    json_object_set_new(m->entries, key, entry);
-    while ((long)json_object_size(m->entries) > m->max_dialogs) {
-        void *it = json_object_iter(m->entries);
-        char oldest[1024];
-        snprintf(oldest, sizeof(oldest), "%s", json_object_iter_key(it));
-        json_object_del(m->entries, oldest);
-        if (m->stats)
-            m->stats->evictions++;
+    json_t *entry = entry_new(m, key, d, now);
+    entry_drop(m, key);
+    if (!entry || json_object_set_new(m->entries, key, entry) < 0) {
+        /* what was held is older than what the caller has: better none than a stale one */
+        cg_error("memory store: out of memory keeping a dialog; it was dropped");
+        return;
     }
+    m->bytes += bytes_of(entry);
+    publish_bytes(m);
+    evict(m);
 }
 
 void cg_memstore_del(cg_memstore *m, const char *key)
 {
-    json_object_del(m->entries, key);
+    entry_drop(m, key);
 }
 
 int cg_memstore_del_user(cg_memstore *m, const char *user)
@@ -106,7 +205,7 @@ int cg_memstore_del_user(cg_memstore *m, const char *user)
     void *tmp;
     json_object_foreach_safe(m->entries, tmp, key, v) {
         if (strncmp(key, prefix, n) == 0) {
-            json_object_del(m->entries, key);
+            entry_drop(m, key);
             deleted++;
         }
     }
@@ -276,5 +375,11 @@ cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg)
     ms->base.cfg = *cfg;
     ms->base.now = cg_store_default_now;
     ms->mem = cg_memstore_new(cfg->max_dialogs, &cfg->lifetimes, &ms->base.stats);
+    if (!ms->mem) {
+        free(ms);
+        return NULL;
+    }
+    if (cfg->max_bytes > 0)
+        cg_memstore_set_max_bytes(ms->mem, cfg->max_bytes);
     return &ms->base;
 }

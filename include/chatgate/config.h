@@ -64,6 +64,7 @@ typedef struct cg_config {
     /* dialog state (DESIGN.md section 5) */
     cg_lifetimes lifetimes; /* lifetimes.*, history_n, params_cap */
     long max_dialogs;
+    long max_store_bytes; /* bytes of dialogs the memory store (and Redis's memory copy) holds */
     char *redis_prefix;
     long redis_command_timeout_ms;
     long redis_connect_timeout_ms;

@@ -1,8 +1,8 @@
 /*
  * store.h: where dialogs live between messages, behind one table of operations.
  *
- * Two stores: in memory (one process, TTLs and a bound on dialogs held, least recently
- * used going first) and Redis (any number of gateways; DESIGN.md section 5's key layout,
+ * Two stores: in memory (one process, TTLs and bounds on dialogs and bytes held, least
+ * recently used going first) and Redis (any number of gateways; DESIGN.md section 5's key layout,
  * one pipelined read and one pipelined write per message, through the hiredis async API
  * on the gateway's loop). When Redis fails the Redis store answers from an in-memory store
  * of its own, says so (status.degraded, status.warn once per dialog), and writes what it
@@ -17,6 +17,7 @@
 
 #include <uv.h>
 #include <jansson.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "chatgate/dialog.h"
@@ -40,7 +41,9 @@ typedef struct cg_store_stats {
     unsigned long degraded_answers;  /* loads and saves served from memory */
     unsigned long reconnects;        /* successful connects after the first */
     unsigned long flushed;           /* dialogs written back to Redis after an outage */
-    unsigned long evictions;         /* dialogs dropped by the memory bound */
+    unsigned long evictions;         /* dialogs dropped by the memory store's count bound */
+    unsigned long evictions_bytes;   /* dialogs dropped by its byte bound */
+    size_t memory_bytes;             /* what the memory store holds now (its byte measure) */
     double degraded_seconds;         /* time spent with Redis away, up to the last recovery */
     uint64_t degraded_since_ms;      /* uv_now() when the current outage began */
     int degraded;                    /* Redis is away now */
@@ -69,6 +72,7 @@ typedef struct cg_store_config {
     const char *prefix; /* key prefix, "chatgate" */
     cg_lifetimes lifetimes;
     long max_dialogs;        /* memory store bound */
+    size_t max_bytes;        /* memory store byte bound; 0: CG_MEMSTORE_DEFAULT_MAX_BYTES */
     long command_timeout_ms; /* Redis: a command unanswered this long fails the connection */
     long connect_timeout_ms;
 } cg_store_config;
@@ -97,7 +101,14 @@ char *cg_store_escape(const char *id);
 /* ---- the in-memory store, also the Redis store's fallback ---------------------------- */
 
 typedef struct cg_memstore cg_memstore;
+/* The byte bound a new memory store starts with: 256 MiB. */
+#define CG_MEMSTORE_DEFAULT_MAX_BYTES ((size_t)256 << 20)
 cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_stats *stats);
+/* Bounds the store in bytes as well (its key and its dialog as compact JSON count for each
+ * entry); least recently used entries go first, the one just written never. */
+void cg_memstore_set_max_bytes(cg_memstore *m, size_t max_bytes);
+/* The bytes held now, by that measure. */
+size_t cg_memstore_bytes(cg_memstore *m);
 void cg_memstore_free(cg_memstore *m);
 /* Fills d from the entry for key (a fresh dialog when none or expired); 1 if it existed. */
 int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d);

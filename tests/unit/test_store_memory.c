@@ -1,9 +1,11 @@
 /*
  * test_store_memory.c: the in-memory store with an injected clock: the lifetimes of each
- * part (the ones Redis gets from key expiry), the least-recently-used bound and its count,
- * and dialog keys that no id can make collide.
+ * part (the ones Redis gets from key expiry), the least-recently-used bounds (dialogs and
+ * bytes) and their counts, eviction of keys of any length, and dialog keys that no id can
+ * make collide.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "chatgate/store.h"
 #include "unit.h"
@@ -85,6 +87,113 @@ static void test_lru(void)
     cg_memstore_free(m);
 }
 
+/* Keys longer than any buffer the eviction once copied them into (1,024 bytes): escaped
+ * user and room ids of 256 bytes each, every byte escaped, make 1,537-byte keys. Eviction
+ * used to cut the copy, miss the key and spin for ever; now each one goes. */
+static void test_evict_long_keys(void)
+{
+    cg_lifetimes lt;
+    cg_lifetimes_default(&lt);
+    cg_store_stats stats = {0};
+    cg_memstore *m = cg_memstore_new(2, &lt, &stats);
+    char user[257], room[257];
+    memset(user, ' ', 256);
+    user[256] = 0;
+    char *keys[6];
+    for (int i = 0; i < 6; i++) {
+        memset(room, '#', 256);
+        room[255] = (char)('a' + i); /* the keys differ only at their very end, past 1,024 */
+        room[256] = 0;
+        keys[i] = cg_store_dialog_key(user, room);
+        CHECK(strlen(keys[i]) > 1024);
+        put_dialog(m, keys[i], i, "X");
+        CHECK(cg_memstore_count(m) <= 2);
+    }
+    CHECK(cg_memstore_count(m) == 2);
+    CHECK(stats.evictions == 4);
+    int existed;
+    from_of(m, keys[3], 10, &existed);
+    CHECK(!existed);
+    CHECK_STR(from_of(m, keys[4], 10, &existed), "X");
+    CHECK(existed);
+    CHECK_STR(from_of(m, keys[5], 10, &existed), "X");
+    CHECK(existed);
+    for (int i = 0; i < 6; i++)
+        free(keys[i]);
+    cg_memstore_free(m);
+}
+
+/* A dialog whose history holds text of n bytes. */
+static void put_sized(cg_memstore *m, const char *key, int64_t now, size_t n)
+{
+    cg_dialog d;
+    cg_lifetimes lt;
+    cg_lifetimes_default(&lt);
+    cg_dialog_init(&d, now);
+    char *text = malloc(n + 1);
+    memset(text, 'x', n);
+    text[n] = 0;
+    cg_dialog_push_history(&d, "assistant", text, now, &lt, NULL);
+    cg_memstore_put(m, key, &d, now);
+    free(text);
+    cg_dialog_free(&d);
+}
+
+static void test_byte_bound(void)
+{
+    cg_lifetimes lt;
+    cg_lifetimes_default(&lt);
+    cg_store_stats stats = {0};
+    cg_memstore *m = cg_memstore_new(1000, &lt, &stats);
+    cg_memstore_set_max_bytes(m, 50000);
+    int existed;
+    put_sized(m, "a", 0, 10000);
+    size_t one = cg_memstore_bytes(m);
+    CHECK(one > 10000 && one < 11000);
+    CHECK(stats.memory_bytes == one);
+    put_sized(m, "b", 0, 10000);
+    put_sized(m, "c", 0, 10000);
+    put_sized(m, "d", 0, 10000);
+    from_of(m, "a", 1, &existed); /* a is now the most recently used */
+    CHECK(existed);
+    put_sized(m, "e", 2, 15000); /* over 50,000 bytes: b goes, the least recently used */
+    CHECK(cg_memstore_bytes(m) <= 50000);
+    CHECK(stats.evictions_bytes == 1);
+    CHECK(stats.evictions == 0);
+    CHECK(cg_memstore_count(m) == 4);
+    from_of(m, "b", 3, &existed);
+    CHECK(!existed);
+    from_of(m, "a", 3, &existed);
+    CHECK(existed);
+
+    /* rewriting a dialog replaces its weight, not adds to it */
+    size_t before = cg_memstore_bytes(m);
+    put_sized(m, "a", 4, 10000);
+    CHECK(cg_memstore_bytes(m) == before);
+
+    /* one dialog bigger than the whole bound: kept alone, everything older goes */
+    put_sized(m, "big", 5, 60000);
+    CHECK(cg_memstore_count(m) == 1);
+    CHECK(stats.evictions_bytes == 5);
+    from_of(m, "big", 6, &existed);
+    CHECK(existed);
+
+    /* deletes give their bytes back */
+    cg_memstore_del(m, "big");
+    CHECK(cg_memstore_bytes(m) == 0);
+    CHECK(stats.memory_bytes == 0);
+    put_sized(m, "u:r1", 7, 1000);
+    put_sized(m, "u:r2", 7, 1000);
+    CHECK(cg_memstore_del_user(m, "u") == 2);
+    CHECK(cg_memstore_bytes(m) == 0);
+    /* and so do expired dialogs, once read */
+    put_sized(m, "old", 8, 1000);
+    from_of(m, "old", 8 + lt.dialog_s, &existed);
+    CHECK(!existed);
+    CHECK(cg_memstore_bytes(m) == 0);
+    cg_memstore_free(m);
+}
+
 static void test_keys(void)
 {
     char *k1 = cg_store_dialog_key("a", "b:c");
@@ -106,6 +215,8 @@ int main(void)
 {
     test_lifetimes();
     test_lru();
+    test_evict_long_keys();
+    test_byte_bound();
     test_keys();
     return unit_done("test_store_memory");
 }
