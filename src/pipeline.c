@@ -159,36 +159,40 @@ void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, c
     out->annotations = json_object();
     int asked = -1; /* the upstream whose awaiting this message resolved */
 
-    /* 1. cancel, before everything */
+    /* 1. cancel, before everything; 2. awaiting resolution. Decided here, applied below
+     * with the merge, so that a refused merge leaves the awaiting state as it was. */
     if (rr.cancel) {
         out->cancel = 1;
         out->absorb = rr.cancel == 2;
         out->resolution = json_pack("{s:s}", "type", "cancel");
-        json_decref(d->awaiting);
-        d->awaiting = NULL;
     } else if (d->awaiting) {
-        /* 2. awaiting resolution */
         out->resolution = resolve_awaiting(d, text, &rr);
-        if (out->resolution) {
+        if (out->resolution)
             asked = upstream_index(cfg, json_string_value(json_object_get(d->awaiting, "source")));
-            json_decref(d->awaiting);
-            d->awaiting = NULL;
-        }
     }
 
-    /* 3, 4. extraction and merge */
-    const char *service;
-    json_t *params;
-    json_object_foreach(rr.params, service, params) {
-        int rc = cg_dialog_merge_params(d, service, params, lt, out->error_message, sizeof(out->error_message));
-        if (rc < 0) {
-            out->error = rc;
-            goto done;
-        }
+    /* 3, 4. extraction and merge: every service or none (the cap applies to the whole) */
+    int rc = json_object_size(rr.params)
+                 ? cg_dialog_merge_all_params(d, rr.params, lt, out->error_message, sizeof(out->error_message))
+                 : 0;
+    if (rc < 0) {
+        /* refused: the dialog is as it was before the message, and nothing was resolved */
+        out->error = rc;
+        out->cancel = out->absorb = 0;
+        json_decref(out->resolution);
+        out->resolution = NULL;
+        goto done;
+    }
+    if (rr.cancel || out->resolution) {
+        json_decref(d->awaiting);
+        d->awaiting = NULL;
     }
     if (rr.service[0]) {
-        free(d->service);
-        d->service = strdup(rr.service);
+        char *service = strdup(rr.service);
+        if (service) {
+            free(d->service);
+            d->service = service;
+        }
     }
     cg_dialog_forget(d, rr.forget);
     if (json_object_size(rr.metadata))

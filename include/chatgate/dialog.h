@@ -55,6 +55,11 @@ void cg_dialog_expire(cg_dialog *d, int64_t now);
  */
 int cg_dialog_merge_params(cg_dialog *d, const char *service, json_t *params, const cg_lifetimes *lt,
                            char *err, size_t errlen);
+/*
+ * The same for several services at once (by_service: service -> params), all or nothing:
+ * the cap applies to the result of every merge, and on any error d is left as it was.
+ */
+int cg_dialog_merge_all_params(cg_dialog *d, json_t *by_service, const cg_lifetimes *lt, char *err, size_t errlen);
 /* defaults < kept params of service, as a new object (never NULL). */
 json_t *cg_dialog_params_merged(const cg_dialog *d, const char *service, json_t *defaults);
 /* Forgets "service.name" keys, or names in the active service; returns how many went. */
@@ -64,7 +69,8 @@ int cg_dialog_forget(cg_dialog *d, json_t *keys);
  * Applies a backend's state directive (DESIGN.md section 5): service, params, awaiting
  * (null clears; ttl in seconds optional), soft_context (null clears), last_tool_result.
  * source names the upstream that sent it (awaiting remembers it). Returns 0, or
- * CG_E_TOO_LARGE / CG_E_BAD_FRAME with err; the parts before the bad one stay applied.
+ * CG_E_TOO_LARGE / CG_E_BAD_FRAME (CG_E_INTERNAL out of memory) with err; a refused
+ * directive changes nothing.
  */
 int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, int64_t now,
                               const cg_lifetimes *lt, char *err, size_t errlen);
@@ -75,7 +81,7 @@ void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content,
 
 /* The state as the client's context frame shows it (DESIGN.md section 3). New reference. */
 json_t *cg_dialog_context(const cg_dialog *d);
-/* Everything, expiry times included, for a store. New reference. */
+/* Everything, expiry times included, for a store. New reference; NULL out of memory. */
 json_t *cg_dialog_to_json(const cg_dialog *d);
 /* Reads what cg_dialog_to_json wrote; missing or wrong-typed parts are left empty. */
 void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now);

@@ -11,7 +11,8 @@
  *   5. soft context (priority 2): forwarded while fresh, never changes the route;
  *   6. enrichment (priority 3): follow-ups rewritten with the previous user message;
  *   7. route: route rules, else the awaiting source, else the default upstream.
- * Pure: the dialog is changed in place; the time is passed in.
+ * Pure: the dialog is changed in place; the time is passed in. All or nothing: when the
+ * merge is refused (error), nothing of the dialog has changed, awaiting included.
  */
 #ifndef CHATGATE_PIPELINE_H
 #define CHATGATE_PIPELINE_H
@@ -32,7 +33,7 @@ typedef struct cg_pipeline_result {
     json_t *rules;         /* names of the rules that fired */
     json_t *limited;       /* rules cut off by a match limit */
     int soft_context_hit;  /* a fresh soft context goes along */
-    int error;             /* CG_E_TOO_LARGE: params over the cap; nothing was merged */
+    int error;             /* CG_E_TOO_LARGE: params over the cap; the dialog is as it was */
     char error_message[256];
 } cg_pipeline_result;
 

@@ -1,11 +1,15 @@
 /*
  * test_dialog.c: the dialog model: merge (new > cached > defaults), the params cap,
- * forget, state directives, expiry, history FIFO, and the JSON round trip the stores use.
+ * all or nothing over several services (in the pipeline and in a directive), forget with
+ * service names of any length, state directives, expiry, history FIFO, and the JSON round
+ * trip the stores use.
  */
 #include <stdlib.h>
 
 #include "chatgate/dialog.h"
 #include "chatgate/error.h"
+#include "chatgate/pipeline.h"
+#include "chatgate/rules.h"
 #include "unit.h"
 
 static cg_lifetimes lt;
@@ -78,6 +82,122 @@ static void test_cap(void)
     CHECK(param(&d, "travel", "to") == NULL);
     json_decref(ok);
     json_decref(toobig);
+    cg_dialog_free(&d);
+}
+
+/* The whole dialog as text, to compare before and after. */
+static char *dialog_text(const cg_dialog *d)
+{
+    json_t *j = cg_dialog_to_json(d);
+    char *s = json_dumps(j, JSON_COMPACT | JSON_SORT_KEYS);
+    json_decref(j);
+    return s;
+}
+
+/*
+ * Two services' params from one message, the second over the cap (issue 9, defect 12):
+ * the first was merged and the awaiting state cleared before the second was refused, and
+ * that half state was saved. Now the message changes nothing.
+ */
+static void test_pipeline_cap_all_or_nothing(void)
+{
+    static const char rules[] = "rule small_one\n  match \\bsmall\\s+(?<x>\\w+)\n  do params alpha\n"
+                                "rule big_one\n  match \\bbig\\s+(?<y>\\w+)\n  do params beta\n";
+    cg_ruleset *rs = NULL;
+    char err[256];
+    CHECK(cg_rules_load_text("test.rules", rules, strlen(rules), &rs, err, sizeof(err)) == 0);
+    if (!rs) {
+        fprintf(stderr, "rules: %s\n", err);
+        return;
+    }
+    static cg_config cfg;
+    cfg.n_upstreams = 1;
+    cfg.upstreams[0].name = "app";
+    cg_lifetimes small = lt;
+    small.params_cap = 64;
+
+    cg_dialog d;
+    cg_dialog_init(&d, 1000);
+    d.service = strdup("gamma");
+    d.awaiting = json_pack("{s:s, s:s}", "type", "input", "source", "app"); /* any text resolves it */
+    d.awaiting_expires = 5000;
+    json_t *kept = json_pack("{s:s}", "z", "kept");
+    CHECK(cg_dialog_merge_params(&d, "gamma", kept, &small, err, sizeof(err)) == 0);
+    char *before = dialog_text(&d);
+
+    char text[200];
+    snprintf(text, sizeof(text), "small one big %0100d", 7);
+    cg_pipeline_result p;
+    cg_pipeline_run(&cfg, rs, &d, text, 1001, &small, &p);
+    CHECK(p.error == CG_E_TOO_LARGE);
+    CHECK(strstr(p.error_message, "over the 64-byte cap") != NULL);
+    CHECK(p.resolution == NULL); /* nothing was resolved either */
+    char *after = dialog_text(&d);
+    CHECK_STR(after, before);
+    CHECK(param(&d, "alpha", "x") == NULL);
+    CHECK(d.awaiting != NULL);
+    cg_pipeline_result_free(&p);
+    free(after);
+
+    /* within the cap, both services land and the awaiting state is resolved */
+    cg_pipeline_run(&cfg, rs, &d, "small one big two", 1002, &small, &p);
+    CHECK(p.error == 0);
+    CHECK_STR(param(&d, "alpha", "x"), "one");
+    CHECK_STR(param(&d, "beta", "y"), "two");
+    CHECK(d.awaiting == NULL);
+    CHECK_STR(json_string_value(json_object_get(p.resolution, "type")), "input");
+    cg_pipeline_result_free(&p);
+
+    free(before);
+    json_decref(kept);
+    cg_dialog_free(&d);
+    cg_ruleset_unref(rs);
+}
+
+/* A directive refused for its params changes nothing, service and awaiting included. */
+static void test_directive_all_or_nothing(void)
+{
+    cg_dialog d;
+    char err[256];
+    cg_lifetimes small = lt;
+    small.params_cap = 64;
+    cg_dialog_init(&d, 1000);
+    d.service = strdup("travel");
+    char *before = dialog_text(&d);
+    char big[120];
+    memset(big, 'x', sizeof(big) - 1);
+    big[sizeof(big) - 1] = 0;
+    json_t *state = json_pack("{s:s, s:{s:s}, s:{s:s}, s:{s:i}, s:[i]}", "service", "food", "params", "city", big,
+                              "awaiting", "type", "confirmation", "soft_context", "n", 1, "last_tool_result", 1);
+    CHECK(cg_dialog_apply_directive(&d, state, "app", 1001, &small, err, sizeof(err)) == CG_E_TOO_LARGE);
+    char *after = dialog_text(&d);
+    CHECK_STR(after, before);
+    CHECK_STR(d.service, "travel");
+    free(before);
+    free(after);
+    json_decref(state);
+    cg_dialog_free(&d);
+}
+
+/* "service.name" keys whose service is longer than any fixed buffer still name it. */
+static void test_forget_long_service(void)
+{
+    cg_dialog d;
+    char err[256];
+    cg_dialog_init(&d, 0);
+    d.service = strdup("other");
+    char service[301];
+    memset(service, 's', 300);
+    service[300] = 0;
+    json_t *p = json_pack("{s:s}", "name", "v");
+    CHECK(cg_dialog_merge_params(&d, service, p, &lt, err, sizeof(err)) == 0);
+    char key[320];
+    snprintf(key, sizeof(key), "%s.name", service);
+    json_t *keys = json_pack("[s]", key);
+    CHECK(cg_dialog_forget(&d, keys) == 1);
+    CHECK(json_object_size(d.params) == 0);
+    json_decref(keys);
+    json_decref(p);
     cg_dialog_free(&d);
 }
 
@@ -172,6 +292,9 @@ int main(void)
     cg_lifetimes_default(&lt);
     test_merge();
     test_cap();
+    test_pipeline_cap_all_or_nothing();
+    test_directive_all_or_nothing();
+    test_forget_long_service();
     test_directive_and_expiry();
     test_history_and_round_trip();
     return unit_done("test_dialog");
