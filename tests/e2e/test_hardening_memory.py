@@ -11,11 +11,15 @@ Covers:
   read again, then a fourth: the bytes held (chatgate_store_memory_bytes) stay under the
   bound, the least recently used dialog goes, counted in
   chatgate_store_evictions_total{reason="bytes"}, the others keep their history; a
-  max_store_bytes under 16384 is refused at start.
+  max_store_bytes under 16384 is refused at start;
+- params cap, all or nothing (defect 12): rules that extract params for two services from one
+  message, the second over params_cap: the message is refused with too_large and the dialog
+  (context.get) is as it was, the first service's params unchanged.
 """
 
 import asyncio
-import json
+import tempfile
+from pathlib import Path
 
 import harness
 from harness import Client, check, independent, step
@@ -119,9 +123,35 @@ async def part_byte_bound():
         check(code != 0 and "max_store_bytes" in out, f"status {code}, output {out[-300:]!r}")
 
 
+TWO_SERVICE_RULES = """rule small_one
+  match \\bsmall\\s+(?<x>\\w+)
+  do params alpha
+rule big_one
+  match \\bbig\\s+(?<y>\\w+)
+  do params beta
+"""
+
+
+async def part_params_cap():
+    rules = Path(tempfile.mkdtemp(prefix="chatgate-e2e-rules-"))
+    (rules / "10-two.rules").write_text(TWO_SERVICE_RULES)
+    async with harness.Gateway(["--rules", rules], config(params_cap=64), name="gateway-cap") as gw:
+        client = await Client.connect(gw)
+        with step("params of two services, the second over params_cap 64: refused, nothing kept"):
+            (await client.message("small one", mid="c1", room="cap")).expect_done()
+            turn = await client.message("small two big " + "y" * 100, mid="c2", room="cap")
+            errors = [f for f in turn.frames if f.get("type") == "error"]
+            check(errors and errors[-1].get("code") == "too_large", f"expected too_large: {turn.describe()}")
+            state = await context_state(client, "cap")
+            check(state.get("params") == {"alpha": {"x": "one"}},
+                  f"params after the refused message should be as before: {state.get('params')}")
+        await client.close()
+
+
 async def main(args):
     await independent(part_long_ids())
     await independent(part_byte_bound())
+    await independent(part_params_cap())
 
 
 if __name__ == "__main__":
