@@ -1,9 +1,10 @@
 /*
  * log.h: one line per event on stderr, with a level, as text or as JSON.
  *
- * Every line is masked before it is written: e-mail addresses, phone numbers and tokens
- * (bearer tokens, JWTs, API keys, resume tokens, token query parameters) become [email],
- * [phone], [token], whoever logged them (an upstream's error text can quote a user).
+ * Every line is masked before it is written, and before it is cut to its 2,048-byte bound:
+ * e-mail addresses, phone numbers (international and national forms) and tokens (bearer
+ * tokens, JWTs, API keys, resume tokens, token query parameters) become [email], [phone],
+ * [token], whoever logged them (an upstream's error text can quote a user).
  * libwebsockets' own log lines are routed here too, at warning and error level.
  */
 #ifndef CHATGATE_LOG_H
@@ -23,8 +24,12 @@ int cg_log_level_parse(const char *name);
 void cg_log_set_level(cg_log_level level);
 /* 1: one JSON object per line ({"ts","level","pid","msg"}); 0: text (the default). */
 void cg_log_set_json(int json);
-/* Masks PII and secrets in text into out (always NUL-terminated); returns out. */
+/* Masks PII and secrets in text into out (always NUL-terminated, cut on a UTF-8 boundary
+ * after masking, bytes that are not UTF-8 as '?'); returns out. */
 char *cg_log_mask(const char *text, char *out, size_t outlen);
+/* The same into a new string of the length it needs (malloc'd); NULL when it cannot be
+ * masked (the caller then writes nothing of text). */
+char *cg_log_mask_dup(const char *text);
 int cg_log_enabled(cg_log_level level);
 /* Hands libwebsockets' log lines to cg_log. */
 void cg_log_route_lws(void);
