@@ -154,10 +154,10 @@ int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
         d->history = json_array();
     }
     /* most recently used: to the end of the order */
+    size_t n = bytes_of(entry); /* read first: a failed set below frees the entry */
     json_incref(entry);
     json_object_del(m->entries, key);
     if (json_object_set_new(m->entries, key, entry) < 0) { /* out of memory: the entry is gone */
-        size_t n = bytes_of(entry);
         m->bytes -= n < m->bytes ? n : m->bytes;
         publish_bytes(m);
     }
