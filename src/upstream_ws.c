@@ -285,7 +285,7 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
             error = NULL; /* the error still goes out, without the app's code */
         }
         if (c->reply_bytes)
-            call_fail(k, CG_E_UPSTREAM_ERROR, error, "answered with an error mid-reply, after %zu bytes of reply "
+            call_fail(k, CG_E_UPSTREAM_ERROR, error, "failed mid-reply, after %zu bytes of reply "
                       "text: %.300s", c->reply_bytes, what);
         else
             call_fail(k, CG_E_UPSTREAM_ERROR, error, "answered with an error: %.300s", what);

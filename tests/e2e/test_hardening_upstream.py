@@ -32,7 +32,6 @@ After each error the client connection stays up.
 
 import asyncio
 import json
-import time
 
 import websockets
 
@@ -114,8 +113,7 @@ class LongApp:
     async def __aenter__(self):
         self.server = await websockets.serve(self._handler, "127.0.0.1", 0, max_size=2**22,
                                              write_limit=64 * 1024)
-        sock = self.server.sockets[0]
-        self.port = sock.getsockname()[1]
+        self.port = self.server.sockets[0].getsockname()[1]
         return self
 
     async def __aexit__(self, *exc):
