@@ -255,3 +255,17 @@ char *cg_protocol_error(const char *id, const char *code, const char *message)
     free(clean);
     return frame;
 }
+
+char *cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail)
+{
+    char *frame = cg_protocol_error(id, code, message);
+    if (!json_is_object(detail) || json_object_size(detail) == 0)
+        return frame;
+    json_t *o = json_loads(frame, 0, NULL);
+    if (!o || json_object_update_missing(o, detail) < 0) {
+        json_decref(o);
+        return frame; /* the error itself still goes out, without the detail */
+    }
+    free(frame);
+    return cg_protocol_dump(o);
+}

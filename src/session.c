@@ -169,7 +169,8 @@ static void session_send(cg_session *s, char *json)
     out_push(s, o);
 }
 
-static void session_send_error(cg_session *s, const char *id, int err, const char *message)
+/* An error frame; detail (borrowed, may be NULL) adds what an upstream said. */
+static void session_send_error_detail(cg_session *s, const char *id, int err, const char *message, json_t *detail)
 {
     int slot = err - CG__ERR_FIRST - 1;
     if (slot >= 0 && slot < 16)
@@ -178,7 +179,12 @@ static void session_send_error(cg_session *s, const char *id, int err, const cha
         s->gw->metrics.bad_frames++;
     else if (err == CG_E_RATE_LIMITED)
         s->gw->metrics.rate_limited++;
-    session_send(s, cg_protocol_error(id, cg_err_code(err), message));
+    session_send(s, cg_protocol_error_detail(id, cg_err_code(err), message, detail));
+}
+
+static void session_send_error(cg_session *s, const char *id, int err, const char *message)
+{
+    session_send_error_detail(s, id, err, message, NULL);
 }
 
 /* Appends delta text, to the pending delta of the same message when there is one. */
@@ -400,13 +406,13 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
     msg_finish(m);
 }
 
-static void on_upstream_error(void *ctx, int err, const char *message)
+static void on_upstream_error(void *ctx, int err, const char *message, json_t *detail)
 {
     cg_msg *m = ctx;
     m->call = NULL;
     m->s->gw->metrics.upstream_errors[m->route]++;
     cg_info("session %s: message %s: %s: %s", m->s->session_id, m->id, cg_err_code(err), message);
-    session_send_error(m->s, m->id, err, message);
+    session_send_error_detail(m->s, m->id, err, message, detail);
     turn_save(m, TURN_ERROR);
     msg_finish(m);
 }

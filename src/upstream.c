@@ -1,6 +1,7 @@
 /*
- * upstream.c: what the upstream kinds share: picking the ops for a URL's kind, resolving
- * host names off the event loop, and opening an lws client connection.
+ * upstream.c: what the upstream kinds share: picking the ops for a URL's kind, reporting a
+ * failed call (the message and what the upstream itself said), resolving host names off
+ * the event loop, and opening an lws client connection.
  */
 #include <arpa/inet.h>
 #include <stdio.h>
@@ -9,7 +10,10 @@
 
 #include "chatgate/gateway.h"
 #include "chatgate/log.h"
+#include "chatgate/protocol.h"
 #include "chatgate/upstream.h"
+
+#define MAX_DETAIL_STRING 128 /* bytes kept of an upstream's error type or code */
 
 void cg_upstream_init(cg_upstream *up, cg_gateway *gw, const cg_upstream_config *cfg)
 {
@@ -20,6 +24,60 @@ void cg_upstream_init(cg_upstream *up, cg_gateway *gw, const cg_upstream_config 
     case CG_UPSTREAM_OPENAI: up->ops = &cg_upstream_openai_ops; break;
     case CG_UPSTREAM_WS: up->ops = &cg_upstream_ws_ops; break;
     }
+}
+
+/* Sets key to a copy of a string or integer value; 0 when value is neither (nothing set). */
+static int detail_set(json_t *detail, const char *key, json_t *value, int integer_ok)
+{
+    json_t *copy = NULL;
+    if (json_is_string(value)) {
+        const char *s = json_string_value(value);
+        size_t len = json_string_length(value);
+        copy = json_stringn(s, len > MAX_DETAIL_STRING ? cg_utf8_boundary(s, MAX_DETAIL_STRING) : len);
+    } else if (integer_ok && json_is_integer(value)) {
+        copy = json_integer(json_integer_value(value));
+    } else {
+        return 0;
+    }
+    return json_object_set_new(detail, key, copy); /* steals copy, even a NULL one (-1) */
+}
+
+json_t *cg_upstream_error_detail(int status, json_t *error)
+{
+    json_t *detail = json_object();
+    if (!detail)
+        return NULL;
+    if (status > 0 && json_object_set_new(detail, "status", json_integer(status)) < 0)
+        goto fail;
+    if (json_is_object(error) && (detail_set(detail, "upstream_type", json_object_get(error, "type"), 0) < 0 ||
+                                  detail_set(detail, "upstream_code", json_object_get(error, "code"), 1) < 0))
+        goto fail;
+    if (json_object_size(detail) > 0)
+        return detail;
+fail:
+    json_decref(detail);
+    return NULL;
+}
+
+void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream_config *cfg, int err, int status,
+                      json_t *error, const char *fmt, va_list ap)
+{
+    va_list again;
+    va_copy(again, ap);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    size_t prefix = strlen("upstream '' ") + strlen(cfg->name);
+    size_t size = prefix + (n > 0 ? (size_t)n : 0) + 1;
+    char *message = malloc(size);
+    if (!message)
+        abort();
+    snprintf(message, size, "upstream '%s' ", cfg->name);
+    if (n > 0)
+        vsnprintf(message + prefix, size - prefix, fmt, again);
+    va_end(again);
+    json_t *detail = cg_upstream_error_detail(status, error);
+    ev->on_error(ctx, err, message, detail);
+    json_decref(detail);
+    free(message);
 }
 
 /*

@@ -6,15 +6,24 @@
  * -> read server-sent events, each a chunk with choices[0].delta.content, until
  * `data: [DONE]`. One uv timer enforces the phase's deadline: connect_timeout_ms until the
  * request is sent, first_byte_timeout_ms until the response's first bytes, idle_timeout_ms
- * between reads. Cancel closes the HTTP connection, which is how the backend learns to stop
- * generating. A 4xx/5xx answer becomes upstream_error carrying the server's own message.
+ * between reads; the last two do not run while the call is paused (we are not reading, so
+ * the upstream's silence means nothing) and start afresh on resume. Cancel closes the HTTP
+ * connection, which is how the backend learns to stop generating.
+ *
+ * Failures say what happened (README, "Error codes"): not reached, or no HTTP answer ->
+ * upstream_unavailable; a stream that ends without [DONE] or a finish_reason (cut) ->
+ * upstream_unavailable, "mid-reply" only when reply text had come; a 4xx/5xx answer, an
+ * error event, or a body that is not the protocol -> upstream_error. The error carries the
+ * HTTP status and the server's own error type and code (cg_upstream_error_detail).
  *
  * Lifetime: the call holds a reference for its timer and one for its wsi; it is freed when
  * both are gone, whatever ended it (done, error, cancel, timeout).
  */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "chatgate/error.h"
 #include "chatgate/gateway.h"
@@ -40,7 +49,10 @@ struct cg_upstream_call {
     char *path;
     char *body;
     size_t body_len;
-    int status;
+    int status;       /* the HTTP status, 0 until the response headers came */
+    int request_sent; /* the whole body went out: a connection error now is no answer */
+    int event_stream; /* the answer's Content-Type is text/event-stream */
+    size_t reply_bytes; /* of delta text relayed */
     int events_seen;
     int finish_seen; /* a chunk with a finish_reason: the reply is complete */
     int paused;
@@ -82,21 +94,20 @@ static void call_end(cg_upstream_call *c)
         lws_set_timeout(c->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT, LWS_TO_KILL_ASYNC);
 }
 
-static void call_fail(cg_upstream_call *c, int err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void call_fail(cg_upstream_call *c, int err, const char *fmt, ...)
+/* Ends the call with an error; error is the server's own error object (borrowed) or NULL. */
+static void call_fail(cg_upstream_call *c, int err, json_t *error, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void call_fail(cg_upstream_call *c, int err, json_t *error, const char *fmt, ...)
 {
     if (!c->ev)
         return;
-    char msg[512];
-    int n = snprintf(msg, sizeof(msg), "upstream '%s' ", c->up->cfg->name);
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg + n, sizeof(msg) - (size_t)n, fmt, ap);
-    va_end(ap);
     const cg_upstream_events *ev = c->ev;
     void *ctx = c->ctx;
     call_end(c);
-    ev->on_error(ctx, err, msg);
+    va_list ap;
+    va_start(ap, fmt);
+    cg_upstream_fail(ev, ctx, c->up->cfg, err, c->status, error, fmt, ap);
+    va_end(ap);
 }
 
 static void call_done(cg_upstream_call *c)
@@ -119,16 +130,22 @@ static void on_timeout(uv_timer_t *t)
     const cg_upstream_config *cfg = c->up->cfg;
     int ms = c->phase == PHASE_CONNECT ? cfg->connect_timeout_ms
              : c->phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
-    call_fail(c, CG_E_UPSTREAM_TIMEOUT, "%s within %d ms (%s)", what[c->phase], ms, key[c->phase]);
+    call_fail(c, CG_E_UPSTREAM_TIMEOUT, NULL, "%s within %d ms (%s)", what[c->phase], ms, key[c->phase]);
 }
 
+/* Starts the phase's deadline afresh; a paused call waits for no first byte and no read
+ * (the connect still runs, paused or not). */
 static void arm(cg_upstream_call *c, call_phase phase)
 {
     const cg_upstream_config *cfg = c->up->cfg;
     int ms = phase == PHASE_CONNECT ? cfg->connect_timeout_ms
              : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
     c->phase = phase;
-    if (c->ev)
+    if (!c->ev)
+        return;
+    if (c->paused && phase != PHASE_CONNECT)
+        uv_timer_stop(&c->timer);
+    else
         uv_timer_start(&c->timer, on_timeout, (uint64_t)ms, 0);
 }
 
@@ -148,14 +165,19 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
     json_t *o = json_loadb(data, len, 0, &jerr);
     if (!json_is_object(o)) {
         json_decref(o);
-        call_fail(c, CG_E_UPSTREAM_ERROR, "sent an event that is not a JSON object: %.80s", data);
+        call_fail(c, CG_E_UPSTREAM_ERROR, NULL, "sent an event that is not a JSON object: %.80s", data);
         return 1;
     }
     json_t *err = json_object_get(o, "error");
     if (err) {
         json_t *m = json_is_object(err) ? json_object_get(err, "message") : err;
-        call_fail(c, CG_E_UPSTREAM_ERROR, "failed mid-reply: %.300s",
-                  json_is_string(m) ? json_string_value(m) : "(no message)");
+        const char *text = json_is_string(m) ? json_string_value(m) : "(no message)";
+        if (c->reply_bytes)
+            call_fail(c, CG_E_UPSTREAM_ERROR, err, "failed mid-reply, after %zu bytes of reply text: %.300s",
+                      c->reply_bytes, text);
+        else
+            call_fail(c, CG_E_UPSTREAM_ERROR, err, "answered with an error event before any reply text: %.300s",
+                      text);
         json_decref(o);
         return 1;
     }
@@ -169,8 +191,10 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
     if (finish && !json_is_null(finish))
         c->finish_seen = 1;
     json_t *content = json_object_get(json_object_get(choice, "delta"), "content");
-    if (json_is_string(content) && json_string_length(content) > 0)
+    if (json_is_string(content) && json_string_length(content) > 0) {
+        c->reply_bytes += json_string_length(content);
         c->ev->on_delta(c->ctx, json_string_value(content), json_string_length(content));
+    }
     json_decref(o);
     return c->ev ? 0 : 1;
 }
@@ -185,7 +209,7 @@ static void fail_with_status(cg_upstream_call *c)
     if (!json_is_string(m))
         m = json_object_get(o, "message");
     const char *text = json_is_string(m) ? json_string_value(m) : c->error_body;
-    call_fail(c, CG_E_UPSTREAM_ERROR, "answered HTTP %d: %.300s", c->status, *text ? text : "(empty body)");
+    call_fail(c, CG_E_UPSTREAM_ERROR, err, "answered HTTP %d: %.300s", c->status, *text ? text : "(empty body)");
     json_decref(o);
 }
 
@@ -200,19 +224,36 @@ static void on_body(cg_upstream_call *c, const char *in, size_t len)
         return;
     }
     if (cg_sse_feed(&c->sse, in, len) < 0)
-        call_fail(c, CG_E_UPSTREAM_ERROR, "sent an event over %d bytes", MAX_EVENT_BYTES);
+        call_fail(c, CG_E_UPSTREAM_ERROR, NULL, "sent an event over %d bytes", MAX_EVENT_BYTES);
 }
 
-static void on_complete(cg_upstream_call *c)
+/*
+ * The response ended, cleanly or not: lws 4.1 reports a connection reset mid-body as a
+ * completed response too, so a stream without [DONE] or a finish_reason is taken as cut.
+ */
+static void on_end(cg_upstream_call *c)
 {
     if (c->status >= 300)
         fail_with_status(c);
-    else if (!c->events_seen)
-        call_fail(c, CG_E_UPSTREAM_ERROR, "answered without any server-sent event (is it OpenAI-compatible?)");
     else if (c->finish_seen)
         call_done(c); /* no [DONE], but the last chunk said why it finished */
+    else if (c->reply_bytes)
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                  "cut the stream mid-reply, after %zu bytes of reply text (no [DONE])", c->reply_bytes);
+    else if (c->events_seen || c->event_stream)
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "cut the stream before any reply text (no [DONE])");
     else
-        call_fail(c, CG_E_UPSTREAM_ERROR, "ended the stream before the reply was complete (no [DONE])");
+        call_fail(c, CG_E_UPSTREAM_ERROR, NULL,
+                  "answered HTTP %d without any server-sent event (is it OpenAI-compatible?)", c->status);
+}
+
+/* Notes the answer's status and whether it is an event stream. */
+static void on_response(cg_upstream_call *c, struct lws *wsi)
+{
+    c->status = (int)lws_http_client_http_response(wsi);
+    char type[128];
+    c->event_stream = lws_hdr_copy(wsi, type, sizeof(type), WSI_TOKEN_HTTP_CONTENT_TYPE) > 0 &&
+                      strncasecmp(type, "text/event-stream", 17) == 0;
 }
 
 /* ---- the connection ------------------------------------------------------------------- */
@@ -230,11 +271,21 @@ static int add_headers(cg_upstream_call *c, struct lws *wsi, unsigned char **p, 
         return -1;
     const char *key = c->up->cfg->api_key_env ? getenv(c->up->cfg->api_key_env) : NULL;
     if (key && *key) {
-        char auth[1024];
-        int n = snprintf(auth, sizeof(auth), "Bearer %s", key);
-        if (n >= (int)sizeof(auth) ||
-            lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_AUTHORIZATION, (const unsigned char *)auth, n, p, end))
+        /* built with its real length: a key is as long as its issuer likes */
+        size_t n = strlen("Bearer ") + strlen(key);
+        char *auth = malloc(n + 1);
+        if (!auth)
             return -1;
+        snprintf(auth, n + 1, "Bearer %s", key);
+        int rc = n > INT_MAX ? -1
+                             : lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_AUTHORIZATION,
+                                                            (const unsigned char *)auth, (int)n, p, end);
+        free(auth);
+        if (rc) {
+            call_fail(c, CG_E_UPSTREAM_ERROR, NULL, "request could not be sent: the API key in %s (%zu bytes) "
+                      "does not fit the request headers", c->up->cfg->api_key_env, strlen(key));
+            return -1;
+        }
     }
     lws_client_http_body_pending(wsi, 1);
     lws_callback_on_writable(wsi);
@@ -250,6 +301,7 @@ static int write_body(cg_upstream_call *c, struct lws *wsi)
     int n = lws_write(wsi, buf + LWS_PRE, c->body_len, LWS_WRITE_HTTP_FINAL);
     free(buf);
     lws_client_http_body_pending(wsi, 0);
+    c->request_sent = 1;
     arm(c, PHASE_FIRST_BYTE);
     return n < (int)c->body_len ? -1 : 0;
 }
@@ -278,7 +330,7 @@ int cg_upstream_openai_callback(struct lws *wsi, enum lws_callback_reasons reaso
             return -1;
         return write_body(c, wsi);
     case LWS_CALLBACK_ESTABLISHED_CLIENT_HTTP:
-        c->status = (int)lws_http_client_http_response(wsi);
+        on_response(c, wsi);
         return c->ev ? 0 : -1;
     case LWS_CALLBACK_RECEIVE_CLIENT_HTTP: {
         char buf[4096 + LWS_PRE];
@@ -293,17 +345,27 @@ int cg_upstream_openai_callback(struct lws *wsi, enum lws_callback_reasons reaso
             on_body(c, in, len);
         return c->ev ? 0 : -1;
     case LWS_CALLBACK_COMPLETED_CLIENT_HTTP:
-        on_complete(c);
+        on_end(c);
         return -1;
     case LWS_CALLBACK_CLIENT_CONNECTION_ERROR:
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, "could not be reached: %s", in ? (const char *)in : "connection failed");
+        /* lws says so both when the connect fails and when no HTTP response comes */
+        if (c->request_sent)
+            call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "sent no HTTP answer to the request: %s",
+                      in ? (const char *)in : "connection lost");
+        else
+            call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s",
+                      in ? (const char *)in : "connection failed");
         wsi_gone(wsi, c);
         return 0;
     case LWS_CALLBACK_CLOSED_CLIENT_HTTP:
-        call_fail(c, CG_E_UPSTREAM_ERROR, "closed the connection before the reply ended");
+        if (c->status)
+            on_end(c);
+        else
+            call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection before answering");
         wsi_gone(wsi, c);
         return 0;
-    case LWS_CALLBACK_WSI_DESTROY:
+    case LWS_CALLBACK_WSI_DESTROY: /* the last word: a call still waiting would wait for ever */
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost");
         wsi_gone(wsi, c);
         return 0;
     default:
@@ -318,7 +380,7 @@ static void on_resolved(void *data, const char *address, const char *err)
     cg_upstream_call *c = data;
     c->resolve = NULL;
     if (!address) {
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, "%s ('%s')", err, c->up->cfg->host);
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "%s ('%s')", err, c->up->cfg->host);
         return;
     }
     c->refs++; /* the wsi's; dropped by wsi_gone */
@@ -326,36 +388,52 @@ static void on_resolved(void *data, const char *address, const char *err)
     if (!cg_upstream_connect(c->up, address, c->path, "POST", CG_LWS_PROTOCOL_OPENAI, c, &c->wsi) &&
         c->refs > 1) {
         /* lws gave up before any callback could report it */
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, "could not be reached at %s:%d", address, c->up->cfg->port);
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached at %s:%d", address, c->up->cfg->port);
         call_unref(c);
     } else if (c->wsi && c->paused) {
         lws_rx_flow_control(c->wsi, 0);
     }
 }
 
-/* system (prompt + state summary), the history, then the user's message */
+/* Appends {"role": role, "content": content}; -1 when it cannot be built (text that is not
+ * UTF-8, no memory), so that no message is silently left out of the request. */
+static int append_message(json_t *messages, const char *role, json_t *content)
+{
+    return content ? json_array_append_new(messages, json_pack("{s:s, s:o}", "role", role, "content", content)) : -1;
+}
+
+/* system (prompt + state summary), the history, then the user's message; NULL on failure */
 static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message *m, size_t *len)
 {
     json_t *messages = json_array();
+    if (!messages)
+        return NULL;
     const char *prompt = cfg->system_prompt ? cfg->system_prompt : "";
     const char *summary = m->summary ? m->summary : "";
-    size_t n = strlen(prompt) + strlen(summary) + 2;
-    char *system = malloc(n);
-    if (!system)
-        abort();
-    snprintf(system, n, "%s%s%s", prompt, *prompt && *summary ? "\n" : "", summary);
-    if (*system)
-        json_array_append_new(messages, json_pack("{s:s, s:s}", "role", "system", "content", system));
-    free(system);
+    int failed = 0;
+    if (*prompt || *summary) {
+        size_t n = strlen(prompt) + strlen(summary) + 2;
+        char *system = malloc(n);
+        if (system) {
+            snprintf(system, n, "%s%s%s", prompt, *prompt && *summary ? "\n" : "", summary);
+            failed |= append_message(messages, "system", json_string(system)) < 0;
+            free(system);
+        } else {
+            failed = 1;
+        }
+    }
     size_t i;
     json_t *h;
     json_array_foreach(m->history, i, h) {
         json_t *role = json_object_get(h, "role"), *content = json_object_get(h, "content");
         if (json_is_string(role) && json_is_string(content))
-            json_array_append_new(messages, json_pack("{s:O, s:O}", "role", role, "content", content));
+            failed |= append_message(messages, json_string_value(role), json_incref(content)) < 0;
     }
-    json_array_append_new(messages, json_pack("{s:s, s:s}", "role", "user", "content",
-                                              m->enriched ? m->enriched : m->text));
+    failed |= append_message(messages, "user", json_string(m->enriched ? m->enriched : m->text)) < 0;
+    if (failed) {
+        json_decref(messages);
+        return NULL;
+    }
     json_t *o = json_pack("{s:s, s:b, s:{s:b}, s:o}", "model", cfg->model ? cfg->model : "default", "stream", 1,
                           "stream_options", "include_usage", 1, "messages", messages);
     if (!o)
@@ -410,9 +488,13 @@ static void openai_cancel(cg_upstream_call *c)
 
 static void openai_pause(cg_upstream_call *c, int paused)
 {
-    c->paused = paused;
+    if (c->ended || c->paused == !!paused)
+        return;
+    c->paused = !!paused;
     if (c->wsi)
         lws_rx_flow_control(c->wsi, !paused);
+    if (c->phase != PHASE_CONNECT) /* connecting goes on, paused or not: its deadline stays */
+        arm(c, c->phase);          /* stops the first-byte or idle deadline, or starts it afresh */
 }
 
 const cg_upstream_ops cg_upstream_openai_ops = {

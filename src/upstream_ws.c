@@ -6,7 +6,11 @@
  * frame; the app answers with delta/done/error frames carrying the same id, and frames of
  * any other id (a cancelled message's tail, say) are dropped. Cancel sends the app
  * {"type":"cancel","id":...}. If the app closes or cannot be reached, the message in flight
- * gets upstream_unavailable and the next message opens a new connection.
+ * gets upstream_unavailable and the next message opens a new connection. An app's error
+ * frame gives upstream_error with its message, and its "code" as upstream_code.
+ *
+ * Pausing (the client reads slowly) stops reading from the app; it belongs to the call in
+ * flight, and the first-byte and idle deadlines do not run while it lasts.
  *
  * A connection (ws_conn) holds a reference for its timer and one for its wsi, and is freed
  * when both are gone. The session's slot points at the live connection; a connection that
@@ -19,7 +23,6 @@
 #include "chatgate/error.h"
 #include "chatgate/gateway.h"
 #include "chatgate/log.h"
-#include "chatgate/protocol.h"
 #include "chatgate/upstream.h"
 
 #define MAX_APP_FRAME (1 << 20) /* one frame from the app */
@@ -57,9 +60,15 @@ struct cg_upstream_call {
     ws_conn *conn;
     const cg_upstream_events *ev;
     void *ctx;
-    char id[CG_MAX_ID + 1];
-    int got_delta;
+    char *id;           /* the message's, whole: frames are matched on it */
+    size_t reply_bytes; /* of delta text relayed */
 };
+
+static void call_free(cg_upstream_call *c)
+{
+    free(c->id);
+    free(c);
+}
 
 static void conn_unref(ws_conn *k)
 {
@@ -82,13 +91,14 @@ static void timer_closed(uv_handle_t *h)
 
 static void on_timeout(uv_timer_t *t);
 
+/* Starts the phase's deadline afresh; while paused only the connect deadline runs. */
 static void arm(ws_conn *k, conn_phase phase)
 {
     const cg_upstream_config *cfg = k->up->cfg;
     k->phase = phase;
     if (k->dead)
         return;
-    if (phase == PHASE_NONE) {
+    if (phase == PHASE_NONE || (k->paused && phase != PHASE_CONNECT)) {
         uv_timer_stop(&k->timer);
         return;
     }
@@ -97,25 +107,52 @@ static void arm(ws_conn *k, conn_phase phase)
     uv_timer_start(&k->timer, on_timeout, (uint64_t)ms, 0);
 }
 
-/* Ends the call in flight with an error; the connection itself is left as it is. */
-static void call_fail(ws_conn *k, int err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void call_fail(ws_conn *k, int err, const char *fmt, ...)
+/* Reading from the app stops while paused; the first-byte and idle deadlines with it. */
+static void conn_pause(ws_conn *k, int paused)
+{
+    if (k->paused == paused)
+        return;
+    k->paused = paused;
+    if (k->wsi && k->open)
+        lws_rx_flow_control(k->wsi, !paused);
+    if (k->phase != PHASE_CONNECT)
+        arm(k, k->phase);
+}
+
+/* The call in flight is over: the connection waits for the next, unpaused (the pause was
+ * the call's; a cancelled reply's tail is read and dropped). */
+static void call_detach(ws_conn *k)
+{
+    k->call = NULL;
+    arm(k, PHASE_NONE);
+    conn_pause(k, 0);
+}
+
+/* Ends the call in flight with an error; the connection itself is left as it is. error is
+ * the app's own error detail ({"code": ...}, borrowed) or NULL. */
+static void call_fail(ws_conn *k, int err, json_t *error, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void call_fail(ws_conn *k, int err, json_t *error, const char *fmt, ...)
 {
     cg_upstream_call *c = k->call;
     if (!c)
         return;
-    char msg[512];
-    int n = snprintf(msg, sizeof(msg), "upstream '%s' ", k->up->cfg->name);
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg + n, sizeof(msg) - (size_t)n, fmt, ap);
-    va_end(ap);
-    k->call = NULL;
-    arm(k, PHASE_NONE);
+    call_detach(k);
     const cg_upstream_events *ev = c->ev;
     void *ctx = c->ctx;
-    free(c);
-    ev->on_error(ctx, err, msg);
+    call_free(c);
+    va_list ap;
+    va_start(ap, fmt);
+    cg_upstream_fail(ev, ctx, k->up->cfg, err, 0, error, fmt, ap);
+    va_end(ap);
+}
+
+/* {"type":"cancel","id":id}, or NULL when it cannot be built */
+static char *cancel_frame(const char *id)
+{
+    json_t *o = json_pack("{s:s, s:s}", "type", "cancel", "id", id);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
 }
 
 /* The connection is no use any more: detach from the session and close. */
@@ -155,9 +192,10 @@ static int write_close(ws_conn *k, struct lws *wsi)
     return 0;
 }
 
+/* Takes json (NULL: it could not be built, -1). */
 static int queue_frame(ws_conn *k, char *json)
 {
-    if (k->n_out >= MAX_PENDING) {
+    if (!json || k->n_out >= MAX_PENDING) {
         free(json);
         return -1;
     }
@@ -183,19 +221,19 @@ static void on_timeout(uv_timer_t *t)
     ws_conn *k = t->data;
     const cg_upstream_config *cfg = k->up->cfg;
     if (k->phase == PHASE_CONNECT) {
-        call_fail(k, CG_E_UPSTREAM_TIMEOUT, "did not connect within %d ms (connect_timeout_ms)",
+        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "did not connect within %d ms (connect_timeout_ms)",
                   cfg->connect_timeout_ms);
         conn_kill(k);
         return;
     }
     /* The app is alive but slow: tell it to stop this message, keep the connection. */
     if (k->call)
-        queue_frame(k, cg_protocol_dump(json_pack("{s:s, s:s}", "type", "cancel", "id", k->call->id)));
+        queue_frame(k, cancel_frame(k->call->id));
     if (k->phase == PHASE_FIRST_BYTE)
-        call_fail(k, CG_E_UPSTREAM_TIMEOUT, "sent nothing within %d ms (first_byte_timeout_ms)",
+        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "sent nothing within %d ms (first_byte_timeout_ms)",
                   cfg->first_byte_timeout_ms);
     else
-        call_fail(k, CG_E_UPSTREAM_TIMEOUT, "went quiet for %d ms (idle_timeout_ms)", cfg->idle_timeout_ms);
+        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "went quiet for %d ms (idle_timeout_ms)", cfg->idle_timeout_ms);
 }
 
 /* ---- frames from the app -------------------------------------------------------------- */
@@ -211,7 +249,7 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     json_t *type = json_object_get(o, "type");
     if (!json_is_object(o) || !json_is_string(type)) {
         json_decref(o);
-        call_fail(k, CG_E_UPSTREAM_ERROR, "sent a frame that is not a chatgate JSON frame: %.*s",
+        call_fail(k, CG_E_UPSTREAM_ERROR, NULL, "sent a frame that is not a chatgate JSON frame: %.*s",
                   (int)(len < 80 ? len : 80), buf);
         return;
     }
@@ -223,24 +261,35 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     json_t *text = json_object_get(o, "text");
     if (strcmp(t, "delta") == 0) {
         arm(k, PHASE_IDLE);
-        c->got_delta = 1;
-        if (json_is_string(text) && json_string_length(text))
+        if (json_is_string(text) && json_string_length(text)) {
+            c->reply_bytes += json_string_length(text);
             c->ev->on_delta(c->ctx, json_string_value(text), json_string_length(text));
+        }
     } else if (strcmp(t, "done") == 0) {
-        k->call = NULL;
-        arm(k, PHASE_NONE);
+        call_detach(k);
         const cg_upstream_events *ev = c->ev;
         void *ctx = c->ctx;
         /* A done with text but no deltas before it: the text is the reply. */
-        if (!c->got_delta && json_is_string(text) && json_string_length(text))
+        if (!c->reply_bytes && json_is_string(text) && json_string_length(text))
             ev->on_delta(ctx, json_string_value(text), json_string_length(text));
-        free(c);
+        call_free(c);
         json_t *usage = json_object_get(o, "usage");
         ev->on_done(ctx, json_is_object(usage) ? usage : NULL, json_object_get(o, "state"));
     } else if (strcmp(t, "error") == 0) {
         json_t *m = json_object_get(o, "message");
-        call_fail(k, CG_E_UPSTREAM_ERROR, "answered with an error: %.300s",
-                  json_is_string(m) ? json_string_value(m) : "(no message)");
+        const char *what = json_is_string(m) ? json_string_value(m) : "(no message)";
+        json_t *error = json_object(); /* the app's "code"; its "type" is the frame's */
+        json_t *code = json_object_get(o, "code");
+        if (error && code && json_object_set(error, "code", code) < 0) {
+            json_decref(error);
+            error = NULL; /* the error still goes out, without the app's code */
+        }
+        if (c->reply_bytes)
+            call_fail(k, CG_E_UPSTREAM_ERROR, error, "failed mid-reply, after %zu bytes of reply "
+                      "text: %.300s", c->reply_bytes, what);
+        else
+            call_fail(k, CG_E_UPSTREAM_ERROR, error, "answered with an error: %.300s", what);
+        json_decref(error);
     }
     json_decref(o);
 }
@@ -264,7 +313,7 @@ static void on_receive(ws_conn *k, struct lws *wsi, const char *in, size_t len)
     if (!lws_is_final_fragment(wsi) || lws_frame_is_binary(wsi))
         return;
     if (k->rx_too_large)
-        call_fail(k, CG_E_UPSTREAM_ERROR, "sent a frame over %d bytes", MAX_APP_FRAME);
+        call_fail(k, CG_E_UPSTREAM_ERROR, NULL, "sent a frame over %d bytes", MAX_APP_FRAME);
     else
         on_app_frame(k, k->rx, k->rx_len);
 }
@@ -336,17 +385,23 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
         }
         return 0;
     case LWS_CALLBACK_CLIENT_CONNECTION_ERROR:
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, "could not be reached: %s", in ? (const char *)in : "connection failed");
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s",
+                  in ? (const char *)in : "connection failed");
         conn_kill(k);
         wsi_gone(wsi, k);
         return 0;
     case LWS_CALLBACK_CLIENT_CLOSED:
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, "closed the connection%s", k->close_reason);
+        if (k->call && k->call->reply_bytes)
+            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection mid-reply, after %zu bytes of "
+                      "reply text%s", k->call->reply_bytes, k->close_reason);
+        else
+            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection before any reply text%s",
+                      k->close_reason);
         conn_kill(k);
         wsi_gone(wsi, k);
         return 0;
     case LWS_CALLBACK_WSI_DESTROY:
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, "connection was lost");
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost");
         conn_kill(k);
         wsi_gone(wsi, k);
         return 0;
@@ -360,14 +415,14 @@ static void on_resolved(void *data, const char *address, const char *err)
     ws_conn *k = data;
     k->resolve = NULL;
     if (!address) {
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, "%s ('%s')", err, k->up->cfg->host);
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "%s ('%s')", err, k->up->cfg->host);
         conn_kill(k);
         return;
     }
     k->refs++; /* the wsi's; dropped by wsi_gone */
     if (!cg_upstream_connect(k->up, address, k->up->cfg->path, NULL, CG_LWS_PROTOCOL_WS, k, &k->wsi) &&
         k->refs > 1) {
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, "could not be reached at %s:%d", address, k->up->cfg->port);
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached at %s:%d", address, k->up->cfg->port);
         conn_kill(k);
         conn_unref(k);
     }
@@ -398,9 +453,10 @@ static json_t *or_null(json_t *j)
     return j ? json_incref(j) : json_null();
 }
 
+/* The message frame of DESIGN.md section 6, or NULL when it cannot be built. */
 static char *message_frame(const cg_upstream_message *m)
 {
-    return cg_protocol_dump(json_pack(
+    json_t *o = json_pack(
         "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
         "user", m->user, "room", m->room, "text", m->text, "enriched",
         m->enriched ? json_string(m->enriched) : json_null(), "route", m->route, "service",
@@ -408,7 +464,10 @@ static char *message_frame(const cg_upstream_message *m)
         "awaiting", or_null(m->awaiting), "resolution", or_null(m->resolution), "soft_context", or_null(m->soft),
         "history", m->history ? json_incref(m->history) : json_array(), "rules",
         m->rules ? json_incref(m->rules) : json_array(), "annotations",
-        m->annotations ? json_incref(m->annotations) : json_object()));
+        m->annotations ? json_incref(m->annotations) : json_object());
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
 }
 
 static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,
@@ -423,12 +482,13 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
     c->conn = k;
     c->ev = ev;
     c->ctx = ctx;
-    snprintf(c->id, sizeof(c->id), "%s", m->id);
-    if (queue_frame(k, message_frame(m)) < 0) {
-        free(c);
+    c->id = strdup(m->id);
+    if (!c->id || queue_frame(k, message_frame(m)) < 0) {
+        call_free(c);
         return -1;
     }
     k->call = c;
+    conn_pause(k, 0); /* a new call starts unpaused; the session pauses it if it must */
     if (k->open)
         arm(k, PHASE_FIRST_BYTE);
     *out = c;
@@ -439,20 +499,18 @@ static void ws_cancel(cg_upstream_call *c)
 {
     ws_conn *k = c->conn;
     if (k->call == c) {
-        k->call = NULL;
-        arm(k, PHASE_NONE);
+        call_detach(k);
         if (!k->dead)
-            queue_frame(k, cg_protocol_dump(json_pack("{s:s, s:s}", "type", "cancel", "id", c->id)));
+            queue_frame(k, cancel_frame(c->id));
     }
-    free(c);
+    call_free(c);
 }
 
 static void ws_pause(cg_upstream_call *c, int paused)
 {
     ws_conn *k = c->conn;
-    k->paused = paused;
-    if (k->wsi && k->open)
-        lws_rx_flow_control(k->wsi, !paused);
+    if (k->call == c)
+        conn_pause(k, !!paused);
 }
 
 static void ws_close_conn(void *conn)
@@ -460,7 +518,7 @@ static void ws_close_conn(void *conn)
     ws_conn *k = conn;
     k->slot = NULL; /* the session is going away with its slot */
     if (k->call) {
-        free(k->call);
+        call_free(k->call);
         k->call = NULL;
     }
     conn_kill(k);

@@ -56,6 +56,9 @@ char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usa
 char *cg_protocol_cancelled(const char *id);
 /* id NULL or "" gives "id":null. */
 char *cg_protocol_error(const char *id, const char *code, const char *message);
+/* The same with detail's members added (borrowed, NULL for none; never replacing type, id,
+ * code or message): an upstream's "status", "upstream_type", "upstream_code". */
+char *cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail);
 
 /* The largest n <= len such that text[0..n) does not end inside a UTF-8 sequence. */
 size_t cg_utf8_boundary(const char *text, size_t len);

@@ -11,7 +11,10 @@
  *   - after cancel(), no callback comes for that call, and the upstream is told to stop
  *     (the HTTP request is closed; a WebSocket app is sent {"type":"cancel","id":...});
  *   - pause(call, 1) stops reading from the upstream until pause(call, 0): the session's
- *     send buffer is full because its client reads slowly.
+ *     send buffer is full because its client reads slowly. While paused, the first-byte and
+ *     idle timeouts do not run (silence is ours, not the upstream's); resuming re-arms them
+ *     in full. A pause belongs to the call: the next call on a kept connection starts
+ *     unpaused.
  *
  * The call is owned by the upstream module; the caller forgets it after on_done, on_error or
  * cancel. Kinds that keep one upstream connection per client connection (ws) keep it in the
@@ -20,6 +23,7 @@
 #ifndef CHATGATE_UPSTREAM_H
 #define CHATGATE_UPSTREAM_H
 
+#include <stdarg.h>
 #include <uv.h>
 #include <libwebsockets.h>
 #include <jansson.h>
@@ -35,8 +39,12 @@ typedef struct cg_upstream_events {
     /* usage and state are borrowed (NULL when the upstream gave none); state is a
      * WebSocket app's state directive (DESIGN.md section 5) */
     void (*on_done)(void *ctx, json_t *usage, json_t *state);
-    /* err is a CG_E_UPSTREAM_* code; message names the upstream and what went wrong */
-    void (*on_error)(void *ctx, int err, const char *message);
+    /* err is a CG_E_UPSTREAM_* code; message names the upstream and what went wrong.
+     * detail (borrowed, NULL when there is nothing to add) holds what the upstream itself
+     * said, as the error frame's extra fields: "status" (the HTTP status it answered with),
+     * "upstream_type" and "upstream_code" (its error object's type and code), each present
+     * only when known (cg_upstream_error_detail). */
+    void (*on_error)(void *ctx, int err, const char *message, json_t *detail);
 } cg_upstream_events;
 
 /* What the gateway forwards for one message; start() copies what it keeps. */
@@ -88,6 +96,17 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
 
 /* Picks the ops for cfg->kind and fills up. */
 void cg_upstream_init(cg_upstream *up, cg_gateway *gw, const cg_upstream_config *cfg);
+
+/*
+ * Shared by the kinds' error paths. cg_upstream_error_detail builds an on_error detail:
+ * status (0 for none) and, from error (the upstream's own error object, borrowed, or NULL),
+ * its "type" (a string) and "code" (a string or an integer), strings cut to 128 bytes on a
+ * character boundary. NULL when there is nothing to say. cg_upstream_fail formats
+ * "upstream 'NAME' " + fmt, with its real length, and calls ev->on_error with the detail.
+ */
+json_t *cg_upstream_error_detail(int status, json_t *error);
+void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream_config *cfg, int err, int status,
+                      json_t *error, const char *fmt, va_list ap) __attribute__((format(printf, 7, 0)));
 
 /*
  * Shared by the network kinds: resolves cfg's host off the loop (uv_getaddrinfo on libuv's
