@@ -20,14 +20,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/admission.h"
 #include "chatgate/dropin.h"
+#include "chatgate/dropin_map.h"
+#include "chatgate/jsonptr.h"
 #include "chatgate/error.h"
 #include "chatgate/gateway.h"
 #include "chatgate/identity.h"
-#include "chatgate/jsonptr.h"
 #include "chatgate/log.h"
 #include "chatgate/pipeline.h"
 #include "chatgate/protocol.h"
+#include "chatgate/session.h"
 
 #define CG_DROPIN_HIGH (256 * 1024)
 #define CG_DROPIN_MAX_REPLY (1 << 20)
@@ -50,8 +53,8 @@ typedef struct frame_queue {
 /* The chat message whose reply is in flight. */
 typedef struct turn {
     int active;
-    char id[CG_MAX_ID + 1];
-    char room[CG_MAX_ROOM + 1];
+    char *id;   /* "" when the message had none */
+    char *room;
     char *text;
     char *enriched;
     cg_dialog dialog;
@@ -65,10 +68,7 @@ typedef struct turn {
 typedef struct pending_chat {
     struct pending_chat *next;
     frame *slot; /* its place in to_app */
-    json_t *frame_json;
-    char id[CG_MAX_ID + 1];
-    char room[CG_MAX_ROOM + 1];
-    char *text;
+    cg_dropin_chat chat;
     int64_t arrived;
 } pending_chat;
 
@@ -90,14 +90,19 @@ struct cg_dropin {
     int client_paused, app_paused;
     int closing; /* the close frame was written; the connection goes at the next writable */
     pending_chat *chats, *chats_tail;
+    long n_chats;       /* in chats: at most queue_limit */
+    cg_dialog_lock_waiter lock; /* the dialog's lock: waited for by chats (the head), held from
+                                 * its load to the end of its turn (admission.h) */
     cg_store_req *load; /* the dialog of chats (the head) is loading */
+    cg_rate rate;       /* rate_limit, as for chatgate.v1 clients */
+    int refusing;       /* chat messages over a limit are being refused (logged once) */
     turn t;
     char close_reason[124];
     int close_code;
     int app_failed; /* CLIENT_CONNECTION_ERROR came */
     int app_close_sent;
     char origin[256]; /* the client's Origin header, passed on */
-    char suppress_id[CG_MAX_ID + 1]; /* a cancelled reply not relayed (no cancel frame) */
+    char *suppress_id; /* a cancelled reply not relayed (no cancel frame) */
     int suppressing;
     char *app_rx;   /* the app frame being reassembled */
     size_t app_rx_len;
@@ -300,11 +305,12 @@ static void to_app(cg_dropin *d, frame *f)
     dropin_flow(d);
 }
 
-/* Closes the client with code and reason once what is queued for it is written. */
+/* Closes the client with code and reason once what is queued for it is written; the reason
+ * is cut to the 123 bytes a close frame holds, on a UTF-8 character boundary. */
 static void close_client(cg_dropin *d, int code, const char *reason)
 {
     unsigned char payload[2 + 123];
-    size_t rl = strlen(reason) > 123 ? 123 : strlen(reason);
+    size_t rl = cg_utf8_boundary(reason, strlen(reason) > 123 ? 123 : strlen(reason));
     payload[0] = (unsigned char)(code >> 8);
     payload[1] = (unsigned char)(code & 0xff);
     memcpy(payload + 2, reason, rl);
@@ -322,6 +328,12 @@ void cg_dropin_client_refuse(cg_dropin *d, int code, const char *reason)
 
 static void turn_end(cg_dropin *d, int cancelled);
 
+static void pending_free(pending_chat *c)
+{
+    cg_dropin_chat_clear(&c->chat);
+    free(c);
+}
+
 static void dropin_unref(cg_dropin *d)
 {
     if (--d->refs > 0)
@@ -331,9 +343,7 @@ static void dropin_unref(cg_dropin *d)
     while (d->chats) {
         pending_chat *c = d->chats;
         d->chats = c->next;
-        json_decref(c->frame_json);
-        free(c->text);
-        free(c);
+        pending_free(c);
     }
     for (int i = 0; i < d->n_headers; i++) {
         free(d->headers[i][0]);
@@ -342,6 +352,7 @@ static void dropin_unref(cg_dropin *d)
     free(d->path);
     free(d->subprotocol);
     free(d->app_rx);
+    free(d->suppress_id);
     free(d);
 }
 
@@ -353,7 +364,8 @@ void cg_dropin_close(cg_dropin *d)
         d->load = NULL;
     }
     if (d->t.active)
-        turn_end(d, 1); /* the client went away mid-reply: saved as cancelled */
+        turn_end(d, 1); /* the client went away mid-reply: saved as cancelled (the lock goes too) */
+    cg_dialog_lock_release(d->gw->dialog_locks, &d->lock); /* held for a load, or waited for */
     if (d->resolve) {
         cg_resolve_abandon(d->resolve);
         d->resolve = NULL;
@@ -367,33 +379,7 @@ void cg_dropin_close(cg_dropin *d)
 
 /* ---- turns ----------------------------------------------------------------------------- */
 
-static const char *dcfg_str(cg_dropin *d, const char *section, const char *key)
-{
-    json_t *s = section ? json_object_get(d->cfg, section) : d->cfg;
-    return json_string_value(json_object_get(s, key));
-}
-
-/* Does the frame match a {"pointer", "equals"} marker of the config? */
-static int matches(json_t *frame_json, json_t *marker)
-{
-    if (!marker)
-        return 0;
-    json_t *v = cg_json_pointer_get(frame_json, json_string_value(json_object_get(marker, "pointer")));
-    return v && json_equal(v, json_object_get(marker, "equals"));
-}
-
-/* A pointer's value as text: strings as they are, numbers written out; "" when absent. */
-static void text_at(json_t *frame_json, const char *ptr, char *out, size_t outlen)
-{
-    json_t *v = ptr ? cg_json_pointer_get(frame_json, ptr) : NULL;
-    if (json_is_string(v))
-        snprintf(out, outlen, "%s", json_string_value(v));
-    else if (json_is_integer(v))
-        snprintf(out, outlen, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
-    else
-        out[0] = 0;
-}
-
+/* The turn's end: into the history, saved, and its dialog's lock let go. */
 static void turn_end(cg_dropin *d, int cancelled)
 {
     turn *t = &d->t;
@@ -402,6 +388,7 @@ static void turn_end(cg_dropin *d, int cancelled)
     cg_gateway *gw = d->gw;
     const cg_lifetimes *lt = &gw->cfg->lifetimes;
     int64_t now = gw->store->now(gw->store->clock_ctx);
+    /* a NULL extra (the pack failed) only leaves out the mark */
     json_t *user_extra = t->enriched ? json_pack("{s:s}", "enriched", t->enriched) : NULL;
     cg_dialog_push_history(&t->dialog, "user", t->text, t->arrived, lt, user_extra);
     json_decref(user_extra);
@@ -416,10 +403,14 @@ static void turn_end(cg_dropin *d, int cancelled)
     gw->store->ops->save(gw->store, d->user, t->room, &t->dialog, NULL, NULL);
     gw->inflight_turns--;
     cg_dialog_free(&t->dialog);
+    free(t->id);
+    free(t->room);
     free(t->text);
     free(t->enriched);
     free(t->reply);
     memset(t, 0, sizeof(*t));
+    /* last: the lock may pass to another connection's turn of this dialog at once */
+    cg_dialog_lock_release(gw->dialog_locks, &d->lock);
 }
 
 /* Writes the ready frames at the head of to_app, in order. */
@@ -439,38 +430,49 @@ static void cancel_reply(cg_dropin *d, int client_frame_sent)
     if (!d->t.active || d->t.cancelled)
         return;
     d->t.cancelled = 1;
-    json_t *tmpl = json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame");
-    if (!tmpl) {
-        snprintf(d->suppress_id, sizeof(d->suppress_id), "%s", d->t.id);
+    if (!json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame")) {
+        free(d->suppress_id);
+        d->suppress_id = strdup(d->t.id);
+        if (!d->suppress_id)
+            abort();
         d->suppressing = 1;
         return;
     }
     if (client_frame_sent)
         return;
-    char *s = json_dumps(tmpl, JSON_COMPACT);
-    /* "{id}" anywhere in the template's strings becomes the id, JSON-escaped */
-    json_t *id = json_string(d->t.id);
-    char *id_json = json_dumps(id, JSON_ENCODE_ANY);
-    json_decref(id);
-    size_t idl = strlen(id_json) - 2, cap = strlen(s) * (idl + 1) + 1, n = 0;
-    char *out = malloc(cap);
-    for (const char *p = s; *p;) {
-        if (strncmp(p, "{id}", 4) == 0) {
-            memcpy(out + n, id_json + 1, idl);
-            n += idl;
-            p += 4;
-        } else {
-            out[n++] = *p++;
-        }
+    size_t len = 0;
+    char *s = cg_dropin_map_cancel_frame(d->cfg, d->t.id, &len);
+    if (!s) { /* only when out of memory: the reply goes on */
+        cg_warn("dropin: the cancel frame could not be built: the reply in flight goes on");
+        return;
     }
-    out[n] = 0;
-    to_app(d, frame_new(out, n, 0));
-    free(out);
+    to_app(d, frame_new(s, len, 0));
     free(s);
-    free(id_json);
 }
 
 static void process_next_chat(cg_dropin *d);
+
+/* The chatgate object a chat message reaches the app with (DESIGN.md section 6); NULL when it
+ * could not be built. */
+static json_t *chatgate_object(cg_dropin *d, const pending_chat *c, cg_dialog *dialog, json_t *awaiting_before,
+                               const cg_pipeline_result *res)
+{
+    cg_gateway *gw = d->gw;
+    const char *service = dialog->service;
+    json_t *params = cg_dialog_params_merged(dialog, service, cg_config_service_defaults(gw->cfg, service));
+    json_t *object = json_pack(
+        "{s:s, s:s, s:s, s:o, s:o, s:O, s:o, s:O, s:O, s:O, s:O}", "user", d->user, "room", c->chat.room, "route",
+        "app", "service", service ? json_string(service) : json_null(), "params", params, "resolution",
+        res->resolution ? res->resolution : json_null(), "enriched",
+        res->enriched ? json_string(res->enriched) : json_null(), "soft_context",
+        dialog->soft ? dialog->soft : json_null(), "awaiting", awaiting_before ? awaiting_before : json_null(),
+        "rules", res->rules, "annotations", res->annotations);
+    if (object && res->error &&
+        json_object_set_new(object, "error", json_pack("{s:s, s:s}", "code", cg_err_code(res->error), "message",
+                                                       res->error_message)) < 0)
+        cg_warn("dropin: the pipeline's error could not be added to the chatgate object");
+    return object;
+}
 
 static void on_chat_loaded(void *ctx, cg_dialog *dialog, const cg_store_status *st)
 {
@@ -481,6 +483,7 @@ static void on_chat_loaded(void *ctx, cg_dialog *dialog, const cg_store_status *
     d->chats = c->next;
     if (!d->chats)
         d->chats_tail = NULL;
+    d->n_chats--;
     if (st->found)
         gw->metrics.cache_hits++;
     else
@@ -491,104 +494,130 @@ static void on_chat_loaded(void *ctx, cg_dialog *dialog, const cg_store_status *
     dialog->last_activity = now;
     json_t *awaiting_before = json_incref(dialog->awaiting);
     cg_pipeline_result res;
-    cg_pipeline_run(gw->cfg, gw->rules, dialog, c->text, now, &gw->cfg->lifetimes, &res);
+    cg_pipeline_run(gw->cfg, gw->rules, dialog, c->chat.text, now, &gw->cfg->lifetimes, &res);
     gw->metrics.messages++;
     cg_metrics_count_pipeline(&gw->metrics, &res);
-    const char *service = dialog->service;
-    json_t *params = cg_dialog_params_merged(dialog, service, cg_config_service_defaults(gw->cfg, service));
-    json_t *object = json_pack(
-        "{s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:O, s:O}", "user", d->user, "room", c->room, "route", "app",
-        "service", service ? json_string(service) : json_null(), "params", params, "resolution",
-        res.resolution ? json_incref(res.resolution) : json_null(), "enriched",
-        res.enriched ? json_string(res.enriched) : json_null(), "soft_context",
-        dialog->soft ? json_incref(dialog->soft) : json_null(), "awaiting",
-        awaiting_before ? json_incref(awaiting_before) : json_null(), "rules", res.rules, "annotations",
-        res.annotations);
-    if (res.error)
-        json_object_set_new(object, "error", json_pack("{s:s, s:s}", "code", cg_err_code(res.error), "message",
-                                                       res.error_message));
-    const char *key = dcfg_str(d, NULL, "object_key");
-    json_object_set_new(c->frame_json, key ? key : "chatgate", object);
-    char *s = json_dumps(c->frame_json, JSON_COMPACT);
+    size_t len = 0;
+    char *s = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(d, c, dialog, awaiting_before, &res), &len);
     frame *f = c->slot;
-    size_t len = strlen(s);
-    free(f->data);
-    f->data = malloc(LWS_PRE + len);
-    memcpy(f->data + LWS_PRE, s, len);
-    d->to_app.bytes += len - f->len;
-    f->len = len;
+    if (s) {
+        free(f->data);
+        f->data = malloc(LWS_PRE + len);
+        if (!f->data)
+            abort();
+        memcpy(f->data + LWS_PRE, s, len);
+        d->to_app.bytes += len - f->len;
+        f->len = len;
+        free(s);
+    } else { /* the frame as the client wrote it is still the app's message */
+        cg_warn("dropin: the chatgate object could not be added to a chat message: forwarded as written");
+    }
     f->ready = 1;
-    free(s);
     json_decref(awaiting_before);
 
-    /* this message's reply is the turn in flight now */
+    /* this message's reply is the turn in flight now (it holds the dialog's lock) */
     turn *t = &d->t;
     t->active = 1;
     gw->inflight_turns++; /* a graceful shutdown waits for this reply too */
-    snprintf(t->id, sizeof(t->id), "%s", c->id);
-    snprintf(t->room, sizeof(t->room), "%s", c->room);
-    t->text = c->text;
-    c->text = NULL;
+    t->id = c->chat.id;
+    t->room = c->chat.room;
+    t->text = c->chat.text;
+    c->chat.id = c->chat.room = c->chat.text = NULL;
     t->enriched = res.enriched ? strdup(res.enriched) : NULL;
     t->dialog = *dialog;
     t->arrived = c->arrived;
     cg_pipeline_result_free(&res);
-    json_decref(c->frame_json);
-    free(c);
+    pending_free(c);
     flush_to_app(d);
     process_next_chat(d);
 }
 
-/* Loads the dialog of the first chat frame waiting, unless one is loading. */
+static void load_head_chat(cg_dropin *d)
+{
+    cg_store *st = d->gw->store;
+    d->load = st->ops->load(st, d->user, d->chats->chat.room, on_chat_loaded, d);
+}
+
+/* The dialog's lock passed to this connection's first waiting chat message. */
+static void on_lock_granted(cg_dialog_lock_waiter *w)
+{
+    load_head_chat(w->owner);
+}
+
+/* Loads the dialog of the first chat frame waiting, unless one is loading or waits for its
+ * dialog's lock (another connection's turn of the same dialog). */
 static void process_next_chat(cg_dropin *d)
 {
-    if (d->load || !d->chats || d->client_gone)
+    if (d->load || d->lock.state == CG_LOCK_WAITING || !d->chats || d->client_gone)
         return;
     turn_end(d, 0); /* the next message: the last turn is over */
-    cg_store *st = d->gw->store;
-    d->load = st->ops->load(st, d->user, d->chats->room, on_chat_loaded, d);
+    if (cg_dialog_lock_acquire(d->gw->dialog_locks, &d->lock, d->user, d->chats->chat.room))
+        load_head_chat(d);
 }
 
 /* ---- frames from the client ------------------------------------------------------------ */
 
+/* The rate limit and queue bound of chatgate.v1 (admission.h), for a frame marked as a chat
+ * message: 1 when it may go on. Over a limit the frame is not forwarded (the app's protocol
+ * has no error frame of ours), counted in chatgate_rate_limited_total, and logged once per
+ * run of refusals. */
+static int chat_admitted(cg_dropin *d)
+{
+    const cg_config *cfg = d->gw->cfg;
+    const char *over = NULL;
+    if (!cg_rate_take(&d->rate, cfg->rate_per_second, cfg->rate_burst, uv_now(d->gw->loop)))
+        over = "rate_limit.messages_per_second";
+    else if (d->n_chats >= cfg->queue_limit)
+        over = "queue_limit (chat messages waiting for their dialog)";
+    if (!over) {
+        d->refusing = 0;
+        return 1;
+    }
+    d->gw->metrics.rate_limited++;
+    if (!d->refusing)
+        cg_warn("dropin: a chat message over %s: not forwarded to the app (and the next ones while over it)", over);
+    d->refusing = 1;
+    return 0;
+}
+
 void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 {
     d->gw->metrics.frames_in++;
-    json_t *client_cfg = json_object_get(d->cfg, "client");
-    json_t *o = binary ? NULL : json_loadb(buf, len, 0, NULL);
-    if (o && matches(o, json_object_get(client_cfg, "cancel"))) {
+    char why[160];
+    pending_chat *c = calloc(1, sizeof(*c));
+    if (!c)
+        abort();
+    cg_dropin_client_kind kind = cg_dropin_map_client(d->cfg, buf, len, binary, &c->chat, why, sizeof(why));
+    if (kind == CG_DROPIN_CANCEL)
         cancel_reply(d, 1); /* the client's own cancel frame goes on to the app as it is */
-    } else if (o && matches(o, json_object_get(client_cfg, "chat"))) {
-        json_t *text = cg_json_pointer_get(o, dcfg_str(d, "client", "text"));
-        if (json_is_string(text) && json_string_length(text) > 0) {
-            pending_chat *c = calloc(1, sizeof(*c));
-            if (!c)
-                abort();
-            c->text = strdup(json_string_value(text));
-            text_at(o, dcfg_str(d, "client", "id"), c->id, sizeof(c->id));
-            text_at(o, dcfg_str(d, "client", "room"), c->room, sizeof(c->room));
-            if (!c->room[0])
-                snprintf(c->room, sizeof(c->room), "default");
-            c->arrived = d->gw->store->now(d->gw->store->clock_ctx);
-            c->frame_json = o;
-            /* a cancel phrase acts at once on the reply in flight (DESIGN.md section 1) */
-            if (cg_rules_cancels(d->gw->rules, c->text))
-                cancel_reply(d, 0);
-            c->slot = frame_new(buf, len, 0);
-            c->slot->ready = 0;
-            queue_push(&d->to_app, c->slot);
-            dropin_flow(d);
-            if (d->chats_tail)
-                d->chats_tail->next = c;
-            else
-                d->chats = c;
-            d->chats_tail = c;
-            process_next_chat(d);
-            return;
-        }
+    if ((kind == CG_DROPIN_CHAT || kind == CG_DROPIN_BAD_CHAT) && !chat_admitted(d)) {
+        pending_free(c);
+        return;
     }
-    json_decref(o);
-    to_app(d, frame_new(buf, len, binary)); /* not a chat message: untouched */
+    if (kind == CG_DROPIN_BAD_CHAT) { /* the app's own frame, but not a message of ours */
+        d->gw->metrics.bad_frames++;
+        cg_warn("dropin: a frame marked as a chat message passes through untouched, not as one: %s", why);
+    }
+    if (kind != CG_DROPIN_CHAT) {
+        pending_free(c);
+        to_app(d, frame_new(buf, len, binary)); /* untouched */
+        return;
+    }
+    c->arrived = d->gw->store->now(d->gw->store->clock_ctx);
+    /* a cancel phrase acts at once on the reply in flight (DESIGN.md section 1) */
+    if (cg_rules_cancels(d->gw->rules, c->chat.text))
+        cancel_reply(d, 0);
+    c->slot = frame_new(buf, len, 0);
+    c->slot->ready = 0;
+    queue_push(&d->to_app, c->slot);
+    dropin_flow(d);
+    if (d->chats_tail)
+        d->chats_tail->next = c;
+    else
+        d->chats = c;
+    d->chats_tail = c;
+    d->n_chats++;
+    process_next_chat(d);
 }
 
 int cg_dropin_client_idle(cg_dropin *d)
@@ -623,61 +652,56 @@ int cg_dropin_client_writable(cg_dropin *d)
 
 /* ---- frames from the app --------------------------------------------------------------- */
 
+/* Keeps the reply's text for the history, up to CG_DROPIN_MAX_REPLY bytes. */
+static void turn_keep_reply(turn *t, const char *text, size_t n)
+{
+    if (t->reply_len + n >= CG_DROPIN_MAX_REPLY)
+        return;
+    char *r = realloc(t->reply, t->reply_len + n + 1);
+    if (!r)
+        abort();
+    t->reply = r;
+    memcpy(t->reply + t->reply_len, text, n);
+    t->reply_len += n;
+    t->reply[t->reply_len] = 0;
+}
+
 static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 {
-    json_t *appf = json_object_get(d->cfg, "app_frames");
-    json_t *o = binary ? NULL : json_loadb(buf, len, JSON_ALLOW_NUL, NULL);
-    if (!json_is_object(o)) { /* not JSON: relayed as it is */
-        json_decref(o);
+    cg_dropin_app_frame a;
+    int rc = cg_dropin_map_app(d->cfg, buf, len, binary, &a);
+    if (!a.frame) { /* not a JSON object: relayed as it is */
         to_client(d, frame_new(buf, len, binary));
         return;
     }
     turn *t = &d->t;
-    char id[CG_MAX_ID + 1];
-    text_at(o, dcfg_str(d, "app_frames", "id"), id, sizeof(id));
-    int ours = t->active && (!id[0] || strcmp(id, t->id) == 0);
-    int end = matches(o, json_object_get(appf, "end")), stopped = matches(o, json_object_get(appf, "cancelled"));
-    json_t *text = cg_json_pointer_get(o, dcfg_str(d, "app_frames", "text"));
-    if (d->suppressing && (id[0] ? strcmp(id, d->suppress_id) == 0 : text != NULL)) {
+    int ours = t->active && cg_dropin_app_frame_about(&a, t->id);
+    int suppressed = d->suppressing && (a.id ? cg_dropin_app_frame_about(&a, d->suppress_id) : a.text != NULL);
+    if (suppressed) {
         /* the rest of a cancelled reply (no cancel frame to send): not relayed; its end
          * marker is, so the client's view of the reply completes */
-        if (end || stopped) {
+        if (a.end || a.cancelled) {
             d->suppressing = 0;
-            to_client(d, frame_new(buf, len, 0));
+            to_client(d, frame_new(a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0));
         }
-        json_decref(o);
+        cg_dropin_app_frame_clear(&a);
         return;
     }
-    const char *state_key = dcfg_str(d, NULL, "state_key");
-    json_t *state = state_key ? json_object_get(o, state_key) : NULL;
-    int changed = 0;
-    if (state) {
-        if (ours) {
-            char err[256];
-            if (cg_dialog_apply_directive(&t->dialog, state, "app", d->gw->store->now(d->gw->store->clock_ctx),
-                                          &d->gw->cfg->lifetimes, err, sizeof(err)) < 0)
-                cg_warn("dropin: state from the app refused: %s", err);
-        }
-        json_object_del(o, state_key);
-        changed = 1;
+    if (a.state && ours) {
+        char err[256];
+        if (cg_dialog_apply_directive(&t->dialog, a.state, "app", d->gw->store->now(d->gw->store->clock_ctx),
+                                      &d->gw->cfg->lifetimes, err, sizeof(err)) < 0)
+            cg_warn("dropin: state from the app refused: %s", err);
     }
-    if (ours && json_is_string(text) && t->reply_len + json_string_length(text) < CG_DROPIN_MAX_REPLY) {
-        size_t n = json_string_length(text);
-        t->reply = realloc(t->reply, t->reply_len + n + 1);
-        memcpy(t->reply + t->reply_len, json_string_value(text), n);
-        t->reply_len += n;
-        t->reply[t->reply_len] = 0;
-    }
-    if (changed) {
-        char *s = json_dumps(o, JSON_COMPACT);
-        to_client(d, frame_new(s, strlen(s), 0));
-        free(s);
-    } else {
-        to_client(d, frame_new(buf, len, 0));
-    }
-    if (ours && (end || stopped))
-        turn_end(d, stopped);
-    json_decref(o);
+    if (ours && a.text)
+        turn_keep_reply(t, a.text, a.text_len);
+    if (rc < 0) /* never relay the directive: the client must not see it */
+        cg_warn("dropin: an app frame without its state directive could not be written: not relayed");
+    else
+        to_client(d, frame_new(a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0));
+    if (ours && (a.end || a.cancelled))
+        turn_end(d, a.cancelled);
+    cg_dropin_app_frame_clear(&a);
 }
 
 static char *rx_buf_append(char **rx, size_t *rx_len, const void *in, size_t len, size_t max)
@@ -761,16 +785,21 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         d->app_rx_len = 0;
         return 0;
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
-        if (len >= 2) {
+        /* the client gets the app's code and reason, when they may be sent on (RFC 6455 7.4);
+         * a bad close frame from the app is the app's failure: 1011 */
+        if (cg_ws_close_payload_check(in, len) != 0) {
+            cg_warn("dropin: the app sent a close frame that is not valid (RFC 6455 7.4): closing the client with 1011");
+            d->close_code = 1011;
+            snprintf(d->close_reason, sizeof(d->close_reason), "the app sent an invalid close frame");
+        } else if (len >= 2) {
             const unsigned char *b = in;
             d->close_code = b[0] << 8 | b[1];
-            snprintf(d->close_reason, sizeof(d->close_reason), "%.*s", (int)(len - 2 > 123 ? 123 : len - 2),
-                     (const char *)in + 2);
+            snprintf(d->close_reason, sizeof(d->close_reason), "%.*s", (int)(len - 2), (const char *)in + 2);
         }
         return 0;
     case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {
         /* refused at the TCP level, or the app answered the handshake with an HTTP error */
-        char reason[124];
+        char reason[256]; /* close_client cuts it to what a close frame holds */
         snprintf(reason, sizeof(reason), "the app refused or could not be reached: %s",
                  in ? (const char *)in : "connection failed");
         cg_warn("dropin: %s", reason);
@@ -907,6 +936,9 @@ cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)
     d->cfg = gw->cfg->dropin;
     d->client = client;
     d->refs = 2; /* the client's and the app connection's */
+    d->lock.granted = on_lock_granted;
+    d->lock.owner = d;
+    cg_rate_init(&d->rate, gw->cfg->rate_burst, uv_now(gw->loop));
     snprintf(d->user, sizeof(d->user), "%s", user);
     char path[4096], uri[2048];
     lws_hdr_copy(client, uri, sizeof(uri), WSI_TOKEN_GET_URI);

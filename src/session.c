@@ -19,6 +19,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "chatgate/admission.h"
 #include "chatgate/dialog.h"
 #include "chatgate/dropin.h"
 #include "chatgate/error.h"
@@ -59,9 +60,7 @@ struct cg_msg {
     char *text;
     json_t *keys;         /* context.forget */
     cg_ruleset *rules;    /* the rule set this message started with (a reference) */
-    char *lock_key;       /* its dialog's key while it holds or waits for the dialog's lock */
-    enum { LOCK_NONE, LOCK_HELD, LOCK_WAITING } lock_state;
-    cg_msg *lock_next;    /* the next message waiting for the same dialog */
+    cg_dialog_lock_waiter lock; /* its dialog's lock, held from load to save (admission.h) */
     int64_t arrived;      /* unix seconds */
     uint64_t t_arrived, t_load, t_upstream; /* uv_hrtime() of arrival, load start, upstream start */
     int got_first;        /* the first delta came (first-token latency) */
@@ -100,8 +99,7 @@ struct cg_session {
     cg_msg *queue_head, *queue_tail;
     long queued;
 
-    double tokens; /* rate limit: a token bucket */
-    uint64_t tokens_at;
+    cg_rate rate; /* rate_limit: a token bucket (admission.h) */
 
     void *up_conns[CG_MAX_UPSTREAMS]; /* per-client upstream connections (ws kind) */
     cg_dropin *dropin; /* drop-in mode: this connection speaks the app's protocol (dropin.h) */
@@ -239,6 +237,42 @@ static int session_write_close(cg_session *s, int code, const char *reason)
     return 0;
 }
 
+int cg_ws_close_payload_check(const void *payload, size_t len)
+{
+    const unsigned char *p = payload;
+    if (len == 0)
+        return 0;
+    if (len == 1)
+        return LWS_CLOSE_STATUS_PROTOCOL_ERR;
+    int code = p[0] << 8 | p[1];
+    if (code < 1000 || code > 4999 || code == 1004 || code == 1005 || code == 1006 || code == 1015 ||
+        (code >= 1016 && code <= 2999))
+        return LWS_CLOSE_STATUS_PROTOCOL_ERR;
+    json_t *reason = json_stringn((const char *)p + 2, len - 2); /* NULL when not UTF-8 */
+    if (!reason)
+        return LWS_CLOSE_STATUS_INVALID_PAYLOAD;
+    json_decref(reason);
+    return 0;
+}
+
+/*
+ * A close frame from the client. lws 4.1.6 answers codes under 1000, 1004-1006, 1015 and
+ * 1016-2999 with 1002 itself, but echoes a 1-byte payload, a code over 4999 and a reason that
+ * is not UTF-8 as they came: those are answered here (1002, or 1007), and the connection goes.
+ */
+static int session_peer_close(cg_session *s, const void *in, size_t len)
+{
+    int answer = cg_ws_close_payload_check(in, len);
+    if (!answer)
+        return 0;
+    cg_info("session %s: the client's close frame is not valid (RFC 6455 7.4): answered with %d", s->session_id,
+            answer);
+    s->close_sent = 0; /* this answer is the close frame that counts */
+    session_write_close(s, answer, answer == LWS_CLOSE_STATUS_PROTOCOL_ERR ? "invalid close frame"
+                                                                           : "close reason not UTF-8");
+    return -1;
+}
+
 /* Writes the frame at the head of the send queue. Returns -1 to close the connection. */
 static int session_write_one(cg_session *s)
 {
@@ -277,14 +311,11 @@ static int session_write_one(cg_session *s)
 
 /* ---- turns --------------------------------------------------------------------------- */
 
-static void lock_release(cg_msg *m);
-
 static void msg_free(cg_msg *m)
 {
     if (m->counted)
         m->s->gw->inflight_turns--;
-    if (m->lock_state)
-        lock_release(m);
+    cg_dialog_lock_release(m->s->gw->dialog_locks, &m->lock);
     cg_ruleset_unref(m->rules);
     free(m->enriched);
     if (m->has_dialog)
@@ -302,7 +333,6 @@ static int64_t session_now(cg_session *s)
 
 static void session_pump(cg_session *s);
 static int msg_load(cg_msg *m);
-static int lock_acquire(cg_msg *m);
 
 /* The request in flight ended (its terminal frame is queued): start the next one. */
 static void msg_finish(cg_msg *m)
@@ -546,78 +576,17 @@ static int msg_load(cg_msg *m)
 }
 
 /*
- * One turn at a time per dialog in this process: two connections of one user in one room
- * (two tabs) would otherwise both load the dialog, and the second save would drop what the
- * first added. A dialog's lock is held from load to save; the next message waiting for it
- * starts when it is released. (Across gateways this needs a lock in Redis: DESIGN.md
- * section 2.)
+ * One turn at a time per dialog (admission.h): a message holds its dialog's lock from load
+ * to save; when another connection's turn of the dialog holds it, the message waits, and
+ * starts here when the lock passes to it.
  */
-typedef struct dialog_lock {
-    cg_msg *waiters, *last; /* in arrival order */
-} dialog_lock;
-
-static dialog_lock *lock_of(cg_gateway *gw, const char *key)
+static void on_lock_granted(cg_dialog_lock_waiter *w)
 {
-    json_t *v = json_object_get(gw->dialog_locks, key);
-    return v ? (dialog_lock *)(intptr_t)json_integer_value(v) : NULL;
-}
-
-/* 1 when m holds its dialog's lock now, 0 when it waits in line. */
-static int lock_acquire(cg_msg *m)
-{
-    cg_gateway *gw = m->s->gw;
-    m->lock_key = cg_store_dialog_key(m->s->user, m->room);
-    dialog_lock *l = lock_of(gw, m->lock_key);
-    if (!l) {
-        l = calloc(1, sizeof(*l));
-        if (!l)
-            abort();
-        json_object_set_new(gw->dialog_locks, m->lock_key, json_integer((json_int_t)(intptr_t)l));
-        m->lock_state = LOCK_HELD;
-        return 1;
+    cg_msg *m = w->owner;
+    if (msg_load(m) < 0) { /* cannot happen with the shipped stores; keep the line moving */
+        m->s->inflight = NULL;
+        msg_finish(m);
     }
-    m->lock_state = LOCK_WAITING;
-    if (l->last)
-        l->last->lock_next = m;
-    else
-        l->waiters = m;
-    l->last = m;
-    return 0;
-}
-
-/* m is done with its dialog (or gone while waiting): the next in line starts. */
-static void lock_release(cg_msg *m)
-{
-    cg_gateway *gw = m->s->gw;
-    dialog_lock *l = m->lock_state ? lock_of(gw, m->lock_key) : NULL;
-    if (l && m->lock_state == LOCK_WAITING) {
-        cg_msg **pp = &l->waiters, *prev = NULL;
-        while (*pp && *pp != m)
-            prev = *pp, pp = &(*pp)->lock_next;
-        if (*pp)
-            *pp = m->lock_next;
-        if (l->last == m)
-            l->last = prev;
-    } else if (l) {
-        cg_msg *next = l->waiters;
-        if (!next) {
-            json_object_del(gw->dialog_locks, m->lock_key);
-            free(l);
-        } else {
-            l->waiters = next->lock_next;
-            if (!l->waiters)
-                l->last = NULL;
-            next->lock_next = NULL;
-            next->lock_state = LOCK_HELD;
-            if (msg_load(next) < 0) { /* cannot happen with the shipped stores; keep the line moving */
-                next->s->inflight = NULL;
-                msg_finish(next);
-            }
-        }
-    }
-    m->lock_state = LOCK_NONE;
-    free(m->lock_key);
-    m->lock_key = NULL;
 }
 
 /* Runs the next waiting request, if none is in flight: first, load its dialog. */
@@ -635,28 +604,15 @@ static void session_pump(cg_session *s)
             m->counted = 1;
             s->gw->inflight_turns++;
         }
-        if (!lock_acquire(m))
-            return; /* another connection's turn of this dialog runs; lock_release starts this one */
+        m->lock.granted = on_lock_granted;
+        m->lock.owner = m;
+        if (!cg_dialog_lock_acquire(s->gw->dialog_locks, &m->lock, s->user, m->room))
+            return; /* another connection's turn of this dialog runs; on_lock_granted starts this one */
         if (msg_load(m) == 0)
             return;
         s->inflight = NULL;
         msg_free(m);
     }
-}
-
-/* Token bucket: rate_limit.messages_per_second, bursts of rate_limit.burst. */
-static int session_take_token(cg_session *s)
-{
-    const cg_config *cfg = s->gw->cfg;
-    uint64_t now = uv_now(s->gw->loop);
-    s->tokens += (double)(now - s->tokens_at) * (double)cfg->rate_per_second / 1000.0;
-    if (s->tokens > (double)cfg->rate_burst)
-        s->tokens = (double)cfg->rate_burst;
-    s->tokens_at = now;
-    if (s->tokens < 1.0)
-        return 0;
-    s->tokens -= 1.0;
-    return 1;
 }
 
 static int session_id_in_use(cg_session *s, const char *id)
@@ -696,7 +652,7 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
     int chat = f->type == CG_FRAME_MESSAGE;
     if (chat && !f->id[0])
         snprintf(f->id, sizeof(f->id), "g%lu", ++s->auto_id);
-    if (!session_take_token(s)) {
+    if (!cg_rate_take(&s->rate, s->gw->cfg->rate_per_second, s->gw->cfg->rate_burst, uv_now(s->gw->loop))) {
         snprintf(err, sizeof(err), "over %ld messages a second", s->gw->cfg->rate_per_second);
         session_send_error(s, f->id, CG_E_RATE_LIMITED, err);
         return;
@@ -918,8 +874,7 @@ static void session_open(cg_session *s, struct lws *wsi)
     s->wsi = wsi;
     s->gw = gw;
     s->established = 1;
-    s->tokens = (double)gw->cfg->rate_burst;
-    s->tokens_at = uv_now(gw->loop);
+    cg_rate_init(&s->rate, gw->cfg->rate_burst, uv_now(gw->loop));
     snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++gw->session_seq);
     gw->n_sessions++;
     char err[256];
@@ -1002,10 +957,14 @@ static void dropin_open(cg_session *s, struct lws *wsi)
     if (strcmp(gw->cfg->auth, "none") == 0 && cg_dropin_user_from_cookie(gw, wsi, s->user, sizeof(s->user)) == 0) {
         /* the cookie's user */
     } else if (session_identify(s, wsi, err, sizeof(err)) < 0) {
+        /* as for chatgate.v1, but with no error frame (the app's protocol has none of ours):
+         * marked unauthorized (nothing it sends is read), then closed with 1008 from the
+         * next writable */
         cg_warn("session %s: drop-in client refused: %s", s->session_id, err);
+        s->unauthorized = 1;
+        s->user[0] = 0;
         gw->metrics.unauthorized++;
-        lws_close_reason(wsi, LWS_CLOSE_STATUS_POLICY_VIOLATION, (unsigned char *)"unauthorized", 12);
-        lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, LWS_TO_KILL_ASYNC);
+        lws_callback_on_writable(wsi);
         return;
     }
     s->dropin = cg_dropin_open(gw, wsi, s->user);
@@ -1101,6 +1060,8 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
         if (s->dropin && s->gw->closing_all && cg_dropin_client_idle(s->dropin))
             return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
         return s->dropin ? cg_dropin_client_writable(s->dropin) : session_write_one(s);
+    case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
+        return session_peer_close(s, in, len);
     case LWS_CALLBACK_CLOSED:
         session_close(s);
         return 0;

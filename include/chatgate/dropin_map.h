@@ -1,0 +1,67 @@
+/*
+ * dropin_map.h: drop-in mode's mapping between an app's own frames and chatgate's (the
+ * "dropin" object of the config, DESIGN.md section 6), as pure functions: no I/O, no clock,
+ * no state; the fuzz target tests/fuzz/fuzz_dropin.c drives them.
+ *
+ * A client frame is a chat message when it matches dropin.client.chat, a cancel when it
+ * matches dropin.client.cancel, else nothing of ours (passed through untouched). A chat
+ * message's id (dropin.client.id) must be a string of at most CG_MAX_ID bytes or an integer,
+ * its room (dropin.client.room) a string of at most CG_MAX_ROOM bytes or an integer, and its
+ * text (dropin.client.text) a non-empty string; a frame marked as chat that breaks one of
+ * these is CG_DROPIN_BAD_CHAT, and the caller passes it through untouched (it is the app's
+ * frame) without treating it as a chat message.
+ */
+#ifndef CHATGATE_DROPIN_MAP_H
+#define CHATGATE_DROPIN_MAP_H
+
+#include <jansson.h>
+#include <stddef.h>
+
+typedef enum {
+    CG_DROPIN_PASS,     /* not a chat message or cancel: untouched */
+    CG_DROPIN_CHAT,     /* a chat message: chat is filled */
+    CG_DROPIN_BAD_CHAT, /* marked as a chat message but not one we can take: why says what */
+    CG_DROPIN_CANCEL,   /* the client's own cancel frame */
+} cg_dropin_client_kind;
+
+/* A chat message from the client, every string owned (cg_dropin_chat_clear). */
+typedef struct cg_dropin_chat {
+    json_t *frame; /* the whole frame, parsed */
+    char *id;      /* "" when the frame has none */
+    char *room;    /* "default" when the frame has none */
+    char *text;
+} cg_dropin_chat;
+
+cg_dropin_client_kind cg_dropin_map_client(json_t *dropin_cfg, const char *buf, size_t len, int binary,
+                                           cg_dropin_chat *chat, char *why, size_t whylen);
+void cg_dropin_chat_clear(cg_dropin_chat *chat);
+
+/* The frame for the app: chat->frame plus object under dropin.object_key ("chatgate"); takes
+ * object; a malloc'd string and its length, or NULL when it could not be built. */
+char *cg_dropin_map_forward(json_t *dropin_cfg, const cg_dropin_chat *chat, json_t *object, size_t *len);
+
+/* One app frame, read through dropin.app_frames. */
+typedef struct cg_dropin_app_frame {
+    json_t *frame;     /* NULL when the frame is not a JSON object (relayed as it is) */
+    char *id;          /* dropin.app_frames.id as text (owned; bytes, may hold NUL), NULL when none */
+    size_t id_len;
+    int end, cancelled; /* matches the end / cancelled marker */
+    const char *text;  /* dropin.app_frames.text when a string (borrowed from frame), else NULL */
+    size_t text_len;
+    json_t *state;     /* the state directive under dropin.state_key (a reference), or NULL */
+    char *rewritten;   /* the frame without the directive, when there was one (owned) */
+    size_t rewritten_len;
+} cg_dropin_app_frame;
+
+/* 0, or -1 when the frame had a state directive and the frame without it could not be written
+ * (out->rewritten NULL; the caller must not relay the directive). */
+int cg_dropin_map_app(json_t *dropin_cfg, const char *buf, size_t len, int binary, cg_dropin_app_frame *out);
+void cg_dropin_app_frame_clear(cg_dropin_app_frame *f);
+/* Is this app frame about the chat message with id (its id is that id, or it has none)? */
+int cg_dropin_app_frame_about(const cg_dropin_app_frame *f, const char *id);
+
+/* dropin.app_frames.cancel_frame for id ("{id}" in its strings becomes the id, JSON-escaped):
+ * a malloc'd string and its length, or NULL when the mapping has none or it cannot be built. */
+char *cg_dropin_map_cancel_frame(json_t *dropin_cfg, const char *id, size_t *len);
+
+#endif
