@@ -82,6 +82,7 @@ static const setting settings[] = {
     {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0, NULL},
     {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0, NULL},
     {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0, NULL},
+    {"redis.writeback_max_bytes", T_INT, OFF(redis_writeback_max_bytes), 4096, 1L << 40, NULL, 0, NULL},
 };
 #undef OFF
 
@@ -844,6 +845,7 @@ static void set_defaults(cg_config *cfg)
     cfg->redis_prefix = strdup("chatgate");
     cfg->redis_command_timeout_ms = 1000;
     cfg->redis_connect_timeout_ms = 1000;
+    cfg->redis_writeback_max_bytes = 64L << 20;
     cfg->user_header = strdup("X-User-Id");
     cfg->ping_interval_s = 30;
     cfg->idle_timeout_s = 300;

@@ -218,6 +218,7 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     sc.max_bytes = (size_t)cfg->max_store_bytes;
     sc.command_timeout_ms = cfg->redis_command_timeout_ms;
     sc.connect_timeout_ms = cfg->redis_connect_timeout_ms;
+    sc.writeback_max_bytes = cfg->redis_writeback_max_bytes;
     sc.lifetimes = cfg->lifetimes;
     char msg[256];
     gw->store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));

@@ -71,6 +71,21 @@ static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
         return n < 0 ? 0 : len - 1;
     size_t used = (size_t)n;
     n = snprintf(buf + used, len - used,
+                 "# HELP chatgate_store_writeback_pending Dialogs (and bytes) held in memory for Redis's write-back.\n"
+                 "# TYPE chatgate_store_writeback_pending gauge\nchatgate_store_writeback_pending %ld\n"
+                 "# TYPE chatgate_store_writeback_pending_bytes gauge\nchatgate_store_writeback_pending_bytes %ld\n"
+                 "# HELP chatgate_store_writeback_dropped_total Dialogs never written back: over the bound, or gone "
+                 "from memory.\n# TYPE chatgate_store_writeback_dropped_total counter\n"
+                 "chatgate_store_writeback_dropped_total{reason=\"bound\"} %lu\n"
+                 "chatgate_store_writeback_dropped_total{reason=\"gone\"} %lu\n"
+                 "# HELP chatgate_store_save_conflicts_total Saves refused: Redis held another or a newer copy.\n"
+                 "# TYPE chatgate_store_save_conflicts_total counter\nchatgate_store_save_conflicts_total %lu\n",
+                 st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
+                 st->writeback_dropped_gone, st->save_conflicts);
+    if (n < 0 || (size_t)n >= len - used)
+        return used;
+    used += (size_t)n;
+    n = snprintf(buf + used, len - used,
                  "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
                  "# TYPE chatgate_awaiting_resolutions_total counter\nchatgate_awaiting_resolutions_total %lu\n"
                  "# TYPE chatgate_cancels_total counter\nchatgate_cancels_total %lu\n"

@@ -9,18 +9,36 @@
  *   P:{U:R}:soft      STRING JSON, EX its lifetime
  *   P:{U:R}:history   LIST  JSON messages, oldest first, EXPIRE 30 min
  *   P:user:{U}:rooms  SET   the user's rooms, for "forget this user" without SCAN
- * A load is one MULTI/EXEC of five reads; a save one MULTI/EXEC that rewrites the dialog's
- * keys with their lifetimes: one round trip each. (The gateway holds the whole dialog for
- * the turn, so rewriting is simpler than HSET/HDEL deltas and gives the same keys.)
+ * Every atomic step touches one hash tag only, so it runs on a single Redis, behind
+ * twemproxy (which refuses MULTI) and on one cluster slot: a load is one EVAL of five reads
+ * of the dialog's keys; a save is SADD+EXPIRE of the rooms set (first, so "forget this user"
+ * always finds a room that has data), then one EVAL that rewrites the dialog's keys with
+ * their lifetimes; a delete is one DEL of the dialog's keys, then SREM. All pipelined: one
+ * round trip each. (The gateway holds the whole dialog for the turn, so rewriting is simpler
+ * than HSET/HDEL deltas and gives the same keys.)
+ *
+ * A save is conditional, inside its EVAL: Redis's copy is kept when it is another
+ * incarnation of the dialog (its created_at differs: this gateway loaded a fresh dialog
+ * while Redis was away, and Redis still has the real one), and a write-back after an outage
+ * is also refused when Redis's copy is newer (last_activity). A refused save drops the
+ * memory copy, so the next load reads Redis's.
  *
  * Faults. hiredis 0.14 has no connect or command timeout, so this file keeps its own
- * (h2o's lib/common/redis.c does the same): a connect timer, and a 100 ms tick that fails
- * the connection when the oldest command has waited command_timeout_ms (Redis stopped with
- * SIGSTOP keeps its socket open and answers nothing). Failing means redisAsyncFree, after
- * which hiredis calls every pending callback with a NULL reply. While Redis is away the
- * store answers from an in-memory store (a write-through copy of what it last read or
- * wrote, so a conversation keeps its context), marks what it wrote there dirty, and writes
- * the dirty dialogs back when a reconnect (with backoff and jitter) answers a PING.
+ * (h2o's lib/common/redis.c does the same): a connect timer (covering the name's
+ * resolution too), and a 100 ms tick that fails the connection when the oldest command has
+ * waited command_timeout_ms (Redis stopped with SIGSTOP keeps its socket open and answers
+ * nothing). Failing means redisAsyncFree, after which hiredis calls every pending callback
+ * with a NULL reply. The host name is resolved off the loop (cg_resolve_start) before each
+ * connect, since hiredis would call a blocking getaddrinfo. A connection is trusted once its
+ * PING is answered; an error instead (-LOADING, -NOAUTH, -MASTERDOWN) or a failed SELECT
+ * drops it and reconnects with the backoff, degraded meanwhile.
+ *
+ * While Redis is away the store answers from an in-memory store (a write-through copy of
+ * what it last read or wrote, so a conversation keeps its context), marks what it wrote
+ * there dirty, and writes the dirty dialogs back when a reconnect (with backoff and jitter)
+ * answers a PING. The dirty set is bounded in dialogs (max_dialogs) and in bytes
+ * (redis.writeback_max_bytes), least recently written going first; a dirty dialog the
+ * memory copy no longer holds is never written back (that would write a blank dialog).
  */
 #define _GNU_SOURCE /* asprintf */
 #include <hiredis/async.h>
@@ -33,22 +51,31 @@
 
 #include "chatgate/log.h"
 #include "chatgate/store.h"
+#include "chatgate/upstream.h" /* cg_resolve_start */
 
-typedef enum { R_CLOSED, R_CONNECTING, R_PROBING, R_CONNECTED } redis_state;
+typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED } redis_state;
 typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING } op_kind;
+
+/* The default of redis.writeback_max_bytes, for callers that leave it 0. */
+#define WRITEBACK_MAX_BYTES_DEFAULT (64L << 20)
 
 typedef struct redis_store redis_store;
 
 struct cg_store_req {
     redis_store *rs;
     op_kind kind;
-    char *user, *room, *key;
+    char *user;      /* as given (remove_user's memory delete); "" for a write-back */
+    char *eu, *er;   /* user and room, escaped (cg_store_escape) */
+    char *key;       /* "<eu>:<er>": the dialog's hash tag and memory key */
     json_t *snapshot; /* save: the dialog as written */
     long version;     /* save of a dirty dialog: the dirty version it writes back */
     cg_store_load_fn load_cb;
     cg_store_done_fn done_cb;
     void *ctx;
     int abandoned;
+    int steps;        /* replies due to on_step_reply: r lives until they came */
+    int step_failed;  /* one of them was an error or never came */
+    int finished;     /* req_finish was called while steps were due */
     uint64_t sent_at;
     cg_store_req *prev, *next; /* in flight, oldest first */
     uv_timer_t defer;          /* answers from memory come through this */
@@ -56,17 +83,22 @@ struct cg_store_req {
 
 struct redis_store {
     cg_store base;
-    char host[256];
+    char *host; /* as in the URL; resolved before each connect */
     int port, db;
-    char password[256];
+    char *password; /* NULL: none */
+    char *address;  /* the last address connected to, for the log */
+    cg_resolve *resolve;
     redisAsyncContext *ac;
     redis_state state;
+    int setup_failed; /* SELECT failed on this connection */
     uv_timer_t connect_timer; /* connect timeout, then reconnect backoff */
     uv_timer_t tick;          /* command timeouts */
     int backoff;
     int ever_connected;
     cg_memstore *mem;
-    json_t *dirty;  /* key -> {"user","room","v"}: written to memory only */
+    json_t *dirty;  /* key -> {"u","r","v","b"}: written to memory only; oldest write first */
+    long dirty_bytes;
+    long dirty_max_bytes;
     json_t *warned; /* keys told "store_degraded" in this outage */
     long dirty_seq;
     cg_store_req *head, *tail;
@@ -77,10 +109,19 @@ struct redis_store {
 static void redis_connect(redis_store *rs);
 static void store_free_if_done(redis_store *rs);
 static void finish_close(redis_store *rs);
+static int flush_one(redis_store *rs, const char *key, json_t *entry);
 
 static uint64_t now_ms(redis_store *rs)
 {
     return uv_now(rs->base.loop);
+}
+
+static char *xstrdup(const char *s)
+{
+    char *d = strdup(s);
+    if (!d)
+        abort();
+    return d;
 }
 
 /* ---- degraded mode --------------------------------------------------------------------- */
@@ -111,17 +152,62 @@ static cg_store_status degraded_status(redis_store *rs, const char *key, int loa
     if (load && !json_object_get(rs->warned, key)) {
         if (json_object_size(rs->warned) > 100000)
             json_object_clear(rs->warned);
-        json_object_set_new(rs->warned, key, json_true());
-        st.warn = 1;
+        st.warn = json_object_set_new(rs->warned, key, json_true()) == 0;
     }
     rs->base.stats.degraded_answers++;
     return st;
 }
 
+/* ---- the dirty set: dialogs written to memory only, waiting for the write-back ---------- */
+
+static void dirty_gauges(redis_store *rs)
+{
+    rs->base.stats.writeback_pending = (long)json_object_size(rs->dirty);
+    rs->base.stats.writeback_pending_bytes = rs->dirty_bytes;
+}
+
+static void dirty_del(redis_store *rs, const char *key)
+{
+    json_t *entry = json_object_get(rs->dirty, key);
+    if (!entry)
+        return;
+    rs->dirty_bytes -= (long)json_integer_value(json_object_get(entry, "b"));
+    json_object_del(rs->dirty, key);
+    dirty_gauges(rs);
+}
+
+/* Keeps the dirty set within max_dialogs and writeback_max_bytes: the least recently written
+ * dialogs lose their write-back (the memory copy keeps serving them while it holds them). */
+static void dirty_bound(redis_store *rs)
+{
+    long dropped = 0;
+    while (json_object_size(rs->dirty) > 0 &&
+           ((long)json_object_size(rs->dirty) > rs->base.cfg.max_dialogs || rs->dirty_bytes > rs->dirty_max_bytes)) {
+        void *it = json_object_iter(rs->dirty);
+        dirty_del(rs, json_object_iter_key(it));
+        rs->base.stats.writeback_dropped_bound++;
+        dropped++;
+    }
+    if (dropped)
+        cg_warn("redis %s:%d: %ld dialogs held for the write-back dropped to stay within %ld dialogs and %ld bytes",
+                rs->host, rs->port, dropped, rs->base.cfg.max_dialogs, rs->dirty_max_bytes);
+}
+
+/* Marks r's dialog (its snapshot) as written to memory only; the newest goes last. */
 static void mark_dirty(redis_store *rs, cg_store_req *r)
 {
-    json_object_set_new(rs->dirty, r->key, json_pack("{s:s, s:s, s:I}", "user", r->user, "room", r->room, "v",
-                                                     (json_int_t)++rs->dirty_seq));
+    size_t bytes = json_dumpb(r->snapshot, NULL, 0, JSON_COMPACT) + strlen(r->key) + 64;
+    dirty_del(rs, r->key); /* re-added at the end: the set runs from least to most recent */
+    json_t *entry = json_pack("{s:s, s:s, s:I, s:I}", "u", r->eu, "r", r->er, "v", (json_int_t)++rs->dirty_seq,
+                              "b", (json_int_t)bytes);
+    if (!entry || json_object_set_new(rs->dirty, r->key, entry) < 0) {
+        cg_error("redis %s:%d: out of memory: a dialog will not be written back", rs->host, rs->port);
+        rs->base.stats.writeback_dropped_bound++;
+        return;
+    }
+    rs->dirty_bytes += (long)bytes;
+    dirty_bound(rs);
+    dirty_gauges(rs);
 }
 
 /* ---- requests -------------------------------------------------------------------------- */
@@ -132,32 +218,45 @@ static void req_closed(uv_handle_t *h)
     redis_store *rs = r->rs;
     json_decref(r->snapshot);
     free(r->user);
-    free(r->room);
+    free(r->eu);
+    free(r->er);
     free(r->key);
     free(r);
     rs->handles--;
     store_free_if_done(rs);
 }
 
+/* Frees r once the replies still due to it have come (they come, possibly NULL). */
 static void req_finish(cg_store_req *r)
 {
-    uv_close((uv_handle_t *)&r->defer, req_closed);
+    r->finished = 1;
+    if (r->steps == 0)
+        uv_close((uv_handle_t *)&r->defer, req_closed);
 }
 
-static cg_store_req *req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx)
+static cg_store_req *req_alloc(redis_store *rs, op_kind kind, char *eu, char *er, void *ctx)
 {
     cg_store_req *r = calloc(1, sizeof(*r));
     if (!r)
         abort();
     r->rs = rs;
     r->kind = kind;
-    r->user = strdup(user ? user : "");
-    r->room = strdup(room ? room : "");
-    r->key = cg_store_dialog_key(r->user, r->room);
+    r->eu = eu;
+    r->er = er;
+    if (asprintf(&r->key, "%s:%s", eu, er) < 0)
+        abort();
     r->ctx = ctx;
     uv_timer_init(rs->base.loop, &r->defer);
     r->defer.data = r;
     rs->handles++;
+    return r;
+}
+
+static cg_store_req *req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx)
+{
+    user = user ? user : "";
+    cg_store_req *r = req_alloc(rs, kind, cg_store_escape(user), cg_store_escape(room ? room : ""), ctx);
+    r->user = xstrdup(user);
     return r;
 }
 
@@ -189,15 +288,16 @@ static void inflight_remove(redis_store *rs, cg_store_req *r)
 static void forget_dirty(redis_store *rs, cg_store_req *r)
 {
     if (r->kind != OP_REMOVE_USER) {
-        json_object_del(rs->dirty, r->key);
+        dirty_del(rs, r->key);
         return;
     }
     const char *key;
     json_t *entry;
     void *tmp;
     json_object_foreach_safe(rs->dirty, tmp, key, entry) {
-        if (strcmp(json_string_value(json_object_get(entry, "user")), r->user) == 0)
-            json_object_del(rs->dirty, key);
+        const char *u = json_string_value(json_object_get(entry, "u"));
+        if (u && strcmp(u, r->eu) == 0)
+            dirty_del(rs, key);
     }
 }
 
@@ -215,11 +315,13 @@ static void answer_from_memory(cg_store_req *r)
         else
             cg_dialog_free(&d);
     } else if (r->kind == OP_SAVE) {
-        cg_dialog d;
-        cg_dialog_from_json(&d, r->snapshot, now);
-        cg_memstore_put(rs->mem, r->key, &d, now);
-        cg_dialog_free(&d);
-        mark_dirty(rs, r);
+        if (!r->version && r->snapshot) { /* a write-back that failed stays as it is: dirty, in memory */
+            cg_dialog d;
+            cg_dialog_from_json(&d, r->snapshot, now);
+            cg_memstore_put(rs->mem, r->key, &d, now);
+            cg_dialog_free(&d);
+            mark_dirty(rs, r);
+        }
         if (!r->abandoned && !rs->closing && r->done_cb)
             r->done_cb(r->ctx, &st);
     } else if (r->kind == OP_REMOVE || r->kind == OP_REMOVE_USER) {
@@ -246,19 +348,32 @@ static void answer_later_from_memory(cg_store_req *r)
 
 /* ---- building commands ----------------------------------------------------------------- */
 
+/* One command's arguments; grows as needed (a save's EVAL carries the whole dialog). */
 typedef struct argv_buf {
-    const char *argv[256];
-    size_t len[256];
-    char *owned[256];
-    int argc, n_owned;
+    const char **argv;
+    size_t *len;
+    char **owned;
+    int argc, n_owned, cap;
 } argv_buf;
+
+static void argv_grow(argv_buf *a)
+{
+    if (a->argc < a->cap && a->n_owned < a->cap)
+        return;
+    int cap = a->cap ? a->cap * 2 : 32;
+    a->argv = realloc(a->argv, sizeof(*a->argv) * (size_t)cap);
+    a->len = realloc(a->len, sizeof(*a->len) * (size_t)cap);
+    a->owned = realloc(a->owned, sizeof(*a->owned) * (size_t)cap);
+    if (!a->argv || !a->len || !a->owned)
+        abort();
+    a->cap = cap;
+}
 
 static void arg(argv_buf *a, const char *s, size_t n)
 {
-    if (a->argc < 256) {
-        a->argv[a->argc] = s;
-        a->len[a->argc++] = n;
-    }
+    argv_grow(a);
+    a->argv[a->argc] = s;
+    a->len[a->argc++] = n;
 }
 
 static void arg_str(argv_buf *a, const char *s)
@@ -266,11 +381,13 @@ static void arg_str(argv_buf *a, const char *s)
     arg(a, s, strlen(s));
 }
 
-/* An argument the buffer owns (freed by argv_clear). */
+/* An argument the buffer owns (freed by argv_clear); s NULL (jansson out of memory) aborts. */
 static void arg_own(argv_buf *a, char *s)
 {
-    if (a->n_owned < 256)
-        a->owned[a->n_owned++] = s;
+    if (!s)
+        abort();
+    argv_grow(a);
+    a->owned[a->n_owned++] = s;
     arg_str(a, s);
 }
 
@@ -286,6 +403,14 @@ static void arg_fmt(argv_buf *a, const char *fmt, ...)
     arg_own(a, s);
 }
 
+/* A JSON value as an argument; jansson fails only on memory, or on a value it cannot
+ * encode, which the dialog never holds: "null" then, not a crash. */
+static void arg_json(argv_buf *a, const json_t *v)
+{
+    char *s = json_dumps(v ? v : json_null(), JSON_COMPACT | JSON_ENCODE_ANY);
+    arg_own(a, s ? s : xstrdup("null"));
+}
+
 static void argv_clear(argv_buf *a)
 {
     for (int i = 0; i < a->n_owned; i++)
@@ -293,18 +418,49 @@ static void argv_clear(argv_buf *a)
     a->argc = a->n_owned = 0;
 }
 
+static void argv_free(argv_buf *a)
+{
+    argv_clear(a);
+    free(a->argv);
+    free(a->len);
+    free(a->owned);
+}
+
 /* Returns 0, or -1 when hiredis refused the command (its context is being freed). */
 static int send_argv(redis_store *rs, argv_buf *a, redisCallbackFn *fn, void *priv)
 {
-    int rc = redisAsyncCommandArgv(rs->ac, fn, priv, a->argc, a->argv, a->len);
+    int rc = rs->ac ? redisAsyncCommandArgv(rs->ac, fn, priv, a->argc, a->argv, a->len) : REDIS_ERR;
     argv_clear(a);
     return rc == REDIS_OK ? 0 : -1;
 }
 
-/* Sends the EXEC that ends r's transaction; r is answered from memory if that fails. */
-static void send_exec(redis_store *rs, argv_buf *a, redisCallbackFn *fn, cg_store_req *r)
+/* A command before r's last: its reply only says whether it failed. */
+static void on_step_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
-    arg_str(a, "EXEC");
+    (void)ac;
+    cg_store_req *r = priv;
+    redisReply *reply = reply_;
+    if (!reply || reply->type == REDIS_REPLY_ERROR) {
+        if (reply)
+            cg_warn("redis %s:%d: %s", r->rs->host, r->rs->port, reply->str);
+        r->step_failed = 1;
+    }
+    r->steps--;
+    if (r->finished && r->steps == 0)
+        req_finish(r);
+}
+
+static void send_step(redis_store *rs, argv_buf *a, cg_store_req *r)
+{
+    if (send_argv(rs, a, on_step_reply, r) == 0)
+        r->steps++;
+    else
+        r->step_failed = 1;
+}
+
+/* Sends r's last command; r is answered from memory if that fails. */
+static void send_last(redis_store *rs, argv_buf *a, redisCallbackFn *fn, cg_store_req *r)
+{
     if (send_argv(rs, a, fn, r) < 0) {
         rs->base.stats.errors++;
         answer_later_from_memory(r);
@@ -313,6 +469,8 @@ static void send_exec(redis_store *rs, argv_buf *a, redisCallbackFn *fn, cg_stor
     inflight_add(rs, r);
 }
 
+/* One key of the dialog whose key part is key ("<eu>:<er>"): the one builder of every
+ * dialog key, with its real length. */
 static char *dialog_key(redis_store *rs, const char *key, const char *part)
 {
     char *s;
@@ -321,82 +479,120 @@ static char *dialog_key(redis_store *rs, const char *key, const char *part)
     return s;
 }
 
-static char *rooms_key(redis_store *rs, const char *user)
+static char *rooms_key(redis_store *rs, const char *eu)
 {
-    char *u = cg_store_escape(user), *s;
-    if (asprintf(&s, "%s:user:{%s}:rooms", rs->base.cfg.prefix, u) < 0)
+    char *s;
+    if (asprintf(&s, "%s:user:{%s}:rooms", rs->base.cfg.prefix, eu) < 0)
         abort();
-    free(u);
     return s;
 }
 
+static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history"};
+
+/* EVAL <script> 5 <the dialog's five keys> */
+static void arg_eval(redis_store *rs, argv_buf *a, const char *script, const char *key)
+{
+    arg_str(a, "EVAL");
+    arg_str(a, script);
+    arg_str(a, "5");
+    for (int i = 0; i < 5; i++)
+        arg_own(a, dialog_key(rs, key, parts[i]));
+}
+
 /* ---- load ------------------------------------------------------------------------------ */
+
+/* The five reads in one atomic step (GET's nil comes back as nil: false in a Lua table). */
+static const char load_script[] =
+    "return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),"
+    " redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}";
 
 static json_t *parse_json_reply(redisReply *r)
 {
     return r && r->type == REDIS_REPLY_STRING ? json_loadb(r->str, r->len, JSON_DECODE_ANY | JSON_ALLOW_NUL, NULL) : NULL;
 }
 
-/* Turns the five replies of a load into the JSON cg_dialog_from_json reads. */
-static json_t *dialog_from_replies(redisReply **rep)
+/* Sets key in obj to v (stolen); a failure (out of memory, a key jansson refuses) is logged. */
+static void set_checked(json_t *obj, const char *key, size_t key_len, json_t *v)
 {
-    json_t *j = json_object();
+    if (!v || json_object_setn_new(obj, key, key_len, v) < 0)
+        cg_warn("redis: dropped the field '%.*s' of a dialog read back (not valid UTF-8, or out of memory)",
+                (int)(key_len > 64 ? 64 : key_len), key);
+}
+
+/* params: fields "<service>.<name>" -> JSON, into {service: {name: value}} */
+static json_t *params_from_reply(redisReply *rep)
+{
     json_t *params = json_object();
-    for (size_t i = 0; rep[0]->type == REDIS_REPLY_ARRAY && i + 1 < rep[0]->elements; i += 2) {
-        redisReply *f = rep[0]->element[i];
+    for (size_t i = 0; params && rep->type == REDIS_REPLY_ARRAY && i + 1 < rep->elements; i += 2) {
+        redisReply *f = rep->element[i];
         const char *dot = f->type == REDIS_REPLY_STRING ? memchr(f->str, '.', f->len) : NULL;
-        json_t *v = parse_json_reply(rep[0]->element[i + 1]);
+        json_t *v = parse_json_reply(rep->element[i + 1]);
         if (!dot || !v) {
             json_decref(v);
             continue;
         }
-        char service[128], name[256];
-        snprintf(service, sizeof(service), "%.*s", (int)(dot - f->str), f->str);
-        snprintf(name, sizeof(name), "%.*s", (int)(f->len - (size_t)(dot - f->str) - 1), dot + 1);
-        json_t *svc = json_object_get(params, service);
-        if (!svc)
-            json_object_set_new(params, service, svc = json_object());
-        json_object_set_new(svc, name, v);
+        size_t service_len = (size_t)(dot - f->str);
+        json_t *svc = json_object_getn(params, f->str, service_len);
+        if (!svc) {
+            svc = json_object();
+            if (!svc || json_object_setn_new(params, f->str, service_len, svc) < 0) {
+                set_checked(params, f->str, service_len, NULL);
+                json_decref(v);
+                continue;
+            }
+        }
+        set_checked(svc, dot + 1, f->len - service_len - 1, v);
     }
-    json_object_set_new(j, "params", params);
-    json_t *meta = json_object();
+    return params;
+}
+
+/* An expiring part ({...,"expires_at":N}) into j's `name` and `name_expires`. */
+static void expiring_from_reply(json_t *j, redisReply *rep, const char *name, const char *expires_name)
+{
+    json_t *v = parse_json_reply(rep);
+    if (!json_is_object(v)) {
+        json_decref(v);
+        return;
+    }
+    json_t *expires = json_object_get(v, "expires_at");
+    if (expires)
+        json_object_set(j, expires_name, expires);
+    json_object_del(v, "expires_at");
+    set_checked(j, name, strlen(name), v);
+}
+
+/* Turns the five replies of a load into the JSON cg_dialog_from_json reads; NULL when out
+ * of memory. */
+static json_t *dialog_from_replies(redisReply **rep)
+{
+    json_t *j = json_object(), *meta = json_object(), *history = json_array();
+    if (!j || !meta || !history) {
+        json_decref(j);
+        json_decref(meta);
+        json_decref(history);
+        return NULL;
+    }
+    set_checked(j, "params", 6, params_from_reply(rep[0]));
     for (size_t i = 0; rep[1]->type == REDIS_REPLY_ARRAY && i + 1 < rep[1]->elements; i += 2) {
         redisReply *f = rep[1]->element[i], *v = rep[1]->element[i + 1];
         if (f->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING)
             continue;
         if (strcmp(f->str, "service") == 0)
-            json_object_set_new(j, "service", json_stringn(v->str, v->len));
+            set_checked(j, "service", 7, json_stringn(v->str, v->len));
         else if (strcmp(f->str, "last_tool_result") == 0)
-            json_object_set_new(j, "last_tool_result", parse_json_reply(v));
+            set_checked(j, "last_tool_result", 16, parse_json_reply(v));
         else
-            json_object_set_new(meta, f->str, json_integer(strtoll(v->str, NULL, 10)));
+            set_checked(meta, f->str, f->len, json_integer(strtoll(v->str, NULL, 10)));
     }
-    json_object_set_new(j, "meta", meta);
-    json_t *awaiting = parse_json_reply(rep[2]);
-    if (json_is_object(awaiting)) {
-        json_object_set(j, "awaiting_expires", json_object_get(awaiting, "expires_at"));
-        json_object_del(awaiting, "expires_at");
-        json_object_set_new(j, "awaiting", awaiting);
-    } else {
-        json_decref(awaiting);
-    }
-    json_t *soft = parse_json_reply(rep[3]);
-    if (json_is_object(soft)) {
-        json_object_set(j, "soft_expires", json_object_get(soft, "expires_at"));
-        json_object_del(soft, "expires_at");
-        json_object_set_new(j, "soft_context", soft);
-    } else {
-        json_decref(soft);
-    }
-    json_t *history = json_array();
+    set_checked(j, "meta", 4, meta);
+    expiring_from_reply(j, rep[2], "awaiting", "awaiting_expires");
+    expiring_from_reply(j, rep[3], "soft_context", "soft_expires");
     for (size_t i = 0; rep[4]->type == REDIS_REPLY_ARRAY && i < rep[4]->elements; i++) {
         json_t *m = parse_json_reply(rep[4]->element[i]);
-        if (json_is_object(m))
-            json_array_append_new(history, m);
-        else
-            json_decref(m);
+        if (!json_is_object(m) || json_array_append_new(history, m) < 0)
+            json_decref(json_is_object(m) ? NULL : m);
     }
-    json_object_set_new(j, "history", history);
+    set_checked(j, "history", 7, history);
     return j;
 }
 
@@ -423,13 +619,13 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     inflight_remove(rs, r);
-    if (reply_failed(rs, reply, 5, "load")) {
+    json_t *j = NULL;
+    if (reply_failed(rs, reply, 5, "load") || !(j = dialog_from_replies(reply->element))) {
         rs->base.stats.errors++;
         answer_from_memory(r);
         return;
     }
     int64_t now = rs->base.now(rs->base.clock_ctx);
-    json_t *j = dialog_from_replies(reply->element);
     cg_dialog d;
     cg_dialog_from_json(&d, j, now);
     json_decref(j);
@@ -448,42 +644,86 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
 static void send_load(redis_store *rs, cg_store_req *r)
 {
     argv_buf a = {0};
-    arg_str(&a, "MULTI");
-    send_argv(rs, &a, NULL, NULL);
-    static const char *const reads[][2] = {
-        {"HGETALL", "params"}, {"HGETALL", "dialog"}, {"GET", "awaiting"}, {"GET", "soft"}, {"LRANGE", "history"}};
-    for (int i = 0; i < 5; i++) {
-        arg_str(&a, reads[i][0]);
-        arg_own(&a, dialog_key(rs, r->key, reads[i][1]));
-        if (i == 4) {
-            arg_str(&a, "0");
-            arg_str(&a, "-1");
-        }
-        send_argv(rs, &a, NULL, NULL);
-    }
-    send_exec(rs, &a, on_load_reply, r);
+    arg_eval(rs, &a, load_script, r->key);
+    send_last(rs, &a, on_load_reply, r);
+    argv_free(&a);
 }
 
 /* ---- save ------------------------------------------------------------------------------ */
+
+/*
+ * The save, one atomic step on the dialog's five keys. ARGV: 1 created_at, 2 last_activity,
+ * 3 "1" for a write-back (refused when Redis's copy is newer), 4-6 params_s, dialog_s,
+ * history_s, 7 turn_count, 8 message_count, 9 service, 10 "1" when there is a service,
+ * 11 last_tool_result, 12-13 awaiting and its EX (0: none), 14-15 soft and its EX,
+ * 16 the number of params, then the params' field-value pairs, then the history.
+ * Returns 1 when written, 0 when Redis holds another incarnation, -1 a newer copy.
+ */
+static const char save_script[] =
+    "local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
+    "if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
+    "if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
+    "local function chunks(cmd, key, from, to, step)\n"
+    "  for i = from, to, step do\n"
+    "    redis.call(cmd, key, unpack(ARGV, i, math.min(i + step - 1, to)))\n"
+    "  end\n"
+    "end\n"
+    "local np = tonumber(ARGV[16])\n"
+    "redis.call('DEL', KEYS[1])\n"
+    "if np > 0 then\n"
+    "  chunks('HSET', KEYS[1], 17, 16 + 2 * np, 200)\n"
+    "  redis.call('EXPIRE', KEYS[1], ARGV[4])\n"
+    "end\n"
+    "redis.call('HSET', KEYS[2], 'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
+    "           'message_count', ARGV[8], 'last_tool_result', ARGV[11])\n"
+    "if ARGV[10] == '1' then redis.call('HSET', KEYS[2], 'service', ARGV[9])\n"
+    "else redis.call('HDEL', KEYS[2], 'service') end\n"
+    "redis.call('EXPIRE', KEYS[2], ARGV[5])\n"
+    "if ARGV[13] ~= '0' then redis.call('SET', KEYS[3], ARGV[12], 'EX', ARGV[13])\n"
+    "else redis.call('DEL', KEYS[3]) end\n"
+    "if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
+    "else redis.call('DEL', KEYS[4]) end\n"
+    "redis.call('DEL', KEYS[5])\n"
+    "if #ARGV > 16 + 2 * np then\n"
+    "  chunks('RPUSH', KEYS[5], 17 + 2 * np, #ARGV, 200)\n"
+    "  redis.call('EXPIRE', KEYS[5], ARGV[6])\n"
+    "end\n"
+    "return 1\n";
+
+/* Redis kept its own copy (save_script's 0 or -1): this one is dropped, from memory too, so
+ * the next load reads Redis's. */
+static void save_refused(redis_store *rs, cg_store_req *r, long long why)
+{
+    rs->base.stats.save_conflicts++;
+    cg_warn("redis %s:%d: a %s of a dialog was not written: Redis holds %s; its copy is kept", rs->host, rs->port,
+            r->version ? "write-back" : "save",
+            why == 0 ? "another copy (this one began while Redis was away)" : "a newer copy");
+    cg_memstore_del(rs->mem, r->key);
+}
 
 static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
     cg_store_req *r = priv;
     redis_store *rs = r->rs;
+    redisReply *reply = reply_;
     inflight_remove(rs, r);
-    if (reply_failed(rs, reply_, 0, "save")) {
+    if (reply_failed(rs, reply, 0, "save") || r->step_failed || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;
         answer_from_memory(r); /* keeps it in memory, dirty, for the write-back */
         return;
     }
-    if (r->version) { /* a write-back: done, unless the dialog changed meanwhile */
-        json_t *entry = json_object_get(rs->dirty, r->key);
-        if (entry && json_integer_value(json_object_get(entry, "v")) == r->version) {
-            json_object_del(rs->dirty, r->key);
+    json_t *entry = r->version ? json_object_get(rs->dirty, r->key) : NULL;
+    if (entry && json_integer_value(json_object_get(entry, "v")) == r->version) {
+        dirty_del(rs, r->key); /* a write-back: done */
+        if (reply->integer == 1)
             rs->base.stats.flushed++;
-        }
-    } else {
+    } else if (entry && reply->integer == 1 && rs->state == R_CONNECTED) {
+        flush_one(rs, r->key, entry); /* changed meanwhile: its newer version, now */
+    }
+    if (reply->integer != 1) {
+        save_refused(rs, r, reply->integer);
+    } else if (!r->version) {
         int64_t now = rs->base.now(rs->base.clock_ctx);
         cg_dialog d;
         cg_dialog_from_json(&d, r->snapshot, now);
@@ -496,23 +736,22 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
     req_finish(r);
 }
 
-static void set_with_expiry(redis_store *rs, argv_buf *a, const char *key, const char *part, json_t *value,
-                            int64_t expires, int64_t now)
+/* An expiring part and its EX: "0" when it is absent or already expired. */
+static void arg_expiring(argv_buf *a, json_t *value, int64_t expires, int64_t now, int64_t *longest)
 {
-    if (value && expires > now) {
-        json_t *copy = json_deep_copy(value);
-        json_object_set_new(copy, "expires_at", json_integer(expires));
-        arg_str(a, "SET");
-        arg_own(a, dialog_key(rs, key, part));
-        arg_own(a, json_dumps(copy, JSON_COMPACT));
-        arg_str(a, "EX");
-        arg_fmt(a, "%lld", (long long)(expires - now));
-        json_decref(copy);
-    } else {
-        arg_str(a, "DEL");
-        arg_own(a, dialog_key(rs, key, part));
+    if (!value || expires <= now) {
+        arg_str(a, "");
+        arg_str(a, "0");
+        return;
     }
-    send_argv(rs, a, NULL, NULL);
+    json_t *copy = json_deep_copy(value);
+    if (!copy || json_object_set_new(copy, "expires_at", json_integer(expires)) < 0)
+        abort(); /* out of memory */
+    arg_json(a, copy);
+    json_decref(copy);
+    arg_fmt(a, "%lld", (long long)(expires - now));
+    if (expires - now > *longest)
+        *longest = expires - now;
 }
 
 static void send_save(redis_store *rs, cg_store_req *r)
@@ -522,94 +761,56 @@ static void send_save(redis_store *rs, cg_store_req *r)
     cg_dialog d;
     cg_dialog_from_json(&d, r->snapshot, now);
     argv_buf a = {0};
-    arg_str(&a, "MULTI");
-    send_argv(rs, &a, NULL, NULL);
+    int64_t longest = lt->dialog_s; /* how long the rooms set must outlive this save */
+    if (lt->params_s > longest)
+        longest = lt->params_s;
+    if (lt->history_s > longest)
+        longest = lt->history_s;
 
-    /* params: "<service>.<name>" -> JSON */
-    arg_str(&a, "DEL");
-    arg_own(&a, dialog_key(rs, r->key, "params"));
-    send_argv(rs, &a, NULL, NULL);
-    if (json_object_size(d.params)) {
-        /* one HSET per 100 fields, so any number of params fits the argument buffer */
-        const char *service, *name;
-        json_t *names, *value;
-        json_object_foreach(d.params, service, names) {
-            json_object_foreach(names, name, value) {
-                if (a.argc == 0) {
-                    arg_str(&a, "HSET");
-                    arg_own(&a, dialog_key(rs, r->key, "params"));
-                }
-                arg_fmt(&a, "%s.%s", service, name);
-                arg_own(&a, json_dumps(value, JSON_COMPACT | JSON_ENCODE_ANY));
-                if (a.argc >= 202)
-                    send_argv(rs, &a, NULL, NULL);
-            }
-        }
-        if (a.argc)
-            send_argv(rs, &a, NULL, NULL);
-        arg_str(&a, "EXPIRE");
-        arg_own(&a, dialog_key(rs, r->key, "params"));
-        arg_fmt(&a, "%ld", lt->params_s);
-        send_argv(rs, &a, NULL, NULL);
-    }
-
-    arg_str(&a, "HSET");
-    arg_own(&a, dialog_key(rs, r->key, "dialog"));
-    arg_str(&a, "created_at");
+    arg_eval(rs, &a, save_script, r->key);
     arg_fmt(&a, "%lld", (long long)d.created_at);
-    arg_str(&a, "last_activity");
     arg_fmt(&a, "%lld", (long long)d.last_activity);
-    arg_str(&a, "turn_count");
+    arg_str(&a, r->version ? "1" : "0");
+    arg_fmt(&a, "%ld", lt->params_s);
+    arg_fmt(&a, "%ld", lt->dialog_s);
+    arg_fmt(&a, "%ld", lt->history_s);
     arg_fmt(&a, "%ld", d.turn_count);
-    arg_str(&a, "message_count");
     arg_fmt(&a, "%ld", d.message_count);
-    arg_str(&a, "service");
     arg_str(&a, d.service ? d.service : "");
-    arg_str(&a, "last_tool_result");
-    arg_own(&a, json_dumps(d.last_tool_result ? d.last_tool_result : json_null(), JSON_COMPACT | JSON_ENCODE_ANY));
-    send_argv(rs, &a, NULL, NULL);
-    if (!d.service) {
-        arg_str(&a, "HDEL");
-        arg_own(&a, dialog_key(rs, r->key, "dialog"));
-        arg_str(&a, "service");
-        send_argv(rs, &a, NULL, NULL);
+    arg_str(&a, d.service ? "1" : "0");
+    arg_json(&a, d.last_tool_result);
+    arg_expiring(&a, d.awaiting, d.awaiting_expires, now, &longest);
+    arg_expiring(&a, d.soft, d.soft_expires, now, &longest);
+    const char *service, *name;
+    json_t *names, *value;
+    size_t n_params = 0;
+    json_object_foreach(d.params, service, names) n_params += json_object_size(names);
+    arg_fmt(&a, "%zu", n_params);
+    json_object_foreach(d.params, service, names) {
+        json_object_foreach(names, name, value) {
+            arg_fmt(&a, "%s.%s", service, name);
+            arg_json(&a, value);
+        }
     }
-    arg_str(&a, "EXPIRE");
-    arg_own(&a, dialog_key(rs, r->key, "dialog"));
-    arg_fmt(&a, "%ld", lt->dialog_s);
-    send_argv(rs, &a, NULL, NULL);
+    size_t i;
+    json_t *m;
+    json_array_foreach(d.history, i, m) arg_json(&a, m);
 
-    set_with_expiry(rs, &a, r->key, "awaiting", d.awaiting, d.awaiting_expires, now);
-    set_with_expiry(rs, &a, r->key, "soft", d.soft, d.soft_expires, now);
+    /* the rooms set first, outside the dialog's step (another hash tag) */
+    argv_buf rooms = {0};
+    arg_str(&rooms, "SADD");
+    arg_own(&rooms, rooms_key(rs, r->eu));
+    arg_str(&rooms, r->er);
+    send_step(rs, &rooms, r);
+    arg_str(&rooms, "EXPIRE");
+    arg_own(&rooms, rooms_key(rs, r->eu));
+    arg_fmt(&rooms, "%lld", (long long)longest);
+    send_step(rs, &rooms, r);
+    argv_free(&rooms);
 
-    arg_str(&a, "DEL");
-    arg_own(&a, dialog_key(rs, r->key, "history"));
-    send_argv(rs, &a, NULL, NULL);
-    if (json_array_size(d.history)) {
-        arg_str(&a, "RPUSH");
-        arg_own(&a, dialog_key(rs, r->key, "history"));
-        size_t i;
-        json_t *m;
-        json_array_foreach(d.history, i, m) arg_own(&a, json_dumps(m, JSON_COMPACT));
-        send_argv(rs, &a, NULL, NULL);
-        arg_str(&a, "EXPIRE");
-        arg_own(&a, dialog_key(rs, r->key, "history"));
-        arg_fmt(&a, "%ld", lt->history_s);
-        send_argv(rs, &a, NULL, NULL);
-    }
-
-    char *rooms = rooms_key(rs, r->user);
-    arg_str(&a, "SADD");
-    arg_str(&a, rooms);
-    arg_own(&a, cg_store_escape(r->room));
-    send_argv(rs, &a, NULL, NULL);
-    arg_str(&a, "EXPIRE");
-    arg_own(&a, rooms);
-    arg_fmt(&a, "%ld", lt->dialog_s);
-    send_argv(rs, &a, NULL, NULL);
-
-    send_exec(rs, &a, on_save_reply, r);
-    cg_dialog_free(&d);
+    send_last(rs, &a, on_save_reply, r);
+    argv_free(&a);
+    cg_dialog_free(&d); /* after the send: the arguments borrow d.service */
 }
 
 /* ---- remove ---------------------------------------------------------------------------- */
@@ -620,7 +821,7 @@ static void on_remove_reply(redisAsyncContext *ac, void *reply_, void *priv)
     cg_store_req *r = priv;
     redis_store *rs = r->rs;
     inflight_remove(rs, r);
-    if (reply_failed(rs, reply_, 0, "delete")) {
+    if (reply_failed(rs, reply_, 0, "delete") || r->step_failed) {
         rs->base.stats.errors++;
         answer_from_memory(r);
         return;
@@ -633,43 +834,73 @@ static void on_remove_reply(redisAsyncContext *ac, void *reply_, void *priv)
     req_finish(r);
 }
 
+/* DEL of the five keys of the dialog whose key part is key: one hash tag, one step. */
+static void arg_del_dialog(redis_store *rs, argv_buf *a, const char *key)
+{
+    arg_str(a, "DEL");
+    for (int i = 0; i < 5; i++)
+        arg_own(a, dialog_key(rs, key, parts[i]));
+}
+
 static void send_remove(redis_store *rs, cg_store_req *r)
 {
     argv_buf a = {0};
-    arg_str(&a, "MULTI");
-    send_argv(rs, &a, NULL, NULL);
-    arg_str(&a, "DEL");
-    static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history"};
-    for (int i = 0; i < 5; i++)
-        arg_own(&a, dialog_key(rs, r->key, parts[i]));
-    send_argv(rs, &a, NULL, NULL);
-    arg_str(&a, "SREM");
-    arg_own(&a, rooms_key(rs, r->user));
-    arg_own(&a, cg_store_escape(r->room));
-    send_argv(rs, &a, NULL, NULL);
-    send_exec(rs, &a, on_remove_reply, r);
+    arg_del_dialog(rs, &a, r->key);
+    send_step(rs, &a, r);
+    arg_str(&a, "SREM"); /* after the data: forget-user must find a room as long as it has data */
+    arg_own(&a, rooms_key(rs, r->eu));
+    arg_str(&a, r->er);
+    send_last(rs, &a, on_remove_reply, r);
+    argv_free(&a);
 }
 
 /* ---- the connection -------------------------------------------------------------------- */
+
+/* Writes back one dirty dialog as memory holds it; returns 0, or -1 when memory no longer
+ * holds it (evicted or expired): it is dropped then, never written blank over Redis's copy. */
+static int flush_one(redis_store *rs, const char *key, json_t *entry)
+{
+    const char *eu = json_string_value(json_object_get(entry, "u"));
+    const char *er = json_string_value(json_object_get(entry, "r"));
+    cg_dialog d;
+    if (!eu || !er || !cg_memstore_get(rs->mem, key, rs->base.now(rs->base.clock_ctx), &d)) {
+        if (eu && er)
+            cg_dialog_free(&d);
+        dirty_del(rs, key);
+        rs->base.stats.writeback_dropped_gone++;
+        return -1;
+    }
+    cg_store_req *r = req_alloc(rs, OP_SAVE, xstrdup(eu), xstrdup(er), NULL);
+    r->user = xstrdup("");
+    r->snapshot = cg_dialog_to_json(&d);
+    cg_dialog_free(&d);
+    r->version = (long)json_integer_value(json_object_get(entry, "v"));
+    if (r->snapshot)
+        send_save(rs, r);
+    else
+        req_finish(r); /* out of memory: still dirty, tried again at the next reconnect */
+    return 0;
+}
 
 static void flush_dirty(redis_store *rs)
 {
     const char *key;
     json_t *entry;
-    int64_t now = rs->base.now(rs->base.clock_ctx);
-    json_object_foreach(rs->dirty, key, entry) {
-        cg_store_req *r = req_new(rs, OP_SAVE, json_string_value(json_object_get(entry, "user")),
-                                  json_string_value(json_object_get(entry, "room")), NULL);
-        cg_dialog d;
-        cg_memstore_get(rs->mem, key, now, &d);
-        r->snapshot = cg_dialog_to_json(&d);
-        cg_dialog_free(&d);
-        r->version = (long)json_integer_value(json_object_get(entry, "v"));
-        send_save(rs, r);
+    void *tmp;
+    long gone = 0;
+    size_t sent = 0;
+    json_object_foreach_safe(rs->dirty, tmp, key, entry) {
+        if (flush_one(rs, key, entry) < 0)
+            gone++;
+        else
+            sent++;
     }
-    if (json_object_size(rs->dirty))
-        cg_info("redis %s:%d: writing back %zu dialogs held in memory", rs->host, rs->port,
-                json_object_size(rs->dirty));
+    if (gone)
+        cg_warn("redis %s:%d: %ld dialogs written during the outage are no longer held in memory (evicted or "
+                "expired): not written back, Redis keeps its copy",
+                rs->host, rs->port, gone);
+    if (sent)
+        cg_info("redis %s:%d: writing back %zu dialogs held in memory", rs->host, rs->port, sent);
 }
 
 static void on_reconnect_timer(uv_timer_t *t)
@@ -688,12 +919,17 @@ static void schedule_reconnect(redis_store *rs)
         uv_timer_start(&rs->connect_timer, on_reconnect_timer, delay, 0);
 }
 
-/* Drops the connection (a timeout, or close): every pending callback gets a NULL reply. */
+/* Drops the connection (a timeout, a failed probe, or close): every pending callback gets a
+ * NULL reply. Safe inside a hiredis reply callback (hiredis frees after it returns). */
 static void drop_connection(redis_store *rs, const char *why)
 {
     redisAsyncContext *ac = rs->ac;
     rs->ac = NULL;
     rs->state = R_CLOSED;
+    if (rs->resolve) {
+        cg_resolve_abandon(rs->resolve);
+        rs->resolve = NULL;
+    }
     uv_timer_stop(&rs->connect_timer);
     enter_degraded(rs, why);
     if (ac)
@@ -701,14 +937,26 @@ static void drop_connection(redis_store *rs, const char *why)
     schedule_reconnect(rs);
 }
 
-static void on_ping(redisAsyncContext *ac, void *reply, void *priv)
+/* The probe: only a PING answered makes the store use a connection (a stopped Redis
+ * accepts too). An error answer (-LOADING after a restart, -NOAUTH for a wrong password,
+ * -MASTERDOWN) drops it, to try again with the backoff. */
+static void on_ping(redisAsyncContext *ac, void *reply_, void *priv)
 {
     cg_store_req *r = priv;
     redis_store *rs = r->rs;
+    redisReply *reply = reply_;
     inflight_remove(rs, r);
     req_finish(r);
-    if (ac != rs->ac || reply_failed(rs, reply, 0, "PING"))
+    if (ac != rs->ac || !reply)
+        return; /* an older connection, or this one gone (on_disconnect or a timeout saw to it) */
+    if (reply->type == REDIS_REPLY_ERROR || rs->setup_failed) {
+        char why[200];
+        snprintf(why, sizeof(why), "the connection's PING was answered '%.120s'",
+                 reply->type == REDIS_REPLY_ERROR ? reply->str : "after a failed SELECT");
+        rs->base.stats.errors++;
+        drop_connection(rs, why);
         return;
+    }
     rs->state = R_CONNECTED;
     rs->backoff = 0;
     if (rs->ever_connected)
@@ -733,8 +981,7 @@ static void on_connect(const redisAsyncContext *ac, int status)
         schedule_reconnect(rs);
         return;
     }
-    /* Connected at the TCP level; a stopped Redis accepts too, so only a PING answered
-     * makes the store use it again. */
+    /* Connected at the TCP level; the PING decides (on_ping), within the command timeout. */
     rs->state = R_PROBING;
     cg_store_req *r = req_new(rs, OP_PING, "", "", NULL);
     if (redisAsyncCommand(rs->ac, on_ping, r, "PING") == REDIS_OK)
@@ -763,22 +1010,36 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
 static void on_connect_timeout(uv_timer_t *t)
 {
     redis_store *rs = t->data;
-    drop_connection(rs, "connect timed out");
+    drop_connection(rs, rs->state == R_RESOLVING ? "resolving the host timed out" : "connect timed out");
 }
 
 static void on_auth(redisAsyncContext *ac, void *reply, void *priv)
 {
     (void)priv;
     redis_store *rs = ac->data;
-    reply_failed(rs, reply, 0, "AUTH/SELECT");
+    reply_failed(rs, reply, 0, "AUTH"); /* logged; a server that needs it answers the PING -NOAUTH */
 }
 
-static void redis_connect(redis_store *rs)
+static void on_select(redisAsyncContext *ac, void *reply, void *priv)
 {
-    if (rs->closing)
-        return;
-    redisAsyncContext *ac = redisAsyncConnect(rs->host, rs->port);
+    (void)priv;
+    redis_store *rs = ac->data;
+    if (ac == rs->ac && reply && reply_failed(rs, reply, 0, "SELECT"))
+        rs->setup_failed = 1; /* the PING's answer drops the connection: never the wrong database */
+}
+
+/* Connects to a numeric address (hiredis's own getaddrinfo then never waits on DNS). */
+static void connect_to(redis_store *rs, const char *address)
+{
+    if (!rs->address || strcmp(rs->address, address) != 0) {
+        cg_info("redis %s:%d: connecting to %s", rs->host, rs->port, address);
+        free(rs->address);
+        rs->address = xstrdup(address);
+    }
+    redisAsyncContext *ac = redisAsyncConnect(address, rs->port);
     if (!ac || ac->err) {
+        uv_timer_stop(&rs->connect_timer);
+        rs->state = R_CLOSED;
         enter_degraded(rs, ac ? ac->errstr : "out of memory");
         if (ac)
             redisAsyncFree(ac);
@@ -788,14 +1049,43 @@ static void redis_connect(redis_store *rs)
     ac->data = rs;
     rs->ac = ac;
     rs->state = R_CONNECTING;
+    rs->setup_failed = 0;
     redisLibuvAttach(ac, rs->base.loop);
     redisAsyncSetConnectCallback(ac, on_connect);
     redisAsyncSetDisconnectCallback(ac, on_disconnect);
-    if (rs->password[0])
-        redisAsyncCommand(ac, on_auth, NULL, "AUTH %s", rs->password);
+    if (rs->password) {
+        const char *argv[] = {"AUTH", rs->password};
+        size_t len[] = {4, strlen(rs->password)};
+        redisAsyncCommandArgv(ac, on_auth, NULL, 2, argv, len);
+    }
     if (rs->db)
-        redisAsyncCommand(ac, on_auth, NULL, "SELECT %d", rs->db);
+        redisAsyncCommand(ac, on_select, NULL, "SELECT %d", rs->db);
+}
+
+static void on_resolved(void *data, const char *address, const char *err)
+{
+    redis_store *rs = data;
+    rs->resolve = NULL;
+    if (!address) {
+        uv_timer_stop(&rs->connect_timer);
+        rs->state = R_CLOSED;
+        enter_degraded(rs, err);
+        schedule_reconnect(rs);
+        return;
+    }
+    connect_to(rs, address);
+}
+
+/* Every (re)connect resolves the host again, off the loop: its address may have moved. */
+static void redis_connect(redis_store *rs)
+{
+    if (rs->closing)
+        return;
+    rs->state = R_RESOLVING;
     uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
+    rs->resolve = cg_resolve_start(rs->base.loop, rs->host, on_resolved, rs);
+    if (!rs->resolve)
+        drop_connection(rs, "could not start resolving the host");
 }
 
 /* Every 100 ms: has the oldest command waited too long? */
@@ -838,6 +1128,11 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
     cg_store_req *r = req_new(rs, OP_SAVE, user, room, ctx);
     r->done_cb = cb;
     r->snapshot = cg_dialog_to_json(d);
+    if (!r->snapshot) { /* out of memory: nothing written, nothing overwritten */
+        cg_error("redis %s:%d: out of memory: a dialog was not saved", rs->host, rs->port);
+        answer_later_from_memory(r);
+        return r;
+    }
     if (usable(rs, r->key)) {
         send_save(rs, r);
     } else {
@@ -855,7 +1150,7 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
     st->stats.deletes++;
     cg_store_req *r = req_new(rs, OP_REMOVE, user, room, ctx);
     r->done_cb = cb;
-    json_object_del(rs->dirty, r->key);
+    dirty_del(rs, r->key);
     if (rs->state == R_CONNECTED && rs->ac)
         send_remove(rs, r);
     else
@@ -863,7 +1158,27 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
     return r;
 }
 
-/* Second step of remove_user: the rooms are known; one transaction deletes them all. */
+/* Last step of remove_user: every dialog is gone; now the rooms set. */
+static void on_forget_dialogs_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    cg_store_req *r = priv;
+    redis_store *rs = r->rs;
+    inflight_remove(rs, r);
+    if (reply_failed(rs, reply_, 0, "forget user (DEL)") || r->step_failed || !rs->ac) {
+        rs->base.stats.errors++;
+        answer_from_memory(r); /* the rooms set stays, so a retry finds them */
+        return;
+    }
+    argv_buf a = {0};
+    arg_str(&a, "DEL");
+    arg_own(&a, rooms_key(rs, r->eu));
+    send_last(rs, &a, on_remove_reply, r);
+    argv_free(&a);
+}
+
+/* Second step of remove_user: the rooms are known; each dialog's keys go in one DEL of its
+ * own hash tag, and the rooms set only once they all went. */
 static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -877,26 +1192,27 @@ static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
         return;
     }
     argv_buf a = {0};
-    arg_str(&a, "MULTI");
-    send_argv(rs, &a, NULL, NULL);
-    char *u = cg_store_escape(r->user);
-    static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history"};
+    size_t n = 0;
     for (size_t i = 0; i < reply->elements; i++) {
         redisReply *room = reply->element[i];
         if (room->type != REDIS_REPLY_STRING)
             continue;
-        char key[1024];
-        snprintf(key, sizeof(key), "%s:%.*s", u, (int)room->len, room->str); /* the room is stored escaped */
-        arg_str(&a, "DEL");
-        for (int p = 0; p < 5; p++)
-            arg_own(&a, dialog_key(rs, key, parts[p]));
-        send_argv(rs, &a, NULL, NULL);
+        char *key; /* the room is stored escaped: "<eu>:<er>", as cg_store_dialog_key builds it */
+        if (asprintf(&key, "%s:%.*s", r->eu, (int)room->len, room->str) < 0)
+            abort();
+        if (n++)
+            send_step(rs, &a, r); /* the previous room's DEL */
+        arg_del_dialog(rs, &a, key);
+        free(key);
     }
-    free(u);
-    arg_str(&a, "DEL");
-    arg_own(&a, rooms_key(rs, r->user));
-    send_argv(rs, &a, NULL, NULL);
-    send_exec(rs, &a, on_remove_reply, r);
+    if (n) {
+        send_last(rs, &a, on_forget_dialogs_reply, r);
+    } else {
+        arg_str(&a, "DEL");
+        arg_own(&a, rooms_key(rs, r->eu));
+        send_last(rs, &a, on_remove_reply, r);
+    }
+    argv_free(&a);
 }
 
 static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
@@ -913,11 +1229,9 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
     }
     argv_buf a = {0};
     arg_str(&a, "SMEMBERS");
-    arg_own(&a, rooms_key(rs, user));
-    if (send_argv(rs, &a, on_rooms_reply, r) == 0)
-        inflight_add(rs, r);
-    else
-        answer_later_from_memory(r);
+    arg_own(&a, rooms_key(rs, r->eu));
+    send_last(rs, &a, on_rooms_reply, r);
+    argv_free(&a);
     return r;
 }
 
@@ -940,6 +1254,9 @@ static void store_free_if_done(redis_store *rs)
     cg_memstore_free(rs->mem);
     json_decref(rs->dirty);
     json_decref(rs->warned);
+    free(rs->host);
+    free(rs->password);
+    free(rs->address);
     free(rs);
 }
 
@@ -975,6 +1292,10 @@ static void rs_close(cg_store *st)
     rs->closing = 1;
     uv_timer_stop(&rs->tick);
     uv_timer_stop(&rs->connect_timer);
+    if (rs->resolve) { /* it frees itself; its answer never comes */
+        cg_resolve_abandon(rs->resolve);
+        rs->resolve = NULL;
+    }
     if (json_object_size(rs->dirty))
         cg_warn("redis %s:%d: stopping with %zu dialogs not yet written back", rs->host, rs->port,
                 json_object_size(rs->dirty));
@@ -996,43 +1317,64 @@ static const cg_store_ops redis_ops = {
     .close = rs_close,
 };
 
-/* redis://[:password@]host[:port][/db] */
+/* The percent-decoded copy of [s, end) ("%40" for '@'), malloc'd; *len its length. */
+static char *url_decode(const char *s, const char *end, size_t *len)
+{
+    char *out = malloc((size_t)(end - s) + 1), *p = out;
+    if (!out)
+        abort();
+    for (const char *c = s; c < end; c++) {
+        unsigned int byte;
+        if (*c == '%' && end - c > 2 && sscanf(c + 1, "%2x", &byte) == 1) {
+            *p++ = (char)byte;
+            c += 2;
+        } else {
+            *p++ = *c;
+        }
+    }
+    *p = 0;
+    *len = (size_t)(p - out);
+    return out;
+}
+
+/* redis://[:password@]host[:port][/db]; errors never quote the password. */
 static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
 {
     const char *p = url + strlen("redis://");
     const char *at = strchr(p, '@');
+    const char *shown = at ? at + 1 : url;
     if (at) {
         const char *colon = memchr(p, ':', (size_t)(at - p));
         const char *pw = colon ? colon + 1 : p;
-        /* the password is percent-encoded in a URL ("%40" for '@') */
-        size_t n = 0;
-        for (const char *c = pw; c < at && n < sizeof(rs->password) - 1; c++) {
-            unsigned int byte;
-            if (*c == '%' && c + 2 < at && sscanf(c + 1, "%2x", &byte) == 1) {
-                rs->password[n++] = (char)byte;
-                c += 2;
-            } else {
-                rs->password[n++] = *c;
-            }
+        size_t len;
+        rs->password = url_decode(pw, at, &len);
+        if (strlen(rs->password) != len) {
+            snprintf(err, errlen, "'...@%s': the password holds %%00", shown);
+            return -1;
         }
-        rs->password[n] = 0;
+        if (!len) {
+            free(rs->password);
+            rs->password = NULL;
+        }
         p = at + 1;
     }
     const char *slash = strchr(p, '/');
     const char *end = slash ? slash : p + strlen(p);
     const char *colon = memchr(p, ':', (size_t)(end - p));
     const char *host_end = colon ? colon : end;
-    if (host_end == p || (size_t)(host_end - p) >= sizeof(rs->host)) {
-        snprintf(err, errlen, "'%s': no host (redis://HOST:PORT[/DB])", url);
+    if (host_end == p || host_end - p > 253) {
+        snprintf(err, errlen, "'%s': %s (redis://HOST:PORT[/DB])", shown,
+                 host_end == p ? "no host" : "the host is longer than 253 bytes");
         return -1;
     }
-    snprintf(rs->host, sizeof(rs->host), "%.*s", (int)(host_end - p), p);
+    if (asprintf(&rs->host, "%.*s", (int)(host_end - p), p) < 0)
+        abort();
     rs->port = 6379;
     if (colon) {
         char *e;
         long port = strtol(colon + 1, &e, 10);
         if (e != end || port < 1 || port > 65535) {
-            snprintf(err, errlen, "'%s': the port must be 1 to 65535", url);
+            snprintf(err, errlen, "'%s': the port must be 1 to 65535", shown);
             return -1;
         }
         rs->port = (int)port;
@@ -1041,7 +1383,7 @@ static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
         char *e;
         long db = strtol(slash + 1, &e, 10);
         if (*e || db < 0 || db > 15) {
-            snprintf(err, errlen, "'%s': the database must be a number from 0 to 15", url);
+            snprintf(err, errlen, "'%s': the database must be a number from 0 to 15", shown);
             return -1;
         }
         rs->db = (int)db;
@@ -1055,6 +1397,8 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     if (!rs)
         return NULL;
     if (parse_url(rs, cfg->url, err, errlen) < 0) {
+        free(rs->host);
+        free(rs->password);
         free(rs);
         return NULL;
     }
@@ -1062,9 +1406,14 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->base.loop = loop;
     rs->base.cfg = *cfg;
     rs->base.now = cg_store_default_now;
+    rs->dirty_max_bytes = cfg->writeback_max_bytes > 0 ? cfg->writeback_max_bytes : WRITEBACK_MAX_BYTES_DEFAULT;
     rs->mem = cg_memstore_new(cfg->max_dialogs, &cfg->lifetimes, &rs->base.stats);
     rs->dirty = json_object();
     rs->warned = json_object();
+    if (!rs->mem || !rs->dirty || !rs->warned)
+        abort(); /* out of memory at startup */
+    if (cfg->max_bytes > 0)
+        cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);
     uv_timer_init(loop, &rs->connect_timer);
     uv_timer_init(loop, &rs->tick);
     rs->connect_timer.data = rs->tick.data = rs;

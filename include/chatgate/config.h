@@ -68,6 +68,7 @@ typedef struct cg_config {
     char *redis_prefix;
     long redis_command_timeout_ms;
     long redis_connect_timeout_ms;
+    long redis_writeback_max_bytes;
     json_t *services; /* {"travel": {"defaults": {...}}} */
     /* identity (DESIGN.md section 4) */
     char *user_header;

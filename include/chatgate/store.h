@@ -44,6 +44,11 @@ typedef struct cg_store_stats {
     unsigned long evictions;         /* dialogs dropped by the memory store's count bound */
     unsigned long evictions_bytes;   /* dialogs dropped by its byte bound */
     size_t memory_bytes;             /* what the memory store holds now (its byte measure) */
+    /* Redis: the write-back after an outage */
+    long writeback_pending, writeback_pending_bytes; /* dialogs written to memory only, now */
+    unsigned long writeback_dropped_bound; /* dropped by the bound on those */
+    unsigned long writeback_dropped_gone;  /* no longer in memory at the write-back: not written */
+    unsigned long save_conflicts;          /* saves refused: Redis held another or a newer copy */
     double degraded_seconds;         /* time spent with Redis away, up to the last recovery */
     uint64_t degraded_since_ms;      /* uv_now() when the current outage began */
     int degraded;                    /* Redis is away now */
@@ -75,6 +80,7 @@ typedef struct cg_store_config {
     size_t max_bytes;        /* memory store byte bound; 0: CG_MEMSTORE_DEFAULT_MAX_BYTES */
     long command_timeout_ms; /* Redis: a command unanswered this long fails the connection */
     long connect_timeout_ms;
+    long writeback_max_bytes; /* Redis: bound on dialogs held for the write-back; 0 = 64 MiB */
 } cg_store_config;
 
 struct cg_store {
