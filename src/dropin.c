@@ -11,8 +11,11 @@
  *
  * One chat turn at a time: the turn in flight (its dialog, its id, the reply text read so
  * far) ends at the app's end or cancelled marker, or when the next chat frame comes, and is
- * then saved. Lifetime: the struct holds a reference for the client and one for the app
- * connection, and is freed when both are gone.
+ * then saved; it holds its dialog's lock (admission.h) from the load to then, so a chat frame
+ * of another connection for the same dialog waits, and the frames behind it. The mapping
+ * itself (which frame is what, the forwarded and relayed frames) is dropin_map.c.
+ * Lifetime: the struct holds a reference for the client and one for the app connection, and
+ * is freed when both are gone.
  */
 #include <openssl/evp.h>
 
@@ -788,7 +791,7 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         /* the client gets the app's code and reason, when they may be sent on (RFC 6455 7.4);
          * a bad close frame from the app is the app's failure: 1011 */
         if (cg_ws_close_payload_check(in, len) != 0) {
-            cg_warn("dropin: the app sent a close frame that is not valid (RFC 6455 7.4): closing the client with 1011");
+            cg_warn("dropin: the app's close frame is not valid (RFC 6455 7.4): closing the client with 1011");
             d->close_code = 1011;
             snprintf(d->close_reason, sizeof(d->close_reason), "the app sent an invalid close frame");
         } else if (len >= 2) {

@@ -12,6 +12,11 @@
  * is applied to the dialog and removed. A cancel phrase, or the client's own cancel frame,
  * sends the app the cancel frame the mapping names, or else stops relaying the rest of that
  * reply. When the app closes, the client is closed with the same code and reason.
+ *
+ * Chat messages pass the same admission as chatgate.v1 messages (admission.h): the
+ * connection's token bucket, queue_limit messages waiting, and the dialog's lock, held from
+ * the load to the end of the turn (the app's end or cancelled marker, or the connection's
+ * next chat message). What the app's protocol cannot say (over a limit) is logged and counted.
  */
 #ifndef CHATGATE_DROPIN_H
 #define CHATGATE_DROPIN_H

@@ -1,0 +1,300 @@
+"""Issue 9 (hardening), drop-in mode and close frames: defects 1, 8, 10 and the close-frame
+item of 15, each with the behaviour that failed on main 1b36468.
+
+- defect 1: a say whose msg_id is over 128 bytes (and would be cut inside a UTF-8 character)
+  followed by a cancel phrase took the gateway down. Now such a frame passes to the app
+  untouched, not as a chat message (no `chatgate` object), the gateway stays up and the
+  session goes on; a 128-byte id of 2-byte characters is a chat message, and "stop" sends the
+  app a halt with that whole id;
+- defect 8: two tabs (one cookie, one conversation) whose turns overlap: the second waits for
+  the first's reply to end (the dialog lock chatgate.v1 has), so the dialog keeps both turns'
+  params; a drop-in client sending says past rate_limit has them refused (not forwarded,
+  counted in chatgate_rate_limited_total), and says waiting for their dialog are bounded by
+  queue_limit;
+- defect 10: a drop-in client refused by --auth gets a close frame 1008 (not 1006), counted in
+  chatgate_unauthorized_total;
+- 15 (close frames, RFC 6455 7.4): a close frame with a 1-byte payload, a code over 4999 or a
+  reserved one, from a chatgate.v1 client or a drop-in client (raw socket frames), is answered
+  with 1002; a valid one is echoed; the app closing with an invalid code closes the client with
+  1011 (not the invalid code).
+"""
+
+import asyncio
+import base64
+import os
+import socket
+import struct
+import time
+
+import harness
+from harness import Client, Gateway, check, independent, step
+from dropin_app import ChatApp
+from test_dropin import (FLIGHT1, FLIGHT2, WANT2, ENV, chatgate_of, config, connect, login, reply, short,
+                         shorts, wait_say)
+
+
+def gateway(app, name, **top):
+    cfg = config(app.url)
+    cfg.update(top)
+    return Gateway(config=cfg, env=ENV, name=name)
+
+
+async def metrics(gw):
+    status, _, body = await asyncio.to_thread(harness.http_get, gw.http_url + "/metrics")
+    check(status == 200, f"/metrics answered {status}")
+    return harness.parse_metrics(body.decode())
+
+
+# -------------------------------------------------------------------------------------- 1
+
+
+async def part_long_id():
+    async with ChatApp(chunk_interval=0.1) as app:
+        async with gateway(app, "gateway:long-id") as gw:
+            sid = await login(app)
+            client = await connect(gw.ws_url("/socket"), sid)
+            sess = await app.next_session(0)
+            long_id = "a" + "é" * 100  # 201 bytes; the first 128 end inside an é
+            with step("a say with a 201-byte msg_id, then 'stop' while its reply streams: the gateway "
+                      "stays up, the say reaches the app untouched (no chatgate object)"):
+                await client.say("Tell me a long story", long_id, "trip")
+                await wait_say(sess, long_id)
+                await client.say("stop", "s1", "trip")
+                await wait_say(sess, "s1")
+                await asyncio.sleep(0.3)
+                gw.assert_alive()
+                check("chatgate" not in sess.say(long_id),
+                      f"an over-long id should not be taken as a chat message: {short(sess.say(long_id))}")
+                check(not [h for h in sess.halts if h[0] == long_id],
+                      "the gateway sent a halt for a message it did not take as a chat message")
+            with step("the session goes on: the next say is a chat message"):
+                await client.say("hello", "c1", "trip")
+                r = await reply(client, "c1")
+                check(r.kind == "end", f"reply {shorts(r.frames)}")
+                chatgate_of(await wait_say(sess, "c1"), "c1")
+            with step("a 128-byte id of 2-byte characters is a chat message; 'stop' halts it by that whole id"):
+                id128 = "é" * 64
+                await client.say("Tell me a long story", id128, "trip")
+                await wait_say(sess, id128)
+                chatgate_of(sess.say(id128), "id128")
+                await client.say("stop", "s2", "trip")
+                ok = await harness.wait_until(lambda: any(h[0] == id128 for h in sess.halts), 5)
+                check(ok, f"the app got no halt for the 128-byte id: halts {sess.halts}")
+            with step("an id that is neither a string nor an integer: passed through, counted as a bad frame"):
+                await client.send({"kind": "say", "msg_id": True, "conversation": "trip", "body": "hi"})
+                ok = await harness.wait_until(lambda: any(isinstance(f, dict) and f.get("msg_id") is True
+                                                          for f in sess.frames), 5)
+                check(ok, "the say with a boolean id did not reach the app")
+                check("chatgate" not in sess.frames[-1], "a boolean id should not be taken as a chat message")
+                m = await metrics(gw)
+                check(m.value("chatgate_bad_frames_total") >= 2, "chatgate_bad_frames_total should count both")
+            await client.close()
+            gw.assert_alive()
+
+
+# -------------------------------------------------------------------------------------- 8
+
+
+async def part_two_tabs():
+    async with ChatApp(chunk_interval=0.3) as app:
+        async with gateway(app, "gateway:two-tabs") as gw:
+            sid = await login(app)
+            url = gw.ws_url("/socket")
+            a = await connect(url, sid)
+            b = await connect(url, sid)
+            await app.next_session(1)
+            sa, sb = app.sessions[0], app.sessions[1]
+            with step("tab A says the flight, tab B the return date while A's reply streams: "
+                      "B waits for A's turn, so its params hold both"):
+                await a.say(FLIGHT1, "a1", "trip")
+                await wait_say(sa, "a1")
+                await b.say(FLIGHT2, "b1", "trip")
+                ra, rb = await asyncio.gather(reply(a, "a1"), reply(b, "b1"))
+                check(ra.kind == "end" and rb.kind == "end", f"replies {shorts(ra.frames)} {shorts(rb.frames)}")
+                cg_b = chatgate_of(sb.say("b1"), "b1")
+                check(cg_b["params"] == WANT2, f"B's say should carry {WANT2}: {short(cg_b['params'])}")
+                t_a_end = sa.sent_at[[i for i, f in enumerate(sa.sent_frames())
+                                      if isinstance(f, dict) and f.get("kind") == "end"][0]]
+                t_b_say = sb.received_at[[i for i, f in enumerate(sb.frames)
+                                          if isinstance(f, dict) and f.get("msg_id") == "b1"][0]]
+                check(t_b_say >= t_a_end, "B's say reached the app before A's reply ended")
+            with step("the dialog kept both turns: the next say carries all four params"):
+                await a.say("Any seats left?", "a2", "trip")
+                await reply(a, "a2")
+                cg = chatgate_of(await wait_say(sa, "a2"), "a2")
+                check(cg["params"] == WANT2, f"params {short(cg['params'])}, expected {WANT2}")
+            await a.close()
+            await b.close()
+
+
+async def part_rate_limit():
+    async with ChatApp(chunk_interval=0.01) as app:
+        async with gateway(app, "gateway:rate", rate_limit={"messages_per_second": 1, "burst": 3}) as gw:
+            sid = await login(app)
+            client = await connect(gw.ws_url("/socket"), sid)
+            sess = await app.next_session(0)
+            with step("10 says at once with rate_limit 1/s burst 3: at most 4 reach the app, the rest "
+                      "are counted in chatgate_rate_limited_total; typing frames still pass"):
+                for i in range(10):
+                    await client.say(f"hello {i}", f"r{i}", "trip")
+                await client.typing("trip")
+                ok = await harness.wait_until(lambda: any(isinstance(f, dict) and f.get("kind") == "typing"
+                                                          for f in sess.frames), 5)
+                check(ok, "the typing frame after the says did not reach the app")
+                await asyncio.sleep(0.3)
+                n = len(sess.says)
+                check(1 <= n <= 4, f"the app got {n} says of 10 (rate 1/s, burst 3)")
+                m = await metrics(gw)
+                check(m.value("chatgate_rate_limited_total") >= 6,
+                      f"chatgate_rate_limited_total is {m.value('chatgate_rate_limited_total')}")
+                gw.assert_alive()
+            with step("after a pause the client's says are forwarded again"):
+                await asyncio.sleep(1.2)
+                await client.say("hello again", "r10", "trip")
+                r = await reply(client, "r10")
+                check(r.kind == "end", f"reply {shorts(r.frames)}")
+            await client.close()
+
+
+async def part_queue_bound():
+    async with ChatApp(chunk_interval=0.3) as app:
+        async with gateway(app, "gateway:queue", queue_limit=2) as gw:
+            sid = await login(app)
+            url = gw.ws_url("/socket")
+            a = await connect(url, sid)
+            b = await connect(url, sid)
+            await app.next_session(1)
+            sa, sb = app.sessions[0], app.sessions[1]
+            with step("while tab A's turn holds the dialog, tab B's says wait for it: queue_limit 2 of 5 "
+                      "are kept, the others refused"):
+                await a.say("Tell me a story", "a1", "trip")
+                await wait_say(sa, "a1")
+                for i in range(5):
+                    await b.say(f"hi {i}", f"q{i}", "trip")
+                await reply(a, "a1")
+                await asyncio.sleep(1.0)
+                got = [s.get("msg_id") for s in sb.says]
+                check(got == ["q0", "q1"], f"the app got B's says {got}, expected ['q0', 'q1']")
+                m = await metrics(gw)
+                check(m.value("chatgate_rate_limited_total") >= 3, "the refused says should be counted")
+            await a.close()
+            await b.close()
+
+
+# ------------------------------------------------------------------------------------- 10
+
+
+async def part_refused():
+    async with ChatApp() as app:
+        async with gateway(app, "gateway:refused", auth="header") as gw:
+            with step("--auth header, no X-User-Id: the drop-in client is closed with 1008 'unauthorized'"):
+                client = await connect(gw.ws_url("/socket"), "whatever")
+                code, reason, frames = await client.wait_closed(5)
+                check(code == 1008, f"expected close 1008, got {code} {reason!r} (frames {shorts(frames)})")
+                check(not app.sessions, "a refused client must not get an app connection")
+                m = await metrics(gw)
+                check(m.value("chatgate_unauthorized_total") == 1, "chatgate_unauthorized_total should be 1")
+            with step("with the header the same client is served"):
+                client = await connect(gw.ws_url("/socket"), await login(app), headers={"X-User-Id": "u1"})
+                await client.say("hello", "c2")
+                r = await reply(client, "c2")
+                check(r.kind == "end", f"reply {shorts(r.frames)}")
+                await client.close()
+
+
+# ------------------------------------------------------------------------------------- 15
+
+
+def raw_close(port, path, payload, headers=()):
+    """Opens a WebSocket by hand, sends one close frame with `payload`, and returns the close
+    code the gateway answers with (None: no close frame; bytes: a payload under 2 bytes)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        key = base64.b64encode(os.urandom(16)).decode()
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
+        s.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                   f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                   f"{extra}\r\n").encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                return "no handshake"
+            data += chunk
+        head, data = data.split(b"\r\n\r\n", 1)
+        status = head.split(b"\r\n")[0]
+        if b" 101 " not in status:
+            return f"handshake: {status!r}"
+        time.sleep(0.2)  # past the gateway's first frames (a hello on /ws)
+        mask = os.urandom(4)
+        s.sendall(bytes([0x88, 0x80 | len(payload)]) + mask +
+                  bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            data += chunk
+        while len(data) >= 2:
+            op, n, off = data[0] & 0x0F, data[1] & 0x7F, 2
+            if n == 126:
+                n, off = struct.unpack(">H", data[2:4])[0], 4
+            elif n == 127:
+                n, off = struct.unpack(">Q", data[2:10])[0], 10
+            body, data = data[off:off + n], data[off + n:]
+            if op == 8:
+                return struct.unpack(">H", body[:2])[0] if len(body) >= 2 else body
+        return None
+    finally:
+        s.close()
+
+
+CLOSE_CASES = [("a 1-byte payload", b"\x03", 1002), ("code 5000", struct.pack(">H", 5000), 1002),
+               ("code 65535", struct.pack(">H", 65535), 1002), ("code 1005", struct.pack(">H", 1005), 1002),
+               ("code 2999", struct.pack(">H", 2999), 1002), ("code 999", struct.pack(">H", 999), 1002),
+               ("code 4999 'bye'", struct.pack(">H", 4999) + b"bye", 4999),
+               ("code 1000", struct.pack(">H", 1000), 1000)]
+
+
+async def part_close_frames():
+    async with ChatApp() as app:
+        async with gateway(app, "gateway:close") as gw:
+            sid = await login(app)
+            where = [("a chatgate.v1 client", "/ws", ()),
+                     ("a drop-in client", "/socket", (("Cookie", f"sid={sid}"),
+                                                      ("Sec-WebSocket-Protocol", "chat.v2")))]
+            for who, path, headers in where:
+                with step(f"{who} sends close frames (each on its own connection): "
+                          + ", ".join(f"{what} -> {want}" for what, _, want in CLOSE_CASES)):
+                    wrong = []
+                    for what, payload, want in CLOSE_CASES:
+                        got = await asyncio.to_thread(raw_close, gw.port, path, payload, headers)
+                        if got != want:
+                            wrong.append(f"{what}: answered with {got!r}, expected {want}")
+                    check(not wrong, "; ".join(wrong))
+            gw.assert_alive()
+            with step("the app closes with code 5000 (invalid): the client gets 1011, not 5000"):
+                client = await connect(gw.ws_url("/socket"), sid)
+                await client.say("hi", "c1")
+                await reply(client, "c1")
+                sess = app.sessions[-1]
+                sess.ws.transport.write(b"\x88\x02" + struct.pack(">H", 5000))
+                code, reason, frames = await client.wait_closed(5)
+                check(code == 1011, f"expected close 1011, got {code} {reason!r}")
+            gw.assert_alive()
+
+
+async def main(args):
+    await independent(part_long_id())
+    await independent(part_two_tabs())
+    await independent(part_rate_limit())
+    await independent(part_queue_bound())
+    await independent(part_refused())
+    await independent(part_close_frames())
+
+
+if __name__ == "__main__":
+    harness.run(main, timeout=110)
