@@ -1112,6 +1112,7 @@ static void redis_connect(redis_store *rs)
     if (rs->closing)
         return;
     rs->state = R_RESOLVING;
+    uv_update_time(rs->base.loop); /* at startup the loop's time is as old as the loop */
     uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
     rs->resolve = cg_resolve_start(rs->base.loop, rs->host, on_resolved, rs);
     if (!rs->resolve)

@@ -184,6 +184,17 @@ def dialog_in_redis(redis, user, room):
     return {k: json.loads(v) for k, v in params.items()}, [json.loads(h)["content"] for h in history]
 
 
+async def settled(probe, predicate, timeout=5.0):
+    """Poll `probe()` (Redis read in a thread) until `predicate` holds; the last value. A save
+    reaches Redis just after the turn's done, so tests wait for it rather than race it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(probe)
+        if predicate(value) or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.05)
+
+
 async def writeback_evicted(app, rules):
     redis = await harness.RedisServer().astart()
     try:
@@ -194,7 +205,8 @@ async def writeback_evicted(app, rules):
                 c = await user_client(gw, "ann")
                 await say(c, app, "e1", "first", "keep", {"service": "travel", "params": {"from": "Nairobi"}})
                 await say(c, app, "e2", "second", "keep", {"params": {"to": "London"}})
-                before = dialog_in_redis(redis, "ann", "keep")
+                before = await settled(lambda: dialog_in_redis(redis, "ann", "keep"),
+                                       lambda d: d[0].get("travel.to") == "London" and len(d[1]) == 4)
                 check(before[0].get("travel.from") == "Nairobi" and len(before[1]) == 4,
                       f"the dialog should be in Redis before the outage: {before}")
                 redis.pause()
@@ -226,6 +238,7 @@ async def writeback_first_loaded_in_outage(app, rules):
             c = await user_client(gw, "bob")
             await say(c, app, "b1", "first", "trip", {"service": "travel", "params": {"from": "Nairobi"}})
             await say(c, app, "b2", "second", "trip", {"params": {"to": "London"}})
+            await settled(lambda: dialog_in_redis(redis, "bob", "trip"), lambda d: len(d[1]) == 4)
             await c.close()
         before = dialog_in_redis(redis, "bob", "trip")
         with step("2b. a dialog first loaded during an outage (new gateway, Redis stopped) does not overwrite "
@@ -315,7 +328,8 @@ async def twemproxy(app, rules):
                 await say(c, app, "n3", "other room", "other", {"service": "travel", "params": {"from": "Lagos"}})
                 warned = [w for t in (t1, t2) for w in t.warnings]
                 check(not warned, f"no warning expected behind nutcracker: {warned}")
-                stored = dialog_in_redis(redis, "auth0|tw", "trip")
+                stored = await settled(lambda: dialog_in_redis(redis, "auth0|tw", "trip"), lambda d: len(d[1]) == 4)
+                await settled(lambda: redis.smembers(harness.rooms_key("auth0|tw")), lambda m: len(m) == 2)
                 check(stored[0] == {"travel.from": "Nairobi", "travel.to": "London"} and len(stored[1]) == 4,
                       f"the dialog should be in Redis through nutcracker: {stored}")
                 check(redis.smembers(harness.rooms_key("auth0|tw")) == {"trip", "other"},
@@ -365,7 +379,7 @@ async def forget_long_ids(app, rules):
                     await say(c, app, f"f{i}", "remember this", room, {"service": "travel", "params": {"i": i}})
                 await c.close()
                 eu = harness.escape_id(user)
-                before = [k for k in redis.keys("chatgate:*") if eu in k]
+                before = await settled(lambda: [k for k in redis.keys("chatgate:*") if eu in k], lambda k: len(k) >= 9)
                 check(len(before) >= 3 * 3, f"setup: the user's keys in Redis: {len(before)}")
                 path = "/admin/users/" + urllib.parse.quote(user, safe="")
                 status, _, body = await asyncio.to_thread(harness.http_request, gw.http_url + path, "DELETE",
@@ -388,7 +402,7 @@ async def host_name(app, rules):
                 c = await Client.connect(gw)
                 t = await say(c, app, "h1", "hello", "r", {"service": "travel", "params": {"from": "Nairobi"}})
                 check(not t.warnings, f"no warning expected: {t.describe()}")
-                check(redis.hgetall(harness.dialog_key(c.hello["user"], "r", "params")),
+                check(await settled(lambda: redis.hgetall(harness.dialog_key(c.hello["user"], "r", "params")), bool),
                       "the dialog should be in Redis")
                 check(f"redis localhost:{redis.port}: connecting to 127.0.0.1" in gw.log_text(),
                       "the log should say the host was resolved and which address the connection goes to")
