@@ -76,6 +76,8 @@ struct cg_store_req {
     int steps;        /* replies due to on_step_reply: r lives until they came */
     int step_failed;  /* one of them was an error or never came */
     int finished;     /* req_finish was called while steps were due */
+    int base_unknown; /* save: the dialog began from nothing while Redis was away */
+    cg_store_req *wait_next; /* waiting for the first connection's verdict */
     uint64_t sent_at;
     cg_store_req *prev, *next; /* in flight, oldest first */
     uv_timer_t defer;          /* answers from memory come through this */
@@ -100,6 +102,9 @@ struct redis_store {
     long dirty_bytes;
     long dirty_max_bytes;
     json_t *warned; /* keys told "store_degraded" in this outage */
+    json_t *unknown; /* keys loaded from memory, not found, while Redis was away: Redis's copy
+                      * is unknown, so a save of them only creates (oldest first, bounded) */
+    cg_store_req *waiting, *waiting_tail; /* before the first connection is decided */
     long dirty_seq;
     cg_store_req *head, *tail;
     int handles; /* open uv handles + requests: freed when 0 after close */
@@ -110,6 +115,8 @@ static void redis_connect(redis_store *rs);
 static void store_free_if_done(redis_store *rs);
 static void finish_close(redis_store *rs);
 static int flush_one(redis_store *rs, const char *key, json_t *entry);
+static void drain_waiting(redis_store *rs);
+static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv);
 
 static uint64_t now_ms(redis_store *rs)
 {
@@ -133,6 +140,7 @@ static void enter_degraded(redis_store *rs, const char *why)
     rs->base.stats.degraded = 1;
     rs->base.stats.degraded_since_ms = now_ms(rs);
     cg_warn("redis %s:%d: %s; serving dialogs from memory until it is back", rs->host, rs->port, why);
+    drain_waiting(rs); /* from memory now */
 }
 
 static void leave_degraded(redis_store *rs)
@@ -197,9 +205,11 @@ static void dirty_bound(redis_store *rs)
 static void mark_dirty(redis_store *rs, cg_store_req *r)
 {
     size_t bytes = json_dumpb(r->snapshot, NULL, 0, JSON_COMPACT) + strlen(r->key) + 64;
+    json_t *old = json_object_get(rs->dirty, r->key);
+    int base_unknown = json_object_get(rs->unknown, r->key) || json_is_true(json_object_get(old, "n"));
     dirty_del(rs, r->key); /* re-added at the end: the set runs from least to most recent */
-    json_t *entry = json_pack("{s:s, s:s, s:I, s:I}", "u", r->eu, "r", r->er, "v", (json_int_t)++rs->dirty_seq,
-                              "b", (json_int_t)bytes);
+    json_t *entry = json_pack("{s:s, s:s, s:I, s:I, s:b}", "u", r->eu, "r", r->er, "v", (json_int_t)++rs->dirty_seq,
+                              "b", (json_int_t)bytes, "n", base_unknown);
     if (!entry || json_object_set_new(rs->dirty, r->key, entry) < 0) {
         cg_error("redis %s:%d: out of memory: a dialog will not be written back", rs->host, rs->port);
         rs->base.stats.writeback_dropped_bound++;
@@ -301,6 +311,15 @@ static void forget_dirty(redis_store *rs, cg_store_req *r)
     }
 }
 
+/* key was served fresh from memory while Redis was away: until Redis is read or written
+ * for it, a save of it must not replace a copy Redis may hold. */
+static void unknown_add(redis_store *rs, const char *key)
+{
+    while ((long)json_object_size(rs->unknown) >= rs->base.cfg.max_dialogs && json_object_size(rs->unknown))
+        json_object_del(rs->unknown, json_object_iter_key(json_object_iter(rs->unknown)));
+    json_object_set_new(rs->unknown, key, json_true()); /* out of memory: created_at still guards */
+}
+
 /* Answers r from memory (Redis is away or failed it), then finishes it. */
 static void answer_from_memory(cg_store_req *r)
 {
@@ -310,6 +329,8 @@ static void answer_from_memory(cg_store_req *r)
     if (r->kind == OP_LOAD) {
         cg_dialog d;
         st.found = cg_memstore_get(rs->mem, r->key, now, &d);
+        if (!st.found)
+            unknown_add(rs, r->key);
         if (!r->abandoned && !rs->closing)
             r->load_cb(r->ctx, &d, &st);
         else
@@ -630,6 +651,7 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
     cg_dialog_from_json(&d, j, now);
     json_decref(j);
     cg_memstore_put(rs->mem, r->key, &d, now); /* the copy that survives an outage */
+    json_object_del(rs->unknown, r->key);      /* Redis's copy is known now */
     cg_store_status st = {0, 0, 0};
     for (size_t i = 0; i < reply->elements; i++) /* any of the five keys there */
         st.found |= reply->element[i]->type == REDIS_REPLY_STRING ||
@@ -653,13 +675,15 @@ static void send_load(redis_store *rs, cg_store_req *r)
 
 /*
  * The save, one atomic step on the dialog's five keys. ARGV: 1 created_at, 2 last_activity,
- * 3 "1" for a write-back (refused when Redis's copy is newer), 4-6 params_s, dialog_s,
+ * 3 the mode: "0" a save, "1" a write-back (also refused when Redis's copy is newer), "2" a
+ * dialog that began from nothing while Redis was away (written only if Redis has none), 4-6 params_s, dialog_s,
  * history_s, 7 turn_count, 8 message_count, 9 service, 10 "1" when there is a service,
  * 11 last_tool_result, 12-13 awaiting and its EX (0: none), 14-15 soft and its EX,
  * 16 the number of params, then the params' field-value pairs, then the history.
  * Returns 1 when written, 0 when Redis holds another incarnation, -1 a newer copy.
  */
 static const char save_script[] =
+    "if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
     "local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
     "if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
     "if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
@@ -699,6 +723,7 @@ static void save_refused(redis_store *rs, cg_store_req *r, long long why)
             r->version ? "write-back" : "save",
             why == 0 ? "another copy (this one began while Redis was away)" : "a newer copy");
     cg_memstore_del(rs->mem, r->key);
+    json_object_del(rs->unknown, r->key); /* the next load reads Redis's copy */
 }
 
 static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
@@ -723,7 +748,10 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
     }
     if (reply->integer != 1) {
         save_refused(rs, r, reply->integer);
+        if (entry && json_object_get(rs->dirty, r->key) == entry)
+            dirty_del(rs, r->key); /* a newer outage write of the same copy: refused too */
     } else if (!r->version) {
+        json_object_del(rs->unknown, r->key);
         int64_t now = rs->base.now(rs->base.clock_ctx);
         cg_dialog d;
         cg_dialog_from_json(&d, r->snapshot, now);
@@ -770,7 +798,7 @@ static void send_save(redis_store *rs, cg_store_req *r)
     arg_eval(rs, &a, save_script, r->key);
     arg_fmt(&a, "%lld", (long long)d.created_at);
     arg_fmt(&a, "%lld", (long long)d.last_activity);
-    arg_str(&a, r->version ? "1" : "0");
+    arg_str(&a, r->base_unknown || json_object_get(rs->unknown, r->key) ? "2" : r->version ? "1" : "0");
     arg_fmt(&a, "%ld", lt->params_s);
     arg_fmt(&a, "%ld", lt->dialog_s);
     arg_fmt(&a, "%ld", lt->history_s);
@@ -875,6 +903,7 @@ static int flush_one(redis_store *rs, const char *key, json_t *entry)
     r->snapshot = cg_dialog_to_json(&d);
     cg_dialog_free(&d);
     r->version = (long)json_integer_value(json_object_get(entry, "v"));
+    r->base_unknown = json_is_true(json_object_get(entry, "n"));
     if (r->snapshot)
         send_save(rs, r);
     else
@@ -965,6 +994,7 @@ static void on_ping(redisAsyncContext *ac, void *reply_, void *priv)
     cg_info("redis %s:%d: connected", rs->host, rs->port);
     leave_degraded(rs);
     flush_dirty(rs);
+    drain_waiting(rs);
 }
 
 static void on_connect(const redisAsyncContext *ac, int status)
@@ -1082,6 +1112,7 @@ static void redis_connect(redis_store *rs)
     if (rs->closing)
         return;
     rs->state = R_RESOLVING;
+    uv_update_time(rs->base.loop); /* at startup the loop's time is as old as the loop */
     uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
     rs->resolve = cg_resolve_start(rs->base.loop, rs->host, on_resolved, rs);
     if (!rs->resolve)
@@ -1107,16 +1138,72 @@ static int usable(redis_store *rs, const char *key)
     return rs->state == R_CONNECTED && rs->ac && !json_object_get(rs->dirty, key);
 }
 
+/* Starts r on Redis or answers it from memory, as the connection stands now. */
+static void dispatch(redis_store *rs, cg_store_req *r)
+{
+    int connected = rs->state == R_CONNECTED && rs->ac && !rs->closing;
+    if (r->kind == OP_LOAD && usable(rs, r->key) && !rs->closing) {
+        send_load(rs, r);
+    } else if (r->kind == OP_SAVE && r->snapshot && usable(rs, r->key) && !rs->closing) {
+        send_save(rs, r);
+    } else if (r->kind == OP_SAVE && r->snapshot) {
+        /* written to memory now, so a load queued after this save sees it */
+        int64_t now = rs->base.now(rs->base.clock_ctx);
+        cg_dialog d;
+        cg_dialog_from_json(&d, r->snapshot, now);
+        cg_memstore_put(rs->mem, r->key, &d, now);
+        cg_dialog_free(&d);
+        mark_dirty(rs, r);
+        json_decref(r->snapshot); /* held in memory now: answer_from_memory only answers it */
+        r->snapshot = NULL;
+        answer_later_from_memory(r);
+    } else if (r->kind == OP_REMOVE && connected) {
+        send_remove(rs, r);
+    } else if (r->kind == OP_REMOVE_USER && connected) {
+        argv_buf a = {0};
+        arg_str(&a, "SMEMBERS");
+        arg_own(&a, rooms_key(rs, r->eu));
+        send_last(rs, &a, on_rooms_reply, r);
+        argv_free(&a);
+    } else {
+        answer_later_from_memory(r); /* a delete while degraded: the caller is told (503 at the admin API) */
+    }
+}
+
+/* Requests made before the first connection is decided wait for it (a gateway just started
+ * has not had its PING answered yet), rather than being served from an empty memory. */
+static void start_or_wait(redis_store *rs, cg_store_req *r)
+{
+    if (rs->state == R_CONNECTED || rs->base.stats.degraded || rs->closing) {
+        dispatch(rs, r);
+        return;
+    }
+    if (rs->waiting_tail)
+        rs->waiting_tail->wait_next = r;
+    else
+        rs->waiting = r;
+    rs->waiting_tail = r;
+}
+
+static void drain_waiting(redis_store *rs)
+{
+    cg_store_req *r = rs->waiting;
+    rs->waiting = rs->waiting_tail = NULL;
+    while (r) {
+        cg_store_req *next = r->wait_next;
+        r->wait_next = NULL;
+        dispatch(rs, r);
+        r = next;
+    }
+}
+
 static cg_store_req *rs_load(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
     st->stats.loads++;
     cg_store_req *r = req_new(rs, OP_LOAD, user, room, ctx);
     r->load_cb = cb;
-    if (usable(rs, r->key))
-        send_load(rs, r);
-    else
-        answer_later_from_memory(r);
+    start_or_wait(rs, r);
     return r;
 }
 
@@ -1128,19 +1215,9 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
     cg_store_req *r = req_new(rs, OP_SAVE, user, room, ctx);
     r->done_cb = cb;
     r->snapshot = cg_dialog_to_json(d);
-    if (!r->snapshot) { /* out of memory: nothing written, nothing overwritten */
+    if (!r->snapshot) /* out of memory: nothing written, nothing overwritten */
         cg_error("redis %s:%d: out of memory: a dialog was not saved", rs->host, rs->port);
-        answer_later_from_memory(r);
-        return r;
-    }
-    if (usable(rs, r->key)) {
-        send_save(rs, r);
-    } else {
-        /* written to memory now, so a load queued after this save sees it */
-        cg_memstore_put(rs->mem, r->key, d, st->now(st->clock_ctx));
-        mark_dirty(rs, r);
-        answer_later_from_memory(r);
-    }
+    start_or_wait(rs, r);
     return r;
 }
 
@@ -1151,10 +1228,7 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
     cg_store_req *r = req_new(rs, OP_REMOVE, user, room, ctx);
     r->done_cb = cb;
     dirty_del(rs, r->key);
-    if (rs->state == R_CONNECTED && rs->ac)
-        send_remove(rs, r);
-    else
-        answer_later_from_memory(r);
+    start_or_wait(rs, r);
     return r;
 }
 
@@ -1223,15 +1297,7 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
     r->done_cb = cb;
     cg_memstore_del_user(rs->mem, user);
     forget_dirty(rs, r);
-    if (rs->state != R_CONNECTED || !rs->ac) {
-        answer_later_from_memory(r); /* degraded: the caller is told (503 at the admin API) */
-        return r;
-    }
-    argv_buf a = {0};
-    arg_str(&a, "SMEMBERS");
-    arg_own(&a, rooms_key(rs, r->eu));
-    send_last(rs, &a, on_rooms_reply, r);
-    argv_free(&a);
+    start_or_wait(rs, r);
     return r;
 }
 
@@ -1254,6 +1320,7 @@ static void store_free_if_done(redis_store *rs)
     cg_memstore_free(rs->mem);
     json_decref(rs->dirty);
     json_decref(rs->warned);
+    json_decref(rs->unknown);
     free(rs->host);
     free(rs->password);
     free(rs->address);
@@ -1290,6 +1357,7 @@ static void rs_close(cg_store *st)
 {
     redis_store *rs = (redis_store *)st;
     rs->closing = 1;
+    drain_waiting(rs); /* answered from memory: their callers are told nothing while closing */
     uv_timer_stop(&rs->tick);
     uv_timer_stop(&rs->connect_timer);
     if (rs->resolve) { /* it frees itself; its answer never comes */
@@ -1410,7 +1478,8 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->mem = cg_memstore_new(cfg->max_dialogs, &cfg->lifetimes, &rs->base.stats);
     rs->dirty = json_object();
     rs->warned = json_object();
-    if (!rs->mem || !rs->dirty || !rs->warned)
+    rs->unknown = json_object();
+    if (!rs->mem || !rs->dirty || !rs->warned || !rs->unknown)
         abort(); /* out of memory at startup */
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);

@@ -190,10 +190,10 @@ if [ "$bench_status" != 0 ]; then
 fi
 grep '^RESULT ' "$tmp/bench.out"
 if [ -n "$redis_pid" ]; then
-	# Every turn is one load and one save, each a MULTI/EXEC sent in one write: so the
-	# EXEC count is the round trips, and half of it the turns (warmup included).
+	# Every turn is one load and one save, each pipelined in one write around one EVAL: so
+	# the EVAL count is the round trips, and half of it the turns (warmup included).
 	redis-cli -p "$redis_port" info commandstats | tr -d '\r' | awk -F'[:=,]' '
-		/^cmdstat_/ { total += $3; if ($1 == "cmdstat_exec") execs = $3 }
+		/^cmdstat_/ { total += $3; if ($1 == "cmdstat_eval") execs = $3 }
 		END {
 			if (!execs) { print "REDIS no transactions"; exit }
 			printf "REDIS commands=%d round_trips=%d turns=%d commands_per_message=%.1f round_trips_per_message=%.1f\n",
