@@ -907,9 +907,16 @@ static void copy_headers(cg_dropin *d, struct lws *client)
 int cg_dropin_user_from_cookie(cg_gateway *gw, struct lws *client, char *out, size_t outlen)
 {
     const char *name = json_string_value(json_object_get(gw->cfg->dropin, "user_cookie"));
-    char cookies[4096];
-    if (!name || lws_hdr_copy(client, cookies, sizeof(cookies), WSI_TOKEN_HTTP_COOKIE) <= 0)
+    int total = lws_hdr_total_length(client, WSI_TOKEN_HTTP_COOKIE);
+    if (!name || total <= 0)
         return -1;
+    /* copied at its real length: big cookie headers (up to max_header_bytes) are common */
+    char *cookies = malloc((size_t)total + 1);
+    if (!cookies || lws_hdr_copy(client, cookies, total + 1, WSI_TOKEN_HTTP_COOKIE) <= 0) {
+        free(cookies);
+        return -1;
+    }
+    int rc = -1;
     size_t nl = strlen(name);
     for (char *p = cookies; p && *p;) {
         while (*p == ' ' || *p == ';')
@@ -923,11 +930,13 @@ int cg_dropin_user_from_cookie(cg_gateway *gw, struct lws *client, char *out, si
             EVP_Digest(p + nl + 1, strlen(p + nl + 1), md, &mdlen, EVP_sha256(), NULL);
             snprintf(out, outlen, "c_%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x", md[0], md[1], md[2], md[3],
                      md[4], md[5], md[6], md[7], md[8], md[9], md[10], md[11]);
-            return 0;
+            rc = 0;
+            break;
         }
         p = end ? end + 1 : NULL;
     }
-    return -1;
+    free(cookies);
+    return rc;
 }
 
 cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)

@@ -32,7 +32,7 @@ struct cg_gateway {
     cg_metrics metrics;
     cg_store *store;
     cg_ruleset *rules; /* the running set; messages hold references */
-    json_t *dialog_locks; /* dialog key -> lock (session.c): one turn at a time per dialog */
+    json_t *dialog_locks; /* dialog key -> lock (admission.c): one turn at a time per dialog */
     uv_signal_t sig_hup;
     int stopping;            /* SIGTERM came: draining */
     uv_timer_t drain;
