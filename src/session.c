@@ -869,8 +869,8 @@ static int session_identify(cg_session *s, struct lws *wsi, char *err, size_t er
             snprintf(err, errlen, "a JWT is needed: Authorization: Bearer, or ?access_token=");
             return -1;
         }
-        return cg_identity_jwt_verify(gw->jwt_secret, gw->jwt_secret_len, token, session_now(s), 30, s->user,
-                                      sizeof(s->user), err, errlen);
+        return cg_identity_jwt_verify_ex(gw->jwt_secret, gw->jwt_secret_len, token, session_now(s), 30,
+                                         gw->cfg->jwt_allow_no_exp, s->user, sizeof(s->user), err, errlen);
     }
     if (strcmp(auth, "header") == 0) {
         char name[128];
