@@ -9,7 +9,8 @@ Covers:
   the gateway keeps serving afterwards;
 - the admin listener (--admin-listen) refuses a WebSocket upgrade with an HTTP error
   (no 101), on any path, and still answers its API;
-- JWTs (--auth jwt): a token without exp is unauthorized (1008) unless
+- JWTs (--auth jwt): a long token (8 KB) is accepted, in the header and in the query; a
+  token without exp is unauthorized (1008) unless
   jwt.allow_no_exp is true in the config; a signature with non-zero unused bits in its
   last base64url character (the same bytes, another spelling) is unauthorized.
 """
@@ -188,6 +189,13 @@ async def test_jwt_policy():
             await c.close()
             await harness.expect_unauthorized(gw.url, "JWT without exp",
                                               extra_headers={"Authorization": f"Bearer {no_exp}"})
+        with step("a long JWT (8 KB of claims), in the header and in the query: accepted"):
+            long_jwt = harness.make_jwt(JWT_SECRET, {"sub": "jwt-long", "exp": now + 600, "roles": ["r" * 60] * 100})
+            check(len(long_jwt) > 8000, f"the long JWT is only {len(long_jwt)} bytes")
+            c = await Client.connect(gw, expect_user="jwt-long", extra_headers={"Authorization": f"Bearer {long_jwt}"})
+            await c.close()
+            c = await Client.connect(f"{gw.url}?access_token={long_jwt}", expect_user="jwt-long")
+            await c.close()
         with step("a signature with non-zero unused bits (non-canonical base64url): unauthorized"):
             await harness.expect_unauthorized(gw.url, "non-canonical signature",
                                               extra_headers={"Authorization": f"Bearer {flip_unused_bits(good)}"})
