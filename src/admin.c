@@ -12,6 +12,9 @@
  * Ids in paths are percent-decoded. With --admin-listen the API is on its own listener only.
  * Store calls answer later, so a request keeps its state in the connection's data until the
  * answer comes and its response is written on the next writable callback.
+ * The admin API is plain HTTP: on its own listener a WebSocket upgrade is refused with 404
+ * (on the main listener the session's check refuses it), and headers over max_header_bytes
+ * get 431 there as on the main listener.
  */
 #include <openssl/crypto.h>
 
@@ -97,30 +100,57 @@ static void on_deleted(void *ctx, const cg_store_status *st)
         answer(a, 200, json_pack("{s:s, s:s}", "user", a->user, "deleted", a->room[0] ? a->room : "*"));
 }
 
+/* The header copied whole, NUL-terminated and malloc'd; NULL when absent. */
+static char *header_copy(struct lws *wsi, enum lws_token_indexes tok)
+{
+    int len = lws_hdr_total_length(wsi, tok);
+    if (len <= 0)
+        return NULL;
+    char *s = malloc((size_t)len + 1);
+    if (s && lws_hdr_copy(wsi, s, len + 1, tok) < 0) {
+        free(s);
+        s = NULL;
+    }
+    return s;
+}
+
+/* "Authorization: Bearer <token>", the token compared in constant time whatever its length. */
 static int authorized(struct lws *wsi, const char *token)
 {
-    char auth[1024];
-    int n = lws_hdr_copy(wsi, auth, sizeof(auth), WSI_TOKEN_HTTP_AUTHORIZATION);
+    char *auth = header_copy(wsi, WSI_TOKEN_HTTP_AUTHORIZATION);
     size_t want = strlen(token);
-    return n > 7 && strncasecmp(auth, "Bearer ", 7) == 0 && strlen(auth + 7) == want &&
-           CRYPTO_memcmp(auth + 7, token, want) == 0;
+    int ok = auth && strncasecmp(auth, "Bearer ", 7) == 0 && strlen(auth + 7) == want &&
+             CRYPTO_memcmp(auth + 7, token, want) == 0;
+    if (auth)
+        OPENSSL_cleanse(auth, strlen(auth));
+    free(auth);
+    return ok;
 }
+
+static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_delete);
 
 /* Routes one request; answers now or once the store has. */
 static void admin_request(admin_req *a, struct lws *wsi)
 {
     a->handled = 1;
-    cg_gateway *gw = a->gw;
-    cg_store *st = gw->store;
-    char uri[2048];
     int is_get = lws_hdr_total_length(wsi, WSI_TOKEN_GET_URI) > 0;
     int is_post = lws_hdr_total_length(wsi, WSI_TOKEN_POST_URI) > 0;
     int is_delete = lws_hdr_total_length(wsi, WSI_TOKEN_DELETE_URI) > 0;
     enum lws_token_indexes tok = is_get ? WSI_TOKEN_GET_URI : is_post ? WSI_TOKEN_POST_URI : WSI_TOKEN_DELETE_URI;
-    if ((!is_get && !is_post && !is_delete) || lws_hdr_copy(wsi, uri, sizeof(uri), tok) < 0) {
+    char *uri = is_get || is_post || is_delete ? header_copy(wsi, tok) : NULL;
+    if (!uri) {
         answer_error(a, 405, "use GET, POST or DELETE");
         return;
     }
+    route(a, wsi, uri, is_get, is_post, is_delete);
+    free(uri);
+}
+
+/* Checks the token and routes a request for uri (lws has percent-decoded it). */
+static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_delete)
+{
+    cg_gateway *gw = a->gw;
+    cg_store *st = gw->store;
     const char *token = getenv("CHATGATE_ADMIN_TOKEN");
     if (!token || !*token) {
         answer_error(a, 404, "not found");
@@ -206,6 +236,14 @@ int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *u
 {
     admin_req *a = user;
     switch (reason) {
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        /* only on the admin listener (protocols[0] there): nothing here speaks WebSocket */
+        if (cg_gateway_refuse_large_headers(wsi))
+            return 1;
+        cg_warn("admin: refused a WebSocket upgrade on the admin listener");
+        return cg_gateway_http_refuse(wsi, 404, "Not Found", "the admin API takes no WebSocket connections\n");
+    case LWS_CALLBACK_FILTER_HTTP_CONNECTION:
+        return cg_gateway_refuse_large_headers(wsi) ? -1 : 0;
     case LWS_CALLBACK_HTTP:
         memset(a, 0, sizeof(*a));
         a->wsi = wsi;

@@ -7,6 +7,7 @@
  * way wherever it comes from. Upstreams are the one structured setting: an object of
  * name -> {url, model, ...} in the file, `--upstream NAME=URL` on the command line.
  */
+#define _GNU_SOURCE /* asprintf */
 #include <errno.h>
 #include <jansson.h>
 #include <limits.h>
@@ -22,7 +23,7 @@
 #include "chatgate/log.h"
 #include "chatgate/store.h"
 
-typedef enum { T_STR, T_INT, T_ENUM } setting_type;
+typedef enum { T_STR, T_INT, T_ENUM, T_BOOL } setting_type; /* T_BOOL: a long, 0 or 1 */
 
 typedef struct setting {
     const char *name; /* key in the JSON file; the flag is "--" + name with '_' as '-' */
@@ -55,6 +56,7 @@ static const setting settings[] = {
     {"max_frame", T_INT, OFF(max_frame), 256, 16 << 20, NULL, 1, "BYTES, largest client frame (default 65536)"},
     {"max_connections", T_INT, OFF(max_connections), 1, 1000000, NULL, 1,
      "N WebSocket connections at once; more get 503 (default 1024)"},
+    {"max_header_bytes", T_INT, OFF(max_header_bytes), 1024, 65535, NULL, 0, NULL},
     {"queue_limit", T_INT, OFF(queue_limit), 1, 1024, NULL, 0, NULL},
     {"rate_limit.messages_per_second", T_INT, OFF(rate_per_second), 1, 1000000, NULL, 0, NULL},
     {"rate_limit.burst", T_INT, OFF(rate_burst), 1, 1000000, NULL, 0, NULL},
@@ -64,6 +66,7 @@ static const setting settings[] = {
      "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
     {"allow_origin", T_STR, OFF(allow_origin), 0, 0, NULL, 1,
      "ORIGIN a browser may connect from besides the gateway's own host; repeatable; * allows all"},
+    {"jwt.allow_no_exp", T_BOOL, OFF(jwt_allow_no_exp), 0, 1, NULL, 0, NULL},
     {"lifetimes.params_s", T_INT, OFF(lifetimes.params_s), 1, 30L * 86400, NULL, 0, NULL},
     {"lifetimes.dialog_s", T_INT, OFF(lifetimes.dialog_s), 1, 30L * 86400, NULL, 0, NULL},
     {"lifetimes.awaiting_s", T_INT, OFF(lifetimes.awaiting_s), 1, 86400, NULL, 0, NULL},
@@ -132,17 +135,52 @@ static int parse_long(const char *s, long min, long max, long *out)
     return 0;
 }
 
+/*
+ * redis.prefix starts every Redis key, outside the dialog's {hash tag}: a '{' or '}' in it
+ * would make the prefix (or part of it) the tag, so every dialog would land on one shard,
+ * or keys of different dialogs share a slot (README: Stores).
+ */
+static int check_redis_prefix(const char *value, char *err, size_t errlen)
+{
+    if (strpbrk(value, "{}")) {
+        set_err(err, errlen, "'%s' must not contain '{' or '}' (they would change the keys' hash tag)", value);
+        return -1;
+    }
+    if (strlen(value) > CG_MAX_REDIS_PREFIX) {
+        set_err(err, errlen, "must be 1 to %d bytes", CG_MAX_REDIS_PREFIX);
+        return -1;
+    }
+    return 0;
+}
+
+/* Checks a string value beyond its type, for the keys that need it. */
+static int check_string(const setting *st, const char *value, char *err, size_t errlen)
+{
+    if (!*value) {
+        set_err(err, errlen, "must not be empty");
+        return -1;
+    }
+    if (strcmp(st->name, "redis.prefix") == 0)
+        return check_redis_prefix(value, err, errlen);
+    return 0;
+}
+
 /* Applies one textual value to a setting row; on error writes "must be ..." to err. */
 static int apply_setting(cg_config *cfg, const setting *st, const char *value, char *err, size_t errlen)
 {
     void *field = (char *)cfg + st->offset;
     switch (st->type) {
     case T_STR:
-        if (!*value) {
-            set_err(err, errlen, "must not be empty");
+        if (check_string(st, value, err, errlen) < 0)
+            return -1;
+        replace_str((char **)field, value);
+        return 0;
+    case T_BOOL:
+        if (strcmp(value, "true") != 0 && strcmp(value, "false") != 0) {
+            set_err(err, errlen, "'%s' must be true or false", value);
             return -1;
         }
-        replace_str((char **)field, value);
+        *(long *)field = strcmp(value, "true") == 0;
         return 0;
     case T_INT:
         if (parse_long(value, st->min, st->max, (long *)field) < 0) {
@@ -367,6 +405,12 @@ static int load_json_value(cg_config *cfg, const char *file, const char *path, j
         }
         snprintf(text, sizeof(text), "%" JSON_INTEGER_FORMAT, json_integer_value(val));
         value = text;
+    } else if (st->type == T_BOOL) {
+        if (!json_is_boolean(val)) {
+            set_err(err, errlen, "%s: %s: must be true or false", file, path);
+            return -1;
+        }
+        value = json_is_true(val) ? "true" : "false";
     } else {
         if (!json_is_string(val)) {
             set_err(err, errlen, "%s: %s: must be a string", file, path);
@@ -432,34 +476,30 @@ static int load_services(cg_config *cfg, const char *file, json_t *val, char *er
 /*
  * jansson keeps no positions for values, so "file: a.b.c: message" is turned into
  * "file:line:col: a.b.c: message" by finding "a", then "b" after it, then "c" after that,
- * in the file's text: the place the user has to look. Left as it is when not found.
+ * in the file's text (NUL-terminated): the place the user has to look. Left as it is when
+ * not found.
  */
-static void add_position(const char *file, char *err, size_t errlen)
+static void add_position(const char *file, const char *text, char *err, size_t errlen)
 {
     size_t flen = strlen(file);
     if (strncmp(err, file, flen) != 0 || strncmp(err + flen, ": ", 2) != 0)
         return;
     const char *path = err + flen + 2;
     const char *path_end = strstr(path, ": ");
-    FILE *f = fopen(file, "r");
-    if (!path_end || !f) {
-        if (f)
-            fclose(f);
+    if (!path_end)
         return;
-    }
-    char text[65536];
-    size_t n = fread(text, 1, sizeof(text) - 1, f);
-    fclose(f);
-    text[n] = 0;
     const char *at = text, *found = NULL;
     for (const char *key = path; key < path_end;) {
         size_t klen = strcspn(key, ".:");
-        char quoted[160];
-        snprintf(quoted, sizeof(quoted), "\"%.*s\"", (int)(klen < 150 ? klen : 150), key);
+        char *quoted;
+        if (asprintf(&quoted, "\"%.*s\"", (int)klen, key) < 0)
+            return;
         found = strstr(at, quoted);
+        if (found)
+            at = found + strlen(quoted);
+        free(quoted);
         if (!found)
             return;
-        at = found + strlen(quoted);
         key += klen;
         if (*key == '.')
             key++;
@@ -475,36 +515,19 @@ static void add_position(const char *file, char *err, size_t errlen)
             col++;
         }
     }
-    char rest[1024];
-    snprintf(rest, sizeof(rest), "%s", path);
+    char *rest = strdup(path);
+    if (!rest)
+        return;
     snprintf(err, errlen, "%s:%d:%d: %s", file, line, col, rest);
+    free(rest);
 }
 
-static int load_file_values(cg_config *cfg, const char *file, char *err, size_t errlen);
-
-static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
+/* Applies the settings of one parsed file; "file: key: message" on a mistake. */
+static int load_root(cg_config *cfg, const char *file, json_t *root, char *err, size_t errlen)
 {
-    int rc = load_file_values(cfg, file, err, errlen);
-    if (rc < 0)
-        add_position(file, err, errlen);
-    return rc;
-}
-
-static int load_file_values(cg_config *cfg, const char *file, char *err, size_t errlen)
-{
-    json_error_t jerr;
-    json_t *root = json_load_file(file, JSON_REJECT_DUPLICATES, &jerr);
-    if (!root) {
-        if (jerr.line < 0)
-            set_err(err, errlen, "%s: %s", file, jerr.text);
-        else
-            set_err(err, errlen, "%s:%d:%d: %s", file, jerr.line, jerr.column, jerr.text);
-        return -1;
-    }
-    int rc = -1;
     if (!json_is_object(root)) {
         set_err(err, errlen, "%s:1:1: the configuration must be a JSON object", file);
-        goto out;
+        return -1;
     }
     const char *key;
     json_t *val;
@@ -512,47 +535,95 @@ static int load_file_values(cg_config *cfg, const char *file, char *err, size_t 
         if (strcmp(key, "upstreams") == 0) {
             if (!json_is_object(val)) {
                 set_err(err, errlen, "%s: upstreams: must be an object of name -> {\"url\": ...}", file);
-                goto out;
+                return -1;
             }
             const char *name;
             json_t *up;
             json_object_foreach(val, name, up) {
                 if (load_upstream_object(cfg, file, name, up, err, errlen) < 0)
-                    goto out;
+                    return -1;
             }
         } else if (strcmp(key, "dropin") == 0) {
             if (cg_dropin_config_check(val, file, err, errlen) < 0)
-                goto out;
+                return -1;
             json_decref(cfg->dropin);
             cfg->dropin = json_incref(val);
         } else if (strcmp(key, "services") == 0) {
             if (load_services(cfg, file, val, err, errlen) < 0)
-                goto out;
+                return -1;
         } else if (strcmp(key, "allow_origin") == 0 && json_is_array(val)) {
             size_t i;
             json_t *o;
             json_array_foreach(val, i, o) {
                 if (!json_is_string(o) || add_origin(cfg, json_string_value(o)) < 0) {
                     set_err(err, errlen, "%s: allow_origin[%zu]: must be an origin string without ','", file, i);
-                    goto out;
+                    return -1;
                 }
             }
-        } else if (json_is_object(val)) { /* rate_limit, lifetimes, redis: "key.sub" rows */
+        } else if (json_is_object(val)) { /* rate_limit, lifetimes, redis, jwt: "key.sub" rows */
             const char *sub;
             json_t *sval;
             json_object_foreach(val, sub, sval) {
-                char path[128];
-                snprintf(path, sizeof(path), "%s.%s", key, sub);
-                if (load_json_value(cfg, file, path, sval, err, errlen) < 0)
-                    goto out;
+                char *path; /* built with its real length: a cut name could be another key */
+                if (asprintf(&path, "%s.%s", key, sub) < 0) {
+                    set_err(err, errlen, "%s: %s: out of memory", file, key);
+                    return -1;
+                }
+                int rc = load_json_value(cfg, file, path, sval, err, errlen);
+                free(path);
+                if (rc < 0)
+                    return -1;
             }
         } else if (load_json_value(cfg, file, key, val, err, errlen) < 0) {
-            goto out;
+            return -1;
         }
     }
-    rc = 0;
-out:
+    return 0;
+}
+
+/* Parses the text of a config file named file (len bytes, not NUL-terminated) into cfg. */
+static int load_text(cg_config *cfg, const char *file, const char *text, size_t len, char *err, size_t errlen)
+{
+    json_error_t jerr;
+    json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) {
+        if (jerr.line < 0)
+            set_err(err, errlen, "%s: %s", file, jerr.text);
+        else
+            set_err(err, errlen, "%s:%d:%d: %s", file, jerr.line, jerr.column, jerr.text);
+        return -1;
+    }
+    int rc = load_root(cfg, file, root, err, errlen);
     json_decref(root);
+    if (rc < 0) {
+        char *copy = strndup(text, len); /* the text holds no NUL: jansson parsed it */
+        if (copy)
+            add_position(file, copy, err, errlen);
+        free(copy);
+    }
+    return rc;
+}
+
+/* Reads the whole file (at most CG_MAX_CONFIG_FILE bytes) and loads it. */
+static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
+{
+    FILE *f = fopen(file, "rb");
+    if (!f) {
+        set_err(err, errlen, "%s: unable to open: %s", file, strerror(errno));
+        return -1;
+    }
+    char *text = malloc(CG_MAX_CONFIG_FILE + 1);
+    size_t n = text ? fread(text, 1, CG_MAX_CONFIG_FILE + 1, f) : 0;
+    int failed = !text || ferror(f);
+    fclose(f);
+    int rc = -1;
+    if (failed)
+        set_err(err, errlen, "%s: could not be read", file);
+    else if (n > CG_MAX_CONFIG_FILE)
+        set_err(err, errlen, "%s: larger than %d bytes", file, CG_MAX_CONFIG_FILE);
+    else
+        rc = load_text(cfg, file, text, n, err, errlen);
+    free(text);
     return rc;
 }
 
@@ -602,16 +673,19 @@ static const setting *flag_setting(const char *flag)
 }
 
 /*
- * Splits argv[*i] into flag name and value ("--x=v" or "--x v"). Returns 0, or -1 when the
- * value is missing. Flags without a value (help, version) get value NULL.
+ * Splits argv[*i] into flag name and value ("--x=v" or "--x v"). Returns 0, -1 when the
+ * value is missing, or -2 when the name does not fit in name (no flag is that long; a cut
+ * name must not pass for a real one). Flags without a value (help, version) get NULL.
  */
 static int next_flag(int argc, char **argv, int *i, char *name, size_t namelen, const char **value)
 {
     const char *arg = argv[*i] + 2;
     const char *eq = strchr(arg, '=');
     size_t n = eq ? (size_t)(eq - arg) : strlen(arg);
-    if (n >= namelen)
-        n = namelen - 1;
+    if (n >= namelen) {
+        snprintf(name, namelen, "%.*s", (int)namelen - 1, arg);
+        return -2;
+    }
     memcpy(name, arg, n);
     name[n] = 0;
     if (strcmp(name, "help") == 0 || strcmp(name, "version") == 0) {
@@ -637,9 +711,11 @@ static int apply_flag(cg_config *cfg, const char *name, const char *value, char 
             set_err(err, errlen, "--upstream: '%s' must be NAME=URL", value);
             return -1;
         }
-        char upname[80];
-        snprintf(upname, sizeof(upname), "%.*s", (int)(eq - value), value);
+        char *upname = strndup(value, (size_t)(eq - value)); /* the whole name, checked by upsert */
+        if (!upname)
+            abort();
         cg_upstream_config *u = upstream_upsert(cfg, upname, msg, sizeof(msg));
+        free(upname);
         if (!u || cg_config_parse_upstream_url(u, eq + 1, msg, sizeof(msg)) < 0) {
             set_err(err, errlen, "--upstream: %s", msg);
             return -1;
@@ -783,7 +859,8 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
         char zone[PATH_MAX];
         snprintf(zone, sizeof(zone), "/usr/share/zoneinfo/%s", cfg->timezone);
         struct stat sb;
-        if (strstr(cfg->timezone, "..") || stat(zone, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        if (strlen(cfg->timezone) > 255 || strstr(cfg->timezone, "..") || stat(zone, &sb) != 0 ||
+            !S_ISREG(sb.st_mode)) {
             origin_of("timezone", "timezone", flag_given(argc, argv, "timezone"), file, where, sizeof(where));
             set_err(err, errlen, "%s: '%s' is not a time zone of this machine (an IANA name such as Africa/Nairobi)",
                     where, cfg->timezone);
@@ -834,6 +911,7 @@ static void set_defaults(cg_config *cfg)
     cfg->timezone = strdup("UTC");
     cfg->max_frame = 65536;
     cfg->max_connections = 1024;
+    cfg->max_header_bytes = 16384;
     cfg->queue_limit = 8;
     cfg->rate_per_second = 20;
     cfg->rate_burst = 40;
@@ -865,7 +943,12 @@ int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errl
             set_err(err, errlen, "'%s': unexpected argument (see --help)", argv[i]);
             return CG_CONFIG_EXIT_USAGE;
         }
-        if (next_flag(argc, argv, &i, name, sizeof(name), &value) < 0) {
+        int got = next_flag(argc, argv, &i, name, sizeof(name), &value);
+        if (got == -2) {
+            set_err(err, errlen, "--%.40s...: unknown option (see --help)", name);
+            return CG_CONFIG_EXIT_USAGE;
+        }
+        if (got < 0) {
             set_err(err, errlen, "--%s: needs a value", name);
             return CG_CONFIG_EXIT_USAGE;
         }
@@ -894,6 +977,15 @@ int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errl
     return 0;
 }
 
+int cg_config_load_text(cg_config *cfg, const char *name, const char *text, size_t len, char *err, size_t errlen)
+{
+    set_defaults(cfg);
+    char *argv[] = {"chatgate", NULL};
+    if (load_text(cfg, name, text, len, err, errlen) < 0 || check(cfg, 1, argv, name, err, errlen) < 0)
+        return CG_CONFIG_EXIT_USAGE;
+    return 0;
+}
+
 void cg_config_free(cg_config *cfg)
 {
     for (int i = 0; i < cfg->n_upstreams; i++) {
@@ -907,7 +999,7 @@ void cg_config_free(cg_config *cfg)
         free(u->system_prompt);
     }
     for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
-        if (settings[i].type != T_INT)
+        if (settings[i].type == T_STR || settings[i].type == T_ENUM)
             free(*(char **)((char *)cfg + settings[i].offset));
     free(cfg->listen_host);
     free(cfg->admin_host);

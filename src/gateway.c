@@ -6,10 +6,19 @@
  * files are 404), takes WebSocket connections on /ws with the chatgate.v1 protocol (also
  * when the client names no subprotocol), and hosts the client protocols of the upstreams.
  * SIGTERM and SIGINT stop it.
+ *
+ * A request's headers get max_header_bytes (16 KiB) of lws's header space, each header at
+ * most that much: a bigger request is answered 431 instead of the connection being dropped
+ * in silence (lws's own answer to a full header space). lws asks protocols[0] about every
+ * request before it is routed, so protocols[0]'s callback is front_callback, which checks
+ * the size and passes everything else on to the session callback; the admin listener's own
+ * callback does the same check (cg_gateway_refuse_large_headers).
  */
+#define _GNU_SOURCE /* asprintf */
 #include <uv.h>
 #include <libwebsockets.h>
 
+#include <openssl/crypto.h>
 #include <openssl/rand.h>
 #include <signal.h>
 #include <stdio.h>
@@ -22,6 +31,92 @@
 #include "chatgate/gateway.h"
 #include "chatgate/log.h"
 #include "chatgate/session.h"
+
+/*
+ * Writes a whole HTTP answer by hand ("connection: close", a text body) and returns 1. At
+ * the upgrade stage lws_return_http_status() would say "HTTP/1.0", which strict WebSocket
+ * clients take for no answer.
+ */
+int cg_gateway_http_refuse(struct lws *wsi, int status, const char *reason, const char *body)
+{
+    char *text;
+    int n = asprintf(&text, "%*sHTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %zu\r\n"
+                            "cache-control: no-store\r\nconnection: close\r\n\r\n%s",
+                     LWS_PRE, "", status, reason, strlen(body), body);
+    if (n < 0)
+        return -1;
+    lws_write(wsi, (unsigned char *)text + LWS_PRE, (size_t)n - LWS_PRE, LWS_WRITE_HTTP_HEADERS);
+    free(text);
+    return 1;
+}
+
+/*
+ * Sums the request's headers as lws kept them. Every header is cut at max_header_bytes by
+ * lws (the token limits), so one that reaches it was longer.
+ */
+static int headers_too_large(struct lws *wsi, long limit, long *total)
+{
+    *total = 0;
+    int over = 0;
+    for (int t = 0; t < WSI_TOKEN_COUNT; t++) {
+        int n = lws_hdr_total_length(wsi, (enum lws_token_indexes)t);
+        if (n >= limit)
+            over = 1;
+        *total += n > 0 ? n : 0;
+    }
+    return over || *total > limit;
+}
+
+int cg_gateway_refuse_large_headers(struct lws *wsi)
+{
+    cg_gateway *gw = cg_gateway_of(wsi);
+    long total;
+    if (!headers_too_large(wsi, gw->cfg->max_header_bytes, &total))
+        return 0;
+    cg_warn("refused a request with %ld bytes of headers or more, over max_header_bytes (%ld): 431", total,
+            gw->cfg->max_header_bytes);
+    char body[160];
+    snprintf(body, sizeof(body), "the request's headers are over %ld bytes (a cookie or token too long?)\n",
+             gw->cfg->max_header_bytes);
+    cg_gateway_http_refuse(wsi, 431, "Request Header Fields Too Large", body);
+    return 1;
+}
+
+/*
+ * protocols[0]: lws asks it about every request of the main listener before routing it
+ * (an upgrade, or plain HTTP for the pages, /healthz, /metrics and /admin). Too large
+ * headers are answered here; the rest is the session callback's.
+ */
+static int front_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+{
+    switch (reason) {
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        if (cg_gateway_refuse_large_headers(wsi))
+            return 1; /* answered */
+        break;
+    case LWS_CALLBACK_FILTER_HTTP_CONNECTION:
+        if (cg_gateway_refuse_large_headers(wsi))
+            return -1; /* answered; lws closes the connection */
+        break;
+    case LWS_CALLBACK_WSI_DESTROY: {
+        /* The session callback passes a wsi's end on to the wsi's own protocol when that is
+         * not its own: for a wsi of protocols[0] that would be this callback again. */
+        const struct lws_protocols *p = lws_get_protocol(wsi);
+        if (p && p->callback == front_callback)
+            return 0;
+        break;
+    }
+    default:
+        break;
+    }
+    return cg_session_callback(wsi, reason, user, in, len);
+}
+
+/* A callback of a chatgate.v1 or drop-in client protocol. */
+static int is_session_callback(lws_callback_function *cb)
+{
+    return cb == cg_session_callback || cb == front_callback;
+}
 
 /*
  * The vhost's protocols: chatgate.v1 first (the default for a WebSocket without a
@@ -43,7 +138,7 @@ static struct lws_protocols *build_protocols(const cg_config *cfg)
     if (!p)
         abort();
     size_t n = 0;
-    p[n++] = (struct lws_protocols){CG_PROTOCOL_NAME, cg_session_callback, cg_session_size(), 4096, 0, NULL, 0};
+    p[n++] = (struct lws_protocols){CG_PROTOCOL_NAME, front_callback, cg_session_size(), 4096, 0, NULL, 0};
     for (size_t i = 0; i < n_subs; i++)
         p[n++] = (struct lws_protocols){json_string_value(json_array_get(subs, i)), cg_session_callback,
                                         cg_session_size(), 4096, 0, NULL, 0};
@@ -84,6 +179,8 @@ static void on_reload(uv_signal_t *sig, int signum)
     cg_gateway_reload_rules(sig->data, err, sizeof(err));
 }
 
+static void free_secrets(cg_gateway *gw);
+
 void cg_gateway_abort(cg_gateway *gw)
 {
     /* the lws context, when there is one, is left to the exit (see cg_gateway_start) */
@@ -91,6 +188,7 @@ void cg_gateway_abort(cg_gateway *gw)
     gw->rules = NULL;
     json_decref(gw->dialog_locks);
     gw->dialog_locks = NULL;
+    free_secrets(gw);
 }
 
 static void gateway_stop(cg_gateway *gw);
@@ -114,7 +212,7 @@ static void gateway_stop(cg_gateway *gw)
             cg_warn("shutdown: %ld replies still running at the deadline are cancelled", gw->inflight_turns);
         gw->closing_all = 1;
         for (size_t i = 0; gw->protocols[i].name; i++)
-            if (gw->protocols[i].callback == cg_session_callback)
+            if (is_session_callback(gw->protocols[i].callback))
                 lws_callback_on_writable_all_protocol(gw->lws, &gw->protocols[i]);
         uv_timer_stop(&gw->drain);
         uv_timer_start(&gw->drain, on_drain_tick, 300, 0);
@@ -140,6 +238,7 @@ static void gateway_stop(cg_gateway *gw)
     gw->rules = NULL;
     json_decref(gw->dialog_locks); /* empty: every session has closed */
     gw->dialog_locks = NULL;
+    free_secrets(gw);
     cg_info("stopped cleanly");
 }
 
@@ -168,20 +267,38 @@ static void on_signal(uv_signal_t *sig, int signum)
  * resume tokens then do not survive a restart. */
 static void load_secrets(cg_gateway *gw, const cg_config *cfg)
 {
+    /* copied whole: a secret cut to a buffer's size would be another secret */
     const char *resume = getenv("CHATGATE_RESUME_SECRET");
     if (resume && *resume) {
-        gw->resume_secret_len = strlen(resume) < sizeof(gw->resume_secret) ? strlen(resume) : sizeof(gw->resume_secret);
-        memcpy(gw->resume_secret, resume, gw->resume_secret_len);
+        gw->resume_secret_len = strlen(resume);
+        gw->resume_secret = (unsigned char *)strdup(resume);
     } else {
         gw->resume_secret_len = 32;
-        if (RAND_bytes(gw->resume_secret, 32) != 1)
+        gw->resume_secret = malloc(32);
+        if (gw->resume_secret && RAND_bytes(gw->resume_secret, 32) != 1)
             abort();
     }
     const char *jwt = getenv("CHATGATE_JWT_SECRET");
     if (strcmp(cfg->auth, "jwt") == 0 && jwt) {
-        gw->jwt_secret_len = strlen(jwt) < sizeof(gw->jwt_secret) ? strlen(jwt) : sizeof(gw->jwt_secret);
-        memcpy(gw->jwt_secret, jwt, gw->jwt_secret_len);
+        gw->jwt_secret_len = strlen(jwt);
+        gw->jwt_secret = (unsigned char *)strdup(jwt);
+    } else {
+        gw->jwt_secret = (unsigned char *)strdup("");
     }
+    if (!gw->resume_secret || !gw->jwt_secret)
+        abort();
+}
+
+static void free_secrets(cg_gateway *gw)
+{
+    if (gw->resume_secret)
+        OPENSSL_cleanse(gw->resume_secret, gw->resume_secret_len);
+    if (gw->jwt_secret)
+        OPENSSL_cleanse(gw->jwt_secret, gw->jwt_secret_len);
+    free(gw->resume_secret);
+    free(gw->jwt_secret);
+    gw->resume_secret = gw->jwt_secret = NULL;
+    gw->resume_secret_len = gw->jwt_secret_len = 0;
 }
 
 /* --admin-listen: a vhost of its own that serves /admin and nothing else. */
@@ -295,6 +412,13 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->retry.secs_since_valid_hangup = (uint16_t)cfg->idle_timeout_s;
     info.retry_and_idle_policy = &gw->retry;
     info.connect_timeout_secs = 30;
+    /* Header space: every header cut at max_header_bytes (so that one too long header ends
+     * the parse normally and gets its 431), and room for several of them; lws allocates it
+     * per connection only while that connection's headers are read. */
+    for (int t = 0; t < WSI_TOKEN_COUNT; t++)
+        gw->token_limits.token_limit[t] = (unsigned short)cfg->max_header_bytes;
+    info.token_limits = &gw->token_limits;
+    info.max_http_header_data2 = (unsigned int)cfg->max_header_bytes * 4;
     gw->lws = lws_create_context(&info);
     if (!gw->lws) {
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);

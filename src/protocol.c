@@ -76,6 +76,8 @@ int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *e
             goto out;
         }
         out->text = strdup(json_string_value(text));
+        if (!out->text)
+            abort(); /* as cg_protocol_dump: no memory is not an input error */
     } else if (strncmp(t, "context.", 8) == 0) {
         static const struct { const char *name; cg_frame_type type; } kinds[] = {
             {"context.get", CG_FRAME_CONTEXT_GET},
@@ -208,8 +210,10 @@ char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usa
 {
     json_t *o = json_pack("{s:s, s:s, s:s%, s:O}", "type", "done", "id", id, "text", text, len, "usage",
                           usage ? usage : json_null());
-    if (o && truncated)
-        json_object_set_new(o, "truncated", json_true());
+    if (o && truncated && json_object_set_new(o, "truncated", json_true()) < 0) {
+        json_decref(o);
+        o = NULL; /* encoded as the internal error: a done without its flag would mislead */
+    }
     return cg_protocol_dump(o);
 }
 

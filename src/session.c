@@ -822,17 +822,25 @@ static int session_identify(cg_session *s, struct lws *wsi, char *err, size_t er
     const char *auth = gw->cfg->auth;
     char buf[4096];
     if (strcmp(auth, "jwt") == 0) {
+        /* copied whole: a long JWT fits the header space (max_header_bytes), not buf */
+        int cap = lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_AUTHORIZATION) +
+                  lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_URI_ARGS) + 1;
+        char *tbuf = malloc((size_t)cap);
+        if (!tbuf)
+            abort();
         const char *token = NULL;
-        if (lws_hdr_copy(wsi, buf, sizeof(buf), WSI_TOKEN_HTTP_AUTHORIZATION) > 7 && strncasecmp(buf, "Bearer ", 7) == 0)
-            token = buf + 7;
+        if (lws_hdr_copy(wsi, tbuf, cap, WSI_TOKEN_HTTP_AUTHORIZATION) > 7 && strncasecmp(tbuf, "Bearer ", 7) == 0)
+            token = tbuf + 7;
         else
-            token = lws_get_urlarg_by_name(wsi, "access_token=", buf, sizeof(buf));
-        if (!token) {
+            token = lws_get_urlarg_by_name(wsi, "access_token=", tbuf, cap);
+        int rc = -1;
+        if (!token)
             snprintf(err, errlen, "a JWT is needed: Authorization: Bearer, or ?access_token=");
-            return -1;
-        }
-        return cg_identity_jwt_verify(gw->jwt_secret, gw->jwt_secret_len, token, session_now(s), 30, s->user,
-                                      sizeof(s->user), err, errlen);
+        else
+            rc = cg_identity_jwt_verify_ex(gw->jwt_secret, gw->jwt_secret_len, token, session_now(s), 30,
+                                           gw->cfg->jwt_allow_no_exp, s->user, sizeof(s->user), err, errlen);
+        free(tbuf);
+        return rc;
     }
     if (strcmp(auth, "header") == 0) {
         char name[128];

@@ -1,6 +1,8 @@
 /*
  * sse.c: server-sent events, parsed a byte at a time so that any split of the stream gives
- * the same events (the unit test feeds a recorded stream split at every offset).
+ * the same events and the same end (the unit test feeds a recorded stream split at every
+ * offset; fuzz_sse compares a whole feed with a split one). A line is bounded by max_event
+ * whether it arrived in one piece or several.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -113,6 +115,8 @@ int cg_sse_feed(cg_sse *p, const char *buf, size_t len)
             rc = process_line(p, p->line, p->line_len);
             p->line_len = 0;
         } else {
+            if (i - start + 1 > p->max_event) /* the bound the line buffer has, whole or split */
+                return -1;
             rc = process_line(p, buf + start, i - start);
         }
         start = i + 1;

@@ -15,6 +15,8 @@
 #include "chatgate/dialog.h"
 
 #define CG_MAX_UPSTREAMS 32
+#define CG_MAX_CONFIG_FILE (16 << 20) /* bytes of a --config file */
+#define CG_MAX_REDIS_PREFIX 128       /* bytes of redis.prefix */
 
 typedef enum cg_upstream_kind {
     CG_UPSTREAM_DEMO,
@@ -56,6 +58,7 @@ typedef struct cg_config {
     char *timezone; /* IANA name ("Africa/Nairobi"); dates are this zone's */
     long max_frame;
     long max_connections;
+    long max_header_bytes; /* a request's header space; more gets 431 (gateway.c) */
     long queue_limit;
     long rate_per_second;
     long rate_burst;
@@ -73,6 +76,7 @@ typedef struct cg_config {
     /* identity (DESIGN.md section 4) */
     char *user_header;
     char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */
+    long jwt_allow_no_exp; /* jwt.allow_no_exp: accept JWTs without exp (never expiring) */
     json_t *dropin;     /* the drop-in mapping (dropin.h), or NULL */
     char *admin_listen; /* HOST:PORT of the admin API's own listener, or NULL */
     char *admin_host;
@@ -94,6 +98,12 @@ typedef struct cg_config {
  */
 int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen);
 void cg_config_free(cg_config *cfg);
+
+/*
+ * The same from the text of a config file alone (no flags, no file to read): name stands
+ * for the file in messages. For tests and the fuzzer.
+ */
+int cg_config_load_text(cg_config *cfg, const char *name, const char *text, size_t len, char *err, size_t errlen);
 
 /* Parses an upstream URL ("demo", "http://h:p/v1", "wss://h/app") into u; 0 or -1 with err. */
 int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *err, size_t errlen);

@@ -42,10 +42,11 @@ struct cg_gateway {
     lws_retry_bo_t retry;    /* ping and idle policy */
     cg_upstream_config dropin_app;  /* the app of drop-in mode, from dropin.app */
     struct lws_protocols *protocols; /* built at start: the app's subprotocols are in it */
-    unsigned char resume_secret[64]; /* CHATGATE_RESUME_SECRET, or random per process */
+    unsigned char *resume_secret; /* CHATGATE_RESUME_SECRET, or random per process; owned */
     size_t resume_secret_len;
-    unsigned char jwt_secret[256];   /* CHATGATE_JWT_SECRET with --auth jwt */
+    unsigned char *jwt_secret;    /* CHATGATE_JWT_SECRET with --auth jwt ("" otherwise); owned */
     size_t jwt_secret_len;
+    struct lws_token_limits token_limits; /* each header's bound: max_header_bytes */
 };
 
 /*
@@ -62,6 +63,14 @@ int cg_gateway_reload_rules(cg_gateway *gw, char *err, size_t errlen);
 
 /* Runs until SIGTERM or SIGINT, then tears down; returns the exit status. */
 int cg_gateway_run(cg_gateway *gw);
+
+/*
+ * When the request's headers pass max_header_bytes, answers 431 and returns 1; else 0.
+ * For the callbacks that see a request before it is routed (the admin listener's).
+ */
+int cg_gateway_refuse_large_headers(struct lws *wsi);
+/* Writes a whole HTTP answer (status, reason, a text body, connection: close); returns 1. */
+int cg_gateway_http_refuse(struct lws *wsi, int status, const char *reason, const char *body);
 
 /* The gateway a wsi belongs to. */
 cg_gateway *cg_gateway_of(struct lws *wsi);

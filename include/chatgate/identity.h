@@ -19,14 +19,24 @@ char *cg_identity_resume_token(const unsigned char *secret, size_t secret_len, c
 int cg_identity_resume_check(const unsigned char *secret, size_t secret_len, const char *token, char *user,
                              size_t userlen);
 
+/* Longest base64url part of a JWT taken (a request's headers are bounded anyway). */
+#define CG_JWT_MAX_PART 65536
+
 /*
  * Verifies an HS256 JWT: signature, alg, exp and nbf against now (with leeway_s), and takes
- * sub as the user id (1 to CG_MAX_USER bytes). 0, or -1 with the reason in err.
+ * sub as the user id (1 to CG_MAX_USER bytes). A token without exp is refused unless
+ * allow_no_exp (config jwt.allow_no_exp): it would be valid for ever. Every part must be
+ * canonical base64url. 0, or -1 with the reason in err.
  */
+int cg_identity_jwt_verify_ex(const unsigned char *secret, size_t secret_len, const char *token, int64_t now,
+                              long leeway_s, int allow_no_exp, char *user, size_t userlen, char *err, size_t errlen);
+/* The same with allow_no_exp 0. */
 int cg_identity_jwt_verify(const unsigned char *secret, size_t secret_len, const char *token, int64_t now,
                            long leeway_s, char *user, size_t userlen, char *err, size_t errlen);
 
-/* base64url without padding; the decoder returns the length or -1. Used by tests too. */
+/* base64url without padding; the decoder returns the length, or -1 for anything but the
+ * canonical encoding (url alphabet, no '=', unused bits zero) or when out is too small.
+ * Used by tests too. */
 char *cg_base64url_encode(const unsigned char *in, size_t len);
 long cg_base64url_decode(const char *in, size_t len, unsigned char *out, size_t outlen);
 

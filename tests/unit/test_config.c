@@ -220,6 +220,53 @@ static void test_state_settings(void)
     unlink(path);
 }
 
+/* Issue 9: redis.prefix with a hash-tag brace, jwt.allow_no_exp, max_header_bytes. */
+static void test_hardening_settings(void)
+{
+    char want[256];
+    const char *path = write_file("{\n  \"redis\": {\"prefix\": \"app{1}\"}\n}\n");
+    snprintf(want, sizeof(want), "%s:2:13: redis.prefix: 'app{1}' must not contain '{' or '}'", path);
+    CHECK_FAILS(want, "--config", path);
+    path = write_file("{\"redis.prefix\": \"x}\"}");
+    snprintf(want, sizeof(want), "%s: redis.prefix: 'x}' must not contain", path);
+    CHECK_FAILS(want, "--config", path);
+
+    cg_config c;
+    path = write_file("{\"jwt\": {\"allow_no_exp\": true}, \"max_header_bytes\": 32768}");
+    CHECK(load(&c, "--config", path, NULL) == 0);
+    CHECK(c.jwt_allow_no_exp == 1);
+    CHECK(c.max_header_bytes == 32768);
+    cg_config_free(&c);
+    CHECK(load(&c, NULL) == 0);
+    CHECK(c.jwt_allow_no_exp == 0); /* tokens without exp are refused by default */
+    CHECK(c.max_header_bytes == 16384);
+    CHECK_STR(c.redis_prefix, "chatgate");
+    cg_config_free(&c);
+    path = write_file("{\"jwt\": {\"allow_no_exp\": 1}}");
+    snprintf(want, sizeof(want), "%s:1:10: jwt.allow_no_exp: must be true or false", path);
+    CHECK_FAILS(want, "--config", path);
+    path = write_file("{\"max_header_bytes\": 100000}");
+    snprintf(want, sizeof(want), "%s:1:2: max_header_bytes: '100000' is not a whole number from 1024 to 65535", path);
+    CHECK_FAILS(want, "--config", path);
+    unlink(path);
+
+    /* a long nested key is not cut into another one */
+    char text[512];
+    snprintf(text, sizeof(text), "{\"redis\": {\"%0200d\": 1}}", 0);
+    CHECK(cg_config_load_text(&c, "t.json", text, strlen(text), err, sizeof(err)) == CG_CONFIG_EXIT_USAGE);
+    CHECK(strstr(err, "t.json:1:12: redis.000") && strstr(err, ": unknown key"));
+    cg_config_free(&c);
+    const char *ok = "{\"listen\": \"127.0.0.1:9\", \"redis\": {\"prefix\": \"cg-test\"}}";
+    CHECK(cg_config_load_text(&c, "t.json", ok, strlen(ok), err, sizeof(err)) == 0);
+    CHECK(c.listen_port == 9);
+    CHECK_STR(c.redis_prefix, "cg-test");
+    cg_config_free(&c);
+    /* a flag name longer than any flag is refused, not cut */
+    char flag[128];
+    snprintf(flag, sizeof(flag), "--listen%0100d", 0);
+    CHECK_FAILS("unknown option", flag, "x");
+}
+
 int main(void)
 {
     unsetenv("REDIS_URL");
@@ -230,5 +277,6 @@ int main(void)
     test_file_mistakes();
     test_redis_url_env();
     test_state_settings();
+    test_hardening_settings();
     return unit_done("test_config");
 }

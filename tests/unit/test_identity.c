@@ -1,6 +1,7 @@
 /*
  * test_identity.c: resume tokens and HS256 JWTs: good ones pass; forged, expired, not yet
- * valid, wrong-secret, wrong-alg and malformed ones are refused with a reason.
+ * valid, wrong-secret, wrong-alg and malformed ones are refused with a reason; so are tokens
+ * without exp (unless allowed), and any part not in canonical base64url.
  */
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
@@ -47,7 +48,7 @@ static void test_jwt(void)
 
     char *expired = make_jwt(hs, "{\"sub\":\"u\",\"exp\":999000}", secret, SECRET_LEN);
     CHECK(verify(expired, err) < 0 && strstr(err, "expired"));
-    char *early = make_jwt(hs, "{\"sub\":\"u\",\"nbf\":1001000}", secret, SECRET_LEN);
+    char *early = make_jwt(hs, "{\"sub\":\"u\",\"nbf\":1001000,\"exp\":2000000}", secret, SECRET_LEN);
     CHECK(verify(early, err) < 0 && strstr(err, "not valid yet"));
     char *wrong = make_jwt(hs, "{\"sub\":\"u\"}", (const unsigned char *)"other", 5);
     CHECK(verify(wrong, err) < 0 && strstr(err, "signature"));
@@ -79,6 +80,70 @@ static void test_jwt(void)
     free(c);
 }
 
+/* A JWT without exp would be valid for ever: refused unless the policy allows it. */
+static void test_jwt_no_exp(void)
+{
+    const char *hs = "{\"alg\":\"HS256\",\"typ\":\"JWT\"}";
+    char err[256], user[300];
+    char *noexp = make_jwt(hs, "{\"sub\":\"u\"}", secret, SECRET_LEN);
+    CHECK(verify(noexp, err) < 0 && strstr(err, "no exp"));
+    CHECK(cg_identity_jwt_verify_ex(secret, SECRET_LEN, noexp, 1000000, 30, 1, user, sizeof(user), err,
+                                    sizeof(err)) == 0);
+    CHECK_STR(user, "u");
+    char *strexp = make_jwt(hs, "{\"sub\":\"u\",\"exp\":\"2000000\"}", secret, SECRET_LEN);
+    CHECK(verify(strexp, err) < 0 && strstr(err, "exp must be a number"));
+    /* huge and fractional NumericDates: compared as numbers, no undefined cast */
+    char *huge = make_jwt(hs, "{\"sub\":\"u\",\"exp\":1e300,\"nbf\":-1e300}", secret, SECRET_LEN);
+    CHECK(verify(huge, err) == 0);
+    char *frac = make_jwt(hs, "{\"sub\":\"u\",\"exp\":999969.5}", secret, SECRET_LEN);
+    CHECK(verify(frac, err) < 0 && strstr(err, "expired"));
+    free(noexp);
+    free(strexp);
+    free(huge);
+    free(frac);
+}
+
+/* The same token with other values in the unused low bits of a part's last character. */
+static void test_jwt_canonical(void)
+{
+    static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    const char *hs = "{\"alg\":\"HS256\",\"typ\":\"JWT\"}";
+    char err[256];
+    char *good = make_jwt(hs, "{\"sub\":\"u\",\"exp\":2000000}", secret, SECRET_LEN);
+    CHECK(verify(good, err) == 0);
+    /* the signature: 32 bytes are 43 characters, the last one carries 2 unused bits */
+    size_t n = strlen(good);
+    int v = (int)(strchr(b64, good[n - 1]) - b64);
+    for (int extra = 1; extra < 4; extra++) {
+        char *t = strdup(good);
+        t[n - 1] = b64[(v & ~3) | extra];
+        CHECK(verify(t, err) < 0 && strstr(err, "signature"));
+        free(t);
+    }
+    /* padding, the standard alphabet and whitespace are not base64url */
+    char *padded = malloc(n + 2);
+    snprintf(padded, n + 2, "%s=", good);
+    CHECK(verify(padded, err) < 0);
+    char *spaced = malloc(n + 2);
+    snprintf(spaced, n + 2, " %s", good);
+    CHECK(verify(spaced, err) < 0);
+    free(padded);
+    free(spaced);
+    free(good);
+
+    unsigned char out[8];
+    CHECK(cg_base64url_decode("QQ", 2, out, sizeof(out)) == 1 && out[0] == 'A');
+    CHECK(cg_base64url_decode("QR", 2, out, sizeof(out)) < 0); /* 4 unused bits set */
+    CHECK(cg_base64url_decode("QUI", 3, out, sizeof(out)) == 2);
+    CHECK(cg_base64url_decode("QUJ", 3, out, sizeof(out)) < 0); /* 2 unused bits set */
+    CHECK(cg_base64url_decode("QUJD", 4, out, sizeof(out)) == 3 && memcmp(out, "ABC", 3) == 0);
+    CHECK(cg_base64url_decode("QUJ=", 4, out, sizeof(out)) < 0);
+    CHECK(cg_base64url_decode("Q+/A", 4, out, sizeof(out)) < 0);
+    CHECK(cg_base64url_decode("QUJDQ", 5, out, sizeof(out)) < 0);
+    CHECK(cg_base64url_decode("QUJDQUJDQUJD", 12, out, sizeof(out)) < 0); /* 9 bytes > 8 */
+    CHECK(cg_base64url_decode("", 0, out, sizeof(out)) == 0);
+}
+
 static void test_resume(void)
 {
     char user[300];
@@ -95,6 +160,8 @@ static void test_resume(void)
 int main(void)
 {
     test_jwt();
+    test_jwt_no_exp();
+    test_jwt_canonical();
     test_resume();
     return unit_done("test_identity");
 }

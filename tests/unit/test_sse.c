@@ -126,6 +126,20 @@ static void test_limits_and_stop(void)
         rc = cg_sse_feed(&p, "data: 0123456789\n", 17);
     CHECK(rc == -1);
     cg_sse_free(&p);
+
+    /* a long comment or event line is over the bound whether it comes whole or split
+     * (found by fuzz_sse: whole, it used to pass, split it was refused) */
+    char line[100];
+    memset(line, 'x', sizeof(line));
+    line[0] = ':';
+    line[sizeof(line) - 1] = '\n';
+    cg_sse_init(&p, 64, stop_at_first, &seen);
+    CHECK(cg_sse_feed(&p, line, sizeof(line)) == -1);
+    cg_sse_free(&p);
+    cg_sse_init(&p, 64, stop_at_first, &seen);
+    CHECK(cg_sse_feed(&p, line, 50) == 0);
+    CHECK(cg_sse_feed(&p, line + 50, sizeof(line) - 50) == -1);
+    cg_sse_free(&p);
 }
 
 int main(void)
