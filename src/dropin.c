@@ -108,7 +108,7 @@ struct cg_dropin {
     char *suppress_id; /* a cancelled reply not relayed (no cancel frame) */
     int suppressing;
     char *app_rx;   /* the app frame being reassembled */
-    size_t app_rx_len;
+    size_t app_rx_len, app_rx_cap;
     int app_rx_too_large;
 };
 
@@ -707,17 +707,26 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     cg_dropin_app_frame_clear(&a);
 }
 
-static char *rx_buf_append(char **rx, size_t *rx_len, const void *in, size_t len, size_t max)
+/* Appends a fragment (lws hands them over 4 KiB at a time) to the frame being reassembled, up
+ * to max bytes: the buffer grows by doubling and is kept between frames, so a frame of n bytes
+ * costs O(n) copying, not one realloc of the whole per fragment. NULL when over max. */
+static char *rx_buf_append(char **rx, size_t *rx_len, size_t *rx_cap, const void *in, size_t len, size_t max)
 {
     if (*rx_len + len > max)
         return NULL;
-    char *n = realloc(*rx, *rx_len + len + 1);
-    if (!n)
-        abort();
-    memcpy(n + *rx_len, in, len);
-    *rx = n;
+    if (*rx_len + len + 1 > *rx_cap) {
+        size_t cap = *rx_cap ? *rx_cap : 4096;
+        while (cap < *rx_len + len + 1)
+            cap *= 2;
+        char *n = realloc(*rx, cap);
+        if (!n)
+            abort();
+        *rx = n;
+        *rx_cap = cap;
+    }
+    memcpy(*rx + *rx_len, in, len);
     *rx_len += len;
-    return n;
+    return *rx;
 }
 
 int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
@@ -776,7 +785,7 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
             d->app_rx_too_large = 0;
         }
         if (!d->app_rx_too_large &&
-            !rx_buf_append(&d->app_rx, &d->app_rx_len, in, len, (size_t)d->gw->cfg->max_frame * 16))
+            !rx_buf_append(&d->app_rx, &d->app_rx_len, &d->app_rx_cap, in, len, (size_t)d->gw->cfg->max_frame * 16))
             d->app_rx_too_large = 1;
         if (!lws_is_final_fragment(wsi))
             return 0;
