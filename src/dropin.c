@@ -708,8 +708,8 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 }
 
 /* Appends a fragment (lws hands them over 4 KiB at a time) to the frame being reassembled, up
- * to max bytes: the buffer grows by doubling and is kept between frames, so a frame of n bytes
- * costs O(n) copying, not one realloc of the whole per fragment. NULL when over max. */
+ * to max bytes: the buffer grows by doubling (kept between frames up to 64 KiB), so a frame of n
+ * bytes costs O(n) copying, not one realloc of the whole per fragment. NULL when over max. */
 static char *rx_buf_append(char **rx, size_t *rx_len, size_t *rx_cap, const void *in, size_t len, size_t max)
 {
     if (*rx_len + len > max)
@@ -795,6 +795,11 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         } else
             on_app_frame(d, d->app_rx ? d->app_rx : "", d->app_rx_len, lws_frame_is_binary(wsi));
         d->app_rx_len = 0;
+        if (d->app_rx_cap > 64 * 1024) { /* an idle connection keeps a small buffer, not its largest frame */
+            free(d->app_rx);
+            d->app_rx = NULL;
+            d->app_rx_cap = 0;
+        }
         return 0;
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
         /* the client gets the app's code and reason, when they may be sent on (RFC 6455 7.4);
