@@ -899,6 +899,8 @@ static char *expand_template(const cg_ruleset *rs, const rule *r, const char *su
 {
     size_t cap = strlen(r->arg) + strlen(text) + strlen(previous) + 256, len = 0;
     char *out = malloc(cap);
+    if (!out)
+        abort(); /* out of memory: as everywhere a message is built */
     for (const char *p = r->arg; *p;) {
         const char *piece = NULL;
         char *owned = NULL;
@@ -926,7 +928,10 @@ static char *expand_template(const cg_ruleset *rs, const rule *r, const char *su
         }
         if (len + plen + 1 > cap) {
             cap = (len + plen + 1) * 2;
-            out = realloc(out, cap);
+            char *grown = realloc(out, cap);
+            if (!grown)
+                abort();
+            out = grown;
         }
         if (piece)
             memcpy(out + len, piece, plen);
