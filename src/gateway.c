@@ -75,6 +75,7 @@ int cg_gateway_refuse_large_headers(struct lws *wsi)
         return 0;
     cg_warn("refused a request with %ld bytes of headers or more, over max_header_bytes (%ld): 431", total,
             gw->cfg->max_header_bytes);
+    gw->metrics.refused_connections++;
     char body[160];
     snprintf(body, sizeof(body), "the request's headers are over %ld bytes (a cookie or token too long?)\n",
              gw->cfg->max_header_bytes);

@@ -117,6 +117,11 @@ async def test_header_space():
             answer = await asyncio.to_thread(raw_request, gw.port,
                                              upgrade_request(gw.port, "/ws", b"Cookie: " + b"k" * 30000 + b"\r\n"))
             check(answer.startswith(b"HTTP/1.1 431 "), f"raw upgrade with 30 KB cookie: {answer[:200]!r}")
+        with step("the refusals are counted in chatgate_refused_connections_total"):
+            status, _, body = await asyncio.to_thread(harness.http_get, gw.http_url + "/metrics")
+            check(status == 200, f"/metrics answered {status}")
+            refused = harness.parse_metrics(body.decode()).value("chatgate_refused_connections_total")
+            check(refused >= 7, f"7 requests got 431 (6 above, 1 raw), counted {refused}")
         with step("the gateway goes on: /healthz 200, a new client served"):
             status, body = await asyncio.to_thread(http_get, gw.port, "/healthz", {})
             check(status == 200, f"GET /healthz after the refusals: {status} {body[:200]!r}")
