@@ -17,6 +17,7 @@
  * Lifetime: the struct holds a reference for the client and one for the app connection, and
  * is freed when both are gone.
  */
+#define _GNU_SOURCE /* asprintf */
 #include <openssl/evp.h>
 
 #include <stdio.h>
@@ -890,31 +891,44 @@ static void append_query(struct lws *client, char *out, size_t outlen)
     }
 }
 
-/* Copies the configured headers of the handshake, to send them on to the app. */
+/* Copies the configured headers of the handshake, to send them on to the app. Values are
+ * copied whole: a header is at most the whole header space lws keeps (4 x max_header_bytes,
+ * gateway.c), so one scratch buffer of that size takes any of them; a name or value that
+ * cannot be copied is logged, never sent cut. */
 static void copy_headers(cg_dropin *d, struct lws *client)
 {
     json_t *names = json_object_get(d->cfg, "forward_headers");
     json_t *defaults = NULL;
     if (!names)
         names = defaults = json_pack("[s, s]", "Cookie", "Authorization");
+    size_t cap = (size_t)d->gw->cfg->max_header_bytes * 4 + 1;
+    char *value = malloc(cap);
     size_t i;
     json_t *name;
     json_array_foreach(names, i, name) {
-        char lower[80], value[4096];
-        snprintf(lower, sizeof(lower), "%s:", json_string_value(name));
+        char *lower = NULL;
+        if (!value || !json_string_value(name) || asprintf(&lower, "%s:", json_string_value(name)) < 0) {
+            cg_error("dropin: out of memory copying the handshake's headers");
+            break;
+        }
         for (char *p = lower; *p; p++)
             *p = (char)(*p >= 'A' && *p <= 'Z' ? *p + 32 : *p);
-        int n = strcmp(lower, "cookie:") == 0          ? lws_hdr_copy(client, value, sizeof(value), WSI_TOKEN_HTTP_COOKIE)
-                : strcmp(lower, "authorization:") == 0 ? lws_hdr_copy(client, value, sizeof(value),
+        int n = strcmp(lower, "cookie:") == 0          ? lws_hdr_copy(client, value, (int)cap, WSI_TOKEN_HTTP_COOKIE)
+                : strcmp(lower, "authorization:") == 0 ? lws_hdr_copy(client, value, (int)cap,
                                                                       WSI_TOKEN_HTTP_AUTHORIZATION)
-                                                       : lws_hdr_custom_copy(client, value, sizeof(value), lower,
+                                                       : lws_hdr_custom_copy(client, value, (int)cap, lower,
                                                                              (int)strlen(lower));
         if (n > 0 && d->n_headers < MAX_FORWARD_HEADERS) {
-            d->headers[d->n_headers][0] = strdup(lower);
+            d->headers[d->n_headers][0] = lower;
             d->headers[d->n_headers][1] = strdup(value);
             d->n_headers++;
+            lower = NULL;
+        } else if (n < 0) {
+            cg_warn("dropin: the client's %s header could not be copied; not forwarded", lower);
         }
+        free(lower);
     }
+    free(value);
     json_decref(defaults);
 }
 

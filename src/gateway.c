@@ -420,6 +420,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         gw->token_limits.token_limit[t] = (unsigned short)cfg->max_header_bytes;
     info.token_limits = &gw->token_limits;
     info.max_http_header_data2 = (unsigned int)cfg->max_header_bytes * 4;
+    /* The one service thread's scratch buffer, which also holds a client handshake we send
+     * (drop-in forwards the client's Cookie and Authorization to the app): room for them. */
+    info.pt_serv_buf_size = (unsigned int)cfg->max_header_bytes * 4 + 4096;
     gw->lws = lws_create_context(&info);
     if (!gw->lws) {
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);

@@ -287,6 +287,27 @@ async def part_close_frames():
             gw.assert_alive()
 
 
+async def part_big_cookie():
+    """Big cookies are common (analytics, SSO): the app must get the client's whole Cookie
+    header and the gateway must find its session cookie in it, not drop both past 4 KiB."""
+    async with ChatApp() as app:
+        async with gateway(app, "gateway:big-cookie") as gw:
+            sid = await login(app)
+            with step("a 4,100-byte Cookie header with the sid last (over the 4,096 the gateway once copied; "
+                      "as long as the app, on python-websockets' legacy server, takes): the app sees it whole"):
+                tail = f"; sid={sid}"
+                cookie = "prefs=" + "p" * (4100 - len("prefs=") - len(tail)) + tail
+                client = await connect(gw.ws_url("/socket"), cookie=cookie)
+                await client.say("hi", "bc1")
+                await reply(client, "bc1")
+                sess = app.sessions[-1]
+                got = sess.headers.get("cookie") or ""
+                check(got == cookie, f"the app got a Cookie of {len(got)} bytes, expected {len(cookie)}")
+                check(sess.sid == sid, f"the app found sid {sess.sid!r}, expected {sid!r}")
+                await client.close()
+            gw.assert_alive()
+
+
 async def main(args):
     await independent(part_long_id())
     await independent(part_two_tabs())
@@ -294,6 +315,7 @@ async def main(args):
     await independent(part_queue_bound())
     await independent(part_refused())
     await independent(part_close_frames())
+    await independent(part_big_cookie())
 
 
 if __name__ == "__main__":
