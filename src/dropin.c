@@ -918,13 +918,15 @@ static void copy_headers(cg_dropin *d, struct lws *client)
                                                                       WSI_TOKEN_HTTP_AUTHORIZATION)
                                                        : lws_hdr_custom_copy(client, value, (int)cap, lower,
                                                                              (int)strlen(lower));
-        if (n > 0 && d->n_headers < MAX_FORWARD_HEADERS) {
+        char *copy = n > 0 && d->n_headers < MAX_FORWARD_HEADERS ? strdup(value) : NULL;
+        if (copy) {
             d->headers[d->n_headers][0] = lower;
-            d->headers[d->n_headers][1] = strdup(value);
+            d->headers[d->n_headers][1] = copy;
             d->n_headers++;
             lower = NULL;
-        } else if (n < 0) {
-            cg_warn("dropin: the client's %s header could not be copied; not forwarded", lower);
+        } else if (n > 0 || (n < 0 && lws_hdr_custom_length(client, lower, (int)strlen(lower)) > 0)) {
+            cg_warn("dropin: the client's %s header was not forwarded (over %d headers, or out of memory)", lower,
+                    MAX_FORWARD_HEADERS);
         }
         free(lower);
     }

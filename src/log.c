@@ -54,7 +54,10 @@ static const struct { const char *pattern; const char *replacement; } masks[] = 
      "|(?<=[?&])(?:access_token|resume|token|api_key)=[^&\\s\"]+|\\bu_[0-9a-f]{16}\\.[\\w-]{20,}",
      "[token]"},
     {"(?<![\\w.+-])[\\w.+-]+@[\\w-]+(?:\\.[\\w-]+)+", "[email]"},
-    {"(?<![\\w.:/+-])(?:\\+\\d(?:[ ()-]{0,2}\\d){6,14}|0\\d(?:[ ()-]{0,2}\\d){7,12}"
+    /* "+" and a country code is a phone number after anything but a digit or another "+"
+     * (phone:+254..., id_+254...); the national forms need a word boundary of their own */
+    {"(?<![\\d+])\\+\\d(?:[ ()-]{0,2}\\d){6,14}" PHONE_END
+     "|(?<![\\w.:/+-])(?:0\\d(?:[ ()-]{0,2}\\d){7,12}"
      "|\\(\\d{2,5}\\)[ -]?\\d(?:[ -]?\\d){5,9}|\\d{3}-\\d{3}-\\d{4})" PHONE_END,
      "[phone]"},
 };

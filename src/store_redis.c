@@ -744,14 +744,19 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
         if (reply->integer == 1)
             rs->base.stats.flushed++;
     } else if (entry && reply->integer == 1 && rs->state == R_CONNECTED) {
-        flush_one(rs, r->key, entry); /* changed meanwhile: its newer version, now */
+        /* changed meanwhile: its newer version, now; Redis holds this dialog's copy now, so
+         * the newer one is an update, not a create-only (that would be refused) */
+        json_object_set_new(entry, "n", json_false());
+        json_object_del(rs->unknown, r->key);
+        flush_one(rs, r->key, entry);
     }
+    if (reply->integer == 1)
+        json_object_del(rs->unknown, r->key); /* written: Redis's copy is ours, known */
     if (reply->integer != 1) {
         save_refused(rs, r, reply->integer);
         if (entry && json_object_get(rs->dirty, r->key) == entry)
             dirty_del(rs, r->key); /* a newer outage write of the same copy: refused too */
     } else if (!r->version) {
-        json_object_del(rs->unknown, r->key);
         int64_t now = rs->base.now(rs->base.clock_ctx);
         cg_dialog d;
         cg_dialog_from_json(&d, r->snapshot, now);
@@ -904,9 +909,12 @@ static int flush_one(redis_store *rs, const char *key, json_t *entry)
     cg_dialog_free(&d);
     r->version = (long)json_integer_value(json_object_get(entry, "v"));
     r->base_unknown = json_is_true(json_object_get(entry, "n"));
-    if (r->snapshot)
+    if (r->snapshot) {
         send_save(rs, r);
-    else
+        /* Redis runs this write-back before any save sent after it on the connection: those
+         * are updates of this copy (created_at still guards them), not create-only */
+        json_object_del(rs->unknown, key);
+    } else
         req_finish(r); /* out of memory: still dirty, tried again at the next reconnect */
     return 0;
 }

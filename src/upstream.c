@@ -111,10 +111,21 @@ static void resolve_done(uv_getaddrinfo_t *req, int status, struct addrinfo *res
     cg_resolve *r = req->data;
     char err[160];
     const char *address = NULL;
-    if (status == 0 && res) {
-        const void *a = res->ai_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)res->ai_addr)->sin6_addr
-                                                   : (const void *)&((struct sockaddr_in *)res->ai_addr)->sin_addr;
-        if (inet_ntop(res->ai_family, a, r->address, sizeof(r->address)))
+    /* IPv4 first, as hiredis and most clients do: "localhost" often lists ::1 first, and a
+     * server bound to 127.0.0.1 only would refuse every connect (one address is tried) */
+    const struct addrinfo *pick = NULL;
+    for (const struct addrinfo *ai = status == 0 ? res : NULL; ai; ai = ai->ai_next) {
+        if (ai->ai_family == AF_INET) {
+            pick = ai;
+            break;
+        }
+        if (!pick && ai->ai_family == AF_INET6)
+            pick = ai;
+    }
+    if (pick) {
+        const void *a = pick->ai_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)pick->ai_addr)->sin6_addr
+                                                    : (const void *)&((struct sockaddr_in *)pick->ai_addr)->sin_addr;
+        if (inet_ntop(pick->ai_family, a, r->address, sizeof(r->address)))
             address = r->address;
     }
     if (!address)

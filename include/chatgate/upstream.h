@@ -111,8 +111,9 @@ void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream
 /*
  * Shared by the network kinds: resolves cfg's host off the loop (uv_getaddrinfo on libuv's
  * thread pool; numeric addresses skip it) and calls done(data, address, err) on the loop
- * with a numeric address, or address NULL and a message in err. The returned handle lets
- * the caller give up: cg_resolve_abandon() makes done never be called.
+ * with a numeric address (an IPv4 one when the name has both), or address NULL and a
+ * message in err. The returned handle lets the caller give up: cg_resolve_abandon() makes
+ * done never be called.
  */
 typedef struct cg_resolve cg_resolve;
 typedef void (*cg_resolve_fn)(void *data, const char *address, const char *err);

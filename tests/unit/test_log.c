@@ -50,6 +50,8 @@ static void test_phone_forms(void)
     check_mask("us 555-123-4567", "us [phone]");
     check_mask("uk +44 (0)20 7946 0958", "uk [phone]");
     check_mask("\"+254712345678\"", "\"[phone]\"");
+    check_mask("phone:+254712345678 tel+254712345678 id_+254712345678",
+               "phone:[phone] tel[phone] id_[phone]");
     /* not phones: times, dates, ports, addresses, counts, versions, durations */
     check_mask("at 10:30:00 on 2026-02-05, port 127.0.0.1:6379", "at 10:30:00 on 2026-02-05, port 127.0.0.1:6379");
     check_mask("ts 1770112800 took 0.25 s, 12345678 bytes", "ts 1770112800 took 0.25 s, 12345678 bytes");
