@@ -98,6 +98,7 @@ struct cg_dropin {
     cg_dialog_lock_waiter lock; /* the dialog's lock: waited for by chats (the head), held from
                                  * its load to the end of its turn (admission.h) */
     cg_store_req *load; /* the dialog of chats (the head) is loading */
+    uv_timer_t turn_timer; /* a turn whose app says nothing for turn_timeout_ms ends there */
     cg_rate rate;       /* rate_limit, as for chatgate.v1 clients */
     int refusing;       /* chat messages over a limit are being refused (logged once) */
     turn t;
@@ -150,7 +151,7 @@ static int check_marker(json_t *obj, const char *key, int required, const char *
 int cg_dropin_config_check(json_t *d, const char *file, char *err, size_t errlen)
 {
     static const char *const known[] = {"path", "app", "subprotocols", "forward_headers", "user_cookie", "client",
-                                        "app_frames", "object_key", "state_key", NULL};
+                                        "app_frames", "object_key", "state_key", "turn_timeout_ms", NULL};
     if (!json_is_object(d)) {
         snprintf(err, errlen, "%s: dropin: must be an object", file);
         return -1;
@@ -191,6 +192,11 @@ int cg_dropin_config_check(json_t *d, const char *file, char *err, size_t errlen
                      MAX_FORWARD_HEADERS);
             return -1;
         }
+    }
+    json_t *tt = json_object_get(d, "turn_timeout_ms");
+    if (tt && (!json_is_integer(tt) || json_integer_value(tt) < 100 || json_integer_value(tt) > 3600000)) {
+        snprintf(err, errlen, "%s: dropin.turn_timeout_ms: must be an integer from 100 to 3600000", file);
+        return -1;
     }
     json_t *client = json_object_get(d, "client");
     if (!json_is_object(client)) {
@@ -331,6 +337,7 @@ void cg_dropin_client_refuse(cg_dropin *d, int code, const char *reason)
 /* ---- lifetime -------------------------------------------------------------------------- */
 
 static void turn_end(cg_dropin *d, int cancelled);
+static void on_turn_timer_closed(uv_handle_t *h);
 
 static void pending_free(pending_chat *c)
 {
@@ -370,6 +377,7 @@ void cg_dropin_close(cg_dropin *d)
     if (d->t.active)
         turn_end(d, 1); /* the client went away mid-reply: saved as cancelled (the lock goes too) */
     cg_dialog_lock_release(d->gw->dialog_locks, &d->lock); /* held for a load, or waited for */
+    uv_close((uv_handle_t *)&d->turn_timer, on_turn_timer_closed); /* its reference goes there */
     if (d->resolve) {
         cg_resolve_abandon(d->resolve);
         d->resolve = NULL;
@@ -389,6 +397,7 @@ static void turn_end(cg_dropin *d, int cancelled)
     turn *t = &d->t;
     if (!t->active)
         return;
+    uv_timer_stop(&d->turn_timer);
     cg_gateway *gw = d->gw;
     const cg_lifetimes *lt = &gw->cfg->lifetimes;
     int64_t now = gw->store->now(gw->store->clock_ctx);
@@ -415,6 +424,38 @@ static void turn_end(cg_dropin *d, int cancelled)
     memset(t, 0, sizeof(*t));
     /* last: the lock may pass to another connection's turn of this dialog at once */
     cg_dialog_lock_release(gw->dialog_locks, &d->lock);
+}
+
+/*
+ * A turn holds its dialog's lock until the app's end or cancelled marker. An app that never
+ * sends one (a mapping without app_frames.end, an app that stalls mid-reply) must not hold
+ * the dialog for ever: the turn ends, saved as it stands, after turn_timeout_ms (default
+ * 60 s) with no frame of it from the app, and another connection's turn may go.
+ */
+static void on_turn_timeout(uv_timer_t *timer);
+static void process_next_chat(cg_dropin *d);
+
+static void turn_timer_arm(cg_dropin *d)
+{
+    json_t *v = json_object_get(d->cfg, "turn_timeout_ms");
+    uint64_t ms = json_is_integer(v) ? (uint64_t)json_integer_value(v) : 60000;
+    uv_timer_start(&d->turn_timer, on_turn_timeout, ms, 0);
+}
+
+static void on_turn_timeout(uv_timer_t *timer)
+{
+    cg_dropin *d = timer->data;
+    if (!d->t.active)
+        return;
+    cg_info("dropin: the app sent nothing of the reply in flight for turn_timeout_ms: the turn ends, its "
+            "dialog is free");
+    turn_end(d, 0);
+    process_next_chat(d);
+}
+
+static void on_turn_timer_closed(uv_handle_t *h)
+{
+    dropin_unref(h->data);
 }
 
 /* Writes the ready frames at the head of to_app, in order. */
@@ -530,6 +571,7 @@ static void on_chat_loaded(void *ctx, cg_dialog *dialog, const cg_store_status *
     t->enriched = res.enriched ? strdup(res.enriched) : NULL;
     t->dialog = *dialog;
     t->arrived = c->arrived;
+    turn_timer_arm(d);
     cg_pipeline_result_free(&res);
     pending_free(c);
     flush_to_app(d);
@@ -697,6 +739,8 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
                                       &d->gw->cfg->lifetimes, err, sizeof(err)) < 0)
             cg_warn("dropin: state from the app refused: %s", err);
     }
+    if (ours)
+        turn_timer_arm(d); /* the app is still answering */
     if (ours && a.text)
         turn_keep_reply(t, a.text, a.text_len);
     if (rc < 0) /* never relay the directive: the client must not see it */
@@ -977,7 +1021,7 @@ cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)
     d->gw = gw;
     d->cfg = gw->cfg->dropin;
     d->client = client;
-    d->refs = 2; /* the client's and the app connection's */
+    d->refs = 3; /* the client's, the app connection's and the turn timer's */
     d->lock.granted = on_lock_granted;
     d->lock.owner = d;
     cg_rate_init(&d->rate, gw->cfg->rate_burst, uv_now(gw->loop));
@@ -1001,6 +1045,8 @@ cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)
         free(d);
         return NULL;
     }
+    uv_timer_init(gw->loop, &d->turn_timer); /* closed by cg_dropin_close */
+    d->turn_timer.data = d;
     cg_info("dropin: a client connected; opening the app connection");
     return d;
 }

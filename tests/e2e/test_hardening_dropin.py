@@ -308,6 +308,33 @@ async def part_big_cookie():
             gw.assert_alive()
 
 
+async def part_silent_app():
+    """A mapping without an end marker (or an app that never ends a reply) must not hold the
+    dialog's lock for ever: the turn ends after dropin.turn_timeout_ms of silence."""
+    async with ChatApp(chunk_interval=0.01) as app:
+        cfg = config(app.url)
+        cfg["dropin"]["app_frames"] = {"text": "/body", "id": "/reply_to"}  # no end, no cancelled
+        cfg["dropin"]["turn_timeout_ms"] = 500
+        async with Gateway(config=cfg, env=ENV, name="gateway:silent-app") as gw:
+            sid = await login(app)
+            url = gw.ws_url("/socket")
+            a = await connect(url, sid)
+            b = await connect(url, sid)
+            await app.next_session(1)
+            sa, sb = app.sessions[0], app.sessions[1]
+            with step("tab A's turn never sees an end marker; tab B's say in the same room still reaches "
+                      "the app once A's reply has been quiet for turn_timeout_ms (500)"):
+                await a.say(FLIGHT1, "s1", "trip")
+                await wait_say(sa, "s1")
+                await reply(a, "s1")  # the app's end frame is relayed, but the mapping does not know it
+                await b.say(FLIGHT2, "s2", "trip")
+                cg_b = chatgate_of(await wait_say(sb, "s2", 5), "s2")
+                check(cg_b["params"] == WANT2, f"B's say should carry A's turn too: {short(cg_b['params'])}")
+            await a.close()
+            await b.close()
+            gw.assert_alive()
+
+
 async def main(args):
     await independent(part_long_id())
     await independent(part_two_tabs())
@@ -316,6 +343,7 @@ async def main(args):
     await independent(part_refused())
     await independent(part_close_frames())
     await independent(part_big_cookie())
+    await independent(part_silent_app())
 
 
 if __name__ == "__main__":
