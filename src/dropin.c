@@ -912,27 +912,47 @@ static void on_app_resolved(void *data, const char *address, const char *err)
     }
 }
 
-/* "a=1&b=two words" from lws's url-decoded fragments, encoded again for the app. */
-static void append_query(struct lws *client, char *out, size_t outlen)
+/*
+ * The app's path: its base path, the client's path and the client's query ("a=1&b=two
+ * words", from lws's url-decoded fragments, encoded again), all at their real length (a
+ * query is as long as the header space allows). NULL when out of memory.
+ */
+static char *app_path(cg_gateway *gw, struct lws *client)
 {
-    char frag[1024];
-    size_t n = strlen(out);
-    for (int idx = 0; lws_hdr_copy_fragment(client, frag, sizeof(frag), WSI_TOKEN_HTTP_URI_ARGS, idx) > 0; idx++) {
-        if (n + 2 >= outlen)
+    char *out = NULL, *scratch = NULL;
+    size_t outlen = 0;
+    FILE *f = open_memstream(&out, &outlen);
+    if (!f)
+        return NULL;
+    int ulen = lws_hdr_total_length(client, WSI_TOKEN_GET_URI);
+    scratch = malloc((size_t)(ulen > 0 ? ulen : 0) + 1);
+    const char *base = gw->dropin_app.path && strcmp(gw->dropin_app.path, "/") ? gw->dropin_app.path : "";
+    if (scratch && lws_hdr_copy(client, scratch, ulen + 1, WSI_TOKEN_GET_URI) >= 0)
+        fprintf(f, "%s%s", base, scratch);
+    for (int idx = 0;; idx++) {
+        int flen = lws_hdr_fragment_length(client, WSI_TOKEN_HTTP_URI_ARGS, idx);
+        char *grown = flen > 0 ? realloc(scratch, (size_t)flen + 1) : NULL;
+        if (!grown)
             break;
-        out[n++] = idx ? '&' : '?';
-        for (const unsigned char *c = (unsigned char *)frag; *c && n + 4 < outlen; c++) {
+        scratch = grown;
+        if (lws_hdr_copy_fragment(client, scratch, flen + 1, WSI_TOKEN_HTTP_URI_ARGS, idx) <= 0)
+            break;
+        fputc(idx ? '&' : '?', f);
+        for (const unsigned char *c = (unsigned char *)scratch; *c; c++) {
             int keep = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
                        strchr("-_.~=", *c);
-            if (keep) {
-                out[n++] = (char)*c;
-            } else {
-                snprintf(out + n, outlen - n, "%%%02X", *c);
-                n += 3;
-            }
+            if (keep)
+                fputc(*c, f);
+            else
+                fprintf(f, "%%%02X", *c);
         }
-        out[n] = 0;
     }
+    free(scratch);
+    if (fclose(f) != 0) {
+        free(out);
+        return NULL;
+    }
+    return out;
 }
 
 /* Copies the configured headers of the handshake, to send them on to the app. Values are
@@ -1026,12 +1046,11 @@ cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)
     d->lock.owner = d;
     cg_rate_init(&d->rate, gw->cfg->rate_burst, uv_now(gw->loop));
     snprintf(d->user, sizeof(d->user), "%s", user);
-    char path[4096], uri[2048];
-    lws_hdr_copy(client, uri, sizeof(uri), WSI_TOKEN_GET_URI);
-    snprintf(path, sizeof(path), "%s%s", gw->dropin_app.path && strcmp(gw->dropin_app.path, "/") ? gw->dropin_app.path : "",
-             uri);
-    append_query(client, path, sizeof(path));
-    d->path = strdup(path);
+    d->path = app_path(gw, client);
+    if (!d->path) {
+        free(d);
+        return NULL;
+    }
     const struct lws_protocols *proto = lws_get_protocol(client);
     if (proto && strcmp(proto->name, CG_PROTOCOL_NAME) != 0)
         d->subprotocol = strdup(proto->name);

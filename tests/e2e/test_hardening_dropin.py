@@ -305,6 +305,15 @@ async def part_big_cookie():
                 check(got == cookie, f"the app got a Cookie of {len(got)} bytes, expected {len(cookie)}")
                 check(sess.sid == sid, f"the app found sid {sess.sid!r}, expected {sid!r}")
                 await client.close()
+            with step("a query argument of 2,000 bytes (over the 1 KiB the gateway once copied) reaches the app whole"):
+                query = "q=" + "x" * 2000 + "&session=demo"
+                client = await connect(gw.ws_url("/socket") + "?" + query, sid)
+                await client.say("hi", "bq1")
+                await reply(client, "bq1")
+                sess = app.sessions[-1]
+                check(sess.path == "/socket?" + query,
+                      f"the app's path is {len(sess.path)} bytes: {sess.path[:40]!r}...{sess.path[-30:]!r}")
+                await client.close()
             gw.assert_alive()
 
 
