@@ -95,15 +95,20 @@ async def part_long_id():
 # -------------------------------------------------------------------------------------- 8
 
 
+async def two_tabs(app, gw):
+    """Two clients of one app session (the same sid cookie): (a, b, a's app side, b's)."""
+    sid = await login(app)
+    url = gw.ws_url("/socket")
+    a = await connect(url, sid)
+    b = await connect(url, sid)
+    await app.next_session(1)
+    return a, b, app.sessions[0], app.sessions[1]
+
+
 async def part_two_tabs():
     async with ChatApp(chunk_interval=0.3) as app:
         async with gateway(app, "gateway:two-tabs") as gw:
-            sid = await login(app)
-            url = gw.ws_url("/socket")
-            a = await connect(url, sid)
-            b = await connect(url, sid)
-            await app.next_session(1)
-            sa, sb = app.sessions[0], app.sessions[1]
+            a, b, sa, sb = await two_tabs(app, gw)
             with step("tab A says the flight, tab B the return date while A's reply streams: "
                       "B waits for A's turn, so its params hold both"):
                 await a.say(FLIGHT1, "a1", "trip")
@@ -159,12 +164,7 @@ async def part_rate_limit():
 async def part_queue_bound():
     async with ChatApp(chunk_interval=0.3) as app:
         async with gateway(app, "gateway:queue", queue_limit=2) as gw:
-            sid = await login(app)
-            url = gw.ws_url("/socket")
-            a = await connect(url, sid)
-            b = await connect(url, sid)
-            await app.next_session(1)
-            sa, sb = app.sessions[0], app.sessions[1]
+            a, b, sa, sb = await two_tabs(app, gw)
             with step("while tab A's turn holds the dialog, tab B's says wait for it: queue_limit 2 of 5 "
                       "are kept, the others refused"):
                 await a.say("Tell me a story", "a1", "trip")
@@ -325,12 +325,7 @@ async def part_silent_app():
         cfg["dropin"]["app_frames"] = {"text": "/body", "id": "/reply_to"}  # no end, no cancelled
         cfg["dropin"]["turn_timeout_ms"] = 500
         async with Gateway(config=cfg, env=ENV, name="gateway:silent-app") as gw:
-            sid = await login(app)
-            url = gw.ws_url("/socket")
-            a = await connect(url, sid)
-            b = await connect(url, sid)
-            await app.next_session(1)
-            sa, sb = app.sessions[0], app.sessions[1]
+            a, b, sa, sb = await two_tabs(app, gw)
             with step("tab A's turn never sees an end marker; tab B's say in the same room still reaches "
                       "the app once A's reply has been quiet for turn_timeout_ms (500)"):
                 await a.say(FLIGHT1, "s1", "trip")
