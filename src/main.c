@@ -10,12 +10,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "chatgate/config.h"
-#include "chatgate/gateway.h"
-#include "chatgate/log.h"
-#include "chatgate/pipeline.h"
-#include "chatgate/rules.h"
-#include "chatgate/store.h"
+#include "chatgate/config/config.h"
+#include "chatgate/server/gateway.h"
+#include "chatgate/core/log.h"
+#include "chatgate/dialog/pipeline.h"
+#include "chatgate/dialog/rules.h"
+#include "chatgate/store/store.h"
 
 /* The clock of `rules check` and of `rules explain` without CHATGATE_NOW: rule tests that
  * name dates ("Feb 20", "next week") mean the same thing every day. */

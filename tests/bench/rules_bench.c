@@ -15,9 +15,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "chatgate/log.h"
-#include "chatgate/pipeline.h"
-#include "chatgate/rules.h"
+#include "chatgate/core/log.h"
+#include "chatgate/dialog/pipeline.h"
+#include "chatgate/dialog/rules.h"
 
 #define NOW 1770112800
 

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chatgate/config.h"
-#include "chatgate/log.h"
+#include "chatgate/config/config.h"
+#include "chatgate/core/log.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -13,9 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chatgate/dropin_map.h"
-#include "chatgate/protocol.h"
-#include "chatgate/session.h"
+#include "chatgate/proto/dropin_map.h"
+#include "chatgate/proto/protocol.h"
+#include "chatgate/server/session.h"
 
 #define CHECK(c)                                                                                                   \
     do {                                                                                                           \

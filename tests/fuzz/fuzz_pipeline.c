@@ -7,10 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chatgate/log.h"
-#include "chatgate/pipeline.h"
-#include "chatgate/protocol.h"
-#include "chatgate/rules.h"
+#include "chatgate/core/log.h"
+#include "chatgate/dialog/pipeline.h"
+#include "chatgate/proto/protocol.h"
+#include "chatgate/dialog/rules.h"
 
 #define NOW 1770112800
 

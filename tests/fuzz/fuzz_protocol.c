@@ -9,7 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chatgate/protocol.h"
+#include "chatgate/core/utf8.h"
+#include "chatgate/proto/protocol.h"
 
 /* The builders fall back to this frame when encoding failed; it must never be needed. */
 static void check_built(char *frame)

@@ -7,8 +7,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "chatgate/log.h"
-#include "chatgate/rules.h"
+#include "chatgate/core/log.h"
+#include "chatgate/dialog/rules.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

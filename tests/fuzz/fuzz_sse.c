@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chatgate/sse.h"
+#include "chatgate/core/sse.h"
 
 #define MAX_EVENT 512
 

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "chatgate/config.h"
+#include "chatgate/config/config.h"
 #include "unit.h"
 
 static char err[1024];

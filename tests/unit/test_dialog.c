@@ -6,10 +6,10 @@
  */
 #include <stdlib.h>
 
-#include "chatgate/dialog.h"
-#include "chatgate/error.h"
-#include "chatgate/pipeline.h"
-#include "chatgate/rules.h"
+#include "chatgate/dialog/dialog.h"
+#include "chatgate/core/error.h"
+#include "chatgate/dialog/pipeline.h"
+#include "chatgate/dialog/rules.h"
 #include "unit.h"
 
 static cg_lifetimes lt;

@@ -7,7 +7,7 @@
 #include <openssl/hmac.h>
 #include <stdlib.h>
 
-#include "chatgate/identity.h"
+#include "chatgate/proto/identity.h"
 #include "unit.h"
 
 static const unsigned char secret[] = "test-secret";

@@ -1,7 +1,7 @@
 /*
  * test_jsonptr.c: RFC 6901 JSON Pointers, with the examples of the RFC's section 5.
  */
-#include "chatgate/jsonptr.h"
+#include "chatgate/core/jsonptr.h"
 #include "unit.h"
 
 int main(void)

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "chatgate/log.h"
+#include "chatgate/core/log.h"
 #include "unit.h"
 
 static void check_mask(const char *in, const char *want)

@@ -5,8 +5,9 @@
 #include <jansson.h>
 #include <stdlib.h>
 
-#include "chatgate/error.h"
-#include "chatgate/protocol.h"
+#include "chatgate/core/utf8.h"
+#include "chatgate/core/error.h"
+#include "chatgate/proto/protocol.h"
 #include "unit.h"
 
 static int parse(const char *s, cg_client_frame *f, char *err, size_t errlen)

@@ -8,9 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "chatgate/error.h"
-#include "chatgate/pipeline.h"
-#include "chatgate/rules.h"
+#include "chatgate/core/error.h"
+#include "chatgate/dialog/pipeline.h"
+#include "chatgate/dialog/rules.h"
 #include "unit.h"
 
 #define NOW 1770112800 /* 2026-02-03T10:00:00Z, a Tuesday */

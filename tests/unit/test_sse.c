@@ -4,7 +4,7 @@
  */
 #include <stdlib.h>
 
-#include "chatgate/sse.h"
+#include "chatgate/core/sse.h"
 #include "unit.h"
 
 /* A stream as llama.cpp / OpenAI send it, with CRLF, a comment, an event name, a

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chatgate/store.h"
+#include "chatgate/store/store.h"
 #include "unit.h"
 
 static void put_dialog(cg_memstore *m, const char *key, int64_t now, const char *from)

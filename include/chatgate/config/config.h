@@ -1,0 +1,129 @@
+/*
+ * config.h: the process's settings, from defaults, the environment, a JSON file and flags.
+ *
+ * Precedence: built-in defaults < environment (REDIS_URL) < --config FILE < flags.
+ * Every mistake is reported as DESIGN.md section 8 says: "file:line:col: message" for JSON
+ * syntax, "file: key: message" for a wrong value, "--flag: message" for a flag; the caller
+ * exits with status 2. Secrets never live here: they are read from the environment when used.
+ */
+#ifndef CHATGATE_CONFIG_H
+#define CHATGATE_CONFIG_H
+
+#include <jansson.h>
+#include <stddef.h>
+
+#define CG_MAX_UPSTREAMS 32
+#define CG_MAX_CONFIG_FILE (16 << 20) /* bytes of a --config file */
+#define CG_MAX_REDIS_PREFIX 128       /* bytes of redis.prefix */
+#define CG_MEMSTORE_DEFAULT_MAX_BYTES ((size_t)256 << 20) /* max_store_bytes */
+
+/* How long each part of a dialog lives (lifetimes.* in the config file). */
+typedef struct cg_lifetimes {
+    long params_s;   /* 6 h */
+    long dialog_s;   /* 6 h, touched on activity */
+    long awaiting_s; /* 2 min, unless the directive says ttl */
+    long soft_s;     /* 5 min */
+    long history_s;  /* 30 min, renewed on activity */
+    long history_n;  /* 10 messages */
+    long params_cap; /* 10,000 bytes of params per dialog */
+} cg_lifetimes;
+
+void cg_lifetimes_default(cg_lifetimes *lt);
+
+typedef enum cg_upstream_kind {
+    CG_UPSTREAM_DEMO,
+    CG_UPSTREAM_OPENAI, /* http:// or https:// */
+    CG_UPSTREAM_WS,     /* ws:// or wss:// */
+} cg_upstream_kind;
+
+typedef struct cg_upstream_config {
+    char *name;
+    char *url;
+    cg_upstream_kind kind;
+    int tls;
+    char *host;          /* NULL for demo */
+    int port;
+    char *path;          /* base path, "" or "/v1"; for ws the request path with query */
+    char *model;         /* OpenAI: the "model" of each request */
+    char *api_key_env;   /* OpenAI: environment variable holding the bearer token */
+    char *system_prompt; /* OpenAI: the first system message */
+    int connect_timeout_ms;
+    int first_byte_timeout_ms;
+    int idle_timeout_ms;
+    int delay_ms; /* demo: pause between words */
+} cg_upstream_config;
+
+typedef struct cg_config {
+    char *listen;      /* "HOST:PORT" as given */
+    char *listen_host; /* parsed from listen */
+    int listen_port;
+    cg_upstream_config upstreams[CG_MAX_UPSTREAMS];
+    int n_upstreams;
+    char *default_upstream;
+    int default_index; /* index of default_upstream in upstreams */
+    char *store;
+    char *rules_dir;
+    char *web_dir;
+    char *auth;
+    char *log_level;
+    char *log_format;
+    char *timezone; /* IANA name ("Africa/Nairobi"); dates are this zone's */
+    long max_frame;
+    long max_connections;
+    long max_header_bytes; /* a request's header space; more gets 431 (gateway.c) */
+    long queue_limit;
+    long rate_per_second;
+    long rate_burst;
+    long max_reply_bytes;
+    long send_buffer;
+    /* dialog state (DESIGN.md section 5) */
+    cg_lifetimes lifetimes; /* lifetimes.*, history_n, params_cap */
+    long max_dialogs;
+    long max_store_bytes; /* bytes of dialogs the memory store (and Redis's memory copy) holds */
+    char *redis_prefix;
+    long redis_command_timeout_ms;
+    long redis_connect_timeout_ms;
+    long redis_writeback_max_bytes;
+    json_t *services; /* {"travel": {"defaults": {...}}} */
+    /* identity (DESIGN.md section 4) */
+    char *user_header;
+    char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */
+    long jwt_allow_no_exp; /* jwt.allow_no_exp: accept JWTs without exp (never expiring) */
+    json_t *dropin;     /* the drop-in mapping (dropin.h), or NULL */
+    char *admin_listen; /* HOST:PORT of the admin API's own listener, or NULL */
+    char *admin_host;
+    int admin_port;
+    /* lifecycle */
+    long ping_interval_s;
+    long idle_timeout_s;
+    long shutdown_timeout_s;
+} cg_config;
+
+/* Result of cg_config_load besides 0: print nothing more and exit with this status. */
+#define CG_CONFIG_EXIT_OK 1    /* --help or --version was printed */
+#define CG_CONFIG_EXIT_USAGE 2 /* a mistake; err holds the message */
+
+/*
+ * Fills cfg from argv (argv[0] is the program) and the environment. On a mistake returns
+ * CG_CONFIG_EXIT_USAGE with the message in err. The strings in cfg are owned by cfg and
+ * released by cg_config_free().
+ */
+int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen);
+void cg_config_free(cg_config *cfg);
+
+/*
+ * The same from the text of a config file alone (no flags, no file to read): name stands
+ * for the file in messages. For tests and the fuzzer.
+ */
+int cg_config_load_text(cg_config *cfg, const char *name, const char *text, size_t len, char *err, size_t errlen);
+
+/* Parses an upstream URL ("demo", "http://h:p/v1", "wss://h/app") into u; 0 or -1 with err. */
+int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *err, size_t errlen);
+
+/* services.NAME.defaults (borrowed), or NULL: the params every dialog of that service starts from. */
+json_t *cg_config_service_defaults(const cg_config *cfg, const char *service);
+
+/* Prints the flags' help text to stdout. */
+void cg_config_usage(const char *prog);
+
+#endif

@@ -1,0 +1,52 @@
+/*
+ * metrics.h: the gateway's counters (cg_metrics, the registry every layer above counts into)
+ * and latency histograms in Prometheus' shape (cumulative buckets, sum, count). One worker
+ * thread, so plain counters. server/ops.c renders them as /metrics.
+ */
+#ifndef CHATGATE_METRICS_H
+#define CHATGATE_METRICS_H
+
+#include <stddef.h>
+
+#define CG_HISTOGRAM_BUCKETS 15
+
+typedef struct cg_histogram {
+    unsigned long counts[CG_HISTOGRAM_BUCKETS + 1]; /* the last one is +Inf */
+    double sum_s;
+    unsigned long count;
+} cg_histogram;
+
+/* Records one observation of `seconds`. */
+void cg_histogram_observe(cg_histogram *h, double seconds);
+
+/* Appends "name_bucket{stage=...,le=...}" lines, _sum and _count to buf; returns the bytes
+ * written (0 when buf is too small, so the caller can stop). */
+size_t cg_histogram_format(const cg_histogram *h, const char *name, const char *label, char *buf, size_t len);
+
+/* Counters of the whole gateway; one worker, so plain integers. */
+typedef struct cg_metrics {
+    unsigned long messages;     /* chat messages accepted into a queue */
+    unsigned long turns_done;   /* messages answered with done */
+    unsigned long turns_error;  /* ... with error */
+    unsigned long turns_cancelled;
+    unsigned long frames_in, frames_out;
+    unsigned long bad_frames;
+    unsigned long rate_limited;
+    unsigned long refused_connections;
+    unsigned long unauthorized;
+    unsigned long degraded_warnings; /* store_degraded sent to clients */
+    /* reference 001's */
+    unsigned long awaiting_resolutions;
+    unsigned long cancels;
+    unsigned long soft_context_hits;
+    unsigned long enrichments;
+    unsigned long rules_fired, rules_limited;
+    unsigned long routed[32]; /* per upstream, by index (at most CG_MAX_UPSTREAMS, 32) */
+    unsigned long reloads, reload_failures;
+    unsigned long cache_hits, cache_misses; /* dialog loads that found a dialog, or not */
+    unsigned long errors[16];               /* error frames by code, index -code - CG__ERR_FIRST - 1 */
+    unsigned long upstream_errors[32];      /* by upstream index */
+    cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
+} cg_metrics;
+
+#endif

@@ -1,0 +1,51 @@
+/*
+ * net.h: what every network client of the gateway shares (the Redis store, the upstreams,
+ * the drop-in app connections): resolving a host name off the event loop, and opening an
+ * lws client connection on the gateway's one lws context.
+ *
+ * cg_net is the narrow handle these clients get instead of the gateway: the loop, the lws
+ * context and the vhost their connections belong to. The gateway fills it at start.
+ */
+#ifndef CHATGATE_CORE_NET_H
+#define CHATGATE_CORE_NET_H
+
+#include <uv.h>
+#include <libwebsockets.h>
+
+typedef struct cg_net {
+    uv_loop_t *loop;
+    struct lws_context *lws;
+    struct lws_vhost *vhost;
+} cg_net;
+
+/*
+ * Resolves host off the loop (uv_getaddrinfo on libuv's thread pool; numeric addresses skip
+ * it) and calls done(data, address, err) on the loop with a numeric address (an IPv4 one
+ * when the name has both), or address NULL and a message in err; never from inside start.
+ * The returned handle lets the caller give up: cg_resolve_abandon() makes done never be
+ * called. NULL when the lookup could not be started.
+ */
+typedef struct cg_resolve cg_resolve;
+typedef void (*cg_resolve_fn)(void *data, const char *address, const char *err);
+cg_resolve *cg_resolve_start(uv_loop_t *loop, const char *host, cg_resolve_fn done, void *data);
+void cg_resolve_abandon(cg_resolve *r);
+
+/* Where and how one lws client connection goes (cg_net_connect); NULLs for the defaults. */
+typedef struct cg_connect_spec {
+    const char *host;           /* the name, for the Host header (and TLS) */
+    int port;
+    int tls;
+    const char *address;        /* numeric, resolved */
+    const char *path;
+    const char *method;         /* "POST", or NULL for a WebSocket */
+    const char *subprotocol;    /* Sec-WebSocket-Protocol to ask for */
+    const char *origin;         /* Origin header; the host when NULL */
+    const char *local_protocol; /* our lws protocol that handles the connection */
+} cg_connect_spec;
+
+/* Starts an lws client connection as spec says, with opaque as the wsi's opaque user data;
+ * lws stores the wsi in *pwsi before any callback. NULL on failure (a CLIENT_CONNECTION_ERROR
+ * callback may already have run). */
+struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void *opaque, struct lws **pwsi);
+
+#endif

@@ -1,0 +1,14 @@
+/*
+ * utf8.h: cutting text on a character boundary. Ids, log lines, replies and close reasons
+ * are cut to a bound in many places; a cut inside a UTF-8 sequence would make jansson refuse
+ * the text later, so every cut goes through here.
+ */
+#ifndef CHATGATE_CORE_UTF8_H
+#define CHATGATE_CORE_UTF8_H
+
+#include <stddef.h>
+
+/* The largest n <= len such that text[0..n) does not end inside a UTF-8 sequence. */
+size_t cg_utf8_boundary(const char *text, size_t len);
+
+#endif

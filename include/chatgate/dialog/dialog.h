@@ -1,0 +1,83 @@
+/*
+ * dialog.h: the state of one dialog (one user in one room), DESIGN.md section 5.
+ *
+ * Pure: JSON and numbers in, JSON and numbers out; the time is always passed in (unix
+ * seconds), so the merge rules, expiry and history are unit-tested with any clock. The
+ * stores (memory, Redis) keep what cg_dialog_to_json() gives and hand back what
+ * cg_dialog_from_json() reads.
+ *
+ * Params are kept per service ("travel" -> {"from": "Nairobi"}); what a message or a
+ * backend adds is merged over what was kept (new > cached), and the service's configured
+ * defaults lie under both when they are read (cg_dialog_params_merged), so a change of
+ * defaults in the config shows at once.
+ */
+#ifndef CHATGATE_DIALOG_H
+#define CHATGATE_DIALOG_H
+
+#include <jansson.h>
+#include <stdint.h>
+
+#include "chatgate/config/config.h" /* cg_lifetimes */
+
+typedef struct cg_dialog {
+    char *service;            /* the active service, or NULL */
+    json_t *params;           /* object: service -> object of name -> value */
+    json_t *awaiting;         /* NULL or {type, options, context, source} */
+    int64_t awaiting_expires; /* unix seconds */
+    json_t *soft;             /* NULL or an object */
+    int64_t soft_expires;
+    json_t *history;          /* array of {role, content, ts}, oldest first */
+    json_t *last_tool_result; /* NULL or any JSON */
+    int64_t created_at, last_activity;
+    long turn_count, message_count;
+} cg_dialog;
+
+/* A new, empty dialog created at now. */
+void cg_dialog_init(cg_dialog *d, int64_t now);
+void cg_dialog_free(cg_dialog *d);
+/* Drops awaiting and soft context whose time is up. */
+void cg_dialog_expire(cg_dialog *d, int64_t now);
+
+/*
+ * Merges params (an object of name -> value; a null value forgets the name) into service.
+ * Refuses the whole update with CG_E_TOO_LARGE, changing nothing, when the dialog's params
+ * would pass lt->params_cap bytes of JSON; err then says by how much.
+ */
+int cg_dialog_merge_params(cg_dialog *d, const char *service, json_t *params, const cg_lifetimes *lt,
+                           char *err, size_t errlen);
+/*
+ * The same for several services at once (by_service: service -> params), all or nothing:
+ * the cap applies to the result of every merge, and on any error d is left as it was.
+ */
+int cg_dialog_merge_all_params(cg_dialog *d, json_t *by_service, const cg_lifetimes *lt, char *err, size_t errlen);
+/* defaults < kept params of service, as a new object (never NULL). */
+json_t *cg_dialog_params_merged(const cg_dialog *d, const char *service, json_t *defaults);
+/* Forgets "service.name" keys, or names in the active service; returns how many went. */
+int cg_dialog_forget(cg_dialog *d, json_t *keys);
+
+/*
+ * Applies a backend's state directive (DESIGN.md section 5): service, params, awaiting
+ * (null clears; ttl in seconds optional), soft_context (null clears), last_tool_result.
+ * source names the upstream that sent it (awaiting remembers it). Returns 0, or
+ * CG_E_TOO_LARGE / CG_E_BAD_FRAME (CG_E_INTERNAL out of memory) with err; a refused
+ * directive changes nothing.
+ */
+int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, int64_t now,
+                              const cg_lifetimes *lt, char *err, size_t errlen);
+
+/* Appends one message to the history, keeping the last lt->history_n. extra may be NULL. */
+void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
+                            const cg_lifetimes *lt, json_t *extra);
+
+/* The state as the client's context frame shows it (DESIGN.md section 3). New reference. */
+json_t *cg_dialog_context(const cg_dialog *d);
+/* Everything, expiry times included, for a store. New reference; NULL out of memory. */
+json_t *cg_dialog_to_json(const cg_dialog *d);
+/* Reads what cg_dialog_to_json wrote; missing or wrong-typed parts are left empty. */
+void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now);
+
+/* A short text of the state, and of what this message resolved and carries, for an LLM's
+ * system message; malloc'd, "" when there is nothing. JSON arguments may be NULL. */
+char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resolution, json_t *annotations);
+
+#endif

@@ -1,0 +1,50 @@
+/*
+ * pipeline.h: what the gateway decides about one message before it goes upstream
+ * (DESIGN.md section 1, step 3), in this order:
+ *   1. cancel rules: clear awaiting; the message goes on with resolution cancel, or is
+ *      absorbed (answered here, not forwarded) by `cancel absorb`;
+ *   2. awaiting resolution (reference 001's priority 1): selection by number or by words
+ *      against the options' fields, confirmation by the confirm rules, metadata by the
+ *      metadata rules, input by any text; resolved messages go to the upstream that asked;
+ *   3. extraction: params rules (normalised), forget rules, metadata annotations;
+ *   4. merge into the dialog, within the params cap;
+ *   5. soft context (priority 2): forwarded while fresh, never changes the route;
+ *   6. enrichment (priority 3): follow-ups rewritten with the previous user message;
+ *   7. route: route rules, else the awaiting source, else the default upstream.
+ * Pure: the dialog is changed in place; the time is passed in. All or nothing: when the
+ * merge is refused (error), nothing of the dialog has changed, awaiting included.
+ */
+#ifndef CHATGATE_PIPELINE_H
+#define CHATGATE_PIPELINE_H
+
+#include <jansson.h>
+
+#include "chatgate/config/config.h"
+#include "chatgate/dialog/dialog.h"
+#include "chatgate/dialog/rules.h"
+
+typedef struct cg_pipeline_result {
+    int route;             /* index into the configured upstreams */
+    int cancel;            /* a cancel rule fired */
+    int absorb;            /* answer here (ack + empty done), do not forward */
+    json_t *resolution;    /* {"type": ...} or NULL */
+    char *enriched;        /* the rewritten message, or NULL */
+    json_t *annotations;   /* {"metadata": {...}} */
+    json_t *rules;         /* names of the rules that fired */
+    json_t *limited;       /* rules cut off by a match limit */
+    int soft_context_hit;  /* a fresh soft context goes along */
+    int error;             /* CG_E_TOO_LARGE: params over the cap; the dialog is as it was */
+    char error_message[256];
+} cg_pipeline_result;
+
+/* The previous user message in d's history (its enriched form when it was rewritten), or NULL. */
+const char *cg_pipeline_previous(const cg_dialog *d);
+
+void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, const char *text, int64_t now,
+                     const cg_lifetimes *lt, cg_pipeline_result *out);
+void cg_pipeline_result_free(cg_pipeline_result *r);
+
+/* Resolves text against awaiting selection options (array): the 1-based index or 0. */
+int cg_pipeline_select(json_t *options, const char *text);
+
+#endif

@@ -1,0 +1,74 @@
+/*
+ * rules.h: rule files (DESIGN.md section 7): PCRE2 patterns that say what a message
+ * cancels, confirms, selects, adds or asks again.
+ *
+ * A rule set is loaded from a directory's *.rules files in file-name order, compiled once
+ * (UTF, UCP, caseless unless `option case`, DUPNAMES; JIT) and shared read-only: sessions
+ * hold a reference, so a reload (SIGHUP) swaps the set while messages in flight finish with
+ * the one they started with. Matching is bounded: the subject is cut at CG_RULES_MAX_SCAN
+ * bytes, and a match limit and a sized JIT stack stop any pattern from stalling the loop;
+ * a rule cut off by a limit counts as no match and is reported in `limited`.
+ *
+ * Pure: no I/O after loading, no clock (the time is passed in).
+ */
+#ifndef CHATGATE_RULES_H
+#define CHATGATE_RULES_H
+
+#include <jansson.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "chatgate/dialog/dialog.h"
+
+#define CG_RULES_MAX_SCAN 4096   /* bytes of a message the patterns see */
+#define CG_RULES_MATCH_LIMIT 100000
+
+typedef struct cg_ruleset cg_ruleset;
+
+/* Loads every *.rules file of dir. 0, or -1 with "file:line: message" in err. */
+int cg_rules_load(const char *dir, cg_ruleset **out, char *err, size_t errlen);
+/* The same from one file's text held in memory (name is used in messages); for fuzzing. */
+int cg_rules_load_text(const char *name, const char *text, size_t len, cg_ruleset **out, char *err, size_t errlen);
+cg_ruleset *cg_ruleset_ref(cg_ruleset *rs);
+void cg_ruleset_unref(cg_ruleset *rs);
+size_t cg_ruleset_count(const cg_ruleset *rs);
+
+/* What the rules say about one message. */
+typedef struct cg_rules_result {
+    int cancel;          /* 0; 1 cancel (forwarded with resolution cancel); 2 cancel absorb */
+    int confirm;         /* -1 none, 0 no, 1 yes */
+    json_t *metadata;    /* {"must_try": "shroom burger"} */
+    char service[65];    /* the service of the last params rule that fired, or "" */
+    json_t *params;      /* {"travel": {"from": "Nairobi"}}, normalised */
+    json_t *forget;      /* ["travel.from", "from"] */
+    char *enriched;      /* the rewritten message, or NULL */
+    char route[65];      /* a route rule's upstream, or "" */
+    json_t *fired;       /* names of the rules that fired, in order */
+    json_t *limited;     /* names of rules cut off by a match limit */
+} cg_rules_result;
+
+/*
+ * Evaluates every rule on text. d gives the `when` conditions (may be NULL: none hold but
+ * those that need nothing); previous is the previous user message for {previous} (may be
+ * NULL: enrich rules then do not fire); now is unix seconds for the date normaliser.
+ */
+void cg_rules_eval(const cg_ruleset *rs, const char *text, const cg_dialog *d, const char *previous, int64_t now,
+                   cg_rules_result *out);
+void cg_rules_result_free(cg_rules_result *r);
+
+/* Does a cancel rule without conditions match text? The check a message gets on arrival,
+ * before its dialog is loaded (DESIGN.md section 1): only those rules run, nothing else. */
+int cg_rules_cancels(const cg_ruleset *rs, const char *text);
+
+/* Runs the expect/reject lines of every rule at the clock `now`; prints each failure as
+ * "file:line: ..." to out and returns how many failed. */
+int cg_rules_check(const cg_ruleset *rs, int64_t now, FILE *out, int *n_tests);
+
+/* Normalisers (DESIGN.md section 5), in the process's time zone (TZ: main sets it from
+ * --timezone, UTC by default). 0, or -1 when in is not one. */
+int cg_normalise_date(const char *in, int64_t now, char out[11]);
+int cg_normalise_int(const char *in, long *out);
+/* "5000 shillings" -> 5000, "KES"; "3k" -> 3000, ""; currency is "" when none is said */
+int cg_normalise_amount(const char *in, double *amount, char currency[4]);
+
+#endif

@@ -1,0 +1,66 @@
+/*
+ * protocol.h: the chatgate.v1 frames (DESIGN.md section 3), parsed and built.
+ *
+ * Parsing turns one client text frame into a cg_client_frame or a bad_frame error whose
+ * message names the field that was wrong. Building gives the gateway's frames as compact
+ * JSON strings the caller frees. Pure: no I/O, no clock.
+ */
+#ifndef CHATGATE_PROTOCOL_H
+#define CHATGATE_PROTOCOL_H
+
+#include <jansson.h>
+#include <stddef.h>
+
+#define CG_PROTOCOL_NAME "chatgate.v1"
+#define CG_MAX_ID 128    /* bytes of a client message id */
+#define CG_MAX_ROOM 256  /* bytes of a room id (DESIGN.md section 4) */
+
+typedef enum cg_frame_type {
+    CG_FRAME_MESSAGE,
+    CG_FRAME_CANCEL,
+    CG_FRAME_CONTEXT_GET,
+    CG_FRAME_CONTEXT_FORGET,
+    CG_FRAME_CONTEXT_CLEAR,
+} cg_frame_type;
+
+typedef struct cg_client_frame {
+    cg_frame_type type;
+    char id[CG_MAX_ID + 1]; /* "" when the frame had none */
+    char room[CG_MAX_ROOM + 1];
+    char *text;             /* message: owned, freed by cg_client_frame_clear() */
+    json_t *keys;           /* context.forget: array of strings, owned */
+} cg_client_frame;
+
+/*
+ * Parses one text frame. Returns 0, or CG_E_BAD_FRAME with a message in err naming what
+ * was wrong; out->id is filled whenever the frame carried a usable id, so that the error
+ * can be about that message.
+ */
+int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *err, size_t errlen);
+void cg_client_frame_clear(cg_client_frame *f);
+
+/* Builders: each returns a malloc'd compact JSON string (never NULL; aborts on no memory). */
+char *cg_protocol_hello(const char *user, const char *session, const char *resume);
+/* What an ack says about a message (DESIGN.md section 3); JSON parts borrowed, NULL gives null/{}/[]. */
+typedef struct cg_ack {
+    const char *id, *room, *route, *service, *enriched;
+    json_t *params, *resolution, *rules;
+} cg_ack;
+char *cg_protocol_ack(const cg_ack *a);
+/* state is borrowed. */
+char *cg_protocol_context(const char *room, json_t *state);
+char *cg_protocol_warning(const char *id, const char *code, const char *message);
+char *cg_protocol_delta(const char *id, const char *text, size_t len);
+/* usage is borrowed and may be NULL; truncated says the text holds only the reply's start. */
+char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated);
+char *cg_protocol_cancelled(const char *id);
+/* id NULL or "" gives "id":null. */
+char *cg_protocol_error(const char *id, const char *code, const char *message);
+/* The same with detail's members added (borrowed, NULL for none; never replacing type, id,
+ * code or message): an upstream's "status", "upstream_type", "upstream_code". */
+char *cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail);
+
+/* Serialises obj compactly and decrefs it; aborts on no memory. */
+char *cg_protocol_dump(json_t *obj);
+
+#endif

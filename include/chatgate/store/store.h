@@ -1,0 +1,134 @@
+/*
+ * store.h: where dialogs live between messages, behind one table of operations.
+ *
+ * Two stores: in memory (one process, TTLs and bounds on dialogs and bytes held, least
+ * recently used going first) and Redis (any number of gateways; DESIGN.md section 5's key layout,
+ * one pipelined read and one pipelined write per message, through the hiredis async API
+ * on the gateway's loop). When Redis fails the Redis store answers from an in-memory store
+ * of its own, says so (status.degraded, status.warn once per dialog), and writes what it
+ * held back to Redis when it returns.
+ *
+ * Calls never call back from inside themselves: the answer comes later from the loop.
+ * A caller that goes away before the answer abandons its request; the callback is then
+ * never called.
+ */
+#ifndef CHATGATE_STORE_H
+#define CHATGATE_STORE_H
+
+#include <uv.h>
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chatgate/dialog/dialog.h"
+
+typedef struct cg_store cg_store;
+typedef struct cg_store_req cg_store_req;
+
+typedef struct cg_store_status {
+    int degraded; /* answered from memory: Redis is away */
+    int warn;     /* the first such answer for this dialog: tell the client */
+    int found;    /* load: the dialog existed (a cache hit, in reference 001's words) */
+} cg_store_status;
+
+/* d is the caller's to keep (cg_dialog_free) */
+typedef void (*cg_store_load_fn)(void *ctx, cg_dialog *d, const cg_store_status *status);
+typedef void (*cg_store_done_fn)(void *ctx, const cg_store_status *status);
+
+typedef struct cg_store_stats {
+    unsigned long loads, saves, deletes;
+    unsigned long errors;            /* commands that failed or timed out */
+    unsigned long degraded_answers;  /* loads and saves served from memory */
+    unsigned long reconnects;        /* successful connects after the first */
+    unsigned long flushed;           /* dialogs written back to Redis after an outage */
+    unsigned long evictions;         /* dialogs dropped by the memory store's count bound */
+    unsigned long evictions_bytes;   /* dialogs dropped by its byte bound */
+    size_t memory_bytes;             /* what the memory store holds now (its byte measure) */
+    /* Redis: the write-back after an outage */
+    long writeback_pending, writeback_pending_bytes; /* dialogs written to memory only, now */
+    unsigned long writeback_dropped_bound; /* dropped by the bound on those */
+    unsigned long writeback_dropped_gone;  /* no longer in memory at the write-back: not written */
+    unsigned long save_conflicts;          /* saves refused: Redis held another or a newer copy */
+    double degraded_seconds;         /* time spent with Redis away, up to the last recovery */
+    uint64_t degraded_since_ms;      /* uv_now() when the current outage began */
+    int degraded;                    /* Redis is away now */
+} cg_store_stats;
+
+typedef struct cg_store_ops {
+    const char *name;
+    /* Loads (user, room), a fresh dialog when there is none. NULL on failure to start. */
+    cg_store_req *(*load)(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx);
+    /* Saves a copy of d; cb may be NULL. */
+    cg_store_req *(*save)(cg_store *st, const char *user, const char *room, const cg_dialog *d,
+                          cg_store_done_fn cb, void *ctx);
+    /* Deletes (user, room); cb may be NULL. */
+    cg_store_req *(*remove)(cg_store *st, const char *user, const char *room, cg_store_done_fn cb, void *ctx);
+    /* Deletes every dialog of user (the right to be forgotten), through the user's room set,
+     * never a key scan; cb may be NULL. */
+    cg_store_req *(*remove_user)(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx);
+    /* The caller is gone: its callback will not be called. */
+    void (*abandon)(cg_store_req *req);
+    /* Stops timers and connections; frees the store once its handles have closed. */
+    void (*close)(cg_store *st);
+} cg_store_ops;
+
+typedef struct cg_store_config {
+    const char *url; /* "memory" or "redis://[:password@]host:port[/db]" */
+    const char *prefix; /* key prefix, "chatgate" */
+    cg_lifetimes lifetimes;
+    long max_dialogs;        /* memory store bound */
+    size_t max_bytes;        /* memory store byte bound; 0: CG_MEMSTORE_DEFAULT_MAX_BYTES */
+    long command_timeout_ms; /* Redis: a command unanswered this long fails the connection */
+    long connect_timeout_ms;
+    long writeback_max_bytes; /* Redis: bound on dialogs held for the write-back; 0 = 64 MiB */
+} cg_store_config;
+
+struct cg_store {
+    const cg_store_ops *ops;
+    uv_loop_t *loop;
+    cg_store_config cfg;
+    cg_store_stats stats;
+    int64_t (*now)(void *clock_ctx); /* unix seconds; injectable for tests */
+    void *clock_ctx;
+};
+
+/* Creates the store cfg->url names; NULL with err on a bad URL. */
+cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, size_t errlen);
+
+/*
+ * The dialog's key part "<user>:<room>", each id percent-encoded outside [A-Za-z0-9_.@|-]
+ * (DESIGN.md section 4), so no id can reach another dialog's keys or break a hash tag.
+ * Returns a malloc'd string.
+ */
+char *cg_store_dialog_key(const char *user, const char *room);
+/* Percent-encodes one id; malloc'd. */
+char *cg_store_escape(const char *id);
+
+/* ---- the in-memory store, also the Redis store's fallback ---------------------------- */
+
+typedef struct cg_memstore cg_memstore;
+/* The byte bound a new memory store starts with: 256 MiB. */
+cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_stats *stats);
+/* Bounds the store in bytes as well (its key and its dialog as compact JSON count for each
+ * entry); least recently used entries go first, the one just written never. */
+void cg_memstore_set_max_bytes(cg_memstore *m, size_t max_bytes);
+/* The bytes held now, by that measure. */
+size_t cg_memstore_bytes(cg_memstore *m);
+void cg_memstore_free(cg_memstore *m);
+/* Fills d from the entry for key (a fresh dialog when none or expired); 1 if it existed. */
+int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d);
+void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now);
+void cg_memstore_del(cg_memstore *m, const char *key);
+/* Deletes every dialog of user (keys "<escaped user>:..."); returns how many. */
+int cg_memstore_del_user(cg_memstore *m, const char *user);
+long cg_memstore_count(cg_memstore *m);
+/* The dialog keys held, oldest use first (a borrowed object: key -> entry). */
+json_t *cg_memstore_entries(cg_memstore *m);
+
+cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg);
+cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, size_t errlen);
+
+/* Wall-clock seconds, or CHATGATE_NOW's when set (tests and demos). */
+int64_t cg_store_default_now(void *unused);
+
+#endif

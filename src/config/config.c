@@ -1,0 +1,1020 @@
+/*
+ * config.c: settings as table rows, filled from defaults, the environment, a JSON file and
+ * the command line, in that order (later wins).
+ *
+ * Each setting is one row of `settings[]` (name, type, bounds, where it lives); the JSON
+ * loader and the flag parser both go through the same row, so a value is checked the same
+ * way wherever it comes from. Upstreams are the one structured setting: an object of
+ * name -> {url, model, ...} in the file, `--upstream NAME=URL` on the command line.
+ */
+#define _GNU_SOURCE /* asprintf */
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "chatgate/config/config.h"
+#include "chatgate/config/dropin_config.h"
+#include "chatgate/core/log.h"
+
+typedef enum { T_STR, T_INT, T_ENUM, T_BOOL } setting_type; /* T_BOOL: a long, 0 or 1 */
+
+typedef struct setting {
+    const char *name; /* key in the JSON file; the flag is "--" + name with '_' as '-' */
+    setting_type type;
+    size_t offset;
+    long min, max;             /* T_INT bounds */
+    const char *const *choices; /* T_ENUM values, NULL-terminated */
+    int flag;                  /* 1 when the setting is also a command-line flag */
+    const char *help;
+} setting;
+
+static const char *const auth_choices[] = {"none", "jwt", "header", NULL};
+static const char *const log_choices[] = {"error", "warn", "info", "debug", NULL};
+static const char *const log_formats[] = {"text", "json", NULL};
+
+#define OFF(f) offsetof(cg_config, f)
+static const setting settings[] = {
+    {"listen", T_STR, OFF(listen), 0, 0, NULL, 1, "HOST:PORT to listen on (default 127.0.0.1:8080)"},
+    {"default_upstream", T_STR, OFF(default_upstream), 0, 0, NULL, 1,
+     "NAME of the upstream messages go to (default: the first)"},
+    {"store", T_STR, OFF(store), 0, 0, NULL, 1,
+     "memory | redis://[:PASSWORD@]HOST:PORT[/DB] (default memory, or $REDIS_URL)"},
+    {"rules", T_STR, OFF(rules_dir), 0, 0, NULL, 1, "DIR of *.rules files (default: the shipped rules)"},
+    {"web", T_STR, OFF(web_dir), 0, 0, NULL, 1, "DIR served at / (default: the shipped demo page)"},
+    {"auth", T_ENUM, OFF(auth), 0, 0, auth_choices, 1, "none | jwt | header: who the user is (default none: a signed resume token)"},
+    {"log_level", T_ENUM, OFF(log_level), 0, 0, log_choices, 1, "error | warn | info | debug (default info)"},
+    {"timezone", T_STR, OFF(timezone), 0, 0, NULL, 1,
+     "ZONE for dates the rules read (\"tomorrow\", \"Feb 20\"), an IANA name such as Africa/Nairobi (default UTC)"},
+    {"log_format", T_ENUM, OFF(log_format), 0, 0, log_formats, 1, "text | json: one line or one JSON object per event"},
+    {"max_frame", T_INT, OFF(max_frame), 256, 16 << 20, NULL, 1, "BYTES, largest client frame (default 65536)"},
+    {"max_connections", T_INT, OFF(max_connections), 1, 1000000, NULL, 1,
+     "N WebSocket connections at once; more get 503 (default 1024)"},
+    {"max_header_bytes", T_INT, OFF(max_header_bytes), 1024, 65535, NULL, 0, NULL},
+    {"queue_limit", T_INT, OFF(queue_limit), 1, 1024, NULL, 0, NULL},
+    {"rate_limit.messages_per_second", T_INT, OFF(rate_per_second), 1, 1000000, NULL, 0, NULL},
+    {"rate_limit.burst", T_INT, OFF(rate_burst), 1, 1000000, NULL, 0, NULL},
+    {"max_reply_bytes", T_INT, OFF(max_reply_bytes), 1024, 64 << 20, NULL, 0, NULL},
+    {"send_buffer", T_INT, OFF(send_buffer), 4096, 16 << 20, NULL, 0, NULL},
+    {"user_header", T_STR, OFF(user_header), 0, 0, NULL, 1,
+     "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
+    {"allow_origin", T_STR, OFF(allow_origin), 0, 0, NULL, 1,
+     "ORIGIN a browser may connect from besides the gateway's own host; repeatable; * allows all"},
+    {"jwt.allow_no_exp", T_BOOL, OFF(jwt_allow_no_exp), 0, 1, NULL, 0, NULL},
+    {"lifetimes.params_s", T_INT, OFF(lifetimes.params_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"lifetimes.dialog_s", T_INT, OFF(lifetimes.dialog_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"lifetimes.awaiting_s", T_INT, OFF(lifetimes.awaiting_s), 1, 86400, NULL, 0, NULL},
+    {"lifetimes.soft_s", T_INT, OFF(lifetimes.soft_s), 1, 86400, NULL, 0, NULL},
+    {"lifetimes.history_s", T_INT, OFF(lifetimes.history_s), 1, 30L * 86400, NULL, 0, NULL},
+    {"history_n", T_INT, OFF(lifetimes.history_n), 0, 200, NULL, 0, NULL},
+    {"params_cap", T_INT, OFF(lifetimes.params_cap), 64, 1 << 20, NULL, 0, NULL},
+    {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0, NULL},
+    {"max_store_bytes", T_INT, OFF(max_store_bytes), 16384, 1L << 40, NULL, 0, NULL},
+    {"admin_listen", T_STR, OFF(admin_listen), 0, 0, NULL, 1,
+     "HOST:PORT for the admin API alone (default: on --listen; on only with CHATGATE_ADMIN_TOKEN)"},
+    {"ping_interval_s", T_INT, OFF(ping_interval_s), 1, 3600, NULL, 0, NULL},
+    {"idle_timeout_s", T_INT, OFF(idle_timeout_s), 2, 65535, NULL, 0, NULL},
+    {"shutdown_timeout_s", T_INT, OFF(shutdown_timeout_s), 0, 3600, NULL, 1,
+     "SECONDS replies in flight may take to finish after SIGTERM (default 10)"},
+    {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0, NULL},
+    {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0, NULL},
+    {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0, NULL},
+    {"redis.writeback_max_bytes", T_INT, OFF(redis_writeback_max_bytes), 4096, 1L << 40, NULL, 0, NULL},
+};
+#undef OFF
+
+typedef struct up_setting {
+    const char *name;
+    setting_type type;
+    size_t offset;
+    long min, max;
+} up_setting;
+
+#define UOFF(f) offsetof(cg_upstream_config, f)
+static const up_setting upstream_settings[] = {
+    {"model", T_STR, UOFF(model), 0, 0},
+    {"api_key_env", T_STR, UOFF(api_key_env), 0, 0},
+    {"system_prompt", T_STR, UOFF(system_prompt), 0, 0},
+    {"connect_timeout_ms", T_INT, UOFF(connect_timeout_ms), 1, 3600000},
+    {"first_byte_timeout_ms", T_INT, UOFF(first_byte_timeout_ms), 1, 3600000},
+    {"idle_timeout_ms", T_INT, UOFF(idle_timeout_ms), 1, 3600000},
+    {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000},
+};
+#undef UOFF
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static void replace_str(char **slot, const char *value)
+{
+    free(*slot);
+    *slot = value ? strdup(value) : NULL;
+}
+
+
+void cg_lifetimes_default(cg_lifetimes *lt)
+{
+    lt->params_s = 6 * 3600;
+    lt->dialog_s = 6 * 3600;
+    lt->awaiting_s = 120;
+    lt->soft_s = 300;
+    lt->history_s = 30 * 60;
+    lt->history_n = 10;
+    lt->params_cap = 10000;
+}
+
+/* Parses a whole decimal number within [min, max]; 0 or -1. */
+static int parse_long(const char *s, long min, long max, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < min || v > max)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/*
+ * redis.prefix starts every Redis key, outside the dialog's {hash tag}: a '{' or '}' in it
+ * would make the prefix (or part of it) the tag, so every dialog would land on one shard,
+ * or keys of different dialogs share a slot (README: Stores).
+ */
+static int check_redis_prefix(const char *value, char *err, size_t errlen)
+{
+    if (strpbrk(value, "{}")) {
+        set_err(err, errlen, "'%s' must not contain '{' or '}' (they would change the keys' hash tag)", value);
+        return -1;
+    }
+    if (strlen(value) > CG_MAX_REDIS_PREFIX) {
+        set_err(err, errlen, "must be 1 to %d bytes", CG_MAX_REDIS_PREFIX);
+        return -1;
+    }
+    return 0;
+}
+
+/* Checks a string value beyond its type, for the keys that need it. */
+static int check_string(const setting *st, const char *value, char *err, size_t errlen)
+{
+    if (!*value) {
+        set_err(err, errlen, "must not be empty");
+        return -1;
+    }
+    if (strcmp(st->name, "redis.prefix") == 0)
+        return check_redis_prefix(value, err, errlen);
+    return 0;
+}
+
+/* Applies one textual value to a setting row; on error writes "must be ..." to err. */
+static int apply_setting(cg_config *cfg, const setting *st, const char *value, char *err, size_t errlen)
+{
+    void *field = (char *)cfg + st->offset;
+    switch (st->type) {
+    case T_STR:
+        if (check_string(st, value, err, errlen) < 0)
+            return -1;
+        replace_str((char **)field, value);
+        return 0;
+    case T_BOOL:
+        if (strcmp(value, "true") != 0 && strcmp(value, "false") != 0) {
+            set_err(err, errlen, "'%s' must be true or false", value);
+            return -1;
+        }
+        *(long *)field = strcmp(value, "true") == 0;
+        return 0;
+    case T_INT:
+        if (parse_long(value, st->min, st->max, (long *)field) < 0) {
+            set_err(err, errlen, "'%s' is not a whole number from %ld to %ld", value, st->min, st->max);
+            return -1;
+        }
+        return 0;
+    case T_ENUM:
+        for (const char *const *c = st->choices; *c; c++)
+            if (strcmp(*c, value) == 0) {
+                replace_str((char **)field, value);
+                return 0;
+            }
+        set_err(err, errlen, "'%s' is not one of", value);
+        for (const char *const *c = st->choices; *c; c++) {
+            size_t used = strlen(err);
+            snprintf(err + used, errlen - used, " %s", *c);
+        }
+        return -1;
+    }
+    return -1;
+}
+
+static const setting *find_setting(const char *name)
+{
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
+        if (strcmp(settings[i].name, name) == 0)
+            return &settings[i];
+    return NULL;
+}
+
+/* ---- upstream URLs ---------------------------------------------------------------- */
+
+int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *err, size_t errlen)
+{
+    static const struct { const char *prefix; cg_upstream_kind kind; int tls; int port; } schemes[] = {
+        {"http://", CG_UPSTREAM_OPENAI, 0, 80},
+        {"https://", CG_UPSTREAM_OPENAI, 1, 443},
+        {"ws://", CG_UPSTREAM_WS, 0, 80},
+        {"wss://", CG_UPSTREAM_WS, 1, 443},
+    };
+    free(u->host);
+    free(u->path);
+    u->host = u->path = NULL;
+    replace_str(&u->url, url);
+    if (strcmp(url, "demo") == 0 || strcmp(url, "demo:") == 0) {
+        u->kind = CG_UPSTREAM_DEMO;
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof(schemes) / sizeof(schemes[0]); i++) {
+        size_t plen = strlen(schemes[i].prefix);
+        if (strncmp(url, schemes[i].prefix, plen) != 0)
+            continue;
+        const char *host = url + plen;
+        const char *path = host + strcspn(host, "/?");
+        const char *host_end = path;
+        const char *colon = NULL;
+        if (*host == '[') { /* [v6]:port */
+            const char *close = memchr(host, ']', (size_t)(path - host));
+            if (!close) {
+                set_err(err, errlen, "'%s': unterminated '[' in the host", url);
+                return -1;
+            }
+            colon = (close + 1 < path && close[1] == ':') ? close + 1 : NULL;
+            host_end = colon ? colon : close + 1;
+        } else {
+            colon = memchr(host, ':', (size_t)(path - host));
+            if (colon)
+                host_end = colon;
+        }
+        if (host_end == host) {
+            set_err(err, errlen, "'%s': no host", url);
+            return -1;
+        }
+        long port = schemes[i].port;
+        if (colon) {
+            char buf[16];
+            size_t n = (size_t)(path - colon - 1);
+            if (n == 0 || n >= sizeof(buf)) {
+                set_err(err, errlen, "'%s': bad port", url);
+                return -1;
+            }
+            memcpy(buf, colon + 1, n);
+            buf[n] = 0;
+            if (parse_long(buf, 1, 65535, &port) < 0) {
+                set_err(err, errlen, "'%s': port '%s' is not 1 to 65535", url, buf);
+                return -1;
+            }
+        }
+        const char *h = host, *he = host_end;
+        if (*h == '[') { /* lws and getaddrinfo want the bare v6 address */
+            h++;
+            he--;
+        }
+        u->host = strndup(h, (size_t)(he - h));
+        u->port = (int)port;
+        u->kind = schemes[i].kind;
+        u->tls = schemes[i].tls;
+        if (u->kind == CG_UPSTREAM_OPENAI) {
+            /* A base URL: drop a trailing '/' so "{base}/chat/completions" has one. */
+            size_t plen2 = strlen(path);
+            while (plen2 > 0 && path[plen2 - 1] == '/')
+                plen2--;
+            u->path = strndup(path, plen2);
+        } else {
+            u->path = strdup(*path == '/' ? path : "/");
+            if (*path == '?') { /* "ws://h:1?x" means path "/?x" */
+                free(u->path);
+                size_t n = strlen(path) + 2;
+                u->path = malloc(n);
+                snprintf(u->path, n, "/%s", path);
+            }
+        }
+        return 0;
+    }
+    set_err(err, errlen, "'%s': the scheme must be demo, http://, https://, ws:// or wss://", url);
+    return -1;
+}
+
+static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, char *err, size_t errlen)
+{
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        if (strcmp(cfg->upstreams[i].name, name) == 0)
+            return &cfg->upstreams[i];
+    if (cfg->n_upstreams == CG_MAX_UPSTREAMS) {
+        set_err(err, errlen, "more than %d upstreams", CG_MAX_UPSTREAMS);
+        return NULL;
+    }
+    size_t n = strlen(name);
+    if (n == 0 || n > 64 || strspn(name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") != n) {
+        set_err(err, errlen, "upstream name '%s' must be 1 to 64 letters, digits, '_' or '-'", name);
+        return NULL;
+    }
+    cg_upstream_config *u = &cfg->upstreams[cfg->n_upstreams++];
+    memset(u, 0, sizeof(*u));
+    u->name = strdup(name);
+    u->connect_timeout_ms = 5000;
+    u->first_byte_timeout_ms = 60000;
+    u->idle_timeout_ms = 60000;
+    u->delay_ms = 30;
+    u->api_key_env = strdup("CHATGATE_UPSTREAM_API_KEY");
+    u->system_prompt = strdup("You are a helpful assistant.");
+    return u;
+}
+
+/* ---- the JSON file ---------------------------------------------------------------- */
+
+static int load_upstream_object(cg_config *cfg, const char *file, const char *name, json_t *obj,
+                                char *err, size_t errlen)
+{
+    char msg[256];
+    if (json_is_string(obj)) { /* "llm": "http://..." is short for {"url": ...} */
+        cg_upstream_config *u = upstream_upsert(cfg, name, msg, sizeof(msg));
+        if (!u || cg_config_parse_upstream_url(u, json_string_value(obj), msg, sizeof(msg)) < 0) {
+            set_err(err, errlen, "%s: upstreams.%s: %s", file, name, msg);
+            return -1;
+        }
+        return 0;
+    }
+    if (!json_is_object(obj)) {
+        set_err(err, errlen, "%s: upstreams.%s: must be an object or a URL string", file, name);
+        return -1;
+    }
+    json_t *url = json_object_get(obj, "url");
+    if (!json_is_string(url)) {
+        set_err(err, errlen, "%s: upstreams.%s.url: missing, or not a string", file, name);
+        return -1;
+    }
+    cg_upstream_config *u = upstream_upsert(cfg, name, msg, sizeof(msg));
+    if (!u || cg_config_parse_upstream_url(u, json_string_value(url), msg, sizeof(msg)) < 0) {
+        set_err(err, errlen, "%s: upstreams.%s.url: %s", file, name, msg);
+        return -1;
+    }
+    const char *key;
+    json_t *val;
+    json_object_foreach(obj, key, val) {
+        if (strcmp(key, "url") == 0)
+            continue;
+        const up_setting *st = NULL;
+        for (size_t i = 0; i < sizeof(upstream_settings) / sizeof(upstream_settings[0]); i++)
+            if (strcmp(upstream_settings[i].name, key) == 0)
+                st = &upstream_settings[i];
+        if (!st) {
+            set_err(err, errlen, "%s: upstreams.%s.%s: unknown key", file, name, key);
+            return -1;
+        }
+        void *field = (char *)u + st->offset;
+        if (st->type == T_STR) {
+            if (!json_is_string(val)) {
+                set_err(err, errlen, "%s: upstreams.%s.%s: must be a string", file, name, key);
+                return -1;
+            }
+            replace_str((char **)field, json_string_value(val));
+        } else {
+            json_int_t v = json_is_integer(val) ? json_integer_value(val) : LLONG_MIN;
+            if (v < st->min || v > st->max) {
+                set_err(err, errlen, "%s: upstreams.%s.%s: must be a whole number from %ld to %ld",
+                        file, name, key, st->min, st->max);
+                return -1;
+            }
+            *(int *)field = (int)v;
+        }
+    }
+    return 0;
+}
+
+/* Applies one JSON value to the setting named path ("max_frame", "rate_limit.burst"). */
+static int load_json_value(cg_config *cfg, const char *file, const char *path, json_t *val,
+                           char *err, size_t errlen)
+{
+    const setting *st = find_setting(path);
+    if (!st) {
+        set_err(err, errlen, "%s: %s: unknown key", file, path);
+        return -1;
+    }
+    char text[64];
+    const char *value;
+    if (st->type == T_INT) {
+        if (!json_is_integer(val)) {
+            set_err(err, errlen, "%s: %s: must be a whole number", file, path);
+            return -1;
+        }
+        snprintf(text, sizeof(text), "%" JSON_INTEGER_FORMAT, json_integer_value(val));
+        value = text;
+    } else if (st->type == T_BOOL) {
+        if (!json_is_boolean(val)) {
+            set_err(err, errlen, "%s: %s: must be true or false", file, path);
+            return -1;
+        }
+        value = json_is_true(val) ? "true" : "false";
+    } else {
+        if (!json_is_string(val)) {
+            set_err(err, errlen, "%s: %s: must be a string", file, path);
+            return -1;
+        }
+        value = json_string_value(val);
+    }
+    char msg[256];
+    if (apply_setting(cfg, st, value, msg, sizeof(msg)) < 0) {
+        set_err(err, errlen, "%s: %s: %s", file, path, msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* Appends one origin to the comma-separated allow list; -1 if it holds a comma. */
+static int add_origin(cg_config *cfg, const char *origin)
+{
+    if (!*origin || strchr(origin, ','))
+        return -1;
+    size_t n = (cfg->allow_origin ? strlen(cfg->allow_origin) + 1 : 0) + strlen(origin) + 1;
+    char *list = malloc(n);
+    if (!list)
+        abort();
+    snprintf(list, n, "%s%s%s", cfg->allow_origin ? cfg->allow_origin : "", cfg->allow_origin ? "," : "", origin);
+    free(cfg->allow_origin);
+    cfg->allow_origin = list;
+    return 0;
+}
+
+/* "services": {"travel": {"defaults": {"cabin_class": "economy"}}} */
+static int load_services(cg_config *cfg, const char *file, json_t *val, char *err, size_t errlen)
+{
+    if (!json_is_object(val)) {
+        set_err(err, errlen, "%s: services: must be an object of name -> {\"defaults\": {...}}", file);
+        return -1;
+    }
+    const char *name;
+    json_t *svc;
+    json_object_foreach(val, name, svc) {
+        const char *key;
+        json_t *v;
+        if (!json_is_object(svc)) {
+            set_err(err, errlen, "%s: services.%s: must be an object", file, name);
+            return -1;
+        }
+        json_object_foreach(svc, key, v) {
+            if (strcmp(key, "defaults") != 0) {
+                set_err(err, errlen, "%s: services.%s.%s: unknown key", file, name, key);
+                return -1;
+            }
+            if (!json_is_object(v)) {
+                set_err(err, errlen, "%s: services.%s.defaults: must be an object of name -> value", file, name);
+                return -1;
+            }
+        }
+    }
+    json_decref(cfg->services);
+    cfg->services = json_incref(val);
+    return 0;
+}
+
+/*
+ * jansson keeps no positions for values, so "file: a.b.c: message" is turned into
+ * "file:line:col: a.b.c: message" by finding "a", then "b" after it, then "c" after that,
+ * in the file's text (NUL-terminated): the place the user has to look. Left as it is when
+ * not found.
+ */
+static void add_position(const char *file, const char *text, char *err, size_t errlen)
+{
+    size_t flen = strlen(file);
+    if (strncmp(err, file, flen) != 0 || strncmp(err + flen, ": ", 2) != 0)
+        return;
+    const char *path = err + flen + 2;
+    const char *path_end = strstr(path, ": ");
+    if (!path_end)
+        return;
+    const char *at = text, *found = NULL;
+    for (const char *key = path; key < path_end;) {
+        size_t klen = strcspn(key, ".:");
+        char *quoted;
+        if (asprintf(&quoted, "\"%.*s\"", (int)klen, key) < 0)
+            return;
+        found = strstr(at, quoted);
+        if (found)
+            at = found + strlen(quoted);
+        free(quoted);
+        if (!found)
+            return;
+        key += klen;
+        if (*key == '.')
+            key++;
+        else
+            break;
+    }
+    int line = 1, col = 1;
+    for (const char *p = text; p < found; p++) {
+        if (*p == '\n') {
+            line++;
+            col = 1;
+        } else {
+            col++;
+        }
+    }
+    char *rest = strdup(path);
+    if (!rest)
+        return;
+    snprintf(err, errlen, "%s:%d:%d: %s", file, line, col, rest);
+    free(rest);
+}
+
+/* Applies the settings of one parsed file; "file: key: message" on a mistake. */
+static int load_root(cg_config *cfg, const char *file, json_t *root, char *err, size_t errlen)
+{
+    if (!json_is_object(root)) {
+        set_err(err, errlen, "%s:1:1: the configuration must be a JSON object", file);
+        return -1;
+    }
+    const char *key;
+    json_t *val;
+    json_object_foreach(root, key, val) {
+        if (strcmp(key, "upstreams") == 0) {
+            if (!json_is_object(val)) {
+                set_err(err, errlen, "%s: upstreams: must be an object of name -> {\"url\": ...}", file);
+                return -1;
+            }
+            const char *name;
+            json_t *up;
+            json_object_foreach(val, name, up) {
+                if (load_upstream_object(cfg, file, name, up, err, errlen) < 0)
+                    return -1;
+            }
+        } else if (strcmp(key, "dropin") == 0) {
+            if (cg_dropin_config_check(val, file, err, errlen) < 0)
+                return -1;
+            json_decref(cfg->dropin);
+            cfg->dropin = json_incref(val);
+        } else if (strcmp(key, "services") == 0) {
+            if (load_services(cfg, file, val, err, errlen) < 0)
+                return -1;
+        } else if (strcmp(key, "allow_origin") == 0 && json_is_array(val)) {
+            size_t i;
+            json_t *o;
+            json_array_foreach(val, i, o) {
+                if (!json_is_string(o) || add_origin(cfg, json_string_value(o)) < 0) {
+                    set_err(err, errlen, "%s: allow_origin[%zu]: must be an origin string without ','", file, i);
+                    return -1;
+                }
+            }
+        } else if (json_is_object(val)) { /* rate_limit, lifetimes, redis, jwt: "key.sub" rows */
+            const char *sub;
+            json_t *sval;
+            json_object_foreach(val, sub, sval) {
+                char *path; /* built with its real length: a cut name could be another key */
+                if (asprintf(&path, "%s.%s", key, sub) < 0) {
+                    set_err(err, errlen, "%s: %s: out of memory", file, key);
+                    return -1;
+                }
+                int rc = load_json_value(cfg, file, path, sval, err, errlen);
+                free(path);
+                if (rc < 0)
+                    return -1;
+            }
+        } else if (load_json_value(cfg, file, key, val, err, errlen) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Parses the text of a config file named file (len bytes, not NUL-terminated) into cfg. */
+static int load_text(cg_config *cfg, const char *file, const char *text, size_t len, char *err, size_t errlen)
+{
+    json_error_t jerr;
+    json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) {
+        if (jerr.line < 0)
+            set_err(err, errlen, "%s: %s", file, jerr.text);
+        else
+            set_err(err, errlen, "%s:%d:%d: %s", file, jerr.line, jerr.column, jerr.text);
+        return -1;
+    }
+    int rc = load_root(cfg, file, root, err, errlen);
+    json_decref(root);
+    if (rc < 0) {
+        char *copy = strndup(text, len); /* the text holds no NUL: jansson parsed it */
+        if (copy)
+            add_position(file, copy, err, errlen);
+        free(copy);
+    }
+    return rc;
+}
+
+/* Reads the whole file (at most CG_MAX_CONFIG_FILE bytes) and loads it. */
+static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
+{
+    FILE *f = fopen(file, "rb");
+    if (!f) {
+        set_err(err, errlen, "%s: unable to open: %s", file, strerror(errno));
+        return -1;
+    }
+    char *text = malloc(CG_MAX_CONFIG_FILE + 1);
+    size_t n = text ? fread(text, 1, CG_MAX_CONFIG_FILE + 1, f) : 0;
+    int failed = !text || ferror(f);
+    fclose(f);
+    int rc = -1;
+    if (failed)
+        set_err(err, errlen, "%s: could not be read", file);
+    else if (n > CG_MAX_CONFIG_FILE)
+        set_err(err, errlen, "%s: larger than %d bytes", file, CG_MAX_CONFIG_FILE);
+    else
+        rc = load_text(cfg, file, text, n, err, errlen);
+    free(text);
+    return rc;
+}
+
+json_t *cg_config_service_defaults(const cg_config *cfg, const char *service)
+{
+    return service ? json_object_get(json_object_get(cfg->services, service), "defaults") : NULL;
+}
+
+/* ---- flags -------------------------------------------------------------------------- */
+
+void cg_config_usage(const char *prog)
+{
+    printf("Usage: %s [options]\n"
+           "       %s --config FILE [options]\n\n"
+           "chatgate: a WebSocket gateway between chat clients and LLM or app backends.\n\n",
+           prog, prog);
+    printf("  --%-18s %s\n", "upstream NAME=URL",
+           "an upstream; URL is demo, http(s)://BASE (OpenAI-compatible) or ws(s)://HOST/PATH "
+           "(a chat app); repeatable (default demo=demo)");
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++) {
+        if (!settings[i].flag)
+            continue;
+        char flag[64];
+        snprintf(flag, sizeof(flag), "%s", settings[i].name);
+        for (char *p = flag; *p; p++)
+            if (*p == '_')
+                *p = '-';
+        printf("  --%-18s %s\n", flag, settings[i].help);
+    }
+    printf("  --%-18s %s\n", "config FILE", "a JSON file with these settings and more (README.md); flags win");
+    printf("  --%-18s %s\n", "help", "this text");
+    printf("  --%-18s %s\n", "version", "the version");
+}
+
+/* Maps "--max-frame" to its row; NULL when the flag is not a setting. */
+static const setting *flag_setting(const char *flag)
+{
+    char name[64];
+    if (strlen(flag) >= sizeof(name))
+        return NULL;
+    snprintf(name, sizeof(name), "%s", flag);
+    for (char *p = name; *p; p++)
+        if (*p == '-')
+            *p = '_';
+    const setting *st = find_setting(name);
+    return st && st->flag ? st : NULL;
+}
+
+/*
+ * Splits argv[*i] into flag name and value ("--x=v" or "--x v"). Returns 0, -1 when the
+ * value is missing, or -2 when the name does not fit in name (no flag is that long; a cut
+ * name must not pass for a real one). Flags without a value (help, version) get NULL.
+ */
+static int next_flag(int argc, char **argv, int *i, char *name, size_t namelen, const char **value)
+{
+    const char *arg = argv[*i] + 2;
+    const char *eq = strchr(arg, '=');
+    size_t n = eq ? (size_t)(eq - arg) : strlen(arg);
+    if (n >= namelen) {
+        snprintf(name, namelen, "%.*s", (int)namelen - 1, arg);
+        return -2;
+    }
+    memcpy(name, arg, n);
+    name[n] = 0;
+    if (strcmp(name, "help") == 0 || strcmp(name, "version") == 0) {
+        *value = NULL;
+        return 0;
+    }
+    if (eq) {
+        *value = eq + 1;
+        return 0;
+    }
+    if (*i + 1 >= argc)
+        return -1;
+    *value = argv[++*i];
+    return 0;
+}
+
+static int apply_flag(cg_config *cfg, const char *name, const char *value, char *err, size_t errlen)
+{
+    char msg[256];
+    if (strcmp(name, "upstream") == 0) {
+        const char *eq = strchr(value, '=');
+        if (!eq || eq == value) {
+            set_err(err, errlen, "--upstream: '%s' must be NAME=URL", value);
+            return -1;
+        }
+        char *upname = strndup(value, (size_t)(eq - value)); /* the whole name, checked by upsert */
+        if (!upname)
+            abort();
+        cg_upstream_config *u = upstream_upsert(cfg, upname, msg, sizeof(msg));
+        free(upname);
+        if (!u || cg_config_parse_upstream_url(u, eq + 1, msg, sizeof(msg)) < 0) {
+            set_err(err, errlen, "--upstream: %s", msg);
+            return -1;
+        }
+        return 0;
+    }
+    if (strcmp(name, "allow-origin") == 0) {
+        if (add_origin(cfg, value) < 0) {
+            set_err(err, errlen, "--allow-origin: '%s' must be one origin (repeat the flag for more)", value);
+            return -1;
+        }
+        return 0;
+    }
+    const setting *st = flag_setting(name);
+    if (!st) {
+        set_err(err, errlen, "--%s: unknown option (see --help)", name);
+        return -1;
+    }
+    if (apply_setting(cfg, st, value, msg, sizeof(msg)) < 0) {
+        set_err(err, errlen, "--%s: %s", name, msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- defaults and checks ------------------------------------------------------------ */
+
+static int is_dir(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+/*
+ * The shipped rules/ and web/: next to the installed binary (<prefix>/share/chatgate/NAME),
+ * then the install prefix chosen at build time, then the source tree (a build not installed).
+ */
+static char *default_data_dir(const char *name)
+{
+    char exe[PATH_MAX], path[PATH_MAX + 64];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n > 0) {
+        exe[n] = 0;
+        char *slash = strrchr(exe, '/');
+        if (slash) {
+            *slash = 0;
+            snprintf(path, sizeof(path), "%s/../share/chatgate/%s", exe, name);
+            if (is_dir(path))
+                return realpath(path, NULL);
+        }
+    }
+    snprintf(path, sizeof(path), "%s/%s", CG_DATADIR, name);
+    if (is_dir(path))
+        return strdup(path);
+    snprintf(path, sizeof(path), "%s/%s", CG_SOURCE_DIR, name);
+    return strdup(path);
+}
+
+/* HOST:PORT (or [v6]:PORT) into host and port; 0, or -1 with err. */
+static int parse_host_port(const char *s, char **host, int *port, const char *where, char *err, size_t errlen)
+{
+    const char *colon = strrchr(s, ':');
+    long p;
+    if (!colon || colon == s || parse_long(colon + 1, 1, 65535, &p) < 0) {
+        set_err(err, errlen, "%s: '%s' must be HOST:PORT with a port from 1 to 65535", where, s);
+        return -1;
+    }
+    const char *h = s, *he = colon;
+    if (*h == '[' && he[-1] == ']') {
+        h++;
+        he--;
+    }
+    free(*host);
+    *host = strndup(h, (size_t)(he - h));
+    *port = (int)p;
+    return 0;
+}
+
+static int parse_listen(cg_config *cfg, const char *where, char *err, size_t errlen)
+{
+    return parse_host_port(cfg->listen, &cfg->listen_host, &cfg->listen_port, where, err, errlen);
+}
+
+/* Where a setting came from, for messages about values checked after loading. */
+static void origin_of(const char *key, const char *flag, int from_flag, const char *file,
+                      char *out, size_t outlen)
+{
+    if (from_flag)
+        snprintf(out, outlen, "--%s", flag);
+    else if (file)
+        snprintf(out, outlen, "%s: %s", file, key);
+    else
+        snprintf(out, outlen, "%s", key);
+}
+
+static int flag_given(int argc, char **argv, const char *flag)
+{
+    size_t n = strlen(flag);
+    for (int i = 1; i < argc; i++)
+        if (strncmp(argv[i], "--", 2) == 0 && strncmp(argv[i] + 2, flag, n) == 0 &&
+            (argv[i][2 + n] == 0 || argv[i][2 + n] == '='))
+            return 1;
+    return 0;
+}
+
+static int check(cg_config *cfg, int argc, char **argv, const char *file, char *err, size_t errlen)
+{
+    char where[PATH_MAX + 64];
+    origin_of("listen", "listen", flag_given(argc, argv, "listen"), file, where, sizeof(where));
+    if (parse_listen(cfg, where, err, errlen) < 0)
+        return -1;
+
+    if (cfg->n_upstreams == 0) {
+        char msg[64];
+        cg_upstream_config *u = upstream_upsert(cfg, "demo", msg, sizeof(msg));
+        cg_config_parse_upstream_url(u, "demo", msg, sizeof(msg));
+    }
+    cfg->default_index = 0;
+    if (cfg->default_upstream) {
+        cfg->default_index = -1;
+        for (int i = 0; i < cfg->n_upstreams; i++)
+            if (strcmp(cfg->upstreams[i].name, cfg->default_upstream) == 0)
+                cfg->default_index = i;
+        if (cfg->default_index < 0) {
+            origin_of("default_upstream", "default-upstream", flag_given(argc, argv, "default-upstream"),
+                      file, where, sizeof(where));
+            set_err(err, errlen, "%s: no upstream named '%s'", where, cfg->default_upstream);
+            return -1;
+        }
+    } else {
+        cfg->default_upstream = strdup(cfg->upstreams[0].name);
+    }
+
+    origin_of("store", "store", flag_given(argc, argv, "store"), file, where, sizeof(where));
+    if (strcmp(cfg->store, "memory") != 0 && strncmp(cfg->store, "redis://", 8) != 0) {
+        set_err(err, errlen, "%s: '%s' must be memory or redis://HOST:PORT[/DB]%s", where, cfg->store,
+                getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
+        return -1;
+    }
+    if (strcmp(cfg->timezone, "UTC") != 0) {
+        char zone[PATH_MAX];
+        snprintf(zone, sizeof(zone), "/usr/share/zoneinfo/%s", cfg->timezone);
+        struct stat sb;
+        if (strlen(cfg->timezone) > 255 || strstr(cfg->timezone, "..") || stat(zone, &sb) != 0 ||
+            !S_ISREG(sb.st_mode)) {
+            origin_of("timezone", "timezone", flag_given(argc, argv, "timezone"), file, where, sizeof(where));
+            set_err(err, errlen, "%s: '%s' is not a time zone of this machine (an IANA name such as Africa/Nairobi)",
+                    where, cfg->timezone);
+            return -1;
+        }
+    }
+    if (cfg->admin_listen) {
+        origin_of("admin_listen", "admin-listen", flag_given(argc, argv, "admin-listen"), file, where, sizeof(where));
+        if (parse_host_port(cfg->admin_listen, &cfg->admin_host, &cfg->admin_port, where, err, errlen) < 0)
+            return -1;
+    }
+    if (cfg->idle_timeout_s <= cfg->ping_interval_s) {
+        set_err(err, errlen, "%s%sidle_timeout_s: must be longer than ping_interval_s (%ld)", file ? file : "",
+                file ? ": " : "", cfg->ping_interval_s);
+        return -1;
+    }
+    if (strcmp(cfg->auth, "jwt") == 0 && !(getenv("CHATGATE_JWT_SECRET") && *getenv("CHATGATE_JWT_SECRET"))) {
+        origin_of("auth", "auth", flag_given(argc, argv, "auth"), file, where, sizeof(where));
+        set_err(err, errlen, "%s: jwt needs the secret in the environment variable CHATGATE_JWT_SECRET", where);
+        return -1;
+    }
+    static const struct { const char *key; size_t offset; const char *dir; } dirs[] = {
+        {"rules", offsetof(cg_config, rules_dir), "rules"},
+        {"web", offsetof(cg_config, web_dir), "web"},
+    };
+    for (size_t i = 0; i < 2; i++) {
+        char **slot = (char **)((char *)cfg + dirs[i].offset);
+        if (!*slot)
+            *slot = default_data_dir(dirs[i].dir);
+        if (!is_dir(*slot)) {
+            origin_of(dirs[i].key, dirs[i].key, flag_given(argc, argv, dirs[i].key), file, where, sizeof(where));
+            set_err(err, errlen, "%s: '%s' is not a directory", where, *slot);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void set_defaults(cg_config *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->listen = strdup("127.0.0.1:8080");
+    const char *redis = getenv("REDIS_URL");
+    cfg->store = strdup(redis && *redis ? redis : "memory");
+    cfg->auth = strdup("none");
+    cfg->log_level = strdup("info");
+    cfg->log_format = strdup("text");
+    cfg->timezone = strdup("UTC");
+    cfg->max_frame = 65536;
+    cfg->max_connections = 1024;
+    cfg->max_header_bytes = 16384;
+    cfg->queue_limit = 8;
+    cfg->rate_per_second = 20;
+    cfg->rate_burst = 40;
+    cfg->max_reply_bytes = 1 << 20;
+    cfg->send_buffer = 64 * 1024;
+    cg_lifetimes_default(&cfg->lifetimes);
+    cfg->max_dialogs = 100000;
+    cfg->max_store_bytes = (long)CG_MEMSTORE_DEFAULT_MAX_BYTES;
+    cfg->redis_prefix = strdup("chatgate");
+    cfg->redis_command_timeout_ms = 1000;
+    cfg->redis_connect_timeout_ms = 1000;
+    cfg->redis_writeback_max_bytes = 64L << 20;
+    cfg->user_header = strdup("X-User-Id");
+    cfg->ping_interval_s = 30;
+    cfg->idle_timeout_s = 300;
+    cfg->shutdown_timeout_s = 10;
+}
+
+int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen)
+{
+    set_defaults(cfg);
+    char name[64];
+    const char *value;
+    const char *file = NULL;
+
+    /* The file first, wherever --config stands, so that every flag wins over it. */
+    for (int i = 1; i < argc; i++) {
+        if (strncmp(argv[i], "--", 2) != 0) {
+            set_err(err, errlen, "'%s': unexpected argument (see --help)", argv[i]);
+            return CG_CONFIG_EXIT_USAGE;
+        }
+        int got = next_flag(argc, argv, &i, name, sizeof(name), &value);
+        if (got == -2) {
+            set_err(err, errlen, "--%.40s...: unknown option (see --help)", name);
+            return CG_CONFIG_EXIT_USAGE;
+        }
+        if (got < 0) {
+            set_err(err, errlen, "--%s: needs a value", name);
+            return CG_CONFIG_EXIT_USAGE;
+        }
+        if (strcmp(name, "help") == 0) {
+            cg_config_usage(argv[0]);
+            return CG_CONFIG_EXIT_OK;
+        }
+        if (strcmp(name, "version") == 0) {
+            printf("chatgate %s\n", CG_VERSION);
+            return CG_CONFIG_EXIT_OK;
+        }
+        if (strcmp(name, "config") == 0)
+            file = value;
+    }
+    if (file && load_file(cfg, file, err, errlen) < 0)
+        return CG_CONFIG_EXIT_USAGE;
+    for (int i = 1; i < argc; i++) {
+        next_flag(argc, argv, &i, name, sizeof(name), &value);
+        if (strcmp(name, "config") == 0)
+            continue;
+        if (apply_flag(cfg, name, value, err, errlen) < 0)
+            return CG_CONFIG_EXIT_USAGE;
+    }
+    if (check(cfg, argc, argv, file, err, errlen) < 0)
+        return CG_CONFIG_EXIT_USAGE;
+    return 0;
+}
+
+int cg_config_load_text(cg_config *cfg, const char *name, const char *text, size_t len, char *err, size_t errlen)
+{
+    set_defaults(cfg);
+    char *argv[] = {"chatgate", NULL};
+    if (load_text(cfg, name, text, len, err, errlen) < 0 || check(cfg, 1, argv, name, err, errlen) < 0)
+        return CG_CONFIG_EXIT_USAGE;
+    return 0;
+}
+
+void cg_config_free(cg_config *cfg)
+{
+    for (int i = 0; i < cfg->n_upstreams; i++) {
+        cg_upstream_config *u = &cfg->upstreams[i];
+        free(u->name);
+        free(u->url);
+        free(u->host);
+        free(u->path);
+        free(u->model);
+        free(u->api_key_env);
+        free(u->system_prompt);
+    }
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
+        if (settings[i].type == T_STR || settings[i].type == T_ENUM)
+            free(*(char **)((char *)cfg + settings[i].offset));
+    free(cfg->listen_host);
+    free(cfg->admin_host);
+    json_decref(cfg->services);
+    json_decref(cfg->dropin);
+    memset(cfg, 0, sizeof(*cfg));
+}

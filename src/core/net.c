@@ -1,0 +1,115 @@
+/*
+ * net.c: resolving host names off the event loop, and opening lws client connections on the
+ * gateway's lws context (see net.h).
+ */
+#include <arpa/inet.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/net.h"
+
+/*
+ * A resolution in flight. uv_getaddrinfo cannot be stopped once it runs on the thread
+ * pool, so abandoning only clears `done`; the request frees itself when libuv calls back.
+ */
+struct cg_resolve {
+    uv_getaddrinfo_t req;
+    uv_idle_t idle; /* numeric addresses still answer from the loop, never from start */
+    cg_resolve_fn done;
+    void *data;
+    char address[INET6_ADDRSTRLEN];
+};
+
+static void resolve_idle_closed(uv_handle_t *h)
+{
+    free(h->data);
+}
+
+static void resolve_numeric(uv_idle_t *idle)
+{
+    cg_resolve *r = idle->data;
+    uv_idle_stop(idle);
+    if (r->done)
+        r->done(r->data, r->address, NULL);
+    uv_close((uv_handle_t *)idle, resolve_idle_closed);
+}
+
+static void resolve_done(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
+{
+    cg_resolve *r = req->data;
+    char err[160];
+    const char *address = NULL;
+    /* IPv4 first, as hiredis and most clients do: "localhost" often lists ::1 first, and a
+     * server bound to 127.0.0.1 only would refuse every connect (one address is tried) */
+    const struct addrinfo *pick = NULL;
+    for (const struct addrinfo *ai = status == 0 ? res : NULL; ai; ai = ai->ai_next) {
+        if (ai->ai_family == AF_INET) {
+            pick = ai;
+            break;
+        }
+        if (!pick && ai->ai_family == AF_INET6)
+            pick = ai;
+    }
+    if (pick) {
+        const void *a = pick->ai_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)pick->ai_addr)->sin6_addr
+                                                    : (const void *)&((struct sockaddr_in *)pick->ai_addr)->sin_addr;
+        if (inet_ntop(pick->ai_family, a, r->address, sizeof(r->address)))
+            address = r->address;
+    }
+    if (!address)
+        snprintf(err, sizeof(err), "could not resolve the host: %s", status ? uv_strerror(status) : "no address");
+    if (r->done)
+        r->done(r->data, address, address ? NULL : err);
+    uv_freeaddrinfo(res);
+    free(r);
+}
+
+cg_resolve *cg_resolve_start(uv_loop_t *loop, const char *host, cg_resolve_fn done, void *data)
+{
+    cg_resolve *r = calloc(1, sizeof(*r));
+    if (!r)
+        return NULL;
+    r->done = done;
+    r->data = data;
+    unsigned char buf[sizeof(struct in6_addr)];
+    if (inet_pton(AF_INET, host, buf) == 1 || inet_pton(AF_INET6, host, buf) == 1) {
+        snprintf(r->address, sizeof(r->address), "%s", host);
+        uv_idle_init(loop, &r->idle);
+        r->idle.data = r;
+        uv_idle_start(&r->idle, resolve_numeric);
+        return r;
+    }
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+    r->req.data = r;
+    if (uv_getaddrinfo(loop, &r->req, resolve_done, host, NULL, &hints) < 0) {
+        free(r);
+        return NULL;
+    }
+    return r;
+}
+
+void cg_resolve_abandon(cg_resolve *r)
+{
+    r->done = NULL;
+}
+
+struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void *opaque, struct lws **pwsi)
+{
+    struct lws_client_connect_info i;
+    memset(&i, 0, sizeof(i));
+    i.context = net->lws;
+    i.vhost = net->vhost;
+    i.address = spec->address;
+    i.port = spec->port;
+    i.path = spec->path;
+    i.host = spec->host;
+    i.origin = spec->origin ? spec->origin : spec->host;
+    i.protocol = spec->subprotocol;
+    i.method = spec->method;
+    i.ssl_connection = spec->tls ? LCCSCF_USE_SSL : 0;
+    i.local_protocol_name = spec->local_protocol;
+    i.opaque_user_data = opaque;
+    i.pwsi = pwsi;
+    return lws_client_connect_via_info(&i);
+}

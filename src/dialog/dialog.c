@@ -1,0 +1,435 @@
+/*
+ * dialog.c: the dialog model of dialog.h. Every function is pure and takes the time as an
+ * argument. JSON ownership follows jansson: parts held by cg_dialog are owned references.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/dialog/dialog.h"
+#include "chatgate/core/error.h"
+
+void cg_dialog_init(cg_dialog *d, int64_t now)
+{
+    memset(d, 0, sizeof(*d));
+    d->params = json_object();
+    d->history = json_array();
+    d->created_at = d->last_activity = now;
+}
+
+void cg_dialog_free(cg_dialog *d)
+{
+    free(d->service);
+    json_decref(d->params);
+    json_decref(d->awaiting);
+    json_decref(d->soft);
+    json_decref(d->history);
+    json_decref(d->last_tool_result);
+    memset(d, 0, sizeof(*d));
+}
+
+void cg_dialog_expire(cg_dialog *d, int64_t now)
+{
+    if (d->awaiting && d->awaiting_expires <= now) {
+        json_decref(d->awaiting);
+        d->awaiting = NULL;
+    }
+    if (d->soft && d->soft_expires <= now) {
+        json_decref(d->soft);
+        d->soft = NULL;
+    }
+}
+
+/* The size of j as compact JSON, counted without building the text. */
+static size_t json_size(json_t *j)
+{
+    return json_dumpb(j, NULL, 0, JSON_COMPACT);
+}
+
+/* Merges params (name -> value, null forgets) into all[service]; 0, or -1 out of memory. */
+static int merge_service(json_t *all, const char *service, json_t *params)
+{
+    json_t *mine = json_object_get(all, service);
+    if (!json_is_object(mine)) {
+        mine = json_object();
+        if (json_object_set_new(all, service, mine) < 0)
+            return -1;
+    }
+    const char *name;
+    json_t *value;
+    json_object_foreach(params, name, value) {
+        if (json_is_null(value))
+            json_object_del(mine, name);
+        else if (json_object_set(mine, name, value) < 0)
+            return -1;
+    }
+    if (json_object_size(mine) == 0)
+        json_object_del(all, service);
+    return 0;
+}
+
+/*
+ * The dialog's params with every service of by_service merged, as a new object, or NULL
+ * with err: the result would pass the cap (CG_E_TOO_LARGE in *rc), or memory ran out.
+ * d is not touched, so a caller commits all the services or none.
+ */
+static json_t *params_with(const cg_dialog *d, json_t *by_service, const cg_lifetimes *lt, int *rc, char *err,
+                           size_t errlen)
+{
+    json_t *all = json_deep_copy(d->params);
+    const char *service;
+    json_t *params;
+    json_object_foreach(by_service, service, params) {
+        if (!all || merge_service(all, service, params) < 0) {
+            snprintf(err, errlen, "out of memory merging params; nothing was changed");
+            json_decref(all);
+            *rc = CG_E_INTERNAL;
+            return NULL;
+        }
+    }
+    size_t size = json_size(all);
+    if ((long)size > lt->params_cap) {
+        snprintf(err, errlen, "params would take %zu bytes, over the %ld-byte cap; nothing was changed", size,
+                 lt->params_cap);
+        json_decref(all);
+        *rc = CG_E_TOO_LARGE;
+        return NULL;
+    }
+    return all;
+}
+
+/* Checks by_service: an object of service name -> object of params. */
+static int check_services(json_t *by_service, char *err, size_t errlen)
+{
+    const char *service;
+    json_t *params;
+    if (!json_is_object(by_service))
+        goto bad;
+    json_object_foreach(by_service, service, params) {
+        if (!*service || !json_is_object(params))
+            goto bad;
+    }
+    return 0;
+bad:
+    snprintf(err, errlen, "params must be an object of a named service");
+    return CG_E_BAD_FRAME;
+}
+
+int cg_dialog_merge_all_params(cg_dialog *d, json_t *by_service, const cg_lifetimes *lt, char *err, size_t errlen)
+{
+    int rc = check_services(by_service, err, errlen);
+    if (rc < 0)
+        return rc;
+    json_t *all = params_with(d, by_service, lt, &rc, err, errlen);
+    if (!all)
+        return rc;
+    json_decref(d->params);
+    d->params = all;
+    return 0;
+}
+
+int cg_dialog_merge_params(cg_dialog *d, const char *service, json_t *params, const cg_lifetimes *lt,
+                           char *err, size_t errlen)
+{
+    if (!json_is_object(params) || !service || !*service) {
+        snprintf(err, errlen, "params must be an object of a named service");
+        return CG_E_BAD_FRAME;
+    }
+    json_t *one = json_object();
+    if (!one || json_object_set(one, service, params) < 0) {
+        json_decref(one);
+        snprintf(err, errlen, "out of memory merging params; nothing was changed");
+        return CG_E_INTERNAL;
+    }
+    int rc = cg_dialog_merge_all_params(d, one, lt, err, errlen);
+    json_decref(one);
+    return rc;
+}
+
+json_t *cg_dialog_params_merged(const cg_dialog *d, const char *service, json_t *defaults)
+{
+    json_t *out = json_is_object(defaults) ? json_deep_copy(defaults) : json_object();
+    json_t *kept = service ? json_object_get(d->params, service) : NULL;
+    if (json_is_object(kept))
+        json_object_update(out, kept);
+    return out;
+}
+
+int cg_dialog_forget(cg_dialog *d, json_t *keys)
+{
+    int n = 0;
+    size_t i;
+    json_t *k;
+    json_array_foreach(keys, i, k) {
+        if (!json_is_string(k))
+            continue;
+        const char *key = json_string_value(k);
+        const char *dot = strchr(key, '.');
+        /* "service.name" of any length, or a name of the active service */
+        char *service = dot ? strndup(key, (size_t)(dot - key)) : d->service ? strdup(d->service) : NULL;
+        const char *name = dot ? dot + 1 : key;
+        if (!service)
+            continue;
+        json_t *mine = json_object_get(d->params, service);
+        if (json_object_del(mine, name) == 0)
+            n++;
+        if (json_is_object(mine) && json_object_size(mine) == 0)
+            json_object_del(d->params, service);
+        free(service);
+    }
+    return n;
+}
+
+static void set_service(cg_dialog *d, const char *service)
+{
+    free(d->service);
+    d->service = service ? strdup(service) : NULL;
+}
+
+/* The awaiting state a directive's awaiting object asks for, as kept; NULL out of memory. */
+static json_t *awaiting_of(json_t *awaiting, const char *source)
+{
+    json_t *options = json_object_get(awaiting, "options");
+    json_t *context = json_object_get(awaiting, "context");
+    return json_pack("{s:O, s:O, s:O, s:s}", "type", json_object_get(awaiting, "type"), "options",
+                     options ? options : json_null(), "context", context ? context : json_null(), "source",
+                     source ? source : "");
+}
+
+/* A deep copy of an optional object or value; *out NULL for a JSON null. -1 out of memory. */
+static int copy_or_clear(json_t *v, json_t **out)
+{
+    *out = NULL;
+    if (!v || json_is_null(v))
+        return 0;
+    *out = json_deep_copy(v);
+    return *out ? 0 : -1;
+}
+
+static void replace_json(json_t **slot, json_t *v)
+{
+    json_decref(*slot);
+    *slot = v;
+}
+
+int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, int64_t now,
+                              const cg_lifetimes *lt, char *err, size_t errlen)
+{
+    if (!json_is_object(state)) {
+        snprintf(err, errlen, "state must be an object");
+        return CG_E_BAD_FRAME;
+    }
+    /* Checked and built whole before anything changes: a refused directive changes nothing. */
+    json_t *service = json_object_get(state, "service");
+    const char *svc = d->service;
+    if (json_is_string(service) && json_string_length(service) > 0 && json_string_length(service) <= 64)
+        svc = json_string_value(service);
+    else if (service && !json_is_null(service)) {
+        snprintf(err, errlen, "state.service must be a name of 1 to 64 bytes");
+        return CG_E_BAD_FRAME;
+    }
+    json_t *awaiting = json_object_get(state, "awaiting");
+    json_t *type = json_object_get(awaiting, "type");
+    if (json_is_object(awaiting)) {
+        static const char *const types[] = {"selection", "confirmation", "metadata", "input"};
+        int ok = 0;
+        for (size_t i = 0; json_is_string(type) && i < 4; i++)
+            ok |= strcmp(json_string_value(type), types[i]) == 0;
+        if (!ok) {
+            snprintf(err, errlen, "state.awaiting.type must be selection, confirmation, metadata or input");
+            return CG_E_BAD_FRAME;
+        }
+    }
+    json_t *params = json_object_get(state, "params");
+    if (params && !svc) {
+        snprintf(err, errlen, "state.params needs a service (state.service, or an active one)");
+        return CG_E_BAD_FRAME;
+    }
+    json_t *soft = json_object_get(state, "soft_context");
+    json_t *tool = json_object_get(state, "last_tool_result");
+
+    int rc = 0;
+    json_t *new_params = NULL, *new_awaiting = NULL, *new_soft = NULL, *new_tool = NULL, *one = NULL;
+    char *new_service = svc && svc != d->service ? strdup(svc) : NULL;
+    if (svc && svc != d->service && !new_service)
+        goto oom;
+    if (params) {
+        if (!json_is_object(params)) {
+            snprintf(err, errlen, "params must be an object of a named service");
+            rc = CG_E_BAD_FRAME;
+            goto fail;
+        }
+        one = json_object();
+        if (!one || json_object_set(one, svc, params) < 0)
+            goto oom;
+        if (!(new_params = params_with(d, one, lt, &rc, err, errlen)))
+            goto fail;
+    }
+    if (json_is_object(awaiting) && !(new_awaiting = awaiting_of(awaiting, source)))
+        goto oom;
+    if ((json_is_object(soft) && copy_or_clear(soft, &new_soft) < 0) || copy_or_clear(tool, &new_tool) < 0)
+        goto oom;
+
+    /* commit: nothing below can fail */
+    if (new_params)
+        replace_json(&d->params, new_params);
+    if (new_service) {
+        free(d->service);
+        d->service = new_service;
+    }
+    if (json_is_null(awaiting)) {
+        replace_json(&d->awaiting, NULL);
+    } else if (new_awaiting) {
+        json_t *ttl = json_object_get(awaiting, "ttl");
+        long seconds = json_is_integer(ttl) && json_integer_value(ttl) > 0 ? (long)json_integer_value(ttl)
+                                                                             : lt->awaiting_s;
+        replace_json(&d->awaiting, new_awaiting);
+        d->awaiting_expires = now + seconds;
+    }
+    if (json_is_null(soft)) {
+        replace_json(&d->soft, NULL);
+    } else if (new_soft) {
+        replace_json(&d->soft, new_soft);
+        d->soft_expires = now + lt->soft_s;
+    }
+    if (tool)
+        replace_json(&d->last_tool_result, new_tool);
+    json_decref(one);
+    return 0;
+
+oom:
+    snprintf(err, errlen, "out of memory applying the state directive; nothing was changed");
+    rc = CG_E_INTERNAL;
+fail:
+    json_decref(one);
+    json_decref(new_params);
+    json_decref(new_awaiting);
+    json_decref(new_soft);
+    json_decref(new_tool);
+    free(new_service);
+    return rc;
+}
+
+void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
+                            const cg_lifetimes *lt, json_t *extra)
+{
+    json_t *m = json_pack("{s:s, s:s, s:I}", "role", role, "content", content, "ts", (json_int_t)ts);
+    if (!m)
+        return; /* content that is not UTF-8 never reaches here: it came from JSON */
+    if (json_is_object(extra))
+        json_object_update(m, extra);
+    if (json_array_append_new(d->history, m) < 0)
+        return;
+    while ((long)json_array_size(d->history) > lt->history_n)
+        json_array_remove(d->history, 0);
+}
+
+static json_t *or_null(json_t *j)
+{
+    return j ? json_incref(j) : json_null();
+}
+
+/* The active service as JSON: null when none (or, out of memory, unreadable). */
+static json_t *service_json(const cg_dialog *d)
+{
+    json_t *s = d->service ? json_string(d->service) : NULL;
+    return s ? s : json_null();
+}
+
+json_t *cg_dialog_context(const cg_dialog *d)
+{
+    return json_pack("{s:o, s:O, s:o, s:o, s:O, s:{s:I, s:I, s:I, s:I}, s:o}", "service", service_json(d),
+                     "params", d->params, "awaiting", or_null(d->awaiting), "soft_context", or_null(d->soft),
+                     "history", d->history, "meta", "created_at", (json_int_t)d->created_at, "last_activity",
+                     (json_int_t)d->last_activity, "turn_count", (json_int_t)d->turn_count, "message_count",
+                     (json_int_t)d->message_count, "last_tool_result", or_null(d->last_tool_result));
+}
+
+json_t *cg_dialog_to_json(const cg_dialog *d)
+{
+    json_t *j = cg_dialog_context(d);
+    if (!j || json_object_set_new(j, "awaiting_expires", json_integer(d->awaiting ? d->awaiting_expires : 0)) < 0 ||
+        json_object_set_new(j, "soft_expires", json_integer(d->soft ? d->soft_expires : 0)) < 0) {
+        json_decref(j);
+        return NULL;
+    }
+    return j;
+}
+
+static int64_t int_of(json_t *o, const char *key)
+{
+    json_t *v = json_object_get(o, key);
+    return json_is_integer(v) ? (int64_t)json_integer_value(v) : 0;
+}
+
+void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now)
+{
+    cg_dialog_init(d, now);
+    if (!json_is_object(j))
+        return;
+    json_t *service = json_object_get(j, "service");
+    if (json_is_string(service))
+        set_service(d, json_string_value(service));
+    /* params and history are never NULL: a copy that fails leaves them empty */
+    json_t *params = json_deep_copy(json_object_get(j, "params"));
+    if (json_is_object(params))
+        replace_json(&d->params, params);
+    else
+        json_decref(params);
+    json_t *awaiting = json_object_get(j, "awaiting");
+    if (json_is_object(awaiting)) {
+        d->awaiting = json_deep_copy(awaiting);
+        d->awaiting_expires = int_of(j, "awaiting_expires");
+    }
+    json_t *soft = json_object_get(j, "soft_context");
+    if (json_is_object(soft)) {
+        d->soft = json_deep_copy(soft);
+        d->soft_expires = int_of(j, "soft_expires");
+    }
+    json_t *history = json_deep_copy(json_object_get(j, "history"));
+    if (json_is_array(history))
+        replace_json(&d->history, history);
+    else
+        json_decref(history);
+    json_t *tool = json_object_get(j, "last_tool_result");
+    if (tool && !json_is_null(tool))
+        d->last_tool_result = json_deep_copy(tool);
+    json_t *meta = json_object_get(j, "meta");
+    if (json_is_object(meta)) {
+        d->created_at = int_of(meta, "created_at") ? int_of(meta, "created_at") : now;
+        d->last_activity = int_of(meta, "last_activity") ? int_of(meta, "last_activity") : now;
+        d->turn_count = (long)int_of(meta, "turn_count");
+        d->message_count = (long)int_of(meta, "message_count");
+    }
+    cg_dialog_expire(d, now);
+}
+
+char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resolution, json_t *annotations)
+{
+    json_t *parts = json_object();
+    if (d->service)
+        json_object_set_new(parts, "service", json_string(d->service));
+    if (json_object_size(merged_params))
+        json_object_set(parts, "params", merged_params);
+    if (d->awaiting)
+        json_object_set_new(parts, "awaiting", json_pack("{s:O, s:O}", "type", json_object_get(d->awaiting, "type"),
+                                                         "options", json_object_get(d->awaiting, "options")));
+    if (d->soft)
+        json_object_set(parts, "soft_context", d->soft);
+    if (resolution)
+        json_object_set(parts, "this_message_resolves", resolution);
+    if (json_object_size(annotations))
+        json_object_set(parts, "annotations", annotations);
+    char *out = NULL;
+    char *s = json_object_size(parts) ? json_dumps(parts, JSON_COMPACT) : NULL;
+    if (s) {
+        static const char lead[] = "What the conversation has established so far: ";
+        size_t n = sizeof(lead) + strlen(s);
+        out = malloc(n);
+        if (out)
+            snprintf(out, n, "%s%s", lead, s);
+        free(s);
+    }
+    json_decref(parts);
+    return out ? out : strdup(""); /* nothing established, or no memory to say it */
+}

@@ -1,0 +1,262 @@
+/*
+ * protocol.c: chatgate.v1 frames in and out (DESIGN.md section 3).
+ *
+ * jansson checks JSON syntax, UTF-8 and NUL (json_loadb refuses invalid UTF-8 and "\u0000"
+ * unless asked), so a text frame with bad bytes is answered as bad_frame with jansson's own
+ * position and reason, and every string taken from a frame is a proper C string.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/utf8.h"
+#include "chatgate/core/error.h"
+#include "chatgate/proto/protocol.h"
+
+static int fail(char *err, size_t errlen, const char *msg)
+{
+    snprintf(err, errlen, "%s", msg);
+    return CG_E_BAD_FRAME;
+}
+
+/* Copies an optional string field of at most max bytes into out; 0 or CG_E_BAD_FRAME. */
+static int string_field(json_t *root, const char *key, char *out, size_t max, char *err, size_t errlen)
+{
+    json_t *v = json_object_get(root, key);
+    if (!v || json_is_null(v))
+        return 0;
+    if (!json_is_string(v)) {
+        snprintf(err, errlen, "field '%s' must be a string", key);
+        return CG_E_BAD_FRAME;
+    }
+    size_t n = json_string_length(v);
+    if (n == 0 || n > max) {
+        snprintf(err, errlen, "field '%s' must be 1 to %zu bytes", key, max);
+        return CG_E_BAD_FRAME;
+    }
+    memcpy(out, json_string_value(v), n + 1);
+    return 0;
+}
+
+int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *err, size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    json_error_t jerr;
+    json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+    if (!root) {
+        snprintf(err, errlen, "not JSON: %s at line %d column %d", jerr.text, jerr.line, jerr.column);
+        return CG_E_BAD_FRAME;
+    }
+    int rc;
+    if (!json_is_object(root)) {
+        rc = fail(err, errlen, "the frame must be a JSON object");
+        goto out;
+    }
+    /* The id first, so that later errors can name the message they are about. */
+    if ((rc = string_field(root, "id", out->id, CG_MAX_ID, err, errlen)) < 0)
+        goto out;
+    json_t *type = json_object_get(root, "type");
+    if (!json_is_string(type)) {
+        rc = fail(err, errlen, "field 'type' is missing or not a string");
+        goto out;
+    }
+    const char *t = json_string_value(type);
+    if (strcmp(t, "message") == 0) {
+        out->type = CG_FRAME_MESSAGE;
+        if ((rc = string_field(root, "room", out->room, CG_MAX_ROOM, err, errlen)) < 0)
+            goto out;
+        if (!out->room[0])
+            strcpy(out->room, "default");
+        json_t *text = json_object_get(root, "text");
+        if (!json_is_string(text)) {
+            rc = fail(err, errlen, "field 'text' is missing or not a string");
+            goto out;
+        }
+        if (json_string_length(text) == 0) {
+            rc = fail(err, errlen, "field 'text' is empty");
+            goto out;
+        }
+        out->text = strdup(json_string_value(text));
+        if (!out->text)
+            abort(); /* as cg_protocol_dump: no memory is not an input error */
+    } else if (strncmp(t, "context.", 8) == 0) {
+        static const struct { const char *name; cg_frame_type type; } kinds[] = {
+            {"context.get", CG_FRAME_CONTEXT_GET},
+            {"context.forget", CG_FRAME_CONTEXT_FORGET},
+            {"context.clear", CG_FRAME_CONTEXT_CLEAR},
+        };
+        size_t i = 0;
+        while (i < 3 && strcmp(t, kinds[i].name) != 0)
+            i++;
+        if (i == 3) {
+            snprintf(err, errlen, "unknown type '%.64s'", t);
+            rc = CG_E_BAD_FRAME;
+            goto out;
+        }
+        out->type = kinds[i].type;
+        if ((rc = string_field(root, "room", out->room, CG_MAX_ROOM, err, errlen)) < 0)
+            goto out;
+        if (!out->room[0])
+            strcpy(out->room, "default");
+        if (out->type == CG_FRAME_CONTEXT_FORGET) {
+            json_t *keys = json_object_get(root, "keys");
+            size_t k;
+            json_t *key;
+            int ok = json_is_array(keys) && json_array_size(keys) > 0 && json_array_size(keys) <= 100;
+            json_array_foreach(keys, k, key) ok &= json_is_string(key);
+            if (!ok) {
+                rc = fail(err, errlen, "context.forget needs 'keys': 1 to 100 strings like \"travel.from\"");
+                goto out;
+            }
+            out->keys = json_incref(keys);
+        }
+    } else if (strcmp(t, "cancel") == 0) {
+        out->type = CG_FRAME_CANCEL;
+        if (!out->id[0]) {
+            rc = fail(err, errlen, "cancel needs the 'id' of the message to cancel");
+            goto out;
+        }
+    } else {
+        snprintf(err, errlen, "unknown type '%.64s'", t);
+        rc = CG_E_BAD_FRAME;
+        goto out;
+    }
+    rc = 0;
+out:
+    json_decref(root);
+    return rc;
+}
+
+void cg_client_frame_clear(cg_client_frame *f)
+{
+    free(f->text);
+    f->text = NULL;
+    json_decref(f->keys);
+    f->keys = NULL;
+}
+
+char *cg_protocol_dump(json_t *obj)
+{
+    /* json_pack fails on text that is not UTF-8; callers cut text on code point
+     * boundaries (cg_utf8_boundary), so this is a bug, not an input, but it must not
+     * take the process down. */
+    if (!obj)
+        return strdup("{\"type\":\"error\",\"id\":null,\"code\":\"internal\","
+                      "\"message\":\"a frame could not be encoded\"}");
+    char *s = json_dumps(obj, JSON_COMPACT);
+    json_decref(obj);
+    if (!s)
+        abort();
+    return s;
+}
+
+static json_t *id_or_null(const char *id)
+{
+    return id && *id ? json_string(id) : json_null();
+}
+
+char *cg_protocol_hello(const char *user, const char *session, const char *resume)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:o}", "type", "hello", "protocol",
+                                      CG_PROTOCOL_NAME, "user", user, "session", session, "resume",
+                                      resume ? json_string(resume) : json_null()));
+}
+
+static json_t *str_or_null(const char *s)
+{
+    return s ? json_string(s) : json_null();
+}
+
+char *cg_protocol_ack(const cg_ack *a)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o}", "type", "ack", "id", a->id,
+                                      "room", a->room, "route", a->route, "service", str_or_null(a->service),
+                                      "params", a->params ? json_incref(a->params) : json_object(), "enriched",
+                                      str_or_null(a->enriched), "resolution",
+                                      a->resolution ? json_incref(a->resolution) : json_null(), "rules",
+                                      a->rules ? json_incref(a->rules) : json_array()));
+}
+
+char *cg_protocol_context(const char *room, json_t *state)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:O}", "type", "context", "room", room, "state", state));
+}
+
+char *cg_protocol_warning(const char *id, const char *code, const char *message)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:o, s:s, s:s}", "type", "warning", "id", id_or_null(id), "code",
+                                      code, "message", message));
+}
+
+char *cg_protocol_delta(const char *id, const char *text, size_t len)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s, s:s%}", "type", "delta", "id", id, "text", text, len));
+}
+
+char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated)
+{
+    json_t *o = json_pack("{s:s, s:s, s:s%, s:O}", "type", "done", "id", id, "text", text, len, "usage",
+                          usage ? usage : json_null());
+    if (o && truncated && json_object_set_new(o, "truncated", json_true()) < 0) {
+        json_decref(o);
+        o = NULL; /* encoded as the internal error: a done without its flag would mislead */
+    }
+    return cg_protocol_dump(o);
+}
+
+char *cg_protocol_cancelled(const char *id)
+{
+    return cg_protocol_dump(json_pack("{s:s, s:s}", "type", "cancelled", "id", id));
+}
+
+/* Length of the valid UTF-8 sequence at s (1 to 4), or 0 when s starts no valid one. */
+static size_t utf8_sequence(const unsigned char *s, size_t left)
+{
+    size_t n = s[0] < 0x80 ? 1 : s[0] >= 0xC2 && s[0] < 0xE0 ? 2 : s[0] >= 0xE0 && s[0] < 0xF0 ? 3
+             : s[0] >= 0xF0 && s[0] < 0xF5 ? 4 : 0;
+    if (n == 0 || n > left)
+        return 0;
+    for (size_t i = 1; i < n; i++)
+        if ((s[i] & 0xC0) != 0x80)
+            return 0;
+    if ((n == 3 && s[0] == 0xE0 && s[1] < 0xA0) || (n == 3 && s[0] == 0xED && s[1] >= 0xA0) ||
+        (n == 4 && s[0] == 0xF0 && s[1] < 0x90) || (n == 4 && s[0] == 0xF4 && s[1] >= 0x90))
+        return 0; /* overlong, surrogate, or past U+10FFFF */
+    return n;
+}
+
+char *cg_protocol_error(const char *id, const char *code, const char *message)
+{
+    /* Messages quote what upstreams sent, cut to a length: make them valid UTF-8, every
+     * bad or cut-off byte shown as '?', so the frame can always be built. */
+    char *clean = strdup(message);
+    if (!clean)
+        abort();
+    size_t len = strlen(clean);
+    for (size_t i = 0; i < len;) {
+        size_t n = utf8_sequence((unsigned char *)clean + i, len - i);
+        if (n == 0) {
+            clean[i] = '?';
+            n = 1;
+        }
+        i += n;
+    }
+    char *frame = cg_protocol_dump(json_pack("{s:s, s:o, s:s, s:s}", "type", "error", "id", id_or_null(id), "code",
+                                             code, "message", clean));
+    free(clean);
+    return frame;
+}
+
+char *cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail)
+{
+    char *frame = cg_protocol_error(id, code, message);
+    if (!json_is_object(detail) || json_object_size(detail) == 0)
+        return frame;
+    json_t *o = json_loads(frame, 0, NULL);
+    if (!o || json_object_update_missing(o, detail) < 0) {
+        json_decref(o);
+        return frame; /* the error itself still goes out, without the detail */
+    }
+    free(frame);
+    return cg_protocol_dump(o);
+}

@@ -1,0 +1,281 @@
+/*
+ * admin.c: the admin API (DESIGN.md section 8), for operators and support tools:
+ *
+ *   GET    /admin/dialogs/{user}/{room}   view or export a dialog (the context frame's state)
+ *   DELETE /admin/dialogs/{user}/{room}   delete one dialog
+ *   DELETE /admin/users/{user}            delete every dialog of a user (through the user's
+ *                                         room set: the right to be forgotten)
+ *   POST   /admin/reload                  load the rules again (as SIGHUP)
+ *
+ * Present only when CHATGATE_ADMIN_TOKEN is set (else every /admin path is 404), and then
+ * only with "Authorization: Bearer <that token>" (else 401), compared in constant time.
+ * Ids in paths are percent-decoded. With --admin-listen the API is on its own listener only.
+ * Store calls answer later, so a request keeps its state in the connection's data until the
+ * answer comes and its response is written on the next writable callback.
+ * The admin API is plain HTTP: on its own listener a WebSocket upgrade is refused with 404
+ * (on the main listener the session's check refuses it), and headers over max_header_bytes
+ * get 431 there as on the main listener.
+ */
+#include <openssl/crypto.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "chatgate/server/admin.h"
+#include "chatgate/server/gateway.h"
+#include "chatgate/proto/identity.h"
+#include "chatgate/core/log.h"
+#include "chatgate/proto/protocol.h"
+
+typedef struct admin_req {
+    struct lws *wsi;
+    cg_gateway *gw;
+    cg_store_req *pending; /* a store call not yet answered */
+    int status;
+    char *body; /* JSON, malloc'd, once answered */
+    char user[CG_MAX_USER + 1];
+    char room[CG_MAX_ROOM + 1];
+    int handled; /* routed already (a POST is routed once its body is in) */
+} admin_req;
+
+size_t cg_admin_session_size(void)
+{
+    return sizeof(admin_req);
+}
+
+/* Copies an id (lws has already percent-decoded the path) into out; -1 when empty or too long. */
+static int copy_id(const char *s, size_t len, char *out, size_t outlen)
+{
+    if (len == 0 || len >= outlen)
+        return -1;
+    memcpy(out, s, len);
+    out[len] = 0;
+    return 0;
+}
+
+/* ?user=...&room=... (each decoded by lws): the form for ids that hold a '/'. */
+static int ids_from_query(struct lws *wsi, admin_req *a, int want_room)
+{
+    char buf[CG_MAX_USER + 16];
+    const char *v = lws_get_urlarg_by_name(wsi, "user=", buf, sizeof(buf));
+    if (!v || copy_id(v, strlen(v), a->user, sizeof(a->user)) < 0)
+        return -1;
+    if (!want_room)
+        return 0;
+    v = lws_get_urlarg_by_name(wsi, "room=", buf, sizeof(buf));
+    return v ? copy_id(v, strlen(v), a->room, sizeof(a->room)) : -1;
+}
+
+static void answer(admin_req *a, int status, json_t *body)
+{
+    a->status = status;
+    a->body = cg_protocol_dump(body);
+    lws_callback_on_writable(a->wsi);
+}
+
+static void answer_error(admin_req *a, int status, const char *message)
+{
+    answer(a, status, json_pack("{s:s}", "error", message));
+}
+
+static void on_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
+{
+    admin_req *a = ctx;
+    a->pending = NULL;
+    json_t *state = cg_dialog_context(d);
+    answer(a, 200, json_pack("{s:s, s:s, s:b, s:b, s:o}", "user", a->user, "room", a->room, "found", st->found,
+                             "degraded", st->degraded, "state", state));
+    cg_dialog_free(d);
+}
+
+static void on_deleted(void *ctx, const cg_store_status *st)
+{
+    admin_req *a = ctx;
+    a->pending = NULL;
+    if (st->degraded) /* Redis is away: its copy is still there, so say it was not done */
+        answer_error(a, 503, "the store is unreachable: deleted from memory only; try again");
+    else
+        answer(a, 200, json_pack("{s:s, s:s}", "user", a->user, "deleted", a->room[0] ? a->room : "*"));
+}
+
+/* The header copied whole, NUL-terminated and malloc'd; NULL when absent. */
+static char *header_copy(struct lws *wsi, enum lws_token_indexes tok)
+{
+    int len = lws_hdr_total_length(wsi, tok);
+    if (len <= 0)
+        return NULL;
+    char *s = malloc((size_t)len + 1);
+    if (s && lws_hdr_copy(wsi, s, len + 1, tok) < 0) {
+        free(s);
+        s = NULL;
+    }
+    return s;
+}
+
+/* "Authorization: Bearer <token>", the token compared in constant time whatever its length. */
+static int authorized(struct lws *wsi, const char *token)
+{
+    char *auth = header_copy(wsi, WSI_TOKEN_HTTP_AUTHORIZATION);
+    size_t want = strlen(token);
+    int ok = auth && strncasecmp(auth, "Bearer ", 7) == 0 && strlen(auth + 7) == want &&
+             CRYPTO_memcmp(auth + 7, token, want) == 0;
+    if (auth)
+        OPENSSL_cleanse(auth, strlen(auth));
+    free(auth);
+    return ok;
+}
+
+static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_delete);
+
+/* Routes one request; answers now or once the store has. */
+static void admin_request(admin_req *a, struct lws *wsi)
+{
+    a->handled = 1;
+    int is_get = lws_hdr_total_length(wsi, WSI_TOKEN_GET_URI) > 0;
+    int is_post = lws_hdr_total_length(wsi, WSI_TOKEN_POST_URI) > 0;
+    int is_delete = lws_hdr_total_length(wsi, WSI_TOKEN_DELETE_URI) > 0;
+    enum lws_token_indexes tok = is_get ? WSI_TOKEN_GET_URI : is_post ? WSI_TOKEN_POST_URI : WSI_TOKEN_DELETE_URI;
+    char *uri = is_get || is_post || is_delete ? header_copy(wsi, tok) : NULL;
+    if (!uri) {
+        answer_error(a, 405, "use GET, POST or DELETE");
+        return;
+    }
+    route(a, wsi, uri, is_get, is_post, is_delete);
+    free(uri);
+}
+
+/* Checks the token and routes a request for uri (lws has percent-decoded it). */
+static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_delete)
+{
+    cg_gateway *gw = a->gw;
+    cg_store *st = gw->store;
+    const char *token = getenv("CHATGATE_ADMIN_TOKEN");
+    if (!token || !*token) {
+        answer_error(a, 404, "not found");
+        return;
+    }
+    if (!authorized(wsi, token)) {
+        cg_warn("admin: refused a request without the admin token");
+        answer_error(a, 401, "an Authorization: Bearer token is needed (CHATGATE_ADMIN_TOKEN)");
+        return;
+    }
+    if (strcmp(uri, "/admin/reload") == 0 && is_post) {
+        char err[1024];
+        if (cg_gateway_reload_rules(gw, err, sizeof(err)) < 0)
+            answer(a, 422, json_pack("{s:s}", "error", err));
+        else
+            answer(a, 200, json_pack("{s:I}", "rules", (json_int_t)cg_ruleset_count(gw->rules)));
+        return;
+    }
+    /*
+     * lws has decoded the path already, so a '/' inside an id cannot be told from the one
+     * between user and room: the room is everything after the user's segment, and a user id
+     * with a '/' takes the query form (?user=...&room=...).
+     */
+    const char *p;
+    if ((strncmp(uri, "/admin/dialogs/", 15) == 0 || strcmp(uri, "/admin/dialogs") == 0) && (is_get || is_delete)) {
+        p = uri + 14;
+        const char *slash = *p ? strchr(p + 1, '/') : NULL;
+        /* a '/' after the user's segment is refused: "a%2Fb/r" and "a/b%2Fr" read the same */
+        int ok = *p ? slash && !strchr(slash + 1, '/') &&
+                          copy_id(p + 1, (size_t)(slash - p - 1), a->user, sizeof(a->user)) == 0 &&
+                          copy_id(slash + 1, strlen(slash + 1), a->room, sizeof(a->room)) == 0
+                    : ids_from_query(wsi, a, 1) == 0;
+        if (!ok) {
+            answer_error(a, 400, "use /admin/dialogs/{user}/{room} (percent-encoded), or, when an id holds a '/', "
+                                 "/admin/dialogs?user=..&room=..");
+            return;
+        }
+        cg_info("admin: %s dialog of one user", is_get ? "view" : "delete");
+        a->pending = is_get ? st->ops->load(st, a->user, a->room, on_loaded, a)
+                            : st->ops->remove(st, a->user, a->room, on_deleted, a);
+    } else if ((strncmp(uri, "/admin/users/", 13) == 0 || strcmp(uri, "/admin/users") == 0) && is_delete) {
+        p = uri + 12;
+        int ok = *p ? !strchr(p + 1, '/') && copy_id(p + 1, strlen(p + 1), a->user, sizeof(a->user)) == 0
+                    : ids_from_query(wsi, a, 0) == 0;
+        if (!ok) {
+            answer_error(a, 400, "use /admin/users/{user} (percent-encoded) or /admin/users?user=..");
+            return;
+        }
+        cg_info("admin: forget a user (every room)");
+        a->pending = st->ops->remove_user(st, a->user, on_deleted, a);
+    } else {
+        answer_error(a, 404, "no such admin path or method");
+        return;
+    }
+    if (!a->pending)
+        answer_error(a, 500, "the store refused the request");
+}
+
+static int write_answer(admin_req *a, struct lws *wsi)
+{
+    unsigned char head[LWS_PRE + 1024];
+    unsigned char *start = head + LWS_PRE, *p = start, *end = head + sizeof(head);
+    size_t len = strlen(a->body);
+    if (lws_add_http_common_headers(wsi, (unsigned int)a->status, "application/json", (lws_filepos_t)len, &p, end) ||
+        lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_CACHE_CONTROL, (const unsigned char *)"no-store", 8, &p,
+                                     end) ||
+        lws_finalize_write_http_header(wsi, start, &p, end))
+        return -1;
+    unsigned char *buf = malloc(LWS_PRE + len);
+    if (!buf)
+        return -1;
+    memcpy(buf + LWS_PRE, a->body, len);
+    int n = lws_write(wsi, buf + LWS_PRE, len, LWS_WRITE_HTTP_FINAL);
+    free(buf);
+    free(a->body);
+    a->body = NULL;
+    if (n < (int)len)
+        return -1;
+    return lws_http_transaction_completed(wsi) ? -1 : 0;
+}
+
+int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+{
+    admin_req *a = user;
+    switch (reason) {
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        /* only on the admin listener (protocols[0] there): nothing here speaks WebSocket */
+        if (cg_gateway_refuse_large_headers(wsi))
+            return 1;
+        cg_warn("admin: refused a WebSocket upgrade on the admin listener");
+        return cg_gateway_http_refuse(wsi, 404, "Not Found", "the admin API takes no WebSocket connections\n");
+    case LWS_CALLBACK_FILTER_HTTP_CONNECTION:
+        return cg_gateway_refuse_large_headers(wsi) ? -1 : 0;
+    case LWS_CALLBACK_HTTP:
+        memset(a, 0, sizeof(*a));
+        a->wsi = wsi;
+        a->gw = cg_gateway_of(wsi);
+        /* a POST is answered once its body (ignored) has been read */
+        if (lws_hdr_total_length(wsi, WSI_TOKEN_POST_URI)) {
+            char cl[32];
+            if (lws_hdr_copy(wsi, cl, sizeof(cl), WSI_TOKEN_HTTP_CONTENT_LENGTH) > 0 && atol(cl) > 0)
+                return 0;
+        }
+        admin_request(a, wsi);
+        return 0;
+    case LWS_CALLBACK_HTTP_BODY:
+        return 0;
+    case LWS_CALLBACK_HTTP_BODY_COMPLETION:
+        if (!a->handled) /* lws may also say so for an empty body it did not wait for */
+            admin_request(a, wsi);
+        return 0;
+    case LWS_CALLBACK_HTTP_WRITEABLE:
+        return a && a->body ? write_answer(a, wsi) : 0;
+    case LWS_CALLBACK_CLOSED_HTTP:
+    case LWS_CALLBACK_HTTP_DROP_PROTOCOL:
+        if (a && a->pending) { /* the client left before the store answered */
+            a->gw->store->ops->abandon(a->pending);
+            a->pending = NULL;
+        }
+        if (a) {
+            free(a->body);
+            a->body = NULL;
+        }
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    default:
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    }
+}

@@ -1,0 +1,478 @@
+/*
+ * gateway.c: the server: one libuv loop shared by libwebsockets (as a foreign loop), the
+ * upstream clients and every timer (DESIGN.md section 10).
+ *
+ * The vhost listens on --listen, serves the web directory at / (lws's file mount: missing
+ * files are 404), takes WebSocket connections on /ws with the chatgate.v1 protocol (also
+ * when the client names no subprotocol), and hosts the client protocols of the upstreams.
+ * SIGTERM and SIGINT stop it.
+ *
+ * A request's headers get max_header_bytes (16 KiB) of lws's header space, each header at
+ * most that much: a bigger request is answered 431 instead of the connection being dropped
+ * in silence (lws's own answer to a full header space). lws asks protocols[0] about every
+ * request before it is routed, so protocols[0]'s callback is front_callback, which checks
+ * the size and passes everything else on to the session callback; the admin listener's own
+ * callback does the same check (cg_gateway_refuse_large_headers).
+ */
+#define _GNU_SOURCE /* asprintf */
+#include <uv.h>
+#include <libwebsockets.h>
+
+#include <openssl/crypto.h>
+#include <openssl/rand.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/server/admin.h"
+#include "chatgate/server/dropin.h"
+#include "chatgate/proto/protocol.h"
+#include "chatgate/server/gateway.h"
+#include "chatgate/core/log.h"
+#include "chatgate/server/session.h"
+
+/*
+ * Writes a whole HTTP answer by hand ("connection: close", a text body) and returns 1. At
+ * the upgrade stage lws_return_http_status() would say "HTTP/1.0", which strict WebSocket
+ * clients take for no answer.
+ */
+int cg_gateway_http_refuse(struct lws *wsi, int status, const char *reason, const char *body)
+{
+    char *text;
+    int n = asprintf(&text, "%*sHTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %zu\r\n"
+                            "cache-control: no-store\r\nconnection: close\r\n\r\n%s",
+                     LWS_PRE, "", status, reason, strlen(body), body);
+    if (n < 0)
+        return -1;
+    lws_write(wsi, (unsigned char *)text + LWS_PRE, (size_t)n - LWS_PRE, LWS_WRITE_HTTP_HEADERS);
+    free(text);
+    return 1;
+}
+
+/*
+ * Sums the request's headers as lws kept them. Every header is cut at max_header_bytes by
+ * lws (the token limits), so one that reaches it was longer.
+ */
+static int headers_too_large(struct lws *wsi, long limit, long *total)
+{
+    *total = 0;
+    int over = 0;
+    for (int t = 0; t < WSI_TOKEN_COUNT; t++) {
+        int n = lws_hdr_total_length(wsi, (enum lws_token_indexes)t);
+        if (n >= limit)
+            over = 1;
+        *total += n > 0 ? n : 0;
+    }
+    return over || *total > limit;
+}
+
+int cg_gateway_refuse_large_headers(struct lws *wsi)
+{
+    cg_gateway *gw = cg_gateway_of(wsi);
+    long total;
+    if (!headers_too_large(wsi, gw->cfg->max_header_bytes, &total))
+        return 0;
+    cg_warn("refused a request with %ld bytes of headers or more, over max_header_bytes (%ld): 431", total,
+            gw->cfg->max_header_bytes);
+    gw->metrics.refused_connections++;
+    char body[160];
+    snprintf(body, sizeof(body), "the request's headers are over %ld bytes (a cookie or token too long?)\n",
+             gw->cfg->max_header_bytes);
+    cg_gateway_http_refuse(wsi, 431, "Request Header Fields Too Large", body);
+    return 1;
+}
+
+/*
+ * protocols[0]: lws asks it about every request of the main listener before routing it
+ * (an upgrade, or plain HTTP for the pages, /healthz, /metrics and /admin). Too large
+ * headers are answered here; the rest is the session callback's.
+ */
+static int front_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+{
+    switch (reason) {
+    case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        if (cg_gateway_refuse_large_headers(wsi))
+            return 1; /* answered */
+        break;
+    case LWS_CALLBACK_FILTER_HTTP_CONNECTION:
+        if (cg_gateway_refuse_large_headers(wsi))
+            return -1; /* answered; lws closes the connection */
+        break;
+    case LWS_CALLBACK_WSI_DESTROY: {
+        /* The session callback passes a wsi's end on to the wsi's own protocol when that is
+         * not its own: for a wsi of protocols[0] that would be this callback again. */
+        const struct lws_protocols *p = lws_get_protocol(wsi);
+        if (p && p->callback == front_callback)
+            return 0;
+        break;
+    }
+    default:
+        break;
+    }
+    return cg_session_callback(wsi, reason, user, in, len);
+}
+
+/* A callback of a chatgate.v1 or drop-in client protocol. */
+static int is_session_callback(lws_callback_function *cb)
+{
+    return cb == cg_session_callback || cb == front_callback;
+}
+
+/*
+ * The vhost's protocols: chatgate.v1 first (the default for a WebSocket without a
+ * subprotocol), then the drop-in app's subprotocols (lws accepts only names it was given;
+ * they are handled by the same session callback), then the client and HTTP handlers.
+ */
+static struct lws_protocols *build_protocols(const cg_config *cfg)
+{
+    static const struct lws_protocols fixed[] = {
+        {CG_LWS_PROTOCOL_OPENAI, cg_upstream_openai_callback, 0, 4096, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_OPS, cg_ops_callback, 0, 0, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_DROPIN_APP, cg_dropin_app_callback, 0, 4096, 0, NULL, 0},
+    };
+    json_t *subs = json_object_get(cfg->dropin, "subprotocols");
+    size_t n_fixed = sizeof(fixed) / sizeof(fixed[0]), n_subs = json_array_size(subs);
+    struct lws_protocols *p = calloc(1 + n_subs + n_fixed + 1, sizeof(*p)); /* zeroed: the list's end */
+    if (!p)
+        abort();
+    size_t n = 0;
+    p[n++] = (struct lws_protocols){CG_PROTOCOL_NAME, front_callback, cg_session_size(), 4096, 0, NULL, 0};
+    for (size_t i = 0; i < n_subs; i++)
+        p[n++] = (struct lws_protocols){json_string_value(json_array_get(subs, i)), cg_session_callback,
+                                        cg_session_size(), 4096, 0, NULL, 0};
+    for (size_t i = 0; i < n_fixed; i++) {
+        p[n] = fixed[i];
+        if (strcmp(p[n].name, CG_LWS_PROTOCOL_ADMIN) == 0)
+            p[n].per_session_data_size = cg_admin_session_size();
+        n++;
+    }
+    return p;
+}
+
+cg_gateway *cg_gateway_of(struct lws *wsi)
+{
+    return lws_context_user(lws_get_context(wsi));
+}
+
+int cg_gateway_reload_rules(cg_gateway *gw, char *err, size_t errlen)
+{
+    cg_ruleset *rs;
+    if (cg_rules_load(gw->cfg->rules_dir, &rs, err, errlen) < 0) {
+        gw->metrics.reload_failures++;
+        cg_error("rules: reload refused, the running set stays: %s", err);
+        return -1;
+    }
+    cg_ruleset_unref(gw->rules); /* messages in flight keep the old set until they end */
+    gw->rules = rs;
+    gw->metrics.reloads++;
+    cg_info("rules: reloaded %zu rules from %s", cg_ruleset_count(rs), gw->cfg->rules_dir);
+    return 0;
+}
+
+/* SIGHUP: load the rules again; a broken set is refused and the running one stays. */
+static void on_reload(uv_signal_t *sig, int signum)
+{
+    (void)signum;
+    char err[1024];
+    cg_gateway_reload_rules(sig->data, err, sizeof(err));
+}
+
+static void free_secrets(cg_gateway *gw);
+
+void cg_gateway_abort(cg_gateway *gw)
+{
+    /* the lws context, when there is one, is left to the exit (see cg_gateway_start) */
+    cg_ruleset_unref(gw->rules);
+    gw->rules = NULL;
+    json_decref(gw->dialog_locks);
+    gw->dialog_locks = NULL;
+    free_secrets(gw);
+}
+
+static void gateway_stop(cg_gateway *gw);
+
+static void on_drain_tick(uv_timer_t *t)
+{
+    cg_gateway *gw = t->data;
+    if (gw->closing_all || gw->inflight_turns == 0 || uv_now(gw->loop) >= gw->drain_deadline)
+        gateway_stop(gw);
+}
+
+/* The end: close every connection (replies still running are cancelled and saved as
+ * such), flush the store, and let the loop run out. */
+static void gateway_stop(cg_gateway *gw)
+{
+    if (!gw->lws)
+        return;
+    if (!gw->closing_all) {
+        /* first every client gets a close frame (1001, going away), then the context goes */
+        if (gw->inflight_turns)
+            cg_warn("shutdown: %ld replies still running at the deadline are cancelled", gw->inflight_turns);
+        gw->closing_all = 1;
+        for (size_t i = 0; gw->protocols[i].name; i++)
+            if (is_session_callback(gw->protocols[i].callback))
+                lws_callback_on_writable_all_protocol(gw->lws, &gw->protocols[i]);
+        uv_timer_stop(&gw->drain);
+        uv_timer_start(&gw->drain, on_drain_tick, 300, 0);
+        return;
+    }
+    uv_timer_stop(&gw->drain);
+    uv_close((uv_handle_t *)&gw->drain, NULL);
+    uv_signal_stop(&gw->sig_term);
+    uv_signal_stop(&gw->sig_int);
+    uv_signal_stop(&gw->sig_hup);
+    /* With a foreign loop, destroying the context closes its handles; the loop then runs
+     * until they are gone (DESIGN.md section 10). */
+    lws_context_destroy(gw->lws);
+    gw->lws = NULL;
+    if (gw->store) {
+        gw->store->ops->close(gw->store);
+        gw->store = NULL;
+    }
+    uv_close((uv_handle_t *)&gw->sig_term, NULL);
+    uv_close((uv_handle_t *)&gw->sig_int, NULL);
+    uv_close((uv_handle_t *)&gw->sig_hup, NULL);
+    cg_ruleset_unref(gw->rules);
+    gw->rules = NULL;
+    json_decref(gw->dialog_locks); /* empty: every session has closed */
+    gw->dialog_locks = NULL;
+    free_secrets(gw);
+    cg_info("stopped cleanly");
+}
+
+
+/*
+ * SIGTERM, SIGINT: stop taking connections (upgrades get 503, /healthz says 503 so a load
+ * balancer moves on), let the replies in flight finish for up to shutdown_timeout_s, then
+ * stop. A second signal stops at once.
+ */
+static void on_signal(uv_signal_t *sig, int signum)
+{
+    cg_gateway *gw = sig->data;
+    if (gw->stopping) {
+        cg_info("signal %d again: stopping now", signum);
+        gateway_stop(gw);
+        return;
+    }
+    gw->stopping = 1;
+    gw->drain_deadline = uv_now(gw->loop) + (uint64_t)gw->cfg->shutdown_timeout_s * 1000;
+    cg_info("signal %d: stopping; %ld replies in flight may finish within %ld s", signum, gw->inflight_turns,
+            gw->cfg->shutdown_timeout_s);
+    uv_timer_start(&gw->drain, on_drain_tick, 0, 50);
+}
+
+/* Secrets come from the environment only; the resume secret is random when unset, so
+ * resume tokens then do not survive a restart. */
+static void load_secrets(cg_gateway *gw, const cg_config *cfg)
+{
+    /* copied whole: a secret cut to a buffer's size would be another secret */
+    const char *resume = getenv("CHATGATE_RESUME_SECRET");
+    if (resume && *resume) {
+        gw->resume_secret_len = strlen(resume);
+        gw->resume_secret = (unsigned char *)strdup(resume);
+    } else {
+        gw->resume_secret_len = 32;
+        gw->resume_secret = malloc(32);
+        if (gw->resume_secret && RAND_bytes(gw->resume_secret, 32) != 1)
+            abort();
+    }
+    const char *jwt = getenv("CHATGATE_JWT_SECRET");
+    if (strcmp(cfg->auth, "jwt") == 0 && jwt) {
+        gw->jwt_secret_len = strlen(jwt);
+        gw->jwt_secret = (unsigned char *)strdup(jwt);
+    } else {
+        gw->jwt_secret = (unsigned char *)strdup("");
+    }
+    if (!gw->resume_secret || !gw->jwt_secret)
+        abort();
+}
+
+static void free_secrets(cg_gateway *gw)
+{
+    if (gw->resume_secret)
+        OPENSSL_cleanse(gw->resume_secret, gw->resume_secret_len);
+    if (gw->jwt_secret)
+        OPENSSL_cleanse(gw->jwt_secret, gw->jwt_secret_len);
+    free(gw->resume_secret);
+    free(gw->jwt_secret);
+    gw->resume_secret = gw->jwt_secret = NULL;
+    gw->resume_secret_len = gw->jwt_secret_len = 0;
+}
+
+/* --admin-listen: a vhost of its own that serves /admin and nothing else. */
+static int start_admin_listener(cg_gateway *gw, const cg_config *cfg, const struct lws_context_creation_info *main)
+{
+    static struct lws_protocols admin_protocols[] = {
+        {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
+        {NULL, NULL, 0, 0, 0, NULL, 0},
+    };
+    admin_protocols[0].per_session_data_size = cg_admin_session_size();
+    struct lws_context_creation_info info = *main;
+    info.port = cfg->admin_port;
+    info.iface = cfg->admin_host;
+    info.protocols = admin_protocols;
+    info.mounts = &gw->mount_admin;
+    info.vhost_name = "chatgate-admin";
+    info.foreign_loops = NULL;
+    if (!lws_create_vhost(gw->lws, &info)) {
+        cg_error("could not start the admin listener on %s", cfg->admin_listen);
+        return -1;
+    }
+    cg_info("admin API on http://%s/admin/%s", cfg->admin_listen,
+            getenv("CHATGATE_ADMIN_TOKEN") ? "" : " (off: CHATGATE_ADMIN_TOKEN is not set)");
+    return 0;
+}
+
+static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t errlen)
+{
+    cg_store_config sc;
+    memset(&sc, 0, sizeof(sc));
+    sc.url = cfg->store;
+    sc.prefix = cfg->redis_prefix;
+    sc.max_dialogs = cfg->max_dialogs;
+    sc.max_bytes = (size_t)cfg->max_store_bytes;
+    sc.command_timeout_ms = cfg->redis_command_timeout_ms;
+    sc.connect_timeout_ms = cfg->redis_connect_timeout_ms;
+    sc.writeback_max_bytes = cfg->redis_writeback_max_bytes;
+    sc.lifetimes = cfg->lifetimes;
+    char msg[256];
+    gw->store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));
+    if (!gw->store) {
+        snprintf(err, errlen, "store: %s", msg);
+        return -1;
+    }
+    return 0;
+}
+
+int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen)
+{
+    memset(gw, 0, sizeof(*gw));
+    gw->cfg = cfg;
+    gw->loop = loop;
+    load_secrets(gw, cfg);
+    gw->dialog_locks = json_object();
+    char rerr[1024];
+    if (cg_rules_load(cfg->rules_dir, &gw->rules, rerr, sizeof(rerr)) < 0) {
+        snprintf(err, errlen, "rules: %s", rerr);
+        return CG_GATEWAY_BAD_CONFIG;
+    }
+    if (cfg->dropin) {
+        char uerr[256];
+        if (cg_config_parse_upstream_url(&gw->dropin_app, json_string_value(json_object_get(cfg->dropin, "app")),
+                                         uerr, sizeof(uerr)) < 0) {
+            snprintf(err, errlen, "dropin.app: %s", uerr);
+            return CG_GATEWAY_BAD_CONFIG;
+        }
+    }
+    /* Client frames arrive in pieces of 4096 bytes; a frame over it is reassembled. */
+    gw->protocols = build_protocols(cfg);
+
+    gw->mount.mountpoint = "/";
+    gw->mount.mountpoint_len = 1;
+    gw->mount.origin = cfg->web_dir;
+    gw->mount.def = "index.html";
+    gw->mount.origin_protocol = LWSMPRO_FILE;
+    gw->mount.mount_next = &gw->mount_metrics;
+    static const struct { const char *path; } ops_paths[] = {{"/metrics"}, {"/healthz"}};
+    struct lws_http_mount *ops_mounts[] = {&gw->mount_metrics, &gw->mount_healthz};
+    for (int i = 0; i < 2; i++) {
+        ops_mounts[i]->mountpoint = ops_paths[i].path;
+        ops_mounts[i]->mountpoint_len = (unsigned char)strlen(ops_paths[i].path);
+        ops_mounts[i]->protocol = CG_LWS_PROTOCOL_OPS;
+        ops_mounts[i]->origin_protocol = LWSMPRO_CALLBACK;
+    }
+    gw->mount_metrics.mount_next = &gw->mount_healthz;
+    /* the admin API: on the main listener, or only on its own (--admin-listen) */
+    gw->mount_admin.mountpoint = "/admin";
+    gw->mount_admin.mountpoint_len = 6;
+    gw->mount_admin.protocol = CG_LWS_PROTOCOL_ADMIN;
+    gw->mount_admin.origin_protocol = LWSMPRO_CALLBACK;
+    if (!cfg->admin_listen)
+        gw->mount_healthz.mount_next = &gw->mount_admin;
+
+    void *foreign_loops[1] = {loop};
+    struct lws_context_creation_info info;
+    memset(&info, 0, sizeof(info));
+    info.options = LWS_SERVER_OPTION_LIBUV | LWS_SERVER_OPTION_DO_SSL_GLOBAL_INIT |
+                   LWS_SERVER_OPTION_HTTP_HEADERS_SECURITY_BEST_PRACTICES_ENFORCE;
+    info.foreign_loops = foreign_loops;
+    info.port = cfg->listen_port;
+    info.iface = cfg->listen_host;
+    info.protocols = gw->protocols;
+    info.mounts = &gw->mount;
+    info.user = gw;
+    info.vhost_name = "chatgate";
+    info.fd_limit_per_thread = (unsigned int)(cfg->max_connections * 2 + 64);
+    info.timeout_secs = 30;
+    /* WebSocket pings when a connection is quiet (proxies drop idle ones: nginx after 60 s),
+     * and a hang-up when nothing valid, not even a pong, came for idle_timeout_s */
+    gw->retry.secs_since_valid_ping = (uint16_t)cfg->ping_interval_s;
+    gw->retry.secs_since_valid_hangup = (uint16_t)cfg->idle_timeout_s;
+    info.retry_and_idle_policy = &gw->retry;
+    info.connect_timeout_secs = 30;
+    /* Header space: every header cut at max_header_bytes (so that one too long header ends
+     * the parse normally and gets its 431), and room for several of them; lws allocates it
+     * per connection only while that connection's headers are read. */
+    for (int t = 0; t < WSI_TOKEN_COUNT; t++)
+        gw->token_limits.token_limit[t] = (unsigned short)cfg->max_header_bytes;
+    info.token_limits = &gw->token_limits;
+    info.max_http_header_data2 = (unsigned int)cfg->max_header_bytes * 4;
+    /* The one service thread's scratch buffer, which also holds a client handshake we send
+     * (drop-in forwards the client's Cookie and Authorization to the app): room for them. */
+    info.pt_serv_buf_size = (unsigned int)cfg->max_header_bytes * 4 + 4096;
+    gw->lws = lws_create_context(&info);
+    if (!gw->lws) {
+        cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
+        return -1;
+    }
+    gw->vhost = lws_get_vhost_by_name(gw->lws, "chatgate");
+    if (gw->vhost && cfg->admin_listen && start_admin_listener(gw, cfg, &info) < 0)
+        return -1;
+    if (!gw->vhost) {
+        /* lws keeps the context when only the listener failed. It is not destroyed here:
+         * outside uv_run, lws would unload its libuv plugin while the plugin's handles are
+         * still closing. The caller exits. */
+        cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
+        return -1;
+    }
+    gw->net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
+    if (open_store(gw, cfg, err, errlen) < 0)
+        return CG_GATEWAY_BAD_CONFIG;
+    gw->n_upstreams = cfg->n_upstreams;
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        cg_upstream_init(&gw->upstreams[i], &gw->net, &cfg->upstreams[i]);
+
+    uv_signal_init(loop, &gw->sig_term);
+    uv_signal_init(loop, &gw->sig_int);
+    gw->sig_term.data = gw->sig_int.data = gw;
+    uv_signal_start(&gw->sig_term, on_signal, SIGTERM);
+    uv_signal_start(&gw->sig_int, on_signal, SIGINT);
+    uv_timer_init(loop, &gw->drain);
+    gw->drain.data = gw;
+    uv_signal_init(loop, &gw->sig_hup);
+    gw->sig_hup.data = gw;
+    uv_signal_start(&gw->sig_hup, on_reload, SIGHUP);
+    signal(SIGPIPE, SIG_IGN);
+
+    cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
+            cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
+    cg_info("rules: %zu from %s", cg_ruleset_count(gw->rules), cfg->rules_dir);
+    if (cfg->dropin)
+        cg_info("drop-in: WebSocket %s... goes to the app at %s", json_string_value(json_object_get(cfg->dropin, "path")),
+                json_string_value(json_object_get(cfg->dropin, "app")));
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
+                gw->upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");
+    return 0;
+}
+
+int cg_gateway_run(cg_gateway *gw)
+{
+    uv_run(gw->loop, UV_RUN_DEFAULT);
+    if (gw->lws)
+        lws_context_destroy(gw->lws);
+    return 0;
+}

@@ -1,0 +1,194 @@
+/*
+ * ops.c: GET /healthz and GET /metrics (see ops.h), served by lws callback mounts on the
+ * same listener as the demo page. Each answer is small and written at once.
+ */
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "chatgate/core/error.h"
+#include "chatgate/server/gateway.h"
+#include "chatgate/server/ops.h"
+#include "chatgate/dialog/pipeline.h"
+
+void cg_metrics_count_pipeline(cg_metrics *mt, const cg_pipeline_result *res)
+{
+    const char *type = json_string_value(json_object_get(res->resolution, "type"));
+    if (type && strcmp(type, "cancel") != 0)
+        mt->awaiting_resolutions++;
+    if (res->cancel)
+        mt->cancels++;
+    if (res->soft_context_hit)
+        mt->soft_context_hits++;
+    if (res->enriched)
+        mt->enrichments++;
+    mt->rules_fired += json_array_size(res->rules);
+    mt->rules_limited += json_array_size(res->limited);
+}
+
+static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
+{
+    const cg_metrics *m = &gw->metrics;
+    const cg_store_stats *st = &gw->store->stats;
+    double degraded = st->degraded_seconds;
+    if (st->degraded)
+        degraded += (double)(uv_now(gw->loop) - st->degraded_since_ms) / 1000.0;
+    int n = snprintf(
+        buf, len,
+        "# HELP chatgate_connections WebSocket clients connected now.\n"
+        "# TYPE chatgate_connections gauge\nchatgate_connections %ld\n"
+        "# TYPE chatgate_messages_total counter\nchatgate_messages_total %lu\n"
+        "# TYPE chatgate_turns_total counter\n"
+        "chatgate_turns_total{end=\"done\"} %lu\nchatgate_turns_total{end=\"error\"} %lu\n"
+        "chatgate_turns_total{end=\"cancelled\"} %lu\n"
+        "# TYPE chatgate_frames_in_total counter\nchatgate_frames_in_total %lu\n"
+        "# TYPE chatgate_frames_out_total counter\nchatgate_frames_out_total %lu\n"
+        "# TYPE chatgate_bad_frames_total counter\nchatgate_bad_frames_total %lu\n"
+        "# TYPE chatgate_rate_limited_total counter\nchatgate_rate_limited_total %lu\n"
+        "# TYPE chatgate_refused_connections_total counter\nchatgate_refused_connections_total %lu\n"
+        "# TYPE chatgate_unauthorized_total counter\nchatgate_unauthorized_total %lu\n"
+        "# HELP chatgate_store_degraded 1 while Redis is away and dialogs are served from memory.\n"
+        "# TYPE chatgate_store_degraded gauge\nchatgate_store_degraded %d\n"
+        "# TYPE chatgate_store_degraded_seconds_total counter\nchatgate_store_degraded_seconds_total %.3f\n"
+        "# TYPE chatgate_store_degraded_warnings_total counter\nchatgate_store_degraded_warnings_total %lu\n"
+        "# TYPE chatgate_store_operations_total counter\n"
+        "chatgate_store_operations_total{op=\"load\"} %lu\nchatgate_store_operations_total{op=\"save\"} %lu\n"
+        "chatgate_store_operations_total{op=\"delete\"} %lu\n"
+        "# TYPE chatgate_store_errors_total counter\nchatgate_store_errors_total %lu\n"
+        "# TYPE chatgate_store_memory_answers_total counter\nchatgate_store_memory_answers_total %lu\n"
+        "# TYPE chatgate_store_reconnects_total counter\nchatgate_store_reconnects_total %lu\n"
+        "# TYPE chatgate_store_written_back_total counter\nchatgate_store_written_back_total %lu\n"
+        "# HELP chatgate_store_evictions_total Dialogs dropped by max_dialogs (count) or max_store_bytes (bytes).\n"
+        "# TYPE chatgate_store_evictions_total counter\nchatgate_store_evictions_total{reason=\"count\"} %lu\n"
+        "chatgate_store_evictions_total{reason=\"bytes\"} %lu\n"
+        "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
+        "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
+        gw->n_sessions, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
+        m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
+        m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers, st->reconnects,
+        st->flushed, st->evictions, st->evictions_bytes, st->memory_bytes);
+    if (n < 0 || (size_t)n >= len)
+        return n < 0 ? 0 : len - 1;
+    size_t used = (size_t)n;
+    n = snprintf(buf + used, len - used,
+                 "# HELP chatgate_store_writeback_pending Dialogs (and bytes) held in memory for Redis's write-back.\n"
+                 "# TYPE chatgate_store_writeback_pending gauge\nchatgate_store_writeback_pending %ld\n"
+                 "# TYPE chatgate_store_writeback_pending_bytes gauge\nchatgate_store_writeback_pending_bytes %ld\n"
+                 "# HELP chatgate_store_writeback_dropped_total Dialogs never written back: over the bound, or gone "
+                 "from memory.\n# TYPE chatgate_store_writeback_dropped_total counter\n"
+                 "chatgate_store_writeback_dropped_total{reason=\"bound\"} %lu\n"
+                 "chatgate_store_writeback_dropped_total{reason=\"gone\"} %lu\n"
+                 "# HELP chatgate_store_save_conflicts_total Saves refused: Redis held another or a newer copy.\n"
+                 "# TYPE chatgate_store_save_conflicts_total counter\nchatgate_store_save_conflicts_total %lu\n",
+                 st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
+                 st->writeback_dropped_gone, st->save_conflicts);
+    if (n < 0 || (size_t)n >= len - used)
+        return used;
+    used += (size_t)n;
+    n = snprintf(buf + used, len - used,
+                 "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
+                 "# TYPE chatgate_awaiting_resolutions_total counter\nchatgate_awaiting_resolutions_total %lu\n"
+                 "# TYPE chatgate_cancels_total counter\nchatgate_cancels_total %lu\n"
+                 "# TYPE chatgate_soft_context_hits_total counter\nchatgate_soft_context_hits_total %lu\n"
+                 "# TYPE chatgate_enrichments_total counter\nchatgate_enrichments_total %lu\n"
+                 "# TYPE chatgate_rules_fired_total counter\nchatgate_rules_fired_total %lu\n"
+                 "# HELP chatgate_rules_limited_total Rules cut off by a match limit (counted as no match).\n"
+                 "# TYPE chatgate_rules_limited_total counter\nchatgate_rules_limited_total %lu\n"
+                 "# TYPE chatgate_rules_loaded gauge\nchatgate_rules_loaded %zu\n"
+                 "# TYPE chatgate_rules_reloads_total counter\nchatgate_rules_reloads_total{result=\"ok\"} %lu\n"
+                 "chatgate_rules_reloads_total{result=\"refused\"} %lu\n"
+                 "# TYPE chatgate_routed_total counter\n",
+                 m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
+                 m->rules_limited, cg_ruleset_count(gw->rules), m->reloads, m->reload_failures);
+    if (n < 0 || (size_t)n >= len - used)
+        return used;
+    used += (size_t)n;
+    for (int i = 0; i < gw->n_upstreams && used < len; i++) {
+        n = snprintf(buf + used, len - used, "chatgate_routed_total{upstream=\"%s\"} %lu\n",
+                     gw->upstreams[i].cfg->name, m->routed[i]);
+        if (n < 0 || (size_t)n >= len - used)
+            return used;
+        used += (size_t)n;
+    }
+    n = snprintf(buf + used, len - used, "# TYPE chatgate_upstream_errors_total counter\n");
+    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
+    for (int i = 0; i < gw->n_upstreams && used < len; i++) {
+        n = snprintf(buf + used, len - used, "chatgate_upstream_errors_total{upstream=\"%s\"} %lu\n",
+                     gw->upstreams[i].cfg->name, m->upstream_errors[i]);
+        if (n < 0 || (size_t)n >= len - used)
+            return used;
+        used += (size_t)n;
+    }
+    n = snprintf(buf + used, len - used,
+                 "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n");
+    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
+    for (int code = CG__ERR_FIRST + 1; code < CG__ERR_FIRST + 1 + 16 && code < 0; code++) {
+        if (strcmp(cg_strerror(code), "unknown error") == 0)
+            break;
+        n = snprintf(buf + used, len - used, "chatgate_errors_total{code=\"%s\"} %lu\n", cg_err_code(code),
+                     m->errors[code - CG__ERR_FIRST - 1]);
+        if (n < 0 || (size_t)n >= len - used)
+            return used;
+        used += (size_t)n;
+    }
+    n = snprintf(buf + used, len - used,
+                 "# TYPE chatgate_cache_total counter\nchatgate_cache_total{result=\"hit\"} %lu\n"
+                 "chatgate_cache_total{result=\"miss\"} %lu\n"
+                 "# HELP chatgate_stage_seconds Latency per stage: store load, rules (the pipeline), first "
+                 "token (upstream start to first delta), turn (arrival to the terminal frame).\n"
+                 "# TYPE chatgate_stage_seconds histogram\n",
+                 m->cache_hits, m->cache_misses);
+    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
+    static const struct { const char *label; size_t offset; } stages[] = {
+        {"stage=\"store_load\"", offsetof(cg_metrics, store_load)},
+        {"stage=\"rules\"", offsetof(cg_metrics, rules)},
+        {"stage=\"first_token\"", offsetof(cg_metrics, first_token)},
+        {"stage=\"turn\"", offsetof(cg_metrics, turn)},
+    };
+    for (size_t i = 0; i < sizeof(stages) / sizeof(stages[0]); i++)
+        used += cg_histogram_format((const cg_histogram *)((const char *)m + stages[i].offset),
+                                    "chatgate_stage_seconds", stages[i].label, buf + used, len - used);
+    return used;
+}
+
+static int respond(struct lws *wsi, int status, const char *type, const char *body, size_t len)
+{
+    unsigned char buf[LWS_PRE + 1024];
+    unsigned char *start = buf + LWS_PRE, *p = start, *end = buf + sizeof(buf);
+    if (lws_add_http_common_headers(wsi, (unsigned int)status, type, (lws_filepos_t)len, &p, end) ||
+        lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_CACHE_CONTROL, (const unsigned char *)"no-store", 8, &p,
+                                     end) ||
+        lws_finalize_write_http_header(wsi, start, &p, end))
+        return -1;
+    if (lws_write(wsi, (unsigned char *)body, len, LWS_WRITE_HTTP_FINAL) < (int)len)
+        return -1;
+    return lws_http_transaction_completed(wsi) ? -1 : 0;
+}
+
+int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+{
+    if (reason != LWS_CALLBACK_HTTP)
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    cg_gateway *gw = cg_gateway_of(wsi);
+    char uri[64];
+    static char body[LWS_PRE + 32768];
+    char *text = body + LWS_PRE;
+    size_t cap = sizeof(body) - LWS_PRE;
+    lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI);
+    if (strcmp(uri, "/metrics") == 0) {
+        size_t n = metrics_text(gw, text, cap);
+        return respond(wsi, 200, "text/plain; version=0.0.4", text, n);
+    }
+    if (strcmp(uri, "/healthz") == 0) {
+        if (gw->stopping) {
+            int n = snprintf(text, cap, "{\"status\":\"stopping\"}\n");
+            return respond(wsi, 503, "application/json", text, (size_t)n);
+        }
+        int degraded = gw->store->stats.degraded;
+        int n = snprintf(text, cap, degraded ? "{\"status\":\"degraded\",\"store\":\"redis unreachable: serving from memory\"}\n"
+                                             : "{\"status\":\"ok\"}\n");
+        return respond(wsi, 200, "application/json", text, (size_t)n);
+    }
+    int n = snprintf(text, cap, "not found\n");
+    return respond(wsi, 404, "text/plain", text, (size_t)n);
+}

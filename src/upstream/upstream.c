@@ -1,0 +1,92 @@
+/*
+ * upstream.c: what the upstream kinds share: picking the ops for a URL's kind, reporting a
+ * failed call (the message and what the upstream itself said), and opening an lws client
+ * connection to the upstream (core/net.c does the work).
+ */
+#include <arpa/inet.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/utf8.h"
+#include "chatgate/core/log.h"
+#include "chatgate/proto/protocol.h"
+#include "chatgate/upstream/upstream.h"
+
+#define MAX_DETAIL_STRING 128 /* bytes kept of an upstream's error type or code */
+
+void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_config *cfg)
+{
+    up->net = net;
+    up->cfg = cfg;
+    switch (cfg->kind) {
+    case CG_UPSTREAM_DEMO: up->ops = &cg_upstream_demo_ops; break;
+    case CG_UPSTREAM_OPENAI: up->ops = &cg_upstream_openai_ops; break;
+    case CG_UPSTREAM_WS: up->ops = &cg_upstream_ws_ops; break;
+    }
+}
+
+/* Sets key to a copy of a string or integer value; 0 when value is neither (nothing set). */
+static int detail_set(json_t *detail, const char *key, json_t *value, int integer_ok)
+{
+    json_t *copy = NULL;
+    if (json_is_string(value)) {
+        const char *s = json_string_value(value);
+        size_t len = json_string_length(value);
+        copy = json_stringn(s, len > MAX_DETAIL_STRING ? cg_utf8_boundary(s, MAX_DETAIL_STRING) : len);
+    } else if (integer_ok && json_is_integer(value)) {
+        copy = json_integer(json_integer_value(value));
+    } else {
+        return 0;
+    }
+    return json_object_set_new(detail, key, copy); /* steals copy, even a NULL one (-1) */
+}
+
+json_t *cg_upstream_error_detail(int status, json_t *error)
+{
+    json_t *detail = json_object();
+    if (!detail)
+        return NULL;
+    if (status > 0 && json_object_set_new(detail, "status", json_integer(status)) < 0)
+        goto fail;
+    if (json_is_object(error) && (detail_set(detail, "upstream_type", json_object_get(error, "type"), 0) < 0 ||
+                                  detail_set(detail, "upstream_code", json_object_get(error, "code"), 1) < 0))
+        goto fail;
+    if (json_object_size(detail) > 0)
+        return detail;
+fail:
+    json_decref(detail);
+    return NULL;
+}
+
+void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream_config *cfg, int err, int status,
+                      json_t *error, const char *fmt, va_list ap)
+{
+    va_list again;
+    va_copy(again, ap);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    size_t prefix = strlen("upstream '' ") + strlen(cfg->name);
+    size_t size = prefix + (n > 0 ? (size_t)n : 0) + 1;
+    char *message = malloc(size);
+    if (!message)
+        abort();
+    snprintf(message, size, "upstream '%s' ", cfg->name);
+    if (n > 0)
+        vsnprintf(message + prefix, size - prefix, fmt, again);
+    va_end(again);
+    json_t *detail = cg_upstream_error_detail(status, error);
+    ev->on_error(ctx, err, message, detail);
+    json_decref(detail);
+    free(message);
+}
+
+struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path, const char *method,
+                                const char *local_protocol, void *opaque, struct lws **pwsi)
+{
+    cg_connect_spec spec = {
+        .host = up->cfg->host, .port = up->cfg->port, .tls = up->cfg->tls, .address = address, .path = path,
+        .method = method, .local_protocol = local_protocol,
+    };
+    return cg_net_connect(up->net, &spec, opaque, pwsi);
+}
+

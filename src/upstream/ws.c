@@ -1,0 +1,532 @@
+/*
+ * upstream_ws.c: a chat app's own WebSocket server (DESIGN.md section 6).
+ *
+ * One upstream connection per client connection, opened on that client's first message to
+ * this upstream and closed with the client. Each message is sent as a chatgate message
+ * frame; the app answers with delta/done/error frames carrying the same id, and frames of
+ * any other id (a cancelled message's tail, say) are dropped. Cancel sends the app
+ * {"type":"cancel","id":...}. If the app closes or cannot be reached, the message in flight
+ * gets upstream_unavailable and the next message opens a new connection. An app's error
+ * frame gives upstream_error with its message, and its "code" as upstream_code.
+ *
+ * Pausing (the client reads slowly) stops reading from the app; it belongs to the call in
+ * flight, and the first-byte and idle deadlines do not run while it lasts.
+ *
+ * A connection (ws_conn) holds a reference for its timer and one for its wsi, and is freed
+ * when both are gone. The session's slot points at the live connection; a connection that
+ * dies on its own clears the slot.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/error.h"
+#include "chatgate/core/log.h"
+#include "chatgate/upstream/upstream.h"
+
+#define MAX_APP_FRAME (1 << 20) /* one frame from the app */
+#define MAX_PENDING 16          /* frames waiting to go to the app */
+
+typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE, PHASE_NONE } conn_phase;
+
+typedef struct pending {
+    struct pending *next;
+    char *json;
+} pending;
+
+typedef struct ws_conn {
+    cg_upstream *up;
+    void **slot; /* the session's pointer to this connection; NULL once detached */
+    int refs;
+    int dead; /* closed, failed or detached: takes no more calls */
+    cg_resolve *resolve;
+    struct lws *wsi;
+    int open;
+    uv_timer_t timer;
+    conn_phase phase;
+    cg_upstream_call *call; /* the message in flight */
+    pending *out_head, *out_tail;
+    int n_out;
+    char *rx;
+    size_t rx_len;
+    int rx_too_large;
+    int paused;
+    char close_reason[128];
+    int close_sent;
+} ws_conn;
+
+struct cg_upstream_call {
+    ws_conn *conn;
+    const cg_upstream_events *ev;
+    void *ctx;
+    char *id;           /* the message's, whole: frames are matched on it */
+    size_t reply_bytes; /* of delta text relayed */
+};
+
+static void call_free(cg_upstream_call *c)
+{
+    free(c->id);
+    free(c);
+}
+
+static void conn_unref(ws_conn *k)
+{
+    if (--k->refs > 0)
+        return;
+    while (k->out_head) {
+        pending *p = k->out_head;
+        k->out_head = p->next;
+        free(p->json);
+        free(p);
+    }
+    free(k->rx);
+    free(k);
+}
+
+static void timer_closed(uv_handle_t *h)
+{
+    conn_unref(h->data);
+}
+
+static void on_timeout(uv_timer_t *t);
+
+/* Starts the phase's deadline afresh; while paused only the connect deadline runs. */
+static void arm(ws_conn *k, conn_phase phase)
+{
+    const cg_upstream_config *cfg = k->up->cfg;
+    k->phase = phase;
+    if (k->dead)
+        return;
+    if (phase == PHASE_NONE || (k->paused && phase != PHASE_CONNECT)) {
+        uv_timer_stop(&k->timer);
+        return;
+    }
+    int ms = phase == PHASE_CONNECT ? cfg->connect_timeout_ms
+             : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
+    uv_timer_start(&k->timer, on_timeout, (uint64_t)ms, 0);
+}
+
+/* Reading from the app stops while paused; the first-byte and idle deadlines with it. */
+static void conn_pause(ws_conn *k, int paused)
+{
+    if (k->paused == paused)
+        return;
+    k->paused = paused;
+    if (k->wsi && k->open)
+        lws_rx_flow_control(k->wsi, !paused);
+    if (k->phase != PHASE_CONNECT)
+        arm(k, k->phase);
+}
+
+/* The call in flight is over: the connection waits for the next, unpaused (the pause was
+ * the call's; a cancelled reply's tail is read and dropped). */
+static void call_detach(ws_conn *k)
+{
+    k->call = NULL;
+    arm(k, PHASE_NONE);
+    conn_pause(k, 0);
+}
+
+/* Ends the call in flight with an error; the connection itself is left as it is. error is
+ * the app's own error detail ({"code": ...}, borrowed) or NULL. */
+static void call_fail(ws_conn *k, int err, json_t *error, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void call_fail(ws_conn *k, int err, json_t *error, const char *fmt, ...)
+{
+    cg_upstream_call *c = k->call;
+    if (!c)
+        return;
+    call_detach(k);
+    const cg_upstream_events *ev = c->ev;
+    void *ctx = c->ctx;
+    call_free(c);
+    va_list ap;
+    va_start(ap, fmt);
+    cg_upstream_fail(ev, ctx, k->up->cfg, err, 0, error, fmt, ap);
+    va_end(ap);
+}
+
+/* {"type":"cancel","id":id}, or NULL when it cannot be built */
+static char *cancel_frame(const char *id)
+{
+    json_t *o = json_pack("{s:s, s:s}", "type", "cancel", "id", id);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
+}
+
+/* The connection is no use any more: detach from the session and close. */
+static void conn_kill(ws_conn *k)
+{
+    if (k->dead)
+        return;
+    k->dead = 1;
+    if (k->slot) {
+        *k->slot = NULL;
+        k->slot = NULL;
+    }
+    if (k->resolve) {
+        cg_resolve_abandon(k->resolve);
+        k->resolve = NULL;
+    }
+    uv_close((uv_handle_t *)&k->timer, timer_closed);
+    if (k->wsi && k->open) /* a close frame (1001) first, at the next writable */
+        lws_callback_on_writable(k->wsi);
+    else if (k->wsi)
+        lws_set_timeout(k->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT, LWS_TO_KILL_ASYNC);
+}
+
+/* The connection is dead: says goodbye with a close frame, then goes. */
+static int write_close(ws_conn *k, struct lws *wsi)
+{
+    if (k->close_sent)
+        return -1;
+    unsigned char close[LWS_PRE + 16];
+    close[LWS_PRE] = 1001 >> 8;
+    close[LWS_PRE + 1] = 1001 & 0xff;
+    memcpy(close + LWS_PRE + 2, "going away", 10);
+    lws_write(wsi, close + LWS_PRE, 12, (enum lws_write_protocol)4); /* LWS_WRITE_CLOSE, see session.c */
+    k->close_sent = 1;
+    lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, 1);
+    lws_callback_on_writable(wsi);
+    return 0;
+}
+
+/* Takes json (NULL: it could not be built, -1). */
+static int queue_frame(ws_conn *k, char *json)
+{
+    if (!json || k->n_out >= MAX_PENDING) {
+        free(json);
+        return -1;
+    }
+    pending *p = calloc(1, sizeof(*p));
+    if (!p) {
+        free(json);
+        return -1;
+    }
+    p->json = json;
+    if (k->out_tail)
+        k->out_tail->next = p;
+    else
+        k->out_head = p;
+    k->out_tail = p;
+    k->n_out++;
+    if (k->open && k->wsi)
+        lws_callback_on_writable(k->wsi);
+    return 0;
+}
+
+static void on_timeout(uv_timer_t *t)
+{
+    ws_conn *k = t->data;
+    const cg_upstream_config *cfg = k->up->cfg;
+    if (k->phase == PHASE_CONNECT) {
+        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "did not connect within %d ms (connect_timeout_ms)",
+                  cfg->connect_timeout_ms);
+        conn_kill(k);
+        return;
+    }
+    /* The app is alive but slow: tell it to stop this message, keep the connection. */
+    if (k->call)
+        queue_frame(k, cancel_frame(k->call->id));
+    if (k->phase == PHASE_FIRST_BYTE)
+        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "sent nothing within %d ms (first_byte_timeout_ms)",
+                  cfg->first_byte_timeout_ms);
+    else
+        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "went quiet for %d ms (idle_timeout_ms)", cfg->idle_timeout_ms);
+}
+
+/* ---- frames from the app -------------------------------------------------------------- */
+
+static void on_app_frame(ws_conn *k, const char *buf, size_t len)
+{
+    cg_upstream_call *c = k->call;
+    if (!c)
+        return; /* nothing in flight: a cancelled message's tail */
+    json_error_t jerr;
+    json_t *o = json_loadb(buf, len, JSON_ALLOW_NUL, &jerr); /* "\u0000" is valid JSON */
+    json_t *id = json_object_get(o, "id");
+    json_t *type = json_object_get(o, "type");
+    if (!json_is_object(o) || !json_is_string(type)) {
+        json_decref(o);
+        call_fail(k, CG_E_UPSTREAM_ERROR, NULL, "sent a frame that is not a chatgate JSON frame: %.*s",
+                  (int)(len < 80 ? len : 80), buf);
+        return;
+    }
+    if (!json_is_string(id) || strcmp(json_string_value(id), c->id) != 0) {
+        json_decref(o);
+        return; /* about another message */
+    }
+    const char *t = json_string_value(type);
+    json_t *text = json_object_get(o, "text");
+    if (strcmp(t, "delta") == 0) {
+        arm(k, PHASE_IDLE);
+        if (json_is_string(text) && json_string_length(text)) {
+            c->reply_bytes += json_string_length(text);
+            c->ev->on_delta(c->ctx, json_string_value(text), json_string_length(text));
+        }
+    } else if (strcmp(t, "done") == 0) {
+        call_detach(k);
+        const cg_upstream_events *ev = c->ev;
+        void *ctx = c->ctx;
+        /* A done with text but no deltas before it: the text is the reply. */
+        if (!c->reply_bytes && json_is_string(text) && json_string_length(text))
+            ev->on_delta(ctx, json_string_value(text), json_string_length(text));
+        call_free(c);
+        json_t *usage = json_object_get(o, "usage");
+        ev->on_done(ctx, json_is_object(usage) ? usage : NULL, json_object_get(o, "state"));
+    } else if (strcmp(t, "error") == 0) {
+        json_t *m = json_object_get(o, "message");
+        const char *what = json_is_string(m) ? json_string_value(m) : "(no message)";
+        json_t *error = json_object(); /* the app's "code"; its "type" is the frame's */
+        json_t *code = json_object_get(o, "code");
+        if (error && code && json_object_set(error, "code", code) < 0) {
+            json_decref(error);
+            error = NULL; /* the error still goes out, without the app's code */
+        }
+        if (c->reply_bytes)
+            call_fail(k, CG_E_UPSTREAM_ERROR, error, "failed mid-reply, after %zu bytes of reply "
+                      "text: %.300s", c->reply_bytes, what);
+        else
+            call_fail(k, CG_E_UPSTREAM_ERROR, error, "answered with an error: %.300s", what);
+        json_decref(error);
+    }
+    json_decref(o);
+}
+
+static void on_receive(ws_conn *k, struct lws *wsi, const char *in, size_t len)
+{
+    if (lws_is_first_fragment(wsi)) {
+        k->rx_len = 0;
+        k->rx_too_large = 0;
+    }
+    if (!k->rx_too_large) {
+        if (k->rx_len + len > MAX_APP_FRAME) {
+            k->rx_too_large = 1;
+        } else {
+            if (!k->rx && !(k->rx = malloc(MAX_APP_FRAME)))
+                abort();
+            memcpy(k->rx + k->rx_len, in, len);
+            k->rx_len += len;
+        }
+    }
+    if (!lws_is_final_fragment(wsi) || lws_frame_is_binary(wsi))
+        return;
+    if (k->rx_too_large)
+        call_fail(k, CG_E_UPSTREAM_ERROR, NULL, "sent a frame over %d bytes", MAX_APP_FRAME);
+    else
+        on_app_frame(k, k->rx, k->rx_len);
+}
+
+/* ---- the connection ------------------------------------------------------------------- */
+
+static void wsi_gone(struct lws *wsi, ws_conn *k)
+{
+    lws_set_opaque_user_data(wsi, NULL);
+    k->wsi = NULL;
+    k->open = 0;
+    conn_unref(k);
+}
+
+static int write_one(ws_conn *k, struct lws *wsi)
+{
+    pending *p = k->out_head;
+    if (!p)
+        return 0;
+    k->out_head = p->next;
+    if (!k->out_head)
+        k->out_tail = NULL;
+    k->n_out--;
+    size_t len = strlen(p->json);
+    unsigned char *buf = malloc(LWS_PRE + len);
+    if (!buf)
+        abort();
+    memcpy(buf + LWS_PRE, p->json, len);
+    int n = lws_write(wsi, buf + LWS_PRE, len, LWS_WRITE_TEXT);
+    free(buf);
+    free(p->json);
+    free(p);
+    if (n < (int)len)
+        return -1;
+    if (k->out_head)
+        lws_callback_on_writable(wsi);
+    return 0;
+}
+
+int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+{
+    ws_conn *k = lws_get_opaque_user_data(wsi);
+    if (!k)
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    switch (reason) {
+    case LWS_CALLBACK_CLIENT_ESTABLISHED:
+        if (k->dead)
+            return -1;
+        k->open = 1;
+        arm(k, k->call ? PHASE_FIRST_BYTE : PHASE_NONE);
+        if (k->paused)
+            lws_rx_flow_control(wsi, 0);
+        lws_callback_on_writable(wsi);
+        return 0;
+    case LWS_CALLBACK_CLIENT_WRITEABLE:
+        if (k->dead)
+            return write_close(k, wsi);
+        return write_one(k, wsi);
+    case LWS_CALLBACK_CLIENT_RECEIVE:
+        if (k->dead)
+            return -1;
+        on_receive(k, wsi, in, len);
+        return 0;
+    case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
+        if (len >= 2) {
+            const unsigned char *b = in;
+            snprintf(k->close_reason, sizeof(k->close_reason), " (close code %d%s%.*s)", b[0] << 8 | b[1],
+                     len > 2 ? ": " : "", (int)(len > 100 ? 98 : len - 2), (const char *)in + 2);
+        }
+        return 0;
+    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR:
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s",
+                  in ? (const char *)in : "connection failed");
+        conn_kill(k);
+        wsi_gone(wsi, k);
+        return 0;
+    case LWS_CALLBACK_CLIENT_CLOSED:
+        if (k->call && k->call->reply_bytes)
+            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection mid-reply, after %zu bytes of "
+                      "reply text%s", k->call->reply_bytes, k->close_reason);
+        else
+            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection before any reply text%s",
+                      k->close_reason);
+        conn_kill(k);
+        wsi_gone(wsi, k);
+        return 0;
+    case LWS_CALLBACK_WSI_DESTROY:
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost");
+        conn_kill(k);
+        wsi_gone(wsi, k);
+        return 0;
+    default:
+        return lws_callback_http_dummy(wsi, reason, user, in, len);
+    }
+}
+
+static void on_resolved(void *data, const char *address, const char *err)
+{
+    ws_conn *k = data;
+    k->resolve = NULL;
+    if (!address) {
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "%s ('%s')", err, k->up->cfg->host);
+        conn_kill(k);
+        return;
+    }
+    k->refs++; /* the wsi's; dropped by wsi_gone */
+    if (!cg_upstream_connect(k->up, address, k->up->cfg->path, NULL, CG_LWS_PROTOCOL_WS, k, &k->wsi) &&
+        k->refs > 1) {
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached at %s:%d", address, k->up->cfg->port);
+        conn_kill(k);
+        conn_unref(k);
+    }
+}
+
+static ws_conn *conn_new(cg_upstream *up, void **slot)
+{
+    ws_conn *k = calloc(1, sizeof(*k));
+    if (!k)
+        return NULL;
+    k->up = up;
+    k->slot = slot;
+    k->refs = 1; /* the timer's */
+    uv_timer_init(up->net->loop, &k->timer);
+    k->timer.data = k;
+    arm(k, PHASE_CONNECT);
+    *slot = k;
+    k->resolve = cg_resolve_start(up->net->loop, up->cfg->host, on_resolved, k);
+    if (!k->resolve) {
+        conn_kill(k);
+        return NULL;
+    }
+    return k;
+}
+
+static json_t *or_null(json_t *j)
+{
+    return j ? json_incref(j) : json_null();
+}
+
+/* The message frame of DESIGN.md section 6, or NULL when it cannot be built. */
+static char *message_frame(const cg_upstream_message *m)
+{
+    json_t *o = json_pack(
+        "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
+        "user", m->user, "room", m->room, "text", m->text, "enriched",
+        m->enriched ? json_string(m->enriched) : json_null(), "route", m->route, "service",
+        m->service ? json_string(m->service) : json_null(), "params", m->params ? json_incref(m->params) : json_object(),
+        "awaiting", or_null(m->awaiting), "resolution", or_null(m->resolution), "soft_context", or_null(m->soft),
+        "history", m->history ? json_incref(m->history) : json_array(), "rules",
+        m->rules ? json_incref(m->rules) : json_array(), "annotations",
+        m->annotations ? json_incref(m->annotations) : json_object());
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
+}
+
+static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,
+                    void *ctx, cg_upstream_call **out)
+{
+    ws_conn *k = *conn_slot;
+    if (!k && !(k = conn_new(up, conn_slot)))
+        return -1;
+    cg_upstream_call *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -1;
+    c->conn = k;
+    c->ev = ev;
+    c->ctx = ctx;
+    c->id = strdup(m->id);
+    if (!c->id || queue_frame(k, message_frame(m)) < 0) {
+        call_free(c);
+        return -1;
+    }
+    k->call = c;
+    conn_pause(k, 0); /* a new call starts unpaused; the session pauses it if it must */
+    if (k->open)
+        arm(k, PHASE_FIRST_BYTE);
+    *out = c;
+    return 0;
+}
+
+static void ws_cancel(cg_upstream_call *c)
+{
+    ws_conn *k = c->conn;
+    if (k->call == c) {
+        call_detach(k);
+        if (!k->dead)
+            queue_frame(k, cancel_frame(c->id));
+    }
+    call_free(c);
+}
+
+static void ws_pause(cg_upstream_call *c, int paused)
+{
+    ws_conn *k = c->conn;
+    if (k->call == c)
+        conn_pause(k, !!paused);
+}
+
+static void ws_close_conn(void *conn)
+{
+    ws_conn *k = conn;
+    k->slot = NULL; /* the session is going away with its slot */
+    if (k->call) {
+        call_free(k->call);
+        k->call = NULL;
+    }
+    conn_kill(k);
+}
+
+const cg_upstream_ops cg_upstream_ws_ops = {
+    .kind = "ws",
+    .start = ws_start,
+    .cancel = ws_cancel,
+    .pause = ws_pause,
+    .close_conn = ws_close_conn,
+};
