@@ -1,4 +1,4 @@
-// chatgate demo page: a chat client for the chatgate.v1 protocol (DESIGN.md section 3)
+// chatgate demo page: a chat client for the chatgate.v1 protocol (docs/protocol.md)
 // with a live view of the dialog state the gateway keeps for each room.
 //
 // One WebSocket to /ws of the gateway that served this page. Each message we send gets an

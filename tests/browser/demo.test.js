@@ -4,7 +4,7 @@
 // Starts the real gateway on a free local port (demo upstream, shipped rules, the clock
 // fixed at CHATGATE_NOW=2026-02-03T10:00:00Z so "next week" is 2026-02-10), drives
 // Debian's /usr/bin/chromium with playwright-core (never a downloaded browser), and:
-//   1. plays reference 000's flight turns in room "trip" and checks the context panel shows
+//   1. plays the flight search of docs/scenarios.md in room "trip" and checks the panel shows
 //      travel from=Nairobi, to=London, departure_date=2026-02-10, return_date=2026-02-20,
 //      and that each message shows its route and the rules that fired;
 //   2. sends another message, clicks Stop while it streams, and checks the reply is marked

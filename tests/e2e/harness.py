@@ -48,7 +48,7 @@ import websockets
 PROTOCOL = "chatgate.v1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A frame that ends a message. An error "not_found" is the answer to a cancel, not the end
-# of the message it names (DESIGN.md section 3), so it is not terminal.
+# of the message it names (docs/protocol.md, Ordering), so it is not terminal.
 TERMINAL_TYPES = ("done", "cancelled", "error")
 ANY = object()  # matches any id
 DEFAULT_TIMEOUT = 10.0  # seconds to wait for one expected frame (ASan builds are slow)
@@ -267,7 +267,7 @@ class Gateway:
         if was_running and code == -signal.SIGKILL:
             self.stop_note = "ignored SIGTERM for 5 s and was killed"
         elif was_running and code == -signal.SIGTERM:
-            self.stop_note = "ended by SIGTERM's default action (DESIGN.md section 8: graceful exit 0)"
+            self.stop_note = "ended by SIGTERM's default action (docs/architecture.md, Shutdown: graceful exit 0)"
         elif was_running and code != 0:
             self.stop_note = f"exited with status {code} after SIGTERM"
         if self.stop_note:
@@ -1064,7 +1064,7 @@ class FakeApp:
       /close    closes the connection as soon as a message arrives.
       /close_mid  two deltas, then closes the connection (no done).
       /state    the "state app": replies "app got: <text before STATE:>" word by word, and
-                its done carries a state directive (DESIGN.md section 5) when the test
+                its done carries a state directive (docs/state.md, The state directive) when the test
                 scripted one: the JSON after "STATE:" in the user's text, else
                 `directives[id]` (popped). "[delay=S]" in the text sleeps S seconds after
                 the first delta (for ordering and cancel tests). Every frame is recorded
@@ -1505,7 +1505,7 @@ class Client:
 
 
 def check_ack(ack, mid, room, route):
-    """An ack of a message with no rules involved: the exact shape of DESIGN.md section 3."""
+    """An ack of a message with no rules involved: the exact shape of docs/protocol.md, Server frames."""
     expected = {"type": "ack", "id": mid, "room": room, "route": route, "service": None,
                 "params": {}, "enriched": None, "resolution": None, "rules": []}
     for key, value in expected.items():
@@ -1831,7 +1831,7 @@ class RedisServer:
 
     def find_key(self, key):
         """`key` if it exists, else the same key with lower-case percent escapes if that one
-        exists (DESIGN.md does not fix the case of the hex digits), else None."""
+        exists (docs/state.md, Keys, says upper-case hex; accept either), else None."""
         lower = re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), key)
         for k in (key, lower):
             if self.type(k) != "none":
@@ -1859,7 +1859,7 @@ class RedisServer:
 
 
 def dialog_key(user, room, part, prefix="chatgate"):
-    """The Redis key of one part of a dialog (DESIGN.md section 5), ids escaped."""
+    """The Redis key of one part of a dialog (docs/state.md, Redis layout), ids escaped."""
     return f"{prefix}:{{{escape_id(user)}:{escape_id(room)}}}:{part}"
 
 
@@ -1868,7 +1868,7 @@ def rooms_key(user, prefix="chatgate"):
 
 
 def escape_id(ident):
-    """Percent-encoding of every byte outside [A-Za-z0-9_.@|-] (DESIGN.md section 4); upper-
+    """Percent-encoding of every byte outside [A-Za-z0-9_.@|-] (docs/state.md, Keys); upper-
     case hex digits. (The tests also accept lower case: see keys_match_escaped.)"""
     safe = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.@|-")
     return "".join(chr(b) if b in safe else "%%%02X" % b for b in ident.encode())
@@ -1978,7 +1978,7 @@ async def handshake_status(url, **kwargs):
 async def expect_unauthorized(url, what, **kwargs):
     """Connect with bad credentials: the gateway must send an error frame with code
     unauthorized (and id null), no hello, and close with 1008. Returns the error frame.
-    (A refusal in the HTTP handshake (401/403) is not what DESIGN.md section 3 says; it
+    (A refusal in the HTTP handshake (401/403) is not what docs/protocol.md, Identity, says; it
     fails with the status named.)"""
     kwargs.setdefault("open_timeout", DEFAULT_TIMEOUT)
     try:

@@ -1,6 +1,6 @@
 """End-to-end test of cancel, client disconnect, ordering and the per-connection queue.
 
-Covers (DESIGN.md sections 1 and 3):
+Covers (docs/architecture.md, Data path; docs/protocol.md, Ordering):
 - cancel of a reply streaming from the OpenAI upstream (/slow, a word every 100 ms): the
   client gets cancelled and no more delta for that id for 0.5 s, and the gateway closed the
   upstream request within 1 s of the cancel;

@@ -1,4 +1,4 @@
-"""End-to-end tests of drop-in mode (issue 6; DESIGN.md section 6): chatgate in front of a chat
+"""End-to-end tests of drop-in mode (issue 6; docs/protocol.md, Drop-in mode): chatgate in front of a chat
 app with its own protocol, which runs unchanged behind it, and whose unchanged client only
 connects to another URL.
 
@@ -23,7 +23,7 @@ that maps that protocol.
   chat frame; two clients at once each get their own app connection and only its frames; a
   client frame over max_frame, or an app frame over the gateway's limit, is not dropped
   silently (delivered, or close 1009);
-- reference 000's flight scenario: the second say carries chatgate.service travel and params
+- the flight search of docs/scenarios.md: the second say carries chatgate.service travel and params
   {from Nairobi, to London, departure_date 2026-02-10, return_date 2026-02-20};
 - cancel: "stop" while a long reply streams sends the app {"kind":"halt","msg_id":<id>}, the
   client sees halted and no more chunks of it; the client's own halt frame reaches the app
@@ -209,7 +209,7 @@ async def part_unchanged_client():
                     check(isinstance(cg["user"], str) and cg["user"] and sid not in cg["user"],
                           f"{mid}: chatgate.user should be a non-empty id that is not the cookie: {cg['user']!r}")
                     for k in ("type", "id", "text"):
-                        check(k not in cg, f"{mid}: chatgate.{k} should not be there (DESIGN.md section 6): {short(cg)}")
+                        check(k not in cg, f"{mid}: chatgate.{k} should not be there (docs/protocol.md, Drop-in mode): {short(cg)}")
                 non_say = [f for f in v.frames if not (isinstance(f, dict) and f.get("kind") == "say")]
                 check(not non_say, f"the app got frames the client never sent: {shorts(non_say)}")
             with step("/ws still speaks chatgate.v1 next to the drop-in path"):
@@ -413,7 +413,7 @@ async def part_flights():
             sid = await login(app)
             client = await connect(gw.ws_url("/socket?session=flights"), sid)
             sess = await app.next_session(0)
-            with step(f"reference 000, turn 1: {FLIGHT1!r}"):
+            with step(f"flight search (docs/scenarios.md), turn 1: {FLIGHT1!r}"):
                 await client.say(FLIGHT1, "f1", "trip")
                 r = await reply(client, "f1")
                 check(r.kind == "end", f"reply {shorts(r.frames)}")

@@ -1,4 +1,4 @@
-"""End-to-end test of the gateway's limits (DESIGN.md sections 3 and 8).
+"""End-to-end test of the gateway's limits (docs/protocol.md, Errors; docs/architecture.md, Back-pressure and bounds).
 
 Covers:
 - --max-connections 3: three clients connect, the fourth handshake is refused with HTTP 503,

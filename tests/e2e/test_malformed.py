@@ -1,6 +1,6 @@
 """End-to-end test: a flood of malformed frames on one connection.
 
-Covers (DESIGN.md section 3, "answers bad input with an error frame and keeps the
+Covers (docs/protocol.md, Errors: "answers bad input with an error frame and keeps the
 connection"): 10,000 malformed frames in a row (text that is not JSON, arrays, scalars,
 unknown types, missing or wrong-typed fields, binary frames), written as fast as the socket
 takes them while a reader task collects the replies concurrently. Every one of them gets an

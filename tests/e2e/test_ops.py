@@ -165,7 +165,7 @@ async def part_healthz_degraded():
                 await asyncio.sleep(0.1)
             check(status == 200 and isinstance(body, dict) and body.get("status") == "degraded",
                   f"/healthz with no Redis: expected 200 degraded, got {status} {brief(body)}")
-            check("store" in body, f"/healthz degraded should say what about the store (DESIGN 8): {brief(body)}")
+            check("store" in body, f"/healthz degraded should say what about the store (docs/architecture.md, Operations): {brief(body)}")
     with step("healthz: ok with Redis, degraded (200) after Redis is killed, ok once it is back"):
         redis = await harness.RedisServer().astart()
         try:
@@ -322,7 +322,7 @@ async def part_metrics_awaiting(app):
             fwd = [await app.wait_message(mid) for mid in ("a1", "a2", "a3")]
             check(fwd[1].get("soft_context") and fwd[2].get("soft_context"),
                   f"the fresh soft context should go along with a2 and a3: {brief(fwd[1])} {brief(fwd[2])}")
-            # reference 001: soft context is priority 2, looked at when no awaiting state resolved
+            # docs/state.md, Soft context: a hit is counted when no awaiting state resolved
             # the message; so a3 is a hit and a2 (a resolution) is not.
             m = await metrics(gw)
             expect_value(m, "chatgate_awaiting_resolutions_total", 1)

@@ -1,4 +1,4 @@
-"""End-to-end test of the chatgate.v1 client protocol (DESIGN.md section 3).
+"""End-to-end test of the chatgate.v1 client protocol (docs/protocol.md).
 
 Covers:
 - HTTP: GET / serves web/index.html (200, text/html), GET /nope is 404;
@@ -13,7 +13,7 @@ Covers:
 - bad input answered with error bad_frame and the connection keeps working (a normal message
   after each): not JSON, empty frame, JSON that is not an object, deeply nested JSON, unknown
   or missing type, missing or wrong-typed text/id/room, cancel without id, binary frames,
-  invalid UTF-8 (the gateway may instead close with 1007, which DESIGN.md allows; that is
+  invalid UTF-8 (the gateway may instead close with 1007, which RFC 6455 allows; that is
   reported, not failed);
 - a frame over --max-frame (1024) -> too_large, and the connection keeps working; a frame just
   under the limit is served.
@@ -160,7 +160,7 @@ async def test_bad_frames(gw):
         except websockets.ConnectionClosed as closed:
             check(closed.code == 1007, f"closed with {closed.code} {closed.reason!r}, expected an error "
                                        f"frame or close 1007")
-            print("   note: the gateway closed the connection with 1007 (allowed by DESIGN.md section 3)")
+            print("   note: the gateway closed the connection with 1007 (allowed by RFC 6455)")
             client = await Client.connect(gw)
         else:
             err = json.loads(raw)

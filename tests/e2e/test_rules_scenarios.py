@@ -1,5 +1,5 @@
-"""End-to-end scenarios of the rules engine with the shipped rules/ (issue 4; DESIGN.md
-sections 1, 3, 5 to 7; reference documents 000 and 001).
+"""End-to-end scenarios of the rules engine with the shipped rules/ (issue 4; the scenarios
+of docs/scenarios.md, with docs/protocol.md and docs/state.md).
 
 The gateway runs with `--rules <repo>/rules` (or a temporary copy of it) and
 CHATGATE_NOW=2026-02-03T10:00:00Z, so "next week" is 2026-02-10 and "Feb 20" 2026-02-20.
@@ -7,25 +7,25 @@ Upstreams: the harness's state app (FakeApp /state: records every forwarded fram
 carries the state directive a test scripted) and a fake OpenAI server (/ok echoes the last
 user message). Each turn checks the client's `ack` and the frame the upstream received.
 
-- reference 000 example 1: "Find me flights from Nairobi to London next week", "What about
+- the flight search: "Find me flights from Nairobi to London next week", "What about
   returning on Feb 20?" (not enriched: a param, not a follow-up), "Show me business class
   options", "Flights from Mombasa (not Nairobi) to London": ack.service travel, ack.params and
   the forwarded params merged turn by turn; "Business class please" gives cabin_class
-  "business" (reference 000's value, lowercase);
-- example 2: "Send 5000 shillings to +254712345678" (amount 5000, currency KES, recipient),
+  "business" (lowercase, as the scenario's values);
+- the payment: "Send 5000 shillings to +254712345678" (amount 5000, currency KES, recipient),
   "Send another 3000 to the same person" (amount 3000, recipient and currency kept);
-- example 3: lifetimes.params_s 2: "Flights to London on Feb 10", "Business class please"
+- params expiry: lifetimes.params_s 2: "Flights to London on Feb 10", "Business class please"
   (kept), 2.6 s later "Return date Feb 20" gives only return_date;
-- reference 001 flow 1, with a gateway whose default upstream is the LLM and a route rule
+- the selection of a listed option, with a gateway whose default upstream is the LLM and a route rule
   that sends "add ..." to the app: the app sets awaiting selection (3 Shake Shacks); "in
   Shibuya" -> resolution selection index 1 with the option, sent to the app that asked (not
   the default); "2", "the second one", "the Shinjuku one" -> index 2 (each in its own room);
   then awaiting metadata: "get the shroom burger" -> resolution metadata must_try
   "shroom burger", annotations too; after that, a message goes to the default again;
-- flow 2: "What's the weather in Tokyo?" then "And tomorrow?": ack.enriched is "What's the
+- the weather follow-up: "What's the weather in Tokyo?" then "And tomorrow?": ack.enriched is "What's the
   weather in Tokyo tomorrow?", the LLM's last user message is that text, the app's frame
   carries it in `enriched` with the original `text`;
-- flow 3: awaiting selection, "nevermind": ack.resolution cancel, forwarded (to the default
+- the cancel phrases: awaiting selection, "nevermind": ack.resolution cancel, forwarded (to the default
   upstream, not the app that asked), awaiting cleared (context.get); "stop" while a reply
   streams: that reply gets `cancelled` at once (the app gets a cancel frame), "stop" itself
   gets ack and done; the same with a slow LLM reply (its HTTP request is closed);
@@ -111,7 +111,7 @@ def rules_copy(extra=None):
 
 def check_ack(t, mid, room, route, service=harness.ANY, params=harness.ANY, resolution=harness.ANY,
               enriched=harness.ANY, fired=(), not_fired=()):
-    """The ack of turn t: DESIGN.md section 3's fields, and the ones given."""
+    """The ack of turn t: the fields of docs/protocol.md, Server frames, and the ones given."""
     ack = t.ack
     check(ack is not None, f"no ack for {mid}: {t.describe()}")
     for key in ("type", "id", "room", "route", "service", "params", "enriched", "resolution", "rules"):
@@ -134,7 +134,7 @@ def check_ack(t, mid, room, route, service=harness.ANY, params=harness.ANY, reso
 
 def check_fwd(fwd, mid, text, service=harness.ANY, params=harness.ANY, resolution=harness.ANY,
               enriched=harness.ANY, route=harness.ANY, annotations=harness.ANY):
-    """The message frame the app received for mid (DESIGN.md section 6)."""
+    """The message frame the app received for mid (docs/protocol.md, Upstreams)."""
     for key in ("type", "id", "user", "room", "text", "enriched", "route", "service", "params", "awaiting",
                 "resolution", "soft_context", "history", "rules", "annotations"):
         check(key in fwd, f"{mid}: the forwarded frame has no {key!r}: {harness.brief(fwd, 600)}")
@@ -171,7 +171,7 @@ def not_forwarded_to_app(app, mid):
 
 
 # --------------------------------------------------------------------------------------
-# Reference 000
+# The flight search and the payment (docs/scenarios.md)
 
 
 FLIGHT = {"from": "Nairobi", "to": "London", "departure_date": "2026-02-10"}
@@ -181,7 +181,7 @@ async def part_flights(gw, app):
     client = await Client.connect(gw)
     client.track()
     room = "flights"
-    with step("000 example 1, turn 1: 'Find me flights from Nairobi to London next week'"):
+    with step("flight search, turn 1: 'Find me flights from Nairobi to London next week'"):
         text = "Find me flights from Nairobi to London next week"
         t, f = await app_turn(client, app, "fl1", text, room)
         check_ack(t, "fl1", room, "app", service="travel", params=FLIGHT, resolution=None, enriched=None,
@@ -219,7 +219,7 @@ async def part_flights(gw, app):
 
 async def part_cabin_case(gw, app):
     client = await Client.connect(gw)
-    with step("'Business class please' gives cabin_class 'business' (reference 000: economy|business|first)"):
+    with step("'Business class please' gives cabin_class 'business' (values: economy|business|first)"):
         t, f = await app_turn(client, app, "cc1", "Business class please", "cabin")
         ack = check_ack(t, "cc1", "cabin", "app", service="travel", fired=("cabin_class",))
         check(ack["params"].get("cabin_class") == "business",
@@ -235,7 +235,7 @@ async def part_payment(gw, app):
     client = await Client.connect(gw)
     client.track()
     room = "wallet"
-    with step("000 example 2, turn 1: 'Send 5000 shillings to +254712345678'"):
+    with step("payment, turn 1: 'Send 5000 shillings to +254712345678'"):
         text = "Send 5000 shillings to +254712345678"
         t, f = await app_turn(client, app, "pay1", text, room)
         check_ack(t, "pay1", room, "app", service="payment", params=PAYMENT,
@@ -262,7 +262,7 @@ async def part_expiry(app):
     async with harness.Gateway(["--rules", str(SHIPPED)], config, env=ENV, name="gateway-ttl") as gw:
         client = await Client.connect(gw)
         room = "expiry"
-        with step("000 example 3 (params_s 2): 'Flights to London on Feb 10', 'Business class please' kept"):
+        with step("params expiry (params_s 2): 'Flights to London on Feb 10', 'Business class please' kept"):
             t, f = await app_turn(client, app, "ex1", "Flights to London on Feb 10", room)
             first = {"to": "London", "departure_date": "2026-02-10"}
             check_ack(t, "ex1", room, "app", service="travel", params=first, fired=("destination", "departure_date"))
@@ -283,7 +283,7 @@ async def part_expiry(app):
 
 
 # --------------------------------------------------------------------------------------
-# Reference 001 flows
+# Selection, follow-up and cancel (docs/scenarios.md)
 
 
 async def set_selection(client, app, room, mid):
@@ -297,7 +297,7 @@ async def part_flow1(gw, app, fake):
     client = await Client.connect(gw)
     client.track()
     room = "trip"
-    with step("001 flow 1: the app sets awaiting selection; 'in Shibuya' -> option 1, to the app that asked"):
+    with step("selection: the app sets awaiting selection; 'in Shibuya' -> option 1, to the app that asked"):
         await set_selection(client, app, room, "s1")
         state = await context_command(client, "context.get", room)
         aw = state.get("awaiting")
@@ -344,7 +344,7 @@ async def part_flow2_llm(gw, fake):
     client = await Client.connect(gw)
     client.track()
     room = "weather"
-    with step("001 flow 2 (LLM): 'What's the weather in Tokyo?' then 'And tomorrow?' -> enriched"):
+    with step("weather follow-up (LLM): 'What's the weather in Tokyo?' then 'And tomorrow?' -> enriched"):
         t, req = await llm_turn(client, fake, "w1", "What's the weather in Tokyo?", room)
         check_ack(t, "w1", room, "llm", enriched=None, service=None, params={})
         check(req.last_user_text == "What's the weather in Tokyo?", f"w1 request: {req.describe()}")
@@ -360,7 +360,7 @@ async def part_flow2_llm(gw, fake):
 async def part_flow2_app(gw, app):
     client = await Client.connect(gw)
     room = "weather-app"
-    with step("001 flow 2 (app): the forwarded frame has text 'And tomorrow?' and the enriched text"):
+    with step("weather follow-up (app): the forwarded frame has text 'And tomorrow?' and the enriched text"):
         await app_turn(client, app, "wa1", "What's the weather in Tokyo?", room)
         enriched = "What's the weather in Tokyo tomorrow?"
         t, f = await app_turn(client, app, "wa2", "And tomorrow?", room)
@@ -384,7 +384,7 @@ async def part_flow3_cancel(gw, app):
     client = await Client.connect(gw)
     client.track()
     room = "flow3"
-    with step("001 flow 3: awaiting selection, 'nevermind' -> resolution cancel, forwarded, awaiting cleared"):
+    with step("cancel: awaiting selection, 'nevermind' -> resolution cancel, forwarded, awaiting cleared"):
         await app_turn(client, app, "c1", "add shake shack", room, {"awaiting": SELECTION})
         t, f = await app_turn(client, app, "c2", "nevermind", room)
         check_ack(t, "c2", room, "app", resolution={"type": "cancel"}, fired=("cancel",))

@@ -5,7 +5,7 @@ A client with a small receive side (websockets max_queue=1, read_limit=64 KiB, S
 event) as fast as its socket accepts, then stops reading for 5 s. Meanwhile the gateway's
 RSS (VmRSS) and the bytes the upstream managed to write are sampled every 0.25 s.
 
-Covers (DESIGN.md section 1 and STYLE.md "slow clients get a bounded queue"):
+Covers (docs/architecture.md, Back-pressure and bounds: slow clients get a bounded queue):
 - backpressure reaches the upstream: the upstream writer stalls during the pause (less than
   1 MB written in the last 2 s of it) and has written well under the 20 MB by its end;
 - the gateway's RSS grows by less than 32 MB over its baseline during the pause;

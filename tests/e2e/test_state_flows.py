@@ -1,16 +1,16 @@
-"""End-to-end test of dialog state (issue 3; DESIGN.md sections 3, 5 and 6), run twice:
+"""End-to-end test of dialog state (issue 3; docs/state.md, docs/protocol.md), run twice:
 with the in-memory store and with a real redis-server started on a free port.
 
 State comes only from the state app's directives (harness FakeApp /state; no rule files:
 `--rules` names an empty directory), so what is checked is the gateway's keeping, merging
 and forwarding:
-- reference 000's flight turns: "Find flights from Nairobi to London on Feb 10" (the app
+- the flight search's turns (docs/scenarios.md): "Find flights from Nairobi to London on Feb 10" (the app
   sets service travel and from/to/departure_date), "What about returning on Feb 20?" (the
   app adds return_date): the 2nd forwarded frame carries the kept params, the travel
   defaults (cabin_class economy), the first exchange as history, and the 2nd ack the same
   merged params; a later value replaces a kept one (new > cached > defaults); the client's
   done never carries `state`;
-- reference 000's payment turns (amount, currency, recipient; "another 3000 to the same
+- the payment's turns (docs/scenarios.md; amount, currency, recipient; "another 3000 to the same
   person"), and travel and payment params kept apart in one room;
 - awaiting: forwarded with the next message, cleared by "awaiting": null, gone after its ttl
   (1 s) and after lifetimes.awaiting_s when the directive names no ttl; soft context
@@ -30,7 +30,7 @@ and forwarding:
   cancelled; an upstream error leaves only the user turn; no extra fields in messages.
   With Redis also: a second gateway on the same Redis (auth header, same user) sees params
   the app-side gateway kept, and its system message summarises them.
-- Redis only: the key layout of DESIGN.md section 5 (one hash tag per dialog), values as
+- Redis only: the key layout of docs/state.md, Redis layout (one hash tag per dialog), values as
   JSON, TTLs (params ~ lifetimes.params_s, dialog ~ dialog_s, history ~ history_s,
   awaiting ~ its ttl, soft ~ soft_s), the user's rooms set; a store URL with /DB and
   redis.prefix put the keys in that database under that prefix; a Redis with requirepass
@@ -129,7 +129,7 @@ async def part_flight(cx):
     user = client.hello["user"]
     room = "trip"
     app = cx.app
-    with step(cx.tag("flight turns of reference 000: first message, directive applied")):
+    with step(cx.tag("flight search turns: first message, directive applied")):
         t1, f1 = await turn(client, app, "f1", "Find flights from Nairobi to London on Feb 10", room,
                             {"service": "travel", "params": dict(FLIGHT)})
         check_ack_state(t1.ack, None, {}, "first message")
@@ -203,7 +203,7 @@ async def part_flight(cx):
             check(r.type(rooms) == "set" and room in r.smembers(rooms),
                   f"{rooms} should be a SET holding {room!r}: type {r.type(rooms)}, "
                   f"keys {r.keys('chatgate:user:*')}")
-            check(not r.keys("dialog:*"), "keys of reference 000's layout (dialog:*) in Redis")
+            check(not r.keys("dialog:*"), "keys of a one-key-per-dialog layout (dialog:*) in Redis")
     await client.close()
 
 
@@ -211,7 +211,7 @@ async def part_payment(cx):
     client = await Client.connect(cx.gw)
     room = "wallet"
     app = cx.app
-    with step(cx.tag("payment turns of reference 000")):
+    with step(cx.tag("payment turns")):
         await turn(client, app, "p1", "Send 5000 shillings to +254712345678", room,
                    {"service": "payment", "params": dict(PAYMENT)})
         t2, f2 = await turn(client, app, "p2", "Send another 3000 to the same person", room,
@@ -371,7 +371,7 @@ async def part_context(cx):
     app = cx.app
     tool = [{"flight": "KQ100", "price": 650}]
     soft = {"last_action": "searched"}
-    with step(cx.tag("context.get: the state of DESIGN.md section 3")):
+    with step(cx.tag("context.get: the state of docs/protocol.md")):
         t1, _ = await turn(client, app, "x1", "Flights Nairobi to London", "ctx",
                            {"service": "travel", "params": {"from": "Nairobi", "to": "London"},
                             "soft_context": soft, "last_tool_result": tool})

@@ -1,4 +1,4 @@
-"""End-to-end test of identity and isolation (issue 3; DESIGN.md section 4).
+"""End-to-end test of identity and isolation (issue 3; docs/protocol.md, Identity; docs/state.md, Keys).
 
 - Two users in one room see nothing of each other (context.get, context.forget/clear, the
   forwarded params, awaiting, soft context and history), with the memory and the Redis

@@ -1,4 +1,4 @@
-"""End-to-end test of Redis faults (issue 3, item 7; DESIGN.md section 5 "Store faults").
+"""End-to-end test of Redis faults (issue 3, item 7; docs/state.md, When Redis fails).
 
 50 dialogs (50 connections, auth none, one room each) talk through the state app with a
 real redis-server (redis.command_timeout_ms 1000, connect_timeout_ms 1000):

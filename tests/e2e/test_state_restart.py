@@ -1,6 +1,6 @@
 """End-to-end test: with Redis, a dialog survives a restart of the gateway (issue 3, item 8).
 
-- auth none with CHATGATE_RESUME_SECRET: reference 000's flight turns, a third message
+- auth none with CHATGATE_RESUME_SECRET: the flight search's turns, a third message
   still being answered when the gateway gets SIGTERM (it exits 0); a new gateway on the same
   Redis and secret; the client reconnects with ?resume=TOKEN and is the same user; its
   dialog is there (context.get: service, params, the history of the first two exchanges,
@@ -8,7 +8,7 @@
 - auth header with a fixed user id: the same across a restart, and the new gateway's
   next message adds to the history and the Redis keys.
 - Without CHATGATE_RESUME_SECRET the secret is random per process: a token of the old
-  gateway gives a fresh user on the new one (as DESIGN.md section 4 says).
+  gateway gives a fresh user on the new one (as docs/protocol.md, Identity, says).
 """
 
 import contextlib

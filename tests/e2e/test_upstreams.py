@@ -1,4 +1,4 @@
-"""End-to-end test of the upstream kinds and their failures (DESIGN.md section 6).
+"""End-to-end test of the upstream kinds and their failures (docs/protocol.md, Upstreams).
 
 Covers, each with a gateway whose default upstream is the one under test:
 - OpenAI-compatible, ok: the request the fake received (POST {base}/chat/completions, JSON
@@ -170,7 +170,7 @@ async def test_app_ok(app, config):
             await asyncio.sleep(0.3)
             check(app.opened == before, "the gateway opened an upstream connection before any message")
 
-        with step("WS app ok: the app gets the message frame of DESIGN.md section 6; reply relayed"):
+        with step("WS app ok: the app gets the message frame of docs/protocol.md, Upstreams; reply relayed"):
             text = "hello app backend"
             turn = await client.message(text, mid="a1", room="trip")
             turn.expect_done()
