@@ -24,14 +24,15 @@
 #include <strings.h>
 
 #include "chatgate/server/admin.h"
-#include "chatgate/server/gateway.h"
+#include "chatgate/server/handshake.h"
+#include "chatgate/server/server.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/core/log.h"
 #include "chatgate/proto/protocol.h"
 
 typedef struct admin_req {
     struct lws *wsi;
-    cg_gateway *gw;
+    cg_server *srv;
     cg_store_req *pending; /* a store call not yet answered */
     int status;
     char *body; /* JSON, malloc'd, once answered */
@@ -149,8 +150,8 @@ static void admin_request(admin_req *a, struct lws *wsi)
 /* Checks the token and routes a request for uri (lws has percent-decoded it). */
 static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_delete)
 {
-    cg_gateway *gw = a->gw;
-    cg_store *st = gw->store;
+    cg_server *srv = a->srv;
+    cg_store *st = srv->turn.store;
     const char *token = getenv("CHATGATE_ADMIN_TOKEN");
     if (!token || !*token) {
         answer_error(a, 404, "not found");
@@ -163,10 +164,10 @@ static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, in
     }
     if (strcmp(uri, "/admin/reload") == 0 && is_post) {
         char err[1024];
-        if (cg_gateway_reload_rules(gw, err, sizeof(err)) < 0)
+        if (srv->reload_rules(srv, err, sizeof(err)) < 0)
             answer(a, 422, json_pack("{s:s}", "error", err));
         else
-            answer(a, 200, json_pack("{s:I}", "rules", (json_int_t)cg_ruleset_count(gw->rules)));
+            answer(a, 200, json_pack("{s:I}", "rules", (json_int_t)cg_ruleset_count(srv->turn.rules)));
         return;
     }
     /*
@@ -238,16 +239,16 @@ int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *u
     switch (reason) {
     case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
         /* only on the admin listener (protocols[0] there): nothing here speaks WebSocket */
-        if (cg_gateway_refuse_large_headers(wsi))
+        if (cg_refuse_large_headers(wsi))
             return 1;
         cg_warn("admin: refused a WebSocket upgrade on the admin listener");
-        return cg_gateway_http_refuse(wsi, 404, "Not Found", "the admin API takes no WebSocket connections\n");
+        return cg_http_refuse(wsi, 404, "Not Found", "the admin API takes no WebSocket connections\n");
     case LWS_CALLBACK_FILTER_HTTP_CONNECTION:
-        return cg_gateway_refuse_large_headers(wsi) ? -1 : 0;
+        return cg_refuse_large_headers(wsi) ? -1 : 0;
     case LWS_CALLBACK_HTTP:
         memset(a, 0, sizeof(*a));
         a->wsi = wsi;
-        a->gw = cg_gateway_of(wsi);
+        a->srv = cg_server_of(wsi);
         /* a POST is answered once its body (ignored) has been read */
         if (lws_hdr_total_length(wsi, WSI_TOKEN_POST_URI)) {
             char cl[32];
@@ -267,7 +268,7 @@ int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *u
     case LWS_CALLBACK_CLOSED_HTTP:
     case LWS_CALLBACK_HTTP_DROP_PROTOCOL:
         if (a && a->pending) { /* the client left before the store answered */
-            a->gw->store->ops->abandon(a->pending);
+            a->srv->turn.store->ops->abandon(a->pending);
             a->pending = NULL;
         }
         if (a) {

@@ -9,13 +9,14 @@
  *              closed), written one per writable callback.
  * Past CG_DROPIN_HIGH bytes a queue pauses the side that fills it (lws rx flow control).
  *
- * One chat turn at a time: the turn in flight (its dialog, its id, the reply text read so
- * far) ends at the app's end or cancelled marker, or when the next chat frame comes, and is
- * then saved; it holds its dialog's lock (admission.h) from the load to then, so a chat frame
- * of another connection for the same dialog waits, and the frames behind it. The mapping
- * itself (which frame is what, the forwarded and relayed frames) is dropin_map.c.
- * Lifetime: the struct holds a reference for the client and one for the app connection, and
- * is freed when both are gone.
+ * A chat frame is a turn request (turn.c owns its life: admission, queue, the dialog's lock,
+ * load, pipeline, history, save): the turn hands it back through the sink's forward once the
+ * pipeline ran, with the chatgate object to add, and the frame takes its place in to_app.
+ * The app's frames about it are its reply (cg_turn_reply, cg_turn_state), its end or
+ * cancelled marker ends it (cg_turn_end); the next chat frame ends it too (supersede), and
+ * so does dropin.turn_timeout_ms of silence. The mapping itself (which frame is what, the
+ * forwarded and relayed frames) is dropin_map.c. Lifetime: the struct holds a reference for
+ * the client and one for the app connection, and is freed when both are gone.
  */
 #define _GNU_SOURCE /* asprintf */
 #include <openssl/evp.h>
@@ -24,23 +25,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chatgate/core/rate.h"
-#include "chatgate/config/dropin_config.h"
-#include "chatgate/core/utf8.h"
-#include "chatgate/store/lock.h"
-#include "chatgate/server/dropin.h"
-#include "chatgate/proto/dropin_map.h"
-#include "chatgate/core/jsonptr.h"
-#include "chatgate/core/error.h"
-#include "chatgate/server/gateway.h"
 #include "chatgate/proto/identity.h"
+#include "chatgate/config/dropin_config.h"
+#include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
-#include "chatgate/dialog/pipeline.h"
+#include "chatgate/core/net.h"
+#include "chatgate/core/utf8.h"
+#include "chatgate/proto/dropin_map.h"
 #include "chatgate/proto/protocol.h"
-#include "chatgate/server/session.h"
+#include "chatgate/server/dropin.h"
+#include "chatgate/server/handshake.h"
+#include "chatgate/server/turn.h"
 
 #define CG_DROPIN_HIGH (256 * 1024)
-#define CG_DROPIN_MAX_REPLY (1 << 20)
 
 typedef struct frame {
     struct frame *next;
@@ -56,30 +53,15 @@ typedef struct frame_queue {
     size_t bytes;
 } frame_queue;
 
-/* The chat message whose reply is in flight. */
-typedef struct turn {
-    int active;
-    char *id;   /* "" when the message had none */
-    char *room;
-    char *text;
-    char *enriched;
-    cg_dialog dialog;
-    char *reply;
-    size_t reply_len;
-    int cancelled;  /* the user cancelled: relaying stops when the app has no cancel frame */
-    int64_t arrived;
-} turn;
-
-/* A chat frame waiting for its dialog. */
+/* A chat frame on its way through its turn: its place in to_app, and the parsed frame the
+ * chatgate object is added to. The turn's opaque; back to us through forward or unsent. */
 typedef struct pending_chat {
-    struct pending_chat *next;
-    frame *slot; /* its place in to_app */
-    cg_dropin_chat chat;
-    int64_t arrived;
+    frame *slot;
+    cg_dropin_chat chat; /* frame only: id, room and text went to the turn */
 } pending_chat;
 
 struct cg_dropin {
-    cg_gateway *gw;
+    cg_server *srv;
     json_t *cfg; /* the "dropin" object (borrowed from the config) */
     struct lws *client;
     struct lws *app;
@@ -95,15 +77,8 @@ struct cg_dropin {
     frame_queue to_app, to_client;
     int client_paused, app_paused;
     int closing; /* the close frame was written; the connection goes at the next writable */
-    pending_chat *chats, *chats_tail;
-    long n_chats;       /* in chats: at most queue_limit */
-    cg_dialog_lock_waiter lock; /* the dialog's lock: waited for by chats (the head), held from
-                                 * its load to the end of its turn (admission.h) */
-    cg_store_req *load; /* the dialog of chats (the head) is loading */
-    uv_timer_t turn_timer; /* a turn whose app says nothing for turn_timeout_ms ends there */
-    cg_rate rate;       /* rate_limit, as for chatgate.v1 clients */
     int refusing;       /* chat messages over a limit are being refused (logged once) */
-    turn t;
+    cg_turns turns;     /* the chat messages of this client (turn.h) */
     char close_reason[124];
     int close_code;
     int app_failed; /* CLIENT_CONNECTION_ERROR came */
@@ -222,9 +197,6 @@ void cg_dropin_client_refuse(cg_dropin *d, int code, const char *reason)
 
 /* ---- lifetime -------------------------------------------------------------------------- */
 
-static void turn_end(cg_dropin *d, int cancelled);
-static void on_turn_timer_closed(uv_handle_t *h);
-
 static void pending_free(pending_chat *c)
 {
     cg_dropin_chat_clear(&c->chat);
@@ -237,11 +209,6 @@ static void dropin_unref(cg_dropin *d)
         return;
     queue_clear(&d->to_app);
     queue_clear(&d->to_client);
-    while (d->chats) {
-        pending_chat *c = d->chats;
-        d->chats = c->next;
-        pending_free(c);
-    }
     for (int i = 0; i < d->n_headers; i++) {
         free(d->headers[i][0]);
         free(d->headers[i][1]);
@@ -256,14 +223,8 @@ static void dropin_unref(cg_dropin *d)
 void cg_dropin_close(cg_dropin *d)
 {
     d->client_gone = 1;
-    if (d->load) {
-        d->gw->store->ops->abandon(d->load);
-        d->load = NULL;
-    }
-    if (d->t.active)
-        turn_end(d, 1); /* the client went away mid-reply: saved as cancelled (the lock goes too) */
-    cg_dialog_lock_release(d->gw->dialog_locks, &d->lock); /* held for a load, or waited for */
-    uv_close((uv_handle_t *)&d->turn_timer, on_turn_timer_closed); /* its reference goes there */
+    /* the turn in flight is saved as cancelled, the waiting ones go, their dialogs' locks too */
+    cg_turns_close(&d->turns);
     if (d->resolve) {
         cg_resolve_abandon(d->resolve);
         d->resolve = NULL;
@@ -275,74 +236,7 @@ void cg_dropin_close(cg_dropin *d)
     dropin_unref(d); /* the client's reference */
 }
 
-/* ---- turns ----------------------------------------------------------------------------- */
-
-/* The turn's end: into the history, saved, and its dialog's lock let go. */
-static void turn_end(cg_dropin *d, int cancelled)
-{
-    turn *t = &d->t;
-    if (!t->active)
-        return;
-    uv_timer_stop(&d->turn_timer);
-    cg_gateway *gw = d->gw;
-    const cg_lifetimes *lt = &gw->cfg->lifetimes;
-    int64_t now = gw->store->now(gw->store->clock_ctx);
-    /* a NULL extra (the pack failed) only leaves out the mark */
-    json_t *user_extra = t->enriched ? json_pack("{s:s}", "enriched", t->enriched) : NULL;
-    cg_dialog_push_history(&t->dialog, "user", t->text, t->arrived, lt, user_extra);
-    json_decref(user_extra);
-    if (t->reply_len) {
-        json_t *extra = cancelled || t->cancelled ? json_pack("{s:b}", "cancelled", 1) : NULL;
-        cg_dialog_push_history(&t->dialog, "assistant", t->reply, now, lt, extra);
-        json_decref(extra);
-    }
-    if (!cancelled && !t->cancelled)
-        t->dialog.turn_count++;
-    t->dialog.last_activity = now;
-    gw->store->ops->save(gw->store, d->user, t->room, &t->dialog, NULL, NULL);
-    gw->inflight_turns--;
-    cg_dialog_free(&t->dialog);
-    free(t->id);
-    free(t->room);
-    free(t->text);
-    free(t->enriched);
-    free(t->reply);
-    memset(t, 0, sizeof(*t));
-    /* last: the lock may pass to another connection's turn of this dialog at once */
-    cg_dialog_lock_release(gw->dialog_locks, &d->lock);
-}
-
-/*
- * A turn holds its dialog's lock until the app's end or cancelled marker. An app that never
- * sends one (a mapping without app_frames.end, an app that stalls mid-reply) must not hold
- * the dialog for ever: the turn ends, saved as it stands, after turn_timeout_ms (default
- * 60 s) with no frame of it from the app, and another connection's turn may go.
- */
-static void on_turn_timeout(uv_timer_t *timer);
-static void process_next_chat(cg_dropin *d);
-
-static void turn_timer_arm(cg_dropin *d)
-{
-    json_t *v = json_object_get(d->cfg, "turn_timeout_ms");
-    uint64_t ms = json_is_integer(v) ? (uint64_t)json_integer_value(v) : 60000;
-    uv_timer_start(&d->turn_timer, on_turn_timeout, ms, 0);
-}
-
-static void on_turn_timeout(uv_timer_t *timer)
-{
-    cg_dropin *d = timer->data;
-    if (!d->t.active)
-        return;
-    cg_info("dropin: the app sent nothing of the reply in flight for turn_timeout_ms: the turn ends, its "
-            "dialog is free");
-    turn_end(d, 0);
-    process_next_chat(d);
-}
-
-static void on_turn_timer_closed(uv_handle_t *h)
-{
-    dropin_unref(h->data);
-}
+/* ---- the turn's side ------------------------------------------------------------------- */
 
 /* Writes the ready frames at the head of to_app, in order. */
 static void flush_to_app(cg_dropin *d)
@@ -356,23 +250,21 @@ static void flush_to_app(cg_dropin *d)
  * the client's own cancel frame, on its way to the app, already says so), or, when the
  * mapping names none, stop relaying that reply's frames until its end marker.
  */
-static void cancel_reply(cg_dropin *d, int client_frame_sent)
+static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
 {
-    if (!d->t.active || d->t.cancelled)
-        return;
-    d->t.cancelled = 1;
+    cg_dropin *d = conn;
     if (!json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame")) {
         free(d->suppress_id);
-        d->suppress_id = strdup(d->t.id);
+        d->suppress_id = strdup(cg_turn_id(t));
         if (!d->suppress_id)
             abort();
         d->suppressing = 1;
         return;
     }
-    if (client_frame_sent)
+    if (client_said)
         return;
     size_t len = 0;
-    char *s = cg_dropin_map_cancel_frame(d->cfg, d->t.id, &len);
+    char *s = cg_dropin_map_cancel_frame(d->cfg, cg_turn_id(t), &len);
     if (!s) { /* only when out of memory: the reply goes on */
         cg_warn("dropin: the cancel frame could not be built: the reply in flight goes on");
         return;
@@ -381,153 +273,101 @@ static void cancel_reply(cg_dropin *d, int client_frame_sent)
     free(s);
 }
 
-static void process_next_chat(cg_dropin *d);
-
-/* The chatgate object a chat message reaches the app with (DESIGN.md section 6); NULL when it
- * could not be built. */
-static json_t *chatgate_object(cg_dropin *d, const pending_chat *c, cg_dialog *dialog, json_t *awaiting_before,
-                               const cg_pipeline_result *res)
+/* The chatgate object a chat message reaches the app with (docs/protocol.md, "Drop-in
+ * mode"); NULL when it could not be built. */
+static json_t *chatgate_object(const cg_turn_forward *f)
 {
-    cg_gateway *gw = d->gw;
-    const char *service = dialog->service;
-    json_t *params = cg_dialog_params_merged(dialog, service, cg_config_service_defaults(gw->cfg, service));
     json_t *object = json_pack(
-        "{s:s, s:s, s:s, s:o, s:o, s:O, s:o, s:O, s:O, s:O, s:O}", "user", d->user, "room", c->chat.room, "route",
-        "app", "service", service ? json_string(service) : json_null(), "params", params, "resolution",
-        res->resolution ? res->resolution : json_null(), "enriched",
-        res->enriched ? json_string(res->enriched) : json_null(), "soft_context",
-        dialog->soft ? dialog->soft : json_null(), "awaiting", awaiting_before ? awaiting_before : json_null(),
-        "rules", res->rules, "annotations", res->annotations);
-    if (object && res->error &&
-        json_object_set_new(object, "error", json_pack("{s:s, s:s}", "code", cg_err_code(res->error), "message",
-                                                       res->error_message)) < 0)
+        "{s:s, s:s, s:s, s:o, s:O, s:O, s:o, s:O, s:O, s:O, s:O}", "user", f->user, "room", f->room, "route", "app",
+        "service", f->service ? json_string(f->service) : json_null(), "params", f->params, "resolution",
+        f->resolution ? f->resolution : json_null(), "enriched", f->enriched ? json_string(f->enriched) : json_null(),
+        "soft_context", f->soft ? f->soft : json_null(), "awaiting", f->awaiting ? f->awaiting : json_null(), "rules",
+        f->rules, "annotations", f->annotations);
+    if (object && f->error &&
+        json_object_set_new(object, "error", json_pack("{s:s, s:s}", "code", cg_err_code(f->error), "message",
+                                                       f->error_message)) < 0)
         cg_warn("dropin: the pipeline's error could not be added to the chatgate object");
     return object;
 }
 
-static void on_chat_loaded(void *ctx, cg_dialog *dialog, const cg_store_status *st)
+/* The pipeline ran: the chat frame, with the chatgate object added, takes its place. */
+static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
 {
-    cg_dropin *d = ctx;
-    cg_gateway *gw = d->gw;
-    d->load = NULL;
-    pending_chat *c = d->chats;
-    d->chats = c->next;
-    if (!d->chats)
-        d->chats_tail = NULL;
-    d->n_chats--;
-    if (st->found)
-        gw->metrics.cache_hits++;
-    else
-        gw->metrics.cache_misses++;
-
-    int64_t now = gw->store->now(gw->store->clock_ctx);
-    dialog->message_count++;
-    dialog->last_activity = now;
-    json_t *awaiting_before = json_incref(dialog->awaiting);
-    cg_pipeline_result res;
-    cg_pipeline_run(gw->cfg, gw->rules, dialog, c->chat.text, now, &gw->cfg->lifetimes, &res);
-    gw->metrics.messages++;
-    cg_metrics_count_pipeline(&gw->metrics, &res);
+    cg_dropin *d = conn;
+    pending_chat *c = f->opaque;
+    (void)t;
     size_t len = 0;
-    char *s = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(d, c, dialog, awaiting_before, &res), &len);
-    frame *f = c->slot;
+    char *s = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(f), &len);
+    frame *slot = c->slot;
     if (s) {
-        free(f->data);
-        f->data = malloc(LWS_PRE + len);
-        if (!f->data)
+        free(slot->data);
+        slot->data = malloc(LWS_PRE + len);
+        if (!slot->data)
             abort();
-        memcpy(f->data + LWS_PRE, s, len);
-        d->to_app.bytes += len - f->len;
-        f->len = len;
+        memcpy(slot->data + LWS_PRE, s, len);
+        d->to_app.bytes += len - slot->len;
+        slot->len = len;
         free(s);
     } else { /* the frame as the client wrote it is still the app's message */
         cg_warn("dropin: the chatgate object could not be added to a chat message: forwarded as written");
     }
-    f->ready = 1;
-    json_decref(awaiting_before);
-
-    /* this message's reply is the turn in flight now (it holds the dialog's lock) */
-    turn *t = &d->t;
-    t->active = 1;
-    gw->inflight_turns++; /* a graceful shutdown waits for this reply too */
-    t->id = c->chat.id;
-    t->room = c->chat.room;
-    t->text = c->chat.text;
-    c->chat.id = c->chat.room = c->chat.text = NULL;
-    t->enriched = res.enriched ? strdup(res.enriched) : NULL;
-    t->dialog = *dialog;
-    t->arrived = c->arrived;
-    turn_timer_arm(d);
-    cg_pipeline_result_free(&res);
+    slot->ready = 1;
     pending_free(c);
     flush_to_app(d);
-    process_next_chat(d);
-}
-
-static void load_head_chat(cg_dropin *d)
-{
-    cg_store *st = d->gw->store;
-    d->load = st->ops->load(st, d->user, d->chats->chat.room, on_chat_loaded, d);
-}
-
-/* The dialog's lock passed to this connection's first waiting chat message. */
-static void on_lock_granted(cg_dialog_lock_waiter *w)
-{
-    load_head_chat(w->owner);
-}
-
-/* Loads the dialog of the first chat frame waiting, unless one is loading or waits for its
- * dialog's lock (another connection's turn of the same dialog). */
-static void process_next_chat(cg_dropin *d)
-{
-    if (d->load || d->lock.state == CG_LOCK_WAITING || !d->chats || d->client_gone)
-        return;
-    turn_end(d, 0); /* the next message: the last turn is over */
-    if (cg_dialog_lock_acquire(d->gw->dialog_locks, &d->lock, d->user, d->chats->chat.room))
-        load_head_chat(d);
-}
-
-/* ---- frames from the client ------------------------------------------------------------ */
-
-/* The rate limit and queue bound of chatgate.v1 (admission.h), for a frame marked as a chat
- * message: 1 when it may go on. Over a limit the frame is not forwarded (the app's protocol
- * has no error frame of ours), counted in chatgate_rate_limited_total, and logged once per
- * run of refusals. */
-static int chat_admitted(cg_dropin *d)
-{
-    const cg_config *cfg = d->gw->cfg;
-    const char *over = NULL;
-    if (!cg_rate_take(&d->rate, cfg->rate_per_second, cfg->rate_burst, uv_now(d->gw->loop)))
-        over = "rate_limit.messages_per_second";
-    else if (d->n_chats >= cfg->queue_limit)
-        over = "queue_limit (chat messages waiting for their dialog)";
-    if (!over) {
-        d->refusing = 0;
-        return 1;
-    }
-    d->gw->metrics.rate_limited++;
-    if (!d->refusing)
-        cg_warn("dropin: a chat message over %s: not forwarded to the app (and the next ones while over it)", over);
-    d->refusing = 1;
     return 0;
 }
 
+/* A chat message that will not be forwarded by its turn (the connection went, or the store
+ * refused its dialog): its frame goes on as the client wrote it, so what follows is not held. */
+static void sink_unsent(void *conn, void *opaque)
+{
+    cg_dropin *d = conn;
+    pending_chat *c = opaque;
+    c->slot->ready = 1;
+    pending_free(c);
+    flush_to_app(d);
+}
+
+/* A chat message refused on arrival (rate, queue bound, shutdown): not forwarded, as the
+ * app's protocol has no error frame of ours; logged once per run of refusals (counted by the
+ * turn in chatgate_rate_limited_total and chatgate_errors_total). */
+static void sink_error(void *conn, const char *id, int err, const char *message, json_t *detail)
+{
+    cg_dropin *d = conn;
+    (void)id;
+    (void)detail;
+    if (!d->refusing)
+        cg_warn("dropin: a chat message refused (%s: %s): not forwarded to the app (nor the next ones while refused)",
+                cg_err_code(err), message);
+    d->refusing = 1;
+}
+
+static const cg_turn_sink dropin_sink = {
+    .error = sink_error,
+    .forward = sink_forward,
+    .stop_forward = sink_stop_forward,
+    .unsent = sink_unsent,
+};
+
+/* ---- frames from the client ------------------------------------------------------------ */
+
 void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 {
-    d->gw->metrics.frames_in++;
+    d->srv->metrics.frames_in++;
     char why[160];
     pending_chat *c = calloc(1, sizeof(*c));
     if (!c)
         abort();
     cg_dropin_client_kind kind = cg_dropin_map_client(d->cfg, buf, len, binary, &c->chat, why, sizeof(why));
     if (kind == CG_DROPIN_CANCEL)
-        cancel_reply(d, 1); /* the client's own cancel frame goes on to the app as it is */
-    if ((kind == CG_DROPIN_CHAT || kind == CG_DROPIN_BAD_CHAT) && !chat_admitted(d)) {
-        pending_free(c);
-        return;
-    }
+        cg_turns_cancel_current(&d->turns); /* the client's own cancel frame goes on to the app as it is */
     if (kind == CG_DROPIN_BAD_CHAT) { /* the app's own frame, but not a message of ours */
-        d->gw->metrics.bad_frames++;
+        if (cg_turns_admit(&d->turns, "") != 0) { /* still charged to the rate limit */
+            pending_free(c);
+            return;
+        }
+        d->refusing = 0;
+        d->srv->metrics.bad_frames++;
         cg_warn("dropin: a frame marked as a chat message passes through untouched, not as one: %s", why);
     }
     if (kind != CG_DROPIN_CHAT) {
@@ -535,21 +375,20 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
         to_app(d, frame_new(buf, len, binary)); /* untouched */
         return;
     }
-    c->arrived = d->gw->store->now(d->gw->store->clock_ctx);
-    /* a cancel phrase acts at once on the reply in flight (DESIGN.md section 1) */
-    if (cg_rules_cancels(d->gw->rules, c->chat.text))
-        cancel_reply(d, 0);
     c->slot = frame_new(buf, len, 0);
     c->slot->ready = 0;
-    queue_push(&d->to_app, c->slot);
+    cg_turn_request r = {
+        .kind = CG_TURN_CHAT, .id = c->chat.id, .room = c->chat.room, .text = c->chat.text, .opaque = c,
+    };
+    c->chat.id = c->chat.room = c->chat.text = NULL;
+    if (cg_turns_submit(&d->turns, &r) != 0) { /* refused: not forwarded */
+        frame_free(c->slot);
+        pending_free(c);
+        return;
+    }
+    d->refusing = 0;
+    queue_push(&d->to_app, c->slot); /* held until the turn forwards it, and what follows too */
     dropin_flow(d);
-    if (d->chats_tail)
-        d->chats_tail->next = c;
-    else
-        d->chats = c;
-    d->chats_tail = c;
-    d->n_chats++;
-    process_next_chat(d);
 }
 
 int cg_dropin_client_idle(cg_dropin *d)
@@ -572,9 +411,9 @@ int cg_dropin_client_writable(cg_dropin *d)
         lws_callback_on_writable(d->client);
     } else {
         int n = lws_write(d->client, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
-        d->gw->metrics.frames_out++;
+        d->srv->metrics.frames_out++;
         rc = n < (int)f->len ? -1 : 0;
-        if (d->to_client.head || d->gw->closing_all)
+        if (d->to_client.head || d->srv->closing_all)
             lws_callback_on_writable(d->client);
     }
     frame_free(f);
@@ -584,20 +423,6 @@ int cg_dropin_client_writable(cg_dropin *d)
 
 /* ---- frames from the app --------------------------------------------------------------- */
 
-/* Keeps the reply's text for the history, up to CG_DROPIN_MAX_REPLY bytes. */
-static void turn_keep_reply(turn *t, const char *text, size_t n)
-{
-    if (t->reply_len + n >= CG_DROPIN_MAX_REPLY)
-        return;
-    char *r = realloc(t->reply, t->reply_len + n + 1);
-    if (!r)
-        abort();
-    t->reply = r;
-    memcpy(t->reply + t->reply_len, text, n);
-    t->reply_len += n;
-    t->reply[t->reply_len] = 0;
-}
-
 static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 {
     cg_dropin_app_frame a;
@@ -606,8 +431,8 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         to_client(d, frame_new(buf, len, binary));
         return;
     }
-    turn *t = &d->t;
-    int ours = t->active && cg_dropin_app_frame_about(&a, t->id);
+    cg_turn *t = cg_turns_forwarded(&d->turns);
+    int ours = t && cg_dropin_app_frame_about(&a, cg_turn_id(t));
     int suppressed = d->suppressing && (a.id ? cg_dropin_app_frame_about(&a, d->suppress_id) : a.text != NULL);
     if (suppressed) {
         /* the rest of a cancelled reply (no cancel frame to send): not relayed; its end
@@ -619,22 +444,16 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         cg_dropin_app_frame_clear(&a);
         return;
     }
-    if (a.state && ours) {
-        char err[256];
-        if (cg_dialog_apply_directive(&t->dialog, a.state, "app", d->gw->store->now(d->gw->store->clock_ctx),
-                                      &d->gw->cfg->lifetimes, err, sizeof(err)) < 0)
-            cg_warn("dropin: state from the app refused: %s", err);
-    }
-    if (ours)
-        turn_timer_arm(d); /* the app is still answering */
-    if (ours && a.text)
-        turn_keep_reply(t, a.text, a.text_len);
+    if (a.state && ours)
+        cg_turn_state(t, a.state, "app");
+    if (ours) /* the app is still answering: text for the history, and its silence bound again */
+        cg_turn_reply(t, a.text ? a.text : "", a.text ? a.text_len : 0);
     if (rc < 0) /* never relay the directive: the client must not see it */
         cg_warn("dropin: an app frame without its state directive could not be written: not relayed");
     else
         to_client(d, frame_new(a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0));
     if (ours && (a.end || a.cancelled))
-        turn_end(d, a.cancelled);
+        cg_turn_end(t, a.cancelled);
     cg_dropin_app_frame_clear(&a);
 }
 
@@ -716,7 +535,7 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
             d->app_rx_too_large = 0;
         }
         if (!d->app_rx_too_large &&
-            !rx_buf_append(&d->app_rx, &d->app_rx_len, &d->app_rx_cap, in, len, (size_t)d->gw->cfg->max_frame * 16))
+            !rx_buf_append(&d->app_rx, &d->app_rx_len, &d->app_rx_cap, in, len, (size_t)d->srv->cfg->max_frame * 16))
             d->app_rx_too_large = 1;
         if (!lws_is_final_fragment(wsi))
             return 0;
@@ -777,7 +596,7 @@ static void on_app_resolved(void *data, const char *address, const char *err)
 {
     cg_dropin *d = data;
     d->resolve = NULL;
-    cg_upstream_config *u = &d->gw->dropin_app;
+    cg_upstream_config *u = &d->srv->dropin_app;
     if (!address) {
         cg_warn("dropin: %s ('%s')", err, u->host);
         close_client(d, 1014, "the app could not be reached");
@@ -794,7 +613,7 @@ static void on_app_resolved(void *data, const char *address, const char *err)
         .origin = d->origin[0] ? d->origin : NULL, /* the browser's, so the app's own check still works */
         .local_protocol = CG_LWS_PROTOCOL_DROPIN_APP,
     };
-    if (!cg_net_connect(&d->gw->net, &spec, d, &d->app) && !d->app_failed) { /* refused before any callback said so */
+    if (!cg_net_connect(&d->srv->net, &spec, d, &d->app) && !d->app_failed) { /* refused before any callback said so */
         d->app = NULL;
         close_client(d, 1014, "the app could not be reached");
         dropin_unref(d);
@@ -806,7 +625,7 @@ static void on_app_resolved(void *data, const char *address, const char *err)
  * words", from lws's url-decoded fragments, encoded again), all at their real length (a
  * query is as long as the header space allows). NULL when out of memory.
  */
-static char *app_path(cg_gateway *gw, struct lws *client)
+static char *app_path(const cg_server *srv, struct lws *client)
 {
     char *out = NULL, *scratch = NULL;
     size_t outlen = 0;
@@ -815,7 +634,7 @@ static char *app_path(cg_gateway *gw, struct lws *client)
         return NULL;
     int ulen = lws_hdr_total_length(client, WSI_TOKEN_GET_URI);
     scratch = malloc((size_t)(ulen > 0 ? ulen : 0) + 1);
-    const char *base = gw->dropin_app.path && strcmp(gw->dropin_app.path, "/") ? gw->dropin_app.path : "";
+    const char *base = srv->dropin_app.path && strcmp(srv->dropin_app.path, "/") ? srv->dropin_app.path : "";
     if (scratch && lws_hdr_copy(client, scratch, ulen + 1, WSI_TOKEN_GET_URI) >= 0)
         fprintf(f, "%s%s", base, scratch);
     for (int idx = 0;; idx++) {
@@ -854,7 +673,7 @@ static void copy_headers(cg_dropin *d, struct lws *client)
     json_t *defaults = NULL;
     if (!names)
         names = defaults = json_pack("[s, s]", "Cookie", "Authorization");
-    size_t cap = (size_t)d->gw->cfg->max_header_bytes * 4 + 1;
+    size_t cap = (size_t)d->srv->cfg->max_header_bytes * 4 + 1;
     char *value = malloc(cap);
     size_t i;
     json_t *name;
@@ -887,55 +706,21 @@ static void copy_headers(cg_dropin *d, struct lws *client)
     json_decref(defaults);
 }
 
-int cg_dropin_user_from_cookie(cg_gateway *gw, struct lws *client, char *out, size_t outlen)
-{
-    const char *name = json_string_value(json_object_get(gw->cfg->dropin, "user_cookie"));
-    int total = lws_hdr_total_length(client, WSI_TOKEN_HTTP_COOKIE);
-    if (!name || total <= 0)
-        return -1;
-    /* copied at its real length: big cookie headers (up to max_header_bytes) are common */
-    char *cookies = malloc((size_t)total + 1);
-    if (!cookies || lws_hdr_copy(client, cookies, total + 1, WSI_TOKEN_HTTP_COOKIE) <= 0) {
-        free(cookies);
-        return -1;
-    }
-    int rc = -1;
-    size_t nl = strlen(name);
-    for (char *p = cookies; p && *p;) {
-        while (*p == ' ' || *p == ';')
-            p++;
-        char *end = strchr(p, ';');
-        if (end)
-            *end = 0;
-        if (strncmp(p, name, nl) == 0 && p[nl] == '=' && p[nl + 1]) {
-            unsigned char md[32];
-            unsigned int mdlen = 0;
-            EVP_Digest(p + nl + 1, strlen(p + nl + 1), md, &mdlen, EVP_sha256(), NULL);
-            snprintf(out, outlen, "c_%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x", md[0], md[1], md[2], md[3],
-                     md[4], md[5], md[6], md[7], md[8], md[9], md[10], md[11]);
-            rc = 0;
-            break;
-        }
-        p = end ? end + 1 : NULL;
-    }
-    free(cookies);
-    return rc;
-}
-
-cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)
+cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *name)
 {
     cg_dropin *d = calloc(1, sizeof(*d));
     if (!d)
         return NULL;
-    d->gw = gw;
-    d->cfg = gw->cfg->dropin;
+    d->srv = srv;
+    d->cfg = srv->cfg->dropin;
     d->client = client;
-    d->refs = 3; /* the client's, the app connection's and the turn timer's */
-    d->lock.granted = on_lock_granted;
-    d->lock.owner = d;
-    cg_rate_init(&d->rate, gw->cfg->rate_burst, uv_now(gw->loop));
+    d->refs = 2; /* the client's and the app connection's */
     snprintf(d->user, sizeof(d->user), "%s", user);
-    d->path = app_path(gw, client);
+    cg_turns_init(&d->turns, &srv->turn, &dropin_sink, d, d->user, name);
+    d->turns.supersede = 1; /* the app's protocol may have no end marker: the next message ends a turn */
+    json_t *tt = json_object_get(d->cfg, "turn_timeout_ms");
+    d->turns.reply_timeout_ms = json_is_integer(tt) ? (uint64_t)json_integer_value(tt) : 60000;
+    d->path = app_path(srv, client);
     if (!d->path) {
         free(d);
         return NULL;
@@ -946,15 +731,13 @@ cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user)
     copy_headers(d, client);
     if (lws_hdr_copy(client, d->origin, sizeof(d->origin), WSI_TOKEN_ORIGIN) <= 0)
         d->origin[0] = 0;
-    d->resolve = cg_resolve_start(gw->loop, gw->dropin_app.host, on_app_resolved, d);
+    d->resolve = cg_resolve_start(srv->net.loop, srv->dropin_app.host, on_app_resolved, d);
     if (!d->resolve) {
         free(d->path);
         free(d->subprotocol);
         free(d);
         return NULL;
     }
-    uv_timer_init(gw->loop, &d->turn_timer); /* closed by cg_dropin_close */
-    d->turn_timer.data = d;
     cg_info("dropin: a client connected; opening the app connection");
     return d;
 }

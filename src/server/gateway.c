@@ -1,6 +1,6 @@
 /*
  * gateway.c: the server: one libuv loop shared by libwebsockets (as a foreign loop), the
- * upstream clients and every timer (DESIGN.md section 10).
+ * upstream clients and every timer (docs/architecture.md, "Threading").
  *
  * The vhost listens on --listen, serves the web directory at / (lws's file mount: missing
  * files are 404), takes WebSocket connections on /ws with the chatgate.v1 protocol (also
@@ -12,7 +12,7 @@
  * in silence (lws's own answer to a full header space). lws asks protocols[0] about every
  * request before it is routed, so protocols[0]'s callback is front_callback, which checks
  * the size and passes everything else on to the session callback; the admin listener's own
- * callback does the same check (cg_gateway_refuse_large_headers).
+ * callback does the same check (cg_refuse_large_headers, handshake.c).
  */
 #define _GNU_SOURCE /* asprintf */
 #include <uv.h>
@@ -29,59 +29,10 @@
 #include "chatgate/server/dropin.h"
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/gateway.h"
+#include "chatgate/server/handshake.h"
+#include "chatgate/server/ops.h"
 #include "chatgate/core/log.h"
 #include "chatgate/server/session.h"
-
-/*
- * Writes a whole HTTP answer by hand ("connection: close", a text body) and returns 1. At
- * the upgrade stage lws_return_http_status() would say "HTTP/1.0", which strict WebSocket
- * clients take for no answer.
- */
-int cg_gateway_http_refuse(struct lws *wsi, int status, const char *reason, const char *body)
-{
-    char *text;
-    int n = asprintf(&text, "%*sHTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %zu\r\n"
-                            "cache-control: no-store\r\nconnection: close\r\n\r\n%s",
-                     LWS_PRE, "", status, reason, strlen(body), body);
-    if (n < 0)
-        return -1;
-    lws_write(wsi, (unsigned char *)text + LWS_PRE, (size_t)n - LWS_PRE, LWS_WRITE_HTTP_HEADERS);
-    free(text);
-    return 1;
-}
-
-/*
- * Sums the request's headers as lws kept them. Every header is cut at max_header_bytes by
- * lws (the token limits), so one that reaches it was longer.
- */
-static int headers_too_large(struct lws *wsi, long limit, long *total)
-{
-    *total = 0;
-    int over = 0;
-    for (int t = 0; t < WSI_TOKEN_COUNT; t++) {
-        int n = lws_hdr_total_length(wsi, (enum lws_token_indexes)t);
-        if (n >= limit)
-            over = 1;
-        *total += n > 0 ? n : 0;
-    }
-    return over || *total > limit;
-}
-
-int cg_gateway_refuse_large_headers(struct lws *wsi)
-{
-    cg_gateway *gw = cg_gateway_of(wsi);
-    long total;
-    if (!headers_too_large(wsi, gw->cfg->max_header_bytes, &total))
-        return 0;
-    cg_warn("refused a request with %ld bytes of headers or more, over max_header_bytes (%ld): 431", total,
-            gw->cfg->max_header_bytes);
-    gw->metrics.refused_connections++;
-    char body[160];
-    snprintf(body, sizeof(body), "the request's headers are over %ld bytes (a cookie or token too long?)\n",
-             gw->cfg->max_header_bytes);
-    cg_gateway_http_refuse(wsi, 431, "Request Header Fields Too Large", body);
-    return 1;
-}
 
 /*
  * protocols[0]: lws asks it about every request of the main listener before routing it
@@ -92,11 +43,11 @@ static int front_callback(struct lws *wsi, enum lws_callback_reasons reason, voi
 {
     switch (reason) {
     case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
-        if (cg_gateway_refuse_large_headers(wsi))
+        if (cg_refuse_large_headers(wsi))
             return 1; /* answered */
         break;
     case LWS_CALLBACK_FILTER_HTTP_CONNECTION:
-        if (cg_gateway_refuse_large_headers(wsi))
+        if (cg_refuse_large_headers(wsi))
             return -1; /* answered; lws closes the connection */
         break;
     case LWS_CALLBACK_WSI_DESTROY: {
@@ -152,23 +103,21 @@ static struct lws_protocols *build_protocols(const cg_config *cfg)
     return p;
 }
 
-cg_gateway *cg_gateway_of(struct lws *wsi)
+/* Loads the rules again (SIGHUP, POST /admin/reload): 0, or -1 with err; the running set
+ * stays on failure. srv is the gateway's own (its first member). */
+static int gateway_reload_rules(cg_server *srv, char *err, size_t errlen)
 {
-    return lws_context_user(lws_get_context(wsi));
-}
-
-int cg_gateway_reload_rules(cg_gateway *gw, char *err, size_t errlen)
-{
+    cg_gateway *gw = (cg_gateway *)srv;
     cg_ruleset *rs;
-    if (cg_rules_load(gw->cfg->rules_dir, &rs, err, errlen) < 0) {
-        gw->metrics.reload_failures++;
+    if (cg_rules_load(gw->srv.cfg->rules_dir, &rs, err, errlen) < 0) {
+        gw->srv.metrics.reload_failures++;
         cg_error("rules: reload refused, the running set stays: %s", err);
         return -1;
     }
-    cg_ruleset_unref(gw->rules); /* messages in flight keep the old set until they end */
-    gw->rules = rs;
-    gw->metrics.reloads++;
-    cg_info("rules: reloaded %zu rules from %s", cg_ruleset_count(rs), gw->cfg->rules_dir);
+    cg_ruleset_unref(gw->srv.turn.rules); /* messages in flight keep the old set until they end */
+    gw->srv.turn.rules = rs;
+    gw->srv.metrics.reloads++;
+    cg_info("rules: reloaded %zu rules from %s", cg_ruleset_count(rs), gw->srv.cfg->rules_dir);
     return 0;
 }
 
@@ -177,7 +126,7 @@ static void on_reload(uv_signal_t *sig, int signum)
 {
     (void)signum;
     char err[1024];
-    cg_gateway_reload_rules(sig->data, err, sizeof(err));
+    gateway_reload_rules(sig->data, err, sizeof(err));
 }
 
 static void free_secrets(cg_gateway *gw);
@@ -185,10 +134,10 @@ static void free_secrets(cg_gateway *gw);
 void cg_gateway_abort(cg_gateway *gw)
 {
     /* the lws context, when there is one, is left to the exit (see cg_gateway_start) */
-    cg_ruleset_unref(gw->rules);
-    gw->rules = NULL;
-    json_decref(gw->dialog_locks);
-    gw->dialog_locks = NULL;
+    cg_ruleset_unref(gw->srv.turn.rules);
+    gw->srv.turn.rules = NULL;
+    json_decref(gw->srv.turn.locks);
+    gw->srv.turn.locks = NULL;
     free_secrets(gw);
 }
 
@@ -197,7 +146,7 @@ static void gateway_stop(cg_gateway *gw);
 static void on_drain_tick(uv_timer_t *t)
 {
     cg_gateway *gw = t->data;
-    if (gw->closing_all || gw->inflight_turns == 0 || uv_now(gw->loop) >= gw->drain_deadline)
+    if (gw->srv.closing_all || gw->srv.turn.inflight == 0 || uv_now(gw->loop) >= gw->drain_deadline)
         gateway_stop(gw);
 }
 
@@ -207,11 +156,11 @@ static void gateway_stop(cg_gateway *gw)
 {
     if (!gw->lws)
         return;
-    if (!gw->closing_all) {
+    if (!gw->srv.closing_all) {
         /* first every client gets a close frame (1001, going away), then the context goes */
-        if (gw->inflight_turns)
-            cg_warn("shutdown: %ld replies still running at the deadline are cancelled", gw->inflight_turns);
-        gw->closing_all = 1;
+        if (gw->srv.turn.inflight)
+            cg_warn("shutdown: %ld replies still running at the deadline are cancelled", gw->srv.turn.inflight);
+        gw->srv.closing_all = 1;
         for (size_t i = 0; gw->protocols[i].name; i++)
             if (is_session_callback(gw->protocols[i].callback))
                 lws_callback_on_writable_all_protocol(gw->lws, &gw->protocols[i]);
@@ -225,20 +174,20 @@ static void gateway_stop(cg_gateway *gw)
     uv_signal_stop(&gw->sig_int);
     uv_signal_stop(&gw->sig_hup);
     /* With a foreign loop, destroying the context closes its handles; the loop then runs
-     * until they are gone (DESIGN.md section 10). */
+     * until they are gone (docs/architecture.md, "Threading"). */
     lws_context_destroy(gw->lws);
     gw->lws = NULL;
-    if (gw->store) {
-        gw->store->ops->close(gw->store);
-        gw->store = NULL;
+    if (gw->srv.turn.store) {
+        gw->srv.turn.store->ops->close(gw->srv.turn.store);
+        gw->srv.turn.store = NULL;
     }
     uv_close((uv_handle_t *)&gw->sig_term, NULL);
     uv_close((uv_handle_t *)&gw->sig_int, NULL);
     uv_close((uv_handle_t *)&gw->sig_hup, NULL);
-    cg_ruleset_unref(gw->rules);
-    gw->rules = NULL;
-    json_decref(gw->dialog_locks); /* empty: every session has closed */
-    gw->dialog_locks = NULL;
+    cg_ruleset_unref(gw->srv.turn.rules);
+    gw->srv.turn.rules = NULL;
+    json_decref(gw->srv.turn.locks); /* empty: every session has closed */
+    gw->srv.turn.locks = NULL;
     free_secrets(gw);
     cg_info("stopped cleanly");
 }
@@ -252,15 +201,15 @@ static void gateway_stop(cg_gateway *gw)
 static void on_signal(uv_signal_t *sig, int signum)
 {
     cg_gateway *gw = sig->data;
-    if (gw->stopping) {
+    if (gw->srv.turn.stopping) {
         cg_info("signal %d again: stopping now", signum);
         gateway_stop(gw);
         return;
     }
-    gw->stopping = 1;
-    gw->drain_deadline = uv_now(gw->loop) + (uint64_t)gw->cfg->shutdown_timeout_s * 1000;
-    cg_info("signal %d: stopping; %ld replies in flight may finish within %ld s", signum, gw->inflight_turns,
-            gw->cfg->shutdown_timeout_s);
+    gw->srv.turn.stopping = 1;
+    gw->drain_deadline = uv_now(gw->loop) + (uint64_t)gw->srv.cfg->shutdown_timeout_s * 1000;
+    cg_info("signal %d: stopping; %ld replies in flight may finish within %ld s", signum, gw->srv.turn.inflight,
+            gw->srv.cfg->shutdown_timeout_s);
     uv_timer_start(&gw->drain, on_drain_tick, 0, 50);
 }
 
@@ -271,35 +220,35 @@ static void load_secrets(cg_gateway *gw, const cg_config *cfg)
     /* copied whole: a secret cut to a buffer's size would be another secret */
     const char *resume = getenv("CHATGATE_RESUME_SECRET");
     if (resume && *resume) {
-        gw->resume_secret_len = strlen(resume);
-        gw->resume_secret = (unsigned char *)strdup(resume);
+        gw->srv.resume_secret_len = strlen(resume);
+        gw->srv.resume_secret = (unsigned char *)strdup(resume);
     } else {
-        gw->resume_secret_len = 32;
-        gw->resume_secret = malloc(32);
-        if (gw->resume_secret && RAND_bytes(gw->resume_secret, 32) != 1)
+        gw->srv.resume_secret_len = 32;
+        gw->srv.resume_secret = malloc(32);
+        if (gw->srv.resume_secret && RAND_bytes(gw->srv.resume_secret, 32) != 1)
             abort();
     }
     const char *jwt = getenv("CHATGATE_JWT_SECRET");
     if (strcmp(cfg->auth, "jwt") == 0 && jwt) {
-        gw->jwt_secret_len = strlen(jwt);
-        gw->jwt_secret = (unsigned char *)strdup(jwt);
+        gw->srv.jwt_secret_len = strlen(jwt);
+        gw->srv.jwt_secret = (unsigned char *)strdup(jwt);
     } else {
-        gw->jwt_secret = (unsigned char *)strdup("");
+        gw->srv.jwt_secret = (unsigned char *)strdup("");
     }
-    if (!gw->resume_secret || !gw->jwt_secret)
+    if (!gw->srv.resume_secret || !gw->srv.jwt_secret)
         abort();
 }
 
 static void free_secrets(cg_gateway *gw)
 {
-    if (gw->resume_secret)
-        OPENSSL_cleanse(gw->resume_secret, gw->resume_secret_len);
-    if (gw->jwt_secret)
-        OPENSSL_cleanse(gw->jwt_secret, gw->jwt_secret_len);
-    free(gw->resume_secret);
-    free(gw->jwt_secret);
-    gw->resume_secret = gw->jwt_secret = NULL;
-    gw->resume_secret_len = gw->jwt_secret_len = 0;
+    if (gw->srv.resume_secret)
+        OPENSSL_cleanse(gw->srv.resume_secret, gw->srv.resume_secret_len);
+    if (gw->srv.jwt_secret)
+        OPENSSL_cleanse(gw->srv.jwt_secret, gw->srv.jwt_secret_len);
+    free(gw->srv.resume_secret);
+    free(gw->srv.jwt_secret);
+    gw->srv.resume_secret = gw->srv.jwt_secret = NULL;
+    gw->srv.resume_secret_len = gw->srv.jwt_secret_len = 0;
 }
 
 /* --admin-listen: a vhost of its own that serves /admin and nothing else. */
@@ -339,8 +288,8 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     sc.writeback_max_bytes = cfg->redis_writeback_max_bytes;
     sc.lifetimes = cfg->lifetimes;
     char msg[256];
-    gw->store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));
-    if (!gw->store) {
+    gw->srv.turn.store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));
+    if (!gw->srv.turn.store) {
         snprintf(err, errlen, "store: %s", msg);
         return -1;
     }
@@ -350,18 +299,21 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
 int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen)
 {
     memset(gw, 0, sizeof(*gw));
-    gw->cfg = cfg;
+    gw->srv.cfg = cfg;
     gw->loop = loop;
+    gw->srv.reload_rules = gateway_reload_rules;
+    /* what every turn gets: the members below, as they are filled */
+    gw->srv.turn = (cg_turn_env){.cfg = cfg, .loop = loop, .upstreams = gw->srv.upstreams, .metrics = &gw->srv.metrics};
     load_secrets(gw, cfg);
-    gw->dialog_locks = json_object();
+    gw->srv.turn.locks = json_object();
     char rerr[1024];
-    if (cg_rules_load(cfg->rules_dir, &gw->rules, rerr, sizeof(rerr)) < 0) {
+    if (cg_rules_load(cfg->rules_dir, &gw->srv.turn.rules, rerr, sizeof(rerr)) < 0) {
         snprintf(err, errlen, "rules: %s", rerr);
         return CG_GATEWAY_BAD_CONFIG;
     }
     if (cfg->dropin) {
         char uerr[256];
-        if (cg_config_parse_upstream_url(&gw->dropin_app, json_string_value(json_object_get(cfg->dropin, "app")),
+        if (cg_config_parse_upstream_url(&gw->srv.dropin_app, json_string_value(json_object_get(cfg->dropin, "app")),
                                          uerr, sizeof(uerr)) < 0) {
             snprintf(err, errlen, "dropin.app: %s", uerr);
             return CG_GATEWAY_BAD_CONFIG;
@@ -403,7 +355,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     info.iface = cfg->listen_host;
     info.protocols = gw->protocols;
     info.mounts = &gw->mount;
-    info.user = gw;
+    info.user = &gw->srv; /* cg_server_of() */
     info.vhost_name = "chatgate";
     info.fd_limit_per_thread = (unsigned int)(cfg->max_connections * 2 + 64);
     info.timeout_secs = 30;
@@ -438,12 +390,12 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
         return -1;
     }
-    gw->net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
+    gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
     if (open_store(gw, cfg, err, errlen) < 0)
         return CG_GATEWAY_BAD_CONFIG;
-    gw->n_upstreams = cfg->n_upstreams;
+    gw->srv.turn.n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++)
-        cg_upstream_init(&gw->upstreams[i], &gw->net, &cfg->upstreams[i]);
+        cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i]);
 
     uv_signal_init(loop, &gw->sig_term);
     uv_signal_init(loop, &gw->sig_int);
@@ -459,13 +411,13 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
 
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
             cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
-    cg_info("rules: %zu from %s", cg_ruleset_count(gw->rules), cfg->rules_dir);
+    cg_info("rules: %zu from %s", cg_ruleset_count(gw->srv.turn.rules), cfg->rules_dir);
     if (cfg->dropin)
         cg_info("drop-in: WebSocket %s... goes to the app at %s", json_string_value(json_object_get(cfg->dropin, "path")),
                 json_string_value(json_object_get(cfg->dropin, "app")));
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
-                gw->upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");
+                gw->srv.upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");
     return 0;
 }
 

@@ -7,32 +7,17 @@
 #include <string.h>
 
 #include "chatgate/core/error.h"
-#include "chatgate/server/gateway.h"
+#include "chatgate/server/server.h"
 #include "chatgate/server/ops.h"
 #include "chatgate/dialog/pipeline.h"
 
-void cg_metrics_count_pipeline(cg_metrics *mt, const cg_pipeline_result *res)
+static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
 {
-    const char *type = json_string_value(json_object_get(res->resolution, "type"));
-    if (type && strcmp(type, "cancel") != 0)
-        mt->awaiting_resolutions++;
-    if (res->cancel)
-        mt->cancels++;
-    if (res->soft_context_hit)
-        mt->soft_context_hits++;
-    if (res->enriched)
-        mt->enrichments++;
-    mt->rules_fired += json_array_size(res->rules);
-    mt->rules_limited += json_array_size(res->limited);
-}
-
-static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
-{
-    const cg_metrics *m = &gw->metrics;
-    const cg_store_stats *st = &gw->store->stats;
+    const cg_metrics *m = &srv->metrics;
+    const cg_store_stats *st = &srv->turn.store->stats;
     double degraded = st->degraded_seconds;
     if (st->degraded)
-        degraded += (double)(uv_now(gw->loop) - st->degraded_since_ms) / 1000.0;
+        degraded += (double)(uv_now(srv->net.loop) - st->degraded_since_ms) / 1000.0;
     int n = snprintf(
         buf, len,
         "# HELP chatgate_connections WebSocket clients connected now.\n"
@@ -63,7 +48,7 @@ static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
         "chatgate_store_evictions_total{reason=\"bytes\"} %lu\n"
         "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
         "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
-        gw->n_sessions, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
+        srv->n_sessions, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
         m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
         m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers, st->reconnects,
         st->flushed, st->evictions, st->evictions_bytes, st->memory_bytes);
@@ -99,22 +84,22 @@ static size_t metrics_text(cg_gateway *gw, char *buf, size_t len)
                  "chatgate_rules_reloads_total{result=\"refused\"} %lu\n"
                  "# TYPE chatgate_routed_total counter\n",
                  m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
-                 m->rules_limited, cg_ruleset_count(gw->rules), m->reloads, m->reload_failures);
+                 m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures);
     if (n < 0 || (size_t)n >= len - used)
         return used;
     used += (size_t)n;
-    for (int i = 0; i < gw->n_upstreams && used < len; i++) {
+    for (int i = 0; i < srv->turn.n_upstreams && used < len; i++) {
         n = snprintf(buf + used, len - used, "chatgate_routed_total{upstream=\"%s\"} %lu\n",
-                     gw->upstreams[i].cfg->name, m->routed[i]);
+                     srv->upstreams[i].cfg->name, m->routed[i]);
         if (n < 0 || (size_t)n >= len - used)
             return used;
         used += (size_t)n;
     }
     n = snprintf(buf + used, len - used, "# TYPE chatgate_upstream_errors_total counter\n");
     used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
-    for (int i = 0; i < gw->n_upstreams && used < len; i++) {
+    for (int i = 0; i < srv->turn.n_upstreams && used < len; i++) {
         n = snprintf(buf + used, len - used, "chatgate_upstream_errors_total{upstream=\"%s\"} %lu\n",
-                     gw->upstreams[i].cfg->name, m->upstream_errors[i]);
+                     srv->upstreams[i].cfg->name, m->upstream_errors[i]);
         if (n < 0 || (size_t)n >= len - used)
             return used;
         used += (size_t)n;
@@ -169,22 +154,22 @@ int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
 {
     if (reason != LWS_CALLBACK_HTTP)
         return lws_callback_http_dummy(wsi, reason, user, in, len);
-    cg_gateway *gw = cg_gateway_of(wsi);
+    cg_server *srv = cg_server_of(wsi);
     char uri[64];
     static char body[LWS_PRE + 32768];
     char *text = body + LWS_PRE;
     size_t cap = sizeof(body) - LWS_PRE;
     lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI);
     if (strcmp(uri, "/metrics") == 0) {
-        size_t n = metrics_text(gw, text, cap);
+        size_t n = metrics_text(srv, text, cap);
         return respond(wsi, 200, "text/plain; version=0.0.4", text, n);
     }
     if (strcmp(uri, "/healthz") == 0) {
-        if (gw->stopping) {
+        if (srv->turn.stopping) {
             int n = snprintf(text, cap, "{\"status\":\"stopping\"}\n");
             return respond(wsi, 503, "application/json", text, (size_t)n);
         }
-        int degraded = gw->store->stats.degraded;
+        int degraded = srv->turn.store->stats.degraded;
         int n = snprintf(text, cap, degraded ? "{\"status\":\"degraded\",\"store\":\"redis unreachable: serving from memory\"}\n"
                                              : "{\"status\":\"ok\"}\n");
         return respond(wsi, 200, "application/json", text, (size_t)n);

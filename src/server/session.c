@@ -1,41 +1,35 @@
 /*
  * session.c: one client WebSocket connection speaking chatgate.v1 (see session.h).
  *
- * State lives in struct cg_session, which libwebsockets allocates (zeroed) per connection
- * and frees after LWS_CALLBACK_CLOSED. Three bounded queues hang off it:
+ * The session is an adapter: it turns frames into turn requests (turn.c owns what happens to
+ * them) and the turn's events into frames. State lives in struct cg_session, which
+ * libwebsockets allocates (zeroed) per connection and frees after LWS_CALLBACK_CLOSED. Two
+ * bounded buffers hang off it, besides the turns' queue:
  *   - the receive buffer of the frame being reassembled (at most --max-frame bytes);
- *   - the messages waiting for the reply in flight (at most queue_limit);
  *   - the frames waiting to be written (high-water mark send_buffer; deltas of one message
  *     coalesce into one pending frame, so a slow client holds text, not frames).
- * Frames are written only from LWS_CALLBACK_SERVER_WRITEABLE, one lws_write each.
+ * Frames are written only from LWS_CALLBACK_SERVER_WRITEABLE, one lws_write each. A
+ * connection on the drop-in path is a session too, whose frames go to dropin.c.
  */
 #include <uv.h>
 #include <libwebsockets.h>
 
-#include <openssl/rand.h>
-#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
-#include "chatgate/core/rate.h"
-#include "chatgate/core/utf8.h"
-#include "chatgate/store/lock.h"
-#include "chatgate/dialog/dialog.h"
-#include "chatgate/server/dropin.h"
 #include "chatgate/core/error.h"
-#include "chatgate/server/gateway.h"
-#include "chatgate/proto/identity.h"
 #include "chatgate/core/log.h"
-#include "chatgate/dialog/pipeline.h"
+#include "chatgate/proto/identity.h"
 #include "chatgate/proto/protocol.h"
+#include "chatgate/server/dropin.h"
+#include "chatgate/server/handshake.h"
+#include "chatgate/server/server.h"
 #include "chatgate/server/session.h"
+#include "chatgate/server/turn.h"
 
 /* Text of one pending delta frame is cut here, so no single frame grows large. */
 #define CG_DELTA_CHUNK 16384
-
-typedef struct cg_msg cg_msg;
 
 /* One frame waiting to be written: a finished JSON frame, or delta text still growing. */
 typedef struct cg_out {
@@ -46,41 +40,9 @@ typedef struct cg_out {
     size_t len, cap; /* json or text length; text capacity */
 } cg_out;
 
-/*
- * One client request, from arrival to its terminal frame: a chat message, or a context
- * command (which waits its turn too, so it sees the state the message before it left).
- * A turn is: load the dialog -> pipeline -> ack -> upstream -> reply -> save.
- */
-typedef enum { MSG_CHAT, MSG_CONTEXT_GET, MSG_CONTEXT_FORGET, MSG_CONTEXT_CLEAR } msg_kind;
-
-struct cg_msg {
-    cg_msg *next;
-    cg_session *s;
-    msg_kind kind;
-    char id[CG_MAX_ID + 1];
-    char room[CG_MAX_ROOM + 1];
-    char *text;
-    json_t *keys;         /* context.forget */
-    cg_ruleset *rules;    /* the rule set this message started with (a reference) */
-    cg_dialog_lock_waiter lock; /* its dialog's lock, held from load to save (admission.h) */
-    int64_t arrived;      /* unix seconds */
-    uint64_t t_arrived, t_load, t_upstream; /* uv_hrtime() of arrival, load start, upstream start */
-    int got_first;        /* the first delta came (first-token latency) */
-    int counted;          /* in gw->inflight_turns (shutdown waits for it) */
-    char *enriched;       /* the pipeline's rewrite, kept for the history */
-    cg_store_req *load;   /* while the dialog loads */
-    cg_dialog dialog;     /* once loaded */
-    int has_dialog;
-    int route;
-    cg_upstream_call *call; /* while in flight */
-    char *reply;            /* the whole reply, up to max_reply_bytes */
-    size_t reply_len, reply_cap;
-    int truncated;
-};
-
 struct cg_session {
     struct lws *wsi;
-    cg_gateway *gw;
+    cg_server *srv;
     int established;
     int unauthorized; /* close with 1008 once the error frame is out */
     int close_sent;   /* a close frame went out: the connection goes at the next writable */
@@ -97,13 +59,7 @@ struct cg_session {
     int upstream_paused;
     int client_paused;
 
-    cg_msg *inflight;
-    cg_msg *queue_head, *queue_tail;
-    long queued;
-
-    cg_rate rate; /* rate_limit: a token bucket (admission.h) */
-
-    void *up_conns[CG_MAX_UPSTREAMS]; /* per-client upstream connections (ws kind) */
+    cg_turns turns;    /* the messages of this connection (turn.h) */
     cg_dropin *dropin; /* drop-in mode: this connection speaks the app's protocol (dropin.h) */
 };
 
@@ -130,15 +86,12 @@ static void out_free(cg_out *o)
  */
 static void session_flow(cg_session *s)
 {
-    size_t high = (size_t)s->gw->cfg->send_buffer;
+    size_t high = (size_t)s->srv->cfg->send_buffer;
     int want_upstream_paused = s->upstream_paused ? s->out_bytes > high / 4 : s->out_bytes > high;
     int want_client_paused = s->client_paused ? s->out_bytes > high / 4 : s->out_bytes > 2 * high;
     if (want_upstream_paused != s->upstream_paused) {
         s->upstream_paused = want_upstream_paused;
-        if (s->inflight && s->inflight->call) {
-            const cg_upstream *up = &s->gw->upstreams[s->inflight->route];
-            up->ops->pause(s->inflight->call, want_upstream_paused);
-        }
+        cg_turns_pause(&s->turns, want_upstream_paused);
     }
     if (want_client_paused != s->client_paused) {
         s->client_paused = want_client_paused;
@@ -169,27 +122,17 @@ static void session_send(cg_session *s, char *json)
     out_push(s, o);
 }
 
-/* An error frame; detail (borrowed, may be NULL) adds what an upstream said. */
-static void session_send_error_detail(cg_session *s, const char *id, int err, const char *message, json_t *detail)
-{
-    int slot = err - CG__ERR_FIRST - 1;
-    if (slot >= 0 && slot < 16)
-        s->gw->metrics.errors[slot]++;
-    if (err == CG_E_BAD_FRAME || err == CG_E_TOO_LARGE)
-        s->gw->metrics.bad_frames++;
-    else if (err == CG_E_RATE_LIMITED)
-        s->gw->metrics.rate_limited++;
-    session_send(s, cg_protocol_error_detail(id, cg_err_code(err), message, detail));
-}
-
+/* An error of the session's own (a bad frame, a refused client): counted, then sent. */
 static void session_send_error(cg_session *s, const char *id, int err, const char *message)
 {
-    session_send_error_detail(s, id, err, message, NULL);
+    cg_turn_count_error(&s->srv->metrics, err);
+    session_send(s, cg_protocol_error_detail(id, cg_err_code(err), message, NULL));
 }
 
 /* Appends delta text, to the pending delta of the same message when there is one. */
-static void session_send_delta(cg_session *s, const char *id, const char *text, size_t len)
+static void session_send_delta(void *conn, const char *id, const char *text, size_t len)
 {
+    cg_session *s = conn;
     cg_out *o = s->out_tail;
     if (!o || o->json || strcmp(o->delta_id, id) != 0 || o->len + len > CG_DELTA_CHUNK) {
         o = calloc(1, sizeof(*o));
@@ -239,24 +182,6 @@ static int session_write_close(cg_session *s, int code, const char *reason)
     return 0;
 }
 
-int cg_ws_close_payload_check(const void *payload, size_t len)
-{
-    const unsigned char *p = payload;
-    if (len == 0)
-        return 0;
-    if (len == 1)
-        return LWS_CLOSE_STATUS_PROTOCOL_ERR;
-    int code = p[0] << 8 | p[1];
-    if (code < 1000 || code > 4999 || code == 1004 || code == 1005 || code == 1006 || code == 1015 ||
-        (code >= 1016 && code <= 2999))
-        return LWS_CLOSE_STATUS_PROTOCOL_ERR;
-    json_t *reason = json_stringn((const char *)p + 2, len - 2); /* NULL when not UTF-8 */
-    if (!reason)
-        return LWS_CLOSE_STATUS_INVALID_PAYLOAD;
-    json_decref(reason);
-    return 0;
-}
-
 /*
  * A close frame from the client. lws 4.1.6 answers codes under 1000, 1004-1006, 1015 and
  * 1016-2999 with 1002 itself, but echoes a 1-byte payload, a code over 4999 and a reason that
@@ -279,7 +204,7 @@ static int session_peer_close(cg_session *s, const void *in, size_t len)
 static int session_write_one(cg_session *s)
 {
     cg_out *o = s->out_head;
-    if (s->gw->closing_all && !o) /* shutdown: what was queued is out; a close frame, then the end */
+    if (s->srv->closing_all && !o) /* shutdown: what was queued is out; a close frame, then the end */
         return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
     if (!o && s->unauthorized) /* the error frame is out: now the close frame */
         return session_write_close(s, LWS_CLOSE_STATUS_POLICY_VIOLATION, "unauthorized");
@@ -302,448 +227,92 @@ static int session_write_one(cg_session *s)
     out_free(o);
     int n = lws_write(s->wsi, buf + LWS_PRE, len, LWS_WRITE_TEXT);
     free(buf);
-    s->gw->metrics.frames_out++;
+    s->srv->metrics.frames_out++;
     if (n < (int)len)
         return -1;
-    if (s->out_head || s->unauthorized || s->gw->closing_all) /* a close goes in a writable of its own */
+    if (s->out_head || s->unauthorized || s->srv->closing_all) /* a close goes in a writable of its own */
         lws_callback_on_writable(s->wsi);
     session_flow(s);
     return 0;
 }
 
-/* ---- turns --------------------------------------------------------------------------- */
+/* ---- the turn's events as frames ------------------------------------------------------ */
 
-static void msg_free(cg_msg *m)
+static void sink_ack(void *conn, const cg_ack *ack)
 {
-    if (m->counted)
-        m->s->gw->inflight_turns--;
-    cg_dialog_lock_release(m->s->gw->dialog_locks, &m->lock);
-    cg_ruleset_unref(m->rules);
-    free(m->enriched);
-    if (m->has_dialog)
-        cg_dialog_free(&m->dialog);
-    json_decref(m->keys);
-    free(m->text);
-    free(m->reply);
-    free(m);
+    session_send(conn, cg_protocol_ack(ack));
 }
 
-static int64_t session_now(cg_session *s)
+static void sink_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated)
 {
-    return s->gw->store->now(s->gw->store->clock_ctx);
+    session_send(conn, cg_protocol_done(id, reply, len, usage, truncated));
 }
 
-static void session_pump(cg_session *s);
-static int msg_load(cg_msg *m);
-
-/* The request in flight ended (its terminal frame is queued): start the next one. */
-static void msg_finish(cg_msg *m)
+static void sink_cancelled(void *conn, const char *id)
 {
-    cg_session *s = m->s;
-    if (s->inflight == m)
-        s->inflight = NULL;
-    if (m->kind == MSG_CHAT)
-        cg_histogram_observe(&s->gw->metrics.turn, (double)(uv_hrtime() - m->t_arrived) / 1e9);
-    msg_free(m);
-    session_pump(s);
+    session_send(conn, cg_protocol_cancelled(id));
 }
 
-typedef enum { TURN_DONE, TURN_ERROR, TURN_CANCELLED, TURN_ABSORBED } turn_end;
-
-/*
- * Records the turn in the dialog and saves it: the user's message always joins the history;
- * the reply joins it when done, and when cancelled (what the user saw of it, marked
- * "cancelled"); an error leaves no assistant turn. The save needs no answer: the store
- * orders it before any later load of the same dialog.
- */
-static void turn_save(cg_msg *m, turn_end end)
+/* Counted by the turn already. */
+static void sink_error(void *conn, const char *id, int err, const char *message, json_t *detail)
 {
-    cg_session *s = m->s;
-    const cg_lifetimes *lt = &s->gw->cfg->lifetimes;
-    int64_t now = session_now(s);
-    cg_dialog *d = &m->dialog;
-    json_t *user_extra = m->enriched ? json_pack("{s:s}", "enriched", m->enriched) : NULL;
-    cg_dialog_push_history(d, "user", m->text, m->arrived, lt, user_extra);
-    json_decref(user_extra);
-    if (end == TURN_DONE || (end == TURN_CANCELLED && m->reply_len > 0)) {
-        json_t *extra = end == TURN_CANCELLED ? json_pack("{s:b}", "cancelled", 1) : NULL;
-        cg_dialog_push_history(d, "assistant", m->reply ? m->reply : "", now, lt, extra);
-        json_decref(extra);
-    }
-    if (end == TURN_DONE || end == TURN_ABSORBED)
-        d->turn_count++;
-    unsigned long *count = end == TURN_DONE || end == TURN_ABSORBED ? &s->gw->metrics.turns_done
-                           : end == TURN_ERROR ? &s->gw->metrics.turns_error : &s->gw->metrics.turns_cancelled;
-    (*count)++;
-    d->last_activity = now;
-    s->gw->store->ops->save(s->gw->store, s->user, m->room, d, NULL, NULL);
+    session_send(conn, cg_protocol_error_detail(id, cg_err_code(err), message, detail));
 }
 
-/* Keeps the reply for the done frame, up to max_reply_bytes cut on a UTF-8 boundary. */
-static void msg_keep_reply(cg_msg *m, const char *text, size_t len)
+static void sink_warning(void *conn, const char *id, const char *code, const char *message)
 {
-    size_t max = (size_t)m->s->gw->cfg->max_reply_bytes;
-    if (m->truncated)
-        return;
-    if (m->reply_len + len > max) {
-        len = cg_utf8_boundary(text, max - m->reply_len);
-        m->truncated = 1;
-    }
-    if (m->reply_len + len + 1 > m->reply_cap) {
-        size_t ncap = m->reply_cap ? m->reply_cap : 256;
-        while (ncap < m->reply_len + len + 1)
-            ncap *= 2;
-        char *nr = realloc(m->reply, ncap);
-        if (!nr)
-            abort();
-        m->reply = nr;
-        m->reply_cap = ncap;
-    }
-    memcpy(m->reply + m->reply_len, text, len);
-    m->reply_len += len;
-    m->reply[m->reply_len] = 0;
+    session_send(conn, cg_protocol_warning(id, code, message));
 }
 
-static void on_upstream_delta(void *ctx, const char *text, size_t len)
+static void sink_context(void *conn, const char *room, json_t *state)
 {
-    cg_msg *m = ctx;
-    if (len == 0)
-        return;
-    if (!m->got_first) {
-        m->got_first = 1;
-        cg_histogram_observe(&m->s->gw->metrics.first_token, (double)(uv_hrtime() - m->t_upstream) / 1e9);
-    }
-    msg_keep_reply(m, text, len);
-    session_send_delta(m->s, m->id, text, len);
+    session_send(conn, cg_protocol_context(room, state));
 }
 
-static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
-{
-    cg_msg *m = ctx;
-    cg_session *s = m->s;
-    m->call = NULL;
-    if (state) {
-        char err[256];
-        int rc = cg_dialog_apply_directive(&m->dialog, state, s->gw->upstreams[m->route].cfg->name, session_now(s),
-                                           &s->gw->cfg->lifetimes, err, sizeof(err));
-        if (rc < 0) {
-            /* the reply itself is fine: a warning, then its done */
-            cg_warn("session %s: message %s: state from upstream '%s' refused: %s", s->session_id, m->id,
-                    s->gw->upstreams[m->route].cfg->name, err);
-            session_send(s, cg_protocol_warning(m->id, cg_err_code(rc), err));
-        }
-    }
-    session_send(s, cg_protocol_done(m->id, m->reply ? m->reply : "", m->reply_len, usage, m->truncated));
-    turn_save(m, TURN_DONE);
-    msg_finish(m);
-}
-
-static void on_upstream_error(void *ctx, int err, const char *message, json_t *detail)
-{
-    cg_msg *m = ctx;
-    m->call = NULL;
-    m->s->gw->metrics.upstream_errors[m->route]++;
-    cg_info("session %s: message %s: %s: %s", m->s->session_id, m->id, cg_err_code(err), message);
-    session_send_error_detail(m->s, m->id, err, message, detail);
-    turn_save(m, TURN_ERROR);
-    msg_finish(m);
-}
-
-static const cg_upstream_events upstream_events = {
-    .on_delta = on_upstream_delta,
-    .on_done = on_upstream_done,
-    .on_error = on_upstream_error,
+static const cg_turn_sink session_sink = {
+    .ack = sink_ack,
+    .delta = session_send_delta,
+    .done = sink_done,
+    .cancelled = sink_cancelled,
+    .error = sink_error,
+    .warning = sink_warning,
+    .context = sink_context,
 };
 
-/* A chat message with its dialog loaded: pipeline, ack, upstream. */
-static void turn_start(cg_msg *m)
+/* ---- frames from the client ------------------------------------------------------------ */
+
+static char *dup_or_die(const char *s)
 {
-    cg_session *s = m->s;
-    cg_gateway *gw = s->gw;
-    cg_dialog *d = &m->dialog;
-    d->message_count++;
-    d->last_activity = session_now(s);
-
-    json_t *awaiting_before = json_incref(d->awaiting); /* forwarded as it was */
-    cg_pipeline_result res;
-    uint64_t t0 = uv_hrtime();
-    cg_pipeline_run(gw->cfg, m->rules, d, m->text, session_now(s), &gw->cfg->lifetimes, &res);
-    cg_histogram_observe(&gw->metrics.rules, (double)(uv_hrtime() - t0) / 1e9);
-    cg_metrics_count_pipeline(&gw->metrics, &res);
-    if (res.error) { /* params over the cap: refused, nothing forwarded */
-        session_send_error(s, m->id, res.error, res.error_message);
-        json_decref(awaiting_before);
-        cg_pipeline_result_free(&res);
-        turn_save(m, TURN_ERROR);
-        msg_finish(m);
-        return;
-    }
-    m->route = res.route;
-    if (res.enriched)
-        m->enriched = strdup(res.enriched);
-    cg_upstream *up = &gw->upstreams[m->route];
-    json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(gw->cfg, d->service));
-    cg_ack ack = {
-        .id = m->id, .room = m->room, .route = up->cfg->name, .service = d->service, .enriched = res.enriched,
-        .params = params, .resolution = res.resolution, .rules = res.rules,
-    };
-    session_send(s, cg_protocol_ack(&ack));
-    if (res.absorb) { /* `cancel absorb`: answered here */
-        session_send(s, cg_protocol_done(m->id, "", 0, NULL, 0));
-        json_decref(awaiting_before);
-        json_decref(params);
-        cg_pipeline_result_free(&res);
-        turn_save(m, TURN_ABSORBED);
-        msg_finish(m);
-        return;
-    }
-
-    char *summary = cg_dialog_summary(d, params, res.resolution, res.annotations);
-    cg_upstream_message um = {
-        .id = m->id, .user = s->user, .room = m->room, .text = m->text, .route = up->cfg->name,
-        .service = d->service, .params = params, .awaiting = awaiting_before, .soft = d->soft,
-        .history = d->history, .summary = summary, .enriched = res.enriched, .resolution = res.resolution,
-        .annotations = res.annotations, .rules = res.rules,
-    };
-    gw->metrics.routed[m->route]++;
-    m->t_upstream = uv_hrtime();
-    int rc = up->ops->start(up, &s->up_conns[m->route], &um, &upstream_events, m, &m->call);
-    free(summary);
-    json_decref(params);
-    json_decref(awaiting_before);
-    cg_pipeline_result_free(&res);
-    if (rc < 0) {
-        session_send_error(s, m->id, CG_E_INTERNAL, "the upstream request could not be started");
-        turn_save(m, TURN_ERROR);
-        msg_finish(m);
-        return;
-    }
-    if (s->upstream_paused)
-        up->ops->pause(m->call, 1);
+    char *d = strdup(s);
+    if (!d)
+        abort();
+    return d;
 }
 
-/* context.get, context.forget, context.clear: on the caller's own dialog only. */
-static void context_command(cg_msg *m)
-{
-    cg_session *s = m->s;
-    cg_store *st = s->gw->store;
-    if (m->kind == MSG_CONTEXT_FORGET) {
-        if (cg_dialog_forget(&m->dialog, m->keys) > 0)
-            st->ops->save(st, s->user, m->room, &m->dialog, NULL, NULL);
-    } else if (m->kind == MSG_CONTEXT_CLEAR) {
-        st->ops->remove(st, s->user, m->room, NULL, NULL);
-        cg_dialog_free(&m->dialog);
-        cg_dialog_init(&m->dialog, session_now(s));
-    }
-    json_t *state = cg_dialog_context(&m->dialog);
-    session_send(s, cg_protocol_context(m->room, state));
-    json_decref(state);
-    msg_finish(m);
-}
-
-static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *status)
-{
-    cg_msg *m = ctx;
-    cg_metrics *mt = &m->s->gw->metrics;
-    m->load = NULL;
-    m->dialog = *d; /* ours now */
-    m->has_dialog = 1;
-    cg_histogram_observe(&mt->store_load, (double)(uv_hrtime() - m->t_load) / 1e9);
-    if (m->kind == MSG_CHAT && status->found) /* reference 001's cache: a message found its dialog */
-        mt->cache_hits++;
-    else if (m->kind == MSG_CHAT)
-        mt->cache_misses++;
-    if (status->warn) {
-        m->s->gw->metrics.degraded_warnings++;
-        session_send(m->s, cg_protocol_warning(m->kind == MSG_CHAT ? m->id : NULL, "store_degraded",
-                                               "state kept in memory: Redis unreachable"));
-    }
-    if (m->kind == MSG_CHAT)
-        turn_start(m);
-    else
-        context_command(m);
-}
-
-/* Starts loading m's dialog; -1 (with an error frame sent) when the store refused. */
-static int msg_load(cg_msg *m)
-{
-    cg_session *s = m->s;
-    cg_store *st = s->gw->store;
-    m->t_load = uv_hrtime();
-    m->load = st->ops->load(st, s->user, m->room, on_dialog_loaded, m);
-    if (m->load)
-        return 0;
-    session_send_error(s, m->kind == MSG_CHAT ? m->id : NULL, CG_E_INTERNAL, "the dialog could not be loaded");
-    return -1;
-}
-
-/*
- * One turn at a time per dialog (admission.h): a message holds its dialog's lock from load
- * to save; when another connection's turn of the dialog holds it, the message waits, and
- * starts here when the lock passes to it.
- */
-static void on_lock_granted(cg_dialog_lock_waiter *w)
-{
-    cg_msg *m = w->owner;
-    if (msg_load(m) < 0) { /* cannot happen with the shipped stores; keep the line moving */
-        m->s->inflight = NULL;
-        msg_finish(m);
-    }
-}
-
-/* Runs the next waiting request, if none is in flight: first, load its dialog. */
-static void session_pump(cg_session *s)
-{
-    while (!s->inflight && s->queue_head) {
-        cg_msg *m = s->queue_head;
-        s->queue_head = m->next;
-        if (!s->queue_head)
-            s->queue_tail = NULL;
-        s->queued--;
-        m->next = NULL;
-        s->inflight = m;
-        if (m->kind == MSG_CHAT) {
-            m->counted = 1;
-            s->gw->inflight_turns++;
-        }
-        m->lock.granted = on_lock_granted;
-        m->lock.owner = m;
-        if (!cg_dialog_lock_acquire(s->gw->dialog_locks, &m->lock, s->user, m->room))
-            return; /* another connection's turn of this dialog runs; on_lock_granted starts this one */
-        if (msg_load(m) == 0)
-            return;
-        s->inflight = NULL;
-        msg_free(m);
-    }
-}
-
-static int session_id_in_use(cg_session *s, const char *id)
-{
-    if (s->inflight && s->inflight->kind == MSG_CHAT && strcmp(s->inflight->id, id) == 0)
-        return 1;
-    for (cg_msg *m = s->queue_head; m; m = m->next)
-        if (m->kind == MSG_CHAT && strcmp(m->id, id) == 0)
-            return 1;
-    return 0;
-}
-
-static void inflight_stop(cg_session *s);
-
-/*
- * A message that a cancel rule matches acts at once on the reply in flight of its dialog
- * (DESIGN.md section 1, "Arrival"): that reply gets `cancelled`; the message itself then
- * waits its turn like any other and goes through the pipeline, which clears awaiting.
- */
-static void cancel_on_arrival(cg_session *s, const cg_client_frame *f)
-{
-    cg_msg *m = s->inflight;
-    if (!m || m->kind != MSG_CHAT || strcmp(m->room, f->room) != 0)
-        return;
-    if (!cg_rules_cancels(s->gw->rules, f->text))
-        return;
-    cg_info("session %s: message %s stopped by a cancel phrase", s->session_id, m->id);
-    inflight_stop(s);
-    session_send(s, cg_protocol_cancelled(m->id));
-    msg_finish(m);
-}
-
-/* Queues a message or context command, within the rate and queue limits. */
+/* A message or context command becomes a turn request. */
 static void session_on_request(cg_session *s, cg_client_frame *f)
 {
-    char err[160];
     int chat = f->type == CG_FRAME_MESSAGE;
     if (chat && !f->id[0])
         snprintf(f->id, sizeof(f->id), "g%lu", ++s->auto_id);
-    if (!cg_rate_take(&s->rate, s->gw->cfg->rate_per_second, s->gw->cfg->rate_burst, uv_now(s->gw->loop))) {
-        snprintf(err, sizeof(err), "over %ld messages a second", s->gw->cfg->rate_per_second);
-        session_send_error(s, f->id, CG_E_RATE_LIMITED, err);
-        return;
-    }
-    if (s->queued >= s->gw->cfg->queue_limit) {
-        snprintf(err, sizeof(err), "%ld messages wait already for the reply in flight", s->queued);
-        session_send_error(s, f->id, CG_E_RATE_LIMITED, err);
-        return;
-    }
-    if (s->gw->stopping) {
-        session_send_error(s, f->id, CG_E_INTERNAL, "the gateway is shutting down: reconnect");
-        return;
-    }
-    if (chat && session_id_in_use(s, f->id)) {
+    if (chat && cg_turns_id_in_use(&s->turns, f->id)) {
+        char err[160];
         snprintf(err, sizeof(err), "id '%.64s' is already in use by a message not yet answered", f->id);
         session_send_error(s, f->id, CG_E_BAD_FRAME, err);
         return;
     }
-    if (chat)
-        cancel_on_arrival(s, f);
-    cg_msg *m = calloc(1, sizeof(*m));
-    if (!m)
-        abort();
-    m->s = s;
-    m->kind = chat ? MSG_CHAT
-              : f->type == CG_FRAME_CONTEXT_GET ? MSG_CONTEXT_GET
-              : f->type == CG_FRAME_CONTEXT_FORGET ? MSG_CONTEXT_FORGET : MSG_CONTEXT_CLEAR;
-    memcpy(m->id, f->id, sizeof(m->id));
-    memcpy(m->room, f->room, sizeof(m->room));
-    m->text = f->text;
+    cg_turn_request r = {
+        .kind = chat ? CG_TURN_CHAT
+                : f->type == CG_FRAME_CONTEXT_GET ? CG_TURN_CONTEXT_GET
+                : f->type == CG_FRAME_CONTEXT_FORGET ? CG_TURN_CONTEXT_FORGET : CG_TURN_CONTEXT_CLEAR,
+        .id = dup_or_die(f->id),
+        .room = dup_or_die(f->room),
+        .text = f->text,
+        .keys = f->keys,
+    };
     f->text = NULL;
-    m->keys = f->keys;
     f->keys = NULL;
-    m->arrived = session_now(s);
-    m->t_arrived = uv_hrtime();
-    m->rules = cg_ruleset_ref(s->gw->rules);
-    if (chat)
-        s->gw->metrics.messages++;
-    if (s->queue_tail)
-        s->queue_tail->next = m;
-    else
-        s->queue_head = m;
-    s->queue_tail = m;
-    s->queued++;
-    session_pump(s);
-}
-
-/*
- * Stops the request in flight without a frame (the caller sends one, or the client is
- * gone): its load is abandoned, or its upstream call cancelled and the turn saved as
- * cancelled.
- */
-static void inflight_stop(cg_session *s)
-{
-    cg_msg *m = s->inflight;
-    if (m->load) {
-        s->gw->store->ops->abandon(m->load);
-        m->load = NULL;
-    } else if (m->kind == MSG_CHAT && m->has_dialog) {
-        if (m->call)
-            s->gw->upstreams[m->route].ops->cancel(m->call);
-        m->call = NULL;
-        turn_save(m, TURN_CANCELLED);
-    }
-}
-
-/* A cancel acts at once: on the reply in flight, or on a message still waiting. */
-static void session_on_cancel(cg_session *s, const char *id)
-{
-    cg_msg *m = s->inflight;
-    if (m && m->kind == MSG_CHAT && strcmp(m->id, id) == 0) {
-        inflight_stop(s);
-        session_send(s, cg_protocol_cancelled(id));
-        msg_finish(m);
-        return;
-    }
-    for (cg_msg **pp = &s->queue_head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
-        if ((*pp)->kind != MSG_CHAT || strcmp((*pp)->id, id) != 0)
-            continue;
-        m = *pp;
-        *pp = m->next;
-        if (s->queue_tail == m)
-            s->queue_tail = prev;
-        s->queued--;
-        session_send(s, cg_protocol_cancelled(id));
-        msg_free(m);
-        return;
-    }
-    session_send_error(s, id, CG_E_NOT_FOUND, "no message with this id is waiting or in flight");
+    cg_turns_submit(&s->turns, &r);
 }
 
 static void session_on_frame(cg_session *s, const char *buf, size_t len)
@@ -756,10 +325,10 @@ static void session_on_frame(cg_session *s, const char *buf, size_t len)
         cg_client_frame_clear(&f);
         return;
     }
-    if (f.type == CG_FRAME_CANCEL)
-        session_on_cancel(s, f.id);
-    else
+    if (f.type != CG_FRAME_CANCEL)
         session_on_request(s, &f);
+    else if (cg_turns_cancel(&s->turns, f.id) < 0)
+        session_send_error(s, f.id, CG_E_NOT_FOUND, "no message with this id is waiting or in flight");
     cg_client_frame_clear(&f);
 }
 
@@ -767,7 +336,7 @@ static void session_on_frame(cg_session *s, const char *buf, size_t len)
 static void session_on_receive(cg_session *s, const char *in, size_t len)
 {
     struct lws *wsi = s->wsi;
-    size_t max = (size_t)s->gw->cfg->max_frame;
+    size_t max = (size_t)s->srv->cfg->max_frame;
     if (s->unauthorized)
         return;
     if (lws_is_first_fragment(wsi)) {
@@ -798,7 +367,7 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
         s->rx_len = 0;
         return;
     }
-    s->gw->metrics.frames_in++;
+    s->srv->metrics.frames_in++;
     char err[128];
     if (lws_frame_is_binary(wsi)) {
         session_send_error(s, NULL, CG_E_BAD_FRAME, "binary frames are not accepted: send JSON text frames");
@@ -811,98 +380,40 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
     s->rx_len = 0;
 }
 
-/* ---- identity -------------------------------------------------------------------------- */
-
-/*
- * Who this connection is (DESIGN.md section 4), from the handshake: a resume token or a
- * fresh id (auth none), a JWT (auth jwt), or a proxy's header (auth header). 0, or -1 with
- * the reason in err.
- */
-static int session_identify(cg_session *s, struct lws *wsi, char *err, size_t errlen)
-{
-    cg_gateway *gw = s->gw;
-    const char *auth = gw->cfg->auth;
-    char buf[4096];
-    if (strcmp(auth, "jwt") == 0) {
-        /* copied whole: a long JWT fits the header space (max_header_bytes), not buf */
-        int cap = lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_AUTHORIZATION) +
-                  lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_URI_ARGS) + 1;
-        char *tbuf = malloc((size_t)cap);
-        if (!tbuf)
-            abort();
-        const char *token = NULL;
-        if (lws_hdr_copy(wsi, tbuf, cap, WSI_TOKEN_HTTP_AUTHORIZATION) > 7 && strncasecmp(tbuf, "Bearer ", 7) == 0)
-            token = tbuf + 7;
-        else
-            token = lws_get_urlarg_by_name(wsi, "access_token=", tbuf, cap);
-        int rc = -1;
-        if (!token)
-            snprintf(err, errlen, "a JWT is needed: Authorization: Bearer, or ?access_token=");
-        else
-            rc = cg_identity_jwt_verify_ex(gw->jwt_secret, gw->jwt_secret_len, token, session_now(s), 30,
-                                           gw->cfg->jwt_allow_no_exp, s->user, sizeof(s->user), err, errlen);
-        free(tbuf);
-        return rc;
-    }
-    if (strcmp(auth, "header") == 0) {
-        char name[128];
-        snprintf(name, sizeof(name), "%s:", gw->cfg->user_header);
-        for (char *p = name; *p; p++)
-            *p = (char)tolower((unsigned char)*p);
-        int n = lws_hdr_custom_copy(wsi, buf, sizeof(buf), name, (int)strlen(name));
-        if (n <= 0) {
-            snprintf(err, errlen, "no %s header", gw->cfg->user_header);
-            return -1;
-        }
-        if (n > CG_MAX_USER) {
-            snprintf(err, errlen, "the user id is over %d bytes", CG_MAX_USER);
-            return -1;
-        }
-        memcpy(s->user, buf, (size_t)n + 1);
-        return 0;
-    }
-    const char *resume = lws_get_urlarg_by_name(wsi, "resume=", buf, sizeof(buf));
-    if (resume && cg_identity_resume_check(gw->resume_secret, gw->resume_secret_len, resume, s->user,
-                                           sizeof(s->user)) == 0)
-        return 0;
-    unsigned char rnd[8];
-    if (RAND_bytes(rnd, sizeof(rnd)) != 1)
-        abort();
-    snprintf(s->user, sizeof(s->user), "u_%02x%02x%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2], rnd[3],
-             rnd[4], rnd[5], rnd[6], rnd[7]);
-    return 0;
-}
-
 /* ---- the connection ------------------------------------------------------------------- */
 
-static int is_dropin_path(cg_gateway *gw, struct lws *wsi);
+static int64_t session_now(cg_session *s)
+{
+    return s->srv->turn.store->now(s->srv->turn.store->clock_ctx);
+}
+
 static void dropin_open(cg_session *s, struct lws *wsi);
 
 static void session_open(cg_session *s, struct lws *wsi)
 {
-    cg_gateway *gw = cg_gateway_of(wsi);
+    cg_server *srv = cg_server_of(wsi);
     s->wsi = wsi;
-    s->gw = gw;
+    s->srv = srv;
     s->established = 1;
-    cg_rate_init(&s->rate, gw->cfg->rate_burst, uv_now(gw->loop));
-    snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++gw->session_seq);
-    gw->n_sessions++;
+    snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++srv->session_seq);
+    cg_turns_init(&s->turns, &srv->turn, &session_sink, s, s->user, s->session_id);
+    srv->n_sessions++;
     char err[256];
-    if (is_dropin_path(gw, wsi)) {
+    if (cg_handshake_is_dropin(srv, wsi)) {
         dropin_open(s, wsi);
         return;
     }
-    if (session_identify(s, wsi, err, sizeof(err)) < 0) {
+    if (cg_handshake_identify(srv, wsi, session_now(s), s->user, sizeof(s->user), err, sizeof(err)) < 0) {
         cg_warn("session %s: refused: %s", s->session_id, err);
         s->unauthorized = 1;
         s->user[0] = 0;
-        gw->metrics.unauthorized++;
+        srv->metrics.unauthorized++;
         session_send_error(s, NULL, CG_E_UNAUTHORIZED, err);
         return;
     }
-    cg_info("session %s: open (%ld connected)", s->session_id, gw->n_sessions);
-    char *resume = strcmp(gw->cfg->auth, "none") == 0
-                       ? cg_identity_resume_token(gw->resume_secret, gw->resume_secret_len, s->user)
+    cg_info("session %s: open (%ld connected)", s->session_id, srv->n_sessions);
+    char *resume = strcmp(srv->cfg->auth, "none") == 0
+                       ? cg_identity_resume_token(srv->resume_secret, srv->resume_secret_len, s->user)
                        : NULL;
     session_send(s, cg_protocol_hello(s->user, s->session_id, resume));
     free(resume);
@@ -913,46 +424,21 @@ static void session_close(cg_session *s)
 {
     if (!s->established)
         return;
-    cg_gateway *gw = s->gw;
+    cg_server *srv = s->srv;
     if (s->dropin) {
         cg_dropin_close(s->dropin);
         s->dropin = NULL;
     }
-    if (s->inflight) {
-        inflight_stop(s);
-        msg_free(s->inflight);
-        s->inflight = NULL;
-    }
-    while (s->queue_head) {
-        cg_msg *m = s->queue_head;
-        s->queue_head = m->next;
-        msg_free(m);
-    }
+    cg_turns_close(&s->turns);
     while (s->out_head) {
         cg_out *o = s->out_head;
         s->out_head = o->next;
         out_free(o);
     }
-    for (int i = 0; i < gw->n_upstreams; i++)
-        if (s->up_conns[i] && gw->upstreams[i].ops->close_conn)
-            gw->upstreams[i].ops->close_conn(s->up_conns[i]);
     free(s->rx);
     s->established = 0;
-    gw->n_sessions--;
-    cg_info("session %s: closed (%ld connected)", s->session_id, gw->n_sessions);
-}
-
-/* The drop-in path and what lies under it (/socket, /socket/websocket, /socket/room/1). */
-static int is_dropin_path(cg_gateway *gw, struct lws *wsi)
-{
-    const char *path = json_string_value(json_object_get(gw->cfg->dropin, "path"));
-    char uri[1024];
-    if (!path || lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) <= 0)
-        return 0;
-    size_t n = strlen(path);
-    while (n > 1 && path[n - 1] == '/')
-        n--;
-    return strncmp(uri, path, n) == 0 && (uri[n] == 0 || uri[n] == '/');
+    srv->n_sessions--;
+    cg_info("session %s: closed (%ld connected)", s->session_id, srv->n_sessions);
 }
 
 /*
@@ -962,96 +448,26 @@ static int is_dropin_path(cg_gateway *gw, struct lws *wsi)
  */
 static void dropin_open(cg_session *s, struct lws *wsi)
 {
-    cg_gateway *gw = s->gw;
+    cg_server *srv = s->srv;
     char err[256];
-    if (strcmp(gw->cfg->auth, "none") == 0 && cg_dropin_user_from_cookie(gw, wsi, s->user, sizeof(s->user)) == 0) {
+    if (strcmp(srv->cfg->auth, "none") == 0 && cg_handshake_dropin_user(srv, wsi, s->user, sizeof(s->user)) == 0) {
         /* the cookie's user */
-    } else if (session_identify(s, wsi, err, sizeof(err)) < 0) {
+    } else if (cg_handshake_identify(srv, wsi, session_now(s), s->user, sizeof(s->user), err, sizeof(err)) < 0) {
         /* as for chatgate.v1, but with no error frame (the app's protocol has none of ours):
          * marked unauthorized (nothing it sends is read), then closed with 1008 from the
          * next writable */
         cg_warn("session %s: drop-in client refused: %s", s->session_id, err);
         s->unauthorized = 1;
         s->user[0] = 0;
-        gw->metrics.unauthorized++;
+        srv->metrics.unauthorized++;
         lws_callback_on_writable(wsi);
         return;
     }
-    s->dropin = cg_dropin_open(gw, wsi, s->user);
+    s->dropin = cg_dropin_open(srv, wsi, s->user, s->session_id);
     if (!s->dropin)
         lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, LWS_TO_KILL_ASYNC);
     else
-        cg_info("session %s: drop-in (%ld connected)", s->session_id, gw->n_sessions);
-}
-
-/*
- * The browser Origin check of DESIGN.md section 4 against cross-site WebSocket hijacking:
- * an Origin, when present, must name the Host the request was sent to, or be allowed by
- * --allow-origin ("*" allows all).
- */
-static int origin_allowed(struct lws *wsi, const char *allow)
-{
-    char origin[512], host[512];
-    if (lws_hdr_copy(wsi, origin, sizeof(origin), WSI_TOKEN_ORIGIN) <= 0)
-        return 1; /* not a browser */
-    if (allow) {
-        size_t n = strlen(origin);
-        for (const char *p = allow; *p;) {
-            size_t len = strcspn(p, ",");
-            if ((len == 1 && *p == '*') || (len == n && strncmp(p, origin, n) == 0))
-                return 1;
-            p += len + (p[len] == ',');
-        }
-    }
-    const char *sep = strstr(origin, "://");
-    return sep && lws_hdr_copy(wsi, host, sizeof(host), WSI_TOKEN_HOST) > 0 && strcasecmp(sep + 3, host) == 0;
-}
-
-/*
- * Answers an upgrade request with an HTTP error. lws_return_http_status() would say
- * "HTTP/1.0" here (lws has not yet read the request's version at this stage), which strict
- * WebSocket clients reject as no valid answer, so the status line is written by hand.
- */
-static int refuse_upgrade(struct lws *wsi, int status, const char *reason, const char *body)
-{
-    char buf[LWS_PRE + 512];
-    char *p = buf + LWS_PRE;
-    int n = snprintf(p, sizeof(buf) - LWS_PRE,
-                     "HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %zu\r\n"
-                     "connection: close\r\n\r\n%s",
-                     status, reason, strlen(body), body);
-    lws_write(wsi, (unsigned char *)p, (size_t)n, LWS_WRITE_HTTP_HEADERS);
-    return 1;
-}
-
-/*
- * The WebSocket upgrade: only on /ws, and only while under --max-connections. Refusals
- * are HTTP answers (404, 503) so that a client or load balancer sees why; returning 1
- * tells lws the answer was written.
- */
-static int session_confirm_upgrade(struct lws *wsi)
-{
-    cg_gateway *gw = cg_gateway_of(wsi);
-    char uri[256];
-    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 || (strcmp(uri, "/ws") != 0 && !is_dropin_path(gw, wsi))) {
-        return refuse_upgrade(wsi, 404, "Not Found", "WebSocket connections go to /ws\n");
-    }
-    if (!origin_allowed(wsi, gw->cfg->allow_origin)) {
-        cg_warn("refused a connection from another site's page (Origin not allowed; see --allow-origin)");
-        gw->metrics.refused_connections++;
-        return refuse_upgrade(wsi, 403, "Forbidden", "this Origin may not connect (see --allow-origin)\n");
-    }
-    if (gw->stopping) {
-        gw->metrics.refused_connections++;
-        return refuse_upgrade(wsi, 503, "Service Unavailable", "shutting down\n");
-    }
-    if (gw->n_sessions >= gw->cfg->max_connections) {
-        cg_warn("refused a connection: %ld connected, the limit is %ld", gw->n_sessions,
-                gw->cfg->max_connections);
-        gw->metrics.refused_connections++;
-        return refuse_upgrade(wsi, 503, "Service Unavailable", "too many connections\n");
-    }
-    return 0;
+        cg_info("session %s: drop-in (%ld connected)", s->session_id, srv->n_sessions);
 }
 
 int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
@@ -1059,7 +475,7 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
     cg_session *s = user;
     switch (reason) {
     case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
-        return session_confirm_upgrade(wsi);
+        return cg_handshake_confirm_upgrade(wsi);
     case LWS_CALLBACK_ESTABLISHED:
         session_open(s, wsi);
         return 0;
@@ -1067,7 +483,7 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
         session_on_receive(s, in, len);
         return 0;
     case LWS_CALLBACK_SERVER_WRITEABLE:
-        if (s->dropin && s->gw->closing_all && cg_dropin_client_idle(s->dropin))
+        if (s->dropin && s->srv->closing_all && cg_dropin_client_idle(s->dropin))
             return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
         return s->dropin ? cg_dropin_client_writable(s->dropin) : session_write_one(s);
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:

@@ -1,5 +1,5 @@
 /*
- * dropin.h: drop-in mode (DESIGN.md section 6): chatgate in front of an existing chat app
+ * dropin.h: drop-in mode (docs/protocol.md, "Drop-in mode"): chatgate in front of an existing chat app
  * whose browser code speaks its own WebSocket protocol, changing only the URL its client
  * connects to.
  *
@@ -13,10 +13,11 @@
  * sends the app the cancel frame the mapping names, or else stops relaying the rest of that
  * reply. When the app closes, the client is closed with the same code and reason.
  *
- * Chat messages pass the same admission as chatgate.v1 messages (admission.h): the
- * connection's token bucket, queue_limit messages waiting, and the dialog's lock, held from
- * the load to the end of the turn (the app's end or cancelled marker, or the connection's
- * next chat message). What the app's protocol cannot say (over a limit) is logged and counted.
+ * Chat messages are turns like chatgate.v1 messages (turn.h): the connection's token bucket,
+ * queue_limit messages waiting, and the dialog's lock, held from the load to the end of the
+ * turn (the app's end or cancelled marker, the connection's next chat message, or
+ * dropin.turn_timeout_ms of silence). What the app's protocol cannot say (over a limit) is
+ * logged and counted.
  */
 #ifndef CHATGATE_DROPIN_H
 #define CHATGATE_DROPIN_H
@@ -25,14 +26,15 @@
 #include <libwebsockets.h>
 #include <jansson.h>
 
-typedef struct cg_gateway cg_gateway;
+#include "chatgate/server/server.h"
+
 typedef struct cg_dropin cg_dropin;
 
 #define CG_LWS_PROTOCOL_DROPIN_APP "cg-dropin-app"
 
 /* Starts drop-in for a client connection just established on the drop-in path: copies what
  * is forwarded from the handshake and connects to the app. NULL on failure (logged). */
-cg_dropin *cg_dropin_open(cg_gateway *gw, struct lws *client, const char *user);
+cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *name);
 /* One whole frame from the client. */
 void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binary);
 /* Closes the client with code and reason (1009 for a frame over --max-frame: the app's
@@ -47,9 +49,5 @@ void cg_dropin_close(cg_dropin *d);
 
 /* The lws callback of the upstream (app) connections. */
 int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);
-
-/* The user id drop-in derives from the session cookie named by dropin.user_cookie (a hash,
- * so the cookie itself never reaches a key), into out; 0, or -1 when there is no such cookie. */
-int cg_dropin_user_from_cookie(cg_gateway *gw, struct lws *client, char *out, size_t outlen);
 
 #endif

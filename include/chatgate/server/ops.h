@@ -15,10 +15,6 @@
 
 #define CG_LWS_PROTOCOL_OPS "cg-ops"
 
-typedef struct cg_pipeline_result cg_pipeline_result;
-/* Counts what the pipeline decided for one message (reference 001's counters). */
-void cg_metrics_count_pipeline(cg_metrics *m, const cg_pipeline_result *res);
-
 int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);
 
 #endif

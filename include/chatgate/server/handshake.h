@@ -1,0 +1,48 @@
+/*
+ * handshake.h: what a connection must pass before it is a session: the request's size, the
+ * path, the browser's Origin, the connection limit and shutdown, and who the user is (a
+ * resume token or a fresh id, a JWT, a proxy's header, or the drop-in app's session cookie;
+ * docs/protocol.md, "Identity"). Also the HTTP answers written by hand and the check of a
+ * peer's close frame, which chatgate.v1 and drop-in share.
+ */
+#ifndef CHATGATE_SERVER_HANDSHAKE_H
+#define CHATGATE_SERVER_HANDSHAKE_H
+
+#include <libwebsockets.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chatgate/server/server.h"
+
+/* Writes a whole HTTP answer (status, reason, a text body, connection: close); returns 1. */
+int cg_http_refuse(struct lws *wsi, int status, const char *reason, const char *body);
+
+/* When the request's headers pass max_header_bytes, answers 431 and returns 1; else 0. */
+int cg_refuse_large_headers(struct lws *wsi);
+
+/* LWS_CALLBACK_HTTP_CONFIRM_UPGRADE: 0 to accept; 1 when refused (the answer is written:
+ * 404 off /ws and the drop-in path, 403 for an Origin not allowed, 503 while shutting down
+ * or over max_connections). */
+int cg_handshake_confirm_upgrade(struct lws *wsi);
+
+/* The request is on the drop-in path or under it (/socket, /socket/websocket). */
+int cg_handshake_is_dropin(const cg_server *srv, struct lws *wsi);
+
+/* Who the connection is, by --auth, into user; 0, or -1 with the reason in err. now is
+ * unix seconds (a JWT's exp and nbf). */
+int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, char *user, size_t userlen, char *err,
+                          size_t errlen);
+
+/* The user id drop-in derives from the session cookie named by dropin.user_cookie (a hash,
+ * so the cookie itself never reaches a key), into out; 0, or -1 when there is no such cookie. */
+int cg_handshake_dropin_user(const cg_server *srv, struct lws *wsi, char *out, size_t outlen);
+
+/*
+ * Checks a close frame's payload from a peer (RFC 6455 5.5.1, 7.4): empty, or a status code
+ * of 1000-4999 that may be sent (not 1004, 1005, 1006, 1015, nor 1016-2999) followed by a
+ * UTF-8 reason. 0 when valid, else the code to answer with: 1002 (protocol error) or 1007 (a
+ * reason not UTF-8).
+ */
+int cg_ws_close_payload_check(const void *payload, size_t len);
+
+#endif

@@ -1,0 +1,182 @@
+/*
+ * turn.h: one client message's whole life, written once for every way in (chatgate.v1
+ * sessions and drop-in clients alike).
+ *
+ * A connection owns a cg_turns: its rate bucket, its bounded queue of requests and the one
+ * in flight. A request (a chat message, or a context command) passes the arrival checks
+ * (rate, queue bound, shutdown), waits its turn in the queue, takes its dialog's lock
+ * (store/lock.h), loads the dialog, runs the pipeline, and then either calls an upstream
+ * (cg_upstream, for chatgate.v1) or is handed to the adapter to forward over its own
+ * connection (drop-in: the app). The reply streams back through the adapter; the turn keeps
+ * its text (max_reply_bytes), applies a state directive, records the history, saves the
+ * dialog, lets go of the lock, counts the turn in the metrics and starts the next request.
+ *
+ * The rules, once for all:
+ *   - one request of a connection at a time, in arrival order; one turn of a dialog at a
+ *     time across connections (the lock, waiters in arrival order);
+ *   - a message a cancel rule matches stops the reply in flight of its room at once;
+ *   - a chat message ends in exactly one terminal event: done, cancelled or error (for a
+ *     forwarded turn, the app's own end; the adapter is told nothing more);
+ *   - the user's message always joins the history; the reply joins it when done, or when
+ *     cancelled or ended with some text (marked "cancelled" when cancelled);
+ *   - params over the cap are refused with an error, nothing forwarded; but an adapter that
+ *     forwards itself (drop-in, whose app protocol has no error frame of ours) gets the
+ *     message with the refusal in cg_turn_forward.error, and the turn goes on.
+ *
+ * Ownership: the adapter embeds cg_turns in its connection struct and calls cg_turns_close()
+ * when the connection goes; the turns and their requests are the turn module's. Sink calls
+ * come from the event loop, never from inside cg_turns_submit() for the request submitted
+ * except its refusal (sink->error) and its acceptance having started a load.
+ */
+#ifndef CHATGATE_SERVER_TURN_H
+#define CHATGATE_SERVER_TURN_H
+
+#include <jansson.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "chatgate/config/config.h"
+#include "chatgate/core/metrics.h"
+#include "chatgate/core/rate.h"
+#include "chatgate/dialog/rules.h"
+#include "chatgate/proto/protocol.h"
+#include "chatgate/store/lock.h"
+#include "chatgate/store/store.h"
+#include "chatgate/upstream/upstream.h"
+
+/*
+ * What a turn needs, and nothing else: the narrow context every turn gets from the gateway
+ * (which owns what the pointers point at). rules is the running set: a reload swaps it, and
+ * each request keeps a reference to the set it started with.
+ */
+typedef struct cg_turn_env {
+    const cg_config *cfg;
+    uv_loop_t *loop;
+    cg_store *store;
+    cg_ruleset *rules;
+    cg_upstream *upstreams;
+    int n_upstreams;
+    cg_metrics *metrics;
+    json_t *locks;       /* dialog key -> lock (store/lock.h) */
+    long inflight;       /* chat turns between their start and their end: a drain waits for them */
+    int stopping;        /* draining: new requests are refused */
+} cg_turn_env;
+
+typedef enum { CG_TURN_CHAT, CG_TURN_CONTEXT_GET, CG_TURN_CONTEXT_FORGET, CG_TURN_CONTEXT_CLEAR } cg_turn_kind;
+
+typedef struct cg_turn cg_turn;
+
+/* One request as the adapter read it; cg_turns_submit() takes the strings and keys. */
+typedef struct cg_turn_request {
+    cg_turn_kind kind;
+    char *id;     /* malloc'd; "" when the message had none (drop-in) */
+    char *room;   /* malloc'd */
+    char *text;   /* malloc'd; chat only */
+    json_t *keys; /* context.forget: the keys to forget */
+    void *opaque; /* the adapter's, handed back in cg_turn_forward (drop-in: the frame's slot) */
+} cg_turn_request;
+
+/* What a forwarding adapter gets once the pipeline ran (all borrowed for the call). */
+typedef struct cg_turn_forward {
+    const char *id, *user, *room, *text;
+    const char *service;  /* the active service, or NULL */
+    json_t *params;       /* merged with the service's defaults */
+    json_t *awaiting;     /* as it was before this message, or NULL */
+    json_t *soft;
+    json_t *resolution;
+    const char *enriched;
+    json_t *rules, *annotations;
+    int error;            /* a params-cap refusal (CG_E_TOO_LARGE), or 0 */
+    const char *error_message;
+    void *opaque;
+} cg_turn_forward;
+
+/* How the adapter's protocol says what happens; NULL members are not said (drop-in). */
+typedef struct cg_turn_sink {
+    void (*ack)(void *conn, const cg_ack *ack);
+    void (*delta)(void *conn, const char *id, const char *text, size_t len);
+    void (*done)(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated);
+    void (*cancelled)(void *conn, const char *id);
+    /* err is a CG_E_* code; detail (borrowed, may be NULL) is what an upstream said. Also a
+     * request refused on arrival (rate, queue bound, shutdown): the adapter says it as it can. */
+    void (*error)(void *conn, const char *id, int err, const char *message, json_t *detail);
+    void (*warning)(void *conn, const char *id, const char *code, const char *message);
+    void (*context)(void *conn, const char *room, json_t *state);
+    /* Set by adapters that forward the message over their own connection instead of an
+     * upstream call: the message, pipeline run; 0, or -1 to end the turn with an error. The
+     * reply then comes through cg_turn_reply() and ends with cg_turn_end(). */
+    int (*forward)(void *conn, cg_turn *t, const cg_turn_forward *f);
+    /* The user cancelled a forwarded reply: tell the app (client_said: the client's own
+     * cancel frame is already on its way to it). The turn goes on until cg_turn_end(). */
+    void (*stop_forward)(void *conn, cg_turn *t, int client_said);
+    /* A forwarding adapter's request that ends before it was forwarded (the connection went,
+     * the store refused its dialog): its opaque goes back. The opaque of an accepted request
+     * comes back exactly once, through forward or unsent. */
+    void (*unsent)(void *conn, void *opaque);
+} cg_turn_sink;
+
+/* A connection's turns; embedded in the adapter's connection struct. */
+typedef struct cg_turns {
+    cg_turn_env *env;
+    const cg_turn_sink *sink;
+    void *conn;
+    const char *user;  /* the connection's user (the adapter's buffer) */
+    const char *name;  /* for the log: the session id */
+    cg_rate rate;
+    cg_turn *inflight, *head, *tail;
+    long queued;
+    int paused;        /* the client reads slowly: the upstream call is paused */
+    int supersede;     /* drop-in: the next chat message ends a forwarded turn in flight */
+    uint64_t reply_timeout_ms; /* a forwarded turn whose app says nothing this long ends */
+    uv_timer_t *timer; /* for reply_timeout_ms; malloc'd, freed when closed */
+    void *up_conns[CG_MAX_UPSTREAMS]; /* per-connection upstream connections (ws kind) */
+} cg_turns;
+
+void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, void *conn, const char *user,
+                   const char *name);
+
+/*
+ * A request arrives: the arrival checks (rate, queue bound, shutdown), a cancel phrase's
+ * effect on the reply in flight, then the queue. 0 when accepted; else the CG_E_* code it
+ * was refused with (sink->error told, the metrics counted). Takes r's strings either way.
+ */
+int cg_turns_submit(cg_turns *q, cg_turn_request *r);
+
+/* The arrival checks alone (rate, queue bound, shutdown), for a frame that is charged to the
+ * rate limit but is no request (drop-in: a frame marked as chat that is not one): 0, or the
+ * CG_E_* code it was refused with (said and counted). */
+int cg_turns_admit(cg_turns *q, const char *id);
+
+/* A chat message with this id is waiting or in flight (chatgate.v1 ids name messages). */
+int cg_turns_id_in_use(const cg_turns *q, const char *id);
+
+/* The client's cancel of message id: the reply in flight (cancelled), or a message still
+ * waiting (cancelled, never run); -1 when no chat message has this id. */
+int cg_turns_cancel(cg_turns *q, const char *id);
+/* The client's own cancel frame (drop-in): the reply in flight, whatever its id. */
+void cg_turns_cancel_current(cg_turns *q);
+
+/* The client reads slowly (1) or caught up (0): the upstream call in flight pauses. */
+void cg_turns_pause(cg_turns *q, int paused);
+
+/* The connection is gone: the request in flight stops (a chat turn is saved as cancelled),
+ * the waiting ones are dropped, the per-connection upstream connections closed. */
+void cg_turns_close(cg_turns *q);
+
+/* A forwarded turn in flight (drop-in), or NULL. */
+cg_turn *cg_turns_forwarded(cg_turns *q);
+/* The id of t's message ("" when it had none). */
+const char *cg_turn_id(const cg_turn *t);
+
+/* Forwarded turns: text of the reply (kept for the history; the app's frame itself is the
+ * adapter's to relay); a state directive from source ("app", an upstream's name), refused
+ * with a warning when it does not fit; the reply's end (cancelled: the app said so). */
+void cg_turn_reply(cg_turn *t, const char *text, size_t len);
+void cg_turn_state(cg_turn *t, json_t *state, const char *source);
+void cg_turn_end(cg_turn *t, int cancelled);
+
+/* Counts an error said to a client, by code (chatgate_errors_total, and the bad-frame and
+ * rate-limit counters). */
+void cg_turn_count_error(cg_metrics *m, int err);
+
+#endif

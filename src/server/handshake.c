@@ -1,0 +1,252 @@
+/*
+ * handshake.c: the checks a connection passes before it is a session (see handshake.h).
+ */
+#define _GNU_SOURCE /* asprintf */
+#include <openssl/evp.h>
+#include <openssl/rand.h>
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "chatgate/core/log.h"
+#include "chatgate/proto/identity.h"
+#include "chatgate/proto/protocol.h"
+#include "chatgate/server/handshake.h"
+
+cg_server *cg_server_of(struct lws *wsi)
+{
+    return lws_context_user(lws_get_context(wsi));
+}
+
+/*
+ * Writes a whole HTTP answer by hand ("connection: close", a text body) and returns 1. At
+ * the upgrade stage lws_return_http_status() would say "HTTP/1.0", which strict WebSocket
+ * clients take for no answer.
+ */
+int cg_http_refuse(struct lws *wsi, int status, const char *reason, const char *body)
+{
+    char *text;
+    int n = asprintf(&text, "%*sHTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %zu\r\n"
+                            "cache-control: no-store\r\nconnection: close\r\n\r\n%s",
+                     LWS_PRE, "", status, reason, strlen(body), body);
+    if (n < 0)
+        return -1;
+    lws_write(wsi, (unsigned char *)text + LWS_PRE, (size_t)n - LWS_PRE, LWS_WRITE_HTTP_HEADERS);
+    free(text);
+    return 1;
+}
+
+/*
+ * Sums the request's headers as lws kept them. Every header is cut at max_header_bytes by
+ * lws (the token limits), so one that reaches it was longer.
+ */
+static int headers_too_large(struct lws *wsi, long limit, long *total)
+{
+    *total = 0;
+    int over = 0;
+    for (int t = 0; t < WSI_TOKEN_COUNT; t++) {
+        int n = lws_hdr_total_length(wsi, (enum lws_token_indexes)t);
+        if (n >= limit)
+            over = 1;
+        *total += n > 0 ? n : 0;
+    }
+    return over || *total > limit;
+}
+
+int cg_refuse_large_headers(struct lws *wsi)
+{
+    cg_server *srv = cg_server_of(wsi);
+    long total;
+    if (!headers_too_large(wsi, srv->cfg->max_header_bytes, &total))
+        return 0;
+    cg_warn("refused a request with %ld bytes of headers or more, over max_header_bytes (%ld): 431", total,
+            srv->cfg->max_header_bytes);
+    srv->metrics.refused_connections++;
+    char body[160];
+    snprintf(body, sizeof(body), "the request's headers are over %ld bytes (a cookie or token too long?)\n",
+             srv->cfg->max_header_bytes);
+    cg_http_refuse(wsi, 431, "Request Header Fields Too Large", body);
+    return 1;
+}
+
+int cg_ws_close_payload_check(const void *payload, size_t len)
+{
+    const unsigned char *p = payload;
+    if (len == 0)
+        return 0;
+    if (len == 1)
+        return LWS_CLOSE_STATUS_PROTOCOL_ERR;
+    int code = p[0] << 8 | p[1];
+    if (code < 1000 || code > 4999 || code == 1004 || code == 1005 || code == 1006 || code == 1015 ||
+        (code >= 1016 && code <= 2999))
+        return LWS_CLOSE_STATUS_PROTOCOL_ERR;
+    json_t *reason = json_stringn((const char *)p + 2, len - 2); /* NULL when not UTF-8 */
+    if (!reason)
+        return LWS_CLOSE_STATUS_INVALID_PAYLOAD;
+    json_decref(reason);
+    return 0;
+}
+
+/*
+ * Who this connection is (docs/protocol.md, "Identity"), from the handshake: a resume token or a
+ * fresh id (auth none), a JWT (auth jwt), or a proxy's header (auth header). 0, or -1 with
+ * the reason in err.
+ */
+int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, char *user, size_t userlen, char *err,
+                          size_t errlen)
+{
+    const char *auth = srv->cfg->auth;
+    char buf[4096];
+    if (strcmp(auth, "jwt") == 0) {
+        /* copied whole: a long JWT fits the header space (max_header_bytes), not buf */
+        int cap = lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_AUTHORIZATION) +
+                  lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_URI_ARGS) + 1;
+        char *tbuf = malloc((size_t)cap);
+        if (!tbuf)
+            abort();
+        const char *token = NULL;
+        if (lws_hdr_copy(wsi, tbuf, cap, WSI_TOKEN_HTTP_AUTHORIZATION) > 7 && strncasecmp(tbuf, "Bearer ", 7) == 0)
+            token = tbuf + 7;
+        else
+            token = lws_get_urlarg_by_name(wsi, "access_token=", tbuf, cap);
+        int rc = -1;
+        if (!token)
+            snprintf(err, errlen, "a JWT is needed: Authorization: Bearer, or ?access_token=");
+        else
+            rc = cg_identity_jwt_verify_ex(srv->jwt_secret, srv->jwt_secret_len, token, now, 30,
+                                           srv->cfg->jwt_allow_no_exp, user, userlen, err, errlen);
+        free(tbuf);
+        return rc;
+    }
+    if (strcmp(auth, "header") == 0) {
+        char name[128];
+        snprintf(name, sizeof(name), "%s:", srv->cfg->user_header);
+        for (char *p = name; *p; p++)
+            *p = (char)tolower((unsigned char)*p);
+        int n = lws_hdr_custom_copy(wsi, buf, sizeof(buf), name, (int)strlen(name));
+        if (n <= 0) {
+            snprintf(err, errlen, "no %s header", srv->cfg->user_header);
+            return -1;
+        }
+        if (n > CG_MAX_USER || (size_t)n >= userlen) {
+            snprintf(err, errlen, "the user id is over %d bytes", CG_MAX_USER);
+            return -1;
+        }
+        memcpy(user, buf, (size_t)n + 1);
+        return 0;
+    }
+    const char *resume = lws_get_urlarg_by_name(wsi, "resume=", buf, sizeof(buf));
+    if (resume && cg_identity_resume_check(srv->resume_secret, srv->resume_secret_len, resume, user,
+                                           userlen) == 0)
+        return 0;
+    unsigned char rnd[8];
+    if (RAND_bytes(rnd, sizeof(rnd)) != 1)
+        abort();
+    snprintf(user, userlen, "u_%02x%02x%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2], rnd[3],
+             rnd[4], rnd[5], rnd[6], rnd[7]);
+    return 0;
+}
+
+/* The drop-in path and what lies under it (/socket, /socket/websocket, /socket/room/1). */
+int cg_handshake_is_dropin(const cg_server *srv, struct lws *wsi)
+{
+    const char *path = json_string_value(json_object_get(srv->cfg->dropin, "path"));
+    char uri[1024];
+    if (!path || lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) <= 0)
+        return 0;
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/')
+        n--;
+    return strncmp(uri, path, n) == 0 && (uri[n] == 0 || uri[n] == '/');
+}
+
+/*
+ * The browser Origin check of docs/protocol.md, "Identity" against cross-site WebSocket hijacking:
+ * an Origin, when present, must name the Host the request was sent to, or be allowed by
+ * --allow-origin ("*" allows all).
+ */
+static int origin_allowed(struct lws *wsi, const char *allow)
+{
+    char origin[512], host[512];
+    if (lws_hdr_copy(wsi, origin, sizeof(origin), WSI_TOKEN_ORIGIN) <= 0)
+        return 1; /* not a browser */
+    if (allow) {
+        size_t n = strlen(origin);
+        for (const char *p = allow; *p;) {
+            size_t len = strcspn(p, ",");
+            if ((len == 1 && *p == '*') || (len == n && strncmp(p, origin, n) == 0))
+                return 1;
+            p += len + (p[len] == ',');
+        }
+    }
+    const char *sep = strstr(origin, "://");
+    return sep && lws_hdr_copy(wsi, host, sizeof(host), WSI_TOKEN_HOST) > 0 && strcasecmp(sep + 3, host) == 0;
+}
+
+/*
+ * The WebSocket upgrade: only on /ws, and only while under --max-connections. Refusals
+ * are HTTP answers (404, 503) so that a client or load balancer sees why; returning 1
+ * tells lws the answer was written.
+ */
+int cg_handshake_confirm_upgrade(struct lws *wsi)
+{
+    cg_server *srv = cg_server_of(wsi);
+    char uri[256];
+    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 || (strcmp(uri, "/ws") != 0 && !cg_handshake_is_dropin(srv, wsi))) {
+        return cg_http_refuse(wsi, 404, "Not Found", "WebSocket connections go to /ws\n");
+    }
+    if (!origin_allowed(wsi, srv->cfg->allow_origin)) {
+        cg_warn("refused a connection from another site's page (Origin not allowed; see --allow-origin)");
+        srv->metrics.refused_connections++;
+        return cg_http_refuse(wsi, 403, "Forbidden", "this Origin may not connect (see --allow-origin)\n");
+    }
+    if (srv->turn.stopping) {
+        srv->metrics.refused_connections++;
+        return cg_http_refuse(wsi, 503, "Service Unavailable", "shutting down\n");
+    }
+    if (srv->n_sessions >= srv->cfg->max_connections) {
+        cg_warn("refused a connection: %ld connected, the limit is %ld", srv->n_sessions,
+                srv->cfg->max_connections);
+        srv->metrics.refused_connections++;
+        return cg_http_refuse(wsi, 503, "Service Unavailable", "too many connections\n");
+    }
+    return 0;
+}
+
+int cg_handshake_dropin_user(const cg_server *srv, struct lws *client, char *out, size_t outlen)
+{
+    const char *name = json_string_value(json_object_get(srv->cfg->dropin, "user_cookie"));
+    int total = lws_hdr_total_length(client, WSI_TOKEN_HTTP_COOKIE);
+    if (!name || total <= 0)
+        return -1;
+    /* copied at its real length: big cookie headers (up to max_header_bytes) are common */
+    char *cookies = malloc((size_t)total + 1);
+    if (!cookies || lws_hdr_copy(client, cookies, total + 1, WSI_TOKEN_HTTP_COOKIE) <= 0) {
+        free(cookies);
+        return -1;
+    }
+    int rc = -1;
+    size_t nl = strlen(name);
+    for (char *p = cookies; p && *p;) {
+        while (*p == ' ' || *p == ';')
+            p++;
+        char *end = strchr(p, ';');
+        if (end)
+            *end = 0;
+        if (strncmp(p, name, nl) == 0 && p[nl] == '=' && p[nl + 1]) {
+            unsigned char md[32];
+            unsigned int mdlen = 0;
+            EVP_Digest(p + nl + 1, strlen(p + nl + 1), md, &mdlen, EVP_sha256(), NULL);
+            snprintf(out, outlen, "c_%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x%02x", md[0], md[1], md[2], md[3],
+                     md[4], md[5], md[6], md[7], md[8], md[9], md[10], md[11]);
+            rc = 0;
+            break;
+        }
+        p = end ? end + 1 : NULL;
+    }
+    free(cookies);
+    return rc;
+}
+

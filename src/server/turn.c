@@ -1,0 +1,722 @@
+/*
+ * turn.c: one client message's whole life, for every way in (see turn.h).
+ *
+ * A request moves through: queue -> lock -> load -> (chat) pipeline -> upstream call or
+ * forward -> reply -> end, or (context command) load -> answer. Each stage hands on to the
+ * next from a callback of the one before (the lock's granted, the store's loaded, the
+ * upstream's events), so nothing waits on the loop. Every way out of a request goes through
+ * turn_finish(), which frees it and starts the next: that is what makes "one at a time, in
+ * order, exactly one end" hold.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/error.h"
+#include "chatgate/core/log.h"
+#include "chatgate/core/utf8.h"
+#include "chatgate/dialog/dialog.h"
+#include "chatgate/dialog/pipeline.h"
+#include "chatgate/server/turn.h"
+
+struct cg_turn {
+    cg_turn *next;
+    cg_turns *q;
+    cg_turn_kind kind;
+    char *id, *room, *text;
+    json_t *keys;              /* context.forget */
+    void *opaque;              /* the adapter's (drop-in: the frame's slot) */
+    cg_ruleset *rules;         /* the set this request started with (a reference) */
+    cg_dialog_lock_waiter lock; /* its dialog's lock, held from load to end */
+    int64_t arrived;           /* unix seconds, for the history */
+    uint64_t t_arrived, t_load, t_upstream; /* uv_hrtime() of arrival, load, upstream start */
+    int got_first;             /* the first text came (first-token latency) */
+    int counted;               /* in env->inflight */
+    char *enriched;            /* the pipeline's rewrite, kept for the history */
+    cg_store_req *load;        /* while the dialog loads */
+    cg_dialog dialog;          /* once loaded */
+    int has_dialog;
+    int route;                 /* the upstream's index */
+    cg_upstream_call *call;    /* while an upstream call is in flight */
+    int forwarded;             /* handed to the adapter (drop-in); its end comes by cg_turn_end */
+    int cancel_requested;      /* a forwarded reply the user cancelled */
+    char *reply;               /* the reply, up to max_reply_bytes */
+    size_t reply_len, reply_cap;
+    int truncated;
+};
+
+/* How a chat turn ended: what joins the history and which counter moves. */
+typedef enum { END_DONE, END_ERROR, END_CANCELLED, END_ABSORBED, END_ENDED } turn_end_kind;
+
+static void turns_pump(cg_turns *q);
+
+static int64_t turn_now(const cg_turns *q)
+{
+    return q->env->store->now(q->env->store->clock_ctx);
+}
+
+void cg_turn_count_error(cg_metrics *m, int err)
+{
+    int slot = err - CG__ERR_FIRST - 1;
+    if (slot >= 0 && slot < 16)
+        m->errors[slot]++;
+    if (err == CG_E_BAD_FRAME || err == CG_E_TOO_LARGE)
+        m->bad_frames++;
+    else if (err == CG_E_RATE_LIMITED)
+        m->rate_limited++;
+}
+
+static void say_error(cg_turns *q, const char *id, int err, const char *message, json_t *detail)
+{
+    cg_turn_count_error(q->env->metrics, err);
+    if (q->sink->error)
+        q->sink->error(q->conn, id, err, message, detail);
+}
+
+/* Counts what the pipeline decided for one message. */
+static void count_pipeline(cg_metrics *mt, const cg_pipeline_result *res)
+{
+    const char *type = json_string_value(json_object_get(res->resolution, "type"));
+    if (type && strcmp(type, "cancel") != 0)
+        mt->awaiting_resolutions++;
+    if (res->cancel)
+        mt->cancels++;
+    if (res->soft_context_hit)
+        mt->soft_context_hits++;
+    if (res->enriched)
+        mt->enrichments++;
+    mt->rules_fired += json_array_size(res->rules);
+    mt->rules_limited += json_array_size(res->limited);
+}
+
+/* ---- a request's end ------------------------------------------------------------------ */
+
+static void turn_free(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    if (t->counted)
+        q->env->inflight--;
+    if (t->opaque && !t->forwarded && q->sink->unsent)
+        q->sink->unsent(q->conn, t->opaque);
+    cg_dialog_lock_release(q->env->locks, &t->lock);
+    cg_ruleset_unref(t->rules);
+    if (t->has_dialog)
+        cg_dialog_free(&t->dialog);
+    json_decref(t->keys);
+    free(t->id);
+    free(t->room);
+    free(t->text);
+    free(t->enriched);
+    free(t->reply);
+    free(t);
+}
+
+/* The request in flight ended (its end is said): free it and start the next one. */
+static void turn_finish(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    if (q->inflight == t)
+        q->inflight = NULL;
+    if (q->timer)
+        uv_timer_stop(q->timer);
+    if (t->kind == CG_TURN_CHAT)
+        cg_histogram_observe(&q->env->metrics->turn, (double)(uv_hrtime() - t->t_arrived) / 1e9);
+    turn_free(t);
+    turns_pump(q);
+}
+
+/*
+ * Records the turn in the dialog and saves it (turn.h has the rules). The save needs no
+ * answer: the store orders it before any later load of the same dialog.
+ */
+static void turn_save(cg_turn *t, turn_end_kind end)
+{
+    cg_turns *q = t->q;
+    const cg_lifetimes *lt = &q->env->cfg->lifetimes;
+    cg_metrics *m = q->env->metrics;
+    int64_t now = turn_now(q);
+    cg_dialog *d = &t->dialog;
+    /* a NULL extra (the pack failed) only leaves out the mark */
+    json_t *user_extra = t->enriched ? json_pack("{s:s}", "enriched", t->enriched) : NULL;
+    cg_dialog_push_history(d, "user", t->text, t->arrived, lt, user_extra);
+    json_decref(user_extra);
+    if (end == END_DONE || ((end == END_CANCELLED || end == END_ENDED) && t->reply_len > 0)) {
+        json_t *extra = end == END_CANCELLED ? json_pack("{s:b}", "cancelled", 1) : NULL;
+        cg_dialog_push_history(d, "assistant", t->reply ? t->reply : "", now, lt, extra);
+        json_decref(extra);
+    }
+    if (end == END_DONE || end == END_ABSORBED || end == END_ENDED) {
+        d->turn_count++;
+        m->turns_done++;
+    } else if (end == END_ERROR) {
+        m->turns_error++;
+    } else {
+        m->turns_cancelled++;
+    }
+    d->last_activity = now;
+    q->env->store->ops->save(q->env->store, q->user, t->room, d, NULL, NULL);
+}
+
+/* A chat turn ends with an error: said, saved, finished. */
+static void turn_fail(cg_turn *t, int err, const char *message, json_t *detail)
+{
+    say_error(t->q, t->id, err, message, detail);
+    turn_save(t, END_ERROR);
+    turn_finish(t);
+}
+
+/*
+ * Stops the request in flight without saying so (the caller does, or the client is gone):
+ * its load is abandoned, or its upstream call cancelled and the turn saved as cancelled.
+ */
+static void turn_stop(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    if (t->load) {
+        q->env->store->ops->abandon(t->load);
+        t->load = NULL;
+    } else if (t->kind == CG_TURN_CHAT && t->has_dialog) {
+        if (t->call)
+            q->env->upstreams[t->route].ops->cancel(t->call);
+        t->call = NULL;
+        turn_save(t, END_CANCELLED);
+    }
+}
+
+/* A cancel (the client's, or a cancel phrase) of the chat turn in flight. */
+static void turn_cancel(cg_turn *t, int client_said)
+{
+    cg_turns *q = t->q;
+    if (q->sink->forward) {
+        /* a forwarded reply ends when the app says so; before it is forwarded there is
+         * nothing to stop (the message goes, then the next one ends its turn) */
+        if (t->forwarded && !t->cancel_requested) {
+            t->cancel_requested = 1;
+            q->sink->stop_forward(q->conn, t, client_said);
+        }
+        return;
+    }
+    turn_stop(t);
+    if (q->sink->cancelled)
+        q->sink->cancelled(q->conn, t->id);
+    turn_finish(t);
+}
+
+/* ---- the reply ------------------------------------------------------------------------ */
+
+/* Keeps the reply for the done frame and the history, up to max_reply_bytes cut on a UTF-8
+ * boundary. */
+static void turn_keep_reply(cg_turn *t, const char *text, size_t len)
+{
+    size_t max = (size_t)t->q->env->cfg->max_reply_bytes;
+    if (t->truncated)
+        return;
+    if (t->reply_len + len > max) {
+        len = cg_utf8_boundary(text, max - t->reply_len);
+        t->truncated = 1;
+    }
+    if (t->reply_len + len + 1 > t->reply_cap) {
+        size_t ncap = t->reply_cap ? t->reply_cap : 256;
+        while (ncap < t->reply_len + len + 1)
+            ncap *= 2;
+        char *nr = realloc(t->reply, ncap);
+        if (!nr)
+            abort();
+        t->reply = nr;
+        t->reply_cap = ncap;
+    }
+    memcpy(t->reply + t->reply_len, text, len);
+    t->reply_len += len;
+    t->reply[t->reply_len] = 0;
+}
+
+static void turn_first_text(cg_turn *t)
+{
+    if (t->got_first)
+        return;
+    t->got_first = 1;
+    cg_histogram_observe(&t->q->env->metrics->first_token, (double)(uv_hrtime() - t->t_upstream) / 1e9);
+}
+
+static void on_reply_timeout(uv_timer_t *timer);
+
+/* A forwarded turn's app is still answering: its silence bound starts again. */
+static void turn_timer_arm(cg_turns *q)
+{
+    if (!q->reply_timeout_ms)
+        return;
+    if (!q->timer) {
+        q->timer = malloc(sizeof(*q->timer));
+        if (!q->timer)
+            abort();
+        uv_timer_init(q->env->loop, q->timer);
+        q->timer->data = q;
+    }
+    uv_timer_start(q->timer, on_reply_timeout, q->reply_timeout_ms, 0);
+}
+
+/*
+ * A forwarded turn holds its dialog's lock until the app's end or cancelled marker. An app
+ * that never sends one (a mapping without an end marker, an app stalled mid-reply) must not
+ * hold the dialog for ever: the turn ends, saved as it stands, after reply_timeout_ms with
+ * no frame of it from the app.
+ */
+static void on_reply_timeout(uv_timer_t *timer)
+{
+    cg_turns *q = timer->data;
+    cg_turn *t = q ? q->inflight : NULL;
+    if (!t || !t->forwarded)
+        return;
+    cg_info("%s: the app sent nothing of the reply in flight for %llu ms: the turn ends, its dialog is free", q->name,
+            (unsigned long long)q->reply_timeout_ms);
+    cg_turn_end(t, 0);
+}
+
+void cg_turn_reply(cg_turn *t, const char *text, size_t len)
+{
+    turn_timer_arm(t->q);
+    if (len == 0)
+        return;
+    turn_first_text(t);
+    turn_keep_reply(t, text, len);
+}
+
+void cg_turn_state(cg_turn *t, json_t *state, const char *source)
+{
+    cg_turns *q = t->q;
+    char err[256];
+    int rc = cg_dialog_apply_directive(&t->dialog, state, source, turn_now(q), &q->env->cfg->lifetimes, err,
+                                       sizeof(err));
+    if (rc >= 0)
+        return;
+    /* the reply itself is fine: a warning, and the reply goes on */
+    cg_warn("%s: message %s: state from '%s' refused: %s", q->name, t->id, source, err);
+    if (q->sink->warning)
+        q->sink->warning(q->conn, t->id, cg_err_code(rc), err);
+}
+
+void cg_turn_end(cg_turn *t, int cancelled)
+{
+    turn_save(t, cancelled || t->cancel_requested ? END_CANCELLED : END_ENDED);
+    turn_finish(t);
+}
+
+const char *cg_turn_id(const cg_turn *t)
+{
+    return t->id;
+}
+
+static void on_upstream_delta(void *ctx, const char *text, size_t len)
+{
+    cg_turn *t = ctx;
+    if (len == 0)
+        return;
+    turn_first_text(t);
+    turn_keep_reply(t, text, len);
+    if (t->q->sink->delta)
+        t->q->sink->delta(t->q->conn, t->id, text, len);
+}
+
+static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
+{
+    cg_turn *t = ctx;
+    cg_turns *q = t->q;
+    t->call = NULL;
+    if (state)
+        cg_turn_state(t, state, q->env->upstreams[t->route].cfg->name);
+    if (q->sink->done)
+        q->sink->done(q->conn, t->id, t->reply ? t->reply : "", t->reply_len, usage, t->truncated);
+    turn_save(t, END_DONE);
+    turn_finish(t);
+}
+
+static void on_upstream_error(void *ctx, int err, const char *message, json_t *detail)
+{
+    cg_turn *t = ctx;
+    t->call = NULL;
+    t->q->env->metrics->upstream_errors[t->route]++;
+    cg_info("%s: message %s: %s: %s", t->q->name, t->id, cg_err_code(err), message);
+    turn_fail(t, err, message, detail);
+}
+
+static const cg_upstream_events upstream_events = {
+    .on_delta = on_upstream_delta,
+    .on_done = on_upstream_done,
+    .on_error = on_upstream_error,
+};
+
+/* ---- a chat turn ---------------------------------------------------------------------- */
+
+/* The message goes to the adapter's own connection (drop-in). */
+static void turn_forward(cg_turn *t, const cg_pipeline_result *res, json_t *params, json_t *awaiting_before)
+{
+    cg_turns *q = t->q;
+    cg_dialog *d = &t->dialog;
+    cg_turn_forward f = {
+        .id = t->id, .user = q->user, .room = t->room, .text = t->text, .service = d->service,
+        .params = params, .awaiting = awaiting_before, .soft = d->soft, .resolution = res->resolution,
+        .enriched = res->enriched, .rules = res->rules, .annotations = res->annotations, .error = res->error,
+        .error_message = res->error ? res->error_message : NULL, .opaque = t->opaque,
+    };
+    t->opaque = NULL; /* the adapter's again, whatever forward answers */
+    t->t_upstream = uv_hrtime();
+    if (q->sink->forward(q->conn, t, &f) < 0) {
+        turn_fail(t, CG_E_INTERNAL, "the message could not be forwarded", NULL);
+        return;
+    }
+    t->forwarded = 1;
+    turn_timer_arm(q);
+    if (q->supersede && q->head) /* the next message came while this one loaded */
+        cg_turn_end(t, 0);
+}
+
+/* The message goes to its upstream: ack, then the call (or `cancel absorb`: answered here). */
+static void turn_call(cg_turn *t, const cg_pipeline_result *res, json_t *params, json_t *awaiting_before)
+{
+    cg_turns *q = t->q;
+    cg_turn_env *env = q->env;
+    cg_dialog *d = &t->dialog;
+    cg_upstream *up = &env->upstreams[t->route];
+    cg_ack ack = {
+        .id = t->id, .room = t->room, .route = up->cfg->name, .service = d->service, .enriched = res->enriched,
+        .params = params, .resolution = res->resolution, .rules = res->rules,
+    };
+    if (q->sink->ack)
+        q->sink->ack(q->conn, &ack);
+    if (res->absorb) {
+        if (q->sink->done)
+            q->sink->done(q->conn, t->id, "", 0, NULL, 0);
+        turn_save(t, END_ABSORBED);
+        turn_finish(t);
+        return;
+    }
+    char *summary = cg_dialog_summary(d, params, res->resolution, res->annotations);
+    cg_upstream_message um = {
+        .id = t->id, .user = q->user, .room = t->room, .text = t->text, .route = up->cfg->name,
+        .service = d->service, .params = params, .awaiting = awaiting_before, .soft = d->soft,
+        .history = d->history, .summary = summary ? summary : "", .enriched = res->enriched,
+        .resolution = res->resolution, .annotations = res->annotations, .rules = res->rules,
+    };
+    env->metrics->routed[t->route]++;
+    t->t_upstream = uv_hrtime();
+    int rc = up->ops->start(up, &q->up_conns[t->route], &um, &upstream_events, t, &t->call);
+    free(summary);
+    if (rc < 0) {
+        turn_fail(t, CG_E_INTERNAL, "the upstream request could not be started", NULL);
+        return;
+    }
+    if (q->paused)
+        up->ops->pause(t->call, 1);
+}
+
+/* A chat message with its dialog loaded: the pipeline, then the upstream or the adapter. */
+static void turn_start(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    cg_turn_env *env = q->env;
+    cg_dialog *d = &t->dialog;
+    d->message_count++;
+    d->last_activity = turn_now(q);
+
+    json_t *awaiting_before = json_incref(d->awaiting); /* forwarded as it was */
+    cg_pipeline_result res;
+    uint64_t t0 = uv_hrtime();
+    cg_pipeline_run(env->cfg, t->rules, d, t->text, turn_now(q), &env->cfg->lifetimes, &res);
+    cg_histogram_observe(&env->metrics->rules, (double)(uv_hrtime() - t0) / 1e9);
+    count_pipeline(env->metrics, &res);
+    if (res.error && !q->sink->forward) { /* params over the cap: refused, nothing forwarded */
+        json_decref(awaiting_before);
+        turn_fail(t, res.error, res.error_message, NULL);
+        cg_pipeline_result_free(&res);
+        return;
+    }
+    t->route = res.route;
+    if (res.enriched && !(t->enriched = strdup(res.enriched)))
+        abort();
+    json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(env->cfg, d->service));
+    if (q->sink->forward)
+        turn_forward(t, &res, params, awaiting_before);
+    else
+        turn_call(t, &res, params, awaiting_before);
+    json_decref(params);
+    json_decref(awaiting_before);
+    cg_pipeline_result_free(&res);
+}
+
+/* context.get, context.forget, context.clear: on the caller's own dialog only. */
+static void turn_context(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    cg_store *st = q->env->store;
+    if (t->kind == CG_TURN_CONTEXT_FORGET) {
+        if (cg_dialog_forget(&t->dialog, t->keys) > 0)
+            st->ops->save(st, q->user, t->room, &t->dialog, NULL, NULL);
+    } else if (t->kind == CG_TURN_CONTEXT_CLEAR) {
+        st->ops->remove(st, q->user, t->room, NULL, NULL);
+        cg_dialog_free(&t->dialog);
+        cg_dialog_init(&t->dialog, turn_now(q));
+    }
+    json_t *state = cg_dialog_context(&t->dialog);
+    if (q->sink->context)
+        q->sink->context(q->conn, t->room, state);
+    json_decref(state);
+    turn_finish(t);
+}
+
+/* ---- queue, lock, load ---------------------------------------------------------------- */
+
+static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *status)
+{
+    cg_turn *t = ctx;
+    cg_turns *q = t->q;
+    cg_metrics *mt = q->env->metrics;
+    t->load = NULL;
+    t->dialog = *d; /* ours now */
+    t->has_dialog = 1;
+    cg_histogram_observe(&mt->store_load, (double)(uv_hrtime() - t->t_load) / 1e9);
+    if (t->kind == CG_TURN_CHAT) {
+        if (status->found)
+            mt->cache_hits++;
+        else
+            mt->cache_misses++;
+    }
+    if (status->warn && q->sink->warning) {
+        mt->degraded_warnings++;
+        q->sink->warning(q->conn, t->kind == CG_TURN_CHAT ? t->id : NULL, "store_degraded",
+                         "state kept in memory: Redis unreachable");
+    }
+    if (t->kind == CG_TURN_CHAT)
+        turn_start(t);
+    else
+        turn_context(t);
+}
+
+/* Starts loading t's dialog; -1 (said as an error) when the store refused. */
+static int turn_load(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    cg_store *st = q->env->store;
+    t->t_load = uv_hrtime();
+    t->load = st->ops->load(st, q->user, t->room, on_dialog_loaded, t);
+    if (t->load)
+        return 0;
+    say_error(q, t->kind == CG_TURN_CHAT ? t->id : NULL, CG_E_INTERNAL, "the dialog could not be loaded", NULL);
+    return -1;
+}
+
+/* The dialog's lock passed to t (another connection's turn of the dialog ended). */
+static void on_lock_granted(cg_dialog_lock_waiter *w)
+{
+    cg_turn *t = w->owner;
+    if (turn_load(t) < 0) /* cannot happen with the shipped stores; keep the line moving */
+        turn_finish(t);
+}
+
+/* Runs the next waiting request, if none is in flight: first its dialog's lock, then its load. */
+static void turns_pump(cg_turns *q)
+{
+    while (!q->inflight && q->head) {
+        cg_turn *t = q->head;
+        q->head = t->next;
+        if (!q->head)
+            q->tail = NULL;
+        q->queued--;
+        t->next = NULL;
+        q->inflight = t;
+        if (t->kind == CG_TURN_CHAT) {
+            t->counted = 1;
+            q->env->inflight++;
+        }
+        t->lock.granted = on_lock_granted;
+        t->lock.owner = t;
+        if (!cg_dialog_lock_acquire(q->env->locks, &t->lock, q->user, t->room))
+            return; /* another connection's turn of this dialog runs; on_lock_granted starts this one */
+        if (turn_load(t) == 0)
+            return;
+        q->inflight = NULL;
+        turn_free(t);
+    }
+}
+
+/* ---- the connection's side ------------------------------------------------------------ */
+
+void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, void *conn, const char *user,
+                   const char *name)
+{
+    memset(q, 0, sizeof(*q));
+    q->env = env;
+    q->sink = sink;
+    q->conn = conn;
+    q->user = user;
+    q->name = name;
+    cg_rate_init(&q->rate, env->cfg->rate_burst, uv_now(env->loop));
+}
+
+int cg_turns_admit(cg_turns *q, const char *id)
+{
+    const cg_config *cfg = q->env->cfg;
+    char err[160];
+    if (!cg_rate_take(&q->rate, cfg->rate_per_second, cfg->rate_burst, uv_now(q->env->loop))) {
+        snprintf(err, sizeof(err), "over %ld messages a second", cfg->rate_per_second);
+        say_error(q, id, CG_E_RATE_LIMITED, err, NULL);
+        return CG_E_RATE_LIMITED;
+    }
+    /* waiting: the queue, and a request in flight still waiting for its dialog (its lock or
+     * its load), which has nothing under way yet either */
+    cg_turn *t = q->inflight;
+    long waiting = q->queued + (t && !t->has_dialog);
+    if (waiting >= cfg->queue_limit) {
+        snprintf(err, sizeof(err), "%ld messages wait already for the reply in flight or their dialog", waiting);
+        say_error(q, id, CG_E_RATE_LIMITED, err, NULL);
+        return CG_E_RATE_LIMITED;
+    }
+    if (q->env->stopping) {
+        say_error(q, id, CG_E_INTERNAL, "the gateway is shutting down: reconnect", NULL);
+        return CG_E_INTERNAL;
+    }
+    return 0;
+}
+
+/*
+ * A message that a cancel rule matches acts at once on the reply in flight of its room: that
+ * reply is cancelled; the message itself then waits its turn like any other and goes through
+ * the pipeline, which clears awaiting.
+ */
+static void cancel_on_arrival(cg_turns *q, const char *room, const char *text)
+{
+    cg_turn *t = q->inflight;
+    if (!t || t->kind != CG_TURN_CHAT || strcmp(t->room, room) != 0 || !cg_rules_cancels(q->env->rules, text))
+        return;
+    cg_info("%s: message %s stopped by a cancel phrase", q->name, t->id);
+    turn_cancel(t, 0);
+}
+
+static void request_clear(cg_turn_request *r)
+{
+    free(r->id);
+    free(r->room);
+    free(r->text);
+    json_decref(r->keys);
+    memset(r, 0, sizeof(*r));
+}
+
+int cg_turns_submit(cg_turns *q, cg_turn_request *r)
+{
+    int chat = r->kind == CG_TURN_CHAT;
+    int rc = cg_turns_admit(q, r->id);
+    if (rc) {
+        request_clear(r);
+        return rc;
+    }
+    if (chat)
+        cancel_on_arrival(q, r->room, r->text);
+    if (chat && q->supersede && q->inflight && q->inflight->forwarded)
+        cg_turn_end(q->inflight, 0); /* the next message: the forwarded turn is over */
+    cg_turn *t = calloc(1, sizeof(*t));
+    if (!t)
+        abort();
+    t->q = q;
+    t->kind = r->kind;
+    t->id = r->id;
+    t->room = r->room;
+    t->text = r->text;
+    t->keys = r->keys;
+    t->opaque = r->opaque;
+    memset(r, 0, sizeof(*r));
+    t->arrived = turn_now(q);
+    t->t_arrived = uv_hrtime();
+    t->rules = cg_ruleset_ref(q->env->rules);
+    if (chat)
+        q->env->metrics->messages++;
+    if (q->tail)
+        q->tail->next = t;
+    else
+        q->head = t;
+    q->tail = t;
+    q->queued++;
+    turns_pump(q);
+    return 0;
+}
+
+int cg_turns_id_in_use(const cg_turns *q, const char *id)
+{
+    if (q->inflight && q->inflight->kind == CG_TURN_CHAT && strcmp(q->inflight->id, id) == 0)
+        return 1;
+    for (const cg_turn *t = q->head; t; t = t->next)
+        if (t->kind == CG_TURN_CHAT && strcmp(t->id, id) == 0)
+            return 1;
+    return 0;
+}
+
+int cg_turns_cancel(cg_turns *q, const char *id)
+{
+    cg_turn *t = q->inflight;
+    if (t && t->kind == CG_TURN_CHAT && strcmp(t->id, id) == 0) {
+        turn_cancel(t, 1);
+        return 0;
+    }
+    for (cg_turn **pp = &q->head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
+        if ((*pp)->kind != CG_TURN_CHAT || strcmp((*pp)->id, id) != 0)
+            continue;
+        t = *pp;
+        *pp = t->next;
+        if (q->tail == t)
+            q->tail = prev;
+        q->queued--;
+        if (q->sink->cancelled)
+            q->sink->cancelled(q->conn, id);
+        turn_free(t);
+        return 0;
+    }
+    return -1;
+}
+
+void cg_turns_cancel_current(cg_turns *q)
+{
+    if (q->inflight && q->inflight->kind == CG_TURN_CHAT)
+        turn_cancel(q->inflight, 1);
+}
+
+void cg_turns_pause(cg_turns *q, int paused)
+{
+    q->paused = paused;
+    cg_turn *t = q->inflight;
+    if (t && t->call)
+        q->env->upstreams[t->route].ops->pause(t->call, paused);
+}
+
+cg_turn *cg_turns_forwarded(cg_turns *q)
+{
+    return q->inflight && q->inflight->forwarded ? q->inflight : NULL;
+}
+
+static void on_timer_closed(uv_handle_t *h)
+{
+    free(h);
+}
+
+void cg_turns_close(cg_turns *q)
+{
+    if (q->inflight) {
+        turn_stop(q->inflight);
+        turn_free(q->inflight);
+        q->inflight = NULL;
+    }
+    while (q->head) {
+        cg_turn *t = q->head;
+        q->head = t->next;
+        turn_free(t);
+    }
+    q->tail = NULL;
+    q->queued = 0;
+    for (int i = 0; i < q->env->n_upstreams; i++)
+        if (q->up_conns[i] && q->env->upstreams[i].ops->close_conn) {
+            q->env->upstreams[i].ops->close_conn(q->up_conns[i]);
+            q->up_conns[i] = NULL;
+        }
+    if (q->timer) {
+        q->timer->data = NULL;
+        uv_close((uv_handle_t *)q->timer, on_timer_closed);
+        q->timer = NULL;
+    }
+}
