@@ -6,8 +6,9 @@
  * The store is split along its one real seam:
  *   redis_conn.c    the connection's life: resolve, connect, the PING probe, AUTH/SELECT,
  *                   command timeouts, reconnect with backoff, degraded mode (answers from
- *                   memory), the dirty set and its write-back after an outage, close; the
- *                   requests and their in-flight list (the command timeout reads it);
+ *                   memory), the dirty set and its write-back after an outage, open (the
+ *                   URL) and close; the requests and their in-flight list (the command
+ *                   timeout reads it);
  *   redis_dialog.c  the dialog operations: the keys, the EVAL scripts and their arguments,
  *                   load, save, remove, forget a user, reading the replies; the ops table.
  * Each half calls the other through the few cg_redis_ functions below: the operations need
