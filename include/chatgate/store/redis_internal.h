@@ -1,0 +1,126 @@
+/*
+ * redis_internal.h: what the two halves of the Redis store share. Private: only
+ * src/store/redis_*.c include it; the rest of the gateway knows the Redis store through
+ * store.h alone (cg_store_redis_open and the ops table).
+ *
+ * The store is split along its one real seam:
+ *   redis_conn.c    the connection's life: resolve, connect, the PING probe, AUTH/SELECT,
+ *                   command timeouts, reconnect with backoff, degraded mode (answers from
+ *                   memory), the dirty set and its write-back after an outage, open (the
+ *                   URL) and close; the requests and their in-flight list (the command
+ *                   timeout reads it);
+ *   redis_dialog.c  the dialog operations: the keys, the EVAL scripts and their arguments,
+ *                   load, save, remove, forget a user, reading the replies; the ops table.
+ * Each half calls the other through the few cg_redis_ functions below: the operations need
+ * requests, the in-flight list, the dirty set and the answers from memory; the connection
+ * needs a save (for the write-back), the dispatch of waiting requests once it is decided,
+ * and the check of a reply.
+ */
+#ifndef CHATGATE_STORE_REDIS_INTERNAL_H
+#define CHATGATE_STORE_REDIS_INTERNAL_H
+
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/net.h"
+#include "chatgate/store/store.h"
+
+typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED } redis_state;
+typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING } op_kind;
+
+typedef struct redis_store redis_store;
+
+struct cg_store_req {
+    redis_store *rs;
+    op_kind kind;
+    char *user;      /* as given (remove_user's memory delete); "" for a write-back */
+    char *eu, *er;   /* user and room, escaped (cg_store_escape) */
+    char *key;       /* "<eu>:<er>": the dialog's hash tag and memory key */
+    json_t *snapshot; /* save: the dialog as written */
+    long version;     /* save of a dirty dialog: the dirty version it writes back */
+    cg_store_load_fn load_cb;
+    cg_store_done_fn done_cb;
+    void *ctx;
+    int abandoned;
+    int steps;        /* replies due to on_step_reply: r lives until they came */
+    int step_failed;  /* one of them was an error or never came */
+    int finished;     /* cg_redis_req_finish was called while steps were due */
+    int base_unknown; /* save: the dialog began from nothing while Redis was away */
+    cg_store_req *wait_next; /* waiting for the first connection's verdict */
+    uint64_t sent_at;
+    cg_store_req *prev, *next; /* in flight, oldest first */
+    uv_timer_t defer;          /* answers from memory come through this */
+};
+
+struct redis_store {
+    cg_store base;
+    char *host; /* as in the URL; resolved before each connect */
+    int port, db;
+    char *password; /* NULL: none */
+    char *address;  /* the last address connected to, for the log */
+    cg_resolve *resolve;
+    redisAsyncContext *ac;
+    redis_state state;
+    int setup_failed; /* SELECT failed on this connection */
+    uv_timer_t connect_timer; /* connect timeout, then reconnect backoff */
+    uv_timer_t tick;          /* command timeouts */
+    int backoff;
+    int ever_connected;
+    cg_memstore *mem;
+    json_t *dirty;  /* key -> {"u","r","v","b"}: written to memory only; oldest write first */
+    long dirty_bytes;
+    long dirty_max_bytes;
+    json_t *warned; /* keys told "store_degraded" in this outage */
+    json_t *unknown; /* keys loaded from memory, not found, while Redis was away: Redis's copy
+                      * is unknown, so a save of them only creates (oldest first, bounded) */
+    cg_store_req *waiting, *waiting_tail; /* before the first connection is decided */
+    long dirty_seq;
+    cg_store_req *head, *tail;
+    int handles; /* open uv handles + requests: freed when 0 after close */
+    int closing;
+};
+
+static inline char *cg_redis_xstrdup(const char *s)
+{
+    char *d = strdup(s);
+    if (!d)
+        abort();
+    return d;
+}
+
+/* ---- redis_conn.c ---------------------------------------------------------------------- */
+
+/* Requests: a new one for (user, room), escaped; freed by cg_redis_req_finish once the
+ * replies still due to it have come. */
+cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
+void cg_redis_req_finish(cg_store_req *r);
+/* The in-flight list, oldest first: the command timeout watches its head. */
+void cg_redis_inflight_add(redis_store *rs, cg_store_req *r);
+void cg_redis_inflight_remove(redis_store *rs, cg_store_req *r);
+/* Answers r from memory (Redis is away or failed it), now or from the loop; finishes it. */
+void cg_redis_answer_from_memory(cg_store_req *r);
+void cg_redis_answer_later_from_memory(cg_store_req *r);
+/* The dirty set: dialogs written to memory only, waiting for the write-back. */
+void cg_redis_mark_dirty(redis_store *rs, cg_store_req *r);
+void cg_redis_dirty_del(redis_store *rs, const char *key);
+void cg_redis_forget_dirty(redis_store *rs, cg_store_req *r);
+/* Writes back one dirty dialog; -1 when memory no longer holds it (dropped then). */
+int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry);
+/* The ops table's close. */
+void cg_redis_close(cg_store *st);
+
+/* ---- redis_dialog.c -------------------------------------------------------------------- */
+
+extern const cg_store_ops cg_redis_ops;
+/* Sends r's save (its snapshot): the rooms set, then the conditional EVAL. */
+void cg_redis_send_save(redis_store *rs, cg_store_req *r);
+/* Starts the requests that waited for the first connection's verdict. */
+void cg_redis_drain_waiting(redis_store *rs);
+/* A reply that failed: NULL (connection gone) or an error; logs the error's text. */
+int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elements, const char *what);
+
+#endif
