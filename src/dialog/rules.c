@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
 
 static void rule_free(rule *r)

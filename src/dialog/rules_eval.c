@@ -16,6 +16,7 @@
 
 #include "chatgate/core/log.h"
 #include "chatgate/core/utf8.h"
+#include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
 
 static int param_present(const cg_dialog *d, const char *key)

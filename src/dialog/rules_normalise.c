@@ -16,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
 
 static const char *const month_names[] = {"jan", "feb", "mar", "apr", "may", "jun",

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
 
 typedef struct parse_ctx {

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
 
 /* The rule's own output for a name of an expect line, as text. */

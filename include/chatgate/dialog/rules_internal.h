@@ -15,8 +15,15 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <stdint.h>
+#include <stdio.h>
 
-#include "chatgate/dialog/rules.h"
+#include "chatgate/dialog/dialog.h"
+
+/* rules.h's types, by their tags: this header stands without rules.h (each rules*.c
+ * includes both), so the include graph has no rules.c -> here -> rules.h loop. */
+typedef struct cg_ruleset cg_ruleset;
+struct cg_rules_result;
 
 typedef enum {
     A_CANCEL,
@@ -93,8 +100,9 @@ int cg_rules_parse_file(cg_ruleset *rs, const char *file, FILE *f, char *err, si
 
 /* rules_eval.c: an empty result, and rules [from, to) of rs run on text into out (the
  * conditions are skipped when check_conditions is 0, as the rule tests do). */
-void cg_rules_result_init(cg_rules_result *out);
+void cg_rules_result_init(struct cg_rules_result *out);
 void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const char *text, const cg_dialog *d,
-                         const char *previous, int64_t now, int check_conditions, cg_rules_result *out);
+                         const char *previous, int64_t now, int check_conditions,
+                         struct cg_rules_result *out);
 
 #endif
