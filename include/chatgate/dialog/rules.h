@@ -1,5 +1,5 @@
 /*
- * rules.h: rule files (DESIGN.md section 7): PCRE2 patterns that say what a message
+ * rules.h: rule files (rules/README.md): PCRE2 patterns that say what a message
  * cancels, confirms, selects, adds or asks again.
  *
  * A rule set is loaded from a directory's *.rules files in file-name order, compiled once
@@ -57,14 +57,14 @@ void cg_rules_eval(const cg_ruleset *rs, const char *text, const cg_dialog *d, c
 void cg_rules_result_free(cg_rules_result *r);
 
 /* Does a cancel rule without conditions match text? The check a message gets on arrival,
- * before its dialog is loaded (DESIGN.md section 1): only those rules run, nothing else. */
+ * before its dialog is loaded (docs/architecture.md): only those rules run, nothing else. */
 int cg_rules_cancels(const cg_ruleset *rs, const char *text);
 
 /* Runs the expect/reject lines of every rule at the clock `now`; prints each failure as
  * "file:line: ..." to out and returns how many failed. */
 int cg_rules_check(const cg_ruleset *rs, int64_t now, FILE *out, int *n_tests);
 
-/* Normalisers (DESIGN.md section 5), in the process's time zone (TZ: main sets it from
+/* Normalisers (rules/README.md), in the process's time zone (TZ: main sets it from
  * --timezone, UTC by default). 0, or -1 when in is not one. */
 int cg_normalise_date(const char *in, int64_t now, char out[11]);
 int cg_normalise_int(const char *in, long *out);

@@ -1,0 +1,329 @@
+/*
+ * rules_eval.c: what the rules say about one message (cg_rules_eval), and the quick cancel
+ * check a message gets on arrival (cg_rules_cancels).
+ *
+ * Every rule whose `when` conditions hold runs its pattern on the message, in file order;
+ * each rule that matches adds its action to the result, and where actions would clash the
+ * first rule wins (the first cancel, confirm, enrich or route). Matching is bounded: the
+ * subject is cut at CG_RULES_MAX_SCAN bytes on a UTF-8 boundary, and the set's match limit
+ * and JIT stack stop any pattern from stalling the loop; a rule cut off counts as no match
+ * and is named in `limited`, so a slow pattern costs its own answer, never the message's.
+ */
+#include <ctype.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/log.h"
+#include "chatgate/core/utf8.h"
+#include "chatgate/dialog/rules.h"
+#include "chatgate/dialog/rules_internal.h"
+
+static int param_present(const cg_dialog *d, const char *key)
+{
+    const char *dot = strchr(key, '.');
+    if (dot) {
+        char service[129];
+        snprintf(service, sizeof(service), "%.*s", (int)(dot - key), key);
+        return json_object_get(json_object_get(d->params, service), dot + 1) != NULL;
+    }
+    return d->service && json_object_get(json_object_get(d->params, d->service), key) != NULL;
+}
+
+static int conditions_hold(const rule *r, const cg_dialog *d, const char *previous)
+{
+    for (int i = 0; i < r->n_conds; i++) {
+        const rule_cond *c = &r->conds[i];
+        const char *type = d && d->awaiting ? json_string_value(json_object_get(d->awaiting, "type")) : NULL;
+        switch (c->kind) {
+        case C_AWAITING:
+            if (!type || (strcmp(c->arg, "any") != 0 && strcmp(c->arg, type) != 0))
+                return 0;
+            break;
+        case C_NO_AWAITING:
+            if (type)
+                return 0;
+            break;
+        case C_SERVICE:
+            if (!d || !d->service || strcmp(d->service, c->arg) != 0)
+                return 0;
+            break;
+        case C_HAS:
+            if (!d || !param_present(d, c->arg))
+                return 0;
+            break;
+        case C_HISTORY:
+            if (!previous || !*previous)
+                return 0;
+            break;
+        }
+    }
+    return 1;
+}
+
+/* Copies group number g of the last match into a new string; NULL when it did not take part. */
+static char *group_text(const cg_ruleset *rs, const char *subject, uint32_t g)
+{
+    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(rs->md);
+    if (g >= pcre2_get_ovector_count(rs->md) || ov[2 * g] == PCRE2_UNSET)
+        return NULL;
+    return strndup(subject + ov[2 * g], ov[2 * g + 1] - ov[2 * g]);
+}
+
+/* The text of named group name (with DUPNAMES, the first of that name that took part). */
+static char *named_text(const cg_ruleset *rs, const rule *r, const char *subject, const char *name)
+{
+    PCRE2_SPTR first, last;
+    int size = pcre2_substring_nametable_scan(r->re, (PCRE2_SPTR)name, &first, &last);
+    if (size < 0)
+        return NULL;
+    for (PCRE2_SPTR e = first; e <= last; e += size) {
+        char *t = group_text(rs, subject, (uint32_t)(e[0] << 8 | e[1]));
+        if (t)
+            return t;
+    }
+    return NULL;
+}
+
+/* Applies the rule's normaliser for group name to text; the new JSON value, or NULL. */
+static json_t *normalised(const rule *r, const char *name, const char *text, int64_t now, json_t *params)
+{
+    for (int i = 0; i < r->n_types; i++) {
+        if (strcmp(r->types[i].group, name) != 0)
+            continue;
+        char date[11], currency[4];
+        long v;
+        double amount;
+        switch (r->types[i].norm) {
+        case N_DATE:
+            return cg_normalise_date(text, now, date) == 0 ? json_string(date) : NULL;
+        case N_INT:
+            return cg_normalise_int(text, &v) == 0 ? json_integer(v) : NULL;
+        case N_LOWER: { /* ASCII letters only: other scripts are left as written */
+            char *low = strdup(text);
+            for (char *c = low; *c; c++)
+                *c = (char)tolower((unsigned char)*c);
+            json_t *v = json_string(low);
+            free(low);
+            return v;
+        }
+        case N_AMOUNT:
+            if (cg_normalise_amount(text, &amount, currency) < 0)
+                return NULL;
+            if (currency[0] && !json_object_get(params, "currency"))
+                json_object_set_new(params, "currency", json_string(currency));
+            return amount == floor(amount) && fabs(amount) < 9e15 ? json_integer((json_int_t)amount)
+                                                                  : json_real(amount);
+        }
+    }
+    return json_string(text);
+}
+
+/* Named groups that took part, normalised, into an object; a value a normaliser refuses is left out. */
+static json_t *params_of(const cg_ruleset *rs, const rule *r, const char *subject, int64_t now)
+{
+    json_t *params = json_object();
+    uint32_t count = 0, entry_size = 0;
+    PCRE2_SPTR table;
+    pcre2_pattern_info(r->re, PCRE2_INFO_NAMECOUNT, &count);
+    pcre2_pattern_info(r->re, PCRE2_INFO_NAMEENTRYSIZE, &entry_size);
+    pcre2_pattern_info(r->re, PCRE2_INFO_NAMETABLE, &table);
+    for (uint32_t i = 0; i < count; i++) {
+        const char *name = (const char *)(table + i * entry_size + 2);
+        if (json_object_get(params, name))
+            continue; /* a duplicate name already taken */
+        char *text = named_text(rs, r, subject, name);
+        if (!text)
+            continue;
+        char *t = cg_rules_trim(text);
+        json_t *v = *t ? normalised(r, name, t, now, params) : NULL;
+        if (v)
+            json_object_set_new(params, name, v);
+        free(text);
+    }
+    return params;
+}
+
+/* {previous}, {text} and {group} in an enrich template. */
+static char *expand_template(const cg_ruleset *rs, const rule *r, const char *subject, const char *text,
+                             const char *previous)
+{
+    size_t cap = strlen(r->arg) + strlen(text) + strlen(previous) + 256, len = 0;
+    char *out = malloc(cap);
+    if (!out)
+        abort(); /* out of memory: as everywhere a message is built */
+    for (const char *p = r->arg; *p;) {
+        const char *piece = NULL;
+        char *owned = NULL;
+        size_t plen = 0;
+        const char *close = *p == '{' ? strchr(p, '}') : NULL;
+        if (close) {
+            char name[64];
+            snprintf(name, sizeof(name), "%.*s", (int)(close - p - 1), p + 1);
+            if (strcmp(name, "previous") == 0) {
+                piece = previous;
+                plen = strlen(previous);
+                while (plen > 0 && strchr(" \t?.!", previous[plen - 1]))
+                    plen--;
+            } else if (strcmp(name, "text") == 0) {
+                piece = text;
+                plen = strlen(text);
+            } else if ((owned = named_text(rs, r, subject, name))) {
+                piece = owned;
+                plen = strlen(owned);
+            }
+            p = close + 1;
+        } else {
+            piece = p++;
+            plen = 1;
+        }
+        if (len + plen + 1 > cap) {
+            cap = (len + plen + 1) * 2;
+            char *grown = realloc(out, cap);
+            if (!grown)
+                abort();
+            out = grown;
+        }
+        if (piece)
+            memcpy(out + len, piece, plen);
+        len += piece ? plen : 0;
+        free(owned);
+    }
+    out[len] = 0;
+    return out;
+}
+
+/* Runs one rule's pattern on subject: 1 matched, 0 not, -1 cut off by a limit. */
+static int run_pattern(const cg_ruleset *rs, const rule *r, const char *subject, size_t len)
+{
+    int rc = pcre2_match(r->re, (PCRE2_SPTR)subject, len, 0, 0, rs->md, rs->mctx);
+    if (rc >= 0)
+        return 1;
+    if (rc == PCRE2_ERROR_NOMATCH)
+        return 0;
+    cg_warn("rules: rule '%s' (%s:%d) stopped: %s; counted as no match", r->name, r->file, r->line,
+            rc == PCRE2_ERROR_MATCHLIMIT ? "match limit" : rc == PCRE2_ERROR_JIT_STACKLIMIT ? "JIT stack limit"
+                                                                                            : "match error");
+    return -1;
+}
+
+/* What one matched rule adds to the result. */
+static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject, const char *text,
+                       const char *previous, int64_t now, cg_rules_result *out)
+{
+    switch (r->action) {
+    case A_CANCEL:
+    case A_CANCEL_ABSORB:
+        if (!out->cancel)
+            out->cancel = r->action == A_CANCEL_ABSORB ? 2 : 1;
+        break;
+    case A_CONFIRM_YES:
+    case A_CONFIRM_NO:
+        if (out->confirm < 0)
+            out->confirm = r->action == A_CONFIRM_YES;
+        break;
+    case A_METADATA:
+        if (!json_object_get(out->metadata, r->arg)) {
+            char *content = named_text(rs, r, subject, "content");
+            if (!content)
+                content = group_text(rs, subject, 1);
+            if (!content)
+                content = group_text(rs, subject, 0);
+            json_object_set_new(out->metadata, r->arg, json_string(cg_rules_trim(content)));
+            free(content);
+        }
+        break;
+    case A_PARAMS: {
+        json_t *p = params_of(rs, r, subject, now);
+        json_t *mine = json_object_get(out->params, r->arg);
+        if (!mine)
+            json_object_set_new(out->params, r->arg, mine = json_object());
+        json_object_update(mine, p);
+        json_decref(p);
+        snprintf(out->service, sizeof(out->service), "%.64s", r->arg);
+        break;
+    }
+    case A_FORGET:
+        json_array_append_new(out->forget, json_string(r->arg));
+        break;
+    case A_ENRICH:
+        if (!out->enriched && previous)
+            out->enriched = expand_template(rs, r, subject, text, previous);
+        break;
+    case A_ROUTE:
+        if (!out->route[0])
+            snprintf(out->route, sizeof(out->route), "%.64s", r->arg);
+        break;
+    }
+}
+
+void cg_rules_result_init(cg_rules_result *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->confirm = -1;
+    out->metadata = json_object();
+    out->params = json_object();
+    out->forget = json_array();
+    out->fired = json_array();
+    out->limited = json_array();
+}
+
+void cg_rules_result_free(cg_rules_result *r)
+{
+    json_decref(r->metadata);
+    json_decref(r->params);
+    json_decref(r->forget);
+    json_decref(r->fired);
+    json_decref(r->limited);
+    free(r->enriched);
+    memset(r, 0, sizeof(*r));
+}
+
+/* Evaluates rules [from, to) of rs; conditions are skipped when check_conditions is 0. */
+void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const char *text, const cg_dialog *d,
+                         const char *previous, int64_t now, int check_conditions, cg_rules_result *out)
+{
+    size_t len = strlen(text);
+    if (len > CG_RULES_MAX_SCAN)
+        len = cg_utf8_boundary(text, CG_RULES_MAX_SCAN);
+    char *subject = strndup(text, len);
+    for (size_t i = from; i < to; i++) {
+        const rule *r = &rs->rules[i];
+        if (check_conditions && !conditions_hold(r, d, previous))
+            continue;
+        if (r->action == A_ENRICH && !previous)
+            continue;
+        int m = run_pattern(rs, r, subject, len);
+        if (m < 0)
+            json_array_append_new(out->limited, json_string(r->name));
+        if (m <= 0)
+            continue;
+        json_array_append_new(out->fired, json_string(r->name));
+        apply_rule(rs, r, subject, text, previous, now, out);
+    }
+    free(subject);
+}
+
+void cg_rules_eval(const cg_ruleset *rs, const char *text, const cg_dialog *d, const char *previous, int64_t now,
+                   cg_rules_result *out)
+{
+    cg_rules_result_init(out);
+    if (rs)
+        cg_rules_eval_range(rs, 0, rs->n, text, d, previous, now, 1, out);
+}
+
+int cg_rules_cancels(const cg_ruleset *rs, const char *text)
+{
+    if (!rs)
+        return 0;
+    size_t len = strlen(text);
+    if (len > CG_RULES_MAX_SCAN)
+        len = cg_utf8_boundary(text, CG_RULES_MAX_SCAN);
+    for (size_t i = 0; i < rs->n; i++) {
+        const rule *r = &rs->rules[i];
+        if ((r->action == A_CANCEL || r->action == A_CANCEL_ABSORB) && r->n_conds == 0 &&
+            run_pattern(rs, r, text, len) > 0)
+            return 1;
+    }
+    return 0;
+}
