@@ -1,7 +1,7 @@
 /*
  * test_config.c: settings from flags and from a JSON file, and the messages for mistakes:
  * "--flag: ..." for a flag, "file:line:col: ..." for JSON syntax, "file: key: ..." for a
- * wrong value (DESIGN.md section 8).
+ * wrong value (docs/architecture.md, Operations).
  */
 #include <stdarg.h>
 #include <stdlib.h>
