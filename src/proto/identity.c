@@ -1,5 +1,5 @@
 /*
- * identity.c: resume tokens and HS256 JWTs, with OpenSSL's HMAC (DESIGN.md section 10:
+ * identity.c: resume tokens and HS256 JWTs, with OpenSSL's HMAC (docs/architecture.md, "Notes on the libraries":
  * Debian's libwebsockets has no JOSE). Signatures are compared in constant time. base64url
  * is decoded strictly (the url alphabet, no padding, no whitespace, zero unused bits), so a
  * token has exactly one spelling; a JWT must carry exp unless the policy says otherwise.

@@ -1,5 +1,5 @@
 /*
- * protocol.c: chatgate.v1 frames in and out (DESIGN.md section 3).
+ * protocol.c: chatgate.v1 frames in and out (docs/protocol.md).
  *
  * jansson checks JSON syntax, UTF-8 and NUL (json_loadb refuses invalid UTF-8 and "\u0000"
  * unless asked), so a text frame with bad bytes is answered as bad_frame with jansson's own

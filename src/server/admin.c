@@ -1,5 +1,5 @@
 /*
- * admin.c: the admin API (DESIGN.md section 8), for operators and support tools:
+ * admin.c: the admin API (docs/architecture.md, "Operations"), for operators and support tools:
  *
  *   GET    /admin/dialogs/{user}/{room}   view or export a dialog (the context frame's state)
  *   DELETE /admin/dialogs/{user}/{room}   delete one dialog

@@ -9,7 +9,7 @@
  *              closed), written one per writable callback.
  * Past CG_DROPIN_HIGH bytes a queue pauses the side that fills it (lws rx flow control).
  *
- * A chat frame is a turn request (turn.c owns its life: admission, queue, the dialog's lock,
+ * A chat frame is a turn request (turn.c owns its life: arrival checks, queue, the dialog's lock,
  * load, pipeline, history, save): the turn hands it back through the sink's forward once the
  * pipeline ran, with the chatgate object to add, and the frame takes its place in to_app.
  * The app's frames about it are its reply (cg_turn_reply, cg_turn_state), its end or
@@ -375,20 +375,23 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
         to_app(d, frame_new(buf, len, binary)); /* untouched */
         return;
     }
-    c->slot = frame_new(buf, len, 0);
-    c->slot->ready = 0;
+    frame *slot = c->slot = frame_new(buf, len, 0);
+    slot->ready = 0;
     cg_turn_request r = {
         .kind = CG_TURN_CHAT, .id = c->chat.id, .room = c->chat.room, .text = c->chat.text, .opaque = c,
     };
     c->chat.id = c->chat.room = c->chat.text = NULL;
-    if (cg_turns_submit(&d->turns, &r) != 0) { /* refused: not forwarded */
-        frame_free(c->slot);
+    if (cg_turns_submit(&d->turns, &r) != 0) { /* refused: not forwarded; c is still ours */
+        frame_free(slot);
         pending_free(c);
         return;
     }
+    /* c is the turn's now (it comes back through forward or unsent); the frame waits in to_app
+     * until the turn forwards it, and what the client sends after it waits behind it */
     d->refusing = 0;
-    queue_push(&d->to_app, c->slot); /* held until the turn forwards it, and what follows too */
+    queue_push(&d->to_app, slot);
     dropin_flow(d);
+    flush_to_app(d);
 }
 
 int cg_dropin_client_idle(cg_dropin *d)

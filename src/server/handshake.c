@@ -194,9 +194,9 @@ int cg_handshake_confirm_upgrade(struct lws *wsi)
 {
     cg_server *srv = cg_server_of(wsi);
     char uri[256];
-    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 || (strcmp(uri, "/ws") != 0 && !cg_handshake_is_dropin(srv, wsi))) {
+    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 ||
+        (strcmp(uri, "/ws") != 0 && !cg_handshake_is_dropin(srv, wsi)))
         return cg_http_refuse(wsi, 404, "Not Found", "WebSocket connections go to /ws\n");
-    }
     if (!origin_allowed(wsi, srv->cfg->allow_origin)) {
         cg_warn("refused a connection from another site's page (Origin not allowed; see --allow-origin)");
         srv->metrics.refused_connections++;

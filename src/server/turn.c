@@ -267,8 +267,8 @@ static void on_reply_timeout(uv_timer_t *timer)
     cg_turn *t = q ? q->inflight : NULL;
     if (!t || !t->forwarded)
         return;
-    cg_info("%s: the app sent nothing of the reply in flight for %llu ms: the turn ends, its dialog is free", q->name,
-            (unsigned long long)q->reply_timeout_ms);
+    cg_info("session %s: the app sent nothing of the reply in flight for %llu ms: the turn ends, its dialog is "
+            "free", q->name, (unsigned long long)q->reply_timeout_ms);
     cg_turn_end(t, 0);
 }
 
@@ -290,7 +290,7 @@ void cg_turn_state(cg_turn *t, json_t *state, const char *source)
     if (rc >= 0)
         return;
     /* the reply itself is fine: a warning, and the reply goes on */
-    cg_warn("%s: message %s: state from '%s' refused: %s", q->name, t->id, source, err);
+    cg_warn("session %s: message %s: state from '%s' refused: %s", q->name, t->id, source, err);
     if (q->sink->warning)
         q->sink->warning(q->conn, t->id, cg_err_code(rc), err);
 }
@@ -335,7 +335,7 @@ static void on_upstream_error(void *ctx, int err, const char *message, json_t *d
     cg_turn *t = ctx;
     t->call = NULL;
     t->q->env->metrics->upstream_errors[t->route]++;
-    cg_info("%s: message %s: %s: %s", t->q->name, t->id, cg_err_code(err), message);
+    cg_info("session %s: message %s: %s: %s", t->q->name, t->id, cg_err_code(err), message);
     turn_fail(t, err, message, detail);
 }
 
@@ -587,7 +587,7 @@ static void cancel_on_arrival(cg_turns *q, const char *room, const char *text)
     cg_turn *t = q->inflight;
     if (!t || t->kind != CG_TURN_CHAT || strcmp(t->room, room) != 0 || !cg_rules_cancels(q->env->rules, text))
         return;
-    cg_info("%s: message %s stopped by a cancel phrase", q->name, t->id);
+    cg_info("session %s: message %s stopped by a cancel phrase", q->name, t->id);
     turn_cancel(t, 0);
 }
 

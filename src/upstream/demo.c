@@ -1,5 +1,5 @@
 /*
- * upstream_demo.c: the built-in upstream. It answers without any network, streaming word by
+ * demo.c: the built-in upstream. It answers without any network, streaming word by
  * word (one word every delay_ms) what the gateway understood of the message, so the quick
  * start and the demo page work with no LLM. A uv timer drives each reply.
  */

@@ -1,5 +1,5 @@
 /*
- * upstream_openai.c: an OpenAI-compatible chat completions server (llama.cpp server, vLLM,
+ * openai.c: an OpenAI-compatible chat completions server (llama.cpp server, vLLM,
  * Ollama, OpenAI, LiteLLM), one streaming POST {base}/chat/completions per message.
  *
  * A call goes: resolve the host (off the loop) -> connect -> send headers and the JSON body

@@ -1,5 +1,5 @@
 /*
- * upstream_ws.c: a chat app's own WebSocket server (DESIGN.md section 6).
+ * ws.c: a chat app's own WebSocket server (docs/protocol.md, "Upstreams").
  *
  * One upstream connection per client connection, opened on that client's first message to
  * this upstream and closed with the client. Each message is sent as a chatgate message
@@ -452,7 +452,7 @@ static json_t *or_null(json_t *j)
     return j ? json_incref(j) : json_null();
 }
 
-/* The message frame of DESIGN.md section 6, or NULL when it cannot be built. */
+/* The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built. */
 static char *message_frame(const cg_upstream_message *m)
 {
     json_t *o = json_pack(

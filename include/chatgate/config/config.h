@@ -2,7 +2,7 @@
  * config.h: the process's settings, from defaults, the environment, a JSON file and flags.
  *
  * Precedence: built-in defaults < environment (REDIS_URL) < --config FILE < flags.
- * Every mistake is reported as DESIGN.md section 8 says: "file:line:col: message" for JSON
+ * Every mistake is reported as docs/architecture.md ("Operations") says: "file:line:col: message" for JSON
  * syntax, "file: key: message" for a wrong value, "--flag: message" for a flag; the caller
  * exits with status 2. Secrets never live here: they are read from the environment when used.
  */
@@ -76,7 +76,7 @@ typedef struct cg_config {
     long rate_burst;
     long max_reply_bytes;
     long send_buffer;
-    /* dialog state (DESIGN.md section 5) */
+    /* dialog state (docs/state.md) */
     cg_lifetimes lifetimes; /* lifetimes.*, history_n, params_cap */
     long max_dialogs;
     long max_store_bytes; /* bytes of dialogs the memory store (and Redis's memory copy) holds */
@@ -85,7 +85,7 @@ typedef struct cg_config {
     long redis_connect_timeout_ms;
     long redis_writeback_max_bytes;
     json_t *services; /* {"travel": {"defaults": {...}}} */
-    /* identity (DESIGN.md section 4) */
+    /* identity (docs/protocol.md, "Identity") */
     char *user_header;
     char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */
     long jwt_allow_no_exp; /* jwt.allow_no_exp: accept JWTs without exp (never expiring) */

@@ -2,7 +2,7 @@
  * error.h: chatgate's error codes.
  *
  * Functions return 0 or one of these negative codes. One X-macro table gives the
- * enum, the protocol's error code strings (DESIGN.md section 3) and cg_strerror(), so
+ * enum, the protocol's error code strings (docs/protocol.md, "Errors") and cg_strerror(), so
  * the names on the wire and in the code cannot drift apart.
  */
 #ifndef CHATGATE_ERROR_H

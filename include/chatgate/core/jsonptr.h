@@ -1,5 +1,5 @@
 /*
- * jsonptr.h: JSON Pointers (RFC 6901), which jansson lacks (DESIGN.md section 10): "/a/0/b"
+ * jsonptr.h: JSON Pointers (RFC 6901), which jansson lacks (docs/architecture.md, "Notes on the libraries"): "/a/0/b"
  * names root["a"][0]["b"]; "~1" stands for '/', "~0" for '~'; "" is the whole document.
  */
 #ifndef CHATGATE_JSONPTR_H

@@ -35,7 +35,7 @@ typedef struct cg_metrics {
     unsigned long refused_connections;
     unsigned long unauthorized;
     unsigned long degraded_warnings; /* store_degraded sent to clients */
-    /* reference 001's */
+    /* what the pipeline decided (docs/architecture.md, "Operations") */
     unsigned long awaiting_resolutions;
     unsigned long cancels;
     unsigned long soft_context_hits;

@@ -1,5 +1,5 @@
 /*
- * dialog.h: the state of one dialog (one user in one room), DESIGN.md section 5.
+ * dialog.h: the state of one dialog (one user in one room), docs/state.md.
  *
  * Pure: JSON and numbers in, JSON and numbers out; the time is always passed in (unix
  * seconds), so the merge rules, expiry and history are unit-tested with any clock. The
@@ -56,7 +56,7 @@ json_t *cg_dialog_params_merged(const cg_dialog *d, const char *service, json_t 
 int cg_dialog_forget(cg_dialog *d, json_t *keys);
 
 /*
- * Applies a backend's state directive (DESIGN.md section 5): service, params, awaiting
+ * Applies a backend's state directive (docs/state.md): service, params, awaiting
  * (null clears; ttl in seconds optional), soft_context (null clears), last_tool_result.
  * source names the upstream that sent it (awaiting remembers it). Returns 0, or
  * CG_E_TOO_LARGE / CG_E_BAD_FRAME (CG_E_INTERNAL out of memory) with err; a refused
@@ -69,7 +69,7 @@ int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, i
 void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
                             const cg_lifetimes *lt, json_t *extra);
 
-/* The state as the client's context frame shows it (DESIGN.md section 3). New reference. */
+/* The state as the client's context frame shows it (docs/protocol.md, "Server frames"). New reference. */
 json_t *cg_dialog_context(const cg_dialog *d);
 /* Everything, expiry times included, for a store. New reference; NULL out of memory. */
 json_t *cg_dialog_to_json(const cg_dialog *d);

@@ -1,9 +1,9 @@
 /*
  * pipeline.h: what the gateway decides about one message before it goes upstream
- * (DESIGN.md section 1, step 3), in this order:
+ * (docs/architecture.md, "Data path"), in this order:
  *   1. cancel rules: clear awaiting; the message goes on with resolution cancel, or is
  *      absorbed (answered here, not forwarded) by `cancel absorb`;
- *   2. awaiting resolution (reference 001's priority 1): selection by number or by words
+ *   2. awaiting resolution (first, as docs/state.md "Awaiting" says): selection by number or by words
  *      against the options' fields, confirmation by the confirm rules, metadata by the
  *      metadata rules, input by any text; resolved messages go to the upstream that asked;
  *   3. extraction: params rules (normalised), forget rules, metadata annotations;

@@ -1,6 +1,6 @@
 /*
  * dropin_map.h: drop-in mode's mapping between an app's own frames and chatgate's (the
- * "dropin" object of the config, DESIGN.md section 6), as pure functions: no I/O, no clock,
+ * "dropin" object of the config, docs/protocol.md "Drop-in mode"), as pure functions: no I/O, no clock,
  * no state; the fuzz target tests/fuzz/fuzz_dropin.c drives them.
  *
  * A client frame is a chat message when it matches dropin.client.chat, a cancel when it

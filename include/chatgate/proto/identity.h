@@ -1,5 +1,5 @@
 /*
- * identity.h: who a connection is (DESIGN.md section 4). The user id never comes from a
+ * identity.h: who a connection is (docs/protocol.md, "Identity"). The user id never comes from a
  * frame: it comes from a resume token the gateway signed (auth none), an HS256 JWT (auth
  * jwt), or a header a trusted proxy set (auth header).
  *

@@ -1,5 +1,5 @@
 /*
- * protocol.h: the chatgate.v1 frames (DESIGN.md section 3), parsed and built.
+ * protocol.h: the chatgate.v1 frames (docs/protocol.md), parsed and built.
  *
  * Parsing turns one client text frame into a cg_client_frame or a bad_frame error whose
  * message names the field that was wrong. Building gives the gateway's frames as compact
@@ -13,7 +13,7 @@
 
 #define CG_PROTOCOL_NAME "chatgate.v1"
 #define CG_MAX_ID 128    /* bytes of a client message id */
-#define CG_MAX_ROOM 256  /* bytes of a room id (DESIGN.md section 4) */
+#define CG_MAX_ROOM 256  /* bytes of a room id (docs/state.md, "Keys") */
 
 typedef enum cg_frame_type {
     CG_FRAME_MESSAGE,
@@ -41,7 +41,7 @@ void cg_client_frame_clear(cg_client_frame *f);
 
 /* Builders: each returns a malloc'd compact JSON string (never NULL; aborts on no memory). */
 char *cg_protocol_hello(const char *user, const char *session, const char *resume);
-/* What an ack says about a message (DESIGN.md section 3); JSON parts borrowed, NULL gives null/{}/[]. */
+/* What an ack says about a message (docs/protocol.md); JSON parts borrowed, NULL gives null/{}/[]. */
 typedef struct cg_ack {
     const char *id, *room, *route, *service, *enriched;
     json_t *params, *resolution, *rules;

@@ -2,8 +2,8 @@
  * ops.h: the operator's HTTP endpoints: GET /healthz and GET /metrics (Prometheus text).
  *
  * /healthz is 200 while serving, "degraded" when the store is away (a load balancer must
- * not drop every gateway because Redis is), 503 only while shutting down (DESIGN.md
- * section 8). /metrics shows the gateway's counters and the store's.
+ * not drop every gateway because Redis is), 503 only while shutting down (docs/architecture.md,
+ * "Operations"). /metrics shows the gateway's counters and the store's.
  */
 #ifndef CHATGATE_OPS_H
 #define CHATGATE_OPS_H

@@ -2,7 +2,7 @@
  * store.h: where dialogs live between messages, behind one table of operations.
  *
  * Two stores: in memory (one process, TTLs and bounds on dialogs and bytes held, least
- * recently used going first) and Redis (any number of gateways; DESIGN.md section 5's key layout,
+ * recently used going first) and Redis (any number of gateways; docs/state.md's key layout,
  * one pipelined read and one pipelined write per message, through the hiredis async API
  * on the gateway's loop). When Redis fails the Redis store answers from an in-memory store
  * of its own, says so (status.degraded, status.warn once per dialog), and writes what it
@@ -28,7 +28,7 @@ typedef struct cg_store_req cg_store_req;
 typedef struct cg_store_status {
     int degraded; /* answered from memory: Redis is away */
     int warn;     /* the first such answer for this dialog: tell the client */
-    int found;    /* load: the dialog existed (a cache hit, in reference 001's words) */
+    int found;    /* load: the dialog existed (a cache hit) */
 } cg_store_status;
 
 /* d is the caller's to keep (cg_dialog_free) */
@@ -97,7 +97,7 @@ cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, 
 
 /*
  * The dialog's key part "<user>:<room>", each id percent-encoded outside [A-Za-z0-9_.@|-]
- * (DESIGN.md section 4), so no id can reach another dialog's keys or break a hash tag.
+ * (docs/state.md, "Keys"), so no id can reach another dialog's keys or break a hash tag.
  * Returns a malloc'd string.
  */
 char *cg_store_dialog_key(const char *user, const char *room);

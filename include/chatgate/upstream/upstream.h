@@ -1,7 +1,7 @@
 /*
  * upstream.h: the backends that answer messages, behind one table of operations.
  *
- * Three kinds (DESIGN.md section 6): the built-in demo, an OpenAI-compatible HTTP server
+ * Three kinds (docs/protocol.md, "Upstreams"): the built-in demo, an OpenAI-compatible HTTP server
  * streaming server-sent events, and a chat app's own WebSocket server. A session starts a
  * call for one message and hears back through cg_upstream_events:
  *
@@ -37,7 +37,7 @@ typedef struct cg_upstream_call cg_upstream_call;
 typedef struct cg_upstream_events {
     void (*on_delta)(void *ctx, const char *text, size_t len);
     /* usage and state are borrowed (NULL when the upstream gave none); state is a
-     * WebSocket app's state directive (DESIGN.md section 5) */
+     * WebSocket app's state directive (docs/state.md, "The state directive") */
     void (*on_done)(void *ctx, json_t *usage, json_t *state);
     /* err is a CG_E_UPSTREAM_* code; message names the upstream and what went wrong.
      * detail (borrowed, NULL when there is nothing to add) holds what the upstream itself
