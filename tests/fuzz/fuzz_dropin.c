@@ -15,7 +15,7 @@
 
 #include "chatgate/proto/dropin_map.h"
 #include "chatgate/proto/protocol.h"
-#include "chatgate/server/session.h"
+#include "chatgate/server/handshake.h"
 
 #define CHECK(c)                                                                                                   \
     do {                                                                                                           \
