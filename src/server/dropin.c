@@ -69,6 +69,7 @@ struct cg_dropin {
     int app_open;
     int client_gone;
     char user[CG_MAX_USER + 1];
+    char name[24];     /* the session id, for the log */
     char *path;        /* app base path + the client's path and query */
     char *subprotocol; /* the client's, forwarded */
     char *headers[CG_DROPIN_MAX_FORWARD_HEADERS][2];
@@ -443,6 +444,8 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         if (a.end || a.cancelled) {
             d->suppressing = 0;
             to_client(d, frame_new(a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0));
+            if (ours) /* the reply in flight is over: its dialog is free now, not at the timeout */
+                cg_turn_end(t, 1);
         }
         cg_dropin_app_frame_clear(&a);
         return;
@@ -719,7 +722,8 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
     d->client = client;
     d->refs = 2; /* the client's and the app connection's */
     snprintf(d->user, sizeof(d->user), "%s", user);
-    cg_turns_init(&d->turns, &srv->turn, &dropin_sink, d, d->user, name);
+    snprintf(d->name, sizeof(d->name), "%s", name); /* d outlives the session that named it */
+    cg_turns_init(&d->turns, &srv->turn, &dropin_sink, d, d->user, d->name);
     d->turns.supersede = 1; /* the app's protocol may have no end marker: the next message ends a turn */
     json_t *tt = json_object_get(d->cfg, "turn_timeout_ms");
     d->turns.reply_timeout_ms = json_is_integer(tt) ? (uint64_t)json_integer_value(tt) : 60000;
@@ -736,9 +740,8 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
         d->origin[0] = 0;
     d->resolve = cg_resolve_start(srv->net.loop, srv->dropin_app.host, on_app_resolved, d);
     if (!d->resolve) {
-        free(d->path);
-        free(d->subprotocol);
-        free(d);
+        d->refs = 1;
+        dropin_unref(d); /* frees what was copied: path, subprotocol, headers */
         return NULL;
     }
     cg_info("dropin: a client connected; opening the app connection");

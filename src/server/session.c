@@ -295,12 +295,6 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
     int chat = f->type == CG_FRAME_MESSAGE;
     if (chat && !f->id[0])
         snprintf(f->id, sizeof(f->id), "g%lu", ++s->auto_id);
-    if (chat && cg_turns_id_in_use(&s->turns, f->id)) {
-        char err[160];
-        snprintf(err, sizeof(err), "id '%.64s' is already in use by a message not yet answered", f->id);
-        session_send_error(s, f->id, CG_E_BAD_FRAME, err);
-        return;
-    }
     cg_turn_request r = {
         .kind = chat ? CG_TURN_CHAT
                 : f->type == CG_FRAME_CONTEXT_GET ? CG_TURN_CONTEXT_GET
@@ -309,6 +303,7 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
         .room = dup_or_die(f->room),
         .text = f->text,
         .keys = f->keys,
+        .unique_id = 1, /* a message's id names it for cancel */
     };
     f->text = NULL;
     f->keys = NULL;

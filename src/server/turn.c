@@ -570,9 +570,36 @@ int cg_turns_admit(cg_turns *q, const char *id)
         say_error(q, id, CG_E_RATE_LIMITED, err, NULL);
         return CG_E_RATE_LIMITED;
     }
+    return 0;
+}
+
+/* A chat message with this id is waiting or in flight. */
+static int turns_id_in_use(const cg_turns *q, const char *id)
+{
+    if (q->inflight && q->inflight->kind == CG_TURN_CHAT && strcmp(q->inflight->id, id) == 0)
+        return 1;
+    for (const cg_turn *t = q->head; t; t = t->next)
+        if (t->kind == CG_TURN_CHAT && strcmp(t->id, id) == 0)
+            return 1;
+    return 0;
+}
+
+/* Past the rate and the queue bound: a request is refused while draining, and a chat message
+ * whose id names one not yet answered (when ids must be unique). 0, or the code (said). */
+static int turns_accept(cg_turns *q, const cg_turn_request *r)
+{
+    int rc = cg_turns_admit(q, r->id);
+    if (rc)
+        return rc;
     if (q->env->stopping) {
-        say_error(q, id, CG_E_INTERNAL, "the gateway is shutting down: reconnect", NULL);
+        say_error(q, r->id, CG_E_INTERNAL, "the gateway is shutting down: reconnect", NULL);
         return CG_E_INTERNAL;
+    }
+    if (r->kind == CG_TURN_CHAT && r->unique_id && turns_id_in_use(q, r->id)) {
+        char err[160];
+        snprintf(err, sizeof(err), "id '%.64s' is already in use by a message not yet answered", r->id);
+        say_error(q, r->id, CG_E_BAD_FRAME, err, NULL);
+        return CG_E_BAD_FRAME;
     }
     return 0;
 }
@@ -603,7 +630,7 @@ static void request_clear(cg_turn_request *r)
 int cg_turns_submit(cg_turns *q, cg_turn_request *r)
 {
     int chat = r->kind == CG_TURN_CHAT;
-    int rc = cg_turns_admit(q, r->id);
+    int rc = turns_accept(q, r);
     if (rc) {
         request_clear(r);
         return rc;
@@ -635,16 +662,6 @@ int cg_turns_submit(cg_turns *q, cg_turn_request *r)
     q->tail = t;
     q->queued++;
     turns_pump(q);
-    return 0;
-}
-
-int cg_turns_id_in_use(const cg_turns *q, const char *id)
-{
-    if (q->inflight && q->inflight->kind == CG_TURN_CHAT && strcmp(q->inflight->id, id) == 0)
-        return 1;
-    for (const cg_turn *t = q->head; t; t = t->next)
-        if (t->kind == CG_TURN_CHAT && strcmp(t->id, id) == 0)
-            return 1;
     return 0;
 }
 

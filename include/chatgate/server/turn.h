@@ -25,8 +25,9 @@
  *
  * Ownership: the adapter embeds cg_turns in its connection struct and calls cg_turns_close()
  * when the connection goes; the turns and their requests are the turn module's. Sink calls
- * come from the event loop, never from inside cg_turns_submit() for the request submitted
- * except its refusal (sink->error) and its acceptance having started a load.
+ * may come from inside the adapter's own calls (a refusal's error from cg_turns_submit, the
+ * cancelled or stop_forward of a reply a cancel phrase stops, the unsent of a request
+ * dropped by cg_turns_close), so an adapter must not hold pointers into what they free.
  */
 #ifndef CHATGATE_SERVER_TURN_H
 #define CHATGATE_SERVER_TURN_H
@@ -73,6 +74,7 @@ typedef struct cg_turn_request {
     char *room;   /* malloc'd */
     char *text;   /* malloc'd; chat only */
     json_t *keys; /* context.forget: the keys to forget */
+    int unique_id; /* chatgate.v1: refused (bad_frame) while a message with this id waits */
     void *opaque; /* the adapter's, handed back in cg_turn_forward (drop-in: the frame's slot) */
 } cg_turn_request;
 
@@ -136,19 +138,17 @@ void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, void
                    const char *name);
 
 /*
- * A request arrives: the arrival checks (rate, queue bound, shutdown), a cancel phrase's
- * effect on the reply in flight, then the queue. 0 when accepted; else the CG_E_* code it
- * was refused with (sink->error told, the metrics counted). Takes r's strings either way.
+ * A request arrives: the arrival checks (rate, queue bound, shutdown, and with unique_id an
+ * id still in use), a cancel phrase's effect on the reply in flight, then the queue. 0 when
+ * accepted; else the CG_E_* code it was refused with (sink->error told, the metrics
+ * counted). Takes r's strings either way; r->opaque stays the caller's when refused.
  */
 int cg_turns_submit(cg_turns *q, cg_turn_request *r);
 
-/* The arrival checks alone (rate, queue bound, shutdown), for a frame that is charged to the
- * rate limit but is no request (drop-in: a frame marked as chat that is not one): 0, or the
- * CG_E_* code it was refused with (said and counted). */
+/* The rate and the queue bound alone, for a frame that is charged to the rate limit but is no
+ * request (drop-in: a frame marked as chat that is not one): 0, or the CG_E_* code it was
+ * refused with (said and counted). */
 int cg_turns_admit(cg_turns *q, const char *id);
-
-/* A chat message with this id is waiting or in flight (chatgate.v1 ids name messages). */
-int cg_turns_id_in_use(const cg_turns *q, const char *id);
 
 /* The client's cancel of message id: the reply in flight (cancelled), or a message still
  * waiting (cancelled, never run); -1 when no chat message has this id. */
