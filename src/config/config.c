@@ -85,6 +85,7 @@ static const setting settings[] = {
     {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0, NULL},
     {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0, NULL},
     {"redis.writeback_max_bytes", T_INT, OFF(redis_writeback_max_bytes), 4096, 1L << 40, NULL, 0, NULL},
+    {"redis.lease_ms", T_INT, OFF(redis_lease_ms), 1000, 3600000, NULL, 0, NULL},
 };
 #undef OFF
 
@@ -935,6 +936,7 @@ static void set_defaults(cg_config *cfg)
     cfg->redis_command_timeout_ms = 1000;
     cfg->redis_connect_timeout_ms = 1000;
     cfg->redis_writeback_max_bytes = 64L << 20;
+    cfg->redis_lease_ms = 15000;
     cfg->user_header = strdup("X-User-Id");
     cfg->ping_interval_s = 30;
     cfg->idle_timeout_s = 300;

@@ -286,6 +286,7 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     sc.command_timeout_ms = cfg->redis_command_timeout_ms;
     sc.connect_timeout_ms = cfg->redis_connect_timeout_ms;
     sc.writeback_max_bytes = cfg->redis_writeback_max_bytes;
+    sc.lease_ms = cfg->redis_lease_ms;
     sc.lifetimes = cfg->lifetimes;
     char msg[256];
     gw->srv.turn.store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));

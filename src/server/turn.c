@@ -36,6 +36,7 @@ struct cg_turn {
     cg_store_req *load;        /* while the dialog loads */
     cg_dialog dialog;          /* once loaded */
     int has_dialog;
+    int saved;                 /* a save or remove ended its lease (store.h) */
     int route;                 /* the upstream's index */
     cg_upstream_call *call;    /* while an upstream call is in flight */
     int forwarded;             /* handed to the adapter (drop-in); its end comes by cg_turn_end */
@@ -98,6 +99,8 @@ static void turn_free(cg_turn *t)
         q->env->inflight--;
     if (t->opaque && !t->forwarded && q->sink->unsent)
         q->sink->unsent(q->conn, t->opaque);
+    if (t->has_dialog && !t->saved && q->env->store->ops->release) /* a turn that saved nothing */
+        q->env->store->ops->release(q->env->store, q->user, t->room);
     cg_dialog_lock_release(q->env->locks, &t->lock);
     cg_ruleset_unref(t->rules);
     if (t->has_dialog)
@@ -155,6 +158,7 @@ static void turn_save(cg_turn *t, turn_end_kind end)
     }
     d->last_activity = now;
     q->env->store->ops->save(q->env->store, q->user, t->room, d, NULL, NULL);
+    t->saved = 1;
 }
 
 /* A chat turn ends with an error: said, saved, finished. */
@@ -449,10 +453,13 @@ static void turn_context(cg_turn *t)
     cg_turns *q = t->q;
     cg_store *st = q->env->store;
     if (t->kind == CG_TURN_CONTEXT_FORGET) {
-        if (cg_dialog_forget(&t->dialog, t->keys) > 0)
+        if (cg_dialog_forget(&t->dialog, t->keys) > 0) {
             st->ops->save(st, q->user, t->room, &t->dialog, NULL, NULL);
+            t->saved = 1;
+        }
     } else if (t->kind == CG_TURN_CONTEXT_CLEAR) {
         st->ops->remove(st, q->user, t->room, NULL, NULL);
+        t->saved = 1; /* the lease went with the dialog's keys */
         cg_dialog_free(&t->dialog);
         cg_dialog_init(&t->dialog, turn_now(q));
     }
@@ -497,7 +504,7 @@ static int turn_load(cg_turn *t)
     cg_turns *q = t->q;
     cg_store *st = q->env->store;
     t->t_load = uv_hrtime();
-    t->load = st->ops->load(st, q->user, t->room, on_dialog_loaded, t);
+    t->load = st->ops->lease(st, q->user, t->room, on_dialog_loaded, t);
     if (t->load)
         return 0;
     say_error(q, t->kind == CG_TURN_CHAT ? t->id : NULL, CG_E_INTERNAL, "the dialog could not be loaded", NULL);

@@ -29,9 +29,11 @@
 #include <hiredis/hiredis.h>
 #include <hiredis/adapters/libuv.h>
 
+#include <openssl/rand.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
@@ -146,6 +148,7 @@ static void req_closed(uv_handle_t *h)
     cg_store_req *r = h->data;
     redis_store *rs = r->rs;
     json_decref(r->snapshot);
+    free(r->lease_value);
     free(r->user);
     free(r->eu);
     free(r->er);
@@ -535,6 +538,8 @@ static void on_tick(uv_timer_t *t)
         snprintf(why, sizeof(why), "no answer for %ld ms", rs->base.cfg.command_timeout_ms);
         drop_connection(rs, why);
     }
+    if (rs->state == R_CONNECTED && rs->ac)
+        cg_redis_renew_leases(rs);
 }
 
 /* ---- close -------------------------------------------------------------------------- */
@@ -554,6 +559,8 @@ static void store_free_if_done(redis_store *rs)
     json_decref(rs->dirty);
     json_decref(rs->warned);
     json_decref(rs->unknown);
+    json_decref(rs->leases);
+    json_decref(rs->saving);
     free(rs->host);
     free(rs->password);
     free(rs->address);
@@ -684,6 +691,22 @@ static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
     return 0;
 }
 
+/* Who holds a lease this store takes: the host, the process and a random part (a process
+ * restarted with the same pid is another holder). Shown to whoever waits for the lease. */
+static void lease_holder_id(redis_store *rs)
+{
+    char host[24] = "";
+    unsigned char rnd[4] = {0};
+    gethostname(host, sizeof(host) - 1);
+    for (char *p = host; *p; p++) /* one word: the lease value is "holder fence" */
+        if (*p == ' ')
+            *p = '_';
+    if (RAND_bytes(rnd, sizeof(rnd)) != 1)
+        abort();
+    snprintf(rs->holder, sizeof(rs->holder), "%s:%ld:%02x%02x%02x%02x", host[0] ? host : "gw", (long)getpid(), rnd[0],
+             rnd[1], rnd[2], rnd[3]);
+}
+
 cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, size_t errlen)
 {
     redis_store *rs = calloc(1, sizeof(*rs));
@@ -704,7 +727,11 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->dirty = json_object();
     rs->warned = json_object();
     rs->unknown = json_object();
-    if (!rs->mem || !rs->dirty || !rs->warned || !rs->unknown)
+    rs->leases = json_object();
+    rs->saving = json_object();
+    cg_redis_scripts_init();
+    lease_holder_id(rs);
+    if (!rs->mem || !rs->dirty || !rs->warned || !rs->unknown || !rs->leases || !rs->saving)
         abort(); /* out of memory at startup */
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);

@@ -30,6 +30,7 @@
 #include <hiredis/async.h>
 #include <hiredis/hiredis.h>
 
+#include <openssl/evp.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,11 +65,24 @@ static void argv_grow(argv_buf *a)
     a->cap = cap;
 }
 
-static void arg(argv_buf *a, const char *s, size_t n)
+static void arg_take(argv_buf *a, char *s, size_t n)
 {
     argv_grow(a);
+    a->owned[a->n_owned++] = s;
     a->argv[a->argc] = s;
     a->len[a->argc++] = n;
+}
+
+/* Every argument is the buffer's own copy: a script command may be sent again (NOSCRIPT)
+ * after the strings it was built from are gone. */
+static void arg(argv_buf *a, const char *s, size_t n)
+{
+    char *copy = malloc(n + 1);
+    if (!copy)
+        abort();
+    memcpy(copy, s, n);
+    copy[n] = 0;
+    arg_take(a, copy, n);
 }
 
 static void arg_str(argv_buf *a, const char *s)
@@ -81,9 +95,7 @@ static void arg_own(argv_buf *a, char *s)
 {
     if (!s)
         abort();
-    argv_grow(a);
-    a->owned[a->n_owned++] = s;
-    arg_str(a, s);
+    arg_take(a, s, strlen(s));
 }
 
 static void arg_fmt(argv_buf *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -164,12 +176,12 @@ static void send_last(redis_store *rs, argv_buf *a, redisCallbackFn *fn, cg_stor
     cg_redis_inflight_add(rs, r);
 }
 
-/* One key of the dialog whose key part is key ("<eu>:<er>"): the one builder of every
- * dialog key, with its real length. */
-static char *dialog_key(redis_store *rs, const char *key, const char *part)
+/* One key of the dialog (eu, er): the one builder of every dialog key, with its real length.
+ * The hash tag is the user's, so a user's dialogs and rooms set live on one shard. */
+static char *dialog_key(redis_store *rs, const char *eu, const char *er, const char *part)
 {
     char *s;
-    if (asprintf(&s, "%s:{%s}:%s", rs->base.cfg.prefix, key, part) < 0)
+    if (asprintf(&s, "%s:{%s}:%s:%s", rs->base.cfg.prefix, eu, er, part) < 0)
         abort();
     return s;
 }
@@ -177,29 +189,199 @@ static char *dialog_key(redis_store *rs, const char *key, const char *part)
 static char *rooms_key(redis_store *rs, const char *eu)
 {
     char *s;
-    if (asprintf(&s, "%s:user:{%s}:rooms", rs->base.cfg.prefix, eu) < 0)
+    if (asprintf(&s, "%s:{%s}:rooms", rs->base.cfg.prefix, eu) < 0)
         abort();
     return s;
 }
 
-static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history"};
+/* A dialog's keys, KEYS[1..7] of every script (the rooms set is KEYS[8]). */
+static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lease", "fence"};
+#define N_PARTS 7
+#define N_DATA_PARTS 5 /* params .. history: the dialog itself */
 
-/* EVAL <script> 5 <the dialog's five keys> */
-static void arg_eval(redis_store *rs, argv_buf *a, const char *script, const char *key)
+/* ---- scripts: EVALSHA, and EVAL once when the server does not know the script ----------- */
+
+typedef enum { S_LOAD, S_SAVE, S_RENEW, S_RELEASE, S_COUNT } script_id;
+static const char *script_text(script_id id);
+static char script_sha[S_COUNT][41];
+
+void cg_redis_scripts_init(void)
 {
-    arg_str(a, "EVAL");
-    arg_str(a, script);
-    arg_str(a, "5");
-    for (int i = 0; i < 5; i++)
-        arg_own(a, dialog_key(rs, key, parts[i]));
+    if (script_sha[0][0])
+        return;
+    for (int i = 0; i < S_COUNT; i++) {
+        unsigned char md[EVP_MAX_MD_SIZE];
+        unsigned int n = 0;
+        const char *text = script_text((script_id)i);
+        if (!EVP_Digest(text, strlen(text), md, &n, EVP_sha1(), NULL) || n != 20)
+            abort();
+        for (unsigned int k = 0; k < n; k++)
+            snprintf(script_sha[i] + 2 * k, 3, "%02x", md[k]);
+    }
+}
+
+/* EVALSHA <sha> 8 <the dialog's keys> <the rooms set> */
+static void arg_script(redis_store *rs, argv_buf *a, script_id id, const char *eu, const char *er)
+{
+    arg_str(a, "EVALSHA");
+    arg_str(a, script_sha[id]);
+    arg_str(a, "8");
+    for (int i = 0; i < N_PARTS; i++)
+        arg_own(a, dialog_key(rs, eu, er, parts[i]));
+    arg_own(a, rooms_key(rs, eu));
+}
+
+/*
+ * One script command in flight. Redis keeps scripts in a cache that a restart, a failover,
+ * SCRIPT FLUSH or a new shard behind twemproxy (which passes EVALSHA but not SCRIPT LOAD)
+ * does not have: a NOSCRIPT answer sends the same command once more as EVAL with the text,
+ * which also loads it there. The call keeps its arguments for that until its answer.
+ */
+typedef struct script_call {
+    redis_store *rs;
+    script_id id;
+    argv_buf a;
+    redisCallbackFn *fn;
+    void *priv;
+    int retried;
+} script_call;
+
+static void on_script_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    script_call *c = priv;
+    redisReply *reply = reply_;
+    if (reply && reply->type == REDIS_REPLY_ERROR && strncmp(reply->str, "NOSCRIPT", 8) == 0 && !c->retried &&
+        c->rs->ac == ac) {
+        c->retried = 1;
+        c->a.argv[0] = "EVAL";
+        c->a.len[0] = 4;
+        c->a.argv[1] = script_text(c->id);
+        c->a.len[1] = strlen(c->a.argv[1]);
+        if (redisAsyncCommandArgv(ac, on_script_reply, c, c->a.argc, c->a.argv, c->a.len) == REDIS_OK)
+            return;
+        reply = NULL;
+    }
+    if (c->fn)
+        c->fn(ac, reply, c->priv);
+    argv_free(&c->a);
+    free(c);
+}
+
+/* Sends a script command built in a (taken); 0, or -1 when hiredis refused it. */
+static int send_script(redis_store *rs, script_id id, argv_buf *a, redisCallbackFn *fn, void *priv)
+{
+    script_call *c = calloc(1, sizeof(*c));
+    if (!c)
+        abort();
+    c->rs = rs;
+    c->id = id;
+    c->a = *a;
+    memset(a, 0, sizeof(*a));
+    c->fn = fn;
+    c->priv = priv;
+    if (rs->ac && redisAsyncCommandArgv(rs->ac, on_script_reply, c, c->a.argc, c->a.argv, c->a.len) == REDIS_OK)
+        return 0;
+    argv_free(&c->a);
+    free(c);
+    return -1;
+}
+
+/* Sends r's script; r is answered from memory if that fails. */
+static void dispatch(redis_store *rs, cg_store_req *r);
+
+static int send_last_script(redis_store *rs, script_id id, argv_buf *a, redisCallbackFn *fn, cg_store_req *r)
+{
+    if (send_script(rs, id, a, fn, r) < 0) {
+        rs->base.stats.errors++;
+        cg_redis_answer_later_from_memory(r);
+        return -1;
+    }
+    cg_redis_inflight_add(rs, r);
+    return 0;
+}
+
+/*
+ * A save in flight holds back later loads of its dialog until it is answered. Pipelining
+ * them behind it would be in order on one Redis, but a save answered NOSCRIPT (a restarted
+ * or failed-over Redis, a shard behind twemproxy that had not seen the script) goes again as
+ * EVAL after them: the next turn would read the dialog without this save, and its lease
+ * would make this save fail. rs->saving counts the saves in flight per dialog key; the held
+ * loads wait in rs->gated and go when their dialog has none.
+ */
+static void gate_enter(redis_store *rs, const char *key)
+{
+    json_t *n = json_object_get(rs->saving, key);
+    json_object_set_new(rs->saving, key, json_integer(n ? json_integer_value(n) + 1 : 1));
+}
+
+static void gate_leave(redis_store *rs, const char *key)
+{
+    json_t *n = json_object_get(rs->saving, key);
+    if (n && json_integer_value(n) > 1) {
+        json_object_set_new(rs->saving, key, json_integer(json_integer_value(n) - 1));
+        return;
+    }
+    json_object_del(rs->saving, key);
+    cg_store_req **pp = &rs->gated;
+    while (*pp) { /* the held loads of this dialog go now, in their order */
+        cg_store_req *r = *pp;
+        if (strcmp(r->key, key) != 0) {
+            pp = &r->wait_next;
+            continue;
+        }
+        *pp = r->wait_next;
+        r->wait_next = NULL;
+        dispatch(rs, r);
+        if (json_object_get(rs->saving, key)) /* cannot happen (loads do not save): stay safe */
+            break;
+    }
+}
+
+/* 1 when r (a load) must wait for a save of its dialog; it is held then. */
+static int gated(redis_store *rs, cg_store_req *r)
+{
+    if (!json_object_get(rs->saving, r->key))
+        return 0;
+    cg_store_req **pp = &rs->gated;
+    while (*pp)
+        pp = &(*pp)->wait_next;
+    *pp = r;
+    return 1;
 }
 
 /* ---- load ------------------------------------------------------------------------------ */
 
-/* The five reads in one atomic step (GET's nil comes back as nil: false in a Lua table). */
+/*
+ * The load, one atomic step: the dialog's lease (when ARGV[1], the holder, is not empty),
+ * then the five reads. A lease held by another holder answers {"busy", its value, its PTTL}
+ * and reads nothing; else the lease is "holder fence", the fence one more than the
+ * dialog's last (KEYS[7], kept as long as the dialog), for ARGV[2] ms. The answer is the
+ * lease ("" when none was asked), then the five parts (GET's nil comes back as nil).
+ */
 static const char load_script[] =
-    "return {redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),"
-    " redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}";
+    "local lease = ''\n"
+    "if ARGV[1] ~= '' then\n"
+    "  local cur = redis.call('GET', KEYS[6])\n"
+    "  if cur and string.match(cur, '^%S+') ~= ARGV[1] then\n"
+    "    return {'busy', cur, redis.call('PTTL', KEYS[6])}\n"
+    "  end\n"
+    "  local fence = redis.call('INCR', KEYS[7])\n"
+    "  redis.call('EXPIRE', KEYS[7], ARGV[3])\n"
+    "  lease = ARGV[1] .. ' ' .. fence\n"
+    "  redis.call('SET', KEYS[6], lease, 'PX', ARGV[2])\n"
+    "end\n"
+    "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
+    "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}\n";
+
+/* A lease still ours, renewed (ARGV[1] the lease, ARGV[2] ms): 1, or 0 when it is not ours. */
+static const char renew_script[] =
+    "if redis.call('GET', KEYS[6]) == ARGV[1] then redis.call('PEXPIRE', KEYS[6], ARGV[2]) return 1 end\n"
+    "return 0\n";
+
+/* A lease let go by its holder without a save. */
+static const char release_script[] =
+    "if redis.call('GET', KEYS[6]) == ARGV[1] then redis.call('DEL', KEYS[6]) return 1 end\n"
+    "return 0\n";
 
 static json_t *parse_json_reply(redisReply *r)
 {
@@ -307,6 +489,41 @@ int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elemen
     return 0;
 }
 
+static void lease_release(redis_store *rs, const char *eu, const char *er, const char *value);
+
+/* The lease was held by another holder: the load is sent again after a backoff (25 ms,
+ * doubling to 250 ms, never past the lease's own end), in the request's own timer. A wait
+ * per dialog is rare (the in-process lock already queues this gateway's own turns), and
+ * short: the holder's save releases it. Polling keeps the store one connection and one
+ * kind of command; a pub/sub wake-up would save at most the backoff. */
+static void on_lease_retry(uv_timer_t *t)
+{
+    cg_store_req *r = t->data;
+    if (r->abandoned || r->rs->closing) {
+        cg_redis_req_finish(r);
+        return;
+    }
+    dispatch(r->rs, r);
+}
+
+static void lease_wait(redis_store *rs, cg_store_req *r, redisReply *busy)
+{
+    long long pttl = busy->elements > 2 && busy->element[2]->type == REDIS_REPLY_INTEGER ? busy->element[2]->integer
+                                                                                         : -1;
+    uint64_t delay = 25u << (r->lease_waits < 4 ? r->lease_waits : 4);
+    if (delay > 250)
+        delay = 250;
+    if (pttl > 0 && (uint64_t)pttl + 1 < delay)
+        delay = (uint64_t)pttl + 1;
+    if (r->lease_waits++ == 0) {
+        rs->base.stats.lease_waits++;
+        cg_debug("redis: a dialog's lease is held by %.*s: waiting", (int)(busy->element[1]->len > 64 ? 64 : busy->element[1]->len),
+                 busy->element[1]->str);
+    }
+    r->defer.data = r;
+    uv_timer_start(&r->defer, on_lease_retry, delay, 0);
+}
+
 static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -314,12 +531,19 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
+    if (reply && reply->type == REDIS_REPLY_ARRAY && reply->elements == 3 && reply->element[0]->type == REDIS_REPLY_STRING &&
+        strcmp(reply->element[0]->str, "busy") == 0 && reply->element[1]->type == REDIS_REPLY_STRING) {
+        lease_wait(rs, r, reply);
+        return;
+    }
     json_t *j = NULL;
-    if (cg_redis_reply_failed(rs, reply, 5, "load") || !(j = dialog_from_replies(reply->element))) {
+    if (cg_redis_reply_failed(rs, reply, 6, "load") || reply->element[0]->type != REDIS_REPLY_STRING ||
+        !(j = dialog_from_replies(reply->element + 1))) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
         return;
     }
+    redisReply *lease = reply->element[0];
     int64_t now = rs->base.now(rs->base.clock_ctx);
     cg_dialog d;
     cg_dialog_from_json(&d, j, now);
@@ -327,10 +551,16 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
     cg_memstore_put(rs->mem, r->key, &d, now); /* the copy that survives an outage */
     json_object_del(rs->unknown, r->key);      /* Redis's copy is known now */
     cg_store_status st = {0, 0, 0};
-    for (size_t i = 0; i < reply->elements; i++) /* any of the five keys there */
+    for (size_t i = 1; i < reply->elements; i++) /* any of the five keys there */
         st.found |= reply->element[i]->type == REDIS_REPLY_STRING ||
                     (reply->element[i]->type == REDIS_REPLY_ARRAY && reply->element[i]->elements > 0);
-    if (!r->abandoned && !rs->closing)
+    int wanted = !r->abandoned && !rs->closing;
+    if (lease->len > 0 && wanted) /* held until this dialog's save, or its release */
+        json_object_set_new(rs->leases, r->key,
+                            json_pack("{s:s%, s:I}", "v", lease->str, lease->len, "t", (json_int_t)uv_now(rs->base.loop)));
+    else if (lease->len > 0) /* the caller left meanwhile: let go at once */
+        lease_release(rs, r->eu, r->er, lease->str);
+    if (wanted)
         r->load_cb(r->ctx, &d, &st);
     else
         cg_dialog_free(&d);
@@ -340,62 +570,174 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
 static void send_load(redis_store *rs, cg_store_req *r)
 {
     argv_buf a = {0};
-    arg_eval(rs, &a, load_script, r->key);
-    send_last(rs, &a, on_load_reply, r);
+    arg_script(rs, &a, S_LOAD, r->eu, r->er);
+    arg_str(&a, r->lease ? rs->holder : "");
+    arg_fmt(&a, "%ld", rs->base.cfg.lease_ms);
+    arg_fmt(&a, "%ld", rs->base.cfg.lifetimes.dialog_s);
+    send_last_script(rs, S_LOAD, &a, on_load_reply, r);
     argv_free(&a);
+}
+
+/* ---- leases ---------------------------------------------------------------------------- */
+
+static void on_lease_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    char *key = priv; /* the dialog's key, for a renewal; NULL for a release */
+    redisReply *reply = reply_;
+    redis_store *rs = ac->data;
+    if (key && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 0) {
+        json_t *held = json_object_get(rs->leases, key);
+        if (held && !json_object_get(held, "lost")) {
+            json_object_set_new(held, "lost", json_true());
+            cg_warn("redis: the lease of a dialog in flight is no longer this gateway's (it was away past "
+                    "redis.lease_ms): its save will be refused");
+        }
+    }
+    free(key);
+}
+
+static void lease_release(redis_store *rs, const char *eu, const char *er, const char *value)
+{
+    argv_buf a = {0};
+    arg_script(rs, &a, S_RELEASE, eu, er);
+    arg_str(&a, value);
+    send_script(rs, S_RELEASE, &a, on_lease_reply, NULL);
+    argv_free(&a);
+}
+
+/* Splits a dialog key "<eu>:<er>" (escaped ids hold no ':'). */
+static int key_split(const char *key, char **eu, char **er)
+{
+    const char *colon = strchr(key, ':');
+    if (!colon)
+        return -1;
+    *eu = strndup(key, (size_t)(colon - key));
+    *er = strdup(colon + 1);
+    if (!*eu || !*er)
+        abort();
+    return 0;
+}
+
+void cg_redis_renew_leases(redis_store *rs)
+{
+    uint64_t now = uv_now(rs->base.loop);
+    long every = rs->base.cfg.lease_ms / 3;
+    const char *key;
+    json_t *held;
+    json_object_foreach(rs->leases, key, held) {
+        json_int_t at = json_integer_value(json_object_get(held, "t"));
+        if ((long)(now - (uint64_t)at) < every || json_object_get(held, "lost"))
+            continue;
+        char *eu, *er;
+        if (key_split(key, &eu, &er) < 0)
+            continue;
+        argv_buf a = {0};
+        arg_script(rs, &a, S_RENEW, eu, er);
+        arg_str(&a, json_string_value(json_object_get(held, "v")));
+        arg_fmt(&a, "%ld", rs->base.cfg.lease_ms);
+        char *k = strdup(key);
+        if (!k || send_script(rs, S_RENEW, &a, on_lease_reply, k) < 0)
+            free(k);
+        argv_free(&a);
+        free(eu);
+        free(er);
+        json_object_set_new(held, "t", json_integer((json_int_t)now));
+    }
+}
+
+/* A turn that saves nothing lets go of its lease (context.get, a load whose caller left). */
+static void rs_release(cg_store *st, const char *user, const char *room)
+{
+    redis_store *rs = (redis_store *)st;
+    char *key = cg_store_dialog_key(user, room);
+    json_t *held = json_object_get(rs->leases, key);
+    char *eu, *er;
+    if (held && rs->state == R_CONNECTED && rs->ac && key_split(key, &eu, &er) == 0) {
+        lease_release(rs, eu, er, json_string_value(json_object_get(held, "v")));
+        free(eu);
+        free(er);
+    }
+    json_object_del(rs->leases, key);
+    free(key);
 }
 
 /* ---- save ------------------------------------------------------------------------------ */
 
 /*
- * The save, one atomic step on the dialog's five keys. ARGV: 1 created_at, 2 last_activity,
- * 3 the mode: "0" a save, "1" a write-back (also refused when Redis's copy is newer), "2" a
- * dialog that began from nothing while Redis was away (written only if Redis has none), 4-6 params_s, dialog_s,
- * history_s, 7 turn_count, 8 message_count, 9 service, 10 "1" when there is a service,
- * 11 last_tool_result, 12-13 awaiting and its EX (0: none), 14-15 soft and its EX,
- * 16 the number of params, then the params' field-value pairs, then the history.
- * Returns 1 when written, 0 when Redis holds another incarnation, -1 a newer copy.
+ * The save, one atomic step on the dialog's keys and its user's rooms set. ARGV: 1
+ * created_at, 2 last_activity, 3 the mode: "0" a save, "1" a write-back (also refused when
+ * Redis's copy is newer), "2" a dialog that began from nothing while Redis was away (written
+ * only if Redis has none), 4-6 params_s, dialog_s, history_s, 7 turn_count, 8 message_count,
+ * 9 service, 10 "1" when there is a service, 11 last_tool_result, 12-13 awaiting and its EX
+ * (0: none), 14-15 soft and its EX, 16 the number of params, 17 the lease this save must
+ * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
+ * long the rooms set lives, then the params' field-value pairs, then the history.
+ * Returns 1 when written, 0 when Redis holds another incarnation, -1 a newer copy, -2 when
+ * the lease is no longer this save's (another gateway took the dialog over). A save that
+ * held the lease lets go of it, written or not.
  */
 static const char save_script[] =
-    "if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
-    "local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
-    "if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
-    "if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
-    "local function chunks(cmd, key, from, to, step)\n"
-    "  for i = from, to, step do\n"
-    "    redis.call(cmd, key, unpack(ARGV, i, math.min(i + step - 1, to)))\n"
+    "if ARGV[17] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[17] then return -2 end\n"
+    "local function save()\n"
+    "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
+    "  local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
+    "  if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
+    "  if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
+    "  local function chunks(cmd, key, from, to, step)\n"
+    "    for i = from, to, step do\n"
+    "      redis.call(cmd, key, unpack(ARGV, i, math.min(i + step - 1, to)))\n"
+    "    end\n"
     "  end\n"
+    "  local np = tonumber(ARGV[16])\n"
+    "  redis.call('SADD', KEYS[8], ARGV[18])\n"
+    "  redis.call('EXPIRE', KEYS[8], ARGV[19])\n"
+    "  redis.call('DEL', KEYS[1])\n"
+    "  if np > 0 then\n"
+    "    chunks('HSET', KEYS[1], 20, 19 + 2 * np, 200)\n"
+    "    redis.call('EXPIRE', KEYS[1], ARGV[4])\n"
+    "  end\n"
+    "  redis.call('HSET', KEYS[2], 'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
+    "             'message_count', ARGV[8], 'last_tool_result', ARGV[11])\n"
+    "  if ARGV[10] == '1' then redis.call('HSET', KEYS[2], 'service', ARGV[9])\n"
+    "  else redis.call('HDEL', KEYS[2], 'service') end\n"
+    "  redis.call('EXPIRE', KEYS[2], ARGV[5])\n"
+    "  if ARGV[13] ~= '0' then redis.call('SET', KEYS[3], ARGV[12], 'EX', ARGV[13])\n"
+    "  else redis.call('DEL', KEYS[3]) end\n"
+    "  if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
+    "  else redis.call('DEL', KEYS[4]) end\n"
+    "  redis.call('DEL', KEYS[5])\n"
+    "  if #ARGV > 19 + 2 * np then\n"
+    "    chunks('RPUSH', KEYS[5], 20 + 2 * np, #ARGV, 200)\n"
+    "    redis.call('EXPIRE', KEYS[5], ARGV[6])\n"
+    "  end\n"
+    "  return 1\n"
     "end\n"
-    "local np = tonumber(ARGV[16])\n"
-    "redis.call('DEL', KEYS[1])\n"
-    "if np > 0 then\n"
-    "  chunks('HSET', KEYS[1], 17, 16 + 2 * np, 200)\n"
-    "  redis.call('EXPIRE', KEYS[1], ARGV[4])\n"
-    "end\n"
-    "redis.call('HSET', KEYS[2], 'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
-    "           'message_count', ARGV[8], 'last_tool_result', ARGV[11])\n"
-    "if ARGV[10] == '1' then redis.call('HSET', KEYS[2], 'service', ARGV[9])\n"
-    "else redis.call('HDEL', KEYS[2], 'service') end\n"
-    "redis.call('EXPIRE', KEYS[2], ARGV[5])\n"
-    "if ARGV[13] ~= '0' then redis.call('SET', KEYS[3], ARGV[12], 'EX', ARGV[13])\n"
-    "else redis.call('DEL', KEYS[3]) end\n"
-    "if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
-    "else redis.call('DEL', KEYS[4]) end\n"
-    "redis.call('DEL', KEYS[5])\n"
-    "if #ARGV > 16 + 2 * np then\n"
-    "  chunks('RPUSH', KEYS[5], 17 + 2 * np, #ARGV, 200)\n"
-    "  redis.call('EXPIRE', KEYS[5], ARGV[6])\n"
-    "end\n"
-    "return 1\n";
+    "local code = save()\n"
+    "if ARGV[17] ~= '' then redis.call('DEL', KEYS[6]) end\n"
+    "return code\n";
+
+static const char *script_text(script_id id)
+{
+    static const char *const texts[S_COUNT] = {load_script, save_script, renew_script, release_script};
+    return texts[id];
+}
 
 /* Redis kept its own copy (save_script's 0 or -1): this one is dropped, from memory too, so
  * the next load reads Redis's. */
 static void save_refused(redis_store *rs, cg_store_req *r, long long why)
 {
-    rs->base.stats.save_conflicts++;
-    cg_warn("redis %s:%d: a %s of a dialog was not written: Redis holds %s; its copy is kept", rs->host, rs->port,
-            r->version ? "write-back" : "save",
-            why == 0 ? "another copy (this one began while Redis was away)" : "a newer copy");
+    if (why == -2) {
+        rs->base.stats.lease_lost++;
+        cg_warn("redis %s:%d: a turn's save was refused: the dialog's lease passed to another gateway while this "
+                "one was away past redis.lease_ms (stopped, or cut off); Redis's copy is kept",
+                rs->host, rs->port);
+    } else {
+        rs->base.stats.save_conflicts++;
+        cg_warn("redis %s:%d: a %s of a dialog was not written: Redis holds %s; its copy is kept", rs->host,
+                rs->port, r->version ? "write-back" : "save",
+                why == 0 ? "another copy (this one began while Redis was away)" : "a newer copy");
+    }
     cg_memstore_del(rs->mem, r->key);
     json_object_del(rs->unknown, r->key); /* the next load reads Redis's copy */
 }
@@ -407,6 +749,7 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
+    gate_leave(rs, r->key);
     if (cg_redis_reply_failed(rs, reply, 0, "save") || r->step_failed || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r); /* keeps it in memory, dirty, for the write-back */
@@ -474,7 +817,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     if (lt->history_s > longest)
         longest = lt->history_s;
 
-    arg_eval(rs, &a, save_script, r->key);
+    arg_script(rs, &a, S_SAVE, r->eu, r->er);
     arg_fmt(&a, "%lld", (long long)d.created_at);
     arg_fmt(&a, "%lld", (long long)d.last_activity);
     arg_str(&a, r->base_unknown || json_object_get(rs->unknown, r->key) ? "2" : r->version ? "1" : "0");
@@ -493,6 +836,9 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     size_t n_params = 0;
     json_object_foreach(d.params, service, names) n_params += json_object_size(names);
     arg_fmt(&a, "%zu", n_params);
+    arg_str(&a, r->lease_value ? r->lease_value : "");
+    arg_str(&a, r->er);
+    arg_fmt(&a, "%lld", (long long)longest);
     json_object_foreach(d.params, service, names) {
         json_object_foreach(names, name, value) {
             arg_fmt(&a, "%s.%s", service, name);
@@ -503,21 +849,11 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     json_t *m;
     json_array_foreach(d.history, i, m) arg_json(&a, m);
 
-    /* the rooms set first, outside the dialog's step (another hash tag) */
-    argv_buf rooms = {0};
-    arg_str(&rooms, "SADD");
-    arg_own(&rooms, rooms_key(rs, r->eu));
-    arg_str(&rooms, r->er);
-    send_step(rs, &rooms, r);
-    arg_str(&rooms, "EXPIRE");
-    arg_own(&rooms, rooms_key(rs, r->eu));
-    arg_fmt(&rooms, "%lld", (long long)longest);
-    send_step(rs, &rooms, r);
-    argv_free(&rooms);
-
-    send_last(rs, &a, on_save_reply, r);
+    gate_enter(rs, r->key);
+    if (send_last_script(rs, S_SAVE, &a, on_save_reply, r) < 0)
+        gate_leave(rs, r->key);
     argv_free(&a);
-    cg_dialog_free(&d); /* after the send: the arguments borrow d.service */
+    cg_dialog_free(&d);
 }
 
 /* ---- remove ---------------------------------------------------------------------------- */
@@ -541,19 +877,20 @@ static void on_remove_reply(redisAsyncContext *ac, void *reply_, void *priv)
     cg_redis_req_finish(r);
 }
 
-/* DEL of the five keys of the dialog whose key part is key: one hash tag, one step. */
-static void arg_del_dialog(redis_store *rs, argv_buf *a, const char *key)
+/* The keys of the dialog (eu, er), its lease and fence too, as arguments of a DEL. */
+static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er)
 {
-    arg_str(a, "DEL");
-    for (int i = 0; i < 5; i++)
-        arg_own(a, dialog_key(rs, key, parts[i]));
+    for (int i = 0; i < N_PARTS; i++)
+        arg_own(a, dialog_key(rs, eu, er, parts[i]));
 }
 
 static void send_remove(redis_store *rs, cg_store_req *r)
 {
     argv_buf a = {0};
-    arg_del_dialog(rs, &a, r->key);
+    arg_str(&a, "DEL");
+    arg_dialog_keys(rs, &a, r->eu, r->er);
     send_step(rs, &a, r);
+    json_object_del(rs->leases, r->key); /* gone with the dialog */
     arg_str(&a, "SREM"); /* after the data: forget-user must find a room as long as it has data */
     arg_own(&a, rooms_key(rs, r->eu));
     arg_str(&a, r->er);
@@ -573,7 +910,8 @@ static void dispatch(redis_store *rs, cg_store_req *r)
 {
     int connected = rs->state == R_CONNECTED && rs->ac && !rs->closing;
     if (r->kind == OP_LOAD && usable(rs, r->key) && !rs->closing) {
-        send_load(rs, r);
+        if (!gated(rs, r))
+            send_load(rs, r);
     } else if (r->kind == OP_SAVE && r->snapshot && usable(rs, r->key) && !rs->closing) {
         cg_redis_send_save(rs, r);
     } else if (r->kind == OP_SAVE && r->snapshot) {
@@ -637,6 +975,19 @@ static cg_store_req *rs_load(cg_store *st, const char *user, const char *room, c
     return r;
 }
 
+/* A turn's load: the dialog's lease comes with it (waiting while another gateway holds it),
+ * kept until the turn's save or rs_release. */
+static cg_store_req *rs_lease(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
+{
+    redis_store *rs = (redis_store *)st;
+    st->stats.loads++;
+    cg_store_req *r = cg_redis_req_new(rs, OP_LOAD, user, room, ctx);
+    r->load_cb = cb;
+    r->lease = 1;
+    start_or_wait(rs, r);
+    return r;
+}
+
 static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, const cg_dialog *d,
                              cg_store_done_fn cb, void *ctx)
 {
@@ -647,6 +998,11 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
     r->snapshot = cg_dialog_to_json(d);
     if (!r->snapshot) /* out of memory: nothing written, nothing overwritten */
         cg_error("redis %s:%d: out of memory: a dialog was not saved", rs->host, rs->port);
+    json_t *held = json_object_get(rs->leases, r->key);
+    if (held) { /* the turn's lease: the save writes only while it holds, and lets go of it */
+        r->lease_value = cg_redis_xstrdup(json_string_value(json_object_get(held, "v")));
+        json_object_del(rs->leases, r->key);
+    }
     start_or_wait(rs, r);
     return r;
 }
@@ -662,27 +1018,8 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
     return r;
 }
 
-/* Last step of remove_user: every dialog is gone; now the rooms set. */
-static void on_forget_dialogs_reply(redisAsyncContext *ac, void *reply_, void *priv)
-{
-    (void)ac;
-    cg_store_req *r = priv;
-    redis_store *rs = r->rs;
-    cg_redis_inflight_remove(rs, r);
-    if (cg_redis_reply_failed(rs, reply_, 0, "forget user (DEL)") || r->step_failed || !rs->ac) {
-        rs->base.stats.errors++;
-        cg_redis_answer_from_memory(r); /* the rooms set stays, so a retry finds them */
-        return;
-    }
-    argv_buf a = {0};
-    arg_str(&a, "DEL");
-    arg_own(&a, rooms_key(rs, r->eu));
-    send_last(rs, &a, on_remove_reply, r);
-    argv_free(&a);
-}
-
-/* Second step of remove_user: the rooms are known; each dialog's keys go in one DEL of its
- * own hash tag, and the rooms set only once they all went. */
+/* Second step of remove_user: the rooms are known; every dialog's keys and the rooms set go
+ * in one DEL (one hash tag: the user's), so nothing is left half forgotten. */
 static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -696,26 +1033,19 @@ static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
         return;
     }
     argv_buf a = {0};
-    size_t n = 0;
+    arg_str(&a, "DEL");
     for (size_t i = 0; i < reply->elements; i++) {
         redisReply *room = reply->element[i];
         if (room->type != REDIS_REPLY_STRING)
             continue;
-        char *key; /* the room is stored escaped: "<eu>:<er>", as cg_store_dialog_key builds it */
-        if (asprintf(&key, "%s:%.*s", r->eu, (int)room->len, room->str) < 0)
+        char *er = strndup(room->str, room->len); /* stored escaped, as the keys use it */
+        if (!er)
             abort();
-        if (n++)
-            send_step(rs, &a, r); /* the previous room's DEL */
-        arg_del_dialog(rs, &a, key);
-        free(key);
+        arg_dialog_keys(rs, &a, r->eu, er);
+        free(er);
     }
-    if (n) {
-        send_last(rs, &a, on_forget_dialogs_reply, r);
-    } else {
-        arg_str(&a, "DEL");
-        arg_own(&a, rooms_key(rs, r->eu));
-        send_last(rs, &a, on_remove_reply, r);
-    }
+    arg_own(&a, rooms_key(rs, r->eu));
+    send_last(rs, &a, on_remove_reply, r);
     argv_free(&a);
 }
 
@@ -739,6 +1069,8 @@ static void rs_abandon(cg_store_req *r)
 const cg_store_ops cg_redis_ops = {
     .name = "redis",
     .load = rs_load,
+    .lease = rs_lease,
+    .release = rs_release,
     .save = rs_save,
     .remove = rs_remove,
     .remove_user = rs_remove_user,

@@ -358,6 +358,7 @@ static void mem_close(cg_store *st)
 static const cg_store_ops memory_ops = {
     .name = "memory",
     .load = mem_load,
+    .lease = mem_load, /* one process: the in-process dialog lock is the whole story */
     .save = mem_save,
     .remove = mem_remove,
     .remove_user = mem_remove_user,

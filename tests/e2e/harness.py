@@ -1859,12 +1859,13 @@ class RedisServer:
 
 
 def dialog_key(user, room, part, prefix="chatgate"):
-    """The Redis key of one part of a dialog (docs/state.md, Redis layout), ids escaped."""
-    return f"{prefix}:{{{escape_id(user)}:{escape_id(room)}}}:{part}"
+    """The Redis key of one part of a dialog (docs/state.md, Redis layout), ids escaped; the
+    hash tag is the user's, so a user's dialogs and rooms set share one slot."""
+    return f"{prefix}:{{{escape_id(user)}}}:{escape_id(room)}:{part}"
 
 
 def rooms_key(user, prefix="chatgate"):
-    return f"{prefix}:user:{{{escape_id(user)}}}:rooms"
+    return f"{prefix}:{{{escape_id(user)}}}:rooms"
 
 
 def escape_id(ident):

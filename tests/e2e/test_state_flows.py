@@ -178,8 +178,8 @@ async def part_flight(cx):
     if cx.redis:
         with step(cx.tag("Redis layout: keys with one hash tag, JSON values, TTLs, rooms set")):
             r = cx.redis
-            tag = "{" + harness.escape_id(user) + ":" + room + "}"
-            keys = r.keys(f"chatgate:{tag}*".replace("{", "\\{").replace("}", "\\}"))
+            tag = "{" + harness.escape_id(user) + "}:" + room  # the user's hash tag, then the room
+            keys = r.keys(f"chatgate:{tag}:*".replace("{", "\\{").replace("}", "\\}"))
             expected = {f"chatgate:{tag}:{p}" for p in ("params", "dialog", "history")}
             check(expected <= set(keys), f"expected keys {sorted(expected)}, Redis has {keys} "
                                          f"(all: {r.keys('chatgate:*')[:30]})")
@@ -202,7 +202,7 @@ async def part_flight(cx):
             rooms = harness.rooms_key(user)
             check(r.type(rooms) == "set" and room in r.smembers(rooms),
                   f"{rooms} should be a SET holding {room!r}: type {r.type(rooms)}, "
-                  f"keys {r.keys('chatgate:user:*')}")
+                  f"keys {r.keys('chatgate:*rooms')}")
             check(not r.keys("dialog:*"), "keys of a one-key-per-dialog layout (dialog:*) in Redis")
     await client.close()
 

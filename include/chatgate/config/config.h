@@ -84,6 +84,7 @@ typedef struct cg_config {
     long redis_command_timeout_ms;
     long redis_connect_timeout_ms;
     long redis_writeback_max_bytes;
+    long redis_lease_ms; /* a dialog lease's lifetime across gateways (redis.lease_ms, 15 s) */
     json_t *services; /* {"travel": {"defaults": {...}}} */
     /* identity (docs/protocol.md, "Identity") */
     char *user_header;

@@ -50,6 +50,9 @@ struct cg_store_req {
     int step_failed;  /* one of them was an error or never came */
     int finished;     /* cg_redis_req_finish was called while steps were due */
     int base_unknown; /* save: the dialog began from nothing while Redis was away */
+    int lease;        /* load: takes the dialog's lease (a turn's load) */
+    int lease_waits;  /* load: how often the lease was found held (the backoff grows) */
+    char *lease_value; /* save: the lease this save must still hold ("holder fence"), or NULL */
     cg_store_req *wait_next; /* waiting for the first connection's verdict */
     uint64_t sent_at;
     cg_store_req *prev, *next; /* in flight, oldest first */
@@ -78,6 +81,10 @@ struct redis_store {
     json_t *unknown; /* keys loaded from memory, not found, while Redis was away: Redis's copy
                       * is unknown, so a save of them only creates (oldest first, bounded) */
     cg_store_req *waiting, *waiting_tail; /* before the first connection is decided */
+    json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
+    json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
+    cg_store_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
+    char holder[48]; /* this store's lease holder id: host, pid and a random part */
     long dirty_seq;
     cg_store_req *head, *tail;
     int handles; /* open uv handles + requests: freed when 0 after close */
@@ -122,5 +129,9 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r);
 void cg_redis_drain_waiting(redis_store *rs);
 /* A reply that failed: NULL (connection gone) or an error; logs the error's text. */
 int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elements, const char *what);
+/* The tick: renews the leases held that are a third through their lifetime. */
+void cg_redis_renew_leases(redis_store *rs);
+/* Computes the scripts' SHA1s (once, at open). */
+void cg_redis_scripts_init(void);
 
 #endif

@@ -49,6 +49,8 @@ typedef struct cg_store_stats {
     unsigned long writeback_dropped_bound; /* dropped by the bound on those */
     unsigned long writeback_dropped_gone;  /* no longer in memory at the write-back: not written */
     unsigned long save_conflicts;          /* saves refused: Redis held another or a newer copy */
+    unsigned long lease_waits;             /* turns that found their dialog's lease held elsewhere */
+    unsigned long lease_lost;              /* turns' saves refused: their lease had passed on */
     double degraded_seconds;         /* time spent with Redis away, up to the last recovery */
     uint64_t degraded_since_ms;      /* uv_now() when the current outage began */
     int degraded;                    /* Redis is away now */
@@ -58,7 +60,13 @@ typedef struct cg_store_ops {
     const char *name;
     /* Loads (user, room), a fresh dialog when there is none. NULL on failure to start. */
     cg_store_req *(*load)(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx);
-    /* Saves a copy of d; cb may be NULL. */
+    /* A turn's load: as load, and the dialog is this turn's until its save (which writes only
+     * while that still holds) or release(). Redis: a lease across every gateway sharing the
+     * store, waited for in order when another holds it; memory: the load itself. */
+    cg_store_req *(*lease)(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx);
+    /* A turn that saves nothing lets go of its lease; NULL when the store has none. */
+    void (*release)(cg_store *st, const char *user, const char *room);
+    /* Saves a copy of d; cb may be NULL. A save after lease() ends the lease. */
     cg_store_req *(*save)(cg_store *st, const char *user, const char *room, const cg_dialog *d,
                           cg_store_done_fn cb, void *ctx);
     /* Deletes (user, room); cb may be NULL. */
@@ -81,6 +89,7 @@ typedef struct cg_store_config {
     long command_timeout_ms; /* Redis: a command unanswered this long fails the connection */
     long connect_timeout_ms;
     long writeback_max_bytes; /* Redis: bound on dialogs held for the write-back; 0 = 64 MiB */
+    long lease_ms;            /* Redis: a dialog lease's lifetime, renewed while its turn runs */
 } cg_store_config;
 
 struct cg_store {
