@@ -208,8 +208,67 @@ cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, 
     return r;
 }
 
+/*
+ * A failover loses the writes the old primary took after the new one was promoted (from
+ * SENTINEL's REPLICAOF NO ONE to the +switch-master we act on: about a second when
+ * Sentinel runs the failover, the down-after time and more when the old primary died).
+ * The gateway holds what it wrote in memory, so with Sentinel it notes each dialog it saves
+ * and, on a switch, writes back the ones saved in the last SWITCH_REWRITE_MS through the
+ * conditional save (never over a newer copy another gateway wrote since). Bounded by
+ * max_dialogs here, and by the write-back's own bounds after.
+ */
+#define SWITCH_REWRITE_MS 30000
+
+static void recent_note(redis_store *rs, cg_store_req *r)
+{
+    uint64_t now = now_ms(rs);
+    json_object_del(rs->recent, r->key); /* re-added at the end: the set runs oldest first */
+    while (json_object_size(rs->recent) > 0) {
+        void *it = json_object_iter(rs->recent);
+        uint64_t t = (uint64_t)json_integer_value(json_object_get(json_object_iter_value(it), "t"));
+        if (now - t <= SWITCH_REWRITE_MS && (long)json_object_size(rs->recent) < rs->base.cfg.max_dialogs)
+            break;
+        json_object_del(rs->recent, json_object_iter_key(it));
+    }
+    json_object_set_new(rs->recent, r->key, json_pack("{s:s, s:s, s:I}", "u", r->eu, "r", r->er, "t", (json_int_t)now));
+}
+
+/* The primary changed: the dialogs saved lately join the write-back (see recent_note). */
+static void rewrite_recent(redis_store *rs)
+{
+    uint64_t now = now_ms(rs);
+    const char *key;
+    json_t *entry;
+    void *tmp;
+    long n = 0;
+    json_object_foreach_safe(rs->recent, tmp, key, entry) {
+        const char *eu = json_string_value(json_object_get(entry, "u"));
+        const char *er = json_string_value(json_object_get(entry, "r"));
+        uint64_t t = (uint64_t)json_integer_value(json_object_get(entry, "t"));
+        if (!eu || !er || now - t > SWITCH_REWRITE_MS || json_object_get(rs->dirty, key))
+            continue;
+        cg_dialog d;
+        int held = cg_memstore_get(rs->mem, key, rs->base.now(rs->base.clock_ctx), &d);
+        json_t *snapshot = held ? cg_dialog_to_json(&d) : NULL;
+        cg_dialog_free(&d);
+        if (!snapshot)
+            continue; /* no longer in memory: Redis keeps what the new primary has */
+        cg_store_req r = {.rs = rs, .eu = (char *)eu, .er = (char *)er, .key = (char *)key, .snapshot = snapshot};
+        cg_redis_mark_dirty(rs, &r);
+        json_decref(snapshot);
+        n++;
+    }
+    json_object_clear(rs->recent);
+    if (n)
+        cg_info("redis %s:%d: writing %ld dialogs saved in the last %d s again: the old primary may have taken "
+                "them after this one was promoted",
+                rs->host, rs->port, n, SWITCH_REWRITE_MS / 1000);
+}
+
 void cg_redis_inflight_add(redis_store *rs, cg_store_req *r)
 {
+    if (rs->master && r->kind == OP_SAVE && rs->recent)
+        recent_note(rs, r);
     r->sent_at = now_ms(rs);
     r->prev = rs->tail;
     if (rs->tail)
@@ -409,6 +468,7 @@ static void connection_trusted(redis_store *rs)
             rs->base.stats.primary_switches++;
             cg_warn("redis: followed a failover of '%s': the primary is now %s (was %s)", rs->master, now,
                     rs->primary);
+            rewrite_recent(rs);
         }
         free(rs->primary);
         rs->primary = now;
@@ -990,6 +1050,7 @@ static void store_free_if_done(redis_store *rs)
     json_decref(rs->dirty);
     json_decref(rs->warned);
     json_decref(rs->unknown);
+    json_decref(rs->recent);
     free(rs->host);
     free(rs->password);
     free(rs->address);
@@ -1253,7 +1314,8 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->dirty = json_object();
     rs->warned = json_object();
     rs->unknown = json_object();
-    if (!rs->mem || !rs->dirty || !rs->warned || !rs->unknown)
+    rs->recent = json_object();
+    if (!rs->mem || !rs->recent || !rs->dirty || !rs->warned || !rs->unknown)
         abort(); /* out of memory at startup */
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);

@@ -103,6 +103,9 @@ struct redis_store {
     char *primary;          /* "ip:port" of the last primary a connection was trusted to */
     int address_port;       /* the port that went with address, for the log */
     int readonly_seen;      /* -READONLY replies on this connection, for the tick to act on */
+    json_t *recent;         /* key -> {"u","r","t"}: dialogs saved in the last seconds, oldest
+                             * first: rewritten to a new primary (the old one may have taken
+                             * them after the new one was promoted) */
 };
 
 static inline char *cg_redis_xstrdup(const char *s)
