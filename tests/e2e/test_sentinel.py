@@ -229,7 +229,10 @@ async def bad_urls():
     ]
     with step("bad redis-sentinel:// URLs exit 2 with a clear message (never the password)"):
         for url, want in cases:
-            code, out, _ = await harness.gateway_exit(args=["--store", url])
+            # The store's URL is checked when it opens, after lws has put handles on the loop,
+            # so an ASan build reports the loop's allocations as leaked at this exit (as for a
+            # bad redis:// URL): not what this test is about.
+            code, out, _ = await harness.gateway_exit(args=["--store", url], env=harness.asan_env(detect_leaks=0))
             check(code == 2, f"--store {url}: exit {code}, expected 2:\n{out}")
             check(want in out, f"--store {url}: expected '{want}' in:\n{out}")
             check("s3cret" not in out, f"the password is in the message:\n{out}")
