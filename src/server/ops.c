@@ -67,8 +67,8 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
                  "# TYPE chatgate_store_save_conflicts_total counter\nchatgate_store_save_conflicts_total %lu\n"
                  "# HELP chatgate_store_primary_switches_total Redis Sentinel: failovers followed to a new primary.\n"
                  "# TYPE chatgate_store_primary_switches_total counter\nchatgate_store_primary_switches_total %lu\n"
-                 "# HELP chatgate_store_not_primary_total Redis Sentinel: a node found to be a replica (a -READONLY "
-                 "answer, or ROLE at connect), dropped to ask the Sentinels again.\n"
+                 "# HELP chatgate_store_not_primary_total Redis Sentinel: -READONLY answers, and connects whose ROLE "
+                 "was not master; each time the connection is dropped to ask the Sentinels again.\n"
                  "# TYPE chatgate_store_not_primary_total counter\n"
                  "chatgate_store_not_primary_total{seen=\"readonly\"} %lu\n"
                  "chatgate_store_not_primary_total{seen=\"role\"} %lu\n",

@@ -13,7 +13,11 @@ nothing: the gateway must try the next Sentinel).
    its acknowledged exchanges there (written, or written back after the switch); the old
    primary is a replica now; once the switch has settled the gateway meets no -READONLY
    (its log and chatgate_store_not_primary_total say how many it met before).
-4. Bad URLs exit 2 with a clear message: no master name, no Sentinel host, a bad port.
+4. The primary demoted by hand under the gateway's open connection (REPLICAOF, so nothing
+   closes it): its writes get -READONLY, the gateway drops the connection, the Sentinel
+   still names the node and ROLE refuses it (both counted); messages are answered from
+   memory meanwhile. REPLICAOF NO ONE: the gateway uses it again and writes back.
+5. Bad URLs exit 2 with a clear message: no master name, no Sentinel host, a bad port.
 """
 
 import asyncio
@@ -219,6 +223,44 @@ async def failover(rules):
         primary.cleanup(keep=True)
 
 
+async def demoted(rules):
+    primary = await harness.RedisServer().astart()
+    replica = Replica(primary)
+    sentinel = None
+    try:
+        await replica.astart()
+        sentinel = await Sentinel(primary).astart()
+        url = f"redis-sentinel://127.0.0.1:{sentinel.port}/{MASTER}"
+        config = harness.state_config({"demo": harness.demo_upstream(delay_ms=5)}, "demo", store=url)
+        async with harness.Gateway(["--rules", rules], config, name="gateway-demoted") as gw:
+            with step("the primary demoted under the open connection: -READONLY, then ROLE, keep it off"):
+                await wait_for("connected", lambda: "redis 127.0.0.1:%d: connected" % primary.port
+                               in gw.log_text(), 10)
+                c = await Client.connect(gw)
+                (await c.message("one", mid="d1", room="demo", timeout=10)).expect_done()
+                # a replica of nothing, by hand (Sentinel does not kill our connection this way)
+                check(primary.command("REPLICAOF", "127.0.0.1", str(harness.free_port())) == "OK", "REPLICAOF")
+                for i in range(4):
+                    (await c.message(f"demoted {i}", mid=f"d{i + 2}", room="demo", timeout=10)).expect_done()
+                    await asyncio.sleep(0.3)
+                m = await metrics(gw)
+                check(m.value("chatgate_store_not_primary_total", seen="readonly") >= 1,
+                      "no -READONLY counted after the primary was demoted")
+                check(m.value("chatgate_store_not_primary_total", seen="role") >= 1,
+                      "the demoted node (still named by Sentinel) was not refused by ROLE")
+                check(m.value("chatgate_store_degraded") == 1, "not degraded with no primary")
+            with step("the node is a primary again: the gateway uses it and writes back"):
+                check(primary.command("REPLICAOF", "NO", "ONE") == "OK", "REPLICAOF NO ONE")
+                user = c.hello["user"]
+                await wait_for("written back", lambda: history_len(primary, user, "demo") == 10, 10)
+                check((await metrics(gw)).value("chatgate_store_degraded") == 0, "still degraded")
+    finally:
+        if sentinel:
+            sentinel.cleanup(keep=True)
+        replica.cleanup(keep=True)
+        primary.cleanup(keep=True)
+
+
 async def bad_urls():
     cases = [
         ("redis-sentinel://127.0.0.1:26379", "no master name"),
@@ -242,6 +284,7 @@ async def main(args):
     rules = harness.empty_rules_dir()
     await independent(bad_urls())
     await independent(failover(rules))
+    await independent(demoted(rules))
 
 
 if __name__ == "__main__":
