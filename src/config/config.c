@@ -44,7 +44,8 @@ static const setting settings[] = {
     {"default_upstream", T_STR, OFF(default_upstream), 0, 0, NULL, 1,
      "NAME of the upstream messages go to (default: the first)"},
     {"store", T_STR, OFF(store), 0, 0, NULL, 1,
-     "memory | redis://[:PASSWORD@]HOST:PORT[/DB] (default memory, or $REDIS_URL)"},
+     "memory | redis://[:PASSWORD@]HOST:PORT[/DB] | "
+     "redis-sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB] (default memory, or $REDIS_URL)"},
     {"rules", T_STR, OFF(rules_dir), 0, 0, NULL, 1, "DIR of *.rules files (default: the shipped rules)"},
     {"web", T_STR, OFF(web_dir), 0, 0, NULL, 1, "DIR served at / (default: the shipped demo page)"},
     {"auth", T_ENUM, OFF(auth), 0, 0, auth_choices, 1, "none | jwt | header: who the user is (default none: a signed resume token)"},
@@ -862,8 +863,13 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
     }
 
     origin_of("store", "store", flag_given(argc, argv, "store"), file, where, sizeof(where));
-    if (strcmp(cfg->store, "memory") != 0 && strncmp(cfg->store, "redis://", 8) != 0) {
-        set_err(err, errlen, "%s: '%s' must be memory or redis://HOST:PORT[/DB]%s", where, cfg->store,
+    /* the store checks the rest of a Redis URL when it opens (exit 2 too, "store: ...") */
+    if (strcmp(cfg->store, "memory") != 0 && strncmp(cfg->store, "redis://", 8) != 0 &&
+        strncmp(cfg->store, "redis-sentinel://", 17) != 0) {
+        set_err(err, errlen,
+                "%s: '%s' must be memory or redis://HOST:PORT[/DB] or "
+                "redis-sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]%s",
+                where, cfg->store,
                 getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
         return -1;
     }

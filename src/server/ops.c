@@ -64,9 +64,17 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
                  "chatgate_store_writeback_dropped_total{reason=\"bound\"} %lu\n"
                  "chatgate_store_writeback_dropped_total{reason=\"gone\"} %lu\n"
                  "# HELP chatgate_store_save_conflicts_total Saves refused: Redis held another or a newer copy.\n"
-                 "# TYPE chatgate_store_save_conflicts_total counter\nchatgate_store_save_conflicts_total %lu\n",
+                 "# TYPE chatgate_store_save_conflicts_total counter\nchatgate_store_save_conflicts_total %lu\n"
+                 "# HELP chatgate_store_primary_switches_total Redis Sentinel: failovers followed to a new primary.\n"
+                 "# TYPE chatgate_store_primary_switches_total counter\nchatgate_store_primary_switches_total %lu\n"
+                 "# HELP chatgate_store_not_primary_total Redis Sentinel: -READONLY answers, and connects whose ROLE "
+                 "was not master; each time the connection is dropped to ask the Sentinels again.\n"
+                 "# TYPE chatgate_store_not_primary_total counter\n"
+                 "chatgate_store_not_primary_total{seen=\"readonly\"} %lu\n"
+                 "chatgate_store_not_primary_total{seen=\"role\"} %lu\n",
                  st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
-                 st->writeback_dropped_gone, st->save_conflicts);
+                 st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
+                 st->replica_refused);
     if (n < 0 || (size_t)n >= len - used)
         return used;
     used += (size_t)n;

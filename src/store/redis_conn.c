@@ -23,6 +23,19 @@
  *
  * The requests live here too: their in-flight list is what the command timeout watches,
  * and their answers from memory are the degraded mode's.
+ *
+ * Sentinel (redis-sentinel://HOSTS/MASTER). Before each connect the store asks a Sentinel
+ * for the primary (SENTINEL get-master-addr-by-name, on a short-lived connection of its
+ * own), trying the Sentinels in turn, each bounded by the connect timeout; the address it
+ * names is then resolved and connected to as a plain redis:// one. Three things keep the
+ * store off a replica: a second connection, to one Sentinel, SUBSCRIBEd to +switch-master
+ * (a failover of our master drops the data connection at once, so the store degrades to
+ * memory and writes back to the new primary, as after any outage); the probe, which with
+ * Sentinel asks ROLE after the PING and trusts only "master" (a Sentinel that has not seen
+ * the failover yet still names the old primary, now a replica); and -READONLY, which any
+ * command can get from a primary demoted under an open connection: the data connection's
+ * reply reader notices it (so every operation is covered, whatever file sends it), and the
+ * tick drops the connection, to ask again. What a failover can lose is in docs/state.md.
  */
 #define _GNU_SOURCE /* asprintf */
 #include <hiredis/async.h>
@@ -44,8 +57,14 @@
 #define WRITEBACK_MAX_BYTES_DEFAULT (64L << 20)
 
 static void redis_connect(redis_store *rs);
+static void resolve_and_connect(redis_store *rs);
 static void store_free_if_done(redis_store *rs);
 static void finish_close(redis_store *rs);
+static void sentinel_query_abort(redis_store *rs);
+static void sentinel_failed(redis_store *rs, const char *why);
+static void sub_lost(redis_store *rs, const char *why);
+static void sentinel_ask(redis_store *rs);
+static void sub_start(redis_store *rs);
 
 static uint64_t now_ms(redis_store *rs)
 {
@@ -192,8 +211,67 @@ cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, 
     return r;
 }
 
+/*
+ * A failover loses the writes the old primary took after the new one was promoted (from
+ * SENTINEL's REPLICAOF NO ONE to the +switch-master we act on: about a second when
+ * Sentinel runs the failover, the down-after time and more when the old primary died).
+ * The gateway holds what it wrote in memory, so with Sentinel it notes each dialog it saves
+ * and, on a switch, writes back the ones saved in the last SWITCH_REWRITE_MS through the
+ * conditional save (never over a newer copy another gateway wrote since). Bounded by
+ * max_dialogs here, and by the write-back's own bounds after.
+ */
+#define SWITCH_REWRITE_MS 30000
+
+static void recent_note(redis_store *rs, cg_store_req *r)
+{
+    uint64_t now = now_ms(rs);
+    json_object_del(rs->recent, r->key); /* re-added at the end: the set runs oldest first */
+    while (json_object_size(rs->recent) > 0) {
+        void *it = json_object_iter(rs->recent);
+        uint64_t t = (uint64_t)json_integer_value(json_object_get(json_object_iter_value(it), "t"));
+        if (now - t <= SWITCH_REWRITE_MS && (long)json_object_size(rs->recent) < rs->base.cfg.max_dialogs)
+            break;
+        json_object_del(rs->recent, json_object_iter_key(it));
+    }
+    json_object_set_new(rs->recent, r->key, json_pack("{s:s, s:s, s:I}", "u", r->eu, "r", r->er, "t", (json_int_t)now));
+}
+
+/* The primary changed: the dialogs saved lately join the write-back (see recent_note). */
+static void rewrite_recent(redis_store *rs)
+{
+    uint64_t now = now_ms(rs);
+    const char *key;
+    json_t *entry;
+    void *tmp;
+    long n = 0;
+    json_object_foreach_safe(rs->recent, tmp, key, entry) {
+        const char *eu = json_string_value(json_object_get(entry, "u"));
+        const char *er = json_string_value(json_object_get(entry, "r"));
+        uint64_t t = (uint64_t)json_integer_value(json_object_get(entry, "t"));
+        if (!eu || !er || now - t > SWITCH_REWRITE_MS || json_object_get(rs->dirty, key))
+            continue;
+        cg_dialog d;
+        int held = cg_memstore_get(rs->mem, key, rs->base.now(rs->base.clock_ctx), &d);
+        json_t *snapshot = held ? cg_dialog_to_json(&d) : NULL;
+        cg_dialog_free(&d);
+        if (!snapshot)
+            continue; /* no longer in memory: Redis keeps what the new primary has */
+        cg_store_req r = {.rs = rs, .eu = (char *)eu, .er = (char *)er, .key = (char *)key, .snapshot = snapshot};
+        cg_redis_mark_dirty(rs, &r);
+        json_decref(snapshot);
+        n++;
+    }
+    json_object_clear(rs->recent);
+    if (n)
+        cg_info("redis %s:%d: writing %ld dialogs saved in the last %d s again: the old primary may have taken "
+                "them after this one was promoted",
+                rs->host, rs->port, n, SWITCH_REWRITE_MS / 1000);
+}
+
 void cg_redis_inflight_add(redis_store *rs, cg_store_req *r)
 {
+    if (rs->master && r->kind == OP_SAVE && rs->recent)
+        recent_note(rs, r);
     r->sent_at = now_ms(rs);
     r->prev = rs->tail;
     if (rs->tail)
@@ -368,11 +446,52 @@ static void drop_connection(redis_store *rs, const char *why)
         cg_resolve_abandon(rs->resolve);
         rs->resolve = NULL;
     }
+    sentinel_query_abort(rs);
     uv_timer_stop(&rs->connect_timer);
     enter_degraded(rs, why);
     if (ac)
         redisAsyncFree(ac);
     schedule_reconnect(rs);
+}
+
+/* The probe passed: the store uses the connection, and writes back what it held. */
+static void connection_trusted(redis_store *rs)
+{
+    rs->state = R_CONNECTED;
+    rs->backoff = 0;
+    if (rs->ever_connected)
+        rs->base.stats.reconnects++;
+    rs->ever_connected = 1;
+    cg_info("redis %s:%d: connected", rs->host, rs->port);
+    if (rs->master) {
+        char *now;
+        if (asprintf(&now, "%s:%d", rs->host, rs->port) < 0)
+            abort();
+        if (rs->primary && strcmp(rs->primary, now) != 0) {
+            rs->base.stats.primary_switches++;
+            cg_warn("redis: followed a failover of '%s': the primary is now %s (was %s)", rs->master, now,
+                    rs->primary);
+            rewrite_recent(rs);
+        }
+        free(rs->primary);
+        rs->primary = now;
+    }
+    leave_degraded(rs);
+    flush_dirty(rs);
+    cg_redis_drain_waiting(rs);
+}
+
+static void on_role(redisAsyncContext *ac, void *reply_, void *priv);
+
+static void send_role(redis_store *rs)
+{
+    cg_store_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
+    if (redisAsyncCommand(rs->ac, on_role, r, "ROLE") == REDIS_OK)
+        cg_redis_inflight_add(rs, r);
+    else {
+        cg_redis_req_finish(r);
+        drop_connection(rs, "could not send ROLE");
+    }
 }
 
 /* The probe: only a PING answered makes the store use a connection (a stopped Redis
@@ -395,15 +514,42 @@ static void on_ping(redisAsyncContext *ac, void *reply_, void *priv)
         drop_connection(rs, why);
         return;
     }
-    rs->state = R_CONNECTED;
-    rs->backoff = 0;
-    if (rs->ever_connected)
-        rs->base.stats.reconnects++;
-    rs->ever_connected = 1;
-    cg_info("redis %s:%d: connected", rs->host, rs->port);
-    leave_degraded(rs);
-    flush_dirty(rs);
-    cg_redis_drain_waiting(rs);
+    if (rs->master) {
+        send_role(rs);
+        return;
+    }
+    connection_trusted(rs);
+}
+
+/* With Sentinel, the probe goes on: the node must say it is the primary. */
+static void on_role(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    cg_store_req *r = priv;
+    redis_store *rs = r->rs;
+    redisReply *reply = reply_;
+    cg_redis_inflight_remove(rs, r);
+    cg_redis_req_finish(r);
+    if (ac != rs->ac || !reply)
+        return;
+    if (reply->type == REDIS_REPLY_ERROR) {
+        char why[200];
+        snprintf(why, sizeof(why), "the connection's ROLE was answered '%.120s'", reply->str);
+        rs->base.stats.errors++;
+        drop_connection(rs, why);
+        return;
+    }
+    const char *role = reply->type == REDIS_REPLY_ARRAY && reply->elements > 0 &&
+                               reply->element[0]->type == REDIS_REPLY_STRING ? reply->element[0]->str : "?";
+    if (strcmp(role, "master") != 0) {
+        /* a Sentinel that has not seen the failover yet names the old primary, now a replica */
+        rs->base.stats.replica_refused++;
+        cg_warn("redis %s:%d: the Sentinels named this node as the primary of '%s', but it is a %s now: asking "
+                "them again",
+                rs->host, rs->port, rs->master, role);
+        drop_connection(rs, "the node named as the primary is a replica");
+        return;
+    }
+    connection_trusted(rs);
 }
 
 static void on_connect(const redisAsyncContext *ac, int status)
@@ -449,6 +595,10 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
 static void on_connect_timeout(uv_timer_t *t)
 {
     redis_store *rs = t->data;
+    if (rs->state == R_ASKING) {
+        sentinel_failed(rs, "no answer within redis.connect_timeout_ms");
+        return;
+    }
     drop_connection(rs, rs->state == R_RESOLVING ? "resolving the host timed out" : "connect timed out");
 }
 
@@ -467,13 +617,43 @@ static void on_select(redisAsyncContext *ac, void *reply, void *priv)
         rs->setup_failed = 1; /* the PING's answer drops the connection: never the wrong database */
 }
 
+/*
+ * -READONLY, whatever command gets it: hiredis builds every reply through its reader's
+ * object functions, so the data connection's reader gets a copy of the default ones whose
+ * string constructor (errors are strings) notes a READONLY error before building it as
+ * usual. The reply itself reaches its callback unchanged (it fails, and the operation is
+ * answered from memory, marked for the write-back); the tick then drops the connection, out
+ * of hiredis's reading, and the Sentinels are asked again.
+ */
+static redisReplyObjectFunctions readonly_fns;
+static void *(*plain_create_string)(const redisReadTask *, char *, size_t);
+
+static void *create_string_watching(const redisReadTask *task, char *str, size_t len)
+{
+    if (task->type == REDIS_REPLY_ERROR && task->privdata && memmem(str, len, "READONLY", 8))
+        ((redis_store *)task->privdata)->readonly_seen++;
+    return plain_create_string(task, str, len);
+}
+
+static void watch_readonly(redis_store *rs, redisAsyncContext *ac)
+{
+    if (!plain_create_string) { /* one loop thread: set once, before the first connection */
+        readonly_fns = *ac->c.reader->fn;
+        plain_create_string = readonly_fns.createString;
+        readonly_fns.createString = create_string_watching;
+    }
+    ac->c.reader->fn = &readonly_fns;
+    ac->c.reader->privdata = rs;
+}
+
 /* Connects to a numeric address (hiredis's own getaddrinfo then never waits on DNS). */
 static void connect_to(redis_store *rs, const char *address)
 {
-    if (!rs->address || strcmp(rs->address, address) != 0) {
+    if (!rs->address || strcmp(rs->address, address) != 0 || rs->address_port != rs->port) {
         cg_info("redis %s:%d: connecting to %s", rs->host, rs->port, address);
         free(rs->address);
         rs->address = cg_redis_xstrdup(address);
+        rs->address_port = rs->port;
     }
     redisAsyncContext *ac = redisAsyncConnect(address, rs->port);
     if (!ac || ac->err) {
@@ -489,6 +669,9 @@ static void connect_to(redis_store *rs, const char *address)
     rs->ac = ac;
     rs->state = R_CONNECTING;
     rs->setup_failed = 0;
+    rs->readonly_seen = 0;
+    if (rs->master)
+        watch_readonly(rs, ac);
     redisLibuvAttach(ac, rs->base.loop);
     redisAsyncSetConnectCallback(ac, on_connect);
     redisAsyncSetDisconnectCallback(ac, on_disconnect);
@@ -515,11 +698,22 @@ static void on_resolved(void *data, const char *address, const char *err)
     connect_to(rs, address);
 }
 
-/* Every (re)connect resolves the host again, off the loop: its address may have moved. */
+/* Every (re)connect resolves the host again, off the loop: its address may have moved. With
+ * Sentinel, a Sentinel names the host first. */
 static void redis_connect(redis_store *rs)
 {
     if (rs->closing)
         return;
+    if (rs->master) {
+        rs->sentinel_tries = 0;
+        sentinel_ask(rs);
+        return;
+    }
+    resolve_and_connect(rs);
+}
+
+static void resolve_and_connect(redis_store *rs)
+{
     rs->state = R_RESOLVING;
     uv_update_time(rs->base.loop); /* at startup the loop's time is as old as the loop */
     uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
@@ -532,6 +726,16 @@ static void redis_connect(redis_store *rs)
 static void on_tick(uv_timer_t *t)
 {
     redis_store *rs = t->data;
+    if (rs->readonly_seen && rs->ac) {
+        rs->base.stats.readonly_replies += (unsigned long)rs->readonly_seen;
+        cg_warn("redis %s:%d: %d answers were -READONLY: this node is a replica now; asking the Sentinels for "
+                "the primary of '%s'",
+                rs->host, rs->port, rs->readonly_seen, rs->master);
+        rs->readonly_seen = 0;
+        rs->backoff = 0; /* the new primary is likely known already: ask at once */
+        drop_connection(rs, "the node became a replica (-READONLY)");
+        return;
+    }
     if (rs->head && now_ms(rs) - rs->head->sent_at > (uint64_t)rs->base.cfg.command_timeout_ms) {
         rs->base.stats.errors++;
         char why[96];
@@ -540,6 +744,292 @@ static void on_tick(uv_timer_t *t)
     }
     if (rs->state == R_CONNECTED && rs->ac)
         cg_redis_renew_leases(rs);
+}
+
+/* ---- Sentinel: asking for the primary -------------------------------------------------- */
+
+static void sentinel_ask(redis_store *rs);
+
+/* Gives up the question in progress, if any (its callbacks then see another context). */
+static void sentinel_query_abort(redis_store *rs)
+{
+    if (rs->sresolve) {
+        cg_resolve_abandon(rs->sresolve);
+        rs->sresolve = NULL;
+    }
+    if (rs->sac) {
+        redisAsyncContext *sac = rs->sac;
+        rs->sac = NULL;
+        redisAsyncFree(sac); /* deferred by hiredis when inside one of its reply callbacks */
+    }
+}
+
+/* The Sentinel asked did not name the primary: the next one is asked, and when each has
+ * failed in this round the store degrades and tries again with the backoff. */
+static void sentinel_failed(redis_store *rs, const char *why)
+{
+    int i = rs->sentinel_at;
+    if (rs->base.stats.degraded)
+        cg_debug("redis sentinel %s:%d: %s", rs->sentinel_hosts[i], rs->sentinel_ports[i], why);
+    else
+        cg_warn("redis sentinel %s:%d: %s", rs->sentinel_hosts[i], rs->sentinel_ports[i], why);
+    sentinel_query_abort(rs);
+    uv_timer_stop(&rs->connect_timer);
+    rs->sentinel_at = (i + 1) % rs->n_sentinels;
+    if (++rs->sentinel_tries < rs->n_sentinels) {
+        sentinel_ask(rs);
+        return;
+    }
+    rs->state = R_CLOSED;
+    char msg[300];
+    snprintf(msg, sizeof(msg), "none of the %d Sentinels named the primary of '%s' (the last: %.150s)",
+             rs->n_sentinels, rs->master, why);
+    enter_degraded(rs, msg);
+    schedule_reconnect(rs);
+}
+
+static void on_sentinel_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    redis_store *rs = priv;
+    redisReply *reply = reply_;
+    if (ac != rs->sac)
+        return; /* given up */
+    if (!reply) {
+        rs->sac = NULL; /* hiredis is freeing it: the connection failed or closed */
+        sentinel_failed(rs, ac->errstr[0] ? ac->errstr : "the connection closed");
+        return;
+    }
+    char why[200];
+    if (reply->type == REDIS_REPLY_ERROR) {
+        snprintf(why, sizeof(why), "SENTINEL get-master-addr-by-name was answered '%.120s'", reply->str);
+        sentinel_failed(rs, why);
+        return;
+    }
+    if (reply->type == REDIS_REPLY_NIL) {
+        snprintf(why, sizeof(why), "it does not monitor a master named '%.100s'", rs->master);
+        sentinel_failed(rs, why);
+        return;
+    }
+    char *end = NULL;
+    long port = 0;
+    if (reply->type == REDIS_REPLY_ARRAY && reply->elements == 2 && reply->element[0]->type == REDIS_REPLY_STRING &&
+        reply->element[1]->type == REDIS_REPLY_STRING && reply->element[0]->len > 0 &&
+        reply->element[0]->len <= 253)
+        port = strtol(reply->element[1]->str, &end, 10);
+    if (!end || *end || port < 1 || port > 65535) {
+        sentinel_failed(rs, "SENTINEL get-master-addr-by-name: unexpected answer");
+        return;
+    }
+    char *host = cg_redis_xstrdup(reply->element[0]->str);
+    rs->sac = NULL;
+    redisAsyncFree(ac); /* after this callback: hiredis defers it */
+    uv_timer_stop(&rs->connect_timer);
+    if (strcmp(rs->host, host) != 0 || rs->port != (int)port)
+        cg_info("redis sentinel %s:%d: the primary of '%s' is %s:%ld", rs->sentinel_hosts[rs->sentinel_at],
+                rs->sentinel_ports[rs->sentinel_at], rs->master, host, port);
+    free(rs->host);
+    rs->host = host;
+    rs->port = (int)port;
+    resolve_and_connect(rs); /* as a redis:// address from here; the probe adds ROLE */
+}
+
+static void on_sentinel_connect(const redisAsyncContext *ac, int status)
+{
+    redis_store *rs = ac->data;
+    if (ac != rs->sac || status == REDIS_OK)
+        return;
+    rs->sac = NULL; /* hiredis frees it after this callback */
+    sentinel_failed(rs, ac->errstr[0] ? ac->errstr : "connection failed");
+}
+
+static void on_sentinel_disconnect(const redisAsyncContext *ac, int status)
+{
+    (void)status;
+    redis_store *rs = ac->data;
+    if (ac != rs->sac)
+        return;
+    rs->sac = NULL;
+    sentinel_failed(rs, "the connection closed before the answer");
+}
+
+static void on_sentinel_resolved(void *data, const char *address, const char *err)
+{
+    redis_store *rs = data;
+    rs->sresolve = NULL;
+    if (!address) {
+        sentinel_failed(rs, err);
+        return;
+    }
+    redisAsyncContext *ac = redisAsyncConnect(address, rs->sentinel_ports[rs->sentinel_at]);
+    if (!ac || ac->err) {
+        char why[160];
+        snprintf(why, sizeof(why), "%s", ac ? ac->errstr : "out of memory");
+        if (ac)
+            redisAsyncFree(ac);
+        sentinel_failed(rs, why);
+        return;
+    }
+    ac->data = rs;
+    rs->sac = ac;
+    redisLibuvAttach(ac, rs->base.loop);
+    redisAsyncSetConnectCallback(ac, on_sentinel_connect);
+    redisAsyncSetDisconnectCallback(ac, on_sentinel_disconnect);
+    /* queued until the connection is up; the connect timer bounds connect and answer */
+    redisAsyncCommand(ac, on_sentinel_reply, rs, "SENTINEL get-master-addr-by-name %s", rs->master);
+}
+
+/* Asks rs->sentinel_at, within the connect timeout. */
+static void sentinel_ask(redis_store *rs)
+{
+    rs->state = R_ASKING;
+    uv_update_time(rs->base.loop);
+    uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
+    rs->sresolve = cg_resolve_start(rs->base.loop, rs->sentinel_hosts[rs->sentinel_at], on_sentinel_resolved, rs);
+    if (!rs->sresolve)
+        sentinel_failed(rs, "could not start resolving the host");
+}
+
+/* ---- Sentinel: following a failover (+switch-master) ----------------------------------- */
+
+static void sub_start(redis_store *rs);
+
+static void on_sub_timer(uv_timer_t *t)
+{
+    redis_store *rs = t->data;
+    if (rs->sub || rs->sub_resolve) { /* the connect timeout: not subscribed in time */
+        sub_lost(rs, "no answer to SUBSCRIBE within redis.connect_timeout_ms");
+        return;
+    }
+    sub_start(rs);
+}
+
+/* The subscription is gone (or never came): the next Sentinel is tried in a second. A
+ * failover meanwhile is still followed: the old primary closes our connection or answers
+ * -READONLY, and the probe's ROLE refuses it. */
+static void sub_lost(redis_store *rs, const char *why)
+{
+    int i = rs->sub_at;
+    if (rs->sub_ok)
+        cg_warn("redis sentinel %s:%d: the +switch-master subscription was lost (%s); trying the next Sentinel",
+                rs->sentinel_hosts[i], rs->sentinel_ports[i], why);
+    else
+        cg_debug("redis sentinel %s:%d: could not subscribe to +switch-master: %s", rs->sentinel_hosts[i],
+                 rs->sentinel_ports[i], why);
+    rs->sub_ok = 0;
+    if (rs->sub_resolve) {
+        cg_resolve_abandon(rs->sub_resolve);
+        rs->sub_resolve = NULL;
+    }
+    if (rs->sub) {
+        redisAsyncContext *sub = rs->sub;
+        rs->sub = NULL;
+        redisAsyncFree(sub);
+    }
+    rs->sub_at = (i + 1) % rs->n_sentinels;
+    if (!rs->closing)
+        uv_timer_start(&rs->sub_timer, on_sub_timer, 1000, 0);
+}
+
+/* Sentinel says the primary of a master moved; ours: drop what points elsewhere. */
+static void follow_switch(redis_store *rs, const char *host, int port)
+{
+    if (rs->closing)
+        return;
+    int going_there = strcmp(rs->host, host) == 0 && rs->port == port && rs->state != R_CLOSED;
+    if (going_there)
+        return; /* already connected or connecting there (a reconnect asked first) */
+    cg_warn("redis sentinel %s:%d: the primary of '%s' moved to %s:%d: reconnecting", rs->sentinel_hosts[rs->sub_at],
+            rs->sentinel_ports[rs->sub_at], rs->master, host, port);
+    rs->backoff = 0;
+    if (rs->state == R_CLOSED) { /* waiting for the backoff: ask now */
+        uv_timer_stop(&rs->connect_timer);
+        schedule_reconnect(rs);
+    } else if (rs->state != R_ASKING) { /* a question under way is answered anew, or ROLE refuses */
+        drop_connection(rs, "Sentinel switched the primary");
+    }
+}
+
+static void on_sub_message(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    redis_store *rs = priv;
+    redisReply *reply = reply_;
+    if (ac != rs->sub || !reply)
+        return; /* given up, or being freed by hiredis (on_sub_disconnect follows) */
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 3 || reply->element[0]->type != REDIS_REPLY_STRING)
+        return;
+    if (strcmp(reply->element[0]->str, "subscribe") == 0) {
+        rs->sub_ok = 1;
+        uv_timer_stop(&rs->sub_timer);
+        cg_info("redis sentinel %s:%d: following failovers of '%s' (+switch-master)", rs->sentinel_hosts[rs->sub_at],
+                rs->sentinel_ports[rs->sub_at], rs->master);
+        return;
+    }
+    if (strcmp(reply->element[0]->str, "message") != 0 || reply->element[2]->type != REDIS_REPLY_STRING)
+        return;
+    /* "<master> <old ip> <old port> <new ip> <new port>" */
+    char name[256], old_host[256], new_host[256];
+    int old_port, new_port;
+    if (sscanf(reply->element[2]->str, "%255s %255s %d %255s %d", name, old_host, &old_port, new_host, &new_port) != 5 ||
+        new_port < 1 || new_port > 65535)
+        return;
+    if (strcmp(name, rs->master) == 0)
+        follow_switch(rs, new_host, new_port);
+}
+
+static void on_sub_connect(const redisAsyncContext *ac, int status)
+{
+    redis_store *rs = ac->data;
+    if (ac != rs->sub || status == REDIS_OK)
+        return;
+    rs->sub = NULL; /* hiredis frees it after this callback */
+    sub_lost(rs, ac->errstr[0] ? ac->errstr : "connection failed");
+}
+
+static void on_sub_disconnect(const redisAsyncContext *ac, int status)
+{
+    (void)status;
+    redis_store *rs = ac->data;
+    if (ac != rs->sub)
+        return;
+    rs->sub = NULL; /* hiredis frees it */
+    sub_lost(rs, ac->errstr[0] ? ac->errstr : "the connection closed");
+}
+
+static void on_sub_resolved(void *data, const char *address, const char *err)
+{
+    redis_store *rs = data;
+    rs->sub_resolve = NULL;
+    if (!address) {
+        sub_lost(rs, err);
+        return;
+    }
+    redisAsyncContext *ac = redisAsyncConnect(address, rs->sentinel_ports[rs->sub_at]);
+    if (!ac || ac->err) {
+        char why[160];
+        snprintf(why, sizeof(why), "%s", ac ? ac->errstr : "out of memory");
+        if (ac)
+            redisAsyncFree(ac);
+        sub_lost(rs, why);
+        return;
+    }
+    ac->data = rs;
+    rs->sub = ac;
+    redisLibuvAttach(ac, rs->base.loop);
+    redisAsyncSetConnectCallback(ac, on_sub_connect);
+    redisAsyncSetDisconnectCallback(ac, on_sub_disconnect);
+    redisAsyncCommand(ac, on_sub_message, rs, "SUBSCRIBE +switch-master");
+}
+
+/* Subscribes on rs->sub_at, within the connect timeout (sub_timer). */
+static void sub_start(redis_store *rs)
+{
+    if (rs->closing)
+        return;
+    uv_update_time(rs->base.loop);
+    uv_timer_start(&rs->sub_timer, on_sub_timer, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
+    rs->sub_resolve = cg_resolve_start(rs->base.loop, rs->sentinel_hosts[rs->sub_at], on_sub_resolved, rs);
+    if (!rs->sub_resolve)
+        sub_lost(rs, "could not start resolving the host");
 }
 
 /* ---- close -------------------------------------------------------------------------- */
@@ -556,11 +1046,18 @@ static void store_free_if_done(redis_store *rs)
     if (!rs->closing || rs->handles > 0)
         return;
     cg_memstore_free(rs->mem);
+    for (int i = 0; i < rs->n_sentinels; i++)
+        free(rs->sentinel_hosts[i]);
+    free(rs->sentinel_hosts);
+    free(rs->sentinel_ports);
+    free(rs->master);
+    free(rs->primary);
     json_decref(rs->dirty);
     json_decref(rs->warned);
     json_decref(rs->unknown);
     json_decref(rs->leases);
     json_decref(rs->saving);
+    json_decref(rs->recent);
     free(rs->host);
     free(rs->password);
     free(rs->address);
@@ -574,6 +1071,7 @@ static void finish_close(redis_store *rs)
         return;
     uv_close((uv_handle_t *)&rs->connect_timer, handle_closed);
     uv_close((uv_handle_t *)&rs->tick, handle_closed);
+    uv_close((uv_handle_t *)&rs->sub_timer, handle_closed);
 }
 
 static void on_close_deadline(uv_timer_t *t)
@@ -603,6 +1101,17 @@ void cg_redis_close(cg_store *st)
     if (rs->resolve) { /* it frees itself; its answer never comes */
         cg_resolve_abandon(rs->resolve);
         rs->resolve = NULL;
+    }
+    sentinel_query_abort(rs);
+    uv_timer_stop(&rs->sub_timer);
+    if (rs->sub_resolve) {
+        cg_resolve_abandon(rs->sub_resolve);
+        rs->sub_resolve = NULL;
+    }
+    if (rs->sub) {
+        redisAsyncContext *sub = rs->sub;
+        rs->sub = NULL;
+        redisAsyncFree(sub);
     }
     if (json_object_size(rs->dirty))
         cg_warn("redis %s:%d: stopping with %zu dialogs not yet written back", rs->host, rs->port,
@@ -637,27 +1146,132 @@ static char *url_decode(const char *s, const char *end, size_t *len)
     return out;
 }
 
+/* The "[:password@]" after the scheme at p: sets rs->password and returns where the hosts
+ * begin (NULL with err on a bad one); *shown is what errors may quote (never the password). */
+static const char *parse_password(redis_store *rs, const char *url, const char *p, const char **shown, char *err,
+                                  size_t errlen)
+{
+    const char *at = strchr(p, '@');
+    *shown = at ? at + 1 : url;
+    if (!at)
+        return p;
+    const char *colon = memchr(p, ':', (size_t)(at - p));
+    const char *pw = colon ? colon + 1 : p;
+    size_t len;
+    rs->password = url_decode(pw, at, &len);
+    if (strlen(rs->password) != len) {
+        snprintf(err, errlen, "'...@%s': the password holds %%00", *shown);
+        return NULL;
+    }
+    if (!len) {
+        free(rs->password);
+        rs->password = NULL;
+    }
+    return at + 1;
+}
+
+/* "/DB" or "": 0 to 15. */
+static int parse_db(redis_store *rs, const char *s, const char *shown, char *err, size_t errlen)
+{
+    if (!*s)
+        return 0;
+    char *e;
+    long db = strtol(s, &e, 10);
+    if (*e || db < 0 || db > 15 || e == s) {
+        snprintf(err, errlen, "'%s': the database must be a number from 0 to 15", shown);
+        return -1;
+    }
+    rs->db = (int)db;
+    return 0;
+}
+
+#define SENTINEL_USAGE "(redis-sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB])"
+#define SENTINELS_MAX 16
+
+/*
+ * redis-sentinel://[:password@]host[:port][,host[:port]...]/master[/db]: the Sentinels
+ * (port 26379 unless given), the master's name as they monitor it, the database. The
+ * password is the data nodes' (AUTH); the Sentinels are asked without one.
+ */
+static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_t errlen)
+{
+    const char *shown;
+    const char *p = parse_password(rs, url, url + strlen("redis-sentinel://"), &shown, err, errlen);
+    if (!p)
+        return -1;
+    const char *slash = strchr(p, '/');
+    const char *hosts_end = slash ? slash : p + strlen(p);
+    if (hosts_end == p) {
+        snprintf(err, errlen, "'%s': no Sentinel host %s", shown, SENTINEL_USAGE);
+        return -1;
+    }
+    rs->sentinel_hosts = calloc(SENTINELS_MAX, sizeof(char *));
+    rs->sentinel_ports = calloc(SENTINELS_MAX, sizeof(int));
+    if (!rs->sentinel_hosts || !rs->sentinel_ports)
+        abort();
+    for (const char *h = p; h < hosts_end;) {
+        const char *comma = memchr(h, ',', (size_t)(hosts_end - h));
+        const char *end = comma ? comma : hosts_end;
+        const char *colon = memchr(h, ':', (size_t)(end - h));
+        const char *host_end = colon ? colon : end;
+        int n = rs->n_sentinels + 1;
+        if (n > SENTINELS_MAX) {
+            snprintf(err, errlen, "'%s': more than %d Sentinels", shown, SENTINELS_MAX);
+            return -1;
+        }
+        if (host_end == h || host_end - h > 253) {
+            snprintf(err, errlen, "'%s': Sentinel %d: %s %s", shown, n,
+                     host_end == h ? "no host" : "the host is longer than 253 bytes", SENTINEL_USAGE);
+            return -1;
+        }
+        long port = 26379;
+        if (colon) {
+            char *e;
+            port = strtol(colon + 1, &e, 10);
+            if (e != end || e == colon + 1 || port < 1 || port > 65535) {
+                snprintf(err, errlen, "'%s': Sentinel %d: the port must be 1 to 65535", shown, n);
+                return -1;
+            }
+        }
+        if (asprintf(&rs->sentinel_hosts[rs->n_sentinels], "%.*s", (int)(host_end - h), h) < 0)
+            abort();
+        rs->sentinel_ports[rs->n_sentinels++] = (int)port;
+        if (comma && comma + 1 == hosts_end) {
+            snprintf(err, errlen, "'%s': Sentinel %d: no host %s", shown, n + 1, SENTINEL_USAGE);
+            return -1;
+        }
+        h = comma ? comma + 1 : hosts_end;
+    }
+    const char *name = slash ? slash + 1 : hosts_end;
+    const char *name_end = name + strcspn(name, "/");
+    if (name_end == name) {
+        snprintf(err, errlen, "'%s': no master name %s", shown, SENTINEL_USAGE);
+        return -1;
+    }
+    /* the name travels in +switch-master's space-separated text, and in logs */
+    if (name_end - name > 128 || strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") <
+                                     (size_t)(name_end - name)) {
+        snprintf(err, errlen, "'%s': the master name must be 1 to 128 of A-Z a-z 0-9 . _ -", shown);
+        return -1;
+    }
+    if (asprintf(&rs->master, "%.*s", (int)(name_end - name), name) < 0)
+        abort();
+    if (parse_db(rs, *name_end ? name_end + 1 : "", shown, err, errlen) < 0)
+        return -1;
+    rs->host = cg_redis_xstrdup(rs->master); /* in the log until a Sentinel names the primary */
+    rs->port = 0;
+    return 0;
+}
+
 /* redis://[:password@]host[:port][/db]; errors never quote the password. */
 static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
 {
-    const char *p = url + strlen("redis://");
-    const char *at = strchr(p, '@');
-    const char *shown = at ? at + 1 : url;
-    if (at) {
-        const char *colon = memchr(p, ':', (size_t)(at - p));
-        const char *pw = colon ? colon + 1 : p;
-        size_t len;
-        rs->password = url_decode(pw, at, &len);
-        if (strlen(rs->password) != len) {
-            snprintf(err, errlen, "'...@%s': the password holds %%00", shown);
-            return -1;
-        }
-        if (!len) {
-            free(rs->password);
-            rs->password = NULL;
-        }
-        p = at + 1;
-    }
+    if (strncmp(url, "redis-sentinel://", 17) == 0)
+        return parse_sentinel_url(rs, url, err, errlen);
+    const char *shown;
+    const char *p = parse_password(rs, url, url + strlen("redis://"), &shown, err, errlen);
+    if (!p)
+        return -1;
     const char *slash = strchr(p, '/');
     const char *end = slash ? slash : p + strlen(p);
     const char *colon = memchr(p, ':', (size_t)(end - p));
@@ -679,16 +1293,7 @@ static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
         }
         rs->port = (int)port;
     }
-    if (slash && slash[1]) {
-        char *e;
-        long db = strtol(slash + 1, &e, 10);
-        if (*e || db < 0 || db > 15) {
-            snprintf(err, errlen, "'%s': the database must be a number from 0 to 15", shown);
-            return -1;
-        }
-        rs->db = (int)db;
-    }
-    return 0;
+    return parse_db(rs, slash ? slash + 1 : "", shown, err, errlen);
 }
 
 /* Who holds a lease this store takes: the host, the process and a random part (a process
@@ -715,6 +1320,11 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     if (parse_url(rs, cfg->url, err, errlen) < 0) {
         free(rs->host);
         free(rs->password);
+        for (int i = 0; i < rs->n_sentinels; i++)
+            free(rs->sentinel_hosts[i]);
+        free(rs->sentinel_hosts);
+        free(rs->sentinel_ports);
+        free(rs->master);
         free(rs);
         return NULL;
     }
@@ -729,18 +1339,22 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->unknown = json_object();
     rs->leases = json_object();
     rs->saving = json_object();
+    rs->recent = json_object();
     cg_redis_scripts_init();
     lease_holder_id(rs);
-    if (!rs->mem || !rs->dirty || !rs->warned || !rs->unknown || !rs->leases || !rs->saving)
+    if (!rs->mem || !rs->recent || !rs->dirty || !rs->warned || !rs->unknown || !rs->leases || !rs->saving)
         abort(); /* out of memory at startup */
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);
     uv_timer_init(loop, &rs->connect_timer);
     uv_timer_init(loop, &rs->tick);
-    rs->connect_timer.data = rs->tick.data = rs;
-    rs->handles = 2;
+    uv_timer_init(loop, &rs->sub_timer);
+    rs->connect_timer.data = rs->tick.data = rs->sub_timer.data = rs;
+    rs->handles = 3;
     uv_timer_start(&rs->tick, on_tick, 100, 100);
     uv_unref((uv_handle_t *)&rs->tick);
+    if (rs->master)
+        sub_start(rs);
     redis_connect(rs);
     return &rs->base;
 }

@@ -14,9 +14,10 @@ cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, 
 {
     if (strcmp(cfg->url, "memory") == 0)
         return cg_store_memory_open(loop, cfg);
-    if (strncmp(cfg->url, "redis://", 8) == 0)
+    if (strncmp(cfg->url, "redis://", 8) == 0 || strncmp(cfg->url, "redis-sentinel://", 17) == 0)
         return cg_store_redis_open(loop, cfg, err, errlen);
-    snprintf(err, errlen, "'%s' must be memory or redis://HOST:PORT[/DB]", cfg->url);
+    snprintf(err, errlen, "'%s' must be memory, redis://HOST:PORT[/DB] or redis-sentinel://HOST:PORT[,...]/MASTER[/DB]",
+             cfg->url);
     return NULL;
 }
 

@@ -29,7 +29,9 @@
 #include "chatgate/core/net.h"
 #include "chatgate/store/store.h"
 
-typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED } redis_state;
+/* R_ASKING: a redis-sentinel:// store asks a Sentinel for the primary (resolve, connect,
+ * SENTINEL get-master-addr-by-name), before R_RESOLVING the address it named. */
+typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED, R_ASKING } redis_state;
 typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING } op_kind;
 
 typedef struct redis_store redis_store;
@@ -89,6 +91,28 @@ struct redis_store {
     cg_store_req *head, *tail;
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
+    /* redis-sentinel:// only (master is NULL for redis://): host and port above are the
+     * primary the Sentinels named last; they are asked again before each connect, and a
+     * subscription to +switch-master on one of them follows a failover as it happens. */
+    char *master;          /* the master's name at the Sentinels */
+    char **sentinel_hosts; /* as in the URL, resolved before each use */
+    int *sentinel_ports;
+    int n_sentinels;
+    int sentinel_at;       /* the Sentinel asked now, or next (the last that answered) */
+    int sentinel_tries;    /* Sentinels asked in this round */
+    redisAsyncContext *sac; /* the question: SENTINEL get-master-addr-by-name */
+    cg_resolve *sresolve;
+    redisAsyncContext *sub; /* SUBSCRIBE +switch-master, its own connection (pub/sub only) */
+    cg_resolve *sub_resolve;
+    int sub_at;             /* the Sentinel the subscription is on */
+    int sub_ok;             /* its SUBSCRIBE was confirmed */
+    uv_timer_t sub_timer;   /* the subscription's connect timeout, then its retry */
+    char *primary;          /* "ip:port" of the last primary a connection was trusted to */
+    int address_port;       /* the port that went with address, for the log */
+    int readonly_seen;      /* -READONLY replies on this connection, for the tick to act on */
+    json_t *recent;         /* key -> {"u","r","t"}: dialogs saved in the last seconds, oldest
+                             * first: rewritten to a new primary (the old one may have taken
+                             * them after the new one was promoted) */
 };
 
 static inline char *cg_redis_xstrdup(const char *s)

@@ -51,6 +51,10 @@ typedef struct cg_store_stats {
     unsigned long save_conflicts;          /* saves refused: Redis held another or a newer copy */
     unsigned long lease_waits;             /* turns that found their dialog's lease held elsewhere */
     unsigned long lease_lost;              /* turns' saves refused: their lease had passed on */
+    /* Redis Sentinel (redis-sentinel://) */
+    unsigned long primary_switches;  /* connections trusted to a primary other than the last one */
+    unsigned long readonly_replies;  /* -READONLY answers: the node had become a replica */
+    unsigned long replica_refused;   /* connects dropped because ROLE did not say master */
     double degraded_seconds;         /* time spent with Redis away, up to the last recovery */
     uint64_t degraded_since_ms;      /* uv_now() when the current outage began */
     int degraded;                    /* Redis is away now */
@@ -81,7 +85,8 @@ typedef struct cg_store_ops {
 } cg_store_ops;
 
 typedef struct cg_store_config {
-    const char *url; /* "memory" or "redis://[:password@]host:port[/db]" */
+    const char *url; /* "memory", "redis://[:password@]host:port[/db]" or
+                      * "redis-sentinel://[:password@]host:port[,host:port...]/master[/db]" */
     const char *prefix; /* key prefix, "chatgate" */
     cg_lifetimes lifetimes;
     long max_dialogs;        /* memory store bound */
