@@ -71,10 +71,16 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
                  "was not master; each time the connection is dropped to ask the Sentinels again.\n"
                  "# TYPE chatgate_store_not_primary_total counter\n"
                  "chatgate_store_not_primary_total{seen=\"readonly\"} %lu\n"
-                 "chatgate_store_not_primary_total{seen=\"role\"} %lu\n",
+                 "chatgate_store_not_primary_total{seen=\"role\"} %lu\n"
+                 "# HELP chatgate_store_lease_waits_total Turns that found their dialog's lease held by another "
+                 "gateway and waited for it.\n# TYPE chatgate_store_lease_waits_total counter\n"
+                 "chatgate_store_lease_waits_total %lu\n"
+                 "# HELP chatgate_store_lease_lost_total Turns whose save was refused: their dialog's lease had "
+                 "passed to another gateway (this one was away past redis.lease_ms).\n"
+                 "# TYPE chatgate_store_lease_lost_total counter\nchatgate_store_lease_lost_total %lu\n",
                  st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
                  st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
-                 st->replica_refused);
+                 st->replica_refused, st->lease_waits, st->lease_lost);
     if (n < 0 || (size_t)n >= len - used)
         return used;
     used += (size_t)n;
