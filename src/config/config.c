@@ -83,6 +83,7 @@ static const setting settings[] = {
     {"shutdown_timeout_s", T_INT, OFF(shutdown_timeout_s), 0, 3600, NULL, 1,
      "SECONDS replies in flight may take to finish after SIGTERM (default 10)"},
     {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0, NULL},
+    {"redis.bus", T_STR, OFF(redis_bus), 0, 0, NULL, 0, NULL},
     {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0, NULL},
     {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0, NULL},
     {"redis.writeback_max_bytes", T_INT, OFF(redis_writeback_max_bytes), 4096, 1L << 40, NULL, 0, NULL},
@@ -175,6 +176,11 @@ static int check_string(const setting *st, const char *value, char *err, size_t 
     }
     if (strcmp(st->name, "redis.prefix") == 0)
         return check_redis_prefix(value, err, errlen);
+    if (strcmp(st->name, "redis.bus") == 0 && strncmp(value, "redis://", 8) != 0) {
+        set_err(err, errlen, "'%s' must be redis://[:PASSWORD@]HOST:PORT (a Redis itself: twemproxy has no "
+                             "SUBSCRIBE)", value);
+        return -1;
+    }
     return 0;
 }
 

@@ -275,6 +275,12 @@ static int start_admin_listener(cg_gateway *gw, const cg_config *cfg, const stru
     return 0;
 }
 
+/* Another gateway asked the store to stop this process's turn of a dialog. */
+static void on_store_cancel(void *ctx, const char *key)
+{
+    cg_turns_cancel_dialog(ctx, key);
+}
+
 static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t errlen)
 {
     cg_store_config sc;
@@ -287,6 +293,7 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     sc.connect_timeout_ms = cfg->redis_connect_timeout_ms;
     sc.writeback_max_bytes = cfg->redis_writeback_max_bytes;
     sc.lease_ms = cfg->redis_lease_ms;
+    sc.bus_url = cfg->redis_bus;
     sc.lifetimes = cfg->lifetimes;
     char msg[256];
     gw->srv.turn.store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));
@@ -394,6 +401,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
     if (open_store(gw, cfg, err, errlen) < 0)
         return CG_GATEWAY_BAD_CONFIG;
+    gw->srv.turn.store->on_cancel = on_store_cancel;
+    gw->srv.turn.store->cancel_ctx = &gw->srv.turn;
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i]);

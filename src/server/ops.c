@@ -77,10 +77,13 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
                  "chatgate_store_lease_waits_total %lu\n"
                  "# HELP chatgate_store_lease_lost_total Turns whose save was refused: their dialog's lease had "
                  "passed to another gateway (this one was away past redis.lease_ms).\n"
-                 "# TYPE chatgate_store_lease_lost_total counter\nchatgate_store_lease_lost_total %lu\n",
+                 "# TYPE chatgate_store_lease_lost_total counter\nchatgate_store_lease_lost_total %lu\n"
+                 "# HELP chatgate_store_remote_cancels_total Turns stopped because another gateway asked (a cancel "
+                 "phrase or context.clear that arrived there).\n"
+                 "# TYPE chatgate_store_remote_cancels_total counter\nchatgate_store_remote_cancels_total %lu\n",
                  st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
                  st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
-                 st->replica_refused, st->lease_waits, st->lease_lost);
+                 st->replica_refused, st->lease_waits, st->lease_lost, st->remote_cancels);
     if (n < 0 || (size_t)n >= len - used)
         return used;
     used += (size_t)n;

@@ -611,18 +611,64 @@ static int turns_accept(cg_turns *q, const cg_turn_request *r)
     return 0;
 }
 
+/* The chat turn of the dialog (key) that holds its lock in this process, or NULL. */
+static cg_turn *dialog_turn(cg_turn_env *env, const char *key)
+{
+    cg_dialog_lock_waiter *w = cg_dialog_lock_holder(env->locks, key);
+    cg_turn *t = w ? w->owner : NULL;
+    return t && t->kind == CG_TURN_CHAT ? t : NULL;
+}
+
+void cg_turns_cancel_dialog(cg_turn_env *env, const char *key)
+{
+    cg_turn *t = dialog_turn(env, key);
+    if (!t)
+        return;
+    cg_info("session %s: message %s stopped from another connection or gateway", t->q->name, t->id);
+    turn_cancel(t, 0);
+}
+
 /*
- * A message that a cancel rule matches acts at once on the reply in flight of its room: that
- * reply is cancelled; the message itself then waits its turn like any other and goes through
- * the pipeline, which clears awaiting.
+ * Stops the reply in flight of the dialog (this user, room), wherever it runs: this
+ * connection's (`own`: a cancel phrase; a context.clear waits its turn behind it instead),
+ * another connection's here (another tab), or, through the store, another gateway's.
+ */
+static void cancel_dialog(cg_turns *q, const char *room, int own)
+{
+    cg_turn *t = q->inflight;
+    if (t && t->kind == CG_TURN_CHAT && strcmp(t->room, room) == 0) {
+        if (own) {
+            cg_info("session %s: message %s stopped by a cancel phrase", q->name, t->id);
+            turn_cancel(t, 0);
+        }
+        return;
+    }
+    char *key = cg_store_dialog_key(q->user, room);
+    if (dialog_turn(q->env, key))
+        cg_turns_cancel_dialog(q->env, key);
+    else if (q->env->store->ops->cancel_remote)
+        q->env->store->ops->cancel_remote(q->env->store, q->user, room);
+    free(key);
+}
+
+/*
+ * A message that a cancel rule matches acts at once on the reply in flight of its dialog:
+ * that reply is cancelled; the message itself then waits its turn like any other and goes
+ * through the pipeline, which clears awaiting. The rules run only when there may be a
+ * reply to stop.
  */
 static void cancel_on_arrival(cg_turns *q, const char *room, const char *text)
 {
-    cg_turn *t = q->inflight;
-    if (!t || t->kind != CG_TURN_CHAT || strcmp(t->room, room) != 0 || !cg_rules_cancels(q->env->rules, text))
-        return;
-    cg_info("session %s: message %s stopped by a cancel phrase", q->name, t->id);
-    turn_cancel(t, 0);
+    int local = q->inflight && q->inflight->kind == CG_TURN_CHAT && strcmp(q->inflight->room, room) == 0;
+    if (!local && !q->env->store->ops->cancel_remote) {
+        char *key = cg_store_dialog_key(q->user, room);
+        local = dialog_turn(q->env, key) != NULL;
+        free(key);
+        if (!local)
+            return;
+    }
+    if (cg_rules_cancels(q->env->rules, text))
+        cancel_dialog(q, room, 1);
 }
 
 static void request_clear(cg_turn_request *r)
@@ -644,6 +690,8 @@ int cg_turns_submit(cg_turns *q, cg_turn_request *r)
     }
     if (chat)
         cancel_on_arrival(q, r->room, r->text);
+    else if (r->kind == CG_TURN_CONTEXT_CLEAR)
+        cancel_dialog(q, r->room, 0); /* another tab's or gateway's reply; this one's comes first */
     if (chat && q->supersede && q->inflight && q->inflight->forwarded)
         cg_turn_end(q->inflight, 0); /* the next message: the forwarded turn is over */
     cg_turn *t = calloc(1, sizeof(*t));

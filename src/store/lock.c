@@ -14,6 +14,7 @@
 #include "chatgate/store/store.h"
 
 typedef struct dialog_lock {
+    cg_dialog_lock_waiter *holder;
     cg_dialog_lock_waiter *waiters, *last; /* in arrival order */
 } dialog_lock;
 
@@ -32,6 +33,7 @@ int cg_dialog_lock_acquire(json_t *locks, cg_dialog_lock_waiter *w, const char *
         l = calloc(1, sizeof(*l));
         if (!l || json_object_set_new(locks, w->key, json_integer((json_int_t)(intptr_t)l)) < 0)
             abort(); /* out of memory */
+        l->holder = w;
         w->state = CG_LOCK_HELD;
         return 1;
     }
@@ -42,6 +44,12 @@ int cg_dialog_lock_acquire(json_t *locks, cg_dialog_lock_waiter *w, const char *
         l->waiters = w;
     l->last = w;
     return 0;
+}
+
+cg_dialog_lock_waiter *cg_dialog_lock_holder(json_t *locks, const char *key)
+{
+    dialog_lock *l = lock_of(locks, key);
+    return l ? l->holder : NULL;
 }
 
 void cg_dialog_lock_release(json_t *locks, cg_dialog_lock_waiter *w)
@@ -65,6 +73,7 @@ void cg_dialog_lock_release(json_t *locks, cg_dialog_lock_waiter *w)
             l->last = NULL;
         next->next = NULL;
         next->state = CG_LOCK_HELD;
+        l->holder = next;
     }
     w->state = CG_LOCK_NONE;
     w->next = NULL;

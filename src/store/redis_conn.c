@@ -1103,6 +1103,8 @@ void cg_redis_close(cg_store *st)
         rs->resolve = NULL;
     }
     sentinel_query_abort(rs);
+    cg_redis_bus_close(rs->bus);
+    rs->bus = NULL;
     uv_timer_stop(&rs->sub_timer);
     if (rs->sub_resolve) {
         cg_resolve_abandon(rs->sub_resolve);
@@ -1355,6 +1357,12 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     uv_unref((uv_handle_t *)&rs->tick);
     if (rs->master)
         sub_start(rs);
+    /* the bus: redis.bus, else the store's own URL when it is a Redis (not Sentinel's) */
+    const char *bus = cfg->bus_url && *cfg->bus_url ? cfg->bus_url : strncmp(cfg->url, "redis://", 8) == 0 ? cfg->url : NULL;
+    if (bus)
+        rs->bus = cg_redis_bus_open(rs, bus);
+    else
+        cg_info("redis: no redis.bus for a Sentinel store: cancels between gateways come with the lease renewal");
     redis_connect(rs);
     return &rs->base;
 }

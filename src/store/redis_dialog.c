@@ -194,14 +194,15 @@ static char *rooms_key(redis_store *rs, const char *eu)
     return s;
 }
 
-/* A dialog's keys, KEYS[1..7] of every script (the rooms set is KEYS[8]). */
-static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lease", "fence"};
-#define N_PARTS 7
+/* A dialog's keys, KEYS[1..8] of every script (the rooms set is KEYS[9]): its data, its
+ * lease, the lease's fence counter, and the flag another gateway sets to cancel its turn. */
+static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lease", "fence", "cancel"};
+#define N_PARTS 8
 #define N_DATA_PARTS 5 /* params .. history: the dialog itself */
 
 /* ---- scripts: EVALSHA, and EVAL once when the server does not know the script ----------- */
 
-typedef enum { S_LOAD, S_SAVE, S_RENEW, S_RELEASE, S_COUNT } script_id;
+typedef enum { S_LOAD, S_SAVE, S_RENEW, S_RELEASE, S_CANCEL, S_COUNT } script_id;
 static const char *script_text(script_id id);
 static char script_sha[S_COUNT][41];
 
@@ -220,12 +221,12 @@ void cg_redis_scripts_init(void)
     }
 }
 
-/* EVALSHA <sha> 8 <the dialog's keys> <the rooms set> */
+/* EVALSHA <sha> 9 <the dialog's keys> <the rooms set> */
 static void arg_script(redis_store *rs, argv_buf *a, script_id id, const char *eu, const char *er)
 {
     arg_str(a, "EVALSHA");
     arg_str(a, script_sha[id]);
-    arg_str(a, "8");
+    arg_str(a, "9");
     for (int i = 0; i < N_PARTS; i++)
         arg_own(a, dialog_key(rs, eu, er, parts[i]));
     arg_own(a, rooms_key(rs, eu));
@@ -369,14 +370,27 @@ static const char load_script[] =
     "  redis.call('EXPIRE', KEYS[7], ARGV[3])\n"
     "  lease = ARGV[1] .. ' ' .. fence\n"
     "  redis.call('SET', KEYS[6], lease, 'PX', ARGV[2])\n"
+    "  redis.call('DEL', KEYS[8])\n"
     "end\n"
     "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
     "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}\n";
 
-/* A lease still ours, renewed (ARGV[1] the lease, ARGV[2] ms): 1, or 0 when it is not ours. */
+/* A lease still ours, renewed (ARGV[1] the lease, ARGV[2] ms): 1, 2 when another gateway
+ * asked to cancel the turn (the flag is taken), or 0 when the lease is not ours. */
 static const char renew_script[] =
-    "if redis.call('GET', KEYS[6]) == ARGV[1] then redis.call('PEXPIRE', KEYS[6], ARGV[2]) return 1 end\n"
-    "return 0\n";
+    "if redis.call('GET', KEYS[6]) ~= ARGV[1] then return 0 end\n"
+    "redis.call('PEXPIRE', KEYS[6], ARGV[2])\n"
+    "if redis.call('DEL', KEYS[8]) > 0 then return 2 end\n"
+    "return 1\n";
+
+/* Another gateway's turn of the dialog must stop (ARGV[1]: the flag's lifetime, ms): the
+ * flag its lease renewal reads, in case the bus message is lost; answers the lease ("" when
+ * none) so that its holder can be told on the bus now. */
+static const char cancel_script[] =
+    "local cur = redis.call('GET', KEYS[6])\n"
+    "if not cur then return '' end\n"
+    "redis.call('SET', KEYS[8], '1', 'PX', ARGV[1])\n"
+    "return cur\n";
 
 /* A lease let go by its holder without a save. */
 static const char release_script[] =
@@ -586,7 +600,12 @@ static void on_lease_reply(redisAsyncContext *ac, void *reply_, void *priv)
     char *key = priv; /* the dialog's key, for a renewal; NULL for a release */
     redisReply *reply = reply_;
     redis_store *rs = ac->data;
-    if (key && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 0) {
+    if (key && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 2) {
+        /* another gateway asked, and its bus message did not come (or came first) */
+        rs->base.stats.remote_cancels++;
+        if (rs->base.on_cancel)
+            rs->base.on_cancel(rs->base.cancel_ctx, key);
+    } else if (key && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 0) {
         json_t *held = json_object_get(rs->leases, key);
         if (held && !json_object_get(held, "lost")) {
             json_object_set_new(held, "lost", json_true());
@@ -646,6 +665,44 @@ void cg_redis_renew_leases(redis_store *rs)
     }
 }
 
+static void on_cancel_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    char *key = priv;
+    redisReply *reply = reply_;
+    redis_store *rs = ac->data;
+    if (rs && reply && reply->type == REDIS_REPLY_STRING && reply->len > 0) {
+        char *holder = strndup(reply->str, strcspn(reply->str, " "));
+        if (!holder)
+            abort();
+        if (strcmp(holder, rs->holder) != 0)
+            cg_redis_bus_publish(rs->bus, holder, key);
+        free(holder);
+    }
+    free(key);
+}
+
+/* A cancel phrase or context.clear arrived here for a dialog whose turn may run on another
+ * gateway: the flag its renewal reads, and a message on the holder's bus channel now. */
+static void rs_cancel_remote(cg_store *st, const char *user, const char *room)
+{
+    redis_store *rs = (redis_store *)st;
+    if (rs->state != R_CONNECTED || !rs->ac)
+        return;
+    char *key = cg_store_dialog_key(user, room), *eu, *er;
+    if (key_split(key, &eu, &er) < 0) {
+        free(key);
+        return;
+    }
+    argv_buf a = {0};
+    arg_script(rs, &a, S_CANCEL, eu, er);
+    arg_fmt(&a, "%ld", rs->base.cfg.lease_ms);
+    if (send_script(rs, S_CANCEL, &a, on_cancel_reply, key) < 0)
+        free(key);
+    argv_free(&a);
+    free(eu);
+    free(er);
+}
+
 /* A turn that saves nothing lets go of its lease (context.get, a load whose caller left). */
 static void rs_release(cg_store *st, const char *user, const char *room)
 {
@@ -690,8 +747,8 @@ static const char save_script[] =
     "    end\n"
     "  end\n"
     "  local np = tonumber(ARGV[16])\n"
-    "  redis.call('SADD', KEYS[8], ARGV[18])\n"
-    "  redis.call('EXPIRE', KEYS[8], ARGV[19])\n"
+    "  redis.call('SADD', KEYS[9], ARGV[18])\n"
+    "  redis.call('EXPIRE', KEYS[9], ARGV[19])\n"
     "  redis.call('DEL', KEYS[1])\n"
     "  if np > 0 then\n"
     "    chunks('HSET', KEYS[1], 20, 19 + 2 * np, 200)\n"
@@ -714,12 +771,12 @@ static const char save_script[] =
     "  return 1\n"
     "end\n"
     "local code = save()\n"
-    "if ARGV[17] ~= '' then redis.call('DEL', KEYS[6]) end\n"
+    "if ARGV[17] ~= '' then redis.call('DEL', KEYS[6], KEYS[8]) end\n"
     "return code\n";
 
 static const char *script_text(script_id id)
 {
-    static const char *const texts[S_COUNT] = {load_script, save_script, renew_script, release_script};
+    static const char *const texts[S_COUNT] = {load_script, save_script, renew_script, release_script, cancel_script};
     return texts[id];
 }
 
@@ -1071,6 +1128,7 @@ const cg_store_ops cg_redis_ops = {
     .load = rs_load,
     .lease = rs_lease,
     .release = rs_release,
+    .cancel_remote = rs_cancel_remote,
     .save = rs_save,
     .remove = rs_remove,
     .remove_user = rs_remove_user,

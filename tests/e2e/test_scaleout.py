@@ -50,6 +50,8 @@ class CountingApp:
         self.server = None
         self.port = None
         self.slow = {}  # message id -> seconds to wait before answering
+        self.cancels = {}  # message id -> time.monotonic() of the gateway's cancel frame
+        self.tasks = {}
 
     async def __aenter__(self):
         self.server = await websockets.serve(self.handler, "127.0.0.1", 0)
@@ -68,7 +70,12 @@ class CountingApp:
             async for raw in ws:
                 frame = json.loads(raw)
                 if frame.get("type") == "message":
-                    asyncio.ensure_future(self.answer(ws, frame))
+                    self.tasks[frame.get("id")] = asyncio.ensure_future(self.answer(ws, frame))
+                elif frame.get("type") == "cancel":
+                    self.cancels[frame.get("id")] = time.monotonic()
+                    task = self.tasks.pop(frame.get("id"), None)
+                    if task:
+                        task.cancel()
         except websockets.ConnectionClosed:
             pass
 
@@ -83,7 +90,7 @@ class CountingApp:
             done = {"type": "done", "id": mid, "text": f"ok {mid}",
                     "state": {"service": "count", "params": {f"p_{mid}": 1}}}
             await ws.send(json.dumps(done))
-        except websockets.ConnectionClosed:
+        except (websockets.ConnectionClosed, asyncio.CancelledError):
             pass
         finally:
             self.inflight[key] -= 1
@@ -369,6 +376,76 @@ async def part_stopped_holder(rules):
         redis.cleanup(keep=True)
 
 
+# ---- cancel across gateways -------------------------------------------------------------
+
+async def wait_inflight(app, user, room):
+    deadline = time.monotonic() + 5
+    while app.inflight.get((user, room), 0) == 0:
+        check(time.monotonic() < deadline, f"the app never got the slow message of {user}/{room}")
+        await asyncio.sleep(0.01)
+
+
+async def cross_cancel(app, ga, gb, user, mid, how, within):
+    """A slow reply of `user` streams through gateway A; `how` ("phrase" or "clear") arrives on
+    gateway B: A's client gets cancelled, and the app A's cancel frame, within `within` s."""
+    app.slow[mid] = 30
+    ca = await connect_as(ga, user)
+    await ca.send_message("a slow one", mid, "trip")
+    await wait_inflight(app, user, "trip")
+    cb = await connect_as(gb, user)
+    sent = time.monotonic()
+    if how == "phrase":
+        await cb.send_message("stop", f"{mid}b", "trip")
+    else:
+        await cb.ws.send(json.dumps({"type": "context.clear", "room": "trip"}))
+    turn = await ca.collect_turn(mid, 10)
+    stopped = time.monotonic() - sent
+    check(turn.terminal.get("type") == "cancelled", f"A's reply should be cancelled: {harness.brief(turn.terminal)}")
+    deadline = time.monotonic() + 5
+    while mid not in app.cancels:
+        check(time.monotonic() < deadline, "the app never got A's cancel frame")
+        await asyncio.sleep(0.005)
+    closed = app.cancels[mid] - sent
+    check(stopped < within and closed < within,
+          f"{how} on B: A's cancelled after {stopped * 1000:.0f} ms, the app's cancel after {closed * 1000:.0f} ms "
+          f"(at most {within * 1000:.0f} ms)")
+    if how == "phrase":  # B's own message goes on once A's turn has saved and let go
+        (await cb.collect_turn(f"{mid}b", 10)).expect_done()
+    await ca.close()
+    await cb.close()
+    return stopped, closed
+
+
+async def part_cross_cancel(rules):
+    redis = await harness.RedisServer().astart()
+    try:
+        async with CountingApp() as app:
+            shipped = ["--rules", str(harness.REPO_ROOT / "rules"), "--auth", "header", "--user-header", "X-User-Id"]
+            cfg = config_for(app, redis.url)
+            async with harness.Gateway(shipped, cfg, name="gateway-a") as ga, \
+                    harness.Gateway(shipped, cfg, name="gateway-b") as gb:
+                with step("a cancel phrase on gateway B stops the reply streaming on gateway A within 100 ms "
+                          "(the bus), and the app is told"):
+                    s, c = await cross_cancel(app, ga, gb, "cc|user", "x1", "phrase", 0.1)
+                    print(f"   A's cancelled after {s * 1000:.1f} ms, the app's cancel frame after {c * 1000:.1f} ms")
+                with step("a context.clear on gateway B stops the reply streaming on gateway A within 100 ms"):
+                    s, c = await cross_cancel(app, ga, gb, "cc2|user", "x2", "clear", 0.1)
+                    print(f"   A's cancelled after {s * 1000:.1f} ms, the app's cancel frame after {c * 1000:.1f} ms")
+                    m = await metrics(ga)
+                    check(m.value("chatgate_store_remote_cancels_total") == 2,
+                          f"A's remote cancels: {m.value('chatgate_store_remote_cancels_total')}")
+            dead_bus = dict(cfg)
+            dead_bus["redis"] = dict(cfg["redis"], bus=f"redis://127.0.0.1:{harness.free_port()}", lease_ms=3000)
+            async with harness.Gateway(shipped, dead_bus, name="gateway-nobus") as ga, \
+                    harness.Gateway(shipped, cfg, name="gateway-b2") as gb:
+                with step("gateway A's bus is down: the cancel flag reaches it with its lease renewal "
+                          "(a third of redis.lease_ms, 1 s here)"):
+                    s, c = await cross_cancel(app, ga, gb, "cc3|user", "x3", "phrase", 2.5)
+                    print(f"   A's cancelled after {s * 1000:.0f} ms (renewal every 1,000 ms)")
+    finally:
+        redis.cleanup(keep=True)
+
+
 # ---- Redis Cluster's slot rules ----------------------------------------------------------
 
 async def cluster_turns(gw, user):
@@ -447,7 +524,7 @@ async def part_cluster(rules):
 
 async def main(args):
     rules = harness.empty_rules_dir()
-    parts = [part_commands, part_two_gateways, part_stopped_holder, part_cluster, part_kill_holder]
+    parts = [part_commands, part_two_gateways, part_stopped_holder, part_cluster, part_cross_cancel, part_kill_holder]
     only = os.environ.get("CG_E2E_PARTS")
     for n, part in enumerate(parts):
         if not only or str(n) in only.split(","):

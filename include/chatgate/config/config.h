@@ -81,6 +81,7 @@ typedef struct cg_config {
     long max_dialogs;
     long max_store_bytes; /* bytes of dialogs the memory store (and Redis's memory copy) holds */
     char *redis_prefix;
+    char *redis_bus; /* redis.bus: where gateways tell each other to cancel; NULL: the store's URL */
     long redis_command_timeout_ms;
     long redis_connect_timeout_ms;
     long redis_writeback_max_bytes;

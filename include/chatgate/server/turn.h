@@ -156,6 +156,10 @@ int cg_turns_cancel(cg_turns *q, const char *id);
 /* The client's own cancel frame (drop-in): the reply in flight, whatever its id. */
 void cg_turns_cancel_current(cg_turns *q);
 
+/* Stops the chat turn of the dialog (key: cg_store_dialog_key) that runs in this process,
+ * if any: another gateway asked (the store's on_cancel), or another connection did. */
+void cg_turns_cancel_dialog(cg_turn_env *env, const char *key);
+
 /* The client reads slowly (1) or caught up (0): the upstream call in flight pauses. */
 void cg_turns_pause(cg_turns *q, int paused);
 

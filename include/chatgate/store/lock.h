@@ -30,6 +30,8 @@ typedef struct cg_dialog_lock_waiter {
 /* Takes the lock of (user, room) for w: 1 when w holds it now, 0 when w waits in line
  * (w->granted comes later, never from inside this call). */
 int cg_dialog_lock_acquire(json_t *locks, cg_dialog_lock_waiter *w, const char *user, const char *room);
+/* The holder of the dialog's lock (key: cg_store_dialog_key), or NULL when it is free. */
+cg_dialog_lock_waiter *cg_dialog_lock_holder(json_t *locks, const char *key);
 /* Lets go: a holder passes the lock to the next in line (whose granted runs now), a waiter
  * leaves the line; nothing when w is neither. */
 void cg_dialog_lock_release(json_t *locks, cg_dialog_lock_waiter *w);

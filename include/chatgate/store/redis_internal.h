@@ -35,6 +35,7 @@ typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED, R_AS
 typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING } op_kind;
 
 typedef struct redis_store redis_store;
+typedef struct cg_redis_bus cg_redis_bus;
 
 struct cg_store_req {
     redis_store *rs;
@@ -87,6 +88,7 @@ struct redis_store {
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
     cg_store_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
+    cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
     long dirty_seq;
     cg_store_req *head, *tail;
     int handles; /* open uv handles + requests: freed when 0 after close */
@@ -157,5 +159,14 @@ int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elemen
 void cg_redis_renew_leases(redis_store *rs);
 /* Computes the scripts' SHA1s (once, at open). */
 void cg_redis_scripts_init(void);
+
+/* ---- redis_bus.c ----------------------------------------------------------------------- */
+
+/* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy);
+ * NULL when the URL is not one (logged). */
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, const char *url);
+/* Tells the gateway `holder` to stop its turn of the dialog `key`; nothing when the bus is down. */
+void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key);
+void cg_redis_bus_close(cg_redis_bus *b);
 
 #endif

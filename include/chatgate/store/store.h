@@ -51,6 +51,7 @@ typedef struct cg_store_stats {
     unsigned long save_conflicts;          /* saves refused: Redis held another or a newer copy */
     unsigned long lease_waits;             /* turns that found their dialog's lease held elsewhere */
     unsigned long lease_lost;              /* turns' saves refused: their lease had passed on */
+    unsigned long remote_cancels;          /* turns stopped at another gateway's request */
     /* Redis Sentinel (redis-sentinel://) */
     unsigned long primary_switches;  /* connections trusted to a primary other than the last one */
     unsigned long readonly_replies;  /* -READONLY answers: the node had become a replica */
@@ -68,6 +69,10 @@ typedef struct cg_store_ops {
      * while that still holds) or release(). Redis: a lease across every gateway sharing the
      * store, waited for in order when another holds it; memory: the load itself. */
     cg_store_req *(*lease)(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx);
+    /* Asks whoever holds the dialog's lease (another gateway) to stop its reply in flight:
+     * a cancel phrase or context.clear that arrived here; NULL when the store has no
+     * gateways to tell. */
+    void (*cancel_remote)(cg_store *st, const char *user, const char *room);
     /* A turn that saves nothing lets go of its lease; NULL when the store has none. */
     void (*release)(cg_store *st, const char *user, const char *room);
     /* Saves a copy of d; cb may be NULL. A save after lease() ends the lease. */
@@ -95,6 +100,8 @@ typedef struct cg_store_config {
     long connect_timeout_ms;
     long writeback_max_bytes; /* Redis: bound on dialogs held for the write-back; 0 = 64 MiB */
     long lease_ms;            /* Redis: a dialog lease's lifetime, renewed while its turn runs */
+    const char *bus_url;      /* Redis: where gateways tell each other to cancel (redis.bus);
+                               * NULL: the store's own URL when it is redis://, else none */
 } cg_store_config;
 
 struct cg_store {
@@ -104,6 +111,10 @@ struct cg_store {
     cg_store_stats stats;
     int64_t (*now)(void *clock_ctx); /* unix seconds; injectable for tests */
     void *clock_ctx;
+    /* Set by the server: another gateway asked to stop the reply in flight of the dialog
+     * whose key (cg_store_dialog_key) is given, which this process holds. */
+    void (*on_cancel)(void *cancel_ctx, const char *key);
+    void *cancel_ctx;
 };
 
 /* Creates the store cfg->url names; NULL with err on a bad URL. */

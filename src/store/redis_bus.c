@@ -1,0 +1,211 @@
+/*
+ * redis_bus.c: how gateways sharing a Redis store tell each other to stop a reply. A cancel
+ * phrase or a context.clear can arrive on gateway B while the dialog's turn streams on
+ * gateway A; the dialog's lease names A (its holder id), so B publishes the dialog's key on
+ * A's channel, "<prefix>:bus:<holder>", and A stops that turn at once.
+ *
+ * Pub/sub goes to a Redis directly (twemproxy has no SUBSCRIBE): `redis.bus`, by default the
+ * store's own redis:// URL. Two connections on the loop, as a subscribed connection can
+ * send nothing else: one SUBSCRIBEd to this gateway's channel, one that PUBLISHes. Each
+ * reconnects after a second when it is lost. A message lost meanwhile is not lost for good:
+ * B also sets the dialog's cancel flag, which A's lease renewal reads (redis_dialog.c).
+ */
+#define _GNU_SOURCE /* asprintf */
+#include <hiredis/adapters/libuv.h>
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/log.h"
+#include "chatgate/core/net.h"
+#include "chatgate/store/redis_internal.h"
+
+#define BUS_RETRY_MS 1000
+
+struct cg_redis_bus {
+    redis_store *rs;
+    char *host, *password;
+    int port;
+    char *channel;               /* this gateway's: "<prefix>:bus:<holder>" */
+    redisAsyncContext *sub, *pub;
+    cg_resolve *resolve;
+    uv_timer_t retry;
+    int closing;
+};
+
+static void bus_connect(cg_redis_bus *b);
+
+static void on_retry(uv_timer_t *t)
+{
+    bus_connect(t->data);
+}
+
+static void bus_lost(cg_redis_bus *b, redisAsyncContext **slot, const char *why)
+{
+    if (*slot)
+        cg_warn("redis bus %s:%d: %s; cancels from other gateways come with the lease renewal meanwhile", b->host,
+                b->port, why);
+    *slot = NULL;
+    if (!b->closing && !uv_is_active((uv_handle_t *)&b->retry))
+        uv_timer_start(&b->retry, on_retry, BUS_RETRY_MS, 0);
+}
+
+static void on_bus_disconnect(const redisAsyncContext *ac, int status)
+{
+    (void)status;
+    cg_redis_bus *b = ac->data;
+    if (!b)
+        return;
+    bus_lost(b, ac == b->sub ? &b->sub : &b->pub, "connection lost");
+}
+
+static void on_bus_connect(const redisAsyncContext *ac, int status)
+{
+    cg_redis_bus *b = ac->data;
+    if (status != REDIS_OK && b) /* hiredis frees the context after this */
+        bus_lost(b, ac == b->sub ? &b->sub : &b->pub, ac->errstr[0] ? ac->errstr : "connect failed");
+}
+
+/* A message on this gateway's channel: the key of a dialog whose turn must stop. */
+static void on_message(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    (void)priv;
+    cg_redis_bus *b = ac->data;
+    redisReply *r = reply_;
+    if (!b || !r || r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_STRING ||
+        strcmp(r->element[0]->str, "message") != 0 || r->element[2]->type != REDIS_REPLY_STRING)
+        return; /* the subscribe confirmation, or the connection going */
+    redis_store *rs = b->rs;
+    rs->base.stats.remote_cancels++;
+    if (rs->base.on_cancel)
+        rs->base.on_cancel(rs->base.cancel_ctx, r->element[2]->str);
+}
+
+static redisAsyncContext *bus_open(cg_redis_bus *b, const char *address)
+{
+    redisAsyncContext *ac = redisAsyncConnect(address, b->port);
+    if (!ac || ac->err) {
+        if (ac)
+            redisAsyncFree(ac);
+        return NULL;
+    }
+    ac->data = b;
+    redisLibuvAttach(ac, b->rs->base.loop);
+    redisAsyncSetConnectCallback(ac, on_bus_connect);
+    redisAsyncSetDisconnectCallback(ac, on_bus_disconnect);
+    if (b->password) {
+        const char *argv[] = {"AUTH", b->password};
+        size_t len[] = {4, strlen(b->password)};
+        redisAsyncCommandArgv(ac, NULL, NULL, 2, argv, len);
+    }
+    return ac;
+}
+
+static void on_resolved(void *data, const char *address, const char *err)
+{
+    cg_redis_bus *b = data;
+    b->resolve = NULL;
+    if (!address) {
+        bus_lost(b, &b->sub, err);
+        return;
+    }
+    if (!b->sub && (b->sub = bus_open(b, address))) {
+        const char *argv[] = {"SUBSCRIBE", b->channel};
+        size_t len[] = {9, strlen(b->channel)};
+        redisAsyncCommandArgv(b->sub, on_message, NULL, 2, argv, len);
+    }
+    if (!b->pub)
+        b->pub = bus_open(b, address);
+    if (!b->sub || !b->pub)
+        bus_lost(b, b->sub ? &b->pub : &b->sub, "could not connect");
+}
+
+static void bus_connect(cg_redis_bus *b)
+{
+    if (b->closing || b->resolve || (b->sub && b->pub))
+        return;
+    b->resolve = cg_resolve_start(b->rs->base.loop, b->host, on_resolved, b);
+    if (!b->resolve)
+        uv_timer_start(&b->retry, on_retry, BUS_RETRY_MS, 0);
+}
+
+/* "redis://[:password@]host[:port][/db]": the database does not matter to pub/sub. */
+static int parse_bus_url(cg_redis_bus *b, const char *url)
+{
+    if (strncmp(url, "redis://", 8) != 0)
+        return -1;
+    const char *p = url + 8, *at = strchr(p, '@');
+    if (at) {
+        const char *colon = memchr(p, ':', (size_t)(at - p));
+        if (colon && colon + 1 < at && !(b->password = strndup(colon + 1, (size_t)(at - colon - 1))))
+            abort();
+        p = at + 1;
+    }
+    size_t n = strcspn(p, ":/");
+    if (n == 0 || !(b->host = strndup(p, n)))
+        return -1;
+    b->port = p[n] == ':' ? atoi(p + n + 1) : 6379;
+    return b->port > 0 && b->port < 65536 ? 0 : -1;
+}
+
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, const char *url)
+{
+    cg_redis_bus *b = calloc(1, sizeof(*b));
+    if (!b)
+        abort();
+    b->rs = rs;
+    if (parse_bus_url(b, url) < 0 || asprintf(&b->channel, "%s:bus:%s", rs->base.cfg.prefix, rs->holder) < 0) {
+        cg_warn("redis bus: '%s' is not redis://HOST:PORT: cancels from other gateways come with the lease "
+                "renewal only", url);
+        free(b->host);
+        free(b->password);
+        free(b);
+        return NULL;
+    }
+    uv_timer_init(rs->base.loop, &b->retry);
+    b->retry.data = b;
+    bus_connect(b);
+    return b;
+}
+
+void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key)
+{
+    char *channel = NULL;
+    if (!b || !b->pub || asprintf(&channel, "%s:bus:%s", b->rs->base.cfg.prefix, holder) < 0) {
+        free(channel);
+        return; /* the cancel flag still reaches the holder's renewal */
+    }
+    const char *argv[] = {"PUBLISH", channel, key};
+    size_t len[] = {7, strlen(channel), strlen(key)};
+    redisAsyncCommandArgv(b->pub, NULL, NULL, 3, argv, len);
+    free(channel);
+}
+
+static void on_retry_closed(uv_handle_t *h)
+{
+    cg_redis_bus *b = h->data;
+    free(b->host);
+    free(b->password);
+    free(b->channel);
+    free(b);
+}
+
+void cg_redis_bus_close(cg_redis_bus *b)
+{
+    if (!b)
+        return;
+    b->closing = 1;
+    if (b->resolve)
+        cg_resolve_abandon(b->resolve);
+    redisAsyncContext *contexts[] = {b->sub, b->pub};
+    b->sub = b->pub = NULL;
+    for (int i = 0; i < 2; i++)
+        if (contexts[i]) {
+            contexts[i]->data = NULL; /* its callbacks, called from the free, find no bus */
+            redisAsyncFree(contexts[i]);
+        }
+    uv_close((uv_handle_t *)&b->retry, on_retry_closed);
+}
