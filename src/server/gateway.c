@@ -32,7 +32,9 @@
 #include "chatgate/server/handshake.h"
 #include "chatgate/server/ops.h"
 #include "chatgate/core/log.h"
+#include "chatgate/server/master.h"
 #include "chatgate/server/session.h"
+#include "chatgate/server/worker.h"
 
 /*
  * protocols[0]: lws asks it about every request of the main listener before routing it
@@ -173,6 +175,7 @@ static void gateway_stop(cg_gateway *gw)
     uv_signal_stop(&gw->sig_term);
     uv_signal_stop(&gw->sig_int);
     uv_signal_stop(&gw->sig_hup);
+    cg_worker_stop(&gw->srv); /* --workers: its own listeners and publishing */
     /* With a foreign loop, destroying the context closes its handles; the loop then runs
      * until they are gone (docs/architecture.md, "Threading"). */
     lws_context_destroy(gw->lws);
@@ -260,16 +263,19 @@ static int start_admin_listener(cg_gateway *gw, const cg_config *cfg, const stru
     };
     admin_protocols[0].per_session_data_size = cg_admin_session_size();
     struct lws_context_creation_info info = *main;
-    info.port = cfg->admin_port;
+    info.port = cg_worker_self() ? CONTEXT_PORT_NO_LISTEN_SERVER : cfg->admin_port;
     info.iface = cfg->admin_host;
     info.protocols = admin_protocols;
     info.mounts = &gw->mount_admin;
     info.vhost_name = "chatgate-admin";
     info.foreign_loops = NULL;
-    if (!lws_create_vhost(gw->lws, &info)) {
+    struct lws_vhost *vh = lws_create_vhost(gw->lws, &info);
+    if (!vh) {
         cg_error("could not start the admin listener on %s", cfg->admin_listen);
         return -1;
     }
+    if (cg_worker_self() && cg_worker_listen(gw->loop, vh, cfg->admin_host, cfg->admin_port, "admin listener") < 0)
+        return -1;
     cg_info("admin API on http://%s/admin/%s", cfg->admin_listen,
             getenv("CHATGATE_ADMIN_TOKEN") ? "" : " (off: CHATGATE_ADMIN_TOKEN is not set)");
     return 0;
@@ -351,8 +357,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     info.options = LWS_SERVER_OPTION_LIBUV | LWS_SERVER_OPTION_DO_SSL_GLOBAL_INIT |
                    LWS_SERVER_OPTION_HTTP_HEADERS_SECURITY_BEST_PRACTICES_ENFORCE;
     info.foreign_loops = foreign_loops;
-    info.port = cfg->listen_port;
-    info.iface = cfg->listen_host;
+    /* --workers: the worker listens itself (worker.h: lws 4.1 cannot share the port) */
+    info.port = cg_worker_self() ? CONTEXT_PORT_NO_LISTEN_SERVER : cfg->listen_port;
+    info.iface = cg_worker_self() ? NULL : cfg->listen_host;
     info.protocols = gw->protocols;
     info.mounts = &gw->mount;
     info.user = &gw->srv; /* cg_server_of() */
@@ -390,6 +397,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
         return -1;
     }
+    if (cg_worker_self() && cg_worker_listen(loop, gw->vhost, cfg->listen_host, cfg->listen_port, "listener") < 0)
+        return -1;
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
     if (open_store(gw, cfg, err, errlen) < 0)
         return CG_GATEWAY_BAD_CONFIG;
@@ -408,7 +417,10 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->sig_hup.data = gw;
     uv_signal_start(&gw->sig_hup, on_reload, SIGHUP);
     signal(SIGPIPE, SIG_IGN);
+    cg_worker_publish_start(&gw->srv);
 
+    if (cg_worker_self())
+        cg_info("worker %d (pid %d) of %ld", cg_worker_index(), (int)uv_os_getpid(), cfg->workers);
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
             cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
     cg_info("rules: %zu from %s", cg_ruleset_count(gw->srv.turn.rules), cfg->rules_dir);
