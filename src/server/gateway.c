@@ -225,6 +225,12 @@ static void load_secrets(cg_gateway *gw, const cg_config *cfg)
     if (resume && *resume) {
         gw->srv.resume_secret_len = strlen(resume);
         gw->srv.resume_secret = (unsigned char *)strdup(resume);
+    } else if (cg_workers_shared()) {
+        /* --workers: the master's random one, the same in every worker */
+        gw->srv.resume_secret_len = sizeof(cg_workers_shared()->resume_secret);
+        gw->srv.resume_secret = malloc(gw->srv.resume_secret_len);
+        if (gw->srv.resume_secret)
+            memcpy(gw->srv.resume_secret, cg_workers_shared()->resume_secret, gw->srv.resume_secret_len);
     } else {
         gw->srv.resume_secret_len = 32;
         gw->srv.resume_secret = malloc(32);

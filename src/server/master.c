@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -111,6 +112,7 @@ void cg_worker_ready(void)
 {
     if (ready_fd < 0)
         return;
+    shared->slots[self_index].listening = 1;
     unsigned char b = (unsigned char)self_index;
     ssize_t w;
     do
@@ -203,6 +205,11 @@ int cg_master_run(const cg_config *cfg, int *exit_status)
     }
     shared = area; /* zeroed by mmap */
     shared->n = n;
+    if (getrandom(shared->resume_secret, sizeof(shared->resume_secret), 0) != (ssize_t)sizeof(shared->resume_secret)) {
+        cg_error("workers: no random bytes for the resume secret: %s", strerror(errno));
+        unmap_shared();
+        return 0;
+    }
     memset(workers, 0, sizeof(workers));
 
     int ready[2];

@@ -32,14 +32,14 @@ static size_t worker_lines(const cg_workers *w, char *buf, size_t len)
     n = snprintf(buf + used, len - used,
                  "# HELP chatgate_workers Worker processes (--workers).\n# TYPE chatgate_workers gauge\n"
                  "chatgate_workers %d\n"
-                 "# HELP chatgate_worker_up 1 while the worker runs, 0 while the master starts it again.\n"
+                 "# HELP chatgate_worker_up 1 while the worker listens, 0 while the master starts it (again).\n"
                  "# TYPE chatgate_worker_up gauge\n",
                  w->n);
     if (n < 0 || (size_t)n >= len - used)
         return used;
     used += (size_t)n;
     for (int i = 0; i < w->n; i++) {
-        n = snprintf(buf + used, len - used, "chatgate_worker_up{worker=\"%d\"} %d\n", i, w->slots[i].pid > 0);
+        n = snprintf(buf + used, len - used, "chatgate_worker_up{worker=\"%d\"} %d\n", i, w->slots[i].listening);
         if (n < 0 || (size_t)n >= len - used)
             return used;
         used += (size_t)n;
@@ -244,8 +244,8 @@ int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
             /* the group: degraded when any worker's store is; how many workers run */
             int up = 0;
             for (int i = 0; i < w->n; i++) {
-                up += w->slots[i].pid > 0;
-                degraded |= w->slots[i].pid > 0 && w->slots[i].store.degraded;
+                up += w->slots[i].listening;
+                degraded |= w->slots[i].listening && w->slots[i].store.degraded;
             }
             int n = snprintf(text, cap, "{\"status\":\"%s\",%s\"workers\":%d,\"workers_up\":%d}\n",
                              degraded ? "degraded" : "ok",

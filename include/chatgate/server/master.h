@@ -36,6 +36,7 @@ typedef struct cg_worker_slot {
     cg_store_stats store;  /* degraded_seconds includes the outage going on */
     long connections;      /* WebSocket clients connected to this worker now */
     int stopping;          /* it has begun its drain */
+    int listening;         /* it has started and listens (cg_worker_ready) */
     pid_t pid;             /* set by the master: the worker's pid, 0 while it is down */
 } cg_worker_slot;
 
@@ -44,6 +45,9 @@ typedef struct cg_workers {
     unsigned long restarts;         /* workers started again after one died (the master's) */
     cg_metrics retired;             /* the counters of workers that have died */
     cg_store_stats retired_store;   /* their store's counters (not its gauges) */
+    /* the resume secret when CHATGATE_RESUME_SECRET is unset: random, but one for all the
+     * workers, so a resume token works whichever worker the client reconnects to */
+    unsigned char resume_secret[32];
     cg_worker_slot slots[];         /* n of them */
 } cg_workers;
 
