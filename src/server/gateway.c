@@ -21,6 +21,7 @@
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
 #include <signal.h>
+#include <unistd.h> /* getppid */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,6 +122,16 @@ static int gateway_reload_rules(cg_server *srv, char *err, size_t errlen)
     gw->srv.metrics.reloads++;
     cg_info("rules: reloaded %zu rules from %s", cg_ruleset_count(rs), gw->srv.cfg->rules_dir);
     return 0;
+}
+
+/* POST /admin/reload: this worker's reload, then (--workers) SIGHUP to the master, which
+ * passes it on to every other worker (master.c: not back to the one that sent it). */
+static int gateway_reload_rules_admin(cg_server *srv, char *err, size_t errlen)
+{
+    int rc = gateway_reload_rules(srv, err, errlen);
+    if (rc == 0 && cg_worker_self())
+        kill(getppid(), SIGHUP);
+    return rc;
 }
 
 /* SIGHUP: load the rules again; a broken set is refused and the running one stays. */
@@ -313,7 +324,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     memset(gw, 0, sizeof(*gw));
     gw->srv.cfg = cfg;
     gw->loop = loop;
-    gw->srv.reload_rules = gateway_reload_rules;
+    gw->srv.reload_rules = gateway_reload_rules_admin;
     /* what every turn gets: the members below, as they are filled */
     gw->srv.turn = (cg_turn_env){.cfg = cfg, .loop = loop, .upstreams = gw->srv.upstreams, .metrics = &gw->srv.metrics};
     load_secrets(gw, cfg);

@@ -15,6 +15,9 @@
  * a worker that exits before it listens (port in use, a bad store URL, the rules) stops the
  * master with the worker's status, as one process would have.
  *
+ * SIGHUP from outside goes to every worker; one sent by a worker (it reloaded its rules for
+ * POST /admin/reload) goes to the others only.
+ *
  * Shutdown: SIGTERM or SIGINT goes to every worker, which drains (gateway.c); a second one
  * is passed on too (the workers then stop at once). The master waits for them, and kills
  * the ones still running shutdown_timeout_s + CG_KILL_GRACE_MS after the first signal.
@@ -151,11 +154,17 @@ static int spawn(int i, int sfd, int ready_r, int ready_w, pid_t master)
     return 0;
 }
 
-static void signal_all(int signum)
+/* signum to every worker, but `except` (a pid, or 0) */
+static void signal_others(int signum, pid_t except)
 {
     for (int i = 0; i < shared->n; i++)
-        if (workers[i].pid > 0)
+        if (workers[i].pid > 0 && workers[i].pid != except)
             kill(workers[i].pid, signum);
+}
+
+static void signal_all(int signum)
+{
+    signal_others(signum, 0);
 }
 
 static int live_count(void)
@@ -295,8 +304,16 @@ int cg_master_run(const cg_config *cfg, int *exit_status)
         while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
             int signo = (int)si.ssi_signo;
             if (signo == SIGHUP) {
-                cg_info("workers: SIGHUP: passed on to the workers (rules reload)");
-                signal_all(SIGHUP);
+                /* from a worker: its POST /admin/reload, done there already */
+                pid_t from = 0;
+                for (int i = 0; i < n; i++)
+                    if (workers[i].pid > 0 && (pid_t)si.ssi_pid == workers[i].pid)
+                        from = workers[i].pid;
+                if (from)
+                    cg_info("workers: worker pid %d reloaded its rules: passed on to the others", (int)from);
+                else
+                    cg_info("workers: SIGHUP: passed on to the workers (rules reload)");
+                signal_others(SIGHUP, from);
             } else if (signo == SIGTERM || signo == SIGINT) {
                 cg_info("workers: signal %d: passed on to %d workers%s", signo, live_count(),
                         stopping ? " (again: they stop now)" : ", which drain");

@@ -9,7 +9,7 @@ With --workers 2 --store redis://...:
 2. /metrics sums both: chatgate_messages_total and turns done equal the messages sent, on
    several requests (new connections, so either worker answers);
 3. SIGHUP to the master reloads the rules in both (chatgate_rules_reloads_total{result="ok"}
-   summed = 2);
+   summed = 2); POST /admin/reload on either reloads both (2 more, not 3);
 4. kill -9 of one worker (found as a child of the master in /proc): the master starts a new
    one (a new pid, chatgate_worker_restarts_total 1, both workers up), the counters of the
    group do not go back, and the port still serves;
@@ -29,6 +29,7 @@ import harness
 from harness import Client, brief, check, fail, independent, step
 
 N_CLIENTS = 40
+TOKEN = "workers-admin-token"
 
 
 def children_of(pid):
@@ -101,7 +102,7 @@ async def part_group(redis):
     config = harness.make_config({"demo": harness.demo_upstream(30)}, "demo", store=redis.url,
                                  rate_limit={"messages_per_second": 1000, "burst": 1000})
     gw = await harness.Gateway(["--workers", "2", "--shutdown-timeout-s", "10"], config,
-                               name="gateway-workers").astart()
+                               env={"CHATGATE_ADMIN_TOKEN": TOKEN}, name="gateway-workers").astart()
     clients = []
     try:
         with step("two workers start under the master"):
@@ -162,6 +163,16 @@ async def part_group(redis):
             check(m.value("chatgate_rules_reloads_total", result="ok") == before + 2,
                   "one SIGHUP should be one reload per worker, no more")
             check(children_of(gw.pid) == workers, "SIGHUP should not restart a worker")
+
+        with step("POST /admin/reload reloads the worker that takes it and, through the master, the other"):
+            status, _, body = await asyncio.to_thread(harness.http_request, gw.http_url + "/admin/reload", "POST",
+                                                      {"Authorization": f"Bearer {TOKEN}"})
+            check(status == 200, f"POST /admin/reload: {status} {body!r}")
+            await metrics_until(gw, lambda m: m.value("chatgate_rules_reloads_total", result="ok") == before + 4,
+                                f"chatgate_rules_reloads_total{{result=ok}} should be {before + 4}")
+            await asyncio.sleep(0.5)
+            check((await metrics(gw)).value("chatgate_rules_reloads_total", result="ok") == before + 4,
+                  "one POST /admin/reload should be one reload per worker, no more")
 
         with step("kill -9 of a worker: the master starts a new one; the port still serves"):
             victim = min(workers)
