@@ -1,7 +1,8 @@
 /*
  * main.c: reads the configuration, starts the gateway on a libuv loop and runs it.
  * Exit status: 0 after a clean stop, 1 when the server cannot start, 2 for a mistake in
- * the flags or the configuration file.
+ * the flags or the configuration file. With --workers N the process first becomes the master
+ * of N workers (server/master.c), each of which runs the gateway below.
  */
 #include <uv.h>
 
@@ -12,6 +13,7 @@
 
 #include "chatgate/config/config.h"
 #include "chatgate/server/gateway.h"
+#include "chatgate/server/master.h"
 #include "chatgate/core/log.h"
 #include "chatgate/dialog/pipeline.h"
 #include "chatgate/dialog/rules.h"
@@ -148,6 +150,12 @@ int main(int argc, char **argv)
     setenv("TZ", cfg.timezone, 1);
     tzset();
     cg_log_route_lws();
+    /* --workers N: this process becomes the master (it returns here only when every worker
+     * has stopped); each worker goes on below as a gateway of its own */
+    if (cfg.workers > 1 && cg_master_run(&cfg, &rc) == 0) {
+        cg_config_free(&cfg);
+        return rc;
+    }
 
     uv_loop_t loop;
     uv_loop_init(&loop);
@@ -162,6 +170,7 @@ int main(int argc, char **argv)
         uv_loop_close(&loop); /* frees what uv_loop_init took, when no handle was opened yet */
         return rc == CG_GATEWAY_BAD_CONFIG ? 2 : 1;
     }
+    cg_worker_ready(); /* --workers: tells the master; nothing without */
     rc = cg_gateway_run(&gw);
     /* Run until the handles the gateway and lws closed are gone, then close the loop. */
     uv_run(&loop, UV_RUN_DEFAULT);

@@ -82,6 +82,8 @@ static const setting settings[] = {
     {"idle_timeout_s", T_INT, OFF(idle_timeout_s), 2, 65535, NULL, 0, NULL},
     {"shutdown_timeout_s", T_INT, OFF(shutdown_timeout_s), 0, 3600, NULL, 1,
      "SECONDS replies in flight may take to finish after SIGTERM (default 10)"},
+    {"workers", T_INT, OFF(workers), 1, CG_MAX_WORKERS, NULL, 1,
+     "N worker processes on the one port under a master that restarts them (default 1; more need --store redis://)"},
     {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0, NULL},
     {"redis.bus", T_STR, OFF(redis_bus), 0, 0, NULL, 0, NULL},
     {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0, NULL},
@@ -879,6 +881,13 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
                 getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
         return -1;
     }
+    if (cfg->workers > 1 && strcmp(cfg->store, "memory") == 0) {
+        /* each worker would keep its own dialogs: a user's next message, on another
+         * worker, would find none (and the dialog lock would not hold across them) */
+        origin_of("workers", "workers", flag_given(argc, argv, "workers"), file, where, sizeof(where));
+        set_err(err, errlen, "%s: %ld workers need a shared store: --store redis://...", where, cfg->workers);
+        return -1;
+    }
     if (strcmp(cfg->timezone, "UTC") != 0) {
         char zone[PATH_MAX];
         snprintf(zone, sizeof(zone), "/usr/share/zoneinfo/%s", cfg->timezone);
@@ -953,6 +962,7 @@ static void set_defaults(cg_config *cfg)
     cfg->ping_interval_s = 30;
     cfg->idle_timeout_s = 300;
     cfg->shutdown_timeout_s = 10;
+    cfg->workers = 1;
 }
 
 int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen)

@@ -2,6 +2,7 @@
  * metrics.c: latency histograms (see metrics.h). The bucket bounds span a millisecond
  * (a rule evaluation) to a minute (a long LLM reply).
  */
+#include <stddef.h>
 #include <stdio.h>
 
 #include "chatgate/core/metrics.h"
@@ -40,4 +41,28 @@ size_t cg_histogram_format(const cg_histogram *h, const char *name, const char *
     if (n < 0 || (size_t)n >= len - used)
         return 0;
     return used + (size_t)n;
+}
+
+/* The layout cg_metrics_add relies on (metrics.h): counters first, the histograms last. */
+_Static_assert(offsetof(cg_metrics, store_load) % sizeof(unsigned long) == 0, "counters are whole words");
+_Static_assert(offsetof(cg_metrics, turn) + sizeof(cg_histogram) == sizeof(cg_metrics), "histograms last");
+
+static void histogram_add(cg_histogram *dst, const cg_histogram *src)
+{
+    for (int i = 0; i <= CG_HISTOGRAM_BUCKETS; i++)
+        dst->counts[i] += src->counts[i];
+    dst->sum_s += src->sum_s;
+    dst->count += src->count;
+}
+
+void cg_metrics_add(cg_metrics *dst, const cg_metrics *src)
+{
+    unsigned long *d = (unsigned long *)dst;
+    const unsigned long *s = (const unsigned long *)src;
+    for (size_t i = 0; i < offsetof(cg_metrics, store_load) / sizeof(unsigned long); i++)
+        d[i] += s[i];
+    histogram_add(&dst->store_load, &src->store_load);
+    histogram_add(&dst->rules, &src->rules);
+    histogram_add(&dst->first_token, &src->first_token);
+    histogram_add(&dst->turn, &src->turn);
 }

@@ -21,6 +21,7 @@
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
 #include <signal.h>
+#include <unistd.h> /* getppid */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,7 +33,9 @@
 #include "chatgate/server/handshake.h"
 #include "chatgate/server/ops.h"
 #include "chatgate/core/log.h"
+#include "chatgate/server/master.h"
 #include "chatgate/server/session.h"
+#include "chatgate/server/worker.h"
 
 /*
  * protocols[0]: lws asks it about every request of the main listener before routing it
@@ -121,6 +124,16 @@ static int gateway_reload_rules(cg_server *srv, char *err, size_t errlen)
     return 0;
 }
 
+/* POST /admin/reload: this worker's reload, then (--workers) SIGHUP to the master, which
+ * passes it on to every other worker (master.c: not back to the one that sent it). */
+static int gateway_reload_rules_admin(cg_server *srv, char *err, size_t errlen)
+{
+    int rc = gateway_reload_rules(srv, err, errlen);
+    if (rc == 0 && cg_worker_self())
+        kill(getppid(), SIGHUP);
+    return rc;
+}
+
 /* SIGHUP: load the rules again; a broken set is refused and the running one stays. */
 static void on_reload(uv_signal_t *sig, int signum)
 {
@@ -173,6 +186,7 @@ static void gateway_stop(cg_gateway *gw)
     uv_signal_stop(&gw->sig_term);
     uv_signal_stop(&gw->sig_int);
     uv_signal_stop(&gw->sig_hup);
+    cg_worker_stop(&gw->srv); /* --workers: its own listeners and publishing */
     /* With a foreign loop, destroying the context closes its handles; the loop then runs
      * until they are gone (docs/architecture.md, "Threading"). */
     lws_context_destroy(gw->lws);
@@ -222,6 +236,12 @@ static void load_secrets(cg_gateway *gw, const cg_config *cfg)
     if (resume && *resume) {
         gw->srv.resume_secret_len = strlen(resume);
         gw->srv.resume_secret = (unsigned char *)strdup(resume);
+    } else if (cg_workers_shared()) {
+        /* --workers: the master's random one, the same in every worker */
+        gw->srv.resume_secret_len = sizeof(cg_workers_shared()->resume_secret);
+        gw->srv.resume_secret = malloc(gw->srv.resume_secret_len);
+        if (gw->srv.resume_secret)
+            memcpy(gw->srv.resume_secret, cg_workers_shared()->resume_secret, gw->srv.resume_secret_len);
     } else {
         gw->srv.resume_secret_len = 32;
         gw->srv.resume_secret = malloc(32);
@@ -260,16 +280,19 @@ static int start_admin_listener(cg_gateway *gw, const cg_config *cfg, const stru
     };
     admin_protocols[0].per_session_data_size = cg_admin_session_size();
     struct lws_context_creation_info info = *main;
-    info.port = cfg->admin_port;
+    info.port = cg_worker_self() ? CONTEXT_PORT_NO_LISTEN_SERVER : cfg->admin_port;
     info.iface = cfg->admin_host;
     info.protocols = admin_protocols;
     info.mounts = &gw->mount_admin;
     info.vhost_name = "chatgate-admin";
     info.foreign_loops = NULL;
-    if (!lws_create_vhost(gw->lws, &info)) {
+    struct lws_vhost *vh = lws_create_vhost(gw->lws, &info);
+    if (!vh) {
         cg_error("could not start the admin listener on %s", cfg->admin_listen);
         return -1;
     }
+    if (cg_worker_self() && cg_worker_listen(gw->loop, vh, cfg->admin_host, cfg->admin_port, "admin listener") < 0)
+        return -1;
     cg_info("admin API on http://%s/admin/%s", cfg->admin_listen,
             getenv("CHATGATE_ADMIN_TOKEN") ? "" : " (off: CHATGATE_ADMIN_TOKEN is not set)");
     return 0;
@@ -309,7 +332,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     memset(gw, 0, sizeof(*gw));
     gw->srv.cfg = cfg;
     gw->loop = loop;
-    gw->srv.reload_rules = gateway_reload_rules;
+    gw->srv.reload_rules = gateway_reload_rules_admin;
     /* what every turn gets: the members below, as they are filled */
     gw->srv.turn = (cg_turn_env){.cfg = cfg, .loop = loop, .upstreams = gw->srv.upstreams, .metrics = &gw->srv.metrics};
     load_secrets(gw, cfg);
@@ -359,8 +382,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     info.options = LWS_SERVER_OPTION_LIBUV | LWS_SERVER_OPTION_DO_SSL_GLOBAL_INIT |
                    LWS_SERVER_OPTION_HTTP_HEADERS_SECURITY_BEST_PRACTICES_ENFORCE;
     info.foreign_loops = foreign_loops;
-    info.port = cfg->listen_port;
-    info.iface = cfg->listen_host;
+    /* --workers: the worker listens itself (worker.h: lws 4.1 cannot share the port) */
+    info.port = cg_worker_self() ? CONTEXT_PORT_NO_LISTEN_SERVER : cfg->listen_port;
+    info.iface = cg_worker_self() ? NULL : cfg->listen_host;
     info.protocols = gw->protocols;
     info.mounts = &gw->mount;
     info.user = &gw->srv; /* cg_server_of() */
@@ -398,6 +422,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
         return -1;
     }
+    if (cg_worker_self() && cg_worker_listen(loop, gw->vhost, cfg->listen_host, cfg->listen_port, "listener") < 0)
+        return -1;
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
     if (open_store(gw, cfg, err, errlen) < 0)
         return CG_GATEWAY_BAD_CONFIG;
@@ -418,7 +444,10 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->sig_hup.data = gw;
     uv_signal_start(&gw->sig_hup, on_reload, SIGHUP);
     signal(SIGPIPE, SIG_IGN);
+    cg_worker_publish_start(&gw->srv);
 
+    if (cg_worker_self())
+        cg_info("worker %d (pid %d) of %ld", cg_worker_index(), (int)uv_os_getpid(), cfg->workers);
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
             cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
     cg_info("rules: %zu from %s", cg_ruleset_count(gw->srv.turn.rules), cfg->rules_dir);

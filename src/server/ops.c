@@ -1,15 +1,57 @@
 /*
  * ops.c: GET /healthz and GET /metrics (see ops.h), served by lws callback mounts on the
  * same listener as the demo page. Each answer is small and written at once.
+ *
+ * With --workers N (master.h) whichever worker takes the request answers for them all: it
+ * sums every worker's slot of the shared memory (and what workers that died had counted),
+ * adds per-worker figures with a `worker` label where one worker's number matters
+ * (connections, up), and says "degraded" when any worker's store is.
  */
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "chatgate/core/error.h"
+#include "chatgate/server/master.h"
 #include "chatgate/server/server.h"
 #include "chatgate/server/ops.h"
+#include "chatgate/server/worker.h"
 #include "chatgate/dialog/pipeline.h"
+
+/* --workers: the lines of one worker each (after chatgate_connections' total, in its family). */
+static size_t worker_lines(const cg_workers *w, char *buf, size_t len)
+{
+    size_t used = 0;
+    int n;
+    for (int i = 0; i < w->n; i++) {
+        n = snprintf(buf + used, len - used, "chatgate_connections{worker=\"%d\"} %ld\n", i, w->slots[i].connections);
+        if (n < 0 || (size_t)n >= len - used)
+            return used;
+        used += (size_t)n;
+    }
+    n = snprintf(buf + used, len - used,
+                 "# HELP chatgate_workers Worker processes (--workers).\n# TYPE chatgate_workers gauge\n"
+                 "chatgate_workers %d\n"
+                 "# HELP chatgate_worker_up 1 while the worker listens, 0 while the master starts it (again).\n"
+                 "# TYPE chatgate_worker_up gauge\n",
+                 w->n);
+    if (n < 0 || (size_t)n >= len - used)
+        return used;
+    used += (size_t)n;
+    for (int i = 0; i < w->n; i++) {
+        n = snprintf(buf + used, len - used, "chatgate_worker_up{worker=\"%d\"} %d\n", i, w->slots[i].listening);
+        if (n < 0 || (size_t)n >= len - used)
+            return used;
+        used += (size_t)n;
+    }
+    n = snprintf(buf + used, len - used,
+                 "# HELP chatgate_worker_restarts_total Workers the master started again after one died.\n"
+                 "# TYPE chatgate_worker_restarts_total counter\nchatgate_worker_restarts_total %lu\n",
+                 w->restarts);
+    if (n < 0 || (size_t)n >= len - used)
+        return used;
+    return used + (size_t)n;
+}
 
 static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
 {
@@ -18,10 +60,37 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
     double degraded = st->degraded_seconds;
     if (st->degraded)
         degraded += (double)(uv_now(srv->net.loop) - st->degraded_since_ms) / 1000.0;
-    int n = snprintf(
+    long connections = srv->n_sessions;
+    const cg_workers *w = cg_workers_shared();
+    static cg_metrics sum; /* --workers: the group's figures (static: large, one thread) */
+    static cg_store_stats sum_st;
+    if (w) {
+        cg_worker_publish(srv); /* this worker's own figures, fresh */
+        sum = w->retired;
+        sum_st = w->retired_store;
+        connections = 0;
+        for (int i = 0; i < w->n; i++) {
+            cg_metrics_add(&sum, &w->slots[i].metrics);
+            cg_store_stats_add(&sum_st, &w->slots[i].store, 1);
+            connections += w->slots[i].connections;
+        }
+        m = &sum;
+        st = &sum_st;
+        degraded = st->degraded_seconds; /* each worker's includes its outage going on */
+    }
+    int n = snprintf(buf, len,
+                     "# HELP chatgate_connections WebSocket clients connected now%s.\n"
+                     "# TYPE chatgate_connections gauge\nchatgate_connections %ld\n",
+                     w ? " (all workers; each worker's with its worker label)" : "", connections);
+    if (n < 0 || (size_t)n >= len)
+        return 0;
+    size_t pre = (size_t)n;
+    if (w)
+        pre += worker_lines(w, buf + pre, len - pre);
+    buf += pre;
+    len -= pre;
+    n = snprintf(
         buf, len,
-        "# HELP chatgate_connections WebSocket clients connected now.\n"
-        "# TYPE chatgate_connections gauge\nchatgate_connections %ld\n"
         "# TYPE chatgate_messages_total counter\nchatgate_messages_total %lu\n"
         "# TYPE chatgate_turns_total counter\n"
         "chatgate_turns_total{end=\"done\"} %lu\nchatgate_turns_total{end=\"error\"} %lu\n"
@@ -48,12 +117,12 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
         "chatgate_store_evictions_total{reason=\"bytes\"} %lu\n"
         "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
         "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
-        srv->n_sessions, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
+        m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
         m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
         m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers, st->reconnects,
         st->flushed, st->evictions, st->evictions_bytes, st->memory_bytes);
     if (n < 0 || (size_t)n >= len)
-        return n < 0 ? 0 : len - 1;
+        return pre + (n < 0 ? 0 : len - 1);
     size_t used = (size_t)n;
     n = snprintf(buf + used, len - used,
                  "# HELP chatgate_store_writeback_pending Dialogs (and bytes) held in memory for Redis's write-back.\n"
@@ -85,7 +154,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
                  st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
                  st->replica_refused, st->lease_waits, st->lease_lost, st->remote_cancels);
     if (n < 0 || (size_t)n >= len - used)
-        return used;
+        return pre + used;
     used += (size_t)n;
     n = snprintf(buf + used, len - used,
                  "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
@@ -103,13 +172,13 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
                  m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
                  m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures);
     if (n < 0 || (size_t)n >= len - used)
-        return used;
+        return pre + used;
     used += (size_t)n;
     for (int i = 0; i < srv->turn.n_upstreams && used < len; i++) {
         n = snprintf(buf + used, len - used, "chatgate_routed_total{upstream=\"%s\"} %lu\n",
                      srv->upstreams[i].cfg->name, m->routed[i]);
         if (n < 0 || (size_t)n >= len - used)
-            return used;
+            return pre + used;
         used += (size_t)n;
     }
     n = snprintf(buf + used, len - used, "# TYPE chatgate_upstream_errors_total counter\n");
@@ -118,7 +187,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
         n = snprintf(buf + used, len - used, "chatgate_upstream_errors_total{upstream=\"%s\"} %lu\n",
                      srv->upstreams[i].cfg->name, m->upstream_errors[i]);
         if (n < 0 || (size_t)n >= len - used)
-            return used;
+            return pre + used;
         used += (size_t)n;
     }
     n = snprintf(buf + used, len - used,
@@ -130,7 +199,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
         n = snprintf(buf + used, len - used, "chatgate_errors_total{code=\"%s\"} %lu\n", cg_err_code(code),
                      m->errors[code - CG__ERR_FIRST - 1]);
         if (n < 0 || (size_t)n >= len - used)
-            return used;
+            return pre + used;
         used += (size_t)n;
     }
     n = snprintf(buf + used, len - used,
@@ -150,7 +219,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
     for (size_t i = 0; i < sizeof(stages) / sizeof(stages[0]); i++)
         used += cg_histogram_format((const cg_histogram *)((const char *)m + stages[i].offset),
                                     "chatgate_stage_seconds", stages[i].label, buf + used, len - used);
-    return used;
+    return pre + used;
 }
 
 static int respond(struct lws *wsi, int status, const char *type, const char *body, size_t len)
@@ -173,7 +242,7 @@ int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     cg_server *srv = cg_server_of(wsi);
     char uri[64];
-    static char body[LWS_PRE + 32768];
+    static char body[LWS_PRE + 65536]; /* --workers adds lines per worker */
     char *text = body + LWS_PRE;
     size_t cap = sizeof(body) - LWS_PRE;
     lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI);
@@ -187,6 +256,19 @@ int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
             return respond(wsi, 503, "application/json", text, (size_t)n);
         }
         int degraded = srv->turn.store->stats.degraded;
+        const cg_workers *w = cg_workers_shared();
+        if (w) {
+            /* the group: degraded when any worker's store is; how many workers run */
+            int up = 0;
+            for (int i = 0; i < w->n; i++) {
+                up += w->slots[i].listening;
+                degraded |= w->slots[i].listening && w->slots[i].store.degraded;
+            }
+            int n = snprintf(text, cap, "{\"status\":\"%s\",%s\"workers\":%d,\"workers_up\":%d}\n",
+                             degraded ? "degraded" : "ok",
+                             degraded ? "\"store\":\"redis unreachable: serving from memory\"," : "", w->n, up);
+            return respond(wsi, 200, "application/json", text, (size_t)n);
+        }
         int n = snprintf(text, cap, degraded ? "{\"status\":\"degraded\",\"store\":\"redis unreachable: serving from memory\"}\n"
                                              : "{\"status\":\"ok\"}\n");
         return respond(wsi, 200, "application/json", text, (size_t)n);

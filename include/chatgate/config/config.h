@@ -14,6 +14,7 @@
 
 #define CG_MAX_UPSTREAMS 32
 #define CG_MAX_CONFIG_FILE (16 << 20) /* bytes of a --config file */
+#define CG_MAX_WORKERS 64            /* --workers */
 #define CG_MAX_REDIS_PREFIX 128       /* bytes of redis.prefix */
 #define CG_MEMSTORE_DEFAULT_MAX_BYTES ((size_t)256 << 20) /* max_store_bytes */
 
@@ -99,6 +100,7 @@ typedef struct cg_config {
     long ping_interval_s;
     long idle_timeout_s;
     long shutdown_timeout_s;
+    long workers; /* --workers: processes on the one port (server/master.c); 1: no master */
 } cg_config;
 
 /* Result of cg_config_load besides 0: print nothing more and exit with this status. */

@@ -23,7 +23,9 @@ void cg_histogram_observe(cg_histogram *h, double seconds);
  * written (0 when buf is too small, so the caller can stop). */
 size_t cg_histogram_format(const cg_histogram *h, const char *name, const char *label, char *buf, size_t len);
 
-/* Counters of the whole gateway; one worker, so plain integers. */
+/* Counters of the whole gateway; one thread, so plain integers. Every member before the
+ * histograms is an unsigned long counter (or an array of them): cg_metrics_add sums them
+ * word by word, so a new counter must keep to that, and the histograms stay last. */
 typedef struct cg_metrics {
     unsigned long messages;     /* chat messages accepted into a queue */
     unsigned long turns_done;   /* messages answered with done */
@@ -48,5 +50,8 @@ typedef struct cg_metrics {
     unsigned long upstream_errors[32];      /* by upstream index */
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
 } cg_metrics;
+
+/* dst += src, every counter and histogram (--workers: the figures of the process group). */
+void cg_metrics_add(cg_metrics *dst, const cg_metrics *src);
 
 #endif
