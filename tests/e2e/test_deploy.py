@@ -241,6 +241,9 @@ async def part_haproxy(rules):
                 state = await harness.context_command(cu, "context.get", "trip")
                 check(state.get("params", {}).get("travel") == {"to": "Lisbon", "pax": 2},
                       f"the dialog's params on the other gateway: {harness.brief(state.get('params'))}")
+                said = [m.get("content") for m in state.get("history") or [] if m.get("role") == "user"]
+                check(any(c and c.startswith("book it") for c in said),
+                      f"the dialog's history on the other gateway: {harness.brief(state.get('history'))}")
                 (await cu.message("and a hotel", mid="p3", room="trip")).expect_done()
                 check(served_by(apps, "p3") == other, f"p3 went to {names[served_by(apps, 'p3')]}")
                 redispatched = int((await proxy.stats())["BACKEND"].get("wredis") or 0)
