@@ -8,7 +8,7 @@ packages=(gcc make cmake pkg-config tzdata libwebsockets-dev libuv1-dev libjanss
           libhiredis-dev libpcre2-dev libssl-dev)
 case "${1:-build}" in
   test)
-    packages+=(python3 python3-websockets redis-server redis-sentinel nutcracker chromium)
+    packages+=(python3 python3-websockets redis-server redis-sentinel nutcracker haproxy chromium)
     # the browser test runs on node; an image may bring its own node (not Debian's package)
     command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
     ;;
