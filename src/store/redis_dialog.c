@@ -4,23 +4,26 @@
  * The connection they travel over, and the answers from memory when it is away, are in
  * redis_conn.c; what the two share is in chatgate/store/redis_internal.h.
  *
- * Layout (docs/state.md), one hash tag per dialog so a dialog lives on one shard:
- *   P:{U:R}:params    HASH  "<service>.<name>" -> JSON value
- *   P:{U:R}:dialog    HASH  service, created_at, last_activity, turn_count, message_count,
+ * Layout (docs/state.md), the user's hash tag on every key, so a user's dialogs, their
+ * leases and the rooms set live on one shard (one cluster slot):
+ *   P:{U}:R:params    HASH  "<service>.<name>" -> JSON value
+ *   P:{U}:R:dialog    HASH  service, created_at, last_activity, turn_count, message_count,
  *                           last_tool_result
- *   P:{U:R}:awaiting  STRING JSON, EX its lifetime
- *   P:{U:R}:soft      STRING JSON, EX its lifetime
- *   P:{U:R}:history   LIST  JSON messages, oldest first, EXPIRE 30 min
- *   P:user:{U}:rooms  SET   the user's rooms, for "forget this user" without SCAN
- * Every atomic step touches one hash tag only, so it runs on a single Redis, behind
- * twemproxy (which refuses MULTI) and on one cluster slot: a load is one EVAL of five reads
- * of the dialog's keys; a save is SADD+EXPIRE of the rooms set (first, so "forget this user"
- * always finds a room that has data), then one EVAL that rewrites the dialog's keys with
- * their lifetimes; a delete is one DEL of the dialog's keys, then SREM. All pipelined: one
- * round trip each. (The gateway holds the whole dialog for the turn, so rewriting is simpler
- * than HSET/HDEL deltas and gives the same keys.)
+ *   P:{U}:R:awaiting  STRING JSON, EX its lifetime
+ *   P:{U}:R:soft      STRING JSON, EX its lifetime
+ *   P:{U}:R:history   LIST  JSON messages, oldest first, EXPIRE 30 min
+ *   P:{U}:R:lease     STRING "holder fence", PX redis.lease_ms: the turn that has the dialog
+ *   P:{U}:R:fence     STRING the dialog's last fence number
+ *   P:{U}:R:cancel    STRING set by another gateway to stop the lease holder's turn
+ *   P:{U}:rooms       SET   the user's rooms, for "forget this user" without SCAN
+ * Every dialog operation is one script on those keys, sent as EVALSHA (and once as EVAL
+ * when the server answers NOSCRIPT): a load takes the lease, then reads; a save checks the
+ * lease, writes the dialog and the rooms set, and lets go of the lease. So it runs on a
+ * single Redis, behind twemproxy (which refuses MULTI) and on one cluster slot, in one
+ * command and one round trip. (The gateway holds the whole dialog for the turn, so
+ * rewriting is simpler than HSET/HDEL deltas and gives the same keys.)
  *
- * A save is conditional, inside its EVAL: Redis's copy is kept when it is another
+ * A save is conditional, inside its script: Redis's copy is kept when it is another
  * incarnation of the dialog (its created_at differs: this gateway loaded a fresh dialog
  * while Redis was away, and Redis still has the real one), and a write-back after an outage
  * is also refused when Redis's copy is newer (last_activity). A refused save drops the
