@@ -23,7 +23,8 @@
 #include "chatgate/core/net.h"
 #include "chatgate/store/redis_internal.h"
 
-#define BUS_RETRY_MS 1000
+#define BUS_RETRY_MS 1000      /* the first retry; doubling to BUS_RETRY_MAX_MS while it fails */
+#define BUS_RETRY_MAX_MS 60000
 
 struct cg_redis_bus {
     redis_store *rs;
@@ -33,6 +34,7 @@ struct cg_redis_bus {
     redisAsyncContext *sub, *pub;
     cg_resolve *resolve;
     uv_timer_t retry;
+    int failures; /* in a row, since the last subscription confirmed: the backoff, and one log */
     int closing;
 };
 
@@ -43,14 +45,17 @@ static void on_retry(uv_timer_t *t)
     bus_connect(t->data);
 }
 
+/* A connection is gone or never came: once logged per run of failures (a twemproxy URL, which
+ * closes a connection that subscribes, would fail every time), retried with a backoff. */
 static void bus_lost(cg_redis_bus *b, redisAsyncContext **slot, const char *why)
 {
-    if (*slot)
-        cg_warn("redis bus %s:%d: %s; cancels from other gateways come with the lease renewal meanwhile", b->host,
-                b->port, why);
+    if (b->failures++ == 0)
+        cg_warn("redis bus %s:%d: %s; cancels from other gateways come with the lease renewal meanwhile (is "
+                "redis.bus a Redis, not twemproxy?)", b->host, b->port, why);
     *slot = NULL;
+    uint64_t delay = (uint64_t)BUS_RETRY_MS << (b->failures < 7 ? b->failures - 1 : 6);
     if (!b->closing && !uv_is_active((uv_handle_t *)&b->retry))
-        uv_timer_start(&b->retry, on_retry, BUS_RETRY_MS, 0);
+        uv_timer_start(&b->retry, on_retry, delay < BUS_RETRY_MAX_MS ? delay : BUS_RETRY_MAX_MS, 0);
 }
 
 static void on_bus_disconnect(const redisAsyncContext *ac, int status)
@@ -75,9 +80,16 @@ static void on_message(redisAsyncContext *ac, void *reply_, void *priv)
     (void)priv;
     cg_redis_bus *b = ac->data;
     redisReply *r = reply_;
-    if (!b || !r || r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_STRING ||
-        strcmp(r->element[0]->str, "message") != 0 || r->element[2]->type != REDIS_REPLY_STRING)
-        return; /* the subscribe confirmation, or the connection going */
+    if (!b || !r || r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_STRING)
+        return; /* the connection going */
+    if (strcmp(r->element[0]->str, "subscribe") == 0) {
+        if (b->failures)
+            cg_info("redis bus %s:%d: listening again", b->host, b->port);
+        b->failures = 0;
+        return;
+    }
+    if (strcmp(r->element[0]->str, "message") != 0 || r->element[2]->type != REDIS_REPLY_STRING)
+        return;
     redis_store *rs = b->rs;
     rs->base.stats.remote_cancels++;
     if (rs->base.on_cancel)
