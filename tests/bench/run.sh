@@ -190,14 +190,17 @@ if [ "$bench_status" != 0 ]; then
 fi
 grep '^RESULT ' "$tmp/bench.out"
 if [ -n "$redis_pid" ]; then
-	# Every turn is one load and one save, each pipelined in one write around one EVAL: so
-	# the EVAL count is the round trips, and half of it the turns (warmup included).
+	# Every turn is one load and one save, each one script (EVALSHA, or EVAL: once on NOSCRIPT
+	# now, every time before issue 11) in its own round trip: so the scripts are the round
+	# trips, and half of them the turns (warmup included). commands counts every call Redis
+	# ran, the scripts' own included (INFO commandstats counts those too).
 	redis-cli -p "$redis_port" info commandstats | tr -d '\r' | awk -F'[:=,]' '
-		/^cmdstat_/ { total += $3; if ($1 == "cmdstat_eval") execs = $3 }
+		/^cmdstat_/ { total += $3; if ($1 == "cmdstat_eval" || $1 == "cmdstat_evalsha") scripts += $3
+		              if ($1 == "cmdstat_eval") evals = $3 }
 		END {
-			if (!execs) { print "REDIS no transactions"; exit }
-			printf "REDIS commands=%d round_trips=%d turns=%d commands_per_message=%.1f round_trips_per_message=%.1f\n",
-				total, execs, execs / 2, total / (execs / 2), 2
+			if (!scripts) { print "REDIS no scripts"; exit }
+			printf "REDIS commands=%d scripts=%d (eval %d) turns=%d commands_per_message=%.1f round_trips_per_message=%.1f\n",
+				total, scripts, evals, scripts / 2, total / (scripts / 2), 2
 		}'
 fi
 exit "$stop_status"

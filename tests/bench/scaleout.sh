@@ -6,9 +6,11 @@
 #   2w   one gateway with --workers 2, one Redis
 #   2gw  two gateways behind nothing, each its own cg_bench half of the connections, on
 #        twemproxy (Debian's nutcracker) in front of two Redis
-# For each: turns per second, p99 turn latency, and CPU seconds per 1,000 turns per gateway
-# process (the master's and workers' utime+stime from /proc, over the measured window and
-# its warm-up), plus Redis commands per turn (INFO commandstats, the client's EVALSHA/EVAL).
+# For each: turns per second, p99 turn latency, and the gateway CPU seconds per 1,000 turns
+# (utime+stime of the gateway processes, master and workers, from /proc over the run; as the
+# turns spread evenly, it is also what each worker spends per 1,000 turns it serves: the
+# figure that carries to a bigger machine), plus Redis commands per turn (INFO commandstats:
+# the scripts the gateways sent, EVALSHA and EVAL).
 #
 #   tests/bench/scaleout.sh BUILD_DIR [CONNECTIONS] [SECONDS]
 #
@@ -116,8 +118,8 @@ run() {
 	awk -v n="$name" -v r="$rate" -v p="$p99" -v m="$msgs" -v ticks=$((t1 - t0)) -v hz="$hz" -v procs="$procs" \
 		-v ev=$((e1 - e0)) -v s="$secs" 'BEGIN {
 		turns = m * (s + 1) / s
-		printf "SCALEOUT %-4s turns/s %8.1f  p99 %6.2f ms  CPU %.3f s per 1000 turns (all %d processes), %.3f per process  commands/turn %.2f\n",
-			n, r, p, ticks / hz / turns * 1000, procs, ticks / hz / turns * 1000 / procs, ev / turns }'
+		printf "SCALEOUT %-4s turns/s %8.1f  p99 %6.2f ms  gateway CPU %.3f s per 1000 turns (%d processes; each spends this on the turns it serves)  client commands/turn %.2f\n",
+			n, r, p, ticks / hz / turns * 1000, procs, ev / turns }'
 }
 
 # 1 worker, one Redis
