@@ -379,10 +379,16 @@ static const char load_script[] =
     "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}\n";
 
 /* A lease still ours, renewed (ARGV[1] the lease, ARGV[2] ms): 1, 2 when another gateway
- * asked to cancel the turn (the flag is taken), or 0 when the lease is not ours. */
+ * asked to cancel the turn (the flag is taken), or 0 when the lease is not ours. A lease
+ * gone with no later fence (a failover to a replica that had not received it) is ours
+ * again. */
 static const char renew_script[] =
-    "if redis.call('GET', KEYS[6]) ~= ARGV[1] then return 0 end\n"
-    "redis.call('PEXPIRE', KEYS[6], ARGV[2])\n"
+    "local cur = redis.call('GET', KEYS[6])\n"
+    "if cur and string.match(cur, '^%S+') ~= string.match(ARGV[1], '^%S+') then return 0 end\n"
+    "if not cur and (tonumber(redis.call('GET', KEYS[7])) or 0) > tonumber(string.match(ARGV[1], '%d+$')) then\n"
+    "  return 0\n"
+    "end\n"
+    "redis.call('SET', KEYS[6], ARGV[1], 'PX', ARGV[2])\n"
     "if redis.call('DEL', KEYS[8]) > 0 then return 2 end\n"
     "return 1\n";
 
@@ -734,11 +740,21 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
  * long the rooms set lives, then the params' field-value pairs, then the history.
  * Returns 1 when written, 0 when Redis holds another incarnation, -1 a newer copy, -2 when
- * the lease is no longer this save's (another gateway took the dialog over). A save that
- * held the lease lets go of it, written or not.
+ * the lease is no longer this save's: another holder has it, or it is gone and the dialog's
+ * fence moved past this save's (another gateway took the dialog over and finished). A lease
+ * gone with the fence not past this save's, or this holder's own older lease (a failover to
+ * a replica that had not received the lease, or its release), is no one else's: the save
+ * goes on (this process orders its own turns of a dialog). A save that held the lease lets go of it,
+ * written or not.
  */
 static const char save_script[] =
-    "if ARGV[17] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[17] then return -2 end\n"
+    "if ARGV[17] ~= '' then\n"
+    "  local cur = redis.call('GET', KEYS[6])\n"
+    "  if cur and string.match(cur, '^%S+') ~= string.match(ARGV[17], '^%S+') then return -2 end\n"
+    "  if not cur and (tonumber(redis.call('GET', KEYS[7])) or 0) > tonumber(string.match(ARGV[17], '%d+$')) then\n"
+    "    return -2\n"
+    "  end\n"
+    "end\n"
     "local function save()\n"
     "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
     "  local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
