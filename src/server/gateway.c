@@ -376,6 +376,12 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     if (!cfg->admin_listen)
         gw->mount_healthz.mount_next = &gw->mount_admin;
 
+    /* the store first: a wrong store URL exits before lws has put handles on the loop */
+    if (open_store(gw, cfg, err, errlen) < 0)
+        return CG_GATEWAY_BAD_CONFIG;
+    gw->srv.turn.store->on_cancel = on_store_cancel;
+    gw->srv.turn.store->cancel_ctx = &gw->srv.turn;
+
     void *foreign_loops[1] = {loop};
     struct lws_context_creation_info info;
     memset(&info, 0, sizeof(info));
@@ -425,10 +431,6 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     if (cg_worker_self() && cg_worker_listen(loop, gw->vhost, cfg->listen_host, cfg->listen_port, "listener") < 0)
         return -1;
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
-    if (open_store(gw, cfg, err, errlen) < 0)
-        return CG_GATEWAY_BAD_CONFIG;
-    gw->srv.turn.store->on_cancel = on_store_cancel;
-    gw->srv.turn.store->cancel_ctx = &gw->srv.turn;
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i]);

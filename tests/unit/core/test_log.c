@@ -101,7 +101,9 @@ static void test_cut_after_mask(void)
         memset(text, 'x', pad);
         text[pad] = 0;
         char *line = logged("%s +254 712 345 678 and jane.doe@example.com end", text);
-        CHECK(strstr(line, "254") == NULL && strstr(line, "712") == NULL && strstr(line, "jane") == NULL);
+        /* in the message only: the line's time and pid may hold those digits */
+        const char *msg = strchr(line, 'x');
+        CHECK(msg && strstr(msg, "254") == NULL && strstr(msg, "712") == NULL && strstr(msg, "jane") == NULL);
         /* whole when the masked text fits, else cut and marked */
         CHECK(strstr(line, pad + 24 <= 2048 ? " [phone] and [email] end\n" : "[cut]\n") != NULL);
         CHECK(strlen(line) < 2048 + 128);
@@ -146,7 +148,8 @@ static void test_cut_after_mask(void)
     memset(text, 'x', 2030);
     text[2030] = 0;
     line = logged("%s +254 712 345 678", text);
-    CHECK(strstr(line, "254") == NULL && strstr(line, "712") == NULL);
+    const char *msg = strchr(line, 'x'); /* the message: the time and pid may hold those digits */
+    CHECK(msg && strstr(msg, "254") == NULL && strstr(msg, "712") == NULL);
     CHECK(line[0] == '{' && strstr(line, "}\n") != NULL);
     free(line);
     free(text);
