@@ -129,8 +129,8 @@ static int gateway_reload_rules(cg_server *srv, char *err, size_t errlen)
 static int gateway_reload_rules_admin(cg_server *srv, char *err, size_t errlen)
 {
     int rc = gateway_reload_rules(srv, err, errlen);
-    if (rc == 0 && cg_worker_self())
-        kill(getppid(), SIGHUP);
+    if (rc == 0 && cg_worker_self() && cg_worker_master() > 0 && getppid() == cg_worker_master())
+        kill(cg_worker_master(), SIGHUP);
     return rc;
 }
 

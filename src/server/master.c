@@ -51,6 +51,7 @@
 /* This process's view: the area in every process, the index in a worker. */
 static cg_workers *shared;
 static size_t shared_size;
+static pid_t master_pid; /* a worker's: the master that started it */
 static int self_index = -1;
 static int ready_fd = -1;    /* a worker's end of the ready pipe */
 static sigset_t saved_mask;  /* the mask before the master's; a worker restores it */
@@ -69,6 +70,11 @@ static worker workers[CG_MAX_WORKERS];
 cg_workers *cg_workers_shared(void)
 {
     return shared;
+}
+
+pid_t cg_worker_master(void)
+{
+    return master_pid;
 }
 
 cg_worker_slot *cg_worker_self(void)
@@ -148,6 +154,7 @@ static int spawn(int i, int sfd, int ready_r, int ready_w, pid_t master)
         close(ready_r);
         self_index = i;
         ready_fd = ready_w;
+        master_pid = master;
         prctl(PR_SET_PDEATHSIG, SIGTERM);
         if (getppid() != master) /* the master died before prctl */
             _exit(1);

@@ -458,8 +458,7 @@ static void turn_context(cg_turn *t)
             t->saved = 1;
         }
     } else if (t->kind == CG_TURN_CONTEXT_CLEAR) {
-        st->ops->remove(st, q->user, t->room, NULL, NULL);
-        t->saved = 1; /* the lease went with the dialog's keys */
+        st->ops->remove(st, q->user, t->room, NULL, NULL); /* the lease stays: turn_free lets go */
         cg_dialog_free(&t->dialog);
         cg_dialog_init(&t->dialog, turn_now(q));
     }
@@ -636,19 +635,24 @@ void cg_turns_cancel_dialog(cg_turn_env *env, const char *key)
 static void cancel_dialog(cg_turns *q, const char *room, int own)
 {
     cg_turn *t = q->inflight;
+    int remote = 1; /* unless a turn here has the dialog: it may still wait for another's lease */
     if (t && t->kind == CG_TURN_CHAT && strcmp(t->room, room) == 0) {
+        remote = !t->has_dialog;
         if (own) {
             cg_info("session %s: message %s stopped by a cancel phrase", q->name, t->id);
             turn_cancel(t, 0);
         }
-        return;
+    } else {
+        char *key = cg_store_dialog_key(q->user, room);
+        cg_turn *o = dialog_turn(q->env, key);
+        if (o) {
+            remote = !o->has_dialog;
+            cg_turns_cancel_dialog(q->env, key);
+        }
+        free(key);
     }
-    char *key = cg_store_dialog_key(q->user, room);
-    if (dialog_turn(q->env, key))
-        cg_turns_cancel_dialog(q->env, key);
-    else if (q->env->store->ops->cancel_remote)
+    if (remote && q->env->store->ops->cancel_remote)
         q->env->store->ops->cancel_remote(q->env->store, q->user, room);
-    free(key);
 }
 
 /*

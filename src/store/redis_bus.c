@@ -74,7 +74,7 @@ static void on_bus_connect(const redisAsyncContext *ac, int status)
         bus_lost(b, ac == b->sub ? &b->sub : &b->pub, ac->errstr[0] ? ac->errstr : "connect failed");
 }
 
-/* A message on this gateway's channel: the key of a dialog whose turn must stop. */
+/* A message on this gateway's channel: the dialog whose turn must stop, and its lease. */
 static void on_message(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)priv;
@@ -90,10 +90,7 @@ static void on_message(redisAsyncContext *ac, void *reply_, void *priv)
     }
     if (strcmp(r->element[0]->str, "message") != 0 || r->element[2]->type != REDIS_REPLY_STRING)
         return;
-    redis_store *rs = b->rs;
-    rs->base.stats.remote_cancels++;
-    if (rs->base.on_cancel)
-        rs->base.on_cancel(rs->base.cancel_ctx, r->element[2]->str);
+    cg_redis_cancel_turn(b->rs, r->element[2]->str); /* "<dialog key> <lease>" */
 }
 
 static redisAsyncContext *bus_open(cg_redis_bus *b, const char *address)
@@ -183,15 +180,15 @@ cg_redis_bus *cg_redis_bus_open(redis_store *rs, const char *url)
     return b;
 }
 
-void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key)
+void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease)
 {
     char *channel = NULL;
     if (!b || !b->pub || asprintf(&channel, "%s:bus:%s", b->rs->base.cfg.prefix, holder) < 0) {
         free(channel);
         return; /* the cancel flag still reaches the holder's renewal */
     }
-    const char *argv[] = {"PUBLISH", channel, key};
-    size_t len[] = {7, strlen(channel), strlen(key)};
+    const char *argv[] = {"PUBLISH", channel, key_and_lease};
+    size_t len[] = {7, strlen(channel), strlen(key_and_lease)};
     redisAsyncCommandArgv(b->pub, NULL, NULL, 3, argv, len);
     free(channel);
 }

@@ -379,16 +379,12 @@ static const char load_script[] =
     "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}\n";
 
 /* A lease still ours, renewed (ARGV[1] the lease, ARGV[2] ms): 1, 2 when another gateway
- * asked to cancel the turn (the flag is taken), or 0 when the lease is not ours. A lease
- * gone with no later fence (a failover to a replica that had not received it) is ours
- * again. */
+ * asked to cancel the turn (the flag is taken), or 0 when the lease is not exactly ours.
+ * A lease gone is never taken back here: a renewal sent again after NOSCRIPT may land after
+ * the turn's save released it (the save itself decides about a lease lost in a failover). */
 static const char renew_script[] =
-    "local cur = redis.call('GET', KEYS[6])\n"
-    "if cur and string.match(cur, '^%S+') ~= string.match(ARGV[1], '^%S+') then return 0 end\n"
-    "if not cur and (tonumber(redis.call('GET', KEYS[7])) or 0) > tonumber(string.match(ARGV[1], '%d+$')) then\n"
-    "  return 0\n"
-    "end\n"
-    "redis.call('SET', KEYS[6], ARGV[1], 'PX', ARGV[2])\n"
+    "if redis.call('GET', KEYS[6]) ~= ARGV[1] then return 0 end\n"
+    "redis.call('PEXPIRE', KEYS[6], ARGV[2])\n"
     "if redis.call('DEL', KEYS[8]) > 0 then return 2 end\n"
     "return 1\n";
 
@@ -603,26 +599,48 @@ static void send_load(redis_store *rs, cg_store_req *r)
 
 /* ---- leases ---------------------------------------------------------------------------- */
 
+int cg_redis_lease_current(redis_store *rs, const char *key_and_lease)
+{
+    size_t n = strcspn(key_and_lease, " ");
+    json_t *held = json_object_getn(rs->leases, key_and_lease, n);
+    const char *v = json_string_value(json_object_get(held, "v"));
+    return key_and_lease[n] == ' ' && v && strcmp(v, key_and_lease + n + 1) == 0;
+}
+
+/* A cancel (the flag, or a bus message) names the dialog and the lease it is for: it stops
+ * the turn only while that lease is still this gateway's, never the dialog's next turn. */
+void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease)
+{
+    if (!cg_redis_lease_current(rs, key_and_lease))
+        return;
+    char *key = strndup(key_and_lease, strcspn(key_and_lease, " "));
+    if (!key)
+        abort();
+    rs->base.stats.remote_cancels++;
+    if (rs->base.on_cancel)
+        rs->base.on_cancel(rs->base.cancel_ctx, key);
+    free(key);
+}
+
 static void on_lease_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
-    char *key = priv; /* the dialog's key, for a renewal; NULL for a release */
+    char *kl = priv; /* "<dialog key> <lease>", for a renewal; NULL for a release */
     redisReply *reply = reply_;
     redis_store *rs = ac->data;
-    if (key && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 2) {
+    if (kl && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 2) {
         /* another gateway asked, and its bus message did not come (or came first) */
-        rs->base.stats.remote_cancels++;
-        if (rs->base.on_cancel)
-            rs->base.on_cancel(rs->base.cancel_ctx, key);
-    } else if (key && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 0) {
-        json_t *held = json_object_get(rs->leases, key);
+        cg_redis_cancel_turn(rs, kl);
+    } else if (kl && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 0 &&
+               cg_redis_lease_current(rs, kl)) {
+        json_t *held = json_object_getn(rs->leases, kl, strcspn(kl, " "));
         if (held && !json_object_get(held, "lost")) {
             json_object_set_new(held, "lost", json_true());
             cg_warn("redis: the lease of a dialog in flight is no longer this gateway's (it was away past "
                     "redis.lease_ms): its save will be refused");
         }
     }
-    free(key);
+    free(kl);
 }
 
 static void lease_release(redis_store *rs, const char *eu, const char *er, const char *value)
@@ -664,8 +682,10 @@ void cg_redis_renew_leases(redis_store *rs)
         arg_script(rs, &a, S_RENEW, eu, er);
         arg_str(&a, json_string_value(json_object_get(held, "v")));
         arg_fmt(&a, "%ld", rs->base.cfg.lease_ms);
-        char *k = strdup(key);
-        if (!k || send_script(rs, S_RENEW, &a, on_lease_reply, k) < 0)
+        char *k = NULL;
+        if (asprintf(&k, "%s %s", key, json_string_value(json_object_get(held, "v"))) < 0)
+            abort();
+        if (send_script(rs, S_RENEW, &a, on_lease_reply, k) < 0)
             free(k);
         argv_free(&a);
         free(eu);
@@ -683,8 +703,12 @@ static void on_cancel_reply(redisAsyncContext *ac, void *reply_, void *priv)
         char *holder = strndup(reply->str, strcspn(reply->str, " "));
         if (!holder)
             abort();
+        char *kl = NULL;
+        if (asprintf(&kl, "%s %.*s", key, (int)reply->len, reply->str) < 0)
+            abort();
         if (strcmp(holder, rs->holder) != 0)
-            cg_redis_bus_publish(rs->bus, holder, key);
+            cg_redis_bus_publish(rs->bus, holder, kl);
+        free(kl);
         free(holder);
     }
     free(key);
@@ -818,6 +842,8 @@ static void save_refused(redis_store *rs, cg_store_req *r, long long why)
     json_object_del(rs->unknown, r->key); /* the next load reads Redis's copy */
 }
 
+static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply);
+
 static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -825,7 +851,14 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
-    gate_leave(rs, r->key);
+    char *key = cg_redis_xstrdup(r->key); /* r may be finished below; the gate opens last */
+    save_answered(rs, r, reply);
+    gate_leave(rs, key);
+    free(key);
+}
+
+static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply)
+{
     if (cg_redis_reply_failed(rs, reply, 0, "save") || r->step_failed || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r); /* keeps it in memory, dirty, for the write-back */
@@ -953,7 +986,11 @@ static void on_remove_reply(redisAsyncContext *ac, void *reply_, void *priv)
     cg_redis_req_finish(r);
 }
 
-/* The keys of the dialog (eu, er), its lease and fence too, as arguments of a DEL. */
+/*
+ * Every key of the dialog (eu, er), its lease and fence too, as arguments of a DEL: a
+ * deleted dialog leaves nothing of the user behind. A turn of it running meanwhile keeps its
+ * entry in rs->leases, so its save still refuses to write over another holder's lease.
+ */
 static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er)
 {
     for (int i = 0; i < N_PARTS; i++)
@@ -966,7 +1003,6 @@ static void send_remove(redis_store *rs, cg_store_req *r)
     arg_str(&a, "DEL");
     arg_dialog_keys(rs, &a, r->eu, r->er);
     send_step(rs, &a, r);
-    json_object_del(rs->leases, r->key); /* gone with the dialog */
     arg_str(&a, "SREM"); /* after the data: forget-user must find a room as long as it has data */
     arg_own(&a, rooms_key(rs, r->eu));
     arg_str(&a, r->er);
@@ -1002,7 +1038,8 @@ static void dispatch(redis_store *rs, cg_store_req *r)
         r->snapshot = NULL;
         cg_redis_answer_later_from_memory(r);
     } else if (r->kind == OP_REMOVE && connected) {
-        send_remove(rs, r);
+        if (!gated(rs, r)) /* behind a save of the dialog in flight, as loads are */
+            send_remove(rs, r);
     } else if (r->kind == OP_REMOVE_USER && connected) {
         argv_buf a = {0};
         arg_str(&a, "SMEMBERS");

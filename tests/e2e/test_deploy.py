@@ -228,7 +228,12 @@ async def part_haproxy(rules):
 
                 gws[x].send_signal(signal.SIGTERM)
                 stopped_at = time.monotonic()
-                status, _, body = await asyncio.to_thread(harness.http_get, gws[x].http_url + "/healthz")
+                deadline = time.monotonic() + 3  # the signal is handled on the gateway's loop, soon after
+                while True:
+                    status, _, body = await asyncio.to_thread(harness.http_get, gws[x].http_url + "/healthz")
+                    if status == 503 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.02)
                 check(status == 503, f"/healthz of the draining gateway: HTTP {status} {body!r}")
 
                 # The old connection refuses new messages while draining: the client reconnects.

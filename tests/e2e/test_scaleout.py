@@ -405,8 +405,11 @@ async def cross_cancel(app, ga, gb, user, mid, how, within):
     await ca.send_message("a slow one", mid, "trip")
     await wait_inflight(app, user, "trip")
     cb = await connect_as(gb, user)
+    if how == "behind":  # B's own message of the dialog waits for A's lease first
+        await cb.send_message("me too", f"{mid}w", "trip")
+        await asyncio.sleep(0.2)
     sent = time.monotonic()
-    if how == "phrase":
+    if how in ("phrase", "behind"):
         await cb.send_message("stop", f"{mid}b", "trip")
     else:
         await cb.ws.send(json.dumps({"type": "context.clear", "room": "trip"}))
@@ -421,7 +424,10 @@ async def cross_cancel(app, ga, gb, user, mid, how, within):
     check(stopped < within and closed < within,
           f"{how} on B: A's cancelled after {stopped * 1000:.0f} ms, the app's cancel after {closed * 1000:.0f} ms "
           f"(at most {within * 1000:.0f} ms)")
-    if how == "phrase":  # B's own message goes on once A's turn has saved and let go
+    if how == "behind":  # the phrase stops B's waiting message too
+        waited = await cb.collect_turn(f"{mid}w", 10)
+        check(waited.terminal.get("type") == "cancelled", f"B's waiting message: {harness.brief(waited.terminal)}")
+    if how in ("phrase", "behind"):  # B's own message goes on once A's turn has saved and let go
         (await cb.collect_turn(f"{mid}b", 10)).expect_done()
     await ca.close()
     await cb.close()
@@ -443,8 +449,12 @@ async def part_cross_cancel(rules):
                 with step("a context.clear on gateway B stops the reply streaming on gateway A within 100 ms"):
                     s, c = await cross_cancel(app, ga, gb, "cc2|user", "x2", "clear", 0.1)
                     print(f"   A's cancelled after {s * 1000:.1f} ms, the app's cancel frame after {c * 1000:.1f} ms")
+                with step("a cancel phrase on gateway B while B's own message waits for A's lease: A's reply "
+                          "stops too, within 100 ms"):
+                    s, c = await cross_cancel(app, ga, gb, "cc4|user", "x4", "behind", 0.1)
+                    print(f"   A's cancelled after {s * 1000:.1f} ms, the app's cancel frame after {c * 1000:.1f} ms")
                     m = await metrics(ga)
-                    check(m.value("chatgate_store_remote_cancels_total") == 2,
+                    check(m.value("chatgate_store_remote_cancels_total") == 3,
                           f"A's remote cancels: {m.value('chatgate_store_remote_cancels_total')}")
             dead_bus = dict(cfg)
             dead_bus["redis"] = dict(cfg["redis"], bus=f"redis://127.0.0.1:{harness.free_port()}", lease_ms=3000)

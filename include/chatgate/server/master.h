@@ -67,6 +67,9 @@ void cg_worker_ready(void);
 cg_workers *cg_workers_shared(void);
 cg_worker_slot *cg_worker_self(void);
 int cg_worker_index(void); /* -1 without --workers */
+/* A worker's master (0 without --workers): compared with getppid() before it is signalled,
+ * as a worker whose master died has another parent. */
+pid_t cg_worker_master(void);
 
 /* dst += src: the counters of a store's figures; with gauges too when `gauges`. */
 void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gauges);

@@ -157,6 +157,11 @@ void cg_redis_drain_waiting(redis_store *rs);
 int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elements, const char *what);
 /* The tick: renews the leases held that are a third through their lifetime. */
 void cg_redis_renew_leases(redis_store *rs);
+/* "<dialog key> <lease>" names this gateway's lease now (rs->leases)? */
+int cg_redis_lease_current(redis_store *rs, const char *key_and_lease);
+/* A cancel from another gateway, "<dialog key> <lease>": the turn stops if the lease is
+ * still this gateway's (on_cancel), else it is a late one and nothing happens. */
+void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease);
 /* Computes the scripts' SHA1s (once, at open). */
 void cg_redis_scripts_init(void);
 
@@ -165,8 +170,9 @@ void cg_redis_scripts_init(void);
 /* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy);
  * NULL when the URL is not one (logged). */
 cg_redis_bus *cg_redis_bus_open(redis_store *rs, const char *url);
-/* Tells the gateway `holder` to stop its turn of the dialog `key`; nothing when the bus is down. */
-void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key);
+/* Tells the gateway `holder` to stop its turn: key_and_lease is "<dialog key> <lease>";
+ * nothing when the bus is down. */
+void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease);
 void cg_redis_bus_close(cg_redis_bus *b);
 
 #endif
