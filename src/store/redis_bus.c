@@ -11,7 +11,6 @@
  * B also sets the dialog's cancel flag, which A's lease renewal reads (redis_dialog.c).
  */
 #define _GNU_SOURCE /* asprintf */
-#include <hiredis/adapters/libuv.h>
 #include <hiredis/async.h>
 #include <hiredis/hiredis.h>
 
@@ -95,17 +94,10 @@ static void on_message(redisAsyncContext *ac, void *reply_, void *priv)
 
 static redisAsyncContext *bus_open(cg_redis_bus *b, const char *address)
 {
-    redisAsyncContext *ac = redisAsyncConnect(address, b->port);
-    if (!ac || ac->err) {
-        if (ac)
-            redisAsyncFree(ac);
-        return NULL;
-    }
-    ac->data = b;
-    redisLibuvAttach(ac, b->rs->base.loop);
-    redisAsyncSetConnectCallback(ac, on_bus_connect);
-    redisAsyncSetDisconnectCallback(ac, on_bus_disconnect);
-    if (b->password) {
+    char why[160];
+    redisAsyncContext *ac = cg_redis_async_open(b->rs->base.loop, address, b->port, b, on_bus_connect,
+                                                on_bus_disconnect, why, sizeof(why));
+    if (ac && b->password) {
         const char *argv[] = {"AUTH", b->password};
         size_t len[] = {4, strlen(b->password)};
         redisAsyncCommandArgv(ac, NULL, NULL, 2, argv, len);

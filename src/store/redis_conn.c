@@ -655,26 +655,22 @@ static void connect_to(redis_store *rs, const char *address)
         rs->address = cg_redis_xstrdup(address);
         rs->address_port = rs->port;
     }
-    redisAsyncContext *ac = redisAsyncConnect(address, rs->port);
-    if (!ac || ac->err) {
+    char why[160];
+    redisAsyncContext *ac =
+        cg_redis_async_open(rs->base.loop, address, rs->port, rs, on_connect, on_disconnect, why, sizeof(why));
+    if (!ac) {
         uv_timer_stop(&rs->connect_timer);
         rs->state = R_CLOSED;
-        enter_degraded(rs, ac ? ac->errstr : "out of memory");
-        if (ac)
-            redisAsyncFree(ac);
+        enter_degraded(rs, why);
         schedule_reconnect(rs);
         return;
     }
-    ac->data = rs;
     rs->ac = ac;
     rs->state = R_CONNECTING;
     rs->setup_failed = 0;
     rs->readonly_seen = 0;
-    if (rs->master)
+    if (rs->master) /* before any reply is read: the loop has not run since the connect */
         watch_readonly(rs, ac);
-    redisLibuvAttach(ac, rs->base.loop);
-    redisAsyncSetConnectCallback(ac, on_connect);
-    redisAsyncSetDisconnectCallback(ac, on_disconnect);
     if (rs->password) {
         const char *argv[] = {"AUTH", rs->password};
         size_t len[] = {4, strlen(rs->password)};
@@ -852,28 +848,38 @@ static void on_sentinel_disconnect(const redisAsyncContext *ac, int status)
     sentinel_failed(rs, "the connection closed before the answer");
 }
 
+redisAsyncContext *cg_redis_async_open(uv_loop_t *loop, const char *address, int port, void *data,
+                                       redisConnectCallback *on_connect, redisDisconnectCallback *on_disconnect,
+                                       char *why, size_t whylen)
+{
+    redisAsyncContext *ac = redisAsyncConnect(address, port);
+    if (!ac || ac->err) {
+        snprintf(why, whylen, "%s", ac ? ac->errstr : "out of memory");
+        if (ac)
+            redisAsyncFree(ac);
+        return NULL;
+    }
+    ac->data = data;
+    redisLibuvAttach(ac, loop);
+    redisAsyncSetConnectCallback(ac, on_connect);
+    redisAsyncSetDisconnectCallback(ac, on_disconnect);
+    return ac;
+}
+
 static void on_sentinel_resolved(void *data, const char *address, const char *err)
 {
     redis_store *rs = data;
     rs->sresolve = NULL;
-    if (!address) {
-        sentinel_failed(rs, err);
+    char why[160];
+    redisAsyncContext *ac = address ? cg_redis_async_open(rs->base.loop, address, rs->sentinel_ports[rs->sentinel_at],
+                                                          rs, on_sentinel_connect, on_sentinel_disconnect, why,
+                                                          sizeof(why))
+                                    : NULL;
+    if (!ac) {
+        sentinel_failed(rs, address ? why : err);
         return;
     }
-    redisAsyncContext *ac = redisAsyncConnect(address, rs->sentinel_ports[rs->sentinel_at]);
-    if (!ac || ac->err) {
-        char why[160];
-        snprintf(why, sizeof(why), "%s", ac ? ac->errstr : "out of memory");
-        if (ac)
-            redisAsyncFree(ac);
-        sentinel_failed(rs, why);
-        return;
-    }
-    ac->data = rs;
     rs->sac = ac;
-    redisLibuvAttach(ac, rs->base.loop);
-    redisAsyncSetConnectCallback(ac, on_sentinel_connect);
-    redisAsyncSetDisconnectCallback(ac, on_sentinel_disconnect);
     /* queued until the connection is up; the connect timer bounds connect and answer */
     redisAsyncCommand(ac, on_sentinel_reply, rs, "SENTINEL get-master-addr-by-name %s", rs->master);
 }
@@ -999,24 +1005,15 @@ static void on_sub_resolved(void *data, const char *address, const char *err)
 {
     redis_store *rs = data;
     rs->sub_resolve = NULL;
-    if (!address) {
-        sub_lost(rs, err);
+    char why[160];
+    redisAsyncContext *ac = address ? cg_redis_async_open(rs->base.loop, address, rs->sentinel_ports[rs->sub_at], rs,
+                                                          on_sub_connect, on_sub_disconnect, why, sizeof(why))
+                                    : NULL;
+    if (!ac) {
+        sub_lost(rs, address ? why : err);
         return;
     }
-    redisAsyncContext *ac = redisAsyncConnect(address, rs->sentinel_ports[rs->sub_at]);
-    if (!ac || ac->err) {
-        char why[160];
-        snprintf(why, sizeof(why), "%s", ac ? ac->errstr : "out of memory");
-        if (ac)
-            redisAsyncFree(ac);
-        sub_lost(rs, why);
-        return;
-    }
-    ac->data = rs;
     rs->sub = ac;
-    redisLibuvAttach(ac, rs->base.loop);
-    redisAsyncSetConnectCallback(ac, on_sub_connect);
-    redisAsyncSetDisconnectCallback(ac, on_sub_disconnect);
     redisAsyncCommand(ac, on_sub_message, rs, "SUBSCRIBE +switch-master");
 }
 

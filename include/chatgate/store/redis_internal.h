@@ -127,6 +127,13 @@ static inline char *cg_redis_xstrdup(const char *s)
 
 /* ---- redis_conn.c ---------------------------------------------------------------------- */
 
+/* An async hiredis connection to a resolved address on the loop, with data and callbacks
+ * (the Sentinel queries, its subscription, the bus); NULL with why filled when hiredis
+ * refused it at once (out of memory, a bad address). */
+redisAsyncContext *cg_redis_async_open(uv_loop_t *loop, const char *address, int port, void *data,
+                                       redisConnectCallback *on_connect, redisDisconnectCallback *on_disconnect,
+                                       char *why, size_t whylen);
+
 /* Requests: a new one for (user, room), escaped; freed by cg_redis_req_finish once the
  * replies still due to it have come. */
 cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
