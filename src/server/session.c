@@ -56,7 +56,6 @@ struct cg_session {
 
     cg_out *out_head, *out_tail;
     size_t out_bytes;
-    int upstream_paused;
     int client_paused;
 
     cg_turns turns;    /* the messages of this connection (turn.h) */
@@ -87,12 +86,10 @@ static void out_free(cg_out *o)
 static void session_flow(cg_session *s)
 {
     size_t high = (size_t)s->srv->cfg->send_buffer;
-    int want_upstream_paused = s->upstream_paused ? s->out_bytes > high / 4 : s->out_bytes > high;
+    int want_upstream_paused = s->turns.paused ? s->out_bytes > high / 4 : s->out_bytes > high;
     int want_client_paused = s->client_paused ? s->out_bytes > high / 4 : s->out_bytes > 2 * high;
-    if (want_upstream_paused != s->upstream_paused) {
-        s->upstream_paused = want_upstream_paused;
+    if (want_upstream_paused != s->turns.paused)
         cg_turns_pause(&s->turns, want_upstream_paused);
-    }
     if (want_client_paused != s->client_paused) {
         s->client_paused = want_client_paused;
         lws_rx_flow_control(s->wsi, !want_client_paused);

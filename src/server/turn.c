@@ -627,29 +627,34 @@ void cg_turns_cancel_dialog(cg_turn_env *env, const char *key)
     turn_cancel(t, 0);
 }
 
+/* The chat turn of this user's dialog `room` running here: this connection's own, or another
+ * connection's (another tab) that holds the dialog's lock; NULL when none. */
+static cg_turn *room_turn(cg_turns *q, const char *room)
+{
+    cg_turn *t = q->inflight;
+    if (t && t->kind == CG_TURN_CHAT && strcmp(t->room, room) == 0)
+        return t;
+    char *key = cg_store_dialog_key(q->user, room);
+    t = dialog_turn(q->env, key);
+    free(key);
+    return t;
+}
+
 /*
  * Stops the reply in flight of the dialog (this user, room), wherever it runs: this
  * connection's (`own`: a cancel phrase; a context.clear waits its turn behind it instead),
- * another connection's here (another tab), or, through the store, another gateway's.
+ * another connection's here (another tab), or, through the store, another gateway's. A turn
+ * here that has not loaded its dialog may be waiting for another gateway's lease: that
+ * gateway is told too.
  */
 static void cancel_dialog(cg_turns *q, const char *room, int own)
 {
-    cg_turn *t = q->inflight;
-    int remote = 1; /* unless a turn here has the dialog: it may still wait for another's lease */
-    if (t && t->kind == CG_TURN_CHAT && strcmp(t->room, room) == 0) {
-        remote = !t->has_dialog;
-        if (own) {
-            cg_info("session %s: message %s stopped by a cancel phrase", q->name, t->id);
-            turn_cancel(t, 0);
-        }
-    } else {
-        char *key = cg_store_dialog_key(q->user, room);
-        cg_turn *o = dialog_turn(q->env, key);
-        if (o) {
-            remote = !o->has_dialog;
-            cg_turns_cancel_dialog(q->env, key);
-        }
-        free(key);
+    cg_turn *t = room_turn(q, room);
+    int remote = !t || !t->has_dialog;
+    if (t && (own || t->q != q)) {
+        cg_info("session %s: message %s stopped by a cancel %s", t->q->name, t->id,
+                t->q == q ? "phrase" : "from another connection");
+        turn_cancel(t, 0);
     }
     if (remote && q->env->store->ops->cancel_remote)
         q->env->store->ops->cancel_remote(q->env->store, q->user, room);
@@ -663,14 +668,8 @@ static void cancel_dialog(cg_turns *q, const char *room, int own)
  */
 static void cancel_on_arrival(cg_turns *q, const char *room, const char *text)
 {
-    int local = q->inflight && q->inflight->kind == CG_TURN_CHAT && strcmp(q->inflight->room, room) == 0;
-    if (!local && !q->env->store->ops->cancel_remote) {
-        char *key = cg_store_dialog_key(q->user, room);
-        local = dialog_turn(q->env, key) != NULL;
-        free(key);
-        if (!local)
-            return;
-    }
+    if (!q->env->store->ops->cancel_remote && !room_turn(q, room))
+        return;
     if (cg_rules_cancels(q->env->rules, text))
         cancel_dialog(q, room, 1);
 }

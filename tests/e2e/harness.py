@@ -1642,6 +1642,57 @@ class _RespReader:
         raise ConnectionError(f"unexpected RESP line {line!r}")
 
 
+async def wait_listening(port, proc, what, log_path, timeout=5.0):
+    """Wait until a process the test started accepts TCP connections on `port`; fail with
+    the end of its log when it exits first or does not listen within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            tail = Path(log_path).read_text(errors="replace")[-500:] if Path(log_path).exists() else ""
+            check(proc.poll() is None, f"{what} exited ({proc.returncode}): {tail}")
+            check(time.monotonic() < deadline, f"{what} did not listen on {port}: {tail}")
+            await asyncio.sleep(0.05)
+
+
+class Nutcracker:
+    """Debian's nutcracker (twemproxy) with hash_tag "{}" in front of Redis servers on
+    `redis_ports` (docs/state.md, Redis layout). `distribution: modula`: with `ketama` and
+    fnv1a_64, Debian's 0.5 put every test user on one shard of two (README, Many machines)."""
+
+    BINARY = "/usr/sbin/nutcracker"
+
+    def __init__(self, redis_ports):
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-nutcracker-"))
+        self.log = self.dir / "nutcracker.log"
+        servers = "".join(f"   - 127.0.0.1:{p}:1\n" for p in redis_ports)
+        (self.dir / "nutcracker.yml").write_text(
+            "chatgate:\n"
+            f"  listen: 127.0.0.1:{self.port}\n"
+            "  hash: fnv1a_64\n  distribution: modula\n  hash_tag: \"{}\"\n  redis: true\n"
+            "  timeout: 2000\n  auto_eject_hosts: false\n  servers:\n" + servers)
+        self.proc = None
+
+    async def start(self):
+        if not os.access(self.BINARY, os.X_OK):
+            fail("nutcracker not found (Debian package nutcracker; scripts/deps.sh test)")
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [self.BINARY, "-c", str(self.dir / "nutcracker.yml"), "-s", str(free_port()), "-a", "127.0.0.1"],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        await wait_listening(self.port, self.proc, "nutcracker", self.log)
+        return self
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 class RedisServer:
     """A redis-server of the test's own on a free port (no persistence, its own temp dir).
 

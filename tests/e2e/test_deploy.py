@@ -19,7 +19,6 @@ gateway binaries (--auth header) on one redis-server, and two state apps (harnes
 """
 import asyncio
 import os
-import re
 import shutil
 import signal
 import socket
@@ -79,16 +78,8 @@ class HAProxy:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([HAPROXY, "-db", "-f", str(self.config)], stdin=subprocess.DEVNULL,
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            check(self.proc.poll() is None, f"haproxy exited ({self.proc.returncode}): {self.log_text()[-500:]}")
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", self.port)
-                w.close()
-                return self
-            except OSError:
-                await asyncio.sleep(0.05)
-        harness.fail(f"haproxy did not listen on {self.port}: {self.log_text()[-500:]}")
+        await harness.wait_listening(self.port, self.proc, "haproxy", self.log_path)
+        return self
 
     def log_text(self):
         try:

@@ -43,7 +43,6 @@ import harness
 from harness import Client, check, check_turn_done, independent, step
 
 ADMIN_TOKEN = "hardening-redis-admin-token"
-NUTCRACKER = shutil.which("nutcracker") or "/usr/sbin/nutcracker"
 
 
 # ---- a front for Redis that can answer errors, stall, or pass the bytes on ----------------
@@ -461,48 +460,6 @@ async def part_writeback_bound(app, rules):
 # ---- defect 5: behind twemproxy ------------------------------------------------------------
 
 
-class Nutcracker:
-    def __init__(self, redis_port):
-        self.port = harness.free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-nutcracker-"))
-        (self.dir / "nutcracker.yml").write_text(
-            "chatgate:\n"
-            f"  listen: 127.0.0.1:{self.port}\n"
-            "  hash: fnv1a_64\n"
-            "  distribution: ketama\n"
-            "  hash_tag: \"{}\"\n"
-            "  redis: true\n"
-            "  timeout: 2000\n"
-            "  auto_eject_hosts: false\n"
-            "  servers:\n"
-            f"   - 127.0.0.1:{redis_port}:1\n")
-        self.proc = None
-
-    async def start(self):
-        if not os.access(NUTCRACKER, os.X_OK):
-            harness.fail("nutcracker not found (Debian package nutcracker; scripts/deps.sh test)")
-        self.log = self.dir / "nutcracker.log"
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [NUTCRACKER, "-c", str(self.dir / "nutcracker.yml"), "-s", str(harness.free_port()),
-                 "-a", "127.0.0.1"], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                writer.close()
-                return self
-            except OSError:
-                check(self.proc.poll() is None and time.monotonic() < deadline,
-                      f"nutcracker did not listen on {self.port}: {self.log.read_text(errors='replace')[-500:]}")
-                await asyncio.sleep(0.05)
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 async def admin_delete(gw, path):
     return await asyncio.to_thread(harness.http_request, gw.http_url + path, "DELETE",
                                    {"Authorization": f"Bearer {ADMIN_TOKEN}"})
@@ -526,7 +483,7 @@ async def check_never_degraded(gw, what):
 
 async def part_twemproxy(app, rules):
     redis = await harness.RedisServer().astart()
-    nut = await Nutcracker(redis.port).start()
+    nut = await harness.Nutcracker([redis.port]).start()
     url = f"redis://127.0.0.1:{nut.port}"
     user, room = "twem|user", "trip"
     env = {"CHATGATE_ADMIN_TOKEN": ADMIN_TOKEN}

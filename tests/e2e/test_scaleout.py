@@ -23,9 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -33,7 +31,6 @@ from harness import Client, check, step  # noqa: E402
 
 import websockets  # noqa: E402
 
-NUTCRACKER = shutil.which("nutcracker") or "/usr/sbin/nutcracker"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 
 
@@ -94,43 +91,6 @@ class CountingApp:
             pass
         finally:
             self.inflight[key] -= 1
-
-
-class Twemproxy:
-    """Debian's nutcracker with hash_tag "{}" in front of several Redis servers."""
-
-    def __init__(self, ports):
-        self.port = harness.free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-twem-"))
-        servers = "".join(f"   - 127.0.0.1:{p}:1\n" for p in ports)
-        (self.dir / "nutcracker.yml").write_text(
-            "chatgate:\n"
-            f"  listen: 127.0.0.1:{self.port}\n"
-            "  hash: fnv1a_64\n  distribution: modula\n  hash_tag: \"{}\"\n  redis: true\n"
-            "  timeout: 2000\n  auto_eject_hosts: false\n  servers:\n" + servers)
-        self.proc = None
-
-    async def start(self):
-        if not os.path.exists(NUTCRACKER):
-            harness.fail("nutcracker not found (Debian package nutcracker; scripts/deps.sh test)")
-        self.proc = subprocess.Popen(
-            [NUTCRACKER, "-c", str(self.dir / "nutcracker.yml"), "-s", str(harness.free_port()),
-             "-o", str(self.dir / "nutcracker.log")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", self.port)
-                w.close()
-                return self
-            except OSError:
-                await asyncio.sleep(0.05)
-        harness.fail(f"nutcracker did not listen on {self.port}")
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def cluster_port():
@@ -212,7 +172,7 @@ def commands_total(redis, skip=("ping", "info", "config", "select", "auth", "cli
 
 async def part_two_gateways(rules):
     shards = [await harness.RedisServer().astart(), await harness.RedisServer().astart()]
-    twem = await Twemproxy([s.port for s in shards]).start()
+    twem = await harness.Nutcracker([s.port for s in shards]).start()
     users = [f"user{u}" for u in range(10)]  # ten hash tags: both shards get some
     rooms = [f"room{r}" for r in range(2)]
     per_conn = 50  # 20 dialogs x 2 gateways x 50 = 2,000 turns
@@ -537,7 +497,7 @@ async def part_cluster(rules):
                 for n in nodes:
                     errors = error_stats(n)
                     check(not errors, f"errors on node {n.port}: {errors}")
-                print(f"   a gateway on each of the 3 masters: turns, clear, 0 errors")
+                print("   a gateway on each of the 3 masters: turns, clear, 0 errors")
     finally:
         single.cleanup(keep=True)
         for n in nodes:
