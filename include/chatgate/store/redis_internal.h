@@ -1,16 +1,18 @@
 /*
- * redis_internal.h: what the two halves of the Redis store share. Private: only
+ * redis_internal.h: what the parts of the Redis store share. Private: only
  * src/store/redis_*.c include it; the rest of the gateway knows the Redis store through
  * store.h alone (cg_store_redis_open and the ops table).
  *
- * The store is split along its one real seam:
- *   redis_conn.c    the connection's life: resolve, connect, the PING probe, AUTH/SELECT,
- *                   command timeouts, reconnect with backoff, degraded mode (answers from
- *                   memory), the dirty set and its write-back after an outage, open (the
- *                   URL) and close; the requests and their in-flight list (the command
- *                   timeout reads it);
- *   redis_dialog.c  the dialog operations: the keys, the EVAL scripts and their arguments,
- *                   load, save, remove, forget a user, reading the replies; the ops table.
+ * The store is split along its real seams:
+ *   redis_conn.c    the connection's life: Sentinel, resolve, connect, the PING probe,
+ *                   AUTH/SELECT, command timeouts, reconnect with backoff, degraded mode
+ *                   (answers from memory), the dirty set and its write-back after an outage,
+ *                   open (the URL) and close; the requests and their in-flight list (the
+ *                   command timeout reads it);
+ *   redis_dialog.c  the dialog operations: the keys, the scripts (EVALSHA) and their
+ *                   arguments, load, save, remove, forget a user, the dialog leases, reading
+ *                   the replies; the ops table;
+ *   redis_bus.c     the pub/sub connections that carry cancels between gateways.
  * Each half calls the other through the few cg_redis_ functions below: the operations need
  * requests, the in-flight list, the dirty set and the answers from memory; the connection
  * needs a save (for the write-back), the dispatch of waiting requests once it is decided,
