@@ -113,3 +113,9 @@ struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void 
     i.pwsi = pwsi;
     return lws_client_connect_via_info(&i);
 }
+
+void cg_net_kill_async(const cg_net *net, struct lws *wsi, int reason)
+{
+    lws_set_timeout(wsi, (enum pending_timeout)reason, LWS_TO_KILL_ASYNC);
+    lws_cancel_service(net->lws);
+}

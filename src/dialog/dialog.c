@@ -46,6 +46,74 @@ static size_t json_size(json_t *j)
     return json_dumpb(j, NULL, 0, JSON_COMPACT);
 }
 
+/* Close to json_size (strings count unescaped, numbers as 8), without formatting anything. */
+static size_t json_weight(json_t *j)
+{
+    size_t n = 0, i;
+    const char *k;
+    json_t *v;
+    switch (json_typeof(j)) {
+    case JSON_OBJECT:
+        n = 2;
+        json_object_foreach(j, k, v) n += strlen(k) + 4 + json_weight(v);
+        return n;
+    case JSON_ARRAY:
+        n = 2;
+        json_array_foreach(j, i, v) n += 1 + json_weight(v);
+        return n;
+    case JSON_STRING:
+        return json_string_length(j) + 2;
+    default:
+        return 8;
+    }
+}
+
+size_t cg_dialog_weight(const cg_dialog *d)
+{
+    size_t n = 128 + (d->service ? strlen(d->service) : 0); /* meta and the keys */
+    n += json_weight(d->params) + json_weight(d->history);
+    if (d->awaiting)
+        n += json_weight(d->awaiting);
+    if (d->soft)
+        n += json_weight(d->soft);
+    if (d->last_tool_result)
+        n += json_weight(d->last_tool_result);
+    return n;
+}
+
+/* A deep copy of j, or NULL when j is NULL; *ok cleared when out of memory. */
+static json_t *copy_part(json_t *j, int *ok)
+{
+    if (!j)
+        return NULL;
+    json_t *c = json_deep_copy(j);
+    if (!c)
+        *ok = 0;
+    return c;
+}
+
+int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
+{
+    int ok = 1;
+    *dst = *src;
+    dst->service = src->service ? strdup(src->service) : NULL;
+    if (src->service && !dst->service)
+        ok = 0;
+    dst->params = copy_part(src->params, &ok);
+    dst->awaiting = copy_part(src->awaiting, &ok);
+    dst->soft = copy_part(src->soft, &ok);
+    dst->last_tool_result = copy_part(src->last_tool_result, &ok);
+    /* history items are never changed once pushed: the copy shares them */
+    dst->history = json_array();
+    if (!dst->history || (src->history && json_array_extend(dst->history, src->history) < 0))
+        ok = 0;
+    if (!dst->params || !ok) {
+        cg_dialog_free(dst);
+        return -1;
+    }
+    return 0;
+}
+
 /* Merges params (name -> value, null forgets) into all[service]; 0, or -1 out of memory. */
 static int merge_service(json_t *all, const char *service, json_t *params)
 {

@@ -198,6 +198,7 @@ static void gateway_stop(cg_gateway *gw)
     uv_close((uv_handle_t *)&gw->sig_term, NULL);
     uv_close((uv_handle_t *)&gw->sig_int, NULL);
     uv_close((uv_handle_t *)&gw->sig_hup, NULL);
+    cg_flusher_close(&gw->srv.flusher);
     cg_ruleset_unref(gw->srv.turn.rules);
     gw->srv.turn.rules = NULL;
     json_decref(gw->srv.turn.locks); /* empty: every session has closed */
@@ -430,7 +431,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     }
     if (cg_worker_self() && cg_worker_listen(loop, gw->vhost, cfg->listen_host, cfg->listen_port, "listener") < 0)
         return -1;
-    gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
+    cg_flusher_init(&gw->srv.flusher, loop);
+    gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher};
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i]);

@@ -8,8 +8,10 @@
  *   - the receive buffer of the frame being reassembled (at most --max-frame bytes);
  *   - the frames waiting to be written (high-water mark send_buffer; deltas of one message
  *     coalesce into one pending frame, so a slow client holds text, not frames).
- * Frames are written only from LWS_CALLBACK_SERVER_WRITEABLE, one lws_write each. A
- * connection on the drop-in path is a session too, whose frames go to dropin.c.
+ * Queued frames are written at the end of the loop iteration (core/flush.h), as many as the
+ * socket takes; only a full socket waits for LWS_CALLBACK_SERVER_WRITEABLE. Close frames go
+ * from the writable callback. A connection on the drop-in path is a session too, whose
+ * frames go to dropin.c.
  */
 #include <uv.h>
 #include <libwebsockets.h>
@@ -19,6 +21,7 @@
 #include <string.h>
 
 #include "chatgate/core/error.h"
+#include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/proto/protocol.h"
@@ -57,6 +60,7 @@ struct cg_session {
     cg_out *out_head, *out_tail;
     size_t out_bytes;
     int client_paused;
+    cg_flush_item flush; /* registered while frames wait for the end of the iteration */
 
     cg_turns turns;    /* the messages of this connection (turn.h) */
     cg_dropin *dropin; /* drop-in mode: this connection speaks the app's protocol (dropin.h) */
@@ -96,6 +100,8 @@ static void session_flow(cg_session *s)
     }
 }
 
+static void session_flush(cg_flush_item *item);
+
 static void out_push(cg_session *s, cg_out *o)
 {
     if (s->out_tail)
@@ -103,7 +109,7 @@ static void out_push(cg_session *s, cg_out *o)
     else
         s->out_head = o;
     s->out_tail = o;
-    lws_callback_on_writable(s->wsi);
+    cg_flush_request(s->srv->net.flush, &s->flush, session_flush);
     session_flow(s);
 }
 
@@ -197,16 +203,10 @@ static int session_peer_close(cg_session *s, const void *in, size_t len)
     return -1;
 }
 
-/* Writes the frame at the head of the send queue. Returns -1 to close the connection. */
+/* Writes the frame at the head of the send queue. Returns -1 when the socket failed. */
 static int session_write_one(cg_session *s)
 {
     cg_out *o = s->out_head;
-    if (s->srv->closing_all && !o) /* shutdown: what was queued is out; a close frame, then the end */
-        return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
-    if (!o && s->unauthorized) /* the error frame is out: now the close frame */
-        return session_write_close(s, LWS_CLOSE_STATUS_POLICY_VIOLATION, "unauthorized");
-    if (!o)
-        return 0;
     s->out_head = o->next;
     if (!s->out_head)
         s->out_tail = NULL;
@@ -225,11 +225,40 @@ static int session_write_one(cg_session *s)
     int n = lws_write(s->wsi, buf + LWS_PRE, len, LWS_WRITE_TEXT);
     free(buf);
     s->srv->metrics.frames_out++;
-    if (n < (int)len)
-        return -1;
-    if (s->out_head || s->unauthorized || s->srv->closing_all) /* a close goes in a writable of its own */
+    return n < (int)len ? -1 : 0;
+}
+
+/*
+ * Writes queued frames while the socket takes them (lws keeps the part of a frame the
+ * kernel did not take and sends it before anything else). What is left waits for the
+ * writable callback, as does a close frame that is due. Returns -1 when the socket failed.
+ */
+static int session_write_queue(cg_session *s)
+{
+    while (s->out_head && !lws_partial_buffered(s->wsi))
+        if (session_write_one(s) < 0)
+            return -1;
+    if (s->out_head || s->unauthorized || s->srv->closing_all)
         lws_callback_on_writable(s->wsi);
     session_flow(s);
+    return 0;
+}
+
+static void session_flush(cg_flush_item *item)
+{
+    cg_session *s = (cg_session *)((char *)item - offsetof(cg_session, flush));
+    if (session_write_queue(s) < 0) /* not inside this wsi's callback: lws closes it soon */
+        cg_net_kill_async(&s->srv->net, s->wsi, PENDING_TIMEOUT_CLOSE_SEND);
+}
+
+static int session_writable(cg_session *s)
+{
+    if (s->out_head)
+        return session_write_queue(s);
+    if (s->srv->closing_all) /* shutdown: what was queued is out; a close frame, then the end */
+        return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
+    if (s->unauthorized) /* the error frame is out: now the close frame */
+        return session_write_close(s, LWS_CLOSE_STATUS_POLICY_VIOLATION, "unauthorized");
     return 0;
 }
 
@@ -422,6 +451,7 @@ static void session_close(cg_session *s)
         s->dropin = NULL;
     }
     cg_turns_close(&s->turns);
+    cg_flush_cancel(&s->flush);
     while (s->out_head) {
         cg_out *o = s->out_head;
         s->out_head = o->next;
@@ -477,7 +507,7 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
     case LWS_CALLBACK_SERVER_WRITEABLE:
         if (s->dropin && s->srv->closing_all && cg_dropin_client_idle(s->dropin))
             return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
-        return s->dropin ? cg_dropin_client_writable(s->dropin) : session_write_one(s);
+        return s->dropin ? cg_dropin_client_writable(s->dropin) : session_writable(s);
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
         return session_peer_close(s, in, len);
     case LWS_CALLBACK_CLOSED:

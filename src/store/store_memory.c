@@ -2,46 +2,58 @@
  * store_memory.c: dialogs in this process, with the same lifetimes the Redis layout gets
  * from key expiry, and two bounds on what is held: a number of dialogs and a number of bytes.
  *
- * The table is a jansson object, whose keys keep insertion order: a dialog used is deleted
- * and set again, so it moves to the end, and the first key is always the least recently
- * used, the one to evict. Each entry is {"d": dialog JSON, "dialog_exp", "params_exp",
- * "history_exp", "bytes"}: parts past their time read as empty, as Redis keys would have
- * expired. "bytes" is what the entry counts against the byte bound: the length of its key
- * and of its dialog as compact JSON, so a few dialogs of 1 MiB replies weigh what they are.
+ * The table is a binary tree of entries by key (POSIX tsearch) and a list of the same entries
+ * in order of use, least recent first: the one to evict. An entry holds its own copy of the
+ * dialog (cg_dialog_copy: the small parts copied, the history's items shared, as nobody
+ * changes them), its lifetimes and its weight, so a turn's load and save cost a copy of
+ * the dialog's parts and no JSON text: parts past their time read as empty, as Redis keys
+ * would have expired. The weight is what the entry counts against the byte bound: its key
+ * and its dialog about as compact JSON (cg_dialog_weight), so a few dialogs of 1 MiB
+ * replies weigh what they are.
  *
- * Eviction takes the oldest entry by its own key (no copy into a buffer, so keys of any
- * length go) and stops when an eviction frees nothing, so the loop cannot spin. The entry
- * just written is never evicted: a dialog larger than the byte bound alone is still kept,
- * until the next write pushes it out.
+ * Eviction takes the oldest entry and stops when an eviction frees nothing, so the loop
+ * cannot spin. The entry just written is never evicted: a dialog larger than the byte
+ * bound alone is still kept, until the next write pushes it out.
  *
  * The store's ops answer on the next loop iteration (a zero timer), never from inside the
  * call, as store.h promises.
  */
+#include <search.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
 
+typedef struct mem_entry {
+    struct mem_entry *older, *newer; /* the use order */
+    cg_dialog d;
+    int64_t dialog_exp, params_exp, history_exp;
+    size_t bytes;    /* the key's length and the dialog's weight */
+    const char *key; /* stored right after the entry */
+} mem_entry;
+
 struct cg_memstore {
-    json_t *entries;
+    void *tree;              /* of mem_entry *, by key */
+    mem_entry *oldest, *newest;
+    long count;
     long max_dialogs;
     size_t max_bytes;
-    size_t bytes; /* the sum of the entries' "bytes" */
+    size_t bytes; /* the sum of the entries' bytes */
     cg_lifetimes lt;
     cg_store_stats *stats;
 };
+
+static int by_key(const void *a, const void *b)
+{
+    return strcmp(((const mem_entry *)a)->key, ((const mem_entry *)b)->key);
+}
 
 cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_stats *stats)
 {
     cg_memstore *m = calloc(1, sizeof(*m));
     if (!m)
         return NULL;
-    m->entries = json_object();
-    if (!m->entries) {
-        free(m);
-        return NULL;
-    }
     m->max_dialogs = max_dialogs;
     m->max_bytes = CG_MEMSTORE_DEFAULT_MAX_BYTES;
     m->lt = *lt;
@@ -59,74 +71,80 @@ size_t cg_memstore_bytes(cg_memstore *m)
     return m->bytes;
 }
 
-void cg_memstore_free(cg_memstore *m)
-{
-    if (!m)
-        return;
-    json_decref(m->entries);
-    free(m);
-}
-
-static int64_t exp_of(json_t *entry, const char *key)
-{
-    json_t *v = json_object_get(entry, key);
-    return json_is_integer(v) ? (int64_t)json_integer_value(v) : 0;
-}
-
-static size_t bytes_of(json_t *entry)
-{
-    json_t *v = json_object_get(entry, "bytes");
-    return json_is_integer(v) && json_integer_value(v) > 0 ? (size_t)json_integer_value(v) : 0;
-}
-
 static void publish_bytes(cg_memstore *m)
 {
     if (m->stats)
         m->stats->memory_bytes = m->bytes;
 }
 
-/* Deletes key's entry, if any, and takes its bytes off the total. */
-static void entry_drop(cg_memstore *m, const char *key)
+static void order_unlink(cg_memstore *m, mem_entry *e)
 {
-    json_t *entry = json_object_get(m->entries, key);
-    if (!entry)
-        return;
-    size_t n = bytes_of(entry);
-    m->bytes -= n < m->bytes ? n : m->bytes;
-    json_object_del(m->entries, key);
+    if (e->older)
+        e->older->newer = e->newer;
+    else
+        m->oldest = e->newer;
+    if (e->newer)
+        e->newer->older = e->older;
+    else
+        m->newest = e->older;
+    e->older = e->newer = NULL;
+}
+
+static void order_append(cg_memstore *m, mem_entry *e)
+{
+    e->older = m->newest;
+    e->newer = NULL;
+    if (m->newest)
+        m->newest->newer = e;
+    else
+        m->oldest = e;
+    m->newest = e;
+}
+
+static mem_entry *entry_find(cg_memstore *m, const char *key)
+{
+    mem_entry probe = {.key = key};
+    void **found = tfind(&probe, &m->tree, by_key);
+    return found ? *found : NULL;
+}
+
+/* Removes e from the table and frees it, taking its bytes off the total. */
+static void entry_drop(cg_memstore *m, mem_entry *e)
+{
+    tdelete(e, &m->tree, by_key);
+    order_unlink(m, e);
+    m->count--;
+    m->bytes -= e->bytes < m->bytes ? e->bytes : m->bytes;
     publish_bytes(m);
+    cg_dialog_free(&e->d);
+    free(e);
+}
+
+void cg_memstore_free(cg_memstore *m)
+{
+    if (!m)
+        return;
+    while (m->oldest)
+        entry_drop(m, m->oldest);
+    free(m);
 }
 
 /* Which bound is passed, if any: "count", "bytes" or NULL. */
 static const char *over_bound(const cg_memstore *m)
 {
-    if ((long)json_object_size(m->entries) > m->max_dialogs)
+    if (m->count > m->max_dialogs)
         return "count";
     if (m->bytes > m->max_bytes)
         return "bytes";
     return NULL;
 }
 
-/*
- * Evicts least recently used entries until both bounds hold, keeping the newest one.
- * Every turn removes an entry or stops: a key that cannot be deleted ends the loop with
- * an error instead of spinning on it.
- */
+/* Evicts least recently used entries until both bounds hold, keeping the newest one. */
 static void evict(cg_memstore *m)
 {
     const char *reason;
-    while ((reason = over_bound(m)) != NULL && json_object_size(m->entries) > 1) {
-        size_t before = json_object_size(m->entries);
-        const char *oldest = json_object_iter_key(json_object_iter(m->entries));
-        char *key = oldest ? strdup(oldest) : NULL; /* its own copy: the entry's key dies with it */
-        if (key)
-            entry_drop(m, key);
-        free(key);
-        if (json_object_size(m->entries) >= before) {
-            cg_error("memory store: could not evict the least recently used dialog; %zu held, %zu bytes",
-                     before, m->bytes);
-            return;
-        }
+    while ((reason = over_bound(m)) != NULL && m->count > 1) {
+        entry_drop(m, m->oldest);
         if (m->stats) {
             if (strcmp(reason, "bytes") == 0)
                 m->stats->evictions_bytes++;
@@ -138,61 +156,68 @@ static void evict(cg_memstore *m)
 
 int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
 {
-    json_t *entry = json_object_get(m->entries, key);
-    if (!entry || exp_of(entry, "dialog_exp") <= now) {
-        entry_drop(m, key);
+    mem_entry *e = entry_find(m, key);
+    if (e && e->dialog_exp <= now) {
+        entry_drop(m, e);
+        e = NULL;
+    }
+    if (!e || cg_dialog_copy(d, &e->d) < 0) {
         cg_dialog_init(d, now);
         return 0;
     }
-    cg_dialog_from_json(d, json_object_get(entry, "d"), now);
-    if (exp_of(entry, "params_exp") <= now) {
+    cg_dialog_expire(d, now);
+    if (e->params_exp <= now) {
         json_decref(d->params);
         d->params = json_object();
     }
-    if (exp_of(entry, "history_exp") <= now) {
+    if (e->history_exp <= now) {
         json_decref(d->history);
         d->history = json_array();
     }
     /* most recently used: to the end of the order */
-    size_t n = bytes_of(entry); /* read first: a failed set below frees the entry */
-    json_incref(entry);
-    json_object_del(m->entries, key);
-    if (json_object_set_new(m->entries, key, entry) < 0) { /* out of memory: the entry is gone */
-        m->bytes -= n < m->bytes ? n : m->bytes;
-        publish_bytes(m);
-    }
+    order_unlink(m, e);
+    order_append(m, e);
     return 1;
-}
-
-/* The entry kept for d: its dialog, lifetimes and weight; NULL when out of memory. */
-static json_t *entry_new(const cg_memstore *m, const char *key, const cg_dialog *d, int64_t now)
-{
-    json_t *dj = cg_dialog_to_json(d);
-    if (!dj)
-        return NULL;
-    size_t bytes = strlen(key) + json_dumpb(dj, NULL, 0, JSON_COMPACT);
-    return json_pack("{s:o, s:I, s:I, s:I, s:I}", "d", dj, "dialog_exp", (json_int_t)(now + m->lt.dialog_s),
-                     "params_exp", (json_int_t)(now + m->lt.params_s), "history_exp",
-                     (json_int_t)(now + m->lt.history_s), "bytes", (json_int_t)bytes);
 }
 
 void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now)
 {
-    json_t *entry = entry_new(m, key, d, now);
-    entry_drop(m, key);
-    if (!entry || json_object_set_new(m->entries, key, entry) < 0) {
+    mem_entry *old = entry_find(m, key);
+    if (old)
+        entry_drop(m, old);
+    size_t n = strlen(key);
+    mem_entry *e = calloc(1, sizeof(*e) + n + 1);
+    if (!e || cg_dialog_copy(&e->d, d) < 0) {
         /* what was held is older than what the caller has: better none than a stale one */
+        free(e);
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
     }
-    m->bytes += bytes_of(entry);
+    memcpy(e + 1, key, n + 1);
+    e->key = (const char *)(e + 1);
+    e->dialog_exp = now + m->lt.dialog_s;
+    e->params_exp = now + m->lt.params_s;
+    e->history_exp = now + m->lt.history_s;
+    e->bytes = n + cg_dialog_weight(d);
+    void **slot = tsearch(e, &m->tree, by_key);
+    if (!slot || *slot != e) {
+        cg_dialog_free(&e->d);
+        free(e);
+        cg_error("memory store: out of memory keeping a dialog; it was dropped");
+        return;
+    }
+    order_append(m, e);
+    m->count++;
+    m->bytes += e->bytes;
     publish_bytes(m);
     evict(m);
 }
 
 void cg_memstore_del(cg_memstore *m, const char *key)
 {
-    entry_drop(m, key);
+    mem_entry *e = entry_find(m, key);
+    if (e)
+        entry_drop(m, e);
 }
 
 int cg_memstore_del_user(cg_memstore *m, const char *user)
@@ -200,12 +225,10 @@ int cg_memstore_del_user(cg_memstore *m, const char *user)
     char *prefix = cg_store_dialog_key(user, ""); /* "<user>:" */
     size_t n = strlen(prefix);
     int deleted = 0;
-    const char *key;
-    json_t *v;
-    void *tmp;
-    json_object_foreach_safe(m->entries, tmp, key, v) {
-        if (strncmp(key, prefix, n) == 0) {
-            entry_drop(m, key);
+    for (mem_entry *e = m->oldest, *next; e; e = next) {
+        next = e->newer;
+        if (strncmp(e->key, prefix, n) == 0) {
+            entry_drop(m, e);
             deleted++;
         }
     }
@@ -215,12 +238,7 @@ int cg_memstore_del_user(cg_memstore *m, const char *user)
 
 long cg_memstore_count(cg_memstore *m)
 {
-    return (long)json_object_size(m->entries);
-}
-
-json_t *cg_memstore_entries(cg_memstore *m)
-{
-    return m->entries;
+    return m->count;
 }
 
 /* ---- the store ops: the table above, answering from the loop ------------------------- */

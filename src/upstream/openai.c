@@ -90,7 +90,7 @@ static void call_end(cg_upstream_call *c)
     }
     uv_close((uv_handle_t *)&c->timer, timer_closed);
     if (c->wsi)
-        lws_set_timeout(c->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT, LWS_TO_KILL_ASYNC);
+        cg_net_kill_async(c->up->net, c->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT);
 }
 
 /* Ends the call with an error; error is the server's own error object (borrowed) or NULL. */

@@ -172,7 +172,7 @@ static void conn_kill(ws_conn *k)
     if (k->wsi && k->open) /* a close frame (1001) first, at the next writable */
         lws_callback_on_writable(k->wsi);
     else if (k->wsi)
-        lws_set_timeout(k->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT, LWS_TO_KILL_ASYNC);
+        cg_net_kill_async(k->up->net, k->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT);
 }
 
 /* The connection is dead: says goodbye with a close frame, then goes. */

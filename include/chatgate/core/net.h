@@ -16,6 +16,7 @@ typedef struct cg_net {
     uv_loop_t *loop;
     struct lws_context *lws;
     struct lws_vhost *vhost;
+    struct cg_flusher *flush; /* output written once per loop iteration (flush.h) */
 } cg_net;
 
 /*
@@ -47,5 +48,13 @@ typedef struct cg_connect_spec {
  * lws stores the wsi in *pwsi before any callback. NULL on failure (a CLIENT_CONNECTION_ERROR
  * callback may already have run). */
 struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void *opaque, struct lws **pwsi);
+
+/*
+ * Closes wsi soon, from anywhere on the loop (lws_set_timeout with LWS_TO_KILL_ASYNC, and
+ * `reason` for lws's log). lws 4.1 on libuv looks at its timeouts only after it serviced a
+ * socket, so a kill asked from our own timer or flush would wait for the next unrelated
+ * event; lws_cancel_service() makes that event now.
+ */
+void cg_net_kill_async(const cg_net *net, struct lws *wsi, int reason);
 
 #endif

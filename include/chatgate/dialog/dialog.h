@@ -35,6 +35,14 @@ typedef struct cg_dialog {
 /* A new, empty dialog created at now. */
 void cg_dialog_init(cg_dialog *d, int64_t now);
 void cg_dialog_free(cg_dialog *d);
+/*
+ * Copies src into dst (uninitialised): params, awaiting, soft context and tool result are
+ * deep copies, the history a new array of the same items, which nobody changes once pushed
+ * (cg_dialog_push_history makes a new one each time). 0, or -1 out of memory (dst empty).
+ */
+int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src);
+/* About what d weighs as compact JSON, counted without building it (memory store bound). */
+size_t cg_dialog_weight(const cg_dialog *d);
 /* Drops awaiting and soft context whose time is up. */
 void cg_dialog_expire(cg_dialog *d, int64_t now);
 

@@ -15,6 +15,7 @@
 #include <stddef.h>
 
 #include "chatgate/config/config.h"
+#include "chatgate/core/flush.h"
 #include "chatgate/core/metrics.h"
 #include "chatgate/core/net.h"
 #include "chatgate/server/turn.h"
@@ -22,7 +23,8 @@
 
 typedef struct cg_server {
     const cg_config *cfg;
-    cg_net net;                /* the loop, lws context and vhost */
+    cg_net net;                /* the loop, lws context, vhost and flusher */
+    cg_flusher flusher;        /* net.flush */
     cg_turn_env turn;          /* what every turn gets; points into the members below */
     cg_metrics metrics;
     cg_upstream upstreams[CG_MAX_UPSTREAMS];

@@ -134,8 +134,8 @@ char *cg_store_escape(const char *id);
 typedef struct cg_memstore cg_memstore;
 /* The byte bound a new memory store starts with: 256 MiB. */
 cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_stats *stats);
-/* Bounds the store in bytes as well (its key and its dialog as compact JSON count for each
- * entry); least recently used entries go first, the one just written never. */
+/* Bounds the store in bytes as well (its key and about its dialog as compact JSON count for
+ * each entry, cg_dialog_weight); least recently used entries go first, the one just written never. */
 void cg_memstore_set_max_bytes(cg_memstore *m, size_t max_bytes);
 /* The bytes held now, by that measure. */
 size_t cg_memstore_bytes(cg_memstore *m);
@@ -147,8 +147,6 @@ void cg_memstore_del(cg_memstore *m, const char *key);
 /* Deletes every dialog of user (keys "<escaped user>:..."); returns how many. */
 int cg_memstore_del_user(cg_memstore *m, const char *user);
 long cg_memstore_count(cg_memstore *m);
-/* The dialog keys held, oldest use first (a borrowed object: key -> entry). */
-json_t *cg_memstore_entries(cg_memstore *m);
 
 cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg);
 cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, size_t errlen);

@@ -1,0 +1,45 @@
+#ifndef CHATGATE_CORE_FLUSH_H
+#define CHATGATE_CORE_FLUSH_H
+/*
+ * flush.h: connection output written once per turn of the event loop.
+ *
+ * A frame queued for a WebSocket used to wait for that connection's writable callback, and
+ * lws, on libuv, turns each lws_callback_on_writable() into a poll change: uv_poll_start()
+ * removes and re-adds the descriptor (two epoll_ctl calls to arm POLLOUT, two more to drop
+ * it), about four system calls for every frame sent (docs/architecture.md, "Writing"). A
+ * socket with room needs none of that. So a connection with output pending registers here,
+ * and one uv_check handle, which runs once per loop iteration after the I/O callbacks, calls
+ * each registered connection's flush function: it writes what it has while the socket takes
+ * it (lws_partial_buffered() false), and asks for a writable callback only when the kernel's
+ * buffer is full. Frames produced together (the deltas and the done read from one upstream
+ * packet) go out together, and a delta still pending when more text comes grows instead of
+ * adding a frame.
+ *
+ * Items are intrusive (the connection's own struct holds one), so registering allocates
+ * nothing; an item must be cancelled before its owner is freed. One flusher per loop, on
+ * the loop's thread only.
+ */
+#include <uv.h>
+
+typedef struct cg_flush_item {
+    struct cg_flush_item *next;
+    struct cg_flush_item **pprev; /* NULL while not registered */
+    void (*flush)(struct cg_flush_item *item);
+} cg_flush_item;
+
+typedef struct cg_flusher {
+    uv_check_t check;
+    cg_flush_item *head;
+    int started;
+} cg_flusher;
+
+void cg_flusher_init(cg_flusher *f, uv_loop_t *loop);
+/* Closes the handle (the loop must still run for it); registered items are dropped. */
+void cg_flusher_close(cg_flusher *f);
+
+/* Registers item (its flush runs at the end of this loop iteration); a no-op if it already is. */
+void cg_flush_request(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
+/* Unregisters item if it is registered. */
+void cg_flush_cancel(cg_flush_item *item);
+
+#endif
