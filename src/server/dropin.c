@@ -29,6 +29,7 @@
 #include "chatgate/config/dropin_config.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/wsrx.h"
 #include "chatgate/core/net.h"
 #include "chatgate/core/utf8.h"
 #include "chatgate/proto/dropin_map.h"
@@ -87,9 +88,7 @@ struct cg_dropin {
     char origin[256]; /* the client's Origin header, passed on */
     char *suppress_id; /* a cancelled reply not relayed (no cancel frame) */
     int suppressing;
-    char *app_rx;   /* the app frame being reassembled */
-    size_t app_rx_len, app_rx_cap;
-    int app_rx_too_large;
+    cg_wsrx app_rx; /* the app frame being reassembled */
 };
 
 /* ---- queues ---------------------------------------------------------------------------- */
@@ -216,7 +215,7 @@ static void dropin_unref(cg_dropin *d)
     }
     free(d->path);
     free(d->subprotocol);
-    free(d->app_rx);
+    cg_wsrx_done(&d->app_rx);
     free(d->suppress_id);
     free(d);
 }
@@ -463,28 +462,6 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     cg_dropin_app_frame_clear(&a);
 }
 
-/* Appends a fragment (lws hands them over 4 KiB at a time) to the frame being reassembled, up
- * to max bytes: the buffer grows by doubling (kept between frames up to 64 KiB), so a frame of n
- * bytes costs O(n) copying, not one realloc of the whole per fragment. NULL when over max. */
-static char *rx_buf_append(char **rx, size_t *rx_len, size_t *rx_cap, const void *in, size_t len, size_t max)
-{
-    if (*rx_len + len > max)
-        return NULL;
-    if (*rx_len + len + 1 > *rx_cap) {
-        size_t cap = *rx_cap ? *rx_cap : 4096;
-        while (cap < *rx_len + len + 1)
-            cap *= 2;
-        char *n = realloc(*rx, cap);
-        if (!n)
-            abort();
-        *rx = n;
-        *rx_cap = cap;
-    }
-    memcpy(*rx + *rx_len, in, len);
-    *rx_len += len;
-    return *rx;
-}
-
 int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
 {
     cg_dropin *d = lws_get_opaque_user_data(wsi);
@@ -535,28 +512,20 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         flush_to_app(d);
         return 0;
     }
-    case LWS_CALLBACK_CLIENT_RECEIVE: /* reassembled up to 16 x --max-frame */
-        if (lws_is_first_fragment(wsi)) {
-            d->app_rx_len = 0;
-            d->app_rx_too_large = 0;
-        }
-        if (!d->app_rx_too_large &&
-            !rx_buf_append(&d->app_rx, &d->app_rx_len, &d->app_rx_cap, in, len, (size_t)d->srv->cfg->max_frame * 16))
-            d->app_rx_too_large = 1;
-        if (!lws_is_final_fragment(wsi))
+    case LWS_CALLBACK_CLIENT_RECEIVE: { /* reassembled up to 16 x --max-frame */
+        const char *msg;
+        size_t msg_len;
+        if (!cg_wsrx_feed(&d->app_rx, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len,
+                          (size_t)d->srv->cfg->max_frame * 16, &msg, &msg_len))
             return 0;
-        if (d->app_rx_too_large) { /* never dropped silently: the client is told, with 1009 */
+        if (!msg) { /* never dropped silently: the client is told, with 1009 */
             cg_warn("dropin: the app sent a frame over the limit (16 x max_frame): closing the client with 1009");
             close_client(d, 1009, "the app sent a frame over the gateway's limit");
         } else
-            on_app_frame(d, d->app_rx ? d->app_rx : "", d->app_rx_len, lws_frame_is_binary(wsi));
-        d->app_rx_len = 0;
-        if (d->app_rx_cap > 64 * 1024) { /* an idle connection keeps a small buffer, not its largest frame */
-            free(d->app_rx);
-            d->app_rx = NULL;
-            d->app_rx_cap = 0;
-        }
+            on_app_frame(d, msg, msg_len, lws_frame_is_binary(wsi));
+        cg_wsrx_done(&d->app_rx);
         return 0;
+    }
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
         /* the client gets the app's code and reason, when they may be sent on (RFC 6455 7.4);
          * a bad close frame from the app is the app's failure: 1011 */

@@ -5,7 +5,8 @@
  * them) and the turn's events into frames. State lives in struct cg_session, which
  * libwebsockets allocates (zeroed) per connection and frees after LWS_CALLBACK_CLOSED. Two
  * bounded buffers hang off it, besides the turns' queue:
- *   - the receive buffer of the frame being reassembled (at most --max-frame bytes);
+ *   - the receive buffer of a frame that came in pieces, only until it is whole (at most
+ *     --max-frame bytes; core/wsrx.h);
  *   - the frames waiting to be written (high-water mark send_buffer; deltas of one message
  *     coalesce into one pending frame, so a slow client holds text, not frames).
  * Queued frames are written at the end of the loop iteration (core/flush.h), as many as the
@@ -23,6 +24,7 @@
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/wsrx.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/dropin.h"
@@ -53,9 +55,7 @@ struct cg_session {
     char session_id[24];
     unsigned long auto_id;
 
-    char *rx; /* the frame being reassembled */
-    size_t rx_len;
-    int rx_too_large;
+    cg_wsrx rx; /* the frame being reassembled */
 
     cg_out *out_head, *out_tail;
     size_t out_bytes;
@@ -353,52 +353,35 @@ static void session_on_frame(cg_session *s, const char *buf, size_t len)
     cg_client_frame_clear(&f);
 }
 
-/* Reassembles one frame from its fragments, within --max-frame. */
+/* Reassembles one frame from its fragments, within --max-frame (core/wsrx.h). */
 static void session_on_receive(cg_session *s, const char *in, size_t len)
 {
     struct lws *wsi = s->wsi;
     size_t max = (size_t)s->srv->cfg->max_frame;
-    if (s->unauthorized)
-        return;
-    if (lws_is_first_fragment(wsi)) {
-        s->rx_len = 0;
-        s->rx_too_large = 0;
-    }
-    if (!s->rx_too_large) {
-        if (s->rx_len + len > max) {
-            s->rx_too_large = 1; /* read and drop the rest, answer at the end */
-        } else {
-            if (!s->rx) {
-                s->rx = malloc(max);
-                if (!s->rx)
-                    abort();
-            }
-            memcpy(s->rx + s->rx_len, in, len);
-            s->rx_len += len;
-        }
-    }
-    if (!lws_is_final_fragment(wsi))
+    const char *msg;
+    size_t msg_len;
+    if (s->unauthorized ||
+        !cg_wsrx_feed(&s->rx, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len, max, &msg, &msg_len))
         return;
     if (s->dropin) { /* the app's protocol: frames of any kind go to drop-in */
-        if (s->rx_too_large) {
+        if (!msg) {
             cg_warn("session %s: a drop-in frame over the %zu-byte limit: closing with 1009", s->session_id, max);
             cg_dropin_client_refuse(s->dropin, 1009, "frame over the gateway's max_frame");
         } else
-            cg_dropin_client_frame(s->dropin, s->rx ? s->rx : "", s->rx_len, lws_frame_is_binary(wsi));
-        s->rx_len = 0;
-        return;
-    }
-    s->srv->metrics.frames_in++;
-    char err[128];
-    if (lws_frame_is_binary(wsi)) {
-        session_send_error(s, NULL, CG_E_BAD_FRAME, "binary frames are not accepted: send JSON text frames");
-    } else if (s->rx_too_large) {
-        snprintf(err, sizeof(err), "the frame is over the %zu-byte limit", max);
-        session_send_error(s, NULL, CG_E_TOO_LARGE, err);
+            cg_dropin_client_frame(s->dropin, msg, msg_len, lws_frame_is_binary(wsi));
     } else {
-        session_on_frame(s, s->rx, s->rx_len);
+        s->srv->metrics.frames_in++;
+        char err[128];
+        if (lws_frame_is_binary(wsi)) {
+            session_send_error(s, NULL, CG_E_BAD_FRAME, "binary frames are not accepted: send JSON text frames");
+        } else if (!msg) {
+            snprintf(err, sizeof(err), "the frame is over the %zu-byte limit", max);
+            session_send_error(s, NULL, CG_E_TOO_LARGE, err);
+        } else {
+            session_on_frame(s, msg, msg_len);
+        }
     }
-    s->rx_len = 0;
+    cg_wsrx_done(&s->rx);
 }
 
 /* ---- the connection ------------------------------------------------------------------- */
@@ -457,7 +440,7 @@ static void session_close(cg_session *s)
         s->out_head = o->next;
         out_free(o);
     }
-    free(s->rx);
+    cg_wsrx_done(&s->rx);
     s->established = 0;
     srv->n_sessions--;
     cg_info("session %s: closed (%ld connected)", s->session_id, srv->n_sessions);

@@ -21,7 +21,9 @@
 #include <string.h>
 
 #include "chatgate/core/error.h"
+#include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/wsrx.h"
 #include "chatgate/upstream/upstream.h"
 
 #define MAX_APP_FRAME (1 << 20) /* one frame from the app */
@@ -47,9 +49,8 @@ typedef struct ws_conn {
     cg_upstream_call *call; /* the message in flight */
     pending *out_head, *out_tail;
     int n_out;
-    char *rx;
-    size_t rx_len;
-    int rx_too_large;
+    cg_flush_item flush; /* registered while frames wait for the end of the iteration */
+    cg_wsrx rx; /* an app frame in pieces (core/wsrx.h) */
     int paused;
     char close_reason[128];
     int close_sent;
@@ -79,7 +80,7 @@ static void conn_unref(ws_conn *k)
         free(p->json);
         free(p);
     }
-    free(k->rx);
+    cg_wsrx_done(&k->rx);
     free(k);
 }
 
@@ -168,6 +169,7 @@ static void conn_kill(ws_conn *k)
         cg_resolve_abandon(k->resolve);
         k->resolve = NULL;
     }
+    cg_flush_cancel(&k->flush);
     uv_close((uv_handle_t *)&k->timer, timer_closed);
     if (k->wsi && k->open) /* a close frame (1001) first, at the next writable */
         lws_callback_on_writable(k->wsi);
@@ -191,6 +193,8 @@ static int write_close(ws_conn *k, struct lws *wsi)
     return 0;
 }
 
+static void conn_flush(cg_flush_item *item);
+
 /* Takes json (NULL: it could not be built, -1). */
 static int queue_frame(ws_conn *k, char *json)
 {
@@ -211,7 +215,7 @@ static int queue_frame(ws_conn *k, char *json)
     k->out_tail = p;
     k->n_out++;
     if (k->open && k->wsi)
-        lws_callback_on_writable(k->wsi);
+        cg_flush_request(k->up->net->flush, &k->flush, conn_flush);
     return 0;
 }
 
@@ -295,26 +299,18 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
 
 static void on_receive(ws_conn *k, struct lws *wsi, const char *in, size_t len)
 {
-    if (lws_is_first_fragment(wsi)) {
-        k->rx_len = 0;
-        k->rx_too_large = 0;
-    }
-    if (!k->rx_too_large) {
-        if (k->rx_len + len > MAX_APP_FRAME) {
-            k->rx_too_large = 1;
-        } else {
-            if (!k->rx && !(k->rx = malloc(MAX_APP_FRAME)))
-                abort();
-            memcpy(k->rx + k->rx_len, in, len);
-            k->rx_len += len;
-        }
-    }
-    if (!lws_is_final_fragment(wsi) || lws_frame_is_binary(wsi))
+    const char *msg;
+    size_t msg_len;
+    if (!cg_wsrx_feed(&k->rx, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len, MAX_APP_FRAME, &msg,
+                      &msg_len))
         return;
-    if (k->rx_too_large)
+    if (lws_frame_is_binary(wsi))
+        ; /* not ours: ignored */
+    else if (!msg)
         call_fail(k, CG_E_UPSTREAM_ERROR, NULL, "sent a frame over %d bytes", MAX_APP_FRAME);
     else
-        on_app_frame(k, k->rx, k->rx_len);
+        on_app_frame(k, msg, msg_len);
+    cg_wsrx_done(&k->rx);
 }
 
 /* ---- the connection ------------------------------------------------------------------- */
@@ -345,11 +341,28 @@ static int write_one(ws_conn *k, struct lws *wsi)
     free(buf);
     free(p->json);
     free(p);
-    if (n < (int)len)
-        return -1;
+    return n < (int)len ? -1 : 0;
+}
+
+/* Writes queued frames while the socket takes them; the rest waits for the writable
+ * callback (core/flush.h). Returns -1 when the socket failed. */
+static int write_queue(ws_conn *k, struct lws *wsi)
+{
+    while (k->out_head && !lws_partial_buffered(wsi))
+        if (write_one(k, wsi) < 0)
+            return -1;
     if (k->out_head)
         lws_callback_on_writable(wsi);
     return 0;
+}
+
+static void conn_flush(cg_flush_item *item)
+{
+    ws_conn *k = (ws_conn *)((char *)item - offsetof(ws_conn, flush));
+    if (!k->dead && k->open && k->wsi && write_queue(k, k->wsi) < 0) {
+        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost while sending");
+        conn_kill(k);
+    }
 }
 
 int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
@@ -370,7 +383,7 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
     case LWS_CALLBACK_CLIENT_WRITEABLE:
         if (k->dead)
             return write_close(k, wsi);
-        return write_one(k, wsi);
+        return write_queue(k, wsi);
     case LWS_CALLBACK_CLIENT_RECEIVE:
         if (k->dead)
             return -1;
