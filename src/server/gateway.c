@@ -432,8 +432,11 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         return -1;
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost};
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
-    for (int i = 0; i < cfg->n_upstreams; i++)
+    for (int i = 0; i < cfg->n_upstreams; i++) {
         cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i]);
+        gw->srv.upstreams[i].metrics = &gw->srv.metrics; /* its connection counters */
+        gw->srv.upstreams[i].index = i;
+    }
 
     uv_signal_init(loop, &gw->sig_term);
     uv_signal_init(loop, &gw->sig_int);
