@@ -191,6 +191,8 @@ static void gateway_stop(cg_gateway *gw)
      * until they are gone (docs/architecture.md, "Threading"). */
     lws_context_destroy(gw->lws);
     gw->lws = NULL;
+    for (int i = 0; i < gw->srv.turn.n_upstreams; i++)
+        cg_upstream_close(&gw->srv.upstreams[i]); /* kept-alive upstream connections */
     if (gw->srv.turn.store) {
         gw->srv.turn.store->ops->close(gw->srv.turn.store);
         gw->srv.turn.store = NULL;

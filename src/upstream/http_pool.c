@@ -103,6 +103,7 @@ static int on_socket(CURL *easy, curl_socket_t fd, int what, void *userp, void *
             free(w);
             return -1;
         }
+        uv_unref((uv_handle_t *)&w->poll); /* see cg_http_pool_new */
         w->pool = p;
         w->fd = fd;
         w->poll.data = w;
@@ -332,6 +333,12 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
     uv_timer_init(loop, &p->idle);
     p->curl_timer.data = p->kick.data = p->idle.data = p;
     p->handles = 3;
+    /* The pool's handles do not keep the loop running: at the gateway's stop, its sessions
+     * (whose calls these are) are gone first, and idle connections are not a reason to stay;
+     * lws's context end frees the pool (PROTOCOL_DESTROY) or the exit closes its sockets. */
+    uv_unref((uv_handle_t *)&p->curl_timer);
+    uv_unref((uv_handle_t *)&p->kick);
+    uv_unref((uv_handle_t *)&p->idle);
     return p;
 }
 

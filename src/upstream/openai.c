@@ -25,7 +25,7 @@
  * HTTP status and the server's own error type and code (cg_upstream_error_detail).
  *
  * Ownership: the upstream (cg_upstream.pool) owns its pool, made at the first call and
- * closed when the lws context goes (the cg-openai protocol's PROTOCOL_DESTROY); the pool
+ * closed by cg_upstream_close at the gateway's stop; the pool
  * owns the easy handle; the call holds a reference for its timer and one for its transfer,
  * and is freed when both are gone, whatever ended it (done, error, cancel, timeout).
  */
@@ -428,21 +428,11 @@ static char *request_url(const cg_upstream_config *cfg)
     return url;
 }
 
-/* The lws protocol cg-openai carries no connection now (libcurl does); it is how the pools
- * hear that the gateway stops: the lws context's end closes every pool. */
-static cg_upstream *pooled[CG_MAX_UPSTREAMS];
-static int n_pooled;
-
+/* The lws protocol cg-openai carries no connection now (libcurl does); it stays registered
+ * for the gateway's protocol list. */
 int cg_upstream_openai_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
                                 size_t len)
 {
-    if (reason == LWS_CALLBACK_PROTOCOL_DESTROY) {
-        for (int i = 0; i < n_pooled; i++) {
-            cg_http_pool_free(pooled[i]->pool);
-            pooled[i]->pool = NULL;
-        }
-        n_pooled = 0;
-    }
     return lws_callback_http_dummy(wsi, reason, user, in, len);
 }
 
@@ -501,11 +491,8 @@ static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message
 /* The upstream's pool, made at its first call (the loop runs by then). */
 static cg_http_pool *pool_of(cg_upstream *up)
 {
-    if (!up->pool && n_pooled < CG_MAX_UPSTREAMS) {
+    if (!up->pool)
         up->pool = cg_http_pool_new(up->net->loop, up->cfg, up->metrics, up->index);
-        if (up->pool)
-            pooled[n_pooled++] = up;
-    }
     return up->pool;
 }
 

@@ -13,6 +13,7 @@
 #include "chatgate/core/utf8.h"
 #include "chatgate/core/log.h"
 #include "chatgate/proto/protocol.h"
+#include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
 
 #define MAX_DETAIL_STRING 128 /* bytes kept of an upstream's error type or code */
@@ -83,6 +84,12 @@ void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream
     ev->on_error(ctx, err, message, detail);
     json_decref(detail);
     free(message);
+}
+
+void cg_upstream_close(cg_upstream *up)
+{
+    cg_http_pool_free(up->pool); /* its idle connections close */
+    up->pool = NULL;
 }
 
 struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path, const char *method,

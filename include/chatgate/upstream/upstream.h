@@ -103,6 +103,10 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
 /* Picks the ops for cfg->kind and fills up. */
 void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_config *cfg);
 
+/* The gateway stops: what the upstream keeps between calls (the OpenAI pool's idle
+ * connections) is closed. No call of it may be running. */
+void cg_upstream_close(cg_upstream *up);
+
 /*
  * Shared by the kinds' error paths. cg_upstream_error_detail builds an on_error detail:
  * status (0 for none) and, from error (the upstream's own error object, borrowed, or NULL),
