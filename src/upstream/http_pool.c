@@ -335,7 +335,7 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
     p->handles = 3;
     /* The pool's handles do not keep the loop running: at the gateway's stop, its sessions
      * (whose calls these are) are gone first, and idle connections are not a reason to stay;
-     * lws's context end frees the pool (PROTOCOL_DESTROY) or the exit closes its sockets. */
+     * cg_upstream_close (the gateway's stop) frees the pool. */
     uv_unref((uv_handle_t *)&p->curl_timer);
     uv_unref((uv_handle_t *)&p->kick);
     uv_unref((uv_handle_t *)&p->idle);
