@@ -5,7 +5,7 @@
 set -euo pipefail
 
 packages=(gcc make cmake pkg-config tzdata libwebsockets-dev libuv1-dev libjansson-dev
-          libhiredis-dev libpcre2-dev libssl-dev)
+          libhiredis-dev libpcre2-dev libssl-dev libcurl4-openssl-dev)
 case "${1:-build}" in
   test)
     packages+=(python3 python3-websockets redis-server redis-sentinel nutcracker haproxy chromium)

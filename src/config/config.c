@@ -108,6 +108,8 @@ static const up_setting upstream_settings[] = {
     {"connect_timeout_ms", T_INT, UOFF(connect_timeout_ms), 1, 3600000},
     {"first_byte_timeout_ms", T_INT, UOFF(first_byte_timeout_ms), 1, 3600000},
     {"idle_timeout_ms", T_INT, UOFF(idle_timeout_ms), 1, 3600000},
+    {"max_idle_connections", T_INT, UOFF(max_idle_connections), 0, 1024},
+    {"idle_keepalive_ms", T_INT, UOFF(idle_keepalive_ms), 1000, 3600000},
     {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000},
 };
 #undef UOFF
@@ -341,6 +343,8 @@ static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, cha
     u->connect_timeout_ms = 5000;
     u->first_byte_timeout_ms = 60000;
     u->idle_timeout_ms = 60000;
+    u->max_idle_connections = 16;
+    u->idle_keepalive_ms = 30000;
     u->delay_ms = 30;
     u->api_key_env = strdup("CHATGATE_UPSTREAM_API_KEY");
     u->system_prompt = strdup("You are a helpful assistant.");

@@ -191,6 +191,8 @@ static void gateway_stop(cg_gateway *gw)
      * until they are gone (docs/architecture.md, "Threading"). */
     lws_context_destroy(gw->lws);
     gw->lws = NULL;
+    for (int i = 0; i < gw->srv.turn.n_upstreams; i++)
+        cg_upstream_close(&gw->srv.upstreams[i]); /* kept-alive upstream connections */
     if (gw->srv.turn.store) {
         gw->srv.turn.store->ops->close(gw->srv.turn.store);
         gw->srv.turn.store = NULL;
@@ -434,8 +436,11 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     cg_flusher_init(&gw->srv.flusher, loop);
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher};
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
-    for (int i = 0; i < cfg->n_upstreams; i++)
+    for (int i = 0; i < cfg->n_upstreams; i++) {
         cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i]);
+        gw->srv.upstreams[i].metrics = &gw->srv.metrics; /* its connection counters */
+        gw->srv.upstreams[i].index = i;
+    }
 
     uv_signal_init(loop, &gw->sig_term);
     uv_signal_init(loop, &gw->sig_int);

@@ -190,6 +190,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             return pre + used;
         used += (size_t)n;
     }
+    used += cg_upstream_metrics_format(m, srv->upstreams, srv->turn.n_upstreams, buf + used, len - used);
     n = snprintf(buf + used, len - used,
                  "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n");
     used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;

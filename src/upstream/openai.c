@@ -2,13 +2,21 @@
  * openai.c: an OpenAI-compatible chat completions server (llama.cpp server, vLLM,
  * Ollama, OpenAI, LiteLLM), one streaming POST {base}/chat/completions per message.
  *
- * A call goes: resolve the host (off the loop) -> connect -> send headers and the JSON body
- * -> read server-sent events, each a chunk with choices[0].delta.content, until
- * `data: [DONE]`. One uv timer enforces the phase's deadline: connect_timeout_ms until the
- * request is sent, first_byte_timeout_ms until the response's first bytes, idle_timeout_ms
- * between reads; the last two do not run while the call is paused (we are not reading, so
- * the upstream's silence means nothing) and start afresh on resume. Cancel closes the HTTP
- * connection, which is how the backend learns to stop generating.
+ * A call goes: a transfer on the upstream's connection pool (http_pool.c: libcurl on our
+ * loop; a kept-alive HTTP/1.1 connection when one is idle, else a new one, resolved and TLS
+ * resumed by libcurl) -> the JSON body -> server-sent events, each a chunk with
+ * choices[0].delta.content, until `data: [DONE]`. One uv timer enforces the phase's
+ * deadline: connect_timeout_ms until the request goes out, first_byte_timeout_ms until the
+ * response's first bytes, idle_timeout_ms between reads; the last two do not run while the
+ * call is paused (we are not reading, so the upstream's silence means nothing) and start
+ * afresh on resume.
+ *
+ * The connection: after [DONE] the rest of the response (the chunked ending) is still read
+ * (PHASE_DRAIN, at most idle_timeout_ms), so that the connection goes back to the pool;
+ * the session has already heard done. Every other end takes the transfer out unfinished, and
+ * libcurl closes that connection: a cancel (which is how the backend learns to stop
+ * generating), an error, a cut, a timeout. A response with `Connection: close` or HTTP/1.0
+ * is not kept either (libcurl's rule).
  *
  * Failures say what happened (README, "Error codes"): not reached, or no HTTP answer ->
  * upstream_unavailable; a stream that ends without [DONE] or a finish_reason (cut) ->
@@ -16,8 +24,10 @@
  * error event, or a body that is not the protocol -> upstream_error. The error carries the
  * HTTP status and the server's own error type and code (cg_upstream_error_detail).
  *
- * Lifetime: the call holds a reference for its timer and one for its wsi; it is freed when
- * both are gone, whatever ended it (done, error, cancel, timeout).
+ * Ownership: the upstream (cg_upstream.pool) owns its pool, made at the first call and
+ * closed by cg_upstream_close at the gateway's stop; the pool
+ * owns the easy handle; the call holds a reference for its timer and one for its transfer,
+ * and is freed when both are gone, whatever ended it (done, error, cancel, timeout).
  */
 #include <limits.h>
 #include <stdio.h>
@@ -28,12 +38,13 @@
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/sse.h"
+#include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
 
 #define MAX_EVENT_BYTES (1 << 20) /* one server-sent event */
 #define MAX_ERROR_BODY 4096       /* kept of a 4xx/5xx body */
 
-typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE } call_phase;
+typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE, PHASE_DRAIN } call_phase;
 
 struct cg_upstream_call {
     cg_upstream *up;
@@ -41,15 +52,16 @@ struct cg_upstream_call {
     void *ctx;
     int refs;
     int ended;
-    cg_resolve *resolve;
-    struct lws *wsi;
+    int draining; /* ended by done: the rest of the response is read, to keep the connection */
+    CURL *easy;   /* while the transfer runs (the pool's) */
+    struct curl_slist *headers;
     uv_timer_t timer;
     call_phase phase;
-    char *path;
+    char *url;
     char *body;
     size_t body_len;
     int status;       /* the HTTP status, 0 until the response headers came */
-    int request_sent; /* the whole body went out: a connection error now is no answer */
+    int request_sent; /* the request went out: a connection error now is no answer */
     int event_stream; /* the answer's Content-Type is text/event-stream */
     size_t reply_bytes; /* of delta text relayed */
     int events_seen;
@@ -59,6 +71,7 @@ struct cg_upstream_call {
     json_t *usage;
     char error_body[MAX_ERROR_BODY + 1];
     size_t error_body_len;
+    char curl_error[CURL_ERROR_SIZE];
 };
 
 static void call_unref(cg_upstream_call *c)
@@ -67,7 +80,8 @@ static void call_unref(cg_upstream_call *c)
         return;
     cg_sse_free(&c->sse);
     json_decref(c->usage);
-    free(c->path);
+    curl_slist_free_all(c->headers);
+    free(c->url);
     free(c->body);
     free(c);
 }
@@ -77,20 +91,34 @@ static void timer_closed(uv_handle_t *h)
     call_unref(h->data);
 }
 
-/* Ends the call: no more callbacks, the timer goes, the connection is closed soon. */
-static void call_end(cg_upstream_call *c)
+static void on_timeout(uv_timer_t *t);
+
+/* The call has ended and its transfer is gone: the timer goes. */
+static void call_finish(cg_upstream_call *c)
+{
+    if (c->ended && !c->easy && !uv_is_closing((uv_handle_t *)&c->timer))
+        uv_close((uv_handle_t *)&c->timer, timer_closed);
+}
+
+/* Ends the call: no more callbacks. After a done the response is read to its end, for the
+ * connection's sake (drain); any other end takes the transfer out, closing its connection. */
+static void call_end(cg_upstream_call *c, int drain)
 {
     if (c->ended)
         return;
     c->ended = 1;
     c->ev = NULL;
-    if (c->resolve) {
-        cg_resolve_abandon(c->resolve);
-        c->resolve = NULL;
+    if (c->easy && drain) {
+        c->draining = 1;
+        c->phase = PHASE_DRAIN;
+        uv_timer_start(&c->timer, on_timeout, (uint64_t)c->up->cfg->idle_timeout_ms, 0);
+        if (c->paused)
+            cg_http_pool_pause(c->up->pool, c->easy, 0);
+        return;
     }
-    uv_close((uv_handle_t *)&c->timer, timer_closed);
-    if (c->wsi)
-        cg_net_kill_async(c->up->net, c->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT);
+    if (c->easy)
+        cg_http_pool_stop(c->up->pool, c->easy); /* done comes (maybe at once): call_finish */
+    call_finish(c);
 }
 
 /* Ends the call with an error; error is the server's own error object (borrowed) or NULL. */
@@ -102,7 +130,7 @@ static void call_fail(cg_upstream_call *c, int err, json_t *error, const char *f
         return;
     const cg_upstream_events *ev = c->ev;
     void *ctx = c->ctx;
-    call_end(c);
+    call_end(c, 0);
     va_list ap;
     va_start(ap, fmt);
     cg_upstream_fail(ev, ctx, c->up->cfg, err, c->status, error, fmt, ap);
@@ -116,7 +144,7 @@ static void call_done(cg_upstream_call *c)
     const cg_upstream_events *ev = c->ev;
     void *ctx = c->ctx;
     json_t *usage = json_incref(c->usage);
-    call_end(c);
+    call_end(c, 1);
     ev->on_done(ctx, usage, NULL);
     json_decref(usage);
 }
@@ -124,6 +152,11 @@ static void call_done(cg_upstream_call *c)
 static void on_timeout(uv_timer_t *t)
 {
     cg_upstream_call *c = t->data;
+    if (c->phase == PHASE_DRAIN) { /* done, but the response does not end: not kept */
+        if (c->easy)
+            cg_http_pool_stop(c->up->pool, c->easy);
+        return;
+    }
     static const char *const what[] = {"did not connect", "sent nothing", "went quiet"};
     static const char *const key[] = {"connect_timeout_ms", "first_byte_timeout_ms", "idle_timeout_ms"};
     const cg_upstream_config *cfg = c->up->cfg;
@@ -227,8 +260,8 @@ static void on_body(cg_upstream_call *c, const char *in, size_t len)
 }
 
 /*
- * The response ended, cleanly or not: lws 4.1 reports a connection reset mid-body as a
- * completed response too, so a stream without [DONE] or a finish_reason is taken as cut.
+ * The response ended, cleanly or not (a reset mid-body comes here too, with its status), so
+ * a stream without [DONE] or a finish_reason is taken as cut.
  */
 static void on_end(cg_upstream_call *c)
 {
@@ -246,153 +279,164 @@ static void on_end(cg_upstream_call *c)
                   "answered HTTP %d without any server-sent event (is it OpenAI-compatible?)", c->status);
 }
 
-/* Notes the answer's status and whether it is an event stream. */
-static void on_response(cg_upstream_call *c, struct lws *wsi)
+/* ---- the transfer's callbacks (from inside libcurl) ------------------------------------ */
+
+/* The request goes out on a connection, kept or new: the connect phase is over. */
+static int on_sending(void *data, char *ip, char *local_ip, int port, int local_port)
 {
-    c->status = (int)lws_http_client_http_response(wsi);
-    char type[128];
-    c->event_stream = lws_hdr_copy(wsi, type, sizeof(type), WSI_TOKEN_HTTP_CONTENT_TYPE) > 0 &&
-                      strncasecmp(type, "text/event-stream", 17) == 0;
+    cg_upstream_call *c = data;
+    (void)ip, (void)local_ip, (void)port, (void)local_port;
+    if (c->easy)
+        cg_http_pool_sending(c->up->pool, c->easy);
+    c->request_sent = 1;
+    arm(c, PHASE_FIRST_BYTE);
+    return c->ended ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
 }
 
-/* ---- the connection ------------------------------------------------------------------- */
-
-static int add_headers(cg_upstream_call *c, struct lws *wsi, unsigned char **p, unsigned char *end)
+/* One header line; at the blank line ending a final (not 1xx) header block, notes the
+ * answer's status and whether it is an event stream. */
+static size_t on_header(char *line, size_t size, size_t n, void *data)
 {
-    char len[32];
-    snprintf(len, sizeof(len), "%zu", c->body_len);
-    if (lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_CONTENT_TYPE, (const unsigned char *)"application/json",
-                                     16, p, end) ||
-        lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_CONTENT_LENGTH, (const unsigned char *)len,
-                                     (int)strlen(len), p, end) ||
-        lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_ACCEPT, (const unsigned char *)"text/event-stream",
-                                     17, p, end))
-        return -1;
-    const char *key = c->up->cfg->api_key_env ? getenv(c->up->cfg->api_key_env) : NULL;
-    if (key && *key) {
-        /* built with its real length: a key is as long as its issuer likes */
-        size_t n = strlen("Bearer ") + strlen(key);
-        char *auth = malloc(n + 1);
-        if (!auth)
-            return -1;
-        snprintf(auth, n + 1, "Bearer %s", key);
-        int rc = n > INT_MAX ? -1
-                             : lws_add_http_header_by_token(wsi, WSI_TOKEN_HTTP_AUTHORIZATION,
-                                                            (const unsigned char *)auth, (int)n, p, end);
-        free(auth);
-        if (rc) {
-            call_fail(c, CG_E_UPSTREAM_ERROR, NULL, "request could not be sent: the API key in %s (%zu bytes) "
-                      "does not fit the request headers", c->up->cfg->api_key_env, strlen(key));
-            return -1;
+    cg_upstream_call *c = data;
+    size_t len = size * n;
+    cg_http_pool_header(c->up->pool, line, len);
+    if (c->ended)
+        return c->draining ? len : 0;
+    arm(c, PHASE_IDLE); /* the first bytes came */
+    if (len <= 2 && (line[0] == '\r' || line[0] == '\n')) {
+        long code = 0;
+        char *type = NULL;
+        curl_easy_getinfo(c->easy, CURLINFO_RESPONSE_CODE, &code);
+        if (code >= 200) {
+            c->status = (int)code;
+            curl_easy_getinfo(c->easy, CURLINFO_CONTENT_TYPE, &type);
+            c->event_stream = type && strncasecmp(type, "text/event-stream", 17) == 0;
         }
     }
-    lws_client_http_body_pending(wsi, 1);
-    lws_callback_on_writable(wsi);
+    return len;
+}
+
+/* Body bytes. A paused call takes none (libcurl holds them); an ended one takes the rest
+ * only when draining after done, else refuses them, which ends the transfer. */
+static size_t on_data(char *in, size_t size, size_t n, void *data)
+{
+    cg_upstream_call *c = data;
+    size_t len = size * n;
+    if (c->ended)
+        return c->draining ? len : 0;
+    if (c->paused)
+        return CURL_WRITEFUNC_PAUSE;
+    on_body(c, in, len);
+    if (c->ended)
+        return c->draining ? len : 0;
+    return len;
+}
+
+/* The transfer is over and the pool has cleaned it up: how it ended, unless the call had
+ * already (done, cancel, an error of ours). */
+static void on_transfer_done(void *data, CURLcode rc)
+{
+    cg_upstream_call *c = data;
+    c->easy = NULL;
+    const char *why = c->curl_error[0] ? c->curl_error : curl_easy_strerror(rc);
+    if (c->ended)
+        ;
+    else if (rc == CURLE_OK || c->status)
+        on_end(c); /* complete, or cut after the headers: on_end tells which */
+    else if (rc == CURLE_COULDNT_RESOLVE_HOST)
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not resolve the host ('%s'): %s", c->up->cfg->host, why);
+    else if (!c->request_sent)
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s", why);
+    else
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "sent no HTTP answer to the request: %s", why);
+    call_finish(c);
+    call_unref(c); /* the transfer's */
+}
+
+/* ---- the request ------------------------------------------------------------------------ */
+
+/* The headers besides Content-Length (libcurl's): JSON in, events out, the bearer token. */
+static struct curl_slist *request_headers(const cg_upstream_config *cfg)
+{
+    struct curl_slist *h = NULL, *next;
+    static const char *const fixed[] = {"Content-Type: application/json", "Accept: text/event-stream",
+                                        "Expect:" /* no 100-continue round trip */};
+    for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++) {
+        if (!(next = curl_slist_append(h, fixed[i])))
+            goto fail;
+        h = next;
+    }
+    const char *key = cfg->api_key_env ? getenv(cfg->api_key_env) : NULL;
+    if (key && *key) {
+        /* built with its real length: a key is as long as its issuer likes */
+        size_t n = strlen("Authorization: Bearer ") + strlen(key);
+        char *auth = malloc(n + 1);
+        if (!auth)
+            goto fail;
+        snprintf(auth, n + 1, "Authorization: Bearer %s", key);
+        next = curl_slist_append(h, auth);
+        free(auth);
+        if (!next)
+            goto fail;
+        h = next;
+    }
+    return h;
+fail:
+    curl_slist_free_all(h);
+    return NULL;
+}
+
+/* The transfer for c: the pool's easy handle with this request; -1 on failure. */
+static int request_start(cg_upstream_call *c)
+{
+    cg_upstream *up = c->up;
+    c->headers = request_headers(up->cfg);
+    CURL *e = c->headers ? cg_http_pool_easy(up->pool) : NULL;
+    if (!e)
+        return -1;
+    curl_easy_setopt(e, CURLOPT_URL, c->url);
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, c->headers);
+    curl_easy_setopt(e, CURLOPT_POSTFIELDS, c->body);
+    curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)c->body_len);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, c->curl_error);
+    curl_easy_setopt(e, CURLOPT_PREREQFUNCTION, on_sending);
+    curl_easy_setopt(e, CURLOPT_PREREQDATA, c);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, on_header);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, c);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, on_data);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, c);
+    c->easy = e;
+    c->refs++; /* the transfer's; dropped by on_transfer_done */
+    if (cg_http_pool_start(up->pool, e, on_transfer_done, c) < 0) {
+        c->easy = NULL;
+        c->refs--;
+        curl_easy_cleanup(e);
+        return -1;
+    }
     return 0;
 }
 
-static int write_body(cg_upstream_call *c, struct lws *wsi)
+/* {scheme}://{host}:{port}{path}/chat/completions; an IPv6 address in brackets */
+static char *request_url(const cg_upstream_config *cfg)
 {
-    unsigned char *buf = malloc(LWS_PRE + c->body_len);
-    if (!buf)
-        return -1;
-    memcpy(buf + LWS_PRE, c->body, c->body_len);
-    int n = lws_write(wsi, buf + LWS_PRE, c->body_len, LWS_WRITE_HTTP_FINAL);
-    free(buf);
-    lws_client_http_body_pending(wsi, 0);
-    c->request_sent = 1;
-    arm(c, PHASE_FIRST_BYTE);
-    return n < (int)c->body_len ? -1 : 0;
+    int v6 = strchr(cfg->host, ':') != NULL;
+    size_t n = strlen(cfg->host) + strlen(cfg->path) + 64;
+    char *url = malloc(n);
+    if (url)
+        snprintf(url, n, "%s://%s%s%s:%d%s/chat/completions", cfg->tls ? "https" : "http", v6 ? "[" : "",
+                 cfg->host, v6 ? "]" : "", cfg->port, cfg->path);
+    return url;
 }
 
-/* The wsi is gone: drop its reference (once, whichever callback says so first). */
-static void wsi_gone(struct lws *wsi, cg_upstream_call *c)
-{
-    lws_set_opaque_user_data(wsi, NULL);
-    c->wsi = NULL;
-    call_unref(c);
-}
-
+/* The lws protocol cg-openai carries no connection now (libcurl does); it stays registered
+ * for the gateway's protocol list. */
 int cg_upstream_openai_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
                                 size_t len)
 {
-    cg_upstream_call *c = lws_get_opaque_user_data(wsi);
-    if (!c)
-        return lws_callback_http_dummy(wsi, reason, user, in, len);
-    switch (reason) {
-    case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER:
-        if (!c->ev)
-            return -1;
-        return add_headers(c, wsi, (unsigned char **)in, *(unsigned char **)in + len);
-    case LWS_CALLBACK_CLIENT_HTTP_WRITEABLE:
-        if (!c->ev)
-            return -1;
-        return write_body(c, wsi);
-    case LWS_CALLBACK_ESTABLISHED_CLIENT_HTTP:
-        on_response(c, wsi);
-        return c->ev ? 0 : -1;
-    case LWS_CALLBACK_RECEIVE_CLIENT_HTTP: {
-        char buf[4096 + LWS_PRE];
-        char *p = buf + LWS_PRE;
-        int n = (int)sizeof(buf) - LWS_PRE;
-        if (!c->ev || lws_http_client_read(wsi, &p, &n) < 0)
-            return -1;
-        return c->ev ? 0 : -1;
-    }
-    case LWS_CALLBACK_RECEIVE_CLIENT_HTTP_READ:
-        if (c->ev)
-            on_body(c, in, len);
-        return c->ev ? 0 : -1;
-    case LWS_CALLBACK_COMPLETED_CLIENT_HTTP:
-        on_end(c);
-        return -1;
-    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR:
-        /* lws says so both when the connect fails and when no HTTP response comes */
-        if (c->request_sent)
-            call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "sent no HTTP answer to the request: %s",
-                      in ? (const char *)in : "connection lost");
-        else
-            call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s",
-                      in ? (const char *)in : "connection failed");
-        wsi_gone(wsi, c);
-        return 0;
-    case LWS_CALLBACK_CLOSED_CLIENT_HTTP:
-        if (c->status)
-            on_end(c);
-        else
-            call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection before answering");
-        wsi_gone(wsi, c);
-        return 0;
-    case LWS_CALLBACK_WSI_DESTROY: /* the last word: a call still waiting would wait for ever */
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost");
-        wsi_gone(wsi, c);
-        return 0;
-    default:
-        return lws_callback_http_dummy(wsi, reason, user, in, len);
-    }
+    return lws_callback_http_dummy(wsi, reason, user, in, len);
 }
 
 /* ---- the call ------------------------------------------------------------------------- */
-
-static void on_resolved(void *data, const char *address, const char *err)
-{
-    cg_upstream_call *c = data;
-    c->resolve = NULL;
-    if (!address) {
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "%s ('%s')", err, c->up->cfg->host);
-        return;
-    }
-    c->refs++; /* the wsi's; dropped by wsi_gone */
-    /* lws stores the wsi in c->wsi early; wsi_gone clears it if the connection dies at once */
-    if (!cg_upstream_connect(c->up, address, c->path, "POST", CG_LWS_PROTOCOL_OPENAI, c, &c->wsi) &&
-        c->refs > 1) {
-        /* lws gave up before any callback could report it */
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached at %s:%d", address, c->up->cfg->port);
-        call_unref(c);
-    } else if (c->wsi && c->paused) {
-        lws_rx_flow_control(c->wsi, 0);
-    }
-}
 
 /* Appends {"role": role, "content": content}; -1 when it cannot be built (text that is not
  * UTF-8, no memory), so that no message is silently left out of the request. */
@@ -444,24 +488,32 @@ static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message
     return s;
 }
 
+/* The upstream's pool, made at its first call (the loop runs by then). */
+static cg_http_pool *pool_of(cg_upstream *up)
+{
+    if (!up->pool)
+        up->pool = cg_http_pool_new(up->net->loop, up->cfg, up->metrics, up->index);
+    return up->pool;
+}
+
 static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m,
                         const cg_upstream_events *ev, void *ctx, cg_upstream_call **out)
 {
     (void)conn_slot;
+    if (!pool_of(up))
+        return -1;
     cg_upstream_call *c = calloc(1, sizeof(*c));
     if (!c)
         return -1;
     c->up = up;
     c->body = build_body(up->cfg, m, &c->body_len);
-    size_t plen = strlen(up->cfg->path) + sizeof("/chat/completions");
-    c->path = malloc(plen);
-    if (!c->body || !c->path) {
+    c->url = request_url(up->cfg);
+    if (!c->body || !c->url) {
         free(c->body);
-        free(c->path);
+        free(c->url);
         free(c);
         return -1;
     }
-    snprintf(c->path, plen, "%s/chat/completions", up->cfg->path);
     cg_sse_init(&c->sse, MAX_EVENT_BYTES, on_event, c);
     c->ev = ev;
     c->ctx = ctx;
@@ -469,8 +521,7 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
     uv_timer_init(up->net->loop, &c->timer);
     c->timer.data = c;
     arm(c, PHASE_CONNECT);
-    c->resolve = cg_resolve_start(up->net->loop, up->cfg->host, on_resolved, c);
-    if (!c->resolve) {
+    if (request_start(c) < 0) {
         c->ended = 1;
         c->ev = NULL;
         uv_close((uv_handle_t *)&c->timer, timer_closed);
@@ -482,7 +533,7 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
 
 static void openai_cancel(cg_upstream_call *c)
 {
-    call_end(c);
+    call_end(c, 0);
 }
 
 static void openai_pause(cg_upstream_call *c, int paused)
@@ -490,8 +541,8 @@ static void openai_pause(cg_upstream_call *c, int paused)
     if (c->ended || c->paused == !!paused)
         return;
     c->paused = !!paused;
-    if (c->wsi)
-        lws_rx_flow_control(c->wsi, !paused);
+    if (c->easy)
+        cg_http_pool_pause(c->up->pool, c->easy, c->paused);
     if (c->phase != PHASE_CONNECT) /* connecting goes on, paused or not: its deadline stays */
         arm(c, c->phase);          /* stops the first-byte or idle deadline, or starts it afresh */
 }

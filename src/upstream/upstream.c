@@ -1,9 +1,11 @@
 /*
  * upstream.c: what the upstream kinds share: picking the ops for a URL's kind, reporting a
- * failed call (the message and what the upstream itself said), and opening an lws client
- * connection to the upstream (core/net.c does the work).
+ * failed call (the message and what the upstream itself said), opening an lws client
+ * connection to the upstream (core/net.c does the work), and the /metrics lines of the
+ * OpenAI-compatible upstreams' connection pools (http_pool.c counts them).
  */
 #include <arpa/inet.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +13,7 @@
 #include "chatgate/core/utf8.h"
 #include "chatgate/core/log.h"
 #include "chatgate/proto/protocol.h"
+#include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
 
 #define MAX_DETAIL_STRING 128 /* bytes kept of an upstream's error type or code */
@@ -19,6 +22,9 @@ void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_conf
 {
     up->net = net;
     up->cfg = cfg;
+    up->metrics = NULL;
+    up->index = -1;
+    up->pool = NULL;
     switch (cfg->kind) {
     case CG_UPSTREAM_DEMO: up->ops = &cg_upstream_demo_ops; break;
     case CG_UPSTREAM_OPENAI: up->ops = &cg_upstream_openai_ops; break;
@@ -80,6 +86,12 @@ void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream
     free(message);
 }
 
+void cg_upstream_close(cg_upstream *up)
+{
+    cg_http_pool_free(up->pool); /* its idle connections close */
+    up->pool = NULL;
+}
+
 struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path, const char *method,
                                 const char *local_protocol, void *opaque, struct lws **pwsi)
 {
@@ -90,3 +102,36 @@ struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char
     return cg_net_connect(up->net, &spec, opaque, pwsi);
 }
 
+
+size_t cg_upstream_metrics_format(const cg_metrics *m, const cg_upstream *ups, int n, char *buf, size_t len)
+{
+    static const struct {
+        const char *name, *type, *help;
+        size_t offset;
+    } families[] = {
+        {"chatgate_upstream_connections_opened_total", "counter",
+         "TCP connections opened to an OpenAI-compatible upstream.", offsetof(cg_metrics, upstream_conns_opened)},
+        {"chatgate_upstream_connections_reused_total", "counter",
+         "Requests sent on a kept-alive connection instead of a new one.", offsetof(cg_metrics, upstream_conns_reused)},
+        {"chatgate_upstream_connections_idle", "gauge",
+         "Kept-alive connections idle now, waiting for the next request.", offsetof(cg_metrics, upstream_conns_idle)},
+    };
+    size_t used = 0;
+    for (size_t f = 0; f < sizeof(families) / sizeof(families[0]); f++) {
+        const unsigned long *v = (const unsigned long *)((const char *)m + families[f].offset);
+        int k = snprintf(buf + used, len - used, "# HELP %s %s\n# TYPE %s %s\n", families[f].name, families[f].help,
+                         families[f].name, families[f].type);
+        if (k < 0 || (size_t)k >= len - used)
+            return used;
+        used += (size_t)k;
+        for (int i = 0; i < n && i < 32; i++) {
+            if (ups[i].cfg->kind != CG_UPSTREAM_OPENAI)
+                continue;
+            k = snprintf(buf + used, len - used, "%s{upstream=\"%s\"} %lu\n", families[f].name, ups[i].cfg->name, v[i]);
+            if (k < 0 || (size_t)k >= len - used)
+                return used;
+            used += (size_t)k;
+        }
+    }
+    return used;
+}

@@ -51,6 +51,8 @@ typedef struct cg_upstream_config {
     int connect_timeout_ms;
     int first_byte_timeout_ms;
     int idle_timeout_ms;
+    int max_idle_connections; /* OpenAI: kept-alive connections held idle (16; 0 = none kept) */
+    int idle_keepalive_ms;    /* OpenAI: an idle kept connection is closed after this (30 s) */
     int delay_ms; /* demo: pause between words */
 } cg_upstream_config;
 

@@ -48,6 +48,10 @@ typedef struct cg_metrics {
     unsigned long cache_hits, cache_misses; /* dialog loads that found a dialog, or not */
     unsigned long errors[16];               /* error frames by code, index -code - CG__ERR_FIRST - 1 */
     unsigned long upstream_errors[32];      /* by upstream index */
+    /* an OpenAI-compatible upstream's kept-alive connections, by upstream index: TCP
+     * connections opened, requests sent on a kept one, and held idle now (a gauge; summed
+     * over the workers it is the group's) */
+    unsigned long upstream_conns_opened[32], upstream_conns_reused[32], upstream_conns_idle[32];
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
 } cg_metrics;
 

@@ -29,6 +29,7 @@
 #include <jansson.h>
 
 #include "chatgate/config/config.h"
+#include "chatgate/core/metrics.h"
 #include "chatgate/core/net.h"
 
 typedef struct cg_upstream cg_upstream;
@@ -80,6 +81,11 @@ struct cg_upstream {
     const cg_upstream_ops *ops;
     const cg_upstream_config *cfg;
     const cg_net *net; /* the loop and lws context its connections live on */
+    /* where its connection counters go (cg_metrics' upstream_conns_*), by its index among
+     * the upstreams; NULL: not counted. The gateway sets them after cg_upstream_init. */
+    cg_metrics *metrics;
+    int index;
+    struct cg_http_pool *pool; /* openai: its kept-alive connections (http_pool.h), or NULL */
 };
 
 extern const cg_upstream_ops cg_upstream_demo_ops;
@@ -96,6 +102,10 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
 
 /* Picks the ops for cfg->kind and fills up. */
 void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_config *cfg);
+
+/* The gateway stops: what the upstream keeps between calls (the OpenAI pool's idle
+ * connections) is closed. No call of it may be running. */
+void cg_upstream_close(cg_upstream *up);
 
 /*
  * Shared by the kinds' error paths. cg_upstream_error_detail builds an on_error detail:
@@ -116,5 +126,13 @@ void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream
 struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path,
                                 const char *method, const char *local_protocol, void *opaque,
                                 struct lws **pwsi);
+
+/*
+ * The /metrics lines of the connection pools (http_pool.h), from m (the gateway's, or the
+ * workers' sum) for the n upstreams ups, the OpenAI-compatible ones only:
+ * chatgate_upstream_connections_opened_total, _reused_total and _idle, each by upstream.
+ * Returns the bytes written (what fitted in len).
+ */
+size_t cg_upstream_metrics_format(const cg_metrics *m, const cg_upstream *ups, int n, char *buf, size_t len);
 
 #endif
