@@ -35,7 +35,7 @@
 #include <sys/resource.h>
 
 #define MAX_FRAME (1u << 20)
-#define MAX_PENDING 32
+#define MAX_PENDING 8 /* per connection; small: the app holds thousands of idle ones in --idle */
 #define MAX_ID 256  /* bytes of an id as written in the frame (escapes included) */
 #define MAX_SUBPROTOCOLS 8
 #define OUT_CAP 4096 /* one reply frame */

@@ -60,6 +60,12 @@
 #define STOP_GRACE_NS (2 * NS_PER_S)   /* how long closing handshakes may take */
 #define MAX_LOGGED_CONN_PROBLEMS 10    /* per kind, then only counted */
 #define MAX_ERROR_CODES 16
+/*
+ * Connection attempts in progress at once. Thousands of SYNs at once overflow the server's
+ * listen backlog (lws listens with a small one) and the dropped ones fail; a sliding window
+ * opens them about as fast, and every one gets through.
+ */
+#define MAX_CONNECTING 256
 
 #define NS_PER_S 1000000000LL
 #define NS_PER_MS 1000000.0
@@ -179,6 +185,9 @@ struct bench {
 	unsigned int failed;
 	unsigned int open_now;
 	unsigned int closed_early;
+	unsigned int next_to_open;   /* connections [0, next_to_open) were started */
+	unsigned int connecting;     /* started, neither established nor failed yet */
+	bool opening;                /* inside open_more(): no re-entry from its callbacks */
 	unsigned int ready;           /* --idle */
 	unsigned int closed_unready;  /* --idle: closed before they were ready */
 	long rss_before_kb;           /* --idle: before the first connect, -1 unknown */
@@ -551,6 +560,8 @@ static void tick(lws_sorted_usec_list_t *sul)
 		lws_sul_schedule(b->context, 0, &b->tick_sul, tick, TICK_US);
 }
 
+static void open_more(struct bench *b);
+
 /* ---- messages ---- */
 
 static void log_conn_problem(unsigned int *logged, const char *fmt, unsigned int index,
@@ -745,6 +756,8 @@ static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, voi
 		c->state = CONN_FAILED;
 		c->wsi = NULL;
 		b->failed++;
+		b->connecting--;
+		open_more(b);
 		{
 			static unsigned int logged;
 
@@ -760,6 +773,8 @@ static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, voi
 		c->state = CONN_OPEN;
 		c->wsi = wsi;
 		b->established++;
+		b->connecting--;
+		open_more(b);
 		b->open_now++;
 		if (b->phase >= PHASE_STOP) {
 			lws_callback_on_writable(wsi); /* closes it */
@@ -964,9 +979,15 @@ static char *json_quote(const char *s, const char *what)
 	return out;
 }
 
-static int open_connections(struct bench *b)
+/* Starts connections until MAX_CONNECTING attempts are in progress or all are started. */
+static void open_more(struct bench *b)
 {
-	for (unsigned int i = 0; i < b->opt.connections; i++) {
+	if (b->opening)
+		return;
+	b->opening = true;
+	while (b->next_to_open < b->opt.connections && b->connecting < MAX_CONNECTING &&
+	       b->phase < PHASE_STOP) {
+		unsigned int i = b->next_to_open++;
 		struct bench_conn *c = &b->conns[i];
 		struct lws_client_connect_info ci;
 
@@ -984,6 +1005,7 @@ static int open_connections(struct bench *b)
 		c->bench = b;
 		c->index = i;
 		c->state = CONN_CONNECTING;
+		b->connecting++;
 		if (!lws_client_connect_via_info(&ci) && c->state == CONN_CONNECTING) {
 			/* failed before any callback could report it */
 			static unsigned int logged;
@@ -991,12 +1013,13 @@ static int open_connections(struct bench *b)
 			c->state = CONN_FAILED;
 			c->wsi = NULL;
 			b->failed++;
+			b->connecting--;
 			log_conn_problem(&logged, "cg_bench: connection %u: %s\n", i,
 					 "lws_client_connect_via_info failed");
 		}
 	}
+	b->opening = false;
 	check_connect_phase_over(b, false);
-	return 0;
 }
 
 static void usage(FILE *out)
@@ -1309,7 +1332,7 @@ int main(int argc, char **argv)
 	sample_gateway_memory(b);
 	b->rss_before_kb = b->rss_samples ? b->rss_last_kb : -1;
 	lws_sul_schedule(b->context, 0, &b->tick_sul, tick, TICK_US);
-	open_connections(b);
+	open_more(b);
 
 	while (b->phase != PHASE_DONE) {
 		if (lws_service(b->context, 0) < 0)

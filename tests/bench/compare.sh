@@ -185,7 +185,7 @@ if wants nginx; then
 	else
 		nginx_port=$(pick_free_port) || exit 1
 		mkdir -p "$tmp/nginx/tmp"
-		nginx_conns=$((fd_limit / 2 - 50))
+		nginx_conns=$((fd_limit - 64)) # counts client and app sockets both
 		cat >"$tmp/nginx/nginx.conf" <<EOF
 # one process (no master), as a single-threaded proxy beside chatgate's one event loop
 daemon off;
