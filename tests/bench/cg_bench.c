@@ -774,20 +774,17 @@ static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, voi
 		c->wsi = wsi;
 		b->established++;
 		b->connecting--;
-		open_more(b);
 		b->open_now++;
 		if (b->phase >= PHASE_STOP) {
 			lws_callback_on_writable(wsi); /* closes it */
-			break;
-		}
-		if (b->opt.idle_s > 0) {
+		} else if (b->opt.idle_s > 0) {
 			if (b->opt.raw)
 				mark_ready(c);
-			break;
+		} else {
+			c->want_send = true;
+			lws_callback_on_writable(wsi);
 		}
-		c->want_send = true;
-		lws_callback_on_writable(wsi);
-		check_connect_phase_over(b, false);
+		open_more(b); /* the next attempt; ends the connect phase after the last */
 		break;
 
 	case LWS_CALLBACK_CLIENT_WRITEABLE:

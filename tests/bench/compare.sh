@@ -284,8 +284,8 @@ start_chatgate() {
 wants chatgate-pass && start_chatgate chatgate-pass "$gateway" pass
 wants chatgate-full && start_chatgate chatgate-full "$gateway" full
 if [ -n "$gateway_b" ]; then
-	wants chatgate-pass && start_chatgate "chatgate-pass(B)" "$gateway_b" pass " (B: $gateway_b)"
-	wants chatgate-full && start_chatgate "chatgate-full(B)" "$gateway_b" full " (B: $gateway_b)"
+	wants chatgate-pass && start_chatgate "chatgate-pass(B)" "$gateway_b" pass " (B)"
+	wants chatgate-full && start_chatgate "chatgate-full(B)" "$gateway_b" full " (B)"
 fi
 
 if [ ${#path_names[@]} = 0 ]; then
@@ -403,5 +403,6 @@ for name in "${path_names[@]}"; do
 	}'
 done
 echo
+[ -n "$gateway_b" ] && echo "chatgate: $gateway; chatgate (B): $gateway_b"
 echo "(proxy CPU per 1k turns: user + system time of the proxy process over the window, per 1,000 turns; ms per 1k turns = µs per turn)"
 exit $status
