@@ -331,6 +331,7 @@ if [ $mode = idle ]; then
 			"$(result "$out" kib_per_conn)"
 		sleep 1 # let the closed sockets go
 	done
+	[ -n "$gateway_b" ] && echo && echo "chatgate: $gateway; chatgate (B): $gateway_b"
 	exit $status
 fi
 
