@@ -311,8 +311,8 @@ if [ $mode = idle ]; then
 		[ "$name" = direct ] && pid=$app_pid
 		case $name in
 		nginx | node) # two sockets per client, and the app holds one more
-			[ $n -gt $((fd_limit / 2 - 100)) ] && n=$((fd_limit / 2 - 100)) ;;
-		*) [ $n -gt $((fd_limit - 100)) ] && n=$((fd_limit - 100)) ;;
+			[ "$n" -gt $((fd_limit / 2 - 100)) ] && n=$((fd_limit / 2 - 100)) ;;
+		*) [ "$n" -gt $((fd_limit - 100)) ] && n=$((fd_limit - 100)) ;;
 		esac
 		out=$tmp/idle-$name.out
 		# shellcheck disable=SC2086  # the path's options are a list
