@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/deps.sh: installs the Debian 12 packages chatgate needs, when any is missing.
-# Usage: scripts/deps.sh [build|test|fuzz]   (test adds what the test suite runs on,
-#        fuzz also clang and its libFuzzer runtime)
+# Usage: scripts/deps.sh [build|test|fuzz|bench]   (test adds what the test suite runs on,
+#        fuzz also clang and its libFuzzer runtime, bench what tests/bench/compare.sh
+#        compares with: nginx, Redis, node)
 set -euo pipefail
 
 packages=(gcc make cmake pkg-config tzdata libwebsockets-dev libuv1-dev libjansson-dev
@@ -13,6 +14,12 @@ case "${1:-build}" in
     command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
     ;;
   fuzz) packages+=(clang libclang-rt-14-dev) ;;
+  bench)
+    # tests/bench/compare.sh; not in test: CI runs no benchmarks. The Debian nginx package
+    # starts a service on port 80 where there is an init system: compare.sh runs its own.
+    packages+=(nginx redis-server)
+    command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
+    ;;
 esac
 
 missing=()

@@ -23,6 +23,14 @@
  * blocks outside lws_service() but short reads of the gateway's /proc files
  * (status every 100 ms for RSS, stat at both ends of the window for CPU).
  * A host name in --url is resolved once, synchronously, before the run.
+ *
+ * --raw talks to a chat app directly (tests/bench/app_backend, or one behind nginx or a
+ * relay: tests/bench/compare.sh) instead of to chatgate: the message frame is
+ * {"type":"message","id","text"} with no room, no hello is expected, and only "done" and
+ * "error" end a turn. --idle SECONDS measures memory instead of throughput: every
+ * connection is opened and waits, sending nothing, until it is ready (chatgate's hello, or
+ * the open itself with --raw); then all are held SECONDS and the --pid process's VmRSS is
+ * compared with its value before the first connect (RESULT idle ... kib_per_conn=).
  */
 
 #include <libwebsockets.h>
@@ -52,6 +60,12 @@
 #define STOP_GRACE_NS (2 * NS_PER_S)   /* how long closing handshakes may take */
 #define MAX_LOGGED_CONN_PROBLEMS 10    /* per kind, then only counted */
 #define MAX_ERROR_CODES 16
+/*
+ * Connection attempts in progress at once. Thousands of SYNs at once overflow the server's
+ * listen backlog (lws listens with a small one) and the dropped ones fail; a sliding window
+ * opens them about as fast, and every one gets through.
+ */
+#define MAX_CONNECTING 256
 
 #define NS_PER_S 1000000000LL
 #define NS_PER_MS 1000000.0
@@ -99,6 +113,7 @@ struct bench_conn {
 	unsigned int index;
 	enum conn_state state;
 	bool in_flight; /* a message was sent and its terminal frame is due */
+	bool ready;     /* --idle: hello seen (or open, with --raw) */
 	bool want_send;
 	uint64_t seq;
 	char msg_id[40];
@@ -128,6 +143,8 @@ struct bench_options {
 	long pid;                /* gateway, 0 if not given */
 	bool progress;
 	bool verbose;
+	bool raw;       /* a chat app, not chatgate: no hello, no room, done/error end a turn */
+	double idle_s;  /* > 0: idle mode, hold the connections this long */
 };
 
 struct ws_target {
@@ -168,6 +185,13 @@ struct bench {
 	unsigned int failed;
 	unsigned int open_now;
 	unsigned int closed_early;
+	unsigned int next_to_open;   /* connections [0, next_to_open) were started */
+	unsigned int connecting;     /* started, neither established nor failed yet */
+	bool opening;                /* inside open_more(): no re-entry from its callbacks */
+	unsigned int ready;           /* --idle */
+	unsigned int closed_unready;  /* --idle: closed before they were ready */
+	long rss_before_kb;           /* --idle: before the first connect, -1 unknown */
+	long rss_after_kb;            /* --idle: at the end of the hold */
 
 	/* frames */
 	uint64_t sent_total;
@@ -432,6 +456,12 @@ static void start_stop(struct bench *b)
 		b->cpu_at_measure_start_s = b->cpu_at_measure_end_s;
 		b->gateway_cpu_at_measure_start_s = b->gateway_cpu_at_measure_end_s;
 	}
+	if (b->opt.idle_s > 0 && b->opt.pid) {
+		long hwm;
+
+		if (read_process_memory(b->opt.pid, &b->rss_after_kb, &hwm))
+			b->rss_after_kb = -1;
+	}
 	b->phase = PHASE_STOP;
 	b->stop_deadline_ns = b->measure_end_ns + STOP_GRACE_NS;
 	lws_sul_cancel(&b->phase_sul);
@@ -462,7 +492,10 @@ static void check_connect_phase_over(struct bench *b, bool deadline_passed)
 {
 	if (b->phase != PHASE_CONNECT)
 		return;
-	if (b->established + b->failed < b->opt.connections && !deadline_passed)
+	unsigned int resolved = b->opt.idle_s > 0 ? b->ready + b->failed + b->closed_unready
+						  : b->established + b->failed;
+
+	if (resolved < b->opt.connections && !deadline_passed)
 		return;
 	if (!b->established) {
 		fprintf(stderr, "cg_bench: no connection to %s could be established (%u failed%s)\n",
@@ -479,7 +512,14 @@ static void check_connect_phase_over(struct bench *b, bool deadline_passed)
 	}
 	if (deadline_passed)
 		fprintf(stderr, "cg_bench: connect timeout: going on with %u of %u connections\n",
-			b->established, b->opt.connections);
+			b->opt.idle_s > 0 ? b->ready : b->established, b->opt.connections);
+	if (b->opt.idle_s > 0) {
+		/* the hold: no traffic; the window is the hold, for the report */
+		b->phase = PHASE_MEASURE;
+		b->warmup_start_ns = b->measure_start_ns = now_ns();
+		schedule_phase_timer(b, b->opt.idle_s);
+		return;
+	}
 	start_warmup(b);
 }
 
@@ -519,6 +559,8 @@ static void tick(lws_sorted_usec_list_t *sul)
 	if (b->phase != PHASE_DONE)
 		lws_sul_schedule(b->context, 0, &b->tick_sul, tick, TICK_US);
 }
+
+static void open_more(struct bench *b);
 
 /* ---- messages ---- */
 
@@ -563,8 +605,13 @@ static int send_next_message(struct bench_conn *c)
 
 	c->seq++;
 	snprintf(c->msg_id, sizeof(c->msg_id), "b%u-%" PRIu64, c->index, c->seq);
-	len = snprintf(payload, room, "{\"type\":\"message\",\"id\":\"%s\",\"room\":%s,\"text\":%s}",
-		       c->msg_id, b->room_json, b->text_json);
+	if (b->opt.raw)
+		len = snprintf(payload, room, "{\"type\":\"message\",\"id\":\"%s\",\"text\":%s}",
+			       c->msg_id, b->text_json);
+	else
+		len = snprintf(payload, room,
+			       "{\"type\":\"message\",\"id\":\"%s\",\"room\":%s,\"text\":%s}",
+			       c->msg_id, b->room_json, b->text_json);
 	if (len < 0 || (size_t)len >= room) {
 		fprintf(stderr, "cg_bench: message frame does not fit its buffer\n");
 		return -1;
@@ -611,13 +658,34 @@ static void handle_terminal(struct bench_conn *c, const char *type, const char *
 	}
 }
 
+/* --idle: the connection is up (hello seen, or open with --raw). */
+static void mark_ready(struct bench_conn *c)
+{
+	if (c->ready)
+		return;
+	c->ready = true;
+	c->bench->ready++;
+	check_connect_phase_over(c->bench, false);
+}
+
 /* One complete text frame from the gateway. */
 static void handle_frame(struct bench_conn *c, int64_t arrived_ns)
 {
 	struct bench *b = c->bench;
+	static const char delta_prefix[] = "{\"type\":\"delta\",";
 	json_error_t jerr;
-	json_t *root = json_loadb(c->rx, c->rx_len, 0, &jerr);
+	json_t *root;
 	const char *type;
+
+	/*
+	 * Deltas are most frames and need no field: counted without a parse, so that the client
+	 * spends less of the machine the gateway and the backend share.
+	 */
+	if (c->rx_len > sizeof(delta_prefix) && !memcmp(c->rx, delta_prefix, sizeof(delta_prefix) - 1)) {
+		b->deltas++;
+		return;
+	}
+	root = json_loadb(c->rx, c->rx_len, 0, &jerr);
 
 	if (!root || !json_is_object(root)) {
 		if (!b->unparsable_frames && b->opt.verbose)
@@ -633,11 +701,15 @@ static void handle_frame(struct bench_conn *c, int64_t arrived_ns)
 		b->deltas++;
 	else if (!strcmp(type, "ack"))
 		b->acks++;
-	else if (!strcmp(type, "done") || !strcmp(type, "error") || !strcmp(type, "cancelled"))
+	else if (!strcmp(type, "done") || !strcmp(type, "error") ||
+		 (!b->opt.raw && !strcmp(type, "cancelled")))
 		handle_terminal(c, type, json_string_value(json_object_get(root, "id")),
 				json_string_value(json_object_get(root, "code")), arrived_ns);
-	else if (!strcmp(type, "hello"))
+	else if (!strcmp(type, "hello")) {
 		b->hellos++;
+		if (b->opt.idle_s > 0 && !b->opt.raw)
+			mark_ready(c);
+	}
 	else if (!strcmp(type, "warning"))
 		b->warnings++;
 	else
@@ -684,6 +756,8 @@ static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, voi
 		c->state = CONN_FAILED;
 		c->wsi = NULL;
 		b->failed++;
+		b->connecting--;
+		open_more(b);
 		{
 			static unsigned int logged;
 
@@ -699,14 +773,18 @@ static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, voi
 		c->state = CONN_OPEN;
 		c->wsi = wsi;
 		b->established++;
+		b->connecting--;
 		b->open_now++;
 		if (b->phase >= PHASE_STOP) {
 			lws_callback_on_writable(wsi); /* closes it */
-			break;
+		} else if (b->opt.idle_s > 0) {
+			if (b->opt.raw)
+				mark_ready(c);
+		} else {
+			c->want_send = true;
+			lws_callback_on_writable(wsi);
 		}
-		c->want_send = true;
-		lws_callback_on_writable(wsi);
-		check_connect_phase_over(b, false);
+		open_more(b); /* the next attempt; ends the connect phase after the last */
 		break;
 
 	case LWS_CALLBACK_CLIENT_WRITEABLE:
@@ -754,6 +832,10 @@ static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, voi
 		c->state = CONN_CLOSED;
 		c->wsi = NULL;
 		b->open_now--;
+		if (b->opt.idle_s > 0 && !c->ready && b->phase == PHASE_CONNECT) {
+			b->closed_unready++;
+			check_connect_phase_over(b, false);
+		}
 		if (b->phase < PHASE_STOP) {
 			static unsigned int logged;
 			char detail[64];
@@ -894,9 +976,15 @@ static char *json_quote(const char *s, const char *what)
 	return out;
 }
 
-static int open_connections(struct bench *b)
+/* Starts connections until MAX_CONNECTING attempts are in progress or all are started. */
+static void open_more(struct bench *b)
 {
-	for (unsigned int i = 0; i < b->opt.connections; i++) {
+	if (b->opening)
+		return;
+	b->opening = true;
+	while (b->next_to_open < b->opt.connections && b->connecting < MAX_CONNECTING &&
+	       b->phase < PHASE_STOP) {
+		unsigned int i = b->next_to_open++;
 		struct bench_conn *c = &b->conns[i];
 		struct lws_client_connect_info ci;
 
@@ -914,6 +1002,7 @@ static int open_connections(struct bench *b)
 		c->bench = b;
 		c->index = i;
 		c->state = CONN_CONNECTING;
+		b->connecting++;
 		if (!lws_client_connect_via_info(&ci) && c->state == CONN_CONNECTING) {
 			/* failed before any callback could report it */
 			static unsigned int logged;
@@ -921,12 +1010,13 @@ static int open_connections(struct bench *b)
 			c->state = CONN_FAILED;
 			c->wsi = NULL;
 			b->failed++;
+			b->connecting--;
 			log_conn_problem(&logged, "cg_bench: connection %u: %s\n", i,
 					 "lws_client_connect_via_info failed");
 		}
 	}
+	b->opening = false;
 	check_connect_phase_over(b, false);
-	return 0;
 }
 
 static void usage(FILE *out)
@@ -942,6 +1032,11 @@ static void usage(FILE *out)
 		"  --pid PID              gateway process, for its peak RSS\n"
 		"  --connect-timeout S    give up waiting for connections after S (default 10)\n"
 		"  --subprotocol NAME     offer this Sec-WebSocket-Protocol (default none)\n"
+		"  --raw                  a chat app, not chatgate: send {type,id,text}, expect no\n"
+		"                         hello; done and error end a turn\n"
+		"  --idle SECONDS         memory mode: open every connection, wait until each is\n"
+		"                         ready (hello; open with --raw), hold them SECONDS, print\n"
+		"                         --pid's RSS per connection (RESULT idle ...)\n"
 		"  --progress             print a line per second to stderr\n"
 		"  --verbose              libwebsockets notices and parse errors\n"
 		"Each connection keeps one message in flight (closed loop). Prints a summary\n"
@@ -964,7 +1059,8 @@ static int parse_double(const char *s, const char *name, double min, double *out
 static int parse_options(int argc, char **argv, struct bench_options *o)
 {
 	enum { OPT_URL = 1000, OPT_CONNS, OPT_DURATION, OPT_WARMUP, OPT_TEXT, OPT_ROOM, OPT_PID,
-	       OPT_CONNECT_TIMEOUT, OPT_SUBPROTOCOL, OPT_PROGRESS, OPT_VERBOSE, OPT_HELP };
+	       OPT_CONNECT_TIMEOUT, OPT_SUBPROTOCOL, OPT_PROGRESS, OPT_VERBOSE, OPT_RAW, OPT_IDLE,
+	       OPT_HELP };
 	static const struct option longopts[] = {
 		{ "url", required_argument, NULL, OPT_URL },
 		{ "connections", required_argument, NULL, OPT_CONNS },
@@ -977,6 +1073,8 @@ static int parse_options(int argc, char **argv, struct bench_options *o)
 		{ "subprotocol", required_argument, NULL, OPT_SUBPROTOCOL },
 		{ "progress", no_argument, NULL, OPT_PROGRESS },
 		{ "verbose", no_argument, NULL, OPT_VERBOSE },
+		{ "raw", no_argument, NULL, OPT_RAW },
+		{ "idle", required_argument, NULL, OPT_IDLE },
 		{ "help", no_argument, NULL, OPT_HELP },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -1042,6 +1140,13 @@ static int parse_options(int argc, char **argv, struct bench_options *o)
 			break;
 		case OPT_VERBOSE:
 			o->verbose = true;
+			break;
+		case OPT_RAW:
+			o->raw = true;
+			break;
+		case OPT_IDLE:
+			if (parse_double(optarg, "--idle", 0.001, &o->idle_s))
+				return -1;
 			break;
 		case OPT_HELP:
 		case 'h':
@@ -1138,10 +1243,36 @@ static void print_report(struct bench *b)
 		printf("  gateway RSS        not measured (no --pid)\n");
 	printf("RESULT conns=%u msgs_per_sec=%.1f p50_ms=%.3f p99_ms=%.3f p999_ms=%.3f peak_rss_kb=%ld"
 	       " msgs=%" PRIu64 " errors=%" PRIu64 " duration_s=%.3f client_cpu_pct=%.0f"
-	       " gateway_cpu_pct=%.0f\n",
+	       " gateway_cpu_pct=%.0f gateway_cpu_s=%.3f\n",
 	       b->established, rate, p50, p99, p999, peak_kb, b->done, b->errors, window_s,
-	       client_cpu_pct, gateway_cpu_pct);
+	       client_cpu_pct, gateway_cpu_pct,
+	       gateway_cpu_pct >= 0 ? b->gateway_cpu_at_measure_end_s - b->gateway_cpu_at_measure_start_s
+				    : -1.0);
 	fflush(stdout);
+}
+
+/* --idle: RSS growth per ready connection. Returns the exit status. */
+static int print_idle_report(struct bench *b)
+{
+	double per_conn = -1;
+
+	if (b->rss_before_kb >= 0 && b->rss_after_kb >= 0 && b->ready)
+		per_conn = (double)(b->rss_after_kb - b->rss_before_kb) / b->ready;
+	printf("cg_bench idle (%s)\n", b->opt.url);
+	printf("  connections        %u requested, %u established, %u ready, %u failed, %u closed before ready\n",
+	       b->opt.connections, b->established, b->ready, b->failed, b->closed_unready);
+	printf("  held               %.3f s\n", (double)(b->measure_end_ns - b->measure_start_ns) / NS_PER_S);
+	if (per_conn >= 0)
+		printf("  pid %-6ld VmRSS    %ld kB before, %ld kB with every connection up: %.1f KiB each\n",
+		       b->opt.pid, b->rss_before_kb, b->rss_after_kb, per_conn);
+	else
+		printf("  RSS                not measured (no --pid, or no /proc/PID/status)\n");
+	printf("RESULT idle conns=%u ready=%u rss_before_kb=%ld rss_after_kb=%ld kib_per_conn=%.1f\n",
+	       b->opt.connections, b->ready, b->rss_before_kb, b->rss_after_kb, per_conn);
+	fflush(stdout);
+	if (!b->ready || b->interrupted)
+		return 1;
+	return 0;
 }
 
 int main(int argc, char **argv)
@@ -1196,8 +1327,9 @@ int main(int argc, char **argv)
 				 NS_PER_S; /* lws reports its own timeout first */
 	b->phase = PHASE_CONNECT;
 	sample_gateway_memory(b);
+	b->rss_before_kb = b->rss_samples ? b->rss_last_kb : -1;
 	lws_sul_schedule(b->context, 0, &b->tick_sul, tick, TICK_US);
-	open_connections(b);
+	open_more(b);
 
 	while (b->phase != PHASE_DONE) {
 		if (lws_service(b->context, 0) < 0)
@@ -1210,6 +1342,8 @@ int main(int argc, char **argv)
 
 	if (b->fatal) {
 		rc = 1;
+	} else if (b->opt.idle_s > 0) {
+		rc = print_idle_report(b);
 	} else {
 		print_report(b);
 		if (!b->done) {

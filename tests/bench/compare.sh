@@ -1,0 +1,409 @@
+#!/usr/bin/env bash
+# Compare chatgate with the reference points of issue 12 in one run, on one machine: the
+# same load generator (cg_bench, closed loop) and the same chat app (app_backend: two deltas
+# and a done per message) behind every path:
+#
+#   direct         the client straight to the app (cg_bench --raw)
+#   nginx          nginx (Debian package), one process, proxying the WebSocket to the app
+#   node           node_relay.js: Node and the `ws` package, one upstream socket per client
+#   chatgate-pass  chatgate, ws:// app upstream, no rules (an empty --rules dir), memory store
+#   chatgate-full  chatgate, ws:// app upstream, the shipped rules/, Redis store (a
+#                  redis-server started here on a free port)
+#
+#   tests/bench/compare.sh BUILD_DIR [CONNECTIONS] [SECONDS] [ROUNDS]
+#   tests/bench/compare.sh --idle BUILD_DIR [N]
+#
+# CONNECTIONS defaults to 100, SECONDS (each measured window, after a 1 s warmup) to 10,
+# ROUNDS to 3. The rounds interleave the paths (round 1 runs every path, then round 2 ...,
+# each round starting one path later) because a shared machine is noisy; the table gives
+# each path's median over the rounds of turns/s, p50 and p99, its ratio to nginx's turns/s,
+# the p50 it adds over the direct path (run with CONNECTIONS=1 for the per-hop latency), and
+# the proxy's CPU per 1,000 turns (user + system time of the proxy process over the window,
+# from /proc/PID/stat: nginx runs as one process, master_process off; node is one process).
+#
+# --idle measures memory instead: N (default 10000) connections are opened to each proxy and
+# held idle (chatgate: after its hello; the others: once open), and the proxy's VmRSS growth
+# is divided by the connections. nginx and node hold two sockets per client (client and
+# app), so they get at most half the descriptor limit.
+#
+# Environment:
+#   CHATGATE_BIN     gateway binary (default BUILD_DIR/chatgate)
+#   CHATGATE_BIN_B   a second gateway binary: adds the rows chatgate-pass(B), chatgate-full(B)
+#                    (before/after in one run)
+#   CG_COMPARE_PATHS the paths to run, space-separated (default: all of them)
+#   CG_COMPARE_KEEP=1 keep the temporary directory (configs, logs, every cg_bench output)
+#
+# A path whose program is missing (nginx, node, redis-server) is left out with a note.
+# Exit status: 0 when every run gave a result; 1 when one did not (its cells show "-");
+# 2 on bad arguments.
+set -u
+
+usage() {
+	echo "usage: $0 BUILD_DIR [CONNECTIONS] [SECONDS] [ROUNDS]" >&2
+	echo "       $0 --idle BUILD_DIR [N]" >&2
+	exit 2
+}
+
+mode=load
+if [ "${1:-}" = --idle ]; then
+	mode=idle
+	shift
+fi
+[ $# -ge 1 ] || usage
+build_dir=$1
+if [ $mode = load ]; then
+	[ $# -le 4 ] || usage
+	conns=${2:-100}
+	secs=${3:-10}
+	rounds=${4:-3}
+	case $conns in '' | *[!0-9]* | 0) usage ;; esac
+	case $secs in '' | *[!0-9.]*) usage ;; esac
+	case $rounds in '' | *[!0-9]* | 0) usage ;; esac
+else
+	[ $# -le 2 ] || usage
+	idle_n=${2:-10000}
+	case $idle_n in '' | *[!0-9]* | 0) usage ;; esac
+fi
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+gateway=${CHATGATE_BIN:-$build_dir/chatgate}
+gateway_b=${CHATGATE_BIN_B:-}
+bench=$build_dir/tests/bench/cg_bench
+app=$build_dir/tests/bench/app_backend
+for f in "$gateway" "$bench" "$app" ${gateway_b:+"$gateway_b"}; do
+	if [ ! -x "$f" ]; then
+		echo "compare.sh: no executable $f (build the targets chatgate, cg_bench, app_backend)" >&2
+		exit 2
+	fi
+done
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_compare.XXXXXX") || exit 1
+pids=()
+
+# shellcheck disable=SC2317  # called through the EXIT trap
+cleanup() {
+	local p
+	for p in "${pids[@]}"; do
+		kill -TERM "$p" 2>/dev/null
+	done
+	for p in "${pids[@]}"; do
+		for _ in $(seq 1 50); do
+			kill -0 "$p" 2>/dev/null || break
+			sleep 0.1
+		done
+		kill -KILL "$p" 2>/dev/null
+		wait "$p" 2>/dev/null
+	done
+	if [ "${CG_COMPARE_KEEP:-0}" = 1 ]; then
+		echo "compare.sh: kept $tmp" >&2
+	else
+		rm -rf "$tmp"
+	fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Many connections need many descriptors: cg_bench, the proxies and the app inherit this.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+fd_limit=$(ulimit -n)
+
+port_is_open() {
+	(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+pick_free_port() {
+	local port
+	for _ in $(seq 1 50); do
+		port=$((20000 + RANDOM % 40000))
+		if ! port_is_open "$port"; then
+			echo "$port"
+			return 0
+		fi
+	done
+	return 1
+}
+
+# start NAME PORT COMMAND...: runs COMMAND in the background (log in $tmp/NAME.log), waits
+# until PORT accepts, and sets started_pid. Returns 1 if it exits or does not listen in 10 s.
+started_pid=
+start() {
+	local name=$1 port=$2
+	shift 2
+	"$@" >"$tmp/$name.log" 2>&1 &
+	started_pid=$!
+	pids+=("$started_pid")
+	for _ in $(seq 1 100); do
+		if ! kill -0 "$started_pid" 2>/dev/null; then
+			echo "compare.sh: $name exited at start; its log ends:" >&2
+			tail -n 10 "$tmp/$name.log" >&2
+			return 1
+		fi
+		port_is_open "$port" && return 0
+		sleep 0.1
+	done
+	echo "compare.sh: $name did not listen on port $port within 10 s" >&2
+	return 1
+}
+
+if [ $mode = idle ]; then
+	max_connections=$((idle_n + 100))
+else
+	max_connections=$((conns + 100))
+	[ $max_connections -lt 5000 ] && max_connections=5000
+fi
+wanted=" ${CG_COMPARE_PATHS:-direct nginx node chatgate-pass chatgate-full} "
+wants() { case $wanted in *" $1 "*) return 0 ;; esac; return 1; }
+
+# ---- the app ----
+app_port=$(pick_free_port) || exit 1
+start app "$app_port" "$app" --port "$app_port" || exit 1
+app_pid=$started_pid
+app_url="ws://127.0.0.1:$app_port/app"
+
+# paths: name, url, pid whose CPU is the proxy's ("" for none), cg_bench options, description
+path_names=()
+declare -A path_url path_pid path_opts path_desc
+
+add_path() {
+	path_names+=("$1")
+	path_url[$1]=$2
+	path_pid[$1]=$3
+	path_opts[$1]=$4
+	path_desc[$1]=$5
+}
+
+if wants direct; then
+	add_path direct "ws://127.0.0.1:$app_port/app" "" --raw "client straight to the app"
+fi
+
+# ---- nginx ----
+if wants nginx; then
+	nginx_bin=$(command -v nginx || echo /usr/sbin/nginx)
+	if [ ! -x "$nginx_bin" ]; then
+		echo "compare.sh: no nginx (scripts/deps.sh bench installs it); leaving the nginx path out" >&2
+	else
+		nginx_port=$(pick_free_port) || exit 1
+		mkdir -p "$tmp/nginx/tmp"
+		nginx_conns=$((fd_limit - 64)) # counts client and app sockets both
+		cat >"$tmp/nginx/nginx.conf" <<EOF
+# one process (no master), as a single-threaded proxy beside chatgate's one event loop
+daemon off;
+master_process off;
+worker_processes 1;
+worker_rlimit_nofile $fd_limit;
+pid $tmp/nginx/nginx.pid;
+error_log $tmp/nginx/error.log warn;
+events { worker_connections $nginx_conns; multi_accept on; }
+http {
+	access_log off;
+	client_body_temp_path $tmp/nginx/tmp/body;
+	proxy_temp_path $tmp/nginx/tmp/proxy;
+	fastcgi_temp_path $tmp/nginx/tmp/fastcgi;
+	uwsgi_temp_path $tmp/nginx/tmp/uwsgi;
+	scgi_temp_path $tmp/nginx/tmp/scgi;
+	server {
+		listen 127.0.0.1:$nginx_port;
+		location / {
+			proxy_pass http://127.0.0.1:$app_port;
+			proxy_http_version 1.1;
+			proxy_set_header Upgrade \$http_upgrade;
+			proxy_set_header Connection "upgrade";
+			proxy_read_timeout 1h;
+			proxy_send_timeout 1h;
+		}
+	}
+}
+EOF
+		if start nginx "$nginx_port" "$nginx_bin" -p "$tmp/nginx" -e "$tmp/nginx/error.log" -c "$tmp/nginx/nginx.conf"; then
+			nginx_version=$("$nginx_bin" -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')
+			add_path nginx "ws://127.0.0.1:$nginx_port/app" "$started_pid" --raw \
+				"nginx ${nginx_version:-?}, one process, proxying WebSocket"
+		else
+			echo "compare.sh: leaving the nginx path out" >&2
+		fi
+	fi
+fi
+
+# ---- the Node relay ----
+if wants node; then
+	if ! command -v node >/dev/null; then
+		echo "compare.sh: no node; leaving the node path out" >&2
+	else
+		if [ ! -d "$here/node_modules/ws" ]; then
+			echo "compare.sh: npm install in $here (the ws package)" >&2
+			(cd "$here" && npm install --no-audit --no-fund >"$tmp/npm.log" 2>&1) ||
+				{ echo "compare.sh: npm install failed:" >&2; tail -n 5 "$tmp/npm.log" >&2; }
+		fi
+		node_port=$(pick_free_port) || exit 1
+		if [ -d "$here/node_modules/ws" ] &&
+			start node "$node_port" node "$here/node_relay.js" "$node_port" "$app_url"; then
+			add_path node "ws://127.0.0.1:$node_port/app" "$started_pid" --raw \
+				"Node $(node --version) relay on ws $(node -p 'require(process.argv[1]).version' "$here/node_modules/ws/package.json" 2>/dev/null)"
+		else
+			echo "compare.sh: leaving the node path out" >&2
+		fi
+	fi
+fi
+
+# ---- chatgate ----
+mkdir -p "$tmp/norules"
+cat >"$tmp/chatgate.json" <<EOF
+{"upstreams":{"app":{"url":"$app_url"}},"rate_limit":{"messages_per_second":1000000,"burst":1000000},"max_connections":$max_connections}
+EOF
+redis_store=
+if wants chatgate-full; then
+	if ! command -v redis-server >/dev/null; then
+		echo "compare.sh: no redis-server; leaving chatgate-full out" >&2
+	else
+		redis_port=$(pick_free_port) || exit 1
+		if start redis "$redis_port" redis-server --port "$redis_port" --bind 127.0.0.1 --save "" \
+			--appendonly no --dir "$tmp"; then
+			redis_store="redis://127.0.0.1:$redis_port"
+		fi
+	fi
+fi
+
+# start_chatgate NAME BINARY full|pass
+start_chatgate() {
+	local name=$1 bin=$2 kind=$3 port rules store desc
+	if [ "$kind" = full ]; then
+		[ -n "$redis_store" ] || return 0
+		rules=$repo/rules store=$redis_store desc="shipped rules, Redis store"
+	else
+		rules=$tmp/norules store=memory desc="no rules, memory store"
+	fi
+	port=$(pick_free_port) || return 1
+	if start "$name" "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" \
+		--rules "$rules" --store "$store"; then
+		add_path "$name" "ws://127.0.0.1:$port/ws" "$started_pid" "" "chatgate${4:-}, ws app upstream, $desc"
+	else
+		echo "compare.sh: leaving $name out" >&2
+	fi
+}
+wants chatgate-pass && start_chatgate chatgate-pass "$gateway" pass
+wants chatgate-full && start_chatgate chatgate-full "$gateway" full
+if [ -n "$gateway_b" ]; then
+	wants chatgate-pass && start_chatgate "chatgate-pass(B)" "$gateway_b" pass " (B)"
+	wants chatgate-full && start_chatgate "chatgate-full(B)" "$gateway_b" full " (B)"
+fi
+
+if [ ${#path_names[@]} = 0 ]; then
+	echo "compare.sh: no path to run" >&2
+	exit 1
+fi
+
+# result FILE KEY: a field of the RESULT line of a cg_bench output
+result() {
+	sed -n "s/^RESULT .*[ ]$2=\([^ ]*\).*/\1/p" "$1" | head -n 1
+}
+
+# ---- idle: memory per connection ----
+if [ $mode = idle ]; then
+	echo "compare.sh: $idle_n idle connections per path; fd limit $fd_limit"
+	echo
+	echo "| path | connections | RSS before | RSS with all up | KiB per connection |"
+	echo "|---|---|---|---|---|"
+	status=0
+	for name in "${path_names[@]}"; do
+		n=$idle_n
+		pid=${path_pid[$name]}
+		[ "$name" = direct ] && pid=$app_pid
+		case $name in
+		nginx | node) # two sockets per client, and the app holds one more
+			[ "$n" -gt $((fd_limit / 2 - 100)) ] && n=$((fd_limit / 2 - 100)) ;;
+		*) [ "$n" -gt $((fd_limit - 100)) ] && n=$((fd_limit - 100)) ;;
+		esac
+		out=$tmp/idle-$name.out
+		# shellcheck disable=SC2086  # the path's options are a list
+		"$bench" --url "${path_url[$name]}" --connections "$n" --idle 3 --connect-timeout 60 \
+			--pid "$pid" ${path_opts[$name]} >"$out" 2>"$out.err"
+		ready=$(result "$out" ready)
+		if [ -z "$ready" ] || [ "$ready" = 0 ]; then
+			echo "compare.sh: $name: no result; cg_bench said:" >&2
+			tail -n 5 "$out.err" >&2
+			status=1
+			continue
+		fi
+		printf '| %s | %s | %s MiB | %s MiB | %s |\n' "${path_desc[$name]}" "$ready" \
+			"$(awk -v k="$(result "$out" rss_before_kb)" 'BEGIN { printf "%.1f", k / 1024 }')" \
+			"$(awk -v k="$(result "$out" rss_after_kb)" 'BEGIN { printf "%.1f", k / 1024 }')" \
+			"$(result "$out" kib_per_conn)"
+		sleep 1 # let the closed sockets go
+	done
+	[ -n "$gateway_b" ] && echo && echo "chatgate: $gateway; chatgate (B): $gateway_b"
+	exit $status
+fi
+
+# ---- load: rounds x paths ----
+echo "compare.sh: $conns connections, $secs s x $rounds rounds per path; fd limit $fd_limit" >&2
+: >"$tmp/runs"
+status=0
+n_paths=${#path_names[@]}
+for round in $(seq 1 "$rounds"); do
+	for k in $(seq 0 $((n_paths - 1))); do
+		name=${path_names[$(((k + round - 1) % n_paths))]}
+		out="$tmp/run-$round-$name.out"
+		pid_opt=()
+		if [ -n "${path_pid[$name]}" ]; then
+			pid_opt=(--pid "${path_pid[$name]}")
+		fi
+		# shellcheck disable=SC2086  # the path's options are a list
+		"$bench" --url "${path_url[$name]}" --connections "$conns" --duration "$secs" --warmup 1 \
+			"${pid_opt[@]}" ${path_opts[$name]} >"$out" 2>"$out.err"
+		rate=$(result "$out" msgs_per_sec)
+		if [ -z "$rate" ] || [ "$(result "$out" msgs)" = 0 ]; then
+			echo "compare.sh: round $round $name: no result; cg_bench said:" >&2
+			tail -n 5 "$out.err" >&2
+			status=1
+			continue
+		fi
+		msgs=$(result "$out" msgs)
+		cpu_s=$(result "$out" gateway_cpu_s)
+		cpu_1k=-
+		if [ -n "${path_pid[$name]}" ] && [ -n "$cpu_s" ] && [ "${cpu_s#-}" = "$cpu_s" ]; then
+			cpu_1k=$(awk -v c="$cpu_s" -v m="$msgs" 'BEGIN { printf "%.1f", c * 1e6 / m }')
+		fi
+		printf '%s %s %s %s %s %s %s\n' "$name" "$round" "$rate" "$(result "$out" p50_ms)" \
+			"$(result "$out" p99_ms)" "$cpu_1k" "$(result "$out" errors)" >>"$tmp/runs"
+		printf 'compare.sh: round %s %-18s %9.0f turns/s  p50 %s ms  p99 %s ms  CPU %s ms/1k turns  client CPU %s%%  errors %s\n' \
+			"$round" "$name" "$rate" "$(result "$out" p50_ms)" "$(result "$out" p99_ms)" "$cpu_1k" \
+			"$(result "$out" client_cpu_pct)" "$(result "$out" errors)" >&2
+		sleep 0.5 # the closing handshakes finish before the next path starts
+	done
+done
+
+# median COLUMN NAME: the median of one column of a path's runs ("-" if none)
+median() {
+	awk -v n="$2" -v col="$1" '$1 == n && $col != "-" { print $col }' "$tmp/runs" | sort -g |
+		awk '{ v[NR] = $1 } END { if (!NR) print "-"; else if (NR % 2) print v[(NR + 1) / 2];
+		                           else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+nginx_rate=$(median 3 nginx)
+direct_p50=$(median 4 direct)
+echo
+echo "$conns connections, $secs s x $rounds rounds, medians; cg_bench and app_backend on the same machine"
+echo
+echo "| path | turns/s | p50 | p99 | vs nginx | p50 over direct | proxy CPU per 1k turns |"
+echo "|---|---|---|---|---|---|---|"
+for name in "${path_names[@]}"; do
+	rate=$(median 3 "$name")
+	p50=$(median 4 "$name")
+	p99=$(median 5 "$name")
+	cpu=$(median 6 "$name")
+	awk -v d="${path_desc[$name]}" -v r="$rate" -v p50="$p50" -v p99="$p99" -v cpu="$cpu" \
+		-v nr="$nginx_rate" -v dp="$direct_p50" -v name="$name" '
+	function commas(n,   s) { s = sprintf("%d", n); while (s ~ /[0-9][0-9][0-9][0-9]/) sub(/[0-9][0-9][0-9]($|,)/, ",&", s); return s }
+	BEGIN {
+		if (r == "-") { printf "| %s | - | - | - | - | - | - |\n", d; exit }
+		vs = (nr == "-" || nr == 0) ? "-" : sprintf("x%.2f", r / nr)
+		over = (dp == "-" || name == "direct") ? "-" : sprintf("%+.3f ms", p50 - dp)
+		c = (cpu == "-") ? "-" : sprintf("%.0f ms", cpu)
+		printf "| %s | %s | %.3f ms | %.3f ms | %s | %s | %s |\n", d, commas(r + 0.5), p50, p99, vs, over, c
+	}'
+done
+echo
+[ -n "$gateway_b" ] && echo "chatgate: $gateway; chatgate (B): $gateway_b"
+echo "(proxy CPU per 1k turns: user + system time of the proxy process over the window, per 1,000 turns; ms per 1k turns = µs per turn)"
+exit $status
