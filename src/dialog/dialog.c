@@ -430,7 +430,8 @@ static int64_t int_of(json_t *o, const char *key)
     return json_is_integer(v) ? (int64_t)json_integer_value(v) : 0;
 }
 
-void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now)
+/* Reads j into d, taking each part with take: a deep copy, or a new reference to it. */
+static void from_json(cg_dialog *d, json_t *j, int64_t now, json_t *(*take)(json_t *))
 {
     cg_dialog_init(d, now);
     if (!json_is_object(j))
@@ -439,29 +440,29 @@ void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now)
     if (json_is_string(service))
         set_service(d, json_string_value(service));
     /* params and history are never NULL: a copy that fails leaves them empty */
-    json_t *params = json_deep_copy(json_object_get(j, "params"));
+    json_t *params = take(json_object_get(j, "params"));
     if (json_is_object(params))
         replace_json(&d->params, params);
     else
         json_decref(params);
     json_t *awaiting = json_object_get(j, "awaiting");
     if (json_is_object(awaiting)) {
-        d->awaiting = json_deep_copy(awaiting);
+        d->awaiting = take(awaiting);
         d->awaiting_expires = int_of(j, "awaiting_expires");
     }
     json_t *soft = json_object_get(j, "soft_context");
     if (json_is_object(soft)) {
-        d->soft = json_deep_copy(soft);
+        d->soft = take(soft);
         d->soft_expires = int_of(j, "soft_expires");
     }
-    json_t *history = json_deep_copy(json_object_get(j, "history"));
+    json_t *history = take(json_object_get(j, "history"));
     if (json_is_array(history))
         replace_json(&d->history, history);
     else
         json_decref(history);
     json_t *tool = json_object_get(j, "last_tool_result");
     if (tool && !json_is_null(tool))
-        d->last_tool_result = json_deep_copy(tool);
+        d->last_tool_result = take(tool);
     json_t *meta = json_object_get(j, "meta");
     if (json_is_object(meta)) {
         d->created_at = int_of(meta, "created_at") ? int_of(meta, "created_at") : now;
@@ -470,6 +471,26 @@ void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now)
         d->message_count = (long)int_of(meta, "message_count");
     }
     cg_dialog_expire(d, now);
+}
+
+static json_t *copy(json_t *j)
+{
+    return json_deep_copy(j);
+}
+
+void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now)
+{
+    from_json(d, j, now, copy);
+}
+
+static json_t *share(json_t *j)
+{
+    return json_incref(j);
+}
+
+void cg_dialog_adopt_json(cg_dialog *d, json_t *j, int64_t now)
+{
+    from_json(d, j, now, share);
 }
 
 char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resolution, json_t *annotations)

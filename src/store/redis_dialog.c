@@ -565,7 +565,7 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
     redisReply *lease = reply->element[0];
     int64_t now = rs->base.now(rs->base.clock_ctx);
     cg_dialog d;
-    cg_dialog_from_json(&d, j, now);
+    cg_dialog_adopt_json(&d, j, now); /* j was built from the replies for this */
     json_decref(j);
     cg_memstore_put(rs->mem, r->key, &d, now); /* the copy that survives an outage */
     json_object_del(rs->unknown, r->key);      /* Redis's copy is known now */

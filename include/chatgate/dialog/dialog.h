@@ -83,6 +83,9 @@ json_t *cg_dialog_context(const cg_dialog *d);
 json_t *cg_dialog_to_json(const cg_dialog *d);
 /* Reads what cg_dialog_to_json wrote; missing or wrong-typed parts are left empty. */
 void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now);
+/* The same, sharing j's parts instead of copying them: for a j built for this and dropped
+ * right after (a store's load), which nobody changes afterwards. */
+void cg_dialog_adopt_json(cg_dialog *d, json_t *j, int64_t now);
 
 /* A short text of the state, and of what this message resolved and carries, for an LLM's
  * system message; malloc'd, "" when there is nothing. JSON arguments may be NULL. */

@@ -277,6 +277,30 @@ static void test_history_and_round_trip(void)
     CHECK(back.soft == NULL);
     cg_dialog_free(&back);
 
+    /* adopting shares j's parts: the same dialog, and j's parts are d's now */
+    cg_dialog_adopt_json(&back, j, 200);
+    CHECK_STR(param(&back, "travel", "from"), "Nairobi");
+    CHECK(back.params == json_object_get(j, "params"));
+    CHECK(back.history == json_object_get(j, "history"));
+    CHECK(back.turn_count == 6 && back.soft_expires == 500);
+    cg_dialog_free(&back);
+    CHECK(json_object_get(j, "params") != NULL); /* j still holds its own reference */
+
+    /* a copy: params its own, history a new array of the same items, the weight close to JSON's */
+    cg_dialog copy;
+    CHECK(cg_dialog_copy(&copy, &d) == 0);
+    CHECK(copy.params != d.params && json_equal(copy.params, d.params));
+    CHECK(copy.soft != d.soft && json_equal(copy.soft, d.soft));
+    CHECK(copy.history != d.history && json_array_size(copy.history) == 10);
+    CHECK(json_array_get(copy.history, 3) == json_array_get(d.history, 3));
+    CHECK_STR(copy.service, "travel");
+    CHECK(copy.service != d.service);
+    json_object_set_new(json_object_get(copy.params, "travel"), "to", json_string("London"));
+    CHECK(param(&d, "travel", "to") == NULL); /* the original's params did not change */
+    size_t weight = cg_dialog_weight(&d), compact = json_dumpb(j, NULL, 0, JSON_COMPACT);
+    CHECK(weight > compact / 2 && weight < compact * 2);
+    cg_dialog_free(&copy);
+
     char *summary = cg_dialog_summary(&d, json_object_get(d.params, "travel"), NULL, NULL);
     CHECK(strstr(summary, "\"from\":\"Nairobi\"") != NULL);
     CHECK(strstr(summary, "\"service\":\"travel\"") != NULL);
