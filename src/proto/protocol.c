@@ -11,6 +11,7 @@
 
 #include "chatgate/core/utf8.h"
 #include "chatgate/core/error.h"
+#include "chatgate/core/jsonout.h"
 #include "chatgate/proto/protocol.h"
 
 static int fail(char *err, size_t errlen, const char *msg)
@@ -143,7 +144,8 @@ char *cg_protocol_dump(json_t *obj)
     if (!obj)
         return strdup("{\"type\":\"error\",\"id\":null,\"code\":\"internal\","
                       "\"message\":\"a frame could not be encoded\"}");
-    char *s = json_dumps(obj, JSON_COMPACT);
+    size_t len;
+    char *s = cg_json_dump_pre(obj, 0, 256, &len); /* one buffer, not json_dumps' growth and copy */
     json_decref(obj);
     if (!s)
         abort();

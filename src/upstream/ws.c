@@ -22,6 +22,7 @@
 
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
+#include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/wsrx.h"
 #include "chatgate/upstream/upstream.h"
@@ -33,7 +34,8 @@ typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE, PHASE_NONE } conn_ph
 
 typedef struct pending {
     struct pending *next;
-    char *json;
+    char *frame; /* LWS_PRE bytes of headroom, then the JSON text (core/jsonout.h) */
+    size_t len;
 } pending;
 
 typedef struct ws_conn {
@@ -50,6 +52,7 @@ typedef struct ws_conn {
     pending *out_head, *out_tail;
     int n_out;
     cg_flush_item flush; /* registered while frames wait for the end of the iteration */
+    size_t last_len;     /* of the last message frame: the next one's first buffer size */
     cg_wsrx rx; /* an app frame in pieces (core/wsrx.h) */
     int paused;
     char close_reason[128];
@@ -77,7 +80,7 @@ static void conn_unref(ws_conn *k)
     while (k->out_head) {
         pending *p = k->out_head;
         k->out_head = p->next;
-        free(p->json);
+        free(p->frame);
         free(p);
     }
     cg_wsrx_done(&k->rx);
@@ -146,13 +149,18 @@ static void call_fail(ws_conn *k, int err, json_t *error, const char *fmt, ...)
     va_end(ap);
 }
 
-/* {"type":"cancel","id":id}, or NULL when it cannot be built */
-static char *cancel_frame(const char *id)
+/* A frame to queue: o (taken) as text behind lws's headroom; NULL when it cannot be built. */
+static char *frame_of(json_t *o, size_t hint, size_t *len)
 {
-    json_t *o = json_pack("{s:s, s:s}", "type", "cancel", "id", id);
-    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    char *frame = o ? cg_json_dump_pre(o, LWS_PRE, hint, len) : NULL;
     json_decref(o);
-    return s;
+    return frame;
+}
+
+/* {"type":"cancel","id":id}, or NULL when it cannot be built */
+static char *cancel_frame(const char *id, size_t *len)
+{
+    return frame_of(json_pack("{s:s, s:s}", "type", "cancel", "id", id), 64, len);
 }
 
 /* The connection is no use any more: detach from the session and close. */
@@ -195,19 +203,20 @@ static int write_close(ws_conn *k, struct lws *wsi)
 
 static void conn_flush(cg_flush_item *item);
 
-/* Takes json (NULL: it could not be built, -1). */
-static int queue_frame(ws_conn *k, char *json)
+/* Takes frame (NULL: it could not be built, -1). */
+static int queue_frame(ws_conn *k, char *frame, size_t len)
 {
-    if (!json || k->n_out >= MAX_PENDING) {
-        free(json);
+    if (!frame || k->n_out >= MAX_PENDING) {
+        free(frame);
         return -1;
     }
     pending *p = calloc(1, sizeof(*p));
     if (!p) {
-        free(json);
+        free(frame);
         return -1;
     }
-    p->json = json;
+    p->frame = frame;
+    p->len = len;
     if (k->out_tail)
         k->out_tail->next = p;
     else
@@ -217,6 +226,14 @@ static int queue_frame(ws_conn *k, char *json)
     if (k->open && k->wsi)
         cg_flush_request(k->up->net->flush, &k->flush, conn_flush);
     return 0;
+}
+
+/* Queues {"type":"cancel","id":id} for the app. */
+static void queue_cancel(ws_conn *k, const char *id)
+{
+    size_t len = 0;
+    char *frame = cancel_frame(id, &len);
+    queue_frame(k, frame, len);
 }
 
 static void on_timeout(uv_timer_t *t)
@@ -231,7 +248,7 @@ static void on_timeout(uv_timer_t *t)
     }
     /* The app is alive but slow: tell it to stop this message, keep the connection. */
     if (k->call)
-        queue_frame(k, cancel_frame(k->call->id));
+        queue_cancel(k, k->call->id);
     if (k->phase == PHASE_FIRST_BYTE)
         call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "sent nothing within %d ms (first_byte_timeout_ms)",
                   cfg->first_byte_timeout_ms);
@@ -332,14 +349,9 @@ static int write_one(ws_conn *k, struct lws *wsi)
     if (!k->out_head)
         k->out_tail = NULL;
     k->n_out--;
-    size_t len = strlen(p->json);
-    unsigned char *buf = malloc(LWS_PRE + len);
-    if (!buf)
-        abort();
-    memcpy(buf + LWS_PRE, p->json, len);
-    int n = lws_write(wsi, buf + LWS_PRE, len, LWS_WRITE_TEXT);
-    free(buf);
-    free(p->json);
+    size_t len = p->len;
+    int n = lws_write(wsi, (unsigned char *)p->frame + LWS_PRE, len, LWS_WRITE_TEXT);
+    free(p->frame);
     free(p);
     return n < (int)len ? -1 : 0;
 }
@@ -465,8 +477,9 @@ static json_t *or_null(json_t *j)
     return j ? json_incref(j) : json_null();
 }
 
-/* The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built. */
-static char *message_frame(const cg_upstream_message *m)
+/* The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built;
+ * hint: the size of the connection's last one. */
+static char *message_frame(const cg_upstream_message *m, size_t hint, size_t *len)
 {
     json_t *o = json_pack(
         "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
@@ -477,9 +490,7 @@ static char *message_frame(const cg_upstream_message *m)
         "history", m->history ? json_incref(m->history) : json_array(), "rules",
         m->rules ? json_incref(m->rules) : json_array(), "annotations",
         m->annotations ? json_incref(m->annotations) : json_object());
-    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
-    json_decref(o);
-    return s;
+    return frame_of(o, hint, len);
 }
 
 static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,
@@ -495,10 +506,13 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
     c->ev = ev;
     c->ctx = ctx;
     c->id = strdup(m->id);
-    if (!c->id || queue_frame(k, message_frame(m)) < 0) {
+    size_t len = 0;
+    char *frame = c->id ? message_frame(m, k->last_len + k->last_len / 4, &len) : NULL;
+    if (queue_frame(k, frame, len) < 0) {
         call_free(c);
         return -1;
     }
+    k->last_len = len;
     k->call = c;
     conn_pause(k, 0); /* a new call starts unpaused; the session pauses it if it must */
     if (k->open)
@@ -513,7 +527,7 @@ static void ws_cancel(cg_upstream_call *c)
     if (k->call == c) {
         call_detach(k);
         if (!k->dead)
-            queue_frame(k, cancel_frame(c->id));
+            queue_cancel(k, c->id);
     }
     call_free(c);
 }
