@@ -1049,7 +1049,38 @@ class AppConnection:
             return False
 
 
-class FakeApp:
+class WsServer:
+    """A WebSocket server of the test's own on a free local port: subclasses give `_handler(ws)`
+    and, in `serve_options`, what websockets.serve should get besides (frame size, write limit).
+    `async with` starts and stops it; `url(path)` is where the gateway finds it."""
+
+    serve_options = {}
+
+    def __init__(self):
+        self.server = None
+        self.port = None
+
+    async def start(self):
+        self.server = await websockets.serve(self._handler, "127.0.0.1", 0, **self.serve_options)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self):
+        if self.server:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def __aenter__(self):
+        return await self.start()
+
+    async def __aexit__(self, *exc):
+        await self.stop()
+
+    def url(self, path):
+        return f"ws://127.0.0.1:{self.port}{path}"
+
+
+class FakeApp(WsServer):
     """A chat application's WebSocket server in the test process.
 
     `url(path)` is the upstream URL (`ws://127.0.0.1:P/app`). Behaviour by path:
@@ -1071,33 +1102,15 @@ class FakeApp:
                 (`message_frame(id)` finds the forwarded message frame of an id).
     """
 
+    serve_options = {"max_size": 2**22}
+
     def __init__(self):
+        super().__init__()
         self.connections = []
-        self.server = None
-        self.port = None
         self.slow_deltas = 100
         self.slow_interval = 0.1
         self.variant = 0  # counts the replies of the _utf8 paths
         self.directives = {}  # /state: message id -> state directive for its done
-
-    async def start(self):
-        self.server = await websockets.serve(self._handler, "127.0.0.1", 0, max_size=2**22)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self):
-        if self.server:
-            self.server.close()
-            await self.server.wait_closed()
-
-    async def __aenter__(self):
-        return await self.start()
-
-    async def __aexit__(self, *exc):
-        await self.stop()
-
-    def url(self, path):
-        return f"ws://127.0.0.1:{self.port}{path}"
 
     @property
     def opened(self):

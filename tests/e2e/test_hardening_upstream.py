@@ -100,28 +100,20 @@ class ErrorsOpenAI(harness.FakeOpenAI):
         return False
 
 
-class LongApp:
+class LongApp(harness.WsServer):
     """A WebSocket app answering every message with LONG_TOTAL bytes in EVENT-byte deltas,
     as fast as the connection takes them (websockets' send waits for the socket to drain),
     then done. Cancel frames it gets are kept in `cancels`."""
 
+    serve_options = {"max_size": 2**22, "write_limit": 64 * 1024}
+
     def __init__(self):
+        super().__init__()
         self.cancels = []
         self.sent = 0
-        self.server = None
 
-    async def __aenter__(self):
-        self.server = await websockets.serve(self._handler, "127.0.0.1", 0, max_size=2**22,
-                                             write_limit=64 * 1024)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc):
-        self.server.close()
-        await self.server.wait_closed()
-
-    def url(self):
-        return f"ws://127.0.0.1:{self.port}/long"
+    def url(self, path="/long"):
+        return super().url(path)
 
     async def _handler(self, ws):
         tasks = []

@@ -34,35 +34,25 @@ import websockets  # noqa: E402
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 
 
-class CountingApp:
+class CountingApp(harness.WsServer):
     """A chat app (the gateway's ws:// upstream) that counts, per dialog (user, room), the
     requests it is answering at the same time; each answer takes `delay` seconds and its done
     carries a state directive adding the param p_<id> of service "count"."""
 
     def __init__(self, delay=0.01):
+        super().__init__()
         self.delay = delay
         self.inflight = {}
         self.max_inflight = {}
         self.seen = 0
-        self.server = None
-        self.port = None
         self.slow = {}  # message id -> seconds to wait before answering
         self.cancels = {}  # message id -> time.monotonic() of the gateway's cancel frame
         self.tasks = {}
 
-    async def __aenter__(self):
-        self.server = await websockets.serve(self.handler, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
+    def url(self, path="/count"):
+        return super().url(path)
 
-    async def __aexit__(self, *exc):
-        self.server.close()
-        await self.server.wait_closed()
-
-    def url(self):
-        return f"ws://127.0.0.1:{self.port}/count"
-
-    async def handler(self, ws, path=None):
+    async def _handler(self, ws, path=None):
         try:
             async for raw in ws:
                 frame = json.loads(raw)

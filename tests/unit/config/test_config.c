@@ -26,9 +26,10 @@ static int load(cg_config *cfg, ...)
     return cg_config_load(cfg, argc, argv, err, sizeof(err));
 }
 
+static char path[64]; /* the one test file, rewritten by each write_file() */
+
 static const char *write_file(const char *text)
 {
-    static char path[64];
     snprintf(path, sizeof(path), "/tmp/cg-test-config-%d.json", (int)getpid());
     FILE *f = fopen(path, "w");
     fputs(text, f);
@@ -46,6 +47,15 @@ static const char *write_file(const char *text)
             fprintf(stderr, "%s:%d: message \"%s\" lacks \"%s\"\n", __FILE__, __LINE__, err, want); \
         CHECK(strstr(err, want) != NULL);                                                   \
         cg_config_free(&c_);                                                                \
+    } while (0)
+
+/* A config file holding text fails to load with a message naming the file, then where (":LINE:COL: key: ..."). */
+#define CHECK_FILE_FAILS(text, where)                                                       \
+    do {                                                                                    \
+        char want_[512];                                                                    \
+        const char *path_ = write_file(text);                                               \
+        snprintf(want_, sizeof(want_), "%s%s", path_, where);                               \
+        CHECK_FAILS(want_, "--config", path_);                                              \
     } while (0)
 
 static void test_defaults(void)
@@ -112,7 +122,7 @@ static void test_flag_mistakes(void)
 static void test_file(void)
 {
     cg_config c;
-    const char *path = write_file("{\n"
+    write_file("{\n"
                                   "  \"listen\": \"127.0.0.1:9100\",\n"
                                   "  \"upstreams\": {\n"
                                   "    \"llm\": {\"url\": \"http://127.0.0.1:8000/v1\", \"model\": \"qwen\",\n"
@@ -139,38 +149,22 @@ static void test_file(void)
 
 static void test_file_mistakes(void)
 {
-    char want[256];
-    const char *path = write_file("{\n  \"listen\": \"127.0.0.1:9100\",\n  \"max_frame\": ,\n}\n");
-    snprintf(want, sizeof(want), "%s:3:", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\n  \"listen\": \"127.0.0.1:9100\",\n  \"max_frame\": ,\n}\n", ":3:");
 
-    path = write_file("{\"max_frame\": \"big\"}");
-    snprintf(want, sizeof(want), "%s:1:2: max_frame: must be a whole number", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\"max_frame\": \"big\"}", ":1:2: max_frame: must be a whole number");
 
-    path = write_file("{\"max_frames\": 5}");
-    snprintf(want, sizeof(want), "%s:1:2: max_frames: unknown key", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\"max_frames\": 5}", ":1:2: max_frames: unknown key");
 
-    path = write_file("{\"upstreams\": {\"llm\": {\"url\": \"http://h/v1\", \"idle_timeout_ms\": -1}}}");
-    snprintf(want, sizeof(want), "%s:1:46: upstreams.llm.idle_timeout_ms: must be a whole number", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\"upstreams\": {\"llm\": {\"url\": \"http://h/v1\", \"idle_timeout_ms\": -1}}}",
+                     ":1:46: upstreams.llm.idle_timeout_ms: must be a whole number");
 
-    path = write_file("{\"upstreams\": {\"llm\": {\"model\": \"m\"}}}");
-    snprintf(want, sizeof(want), "%s: upstreams.llm.url: missing", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\"upstreams\": {\"llm\": {\"model\": \"m\"}}}", ": upstreams.llm.url: missing");
 
-    path = write_file("{\"rate_limit\": {\"burst\": 0}}");
-    snprintf(want, sizeof(want), "%s:1:17: rate_limit.burst: '0' is not a whole number from 1", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\"rate_limit\": {\"burst\": 0}}", ":1:17: rate_limit.burst: '0' is not a whole number from 1");
 
-    path = write_file("{\"listen\": \"x\"}");
-    snprintf(want, sizeof(want), "%s: listen: 'x' must be HOST:PORT", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\"listen\": \"x\"}", ": listen: 'x' must be HOST:PORT");
 
-    path = write_file("[1]");
-    snprintf(want, sizeof(want), "%s:1:1: the configuration must be a JSON object", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("[1]", ":1:1: the configuration must be a JSON object");
 
     CHECK_FAILS("/nonexistent.json: unable to open", "--config", "/nonexistent.json");
     unlink(path);
@@ -194,7 +188,7 @@ static void test_redis_url_env(void)
 static void test_state_settings(void)
 {
     cg_config c;
-    const char *path = write_file("{\"lifetimes\": {\"awaiting_s\": 1, \"soft_s\": 2},\n"
+    write_file("{\"lifetimes\": {\"awaiting_s\": 1, \"soft_s\": 2},\n"
                                   " \"history_n\": 3, \"redis\": {\"prefix\": \"cg\", \"command_timeout_ms\": 250},\n"
                                   " \"services\": {\"travel\": {\"defaults\": {\"cabin_class\": \"economy\"}}},\n"
                                   " \"allow_origin\": [\"https://a.example\", \"https://b.example\"]}\n");
@@ -210,29 +204,21 @@ static void test_state_settings(void)
     CHECK_STR(c.user_header, "X-User-Id");
     cg_config_free(&c);
 
-    char want[256];
-    path = write_file("{\"services\": {\"travel\": {\"defaults\": 3}}}");
-    snprintf(want, sizeof(want), "%s:1:26: services.travel.defaults: must be an object", path);
-    CHECK_FAILS(want, "--config", path);
-    path = write_file("{\"lifetimes\": {\"awaiting\": 3}}");
-    snprintf(want, sizeof(want), "%s:1:16: lifetimes.awaiting: unknown key", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\"services\": {\"travel\": {\"defaults\": 3}}}",
+                     ":1:26: services.travel.defaults: must be an object");
+    CHECK_FILE_FAILS("{\"lifetimes\": {\"awaiting\": 3}}", ":1:16: lifetimes.awaiting: unknown key");
     unlink(path);
 }
 
 /* Issue 9: redis.prefix with a hash-tag brace, jwt.allow_no_exp, max_header_bytes. */
 static void test_hardening_settings(void)
 {
-    char want[256];
-    const char *path = write_file("{\n  \"redis\": {\"prefix\": \"app{1}\"}\n}\n");
-    snprintf(want, sizeof(want), "%s:2:13: redis.prefix: 'app{1}' must not contain '{' or '}'", path);
-    CHECK_FAILS(want, "--config", path);
-    path = write_file("{\"redis.prefix\": \"x}\"}");
-    snprintf(want, sizeof(want), "%s: redis.prefix: 'x}' must not contain", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\n  \"redis\": {\"prefix\": \"app{1}\"}\n}\n",
+                     ":2:13: redis.prefix: 'app{1}' must not contain '{' or '}'");
+    CHECK_FILE_FAILS("{\"redis.prefix\": \"x}\"}", ": redis.prefix: 'x}' must not contain");
 
     cg_config c;
-    path = write_file("{\"jwt\": {\"allow_no_exp\": true}, \"max_header_bytes\": 32768}");
+    write_file("{\"jwt\": {\"allow_no_exp\": true}, \"max_header_bytes\": 32768}");
     CHECK(load(&c, "--config", path, NULL) == 0);
     CHECK(c.jwt_allow_no_exp == 1);
     CHECK(c.max_header_bytes == 32768);
@@ -242,12 +228,9 @@ static void test_hardening_settings(void)
     CHECK(c.max_header_bytes == 16384);
     CHECK_STR(c.redis_prefix, "chatgate");
     cg_config_free(&c);
-    path = write_file("{\"jwt\": {\"allow_no_exp\": 1}}");
-    snprintf(want, sizeof(want), "%s:1:10: jwt.allow_no_exp: must be true or false", path);
-    CHECK_FAILS(want, "--config", path);
-    path = write_file("{\"max_header_bytes\": 100000}");
-    snprintf(want, sizeof(want), "%s:1:2: max_header_bytes: '100000' is not a whole number from 1024 to 65535", path);
-    CHECK_FAILS(want, "--config", path);
+    CHECK_FILE_FAILS("{\"jwt\": {\"allow_no_exp\": 1}}", ":1:10: jwt.allow_no_exp: must be true or false");
+    CHECK_FILE_FAILS("{\"max_header_bytes\": 100000}",
+                     ":1:2: max_header_bytes: '100000' is not a whole number from 1024 to 65535");
     unlink(path);
 
     /* a long nested key is not cut into another one */
