@@ -81,7 +81,6 @@ static int is_session_callback(lws_callback_function *cb)
 static struct lws_protocols *build_protocols(const cg_config *cfg)
 {
     static const struct lws_protocols fixed[] = {
-        {CG_LWS_PROTOCOL_OPENAI, cg_upstream_openai_callback, 0, 4096, 0, NULL, 0},
         {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
         {CG_LWS_PROTOCOL_OPS, cg_ops_callback, 0, 0, 0, NULL, 0},
         {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
@@ -437,9 +436,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher};
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++) {
-        cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i]);
-        gw->srv.upstreams[i].metrics = &gw->srv.metrics; /* its connection counters */
-        gw->srv.upstreams[i].index = i;
+        cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i], &gw->srv.metrics, i);
     }
 
     uv_signal_init(loop, &gw->sig_term);

@@ -237,6 +237,13 @@ static void transfer_end(cg_http_pool *p, transfer *t, CURLcode result)
 }
 
 /* The owners hear of their ended transfers; what they start or stop meanwhile waits (in_curl). */
+static transfer *transfer_of(CURL *easy)
+{
+    transfer *t = NULL;
+    curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&t);
+    return t;
+}
+
 static void finish_done(cg_http_pool *p)
 {
     CURLMsg *msg;
@@ -245,9 +252,7 @@ static void finish_done(cg_http_pool *p)
     while (p->multi && (msg = curl_multi_info_read(p->multi, &left))) {
         if (msg->msg != CURLMSG_DONE)
             continue;
-        transfer *t = NULL;
-        curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&t);
-        transfer_end(p, t, msg->data.result);
+        transfer_end(p, transfer_of(msg->easy_handle), msg->data.result);
     }
     p->in_curl--;
 }
@@ -319,7 +324,7 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
         return NULL;
     p->loop = loop;
     p->cfg = cfg;
-    p->metrics = index >= 0 && index < 32 ? metrics : NULL;
+    p->metrics = metrics;
     p->index = index;
     p->share = curl_share_init();
     if (!p->share) {
@@ -388,13 +393,6 @@ int cg_http_pool_start(cg_http_pool *p, CURL *easy, cg_http_done_fn done, void *
     p->transfers = t;
     uv_timer_stop(&p->idle);
     return 0;
-}
-
-static transfer *transfer_of(CURL *easy)
-{
-    transfer *t = NULL;
-    curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&t);
-    return t;
 }
 
 void cg_http_pool_stop(cg_http_pool *p, CURL *easy)

@@ -24,19 +24,17 @@
  * error event, or a body that is not the protocol -> upstream_error. The error carries the
  * HTTP status and the server's own error type and code (cg_upstream_error_detail).
  *
- * Ownership: the upstream (cg_upstream.pool) owns its pool, made at the first call and
- * closed by cg_upstream_close at the gateway's stop; the pool
- * owns the easy handle; the call holds a reference for its timer and one for its transfer,
+ * Ownership: the upstream owns its openai_state (cg_upstream.state: the pool, and the URL and
+ * headers every request shares), made at the first call and freed by cg_upstream_close at
+ * the gateway's stop; the pool owns the easy handle; the call holds a reference for its timer and one for its transfer,
  * and is freed when both are gone, whatever ended it (done, error, cancel, timeout).
  */
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
 #include "chatgate/core/error.h"
-#include "chatgate/core/log.h"
 #include "chatgate/core/sse.h"
 #include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
@@ -46,6 +44,13 @@
 
 typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE, PHASE_DRAIN } call_phase;
 
+/* What one upstream keeps between calls (cg_upstream.state). */
+typedef struct openai_state {
+    cg_http_pool *pool;
+    char *url;                  /* {base}/chat/completions */
+    struct curl_slist *headers; /* JSON in, events out, the bearer token */
+} openai_state;
+
 struct cg_upstream_call {
     cg_upstream *up;
     const cg_upstream_events *ev; /* NULL once the call has ended */
@@ -54,10 +59,9 @@ struct cg_upstream_call {
     int ended;
     int draining; /* ended by done: the rest of the response is read, to keep the connection */
     CURL *easy;   /* while the transfer runs (the pool's) */
-    struct curl_slist *headers;
+    cg_http_pool *pool; /* the upstream's */
     uv_timer_t timer;
     call_phase phase;
-    char *url;
     char *body;
     size_t body_len;
     int status;       /* the HTTP status, 0 until the response headers came */
@@ -80,8 +84,6 @@ static void call_unref(cg_upstream_call *c)
         return;
     cg_sse_free(&c->sse);
     json_decref(c->usage);
-    curl_slist_free_all(c->headers);
-    free(c->url);
     free(c->body);
     free(c);
 }
@@ -113,11 +115,11 @@ static void call_end(cg_upstream_call *c, int drain)
         c->phase = PHASE_DRAIN;
         uv_timer_start(&c->timer, on_timeout, (uint64_t)c->up->cfg->idle_timeout_ms, 0);
         if (c->paused)
-            cg_http_pool_pause(c->up->pool, c->easy, 0);
+            cg_http_pool_pause(c->pool, c->easy, 0);
         return;
     }
     if (c->easy)
-        cg_http_pool_stop(c->up->pool, c->easy); /* done comes (maybe at once): call_finish */
+        cg_http_pool_stop(c->pool, c->easy); /* done comes (maybe at once): call_finish */
     call_finish(c);
 }
 
@@ -149,29 +151,33 @@ static void call_done(cg_upstream_call *c)
     json_decref(usage);
 }
 
+/* The deadline of a phase (the drain reads for at most idle_timeout_ms). */
+static int phase_ms(const cg_upstream_call *c, call_phase phase)
+{
+    const cg_upstream_config *cfg = c->up->cfg;
+    return phase == PHASE_CONNECT ? cfg->connect_timeout_ms
+           : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
+}
+
 static void on_timeout(uv_timer_t *t)
 {
     cg_upstream_call *c = t->data;
     if (c->phase == PHASE_DRAIN) { /* done, but the response does not end: not kept */
         if (c->easy)
-            cg_http_pool_stop(c->up->pool, c->easy);
+            cg_http_pool_stop(c->pool, c->easy);
         return;
     }
     static const char *const what[] = {"did not connect", "sent nothing", "went quiet"};
     static const char *const key[] = {"connect_timeout_ms", "first_byte_timeout_ms", "idle_timeout_ms"};
-    const cg_upstream_config *cfg = c->up->cfg;
-    int ms = c->phase == PHASE_CONNECT ? cfg->connect_timeout_ms
-             : c->phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
-    call_fail(c, CG_E_UPSTREAM_TIMEOUT, NULL, "%s within %d ms (%s)", what[c->phase], ms, key[c->phase]);
+    call_fail(c, CG_E_UPSTREAM_TIMEOUT, NULL, "%s within %d ms (%s)", what[c->phase], phase_ms(c, c->phase),
+              key[c->phase]);
 }
 
 /* Starts the phase's deadline afresh; a paused call waits for no first byte and no read
  * (the connect still runs, paused or not). */
 static void arm(cg_upstream_call *c, call_phase phase)
 {
-    const cg_upstream_config *cfg = c->up->cfg;
-    int ms = phase == PHASE_CONNECT ? cfg->connect_timeout_ms
-             : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
+    int ms = phase_ms(c, phase);
     c->phase = phase;
     if (!c->ev)
         return;
@@ -287,7 +293,7 @@ static int on_sending(void *data, char *ip, char *local_ip, int port, int local_
     cg_upstream_call *c = data;
     (void)ip, (void)local_ip, (void)port, (void)local_port;
     if (c->easy)
-        cg_http_pool_sending(c->up->pool, c->easy);
+        cg_http_pool_sending(c->pool, c->easy);
     c->request_sent = 1;
     arm(c, PHASE_FIRST_BYTE);
     return c->ended ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
@@ -299,7 +305,7 @@ static size_t on_header(char *line, size_t size, size_t n, void *data)
 {
     cg_upstream_call *c = data;
     size_t len = size * n;
-    cg_http_pool_header(c->up->pool, line, len);
+    cg_http_pool_header(c->pool, line, len);
     if (c->ended)
         return c->draining ? len : 0;
     arm(c, PHASE_IDLE); /* the first bytes came */
@@ -387,15 +393,13 @@ fail:
 }
 
 /* The transfer for c: the pool's easy handle with this request; -1 on failure. */
-static int request_start(cg_upstream_call *c)
+static int request_start(cg_upstream_call *c, const openai_state *st)
 {
-    cg_upstream *up = c->up;
-    c->headers = request_headers(up->cfg);
-    CURL *e = c->headers ? cg_http_pool_easy(up->pool) : NULL;
+    CURL *e = cg_http_pool_easy(st->pool);
     if (!e)
         return -1;
-    curl_easy_setopt(e, CURLOPT_URL, c->url);
-    curl_easy_setopt(e, CURLOPT_HTTPHEADER, c->headers);
+    curl_easy_setopt(e, CURLOPT_URL, st->url);
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, st->headers);
     curl_easy_setopt(e, CURLOPT_POSTFIELDS, c->body);
     curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)c->body_len);
     curl_easy_setopt(e, CURLOPT_ERRORBUFFER, c->curl_error);
@@ -407,7 +411,7 @@ static int request_start(cg_upstream_call *c)
     curl_easy_setopt(e, CURLOPT_WRITEDATA, c);
     c->easy = e;
     c->refs++; /* the transfer's; dropped by on_transfer_done */
-    if (cg_http_pool_start(up->pool, e, on_transfer_done, c) < 0) {
+    if (cg_http_pool_start(st->pool, e, on_transfer_done, c) < 0) {
         c->easy = NULL;
         c->refs--;
         curl_easy_cleanup(e);
@@ -428,13 +432,6 @@ static char *request_url(const cg_upstream_config *cfg)
     return url;
 }
 
-/* The lws protocol cg-openai carries no connection now (libcurl does); it stays registered
- * for the gateway's protocol list. */
-int cg_upstream_openai_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
-                                size_t len)
-{
-    return lws_callback_http_dummy(wsi, reason, user, in, len);
-}
 
 /* ---- the call ------------------------------------------------------------------------- */
 
@@ -488,29 +485,52 @@ static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message
     return s;
 }
 
-/* The upstream's pool, made at its first call (the loop runs by then). */
-static cg_http_pool *pool_of(cg_upstream *up)
+static void openai_close(cg_upstream *up)
 {
-    if (!up->pool)
-        up->pool = cg_http_pool_new(up->net->loop, up->cfg, up->metrics, up->index);
-    return up->pool;
+    openai_state *st = up->state;
+    if (!st)
+        return;
+    cg_http_pool_free(st->pool); /* its idle connections close */
+    curl_slist_free_all(st->headers);
+    free(st->url);
+    free(st);
+}
+
+/* What the upstream keeps between calls, made at its first call (the loop runs by then; the
+ * API key's variable is read then, once). NULL when it cannot be made. */
+static openai_state *state_of(cg_upstream *up)
+{
+    if (up->state)
+        return up->state;
+    openai_state *st = calloc(1, sizeof(*st));
+    if (!st)
+        return NULL;
+    up->state = st;
+    st->url = request_url(up->cfg);
+    st->headers = request_headers(up->cfg);
+    st->pool = cg_http_pool_new(up->net->loop, up->cfg, up->metrics, up->index);
+    if (!st->url || !st->headers || !st->pool) {
+        openai_close(up);
+        up->state = NULL;
+        return NULL;
+    }
+    return st;
 }
 
 static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m,
                         const cg_upstream_events *ev, void *ctx, cg_upstream_call **out)
 {
     (void)conn_slot;
-    if (!pool_of(up))
+    openai_state *st = state_of(up);
+    if (!st)
         return -1;
     cg_upstream_call *c = calloc(1, sizeof(*c));
     if (!c)
         return -1;
     c->up = up;
+    c->pool = st->pool;
     c->body = build_body(up->cfg, m, &c->body_len);
-    c->url = request_url(up->cfg);
-    if (!c->body || !c->url) {
-        free(c->body);
-        free(c->url);
+    if (!c->body) {
         free(c);
         return -1;
     }
@@ -521,7 +541,7 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
     uv_timer_init(up->net->loop, &c->timer);
     c->timer.data = c;
     arm(c, PHASE_CONNECT);
-    if (request_start(c) < 0) {
+    if (request_start(c, st) < 0) {
         c->ended = 1;
         c->ev = NULL;
         uv_close((uv_handle_t *)&c->timer, timer_closed);
@@ -542,7 +562,7 @@ static void openai_pause(cg_upstream_call *c, int paused)
         return;
     c->paused = !!paused;
     if (c->easy)
-        cg_http_pool_pause(c->up->pool, c->easy, c->paused);
+        cg_http_pool_pause(c->pool, c->easy, c->paused);
     if (c->phase != PHASE_CONNECT) /* connecting goes on, paused or not: its deadline stays */
         arm(c, c->phase);          /* stops the first-byte or idle deadline, or starts it afresh */
 }
@@ -553,4 +573,5 @@ const cg_upstream_ops cg_upstream_openai_ops = {
     .cancel = openai_cancel,
     .pause = openai_pause,
     .close_conn = NULL,
+    .close = openai_close,
 };

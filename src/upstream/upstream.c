@@ -1,30 +1,31 @@
 /*
  * upstream.c: what the upstream kinds share: picking the ops for a URL's kind, reporting a
- * failed call (the message and what the upstream itself said), opening an lws client
- * connection to the upstream (core/net.c does the work), and the /metrics lines of the
+ * failed call (the message and what the upstream itself said), and the /metrics lines of the
  * OpenAI-compatible upstreams' connection pools (http_pool.c counts them).
  */
-#include <arpa/inet.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "chatgate/core/utf8.h"
-#include "chatgate/core/log.h"
-#include "chatgate/proto/protocol.h"
-#include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
+
+/* every upstream has its slot in the connection counters */
+_Static_assert(CG_MAX_UPSTREAMS <= sizeof(((cg_metrics *)0)->upstream_conns_opened) /
+                                       sizeof(((cg_metrics *)0)->upstream_conns_opened[0]),
+               "cg_metrics' upstream_conns_* arrays must have CG_MAX_UPSTREAMS slots");
 
 #define MAX_DETAIL_STRING 128 /* bytes kept of an upstream's error type or code */
 
-void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_config *cfg)
+void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_config *cfg, cg_metrics *metrics,
+                      int index)
 {
     up->net = net;
     up->cfg = cfg;
-    up->metrics = NULL;
-    up->index = -1;
-    up->pool = NULL;
+    up->metrics = metrics;
+    up->index = index;
+    up->state = NULL;
     switch (cfg->kind) {
     case CG_UPSTREAM_DEMO: up->ops = &cg_upstream_demo_ops; break;
     case CG_UPSTREAM_OPENAI: up->ops = &cg_upstream_openai_ops; break;
@@ -88,20 +89,10 @@ void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream
 
 void cg_upstream_close(cg_upstream *up)
 {
-    cg_http_pool_free(up->pool); /* its idle connections close */
-    up->pool = NULL;
+    if (up->ops->close)
+        up->ops->close(up);
+    up->state = NULL;
 }
-
-struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path, const char *method,
-                                const char *local_protocol, void *opaque, struct lws **pwsi)
-{
-    cg_connect_spec spec = {
-        .host = up->cfg->host, .port = up->cfg->port, .tls = up->cfg->tls, .address = address, .path = path,
-        .method = method, .local_protocol = local_protocol,
-    };
-    return cg_net_connect(up->net, &spec, opaque, pwsi);
-}
-
 
 size_t cg_upstream_metrics_format(const cg_metrics *m, const cg_upstream *ups, int n, char *buf, size_t len)
 {
@@ -124,7 +115,7 @@ size_t cg_upstream_metrics_format(const cg_metrics *m, const cg_upstream *ups, i
         if (k < 0 || (size_t)k >= len - used)
             return used;
         used += (size_t)k;
-        for (int i = 0; i < n && i < 32; i++) {
+        for (int i = 0; i < n; i++) {
             if (ups[i].cfg->kind != CG_UPSTREAM_OPENAI)
                 continue;
             k = snprintf(buf + used, len - used, "%s{upstream=\"%s\"} %lu\n", families[f].name, ups[i].cfg->name, v[i]);

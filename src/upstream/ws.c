@@ -443,9 +443,11 @@ static void on_resolved(void *data, const char *address, const char *err)
         conn_kill(k);
         return;
     }
+    const cg_upstream_config *cfg = k->up->cfg;
+    cg_connect_spec spec = {.host = cfg->host, .port = cfg->port, .tls = cfg->tls, .address = address,
+                            .path = cfg->path, .local_protocol = CG_LWS_PROTOCOL_WS};
     k->refs++; /* the wsi's; dropped by wsi_gone */
-    if (!cg_upstream_connect(k->up, address, k->up->cfg->path, NULL, CG_LWS_PROTOCOL_WS, k, &k->wsi) &&
-        k->refs > 1) {
+    if (!cg_net_connect(k->up->net, &spec, k, &k->wsi) && k->refs > 1) {
         call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached at %s:%d", address, k->up->cfg->port);
         conn_kill(k);
         conn_unref(k);

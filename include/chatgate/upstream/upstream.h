@@ -60,7 +60,8 @@ typedef struct cg_upstream_message {
     json_t *awaiting;    /* the awaiting state before this message, or NULL */
     json_t *soft;        /* soft context, or NULL */
     json_t *history;     /* the last messages before this one: [{role, content, ts}] */
-    const char *summary; /* the state in a sentence, for an LLM's system message; may be "" */
+    const char *summary; /* the state in a sentence, for an LLM's system message; "" but for
+                            the OpenAI-compatible kind, the only one that reads it */
     const char *enriched; /* the rewritten message, or NULL; an LLM gets it instead of text */
     json_t *resolution;   /* what this message resolved, or NULL */
     json_t *annotations;  /* {"metadata": {...}} */
@@ -75,6 +76,9 @@ typedef struct cg_upstream_ops {
     void (*pause)(cg_upstream_call *call, int paused);
     /* The client connection that owns *conn_slot is gone; NULL when the kind keeps none. */
     void (*close_conn)(void *conn);
+    /* The gateway stops: frees up->state (what the kind keeps between calls); NULL when the
+     * kind keeps nothing. No call of the upstream is running. */
+    void (*close)(cg_upstream *up);
 } cg_upstream_ops;
 
 struct cg_upstream {
@@ -82,26 +86,26 @@ struct cg_upstream {
     const cg_upstream_config *cfg;
     const cg_net *net; /* the loop and lws context its connections live on */
     /* where its connection counters go (cg_metrics' upstream_conns_*), by its index among
-     * the upstreams; NULL: not counted. The gateway sets them after cg_upstream_init. */
+     * the upstreams; NULL: not counted */
     cg_metrics *metrics;
     int index;
-    struct cg_http_pool *pool; /* openai: its kept-alive connections (http_pool.h), or NULL */
+    void *state; /* the kind's own, made at its first call (openai: its pool, URL, headers) */
 };
 
 extern const cg_upstream_ops cg_upstream_demo_ops;
 extern const cg_upstream_ops cg_upstream_openai_ops;
 extern const cg_upstream_ops cg_upstream_ws_ops;
 
-/* The lws protocols of the client connections, registered by the gateway's vhost. */
-int cg_upstream_openai_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user,
-                                void *in, size_t len);
+/* The lws protocol of the ws upstream's client connections, registered by the gateway's
+ * vhost (the OpenAI-compatible upstream's connections are libcurl's, http_pool.h). */
 int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
                             size_t len);
-#define CG_LWS_PROTOCOL_OPENAI "cg-openai"
 #define CG_LWS_PROTOCOL_WS "cg-upstream-ws"
 
-/* Picks the ops for cfg->kind and fills up. */
-void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_config *cfg);
+/* Picks the ops for cfg->kind and fills up; metrics (may be NULL) gets its connection
+ * counters at index, its place among the gateway's upstreams (below CG_MAX_UPSTREAMS). */
+void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_config *cfg, cg_metrics *metrics,
+                      int index);
 
 /* The gateway stops: what the upstream keeps between calls (the OpenAI pool's idle
  * connections) is closed. No call of it may be running. */
@@ -117,15 +121,6 @@ void cg_upstream_close(cg_upstream *up);
 json_t *cg_upstream_error_detail(int status, json_t *error);
 void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream_config *cfg, int err, int status,
                       json_t *error, const char *fmt, va_list ap) __attribute__((format(printf, 7, 0)));
-
-/*
- * Starts an lws client connection to up's host at a resolved address, with opaque as the
- * wsi's opaque user data; lws stores the wsi in *pwsi before any callback. NULL on failure
- * (a CLIENT_CONNECTION_ERROR callback may already have run).
- */
-struct lws *cg_upstream_connect(cg_upstream *up, const char *address, const char *path,
-                                const char *method, const char *local_protocol, void *opaque,
-                                struct lws **pwsi);
 
 /*
  * The /metrics lines of the connection pools (http_pool.h), from m (the gateway's, or the
