@@ -108,21 +108,8 @@ trap 'exit 130' INT TERM
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 fd_limit=$(ulimit -n)
 
-port_is_open() {
-	(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
-}
-
-pick_free_port() {
-	local port
-	for _ in $(seq 1 50); do
-		port=$((20000 + RANDOM % 40000))
-		if ! port_is_open "$port"; then
-			echo "$port"
-			return 0
-		fi
-	done
-	return 1
-}
+# shellcheck source=tests/bench/ports.sh
+. "$(dirname "$0")/ports.sh"
 
 # start NAME PORT COMMAND...: runs COMMAND in the background (log in $tmp/NAME.log), waits
 # until PORT accepts, and sets started_pid. Returns 1 if it exits or does not listen in 10 s.

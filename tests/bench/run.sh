@@ -87,21 +87,8 @@ cat >"$tmp/config.json" <<EOF
 {"upstreams":{"demo":{"url":"demo","delay_ms":0}},"rate_limit":{"messages_per_second":100000,"burst":100000},"max_connections":$max_connections}
 EOF
 
-port_is_open() {
-	(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
-}
-
-pick_free_port() {
-	local port
-	for _ in $(seq 1 50); do
-		port=$((20000 + RANDOM % 40000))
-		if ! port_is_open "$port"; then
-			echo "$port"
-			return 0
-		fi
-	done
-	return 1
-}
+# shellcheck source=tests/bench/ports.sh
+. "$(dirname "$0")/ports.sh"
 
 store=memory
 if [ "${CG_BENCH_STORE:-memory}" = redis ]; then

@@ -33,13 +33,8 @@ cleanup() {
 trap cleanup EXIT
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-free_port() {
-	local port
-	while :; do
-		port=$((20000 + RANDOM % 30000))
-		(exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || { echo "$port"; return; }
-	done
-}
+# shellcheck source=tests/bench/ports.sh
+. "$(dirname "$0")/ports.sh"
 
 start_redis() { # PORT
 	redis-server --port "$1" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" >"$tmp/redis-$1.log" 2>&1 &
@@ -123,22 +118,22 @@ run() {
 }
 
 # 1 worker, one Redis
-r1=$(free_port); start_redis "$r1"
-g1=$(free_port); start_gateway "$g1" "redis://127.0.0.1:$r1"
+r1=$(pick_free_port); start_redis "$r1"
+g1=$(pick_free_port); start_gateway "$g1" "redis://127.0.0.1:$r1"
 gw1=${pids[-1]}
 run 1w 1 "$gw1" -- "ws://127.0.0.1:$g1/ws" -- "$r1"
 kill -TERM "$gw1"; wait "$gw1" 2>/dev/null
 
 # 2 workers, one Redis
-g2=$(free_port); start_gateway "$g2" "redis://127.0.0.1:$r1" --workers 2
+g2=$(pick_free_port); start_gateway "$g2" "redis://127.0.0.1:$r1" --workers 2
 gw2=${pids[-1]}
 sleep 0.5
 run 2w 2 "$gw2" -- "ws://127.0.0.1:$g2/ws" -- "$r1"
 kill -TERM "$gw2"; wait "$gw2" 2>/dev/null
 
 # two gateways on twemproxy in front of two Redis
-r2=$(free_port); start_redis "$r2"
-tp=$(free_port)
+r2=$(pick_free_port); start_redis "$r2"
+tp=$(pick_free_port)
 cat >"$tmp/nutcracker.yml" <<EOF
 chatgate:
   listen: 127.0.0.1:$tp
@@ -152,11 +147,11 @@ chatgate:
    - 127.0.0.1:$r1:1
    - 127.0.0.1:$r2:1
 EOF
-nutcracker -c "$tmp/nutcracker.yml" -s "$(free_port)" -o "$tmp/nutcracker.log" &
+nutcracker -c "$tmp/nutcracker.yml" -s "$(pick_free_port)" -o "$tmp/nutcracker.log" &
 pids+=($!)
 sleep 0.5
-ga=$(free_port); start_gateway "$ga" "redis://127.0.0.1:$tp"
+ga=$(pick_free_port); start_gateway "$ga" "redis://127.0.0.1:$tp"
 gwa=${pids[-1]}
-gb=$(free_port); start_gateway "$gb" "redis://127.0.0.1:$tp"
+gb=$(pick_free_port); start_gateway "$gb" "redis://127.0.0.1:$tp"
 gwb=${pids[-1]}
 run 2gw 2 "$gwa" "$gwb" -- "ws://127.0.0.1:$ga/ws" "ws://127.0.0.1:$gb/ws" -- "$r1" "$r2"
