@@ -4,7 +4,8 @@
 #include "chatgate/core/jsonout.h"
 
 #include <stdlib.h>
-#include <string.h>
+
+#include "chatgate/core/buf.h"
 
 typedef struct {
     char *buf;
@@ -14,18 +15,7 @@ typedef struct {
 static int append(const char *text, size_t size, void *data)
 {
     out_buf *o = data;
-    if (o->used + size + 1 > o->cap) {
-        size_t cap = o->cap * 2;
-        while (cap < o->used + size + 1)
-            cap *= 2;
-        char *n = realloc(o->buf, cap);
-        if (!n)
-            abort();
-        o->buf = n;
-        o->cap = cap;
-    }
-    memcpy(o->buf + o->used, text, size);
-    o->used += size;
+    cg_buf_append(&o->buf, &o->used, &o->cap, text, size, 64);
     return 0;
 }
 

@@ -4,26 +4,8 @@
 #include "chatgate/core/wsrx.h"
 
 #include <stdlib.h>
-#include <string.h>
 
-/* Appends len bytes, growing by doubling; aborts when out of memory, as the rest of the
- * gateway does for buffers it cannot work without. */
-static void append(cg_wsrx *rx, const char *in, size_t len)
-{
-    if (rx->len + len + 1 > rx->cap) {
-        size_t cap = rx->cap ? rx->cap : 4096;
-        while (cap < rx->len + len + 1)
-            cap *= 2;
-        char *n = realloc(rx->buf, cap);
-        if (!n)
-            abort();
-        rx->buf = n;
-        rx->cap = cap;
-    }
-    memcpy(rx->buf + rx->len, in, len);
-    rx->len += len;
-    rx->buf[rx->len] = 0;
-}
+#include "chatgate/core/buf.h"
 
 int cg_wsrx_feed(cg_wsrx *rx, int first, int final, const char *in, size_t len, size_t max, const char **msg,
                  size_t *msg_len)
@@ -42,7 +24,7 @@ int cg_wsrx_feed(cg_wsrx *rx, int first, int final, const char *in, size_t len, 
         if (rx->len + len > max)
             rx->too_large = 1;
         else
-            append(rx, in, len);
+            cg_buf_append(&rx->buf, &rx->len, &rx->cap, in, len, 4096);
     }
     if (!final)
         return 0;

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/utf8.h"
@@ -219,19 +220,7 @@ static void turn_keep_reply(cg_turn *t, const char *text, size_t len)
         len = cg_utf8_boundary(text, max - t->reply_len);
         t->truncated = 1;
     }
-    if (t->reply_len + len + 1 > t->reply_cap) {
-        size_t ncap = t->reply_cap ? t->reply_cap : 256;
-        while (ncap < t->reply_len + len + 1)
-            ncap *= 2;
-        char *nr = realloc(t->reply, ncap);
-        if (!nr)
-            abort();
-        t->reply = nr;
-        t->reply_cap = ncap;
-    }
-    memcpy(t->reply + t->reply_len, text, len);
-    t->reply_len += len;
-    t->reply[t->reply_len] = 0;
+    cg_buf_append(&t->reply, &t->reply_len, &t->reply_cap, text, len, 256);
 }
 
 static void turn_first_text(cg_turn *t)

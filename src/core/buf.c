@@ -1,0 +1,24 @@
+/*
+ * buf.c: the growing byte buffer of buf.h.
+ */
+#include "chatgate/core/buf.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void cg_buf_append(char **buf, size_t *len, size_t *cap, const void *data, size_t n, size_t first)
+{
+    if (*len + n + 1 > *cap) {
+        size_t ncap = *cap ? *cap : first;
+        while (ncap < *len + n + 1)
+            ncap *= 2;
+        char *nb = realloc(*buf, ncap);
+        if (!nb)
+            abort();
+        *buf = nb;
+        *cap = ncap;
+    }
+    memcpy(*buf + *len, data, n);
+    *len += n;
+    (*buf)[*len] = 0;
+}
