@@ -25,6 +25,8 @@
 #include <libwebsockets.h>
 #include <jansson.h>
 
+#include "chatgate/core/wsrx.h"
+
 #include <errno.h>
 #include <getopt.h>
 #include <signal.h>
@@ -47,9 +49,7 @@ struct pending_reply {
 };
 
 struct app_conn {
-	char *rx;
-	size_t rx_len, rx_cap;
-	bool rx_oversized;
+	cg_wsrx rx; /* a frame in pieces (the gateway's core/wsrx.h) */
 	struct pending_reply q[MAX_PENDING];
 	unsigned int head, count;
 	bool rx_paused;
@@ -134,11 +134,11 @@ static bool parse_with_jansson(const char *s, size_t n, bool *is_message, char *
 	return ok;
 }
 
-static void handle_frame(struct lws *wsi, struct app_conn *c)
+static void handle_frame(struct lws *wsi, struct app_conn *c, const char *frame, size_t len)
 {
 	size_t type_len = 0, id_len = 0;
-	const char *type = scan_string_field(c->rx, c->rx_len, "type", &type_len);
-	const char *id = scan_string_field(c->rx, c->rx_len, "id", &id_len);
+	const char *type = scan_string_field(frame, len, "type", &type_len);
+	const char *id = scan_string_field(frame, len, "id", &id_len);
 	bool is_message;
 	struct pending_reply *r;
 
@@ -149,7 +149,7 @@ static void handle_frame(struct lws *wsi, struct app_conn *c)
 		is_message = type_len == 7 && !memcmp(type, "message", 7);
 		memcpy(r->id, id, id_len);
 		r->id_len = id_len;
-	} else if (!parse_with_jansson(c->rx, c->rx_len, &is_message, r->id, &r->id_len)) {
+	} else if (!parse_with_jansson(frame, len, &is_message, r->id, &r->id_len)) {
 		return;
 	}
 	if (!is_message)
@@ -213,43 +213,25 @@ static int callback_app(struct lws *wsi, enum lws_callback_reasons reason, void 
 		memset(c, 0, sizeof(*c));
 		break;
 
-	case LWS_CALLBACK_RECEIVE:
-		if (lws_frame_is_binary(wsi))
-			break;
-		if (!c->rx_oversized) {
-			if (c->rx_len + len > MAX_FRAME) {
-				c->rx_oversized = true;
-			} else {
-				if (c->rx_len + len > c->rx_cap) {
-					size_t cap = c->rx_cap ? c->rx_cap : 1024;
-					char *grown;
+	case LWS_CALLBACK_RECEIVE: {
+		const char *msg;
+		size_t msg_len;
 
-					while (cap < c->rx_len + len)
-						cap *= 2;
-					grown = realloc(c->rx, cap);
-					if (!grown)
-						return -1;
-					c->rx = grown;
-					c->rx_cap = cap;
-				}
-				memcpy(c->rx + c->rx_len, in, len);
-				c->rx_len += len;
-			}
-		}
-		if (!lws_is_final_fragment(wsi))
+		if (lws_frame_is_binary(wsi) ||
+		    !cg_wsrx_feed(&c->rx, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len,
+				  MAX_FRAME, &msg, &msg_len))
 			break;
-		if (!c->rx_oversized)
-			handle_frame(wsi, c);
-		c->rx_len = 0;
-		c->rx_oversized = false;
+		if (msg)
+			handle_frame(wsi, c, msg, msg_len);
+		cg_wsrx_done(&c->rx);
 		break;
+	}
 
 	case LWS_CALLBACK_SERVER_WRITEABLE:
 		return write_replies(wsi, c);
 
 	case LWS_CALLBACK_CLOSED:
-		free(c->rx);
-		c->rx = NULL;
+		cg_wsrx_done(&c->rx);
 		break;
 
 	default:

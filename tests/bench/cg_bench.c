@@ -36,6 +36,8 @@
 #include <libwebsockets.h>
 #include <jansson.h>
 
+#include "chatgate/core/wsrx.h"
+
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -119,11 +121,7 @@ struct bench_conn {
 	char msg_id[40];
 	int64_t sent_ns;
 	int close_code; /* from the peer's close frame, 0 if none */
-	/* the text frame being assembled from its fragments */
-	char *rx;
-	size_t rx_len;
-	size_t rx_cap;
-	bool rx_oversized;
+	cg_wsrx rx; /* a text frame in pieces (the gateway's core/wsrx.h) */
 };
 
 struct error_code_count {
@@ -669,7 +667,7 @@ static void mark_ready(struct bench_conn *c)
 }
 
 /* One complete text frame from the gateway. */
-static void handle_frame(struct bench_conn *c, int64_t arrived_ns)
+static void handle_frame(struct bench_conn *c, const char *frame, size_t len, int64_t arrived_ns)
 {
 	struct bench *b = c->bench;
 	static const char delta_prefix[] = "{\"type\":\"delta\",";
@@ -681,11 +679,11 @@ static void handle_frame(struct bench_conn *c, int64_t arrived_ns)
 	 * Deltas are most frames and need no field: counted without a parse, so that the client
 	 * spends less of the machine the gateway and the backend share.
 	 */
-	if (c->rx_len > sizeof(delta_prefix) && !memcmp(c->rx, delta_prefix, sizeof(delta_prefix) - 1)) {
+	if (len > sizeof(delta_prefix) && !memcmp(frame, delta_prefix, sizeof(delta_prefix) - 1)) {
 		b->deltas++;
 		return;
 	}
-	root = json_loadb(c->rx, c->rx_len, 0, &jerr);
+	root = json_loadb(frame, len, 0, &jerr);
 
 	if (!root || !json_is_object(root)) {
 		if (!b->unparsable_frames && b->opt.verbose)
@@ -715,32 +713,6 @@ static void handle_frame(struct bench_conn *c, int64_t arrived_ns)
 	else
 		b->other_frames++;
 	json_decref(root);
-}
-
-/* Appends one received piece; returns false when the frame is over the cap. */
-static bool rx_append(struct bench_conn *c, const void *in, size_t len)
-{
-	if (c->rx_oversized || c->rx_len + len > MAX_FRAME_BYTES) {
-		c->rx_oversized = true;
-		return false;
-	}
-	if (c->rx_len + len > c->rx_cap) {
-		size_t cap = c->rx_cap ? c->rx_cap : 1024;
-		char *grown;
-
-		while (cap < c->rx_len + len)
-			cap *= 2;
-		grown = realloc(c->rx, cap);
-		if (!grown) {
-			c->rx_oversized = true;
-			return false;
-		}
-		c->rx = grown;
-		c->rx_cap = cap;
-	}
-	memcpy(c->rx + c->rx_len, in, len);
-	c->rx_len += len;
-	return true;
 }
 
 static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, void *user,
@@ -800,6 +772,8 @@ static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, voi
 
 	case LWS_CALLBACK_CLIENT_RECEIVE: {
 		int64_t arrived_ns = now_ns();
+		const char *msg;
+		size_t msg_len;
 
 		if (!c)
 			break;
@@ -808,15 +782,14 @@ static int callback_bench(struct lws *wsi, enum lws_callback_reasons reason, voi
 				b->binary_frames++;
 			break;
 		}
-		rx_append(c, in, len);
-		if (!lws_is_final_fragment(wsi))
+		if (!cg_wsrx_feed(&c->rx, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len,
+				  MAX_FRAME_BYTES, &msg, &msg_len))
 			break;
-		if (c->rx_oversized)
+		if (!msg)
 			b->oversized_frames++;
 		else
-			handle_frame(c, arrived_ns);
-		c->rx_len = 0;
-		c->rx_oversized = false;
+			handle_frame(c, msg, msg_len, arrived_ns);
+		cg_wsrx_done(&c->rx);
 		break;
 	}
 
@@ -1355,7 +1328,7 @@ int main(int argc, char **argv)
 	}
 
 	for (unsigned int i = 0; i < b->opt.connections; i++)
-		free(b->conns[i].rx);
+		cg_wsrx_done(&b->conns[i].rx);
 	free(b->conns);
 	free(b->hist);
 	free(b->tx);
