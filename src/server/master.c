@@ -161,8 +161,6 @@ static int spawn(int i, int sfd, int ready_r, int ready_w, pid_t master)
         return 1;
     }
     workers[i] = (worker){.pid = pid, .started = now_ms(), .backoff_ms = workers[i].backoff_ms};
-    shared->slots[i].pid = pid;
-    shared->slots[i].stopping = 0;
     cg_info("workers: worker %d started (pid %d)", i, (int)pid);
     return 0;
 }

@@ -147,7 +147,6 @@ void cg_worker_publish(const cg_server *srv)
         return;
     slot->metrics = srv->metrics;
     slot->connections = srv->n_sessions;
-    slot->stopping = srv->turn.stopping;
     if (srv->turn.store) {
         cg_store_stats st = srv->turn.store->stats;
         if (st.degraded) /* the outage going on counts too */

@@ -35,9 +35,7 @@ typedef struct cg_worker_slot {
     cg_metrics metrics;
     cg_store_stats store;  /* degraded_seconds includes the outage going on */
     long connections;      /* WebSocket clients connected to this worker now */
-    int stopping;          /* it has begun its drain */
     int listening;         /* it has started and listens (cg_worker_ready) */
-    pid_t pid;             /* set by the master: the worker's pid, 0 while it is down */
 } cg_worker_slot;
 
 typedef struct cg_workers {
