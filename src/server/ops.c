@@ -73,9 +73,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
 {
     const cg_metrics *m = &srv->metrics;
     const cg_store_stats *st = &srv->turn.store->stats;
-    double degraded = st->degraded_seconds;
-    if (st->degraded)
-        degraded += (double)(uv_now(srv->net.loop) - st->degraded_since_ms) / 1000.0;
+    double degraded = cg_store_degraded_seconds(st, uv_now(srv->net.loop));
     long connections = srv->n_sessions;
     const cg_workers *w = cg_workers_shared();
     static cg_metrics sum; /* --workers: the group's figures (static: large, one thread) */

@@ -69,7 +69,4 @@ int cg_worker_index(void); /* -1 without --workers */
  * as a worker whose master died has another parent. */
 pid_t cg_worker_master(void);
 
-/* dst += src: the counters of a store's figures; with gauges too when `gauges`. */
-void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gauges);
-
 #endif
