@@ -56,7 +56,7 @@ int cg_dropin_config_check(json_t *d, const char *file, char *err, size_t errlen
         int ok = 0;
         for (int i = 0; known[i]; i++)
             ok |= strcmp(key, known[i]) == 0;
-        if (!ok && strcmp(key, "app") != 0) {
+        if (!ok) {
             snprintf(err, errlen, "%s: dropin.%s: unknown key", file, key);
             return -1;
         }
@@ -68,7 +68,7 @@ int cg_dropin_config_check(json_t *d, const char *file, char *err, size_t errlen
         return -1;
     }
     json_t *app = json_object_get(d, "app");
-    const char *url = json_string_value(json_object_get(d, "app"));
+    const char *url = json_string_value(app);
     if (!json_is_string(app) || (strncmp(url, "ws://", 5) != 0 && strncmp(url, "wss://", 6) != 0)) {
         snprintf(err, errlen, "%s: dropin.app: must be the app's ws:// or wss:// URL", file);
         return -1;

@@ -87,35 +87,6 @@ int cg_worker_index(void)
     return self_index;
 }
 
-void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gauges)
-{
-    dst->loads += src->loads;
-    dst->saves += src->saves;
-    dst->deletes += src->deletes;
-    dst->errors += src->errors;
-    dst->degraded_answers += src->degraded_answers;
-    dst->reconnects += src->reconnects;
-    dst->flushed += src->flushed;
-    dst->evictions += src->evictions;
-    dst->evictions_bytes += src->evictions_bytes;
-    dst->writeback_dropped_bound += src->writeback_dropped_bound;
-    dst->writeback_dropped_gone += src->writeback_dropped_gone;
-    dst->save_conflicts += src->save_conflicts;
-    dst->lease_waits += src->lease_waits;
-    dst->lease_lost += src->lease_lost;
-    dst->remote_cancels += src->remote_cancels;
-    dst->primary_switches += src->primary_switches;
-    dst->readonly_replies += src->readonly_replies;
-    dst->replica_refused += src->replica_refused;
-    dst->degraded_seconds += src->degraded_seconds;
-    if (gauges) {
-        dst->memory_bytes += src->memory_bytes;
-        dst->writeback_pending += src->writeback_pending;
-        dst->writeback_pending_bytes += src->writeback_pending_bytes;
-        dst->degraded |= src->degraded;
-    }
-}
-
 static uint64_t now_ms(void)
 {
     struct timespec ts;
@@ -161,8 +132,6 @@ static int spawn(int i, int sfd, int ready_r, int ready_w, pid_t master)
         return 1;
     }
     workers[i] = (worker){.pid = pid, .started = now_ms(), .backoff_ms = workers[i].backoff_ms};
-    shared->slots[i].pid = pid;
-    shared->slots[i].stopping = 0;
     cg_info("workers: worker %d started (pid %d)", i, (int)pid);
     return 0;
 }

@@ -7,6 +7,7 @@
  * adds per-worker figures with a `worker` label where one worker's number matters
  * (connections, up), and says "degraded" when any worker's store is.
  */
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
@@ -18,48 +19,61 @@
 #include "chatgate/server/worker.h"
 #include "chatgate/dialog/pipeline.h"
 
-/* --workers: the lines of one worker each (after chatgate_connections' total, in its family). */
-static size_t worker_lines(const cg_workers *w, char *buf, size_t len)
+/* Appends one printf piece at buf + *used. 0; -1 when it does not fit whole (nothing is
+ * counted then, so the text stays cut at the last whole piece). */
+static int put(char *buf, size_t len, size_t *used, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int put(char *buf, size_t len, size_t *used, const char *fmt, ...)
 {
-    size_t used = 0;
-    int n;
-    for (int i = 0; i < w->n; i++) {
-        n = snprintf(buf + used, len - used, "chatgate_connections{worker=\"%d\"} %ld\n", i, w->slots[i].connections);
-        if (n < 0 || (size_t)n >= len - used)
-            return used;
-        used += (size_t)n;
-    }
-    n = snprintf(buf + used, len - used,
-                 "# HELP chatgate_workers Worker processes (--workers).\n# TYPE chatgate_workers gauge\n"
-                 "chatgate_workers %d\n"
-                 "# HELP chatgate_worker_up 1 while the worker listens, 0 while the master starts it (again).\n"
-                 "# TYPE chatgate_worker_up gauge\n",
-                 w->n);
-    if (n < 0 || (size_t)n >= len - used)
-        return used;
-    used += (size_t)n;
-    for (int i = 0; i < w->n; i++) {
-        n = snprintf(buf + used, len - used, "chatgate_worker_up{worker=\"%d\"} %d\n", i, w->slots[i].listening);
-        if (n < 0 || (size_t)n >= len - used)
-            return used;
-        used += (size_t)n;
-    }
-    n = snprintf(buf + used, len - used,
-                 "# HELP chatgate_worker_restarts_total Workers the master started again after one died.\n"
-                 "# TYPE chatgate_worker_restarts_total counter\nchatgate_worker_restarts_total %lu\n",
-                 w->restarts);
-    if (n < 0 || (size_t)n >= len - used)
-        return used;
-    return used + (size_t)n;
+    if (*used >= len)
+        return -1;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf + *used, len - *used, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= len - *used)
+        return -1;
+    *used += (size_t)n;
+    return 0;
 }
 
+/* One line per upstream of a family whose figure is counted by upstream index. */
+static int per_upstream(const cg_server *srv, char *buf, size_t len, size_t *used, const char *name,
+                        const unsigned long *values)
+{
+    for (int i = 0; i < srv->turn.n_upstreams; i++)
+        if (put(buf, len, used, "%s{upstream=\"%s\"} %lu\n", name, srv->upstreams[i].cfg->name, values[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* --workers: the lines of one worker each (after chatgate_connections' total, in its family). */
+static int worker_lines(const cg_workers *w, char *buf, size_t len, size_t *used)
+{
+    for (int i = 0; i < w->n; i++)
+        if (put(buf, len, used, "chatgate_connections{worker=\"%d\"} %ld\n", i, w->slots[i].connections) < 0)
+            return -1;
+    if (put(buf, len, used,
+            "# HELP chatgate_workers Worker processes (--workers).\n# TYPE chatgate_workers gauge\n"
+            "chatgate_workers %d\n"
+            "# HELP chatgate_worker_up 1 while the worker listens, 0 while the master starts it (again).\n"
+            "# TYPE chatgate_worker_up gauge\n",
+            w->n) < 0)
+        return -1;
+    for (int i = 0; i < w->n; i++)
+        if (put(buf, len, used, "chatgate_worker_up{worker=\"%d\"} %d\n", i, w->slots[i].listening) < 0)
+            return -1;
+    return put(buf, len, used,
+               "# HELP chatgate_worker_restarts_total Workers the master started again after one died.\n"
+               "# TYPE chatgate_worker_restarts_total counter\nchatgate_worker_restarts_total %lu\n",
+               w->restarts);
+}
+
+/* The whole text into buf; its length (cut at the last piece that fit when buf is short). */
 static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
 {
     const cg_metrics *m = &srv->metrics;
     const cg_store_stats *st = &srv->turn.store->stats;
-    double degraded = st->degraded_seconds;
-    if (st->degraded)
-        degraded += (double)(uv_now(srv->net.loop) - st->degraded_since_ms) / 1000.0;
+    double degraded = cg_store_degraded_seconds(st, uv_now(srv->net.loop));
     long connections = srv->n_sessions;
     const cg_workers *w = cg_workers_shared();
     static cg_metrics sum; /* --workers: the group's figures (static: large, one thread) */
@@ -78,139 +92,111 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
         st = &sum_st;
         degraded = st->degraded_seconds; /* each worker's includes its outage going on */
     }
-    int n = snprintf(buf, len,
-                     "# HELP chatgate_connections WebSocket clients connected now%s.\n"
-                     "# TYPE chatgate_connections gauge\nchatgate_connections %ld\n",
-                     w ? " (all workers; each worker's with its worker label)" : "", connections);
-    if (n < 0 || (size_t)n >= len)
-        return 0;
-    size_t pre = (size_t)n;
-    if (w)
-        pre += worker_lines(w, buf + pre, len - pre);
-    buf += pre;
-    len -= pre;
-    n = snprintf(
-        buf, len,
-        "# TYPE chatgate_messages_total counter\nchatgate_messages_total %lu\n"
-        "# TYPE chatgate_turns_total counter\n"
-        "chatgate_turns_total{end=\"done\"} %lu\nchatgate_turns_total{end=\"error\"} %lu\n"
-        "chatgate_turns_total{end=\"cancelled\"} %lu\n"
-        "# TYPE chatgate_frames_in_total counter\nchatgate_frames_in_total %lu\n"
-        "# TYPE chatgate_frames_out_total counter\nchatgate_frames_out_total %lu\n"
-        "# TYPE chatgate_bad_frames_total counter\nchatgate_bad_frames_total %lu\n"
-        "# TYPE chatgate_rate_limited_total counter\nchatgate_rate_limited_total %lu\n"
-        "# TYPE chatgate_refused_connections_total counter\nchatgate_refused_connections_total %lu\n"
-        "# TYPE chatgate_unauthorized_total counter\nchatgate_unauthorized_total %lu\n"
-        "# HELP chatgate_store_degraded 1 while Redis is away and dialogs are served from memory.\n"
-        "# TYPE chatgate_store_degraded gauge\nchatgate_store_degraded %d\n"
-        "# TYPE chatgate_store_degraded_seconds_total counter\nchatgate_store_degraded_seconds_total %.3f\n"
-        "# TYPE chatgate_store_degraded_warnings_total counter\nchatgate_store_degraded_warnings_total %lu\n"
-        "# TYPE chatgate_store_operations_total counter\n"
-        "chatgate_store_operations_total{op=\"load\"} %lu\nchatgate_store_operations_total{op=\"save\"} %lu\n"
-        "chatgate_store_operations_total{op=\"delete\"} %lu\n"
-        "# TYPE chatgate_store_errors_total counter\nchatgate_store_errors_total %lu\n"
-        "# TYPE chatgate_store_memory_answers_total counter\nchatgate_store_memory_answers_total %lu\n"
-        "# TYPE chatgate_store_reconnects_total counter\nchatgate_store_reconnects_total %lu\n"
-        "# TYPE chatgate_store_written_back_total counter\nchatgate_store_written_back_total %lu\n"
-        "# HELP chatgate_store_evictions_total Dialogs dropped by max_dialogs (count) or max_store_bytes (bytes).\n"
-        "# TYPE chatgate_store_evictions_total counter\nchatgate_store_evictions_total{reason=\"count\"} %lu\n"
-        "chatgate_store_evictions_total{reason=\"bytes\"} %lu\n"
-        "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
-        "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
-        m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
-        m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
-        m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers, st->reconnects,
-        st->flushed, st->evictions, st->evictions_bytes, st->memory_bytes);
-    if (n < 0 || (size_t)n >= len)
-        return pre + (n < 0 ? 0 : len - 1);
-    size_t used = (size_t)n;
-    n = snprintf(buf + used, len - used,
-                 "# HELP chatgate_store_writeback_pending Dialogs (and bytes) held in memory for Redis's write-back.\n"
-                 "# TYPE chatgate_store_writeback_pending gauge\nchatgate_store_writeback_pending %ld\n"
-                 "# TYPE chatgate_store_writeback_pending_bytes gauge\nchatgate_store_writeback_pending_bytes %ld\n"
-                 "# HELP chatgate_store_writeback_dropped_total Dialogs never written back: over the bound, or gone "
-                 "from memory.\n# TYPE chatgate_store_writeback_dropped_total counter\n"
-                 "chatgate_store_writeback_dropped_total{reason=\"bound\"} %lu\n"
-                 "chatgate_store_writeback_dropped_total{reason=\"gone\"} %lu\n"
-                 "# HELP chatgate_store_save_conflicts_total Saves refused: Redis held another or a newer copy.\n"
-                 "# TYPE chatgate_store_save_conflicts_total counter\nchatgate_store_save_conflicts_total %lu\n"
-                 "# HELP chatgate_store_primary_switches_total Redis Sentinel: failovers followed to a new primary.\n"
-                 "# TYPE chatgate_store_primary_switches_total counter\nchatgate_store_primary_switches_total %lu\n"
-                 "# HELP chatgate_store_not_primary_total Redis Sentinel: -READONLY answers, and connects whose ROLE "
-                 "was not master; each time the connection is dropped to ask the Sentinels again.\n"
-                 "# TYPE chatgate_store_not_primary_total counter\n"
-                 "chatgate_store_not_primary_total{seen=\"readonly\"} %lu\n"
-                 "chatgate_store_not_primary_total{seen=\"role\"} %lu\n"
-                 "# HELP chatgate_store_lease_waits_total Turns that found their dialog's lease held by another "
-                 "gateway and waited for it.\n# TYPE chatgate_store_lease_waits_total counter\n"
-                 "chatgate_store_lease_waits_total %lu\n"
-                 "# HELP chatgate_store_lease_lost_total Turns whose save was refused: their dialog's lease had "
-                 "passed to another gateway (this one was away past redis.lease_ms).\n"
-                 "# TYPE chatgate_store_lease_lost_total counter\nchatgate_store_lease_lost_total %lu\n"
-                 "# HELP chatgate_store_remote_cancels_total Turns stopped because another gateway asked (a cancel "
-                 "phrase or context.clear that arrived there).\n"
-                 "# TYPE chatgate_store_remote_cancels_total counter\nchatgate_store_remote_cancels_total %lu\n",
-                 st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
-                 st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
-                 st->replica_refused, st->lease_waits, st->lease_lost, st->remote_cancels);
-    if (n < 0 || (size_t)n >= len - used)
-        return pre + used;
-    used += (size_t)n;
-    n = snprintf(buf + used, len - used,
-                 "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
-                 "# TYPE chatgate_awaiting_resolutions_total counter\nchatgate_awaiting_resolutions_total %lu\n"
-                 "# TYPE chatgate_cancels_total counter\nchatgate_cancels_total %lu\n"
-                 "# TYPE chatgate_soft_context_hits_total counter\nchatgate_soft_context_hits_total %lu\n"
-                 "# TYPE chatgate_enrichments_total counter\nchatgate_enrichments_total %lu\n"
-                 "# TYPE chatgate_rules_fired_total counter\nchatgate_rules_fired_total %lu\n"
-                 "# HELP chatgate_rules_limited_total Rules cut off by a match limit (counted as no match).\n"
-                 "# TYPE chatgate_rules_limited_total counter\nchatgate_rules_limited_total %lu\n"
-                 "# TYPE chatgate_rules_loaded gauge\nchatgate_rules_loaded %zu\n"
-                 "# TYPE chatgate_rules_reloads_total counter\nchatgate_rules_reloads_total{result=\"ok\"} %lu\n"
-                 "chatgate_rules_reloads_total{result=\"refused\"} %lu\n"
-                 "# TYPE chatgate_routed_total counter\n",
-                 m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
-                 m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures);
-    if (n < 0 || (size_t)n >= len - used)
-        return pre + used;
-    used += (size_t)n;
-    for (int i = 0; i < srv->turn.n_upstreams && used < len; i++) {
-        n = snprintf(buf + used, len - used, "chatgate_routed_total{upstream=\"%s\"} %lu\n",
-                     srv->upstreams[i].cfg->name, m->routed[i]);
-        if (n < 0 || (size_t)n >= len - used)
-            return pre + used;
-        used += (size_t)n;
-    }
-    n = snprintf(buf + used, len - used, "# TYPE chatgate_upstream_errors_total counter\n");
-    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
-    for (int i = 0; i < srv->turn.n_upstreams && used < len; i++) {
-        n = snprintf(buf + used, len - used, "chatgate_upstream_errors_total{upstream=\"%s\"} %lu\n",
-                     srv->upstreams[i].cfg->name, m->upstream_errors[i]);
-        if (n < 0 || (size_t)n >= len - used)
-            return pre + used;
-        used += (size_t)n;
-    }
+    size_t used = 0;
+    if (put(buf, len, &used,
+            "# HELP chatgate_connections WebSocket clients connected now%s.\n"
+            "# TYPE chatgate_connections gauge\nchatgate_connections %ld\n",
+            w ? " (all workers; each worker's with its worker label)" : "", connections) < 0 ||
+        (w && worker_lines(w, buf, len, &used) < 0))
+        return used;
+    if (put(buf, len, &used,
+            "# TYPE chatgate_messages_total counter\nchatgate_messages_total %lu\n"
+            "# TYPE chatgate_turns_total counter\n"
+            "chatgate_turns_total{end=\"done\"} %lu\nchatgate_turns_total{end=\"error\"} %lu\n"
+            "chatgate_turns_total{end=\"cancelled\"} %lu\n"
+            "# TYPE chatgate_frames_in_total counter\nchatgate_frames_in_total %lu\n"
+            "# TYPE chatgate_frames_out_total counter\nchatgate_frames_out_total %lu\n"
+            "# TYPE chatgate_bad_frames_total counter\nchatgate_bad_frames_total %lu\n"
+            "# TYPE chatgate_rate_limited_total counter\nchatgate_rate_limited_total %lu\n"
+            "# TYPE chatgate_refused_connections_total counter\nchatgate_refused_connections_total %lu\n"
+            "# TYPE chatgate_unauthorized_total counter\nchatgate_unauthorized_total %lu\n"
+            "# HELP chatgate_store_degraded 1 while Redis is away and dialogs are served from memory.\n"
+            "# TYPE chatgate_store_degraded gauge\nchatgate_store_degraded %d\n"
+            "# TYPE chatgate_store_degraded_seconds_total counter\nchatgate_store_degraded_seconds_total %.3f\n"
+            "# TYPE chatgate_store_degraded_warnings_total counter\nchatgate_store_degraded_warnings_total %lu\n"
+            "# TYPE chatgate_store_operations_total counter\n"
+            "chatgate_store_operations_total{op=\"load\"} %lu\nchatgate_store_operations_total{op=\"save\"} %lu\n"
+            "chatgate_store_operations_total{op=\"delete\"} %lu\n"
+            "# TYPE chatgate_store_errors_total counter\nchatgate_store_errors_total %lu\n"
+            "# TYPE chatgate_store_memory_answers_total counter\nchatgate_store_memory_answers_total %lu\n"
+            "# TYPE chatgate_store_reconnects_total counter\nchatgate_store_reconnects_total %lu\n"
+            "# TYPE chatgate_store_written_back_total counter\nchatgate_store_written_back_total %lu\n"
+            "# HELP chatgate_store_evictions_total Dialogs dropped by max_dialogs (count) or max_store_bytes (bytes).\n"
+            "# TYPE chatgate_store_evictions_total counter\nchatgate_store_evictions_total{reason=\"count\"} %lu\n"
+            "chatgate_store_evictions_total{reason=\"bytes\"} %lu\n"
+            "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
+            "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
+            m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
+            m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
+            m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers,
+            st->reconnects, st->flushed, st->evictions, st->evictions_bytes, st->memory_bytes) < 0 ||
+        put(buf, len, &used,
+            "# HELP chatgate_store_writeback_pending Dialogs (and bytes) held in memory for Redis's write-back.\n"
+            "# TYPE chatgate_store_writeback_pending gauge\nchatgate_store_writeback_pending %ld\n"
+            "# TYPE chatgate_store_writeback_pending_bytes gauge\nchatgate_store_writeback_pending_bytes %ld\n"
+            "# HELP chatgate_store_writeback_dropped_total Dialogs never written back: over the bound, or gone "
+            "from memory.\n# TYPE chatgate_store_writeback_dropped_total counter\n"
+            "chatgate_store_writeback_dropped_total{reason=\"bound\"} %lu\n"
+            "chatgate_store_writeback_dropped_total{reason=\"gone\"} %lu\n"
+            "# HELP chatgate_store_save_conflicts_total Saves refused: Redis held another or a newer copy.\n"
+            "# TYPE chatgate_store_save_conflicts_total counter\nchatgate_store_save_conflicts_total %lu\n"
+            "# HELP chatgate_store_primary_switches_total Redis Sentinel: failovers followed to a new primary.\n"
+            "# TYPE chatgate_store_primary_switches_total counter\nchatgate_store_primary_switches_total %lu\n"
+            "# HELP chatgate_store_not_primary_total Redis Sentinel: -READONLY answers, and connects whose ROLE "
+            "was not master; each time the connection is dropped to ask the Sentinels again.\n"
+            "# TYPE chatgate_store_not_primary_total counter\n"
+            "chatgate_store_not_primary_total{seen=\"readonly\"} %lu\n"
+            "chatgate_store_not_primary_total{seen=\"role\"} %lu\n"
+            "# HELP chatgate_store_lease_waits_total Turns that found their dialog's lease held by another "
+            "gateway and waited for it.\n# TYPE chatgate_store_lease_waits_total counter\n"
+            "chatgate_store_lease_waits_total %lu\n"
+            "# HELP chatgate_store_lease_lost_total Turns whose save was refused: their dialog's lease had "
+            "passed to another gateway (this one was away past redis.lease_ms).\n"
+            "# TYPE chatgate_store_lease_lost_total counter\nchatgate_store_lease_lost_total %lu\n"
+            "# HELP chatgate_store_remote_cancels_total Turns stopped because another gateway asked (a cancel "
+            "phrase or context.clear that arrived there).\n"
+            "# TYPE chatgate_store_remote_cancels_total counter\nchatgate_store_remote_cancels_total %lu\n",
+            st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
+            st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
+            st->replica_refused, st->lease_waits, st->lease_lost, st->remote_cancels) < 0 ||
+        put(buf, len, &used,
+            "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
+            "# TYPE chatgate_awaiting_resolutions_total counter\nchatgate_awaiting_resolutions_total %lu\n"
+            "# TYPE chatgate_cancels_total counter\nchatgate_cancels_total %lu\n"
+            "# TYPE chatgate_soft_context_hits_total counter\nchatgate_soft_context_hits_total %lu\n"
+            "# TYPE chatgate_enrichments_total counter\nchatgate_enrichments_total %lu\n"
+            "# TYPE chatgate_rules_fired_total counter\nchatgate_rules_fired_total %lu\n"
+            "# HELP chatgate_rules_limited_total Rules cut off by a match limit (counted as no match).\n"
+            "# TYPE chatgate_rules_limited_total counter\nchatgate_rules_limited_total %lu\n"
+            "# TYPE chatgate_rules_loaded gauge\nchatgate_rules_loaded %zu\n"
+            "# TYPE chatgate_rules_reloads_total counter\nchatgate_rules_reloads_total{result=\"ok\"} %lu\n"
+            "chatgate_rules_reloads_total{result=\"refused\"} %lu\n"
+            "# TYPE chatgate_routed_total counter\n",
+            m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
+            m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures) < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_routed_total", m->routed) < 0 ||
+        put(buf, len, &used, "# TYPE chatgate_upstream_errors_total counter\n") < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_errors_total", m->upstream_errors) < 0)
+        return used;
     used += cg_upstream_metrics_format(m, srv->upstreams, srv->turn.n_upstreams, buf + used, len - used);
-    n = snprintf(buf + used, len - used,
-                 "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n");
-    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
+    if (put(buf, len, &used,
+            "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n") < 0)
+        return used;
     for (int code = CG__ERR_FIRST + 1; code < CG__ERR_FIRST + 1 + 16 && code < 0; code++) {
         if (strcmp(cg_strerror(code), "unknown error") == 0)
             break;
-        n = snprintf(buf + used, len - used, "chatgate_errors_total{code=\"%s\"} %lu\n", cg_err_code(code),
-                     m->errors[code - CG__ERR_FIRST - 1]);
-        if (n < 0 || (size_t)n >= len - used)
-            return pre + used;
-        used += (size_t)n;
+        if (put(buf, len, &used, "chatgate_errors_total{code=\"%s\"} %lu\n", cg_err_code(code),
+                m->errors[code - CG__ERR_FIRST - 1]) < 0)
+            return used;
     }
-    n = snprintf(buf + used, len - used,
-                 "# TYPE chatgate_cache_total counter\nchatgate_cache_total{result=\"hit\"} %lu\n"
-                 "chatgate_cache_total{result=\"miss\"} %lu\n"
-                 "# HELP chatgate_stage_seconds Latency per stage: store load, rules (the pipeline), first "
-                 "token (upstream start to first delta), turn (arrival to the terminal frame).\n"
-                 "# TYPE chatgate_stage_seconds histogram\n",
-                 m->cache_hits, m->cache_misses);
-    used += n > 0 && (size_t)n < len - used ? (size_t)n : 0;
+    if (put(buf, len, &used,
+            "# TYPE chatgate_cache_total counter\nchatgate_cache_total{result=\"hit\"} %lu\n"
+            "chatgate_cache_total{result=\"miss\"} %lu\n"
+            "# HELP chatgate_stage_seconds Latency per stage: store load, rules (the pipeline), first "
+            "token (upstream start to first delta), turn (arrival to the terminal frame).\n"
+            "# TYPE chatgate_stage_seconds histogram\n",
+            m->cache_hits, m->cache_misses) < 0)
+        return used;
     static const struct { const char *label; size_t offset; } stages[] = {
         {"stage=\"store_load\"", offsetof(cg_metrics, store_load)},
         {"stage=\"rules\"", offsetof(cg_metrics, rules)},
@@ -220,7 +206,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
     for (size_t i = 0; i < sizeof(stages) / sizeof(stages[0]); i++)
         used += cg_histogram_format((const cg_histogram *)((const char *)m + stages[i].offset),
                                     "chatgate_stage_seconds", stages[i].label, buf + used, len - used);
-    return pre + used;
+    return used;
 }
 
 static int respond(struct lws *wsi, int status, const char *type, const char *body, size_t len)

@@ -147,12 +147,10 @@ void cg_worker_publish(const cg_server *srv)
         return;
     slot->metrics = srv->metrics;
     slot->connections = srv->n_sessions;
-    slot->stopping = srv->turn.stopping;
     if (srv->turn.store) {
-        cg_store_stats st = srv->turn.store->stats;
-        if (st.degraded) /* the outage going on counts too */
-            st.degraded_seconds += (double)(uv_now(srv->net.loop) - st.degraded_since_ms) / 1000.0;
-        slot->store = st;
+        slot->store = srv->turn.store->stats;
+        /* the outage going on counts too */
+        slot->store.degraded_seconds = cg_store_degraded_seconds(&srv->turn.store->stats, uv_now(srv->net.loop));
     }
 }
 

@@ -85,3 +85,40 @@ int64_t cg_store_default_now(void *unused)
     }
     return (int64_t)time(NULL) + offset;
 }
+
+double cg_store_degraded_seconds(const cg_store_stats *st, uint64_t now)
+{
+    double s = st->degraded_seconds;
+    if (st->degraded)
+        s += (double)(now - st->degraded_since_ms) / 1000.0;
+    return s;
+}
+
+void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gauges)
+{
+    dst->loads += src->loads;
+    dst->saves += src->saves;
+    dst->deletes += src->deletes;
+    dst->errors += src->errors;
+    dst->degraded_answers += src->degraded_answers;
+    dst->reconnects += src->reconnects;
+    dst->flushed += src->flushed;
+    dst->evictions += src->evictions;
+    dst->evictions_bytes += src->evictions_bytes;
+    dst->writeback_dropped_bound += src->writeback_dropped_bound;
+    dst->writeback_dropped_gone += src->writeback_dropped_gone;
+    dst->save_conflicts += src->save_conflicts;
+    dst->lease_waits += src->lease_waits;
+    dst->lease_lost += src->lease_lost;
+    dst->remote_cancels += src->remote_cancels;
+    dst->primary_switches += src->primary_switches;
+    dst->readonly_replies += src->readonly_replies;
+    dst->replica_refused += src->replica_refused;
+    dst->degraded_seconds += src->degraded_seconds;
+    if (gauges) {
+        dst->memory_bytes += src->memory_bytes;
+        dst->writeback_pending += src->writeback_pending;
+        dst->writeback_pending_bytes += src->writeback_pending_bytes;
+        dst->degraded |= src->degraded;
+    }
+}

@@ -39,10 +39,6 @@ struct cg_gateway {
 int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen);
 /* After a failed start: frees what start made (the process is about to exit). */
 void cg_gateway_abort(cg_gateway *gw);
-/* Loads the rules again (SIGHUP, POST /admin/reload): 0, or -1 with err; the running set
- * stays on failure. */
-int cg_gateway_reload_rules(cg_gateway *gw, char *err, size_t errlen);
-
 /* Runs until SIGTERM or SIGINT, then tears down; returns the exit status. */
 int cg_gateway_run(cg_gateway *gw);
 

@@ -35,9 +35,7 @@ typedef struct cg_worker_slot {
     cg_metrics metrics;
     cg_store_stats store;  /* degraded_seconds includes the outage going on */
     long connections;      /* WebSocket clients connected to this worker now */
-    int stopping;          /* it has begun its drain */
     int listening;         /* it has started and listens (cg_worker_ready) */
-    pid_t pid;             /* set by the master: the worker's pid, 0 while it is down */
 } cg_worker_slot;
 
 typedef struct cg_workers {
@@ -70,8 +68,5 @@ int cg_worker_index(void); /* -1 without --workers */
 /* A worker's master (0 without --workers): compared with getppid() before it is signalled,
  * as a worker whose master died has another parent. */
 pid_t cg_worker_master(void);
-
-/* dst += src: the counters of a store's figures; with gauges too when `gauges`. */
-void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gauges);
 
 #endif

@@ -154,4 +154,11 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
 /* Wall-clock seconds, or CHATGATE_NOW's when set (tests and demos). */
 int64_t cg_store_default_now(void *unused);
 
+/* Seconds with Redis away so far: degraded_seconds plus the outage going on, if any (now
+ * is uv_now(), as degraded_since_ms is). */
+double cg_store_degraded_seconds(const cg_store_stats *st, uint64_t now);
+/* dst += src: the counters of a store's figures; with gauges too when `gauges` (--workers:
+ * the figures of the process group, as cg_metrics_add for the gateway's). */
+void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gauges);
+
 #endif
