@@ -42,7 +42,7 @@ typedef struct cg_redis_bus cg_redis_bus;
 struct cg_store_req {
     redis_store *rs;
     op_kind kind;
-    char *user;      /* as given (remove_user's memory delete); "" for a write-back */
+    char *user;      /* remove_user only: the user as given, for its memory delete */
     char *eu, *er;   /* user and room, escaped (cg_store_escape) */
     char *key;       /* "<eu>:<er>": the dialog's hash tag and memory key */
     json_t *snapshot; /* save: the dialog as written */
@@ -140,6 +140,10 @@ redisAsyncContext *cg_redis_async_open(uv_loop_t *loop, const char *address, int
  * replies still due to it have come. */
 cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
 void cg_redis_req_finish(cg_store_req *r);
+/* Keeps a copy of snapshot (a dialog as cg_dialog_to_json wrote it) in memory under key. */
+void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot);
+/* Sentinel only: notes that r (a save) was sent, for the rewrite after a failover. */
+void cg_redis_recent_note(redis_store *rs, cg_store_req *r);
 /* The in-flight list, oldest first: the command timeout watches its head. */
 void cg_redis_inflight_add(redis_store *rs, cg_store_req *r);
 void cg_redis_inflight_remove(redis_store *rs, cg_store_req *r);
@@ -158,7 +162,8 @@ void cg_redis_close(cg_store *st);
 /* ---- redis_dialog.c -------------------------------------------------------------------- */
 
 extern const cg_store_ops cg_redis_ops;
-/* Sends r's save (its snapshot): the rooms set, then the conditional EVAL. */
+/* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
+ * the rooms set. */
 void cg_redis_send_save(redis_store *rs, cg_store_req *r);
 /* Starts the requests that waited for the first connection's verdict. */
 void cg_redis_drain_waiting(redis_store *rs);
@@ -166,8 +171,6 @@ void cg_redis_drain_waiting(redis_store *rs);
 int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elements, const char *what);
 /* The tick: renews the leases held that are a third through their lifetime. */
 void cg_redis_renew_leases(redis_store *rs);
-/* "<dialog key> <lease>" names this gateway's lease now (rs->leases)? */
-int cg_redis_lease_current(redis_store *rs, const char *key_and_lease);
 /* A cancel from another gateway, "<dialog key> <lease>": the turn stops if the lease is
  * still this gateway's (on_cancel), else it is a late one and nothing happens. */
 void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease);
