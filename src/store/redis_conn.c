@@ -1144,9 +1144,10 @@ static char *url_decode(const char *s, const char *end, size_t *len)
     return out;
 }
 
-/* The "[:password@]" after the scheme at p: sets rs->password and returns where the hosts
- * begin (NULL with err on a bad one); *shown is what errors may quote (never the password). */
-static const char *parse_password(redis_store *rs, const char *url, const char *p, const char **shown, char *err,
+/* The "[:password@]" after the scheme at p: sets *password (NULL: none) and returns where
+ * the hosts begin (NULL with err on a bad one); *shown is what errors may quote (never the
+ * password). */
+static const char *parse_password(char **password, const char *url, const char *p, const char **shown, char *err,
                                   size_t errlen)
 {
     const char *at = strchr(p, '@');
@@ -1156,20 +1157,20 @@ static const char *parse_password(redis_store *rs, const char *url, const char *
     const char *colon = memchr(p, ':', (size_t)(at - p));
     const char *pw = colon ? colon + 1 : p;
     size_t len;
-    rs->password = url_decode(pw, at, &len);
-    if (strlen(rs->password) != len) {
+    *password = url_decode(pw, at, &len);
+    if (strlen(*password) != len) {
         snprintf(err, errlen, "'...@%s': the password holds %%00", *shown);
         return NULL;
     }
     if (!len) {
-        free(rs->password);
-        rs->password = NULL;
+        free(*password);
+        *password = NULL;
     }
     return at + 1;
 }
 
-/* "/DB" or "": 0 to 15. */
-static int parse_db(redis_store *rs, const char *s, const char *shown, char *err, size_t errlen)
+/* "/DB" or "": 0 to 15, into *db. */
+static int parse_db(int *db_out, const char *s, const char *shown, char *err, size_t errlen)
 {
     if (!*s)
         return 0;
@@ -1179,7 +1180,7 @@ static int parse_db(redis_store *rs, const char *s, const char *shown, char *err
         snprintf(err, errlen, "'%s': the database must be a number from 0 to 15", shown);
         return -1;
     }
-    rs->db = (int)db;
+    *db_out = (int)db;
     return 0;
 }
 
@@ -1194,7 +1195,7 @@ static int parse_db(redis_store *rs, const char *s, const char *shown, char *err
 static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_t errlen)
 {
     const char *shown;
-    const char *p = parse_password(rs, url, url + strlen("redis-sentinel://"), &shown, err, errlen);
+    const char *p = parse_password(&rs->password, url, url + strlen("redis-sentinel://"), &shown, err, errlen);
     if (!p)
         return -1;
     const char *slash = strchr(p, '/');
@@ -1254,20 +1255,22 @@ static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_
     }
     if (asprintf(&rs->master, "%.*s", (int)(name_end - name), name) < 0)
         abort();
-    if (parse_db(rs, *name_end ? name_end + 1 : "", shown, err, errlen) < 0)
+    if (parse_db(&rs->db, *name_end ? name_end + 1 : "", shown, err, errlen) < 0)
         return -1;
     rs->host = cg_redis_xstrdup(rs->master); /* in the log until a Sentinel names the primary */
     rs->port = 0;
     return 0;
 }
 
-/* redis://[:password@]host[:port][/db]; errors never quote the password. */
-static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
+int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errlen)
 {
-    if (strncmp(url, "redis-sentinel://", 17) == 0)
-        return parse_sentinel_url(rs, url, err, errlen);
+    memset(u, 0, sizeof(*u));
+    if (strncmp(url, "redis://", 8) != 0) {
+        snprintf(err, errlen, "must be redis://[:PASSWORD@]HOST[:PORT][/DB]");
+        return -1;
+    }
     const char *shown;
-    const char *p = parse_password(rs, url, url + strlen("redis://"), &shown, err, errlen);
+    const char *p = parse_password(&u->password, url, url + strlen("redis://"), &shown, err, errlen);
     if (!p)
         return -1;
     const char *slash = strchr(p, '/');
@@ -1279,9 +1282,9 @@ static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
                  host_end == p ? "no host" : "the host is longer than 253 bytes");
         return -1;
     }
-    if (asprintf(&rs->host, "%.*s", (int)(host_end - p), p) < 0)
+    if (asprintf(&u->host, "%.*s", (int)(host_end - p), p) < 0)
         abort();
-    rs->port = 6379;
+    u->port = 6379;
     if (colon) {
         char *e;
         long port = strtol(colon + 1, &e, 10);
@@ -1289,9 +1292,24 @@ static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
             snprintf(err, errlen, "'%s': the port must be 1 to 65535", shown);
             return -1;
         }
-        rs->port = (int)port;
+        u->port = (int)port;
     }
-    return parse_db(rs, slash ? slash + 1 : "", shown, err, errlen);
+    return parse_db(&u->db, slash ? slash + 1 : "", shown, err, errlen);
+}
+
+/* The store's URL: redis-sentinel:// or redis:// (errors never quote the password); what
+ * it parsed is rs's either way, freed with it. */
+static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
+{
+    if (strncmp(url, "redis-sentinel://", 17) == 0)
+        return parse_sentinel_url(rs, url, err, errlen);
+    cg_redis_url u;
+    int rc = cg_redis_parse_url(url, &u, err, errlen);
+    rs->host = u.host;
+    rs->password = u.password;
+    rs->port = u.port;
+    rs->db = u.db;
+    return rc;
 }
 
 /* Who holds a lease this store takes: the host, the process and a random part (a process
@@ -1315,7 +1333,18 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     redis_store *rs = calloc(1, sizeof(*rs));
     if (!rs)
         return NULL;
-    if (parse_url(rs, cfg->url, err, errlen) < 0) {
+    /* the bus: redis.bus, else the store's own URL when it is a Redis (not Sentinel's) */
+    const char *bus_url = cfg->bus_url && *cfg->bus_url ? cfg->bus_url
+                          : strncmp(cfg->url, "redis://", 8) == 0 ? cfg->url
+                                                                  : NULL;
+    cg_redis_url bus = {0};
+    char why[200] = "";
+    if (parse_url(rs, cfg->url, err, errlen) < 0 ||
+        (bus_url && cg_redis_parse_url(bus_url, &bus, why, sizeof(why)) < 0)) {
+        if (why[0])
+            snprintf(err, errlen, "redis.bus: %s", why);
+        free(bus.host);
+        free(bus.password);
         store_free(rs);
         return NULL;
     }
@@ -1346,10 +1375,8 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     uv_unref((uv_handle_t *)&rs->tick);
     if (rs->master)
         sub_start(rs);
-    /* the bus: redis.bus, else the store's own URL when it is a Redis (not Sentinel's) */
-    const char *bus = cfg->bus_url && *cfg->bus_url ? cfg->bus_url : strncmp(cfg->url, "redis://", 8) == 0 ? cfg->url : NULL;
-    if (bus)
-        rs->bus = cg_redis_bus_open(rs, bus);
+    if (bus_url)
+        rs->bus = cg_redis_bus_open(rs, &bus);
     else
         cg_info("redis: no redis.bus for a Sentinel store: cancels between gateways come with the lease renewal");
     redis_connect(rs);

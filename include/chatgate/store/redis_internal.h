@@ -129,6 +129,18 @@ static inline char *cg_redis_xstrdup(const char *s)
 
 /* ---- redis_conn.c ---------------------------------------------------------------------- */
 
+/* A redis:// URL, parsed: host and password (NULL: none) malloc'd. */
+typedef struct cg_redis_url {
+    char *host;
+    int port, db;
+    char *password;
+} cg_redis_url;
+
+/* Parses redis://[:password@]host[:port][/db] (the password percent-decoded, port 1 to 65535,
+ * db 0 to 15) into u: 0, or -1 with err saying what is wrong (never quoting the password).
+ * The strings u holds then are the caller's to free either way. */
+int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errlen);
+
 /* An async hiredis connection to a resolved address on the loop, with data and callbacks
  * (the Sentinel queries, its subscription, the bus); NULL with why filled when hiredis
  * refused it at once (out of memory, a bad address). */
@@ -179,9 +191,9 @@ void cg_redis_scripts_init(void);
 
 /* ---- redis_bus.c ----------------------------------------------------------------------- */
 
-/* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy);
- * NULL when the URL is not one (logged). */
-cg_redis_bus *cg_redis_bus_open(redis_store *rs, const char *url);
+/* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy,
+ * parsed by cg_redis_parse_url): the bus takes its host and password. */
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url);
 /* Tells the gateway `holder` to stop its turn: key_and_lease is "<dialog key> <lease>";
  * nothing when the bus is down. */
 void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease);
