@@ -32,9 +32,9 @@ static int param_present(const cg_dialog *d, const char *key)
 
 static int conditions_hold(const rule *r, const cg_dialog *d, const char *previous)
 {
+    const char *type = d && d->awaiting ? json_string_value(json_object_get(d->awaiting, "type")) : NULL;
     for (int i = 0; i < r->n_conds; i++) {
         const rule_cond *c = &r->conds[i];
-        const char *type = d && d->awaiting ? json_string_value(json_object_get(d->awaiting, "type")) : NULL;
         switch (c->kind) {
         case C_AWAITING:
             if (!type || (strcmp(c->arg, "any") != 0 && strcmp(c->arg, type) != 0))
@@ -286,7 +286,9 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
     size_t len = strlen(text);
     if (len > CG_RULES_MAX_SCAN)
         len = cg_utf8_boundary(text, CG_RULES_MAX_SCAN);
-    char *subject = strndup(text, len);
+    /* the subject is text's first len bytes: PCRE gets the length, and groups are copied by
+     * their offsets, which never pass it */
+    const char *subject = text;
     for (size_t i = from; i < to; i++) {
         const rule *r = &rs->rules[i];
         if (check_conditions && !conditions_hold(r, d, previous))
@@ -301,7 +303,6 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
         json_array_append_new(out->fired, json_string(r->name));
         apply_rule(rs, r, subject, text, previous, now, out);
     }
-    free(subject);
 }
 
 void cg_rules_eval(const cg_ruleset *rs, const char *text, const cg_dialog *d, const char *previous, int64_t now,

@@ -133,39 +133,20 @@ static void bus_connect(cg_redis_bus *b)
         uv_timer_start(&b->retry, on_retry, BUS_RETRY_MS, 0);
 }
 
-/* "redis://[:password@]host[:port][/db]": the database does not matter to pub/sub. */
-static int parse_bus_url(cg_redis_bus *b, const char *url)
-{
-    if (strncmp(url, "redis://", 8) != 0)
-        return -1;
-    const char *p = url + 8, *at = strchr(p, '@');
-    if (at) {
-        const char *colon = memchr(p, ':', (size_t)(at - p));
-        if (colon && colon + 1 < at && !(b->password = strndup(colon + 1, (size_t)(at - colon - 1))))
-            abort();
-        p = at + 1;
-    }
-    size_t n = strcspn(p, ":/");
-    if (n == 0 || !(b->host = strndup(p, n)))
-        return -1;
-    b->port = p[n] == ':' ? atoi(p + n + 1) : 6379;
-    return b->port > 0 && b->port < 65536 ? 0 : -1;
-}
-
-cg_redis_bus *cg_redis_bus_open(redis_store *rs, const char *url)
+/* The URL was checked at open (cg_redis_parse_url, the store's own parser): the database does
+ * not matter to pub/sub. */
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url)
 {
     cg_redis_bus *b = calloc(1, sizeof(*b));
     if (!b)
         abort();
     b->rs = rs;
-    if (parse_bus_url(b, url) < 0 || asprintf(&b->channel, "%s:bus:%s", rs->base.cfg.prefix, rs->holder) < 0) {
-        cg_warn("redis bus: '%s' is not redis://HOST:PORT: cancels from other gateways come with the lease "
-                "renewal only", url);
-        free(b->host);
-        free(b->password);
-        free(b);
-        return NULL;
-    }
+    b->host = url->host;
+    b->password = url->password;
+    b->port = url->port;
+    url->host = url->password = NULL;
+    if (asprintf(&b->channel, "%s:bus:%s", rs->base.cfg.prefix, rs->holder) < 0)
+        abort(); /* out of memory at startup */
     uv_timer_init(rs->base.loop, &b->retry);
     b->retry.data = b;
     bus_connect(b);

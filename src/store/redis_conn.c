@@ -207,7 +207,8 @@ cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, 
 {
     user = user ? user : "";
     cg_store_req *r = req_alloc(rs, kind, cg_store_escape(user), cg_store_escape(room ? room : ""), ctx);
-    r->user = cg_redis_xstrdup(user);
+    if (kind == OP_REMOVE_USER) /* its memory delete is by the user as given */
+        r->user = cg_redis_xstrdup(user);
     return r;
 }
 
@@ -222,7 +223,7 @@ cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, 
  */
 #define SWITCH_REWRITE_MS 30000
 
-static void recent_note(redis_store *rs, cg_store_req *r)
+void cg_redis_recent_note(redis_store *rs, cg_store_req *r)
 {
     uint64_t now = now_ms(rs);
     json_object_del(rs->recent, r->key); /* re-added at the end: the set runs oldest first */
@@ -270,8 +271,6 @@ static void rewrite_recent(redis_store *rs)
 
 void cg_redis_inflight_add(redis_store *rs, cg_store_req *r)
 {
-    if (rs->master && r->kind == OP_SAVE && rs->recent)
-        recent_note(rs, r);
     r->sent_at = now_ms(rs);
     r->prev = rs->tail;
     if (rs->tail)
@@ -320,6 +319,15 @@ static void unknown_add(redis_store *rs, const char *key)
     json_object_set_new(rs->unknown, key, json_true()); /* out of memory: created_at still guards */
 }
 
+void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot)
+{
+    int64_t now = rs->base.now(rs->base.clock_ctx);
+    cg_dialog d;
+    cg_dialog_adopt_json(&d, snapshot, now); /* shares snapshot's parts: the put copies what it keeps */
+    cg_memstore_put(rs->mem, key, &d, now);
+    cg_dialog_free(&d);
+}
+
 /* Answers r from memory (Redis is away or failed it), then finishes it. */
 void cg_redis_answer_from_memory(cg_store_req *r)
 {
@@ -337,10 +345,7 @@ void cg_redis_answer_from_memory(cg_store_req *r)
             cg_dialog_free(&d);
     } else if (r->kind == OP_SAVE) {
         if (!r->version && r->snapshot) { /* a write-back that failed stays as it is: dirty, in memory */
-            cg_dialog d;
-            cg_dialog_from_json(&d, r->snapshot, now);
-            cg_memstore_put(rs->mem, r->key, &d, now);
-            cg_dialog_free(&d);
+            cg_redis_memory_put(rs, r->key, r->snapshot);
             cg_redis_mark_dirty(rs, r);
         }
         if (!r->abandoned && !rs->closing && r->done_cb)
@@ -383,7 +388,6 @@ int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry)
         return -1;
     }
     cg_store_req *r = req_alloc(rs, OP_SAVE, cg_redis_xstrdup(eu), cg_redis_xstrdup(er), NULL);
-    r->user = cg_redis_xstrdup("");
     r->snapshot = cg_dialog_to_json(&d);
     cg_dialog_free(&d);
     r->version = (long)json_integer_value(json_object_get(entry, "v"));
@@ -435,6 +439,16 @@ static void schedule_reconnect(redis_store *rs)
         uv_timer_start(&rs->connect_timer, on_reconnect_timer, delay, 0);
 }
 
+/* Gives up resolving the data connection's host, if under way: it frees itself; its answer
+ * never comes. */
+static void resolve_abandon(redis_store *rs)
+{
+    if (rs->resolve) {
+        cg_resolve_abandon(rs->resolve);
+        rs->resolve = NULL;
+    }
+}
+
 /* Drops the connection (a timeout, a failed probe, or close): every pending callback gets a
  * NULL reply. Safe inside a hiredis reply callback (hiredis frees after it returns). */
 static void drop_connection(redis_store *rs, const char *why)
@@ -442,10 +456,7 @@ static void drop_connection(redis_store *rs, const char *why)
     redisAsyncContext *ac = rs->ac;
     rs->ac = NULL;
     rs->state = R_CLOSED;
-    if (rs->resolve) {
-        cg_resolve_abandon(rs->resolve);
-        rs->resolve = NULL;
-    }
+    resolve_abandon(rs);
     sentinel_query_abort(rs);
     uv_timer_stop(&rs->connect_timer);
     enter_degraded(rs, why);
@@ -559,11 +570,8 @@ static void on_connect(const redisAsyncContext *ac, int status)
         return;
     uv_timer_stop(&rs->connect_timer);
     if (status != REDIS_OK) {
-        /* hiredis frees the context after this callback */
-        rs->ac = NULL;
-        rs->state = R_CLOSED;
-        enter_degraded(rs, ac->errstr[0] ? ac->errstr : "connection failed");
-        schedule_reconnect(rs);
+        rs->ac = NULL; /* hiredis frees the context after this callback, not drop_connection */
+        drop_connection(rs, ac->errstr[0] ? ac->errstr : "connection failed");
         return;
     }
     /* Connected at the TCP level; the PING decides (on_ping), within the command timeout. */
@@ -581,15 +589,13 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
     (void)status;
     if (ac != rs->ac)
         return; /* we freed it ourselves */
-    rs->ac = NULL;
+    rs->ac = NULL; /* hiredis frees it, not drop_connection */
     if (rs->closing) { /* the graceful close of cg_redis_close is complete */
         uv_timer_stop(&rs->connect_timer);
         finish_close(rs);
         return;
     }
-    rs->state = R_CLOSED;
-    enter_degraded(rs, ac->errstr[0] ? ac->errstr : "connection closed");
-    schedule_reconnect(rs);
+    drop_connection(rs, ac->errstr[0] ? ac->errstr : "connection closed");
 }
 
 static void on_connect_timeout(uv_timer_t *t)
@@ -659,10 +665,7 @@ static void connect_to(redis_store *rs, const char *address)
     redisAsyncContext *ac =
         cg_redis_async_open(rs->base.loop, address, rs->port, rs, on_connect, on_disconnect, why, sizeof(why));
     if (!ac) {
-        uv_timer_stop(&rs->connect_timer);
-        rs->state = R_CLOSED;
-        enter_degraded(rs, why);
-        schedule_reconnect(rs);
+        drop_connection(rs, why);
         return;
     }
     rs->ac = ac;
@@ -685,10 +688,7 @@ static void on_resolved(void *data, const char *address, const char *err)
     redis_store *rs = data;
     rs->resolve = NULL;
     if (!address) {
-        uv_timer_stop(&rs->connect_timer);
-        rs->state = R_CLOSED;
-        enter_degraded(rs, err);
-        schedule_reconnect(rs);
+        drop_connection(rs, err);
         return;
     }
     connect_to(rs, address);
@@ -776,12 +776,10 @@ static void sentinel_failed(redis_store *rs, const char *why)
         sentinel_ask(rs);
         return;
     }
-    rs->state = R_CLOSED;
     char msg[300];
     snprintf(msg, sizeof(msg), "none of the %d Sentinels named the primary of '%s' (the last: %.150s)",
              rs->n_sentinels, rs->master, why);
-    enter_degraded(rs, msg);
-    schedule_reconnect(rs);
+    drop_connection(rs, msg);
 }
 
 static void on_sentinel_reply(redisAsyncContext *ac, void *reply_, void *priv)
@@ -909,6 +907,21 @@ static void on_sub_timer(uv_timer_t *t)
     sub_start(rs);
 }
 
+/* Gives up the +switch-master subscription: its resolve, its connection (its callbacks then
+ * see another context). */
+static void sub_abandon(redis_store *rs)
+{
+    if (rs->sub_resolve) {
+        cg_resolve_abandon(rs->sub_resolve);
+        rs->sub_resolve = NULL;
+    }
+    if (rs->sub) {
+        redisAsyncContext *sub = rs->sub;
+        rs->sub = NULL;
+        redisAsyncFree(sub);
+    }
+}
+
 /* The subscription is gone (or never came): the next Sentinel is tried in a second. A
  * failover meanwhile is still followed: the old primary closes our connection or answers
  * -READONLY, and the probe's ROLE refuses it. */
@@ -922,15 +935,7 @@ static void sub_lost(redis_store *rs, const char *why)
         cg_debug("redis sentinel %s:%d: could not subscribe to +switch-master: %s", rs->sentinel_hosts[i],
                  rs->sentinel_ports[i], why);
     rs->sub_ok = 0;
-    if (rs->sub_resolve) {
-        cg_resolve_abandon(rs->sub_resolve);
-        rs->sub_resolve = NULL;
-    }
-    if (rs->sub) {
-        redisAsyncContext *sub = rs->sub;
-        rs->sub = NULL;
-        redisAsyncFree(sub);
-    }
+    sub_abandon(rs);
     rs->sub_at = (i + 1) % rs->n_sentinels;
     if (!rs->closing)
         uv_timer_start(&rs->sub_timer, on_sub_timer, 1000, 0);
@@ -1038,10 +1043,9 @@ static void handle_closed(uv_handle_t *h)
     store_free_if_done(rs);
 }
 
-static void store_free_if_done(redis_store *rs)
+/* Frees rs and what it owns (what open has not made yet is NULL: a bad URL's store too). */
+static void store_free(redis_store *rs)
 {
-    if (!rs->closing || rs->handles > 0)
-        return;
     cg_memstore_free(rs->mem);
     for (int i = 0; i < rs->n_sentinels; i++)
         free(rs->sentinel_hosts[i]);
@@ -1059,6 +1063,12 @@ static void store_free_if_done(redis_store *rs)
     free(rs->password);
     free(rs->address);
     free(rs);
+}
+
+static void store_free_if_done(redis_store *rs)
+{
+    if (rs->closing && rs->handles == 0)
+        store_free(rs);
 }
 
 /* The last step of close: the timers go, and the store with the last handle. */
@@ -1095,23 +1105,12 @@ void cg_redis_close(cg_store *st)
     cg_redis_drain_waiting(rs); /* answered from memory: their callers are told nothing while closing */
     uv_timer_stop(&rs->tick);
     uv_timer_stop(&rs->connect_timer);
-    if (rs->resolve) { /* it frees itself; its answer never comes */
-        cg_resolve_abandon(rs->resolve);
-        rs->resolve = NULL;
-    }
+    resolve_abandon(rs);
     sentinel_query_abort(rs);
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;
     uv_timer_stop(&rs->sub_timer);
-    if (rs->sub_resolve) {
-        cg_resolve_abandon(rs->sub_resolve);
-        rs->sub_resolve = NULL;
-    }
-    if (rs->sub) {
-        redisAsyncContext *sub = rs->sub;
-        rs->sub = NULL;
-        redisAsyncFree(sub);
-    }
+    sub_abandon(rs);
     if (json_object_size(rs->dirty))
         cg_warn("redis %s:%d: stopping with %zu dialogs not yet written back", rs->host, rs->port,
                 json_object_size(rs->dirty));
@@ -1145,9 +1144,10 @@ static char *url_decode(const char *s, const char *end, size_t *len)
     return out;
 }
 
-/* The "[:password@]" after the scheme at p: sets rs->password and returns where the hosts
- * begin (NULL with err on a bad one); *shown is what errors may quote (never the password). */
-static const char *parse_password(redis_store *rs, const char *url, const char *p, const char **shown, char *err,
+/* The "[:password@]" after the scheme at p: sets *password (NULL: none) and returns where
+ * the hosts begin (NULL with err on a bad one); *shown is what errors may quote (never the
+ * password). */
+static const char *parse_password(char **password, const char *url, const char *p, const char **shown, char *err,
                                   size_t errlen)
 {
     const char *at = strchr(p, '@');
@@ -1157,20 +1157,20 @@ static const char *parse_password(redis_store *rs, const char *url, const char *
     const char *colon = memchr(p, ':', (size_t)(at - p));
     const char *pw = colon ? colon + 1 : p;
     size_t len;
-    rs->password = url_decode(pw, at, &len);
-    if (strlen(rs->password) != len) {
+    *password = url_decode(pw, at, &len);
+    if (strlen(*password) != len) {
         snprintf(err, errlen, "'...@%s': the password holds %%00", *shown);
         return NULL;
     }
     if (!len) {
-        free(rs->password);
-        rs->password = NULL;
+        free(*password);
+        *password = NULL;
     }
     return at + 1;
 }
 
-/* "/DB" or "": 0 to 15. */
-static int parse_db(redis_store *rs, const char *s, const char *shown, char *err, size_t errlen)
+/* "/DB" or "": 0 to 15, into *db. */
+static int parse_db(int *db_out, const char *s, const char *shown, char *err, size_t errlen)
 {
     if (!*s)
         return 0;
@@ -1180,7 +1180,7 @@ static int parse_db(redis_store *rs, const char *s, const char *shown, char *err
         snprintf(err, errlen, "'%s': the database must be a number from 0 to 15", shown);
         return -1;
     }
-    rs->db = (int)db;
+    *db_out = (int)db;
     return 0;
 }
 
@@ -1195,7 +1195,7 @@ static int parse_db(redis_store *rs, const char *s, const char *shown, char *err
 static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_t errlen)
 {
     const char *shown;
-    const char *p = parse_password(rs, url, url + strlen("redis-sentinel://"), &shown, err, errlen);
+    const char *p = parse_password(&rs->password, url, url + strlen("redis-sentinel://"), &shown, err, errlen);
     if (!p)
         return -1;
     const char *slash = strchr(p, '/');
@@ -1255,20 +1255,22 @@ static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_
     }
     if (asprintf(&rs->master, "%.*s", (int)(name_end - name), name) < 0)
         abort();
-    if (parse_db(rs, *name_end ? name_end + 1 : "", shown, err, errlen) < 0)
+    if (parse_db(&rs->db, *name_end ? name_end + 1 : "", shown, err, errlen) < 0)
         return -1;
     rs->host = cg_redis_xstrdup(rs->master); /* in the log until a Sentinel names the primary */
     rs->port = 0;
     return 0;
 }
 
-/* redis://[:password@]host[:port][/db]; errors never quote the password. */
-static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
+int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errlen)
 {
-    if (strncmp(url, "redis-sentinel://", 17) == 0)
-        return parse_sentinel_url(rs, url, err, errlen);
+    memset(u, 0, sizeof(*u));
+    if (strncmp(url, "redis://", 8) != 0) {
+        snprintf(err, errlen, "must be redis://[:PASSWORD@]HOST[:PORT][/DB]");
+        return -1;
+    }
     const char *shown;
-    const char *p = parse_password(rs, url, url + strlen("redis://"), &shown, err, errlen);
+    const char *p = parse_password(&u->password, url, url + strlen("redis://"), &shown, err, errlen);
     if (!p)
         return -1;
     const char *slash = strchr(p, '/');
@@ -1280,9 +1282,9 @@ static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
                  host_end == p ? "no host" : "the host is longer than 253 bytes");
         return -1;
     }
-    if (asprintf(&rs->host, "%.*s", (int)(host_end - p), p) < 0)
+    if (asprintf(&u->host, "%.*s", (int)(host_end - p), p) < 0)
         abort();
-    rs->port = 6379;
+    u->port = 6379;
     if (colon) {
         char *e;
         long port = strtol(colon + 1, &e, 10);
@@ -1290,9 +1292,24 @@ static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
             snprintf(err, errlen, "'%s': the port must be 1 to 65535", shown);
             return -1;
         }
-        rs->port = (int)port;
+        u->port = (int)port;
     }
-    return parse_db(rs, slash ? slash + 1 : "", shown, err, errlen);
+    return parse_db(&u->db, slash ? slash + 1 : "", shown, err, errlen);
+}
+
+/* The store's URL: redis-sentinel:// or redis:// (errors never quote the password); what
+ * it parsed is rs's either way, freed with it. */
+static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
+{
+    if (strncmp(url, "redis-sentinel://", 17) == 0)
+        return parse_sentinel_url(rs, url, err, errlen);
+    cg_redis_url u;
+    int rc = cg_redis_parse_url(url, &u, err, errlen);
+    rs->host = u.host;
+    rs->password = u.password;
+    rs->port = u.port;
+    rs->db = u.db;
+    return rc;
 }
 
 /* Who holds a lease this store takes: the host, the process and a random part (a process
@@ -1316,15 +1333,19 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     redis_store *rs = calloc(1, sizeof(*rs));
     if (!rs)
         return NULL;
-    if (parse_url(rs, cfg->url, err, errlen) < 0) {
-        free(rs->host);
-        free(rs->password);
-        for (int i = 0; i < rs->n_sentinels; i++)
-            free(rs->sentinel_hosts[i]);
-        free(rs->sentinel_hosts);
-        free(rs->sentinel_ports);
-        free(rs->master);
-        free(rs);
+    /* the bus: redis.bus, else the store's own URL when it is a Redis (not Sentinel's) */
+    const char *bus_url = cfg->bus_url && *cfg->bus_url ? cfg->bus_url
+                          : strncmp(cfg->url, "redis://", 8) == 0 ? cfg->url
+                                                                  : NULL;
+    cg_redis_url bus = {0};
+    char why[200] = "";
+    if (parse_url(rs, cfg->url, err, errlen) < 0 ||
+        (bus_url && cg_redis_parse_url(bus_url, &bus, why, sizeof(why)) < 0)) {
+        if (why[0])
+            snprintf(err, errlen, "redis.bus: %s", why);
+        free(bus.host);
+        free(bus.password);
+        store_free(rs);
         return NULL;
     }
     rs->base.ops = &cg_redis_ops;
@@ -1354,10 +1375,8 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     uv_unref((uv_handle_t *)&rs->tick);
     if (rs->master)
         sub_start(rs);
-    /* the bus: redis.bus, else the store's own URL when it is a Redis (not Sentinel's) */
-    const char *bus = cfg->bus_url && *cfg->bus_url ? cfg->bus_url : strncmp(cfg->url, "redis://", 8) == 0 ? cfg->url : NULL;
-    if (bus)
-        rs->bus = cg_redis_bus_open(rs, bus);
+    if (bus_url)
+        rs->bus = cg_redis_bus_open(rs, &bus);
     else
         cg_info("redis: no redis.bus for a Sentinel store: cancels between gateways come with the lease renewal");
     redis_connect(rs);

@@ -201,7 +201,18 @@ static char *rooms_key(redis_store *rs, const char *eu)
  * lease, the lease's fence counter, and the flag another gateway sets to cancel its turn. */
 static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lease", "fence", "cancel"};
 #define N_PARTS 8
-#define N_DATA_PARTS 5 /* params .. history: the dialog itself */
+
+/*
+ * Every key of the dialog (eu, er), its lease and fence too: a script's KEYS[1..8], and a
+ * DEL's arguments (a deleted dialog leaves nothing of the user behind; a turn of it running
+ * meanwhile keeps its entry in rs->leases, so its save still refuses to write over another
+ * holder's lease).
+ */
+static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er)
+{
+    for (int i = 0; i < N_PARTS; i++)
+        arg_own(a, dialog_key(rs, eu, er, parts[i]));
+}
 
 /* ---- scripts: EVALSHA, and EVAL once when the server does not know the script ----------- */
 
@@ -230,8 +241,7 @@ static void arg_script(redis_store *rs, argv_buf *a, script_id id, const char *e
     arg_str(a, "EVALSHA");
     arg_str(a, script_sha[id]);
     arg_str(a, "9");
-    for (int i = 0; i < N_PARTS; i++)
-        arg_own(a, dialog_key(rs, eu, er, parts[i]));
+    arg_dialog_keys(rs, a, eu, er);
     arg_own(a, rooms_key(rs, eu));
 }
 
@@ -599,7 +609,8 @@ static void send_load(redis_store *rs, cg_store_req *r)
 
 /* ---- leases ---------------------------------------------------------------------------- */
 
-int cg_redis_lease_current(redis_store *rs, const char *key_and_lease)
+/* "<dialog key> <lease>" names this gateway's lease now (rs->leases)? */
+static int lease_current(redis_store *rs, const char *key_and_lease)
 {
     size_t n = strcspn(key_and_lease, " ");
     json_t *held = json_object_getn(rs->leases, key_and_lease, n);
@@ -611,7 +622,7 @@ int cg_redis_lease_current(redis_store *rs, const char *key_and_lease)
  * the turn only while that lease is still this gateway's, never the dialog's next turn. */
 void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease)
 {
-    if (!cg_redis_lease_current(rs, key_and_lease))
+    if (!lease_current(rs, key_and_lease))
         return;
     char *key = strndup(key_and_lease, strcspn(key_and_lease, " "));
     if (!key)
@@ -632,7 +643,7 @@ static void on_lease_reply(redisAsyncContext *ac, void *reply_, void *priv)
         /* another gateway asked, and its bus message did not come (or came first) */
         cg_redis_cancel_turn(rs, kl);
     } else if (kl && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 0 &&
-               cg_redis_lease_current(rs, kl)) {
+               lease_current(rs, kl)) {
         json_t *held = json_object_getn(rs->leases, kl, strcspn(kl, " "));
         if (held && !json_object_get(held, "lost")) {
             json_object_set_new(held, "lost", json_true());
@@ -859,7 +870,7 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
 
 static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply)
 {
-    if (cg_redis_reply_failed(rs, reply, 0, "save") || r->step_failed || reply->type != REDIS_REPLY_INTEGER) {
+    if (cg_redis_reply_failed(rs, reply, 0, "save") || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r); /* keeps it in memory, dirty, for the write-back */
         return;
@@ -883,11 +894,7 @@ static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply)
         if (entry && json_object_get(rs->dirty, r->key) == entry)
             cg_redis_dirty_del(rs, r->key); /* a newer outage write of the same copy: refused too */
     } else if (!r->version) {
-        int64_t now = rs->base.now(rs->base.clock_ctx);
-        cg_dialog d;
-        cg_dialog_from_json(&d, r->snapshot, now);
-        cg_memstore_put(rs->mem, r->key, &d, now);
-        cg_dialog_free(&d);
+        cg_redis_memory_put(rs, r->key, r->snapshot);
     }
     static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && !rs->closing && r->done_cb)
@@ -918,7 +925,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     const cg_lifetimes *lt = &rs->base.cfg.lifetimes;
     int64_t now = rs->base.now(rs->base.clock_ctx);
     cg_dialog d;
-    cg_dialog_from_json(&d, r->snapshot, now);
+    cg_dialog_adopt_json(&d, r->snapshot, now); /* only read, into the arguments */
     argv_buf a = {0};
     int64_t longest = lt->dialog_s; /* how long the rooms set must outlive this save */
     if (lt->params_s > longest)
@@ -961,6 +968,8 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     gate_enter(rs, r->key);
     if (send_last_script(rs, S_SAVE, &a, on_save_reply, r) < 0)
         gate_leave(rs, r->key);
+    else if (rs->master)
+        cg_redis_recent_note(rs, r);
     argv_free(&a);
     cg_dialog_free(&d);
 }
@@ -986,17 +995,6 @@ static void on_remove_reply(redisAsyncContext *ac, void *reply_, void *priv)
     cg_redis_req_finish(r);
 }
 
-/*
- * Every key of the dialog (eu, er), its lease and fence too, as arguments of a DEL: a
- * deleted dialog leaves nothing of the user behind. A turn of it running meanwhile keeps its
- * entry in rs->leases, so its save still refuses to write over another holder's lease.
- */
-static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er)
-{
-    for (int i = 0; i < N_PARTS; i++)
-        arg_own(a, dialog_key(rs, eu, er, parts[i]));
-}
-
 static void send_remove(redis_store *rs, cg_store_req *r)
 {
     argv_buf a = {0};
@@ -1012,27 +1010,20 @@ static void send_remove(redis_store *rs, cg_store_req *r)
 
 /* ---- the ops --------------------------------------------------------------------------- */
 
-static int usable(redis_store *rs, const char *key)
-{
-    return rs->state == R_CONNECTED && rs->ac && !json_object_get(rs->dirty, key);
-}
-
 /* Starts r on Redis or answers it from memory, as the connection stands now. */
 static void dispatch(redis_store *rs, cg_store_req *r)
 {
     int connected = rs->state == R_CONNECTED && rs->ac && !rs->closing;
-    if (r->kind == OP_LOAD && usable(rs, r->key) && !rs->closing) {
+    /* a dirty dialog is read and written in memory until its write-back */
+    int clean = connected && !json_object_get(rs->dirty, r->key);
+    if (r->kind == OP_LOAD && clean) {
         if (!gated(rs, r))
             send_load(rs, r);
-    } else if (r->kind == OP_SAVE && r->snapshot && usable(rs, r->key) && !rs->closing) {
+    } else if (r->kind == OP_SAVE && r->snapshot && clean) {
         cg_redis_send_save(rs, r);
     } else if (r->kind == OP_SAVE && r->snapshot) {
         /* written to memory now, so a load queued after this save sees it */
-        int64_t now = rs->base.now(rs->base.clock_ctx);
-        cg_dialog d;
-        cg_dialog_from_json(&d, r->snapshot, now);
-        cg_memstore_put(rs->mem, r->key, &d, now);
-        cg_dialog_free(&d);
+        cg_redis_memory_put(rs, r->key, r->snapshot);
         cg_redis_mark_dirty(rs, r);
         json_decref(r->snapshot); /* held in memory now: cg_redis_answer_from_memory only answers it */
         r->snapshot = NULL;
@@ -1078,27 +1069,28 @@ void cg_redis_drain_waiting(redis_store *rs)
     }
 }
 
-static cg_store_req *rs_load(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
+static cg_store_req *load(cg_store *st, const char *user, const char *room, int lease, cg_store_load_fn cb,
+                          void *ctx)
 {
     redis_store *rs = (redis_store *)st;
     st->stats.loads++;
     cg_store_req *r = cg_redis_req_new(rs, OP_LOAD, user, room, ctx);
     r->load_cb = cb;
+    r->lease = lease;
     start_or_wait(rs, r);
     return r;
+}
+
+static cg_store_req *rs_load(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
+{
+    return load(st, user, room, 0, cb, ctx);
 }
 
 /* A turn's load: the dialog's lease comes with it (waiting while another gateway holds it),
  * kept until the turn's save or rs_release. */
 static cg_store_req *rs_lease(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
 {
-    redis_store *rs = (redis_store *)st;
-    st->stats.loads++;
-    cg_store_req *r = cg_redis_req_new(rs, OP_LOAD, user, room, ctx);
-    r->load_cb = cb;
-    r->lease = 1;
-    start_or_wait(rs, r);
-    return r;
+    return load(st, user, room, 1, cb, ctx);
 }
 
 static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, const cg_dialog *d,

@@ -26,7 +26,10 @@ Covers:
 - the write-back set's byte bound (defect 11): redis.writeback_max_bytes 8192 and an
   outage with dialogs of about 3 KB: the oldest are dropped from the write-back, counted
   in chatgate_store_writeback_dropped_total{reason="bound"}, the bytes held stay under
-  the bound, and the newest dialogs are written back.
+  the bound, and the newest dialogs are written back;
+- redis.bus goes through the store's URL parser: a port that is not a number exits 2 naming
+  redis.bus (never the password), and a percent-encoded password reaches the bus's AUTH
+  decoded (its channel is subscribed on a Redis with --requirepass).
 """
 
 import asyncio
@@ -292,6 +295,32 @@ async def part_wrong_password(app, rules):
                 await say(c, app, "pw-1", "hello", "r1", {"service": "travel", "params": {"ok": True}})
                 await c.close()
                 await wait_in_redis(redis, "pw|user", "r1", "travel.ok", True)
+    finally:
+        redis.cleanup(keep=True)
+
+
+# ---- redis.bus: parsed by the store's own URL parser ----------------------------------------
+
+
+async def part_bus_url(app, rules):
+    with step("a bad redis.bus exits 2 naming it (never the password): a port that is not a number"):
+        bad = config_for(app, "redis://127.0.0.1:1", bus="redis://:s3cret@127.0.0.1:63x")
+        code, out, _ = await harness.gateway_exit(bad, args=header_args(rules),
+                                                  env=harness.asan_env(detect_leaks=0))
+        check(code == 2, f"exit {code}, expected 2:\n{out}")
+        check("redis.bus" in out and "the port must be 1 to 65535" in out, f"expected the bus's port in:\n{out}")
+        check("s3cret" not in out, f"the password is in the message:\n{out}")
+    redis = await harness.RedisServer(password="s3@cret").astart()
+    url = f"redis://:{urllib.parse.quote('s3@cret')}@127.0.0.1:{redis.port}"
+    try:
+        async with harness.Gateway(header_args(rules), config_for(app, url), name="gateway-bus-password") as gw:
+            with step("a percent-encoded password ('%40' for '@'): the bus AUTHs with it decoded and subscribes"):
+                await wait_store(gw, False, 5, "a percent-encoded password")
+                deadline = time.monotonic() + 5
+                while not redis.command("PUBSUB", "CHANNELS", "*:bus:*"):
+                    check(time.monotonic() < deadline, "no bus channel subscribed in 5 s: the bus did not AUTH "
+                          f"with the decoded password\n{gw.log_text()[-2000:]}")
+                    await asyncio.sleep(0.1)
     finally:
         redis.cleanup(keep=True)
 
@@ -668,6 +697,7 @@ async def main(args):
         lambda app: part_no_multi_direct(app, rules),
         lambda app: part_forget_long(app, rules),
         lambda app: part_resolve(app, rules),
+        lambda app: part_bus_url(app, rules),
     ]
     only = os.environ.get("CG_E2E_PARTS")  # e.g. "7,8" to run some parts while debugging
     async with harness.FakeApp() as app:

@@ -42,7 +42,7 @@ typedef struct cg_redis_bus cg_redis_bus;
 struct cg_store_req {
     redis_store *rs;
     op_kind kind;
-    char *user;      /* as given (remove_user's memory delete); "" for a write-back */
+    char *user;      /* remove_user only: the user as given, for its memory delete */
     char *eu, *er;   /* user and room, escaped (cg_store_escape) */
     char *key;       /* "<eu>:<er>": the dialog's hash tag and memory key */
     json_t *snapshot; /* save: the dialog as written */
@@ -129,6 +129,18 @@ static inline char *cg_redis_xstrdup(const char *s)
 
 /* ---- redis_conn.c ---------------------------------------------------------------------- */
 
+/* A redis:// URL, parsed: host and password (NULL: none) malloc'd. */
+typedef struct cg_redis_url {
+    char *host;
+    int port, db;
+    char *password;
+} cg_redis_url;
+
+/* Parses redis://[:password@]host[:port][/db] (the password percent-decoded, port 1 to 65535,
+ * db 0 to 15) into u: 0, or -1 with err saying what is wrong (never quoting the password).
+ * The strings u holds then are the caller's to free either way. */
+int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errlen);
+
 /* An async hiredis connection to a resolved address on the loop, with data and callbacks
  * (the Sentinel queries, its subscription, the bus); NULL with why filled when hiredis
  * refused it at once (out of memory, a bad address). */
@@ -140,6 +152,10 @@ redisAsyncContext *cg_redis_async_open(uv_loop_t *loop, const char *address, int
  * replies still due to it have come. */
 cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
 void cg_redis_req_finish(cg_store_req *r);
+/* Keeps a copy of snapshot (a dialog as cg_dialog_to_json wrote it) in memory under key. */
+void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot);
+/* Sentinel only: notes that r (a save) was sent, for the rewrite after a failover. */
+void cg_redis_recent_note(redis_store *rs, cg_store_req *r);
 /* The in-flight list, oldest first: the command timeout watches its head. */
 void cg_redis_inflight_add(redis_store *rs, cg_store_req *r);
 void cg_redis_inflight_remove(redis_store *rs, cg_store_req *r);
@@ -158,7 +174,8 @@ void cg_redis_close(cg_store *st);
 /* ---- redis_dialog.c -------------------------------------------------------------------- */
 
 extern const cg_store_ops cg_redis_ops;
-/* Sends r's save (its snapshot): the rooms set, then the conditional EVAL. */
+/* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
+ * the rooms set. */
 void cg_redis_send_save(redis_store *rs, cg_store_req *r);
 /* Starts the requests that waited for the first connection's verdict. */
 void cg_redis_drain_waiting(redis_store *rs);
@@ -166,8 +183,6 @@ void cg_redis_drain_waiting(redis_store *rs);
 int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elements, const char *what);
 /* The tick: renews the leases held that are a third through their lifetime. */
 void cg_redis_renew_leases(redis_store *rs);
-/* "<dialog key> <lease>" names this gateway's lease now (rs->leases)? */
-int cg_redis_lease_current(redis_store *rs, const char *key_and_lease);
 /* A cancel from another gateway, "<dialog key> <lease>": the turn stops if the lease is
  * still this gateway's (on_cancel), else it is a late one and nothing happens. */
 void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease);
@@ -176,9 +191,9 @@ void cg_redis_scripts_init(void);
 
 /* ---- redis_bus.c ----------------------------------------------------------------------- */
 
-/* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy);
- * NULL when the URL is not one (logged). */
-cg_redis_bus *cg_redis_bus_open(redis_store *rs, const char *url);
+/* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy,
+ * parsed by cg_redis_parse_url): the bus takes its host and password. */
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url);
 /* Tells the gateway `holder` to stop its turn: key_and_lease is "<dialog key> <lease>";
  * nothing when the bus is down. */
 void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease);
