@@ -6,7 +6,10 @@
  *              for its dialog to load and the pipeline to run; the frames behind it wait
  *              too, so the app sees them in the order the client sent them.
  *   to_client: app frames in arrival order (and a close frame at the end, when the app
- *              closed), written one per writable callback.
+ *              closed).
+ * Each queue is written at the end of the loop iteration (core/flush.h, one flush item per
+ * side), as many frames as the socket takes; only a full socket waits for the writable
+ * callback, as do close frames (the client's, and the app's 1001 when the client left).
  * Past CG_DROPIN_HIGH bytes a queue pauses the side that fills it (lws rx flow control).
  *
  * A chat frame is a turn request (turn.c owns its life: arrival checks, queue, the dialog's lock,
@@ -28,6 +31,7 @@
 #include "chatgate/proto/identity.h"
 #include "chatgate/config/dropin_config.h"
 #include "chatgate/core/error.h"
+#include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/wsrx.h"
 #include "chatgate/core/net.h"
@@ -83,12 +87,13 @@ struct cg_dropin {
     cg_turns turns;     /* the chat messages of this client (turn.h) */
     char close_reason[124];
     int close_code;
-    int app_failed; /* CLIENT_CONNECTION_ERROR came */
+    int app_failed; /* the app connection ended (app_gone) */
     int app_close_sent;
     char origin[256]; /* the client's Origin header, passed on */
     char *suppress_id; /* a cancelled reply not relayed (no cancel frame) */
     int suppressing;
     cg_wsrx app_rx; /* the app frame being reassembled */
+    cg_flush_item client_flush, app_flush; /* registered while a queue waits for the iteration's end */
 };
 
 /* ---- queues ---------------------------------------------------------------------------- */
@@ -157,6 +162,9 @@ static void dropin_flow(cg_dropin *d)
     }
 }
 
+static void client_flush(cg_flush_item *item);
+static void app_flush(cg_flush_item *item);
+
 static void to_client(cg_dropin *d, frame *f)
 {
     if (d->client_gone) {
@@ -164,15 +172,21 @@ static void to_client(cg_dropin *d, frame *f)
         return;
     }
     queue_push(&d->to_client, f);
-    lws_callback_on_writable(d->client);
+    cg_flush_request(d->srv->net.flush, &d->client_flush, client_flush);
     dropin_flow(d);
+}
+
+/* Has the ready frames at the head of to_app written at the end of the iteration. */
+static void flush_to_app(cg_dropin *d)
+{
+    if (d->app && d->app_open && !d->client_gone && d->to_app.head && d->to_app.head->ready)
+        cg_flush_request(d->srv->net.flush, &d->app_flush, app_flush);
 }
 
 static void to_app(cg_dropin *d, frame *f)
 {
     queue_push(&d->to_app, f);
-    if (d->app && d->app_open)
-        lws_callback_on_writable(d->app);
+    flush_to_app(d);
     dropin_flow(d);
 }
 
@@ -207,6 +221,8 @@ static void dropin_unref(cg_dropin *d)
 {
     if (--d->refs > 0)
         return;
+    cg_flush_cancel(&d->client_flush);
+    cg_flush_cancel(&d->app_flush);
     queue_clear(&d->to_app);
     queue_clear(&d->to_client);
     for (int i = 0; i < d->n_headers; i++) {
@@ -223,6 +239,9 @@ static void dropin_unref(cg_dropin *d)
 void cg_dropin_close(cg_dropin *d)
 {
     d->client_gone = 1;
+    /* nothing more is written to the client, nor to the app but its close frame */
+    cg_flush_cancel(&d->client_flush);
+    cg_flush_cancel(&d->app_flush);
     /* the turn in flight is saved as cancelled, the waiting ones go, their dialogs' locks too */
     cg_turns_close(&d->turns);
     if (d->resolve) {
@@ -237,13 +256,6 @@ void cg_dropin_close(cg_dropin *d)
 }
 
 /* ---- the turn's side ------------------------------------------------------------------- */
-
-/* Writes the ready frames at the head of to_app, in order. */
-static void flush_to_app(cg_dropin *d)
-{
-    if (d->app && d->app_open && d->to_app.head && d->to_app.head->ready)
-        lws_callback_on_writable(d->app);
-}
 
 /*
  * The user cancelled the reply in flight: send the app the mapping's cancel frame (unless
@@ -399,32 +411,83 @@ int cg_dropin_client_idle(cg_dropin *d)
     return d->to_client.head == NULL;
 }
 
-int cg_dropin_client_writable(cg_dropin *d)
+/*
+ * Writes the client's queue while the socket takes it, up to a close frame, which is written
+ * only from the writable callback (from_writable): the connection goes at the writable after
+ * it. What is left, and the close frame, wait for the writable callback. Returns -1 when the
+ * socket failed or the close frame is out.
+ */
+static int client_write_queue(cg_dropin *d, int from_writable)
 {
     if (d->closing)
         return -1;
-    frame *f = queue_pop(&d->to_client);
-    if (!f)
-        return 0;
     int rc = 0;
-    if (f->close) {
-        /* 4 is LWS_WRITE_CLOSE, which lws 4.1's public header leaves out (see session.c) */
-        lws_write(d->client, f->data + LWS_PRE, f->len, (enum lws_write_protocol)4);
-        d->closing = 1;
-        lws_callback_on_writable(d->client);
-    } else {
+    frame *f;
+    while ((f = d->to_client.head) && !lws_partial_buffered(d->client)) {
+        if (f->close && !from_writable)
+            break;
+        queue_pop(&d->to_client);
+        if (f->close) {
+            /* 4 is LWS_WRITE_CLOSE, which lws 4.1's public header leaves out (see session.c) */
+            lws_write(d->client, f->data + LWS_PRE, f->len, (enum lws_write_protocol)4);
+            d->closing = 1;
+            frame_free(f);
+            break;
+        }
         int n = lws_write(d->client, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
         d->srv->metrics.frames_out++;
         rc = n < (int)f->len ? -1 : 0;
-        if (d->to_client.head || d->srv->closing_all)
-            lws_callback_on_writable(d->client);
+        frame_free(f);
+        if (rc < 0)
+            break;
     }
-    frame_free(f);
+    if (rc == 0 && (d->closing || d->to_client.head || d->srv->closing_all))
+        lws_callback_on_writable(d->client);
     dropin_flow(d);
     return rc;
 }
 
-/* ---- frames from the app --------------------------------------------------------------- */
+static void client_flush(cg_flush_item *item)
+{
+    cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, client_flush));
+    if (!d->client_gone && client_write_queue(d, 0) < 0) /* not inside the wsi's callback */
+        cg_net_kill_async(&d->srv->net, d->client, PENDING_TIMEOUT_CLOSE_SEND);
+}
+
+int cg_dropin_client_writable(cg_dropin *d)
+{
+    return client_write_queue(d, 1);
+}
+
+/* ---- frames to and from the app -------------------------------------------------------- */
+
+/* Writes the ready frames at the head of to_app while the socket takes them; the rest waits
+ * for the writable callback. Returns -1 when the socket failed. */
+static int app_write_queue(cg_dropin *d)
+{
+    frame *f;
+    while ((f = d->to_app.head) && f->ready && !lws_partial_buffered(d->app)) {
+        queue_pop(&d->to_app);
+        int n = lws_write(d->app, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+        int short_write = n < (int)f->len;
+        frame_free(f);
+        if (short_write) {
+            dropin_flow(d);
+            return -1;
+        }
+    }
+    if (f && f->ready)
+        lws_callback_on_writable(d->app);
+    dropin_flow(d);
+    return 0;
+}
+
+static void app_flush(cg_flush_item *item)
+{
+    cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, app_flush));
+    if (d->app && d->app_open && !d->client_gone && app_write_queue(d) < 0) /* not inside the wsi's callback */
+        cg_net_kill_async(&d->srv->net, d->app, PENDING_TIMEOUT_CLOSE_SEND);
+}
 
 static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 {
@@ -460,6 +523,18 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     if (ours && (a.end || a.cancelled))
         cg_turn_end(t, a.cancelled);
     cg_dropin_app_frame_clear(&a);
+}
+
+/* The app connection is gone: nothing more is written to it, and its reference goes
+ * (app_failed: a connect that failed before it returned must not drop it again). */
+static void app_gone(cg_dropin *d, struct lws *wsi)
+{
+    cg_flush_cancel(&d->app_flush);
+    d->app_failed = 1;
+    lws_set_opaque_user_data(wsi, NULL);
+    d->app = NULL;
+    d->app_open = 0;
+    dropin_unref(d);
 }
 
 int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
@@ -499,18 +574,7 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
             lws_callback_on_writable(wsi);
             return 0;
         }
-        frame *f = d->to_app.head;
-        if (!f || !f->ready)
-            return 0;
-        queue_pop(&d->to_app);
-        int n = lws_write(wsi, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
-        int short_write = n < (int)f->len;
-        frame_free(f);
-        dropin_flow(d);
-        if (short_write)
-            return -1;
-        flush_to_app(d);
-        return 0;
+        return app_write_queue(d);
     }
     case LWS_CALLBACK_CLIENT_RECEIVE: { /* reassembled up to 16 x --max-frame */
         const char *msg;
@@ -546,19 +610,18 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
                  in ? (const char *)in : "connection failed");
         cg_warn("dropin: %s", reason);
         close_client(d, 1014, reason);
-        lws_set_opaque_user_data(wsi, NULL);
-        d->app = NULL;
-        d->app_failed = 1;
-        dropin_unref(d);
+        app_gone(d, wsi);
         return 0;
     }
     case LWS_CALLBACK_CLIENT_CLOSED:
         cg_info("dropin: the app closed the connection (%d)", d->close_code);
         close_client(d, d->close_code ? d->close_code : 1011, d->close_code ? d->close_reason : "the app went away");
-        lws_set_opaque_user_data(wsi, NULL);
-        d->app = NULL;
-        d->app_open = 0;
-        dropin_unref(d);
+        app_gone(d, wsi);
+        return 0;
+    case LWS_CALLBACK_WSI_DESTROY: /* gone without CLIENT_CLOSED (session.c passes this on) */
+        cg_info("dropin: the app connection was lost");
+        close_client(d, 1011, "the app went away");
+        app_gone(d, wsi);
         return 0;
     default:
         return lws_callback_http_dummy(wsi, reason, user, in, len);
