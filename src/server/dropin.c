@@ -35,7 +35,6 @@
 #include "chatgate/core/log.h"
 #include "chatgate/core/wsrx.h"
 #include "chatgate/core/net.h"
-#include "chatgate/core/utf8.h"
 #include "chatgate/proto/dropin_map.h"
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/dropin.h"
@@ -50,7 +49,7 @@ typedef struct frame {
     size_t len;
     int binary;
     int ready; /* a chat frame is ready once the pipeline has run */
-    int close; /* to_client: a close frame (2 bytes of code, then the reason) */
+    int close; /* to_client: a close frame with this code; the reason is the data */
 } frame;
 
 typedef struct frame_queue {
@@ -105,6 +104,7 @@ static frame *frame_new(const void *data, size_t len, int binary)
         abort();
     if (len)
         memcpy(f->data + LWS_PRE, data, len);
+    f->data[LWS_PRE + len] = 0; /* a close frame's reason is a C string */
     f->len = len;
     f->binary = binary;
     f->ready = 1;
@@ -191,16 +191,11 @@ static void to_app(cg_dropin *d, frame *f)
 }
 
 /* Closes the client with code and reason once what is queued for it is written; the reason
- * is cut to the 123 bytes a close frame holds, on a UTF-8 character boundary. */
+ * is cut to what a close frame holds when it is written (cg_net_write_close). */
 static void close_client(cg_dropin *d, int code, const char *reason)
 {
-    unsigned char payload[2 + 123];
-    size_t rl = cg_utf8_boundary(reason, strlen(reason) > 123 ? 123 : strlen(reason));
-    payload[0] = (unsigned char)(code >> 8);
-    payload[1] = (unsigned char)(code & 0xff);
-    memcpy(payload + 2, reason, rl);
-    frame *f = frame_new(payload, 2 + rl, 0);
-    f->close = 1;
+    frame *f = frame_new(reason, strlen(reason), 0);
+    f->close = code;
     to_client(d, f);
 }
 
@@ -428,8 +423,7 @@ static int client_write_queue(cg_dropin *d, int from_writable)
             break;
         queue_pop(&d->to_client);
         if (f->close) {
-            /* 4 is LWS_WRITE_CLOSE, which lws 4.1's public header leaves out (see session.c) */
-            lws_write(d->client, f->data + LWS_PRE, f->len, (enum lws_write_protocol)4);
+            cg_net_write_close(d->client, f->close, (const char *)f->data + LWS_PRE);
             d->closing = 1;
             frame_free(f);
             break;
@@ -564,11 +558,7 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         if (d->client_gone) {
             if (d->app_close_sent)
                 return -1;
-            unsigned char close[LWS_PRE + 16];
-            close[LWS_PRE] = 1001 >> 8;
-            close[LWS_PRE + 1] = 1001 & 0xff;
-            memcpy(close + LWS_PRE + 2, "client left", 11);
-            lws_write(wsi, close + LWS_PRE, 13, (enum lws_write_protocol)4); /* LWS_WRITE_CLOSE */
+            cg_net_write_close(wsi, 1001, "client left");
             d->app_close_sent = 1;
             lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, 1); /* the app's answer, or not */
             lws_callback_on_writable(wsi);

@@ -24,6 +24,7 @@
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/net.h"
 #include "chatgate/core/wsrx.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/proto/protocol.h"
@@ -165,21 +166,12 @@ static void session_send_delta(void *conn, const char *id, const char *text, siz
     session_flow(s);
 }
 
-/*
- * Writes a close frame with code and reason, then closes at the next writable. (4 is
- * LWS_WRITE_CLOSE, which lws 4.1's public header leaves out; lws_close_reason() followed by
- * -1 did not send the frame: the peer saw 1006.)
- */
+/* Writes a close frame with code and reason (core/net.h), then closes at the next writable. */
 static int session_write_close(cg_session *s, int code, const char *reason)
 {
     if (s->close_sent)
         return -1;
-    unsigned char close[LWS_PRE + 2 + 123];
-    size_t rl = strlen(reason) > 123 ? 123 : strlen(reason);
-    close[LWS_PRE] = (unsigned char)(code >> 8);
-    close[LWS_PRE + 1] = (unsigned char)(code & 0xff);
-    memcpy(close + LWS_PRE + 2, reason, rl);
-    lws_write(s->wsi, close + LWS_PRE, 2 + rl, (enum lws_write_protocol)4);
+    cg_net_write_close(s->wsi, code, reason);
     s->close_sent = 1;
     lws_callback_on_writable(s->wsi);
     return 0;
