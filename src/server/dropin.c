@@ -43,9 +43,14 @@
 
 #define CG_DROPIN_HIGH (256 * 1024)
 
+/* Frames keep the headroom of the ones dumped for us (protocol.h), so those are adopted as
+ * they are; lws writes its header there. */
+#define FRAME_PRE CG_FRAME_PRE
+_Static_assert(FRAME_PRE >= LWS_PRE, "a frame's headroom must hold lws's LWS_PRE");
+
 typedef struct frame {
     struct frame *next;
-    unsigned char *data; /* LWS_PRE headroom, then len bytes */
+    unsigned char *data; /* FRAME_PRE headroom, then len bytes */
     size_t len;
     int binary;
     int ready; /* a chat frame is ready once the pipeline has run */
@@ -100,11 +105,11 @@ struct cg_dropin {
 static frame *frame_new(const void *data, size_t len, int binary)
 {
     frame *f = calloc(1, sizeof(*f));
-    if (!f || !(f->data = malloc(LWS_PRE + len + 1)))
+    if (!f || !(f->data = malloc(FRAME_PRE + len + 1)))
         abort();
     if (len)
-        memcpy(f->data + LWS_PRE, data, len);
-    f->data[LWS_PRE + len] = 0; /* a close frame's reason is a C string */
+        memcpy(f->data + FRAME_PRE, data, len);
+    f->data[FRAME_PRE + len] = 0; /* a close frame's reason is a C string */
     f->len = len;
     f->binary = binary;
     f->ready = 1;
@@ -303,18 +308,13 @@ static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
     cg_dropin *d = conn;
     pending_chat *c = f->opaque;
     (void)t;
-    size_t len = 0;
-    char *s = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(f), &len);
+    cg_frame_text built = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(f));
     frame *slot = c->slot;
-    if (s) {
+    if (built.buf) { /* the slot adopts the buffer: same headroom */
         free(slot->data);
-        slot->data = malloc(LWS_PRE + len);
-        if (!slot->data)
-            abort();
-        memcpy(slot->data + LWS_PRE, s, len);
-        d->to_app.bytes += len - slot->len;
-        slot->len = len;
-        free(s);
+        slot->data = (unsigned char *)built.buf;
+        d->to_app.bytes += built.len - slot->len;
+        slot->len = built.len;
     } else { /* the frame as the client wrote it is still the app's message */
         cg_warn("dropin: the chatgate object could not be added to a chat message: forwarded as written");
     }
@@ -423,12 +423,12 @@ static int client_write_queue(cg_dropin *d, int from_writable)
             break;
         queue_pop(&d->to_client);
         if (f->close) {
-            cg_net_write_close(d->client, f->close, (const char *)f->data + LWS_PRE);
+            cg_net_write_close(d->client, f->close, (const char *)f->data + FRAME_PRE);
             d->closing = 1;
             frame_free(f);
             break;
         }
-        int n = lws_write(d->client, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+        int n = lws_write(d->client, f->data + FRAME_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
         d->srv->metrics.frames_out++;
         rc = n < (int)f->len ? -1 : 0;
         frame_free(f);
@@ -462,7 +462,7 @@ static int app_write_queue(cg_dropin *d)
     frame *f;
     while ((f = d->to_app.head) && f->ready && !lws_partial_buffered(d->app)) {
         queue_pop(&d->to_app);
-        int n = lws_write(d->app, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+        int n = lws_write(d->app, f->data + FRAME_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
         int short_write = n < (int)f->len;
         frame_free(f);
         if (short_write) {
