@@ -248,7 +248,9 @@ static size_t utf8_sequence(const unsigned char *s, size_t left)
     return n;
 }
 
-cg_frame_text cg_protocol_error(const char *id, const char *code, const char *message)
+/* The error frame's object (type, id, code, message, in that order); NULL when it could not
+ * be built. */
+static json_t *error_object(const char *id, const char *code, const char *message)
 {
     /* Messages quote what upstreams sent, cut to a length: make them valid UTF-8, every
      * bad or cut-off byte shown as '?', so the frame can always be built. */
@@ -264,22 +266,23 @@ cg_frame_text cg_protocol_error(const char *id, const char *code, const char *me
         }
         i += n;
     }
-    cg_frame_text frame = cg_protocol_frame(json_pack("{s:s, s:o, s:s, s:s}", "type", "error", "id", id_or_null(id), "code",
-                                             code, "message", clean));
+    json_t *o = json_pack("{s:s, s:o, s:s, s:s}", "type", "error", "id", id_or_null(id), "code", code, "message",
+                          clean);
     free(clean);
-    return frame;
+    return o;
+}
+
+cg_frame_text cg_protocol_error(const char *id, const char *code, const char *message)
+{
+    return cg_protocol_frame(error_object(id, code, message));
 }
 
 cg_frame_text cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail)
 {
-    cg_frame_text frame = cg_protocol_error(id, code, message);
-    if (!json_is_object(detail) || json_object_size(detail) == 0)
-        return frame;
-    json_t *o = json_loads(frame.json, 0, NULL);
-    if (!o || json_object_update_missing(o, detail) < 0) {
-        json_decref(o);
-        return frame; /* the error itself still goes out, without the detail */
-    }
-    free(frame.buf);
+    json_t *o = error_object(id, code, message);
+    /* after the error's own members (jansson keeps the order they were set in); when that
+     * fails (no memory), the error itself still goes out */
+    if (o && json_is_object(detail))
+        (void)json_object_update_missing(o, detail);
     return cg_protocol_frame(o);
 }
