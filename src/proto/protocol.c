@@ -232,22 +232,6 @@ cg_frame_text cg_protocol_cancelled(const char *id)
     return cg_protocol_frame(json_pack("{s:s, s:s}", "type", "cancelled", "id", id));
 }
 
-/* Length of the valid UTF-8 sequence at s (1 to 4), or 0 when s starts no valid one. */
-static size_t utf8_sequence(const unsigned char *s, size_t left)
-{
-    size_t n = s[0] < 0x80 ? 1 : s[0] >= 0xC2 && s[0] < 0xE0 ? 2 : s[0] >= 0xE0 && s[0] < 0xF0 ? 3
-             : s[0] >= 0xF0 && s[0] < 0xF5 ? 4 : 0;
-    if (n == 0 || n > left)
-        return 0;
-    for (size_t i = 1; i < n; i++)
-        if ((s[i] & 0xC0) != 0x80)
-            return 0;
-    if ((n == 3 && s[0] == 0xE0 && s[1] < 0xA0) || (n == 3 && s[0] == 0xED && s[1] >= 0xA0) ||
-        (n == 4 && s[0] == 0xF0 && s[1] < 0x90) || (n == 4 && s[0] == 0xF4 && s[1] >= 0x90))
-        return 0; /* overlong, surrogate, or past U+10FFFF */
-    return n;
-}
-
 /* The error frame's object (type, id, code, message, in that order); NULL when it could not
  * be built. */
 static json_t *error_object(const char *id, const char *code, const char *message)
@@ -257,15 +241,7 @@ static json_t *error_object(const char *id, const char *code, const char *messag
     char *clean = strdup(message);
     if (!clean)
         abort();
-    size_t len = strlen(clean);
-    for (size_t i = 0; i < len;) {
-        size_t n = utf8_sequence((unsigned char *)clean + i, len - i);
-        if (n == 0) {
-            clean[i] = '?';
-            n = 1;
-        }
-        i += n;
-    }
+    cg_utf8_clean(clean, strlen(clean));
     json_t *o = json_pack("{s:s, s:o, s:s, s:s}", "type", "error", "id", id_or_null(id), "code", code, "message",
                           clean);
     free(clean);
