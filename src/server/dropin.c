@@ -444,7 +444,8 @@ static int client_write_queue(cg_dropin *d, int from_writable)
 static void client_flush(cg_flush_item *item)
 {
     cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, client_flush));
-    if (!d->client_gone && client_write_queue(d, 0) < 0) /* not inside the wsi's callback */
+    /* closing: the close frame is out, and the writable callback that ends it is asked for */
+    if (!d->client_gone && !d->closing && client_write_queue(d, 0) < 0) /* not inside the wsi's callback */
         cg_net_kill_async(&d->srv->net, d->client, PENDING_TIMEOUT_CLOSE_SEND);
 }
 
