@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "chatgate/core/log.h"
+#include "chatgate/core/utf8.h"
 
 #define CG_LOG_MAX_FORMAT (64 * 1024) /* bytes of a formatted line that are masked at all */
 #define CG_LOG_MAX_MESSAGE 2048       /* bytes of a masked message that are written */
@@ -85,35 +86,6 @@ static void masks_compile(void)
     }
 }
 
-/* Length of the UTF-8 character at s (n bytes left), or 0 when s does not start one. */
-static size_t utf8_char_len(const unsigned char *s, size_t n)
-{
-    size_t len = s[0] < 0x80 ? 1 : s[0] >= 0xC2 && s[0] <= 0xDF ? 2 : s[0] >= 0xE0 && s[0] <= 0xEF ? 3
-                                 : s[0] >= 0xF0 && s[0] <= 0xF4 ? 4 : 0;
-    if (len == 0 || len > n)
-        return 0;
-    for (size_t i = 1; i < len; i++)
-        if ((s[i] & 0xC0) != 0x80)
-            return 0;
-    if ((s[0] == 0xE0 && s[1] < 0xA0) || (s[0] == 0xED && s[1] > 0x9F) || (s[0] == 0xF0 && s[1] < 0x90) ||
-        (s[0] == 0xF4 && s[1] > 0x8F))
-        return 0; /* overlong, surrogate, past U+10FFFF */
-    return len;
-}
-
-/* Replaces every byte that does not belong to a UTF-8 character with '?', in place. */
-static void utf8_clean(char *s, size_t n)
-{
-    for (size_t i = 0; i < n;) {
-        size_t len = utf8_char_len((unsigned char *)s + i, n - i);
-        if (len == 0) {
-            s[i++] = '?';
-            continue;
-        }
-        i += len;
-    }
-}
-
 /* The largest length <= max that ends on a UTF-8 character boundary of s. */
 static size_t utf8_cut(const char *s, size_t len, size_t max)
 {
@@ -153,7 +125,7 @@ char *cg_log_mask_dup(const char *text)
     if (!cur)
         return NULL;
     memcpy(cur, text, len + 1);
-    utf8_clean(cur, len);
+    cg_utf8_clean(cur, len);
     for (size_t i = 0; i < N_MASKS; i++) {
         char *next = mask_re[i] ? substitute(i, cur) : NULL;
         free(cur);

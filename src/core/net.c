@@ -1,6 +1,6 @@
 /*
  * net.c: resolving host names off the event loop, and opening lws client connections on the
- * gateway's lws context (see net.h).
+ * gateway's lws context, and close frames (see net.h).
  */
 #include <arpa/inet.h>
 #include <stdio.h>
@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "chatgate/core/net.h"
+#include "chatgate/core/utf8.h"
 
 /*
  * A resolution in flight. uv_getaddrinfo cannot be stopped once it runs on the thread
@@ -118,4 +119,15 @@ void cg_net_kill_async(const cg_net *net, struct lws *wsi, int reason)
 {
     lws_set_timeout(wsi, (enum pending_timeout)reason, LWS_TO_KILL_ASYNC);
     lws_cancel_service(net->lws);
+}
+
+int cg_net_write_close(struct lws *wsi, int code, const char *reason)
+{
+    unsigned char close[LWS_PRE + 2 + 123];
+    size_t rl = strlen(reason);
+    rl = cg_utf8_boundary(reason, rl > 123 ? 123 : rl);
+    close[LWS_PRE] = (unsigned char)(code >> 8);
+    close[LWS_PRE + 1] = (unsigned char)(code & 0xff);
+    memcpy(close + LWS_PRE + 2, reason, rl);
+    return lws_write(wsi, close + LWS_PRE, 2 + rl, (enum lws_write_protocol)CG_LWS_WRITE_CLOSE);
 }

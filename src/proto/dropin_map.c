@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "chatgate/proto/dropin_map.h"
+#include "chatgate/core/jsonout.h"
 #include "chatgate/core/jsonptr.h"
 #include "chatgate/proto/protocol.h"
 
@@ -105,21 +106,23 @@ void cg_dropin_chat_clear(cg_dropin_chat *chat)
     memset(chat, 0, sizeof(*chat));
 }
 
-char *cg_dropin_map_forward(json_t *cfg, const cg_dropin_chat *chat, json_t *object, size_t *len)
+cg_frame_text cg_dropin_map_forward(json_t *cfg, const cg_dropin_chat *chat, json_t *object)
 {
+    cg_frame_text f = {0};
     const char *key = cfg_str(cfg, NULL, "object_key");
     json_t *copy = json_is_object(chat->frame) ? json_copy(chat->frame) : NULL;
     if (!copy || !object || json_object_set_new(copy, key ? key : "chatgate", object) < 0) {
         if (!copy)
             json_decref(object); /* json_object_set_new takes it even when it fails */
         json_decref(copy);
-        return NULL;
+        return f;
     }
-    char *s = json_dumps(copy, JSON_COMPACT);
+    /* dumped where it is sent from: the drop-in queue writes it from json, lws's header before */
+    f.buf = cg_json_dump_pre(copy, CG_FRAME_PRE, 1024, &f.len);
     json_decref(copy);
-    if (s)
-        *len = strlen(s);
-    return s;
+    if (f.buf)
+        f.json = f.buf + CG_FRAME_PRE;
+    return f;
 }
 
 int cg_dropin_map_app(json_t *cfg, const char *buf, size_t len, int binary, cg_dropin_app_frame *out)

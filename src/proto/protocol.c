@@ -136,20 +136,41 @@ void cg_client_frame_clear(cg_client_frame *f)
     f->keys = NULL;
 }
 
-char *cg_protocol_dump(json_t *obj)
+/* obj compactly at pre bytes into one malloc'd buffer (not json_dumps' growth and copy);
+ * decrefs obj. */
+static char *dump_pre(json_t *obj, size_t pre, size_t *len)
 {
     /* json_pack fails on text that is not UTF-8; callers cut text on code point
      * boundaries (cg_utf8_boundary), so this is a bug, not an input, but it must not
      * take the process down. */
-    if (!obj)
-        return strdup("{\"type\":\"error\",\"id\":null,\"code\":\"internal\","
-                      "\"message\":\"a frame could not be encoded\"}");
-    size_t len;
-    char *s = cg_json_dump_pre(obj, 0, 256, &len); /* one buffer, not json_dumps' growth and copy */
-    json_decref(obj);
+    static const char fallback[] = "{\"type\":\"error\",\"id\":null,\"code\":\"internal\","
+                                   "\"message\":\"a frame could not be encoded\"}";
+    char *s;
+    if (!obj) {
+        *len = sizeof(fallback) - 1;
+        if ((s = malloc(pre + sizeof(fallback))))
+            memcpy(s + pre, fallback, sizeof(fallback));
+    } else {
+        s = cg_json_dump_pre(obj, pre, 256, len);
+        json_decref(obj);
+    }
     if (!s)
         abort();
     return s;
+}
+
+char *cg_protocol_dump(json_t *obj)
+{
+    size_t len;
+    return dump_pre(obj, 0, &len);
+}
+
+cg_frame_text cg_protocol_frame(json_t *obj)
+{
+    cg_frame_text f;
+    f.buf = dump_pre(obj, CG_FRAME_PRE, &f.len);
+    f.json = f.buf + CG_FRAME_PRE;
+    return f;
 }
 
 static json_t *id_or_null(const char *id)
@@ -157,9 +178,9 @@ static json_t *id_or_null(const char *id)
     return id && *id ? json_string(id) : json_null();
 }
 
-char *cg_protocol_hello(const char *user, const char *session, const char *resume)
+cg_frame_text cg_protocol_hello(const char *user, const char *session, const char *resume)
 {
-    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:o}", "type", "hello", "protocol",
+    return cg_protocol_frame(json_pack("{s:s, s:s, s:s, s:s, s:o}", "type", "hello", "protocol",
                                       CG_PROTOCOL_NAME, "user", user, "session", session, "resume",
                                       resume ? json_string(resume) : json_null()));
 }
@@ -169,9 +190,9 @@ static json_t *str_or_null(const char *s)
     return s ? json_string(s) : json_null();
 }
 
-char *cg_protocol_ack(const cg_ack *a)
+cg_frame_text cg_protocol_ack(const cg_ack *a)
 {
-    return cg_protocol_dump(json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o}", "type", "ack", "id", a->id,
+    return cg_protocol_frame(json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o}", "type", "ack", "id", a->id,
                                       "room", a->room, "route", a->route, "service", str_or_null(a->service),
                                       "params", a->params ? json_incref(a->params) : json_object(), "enriched",
                                       str_or_null(a->enriched), "resolution",
@@ -179,23 +200,23 @@ char *cg_protocol_ack(const cg_ack *a)
                                       a->rules ? json_incref(a->rules) : json_array()));
 }
 
-char *cg_protocol_context(const char *room, json_t *state)
+cg_frame_text cg_protocol_context(const char *room, json_t *state)
 {
-    return cg_protocol_dump(json_pack("{s:s, s:s, s:O}", "type", "context", "room", room, "state", state));
+    return cg_protocol_frame(json_pack("{s:s, s:s, s:O}", "type", "context", "room", room, "state", state));
 }
 
-char *cg_protocol_warning(const char *id, const char *code, const char *message)
+cg_frame_text cg_protocol_warning(const char *id, const char *code, const char *message)
 {
-    return cg_protocol_dump(json_pack("{s:s, s:o, s:s, s:s}", "type", "warning", "id", id_or_null(id), "code",
+    return cg_protocol_frame(json_pack("{s:s, s:o, s:s, s:s}", "type", "warning", "id", id_or_null(id), "code",
                                       code, "message", message));
 }
 
-char *cg_protocol_delta(const char *id, const char *text, size_t len)
+cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len)
 {
-    return cg_protocol_dump(json_pack("{s:s, s:s, s:s%}", "type", "delta", "id", id, "text", text, len));
+    return cg_protocol_frame(json_pack("{s:s, s:s, s:s%}", "type", "delta", "id", id, "text", text, len));
 }
 
-char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated)
+cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated)
 {
     json_t *o = json_pack("{s:s, s:s, s:s%, s:O}", "type", "done", "id", id, "text", text, len, "usage",
                           usage ? usage : json_null());
@@ -203,62 +224,41 @@ char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usa
         json_decref(o);
         o = NULL; /* encoded as the internal error: a done without its flag would mislead */
     }
-    return cg_protocol_dump(o);
+    return cg_protocol_frame(o);
 }
 
-char *cg_protocol_cancelled(const char *id)
+cg_frame_text cg_protocol_cancelled(const char *id)
 {
-    return cg_protocol_dump(json_pack("{s:s, s:s}", "type", "cancelled", "id", id));
+    return cg_protocol_frame(json_pack("{s:s, s:s}", "type", "cancelled", "id", id));
 }
 
-/* Length of the valid UTF-8 sequence at s (1 to 4), or 0 when s starts no valid one. */
-static size_t utf8_sequence(const unsigned char *s, size_t left)
-{
-    size_t n = s[0] < 0x80 ? 1 : s[0] >= 0xC2 && s[0] < 0xE0 ? 2 : s[0] >= 0xE0 && s[0] < 0xF0 ? 3
-             : s[0] >= 0xF0 && s[0] < 0xF5 ? 4 : 0;
-    if (n == 0 || n > left)
-        return 0;
-    for (size_t i = 1; i < n; i++)
-        if ((s[i] & 0xC0) != 0x80)
-            return 0;
-    if ((n == 3 && s[0] == 0xE0 && s[1] < 0xA0) || (n == 3 && s[0] == 0xED && s[1] >= 0xA0) ||
-        (n == 4 && s[0] == 0xF0 && s[1] < 0x90) || (n == 4 && s[0] == 0xF4 && s[1] >= 0x90))
-        return 0; /* overlong, surrogate, or past U+10FFFF */
-    return n;
-}
-
-char *cg_protocol_error(const char *id, const char *code, const char *message)
+/* The error frame's object (type, id, code, message, in that order); NULL when it could not
+ * be built. */
+static json_t *error_object(const char *id, const char *code, const char *message)
 {
     /* Messages quote what upstreams sent, cut to a length: make them valid UTF-8, every
      * bad or cut-off byte shown as '?', so the frame can always be built. */
     char *clean = strdup(message);
     if (!clean)
         abort();
-    size_t len = strlen(clean);
-    for (size_t i = 0; i < len;) {
-        size_t n = utf8_sequence((unsigned char *)clean + i, len - i);
-        if (n == 0) {
-            clean[i] = '?';
-            n = 1;
-        }
-        i += n;
-    }
-    char *frame = cg_protocol_dump(json_pack("{s:s, s:o, s:s, s:s}", "type", "error", "id", id_or_null(id), "code",
-                                             code, "message", clean));
+    cg_utf8_clean(clean, strlen(clean));
+    json_t *o = json_pack("{s:s, s:o, s:s, s:s}", "type", "error", "id", id_or_null(id), "code", code, "message",
+                          clean);
     free(clean);
-    return frame;
+    return o;
 }
 
-char *cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail)
+cg_frame_text cg_protocol_error(const char *id, const char *code, const char *message)
 {
-    char *frame = cg_protocol_error(id, code, message);
-    if (!json_is_object(detail) || json_object_size(detail) == 0)
-        return frame;
-    json_t *o = json_loads(frame, 0, NULL);
-    if (!o || json_object_update_missing(o, detail) < 0) {
-        json_decref(o);
-        return frame; /* the error itself still goes out, without the detail */
-    }
-    free(frame);
-    return cg_protocol_dump(o);
+    return cg_protocol_frame(error_object(id, code, message));
+}
+
+cg_frame_text cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail)
+{
+    json_t *o = error_object(id, code, message);
+    /* after the error's own members (jansson keeps the order they were set in); when that
+     * fails (no memory), the error itself still goes out */
+    if (o && json_is_object(detail))
+        (void)json_object_update_missing(o, detail);
+    return cg_protocol_frame(o);
 }

@@ -6,7 +6,10 @@
  *              for its dialog to load and the pipeline to run; the frames behind it wait
  *              too, so the app sees them in the order the client sent them.
  *   to_client: app frames in arrival order (and a close frame at the end, when the app
- *              closed), written one per writable callback.
+ *              closed).
+ * Each queue is written at the end of the loop iteration (core/flush.h, one flush item per
+ * side), as many frames as the socket takes; only a full socket waits for the writable
+ * callback, as do close frames (the client's, and the app's 1001 when the client left).
  * Past CG_DROPIN_HIGH bytes a queue pauses the side that fills it (lws rx flow control).
  *
  * A chat frame is a turn request (turn.c owns its life: arrival checks, queue, the dialog's lock,
@@ -28,10 +31,10 @@
 #include "chatgate/proto/identity.h"
 #include "chatgate/config/dropin_config.h"
 #include "chatgate/core/error.h"
+#include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/wsrx.h"
 #include "chatgate/core/net.h"
-#include "chatgate/core/utf8.h"
 #include "chatgate/proto/dropin_map.h"
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/dropin.h"
@@ -40,13 +43,18 @@
 
 #define CG_DROPIN_HIGH (256 * 1024)
 
+/* Frames keep the headroom of the ones dumped for us (protocol.h), so those are adopted as
+ * they are; lws writes its header there. */
+#define FRAME_PRE CG_FRAME_PRE
+_Static_assert(FRAME_PRE >= LWS_PRE, "a frame's headroom must hold lws's LWS_PRE");
+
 typedef struct frame {
     struct frame *next;
-    unsigned char *data; /* LWS_PRE headroom, then len bytes */
+    unsigned char *data; /* FRAME_PRE headroom, then len bytes */
     size_t len;
     int binary;
     int ready; /* a chat frame is ready once the pipeline has run */
-    int close; /* to_client: a close frame (2 bytes of code, then the reason) */
+    int close; /* to_client: a close frame with this code; the reason is the data */
 } frame;
 
 typedef struct frame_queue {
@@ -83,12 +91,13 @@ struct cg_dropin {
     cg_turns turns;     /* the chat messages of this client (turn.h) */
     char close_reason[124];
     int close_code;
-    int app_failed; /* CLIENT_CONNECTION_ERROR came */
+    int app_failed; /* the app connection ended (app_gone) */
     int app_close_sent;
     char origin[256]; /* the client's Origin header, passed on */
     char *suppress_id; /* a cancelled reply not relayed (no cancel frame) */
     int suppressing;
     cg_wsrx app_rx; /* the app frame being reassembled */
+    cg_flush_item client_flush, app_flush; /* registered while a queue waits for the iteration's end */
 };
 
 /* ---- queues ---------------------------------------------------------------------------- */
@@ -96,10 +105,11 @@ struct cg_dropin {
 static frame *frame_new(const void *data, size_t len, int binary)
 {
     frame *f = calloc(1, sizeof(*f));
-    if (!f || !(f->data = malloc(LWS_PRE + len + 1)))
+    if (!f || !(f->data = malloc(FRAME_PRE + len + 1)))
         abort();
     if (len)
-        memcpy(f->data + LWS_PRE, data, len);
+        memcpy(f->data + FRAME_PRE, data, len);
+    f->data[FRAME_PRE + len] = 0; /* a close frame's reason is a C string */
     f->len = len;
     f->binary = binary;
     f->ready = 1;
@@ -157,6 +167,9 @@ static void dropin_flow(cg_dropin *d)
     }
 }
 
+static void client_flush(cg_flush_item *item);
+static void app_flush(cg_flush_item *item);
+
 static void to_client(cg_dropin *d, frame *f)
 {
     if (d->client_gone) {
@@ -164,29 +177,30 @@ static void to_client(cg_dropin *d, frame *f)
         return;
     }
     queue_push(&d->to_client, f);
-    lws_callback_on_writable(d->client);
+    cg_flush_request(d->srv->net.flush, &d->client_flush, client_flush);
     dropin_flow(d);
+}
+
+/* Has the ready frames at the head of to_app written at the end of the iteration. */
+static void flush_to_app(cg_dropin *d)
+{
+    if (d->app && d->app_open && !d->client_gone && d->to_app.head && d->to_app.head->ready)
+        cg_flush_request(d->srv->net.flush, &d->app_flush, app_flush);
 }
 
 static void to_app(cg_dropin *d, frame *f)
 {
     queue_push(&d->to_app, f);
-    if (d->app && d->app_open)
-        lws_callback_on_writable(d->app);
+    flush_to_app(d);
     dropin_flow(d);
 }
 
 /* Closes the client with code and reason once what is queued for it is written; the reason
- * is cut to the 123 bytes a close frame holds, on a UTF-8 character boundary. */
+ * is cut to what a close frame holds when it is written (cg_net_write_close). */
 static void close_client(cg_dropin *d, int code, const char *reason)
 {
-    unsigned char payload[2 + 123];
-    size_t rl = cg_utf8_boundary(reason, strlen(reason) > 123 ? 123 : strlen(reason));
-    payload[0] = (unsigned char)(code >> 8);
-    payload[1] = (unsigned char)(code & 0xff);
-    memcpy(payload + 2, reason, rl);
-    frame *f = frame_new(payload, 2 + rl, 0);
-    f->close = 1;
+    frame *f = frame_new(reason, strlen(reason), 0);
+    f->close = code;
     to_client(d, f);
 }
 
@@ -207,6 +221,8 @@ static void dropin_unref(cg_dropin *d)
 {
     if (--d->refs > 0)
         return;
+    cg_flush_cancel(&d->client_flush);
+    cg_flush_cancel(&d->app_flush);
     queue_clear(&d->to_app);
     queue_clear(&d->to_client);
     for (int i = 0; i < d->n_headers; i++) {
@@ -223,6 +239,9 @@ static void dropin_unref(cg_dropin *d)
 void cg_dropin_close(cg_dropin *d)
 {
     d->client_gone = 1;
+    /* nothing more is written to the client, nor to the app but its close frame */
+    cg_flush_cancel(&d->client_flush);
+    cg_flush_cancel(&d->app_flush);
     /* the turn in flight is saved as cancelled, the waiting ones go, their dialogs' locks too */
     cg_turns_close(&d->turns);
     if (d->resolve) {
@@ -237,13 +256,6 @@ void cg_dropin_close(cg_dropin *d)
 }
 
 /* ---- the turn's side ------------------------------------------------------------------- */
-
-/* Writes the ready frames at the head of to_app, in order. */
-static void flush_to_app(cg_dropin *d)
-{
-    if (d->app && d->app_open && d->to_app.head && d->to_app.head->ready)
-        lws_callback_on_writable(d->app);
-}
 
 /*
  * The user cancelled the reply in flight: send the app the mapping's cancel frame (unless
@@ -296,18 +308,13 @@ static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
     cg_dropin *d = conn;
     pending_chat *c = f->opaque;
     (void)t;
-    size_t len = 0;
-    char *s = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(f), &len);
+    cg_frame_text built = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(f));
     frame *slot = c->slot;
-    if (s) {
+    if (built.buf) { /* the slot adopts the buffer: same headroom */
         free(slot->data);
-        slot->data = malloc(LWS_PRE + len);
-        if (!slot->data)
-            abort();
-        memcpy(slot->data + LWS_PRE, s, len);
-        d->to_app.bytes += len - slot->len;
-        slot->len = len;
-        free(s);
+        slot->data = (unsigned char *)built.buf;
+        d->to_app.bytes += built.len - slot->len;
+        slot->len = built.len;
     } else { /* the frame as the client wrote it is still the app's message */
         cg_warn("dropin: the chatgate object could not be added to a chat message: forwarded as written");
     }
@@ -399,32 +406,83 @@ int cg_dropin_client_idle(cg_dropin *d)
     return d->to_client.head == NULL;
 }
 
-int cg_dropin_client_writable(cg_dropin *d)
+/*
+ * Writes the client's queue while the socket takes it, up to a close frame, which is written
+ * only from the writable callback (from_writable): the connection goes at the writable after
+ * it. What is left, and the close frame, wait for the writable callback. Returns -1 when the
+ * socket failed or the close frame is out.
+ */
+static int client_write_queue(cg_dropin *d, int from_writable)
 {
     if (d->closing)
         return -1;
-    frame *f = queue_pop(&d->to_client);
-    if (!f)
-        return 0;
     int rc = 0;
-    if (f->close) {
-        /* 4 is LWS_WRITE_CLOSE, which lws 4.1's public header leaves out (see session.c) */
-        lws_write(d->client, f->data + LWS_PRE, f->len, (enum lws_write_protocol)4);
-        d->closing = 1;
-        lws_callback_on_writable(d->client);
-    } else {
-        int n = lws_write(d->client, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+    frame *f;
+    while ((f = d->to_client.head) && !lws_partial_buffered(d->client)) {
+        if (f->close && !from_writable)
+            break;
+        queue_pop(&d->to_client);
+        if (f->close) {
+            cg_net_write_close(d->client, f->close, (const char *)f->data + FRAME_PRE);
+            d->closing = 1;
+            frame_free(f);
+            break;
+        }
+        int n = lws_write(d->client, f->data + FRAME_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
         d->srv->metrics.frames_out++;
         rc = n < (int)f->len ? -1 : 0;
-        if (d->to_client.head || d->srv->closing_all)
-            lws_callback_on_writable(d->client);
+        frame_free(f);
+        if (rc < 0)
+            break;
     }
-    frame_free(f);
+    if (rc == 0 && (d->closing || d->to_client.head || d->srv->closing_all))
+        lws_callback_on_writable(d->client);
     dropin_flow(d);
     return rc;
 }
 
-/* ---- frames from the app --------------------------------------------------------------- */
+static void client_flush(cg_flush_item *item)
+{
+    cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, client_flush));
+    /* closing: the close frame is out, and the writable callback that ends it is asked for */
+    if (!d->client_gone && !d->closing && client_write_queue(d, 0) < 0) /* not inside the wsi's callback */
+        cg_net_kill_async(&d->srv->net, d->client, PENDING_TIMEOUT_CLOSE_SEND);
+}
+
+int cg_dropin_client_writable(cg_dropin *d)
+{
+    return client_write_queue(d, 1);
+}
+
+/* ---- frames to and from the app -------------------------------------------------------- */
+
+/* Writes the ready frames at the head of to_app while the socket takes them; the rest waits
+ * for the writable callback. Returns -1 when the socket failed. */
+static int app_write_queue(cg_dropin *d)
+{
+    frame *f;
+    while ((f = d->to_app.head) && f->ready && !lws_partial_buffered(d->app)) {
+        queue_pop(&d->to_app);
+        int n = lws_write(d->app, f->data + FRAME_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+        int short_write = n < (int)f->len;
+        frame_free(f);
+        if (short_write) {
+            dropin_flow(d);
+            return -1;
+        }
+    }
+    if (f && f->ready)
+        lws_callback_on_writable(d->app);
+    dropin_flow(d);
+    return 0;
+}
+
+static void app_flush(cg_flush_item *item)
+{
+    cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, app_flush));
+    if (d->app && d->app_open && !d->client_gone && app_write_queue(d) < 0) /* not inside the wsi's callback */
+        cg_net_kill_async(&d->srv->net, d->app, PENDING_TIMEOUT_CLOSE_SEND);
+}
 
 static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 {
@@ -462,6 +520,18 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     cg_dropin_app_frame_clear(&a);
 }
 
+/* The app connection is gone: nothing more is written to it, and its reference goes
+ * (app_failed: a connect that failed before it returned must not drop it again). */
+static void app_gone(cg_dropin *d, struct lws *wsi)
+{
+    cg_flush_cancel(&d->app_flush);
+    d->app_failed = 1;
+    lws_set_opaque_user_data(wsi, NULL);
+    d->app = NULL;
+    d->app_open = 0;
+    dropin_unref(d);
+}
+
 int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
 {
     cg_dropin *d = lws_get_opaque_user_data(wsi);
@@ -489,28 +559,13 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         if (d->client_gone) {
             if (d->app_close_sent)
                 return -1;
-            unsigned char close[LWS_PRE + 16];
-            close[LWS_PRE] = 1001 >> 8;
-            close[LWS_PRE + 1] = 1001 & 0xff;
-            memcpy(close + LWS_PRE + 2, "client left", 11);
-            lws_write(wsi, close + LWS_PRE, 13, (enum lws_write_protocol)4); /* LWS_WRITE_CLOSE */
+            cg_net_write_close(wsi, 1001, "client left");
             d->app_close_sent = 1;
             lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, 1); /* the app's answer, or not */
             lws_callback_on_writable(wsi);
             return 0;
         }
-        frame *f = d->to_app.head;
-        if (!f || !f->ready)
-            return 0;
-        queue_pop(&d->to_app);
-        int n = lws_write(wsi, f->data + LWS_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
-        int short_write = n < (int)f->len;
-        frame_free(f);
-        dropin_flow(d);
-        if (short_write)
-            return -1;
-        flush_to_app(d);
-        return 0;
+        return app_write_queue(d);
     }
     case LWS_CALLBACK_CLIENT_RECEIVE: { /* reassembled up to 16 x --max-frame */
         const char *msg;
@@ -546,19 +601,18 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
                  in ? (const char *)in : "connection failed");
         cg_warn("dropin: %s", reason);
         close_client(d, 1014, reason);
-        lws_set_opaque_user_data(wsi, NULL);
-        d->app = NULL;
-        d->app_failed = 1;
-        dropin_unref(d);
+        app_gone(d, wsi);
         return 0;
     }
     case LWS_CALLBACK_CLIENT_CLOSED:
         cg_info("dropin: the app closed the connection (%d)", d->close_code);
         close_client(d, d->close_code ? d->close_code : 1011, d->close_code ? d->close_reason : "the app went away");
-        lws_set_opaque_user_data(wsi, NULL);
-        d->app = NULL;
-        d->app_open = 0;
-        dropin_unref(d);
+        app_gone(d, wsi);
+        return 0;
+    case LWS_CALLBACK_WSI_DESTROY: /* gone without CLIENT_CLOSED (session.c passes this on) */
+        cg_info("dropin: the app connection was lost");
+        close_client(d, 1011, "the app went away");
+        app_gone(d, wsi);
         return 0;
     default:
         return lws_callback_http_dummy(wsi, reason, user, in, len);

@@ -24,6 +24,7 @@
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/net.h"
 #include "chatgate/core/wsrx.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/proto/protocol.h"
@@ -36,10 +37,13 @@
 /* Text of one pending delta frame is cut here, so no single frame grows large. */
 #define CG_DELTA_CHUNK 16384
 
+/* Built frames are written from where they were dumped: lws's header goes in front. */
+_Static_assert(CG_FRAME_PRE >= LWS_PRE, "CG_FRAME_PRE must leave lws its LWS_PRE bytes");
+
 /* One frame waiting to be written: a finished JSON frame, or delta text still growing. */
 typedef struct cg_out {
     struct cg_out *next;
-    char *json;      /* finished frame, or NULL for a delta */
+    cg_frame_text frame; /* finished frame; frame.buf NULL for a delta */
     char *delta_id;  /* delta: the message id */
     char *text;      /* delta: text so far */
     size_t len, cap; /* json or text length; text capacity */
@@ -75,7 +79,7 @@ size_t cg_session_size(void)
 
 static void out_free(cg_out *o)
 {
-    free(o->json);
+    free(o->frame.buf);
     free(o->delta_id);
     free(o->text);
     free(o);
@@ -113,14 +117,14 @@ static void out_push(cg_session *s, cg_out *o)
     session_flow(s);
 }
 
-/* Queues a finished frame; takes ownership of json. */
-static void session_send(cg_session *s, char *json)
+/* Queues a finished frame; takes ownership of it. */
+static void session_send(cg_session *s, cg_frame_text frame)
 {
     cg_out *o = calloc(1, sizeof(*o));
     if (!o)
         abort();
-    o->json = json;
-    o->len = strlen(json);
+    o->frame = frame;
+    o->len = frame.len;
     s->out_bytes += o->len;
     out_push(s, o);
 }
@@ -137,7 +141,7 @@ static void session_send_delta(void *conn, const char *id, const char *text, siz
 {
     cg_session *s = conn;
     cg_out *o = s->out_tail;
-    if (!o || o->json || strcmp(o->delta_id, id) != 0 || o->len + len > CG_DELTA_CHUNK) {
+    if (!o || o->frame.buf || strcmp(o->delta_id, id) != 0 || o->len + len > CG_DELTA_CHUNK) {
         o = calloc(1, sizeof(*o));
         if (!o || !(o->delta_id = strdup(id)))
             abort();
@@ -165,21 +169,12 @@ static void session_send_delta(void *conn, const char *id, const char *text, siz
     session_flow(s);
 }
 
-/*
- * Writes a close frame with code and reason, then closes at the next writable. (4 is
- * LWS_WRITE_CLOSE, which lws 4.1's public header leaves out; lws_close_reason() followed by
- * -1 did not send the frame: the peer saw 1006.)
- */
+/* Writes a close frame with code and reason (core/net.h), then closes at the next writable. */
 static int session_write_close(cg_session *s, int code, const char *reason)
 {
     if (s->close_sent)
         return -1;
-    unsigned char close[LWS_PRE + 2 + 123];
-    size_t rl = strlen(reason) > 123 ? 123 : strlen(reason);
-    close[LWS_PRE] = (unsigned char)(code >> 8);
-    close[LWS_PRE + 1] = (unsigned char)(code & 0xff);
-    memcpy(close + LWS_PRE + 2, reason, rl);
-    lws_write(s->wsi, close + LWS_PRE, 2 + rl, (enum lws_write_protocol)4);
+    cg_net_write_close(s->wsi, code, reason);
     s->close_sent = 1;
     lws_callback_on_writable(s->wsi);
     return 0;
@@ -212,20 +207,14 @@ static int session_write_one(cg_session *s)
         s->out_tail = NULL;
     s->out_bytes -= o->len;
 
-    char *json = o->json ? o->json : cg_protocol_delta(o->delta_id, o->text, o->len);
-    if (o->json)
-        o->json = NULL;
-    size_t len = strlen(json);
-    unsigned char *buf = malloc(LWS_PRE + len);
-    if (!buf)
-        abort();
-    memcpy(buf + LWS_PRE, json, len);
-    free(json);
+    /* a delta's frame is built now, from all the text that came while it waited */
+    cg_frame_text f = o->frame.buf ? o->frame : cg_protocol_delta(o->delta_id, o->text, o->len);
+    o->frame.buf = NULL;
     out_free(o);
-    int n = lws_write(s->wsi, buf + LWS_PRE, len, LWS_WRITE_TEXT);
-    free(buf);
+    int n = lws_write(s->wsi, (unsigned char *)f.json, f.len, LWS_WRITE_TEXT);
+    free(f.buf);
     s->srv->metrics.frames_out++;
-    return n < (int)len ? -1 : 0;
+    return n < (int)f.len ? -1 : 0;
 }
 
 /*

@@ -68,9 +68,9 @@ static void client_side(json_t *cfg, const char *buf, size_t len, int binary)
     CHECK(chat.text[0] && utf8_ok(chat.text));
     json_t *object = json_pack("{s:s, s:s}", "room", chat.room, "id", chat.id);
     CHECK(object);
-    size_t flen = 0;
-    char *fwd = cg_dropin_map_forward(cfg, &chat, json_incref(object), &flen);
-    CHECK(fwd && flen == strlen(fwd));
+    cg_frame_text built = cg_dropin_map_forward(cfg, &chat, json_incref(object));
+    const char *fwd = built.json;
+    CHECK(fwd && built.len == strlen(fwd));
     json_t *back = json_loads(fwd, 0, NULL);
     CHECK(back);
     const char *key = json_string_value(json_object_get(cfg, "object_key"));
@@ -82,7 +82,7 @@ static void client_side(json_t *cfg, const char *buf, size_t len, int binary)
     json_decref(orig);
     json_decref(back);
     json_decref(object);
-    free(fwd);
+    free(built.buf);
     size_t clen = 0;
     char *cancel = cg_dropin_map_cancel_frame(cfg, chat.id, &clen);
     int has_cancel = json_object_get(json_object_get(cfg, "app_frames"), "cancel_frame") != NULL;

@@ -1,7 +1,8 @@
 /*
  * net.h: what every network client of the gateway shares (the Redis store, the upstreams,
  * the drop-in app connections): resolving a host name off the event loop, and opening an
- * lws client connection on the gateway's one lws context.
+ * lws client connection on the gateway's one lws context; and writing a close frame, which
+ * the client side and the server side of the gateway both do.
  *
  * cg_net is the narrow handle these clients get instead of the gateway: the loop, the lws
  * context and the vhost their connections belong to. The gateway fills it at start.
@@ -56,5 +57,13 @@ struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void 
  * event; lws_cancel_service() makes that event now.
  */
 void cg_net_kill_async(const cg_net *net, struct lws *wsi, int reason);
+
+/* LWS_WRITE_CLOSE, which lws 4.1's public header leaves out (lws_close_reason() followed by
+ * returning -1 did not send the frame: the peer saw 1006). */
+#define CG_LWS_WRITE_CLOSE 4
+
+/* Writes a close frame with code and reason (cut to the 123 bytes a close frame holds, on a
+ * UTF-8 character boundary); lws_write()'s result. From wsi's writable callback only. */
+int cg_net_write_close(struct lws *wsi, int code, const char *reason);
 
 #endif

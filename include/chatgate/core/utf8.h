@@ -1,7 +1,8 @@
 /*
  * utf8.h: cutting text on a character boundary. Ids, log lines, replies and close reasons
  * are cut to a bound in many places; a cut inside a UTF-8 sequence would make jansson refuse
- * the text later, so every cut goes through here.
+ * the text later, so every cut goes through here. And making text that quotes what others
+ * sent (log lines, error messages) valid UTF-8.
  */
 #ifndef CHATGATE_CORE_UTF8_H
 #define CHATGATE_CORE_UTF8_H
@@ -10,5 +11,9 @@
 
 /* The largest n <= len such that text[0..n) does not end inside a UTF-8 sequence. */
 size_t cg_utf8_boundary(const char *text, size_t len);
+
+/* Replaces, in place, every byte of s[0..n) that does not belong to a valid UTF-8 character
+ * with '?': stray and cut-off bytes, overlong forms, surrogates, code points past U+10FFFF. */
+void cg_utf8_clean(char *s, size_t n);
 
 #endif

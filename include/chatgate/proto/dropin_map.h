@@ -17,6 +17,8 @@
 #include <jansson.h>
 #include <stddef.h>
 
+#include "chatgate/proto/protocol.h"
+
 typedef enum {
     CG_DROPIN_PASS,     /* not a chat message or cancel: untouched */
     CG_DROPIN_CHAT,     /* a chat message: chat is filled */
@@ -37,8 +39,9 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *dropin_cfg, const char *buf, 
 void cg_dropin_chat_clear(cg_dropin_chat *chat);
 
 /* The frame for the app: chat->frame plus object under dropin.object_key ("chatgate"); takes
- * object; a malloc'd string and its length, or NULL when it could not be built. */
-char *cg_dropin_map_forward(json_t *dropin_cfg, const cg_dropin_chat *chat, json_t *object, size_t *len);
+ * object; built as protocol.h's frames are (CG_FRAME_PRE bytes of room in front), buf NULL
+ * when it could not be built. */
+cg_frame_text cg_dropin_map_forward(json_t *dropin_cfg, const cg_dropin_chat *chat, json_t *object);
 
 /* One app frame, read through dropin.app_frames. */
 typedef struct cg_dropin_app_frame {

@@ -3,7 +3,9 @@
  *
  * Parsing turns one client text frame into a cg_client_frame or a bad_frame error whose
  * message names the field that was wrong. Building gives the gateway's frames as compact
- * JSON strings the caller frees. Pure: no I/O, no clock.
+ * JSON dumped once into the buffer they are sent from, behind CG_FRAME_PRE bytes of room
+ * for the WebSocket header (lws writes it there: LWS_PRE), with their length, so the sender
+ * neither measures nor copies them. Pure: no I/O, no clock.
  */
 #ifndef CHATGATE_PROTOCOL_H
 #define CHATGATE_PROTOCOL_H
@@ -39,28 +41,41 @@ typedef struct cg_client_frame {
 int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *err, size_t errlen);
 void cg_client_frame_clear(cg_client_frame *f);
 
-/* Builders: each returns a malloc'd compact JSON string (never NULL; aborts on no memory). */
-char *cg_protocol_hello(const char *user, const char *session, const char *resume);
+/* Room in front of a built frame's JSON: lws's LWS_PRE (16 in lws 4.1; session.c checks). */
+#define CG_FRAME_PRE 16
+
+/* A built frame: compact JSON (NUL-terminated) at json = buf + CG_FRAME_PRE, len bytes of
+ * it; buf is malloc'd and the caller's to free. */
+typedef struct cg_frame_text {
+    char *buf;
+    char *json;
+    size_t len;
+} cg_frame_text;
+
+/* Builders: each returns a frame (never without one; aborts on no memory). */
+cg_frame_text cg_protocol_hello(const char *user, const char *session, const char *resume);
 /* What an ack says about a message (docs/protocol.md); JSON parts borrowed, NULL gives null/{}/[]. */
 typedef struct cg_ack {
     const char *id, *room, *route, *service, *enriched;
     json_t *params, *resolution, *rules;
 } cg_ack;
-char *cg_protocol_ack(const cg_ack *a);
+cg_frame_text cg_protocol_ack(const cg_ack *a);
 /* state is borrowed. */
-char *cg_protocol_context(const char *room, json_t *state);
-char *cg_protocol_warning(const char *id, const char *code, const char *message);
-char *cg_protocol_delta(const char *id, const char *text, size_t len);
+cg_frame_text cg_protocol_context(const char *room, json_t *state);
+cg_frame_text cg_protocol_warning(const char *id, const char *code, const char *message);
+cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len);
 /* usage is borrowed and may be NULL; truncated says the text holds only the reply's start. */
-char *cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated);
-char *cg_protocol_cancelled(const char *id);
+cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated);
+cg_frame_text cg_protocol_cancelled(const char *id);
 /* id NULL or "" gives "id":null. */
-char *cg_protocol_error(const char *id, const char *code, const char *message);
+cg_frame_text cg_protocol_error(const char *id, const char *code, const char *message);
 /* The same with detail's members added (borrowed, NULL for none; never replacing type, id,
  * code or message): an upstream's "status", "upstream_type", "upstream_code". */
-char *cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail);
+cg_frame_text cg_protocol_error_detail(const char *id, const char *code, const char *message, json_t *detail);
 
 /* Serialises obj compactly and decrefs it; aborts on no memory. */
 char *cg_protocol_dump(json_t *obj);
+/* The same as a frame (CG_FRAME_PRE bytes of room in front). */
+cg_frame_text cg_protocol_frame(json_t *obj);
 
 #endif

@@ -99,7 +99,8 @@ static void test_bad(void)
 static void test_build(void)
 {
     cg_ack ack = {.id = "m1", .room = "trip", .route = "llm"};
-    char *s = cg_protocol_ack(&ack);
+    cg_frame_text f = cg_protocol_ack(&ack);
+    char *s = f.json;
     json_t *o = json_loads(s, 0, NULL);
     CHECK_STR(json_string_value(json_object_get(o, "type")), "ack");
     CHECK_STR(json_string_value(json_object_get(o, "route")), "llm");
@@ -107,24 +108,24 @@ static void test_build(void)
     CHECK(json_is_object(json_object_get(o, "params")));
     CHECK(json_is_array(json_object_get(o, "rules")));
     json_decref(o);
-    free(s);
+    free(f.buf);
 
-    s = cg_protocol_error(NULL, "bad_frame", "x");
+    s = (f = cg_protocol_error(NULL, "bad_frame", "x")).json;
     CHECK_STR(s, "{\"type\":\"error\",\"id\":null,\"code\":\"bad_frame\",\"message\":\"x\"}");
-    free(s);
+    free(f.buf);
 
     /* an upstream's words cut mid-character, or not UTF-8 at all, still make a frame */
-    s = cg_protocol_error("m1", "upstream_error", "boom \xc3\xa9\xc3");
+    s = (f = cg_protocol_error("m1", "upstream_error", "boom \xc3\xa9\xc3")).json;
     CHECK_STR(s, "{\"type\":\"error\",\"id\":\"m1\",\"code\":\"upstream_error\",\"message\":\"boom \xc3\xa9?\"}");
-    free(s);
-    s = cg_protocol_error("m1", "upstream_error", "\xff\xfe ok \xed\xa0\x80");
+    free(f.buf);
+    s = (f = cg_protocol_error("m1", "upstream_error", "\xff\xfe ok \xed\xa0\x80")).json;
     CHECK_STR(s, "{\"type\":\"error\",\"id\":\"m1\",\"code\":\"upstream_error\",\"message\":\"?? ok ???\"}");
-    free(s);
+    free(f.buf);
 
     json_t *usage = json_pack("{s:i}", "prompt_tokens", 3);
-    s = cg_protocol_done("m1", "abc", 3, usage, 1);
+    s = (f = cg_protocol_done("m1", "abc", 3, usage, 1)).json;
     CHECK_STR(s, "{\"type\":\"done\",\"id\":\"m1\",\"text\":\"abc\",\"usage\":{\"prompt_tokens\":3},\"truncated\":true}");
-    free(s);
+    free(f.buf);
     json_decref(usage);
 
     CHECK_STR(cg_err_code(CG_E_UPSTREAM_TIMEOUT), "upstream_timeout");
@@ -142,9 +143,10 @@ static void test_utf8_boundary(void)
     CHECK(cg_utf8_boundary(thumb, 1) == 0);
     CHECK(cg_utf8_boundary("abc", 2) == 2);
     /* a cut text always builds a valid frame */
-    char *d = cg_protocol_delta("m", thumb, cg_utf8_boundary(thumb, 2));
+    cg_frame_text f = cg_protocol_delta("m", thumb, cg_utf8_boundary(thumb, 2));
+    char *d = f.json;
     CHECK(strstr(d, "\"type\":\"delta\"") != NULL);
-    free(d);
+    free(f.buf);
 }
 
 int main(void)
