@@ -107,7 +107,6 @@ struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void 
     i.host = spec->host;
     i.origin = spec->origin ? spec->origin : spec->host;
     i.protocol = spec->subprotocol;
-    i.method = spec->method;
     i.ssl_connection = spec->tls ? LCCSCF_USE_SSL : 0;
     i.local_protocol_name = spec->local_protocol;
     i.opaque_user_data = opaque;

@@ -190,11 +190,7 @@ static int write_close(ws_conn *k, struct lws *wsi)
 {
     if (k->close_sent)
         return -1;
-    unsigned char close[LWS_PRE + 16];
-    close[LWS_PRE] = 1001 >> 8;
-    close[LWS_PRE + 1] = 1001 & 0xff;
-    memcpy(close + LWS_PRE + 2, "going away", 10);
-    lws_write(wsi, close + LWS_PRE, 12, (enum lws_write_protocol)4); /* LWS_WRITE_CLOSE, see session.c */
+    cg_net_write_close(wsi, 1001, "going away");
     k->close_sent = 1;
     lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, 1);
     lws_callback_on_writable(wsi);

@@ -39,7 +39,6 @@ typedef struct cg_connect_spec {
     int tls;
     const char *address;        /* numeric, resolved */
     const char *path;
-    const char *method;         /* "POST", or NULL for a WebSocket */
     const char *subprotocol;    /* Sec-WebSocket-Protocol to ask for */
     const char *origin;         /* Origin header; the host when NULL */
     const char *local_protocol; /* our lws protocol that handles the connection */
