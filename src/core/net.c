@@ -3,11 +3,13 @@
  * gateway's lws context, and close frames (see net.h).
  */
 #include <arpa/inet.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "chatgate/core/net.h"
+#include "chatgate/core/buf.h"
 #include "chatgate/core/utf8.h"
 
 /*
@@ -129,4 +131,43 @@ int cg_net_write_close(struct lws *wsi, int code, const char *reason)
     close[LWS_PRE + 1] = (unsigned char)(code & 0xff);
     memcpy(close + LWS_PRE + 2, reason, rl);
     return lws_write(wsi, close + LWS_PRE, 2 + rl, (enum lws_write_protocol)CG_LWS_WRITE_CLOSE);
+}
+
+void cg_net_batch_add(cg_net_batch *b, const char *json, size_t len)
+{
+    unsigned char hdr[10];
+    size_t h = 2;
+    hdr[0] = 0x81; /* FIN, text */
+    if (len < 126) {
+        hdr[1] = (unsigned char)len;
+    } else if (len <= 0xffff) {
+        hdr[1] = 126;
+        hdr[2] = (unsigned char)(len >> 8);
+        hdr[3] = (unsigned char)len;
+        h = 4;
+    } else {
+        hdr[1] = 127;
+        for (int i = 0; i < 8; i++)
+            hdr[2 + i] = (unsigned char)((uint64_t)len >> (56 - 8 * i));
+        h = 10;
+    }
+    cg_buf_append(&b->buf, &b->len, &b->cap, hdr, h, 1024);
+    cg_buf_append(&b->buf, &b->len, &b->cap, json, len, 1024);
+    b->frames++;
+}
+
+int cg_net_batch_write(struct lws *wsi, cg_net_batch *b)
+{
+    size_t len = b->len;
+    b->len = 0;
+    b->frames = 0;
+    if (!len)
+        return 0;
+    return lws_write(wsi, (unsigned char *)b->buf, len, LWS_WRITE_HTTP) < (int)len ? -1 : 0;
+}
+
+void cg_net_batch_free(cg_net_batch *b)
+{
+    free(b->buf);
+    *b = (cg_net_batch){0};
 }

@@ -268,6 +268,7 @@ static void free_secrets(cg_gateway *gw)
     if (gw->srv.jwt_secret)
         OPENSSL_cleanse(gw->srv.jwt_secret, gw->srv.jwt_secret_len);
     free(gw->srv.resume_secret);
+    cg_net_batch_free(&gw->srv.batch);
     free(gw->srv.jwt_secret);
     gw->srv.resume_secret = gw->srv.jwt_secret = NULL;
     gw->srv.resume_secret_len = gw->srv.jwt_secret_len = 0;

@@ -37,6 +37,10 @@
 /* Text of one pending delta frame is cut here, so no single frame grows large. */
 #define CG_DELTA_CHUNK 16384
 
+/* Frames written together with one send go up to this many bytes (a delta's text counts
+ * for its frame: escaping may add to it, within one chunk). */
+#define CG_BATCH_BYTES 16384
+
 /* Built frames are written from where they were dumped: lws's header goes in front. */
 _Static_assert(CG_FRAME_PRE >= LWS_PRE, "CG_FRAME_PRE must leave lws its LWS_PRE bytes");
 
@@ -198,8 +202,8 @@ static int session_peer_close(cg_session *s, const void *in, size_t len)
     return -1;
 }
 
-/* Writes the frame at the head of the send queue. Returns -1 when the socket failed. */
-static int session_write_one(cg_session *s)
+/* Takes the frame at the head of the send queue off it; the caller frees frame.buf. */
+static cg_frame_text session_pop(cg_session *s)
 {
     cg_out *o = s->out_head;
     s->out_head = o->next;
@@ -211,21 +215,43 @@ static int session_write_one(cg_session *s)
     cg_frame_text f = o->frame.buf ? o->frame : cg_protocol_delta(o->delta_id, o->text, o->len);
     o->frame.buf = NULL;
     out_free(o);
-    int n = lws_write(s->wsi, (unsigned char *)f.json, f.len, LWS_WRITE_TEXT);
-    free(f.buf);
     s->srv->metrics.frames_out++;
-    return n < (int)f.len ? -1 : 0;
+    return f;
 }
 
 /*
- * Writes queued frames while the socket takes them (lws keeps the part of a frame the
+ * Writes the frames at the head of the send queue: one through lws_write(), or, when more
+ * are waiting, as many as fit in CG_BATCH_BYTES with one send (core/net.h, cg_net_batch).
+ * Returns -1 when the socket failed.
+ */
+static int session_write_some(cg_session *s)
+{
+    cg_frame_text f = session_pop(s);
+    if (!s->out_head || f.len + s->out_head->len > CG_BATCH_BYTES) {
+        int n = lws_write(s->wsi, (unsigned char *)f.json, f.len, LWS_WRITE_TEXT);
+        free(f.buf);
+        return n < (int)f.len ? -1 : 0;
+    }
+    cg_net_batch *b = &s->srv->batch;
+    cg_net_batch_add(b, f.json, f.len);
+    free(f.buf);
+    while (s->out_head && b->len + s->out_head->len <= CG_BATCH_BYTES) {
+        f = session_pop(s);
+        cg_net_batch_add(b, f.json, f.len);
+        free(f.buf);
+    }
+    return cg_net_batch_write(s->wsi, b);
+}
+
+/*
+ * Writes queued frames while the socket takes them (lws keeps the part of a write the
  * kernel did not take and sends it before anything else). What is left waits for the
  * writable callback, as does a close frame that is due. Returns -1 when the socket failed.
  */
 static int session_write_queue(cg_session *s)
 {
     while (s->out_head && !lws_partial_buffered(s->wsi))
-        if (session_write_one(s) < 0)
+        if (session_write_some(s) < 0)
             return -1;
     if (s->out_head || s->unauthorized || s->srv->closing_all)
         lws_callback_on_writable(s->wsi);

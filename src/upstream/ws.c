@@ -38,6 +38,13 @@ typedef struct pending {
     size_t len;
 } pending;
 
+/* One history item as JSON text, kept for the next message (see hist_refresh). */
+typedef struct hist_text {
+    json_t *item; /* a reference: the pointer cannot be reused for another item while kept */
+    char *text;
+    size_t len;
+} hist_text;
+
 typedef struct ws_conn {
     cg_upstream *up;
     void **slot; /* the session's pointer to this connection; NULL once detached */
@@ -54,6 +61,8 @@ typedef struct ws_conn {
     cg_flush_item flush; /* registered while frames wait for the end of the iteration */
     size_t last_len;     /* of the last message frame: the next one's first buffer size */
     cg_wsrx rx; /* an app frame in pieces (core/wsrx.h) */
+    hist_text *hist; /* the last message's history as text, n_hist items (at most history_n) */
+    size_t n_hist;
     int paused;
     char close_reason[128];
     int close_sent;
@@ -73,10 +82,20 @@ static void call_free(cg_upstream_call *c)
     free(c);
 }
 
+static void hist_free(hist_text *h, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        json_decref(h[i].item);
+        free(h[i].text);
+    }
+    free(h);
+}
+
 static void conn_unref(ws_conn *k)
 {
     if (--k->refs > 0)
         return;
+    hist_free(k->hist, k->n_hist);
     while (k->out_head) {
         pending *p = k->out_head;
         k->out_head = p->next;
@@ -475,20 +494,89 @@ static json_t *or_null(json_t *j)
     return j ? json_incref(j) : json_null();
 }
 
-/* The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built;
- * hint: the size of the connection's last one. */
-static char *message_frame(const cg_upstream_message *m, size_t hint, size_t *len)
+/*
+ * Brings the connection's history text up to date with `history` and returns the length
+ * of the JSON array they make, or 0 when out of memory. Every message carries the dialog's
+ * last history_n messages, and from one message to the next that window moves by a turn:
+ * history items are never changed once pushed (dialog.h), and the memory store hands the
+ * same items back turn after turn, so an item already dumped for the last message is found
+ * by its pointer and its text reused. Dumping the whole history again for every message was
+ * the largest single cost of a turn through this upstream (docs/architecture.md, "Writing").
+ */
+static size_t hist_refresh(ws_conn *k, json_t *history)
 {
+    size_t n = json_array_size(history), from = 0, total = 2; /* [ ] */
+    hist_text *next = n ? calloc(n, sizeof(*next)) : NULL;
+    if (n && !next)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        json_t *item = json_array_get(history, i);
+        size_t j = from;
+        while (j < k->n_hist && k->hist[j].item != item)
+            j++;
+        if (j < k->n_hist) { /* moved over: the old array no longer owns it */
+            next[i] = k->hist[j];
+            k->hist[j] = (hist_text){0};
+            from = j + 1;
+        } else {
+            next[i].text = json_dumps(item, JSON_COMPACT | JSON_ENCODE_ANY);
+            if (!next[i].text) {
+                hist_free(next, i);
+                return 0;
+            }
+            next[i].len = strlen(next[i].text);
+            next[i].item = json_incref(item);
+        }
+        total += next[i].len + (i > 0);
+    }
+    hist_free(k->hist, k->n_hist);
+    k->hist = next;
+    k->n_hist = n;
+    return total;
+}
+
+/*
+ * The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built;
+ * hint: the size of the connection's last one. The history is written from the
+ * connection's texts (hist_refresh) in place of the object's closing brace.
+ */
+static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t hint, size_t *len)
+{
+    size_t hist_len = hist_refresh(k, m->history);
+    if (!hist_len)
+        return NULL;
     json_t *o = json_pack(
-        "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
+        "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
         "user", m->user, "room", m->room, "text", m->text, "enriched",
         m->enriched ? json_string(m->enriched) : json_null(), "route", m->route, "service",
         m->service ? json_string(m->service) : json_null(), "params", m->params ? json_incref(m->params) : json_object(),
         "awaiting", or_null(m->awaiting), "resolution", or_null(m->resolution), "soft_context", or_null(m->soft),
-        "history", m->history ? json_incref(m->history) : json_array(), "rules",
-        m->rules ? json_incref(m->rules) : json_array(), "annotations",
+        "rules", m->rules ? json_incref(m->rules) : json_array(), "annotations",
         m->annotations ? json_incref(m->annotations) : json_object());
-    return frame_of(o, hint, len);
+    size_t n = 0;
+    char *frame = frame_of(o, hint, &n);
+    static const char key[] = ",\"history\":";
+    size_t total = n - 1 + (sizeof(key) - 1) + hist_len + 1;
+    char *grown = frame ? realloc(frame, LWS_PRE + total + 1) : NULL;
+    if (!grown) {
+        free(frame);
+        return NULL;
+    }
+    char *p = grown + LWS_PRE + n - 1; /* over the '}' */
+    memcpy(p, key, sizeof(key) - 1);
+    p += sizeof(key) - 1;
+    *p++ = '[';
+    for (size_t i = 0; i < k->n_hist; i++) {
+        if (i)
+            *p++ = ',';
+        memcpy(p, k->hist[i].text, k->hist[i].len);
+        p += k->hist[i].len;
+    }
+    *p++ = ']';
+    *p++ = '}';
+    *p = 0;
+    *len = total;
+    return grown;
 }
 
 static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,
@@ -505,7 +593,7 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
     c->ctx = ctx;
     c->id = strdup(m->id);
     size_t len = 0;
-    char *frame = c->id ? message_frame(m, k->last_len + k->last_len / 4, &len) : NULL;
+    char *frame = c->id ? message_frame(k, m, k->last_len + k->last_len / 4, &len) : NULL;
     if (queue_frame(k, frame, len) < 0) {
         call_free(c);
         return -1;

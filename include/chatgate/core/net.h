@@ -65,4 +65,29 @@ void cg_net_kill_async(const cg_net *net, struct lws *wsi, int reason);
  * UTF-8 character boundary); lws_write()'s result. From wsi's writable callback only. */
 int cg_net_write_close(struct lws *wsi, int code, const char *reason);
 
+/*
+ * Several finished text frames of a server connection, written with one send. lws writes
+ * one frame per lws_write(), and so one send() per frame; a turn's delta and done, which
+ * the app's reply brings in one read, then cost two trips through the kernel where a relay
+ * like nginx makes one. lws has no call for several frames, so the batch carries them with
+ * their RFC 6455 headers (FIN, text, unmasked: a server's; no extension is negotiated) and
+ * goes out through lws_write(LWS_WRITE_HTTP), which lws passes through as bytes, keeping
+ * what the kernel did not take as it does for any write.
+ */
+typedef struct cg_net_batch {
+    char *buf;
+    size_t len, cap;
+    int frames;
+} cg_net_batch;
+
+/* Appends one text frame (json, len bytes) to b. */
+void cg_net_batch_add(cg_net_batch *b, const char *json, size_t len);
+
+/* Writes b's frames and empties b (its buffer is kept for the next batch); -1 when the
+ * socket failed. Outside wsi's callbacks too, as lws_write() is. */
+int cg_net_batch_write(struct lws *wsi, cg_net_batch *b);
+
+/* Frees b's buffer. */
+void cg_net_batch_free(cg_net_batch *b);
+
 #endif

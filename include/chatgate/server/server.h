@@ -25,6 +25,7 @@ typedef struct cg_server {
     const cg_config *cfg;
     cg_net net;                /* the loop, lws context, vhost and flusher */
     cg_flusher flusher;        /* net.flush */
+    cg_net_batch batch;        /* frames written together (session.c); one loop, one at a time */
     cg_turn_env turn;          /* what every turn gets; points into the members below */
     cg_metrics metrics;
     cg_upstream upstreams[CG_MAX_UPSTREAMS];
