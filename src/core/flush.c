@@ -5,7 +5,11 @@
  * does no work for it and the handle never keeps the loop alive on its own. A flush function
  * may register its item again (more output came while it ran) or register others: the list
  * is taken whole before the calls, and anything registered during them waits for the next
- * iteration, which the still-running handle guarantees.
+ * iteration. A check handle does not stop the loop from blocking in its poll, so while
+ * anything is registered an idle handle (which does) runs too: an item registered during
+ * the calls, or from another check handle after this one ran, would otherwise wait for some
+ * unrelated event. The check stops it in the iteration that started it, so in the common
+ * case it never runs.
  */
 #include "chatgate/core/flush.h"
 
@@ -20,11 +24,11 @@ static void unlink_item(cg_flush_item *it)
     it->pprev = NULL;
 }
 
-static void on_check(uv_check_t *h)
+/* Calls the flush of each item on *list, as the list was when called. */
+static void run_list(cg_flush_item **list)
 {
-    cg_flusher *f = h->data;
-    cg_flush_item *batch = f->head;
-    f->head = NULL;
+    cg_flush_item *batch = *list;
+    *list = NULL;
     if (batch)
         batch->pprev = &batch;
     while (batch) {
@@ -32,42 +36,76 @@ static void on_check(uv_check_t *h)
         unlink_item(it); /* before the call: the flush may register it again */
         it->flush(it);
     }
-    if (!f->head && f->started) {
+}
+
+static void on_check(uv_check_t *h)
+{
+    cg_flusher *f = h->data;
+    run_list(&f->first);
+    run_list(&f->head);
+    if (!f->head && !f->first && f->started) {
         uv_check_stop(&f->check);
         f->started = 0;
     }
+    if (!f->head && !f->first)
+        uv_idle_stop(&f->idle);
+}
+
+static void on_idle(uv_idle_t *h)
+{
+    (void)h;
 }
 
 void cg_flusher_init(cg_flusher *f, uv_loop_t *loop)
 {
     f->head = NULL;
+    f->first = NULL;
     f->started = 0;
+    f->closed = 0;
     uv_check_init(loop, &f->check);
     f->check.data = f;
+    uv_idle_init(loop, &f->idle);
 }
 
 void cg_flusher_close(cg_flusher *f)
 {
+    f->closed = 1; /* before the flushes: what they register again is written another way */
+    run_list(&f->first);
     while (f->head)
         unlink_item(f->head);
     f->started = 0;
     uv_close((uv_handle_t *)&f->check, NULL);
+    uv_close((uv_handle_t *)&f->idle, NULL);
 }
 
-void cg_flush_request(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item))
+static int request(cg_flusher *f, cg_flush_item **list, cg_flush_item *item, void (*flush)(cg_flush_item *item))
 {
+    if (f->closed)
+        return -1;
     if (item->pprev)
-        return;
+        return 0;
     item->flush = flush;
-    item->next = f->head;
-    if (f->head)
-        f->head->pprev = &item->next;
-    f->head = item;
-    item->pprev = &f->head;
+    item->next = *list;
+    if (*list)
+        (*list)->pprev = &item->next;
+    *list = item;
+    item->pprev = list;
     if (!f->started) {
         uv_check_start(&f->check, on_check);
         f->started = 1;
     }
+    uv_idle_start(&f->idle, on_idle);
+    return 0;
+}
+
+void cg_flush_request(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item))
+{
+    (void)request(f, &f->head, item, flush);
+}
+
+int cg_flush_request_first(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item))
+{
+    return request(f, &f->first, item, flush);
 }
 
 void cg_flush_cancel(cg_flush_item *item)

@@ -321,6 +321,7 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     sc.lease_ms = cfg->redis_lease_ms;
     sc.bus_url = cfg->redis_bus;
     sc.lifetimes = cfg->lifetimes;
+    sc.flush = &gw->srv.flusher; /* initialised below, before the loop runs and so before any write */
     char msg[256];
     gw->srv.turn.store = cg_store_open(gw->loop, &sc, msg, sizeof(msg));
     if (!gw->srv.turn.store) {
@@ -433,7 +434,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     }
     if (cg_worker_self() && cg_worker_listen(loop, gw->vhost, cfg->listen_host, cfg->listen_port, "listener") < 0)
         return -1;
-    cg_flusher_init(&gw->srv.flusher, loop);
+    cg_flusher_init(&gw->srv.flusher, loop); /* before the loop runs: the store's first write comes after its connect */
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher};
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++) {

@@ -95,7 +95,7 @@ static void on_message(redisAsyncContext *ac, void *reply_, void *priv)
 static redisAsyncContext *bus_open(cg_redis_bus *b, const char *address)
 {
     char why[160];
-    redisAsyncContext *ac = cg_redis_async_open(b->rs->base.loop, address, b->port, b, on_bus_connect,
+    redisAsyncContext *ac = cg_redis_async_open(b->rs, address, b->port, b, on_bus_connect,
                                                 on_bus_disconnect, why, sizeof(why));
     if (ac && b->password) {
         const char *argv[] = {"AUTH", b->password};

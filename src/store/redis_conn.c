@@ -40,7 +40,6 @@
 #define _GNU_SOURCE /* asprintf */
 #include <hiredis/async.h>
 #include <hiredis/hiredis.h>
-#include <hiredis/adapters/libuv.h>
 
 #include <openssl/rand.h>
 #include <stdio.h>
@@ -663,7 +662,7 @@ static void connect_to(redis_store *rs, const char *address)
     }
     char why[160];
     redisAsyncContext *ac =
-        cg_redis_async_open(rs->base.loop, address, rs->port, rs, on_connect, on_disconnect, why, sizeof(why));
+        cg_redis_async_open(rs, address, rs->port, rs, on_connect, on_disconnect, why, sizeof(why));
     if (!ac) {
         drop_connection(rs, why);
         return;
@@ -846,7 +845,7 @@ static void on_sentinel_disconnect(const redisAsyncContext *ac, int status)
     sentinel_failed(rs, "the connection closed before the answer");
 }
 
-redisAsyncContext *cg_redis_async_open(uv_loop_t *loop, const char *address, int port, void *data,
+redisAsyncContext *cg_redis_async_open(redis_store *rs, const char *address, int port, void *data,
                                        redisConnectCallback *on_connect, redisDisconnectCallback *on_disconnect,
                                        char *why, size_t whylen)
 {
@@ -858,7 +857,11 @@ redisAsyncContext *cg_redis_async_open(uv_loop_t *loop, const char *address, int
         return NULL;
     }
     ac->data = data;
-    redisLibuvAttach(ac, loop);
+    if (cg_redis_uv_attach(ac, rs->base.loop, rs->base.cfg.flush) < 0) {
+        snprintf(why, whylen, "cannot watch its socket on the loop");
+        redisAsyncFree(ac);
+        return NULL;
+    }
     redisAsyncSetConnectCallback(ac, on_connect);
     redisAsyncSetDisconnectCallback(ac, on_disconnect);
     return ac;
@@ -869,7 +872,7 @@ static void on_sentinel_resolved(void *data, const char *address, const char *er
     redis_store *rs = data;
     rs->sresolve = NULL;
     char why[160];
-    redisAsyncContext *ac = address ? cg_redis_async_open(rs->base.loop, address, rs->sentinel_ports[rs->sentinel_at],
+    redisAsyncContext *ac = address ? cg_redis_async_open(rs, address, rs->sentinel_ports[rs->sentinel_at],
                                                           rs, on_sentinel_connect, on_sentinel_disconnect, why,
                                                           sizeof(why))
                                     : NULL;
@@ -1011,7 +1014,7 @@ static void on_sub_resolved(void *data, const char *address, const char *err)
     redis_store *rs = data;
     rs->sub_resolve = NULL;
     char why[160];
-    redisAsyncContext *ac = address ? cg_redis_async_open(rs->base.loop, address, rs->sentinel_ports[rs->sub_at], rs,
+    redisAsyncContext *ac = address ? cg_redis_async_open(rs, address, rs->sentinel_ports[rs->sub_at], rs,
                                                           on_sub_connect, on_sub_disconnect, why, sizeof(why))
                                     : NULL;
     if (!ac) {
@@ -1058,6 +1061,8 @@ static void store_free(redis_store *rs)
     json_decref(rs->unknown);
     json_decref(rs->leases);
     json_decref(rs->saving);
+    json_decref(rs->hist_new);
+    json_decref(rs->hist_old);
     json_decref(rs->recent);
     free(rs->host);
     free(rs->password);
@@ -1359,10 +1364,13 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->unknown = json_object();
     rs->leases = json_object();
     rs->saving = json_object();
+    rs->hist_new = json_object();
+    rs->hist_old = json_object();
     rs->recent = json_object();
     cg_redis_scripts_init();
     lease_holder_id(rs);
-    if (!rs->mem || !rs->recent || !rs->dirty || !rs->warned || !rs->unknown || !rs->leases || !rs->saving)
+    if (!rs->mem || !rs->recent || !rs->dirty || !rs->warned || !rs->unknown || !rs->leases || !rs->saving ||
+        !rs->hist_new || !rs->hist_old)
         abort(); /* out of memory at startup */
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);

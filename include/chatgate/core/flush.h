@@ -29,16 +29,27 @@ typedef struct cg_flush_item {
 
 typedef struct cg_flusher {
     uv_check_t check;
+    uv_idle_t idle; /* keeps the poll from blocking while items wait (flush.c) */
     cg_flush_item *head;
+    cg_flush_item *first; /* flushed before head's: commands to a store, before the frames
+                           * that report their outcome (cg_flush_request_first) */
     int started;
+    int closed;
 } cg_flusher;
 
 void cg_flusher_init(cg_flusher *f, uv_loop_t *loop);
-/* Closes the handle (the loop must still run for it); registered items are dropped. */
+/* Closes the handle (the loop must still run for it): what is registered first
+ * (cg_flush_request_first) is flushed now, the rest dropped. */
 void cg_flusher_close(cg_flusher *f);
 
 /* Registers item (its flush runs at the end of this loop iteration); a no-op if it already is. */
 void cg_flush_request(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
+/* The same, for output that must leave before any registered with cg_flush_request in
+ * the same iteration: a Redis command goes out before the client frame that reports it
+ * was sent (docs/protocol.md: context answers go out as the store write is sent).
+ * Returns -1, registering nothing, once the flusher is closed: the caller writes another
+ * way. */
+int cg_flush_request_first(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
 /* Unregisters item if it is registered. */
 void cg_flush_cancel(cg_flush_item *item);
 

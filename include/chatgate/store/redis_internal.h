@@ -12,7 +12,8 @@
  *   redis_dialog.c  the dialog operations: the keys, the scripts (EVALSHA) and their
  *                   arguments, load, save, remove, forget a user, the dialog leases, reading
  *                   the replies; the ops table;
- *   redis_bus.c     the pub/sub connections that carry cancels between gateways.
+ *   redis_bus.c     the pub/sub connections that carry cancels between gateways;
+ *   redis_uv.c      hiredis on the libuv loop, commands written once per iteration.
  * Each half calls the other through the few cg_redis_ functions below: the operations need
  * requests, the in-flight list, the dirty set and the answers from memory; the connection
  * needs a save (for the write-back), the dispatch of waiting requests once it is decided,
@@ -88,6 +89,10 @@ struct redis_store {
     cg_store_req *waiting, *waiting_tail; /* before the first connection is decided */
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
+    /* history items read back, by their JSON text (redis_dialog.c, history_item): two
+     * generations, the older dropped when the newer fills */
+    json_t *hist_new, *hist_old;
+    size_t hist_new_bytes;
     cg_store_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
@@ -141,10 +146,15 @@ typedef struct cg_redis_url {
  * The strings u holds then are the caller's to free either way. */
 int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errlen);
 
+/* Puts an async hiredis connection on the loop (redis_uv.c: commands written once per
+ * iteration through flusher, or when the socket is writable with none); 0, or -1 when out
+ * of memory or the socket cannot be polled. */
+int cg_redis_uv_attach(redisAsyncContext *ac, uv_loop_t *loop, struct cg_flusher *flusher);
+
 /* An async hiredis connection to a resolved address on the loop, with data and callbacks
  * (the Sentinel queries, its subscription, the bus); NULL with why filled when hiredis
  * refused it at once (out of memory, a bad address). */
-redisAsyncContext *cg_redis_async_open(uv_loop_t *loop, const char *address, int port, void *data,
+redisAsyncContext *cg_redis_async_open(redis_store *rs, const char *address, int port, void *data,
                                        redisConnectCallback *on_connect, redisDisconnectCallback *on_disconnect,
                                        char *why, size_t whylen);
 

@@ -100,6 +100,9 @@ typedef struct cg_store_config {
     long connect_timeout_ms;
     long writeback_max_bytes; /* Redis: bound on dialogs held for the write-back; 0 = 64 MiB */
     long lease_ms;            /* Redis: a dialog lease's lifetime, renewed while its turn runs */
+    struct cg_flusher *flush; /* Redis: commands are written through it, before the frames
+                               * of the same loop iteration (core/flush.h); NULL: when the
+                               * socket is writable */
     const char *bus_url;      /* Redis: where gateways tell each other to cancel (redis.bus);
                                * NULL: the store's own URL when it is redis://, else none */
 } cg_store_config;

@@ -1,0 +1,78 @@
+/*
+ * test_flush.c: the once-per-iteration flusher (core/flush.h) on a real libuv loop: items
+ * registered "first" are flushed before the others of the same iteration (a Redis command
+ * before the frame that reports it), an item registered during the flush runs in the next
+ * iteration without the loop blocking in its poll (the idle handle), and closing flushes
+ * what was registered first and refuses later requests.
+ */
+#include <uv.h>
+
+#include "chatgate/core/flush.h"
+#include "unit.h"
+
+typedef struct {
+    cg_flush_item item;
+    char name;
+    int again; /* registers itself again this many times */
+} probe;
+
+static char order[16];
+static size_t n_order;
+static cg_flusher flusher;
+static int guard_fired;
+
+static void flush_probe(cg_flush_item *item)
+{
+    probe *p = (probe *)item; /* item is the first member */
+    if (n_order < sizeof(order) - 1)
+        order[n_order++] = p->name;
+    if (p->again > 0) {
+        p->again--;
+        cg_flush_request(&flusher, &p->item, flush_probe);
+    }
+}
+
+static void on_guard(uv_timer_t *t)
+{
+    guard_fired = 1;
+    uv_stop(t->loop);
+}
+
+int main(void)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    cg_flusher_init(&flusher, &loop);
+    uv_timer_t guard; /* fires only if the loop blocked in its poll with an item waiting */
+    uv_timer_init(&loop, &guard);
+    uv_timer_start(&guard, on_guard, 5000, 0);
+    uv_unref((uv_handle_t *)&guard);
+
+    probe a = {.name = 'a'}, b = {.name = 'b'}, c = {.name = 'c', .again = 2};
+    cg_flush_request(&flusher, &a.item, flush_probe);
+    CHECK(cg_flush_request_first(&flusher, &b.item, flush_probe) == 0);
+    cg_flush_request(&flusher, &c.item, flush_probe);
+    cg_flush_request(&flusher, &a.item, flush_probe); /* already registered: once */
+    uv_run(&loop, UV_RUN_ONCE);
+    order[n_order] = 0;
+    CHECK(order[0] == 'b');          /* first before the rest */
+    CHECK(n_order == 3);             /* a and c once each */
+    uv_run(&loop, UV_RUN_ONCE);      /* c registered itself again: runs without blocking */
+    uv_run(&loop, UV_RUN_ONCE);
+    order[n_order] = 0;
+    CHECK(n_order == 5);
+    CHECK(order[3] == 'c' && order[4] == 'c');
+    CHECK(!guard_fired);
+
+    /* close: what is registered first is flushed, the rest dropped, later requests refused */
+    n_order = 0;
+    cg_flush_request(&flusher, &a.item, flush_probe);
+    cg_flush_request_first(&flusher, &b.item, flush_probe);
+    cg_flusher_close(&flusher);
+    CHECK(n_order == 1 && order[0] == 'b');
+    CHECK(cg_flush_request_first(&flusher, &b.item, flush_probe) == -1);
+    uv_close((uv_handle_t *)&guard, NULL);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    CHECK(uv_loop_close(&loop) == 0);
+    return unit_done("flush");
+}
