@@ -1061,8 +1061,6 @@ static void store_free(redis_store *rs)
     json_decref(rs->unknown);
     json_decref(rs->leases);
     json_decref(rs->saving);
-    json_decref(rs->hist_new);
-    json_decref(rs->hist_old);
     json_decref(rs->recent);
     free(rs->host);
     free(rs->password);
@@ -1364,13 +1362,10 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->unknown = json_object();
     rs->leases = json_object();
     rs->saving = json_object();
-    rs->hist_new = json_object();
-    rs->hist_old = json_object();
     rs->recent = json_object();
     cg_redis_scripts_init();
     lease_holder_id(rs);
-    if (!rs->mem || !rs->recent || !rs->dirty || !rs->warned || !rs->unknown || !rs->leases || !rs->saving ||
-        !rs->hist_new || !rs->hist_old)
+    if (!rs->mem || !rs->recent || !rs->dirty || !rs->warned || !rs->unknown || !rs->leases || !rs->saving)
         abort(); /* out of memory at startup */
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);

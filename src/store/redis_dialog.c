@@ -467,53 +467,9 @@ static void expiring_from_reply(json_t *j, redisReply *rep, const char *name, co
     set_checked(j, name, strlen(name), v);
 }
 
-/*
- * One history message read back (a JSON object's text), or NULL when it is not one. A
- * dialog's history comes back whole with every load, and from one turn to the next all
- * but the newest exchange is what the last load read. History items are never changed once
- * pushed (dialog.h), so an item already read is shared by its text rather than parsed
- * again; sharing the same item also lets a ws:// upstream reuse the text it dumped for the
- * last message (upstream/ws.c). The table is bounded: two generations of at most
- * HIST_TABLE_ITEMS items or HIST_TABLE_BYTES of text, the older dropped when the newer
- * fills, so an item in use stays found and one no longer read goes.
- */
-#define HIST_TABLE_ITEMS 4096
-#define HIST_TABLE_BYTES (8u << 20)
-#define HIST_TABLE_MAX_ITEM 16384 /* longer ones are parsed each time */
-
-static json_t *history_item(redis_store *rs, redisReply *r)
-{
-    if (r->type != REDIS_REPLY_STRING)
-        return NULL;
-    json_t *m = json_object_getn(rs->hist_new, r->str, r->len);
-    if (m)
-        return json_incref(m);
-    m = json_object_getn(rs->hist_old, r->str, r->len);
-    if (m)
-        json_incref(m);
-    else if (!json_is_object(m = parse_json_reply(r))) {
-        json_decref(m);
-        return NULL;
-    }
-    if (r->len > HIST_TABLE_MAX_ITEM)
-        return m;
-    if (json_object_size(rs->hist_new) >= HIST_TABLE_ITEMS || rs->hist_new_bytes >= HIST_TABLE_BYTES) {
-        json_t *fresh = json_object();
-        if (!fresh)
-            return m;
-        json_decref(rs->hist_old);
-        rs->hist_old = rs->hist_new;
-        rs->hist_new = fresh;
-        rs->hist_new_bytes = 0;
-    }
-    if (json_object_setn_nocheck(rs->hist_new, r->str, r->len, m) == 0)
-        rs->hist_new_bytes += r->len;
-    return m;
-}
-
 /* Turns the five replies of a load into the JSON cg_dialog_from_json reads; NULL when out
  * of memory. */
-static json_t *dialog_from_replies(redis_store *rs, redisReply **rep)
+static json_t *dialog_from_replies(redisReply **rep)
 {
     json_t *j = json_object(), *meta = json_object(), *history = json_array();
     if (!j || !meta || !history) {
@@ -538,9 +494,9 @@ static json_t *dialog_from_replies(redis_store *rs, redisReply **rep)
     expiring_from_reply(j, rep[2], "awaiting", "awaiting_expires");
     expiring_from_reply(j, rep[3], "soft_context", "soft_expires");
     for (size_t i = 0; rep[4]->type == REDIS_REPLY_ARRAY && i < rep[4]->elements; i++) {
-        json_t *m = history_item(rs, rep[4]->element[i]);
-        if (m && json_array_append_new(history, m) < 0)
-            cg_warn("redis: dropped a history message of a dialog read back (out of memory)");
+        json_t *m = parse_json_reply(rep[4]->element[i]);
+        if (!json_is_object(m) || json_array_append_new(history, m) < 0)
+            json_decref(json_is_object(m) ? NULL : m);
     }
     set_checked(j, "history", 7, history);
     return j;
@@ -611,7 +567,7 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
     }
     json_t *j = NULL;
     if (cg_redis_reply_failed(rs, reply, 6, "load") || reply->element[0]->type != REDIS_REPLY_STRING ||
-        !(j = dialog_from_replies(rs, reply->element + 1))) {
+        !(j = dialog_from_replies(reply->element + 1))) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
         return;

@@ -89,10 +89,6 @@ struct redis_store {
     cg_store_req *waiting, *waiting_tail; /* before the first connection is decided */
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
-    /* history items read back, by their JSON text (redis_dialog.c, history_item): two
-     * generations, the older dropped when the newer fills */
-    json_t *hist_new, *hist_old;
-    size_t hist_new_bytes;
     cg_store_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
