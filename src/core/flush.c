@@ -43,12 +43,10 @@ static void on_check(uv_check_t *h)
     cg_flusher *f = h->data;
     run_list(&f->first);
     run_list(&f->head);
-    if (!f->head && !f->first && f->started) {
+    if (!f->head && !f->first) {
         uv_check_stop(&f->check);
-        f->started = 0;
-    }
-    if (!f->head && !f->first)
         uv_idle_stop(&f->idle);
+    }
 }
 
 static void on_idle(uv_idle_t *h)
@@ -60,7 +58,6 @@ void cg_flusher_init(cg_flusher *f, uv_loop_t *loop)
 {
     f->head = NULL;
     f->first = NULL;
-    f->started = 0;
     f->closed = 0;
     uv_check_init(loop, &f->check);
     f->check.data = f;
@@ -73,7 +70,6 @@ void cg_flusher_close(cg_flusher *f)
     run_list(&f->first);
     while (f->head)
         unlink_item(f->head);
-    f->started = 0;
     uv_close((uv_handle_t *)&f->check, NULL);
     uv_close((uv_handle_t *)&f->idle, NULL);
 }
@@ -90,10 +86,7 @@ static int request(cg_flusher *f, cg_flush_item **list, cg_flush_item *item, voi
         (*list)->pprev = &item->next;
     *list = item;
     item->pprev = list;
-    if (!f->started) {
-        uv_check_start(&f->check, on_check);
-        f->started = 1;
-    }
+    uv_check_start(&f->check, on_check); /* both no-ops when already started */
     uv_idle_start(&f->idle, on_idle);
     return 0;
 }

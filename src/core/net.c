@@ -153,14 +153,12 @@ void cg_net_batch_add(cg_net_batch *b, const char *json, size_t len)
     }
     cg_buf_append(&b->buf, &b->len, &b->cap, hdr, h, 1024);
     cg_buf_append(&b->buf, &b->len, &b->cap, json, len, 1024);
-    b->frames++;
 }
 
 int cg_net_batch_write(struct lws *wsi, cg_net_batch *b)
 {
     size_t len = b->len;
     b->len = 0;
-    b->frames = 0;
     if (!len)
         return 0;
     return lws_write(wsi, (unsigned char *)b->buf, len, LWS_WRITE_HTTP) < (int)len ? -1 : 0;

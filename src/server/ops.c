@@ -36,12 +36,14 @@ static int put(char *buf, size_t len, size_t *used, const char *fmt, ...)
     return 0;
 }
 
-/* One line per upstream of a family whose figure is counted by upstream index. */
+/* One line per upstream of a family whose figure is counted by upstream index: every
+ * upstream, or only those of one kind (kind >= 0, a cg_upstream_kind). */
 static int per_upstream(const cg_server *srv, char *buf, size_t len, size_t *used, const char *name,
-                        const unsigned long *values)
+                        const unsigned long *values, int kind)
 {
     for (int i = 0; i < srv->turn.n_upstreams; i++)
-        if (put(buf, len, used, "%s{upstream=\"%s\"} %lu\n", name, srv->upstreams[i].cfg->name, values[i]) < 0)
+        if ((kind < 0 || (int)srv->upstreams[i].cfg->kind == kind) &&
+            put(buf, len, used, "%s{upstream=\"%s\"} %lu\n", name, srv->upstreams[i].cfg->name, values[i]) < 0)
             return -1;
     return 0;
 }
@@ -174,11 +176,27 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             "# TYPE chatgate_routed_total counter\n",
             m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
             m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures) < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_routed_total", m->routed) < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_routed_total", m->routed, -1) < 0 ||
         put(buf, len, &used, "# TYPE chatgate_upstream_errors_total counter\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_errors_total", m->upstream_errors) < 0)
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_errors_total", m->upstream_errors, -1) < 0)
         return used;
-    used += cg_upstream_metrics_format(m, srv->upstreams, srv->turn.n_upstreams, buf + used, len - used);
+    /* the connection pools of the OpenAI-compatible upstreams (upstream/http_pool.h) */
+    if (put(buf, len, &used,
+            "# HELP chatgate_upstream_connections_opened_total TCP connections opened to an OpenAI-compatible "
+            "upstream.\n# TYPE chatgate_upstream_connections_opened_total counter\n") < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_connections_opened_total", m->upstream_conns_opened,
+                     CG_UPSTREAM_OPENAI) < 0 ||
+        put(buf, len, &used,
+            "# HELP chatgate_upstream_connections_reused_total Requests sent on a kept-alive connection instead of "
+            "a new one.\n# TYPE chatgate_upstream_connections_reused_total counter\n") < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_connections_reused_total", m->upstream_conns_reused,
+                     CG_UPSTREAM_OPENAI) < 0 ||
+        put(buf, len, &used,
+            "# HELP chatgate_upstream_connections_idle Kept-alive connections idle now, waiting for the next "
+            "request.\n# TYPE chatgate_upstream_connections_idle gauge\n") < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_connections_idle", m->upstream_conns_idle,
+                     CG_UPSTREAM_OPENAI) < 0)
+        return used;
     if (put(buf, len, &used,
             "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n") < 0)
         return used;

@@ -233,14 +233,13 @@ static int session_write_some(cg_session *s)
         return n < (int)f.len ? -1 : 0;
     }
     cg_net_batch *b = &s->srv->batch;
-    cg_net_batch_add(b, f.json, f.len);
-    free(f.buf);
-    while (s->out_head && b->len + s->out_head->len <= CG_BATCH_BYTES) {
-        f = session_pop(s);
+    for (;;) {
         cg_net_batch_add(b, f.json, f.len);
         free(f.buf);
+        if (!s->out_head || b->len + s->out_head->len > CG_BATCH_BYTES)
+            return cg_net_batch_write(s->wsi, b);
+        f = session_pop(s);
     }
-    return cg_net_batch_write(s->wsi, b);
 }
 
 /*

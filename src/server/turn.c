@@ -383,10 +383,8 @@ static void turn_call(cg_turn *t, const cg_pipeline_result *res, json_t *params,
         turn_finish(t);
         return;
     }
-    /* the state in a sentence is for an LLM's system message: only that kind reads it */
-    char *summary = up->cfg->kind == CG_UPSTREAM_OPENAI
-                        ? cg_dialog_summary(d, params, res->resolution, res->annotations)
-                        : NULL;
+    /* the state in a sentence, for an LLM's system message: built for a kind that reads it */
+    char *summary = up->ops->reads_summary ? cg_dialog_summary(d, params, res->resolution, res->annotations) : NULL;
     cg_upstream_message um = {
         .id = t->id, .user = q->user, .room = t->room, .text = t->text, .route = up->cfg->name,
         .service = d->service, .params = params, .awaiting = awaiting_before, .soft = d->soft,

@@ -2,11 +2,11 @@
  * store_memory.c: dialogs in this process, with the same lifetimes the Redis layout gets
  * from key expiry, and two bounds on what is held: a number of dialogs and a number of bytes.
  *
- * The table is a binary tree of entries by key (POSIX tsearch) and a list of the same entries
- * in order of use, least recent first: the one to evict. An entry holds its own copy of the
- * dialog (cg_dialog_copy: the small parts copied, the history's items shared, as nobody
- * changes them), its lifetimes and its weight, so a turn's load and save cost a copy of
- * the dialog's parts and no JSON text: parts past their time read as empty, as Redis keys
+ * The table is a binary tree of entries by key (POSIX tsearch) and a list of the same
+ * entries (sys/queue.h's TAILQ) in order of use, least recent first: the one to evict. An
+ * entry holds its own copy of the dialog (cg_dialog_copy: the small parts copied, the
+ * history's items shared, as nobody changes them), its lifetimes and its weight, so a
+ * turn's load and save cost a copy of the dialog's parts and no JSON text: parts past their time read as empty, as Redis keys
  * would have expired. The weight is what the entry counts against the byte bound: its key
  * and its dialog about as compact JSON (cg_dialog_weight), so a few dialogs of 1 MiB
  * replies weigh what they are.
@@ -19,6 +19,7 @@
  * call, as store.h promises.
  */
 #include <search.h>
+#include <sys/queue.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,7 +27,7 @@
 #include "chatgate/store/store.h"
 
 typedef struct mem_entry {
-    struct mem_entry *older, *newer; /* the use order */
+    TAILQ_ENTRY(mem_entry) order; /* the use order, least recent first */
     cg_dialog d;
     int64_t dialog_exp, params_exp, history_exp;
     size_t bytes;    /* the key's length and the dialog's weight */
@@ -35,7 +36,7 @@ typedef struct mem_entry {
 
 struct cg_memstore {
     void *tree;              /* of mem_entry *, by key */
-    mem_entry *oldest, *newest;
+    TAILQ_HEAD(, mem_entry) order;
     long count;
     long max_dialogs;
     size_t max_bytes;
@@ -54,6 +55,7 @@ cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_
     cg_memstore *m = calloc(1, sizeof(*m));
     if (!m)
         return NULL;
+    TAILQ_INIT(&m->order);
     m->max_dialogs = max_dialogs;
     m->max_bytes = CG_MEMSTORE_DEFAULT_MAX_BYTES;
     m->lt = *lt;
@@ -77,30 +79,6 @@ static void publish_bytes(cg_memstore *m)
         m->stats->memory_bytes = m->bytes;
 }
 
-static void order_unlink(cg_memstore *m, mem_entry *e)
-{
-    if (e->older)
-        e->older->newer = e->newer;
-    else
-        m->oldest = e->newer;
-    if (e->newer)
-        e->newer->older = e->older;
-    else
-        m->newest = e->older;
-    e->older = e->newer = NULL;
-}
-
-static void order_append(cg_memstore *m, mem_entry *e)
-{
-    e->older = m->newest;
-    e->newer = NULL;
-    if (m->newest)
-        m->newest->newer = e;
-    else
-        m->oldest = e;
-    m->newest = e;
-}
-
 static mem_entry *entry_find(cg_memstore *m, const char *key)
 {
     mem_entry probe = {.key = key};
@@ -112,7 +90,7 @@ static mem_entry *entry_find(cg_memstore *m, const char *key)
 static void entry_drop(cg_memstore *m, mem_entry *e)
 {
     tdelete(e, &m->tree, by_key);
-    order_unlink(m, e);
+    TAILQ_REMOVE(&m->order, e, order);
     m->count--;
     m->bytes -= e->bytes < m->bytes ? e->bytes : m->bytes;
     publish_bytes(m);
@@ -124,8 +102,8 @@ void cg_memstore_free(cg_memstore *m)
 {
     if (!m)
         return;
-    while (m->oldest)
-        entry_drop(m, m->oldest);
+    while (!TAILQ_EMPTY(&m->order))
+        entry_drop(m, TAILQ_FIRST(&m->order));
     free(m);
 }
 
@@ -144,7 +122,7 @@ static void evict(cg_memstore *m)
 {
     const char *reason;
     while ((reason = over_bound(m)) != NULL && m->count > 1) {
-        entry_drop(m, m->oldest);
+        entry_drop(m, TAILQ_FIRST(&m->order));
         if (m->stats) {
             if (strcmp(reason, "bytes") == 0)
                 m->stats->evictions_bytes++;
@@ -175,8 +153,8 @@ int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
         d->history = json_array();
     }
     /* most recently used: to the end of the order */
-    order_unlink(m, e);
-    order_append(m, e);
+    TAILQ_REMOVE(&m->order, e, order);
+    TAILQ_INSERT_TAIL(&m->order, e, order);
     return 1;
 }
 
@@ -206,7 +184,7 @@ void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
     }
-    order_append(m, e);
+    TAILQ_INSERT_TAIL(&m->order, e, order);
     m->count++;
     m->bytes += e->bytes;
     publish_bytes(m);
@@ -225,8 +203,8 @@ int cg_memstore_del_user(cg_memstore *m, const char *user)
     char *prefix = cg_store_dialog_key(user, ""); /* "<user>:" */
     size_t n = strlen(prefix);
     int deleted = 0;
-    for (mem_entry *e = m->oldest, *next; e; e = next) {
-        next = e->newer;
+    for (mem_entry *e = TAILQ_FIRST(&m->order), *next; e; e = next) {
+        next = TAILQ_NEXT(e, order);
         if (strncmp(e->key, prefix, n) == 0) {
             entry_drop(m, e);
             deleted++;

@@ -23,6 +23,7 @@
 #include <string.h>
 #include <strings.h>
 #include <unistd.h>
+#include <sys/queue.h>
 #include <sys/socket.h>
 
 #include "chatgate/core/log.h"
@@ -36,7 +37,7 @@ typedef struct transfer {
     int busy;    /* its request went out on a connection: that one is not idle */
     int stop;    /* stop asked while the pool was inside libcurl */
     int resume;  /* curl_easy_pause(CONT) asked */
-    struct transfer *prev, *next;
+    LIST_ENTRY(transfer) link; /* in the pool's transfers */
 } transfer;
 
 typedef struct sock_watch {
@@ -53,7 +54,7 @@ struct cg_http_pool {
     CURLM *multi;  /* NULL while no connection is open and nothing runs */
     CURLSH *share; /* TLS sessions and DNS answers, kept across multi handles */
     uv_timer_t curl_timer, kick, idle;
-    transfer *transfers; /* every running transfer */
+    LIST_HEAD(, transfer) transfers; /* every running transfer */
     long open;           /* sockets open now */
     long busy;           /* transfers that hold a connection */
     long server_keepalive_s; /* the last `Keep-Alive: timeout=N` heard, 0 when none */
@@ -176,7 +177,7 @@ static int multi_open(cg_http_pool *p)
  * next transfer; the TLS sessions stay in the share). */
 static void multi_close(cg_http_pool *p)
 {
-    if (!p->multi || p->transfers)
+    if (!p->multi || !LIST_EMPTY(&p->transfers))
         return;
     p->in_curl++;
     curl_multi_cleanup(p->multi);
@@ -197,27 +198,17 @@ static long keepalive_ms(const cg_http_pool *p)
 static void on_idle_timeout(uv_timer_t *t)
 {
     cg_http_pool *p = t->data;
-    if (!p->transfers && p->open > 0)
+    if (LIST_EMPTY(&p->transfers) && p->open > 0)
         cg_debug("upstream '%s': closing %ld idle connection(s)", p->cfg->name, p->open);
     multi_close(p);
 }
 
 static void arm_idle(cg_http_pool *p)
 {
-    if (p->transfers || !p->multi)
+    if (!LIST_EMPTY(&p->transfers) || !p->multi)
         uv_timer_stop(&p->idle);
     else
         uv_timer_start(&p->idle, on_idle_timeout, (uint64_t)keepalive_ms(p), 0);
-}
-
-static void transfer_unlink(cg_http_pool *p, transfer *t)
-{
-    if (t->prev)
-        t->prev->next = t->next;
-    else
-        p->transfers = t->next;
-    if (t->next)
-        t->next->prev = t->prev;
 }
 
 /* The transfer leaves the pool: out of the multi handle, cleaned up, its owner told. */
@@ -227,7 +218,7 @@ static void transfer_end(cg_http_pool *p, transfer *t, CURLcode result)
         curl_multi_remove_handle(p->multi, t->easy); /* an unfinished one's connection closes */
     if (t->busy)
         p->busy--;
-    transfer_unlink(p, t);
+    LIST_REMOVE(t, link);
     curl_easy_cleanup(t->easy);
     update_idle(p);
     cg_http_done_fn done = t->done;
@@ -262,8 +253,8 @@ static void finish_done(cg_http_pool *p)
 static void apply_pending(cg_http_pool *p)
 {
     p->in_curl++;
-    for (transfer *t = p->transfers, *next; t; t = next) {
-        next = t->next;
+    for (transfer *t = LIST_FIRST(&p->transfers), *next; t; t = next) {
+        next = LIST_NEXT(t, link);
         if (t->stop) {
             transfer_end(p, t, CURLE_ABORTED_BY_CALLBACK);
             continue;
@@ -322,6 +313,7 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
     cg_http_pool *p = calloc(1, sizeof(*p));
     if (!p)
         return NULL;
+    LIST_INIT(&p->transfers);
     p->loop = loop;
     p->cfg = cfg;
     p->metrics = metrics;
@@ -387,10 +379,7 @@ int cg_http_pool_start(cg_http_pool *p, CURL *easy, cg_http_done_fn done, void *
     } else {
         uv_timer_start(&p->kick, on_kick, 0, 0);
     }
-    t->next = p->transfers;
-    if (t->next)
-        t->next->prev = t;
-    p->transfers = t;
+    LIST_INSERT_HEAD(&p->transfers, t, link);
     uv_timer_stop(&p->idle);
     return 0;
 }
@@ -468,8 +457,8 @@ void cg_http_pool_free(cg_http_pool *p)
     if (!p || p->freeing)
         return;
     p->freeing = 1;
-    while (p->transfers)
-        transfer_end(p, p->transfers, CURLE_ABORTED_BY_CALLBACK);
+    while (!LIST_EMPTY(&p->transfers))
+        transfer_end(p, LIST_FIRST(&p->transfers), CURLE_ABORTED_BY_CALLBACK);
     multi_close(p);
     uv_close((uv_handle_t *)&p->curl_timer, pool_handle_closed);
     uv_close((uv_handle_t *)&p->kick, pool_handle_closed);

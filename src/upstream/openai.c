@@ -56,8 +56,8 @@ struct cg_upstream_call {
     const cg_upstream_events *ev; /* NULL once the call has ended */
     void *ctx;
     int refs;
-    int ended;
-    int draining; /* ended by done: the rest of the response is read, to keep the connection */
+    int ended; /* after a done, phase is PHASE_DRAIN: the rest of the response is read, to
+                * keep the connection */
     CURL *easy;   /* while the transfer runs (the pool's) */
     cg_http_pool *pool; /* the upstream's */
     uv_timer_t timer;
@@ -111,7 +111,6 @@ static void call_end(cg_upstream_call *c, int drain)
     c->ended = 1;
     c->ev = NULL;
     if (c->easy && drain) {
-        c->draining = 1;
         c->phase = PHASE_DRAIN;
         uv_timer_start(&c->timer, on_timeout, (uint64_t)c->up->cfg->idle_timeout_ms, 0);
         if (c->paused)
@@ -299,6 +298,13 @@ static int on_sending(void *data, char *ip, char *local_ip, int port, int local_
     return c->ended ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
 }
 
+/* What an ended call answers libcurl for len more bytes: takes them while it drains after
+ * a done, else refuses them, which ends the transfer. */
+static size_t ended_take(const cg_upstream_call *c, size_t len)
+{
+    return c->phase == PHASE_DRAIN ? len : 0;
+}
+
 /* One header line; at the blank line ending a final (not 1xx) header block, notes the
  * answer's status and whether it is an event stream. */
 static size_t on_header(char *line, size_t size, size_t n, void *data)
@@ -307,7 +313,7 @@ static size_t on_header(char *line, size_t size, size_t n, void *data)
     size_t len = size * n;
     cg_http_pool_header(c->pool, line, len);
     if (c->ended)
-        return c->draining ? len : 0;
+        return ended_take(c, len);
     arm(c, PHASE_IDLE); /* the first bytes came */
     if (len <= 2 && (line[0] == '\r' || line[0] == '\n')) {
         long code = 0;
@@ -329,12 +335,12 @@ static size_t on_data(char *in, size_t size, size_t n, void *data)
     cg_upstream_call *c = data;
     size_t len = size * n;
     if (c->ended)
-        return c->draining ? len : 0;
+        return ended_take(c, len);
     if (c->paused)
         return CURL_WRITEFUNC_PAUSE;
     on_body(c, in, len);
     if (c->ended)
-        return c->draining ? len : 0;
+        return ended_take(c, len);
     return len;
 }
 
@@ -542,9 +548,7 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
     c->timer.data = c;
     arm(c, PHASE_CONNECT);
     if (request_start(c, st) < 0) {
-        c->ended = 1;
-        c->ev = NULL;
-        uv_close((uv_handle_t *)&c->timer, timer_closed);
+        call_end(c, 0); /* no transfer: the timer goes */
         return -1;
     }
     *out = c;
@@ -569,6 +573,7 @@ static void openai_pause(cg_upstream_call *c, int paused)
 
 const cg_upstream_ops cg_upstream_openai_ops = {
     .kind = "openai",
+    .reads_summary = 1, /* the system message */
     .start = openai_start,
     .cancel = openai_cancel,
     .pause = openai_pause,

@@ -93,36 +93,3 @@ void cg_upstream_close(cg_upstream *up)
         up->ops->close(up);
     up->state = NULL;
 }
-
-size_t cg_upstream_metrics_format(const cg_metrics *m, const cg_upstream *ups, int n, char *buf, size_t len)
-{
-    static const struct {
-        const char *name, *type, *help;
-        size_t offset;
-    } families[] = {
-        {"chatgate_upstream_connections_opened_total", "counter",
-         "TCP connections opened to an OpenAI-compatible upstream.", offsetof(cg_metrics, upstream_conns_opened)},
-        {"chatgate_upstream_connections_reused_total", "counter",
-         "Requests sent on a kept-alive connection instead of a new one.", offsetof(cg_metrics, upstream_conns_reused)},
-        {"chatgate_upstream_connections_idle", "gauge",
-         "Kept-alive connections idle now, waiting for the next request.", offsetof(cg_metrics, upstream_conns_idle)},
-    };
-    size_t used = 0;
-    for (size_t f = 0; f < sizeof(families) / sizeof(families[0]); f++) {
-        const unsigned long *v = (const unsigned long *)((const char *)m + families[f].offset);
-        int k = snprintf(buf + used, len - used, "# HELP %s %s\n# TYPE %s %s\n", families[f].name, families[f].help,
-                         families[f].name, families[f].type);
-        if (k < 0 || (size_t)k >= len - used)
-            return used;
-        used += (size_t)k;
-        for (int i = 0; i < n; i++) {
-            if (ups[i].cfg->kind != CG_UPSTREAM_OPENAI)
-                continue;
-            k = snprintf(buf + used, len - used, "%s{upstream=\"%s\"} %lu\n", families[f].name, ups[i].cfg->name, v[i]);
-            if (k < 0 || (size_t)k >= len - used)
-                return used;
-            used += (size_t)k;
-        }
-    }
-    return used;
-}

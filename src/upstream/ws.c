@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/jsonout.h"
@@ -495,20 +496,20 @@ static json_t *or_null(json_t *j)
 }
 
 /*
- * Brings the connection's history text up to date with `history` and returns the length
- * of the JSON array they make, or 0 when out of memory. Every message carries the dialog's
- * last history_n messages, and from one message to the next that window moves by a turn:
- * history items are never changed once pushed (dialog.h), and the memory store hands the
- * same items back turn after turn, so an item already dumped for the last message is found
- * by its pointer and its text reused. Dumping the whole history again for every message was
- * the largest single cost of a turn through this upstream (docs/architecture.md, "Writing").
+ * Brings the connection's history text up to date with `history`: 0, or -1 when out of
+ * memory. Every message carries the dialog's last history_n messages, and from one message
+ * to the next that window moves by a turn: history items are never changed once pushed
+ * (dialog.h), and the memory store hands the same items back turn after turn, so an item
+ * already dumped for the last message is found by its pointer and its text reused. Dumping
+ * the whole history again for every message was the largest single cost of a turn through
+ * this upstream (docs/architecture.md, "Writing").
  */
-static size_t hist_refresh(ws_conn *k, json_t *history)
+static int hist_refresh(ws_conn *k, json_t *history)
 {
-    size_t n = json_array_size(history), from = 0, total = 2; /* [ ] */
+    size_t n = json_array_size(history), from = 0;
     hist_text *next = n ? calloc(n, sizeof(*next)) : NULL;
     if (n && !next)
-        return 0;
+        return -1;
     for (size_t i = 0; i < n; i++) {
         json_t *item = json_array_get(history, i);
         size_t j = from;
@@ -518,21 +519,17 @@ static size_t hist_refresh(ws_conn *k, json_t *history)
             next[i] = k->hist[j];
             k->hist[j] = (hist_text){0};
             from = j + 1;
-        } else {
-            next[i].text = json_dumps(item, JSON_COMPACT | JSON_ENCODE_ANY);
-            if (!next[i].text) {
-                hist_free(next, i);
-                return 0;
-            }
-            next[i].len = strlen(next[i].text);
+        } else if ((next[i].text = cg_json_dump_pre(item, 0, 256, &next[i].len))) {
             next[i].item = json_incref(item);
+        } else {
+            hist_free(next, i);
+            return -1;
         }
-        total += next[i].len + (i > 0);
     }
     hist_free(k->hist, k->n_hist);
     k->hist = next;
     k->n_hist = n;
-    return total;
+    return 0;
 }
 
 /*
@@ -542,8 +539,7 @@ static size_t hist_refresh(ws_conn *k, json_t *history)
  */
 static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t hint, size_t *len)
 {
-    size_t hist_len = hist_refresh(k, m->history);
-    if (!hist_len)
+    if (hist_refresh(k, m->history) < 0)
         return NULL;
     json_t *o = json_pack(
         "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
@@ -555,28 +551,19 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t hint
         m->annotations ? json_incref(m->annotations) : json_object());
     size_t n = 0;
     char *frame = frame_of(o, hint, &n);
-    static const char key[] = ",\"history\":";
-    size_t total = n - 1 + (sizeof(key) - 1) + hist_len + 1;
-    char *grown = frame ? realloc(frame, LWS_PRE + total + 1) : NULL;
-    if (!grown) {
-        free(frame);
+    if (!frame)
         return NULL;
-    }
-    char *p = grown + LWS_PRE + n - 1; /* over the '}' */
-    memcpy(p, key, sizeof(key) - 1);
-    p += sizeof(key) - 1;
-    *p++ = '[';
+    /* over the '}'; the buffer holds at least what was dumped (core/jsonout.h) */
+    size_t used = LWS_PRE + n - 1, cap = LWS_PRE + n + 1;
+    cg_buf_append(&frame, &used, &cap, ",\"history\":[", 12, 0);
     for (size_t i = 0; i < k->n_hist; i++) {
         if (i)
-            *p++ = ',';
-        memcpy(p, k->hist[i].text, k->hist[i].len);
-        p += k->hist[i].len;
+            cg_buf_append(&frame, &used, &cap, ",", 1, 0);
+        cg_buf_append(&frame, &used, &cap, k->hist[i].text, k->hist[i].len, 0);
     }
-    *p++ = ']';
-    *p++ = '}';
-    *p = 0;
-    *len = total;
-    return grown;
+    cg_buf_append(&frame, &used, &cap, "]}", 2, 0);
+    *len = used - LWS_PRE;
+    return frame;
 }
 
 static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,

@@ -50,7 +50,7 @@ start_gateway() { # PORT STORE [ARGS...]
 	echo '{"upstreams":{"demo":{"url":"demo","delay_ms":0}},"rate_limit":{"messages_per_second":100000,"burst":100000},"max_connections":5000}' >"$tmp/config.json"
 	"$gateway" --listen "127.0.0.1:$port" --config "$tmp/config.json" --store "$store" "$@" >"$tmp/gw-$port.log" 2>&1 &
 	pids+=($!)
-	for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return; sleep 0.1; done
+	for _ in $(seq 100); do port_is_open "$port" && return; sleep 0.1; done
 	echo "scaleout.sh: gateway on $port did not start" >&2
 	tail "$tmp/gw-$port.log" >&2
 	exit 1

@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -1665,9 +1666,11 @@ async def wait_listening(port, proc, what, log_path, timeout=5.0):
             writer.close()
             return
         except OSError:
-            tail = Path(log_path).read_text(errors="replace")[-500:] if Path(log_path).exists() else ""
-            check(proc.poll() is None, f"{what} exited ({proc.returncode}): {tail}")
-            check(time.monotonic() < deadline, f"{what} did not listen on {port}: {tail}")
+            exited, late = proc.poll() is not None, time.monotonic() >= deadline
+            if exited or late:  # the log is read only to say why
+                tail = Path(log_path).read_text(errors="replace")[-500:] if Path(log_path).exists() else ""
+                check(not exited, f"{what} exited ({proc.returncode}): {tail}")
+                check(not late, f"{what} did not listen on {port}: {tail}")
             await asyncio.sleep(0.05)
 
 
@@ -1704,6 +1707,7 @@ class Nutcracker:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class RedisServer:

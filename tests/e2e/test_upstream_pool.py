@@ -13,7 +13,7 @@ SLOW gets 60 words 100 ms apart. Covers, each on a gateway of its own:
 - a cancel mid-reply: the server sees that connection close within 1 s; the next message
   is answered on a connection of its own (never the cancelled one);
 - a server answering `Connection: close`: a new connection for each of 5 messages, reused 0;
-- idle_keepalive_ms 1000: the idle connection is closed by the gateway within ~2.5 s, and
+- idle_keepalive_ms 1000: the idle connection is closed by the gateway within 3 s, and
   idle 0 in /metrics.
 """
 
@@ -185,7 +185,7 @@ async def idle_timeout():
             check(server.open == 1, f"one kept connection expected, the server has {server.open}")
             started = time.monotonic()
             ok = await harness.wait_until(lambda: server.open == 0, 3.0)
-            check(ok, "the idle connection should be closed within ~1 s (idle_keepalive_ms)")
+            check(ok, "the idle connection should be closed within 3 s (idle_keepalive_ms 1000)")
             print(f"   closed after {time.monotonic() - started:.2f}s idle")
             m = await metrics(gw)
             check(m["idle"] == 0, f"pool metrics: {m}")

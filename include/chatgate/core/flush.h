@@ -33,7 +33,6 @@ typedef struct cg_flusher {
     cg_flush_item *head;
     cg_flush_item *first; /* flushed before head's: commands to a store, before the frames
                            * that report their outcome (cg_flush_request_first) */
-    int started;
     int closed;
 } cg_flusher;
 

@@ -77,7 +77,6 @@ int cg_net_write_close(struct lws *wsi, int code, const char *reason);
 typedef struct cg_net_batch {
     char *buf;
     size_t len, cap;
-    int frames;
 } cg_net_batch;
 
 /* Appends one text frame (json, len bytes) to b. */

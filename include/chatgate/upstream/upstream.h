@@ -61,7 +61,7 @@ typedef struct cg_upstream_message {
     json_t *soft;        /* soft context, or NULL */
     json_t *history;     /* the last messages before this one: [{role, content, ts}] */
     const char *summary; /* the state in a sentence, for an LLM's system message; "" but for
-                            the OpenAI-compatible kind, the only one that reads it */
+                            a kind whose ops say reads_summary */
     const char *enriched; /* the rewritten message, or NULL; an LLM gets it instead of text */
     json_t *resolution;   /* what this message resolved, or NULL */
     json_t *annotations;  /* {"metadata": {...}} */
@@ -70,6 +70,7 @@ typedef struct cg_upstream_message {
 
 typedef struct cg_upstream_ops {
     const char *kind;
+    int reads_summary; /* reads cg_upstream_message.summary: the turn builds it only then */
     int (*start)(cg_upstream *up, void **conn_slot, const cg_upstream_message *m,
                  const cg_upstream_events *ev, void *ctx, cg_upstream_call **call);
     void (*cancel)(cg_upstream_call *call);
@@ -121,13 +122,5 @@ void cg_upstream_close(cg_upstream *up);
 json_t *cg_upstream_error_detail(int status, json_t *error);
 void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream_config *cfg, int err, int status,
                       json_t *error, const char *fmt, va_list ap) __attribute__((format(printf, 7, 0)));
-
-/*
- * The /metrics lines of the connection pools (http_pool.h), from m (the gateway's, or the
- * workers' sum) for the n upstreams ups, the OpenAI-compatible ones only:
- * chatgate_upstream_connections_opened_total, _reused_total and _idle, each by upstream.
- * Returns the bytes written (what fitted in len).
- */
-size_t cg_upstream_metrics_format(const cg_metrics *m, const cg_upstream *ups, int n, char *buf, size_t len);
 
 #endif
