@@ -247,7 +247,8 @@ int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *e
     };
     free(u->host);
     free(u->path);
-    u->host = u->path = NULL;
+    free(u->authority);
+    u->host = u->path = u->authority = NULL;
     replace_str(&u->url, url);
     if (strcmp(url, "demo") == 0 || strcmp(url, "demo:") == 0) {
         u->kind = CG_UPSTREAM_DEMO;
@@ -299,6 +300,7 @@ int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *e
             he--;
         }
         u->host = strndup(h, (size_t)(he - h));
+        u->authority = strndup(host, (size_t)(path - host));
         u->port = (int)port;
         u->kind = schemes[i].kind;
         u->tls = schemes[i].tls;
@@ -384,6 +386,16 @@ static int load_upstream_object(cg_config *cfg, const char *file, const char *na
     json_object_foreach(obj, key, val) {
         if (strcmp(key, "url") == 0)
             continue;
+        if (strcmp(key, "headers") == 0) {
+            char where[128];
+            snprintf(where, sizeof(where), "upstreams.%s.headers", name);
+            cg_headers_free(&u->headers);
+            if (cg_headers_load(val, where, &u->headers, msg, sizeof(msg)) < 0) {
+                set_err(err, errlen, "%s: %s", file, msg);
+                return -1;
+            }
+            continue;
+        }
         const up_setting *st = NULL;
         for (size_t i = 0; i < sizeof(upstream_settings) / sizeof(upstream_settings[0]); i++)
             if (strcmp(upstream_settings[i].name, key) == 0)
@@ -1025,18 +1037,24 @@ int cg_config_load_text(cg_config *cfg, const char *name, const char *text, size
     return 0;
 }
 
+void cg_upstream_config_free(cg_upstream_config *u)
+{
+    free(u->name);
+    free(u->url);
+    free(u->host);
+    free(u->authority);
+    free(u->path);
+    free(u->model);
+    free(u->api_key_env);
+    free(u->system_prompt);
+    cg_headers_free(&u->headers);
+    memset(u, 0, sizeof(*u));
+}
+
 void cg_config_free(cg_config *cfg)
 {
-    for (int i = 0; i < cfg->n_upstreams; i++) {
-        cg_upstream_config *u = &cfg->upstreams[i];
-        free(u->name);
-        free(u->url);
-        free(u->host);
-        free(u->path);
-        free(u->model);
-        free(u->api_key_env);
-        free(u->system_prompt);
-    }
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        cg_upstream_config_free(&cfg->upstreams[i]);
     for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++)
         if (settings[i].type == T_STR || settings[i].type == T_ENUM)
             free(*(char **)((char *)cfg + settings[i].offset));

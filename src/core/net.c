@@ -107,7 +107,7 @@ struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void 
     i.port = spec->port;
     i.path = spec->path;
     i.host = spec->host;
-    i.origin = spec->origin ? spec->origin : spec->host;
+    i.origin = NULL; /* lws would write "http://" before it: whoever needs one appends it */
     i.protocol = spec->subprotocol;
     i.ssl_connection = spec->tls ? LCCSCF_USE_SSL : 0;
     i.local_protocol_name = spec->local_protocol;

@@ -93,9 +93,16 @@ struct cg_dropin {
     int close_code;
     int app_failed; /* the app connection ended (app_gone) */
     int app_close_sent;
-    char origin[256]; /* the client's Origin header, passed on */
-    char *suppress_id; /* a cancelled reply not relayed (no cancel frame) */
-    int suppressing;
+    char origin[256]; /* the client's Origin header, passed on as it came */
+    char host[128];   /* the Host header of the app's handshake (dropin.host) */
+    /* a cancelled reply the app could not be told to stop (no cancel_frame) is not relayed:
+     * its frames (by id, or every reply frame when the app's have none) until its end marker,
+     * suppress_gap_ms without one, or suppress_max_ms after the cancel (see suppressed()) */
+    struct {
+        char *id; /* NULL: not suppressing */
+        uint64_t since, last, gap_ms, max_ms; /* uv_now() of the cancel and of the last frame held */
+        unsigned long frames;
+    } suppress;
     cg_wsrx app_rx; /* the app frame being reassembled */
     cg_flush_item client_flush, app_flush; /* registered while a queue waits for the iteration's end */
 };
@@ -232,7 +239,7 @@ static void dropin_unref(cg_dropin *d)
     free(d->path);
     free(d->subprotocol);
     cg_wsrx_done(&d->app_rx);
-    free(d->suppress_id);
+    free(d->suppress.id);
     free(d);
 }
 
@@ -257,20 +264,32 @@ void cg_dropin_close(cg_dropin *d)
 
 /* ---- the turn's side ------------------------------------------------------------------- */
 
+static int has_cancel_frame(const cg_dropin *d)
+{
+    return json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame") != NULL;
+}
+
 /*
  * The user cancelled the reply in flight: send the app the mapping's cancel frame (unless
  * the client's own cancel frame, on its way to the app, already says so), or, when the
- * mapping names none, stop relaying that reply's frames until its end marker.
+ * mapping names none, stop relaying that reply's frames (on_app_frame) until the reply ends:
+ * its end marker, the next chat message, or the reply gap (turn.c), never longer.
  */
 static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
 {
     cg_dropin *d = conn;
-    if (!json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame")) {
-        free(d->suppress_id);
-        d->suppress_id = strdup(cg_turn_id(t));
-        if (!d->suppress_id)
+    if (!has_cancel_frame(d)) {
+        free(d->suppress.id);
+        if (!(d->suppress.id = strdup(cg_turn_id(t))))
             abort();
-        d->suppressing = 1;
+        d->suppress.since = d->suppress.last = uv_now(d->srv->net.loop);
+        d->suppress.gap_ms = d->turns.reply_gap_ms ? d->turns.reply_gap_ms : d->turns.reply_timeout_ms;
+        d->suppress.max_ms = d->turns.reply_timeout_ms;
+        d->suppress.frames = 0;
+        cg_info("dropin: session %s: a reply was cancelled and the mapping has no cancel_frame: the app goes on, "
+                "and the rest of that reply is not relayed until its end marker, %llu ms without a frame of it, "
+                "or %llu ms at most",
+                d->name, (unsigned long long)d->suppress.gap_ms, (unsigned long long)d->suppress.max_ms);
         return;
     }
     if (client_said)
@@ -484,6 +503,38 @@ static void app_flush(cg_flush_item *item)
         cg_net_kill_async(&d->srv->net, d->app, PENDING_TIMEOUT_CLOSE_SEND);
 }
 
+/*
+ * Is this app frame part of a cancelled reply that is not relayed? Frames of its id, or,
+ * when the app's frames carry none, every reply frame with text (the app's other frames,
+ * presence or typing, still pass). The hold ends at the reply's end marker, after gap_ms
+ * with no frame of it, or max_ms after the cancel, whichever comes first, and is logged:
+ * a client is never muted for good by an app that sends no end.
+ */
+static int suppressed(cg_dropin *d, const cg_dropin_app_frame *a)
+{
+    if (!d->suppress.id)
+        return 0;
+    int of_it = a->id ? cg_dropin_app_frame_about(a, d->suppress.id) : a->reply && a->text;
+    uint64_t now = uv_now(d->srv->net.loop);
+    int end = of_it && (a->end || a->cancelled);
+    const char *over = end                                              ? "its end marker came"
+                       : now - d->suppress.last >= d->suppress.gap_ms   ? "the reply went quiet"
+                       : now - d->suppress.since >= d->suppress.max_ms ? "the longest hold passed"
+                                                                        : NULL;
+    if (over) {
+        cg_info("dropin: session %s: the cancelled reply is over (%s): %lu frames of it were not relayed", d->name,
+                over, d->suppress.frames);
+        free(d->suppress.id);
+        d->suppress.id = NULL;
+        return end; /* the end marker itself is relayed by the caller */
+    }
+    if (of_it) {
+        d->suppress.last = now;
+        d->suppress.frames++;
+    }
+    return of_it;
+}
+
 static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 {
     cg_dropin_app_frame a;
@@ -493,15 +544,15 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         return;
     }
     cg_turn *t = cg_turns_forwarded(&d->turns);
-    int ours = t && cg_dropin_app_frame_about(&a, cg_turn_id(t));
-    int suppressed = d->suppressing && (a.id ? cg_dropin_app_frame_about(&a, d->suppress_id) : a.text != NULL);
-    if (suppressed) {
-        /* the rest of a cancelled reply (no cancel frame to send): not relayed; its end
-         * marker is, so the client's view of the reply completes */
+    int about = t && cg_dropin_app_frame_about(&a, cg_turn_id(t));
+    int ours = about && a.reply; /* a frame of the reply in flight (not presence, an echo, ...) */
+    int ends = about && (a.end || a.cancelled);
+    if (suppressed(d, &a)) {
+        /* the rest of a cancelled reply the app could not be told to stop: not relayed; its
+         * end marker is, so the client's view of the reply completes, and its turn ends */
         if (a.end || a.cancelled) {
-            d->suppressing = 0;
             to_client(d, frame_new(a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0));
-            if (ours) /* the reply in flight is over: its dialog is free now, not at the timeout */
+            if (ends)
                 cg_turn_end(t, 1);
         }
         cg_dropin_app_frame_clear(&a);
@@ -515,7 +566,7 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         cg_warn("dropin: an app frame without its state directive could not be written: not relayed");
     else
         to_client(d, frame_new(a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0));
-    if (ours && (a.end || a.cancelled))
+    if (ends)
         cg_turn_end(t, a.cancelled);
     cg_dropin_app_frame_clear(&a);
 }
@@ -532,21 +583,41 @@ static void app_gone(cg_dropin *d, struct lws *wsi)
     dropin_unref(d);
 }
 
+/*
+ * The app's handshake: the client's Origin as it came (lws would write "http://" before
+ * any origin it is given, so it is given none and the header is ours), the client's headers
+ * the mapping forwards, then dropin.headers; a configured header replaces the client's of
+ * that name. -1 (the connection fails, the client is closed with 1014) when they do not fit.
+ */
+static int append_headers(cg_dropin *d, struct lws *wsi, unsigned char **p, unsigned char *end)
+{
+    const cg_headers *conf = &d->srv->dropin_app.headers;
+    char name[80];
+    int rc = 0;
+    if (d->origin[0] && !cg_headers_has(conf, "Origin"))
+        rc |= lws_add_http_header_by_name(wsi, (const unsigned char *)"origin:", (const unsigned char *)d->origin,
+                                          (int)strlen(d->origin), p, end);
+    for (int i = 0; i < d->n_headers; i++) {
+        snprintf(name, sizeof(name), "%.*s", (int)strlen(d->headers[i][0]) - 1, d->headers[i][0]);
+        if (!cg_headers_has(conf, name))
+            rc |= lws_add_http_header_by_name(wsi, (const unsigned char *)d->headers[i][0],
+                                              (const unsigned char *)d->headers[i][1],
+                                              (int)strlen(d->headers[i][1]), p, end);
+    }
+    rc |= cg_upstream_append_headers(wsi, conf, p, end);
+    if (rc)
+        cg_warn("dropin: session %s: the app's handshake headers do not fit lws's buffer: not connecting", d->name);
+    return rc ? -1 : 0;
+}
+
 int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
 {
     cg_dropin *d = lws_get_opaque_user_data(wsi);
     if (!d)
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     switch (reason) {
-    case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER: {
-        unsigned char **p = (unsigned char **)in, *end = *p + len;
-        for (int i = 0; i < d->n_headers; i++)
-            if (lws_add_http_header_by_name(wsi, (const unsigned char *)d->headers[i][0],
-                                            (const unsigned char *)d->headers[i][1], (int)strlen(d->headers[i][1]), p,
-                                            end))
-                return -1;
-        return 0;
-    }
+    case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER:
+        return append_headers(d, wsi, (unsigned char **)in, *(unsigned char **)in + len);
     case LWS_CALLBACK_CLIENT_ESTABLISHED:
         d->app_open = 1;
         if (d->client_gone) { /* the client left during the handshake: a close frame (1001) */
@@ -633,13 +704,12 @@ static void on_app_resolved(void *data, const char *address, const char *err)
         return;
     }
     cg_connect_spec spec = {
-        .host = u->host,
+        .host = d->host,
         .port = u->port,
         .tls = u->tls,
         .address = address,
         .path = d->path,
         .subprotocol = d->subprotocol,
-        .origin = d->origin[0] ? d->origin : NULL, /* the browser's, so the app's own check still works */
         .local_protocol = CG_LWS_PROTOCOL_DROPIN_APP,
     };
     if (!cg_net_connect(&d->srv->net, &spec, d, &d->app) && !d->app_failed) { /* refused before any callback said so */
@@ -735,6 +805,30 @@ static void copy_headers(cg_dropin *d, struct lws *client)
     json_decref(defaults);
 }
 
+/*
+ * The Host of the app's handshake (dropin.host): the client's own, port and all, so an app
+ * that compares Origin with Host (Tornado's check_origin, many others) sees what it would
+ * see without chatgate ("client", the default for ws://); the app URL's host[:port] ("app",
+ * the default for wss://, whose Host is also the name its certificate is checked against);
+ * or the configured text. lws writes Host in 128 bytes: a longer one falls back to the app's.
+ */
+static void app_host(cg_dropin *d, struct lws *client)
+{
+    const cg_upstream_config *u = &d->srv->dropin_app;
+    const char *want = json_string_value(json_object_get(d->cfg, "host"));
+    if (!want)
+        want = u->tls ? "app" : "client";
+    int n = strcmp(want, "client") == 0 ? lws_hdr_copy(client, d->host, sizeof(d->host), WSI_TOKEN_HOST)
+            : strcmp(want, "app") == 0  ? 0
+                                        : snprintf(d->host, sizeof(d->host), "%s", want);
+    if (n > 0 && n <= 110)
+        return;
+    if (n != 0)
+        cg_warn("dropin: session %s: the Host for the app is missing or over 110 bytes: the app's own (%s) is sent",
+                d->name, u->authority);
+    snprintf(d->host, sizeof(d->host), "%s", u->authority);
+}
+
 cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *name)
 {
     cg_dropin *d = calloc(1, sizeof(*d));
@@ -750,6 +844,9 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
     d->turns.supersede = 1; /* the app's protocol may have no end marker: the next message ends a turn */
     json_t *tt = json_object_get(d->cfg, "turn_timeout_ms");
     d->turns.reply_timeout_ms = json_is_integer(tt) ? (uint64_t)json_integer_value(tt) : 60000;
+    json_t *gap = json_object_get(d->cfg, "reply_gap_ms");
+    int no_end = !json_object_get(json_object_get(d->cfg, "app_frames"), "end");
+    d->turns.reply_gap_ms = json_is_integer(gap) ? (uint64_t)json_integer_value(gap) : no_end ? 2000 : 0;
     d->path = app_path(srv, client);
     if (!d->path) {
         free(d);
@@ -759,8 +856,11 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
     if (proto && strcmp(proto->name, CG_PROTOCOL_NAME) != 0)
         d->subprotocol = strdup(proto->name);
     copy_headers(d, client);
+    /* the browser's Origin, so the app's own check still works; one that does not fit is
+     * not sent cut: the app then sees no Origin, as from a client that is not a browser */
     if (lws_hdr_copy(client, d->origin, sizeof(d->origin), WSI_TOKEN_ORIGIN) <= 0)
         d->origin[0] = 0;
+    app_host(d, client);
     d->resolve = cg_resolve_start(srv->net.loop, srv->dropin_app.host, on_app_resolved, d);
     if (!d->resolve) {
         d->refs = 1;

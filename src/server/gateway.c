@@ -143,6 +143,15 @@ static void on_reload(uv_signal_t *sig, int signum)
 
 static void free_secrets(cg_gateway *gw);
 
+/* The names of an upstream's configured headers; their values may be secrets: never logged. */
+static void log_headers(const char *who, const cg_headers *h)
+{
+    char names[512];
+    cg_headers_names(h, names, sizeof(names));
+    if (h->n)
+        cg_info("%s: sends %d configured header%s: %s (values not logged)", who, h->n, h->n > 1 ? "s" : "", names);
+}
+
 void cg_gateway_abort(cg_gateway *gw)
 {
     /* the lws context, when there is one, is left to the exit (see cg_gateway_start) */
@@ -151,6 +160,7 @@ void cg_gateway_abort(cg_gateway *gw)
     json_decref(gw->srv.turn.locks);
     gw->srv.turn.locks = NULL;
     free_secrets(gw);
+    cg_upstream_config_free(&gw->srv.dropin_app);
 }
 
 static void gateway_stop(cg_gateway *gw);
@@ -205,6 +215,7 @@ static void gateway_stop(cg_gateway *gw)
     json_decref(gw->srv.turn.locks); /* empty: every session has closed */
     gw->srv.turn.locks = NULL;
     free_secrets(gw);
+    cg_upstream_config_free(&gw->srv.dropin_app);
     cg_info("stopped cleanly");
 }
 
@@ -353,6 +364,12 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
             snprintf(err, errlen, "dropin.app: %s", uerr);
             return CG_GATEWAY_BAD_CONFIG;
         }
+        /* checked with the file (dropin_config.c); read again here for the environment's values */
+        if (cg_headers_load(json_object_get(cfg->dropin, "headers"), "dropin.headers", &gw->srv.dropin_app.headers,
+                            uerr, sizeof(uerr)) < 0) {
+            snprintf(err, errlen, "%s", uerr);
+            return CG_GATEWAY_BAD_CONFIG;
+        }
     }
     /* Client frames arrive in pieces of 4096 bytes; a frame over it is reassembled. */
     gw->protocols = build_protocols(cfg);
@@ -465,6 +482,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
                 gw->srv.upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");
+    log_headers("drop-in app", &gw->srv.dropin_app.headers);
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        log_headers(cfg->upstreams[i].name, &cfg->upstreams[i].headers);
     return 0;
 }
 

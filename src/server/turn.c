@@ -188,6 +188,8 @@ static void turn_stop(cg_turn *t)
     }
 }
 
+static void turn_timer_arm(cg_turns *q, uint64_t ms);
+
 /* A cancel (the client's, or a cancel phrase) of the chat turn in flight. */
 static void turn_cancel(cg_turn *t, int client_said)
 {
@@ -198,6 +200,7 @@ static void turn_cancel(cg_turn *t, int client_said)
         if (t->forwarded && !t->cancel_requested) {
             t->cancel_requested = 1;
             q->sink->stop_forward(q->conn, t, client_said);
+            turn_timer_arm(q, q->reply_gap_ms); /* a reply not relayed ends within the gap */
         }
         return;
     }
@@ -233,10 +236,10 @@ static void turn_first_text(cg_turn *t)
 
 static void on_reply_timeout(uv_timer_t *timer);
 
-/* A forwarded turn's app is still answering: its silence bound starts again. */
-static void turn_timer_arm(cg_turns *q)
+/* A forwarded turn's app is still answering: its silence bound starts again, ms long. */
+static void turn_timer_arm(cg_turns *q, uint64_t ms)
 {
-    if (!q->reply_timeout_ms)
+    if (!ms)
         return;
     if (!q->timer) {
         q->timer = malloc(sizeof(*q->timer));
@@ -245,14 +248,15 @@ static void turn_timer_arm(cg_turns *q)
         uv_timer_init(q->env->loop, q->timer);
         q->timer->data = q;
     }
-    uv_timer_start(q->timer, on_reply_timeout, q->reply_timeout_ms, 0);
+    uv_timer_start(q->timer, on_reply_timeout, ms, 0);
 }
 
 /*
  * A forwarded turn holds its dialog's lock until the app's end or cancelled marker. An app
  * that never sends one (a mapping without an end marker, an app stalled mid-reply) must not
  * hold the dialog for ever: the turn ends, saved as it stands, after reply_timeout_ms with
- * no frame of it from the app.
+ * nothing from the app, or, once the reply has begun (or was cancelled), reply_gap_ms of
+ * silence when the mapping sets one (its end by a quiet gap).
  */
 static void on_reply_timeout(uv_timer_t *timer)
 {
@@ -260,14 +264,18 @@ static void on_reply_timeout(uv_timer_t *timer)
     cg_turn *t = q ? q->inflight : NULL;
     if (!t || !t->forwarded)
         return;
-    cg_info("session %s: the app sent nothing of the reply in flight for %llu ms: the turn ends, its dialog is "
-            "free", q->name, (unsigned long long)q->reply_timeout_ms);
+    if (q->reply_gap_ms && (t->got_first || t->cancel_requested))
+        cg_debug("session %s: the app's reply went quiet for %llu ms: it has ended", q->name,
+                 (unsigned long long)q->reply_gap_ms);
+    else
+        cg_info("session %s: the app sent nothing of the reply in flight for %llu ms: the turn ends, its dialog is "
+                "free", q->name, (unsigned long long)q->reply_timeout_ms);
     cg_turn_end(t, 0);
 }
 
 void cg_turn_reply(cg_turn *t, const char *text, size_t len)
 {
-    turn_timer_arm(t->q);
+    turn_timer_arm(t->q, t->q->reply_gap_ms ? t->q->reply_gap_ms : t->q->reply_timeout_ms);
     if (len == 0)
         return;
     turn_first_text(t);
@@ -297,6 +305,11 @@ void cg_turn_end(cg_turn *t, int cancelled)
 const char *cg_turn_id(const cg_turn *t)
 {
     return t->id;
+}
+
+int cg_turn_cancelled(const cg_turn *t)
+{
+    return t->cancel_requested;
 }
 
 static void on_upstream_delta(void *ctx, const char *text, size_t len)
@@ -358,7 +371,7 @@ static void turn_forward(cg_turn *t, const cg_pipeline_result *res, json_t *para
         return;
     }
     t->forwarded = 1;
-    turn_timer_arm(q);
+    turn_timer_arm(q, q->reply_timeout_ms);
     if (q->supersede && q->head) /* the next message came while this one loaded */
         cg_turn_end(t, 0);
 }

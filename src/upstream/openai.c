@@ -29,6 +29,7 @@
  * the gateway's stop; the pool owns the easy handle; the call holds a reference for its timer and one for its transfer,
  * and is freed when both are gone, whatever ended it (done, error, cancel, timeout).
  */
+#define _GNU_SOURCE /* asprintf */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -367,31 +368,54 @@ static void on_transfer_done(void *data, CURLcode rc)
 
 /* ---- the request ------------------------------------------------------------------------ */
 
-/* The headers besides Content-Length (libcurl's): JSON in, events out, the bearer token. */
+/* Appends one "Name: value" line, built with its real length (a key is as long as its
+ * issuer likes); -1 when out of memory (h is then still whole). */
+static int append_line(struct curl_slist **h, const char *name, const char *value)
+{
+    char *line = NULL;
+    if (asprintf(&line, "%s: %s", name, value) < 0)
+        return -1;
+    struct curl_slist *next = curl_slist_append(*h, line);
+    free(line);
+    if (!next)
+        return -1;
+    *h = next;
+    return 0;
+}
+
+/*
+ * The headers besides Content-Length and Host (libcurl's, Host with the port): JSON in,
+ * events out, who is asking (User-Agent), the bearer token, then upstreams.NAME.headers,
+ * which replace the first four by name. No Origin: an API is not asked from a page, and
+ * some (Ollama) refuse origins they do not know.
+ */
 static struct curl_slist *request_headers(const cg_upstream_config *cfg)
 {
-    struct curl_slist *h = NULL, *next;
-    static const char *const fixed[] = {"Content-Type: application/json", "Accept: text/event-stream",
-                                        "Expect:" /* no 100-continue round trip */};
-    for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++) {
-        if (!(next = curl_slist_append(h, fixed[i])))
-            goto fail;
-        h = next;
-    }
+    struct curl_slist *h = NULL;
+    const cg_headers *conf = &cfg->headers;
     const char *key = cfg->api_key_env ? getenv(cfg->api_key_env) : NULL;
-    if (key && *key) {
-        /* built with its real length: a key is as long as its issuer likes */
-        size_t n = strlen("Authorization: Bearer ") + strlen(key);
-        char *auth = malloc(n + 1);
-        if (!auth)
+    static const char *const fixed[][2] = {
+        {"Content-Type", "application/json"},
+        {"Accept", "text/event-stream"},
+        {"User-Agent", "chatgate/" CG_VERSION},
+    };
+    for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++)
+        if (!cg_headers_has(conf, fixed[i][0]) && append_line(&h, fixed[i][0], fixed[i][1]) < 0)
             goto fail;
-        snprintf(auth, n + 1, "Authorization: Bearer %s", key);
-        next = curl_slist_append(h, auth);
-        free(auth);
-        if (!next)
+    struct curl_slist *next = curl_slist_append(h, "Expect:"); /* no 100-continue round trip */
+    if (!next)
+        goto fail;
+    h = next;
+    if (key && *key && !cg_headers_has(conf, "Authorization")) {
+        char *bearer = NULL;
+        int rc = asprintf(&bearer, "Bearer %s", key) < 0 ? -1 : append_line(&h, "Authorization", bearer);
+        free(bearer);
+        if (rc < 0)
             goto fail;
-        h = next;
     }
+    for (int i = 0; i < conf->n; i++)
+        if (append_line(&h, conf->items[i].name, conf->items[i].value) < 0)
+            goto fail;
     return h;
 fail:
     curl_slist_free_all(h);

@@ -93,3 +93,16 @@ void cg_upstream_close(cg_upstream *up)
         up->ops->close(up);
     up->state = NULL;
 }
+
+int cg_upstream_append_headers(struct lws *wsi, const cg_headers *headers, unsigned char **p, unsigned char *end)
+{
+    for (int i = 0; i < headers->n; i++) {
+        char name[80]; /* lws writes the name as given: it wants the ':' */
+        snprintf(name, sizeof(name), "%s:", headers->items[i].name);
+        if (lws_add_http_header_by_name(wsi, (const unsigned char *)name,
+                                        (const unsigned char *)headers->items[i].value,
+                                        (int)strlen(headers->items[i].value), p, end))
+            return -1;
+    }
+    return 0;
+}

@@ -399,6 +399,12 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
     if (!k)
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     switch (reason) {
+    case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER: /* upstreams.NAME.headers */
+        if (cg_upstream_append_headers(wsi, &k->up->cfg->headers, (unsigned char **)in,
+                                       *(unsigned char **)in + len) == 0)
+            return 0;
+        cg_warn("upstream '%s': its configured headers do not fit lws's handshake buffer", k->up->cfg->name);
+        return -1;
     case LWS_CALLBACK_CLIENT_ESTABLISHED:
         if (k->dead)
             return -1;
@@ -460,7 +466,7 @@ static void on_resolved(void *data, const char *address, const char *err)
         return;
     }
     const cg_upstream_config *cfg = k->up->cfg;
-    cg_connect_spec spec = {.host = cfg->host, .port = cfg->port, .tls = cfg->tls, .address = address,
+    cg_connect_spec spec = {.host = cfg->authority, .port = cfg->port, .tls = cfg->tls, .address = address,
                             .path = cfg->path, .local_protocol = CG_LWS_PROTOCOL_WS};
     k->refs++; /* the wsi's; dropped by wsi_gone */
     if (!cg_net_connect(k->up->net, &spec, k, &k->wsi) && k->refs > 1) {

@@ -12,6 +12,8 @@
 #include <jansson.h>
 #include <stddef.h>
 
+#include "chatgate/config/headers.h"
+
 #define CG_MAX_UPSTREAMS 32
 #define CG_MAX_CONFIG_FILE (16 << 20) /* bytes of a --config file */
 #define CG_MAX_WORKERS 64            /* --workers */
@@ -44,6 +46,7 @@ typedef struct cg_upstream_config {
     int tls;
     char *host;          /* NULL for demo */
     int port;
+    char *authority;     /* host[:port] as the URL gives it: the Host header of its requests */
     char *path;          /* base path, "" or "/v1"; for ws the request path with query */
     char *model;         /* OpenAI: the "model" of each request */
     char *api_key_env;   /* OpenAI: environment variable holding the bearer token */
@@ -54,6 +57,7 @@ typedef struct cg_upstream_config {
     int max_idle_connections; /* OpenAI: kept-alive connections held idle (16; 0 = none kept) */
     int idle_keepalive_ms;    /* OpenAI: an idle kept connection is closed after this (30 s) */
     int delay_ms; /* demo: pause between words */
+    cg_headers headers; /* openai, ws: sent on each request or handshake (headers.h) */
 } cg_upstream_config;
 
 typedef struct cg_config {
@@ -125,6 +129,8 @@ int cg_config_load_text(cg_config *cfg, const char *name, const char *text, size
 
 /* Parses an upstream URL ("demo", "http://h:p/v1", "wss://h/app") into u; 0 or -1 with err. */
 int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *err, size_t errlen);
+/* Frees what u holds (its strings and headers) and zeroes it. */
+void cg_upstream_config_free(cg_upstream_config *u);
 
 /* services.NAME.defaults (borrowed), or NULL: the params every dialog of that service starts from. */
 json_t *cg_config_service_defaults(const cg_config *cfg, const char *service);

@@ -34,13 +34,12 @@ void cg_resolve_abandon(cg_resolve *r);
 
 /* Where and how one lws client connection goes (cg_net_connect); NULLs for the defaults. */
 typedef struct cg_connect_spec {
-    const char *host;           /* the name, for the Host header (and TLS) */
+    const char *host;           /* host[:port] for the Host header; without the port, the TLS name */
     int port;
     int tls;
     const char *address;        /* numeric, resolved */
     const char *path;
     const char *subprotocol;    /* Sec-WebSocket-Protocol to ask for */
-    const char *origin;         /* Origin header; the host when NULL */
     const char *local_protocol; /* our lws protocol that handles the connection */
 } cg_connect_spec;
 

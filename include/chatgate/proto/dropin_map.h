@@ -3,6 +3,12 @@
  * "dropin" object of the config, docs/protocol.md "Drop-in mode"), as pure functions: no I/O, no clock,
  * no state; the fuzz target tests/fuzz/fuzz_dropin.c drives them.
  *
+ * A codec (dropin.codec) turns a text frame into the JSON value the mapping's pointers and
+ * markers read, and back: "json" (the frame is a JSON value), "socket.io" (an Engine.IO v4
+ * message carrying a Socket.IO v5 EVENT, `42/ns,7["name",args...]`: the value is the event's
+ * array, the `42/ns,7` prefix is kept as it came; every other packet is not ours), and "text"
+ * (the frame's text is the message, or the reply).
+ *
  * A client frame is a chat message when it matches dropin.client.chat, a cancel when it
  * matches dropin.client.cancel, else nothing of ours (passed through untouched). A chat
  * message's id (dropin.client.id) must be a string of at most CG_MAX_ID bytes or an integer,
@@ -28,7 +34,8 @@ typedef enum {
 
 /* A chat message from the client, every string owned (cg_dropin_chat_clear). */
 typedef struct cg_dropin_chat {
-    json_t *frame; /* the whole frame, parsed */
+    json_t *frame; /* the whole frame, decoded (socket.io: the event's array; text: a string) */
+    char *prefix;  /* socket.io: the packet's "42/ns,7" as the client wrote it; else NULL */
     char *id;      /* "" when the frame has none */
     char *room;    /* "default" when the frame has none */
     char *text;
@@ -38,14 +45,16 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *dropin_cfg, const char *buf, 
                                            cg_dropin_chat *chat, char *why, size_t whylen);
 void cg_dropin_chat_clear(cg_dropin_chat *chat);
 
-/* The frame for the app: chat->frame plus object under dropin.object_key ("chatgate"); takes
- * object; built as protocol.h's frames are (CG_FRAME_PRE bytes of room in front), buf NULL
- * when it could not be built. */
+/* The frame for the app: chat->frame with object added at dropin.object_at (under
+ * dropin.object_key, "chatgate", or appended to an array), encoded by the codec; the text
+ * codec forwards the text as it came (object dropped). Takes object; built as protocol.h's
+ * frames are (CG_FRAME_PRE bytes of room in front), buf NULL when it could not be built. */
 cg_frame_text cg_dropin_map_forward(json_t *dropin_cfg, const cg_dropin_chat *chat, json_t *object);
 
 /* One app frame, read through dropin.app_frames. */
 typedef struct cg_dropin_app_frame {
-    json_t *frame;     /* NULL when the frame is not a JSON object (relayed as it is) */
+    json_t *frame;     /* NULL when the codec finds nothing of ours in it (relayed as it is) */
+    int reply;         /* matches dropin.app_frames.reply (every frame, when it names none) */
     char *id;          /* dropin.app_frames.id as text (owned; bytes, may hold NUL), NULL when none */
     size_t id_len;
     int end, cancelled; /* matches the end / cancelled marker */
@@ -63,8 +72,10 @@ void cg_dropin_app_frame_clear(cg_dropin_app_frame *f);
 /* Is this app frame about the chat message with id (its id is that id, or it has none)? */
 int cg_dropin_app_frame_about(const cg_dropin_app_frame *f, const char *id);
 
-/* dropin.app_frames.cancel_frame for id ("{id}" in its strings becomes the id, JSON-escaped):
- * a malloc'd string and its length, or NULL when the mapping has none or it cannot be built. */
+/* dropin.app_frames.cancel_frame for id ("{id}" in its strings becomes the id, JSON-escaped;
+ * the text codec's is a plain string, the id put in as it is; socket.io's an event array, sent
+ * in dropin.namespace): a malloc'd string and its length, or NULL when the mapping has none or
+ * it cannot be built. */
 char *cg_dropin_map_cancel_frame(json_t *dropin_cfg, const char *id, size_t *len);
 
 #endif

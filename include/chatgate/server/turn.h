@@ -130,6 +130,7 @@ typedef struct cg_turns {
     int paused;        /* the client reads slowly: the upstream call is paused */
     int supersede;     /* drop-in: the next chat message ends a forwarded turn in flight */
     uint64_t reply_timeout_ms; /* a forwarded turn whose app says nothing this long ends */
+    uint64_t reply_gap_ms;     /* 0, or: a reply that has begun ends after this much silence */
     uv_timer_t *timer; /* for reply_timeout_ms; malloc'd, freed when closed */
     void *up_conns[CG_MAX_UPSTREAMS]; /* per-connection upstream connections (ws kind) */
 } cg_turns;
@@ -171,6 +172,8 @@ void cg_turns_close(cg_turns *q);
 cg_turn *cg_turns_forwarded(cg_turns *q);
 /* The id of t's message ("" when it had none). */
 const char *cg_turn_id(const cg_turn *t);
+/* Did the user cancel this forwarded reply (stop_forward was called)? */
+int cg_turn_cancelled(const cg_turn *t);
 
 /* Forwarded turns: text of the reply (kept for the history; the app's frame itself is the
  * adapter's to relay); a state directive from source ("app", an upstream's name), refused
