@@ -218,7 +218,8 @@ static cg_frame_text frame_of(const char *prefix, const char *text, size_t len)
     if (!f.buf)
         abort();
     f.json = f.buf + CG_FRAME_PRE;
-    memcpy(f.json, prefix, plen);
+    if (plen)
+        memcpy(f.json, prefix, plen);
     memcpy(f.json + plen, text, len);
     f.len = plen + len;
     f.json[f.len] = 0;

@@ -1,12 +1,15 @@
 /*
  * fuzz_dropin.c: libFuzzer target for the drop-in mapping (dropin_map.h): one client frame
- * and one app frame through it. Input: a first byte that picks the mapping (pointers at the
- * top or nested, with or without a cancel frame and a state key) and whether the frames are
- * binary, then the client frame, a NUL byte, and the app frame. Beyond "no crash, no leak",
- * it checks what the gateway relies on: a chat message's id and room are within their bounds
- * and valid UTF-8 (so any later json_string of them succeeds), the forwarded frame is the
- * client's plus the chatgate object, the cancel frame is JSON, and an app frame with a state
- * directive is relayed without it. The bytes also go through the close frame check.
+ * and one app frame through it. Input: a first byte that picks the mapping (the json codec
+ * with pointers at the top or nested, with or without a cancel frame and a state key; the
+ * socket.io codec in a namespace; the text codec) and whether the frames are binary, then the
+ * client frame, a NUL byte, and the app frame. Beyond "no crash, no leak", it checks what the
+ * gateway relies on: a chat message's id and room are within their bounds and valid UTF-8
+ * (so any later json_string of them succeeds), the forwarded frame is the client's plus the
+ * chatgate object (socket.io: behind the client's own packet prefix; text: the text as it
+ * came), the cancel frame is JSON (socket.io: behind "42" and the namespace), and an app frame
+ * with a state directive is relayed without it. The bytes also go through the close frame
+ * check.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -41,6 +44,13 @@ static const char *const mappings[] = {
     "{\"client\": {\"chat\": {\"pointer\": \"/type\", \"equals\": \"message\"}, \"text\": \"/text\", \"id\": \"/type\"},"
     " \"app_frames\": {\"id\": \"/id\", \"cancelled\": {\"pointer\": \"/type\", \"equals\": \"cancelled\"},"
     " \"cancel_frame\": {\"type\": \"cancel\", \"id\": \"{id}\"}}, \"object_key\": \"type\"}",
+    /* socket.io: events of /chat, the object appended as the last argument, markers in and exists */
+    "{\"codec\": \"socket.io\", \"namespace\": \"/chat\", \"client\": {\"chat\": {\"pointer\": \"/0\", \"in\":"
+    " [\"chat message\", \"ask\"]}, \"text\": \"/1\", \"id\": \"/2/id\", \"cancel\": {\"pointer\": \"/0\","
+    " \"equals\": \"cancel\"}}, \"app_frames\": {\"reply\": {\"pointer\": \"/1\", \"exists\": true}, \"text\":"
+    " \"/1\", \"id\": \"/2\", \"cancel_frame\": [\"cancel\", \"{id}\"]}}",
+    /* text: the frame is the message and the reply */
+    "{\"codec\": \"text\", \"app_frames\": {\"cancel_frame\": \"/cancel {id}\"}}",
 };
 #define N_MAPPINGS (sizeof(mappings) / sizeof(mappings[0]))
 
@@ -71,28 +81,47 @@ static void client_side(json_t *cfg, const char *buf, size_t len, int binary)
     cg_frame_text built = cg_dropin_map_forward(cfg, &chat, json_incref(object));
     const char *fwd = built.json;
     CHECK(fwd && built.len == strlen(fwd));
-    json_t *back = json_loads(fwd, 0, NULL);
-    CHECK(back);
-    const char *key = json_string_value(json_object_get(cfg, "object_key"));
-    CHECK(json_equal(json_object_get(back, key ? key : "chatgate"), object));
-    json_object_del(back, key ? key : "chatgate");
-    json_t *orig = json_copy(chat.frame);
-    json_object_del(orig, key ? key : "chatgate");
-    CHECK(json_equal(back, orig));
-    json_decref(orig);
-    json_decref(back);
+    const char *codec = json_string_value(json_object_get(cfg, "codec"));
+    if (codec && strcmp(codec, "text") == 0) { /* the text as it came, no object */
+        CHECK(built.len == len && memcmp(fwd, buf, len) == 0);
+    } else if (codec) { /* socket.io: the client's prefix, then its array and the object */
+        size_t plen = strlen(chat.prefix);
+        CHECK(strncmp(fwd, chat.prefix, plen) == 0 && memcmp(buf, chat.prefix, plen) == 0);
+        json_t *back = json_loads(fwd + plen, 0, NULL);
+        size_t n = json_array_size(back);
+        CHECK(n >= 2 && json_equal(json_array_get(back, n - 1), object));
+        CHECK(json_array_remove(back, n - 1) == 0 && json_equal(back, chat.frame));
+        json_decref(back);
+    } else {
+        json_t *back = json_loads(fwd, 0, NULL);
+        CHECK(back);
+        const char *key = json_string_value(json_object_get(cfg, "object_key"));
+        CHECK(json_equal(json_object_get(back, key ? key : "chatgate"), object));
+        json_object_del(back, key ? key : "chatgate");
+        json_t *orig = json_copy(chat.frame);
+        json_object_del(orig, key ? key : "chatgate");
+        CHECK(json_equal(back, orig));
+        json_decref(orig);
+        json_decref(back);
+    }
     json_decref(object);
     free(built.buf);
     size_t clen = 0;
     char *cancel = cg_dropin_map_cancel_frame(cfg, chat.id, &clen);
     int has_cancel = json_object_get(json_object_get(cfg, "app_frames"), "cancel_frame") != NULL;
     CHECK(!cancel == !has_cancel);
-    if (cancel) {
-        json_t *c = json_loads(cancel, 0, NULL);
+    if (cancel && !(codec && strcmp(codec, "text") == 0)) { /* JSON, behind socket.io's "42" */
+        const char *j = cancel;
+        if (codec) { /* "42", then "/ns," for a namespace but the main one */
+            CHECK(strncmp(cancel, "42", 2) == 0);
+            j = cancel[2] == '/' ? strchr(cancel, ',') : cancel + 1;
+            CHECK(j++);
+        }
+        json_t *c = json_loads(j, 0, NULL);
         CHECK(c && clen == strlen(cancel));
         json_decref(c);
-        free(cancel);
     }
+    free(cancel);
     cg_dropin_chat_clear(&chat);
 }
 
