@@ -250,6 +250,39 @@ static void test_hardening_settings(void)
     CHECK_FAILS("unknown option", flag, "x");
 }
 
+/* upstreams.NAME.headers (headers.h): values from the file or the environment, the Host of
+ * the URL, and every refusal naming the header's key, never its value. */
+static void test_upstream_headers(void)
+{
+    cg_config c;
+    setenv("CG_TEST_HEADER_KEY", "sekrit", 1);
+    const char *file = write_file("{\"upstreams\": {\"llm\": {\"url\": \"http://h:8080/v1\", \"headers\": "
+                                  "{\"x-portkey-api-key\": {\"env\": \"CG_TEST_HEADER_KEY\"}, \"X-Title\": \"chat\"}}}}");
+    CHECK(load(&c, "--config", file, NULL) == 0);
+    CHECK(c.n_upstreams == 1 && c.upstreams[0].headers.n == 2);
+    CHECK_STR(c.upstreams[0].headers.items[0].value, "sekrit");
+    CHECK(cg_headers_has(&c.upstreams[0].headers, "X-PORTKEY-API-KEY") && !cg_headers_has(&c.upstreams[0].headers, "Host"));
+    CHECK_STR(c.upstreams[0].authority, "h:8080");
+    char names[128];
+    cg_headers_names(&c.upstreams[0].headers, names, sizeof(names));
+    CHECK_STR(names, "x-portkey-api-key, X-Title");
+    cg_config_free(&c);
+
+    CHECK_FILE_FAILS("{\"upstreams\": {\"llm\": {\"url\": \"http://h/v1\", \"headers\": {\"Host\": \"x\"}}}}",
+                     ":1:58: upstreams.llm.headers.Host: chatgate writes this header itself");
+    CHECK_FILE_FAILS("{\"upstreams\": {\"llm\": {\"url\": \"http://h/v1\", \"headers\": {\"X-K\": \"a\\r\\nB: c\"}}}}",
+                     ":1:58: upstreams.llm.headers.X-K: the value must be one line");
+    CHECK_FILE_FAILS("{\"upstreams\": {\"llm\": {\"url\": \"http://h/v1\", \"headers\": {\"X-K\": {\"env\": \"CG_NO_SUCH_VAR\"}}}}}",
+                     ":1:58: upstreams.llm.headers.X-K: the environment variable CG_NO_SUCH_VAR is not set");
+    CHECK_FILE_FAILS("{\"upstreams\": {\"llm\": {\"url\": \"http://h/v1\", \"headers\": {\"bad name\": \"v\"}}}}",
+                     ":1:58: upstreams.llm.headers.bad name: not a header name");
+    CHECK_FILE_FAILS("{\"upstreams\": {\"llm\": {\"url\": \"ws://h/a\", \"headers\": {\"Sec-WebSocket-Key\": \"v\"}}}}",
+                     ":1:55: upstreams.llm.headers.Sec-WebSocket-Key: chatgate writes");
+    CHECK(strstr(err, "sekrit") == NULL);
+    unsetenv("CG_TEST_HEADER_KEY");
+    unlink(path);
+}
+
 int main(void)
 {
     unsetenv("REDIS_URL");
@@ -261,5 +294,6 @@ int main(void)
     test_redis_url_env();
     test_state_settings();
     test_hardening_settings();
+    test_upstream_headers();
     return unit_done("test_config");
 }
