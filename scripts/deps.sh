@@ -9,7 +9,8 @@ packages=(gcc make cmake pkg-config tzdata libwebsockets-dev libuv1-dev libjanss
           libhiredis-dev libpcre2-dev libssl-dev libcurl4-openssl-dev)
 case "${1:-build}" in
   test)
-    packages+=(python3 python3-websockets redis-server redis-sentinel nutcracker haproxy chromium)
+    # nginx: the Socket.IO test runs examples/nginx-socketio.conf in an nginx of its own
+    packages+=(python3 python3-websockets redis-server redis-sentinel nutcracker haproxy chromium nginx)
     # the browser test runs on node; an image may bring its own node (not Debian's package)
     command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
     ;;
@@ -32,4 +33,14 @@ echo "chatgate: installing ${missing[*]}" >&2
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 $sudo apt-get update -qq
+# Debian's nginx (and haproxy, redis-server) start a system service when installed; nginx's
+# fails where port 80 is taken, which fails the install. The tests run their own servers,
+# so while installing, services are not started (policy-rc.d, as Debian's container images
+# do), unless the machine already says otherwise.
+policy=/usr/sbin/policy-rc.d
+if [ ! -e "$policy" ]; then
+  printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+  $sudo chmod +x "$policy"
+  trap '$sudo rm -f "$policy"' EXIT
+fi
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
