@@ -539,7 +539,7 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 {
     cg_dropin_app_frame a;
     int rc = cg_dropin_map_app(d->cfg, buf, len, binary, &a);
-    if (!a.frame) { /* not a JSON object: relayed as it is */
+    if (!a.frame) { /* nothing the codec reads (not JSON, a socket.io ping, binary): relayed as it is */
         to_client(d, frame_new(buf, len, binary));
         return;
     }
@@ -558,7 +558,7 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         cg_dropin_app_frame_clear(&a);
         return;
     }
-    if (a.state && ours)
+    if (a.state && about) /* in an end frame too, which app_frames.reply need not match */
         cg_turn_state(t, a.state, "app");
     if (ours) /* the app is still answering: text for the history, and its silence bound again */
         cg_turn_reply(t, a.text ? a.text : "", a.text ? a.text_len : 0);
