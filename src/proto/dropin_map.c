@@ -235,6 +235,19 @@ cg_frame_text cg_dropin_map_forward(json_t *cfg, const cg_dropin_chat *chat, jso
                    ? frame_of(NULL, json_string_value(chat->frame), json_string_length(chat->frame))
                    : f;
     }
+    /* socket.io hands an event's ack callback to the handler after its arguments: one more
+     * argument would take the callback's place, so an event with an ack id gets the object
+     * only where object_at says, never appended by default */
+    size_t plen = chat->prefix ? strlen(chat->prefix) : 0;
+    int ack = plen > 2 && chat->prefix[plen - 1] >= '0' && chat->prefix[plen - 1] <= '9'; /* "427", "42/ns,7" */
+    if (ack && !cfg_str(cfg, NULL, "object_at")) {
+        json_decref(object);
+        char *arr = json_dumps(chat->frame, JSON_COMPACT);
+        if (arr)
+            f = frame_of(chat->prefix, arr, strlen(arr));
+        free(arr);
+        return f;
+    }
     json_t *copy = chat->frame ? json_deep_copy(chat->frame) : NULL;
     if (!copy || !object || place_object(cfg, copy, object) < 0) {
         if (!copy)

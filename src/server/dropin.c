@@ -666,17 +666,26 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
         }
         return 0;
     case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {
-        /* refused at the TCP level, or the app answered the handshake with an HTTP error */
+        /* refused at the TCP level, or the app answered the handshake with an HTTP error:
+         * its own refusal (401, 403: an Origin or a session it does not accept) is the app's
+         * policy, 1008, with its status; anything else is a bad gateway, 1014 */
         char reason[256]; /* close_client cuts it to what a close frame holds */
-        snprintf(reason, sizeof(reason), "the app refused or could not be reached: %s",
-                 in ? (const char *)in : "connection failed");
-        cg_warn("dropin: %s", reason);
-        close_client(d, 1014, reason);
+        unsigned int status = lws_http_client_http_response(wsi);
+        if (status)
+            snprintf(reason, sizeof(reason), "the app refused the connection with HTTP %u", status);
+        else
+            snprintf(reason, sizeof(reason), "the app could not be reached: %s",
+                     in ? (const char *)in : "connection failed");
+        cg_warn("dropin: session %s: %s", d->name, reason);
+        close_client(d, status == 401 || status == 403 ? 1008 : 1014, reason);
         app_gone(d, wsi);
         return 0;
     }
     case LWS_CALLBACK_CLIENT_CLOSED:
-        cg_info("dropin: the app closed the connection (%d)", d->close_code);
+        if (d->client_gone)
+            cg_debug("dropin: session %s: the app connection closed after the client left", d->name);
+        else
+            cg_info("dropin: session %s: the app closed the connection (%d)", d->name, d->close_code);
         close_client(d, d->close_code ? d->close_code : 1011, d->close_code ? d->close_reason : "the app went away");
         app_gone(d, wsi);
         return 0;

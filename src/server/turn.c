@@ -52,6 +52,12 @@ typedef enum { END_DONE, END_ERROR, END_CANCELLED, END_ABSORBED, END_ENDED } tur
 
 static void turns_pump(cg_turns *q);
 
+/* A message's id for the log: drop-in messages may have none. */
+static const char *id_of(const cg_turn *t)
+{
+    return t->id[0] ? t->id : "(no id)";
+}
+
 static int64_t turn_now(const cg_turns *q)
 {
     return q->env->store->now(q->env->store->clock_ctx);
@@ -248,6 +254,7 @@ static void turn_timer_arm(cg_turns *q, uint64_t ms)
         uv_timer_init(q->env->loop, q->timer);
         q->timer->data = q;
     }
+    q->timer_ms = ms;
     uv_timer_start(q->timer, on_reply_timeout, ms, 0);
 }
 
@@ -264,7 +271,7 @@ static void on_reply_timeout(uv_timer_t *timer)
     cg_turn *t = q ? q->inflight : NULL;
     if (!t || !t->forwarded)
         return;
-    if (q->reply_gap_ms && (t->got_first || t->cancel_requested))
+    if (q->timer_ms == q->reply_gap_ms)
         cg_debug("session %s: the app's reply went quiet for %llu ms: it has ended", q->name,
                  (unsigned long long)q->reply_gap_ms);
     else
@@ -291,7 +298,7 @@ void cg_turn_state(cg_turn *t, json_t *state, const char *source)
     if (rc >= 0)
         return;
     /* the reply itself is fine: a warning, and the reply goes on */
-    cg_warn("session %s: message %s: state from '%s' refused: %s", q->name, t->id, source, err);
+    cg_warn("session %s: message %s: state from '%s' refused: %s", q->name, id_of(t), source, err);
     if (q->sink->warning)
         q->sink->warning(q->conn, t->id, cg_err_code(rc), err);
 }
@@ -341,7 +348,7 @@ static void on_upstream_error(void *ctx, int err, const char *message, json_t *d
     cg_turn *t = ctx;
     t->call = NULL;
     t->q->env->metrics->upstream_errors[t->route]++;
-    cg_info("session %s: message %s: %s: %s", t->q->name, t->id, cg_err_code(err), message);
+    cg_info("session %s: message %s: %s: %s", t->q->name, id_of(t), cg_err_code(err), message);
     turn_fail(t, err, message, detail);
 }
 
@@ -626,7 +633,7 @@ void cg_turns_cancel_dialog(cg_turn_env *env, const char *key)
     cg_turn *t = dialog_turn(env, key);
     if (!t)
         return;
-    cg_info("session %s: message %s stopped from another connection or gateway", t->q->name, t->id);
+    cg_info("session %s: message %s stopped from another connection or gateway", t->q->name, id_of(t));
     turn_cancel(t, 0);
 }
 
@@ -655,7 +662,7 @@ static void cancel_dialog(cg_turns *q, const char *room, int own)
     cg_turn *t = room_turn(q, room);
     int remote = !t || !t->has_dialog;
     if (t && (own || t->q != q)) {
-        cg_info("session %s: message %s stopped by a cancel %s", t->q->name, t->id,
+        cg_info("session %s: message %s stopped by a cancel %s", t->q->name, id_of(t),
                 t->q == q ? "phrase" : "from another connection");
         turn_cancel(t, 0);
     }

@@ -1,13 +1,16 @@
 #!/bin/sh
-# ctest's entry for the browser test (tests/browser/CMakeLists.txt):
-#   sh tests/browser/run.sh CHATGATE_BINARY [demo.test.js options]
-# Runs demo.test.js with playwright-core from tests/browser/node_modules when someone ran
+# ctest's entry for the browser tests (tests/browser/CMakeLists.txt):
+#   sh tests/browser/run.sh [SCRIPT.test.js] CHATGATE_BINARY [options]
+# Runs SCRIPT (demo.test.js by default) with playwright-core (and ws, for origin_app.js)
+# from tests/browser/node_modules when someone ran
 # `npm ci` there, else from ./node_modules of the current (build) directory, installing it
 # there with `npm ci` from package-lock.json when missing or out of date. Only the npm
 # package is installed: the browser is Debian's /usr/bin/chromium, never a download.
 # Exits 77 (ctest: skipped) when node, npm or chromium is missing, unless
 # CHATGATE_REQUIRE_BROWSER=1 (then 1).
 set -u
+script=demo.test.js
+case "${1:-}" in *.test.js) script=$1; shift ;; esac
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(pwd)
 
@@ -21,11 +24,12 @@ command -v node >/dev/null 2>&1 || missing "node not found (Debian: apt-get inst
 chromium=${CHATGATE_CHROMIUM:-/usr/bin/chromium}
 [ -x "$chromium" ] || missing "$chromium not found (Debian: apt-get install chromium)"
 
-if [ -f "$here/node_modules/playwright-core/package.json" ]; then
+if [ -f "$here/node_modules/playwright-core/package.json" ] && [ -f "$here/node_modules/ws/package.json" ]; then
     modules=$here/node_modules
 else
     modules=$work/node_modules
-    if [ ! -f "$modules/playwright-core/package.json" ] || ! cmp -s "$here/package-lock.json" "$work/package-lock.json"; then
+    if [ ! -f "$modules/playwright-core/package.json" ] || [ ! -f "$modules/ws/package.json" ] ||
+        ! cmp -s "$here/package-lock.json" "$work/package-lock.json"; then
         command -v npm >/dev/null 2>&1 || missing "npm not found (Debian: apt-get install npm)"
         echo "installing playwright-core into $work (npm ci)"
         cp "$here/package.json" "$here/package-lock.json" "$work/" || exit 1
@@ -39,4 +43,4 @@ fi
 
 NODE_PATH=$modules
 export NODE_PATH
-exec node "$here/demo.test.js" "$@"
+exec node "$here/$script" "$@"

@@ -23,7 +23,8 @@ It records the handshake's path and headers and every frame as it came.
   itself: the next message's reply is relayed whole (the client is never muted for good);
 - socket.io: pings, open and CONNECT pass untouched; the chat event (marker "in") reaches the
   app with the chatgate object as its last argument and the flight params on the second
-  turn; the ack id and the packet's prefix are kept; another namespace's event and a
+  turn; one with an ack id reaches it as written (no argument may take the ack callback's
+  place); another namespace's event and a
   non-chat event pass untouched; the mapping's cancel_frame goes out as a socket.io event;
 - text: a plain text frame is the message, forwarded as written; the reply is relayed;
 - upstream headers: an OpenAI-compatible upstream gets upstreams.NAME.headers (one from the
@@ -291,16 +292,20 @@ async def part_socketio():
                 await recv_until(ws, lambda f: f == '42["bot message","part 3"]', what="bot reply 1")
                 await ws.send('42["typing",true]')
                 await ws.send('42/admin,["chat message","not ours"]')
-                await ws.send('427["ask",' + json.dumps(FLIGHT2) + "]")
+                await ws.send('42["ask",' + json.dumps(FLIGHT2) + "]")
                 await recv_until(ws, lambda f: f == '42["bot message","part 3"]', what="bot reply 2")
+                await ws.send('427["ask","with an ack"]')
+                await recv_until(ws, lambda f: f == '42["bot message","part 3"]', what="bot reply 3")
                 chats = app.chat_frames()
-                check(len(chats) == 2, f"two chat events: {chats}")
+                check(len(chats) == 3, f"three chat events: {chats}")
                 first = re.match(r"42(\[.*)$", chats[0], re.S)
                 event = json.loads(first.group(1))
                 check(event[0] == "chat message" and event[1] == FLIGHT1 and isinstance(event[2], dict)
                       and "params" in event[2], f"first chat event at the app: {chats[0][:300]}")
-                check(chats[1].startswith('427["ask",'), f"the ack id is kept: {chats[1][:80]}")
-                cg = json.loads(chats[1][3:])[2]
+                check(chats[2] == '427["ask","with an ack"]',
+                      f"an event with an ack id reaches the app as written (an appended argument would take the "
+                      f"ack callback's place): {chats[2][:120]}")
+                cg = json.loads(chats[1][2:])[2]
                 check(cg.get("service") == "travel" and all(cg["params"].get(k) == v for k, v in WANT2.items()),
                       f"the second turn should carry {WANT2}: {cg}")
             with step("socket.io: a non-chat event and another namespace's event pass untouched, in order"):

@@ -132,6 +132,7 @@ typedef struct cg_turns {
     uint64_t reply_timeout_ms; /* a forwarded turn whose app says nothing this long ends */
     uint64_t reply_gap_ms;     /* 0, or: a reply that has begun ends after this much silence */
     uv_timer_t *timer; /* for reply_timeout_ms; malloc'd, freed when closed */
+    uint64_t timer_ms; /* what it was last armed with */
     void *up_conns[CG_MAX_UPSTREAMS]; /* per-connection upstream connections (ws kind) */
 } cg_turns;
 
