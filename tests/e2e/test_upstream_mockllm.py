@@ -14,6 +14,8 @@ with TEST_PORTKEY_KEY set for the gateway (a fresh random secret each run).
 Through the chatgate.v1 protocol on /ws (a client that sends a browser's Origin):
 - mock-llm itself, without the gateway: 401 without the header, the echo with it (the
   fixture works, so a failure below is the gateway's);
+- the flight search's second turn reaches mock-llm with the merged params in its system
+  message; "stop" while a long reply streams cancels it at once;
 - a message gets the streamed reply (several deltas, done.text their concatenation), and
   the request carried the header, `User-Agent: chatgate/<version>` (`chatgate --version`),
   `Host: 127.0.0.1:PORT` with the port, and no Origin (the client's is not passed on);
@@ -115,6 +117,7 @@ class MockLLM:
     async def start(self, timeout=15.0):
         check(self.main.is_file(), f"no mock-llm at {self.main}")
         config = (PKG / "mock-llm.yaml").read_text().replace("MOCKLLM_KEY", self.key)
+        config = config.replace("LONG_STORY", " ".join(["once upon a time"] * 75))
         (self.dir / "mock-llm.yaml").write_text(config)
         env = dict(os.environ, PORT=str(self.port), HOST="127.0.0.1")
         self._log = open(self.log_path, "wb")
@@ -217,7 +220,7 @@ async def main(args):
                                                                    f"host=127.0.0.1:{mock.port} | origin=null"),
                   f"mock-llm with the key: {status} {text!r} {errors}")
 
-        env = {ENV_NAME: key}
+        env = {ENV_NAME: key, "CHATGATE_NOW": "2026-02-03T10:00:00Z"}  # "next week" of the flight search
         gw = Gateway(config=make_config(upstream_config(mock), "llm", log_level="debug"), env=env,
                      name="gateway:with-key")
         async with gw:
@@ -248,6 +251,24 @@ async def main(args):
                 turn.expect_done()
                 check(turn.terminal.get("text") == expected_reply("And again?", version, mock.port),
                       f"second reply {turn.terminal.get('text')!r}")
+            with step("the flight search: its second turn reaches mock-llm with the merged params in the system "
+                      "message (else mock-llm's echo rule answers)"):
+                t1 = await client.message("Find me flights from Nairobi to London next week", mid="f1", room="trip")
+                t1.expect_done()
+                t2 = await client.message("What about returning on Feb 20?", mid="f2", room="trip")
+                t2.expect_done()
+                check(t2.terminal.get("text") == "merged: Nairobi London 2026-02-10 2026-02-20",
+                      f"mock-llm did not see the merged params in the system message: {t2.terminal.get('text')!r}")
+            with step("a cancel phrase while mock-llm streams a long reply: that reply is cancelled at once"):
+                await client.send_message("tell me a long story", "s1", "story")
+                await client.recv_type("delta", "s1")
+                started = time.monotonic()
+                await client.send_message("stop", "s2", "story")
+                first = await client.collect_turn("s1", timeout=5.0)
+                took = time.monotonic() - started
+                check(first.kind == "cancelled", f"s1 should be cancelled by 'stop': {first.describe()}")
+                check(took < 1.0, f"s1 was cancelled {took:.2f}s after 'stop' (its reply had 1.5 s to go)")
+                harness.check_turn_done(await client.collect_turn("s2"))
             await client.close()
             metrics = await asyncio.to_thread(http, gw.http_url + "/metrics")
         with step("the gateway's log (at debug) and /metrics never show the key in clear"):
