@@ -27,132 +27,27 @@
 // gateway's log tail), 77 when chromium is missing (ctest reports it as skipped).
 "use strict";
 
-const { spawn } = require("child_process");
 const fs = require("fs");
-const http = require("http");
-const net = require("net");
 const os = require("os");
 const path = require("path");
+const { REPO, stamp, say, fail, check, sleep, until, parseArgs, preflight, steps, run, launchChromium,
+  freePort, GatewayProcess } = require("./common");
 
-const HERE = __dirname;
-const REPO = path.resolve(HERE, "..", "..");
 const DEADLINE_MS = 55000; // the whole test, browser start to cleanup
-const NOW = "2026-02-03T10:00:00Z";
-
-// ---- arguments ----------------------------------------------------------------------
-
-function parseArgs(argv) {
-  const opts = {
-    gateway: process.env.CHATGATE_BINARY || path.join(REPO, "build", "chatgate"),
-    out: process.env.CHATGATE_BROWSER_OUT || process.cwd(),
-    docs: process.env.CHATGATE_DEMO_PNG || null,
-    chromium: process.env.CHATGATE_CHROMIUM || "/usr/bin/chromium",
-  };
-  for (let i = 0; i < argv.length; i++) {
-    const a = argv[i];
-    if (a === "--out") opts.out = argv[++i];
-    else if (a === "--docs") opts.docs = argv[++i];
-    else if (a === "--help" || a === "-h") {
-      console.log("usage: node demo.test.js [CHATGATE_BINARY] [--out DIR] [--docs FILE]");
-      process.exit(0);
-    } else if (!a.startsWith("--")) opts.gateway = a;
-    else fail("unknown option " + a);
-  }
-  opts.gateway = path.resolve(opts.gateway);
-  opts.out = path.resolve(opts.out);
-  if (opts.docs) opts.docs = path.resolve(opts.docs);
-  return opts;
-}
-
-// ---- output -------------------------------------------------------------------------
-
-const t0 = Date.now();
-const stamp = () => ((Date.now() - t0) / 1000).toFixed(1).padStart(5) + "s";
-const say = (msg) => console.log(stamp() + "  " + msg);
-
-class TestFailure extends Error {}
-function fail(msg) { throw new TestFailure(msg); }
-function check(cond, msg) { if (!cond) fail(msg); }
 
 // ---- the gateway --------------------------------------------------------------------
 
-function freePort() {
-  return new Promise((resolve, reject) => {
-    const srv = net.createServer();
-    srv.unref();
-    srv.on("error", reject);
-    srv.listen(0, "127.0.0.1", () => {
-      const { port } = srv.address();
-      srv.close(() => resolve(port));
-    });
-  });
-}
-
-function httpGet(url, timeoutMs) {
-  return new Promise((resolve) => {
-    const req = http.get(url, { timeout: timeoutMs }, (res) => {
-      res.resume();
-      res.on("end", () => resolve(res.statusCode));
-    });
-    req.on("timeout", () => { req.destroy(); resolve(0); });
-    req.on("error", () => resolve(0));
-  });
-}
-
-class Gateway {
+// The gateway serving the demo page (web/).
+class Gateway extends GatewayProcess {
   constructor(binary, port) {
-    this.binary = binary;
-    this.port = port;
-    this.log = [];
-    this.proc = null;
-    this.exited = null;
-  }
-
-  get base() { return "http://127.0.0.1:" + this.port; }
-
-  async start() {
-    const args = ["--listen", "127.0.0.1:" + this.port,
-      "--web", path.join(REPO, "web"), "--rules", path.join(REPO, "rules"), "--log-level", process.env.CHATGATE_TEST_LOG_LEVEL || "info"];
-    const env = { ...process.env, CHATGATE_NOW: NOW,
+    super(binary, port, {
+      args: ["--web", path.join(REPO, "web")],
       // fixed, so a resume token survives the restart in step 4
-      CHATGATE_RESUME_SECRET: "browser-test-resume-secret-0123456789" };
-    delete env.REDIS_URL; // the memory store, whatever the caller's environment says
-    this.exited = null;
-    const proc = spawn(this.binary, args, { env, stdio: ["ignore", "pipe", "pipe"] });
-    this.proc = proc;
-    const keep = (chunk) => {
-      for (const line of chunk.toString().split("\n")) if (line) this.log.push(line);
-      if (this.log.length > 400) this.log.splice(0, this.log.length - 400);
-    };
-    proc.stdout.on("data", keep);
-    proc.stderr.on("data", keep);
-    this.exitPromise = new Promise((resolve) => proc.on("exit", (code, sig) => {
-      this.exited = { code, sig };
-      resolve(this.exited);
-    }));
-    proc.on("error", (e) => { this.log.push("spawn error: " + e.message); });
-    const until = Date.now() + 10000;
-    while (Date.now() < until) {
-      if (this.exited) fail(`the gateway exited at start (status ${this.exited.code}, signal ${this.exited.sig})`);
-      if ((await httpGet(this.base + "/healthz", 500)) === 200) return;
-      await sleep(100);
-    }
-    fail("the gateway did not answer /healthz within 10 s");
+      env: { CHATGATE_RESUME_SECRET: "browser-test-resume-secret-0123456789" },
+      keepLines: 400,
+    });
   }
-
-  async stop() {
-    if (!this.proc || this.exited) return this.exited;
-    this.proc.kill("SIGTERM");
-    const timer = setTimeout(() => { if (!this.exited) this.proc.kill("SIGKILL"); }, 5000);
-    const r = await this.exitPromise;
-    clearTimeout(timer);
-    return r;
-  }
-
-  tail(n) { return this.log.slice(-n).join("\n"); }
 }
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 // ---- the test -----------------------------------------------------------------------
 
@@ -161,20 +56,9 @@ const TURN_2 = "What about returning on Feb 20?";
 const TURN_STOP = "Tell me more about the cheapest one";
 
 async function main() {
-  const opts = parseArgs(process.argv.slice(2));
-
-  if (!fs.existsSync(opts.chromium)) {
-    console.error(`SKIP: ${opts.chromium} not found (Debian: apt-get install chromium)`);
-    process.exit(77);
-  }
-  check(fs.existsSync(opts.gateway), `no gateway binary at ${opts.gateway} (give its path as the first argument)`);
-
-  let playwright;
-  try {
-    playwright = require("playwright-core");
-  } catch (e) {
-    fail("playwright-core is not installed: run `npm ci` in tests/browser (" + e.message + ")");
-  }
+  const opts = parseArgs(process.argv.slice(2), "node demo.test.js [CHATGATE_BINARY] [--out DIR] [--docs FILE]",
+    { docs: process.env.CHATGATE_DEMO_PNG || null });
+  const playwright = preflight(opts);
 
   fs.mkdirSync(opts.out, { recursive: true });
   const profile = fs.mkdtempSync(path.join(os.tmpdir(), "chatgate-chromium-"));
@@ -184,20 +68,7 @@ async function main() {
   const consoleLines = [];   // everything the page logged
   const problems = [];       // console errors, page errors, requests elsewhere
   const frames = [];         // the last WebSocket frames each way
-  let current = "start";
-
-  const deadline = setTimeout(() => {
-    console.error(`FAIL: the test took over ${DEADLINE_MS / 1000} s (step: ${current})`);
-    if (gateway) gateway.stop();
-    process.exit(1);
-  }, DEADLINE_MS);
-  deadline.unref();
-
-  const step = async (name, fn) => {
-    current = name;
-    await fn();
-    say("ok    " + name);
-  };
+  const { step, failed } = steps(DEADLINE_MS, () => { if (gateway) gateway.stop(); });
 
   try {
     await step("start the gateway", async () => {
@@ -215,21 +86,13 @@ async function main() {
     });
 
     await step("start chromium", async () => {
-      context = await playwright.chromium.launchPersistentContext(profile, {
-        executablePath: opts.chromium,
-        headless: true,
-        // The network is closed: without these chromium waits on lookups it will never get.
-        args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-          "--no-proxy-server", "--disable-dev-shm-usage"],
+      context = await launchChromium(playwright, opts.chromium, profile, {
         viewport: { width: 1280, height: 800 },
         deviceScaleFactor: 1,
         colorScheme: "light",
         locale: "en-GB",
         timezoneId: "UTC",
-        timeout: 20000,
       });
-      context.setDefaultTimeout(10000);
       page = context.pages()[0] || (await context.newPage());
       page.on("console", (m) => {
         consoleLines.push(`[${m.type()}] ${m.text()}`);
@@ -266,14 +129,7 @@ async function main() {
 
     // page.waitForFunction compiles its predicate with eval, which the page's CSP
     // (script-src 'self') refuses; page.evaluate is not subject to it, so poll with that.
-    async function waitUntil(fn, arg, timeoutMs, message) {
-      const until = Date.now() + timeoutMs;
-      for (;;) {
-        if (await page.evaluate(fn, arg)) return;
-        if (Date.now() > until) fail(message);
-        await sleep(15);
-      }
-    }
+    const waitUntil = (fn, arg, timeoutMs, message) => until(() => page.evaluate(fn, arg), timeoutMs, message);
 
     const lastTurn = () => page.locator("#log .transcript:not([hidden]) .turn").last();
 
@@ -436,7 +292,7 @@ async function main() {
     say("PASS");
     return 0;
   } catch (e) {
-    console.error(`FAIL (${current}): ${e instanceof TestFailure ? e.message : e.stack || e}`);
+    failed(e);
     if (page) {
       const shot = path.join(opts.out, "demo-failure.png");
       await page.screenshot({ path: shot }).then(() => console.error("screenshot of the failure: " + shot), () => {});
@@ -452,7 +308,4 @@ async function main() {
   }
 }
 
-main().then((code) => process.exit(code), (e) => {
-  console.error("FAIL: " + (e instanceof TestFailure ? e.message : e.stack || e));
-  process.exit(1);
-});
+run(main);

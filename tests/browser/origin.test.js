@@ -55,85 +55,22 @@
 
 const { spawn } = require("child_process");
 const fs = require("fs");
-const http = require("http");
-const net = require("net");
 const os = require("os");
 const path = require("path");
 const readline = require("readline");
+const { REPO, say, fail, check, sleep, until, parseArgs, preflight, steps, run, launchChromium,
+  freePort, GatewayProcess } = require("./common");
 
 const HERE = __dirname;
-const REPO = path.resolve(HERE, "..", "..");
 const DEADLINE_MS = 55000;
-const NOW = "2026-02-03T10:00:00Z";
 const REPLY_GAP_MS = 700;
 const TURN_1 = "Find me flights from Nairobi to London next week";
 const TURN_2 = "What about returning on Feb 20?";
 const LONG = "Tell me a long story about the trip";
 const WANT2 = { from: "Nairobi", to: "London", departure_date: "2026-02-10", return_date: "2026-02-20" };
 
-const t0 = Date.now();
-const stamp = () => ((Date.now() - t0) / 1000).toFixed(1).padStart(5) + "s";
-const say = (msg) => console.log(stamp() + "  " + msg);
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-
-class TestFailure extends Error {}
-function fail(msg) { throw new TestFailure(msg); }
-function check(cond, msg) { if (!cond) fail(msg); }
 const js = (v) => JSON.stringify(v);
 const short = (v, n = 200) => { const s = typeof v === "string" ? v : js(v); return s.length > n ? s.slice(0, n) + "…" : s; };
-
-function parseArgs(argv) {
-  const opts = {
-    gateway: process.env.CHATGATE_BINARY || path.join(REPO, "build", "chatgate"),
-    out: process.env.CHATGATE_BROWSER_OUT || process.cwd(),
-    chromium: process.env.CHATGATE_CHROMIUM || "/usr/bin/chromium",
-  };
-  for (let i = 0; i < argv.length; i++) {
-    const a = argv[i];
-    if (a === "--out") opts.out = argv[++i];
-    else if (a === "--help" || a === "-h") {
-      console.log("usage: node origin.test.js [CHATGATE_BINARY] [--out DIR]");
-      process.exit(0);
-    } else if (!a.startsWith("--")) opts.gateway = a;
-    else fail("unknown option " + a);
-  }
-  opts.gateway = path.resolve(opts.gateway);
-  opts.out = path.resolve(opts.out);
-  return opts;
-}
-
-function freePort() {
-  return new Promise((resolve, reject) => {
-    const srv = net.createServer();
-    srv.unref();
-    srv.on("error", reject);
-    srv.listen(0, "127.0.0.1", () => {
-      const { port } = srv.address();
-      srv.close(() => resolve(port));
-    });
-  });
-}
-
-function httpGet(url, timeoutMs) {
-  return new Promise((resolve) => {
-    const req = http.get(url, { timeout: timeoutMs }, (res) => {
-      res.resume();
-      res.on("end", () => resolve(res.statusCode));
-    });
-    req.on("timeout", () => { req.destroy(); resolve(0); });
-    req.on("error", () => resolve(0));
-  });
-}
-
-async function until(pred, timeoutMs, message) {
-  const end = Date.now() + timeoutMs;
-  for (;;) {
-    const v = await pred();
-    if (v) return v;
-    if (Date.now() > end) fail(typeof message === "function" ? message() : message);
-    await sleep(20);
-  }
-}
 
 // ---- the app (origin_app.js) --------------------------------------------------------
 
@@ -176,58 +113,27 @@ class App {
 
 // ---- the gateway --------------------------------------------------------------------
 
-class Gateway {
+// The gateway in drop-in mode, its config file in a directory of its own.
+class Gateway extends GatewayProcess {
   constructor(binary, port, config) {
-    this.binary = binary;
-    this.port = port;
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), "chatgate-origin-"));
+    super(binary, port, { args: ["--config", path.join(dir, "config.json")], cwd: REPO });
     this.config = config;
-    this.log = [];
-    this.proc = null;
-    this.exited = null;
-    this.dir = fs.mkdtempSync(path.join(os.tmpdir(), "chatgate-origin-"));
+    this.dir = dir;
   }
-
-  get base() { return "http://127.0.0.1:" + this.port; }
 
   async start() {
-    const cfgPath = path.join(this.dir, "config.json");
-    fs.writeFileSync(cfgPath, JSON.stringify(this.config, null, 2));
-    const args = ["--listen", "127.0.0.1:" + this.port, "--config", cfgPath,
-      "--rules", path.join(REPO, "rules"), "--log-level", process.env.CHATGATE_TEST_LOG_LEVEL || "info"];
-    const env = { ...process.env, CHATGATE_NOW: NOW };
-    delete env.REDIS_URL;
-    const proc = spawn(this.binary, args, { env, cwd: REPO, stdio: ["ignore", "pipe", "pipe"] });
-    this.proc = proc;
-    const keep = (chunk) => {
-      for (const line of chunk.toString().split("\n")) if (line) this.log.push(line);
-    };
-    proc.stdout.on("data", keep);
-    proc.stderr.on("data", keep);
-    this.exitPromise = new Promise((resolve) => proc.on("exit", (code, sig) => {
-      this.exited = { code, sig };
-      resolve(this.exited);
-    }));
-    proc.on("error", (e) => this.log.push("spawn error: " + e.message));
-    const end = Date.now() + 10000;
-    while (Date.now() < end) {
-      if (this.exited) fail(`the gateway exited at start (status ${this.exited.code}); its output:\n${this.tail(20)}`);
-      if ((await httpGet(this.base + "/healthz", 500)) === 200) return;
-      await sleep(100);
-    }
-    fail("the gateway did not answer /healthz within 10 s");
+    fs.writeFileSync(path.join(this.dir, "config.json"), JSON.stringify(this.config, null, 2));
+    return super.start();
   }
 
+  exitedAtStart() { return `the gateway exited at start (status ${this.exited.code}); its output:\n${this.tail(20)}`; }
+
   async stop() {
-    if (!this.proc || this.exited) return this.exited;
-    this.proc.kill("SIGTERM");
-    const timer = setTimeout(() => { if (!this.exited) this.proc.kill("SIGKILL"); }, 5000);
-    const r = await this.exitPromise;
-    clearTimeout(timer);
+    const r = await super.stop();
     fs.rmSync(this.dir, { recursive: true, force: true });
     return r;
   }
-
-  tail(n) { return this.log.slice(-n).join("\n"); }
 }
 
 // The drop-in config of this test (docs: /work/spec13.md, "Drop-in").
@@ -255,44 +161,23 @@ function gatewayConfig(app) {
 // ---- the test -----------------------------------------------------------------------
 
 async function main() {
-  const opts = parseArgs(process.argv.slice(2));
-  if (!fs.existsSync(opts.chromium)) {
-    console.error(`SKIP: ${opts.chromium} not found (Debian: apt-get install chromium)`);
-    process.exit(77);
-  }
-  check(fs.existsSync(opts.gateway), `no gateway binary at ${opts.gateway} (give its path as the first argument)`);
-  let playwright;
-  try {
-    playwright = require("playwright-core");
-    require.resolve("ws");
-  } catch (e) {
-    fail("playwright-core or ws is not installed: run `npm ci` in tests/browser (" + e.message + ")");
-  }
+  const opts = parseArgs(process.argv.slice(2), "node origin.test.js [CHATGATE_BINARY] [--out DIR]");
+  const playwright = preflight(opts, ["ws"]);
 
   fs.mkdirSync(opts.out, { recursive: true });
   const profile = fs.mkdtempSync(path.join(os.tmpdir(), "chatgate-chromium-"));
   let app = null;
   let gateway = null;
   let context = null;
-  let current = "start";
   let lastPage = null;
   const problems = [];
   const consoleLines = [];
   const pages = []; // {page, name, frames: [{dir, t, data}]}
 
-  const deadline = setTimeout(() => {
-    console.error(`FAIL: the test took over ${DEADLINE_MS / 1000} s (step: ${current})`);
+  const { step, failed } = steps(DEADLINE_MS, () => {
     if (gateway && gateway.proc) gateway.proc.kill("SIGKILL");
     if (app && app.proc) app.proc.kill("SIGKILL");
-    process.exit(1);
-  }, DEADLINE_MS);
-  deadline.unref();
-
-  const step = async (name, fn) => {
-    current = name;
-    await fn();
-    say("ok    " + name);
-  };
+  });
 
   // A page of the app at `url`; every WebSocket frame it sends and gets is recorded.
   async function openPage(name, url) {
@@ -362,23 +247,14 @@ async function main() {
           break;
         } catch (e) {
           await gateway.stop();
-          if (attempt >= 3 || gateway.exited) throw e;
+          if (attempt >= 3) throw e; // a free port can be taken between the probe and the bind
         }
       }
       say(`      app on ${app.origin}, gateway ${opts.gateway} on ${gateway.base}`);
     });
 
     await step("start chromium", async () => {
-      context = await playwright.chromium.launchPersistentContext(profile, {
-        executablePath: opts.chromium,
-        headless: true,
-        args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-          "--no-proxy-server", "--disable-dev-shm-usage"],
-        viewport: { width: 1000, height: 700 },
-        timeout: 20000,
-      });
-      context.setDefaultTimeout(10000);
+      context = await launchChromium(playwright, opts.chromium, profile, { viewport: { width: 1000, height: 700 } });
     });
 
     // -- 0. the harness on its own --------------------------------------------------
@@ -564,7 +440,7 @@ async function main() {
     say("PASS");
     return 0;
   } catch (e) {
-    console.error(`FAIL (${current}): ${e instanceof TestFailure ? e.message : e.stack || e}`);
+    failed(e);
     if (lastPage && !lastPage.page.isClosed()) {
       const shot = path.join(opts.out, "origin-failure.png");
       await lastPage.page.screenshot({ path: shot }).then(() => console.error("screenshot of the failure: " + shot), () => {});
@@ -582,7 +458,4 @@ async function main() {
   }
 }
 
-main().then((code) => process.exit(code), (e) => {
-  console.error("FAIL: " + (e instanceof TestFailure ? e.message : e.stack || e));
-  process.exit(1);
-});
+run(main);
