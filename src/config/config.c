@@ -111,6 +111,9 @@ static const up_setting upstream_settings[] = {
     {"max_idle_connections", T_INT, UOFF(max_idle_connections), 0, 1024},
     {"idle_keepalive_ms", T_INT, UOFF(idle_keepalive_ms), 1000, 3600000},
     {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000},
+    {"out_ms", T_INT, UOFF(out_ms), 100, 3600000},
+    {"max_attempts", T_INT, UOFF(max_attempts), 1, CG_MAX_REPLICAS},
+    {"fallback", T_STR, UOFF(fallback), 0, 0},
 };
 #undef UOFF
 
@@ -350,10 +353,43 @@ static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, cha
     u->delay_ms = 30;
     u->api_key_env = strdup("CHATGATE_UPSTREAM_API_KEY");
     u->system_prompt = strdup("You are a helpful assistant.");
+    u->out_ms = 10000;
+    u->max_attempts = 3;
+    u->fallback_index = -1;
     return u;
 }
 
 /* ---- the JSON file ---------------------------------------------------------------- */
+
+/* upstreams.NAME.urls: 1 to CG_MAX_REPLICAS http:// or https:// URLs of one upstream's
+ * replicas; the first is its url. */
+static int load_replicas(cg_upstream_config *u, json_t *urls, char *err, size_t errlen)
+{
+    size_t i;
+    json_t *one;
+    if (!json_is_array(urls) || json_array_size(urls) < 1 || json_array_size(urls) > CG_MAX_REPLICAS) {
+        set_err(err, errlen, "must be a list of 1 to %d URLs", CG_MAX_REPLICAS);
+        return -1;
+    }
+    for (int r = 0; r < u->n_replicas; r++)
+        free(u->replicas[r]);
+    u->n_replicas = 0;
+    json_array_foreach(urls, i, one) {
+        cg_upstream_config probe = {0};
+        const char *s = json_string_value(one);
+        int rc = s ? cg_config_parse_upstream_url(&probe, s, err, errlen) : -1;
+        int kind = probe.kind;
+        cg_upstream_config_free(&probe);
+        if (rc < 0 || kind != CG_UPSTREAM_OPENAI) {
+            if (rc == 0 || !s)
+                set_err(err, errlen, "[%zu]: replicas are of OpenAI-compatible upstreams: http:// or https:// URLs",
+                        i);
+            return -1;
+        }
+        u->replicas[u->n_replicas++] = strdup(s);
+    }
+    return cg_config_parse_upstream_url(u, u->replicas[0], err, errlen);
+}
 
 static int load_upstream_object(cg_config *cfg, const char *file, const char *name, json_t *obj,
                                 char *err, size_t errlen)
@@ -371,21 +407,31 @@ static int load_upstream_object(cg_config *cfg, const char *file, const char *na
         set_err(err, errlen, "%s: upstreams.%s: must be an object or a URL string", file, name);
         return -1;
     }
-    json_t *url = json_object_get(obj, "url");
-    if (!json_is_string(url)) {
-        set_err(err, errlen, "%s: upstreams.%s.url: missing, or not a string", file, name);
+    json_t *url = json_object_get(obj, "url"), *urls = json_object_get(obj, "urls");
+    if (!json_is_string(url) && !urls) {
+        set_err(err, errlen, "%s: upstreams.%s.url: missing, or not a string (or give \"urls\")", file, name);
         return -1;
     }
     cg_upstream_config *u = upstream_upsert(cfg, name, msg, sizeof(msg));
-    if (!u || cg_config_parse_upstream_url(u, json_string_value(url), msg, sizeof(msg)) < 0) {
-        set_err(err, errlen, "%s: upstreams.%s.url: %s", file, name, msg);
-        return -1;
-    }
+    if (!u)
+        goto bad_url;
+    if (urls ? load_replicas(u, urls, msg, sizeof(msg)) < 0
+             : cg_config_parse_upstream_url(u, json_string_value(url), msg, sizeof(msg)) < 0)
+        goto bad_url;
     const char *key;
     json_t *val;
     json_object_foreach(obj, key, val) {
-        if (strcmp(key, "url") == 0)
+        if (strcmp(key, "url") == 0 || strcmp(key, "urls") == 0)
             continue;
+        if (strcmp(key, "balance") == 0) {
+            const char *b = json_string_value(val);
+            if (!b || (strcmp(b, "dialog") && strcmp(b, "least_busy"))) {
+                set_err(err, errlen, "%s: upstreams.%s.balance: must be \"dialog\" or \"least_busy\"", file, name);
+                return -1;
+            }
+            u->least_busy = strcmp(b, "least_busy") == 0;
+            continue;
+        }
         if (strcmp(key, "headers") == 0) {
             char where[128];
             snprintf(where, sizeof(where), "upstreams.%s.headers", name);
@@ -422,6 +468,9 @@ static int load_upstream_object(cg_config *cfg, const char *file, const char *na
         }
     }
     return 0;
+bad_url:
+    set_err(err, errlen, "%s: upstreams.%s.%s: %s", file, name, urls ? "urls" : "url", msg);
+    return -1;
 }
 
 /* Applies one JSON value to the setting named path ("max_frame", "rate_limit.burst"). */
@@ -858,6 +907,28 @@ static int flag_given(int argc, char **argv, const char *flag)
     return 0;
 }
 
+/* Each upstream's fallback names another upstream; a single url counts as one replica. */
+static int check_fallbacks(cg_config *cfg, const char *file, char *err, size_t errlen)
+{
+    for (int i = 0; i < cfg->n_upstreams; i++) {
+        cg_upstream_config *u = &cfg->upstreams[i];
+        if (u->n_replicas == 0 && u->url) {
+            u->replicas[0] = strdup(u->url);
+            u->n_replicas = 1;
+        }
+        u->fallback_index = -1;
+        for (int j = 0; u->fallback && j < cfg->n_upstreams; j++)
+            if (j != i && strcmp(cfg->upstreams[j].name, u->fallback) == 0)
+                u->fallback_index = j;
+        if (u->fallback && u->fallback_index < 0) {
+            set_err(err, errlen, "%s: upstreams.%s.fallback: no other upstream named '%s'", file ? file : "flags",
+                    u->name, u->fallback);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int check(cg_config *cfg, int argc, char **argv, const char *file, char *err, size_t errlen)
 {
     char where[PATH_MAX + 64];
@@ -885,6 +956,8 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
     } else {
         cfg->default_upstream = strdup(cfg->upstreams[0].name);
     }
+    if (check_fallbacks(cfg, file, err, errlen) < 0)
+        return -1;
 
     origin_of("store", "store", flag_given(argc, argv, "store"), file, where, sizeof(where));
     /* the store checks the rest of a Redis URL when it opens (exit 2 too, "store: ...") */
@@ -1048,6 +1121,9 @@ void cg_upstream_config_free(cg_upstream_config *u)
     free(u->api_key_env);
     free(u->system_prompt);
     cg_headers_free(&u->headers);
+    for (int i = 0; i < u->n_replicas; i++)
+        free(u->replicas[i]);
+    free(u->fallback);
     memset(u, 0, sizeof(*u));
 }
 

@@ -216,13 +216,24 @@ cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len)
     return cg_protocol_frame(json_pack("{s:s, s:s, s:s%}", "type", "delta", "id", id, "text", text, len));
 }
 
-cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated)
+cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated,
+                               const cg_answer *who)
 {
     json_t *o = json_pack("{s:s, s:s, s:s%, s:O}", "type", "done", "id", id, "text", text, len, "usage",
                           usage ? usage : json_null());
-    if (o && truncated && json_object_set_new(o, "truncated", json_true()) < 0) {
+    int failed = !o || (truncated && json_object_set_new(o, "truncated", json_true()) < 0);
+    if (!failed && who && who->upstream) {
+        failed |= json_object_set_new(o, "upstream", json_string(who->upstream)) < 0;
+        if (who->replica >= 0)
+            failed |= json_object_set_new(o, "replica", json_integer(who->replica)) < 0;
+        if (who->attempts > 1)
+            failed |= json_object_set_new(o, "attempts", json_integer(who->attempts)) < 0;
+        if (who->fallback_from)
+            failed |= json_object_set_new(o, "fallback_from", json_string(who->fallback_from)) < 0;
+    }
+    if (failed) {
         json_decref(o);
-        o = NULL; /* encoded as the internal error: a done without its flag would mislead */
+        o = NULL; /* encoded as the internal error: a done without its flags would mislead */
     }
     return cg_protocol_frame(o);
 }

@@ -197,6 +197,22 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
         per_upstream(srv, buf, len, &used, "chatgate_upstream_connections_idle", m->upstream_conns_idle,
                      CG_UPSTREAM_OPENAI) < 0)
         return used;
+    /* replicas and fallback (README, "Replicas, retries and fallback") */
+    if (put(buf, len, &used,
+            "# HELP chatgate_upstream_retries_total Messages sent again to another replica after one failed "
+            "before any reply text.\n# TYPE chatgate_upstream_retries_total counter\n") < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_retries_total", m->upstream_retries,
+                     CG_UPSTREAM_OPENAI) < 0 ||
+        put(buf, len, &used,
+            "# HELP chatgate_upstream_replica_outs_total Times a replica was marked out after a failure.\n"
+            "# TYPE chatgate_upstream_replica_outs_total counter\n") < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_replica_outs_total", m->upstream_replica_outs,
+                     CG_UPSTREAM_OPENAI) < 0 ||
+        put(buf, len, &used,
+            "# HELP chatgate_upstream_fallbacks_total Messages that went on to the upstream's fallback.\n"
+            "# TYPE chatgate_upstream_fallbacks_total counter\n") < 0 ||
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_fallbacks_total", m->upstream_fallbacks, -1) < 0)
+        return used;
     if (put(buf, len, &used,
             "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n") < 0)
         return used;

@@ -283,9 +283,10 @@ static void sink_ack(void *conn, const cg_ack *ack)
     session_send(conn, cg_protocol_ack(ack));
 }
 
-static void sink_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated)
+static void sink_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,
+                      const cg_answer *who)
 {
-    session_send(conn, cg_protocol_done(id, reply, len, usage, truncated));
+    session_send(conn, cg_protocol_done(id, reply, len, usage, truncated, who));
 }
 
 static void sink_cancelled(void *conn, const char *id)

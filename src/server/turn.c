@@ -39,7 +39,10 @@ struct cg_turn {
     int has_dialog;
     int saved;                 /* a save or remove ended its lease (store.h) */
     int route;                 /* the upstream's index */
+    int first_route;           /* -1, or the upstream that failed when route is its fallback */
     cg_upstream_call *call;    /* while an upstream call is in flight */
+    /* what the pipeline gave the upstream call, kept for a fallback's call (references) */
+    json_t *awaiting_before, *resolution, *annotations, *fired;
     int forwarded;             /* handed to the adapter (drop-in); its end comes by cg_turn_end */
     int cancel_requested;      /* a forwarded reply the user cancelled */
     char *reply;               /* the reply, up to max_reply_bytes */
@@ -113,6 +116,10 @@ static void turn_free(cg_turn *t)
     if (t->has_dialog)
         cg_dialog_free(&t->dialog);
     json_decref(t->keys);
+    json_decref(t->awaiting_before);
+    json_decref(t->resolution);
+    json_decref(t->annotations);
+    json_decref(t->fired);
     free(t->id);
     free(t->room);
     free(t->text);
@@ -334,21 +341,56 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
 {
     cg_turn *t = ctx;
     cg_turns *q = t->q;
+    const cg_upstream *up = &q->env->upstreams[t->route];
+    cg_answer who = {.upstream = up->cfg->name, .replica = -1, .attempts = 1,
+                     .fallback_from = t->first_route >= 0 ? q->env->upstreams[t->first_route].cfg->name : NULL};
+    if (up->ops->answered)
+        up->ops->answered(t->call, &who.replica, &who.attempts);
     t->call = NULL;
     if (state)
-        cg_turn_state(t, state, q->env->upstreams[t->route].cfg->name);
+        cg_turn_state(t, state, up->cfg->name);
     if (q->sink->done)
-        q->sink->done(q->conn, t->id, t->reply ? t->reply : "", t->reply_len, usage, t->truncated);
+        q->sink->done(q->conn, t->id, t->reply ? t->reply : "", t->reply_len, usage, t->truncated, &who);
     turn_save(t, END_DONE);
     turn_finish(t);
+}
+
+static int turn_call_upstream(cg_turn *t, json_t *params);
+
+/* May a failed call go on to its upstream's fallback? Once, before any reply text reached
+ * the client, and for the failures a replica is marked out for: not reached, a timeout
+ * before the first byte, HTTP 5xx or 429. A 4xx says the request itself is wrong: the
+ * fallback would say the same. */
+static int may_fall_back(const cg_turn *t, int err, json_t *detail)
+{
+    json_int_t status = json_integer_value(json_object_get(detail, "status"));
+    return t->first_route < 0 && !t->got_first && t->reply_len == 0 &&
+           t->q->env->upstreams[t->route].cfg->fallback_index >= 0 &&
+           (err == CG_E_UPSTREAM_UNAVAILABLE || err == CG_E_UPSTREAM_TIMEOUT ||
+            (err == CG_E_UPSTREAM_ERROR && (status >= 500 || status == 429)));
 }
 
 static void on_upstream_error(void *ctx, int err, const char *message, json_t *detail)
 {
     cg_turn *t = ctx;
+    cg_turns *q = t->q;
     t->call = NULL;
-    t->q->env->metrics->upstream_errors[t->route]++;
-    cg_info("session %s: message %s: %s: %s", t->q->name, id_of(t), cg_err_code(err), message);
+    q->env->metrics->upstream_errors[t->route]++;
+    cg_info("session %s: message %s: %s: %s", q->name, id_of(t), cg_err_code(err), message);
+    if (may_fall_back(t, err, detail)) {
+        int to = q->env->upstreams[t->route].cfg->fallback_index;
+        cg_info("session %s: message %s goes to the fallback upstream '%s'", q->name, id_of(t),
+                q->env->upstreams[to].cfg->name);
+        q->env->metrics->upstream_fallbacks[t->route]++;
+        t->first_route = t->route;
+        t->route = to;
+        cg_dialog *d = &t->dialog;
+        json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(q->env->cfg, d->service));
+        int rc = turn_call_upstream(t, params);
+        json_decref(params);
+        if (rc == 0)
+            return;
+    }
     turn_fail(t, err, message, detail);
 }
 
@@ -398,29 +440,42 @@ static void turn_call(cg_turn *t, const cg_pipeline_result *res, json_t *params,
         q->sink->ack(q->conn, &ack);
     if (res->absorb) {
         if (q->sink->done)
-            q->sink->done(q->conn, t->id, "", 0, NULL, 0);
+            q->sink->done(q->conn, t->id, "", 0, NULL, 0, NULL);
         turn_save(t, END_ABSORBED);
         turn_finish(t);
         return;
     }
-    /* the state in a sentence, for an LLM's system message: built for a kind that reads it */
-    char *summary = up->ops->reads_summary ? cg_dialog_summary(d, params, res->resolution, res->annotations) : NULL;
-    cg_upstream_message um = {
-        .id = t->id, .user = q->user, .room = t->room, .text = t->text, .route = up->cfg->name,
-        .service = d->service, .params = params, .awaiting = awaiting_before, .soft = d->soft,
-        .history = d->history, .summary = summary ? summary : "", .enriched = res->enriched,
-        .resolution = res->resolution, .annotations = res->annotations, .rules = res->rules,
-    };
+    t->awaiting_before = json_incref(awaiting_before);
+    t->resolution = json_incref(res->resolution);
+    t->annotations = json_incref(res->annotations);
+    t->fired = json_incref(res->rules);
     env->metrics->routed[t->route]++;
     t->t_upstream = uv_hrtime();
+    if (turn_call_upstream(t, params) < 0)
+        turn_fail(t, CG_E_INTERNAL, "the upstream request could not be started", NULL);
+}
+
+/* Starts the call of t->route with the merged params and what the pipeline gave (kept on
+ * the turn, so that a fallback makes the same call to another upstream); -1 when it could
+ * not start. */
+static int turn_call_upstream(cg_turn *t, json_t *params)
+{
+    cg_turns *q = t->q;
+    cg_dialog *d = &t->dialog;
+    cg_upstream *up = &q->env->upstreams[t->route];
+    /* the state in a sentence, for an LLM's system message: built for a kind that reads it */
+    char *summary = up->ops->reads_summary ? cg_dialog_summary(d, params, t->resolution, t->annotations) : NULL;
+    cg_upstream_message um = {
+        .id = t->id, .user = q->user, .room = t->room, .text = t->text, .route = up->cfg->name,
+        .service = d->service, .params = params, .awaiting = t->awaiting_before, .soft = d->soft,
+        .history = d->history, .summary = summary ? summary : "", .enriched = t->enriched,
+        .resolution = t->resolution, .annotations = t->annotations, .rules = t->fired,
+    };
     int rc = up->ops->start(up, &q->up_conns[t->route], &um, &upstream_events, t, &t->call);
     free(summary);
-    if (rc < 0) {
-        turn_fail(t, CG_E_INTERNAL, "the upstream request could not be started", NULL);
-        return;
-    }
-    if (q->paused)
+    if (rc == 0 && q->paused)
         up->ops->pause(t->call, 1);
+    return rc < 0 ? -1 : 0;
 }
 
 /* A chat message with its dialog loaded: the pipeline, then the upstream or the adapter. */
@@ -710,6 +765,7 @@ int cg_turns_submit(cg_turns *q, cg_turn_request *r)
     cg_turn *t = calloc(1, sizeof(*t));
     if (!t)
         abort();
+    t->first_route = -1;
     t->q = q;
     t->kind = r->kind;
     t->id = r->id;

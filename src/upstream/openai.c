@@ -36,6 +36,7 @@
 #include <strings.h>
 
 #include "chatgate/core/error.h"
+#include "chatgate/core/log.h"
 #include "chatgate/core/sse.h"
 #include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
@@ -45,12 +46,28 @@
 
 typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE, PHASE_DRAIN } call_phase;
 
+/* One of the upstream's URLs (upstreams.NAME.urls; a single url is one replica). */
+typedef struct replica {
+    char *url;          /* {base}/chat/completions */
+    uint64_t out_until; /* uv_now() before which it is not picked: it failed (passive health) */
+    int busy;           /* transfers on it now (balance least_busy) */
+} replica;
+
 /* What one upstream keeps between calls (cg_upstream.state). */
 typedef struct openai_state {
-    cg_http_pool *pool;
-    char *url;                  /* {base}/chat/completions */
+    cg_http_pool *pool;         /* one for every replica: libcurl keeps connections per host */
     struct curl_slist *headers; /* JSON in, events out, the bearer token */
+    replica replicas[CG_MAX_REPLICAS];
+    int n;
 } openai_state;
+
+/* One transfer of a call, to one replica. A retry stops the transfer and starts another:
+ * the stopped one's callbacks may still run until its done, and they find they are not
+ * the call's current attempt any more, so they touch nothing of the call. */
+typedef struct attempt {
+    cg_upstream_call *c;
+    int replica;
+} attempt;
 
 struct cg_upstream_call {
     cg_upstream *up;
@@ -59,8 +76,14 @@ struct cg_upstream_call {
     int refs;
     int ended; /* after a done, phase is PHASE_DRAIN: the rest of the response is read, to
                 * keep the connection */
-    CURL *easy;   /* while the transfer runs (the pool's) */
+    CURL *easy;   /* while the current transfer runs (the pool's) */
     cg_http_pool *pool; /* the upstream's */
+    attempt *cur;       /* the current transfer's attempt, NULL when none runs */
+    uint64_t key;       /* the dialog's hash (user, room): which replica it prefers */
+    unsigned tried;     /* replicas tried, one bit each */
+    int attempts;
+    int replica;        /* the latest attempt's (the one that answered, after a done) */
+    long retry_after_ms; /* a 429's Retry-After, 0 when none */
     uv_timer_t timer;
     call_phase phase;
     char *body;
@@ -159,6 +182,9 @@ static int phase_ms(const cg_upstream_call *c, call_phase phase)
            : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
 }
 
+static int retry(cg_upstream_call *c, const char *why);
+static const char *tried_note(const cg_upstream_call *c);
+
 static void on_timeout(uv_timer_t *t)
 {
     cg_upstream_call *c = t->data;
@@ -169,8 +195,10 @@ static void on_timeout(uv_timer_t *t)
     }
     static const char *const what[] = {"did not connect", "sent nothing", "went quiet"};
     static const char *const key[] = {"connect_timeout_ms", "first_byte_timeout_ms", "idle_timeout_ms"};
-    call_fail(c, CG_E_UPSTREAM_TIMEOUT, NULL, "%s within %d ms (%s)", what[c->phase], phase_ms(c, c->phase),
-              key[c->phase]);
+    if (c->phase != PHASE_IDLE && retry(c, what[c->phase]))
+        return;
+    call_fail(c, CG_E_UPSTREAM_TIMEOUT, NULL, "%s within %d ms (%s)%s", what[c->phase], phase_ms(c, c->phase),
+              key[c->phase], tried_note(c));
 }
 
 /* Starts the phase's deadline afresh; a paused call waits for no first byte and no read
@@ -240,6 +268,10 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
 /* The server's own words from a 4xx/5xx body: error.message, or the start of the text. */
 static void fail_with_status(cg_upstream_call *c)
 {
+    char why[32];
+    snprintf(why, sizeof(why), "answered HTTP %d", c->status);
+    if ((c->status >= 500 || c->status == 429) && retry(c, why))
+        return;
     c->error_body[c->error_body_len] = 0;
     json_t *o = json_loads(c->error_body, 0, NULL);
     json_t *err = json_object_get(o, "error");
@@ -247,7 +279,8 @@ static void fail_with_status(cg_upstream_call *c)
     if (!json_is_string(m))
         m = json_object_get(o, "message");
     const char *text = json_is_string(m) ? json_string_value(m) : c->error_body;
-    call_fail(c, CG_E_UPSTREAM_ERROR, err, "answered HTTP %d: %.300s", c->status, *text ? text : "(empty body)");
+    call_fail(c, CG_E_UPSTREAM_ERROR, err, "answered HTTP %d: %.300s%s", c->status, *text ? text : "(empty body)",
+              tried_note(c));
     json_decref(o);
 }
 
@@ -290,8 +323,11 @@ static void on_end(cg_upstream_call *c)
 /* The request goes out on a connection, kept or new: the connect phase is over. */
 static int on_sending(void *data, char *ip, char *local_ip, int port, int local_port)
 {
-    cg_upstream_call *c = data;
+    attempt *a = data;
+    cg_upstream_call *c = a->c;
     (void)ip, (void)local_ip, (void)port, (void)local_port;
+    if (c->cur != a) /* a stopped attempt */
+        return CURL_PREREQFUNC_ABORT;
     if (c->easy)
         cg_http_pool_sending(c->pool, c->easy);
     c->request_sent = 1;
@@ -310,12 +346,17 @@ static size_t ended_take(const cg_upstream_call *c, size_t len)
  * answer's status and whether it is an event stream. */
 static size_t on_header(char *line, size_t size, size_t n, void *data)
 {
-    cg_upstream_call *c = data;
+    attempt *a = data;
+    cg_upstream_call *c = a->c;
     size_t len = size * n;
+    if (c->cur != a) /* a stopped attempt: refused, which ends it */
+        return 0;
     cg_http_pool_header(c->pool, line, len);
     if (c->ended)
         return ended_take(c, len);
     arm(c, PHASE_IDLE); /* the first bytes came */
+    if (len > 12 && strncasecmp(line, "Retry-After:", 12) == 0) /* seconds (a date is not read) */
+        c->retry_after_ms = strtol(line + 12, NULL, 10) * 1000;
     if (len <= 2 && (line[0] == '\r' || line[0] == '\n')) {
         long code = 0;
         char *type = NULL;
@@ -333,8 +374,11 @@ static size_t on_header(char *line, size_t size, size_t n, void *data)
  * only when draining after done, else refuses them, which ends the transfer. */
 static size_t on_data(char *in, size_t size, size_t n, void *data)
 {
-    cg_upstream_call *c = data;
+    attempt *a = data;
+    cg_upstream_call *c = a->c;
     size_t len = size * n;
+    if (c->cur != a)
+        return 0;
     if (c->ended)
         return ended_take(c, len);
     if (c->paused)
@@ -349,19 +393,31 @@ static size_t on_data(char *in, size_t size, size_t n, void *data)
  * already (done, cancel, an error of ours). */
 static void on_transfer_done(void *data, CURLcode rc)
 {
-    cg_upstream_call *c = data;
+    attempt *a = data;
+    cg_upstream_call *c = a->c;
+    ((openai_state *)c->up->state)->replicas[a->replica].busy--;
+    free(a);
+    if (c->cur != a) { /* an attempt a retry stopped */
+        call_unref(c);
+        return;
+    }
+    c->cur = NULL;
     c->easy = NULL;
-    const char *why = c->curl_error[0] ? c->curl_error : curl_easy_strerror(rc);
+    char why[CURL_ERROR_SIZE + 64];
+    snprintf(why, sizeof(why), "%s", c->curl_error[0] ? c->curl_error : curl_easy_strerror(rc));
     if (c->ended)
         ;
     else if (rc == CURLE_OK || c->status)
         on_end(c); /* complete, or cut after the headers: on_end tells which */
+    else if (retry(c, why))
+        ;
     else if (rc == CURLE_COULDNT_RESOLVE_HOST)
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not resolve the host ('%s'): %s", c->up->cfg->host, why);
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not resolve the host: %s%s", why, tried_note(c));
     else if (!c->request_sent)
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s", why);
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s%s", why, tried_note(c));
     else
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "sent no HTTP answer to the request: %s", why);
+        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "sent no HTTP answer to the request: %s%s", why,
+                  tried_note(c));
     call_finish(c);
     call_unref(c); /* the transfer's */
 }
@@ -422,43 +478,167 @@ fail:
     return NULL;
 }
 
-/* The transfer for c: the pool's easy handle with this request; -1 on failure. */
-static int request_start(cg_upstream_call *c, const openai_state *st)
+/* The transfer for c to replica r: the pool's easy handle with this request; -1 on failure. */
+static int request_start(cg_upstream_call *c, openai_state *st, int r)
 {
     CURL *e = cg_http_pool_easy(st->pool);
-    if (!e)
+    attempt *a = e ? calloc(1, sizeof(*a)) : NULL;
+    if (!a) {
+        if (e)
+            curl_easy_cleanup(e);
         return -1;
-    curl_easy_setopt(e, CURLOPT_URL, st->url);
+    }
+    a->c = c;
+    a->replica = r;
+    curl_easy_setopt(e, CURLOPT_URL, st->replicas[r].url);
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, st->headers);
     curl_easy_setopt(e, CURLOPT_POSTFIELDS, c->body);
     curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)c->body_len);
     curl_easy_setopt(e, CURLOPT_ERRORBUFFER, c->curl_error);
     curl_easy_setopt(e, CURLOPT_PREREQFUNCTION, on_sending);
-    curl_easy_setopt(e, CURLOPT_PREREQDATA, c);
+    curl_easy_setopt(e, CURLOPT_PREREQDATA, a);
     curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, on_header);
-    curl_easy_setopt(e, CURLOPT_HEADERDATA, c);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, a);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, on_data);
-    curl_easy_setopt(e, CURLOPT_WRITEDATA, c);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, a);
     c->easy = e;
+    c->cur = a;
     c->refs++; /* the transfer's; dropped by on_transfer_done */
-    if (cg_http_pool_start(st->pool, e, on_transfer_done, c) < 0) {
+    if (cg_http_pool_start(st->pool, e, on_transfer_done, a) < 0) {
         c->easy = NULL;
+        c->cur = NULL;
         c->refs--;
         curl_easy_cleanup(e);
+        free(a);
         return -1;
     }
+    c->tried |= 1u << r;
+    c->attempts++;
+    c->replica = r;
+    st->replicas[r].busy++;
     return 0;
 }
 
-/* {scheme}://{host}:{port}{path}/chat/completions; an IPv6 address in brackets */
-static char *request_url(const cg_upstream_config *cfg)
+/* ---- replicas -------------------------------------------------------------------------- */
+
+/* splitmix64's finaliser: a well-spread 64-bit hash of x. */
+static uint64_t mix(uint64_t x)
 {
-    int v6 = strchr(cfg->host, ':') != NULL;
-    size_t n = strlen(cfg->host) + strlen(cfg->path) + 64;
-    char *url = malloc(n);
-    if (url)
-        snprintf(url, n, "%s://%s%s%s:%d%s/chat/completions", cfg->tls ? "https" : "http", v6 ? "[" : "",
-                 cfg->host, v6 ? "]" : "", cfg->port, cfg->path);
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+/* FNV-1a of the dialog (user, room): the same for every turn of it, on every gateway. */
+static uint64_t dialog_key(const char *user, const char *room)
+{
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (const char *p = user ? user : ""; *p; p++)
+        h = (h ^ (unsigned char)*p) * 0x100000001b3ULL;
+    h = (h ^ 0x1f) * 0x100000001b3ULL; /* the unit separator: ("ab","c") is not ("a","bc") */
+    for (const char *p = room ? room : ""; *p; p++)
+        h = (h ^ (unsigned char)*p) * 0x100000001b3ULL;
+    return h;
+}
+
+/*
+ * The replica for the call's next attempt: among those it has not tried and that are not
+ * out, by dialog the one whose hash with the dialog's key is highest (rendezvous hashing: a
+ * dialog stays on its replica, and moves only when that one is out, to the one next in its
+ * own order), or the least busy (ties by the same order). When every replica is out, the
+ * first attempt still goes to the dialog's own (it may be back; failing at once would not
+ * help the user), a retry goes nowhere. -1: none.
+ */
+static int pick(const openai_state *st, const cg_upstream_call *c, uint64_t now)
+{
+    int best = -1, any = -1;
+    uint64_t best_score = 0, any_score = 0;
+    for (int i = 0; i < st->n; i++) {
+        if (c->tried & (1u << i))
+            continue;
+        uint64_t score = mix(c->key ^ mix((uint64_t)i + 1));
+        if (any < 0 || score > any_score) {
+            any = i;
+            any_score = score;
+        }
+        if (st->replicas[i].out_until > now)
+            continue;
+        int better = best < 0 || (c->up->cfg->least_busy && st->replicas[i].busy != st->replicas[best].busy
+                                      ? st->replicas[i].busy < st->replicas[best].busy
+                                      : score > best_score);
+        if (better) {
+            best = i;
+            best_score = score;
+        }
+    }
+    return best >= 0 ? best : c->attempts == 0 ? any : -1;
+}
+
+/* ", after N attempts" for a failure that was retried, else "". */
+static const char *tried_note(const cg_upstream_call *c)
+{
+    static char note[48];
+    if (c->attempts <= 1)
+        return "";
+    snprintf(note, sizeof(note), " (after %d attempts)", c->attempts);
+    return note;
+}
+
+/*
+ * The current attempt failed before anything reached the client (it refused, timed out
+ * before its first byte, or answered 5xx or 429): its replica is out for out_ms (or the
+ * 429's Retry-After, up to an hour), and the message goes to the next replica while the
+ * call has attempts left. 1 when it was retried; 0: the caller fails the call.
+ */
+static int retry(cg_upstream_call *c, const char *why)
+{
+    openai_state *st = c->up->state;
+    const cg_upstream_config *cfg = c->up->cfg;
+    uint64_t now = uv_now(c->up->net->loop);
+    int failed = c->replica;
+    long out = c->retry_after_ms > 0 ? (c->retry_after_ms < 3600000 ? c->retry_after_ms : 3600000) : cfg->out_ms;
+    if (st->n > 1) {
+        st->replicas[failed].out_until = now + (uint64_t)out;
+        cg_warn("upstream '%s': replica %d %s: out for %ld ms", cfg->name, failed, why, out);
+        if (c->up->metrics)
+            c->up->metrics->upstream_replica_outs[c->up->index]++;
+    }
+    int next = c->reply_bytes || c->attempts >= cfg->max_attempts ? -1 : pick(st, c, now);
+    if (next < 0)
+        return 0;
+    if (c->easy) /* its done comes to a stopped attempt (on_transfer_done) */
+        cg_http_pool_stop(c->pool, c->easy);
+    c->easy = NULL;
+    c->cur = NULL;
+    c->status = c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
+    c->error_body_len = 0;
+    c->retry_after_ms = 0;
+    c->curl_error[0] = 0;
+    json_decref(c->usage);
+    c->usage = NULL;
+    cg_sse_free(&c->sse); /* whatever the failed attempt sent is forgotten */
+    cg_sse_init(&c->sse, MAX_EVENT_BYTES, on_event, c);
+    if (request_start(c, st, next) < 0)
+        return 0;
+    if (c->up->metrics)
+        c->up->metrics->upstream_retries[c->up->index]++;
+    arm(c, PHASE_CONNECT);
+    return 1;
+}
+
+/* {scheme}://{host}:{port}{path}/chat/completions of a base URL (checked by the config);
+ * an IPv6 address in brackets. NULL when it cannot be made. */
+static char *request_url(const char *base)
+{
+    cg_upstream_config cfg = {0};
+    char err[256], *url = NULL;
+    if (cg_config_parse_upstream_url(&cfg, base, err, sizeof(err)) == 0 && cfg.host) {
+        int v6 = strchr(cfg.host, ':') != NULL;
+        if (asprintf(&url, "%s://%s%s%s:%d%s/chat/completions", cfg.tls ? "https" : "http", v6 ? "[" : "", cfg.host,
+                     v6 ? "]" : "", cfg.port, cfg.path) < 0)
+            url = NULL;
+    }
+    cg_upstream_config_free(&cfg);
     return url;
 }
 
@@ -522,7 +702,8 @@ static void openai_close(cg_upstream *up)
         return;
     cg_http_pool_free(st->pool); /* its idle connections close */
     curl_slist_free_all(st->headers);
-    free(st->url);
+    for (int i = 0; i < st->n; i++)
+        free(st->replicas[i].url);
     free(st);
 }
 
@@ -536,10 +717,13 @@ static openai_state *state_of(cg_upstream *up)
     if (!st)
         return NULL;
     up->state = st;
-    st->url = request_url(up->cfg);
+    int ok = 1;
+    st->n = up->cfg->n_replicas ? up->cfg->n_replicas : 1;
+    for (int i = 0; i < st->n; i++)
+        ok &= (st->replicas[i].url = request_url(up->cfg->n_replicas ? up->cfg->replicas[i] : up->cfg->url)) != NULL;
     st->headers = request_headers(up->cfg);
     st->pool = cg_http_pool_new(up->net->loop, up->cfg, up->metrics, up->index);
-    if (!st->url || !st->headers || !st->pool) {
+    if (!ok || !st->headers || !st->pool) {
         openai_close(up);
         up->state = NULL;
         return NULL;
@@ -571,12 +755,21 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
     uv_timer_init(up->net->loop, &c->timer);
     c->timer.data = c;
     arm(c, PHASE_CONNECT);
-    if (request_start(c, st) < 0) {
+    c->key = dialog_key(m->user, m->room);
+    int r = pick(st, c, uv_now(up->net->loop));
+    if (r < 0 || request_start(c, st, r) < 0) {
         call_end(c, 0); /* no transfer: the timer goes */
         return -1;
     }
     *out = c;
     return 0;
+}
+
+static void openai_answered(const cg_upstream_call *c, int *replica, int *attempts)
+{
+    const openai_state *st = c->up->state;
+    *replica = st->n > 1 ? c->replica : -1;
+    *attempts = c->attempts;
 }
 
 static void openai_cancel(cg_upstream_call *c)
@@ -601,6 +794,7 @@ const cg_upstream_ops cg_upstream_openai_ops = {
     .start = openai_start,
     .cancel = openai_cancel,
     .pause = openai_pause,
+    .answered = openai_answered,
     .close_conn = NULL,
     .close = openai_close,
 };

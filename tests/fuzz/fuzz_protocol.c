@@ -55,7 +55,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (cut > len / 2)
             __builtin_trap();
         check_built(cg_protocol_delta(a.id, f.text, cut));
-        check_built(cg_protocol_done(a.id, f.text, len, NULL, 1));
+        check_built(cg_protocol_done(a.id, f.text, len, NULL, 1, NULL));
         break;
     }
     case CG_FRAME_CANCEL:

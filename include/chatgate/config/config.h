@@ -15,6 +15,7 @@
 #include "chatgate/config/headers.h"
 
 #define CG_MAX_UPSTREAMS 32
+#define CG_MAX_REPLICAS 16 /* URLs of one upstream (upstreams.NAME.urls) */
 #define CG_MAX_CONFIG_FILE (16 << 20) /* bytes of a --config file */
 #define CG_MAX_WORKERS 64            /* --workers */
 #define CG_MAX_REDIS_PREFIX 128       /* bytes of redis.prefix */
@@ -58,6 +59,17 @@ typedef struct cg_upstream_config {
     int idle_keepalive_ms;    /* OpenAI: an idle kept connection is closed after this (30 s) */
     int delay_ms; /* demo: pause between words */
     cg_headers headers; /* openai, ws: sent on each request or handshake (headers.h) */
+    /* replicas and failing over (README, "Replicas, retries and fallback"): the URLs of one
+     * OpenAI-compatible upstream (url is the first), how a message picks one, how long one
+     * that failed stays out, how many attempts a message gets, and the upstream it falls
+     * back to when they are spent */
+    char *replicas[CG_MAX_REPLICAS];
+    int n_replicas;     /* 1 for a single url */
+    int least_busy;     /* balance "least_busy"; else "dialog" (affinity by user and room) */
+    int out_ms;         /* a replica that failed is out for this long (10000), or Retry-After */
+    int max_attempts;   /* replicas tried for one message (3) */
+    char *fallback;     /* another upstream's name, or NULL */
+    int fallback_index; /* its index, -1 for none (set by the config's check) */
 } cg_upstream_config;
 
 typedef struct cg_config {

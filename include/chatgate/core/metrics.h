@@ -52,6 +52,9 @@ typedef struct cg_metrics {
      * connections opened, requests sent on a kept one, and held idle now (a gauge; summed
      * over the workers it is the group's) */
     unsigned long upstream_conns_opened[32], upstream_conns_reused[32], upstream_conns_idle[32];
+    /* replicas (upstreams.NAME.urls): attempts retried on another replica, replicas marked
+     * out after a failure, and messages that went on to the upstream's fallback, by index */
+    unsigned long upstream_retries[32], upstream_replica_outs[32], upstream_fallbacks[32];
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
 } cg_metrics;
 

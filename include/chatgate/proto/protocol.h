@@ -65,7 +65,16 @@ cg_frame_text cg_protocol_context(const char *room, json_t *state);
 cg_frame_text cg_protocol_warning(const char *id, const char *code, const char *message);
 cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len);
 /* usage is borrowed and may be NULL; truncated says the text holds only the reply's start. */
-cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated);
+/* Who answered a message: the done frame's "upstream", "replica", "attempts" and
+ * "fallback_from" (README, "Replicas, retries and fallback"). */
+typedef struct cg_answer {
+    const char *upstream;      /* the upstream's name; NULL: not said */
+    int replica;               /* its replica that answered; -1 when it has one URL */
+    int attempts;              /* attempts it took on that upstream; said when over 1 */
+    const char *fallback_from; /* the upstream that failed before, or NULL */
+} cg_answer;
+cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated,
+                               const cg_answer *who);
 cg_frame_text cg_protocol_cancelled(const char *id);
 /* id NULL or "" gives "id":null. */
 cg_frame_text cg_protocol_error(const char *id, const char *code, const char *message);

@@ -97,7 +97,8 @@ typedef struct cg_turn_forward {
 typedef struct cg_turn_sink {
     void (*ack)(void *conn, const cg_ack *ack);
     void (*delta)(void *conn, const char *id, const char *text, size_t len);
-    void (*done)(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated);
+    void (*done)(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,
+                 const cg_answer *who);
     void (*cancelled)(void *conn, const char *id);
     /* err is a CG_E_* code; detail (borrowed, may be NULL) is what an upstream said. Also a
      * request refused on arrival (rate, queue bound, shutdown): the adapter says it as it can. */

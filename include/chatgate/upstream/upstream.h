@@ -75,6 +75,9 @@ typedef struct cg_upstream_ops {
                  const cg_upstream_events *ev, void *ctx, cg_upstream_call **call);
     void (*cancel)(cg_upstream_call *call);
     void (*pause)(cg_upstream_call *call, int paused);
+    /* Inside on_done: the replica that answered (-1: the kind has one URL) and the attempts
+     * the call took. NULL: one URL, one attempt. */
+    void (*answered)(const cg_upstream_call *call, int *replica, int *attempts);
     /* The client connection that owns *conn_slot is gone; NULL when the kind keeps none. */
     void (*close_conn)(void *conn);
     /* The gateway stops: frees up->state (what the kind keeps between calls); NULL when the

@@ -123,8 +123,18 @@ static void test_build(void)
     free(f.buf);
 
     json_t *usage = json_pack("{s:i}", "prompt_tokens", 3);
-    s = (f = cg_protocol_done("m1", "abc", 3, usage, 1)).json;
+    s = (f = cg_protocol_done("m1", "abc", 3, usage, 1, NULL)).json;
     CHECK_STR(s, "{\"type\":\"done\",\"id\":\"m1\",\"text\":\"abc\",\"usage\":{\"prompt_tokens\":3},\"truncated\":true}");
+    free(f.buf);
+    cg_answer who = {.upstream = "llm", .replica = 2, .attempts = 2, .fallback_from = NULL};
+    s = (f = cg_protocol_done("m1", "", 0, NULL, 0, &who)).json;
+    CHECK_STR(s, "{\"type\":\"done\",\"id\":\"m1\",\"text\":\"\",\"usage\":null,\"upstream\":\"llm\",\"replica\":2,"
+                 "\"attempts\":2}");
+    free(f.buf);
+    who = (cg_answer){.upstream = "backup", .replica = -1, .attempts = 1, .fallback_from = "llm"};
+    s = (f = cg_protocol_done("m1", "", 0, NULL, 0, &who)).json;
+    CHECK_STR(s, "{\"type\":\"done\",\"id\":\"m1\",\"text\":\"\",\"usage\":null,\"upstream\":\"backup\","
+                 "\"fallback_from\":\"llm\"}");
     free(f.buf);
     json_decref(usage);
 
