@@ -282,6 +282,10 @@ int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *e
             set_err(err, errlen, "'%s': no host", url);
             return -1;
         }
+        if (schemes[i].kind == CG_UPSTREAM_WS && path - host > 110) { /* lws writes Host in 128 bytes */
+            set_err(err, errlen, "'%s': the host[:port] is over 110 bytes", url);
+            return -1;
+        }
         long port = schemes[i].port;
         if (colon) {
             char buf[16];

@@ -57,6 +57,11 @@ static int check_text_codec(json_t *d, const char *file, char *err, size_t errle
 {
     static const char *const sections[] = {"client", "app_frames"};
     for (int i = 0; i < 2; i++) {
+        json_t *sec = json_object_get(d, sections[i]);
+        if (sec && !json_is_object(sec)) {
+            snprintf(err, errlen, "%s: dropin.%s: must be an object", file, sections[i]);
+            return -1;
+        }
         const char *key;
         json_t *v;
         json_object_foreach(json_object_get(d, sections[i]), key, v) {
@@ -69,9 +74,8 @@ static int check_text_codec(json_t *d, const char *file, char *err, size_t errle
             return -1;
         }
     }
-    if (json_object_get(d, "object_at") || json_object_get(d, "state_key") || json_object_get(d, "namespace")) {
-        snprintf(err, errlen, "%s: dropin: object_at, state_key and namespace need the json or socket.io codec",
-                 file);
+    if (json_object_get(d, "object_at") || json_object_get(d, "namespace")) {
+        snprintf(err, errlen, "%s: dropin: object_at and namespace need the json or socket.io codec", file);
         return -1;
     }
     return 0;
@@ -94,6 +98,11 @@ static int check_workable(json_t *d, const char *codec, const char *file, char *
                    : strcmp(codec, "json") == 0 && !json_is_object(cf))) {
         snprintf(err, errlen, "%s: dropin.app_frames.cancel_frame: must be %s to send, \"{id}\" for the id", file,
                  sio ? "the event array ([\"name\", args...])" : "the JSON object");
+        return -1;
+    }
+    if (json_object_get(d, "state_key") && strcmp(codec, "json") != 0) {
+        snprintf(err, errlen, "%s: dropin.state_key: a state directive is read from JSON app frames: it needs the "
+                 "json codec", file);
         return -1;
     }
     json_t *at = json_object_get(d, "object_at");

@@ -86,9 +86,9 @@ int cg_headers_load(json_t *obj, const char *where, cg_headers *out, char *err, 
             snprintf(err, errlen, "%s.%s: must be a string or {\"env\": \"VARIABLE\"}", where, name);
             goto fail;
         }
-        if (!is_field_value(value, len)) { /* the value is not echoed: it may be a secret */
-            snprintf(err, errlen, "%s.%s: the value must be one line of at most %d bytes (no CR, LF or NUL)", where,
-                     name, CG_HEADER_VALUE_MAX);
+        if (len == 0 || !is_field_value(value, len)) { /* the value is not echoed: it may be a secret */
+            snprintf(err, errlen, "%s.%s: the value must be one line of 1 to %d bytes (no CR, LF or NUL)%s", where,
+                     name, CG_HEADER_VALUE_MAX, json_is_string(v) ? "" : "; the environment variable is empty");
             goto fail;
         }
         cg_header *h = &out->items[out->n++];

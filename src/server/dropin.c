@@ -95,14 +95,17 @@ struct cg_dropin {
     int app_close_sent;
     char origin[256]; /* the client's Origin header, passed on as it came */
     char host[128];   /* the Host header of the app's handshake (dropin.host) */
-    /* a cancelled reply the app could not be told to stop (no cancel_frame) is not relayed:
-     * its frames (by id, or every reply frame when the app's have none) until its end marker,
-     * suppress_gap_ms without one, or suppress_max_ms after the cancel (see suppressed()) */
+    /* a cancelled reply the app could not be told to stop (no cancel_frame) is not relayed
+     * for a while (see suppressed()) */
     struct {
-        char *id; /* NULL: not suppressing */
-        uint64_t since, last, gap_ms, max_ms; /* uv_now() of the cancel and of the last frame held */
+        char *id;           /* the stopped message's id; NULL: nothing is held */
+        uint64_t since;     /* uv_now() of the cancel */
+        uint64_t last;      /* uv_now() of the last frame held, 0 before the first */
+        uint64_t gap_ms, max_ms;
+        unsigned long ends_at; /* forwards count past which a chat message has gone after it */
         unsigned long frames;
     } suppress;
+    unsigned long forwards; /* chat messages handed to the app so far */
     cg_wsrx app_rx; /* the app frame being reassembled */
     cg_flush_item client_flush, app_flush; /* registered while a queue waits for the iteration's end */
 };
@@ -282,9 +285,13 @@ static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
         free(d->suppress.id);
         if (!(d->suppress.id = strdup(cg_turn_id(t))))
             abort();
-        d->suppress.since = d->suppress.last = uv_now(d->srv->net.loop);
+        d->suppress.since = uv_now(d->srv->net.loop);
+        d->suppress.last = 0;
         d->suppress.gap_ms = d->turns.reply_gap_ms ? d->turns.reply_gap_ms : d->turns.reply_timeout_ms;
         d->suppress.max_ms = d->turns.reply_timeout_ms;
+        /* a cancel phrase is itself a chat message, forwarded next: the message after it
+         * is the first whose reply is not the stopped one's */
+        d->suppress.ends_at = d->forwards + (client_said ? 0 : 1);
         d->suppress.frames = 0;
         cg_info("dropin: session %s: a reply was cancelled and the mapping has no cancel_frame: the app goes on, "
                 "and the rest of that reply is not relayed until its end marker, %llu ms without a frame of it, "
@@ -327,6 +334,7 @@ static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
     cg_dropin *d = conn;
     pending_chat *c = f->opaque;
     (void)t;
+    d->forwards++;
     cg_frame_text built = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(f));
     frame *slot = c->slot;
     if (built.buf) { /* the slot adopts the buffer: same headroom */
@@ -506,9 +514,11 @@ static void app_flush(cg_flush_item *item)
 /*
  * Is this app frame part of a cancelled reply that is not relayed? Frames of its id, or,
  * when the app's frames carry none, every reply frame with text (the app's other frames,
- * presence or typing, still pass). The hold ends at the reply's end marker, after gap_ms
- * with no frame of it, or max_ms after the cancel, whichever comes first, and is logged:
- * a client is never muted for good by an app that sends no end.
+ * presence or typing, still pass). The hold ends at the reply's end marker; after gap_ms
+ * with no frame of it once one came; for frames without ids, once a chat message after the
+ * cancel has gone to the app (its reply cannot be told from the stopped one's, and the
+ * newer one is what the user waits for); and max_ms after the cancel at most. Logged: a
+ * client is never muted for good by an app that sends no end.
  */
 static int suppressed(cg_dropin *d, const cg_dropin_app_frame *a)
 {
@@ -517,8 +527,9 @@ static int suppressed(cg_dropin *d, const cg_dropin_app_frame *a)
     int of_it = a->id ? cg_dropin_app_frame_about(a, d->suppress.id) : a->reply && a->text;
     uint64_t now = uv_now(d->srv->net.loop);
     int end = of_it && (a->end || a->cancelled);
-    const char *over = end                                              ? "its end marker came"
-                       : now - d->suppress.last >= d->suppress.gap_ms   ? "the reply went quiet"
+    const char *over = end ? "its end marker came"
+                       : !a->id && d->forwards > d->suppress.ends_at ? "a later message went to the app"
+                       : d->suppress.last && now - d->suppress.last >= d->suppress.gap_ms ? "the reply went quiet"
                        : now - d->suppress.since >= d->suppress.max_ms ? "the longest hold passed"
                                                                         : NULL;
     if (over) {

@@ -144,12 +144,13 @@ static void on_reload(uv_signal_t *sig, int signum)
 static void free_secrets(cg_gateway *gw);
 
 /* The names of an upstream's configured headers; their values may be secrets: never logged. */
-static void log_headers(const char *who, const cg_headers *h)
+static void log_headers(const char *what, const char *name, const cg_headers *h)
 {
     char names[512];
     cg_headers_names(h, names, sizeof(names));
     if (h->n)
-        cg_info("%s: sends %d configured header%s: %s (values not logged)", who, h->n, h->n > 1 ? "s" : "", names);
+        cg_info("%s%s%s%s: sends %d configured header%s: %s (values not logged)", what, name ? " '" : "",
+                name ? name : "", name ? "'" : "", h->n, h->n > 1 ? "s" : "", names);
 }
 
 void cg_gateway_abort(cg_gateway *gw)
@@ -482,9 +483,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
                 gw->srv.upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");
-    log_headers("drop-in app", &gw->srv.dropin_app.headers);
+    log_headers("drop-in app", NULL, &gw->srv.dropin_app.headers);
     for (int i = 0; i < cfg->n_upstreams; i++)
-        log_headers(cfg->upstreams[i].name, &cfg->upstreams[i].headers);
+        log_headers("upstream", cfg->upstreams[i].name, &cfg->upstreams[i].headers);
     return 0;
 }
 

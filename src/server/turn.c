@@ -321,11 +321,6 @@ const char *cg_turn_id(const cg_turn *t)
     return t->id;
 }
 
-int cg_turn_cancelled(const cg_turn *t)
-{
-    return t->cancel_requested;
-}
-
 static void on_upstream_delta(void *ctx, const char *text, size_t len)
 {
     cg_turn *t = ctx;

@@ -339,6 +339,17 @@ async def part_text():
                 check("part 10" not in late, f"the cancelled reply was relayed: {late}")
                 await ws.send("again")
                 await recv_until(ws, lambda f: f == "part 3", what="the next reply")
+            with step("text codec: a message sent just after a stopped reply, inside the reply gap, gets its whole "
+                      "reply (the hold ends when a later message goes to the app)"):
+                await ws.send("another long one")
+                await recv_until(ws, lambda f: f == "part 2", what="long text reply")
+                await ws.send("stop")
+                await asyncio.sleep(0.3)  # the stopped reply still streams; its last frame is within the gap
+                await ws.send("and now?")
+                got = await quiet_frames(ws, 1.2)
+                # the stopped reply's last parts may come too: with no ids, the two cannot be told apart
+                check([f for f in got if f in ("part 1", "part 2", "part 3")] == ["part 1", "part 2", "part 3"],
+                      f"the reply to the message after the cancel should come whole: {got}")
             await ws.close()
 
 
@@ -395,12 +406,15 @@ async def part_config():
         ("dropin.headers.X-Key", dict(**TORNADO, headers={"X-Key": {"env": "CHATGATE_TEST_UNSET_VAR"}}),
          "not set"),
         ("dropin.headers.X-Key", dict(**TORNADO, headers={"X-Key": "a\r\nInjected: 1"}), "one line"),
+        ("dropin.state_key", dict(**SOCKETIO, state_key="chatgate_state"), "json codec"),
+        ("dropin.headers.X-Key", dict(**TORNADO, headers={"X-Key": ""}), "1 to 4096 bytes"),
         ("dropin.app_frames.cancel_frame", dict(client=SOCKETIO["client"],
                                                 app_frames={"text": "/1", "cancel_frame": {"kind": "x"}}),
          "event array"),
     ]
     for where, dropin, why in cases:
-        codec = "text" if where == "dropin.client.text" else "socket.io" if "cancel_frame" in where else "json"
+        codec = "text" if where == "dropin.client.text" else \
+            "socket.io" if "cancel_frame" in where or "state_key" in where else "json"
         with step(f"{where}: refused at start (exit 2) with the reason ({why!r})"):
             cfg = dropin_config(harness.WsServer(), "/x", codec)
             cfg["dropin"]["app"] = "ws://127.0.0.1:9/chat"

@@ -174,8 +174,6 @@ void cg_turns_close(cg_turns *q);
 cg_turn *cg_turns_forwarded(cg_turns *q);
 /* The id of t's message ("" when it had none). */
 const char *cg_turn_id(const cg_turn *t);
-/* Did the user cancel this forwarded reply (stop_forward was called)? */
-int cg_turn_cancelled(const cg_turn *t);
 
 /* Forwarded turns: text of the reply (kept for the history; the app's frame itself is the
  * adapter's to relay); a state directive from source ("app", an upstream's name), refused
