@@ -515,7 +515,7 @@ static void app_flush(cg_flush_item *item)
  * Is this app frame part of a cancelled reply that is not relayed? Frames of its id, or,
  * when the app's frames carry none, every reply frame with text (the app's other frames,
  * presence or typing, still pass). The hold ends at the reply's end marker; after gap_ms
- * with no frame of it once one came; for frames without ids, once a chat message after the
+ * with no frame of it once one came; when the app's frames carry no ids, once a chat message after the
  * cancel has gone to the app (its reply cannot be told from the stopped one's, and the
  * newer one is what the user waits for); and max_ms after the cancel at most. Logged: a
  * client is never muted for good by an app that sends no end.
@@ -527,8 +527,9 @@ static int suppressed(cg_dropin *d, const cg_dropin_app_frame *a)
     int of_it = a->id ? cg_dropin_app_frame_about(a, d->suppress.id) : a->reply && a->text;
     uint64_t now = uv_now(d->srv->net.loop);
     int end = of_it && (a->end || a->cancelled);
+    int ids = json_object_get(json_object_get(d->cfg, "app_frames"), "id") != NULL;
     const char *over = end ? "its end marker came"
-                       : !a->id && d->forwards > d->suppress.ends_at ? "a later message went to the app"
+                       : of_it && !ids && d->forwards > d->suppress.ends_at ? "a later message went to the app"
                        : d->suppress.last && now - d->suppress.last >= d->suppress.gap_ms ? "the reply went quiet"
                        : now - d->suppress.since >= d->suppress.max_ms ? "the longest hold passed"
                                                                         : NULL;
