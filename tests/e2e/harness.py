@@ -754,6 +754,7 @@ class FakeOpenAI:
       err500echo  500 whose message quotes the last user message ("model overloaded by: TEXT"),
                as some servers do (the log masking tests).
       err401   401 with {"error":{"message":"invalid api key"}}.
+      err429   429 with `Retry-After: 30` (the connection kept).
       err500utf8  500 whose message is "model overloaded " and 400 "é" (UTF-8, not
                escaped), shifted by one byte on every other request (long_non_ascii).
       midfail  3 words, then an event {"error":{"message":"context length exceeded"}}.
@@ -1001,6 +1002,14 @@ class FakeOpenAI:
         await self._write(conn, req, head + body)
         req.finished_at = time.monotonic()
         return False
+
+    async def _do_err429(self, conn, req):
+        body = json.dumps({"error": {"message": "rate limited", "type": "rate_limit_error"}}).encode()
+        head = (f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 30\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        if await self._write(conn, req, head + body):
+            req.finished_at = time.monotonic()
+        return True
 
     async def _do_err401(self, conn, req):
         return await self._json_response(conn, req, 401, "Unauthorized",
