@@ -275,8 +275,8 @@ static int has_cancel_frame(const cg_dropin *d)
 /*
  * The user cancelled the reply in flight: send the app the mapping's cancel frame (unless
  * the client's own cancel frame, on its way to the app, already says so), or, when the
- * mapping names none, stop relaying that reply's frames (on_app_frame) until the reply ends:
- * its end marker, the next chat message, or the reply gap (turn.c), never longer.
+ * mapping names none, hold back the rest of that reply (on_app_frame) for a bounded while
+ * (suppressed() says how long).
  */
 static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
 {
@@ -515,10 +515,10 @@ static void app_flush(cg_flush_item *item)
  * Is this app frame part of a cancelled reply that is not relayed? Frames of its id, or,
  * when the app's frames carry none, every reply frame with text (the app's other frames,
  * presence or typing, still pass). The hold ends at the reply's end marker; after gap_ms
- * with no frame of it once one came; when the app's frames carry no ids, once a chat message after the
- * cancel has gone to the app (its reply cannot be told from the stopped one's, and the
- * newer one is what the user waits for); and max_ms after the cancel at most. Logged: a
- * client is never muted for good by an app that sends no end.
+ * with no frame of it once one came; for an app whose frames carry no ids, once a chat
+ * message after the cancel has gone to the app (its reply cannot be told from the stopped
+ * one's, and the newer one is what the user waits for); and max_ms after the cancel at
+ * most. Logged: a client is never muted for good by an app that sends no end.
  */
 static int suppressed(cg_dropin *d, const cg_dropin_app_frame *a)
 {

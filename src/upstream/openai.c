@@ -395,7 +395,9 @@ static void on_transfer_done(void *data, CURLcode rc)
 {
     attempt *a = data;
     cg_upstream_call *c = a->c;
-    ((openai_state *)c->up->state)->replicas[a->replica].busy--;
+    openai_state *st = c->up->state; /* NULL while the upstream closes */
+    if (st)
+        st->replicas[a->replica].busy--;
     free(a);
     if (c->cur != a) { /* an attempt a retry stopped */
         call_unref(c);
@@ -700,6 +702,7 @@ static void openai_close(cg_upstream *up)
     openai_state *st = up->state;
     if (!st)
         return;
+    up->state = NULL; /* a stopped transfer's done may still come while the pool closes */
     cg_http_pool_free(st->pool); /* its idle connections close */
     curl_slist_free_all(st->headers);
     for (int i = 0; i < st->n; i++)
