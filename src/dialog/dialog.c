@@ -25,7 +25,26 @@ void cg_dialog_free(cg_dialog *d)
     json_decref(d->soft);
     json_decref(d->history);
     json_decref(d->last_tool_result);
+    json_decref(d->usage);
     memset(d, 0, sizeof(*d));
+}
+
+void cg_dialog_add_usage(cg_dialog *d, const char *upstream, long long in, long long out)
+{
+    if (!d->usage && !(d->usage = json_object()))
+        return;
+    json_t *u = json_object_get(d->usage, upstream);
+    if (!json_is_object(u)) {
+        u = json_pack("{s:I, s:I, s:I}", "in", (json_int_t)0, "out", (json_int_t)0, "turns", (json_int_t)0);
+        if (!u || json_object_set_new(d->usage, upstream, u) < 0)
+            return; /* out of memory: this turn's tokens go uncounted, the dialog is whole */
+    }
+    static const char *const keys[] = {"in", "out", "turns"};
+    long long add[] = {in, out, 1};
+    for (int i = 0; i < 3; i++) {
+        json_t *v = json_object_get(u, keys[i]);
+        json_object_set_new(u, keys[i], json_integer(json_integer_value(v) + add[i]));
+    }
 }
 
 void cg_dialog_expire(cg_dialog *d, int64_t now)
@@ -78,6 +97,8 @@ size_t cg_dialog_weight(const cg_dialog *d)
         n += json_weight(d->soft);
     if (d->last_tool_result)
         n += json_weight(d->last_tool_result);
+    if (d->usage)
+        n += json_weight(d->usage);
     return n;
 }
 
@@ -103,6 +124,7 @@ int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
     dst->awaiting = copy_part(src->awaiting, &ok);
     dst->soft = copy_part(src->soft, &ok);
     dst->last_tool_result = copy_part(src->last_tool_result, &ok);
+    dst->usage = copy_part(src->usage, &ok);
     /* history items are never changed once pushed: the copy shares them */
     dst->history = json_array();
     if (!dst->history || (src->history && json_array_extend(dst->history, src->history) < 0))
@@ -417,7 +439,8 @@ json_t *cg_dialog_to_json(const cg_dialog *d)
 {
     json_t *j = cg_dialog_context(d);
     if (!j || json_object_set_new(j, "awaiting_expires", json_integer(d->awaiting ? d->awaiting_expires : 0)) < 0 ||
-        json_object_set_new(j, "soft_expires", json_integer(d->soft ? d->soft_expires : 0)) < 0) {
+        json_object_set_new(j, "soft_expires", json_integer(d->soft ? d->soft_expires : 0)) < 0 ||
+        (d->usage && json_object_set(j, "usage", d->usage) < 0)) {
         json_decref(j);
         return NULL;
     }
@@ -463,6 +486,9 @@ static void from_json(cg_dialog *d, json_t *j, int64_t now, json_t *(*take)(json
     json_t *tool = json_object_get(j, "last_tool_result");
     if (tool && !json_is_null(tool))
         d->last_tool_result = take(tool);
+    json_t *usage = json_object_get(j, "usage");
+    if (json_is_object(usage))
+        d->usage = take(usage);
     json_t *meta = json_object_get(j, "meta");
     if (json_is_object(meta)) {
         d->created_at = int_of(meta, "created_at") ? int_of(meta, "created_at") : now;

@@ -5,6 +5,8 @@
  *   DELETE /admin/dialogs/{user}/{room}   delete one dialog
  *   DELETE /admin/users/{user}            delete every dialog of a user (through the user's
  *                                         room set: the right to be forgotten)
+ *   GET    /admin/users/{user}/usage      the tokens a user spent, by room and upstream, and
+ *                                         the totals (each room's dialog, loaded in turn)
  *   POST   /admin/reload                  load the rules again (as SIGHUP)
  *
  * Present only when CHATGATE_ADMIN_TOKEN is set (else every /admin path is 404), and then
@@ -39,6 +41,9 @@ typedef struct admin_req {
     char user[CG_MAX_USER + 1];
     char room[CG_MAX_ROOM + 1];
     int handled; /* routed already (a POST is routed once its body is in) */
+    /* GET .../usage: the user's rooms, the next one to load, and what they add up to */
+    json_t *rooms, *usage;
+    size_t next_room;
 } admin_req;
 
 size_t cg_admin_session_size(void)
@@ -99,6 +104,73 @@ static void on_deleted(void *ctx, const cg_store_status *st)
         answer_error(a, 503, "the store is unreachable: deleted from memory only; try again");
     else
         answer(a, 200, json_pack("{s:s, s:s}", "user", a->user, "deleted", a->room[0] ? a->room : "*"));
+}
+
+/* Adds a dialog's usage ({upstream: {in, out, turns}}) to total's, upstream by upstream. */
+static void add_usage(json_t *total, json_t *usage)
+{
+    const char *up, *k;
+    json_t *u, *v;
+    json_object_foreach(usage, up, u) {
+        json_t *t = json_object_get(total, up);
+        if (!t && json_object_set_new(total, up, t = json_object()) < 0)
+            continue;
+        json_object_foreach(u, k, v) {
+            if (json_is_integer(v))
+                json_object_set_new(t, k, json_integer(json_integer_value(json_object_get(t, k)) + json_integer_value(v)));
+        }
+    }
+}
+
+static void load_next_room(admin_req *a);
+
+static void on_room_usage(void *ctx, cg_dialog *d, const cg_store_status *st)
+{
+    admin_req *a = ctx;
+    a->pending = NULL;
+    json_t *by_room = json_object_get(a->usage, "rooms"), *total = json_object_get(a->usage, "total");
+    const char *room = json_string_value(json_array_get(a->rooms, a->next_room - 1));
+    if (st->degraded)
+        json_object_set_new(a->usage, "degraded", json_true());
+    if (d->usage && room) {
+        json_object_set(by_room, room, d->usage);
+        add_usage(total, d->usage);
+    }
+    cg_dialog_free(d);
+    load_next_room(a);
+}
+
+/* Loads the user's rooms one after the other (one store call pending at a time, as every
+ * admin request), then answers with what they add up to. */
+static void load_next_room(admin_req *a)
+{
+    cg_store *st = a->srv->turn.store;
+    const char *room = json_string_value(json_array_get(a->rooms, a->next_room));
+    if (room) {
+        a->next_room++;
+        if ((a->pending = st->ops->load(st, a->user, room, on_room_usage, a)))
+            return;
+        answer_error(a, 500, "the store refused the request");
+        json_decref(a->usage);
+    } else {
+        json_object_set_new(a->usage, "user", json_string(a->user));
+        answer(a, 200, a->usage); /* takes it */
+    }
+    json_decref(a->rooms); /* the connection may take another request: nothing is left held */
+    a->rooms = a->usage = NULL;
+}
+
+static void on_rooms(void *ctx, json_t *rooms, const cg_store_status *st)
+{
+    admin_req *a = ctx;
+    a->pending = NULL;
+    a->rooms = json_incref(rooms);
+    a->usage = json_pack("{s:{}, s:{}, s:b}", "rooms", "total", "degraded", st->degraded);
+    if (!a->usage) {
+        answer_error(a, 500, "out of memory");
+        return;
+    }
+    load_next_room(a);
 }
 
 /* The header copied whole, NUL-terminated and malloc'd; NULL when absent. */
@@ -192,6 +264,19 @@ static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, in
         cg_info("admin: %s dialog of one user", is_get ? "view" : "delete");
         a->pending = is_get ? st->ops->load(st, a->user, a->room, on_loaded, a)
                             : st->ops->remove(st, a->user, a->room, on_deleted, a);
+    } else if (is_get && (strcmp(uri, "/admin/usage") == 0 ||
+                          (strncmp(uri, "/admin/users/", 13) == 0 && strlen(uri) > 19 &&
+                           strcmp(uri + strlen(uri) - 6, "/usage") == 0))) {
+        /* /admin/users/{user}/usage, or /admin/usage?user=.. for a user id with a '/' */
+        int ok = strcmp(uri, "/admin/usage") == 0
+                     ? ids_from_query(wsi, a, 0) == 0
+                     : copy_id(uri + 13, strlen(uri) - 19, a->user, sizeof(a->user)) == 0 && !strchr(a->user, '/');
+        if (!ok) {
+            answer_error(a, 400, "use /admin/users/{user}/usage (percent-encoded) or /admin/usage?user=..");
+            return;
+        }
+        cg_info("admin: usage of one user");
+        a->pending = st->ops->rooms(st, a->user, on_rooms, a);
     } else if ((strncmp(uri, "/admin/users/", 13) == 0 || strcmp(uri, "/admin/users") == 0) && is_delete) {
         p = uri + 12;
         int ok = *p ? !strchr(p + 1, '/') && copy_id(p + 1, strlen(p + 1), a->user, sizeof(a->user)) == 0
@@ -274,6 +359,9 @@ int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *u
         if (a) {
             free(a->body);
             a->body = NULL;
+            json_decref(a->rooms);
+            json_decref(a->usage);
+            a->rooms = a->usage = NULL;
         }
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     default:

@@ -48,6 +48,33 @@ static int per_upstream(const cg_server *srv, char *buf, size_t len, size_t *use
     return 0;
 }
 
+/* chatgate_tokens_total by upstream, service (turn.c's slots: none, the config's services,
+ * other) and direction: bounded by the config, never by users. */
+static int token_lines(const cg_server *srv, const cg_metrics *m, char *buf, size_t len, size_t *used)
+{
+    const char *names[CG_METRIC_SERVICES] = {"none"};
+    int n = 1;
+    const char *name;
+    json_t *v;
+    json_object_foreach(srv->cfg->services, name, v) {
+        if (n == CG_METRIC_SERVICES - 1)
+            break;
+        names[n++] = name;
+    }
+    names[CG_METRIC_SERVICES - 1] = "other";
+    if (put(buf, len, used,
+            "# HELP chatgate_tokens_total Tokens spent, as upstreams reported them or estimated (4 bytes a "
+            "token), by upstream, service and direction.\n# TYPE chatgate_tokens_total counter\n") < 0)
+        return -1;
+    for (int u = 0; u < srv->turn.n_upstreams; u++)
+        for (int i = 0; i < CG_METRIC_SERVICES; i++)
+            for (int dir = 0; dir < 2 && (i < n || i == CG_METRIC_SERVICES - 1); dir++)
+                if (put(buf, len, used, "chatgate_tokens_total{upstream=\"%s\",service=\"%s\",direction=\"%s\"} %lu\n",
+                        srv->upstreams[u].cfg->name, names[i], dir ? "out" : "in", m->tokens[u][i][dir]) < 0)
+                    return -1;
+    return 0;
+}
+
 /* --workers: the lines of one worker each (after chatgate_connections' total, in its family). */
 static int worker_lines(const cg_workers *w, char *buf, size_t len, size_t *used)
 {
@@ -211,7 +238,8 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
         put(buf, len, &used,
             "# HELP chatgate_upstream_fallbacks_total Messages that went on to the upstream's fallback.\n"
             "# TYPE chatgate_upstream_fallbacks_total counter\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_fallbacks_total", m->upstream_fallbacks, -1) < 0)
+        per_upstream(srv, buf, len, &used, "chatgate_upstream_fallbacks_total", m->upstream_fallbacks, -1) < 0 ||
+        token_lines(srv, m, buf, len, &used) < 0)
         return used;
     if (put(buf, len, &used,
             "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n") < 0)

@@ -45,6 +45,8 @@ struct cg_turn {
     json_t *awaiting_before, *resolution, *annotations, *fired;
     int forwarded;             /* handed to the adapter (drop-in); its end comes by cg_turn_end */
     int cancel_requested;      /* a forwarded reply the user cancelled */
+    long long tokens_in, tokens_out; /* as the upstream reported them; -1: it did not */
+    size_t prompt_bytes;       /* what went to the upstream: text, history, state (estimates) */
     char *reply;               /* the reply, up to max_reply_bytes */
     size_t reply_len, reply_cap;
     int truncated;
@@ -146,6 +148,44 @@ static void turn_finish(cg_turn *t)
  * Records the turn in the dialog and saves it (turn.h has the rules). The save needs no
  * answer: the store orders it before any later load of the same dialog.
  */
+/* The slot of service among the token counters' (metrics.h, CG_METRIC_SERVICES). */
+static int service_slot(const cg_config *cfg, const char *service)
+{
+    if (!service)
+        return 0;
+    int i = 1;
+    const char *name;
+    json_t *v;
+    json_object_foreach(cfg->services, name, v) {
+        if (i == CG_METRIC_SERVICES - 1)
+            break;
+        if (strcmp(name, service) == 0)
+            return i;
+        i++;
+    }
+    return CG_METRIC_SERVICES - 1;
+}
+
+/*
+ * The tokens of a turn that reached an upstream, into its dialog (by upstream) and the
+ * metrics (by upstream and service): as the upstream reported them, else estimated at four
+ * bytes a token (the prompt from what was sent; the reply from what streamed, so a
+ * cancelled reply counts what the user saw). A turn the upstream never answered spends
+ * nothing.
+ */
+static void count_usage(cg_turn *t, turn_end_kind end)
+{
+    cg_turns *q = t->q;
+    if (!t->t_upstream || t->forwarded || end == END_ABSORBED || (t->tokens_in < 0 && !t->reply_len))
+        return;
+    long long in = t->tokens_in >= 0 ? t->tokens_in : (long long)(t->prompt_bytes + 3) / 4;
+    long long out = t->tokens_out >= 0 ? t->tokens_out : (long long)(t->reply_len + 3) / 4;
+    cg_dialog_add_usage(&t->dialog, q->env->upstreams[t->route].cfg->name, in, out);
+    unsigned long *slot = q->env->metrics->tokens[t->route][service_slot(q->env->cfg, t->dialog.service)];
+    slot[0] += (unsigned long)in;
+    slot[1] += (unsigned long)out;
+}
+
 static void turn_save(cg_turn *t, turn_end_kind end)
 {
     cg_turns *q = t->q;
@@ -170,6 +210,7 @@ static void turn_save(cg_turn *t, turn_end_kind end)
     } else {
         m->turns_cancelled++;
     }
+    count_usage(t, end);
     d->last_activity = now;
     q->env->store->ops->save(q->env->store, q->user, t->room, d, NULL, NULL);
     t->saved = 1;
@@ -342,6 +383,11 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
     if (up->ops->answered)
         up->ops->answered(t->call, &who.replica, &who.attempts);
     t->call = NULL;
+    json_t *pt = json_object_get(usage, "prompt_tokens"), *ct = json_object_get(usage, "completion_tokens");
+    if (json_is_integer(pt) && json_is_integer(ct) && json_integer_value(pt) >= 0 && json_integer_value(ct) >= 0) {
+        t->tokens_in = json_integer_value(pt);
+        t->tokens_out = json_integer_value(ct);
+    }
     if (state)
         cg_turn_state(t, state, up->cfg->name);
     if (q->sink->done)
@@ -467,6 +513,10 @@ static int turn_call_upstream(cg_turn *t, json_t *params)
         .resolution = t->resolution, .annotations = t->annotations, .rules = t->fired,
     };
     int rc = up->ops->start(up, &q->up_conns[t->route], &um, &upstream_events, t, &t->call);
+    t->prompt_bytes = strlen(um.enriched ? um.enriched : t->text) + strlen(um.summary);
+    size_t i;
+    json_t *h;
+    json_array_foreach(d->history, i, h) t->prompt_bytes += json_string_length(json_object_get(h, "content"));
     free(summary);
     if (rc == 0 && q->paused)
         up->ops->pause(t->call, 1);
@@ -761,6 +811,7 @@ int cg_turns_submit(cg_turns *q, cg_turn_request *r)
     if (!t)
         abort();
     t->first_route = -1;
+    t->tokens_in = t->tokens_out = -1;
     t->q = q;
     t->kind = r->kind;
     t->id = r->id;

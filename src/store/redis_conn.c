@@ -349,6 +349,11 @@ void cg_redis_answer_from_memory(cg_store_req *r)
         }
         if (!r->abandoned && !rs->closing && r->done_cb)
             r->done_cb(r->ctx, &st);
+    } else if (r->kind == OP_ROOMS) {
+        json_t *rooms = cg_memstore_rooms(rs->mem, r->key); /* r->key: "<escaped user>:" */
+        if (!r->abandoned && !rs->closing)
+            r->rooms_cb(r->ctx, rooms, &st);
+        json_decref(rooms);
     } else if (r->kind == OP_REMOVE || r->kind == OP_REMOVE_USER) {
         if (r->kind == OP_REMOVE)
             cg_memstore_del(rs->mem, r->key);

@@ -8,7 +8,7 @@
  * leases and the rooms set live on one shard (one cluster slot):
  *   P:{U}:R:params    HASH  "<service>.<name>" -> JSON value
  *   P:{U}:R:dialog    HASH  service, created_at, last_activity, turn_count, message_count,
- *                           last_tool_result
+ *                           last_tool_result, usage (JSON: tokens by upstream)
  *   P:{U}:R:awaiting  STRING JSON, EX its lifetime
  *   P:{U}:R:soft      STRING JSON, EX its lifetime
  *   P:{U}:R:history   LIST  JSON messages, oldest first, EXPIRE 30 min
@@ -44,6 +44,7 @@
 #include "chatgate/store/redis_internal.h"
 
 static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv);
+static void on_room_list(redisAsyncContext *ac, void *reply_, void *priv);
 
 /* ---- building commands ----------------------------------------------------------------- */
 
@@ -487,6 +488,8 @@ static json_t *dialog_from_replies(redisReply **rep)
             set_checked(j, "service", 7, json_stringn(v->str, v->len));
         else if (strcmp(f->str, "last_tool_result") == 0)
             set_checked(j, "last_tool_result", 16, parse_json_reply(v));
+        else if (strcmp(f->str, "usage") == 0)
+            set_checked(j, "usage", 5, parse_json_reply(v));
         else
             set_checked(meta, f->str, f->len, json_integer(strtoll(v->str, NULL, 10)));
     }
@@ -773,7 +776,8 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * 9 service, 10 "1" when there is a service, 11 last_tool_result, 12-13 awaiting and its EX
  * (0: none), 14-15 soft and its EX, 16 the number of params, 17 the lease this save must
  * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
- * long the rooms set lives, then the params' field-value pairs, then the history.
+ * long the rooms set lives, 20 usage (JSON, "null" for none), then the params' field-value
+ * pairs, then the history.
  * Returns 1 when written, 0 when Redis holds another incarnation, -1 a newer copy, -2 when
  * the lease is no longer this save's: another holder has it, or it is gone and the dialog's
  * fence moved past this save's (another gateway took the dialog over and finished). A lease
@@ -805,11 +809,13 @@ static const char save_script[] =
     "  redis.call('EXPIRE', KEYS[9], ARGV[19])\n"
     "  redis.call('DEL', KEYS[1])\n"
     "  if np > 0 then\n"
-    "    chunks('HSET', KEYS[1], 20, 19 + 2 * np, 200)\n"
+    "    chunks('HSET', KEYS[1], 21, 20 + 2 * np, 200)\n"
     "    redis.call('EXPIRE', KEYS[1], ARGV[4])\n"
     "  end\n"
     "  redis.call('HSET', KEYS[2], 'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
     "             'message_count', ARGV[8], 'last_tool_result', ARGV[11])\n"
+    "  if ARGV[20] ~= 'null' then redis.call('HSET', KEYS[2], 'usage', ARGV[20])\n"
+    "  else redis.call('HDEL', KEYS[2], 'usage') end\n"
     "  if ARGV[10] == '1' then redis.call('HSET', KEYS[2], 'service', ARGV[9])\n"
     "  else redis.call('HDEL', KEYS[2], 'service') end\n"
     "  redis.call('EXPIRE', KEYS[2], ARGV[5])\n"
@@ -818,8 +824,8 @@ static const char save_script[] =
     "  if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
     "  else redis.call('DEL', KEYS[4]) end\n"
     "  redis.call('DEL', KEYS[5])\n"
-    "  if #ARGV > 19 + 2 * np then\n"
-    "    chunks('RPUSH', KEYS[5], 20 + 2 * np, #ARGV, 200)\n"
+    "  if #ARGV > 20 + 2 * np then\n"
+    "    chunks('RPUSH', KEYS[5], 21 + 2 * np, #ARGV, 200)\n"
     "    redis.call('EXPIRE', KEYS[5], ARGV[6])\n"
     "  end\n"
     "  return 1\n"
@@ -955,6 +961,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     arg_str(&a, r->lease_value ? r->lease_value : "");
     arg_str(&a, r->er);
     arg_fmt(&a, "%lld", (long long)longest);
+    arg_json(&a, d.usage);
     json_object_foreach(d.params, service, names) {
         json_object_foreach(names, name, value) {
             arg_fmt(&a, "%s.%s", service, name);
@@ -1031,6 +1038,12 @@ static void dispatch(redis_store *rs, cg_store_req *r)
     } else if (r->kind == OP_REMOVE && connected) {
         if (!gated(rs, r)) /* behind a save of the dialog in flight, as loads are */
             send_remove(rs, r);
+    } else if (r->kind == OP_ROOMS && connected) {
+        argv_buf a = {0};
+        arg_str(&a, "SMEMBERS");
+        arg_own(&a, rooms_key(rs, r->eu));
+        send_last(rs, &a, on_room_list, r);
+        argv_free(&a);
     } else if (r->kind == OP_REMOVE_USER && connected) {
         argv_buf a = {0};
         arg_str(&a, "SMEMBERS");
@@ -1154,6 +1167,44 @@ static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
     argv_free(&a);
 }
 
+/* The rooms set, as names: the rooms are stored escaped, as the keys use them. */
+static void on_room_list(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    cg_store_req *r = priv;
+    redis_store *rs = r->rs;
+    redisReply *reply = reply_;
+    cg_redis_inflight_remove(rs, r);
+    if (cg_redis_reply_failed(rs, reply, 0, "rooms (SMEMBERS)") || reply->type != REDIS_REPLY_ARRAY) {
+        rs->base.stats.errors++;
+        cg_redis_answer_from_memory(r);
+        return;
+    }
+    json_t *rooms = json_array();
+    for (size_t i = 0; rooms && i < reply->elements; i++) {
+        redisReply *e = reply->element[i];
+        if (e->type != REDIS_REPLY_STRING)
+            continue;
+        char *room = cg_store_unescape(e->str, e->len);
+        json_array_append_new(rooms, json_string(room)); /* a name that is not UTF-8 is left out */
+        free(room);
+    }
+    static const cg_store_status ok = {0, 0, 0};
+    if (!r->abandoned && !rs->closing)
+        r->rooms_cb(r->ctx, rooms, &ok);
+    json_decref(rooms);
+    cg_redis_req_finish(r);
+}
+
+static cg_store_req *rs_rooms(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx)
+{
+    redis_store *rs = (redis_store *)st;
+    cg_store_req *r = cg_redis_req_new(rs, OP_ROOMS, user, "", ctx);
+    r->rooms_cb = cb;
+    start_or_wait(rs, r);
+    return r;
+}
+
 static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
@@ -1180,6 +1231,7 @@ const cg_store_ops cg_redis_ops = {
     .save = rs_save,
     .remove = rs_remove,
     .remove_user = rs_remove_user,
+    .rooms = rs_rooms,
     .abandon = rs_abandon,
     .close = cg_redis_close,
 };

@@ -21,6 +21,11 @@ cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, 
     return NULL;
 }
 
+static int hexval(char c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
 char *cg_store_escape(const char *id)
 {
     static const char hex[] = "0123456789ABCDEF";
@@ -37,6 +42,24 @@ char *cg_store_escape(const char *id)
             *p++ = '%';
             *p++ = hex[*s >> 4];
             *p++ = hex[*s & 15];
+        }
+    }
+    *p = 0;
+    return out;
+}
+
+char *cg_store_unescape(const char *s, size_t n)
+{
+    char *out = malloc(n + 1), *p = out;
+    if (!out)
+        abort();
+    for (size_t i = 0; i < n; i++) {
+        int hi, lo;
+        if (s[i] == '%' && i + 2 < n && (hi = hexval(s[i + 1])) >= 0 && (lo = hexval(s[i + 2])) >= 0) {
+            *p++ = (char)(hi << 4 | lo);
+            i += 2;
+        } else {
+            *p++ = s[i];
         }
     }
     *p = 0;

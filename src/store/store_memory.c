@@ -214,6 +214,21 @@ int cg_memstore_del_user(cg_memstore *m, const char *user)
     return deleted;
 }
 
+json_t *cg_memstore_rooms(cg_memstore *m, const char *prefix)
+{
+    json_t *rooms = json_array();
+    size_t n = strlen(prefix);
+    mem_entry *e;
+    TAILQ_FOREACH(e, &m->order, order) {
+        if (rooms && strncmp(e->key, prefix, n) == 0) {
+            char *room = cg_store_unescape(e->key + n, strlen(e->key + n));
+            json_array_append_new(rooms, json_string(room)); /* a name that is not UTF-8 is left out */
+            free(room);
+        }
+    }
+    return rooms;
+}
+
 long cg_memstore_count(cg_memstore *m)
 {
     return m->count;
@@ -234,15 +249,16 @@ static void memory_store_free(memory_store *ms)
     free(ms);
 }
 
-typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER } op_kind;
+typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_ROOMS } op_kind;
 
 struct cg_store_req {
     uv_timer_t timer;
     memory_store *ms;
     op_kind kind;
-    char *key;
+    char *key; /* rooms: "<escaped user>:", the prefix of the user's keys */
     cg_store_load_fn load_cb;
     cg_store_done_fn done_cb;
+    cg_store_rooms_fn rooms_cb;
     void *ctx;
     int abandoned;
 };
@@ -268,6 +284,10 @@ static void req_run(uv_timer_t *t)
         cg_store_status st = {0, 0, 0};
         st.found = cg_memstore_get(r->ms->mem, r->key, r->ms->base.now(r->ms->base.clock_ctx), &d);
         r->load_cb(r->ctx, &d, &st);
+    } else if (!r->abandoned && r->kind == OP_ROOMS) {
+        json_t *rooms = cg_memstore_rooms(r->ms->mem, r->key);
+        r->rooms_cb(r->ctx, rooms, &ok);
+        json_decref(rooms);
     } else if (!r->abandoned && r->done_cb) {
         r->done_cb(r->ctx, &ok);
     }
@@ -337,6 +357,14 @@ static cg_store_req *mem_remove_user(cg_store *st, const char *user, cg_store_do
     return r;
 }
 
+static cg_store_req *mem_rooms(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx)
+{
+    cg_store_req *r = req_new((memory_store *)st, OP_ROOMS, user, "", ctx);
+    if (r)
+        r->rooms_cb = cb;
+    return r;
+}
+
 static void mem_abandon(cg_store_req *r)
 {
     r->abandoned = 1;
@@ -358,6 +386,7 @@ static const cg_store_ops memory_ops = {
     .save = mem_save,
     .remove = mem_remove,
     .remove_user = mem_remove_user,
+    .rooms = mem_rooms,
     .abandon = mem_abandon,
     .close = mem_close,
 };

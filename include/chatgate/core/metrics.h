@@ -26,6 +26,10 @@ size_t cg_histogram_format(const cg_histogram *h, const char *name, const char *
 /* Counters of the whole gateway; one thread, so plain integers. Every member before the
  * histograms is an unsigned long counter (or an array of them): cg_metrics_add sums them
  * word by word, so a new counter must keep to that, and the histograms stay last. */
+/* Service slots of the token counters: "none", up to CG_METRIC_SERVICES - 2 services named
+ * in the config's "services" (in its order), and "other" for every other. */
+#define CG_METRIC_SERVICES 10
+
 typedef struct cg_metrics {
     unsigned long messages;     /* chat messages accepted into a queue */
     unsigned long turns_done;   /* messages answered with done */
@@ -55,6 +59,10 @@ typedef struct cg_metrics {
     /* replicas (upstreams.NAME.urls): attempts retried on another replica, replicas marked
      * out after a failure, and messages that went on to the upstream's fallback, by index */
     unsigned long upstream_retries[32], upstream_replica_outs[32], upstream_fallbacks[32];
+    /* tokens spent (README, "Usage"), by upstream index, service slot (cg_metrics_service:
+     * 0 none, then the config's services in order, the last one every other) and direction
+     * (0 in, 1 out) */
+    unsigned long tokens[32][CG_METRIC_SERVICES][2];
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
 } cg_metrics;
 

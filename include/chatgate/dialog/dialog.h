@@ -30,7 +30,12 @@ typedef struct cg_dialog {
     json_t *last_tool_result; /* NULL or any JSON */
     int64_t created_at, last_activity;
     long turn_count, message_count;
+    json_t *usage; /* NULL, or the tokens this dialog spent, by upstream:
+                    * {"llm": {"in": N, "out": N, "turns": N}} (README, "Usage") */
 } cg_dialog;
+
+/* Adds one turn's tokens, in (the prompt) and out (the reply), to d's usage of upstream. */
+void cg_dialog_add_usage(cg_dialog *d, const char *upstream, long long in, long long out);
 
 /* A new, empty dialog created at now. */
 void cg_dialog_init(cg_dialog *d, int64_t now);

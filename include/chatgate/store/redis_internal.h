@@ -35,7 +35,7 @@
 /* R_ASKING: a redis-sentinel:// store asks a Sentinel for the primary (resolve, connect,
  * SENTINEL get-master-addr-by-name), before R_RESOLVING the address it named. */
 typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED, R_ASKING } redis_state;
-typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING } op_kind;
+typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING, OP_ROOMS } op_kind;
 
 typedef struct redis_store redis_store;
 typedef struct cg_redis_bus cg_redis_bus;
@@ -50,6 +50,7 @@ struct cg_store_req {
     long version;     /* save of a dirty dialog: the dirty version it writes back */
     cg_store_load_fn load_cb;
     cg_store_done_fn done_cb;
+    cg_store_rooms_fn rooms_cb;
     void *ctx;
     int abandoned;
     int steps;        /* replies due to on_step_reply: r lives until they came */

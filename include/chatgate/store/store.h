@@ -34,6 +34,8 @@ typedef struct cg_store_status {
 /* d is the caller's to keep (cg_dialog_free) */
 typedef void (*cg_store_load_fn)(void *ctx, cg_dialog *d, const cg_store_status *status);
 typedef void (*cg_store_done_fn)(void *ctx, const cg_store_status *status);
+/* rooms: the names of the rooms (a JSON array of strings, borrowed for the call) */
+typedef void (*cg_store_rooms_fn)(void *ctx, json_t *rooms, const cg_store_status *status);
 
 typedef struct cg_store_stats {
     unsigned long loads, saves, deletes;
@@ -83,6 +85,8 @@ typedef struct cg_store_ops {
     /* Deletes every dialog of user (the right to be forgotten), through the user's room set,
      * never a key scan; cb may be NULL. */
     cg_store_req *(*remove_user)(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx);
+    /* The rooms user has a dialog in, through the user's room set (as remove_user). */
+    cg_store_req *(*rooms)(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx);
     /* The caller is gone: its callback will not be called. */
     void (*abandon)(cg_store_req *req);
     /* Stops timers and connections; frees the store once its handles have closed. */
@@ -131,6 +135,8 @@ cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, 
 char *cg_store_dialog_key(const char *user, const char *room);
 /* Percent-encodes one id; malloc'd. */
 char *cg_store_escape(const char *id);
+/* The id cg_store_escape made s (n bytes) from; malloc'd. */
+char *cg_store_unescape(const char *s, size_t n);
 
 /* ---- the in-memory store, also the Redis store's fallback ---------------------------- */
 
@@ -149,6 +155,8 @@ void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_
 void cg_memstore_del(cg_memstore *m, const char *key);
 /* Deletes every dialog of user (keys "<escaped user>:..."); returns how many. */
 int cg_memstore_del_user(cg_memstore *m, const char *user);
+/* The rooms (names as given) of the dialogs whose key starts with prefix ("<escaped user>:"). */
+json_t *cg_memstore_rooms(cg_memstore *m, const char *prefix);
 long cg_memstore_count(cg_memstore *m);
 
 cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg);
