@@ -13,6 +13,7 @@ replicas of one upstream `llm` (`urls`), balanced by dialog:
 - a 429 with `Retry-After: 30` keeps its replica out for 30 s, not `out_ms`;
 - a failure after the first delta (the stream cut) is reported, never retried: the error
   reaches the client and no other replica got that message;
+- least_busy: eight messages at once go four to each of two replicas;
 - an upstream whose replicas are all gone falls back to its `fallback` upstream: done says
   `upstream` backup and `fallback_from` primary, counted in
   chatgate_upstream_fallbacks_total;
@@ -182,6 +183,27 @@ async def part_fallback():
         await fake.stop()
 
 
+async def part_least_busy():
+    fakes = [await harness.FakeOpenAI().start() for _ in range(2)]
+    try:
+        cfg = config({"llm": upstream([f.url("quick") for f in fakes], balance="least_busy")}, "llm")
+        async with Gateway(config=cfg, name="least-busy") as gw:
+            clients = [await Client.connect(gw) for _ in range(8)]
+            with step("least_busy: eight messages at once go four to each replica, whatever their dialogs, "
+                      "three times (by dialog, an even split each time would be a 2% chance)"):
+                for rnd in range(3):
+                    before = counts(fakes)
+                    turns = await asyncio.gather(*(c.message("hello", mid=f"l{rnd}-{i}", room=f"room-{rnd}-{i}")
+                                                   for i, c in enumerate(clients)))
+                    for t in turns:
+                        t.expect_done()
+                    split = [n - b for n, b in zip(counts(fakes), before)]
+                    check(split == [4, 4], f"round {rnd}: the requests per replica: {split}")
+    finally:
+        for f in fakes:
+            await f.stop()
+
+
 async def part_config():
     for where, up, why in (
             ("upstreams.llm.urls", {"urls": ["http://127.0.0.1:9/v1", "ws://127.0.0.1:9/app"]}, "OpenAI-compatible"),
@@ -196,6 +218,7 @@ async def main(args):
     await independent(part_affinity())
     await independent(part_failures())
     await independent(part_fallback())
+    await independent(part_least_busy())
     await independent(part_config())
 
 
