@@ -67,6 +67,7 @@ typedef struct openai_state {
 typedef struct attempt {
     cg_upstream_call *c;
     int replica;
+    char curl_error[CURL_ERROR_SIZE]; /* libcurl's words when the transfer fails */
 } attempt;
 
 struct cg_upstream_call {
@@ -99,7 +100,6 @@ struct cg_upstream_call {
     json_t *usage;
     char error_body[MAX_ERROR_BODY + 1];
     size_t error_body_len;
-    char curl_error[CURL_ERROR_SIZE];
 };
 
 static void call_unref(cg_upstream_call *c)
@@ -396,17 +396,18 @@ static void on_transfer_done(void *data, CURLcode rc)
     attempt *a = data;
     cg_upstream_call *c = a->c;
     openai_state *st = c->up->state; /* NULL while the upstream closes */
+    int current = c->cur == a;
+    char why[CURL_ERROR_SIZE];
+    snprintf(why, sizeof(why), "%s", a->curl_error[0] ? a->curl_error : curl_easy_strerror(rc));
     if (st)
         st->replicas[a->replica].busy--;
     free(a);
-    if (c->cur != a) { /* an attempt a retry stopped */
+    if (!current) { /* an attempt a retry stopped */
         call_unref(c);
         return;
     }
     c->cur = NULL;
     c->easy = NULL;
-    char why[CURL_ERROR_SIZE + 64];
-    snprintf(why, sizeof(why), "%s", c->curl_error[0] ? c->curl_error : curl_easy_strerror(rc));
     if (c->ended)
         ;
     else if (rc == CURLE_OK || c->status)
@@ -496,7 +497,7 @@ static int request_start(cg_upstream_call *c, openai_state *st, int r)
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, st->headers);
     curl_easy_setopt(e, CURLOPT_POSTFIELDS, c->body);
     curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)c->body_len);
-    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, c->curl_error);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, a->curl_error);
     curl_easy_setopt(e, CURLOPT_PREREQFUNCTION, on_sending);
     curl_easy_setopt(e, CURLOPT_PREREQDATA, a);
     curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, on_header);
@@ -615,7 +616,6 @@ static int retry(cg_upstream_call *c, const char *why)
     c->status = c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
     c->error_body_len = 0;
     c->retry_after_ms = 0;
-    c->curl_error[0] = 0;
     json_decref(c->usage);
     c->usage = NULL;
     cg_sse_free(&c->sse); /* whatever the failed attempt sent is forgotten */
