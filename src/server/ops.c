@@ -36,15 +36,49 @@ static int put(char *buf, size_t len, size_t *used, const char *fmt, ...)
     return 0;
 }
 
-/* One line per upstream of a family whose figure is counted by upstream index: every
- * upstream, or only those of one kind (kind >= 0, a cg_upstream_kind). */
-static int per_upstream(const cg_server *srv, char *buf, size_t len, size_t *used, const char *name,
-                        const unsigned long *values, int kind)
+/* The families counted by upstream index (cg_metrics arrays of 32), in the order written:
+ * the line per upstream of every upstream, or only those of one kind (kind >= 0). */
+static const struct upstream_family {
+    const char *name, *type, *help; /* help NULL: none */
+    size_t offset;                  /* of the array in cg_metrics */
+    int kind;
+} upstream_families[] = {
+    {"chatgate_routed_total", "counter", NULL, offsetof(cg_metrics, routed), -1},
+    {"chatgate_upstream_errors_total", "counter", NULL, offsetof(cg_metrics, upstream_errors), -1},
+    /* the connection pools of the OpenAI-compatible upstreams (upstream/http_pool.h) */
+    {"chatgate_upstream_connections_opened_total", "counter",
+     "TCP connections opened to an OpenAI-compatible upstream.", offsetof(cg_metrics, upstream_conns_opened),
+     CG_UPSTREAM_OPENAI},
+    {"chatgate_upstream_connections_reused_total", "counter",
+     "Requests sent on a kept-alive connection instead of a new one.", offsetof(cg_metrics, upstream_conns_reused),
+     CG_UPSTREAM_OPENAI},
+    {"chatgate_upstream_connections_idle", "gauge", "Kept-alive connections idle now, waiting for the next request.",
+     offsetof(cg_metrics, upstream_conns_idle), CG_UPSTREAM_OPENAI},
+    /* replicas and fallback (README, "Replicas, retries and fallback") */
+    {"chatgate_upstream_retries_total", "counter",
+     "Messages sent again to another replica after one failed before any reply text.",
+     offsetof(cg_metrics, upstream_retries), CG_UPSTREAM_OPENAI},
+    {"chatgate_upstream_replica_outs_total", "counter", "Times a replica was marked out after a failure.",
+     offsetof(cg_metrics, upstream_replica_outs), CG_UPSTREAM_OPENAI},
+    {"chatgate_upstream_fallbacks_total", "counter", "Messages that went on to the upstream's fallback.",
+     offsetof(cg_metrics, upstream_fallbacks), -1},
+};
+
+/* Every family of upstream_families: its HELP and TYPE, then a line per upstream. */
+static int per_upstream(const cg_server *srv, const cg_metrics *m, char *buf, size_t len, size_t *used)
 {
-    for (int i = 0; i < srv->turn.n_upstreams; i++)
-        if ((kind < 0 || (int)srv->upstreams[i].cfg->kind == kind) &&
-            put(buf, len, used, "%s{upstream=\"%s\"} %lu\n", name, srv->upstreams[i].cfg->name, values[i]) < 0)
+    for (size_t f = 0; f < sizeof(upstream_families) / sizeof(upstream_families[0]); f++) {
+        const struct upstream_family *fam = &upstream_families[f];
+        const unsigned long *values = (const unsigned long *)((const char *)m + fam->offset);
+        if ((fam->help && put(buf, len, used, "# HELP %s %s\n", fam->name, fam->help) < 0) ||
+            put(buf, len, used, "# TYPE %s %s\n", fam->name, fam->type) < 0)
             return -1;
+        for (int i = 0; i < srv->turn.n_upstreams; i++)
+            if ((fam->kind < 0 || (int)srv->upstreams[i].cfg->kind == fam->kind) &&
+                put(buf, len, used, "%s{upstream=\"%s\"} %lu\n", fam->name, srv->upstreams[i].cfg->name,
+                    values[i]) < 0)
+                return -1;
+    }
     return 0;
 }
 
@@ -199,46 +233,10 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             "# TYPE chatgate_rules_limited_total counter\nchatgate_rules_limited_total %lu\n"
             "# TYPE chatgate_rules_loaded gauge\nchatgate_rules_loaded %zu\n"
             "# TYPE chatgate_rules_reloads_total counter\nchatgate_rules_reloads_total{result=\"ok\"} %lu\n"
-            "chatgate_rules_reloads_total{result=\"refused\"} %lu\n"
-            "# TYPE chatgate_routed_total counter\n",
+            "chatgate_rules_reloads_total{result=\"refused\"} %lu\n",
             m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
             m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures) < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_routed_total", m->routed, -1) < 0 ||
-        put(buf, len, &used, "# TYPE chatgate_upstream_errors_total counter\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_errors_total", m->upstream_errors, -1) < 0)
-        return used;
-    /* the connection pools of the OpenAI-compatible upstreams (upstream/http_pool.h) */
-    if (put(buf, len, &used,
-            "# HELP chatgate_upstream_connections_opened_total TCP connections opened to an OpenAI-compatible "
-            "upstream.\n# TYPE chatgate_upstream_connections_opened_total counter\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_connections_opened_total", m->upstream_conns_opened,
-                     CG_UPSTREAM_OPENAI) < 0 ||
-        put(buf, len, &used,
-            "# HELP chatgate_upstream_connections_reused_total Requests sent on a kept-alive connection instead of "
-            "a new one.\n# TYPE chatgate_upstream_connections_reused_total counter\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_connections_reused_total", m->upstream_conns_reused,
-                     CG_UPSTREAM_OPENAI) < 0 ||
-        put(buf, len, &used,
-            "# HELP chatgate_upstream_connections_idle Kept-alive connections idle now, waiting for the next "
-            "request.\n# TYPE chatgate_upstream_connections_idle gauge\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_connections_idle", m->upstream_conns_idle,
-                     CG_UPSTREAM_OPENAI) < 0)
-        return used;
-    /* replicas and fallback (README, "Replicas, retries and fallback") */
-    if (put(buf, len, &used,
-            "# HELP chatgate_upstream_retries_total Messages sent again to another replica after one failed "
-            "before any reply text.\n# TYPE chatgate_upstream_retries_total counter\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_retries_total", m->upstream_retries,
-                     CG_UPSTREAM_OPENAI) < 0 ||
-        put(buf, len, &used,
-            "# HELP chatgate_upstream_replica_outs_total Times a replica was marked out after a failure.\n"
-            "# TYPE chatgate_upstream_replica_outs_total counter\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_replica_outs_total", m->upstream_replica_outs,
-                     CG_UPSTREAM_OPENAI) < 0 ||
-        put(buf, len, &used,
-            "# HELP chatgate_upstream_fallbacks_total Messages that went on to the upstream's fallback.\n"
-            "# TYPE chatgate_upstream_fallbacks_total counter\n") < 0 ||
-        per_upstream(srv, buf, len, &used, "chatgate_upstream_fallbacks_total", m->upstream_fallbacks, -1) < 0 ||
+        per_upstream(srv, m, buf, len, &used) < 0 ||
         token_lines(srv, m, buf, len, &used) < 0)
         return used;
     if (put(buf, len, &used,
