@@ -21,7 +21,7 @@
  * forwarded and relayed frames) is dropin_map.c. Lifetime: the struct holds a reference for
  * the client and one for the app connection, and is freed when both are gone.
  */
-#define _GNU_SOURCE /* asprintf */
+#define _GNU_SOURCE /* open_memstream */
 #include <openssl/evp.h>
 
 #include <stdio.h>
@@ -81,8 +81,7 @@ struct cg_dropin {
     char name[24];     /* the session id, for the log */
     char *path;        /* app base path + the client's path and query */
     char *subprotocol; /* the client's, forwarded */
-    char *headers[CG_DROPIN_MAX_FORWARD_HEADERS][2];
-    int n_headers;
+    cg_headers forwarded; /* the client's Origin and forward_headers, passed on as they came */
     cg_resolve *resolve;
     frame_queue to_app, to_client;
     int client_paused, app_paused;
@@ -93,7 +92,6 @@ struct cg_dropin {
     int close_code;
     int app_failed; /* the app connection ended (app_gone) */
     int app_close_sent;
-    char origin[256]; /* the client's Origin header, passed on as it came */
     char host[128];   /* the Host header of the app's handshake (dropin.host) */
     /* a cancelled reply the app could not be told to stop (no cancel_frame) is not relayed
      * for a while (see suppressed()) */
@@ -235,10 +233,7 @@ static void dropin_unref(cg_dropin *d)
     cg_flush_cancel(&d->app_flush);
     queue_clear(&d->to_app);
     queue_clear(&d->to_client);
-    for (int i = 0; i < d->n_headers; i++) {
-        free(d->headers[i][0]);
-        free(d->headers[i][1]);
-    }
+    cg_headers_free(&d->forwarded);
     free(d->path);
     free(d->subprotocol);
     cg_wsrx_done(&d->app_rx);
@@ -596,27 +591,16 @@ static void app_gone(cg_dropin *d, struct lws *wsi)
 }
 
 /*
- * The app's handshake: the client's Origin as it came (lws would write "http://" before
- * any origin it is given, so it is given none and the header is ours), the client's headers
- * the mapping forwards, then dropin.headers; a configured header replaces the client's of
- * that name. -1 (the connection fails, the client is closed with 1014) when they do not fit.
+ * The app's handshake: the client's Origin and forwarded headers as they came (lws would
+ * write "http://" before any origin it is given, so it is given none and the header is
+ * ours), then dropin.headers, which replace the client's of the same name. -1 (the
+ * connection fails, the client is closed with 1014) when they do not fit.
  */
 static int append_headers(cg_dropin *d, struct lws *wsi, unsigned char **p, unsigned char *end)
 {
     const cg_headers *conf = &d->srv->dropin_app.headers;
-    char name[80];
-    int rc = 0;
-    if (d->origin[0] && !cg_headers_has(conf, "Origin"))
-        rc |= lws_add_http_header_by_name(wsi, (const unsigned char *)"origin:", (const unsigned char *)d->origin,
-                                          (int)strlen(d->origin), p, end);
-    for (int i = 0; i < d->n_headers; i++) {
-        snprintf(name, sizeof(name), "%.*s", (int)strlen(d->headers[i][0]) - 1, d->headers[i][0]);
-        if (!cg_headers_has(conf, name))
-            rc |= lws_add_http_header_by_name(wsi, (const unsigned char *)d->headers[i][0],
-                                              (const unsigned char *)d->headers[i][1],
-                                              (int)strlen(d->headers[i][1]), p, end);
-    }
-    rc |= cg_upstream_append_headers(wsi, conf, p, end);
+    int rc = cg_upstream_append_headers(wsi, &d->forwarded, conf, p, end) |
+             cg_upstream_append_headers(wsi, conf, NULL, p, end);
     if (rc)
         cg_warn("dropin: session %s: the app's handshake headers do not fit lws's buffer: not connecting", d->name);
     return rc ? -1 : 0;
@@ -783,10 +767,23 @@ static char *app_path(const cg_server *srv, struct lws *client)
     return out;
 }
 
-/* Copies the configured headers of the handshake, to send them on to the app. Values are
- * copied whole: a header is at most the whole header space lws keeps (4 x max_header_bytes,
- * gateway.c), so one scratch buffer of that size takes any of them; a name or value that
- * cannot be copied is logged, never sent cut. */
+_Static_assert(CG_DROPIN_MAX_FORWARD_HEADERS + 1 <= CG_HEADERS_MAX, "the Origin and every forwarded header fit");
+
+/* Keeps one header of the client's handshake (name lower-cased, without ':') to pass on. */
+static void forward_header(cg_dropin *d, const char *name, const char *value)
+{
+    cg_header *h = &d->forwarded.items[d->forwarded.n++];
+    if (!(h->name = strdup(name)) || !(h->value = strdup(value)))
+        abort();
+}
+
+/*
+ * Copies what of the handshake goes on to the app: the browser's Origin, so the app's own
+ * check still works, then the configured headers. Values are copied whole: a header is at
+ * most the whole header space lws keeps (4 x max_header_bytes, gateway.c), so one scratch
+ * buffer of that size takes any of them; a name or value that cannot be copied is logged,
+ * never sent cut.
+ */
 static void copy_headers(cg_dropin *d, struct lws *client)
 {
     json_t *names = json_object_get(d->cfg, "forward_headers");
@@ -795,14 +792,15 @@ static void copy_headers(cg_dropin *d, struct lws *client)
         names = defaults = json_pack("[s, s]", "Cookie", "Authorization");
     size_t cap = (size_t)d->srv->cfg->max_header_bytes * 4 + 1;
     char *value = malloc(cap);
+    if (!value)
+        abort();
+    if (lws_hdr_copy(client, value, (int)cap, WSI_TOKEN_ORIGIN) > 0)
+        forward_header(d, "origin", value);
     size_t i;
     json_t *name;
     json_array_foreach(names, i, name) {
-        char *lower = NULL;
-        if (!value || !json_string_value(name) || asprintf(&lower, "%s:", json_string_value(name)) < 0) {
-            cg_error("dropin: out of memory copying the handshake's headers");
-            break;
-        }
+        char lower[72]; /* "name:": names are checked to be under 64 bytes (dropin_config.c) */
+        snprintf(lower, sizeof(lower), "%s:", json_string_value(name));
         for (char *p = lower; *p; p++)
             *p = (char)(*p >= 'A' && *p <= 'Z' ? *p + 32 : *p);
         int n = strcmp(lower, "cookie:") == 0          ? lws_hdr_copy(client, value, (int)cap, WSI_TOKEN_HTTP_COOKIE)
@@ -810,17 +808,11 @@ static void copy_headers(cg_dropin *d, struct lws *client)
                                                                       WSI_TOKEN_HTTP_AUTHORIZATION)
                                                        : lws_hdr_custom_copy(client, value, (int)cap, lower,
                                                                              (int)strlen(lower));
-        char *copy = n > 0 && d->n_headers < CG_DROPIN_MAX_FORWARD_HEADERS ? strdup(value) : NULL;
-        if (copy) {
-            d->headers[d->n_headers][0] = lower;
-            d->headers[d->n_headers][1] = copy;
-            d->n_headers++;
-            lower = NULL;
-        } else if (n > 0 || (n < 0 && lws_hdr_custom_length(client, lower, (int)strlen(lower)) > 0)) {
-            cg_warn("dropin: the client's %s header was not forwarded (over %d headers, or out of memory)", lower,
-                    CG_DROPIN_MAX_FORWARD_HEADERS);
-        }
-        free(lower);
+        lower[strlen(lower) - 1] = 0; /* kept without the ':' */
+        if (n > 0)
+            forward_header(d, lower, value);
+        else if (n < 0 && lws_hdr_custom_length(client, lower, (int)strlen(lower)) > 0)
+            cg_warn("dropin: the client's %s header was not forwarded: it could not be copied", lower);
     }
     free(value);
     json_decref(defaults);
@@ -877,10 +869,6 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
     if (proto && strcmp(proto->name, CG_PROTOCOL_NAME) != 0)
         d->subprotocol = strdup(proto->name);
     copy_headers(d, client);
-    /* the browser's Origin, so the app's own check still works; one that does not fit is
-     * not sent cut: the app then sees no Origin, as from a client that is not a browser */
-    if (lws_hdr_copy(client, d->origin, sizeof(d->origin), WSI_TOKEN_ORIGIN) <= 0)
-        d->origin[0] = 0;
     app_host(d, client);
     d->resolve = cg_resolve_start(srv->net.loop, srv->dropin_app.host, on_app_resolved, d);
     if (!d->resolve) {

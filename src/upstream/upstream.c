@@ -94,10 +94,13 @@ void cg_upstream_close(cg_upstream *up)
     up->state = NULL;
 }
 
-int cg_upstream_append_headers(struct lws *wsi, const cg_headers *headers, unsigned char **p, unsigned char *end)
+int cg_upstream_append_headers(struct lws *wsi, const cg_headers *headers, const cg_headers *skip, unsigned char **p,
+                               unsigned char *end)
 {
     for (int i = 0; i < headers->n; i++) {
         char name[80]; /* lws writes the name as given: it wants the ':' */
+        if (skip && cg_headers_has(skip, headers->items[i].name))
+            continue;
         snprintf(name, sizeof(name), "%s:", headers->items[i].name);
         if (lws_add_http_header_by_name(wsi, (const unsigned char *)name,
                                         (const unsigned char *)headers->items[i].value,

@@ -400,7 +400,7 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     switch (reason) {
     case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER: /* upstreams.NAME.headers */
-        if (cg_upstream_append_headers(wsi, &k->up->cfg->headers, (unsigned char **)in,
+        if (cg_upstream_append_headers(wsi, &k->up->cfg->headers, NULL, (unsigned char **)in,
                                        *(unsigned char **)in + len) == 0)
             return 0;
         cg_warn("upstream '%s': its configured headers do not fit lws's handshake buffer", k->up->cfg->name);

@@ -112,8 +112,10 @@ void cg_upstream_init(cg_upstream *up, const cg_net *net, const cg_upstream_conf
                       int index);
 
 /* Adds headers ("Name: value" each) to an lws client handshake at *p (below end), for the
- * CLIENT_APPEND_HANDSHAKE_HEADER callback; -1 when they do not fit. */
-int cg_upstream_append_headers(struct lws *wsi, const cg_headers *headers, unsigned char **p, unsigned char *end);
+ * CLIENT_APPEND_HANDSHAKE_HEADER callback, but those skip (may be NULL) also names; -1 when
+ * they do not fit. */
+int cg_upstream_append_headers(struct lws *wsi, const cg_headers *headers, const cg_headers *skip, unsigned char **p,
+                               unsigned char *end);
 
 /* The gateway stops: what the upstream keeps between calls (the OpenAI pool's idle
  * connections) is closed. No call of it may be running. */
