@@ -351,6 +351,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->srv.reload_rules = gateway_reload_rules_admin;
     /* what every turn gets: the members below, as they are filled */
     gw->srv.turn = (cg_turn_env){.cfg = cfg, .loop = loop, .upstreams = gw->srv.upstreams, .metrics = &gw->srv.metrics};
+    cg_turn_env_services(&gw->srv.turn);
     load_secrets(gw, cfg);
     gw->srv.turn.locks = json_object();
     char rerr[1024];

@@ -86,16 +86,8 @@ static int per_upstream(const cg_server *srv, const cg_metrics *m, char *buf, si
  * other) and direction: bounded by the config, never by users. */
 static int token_lines(const cg_server *srv, const cg_metrics *m, char *buf, size_t len, size_t *used)
 {
-    const char *names[CG_METRIC_SERVICES] = {"none"};
-    int n = 1;
-    const char *name;
-    json_t *v;
-    json_object_foreach(srv->cfg->services, name, v) {
-        if (n == CG_METRIC_SERVICES - 1)
-            break;
-        names[n++] = name;
-    }
-    names[CG_METRIC_SERVICES - 1] = "other";
+    const char *const *names = srv->turn.services;
+    int n = srv->turn.n_services;
     if (put(buf, len, used,
             "# HELP chatgate_tokens_total Tokens spent, as upstreams reported them or estimated (4 bytes a "
             "token), by upstream, service and direction.\n# TYPE chatgate_tokens_total counter\n") < 0)

@@ -148,22 +148,27 @@ static void turn_finish(cg_turn *t)
  * Records the turn in the dialog and saves it (turn.h has the rules). The save needs no
  * answer: the store orders it before any later load of the same dialog.
  */
-/* The slot of service among the token counters' (metrics.h, CG_METRIC_SERVICES). */
-static int service_slot(const cg_config *cfg, const char *service)
+void cg_turn_env_services(cg_turn_env *env)
 {
-    if (!service)
-        return 0;
-    int i = 1;
     const char *name;
     json_t *v;
-    json_object_foreach(cfg->services, name, v) {
-        if (i == CG_METRIC_SERVICES - 1)
+    env->services[0] = "none";
+    env->n_services = 1;
+    json_object_foreach(env->cfg->services, name, v) {
+        if (env->n_services == CG_METRIC_SERVICES - 1)
             break;
-        if (strcmp(name, service) == 0)
-            return i;
-        i++;
+        env->services[env->n_services++] = name;
     }
-    return CG_METRIC_SERVICES - 1;
+    env->services[CG_METRIC_SERVICES - 1] = "other";
+}
+
+/* The slot of service among the token counters' (metrics.h, CG_METRIC_SERVICES). */
+static int service_slot(const cg_turn_env *env, const char *service)
+{
+    for (int i = 1; service && i < env->n_services; i++)
+        if (strcmp(env->services[i], service) == 0)
+            return i;
+    return service ? CG_METRIC_SERVICES - 1 : 0;
 }
 
 /*
@@ -181,7 +186,7 @@ static void count_usage(cg_turn *t, turn_end_kind end)
     long long in = t->tokens_in >= 0 ? t->tokens_in : (long long)(t->prompt_bytes + 3) / 4;
     long long out = t->tokens_out >= 0 ? t->tokens_out : (long long)(t->reply_len + 3) / 4;
     cg_dialog_add_usage(&t->dialog, q->env->upstreams[t->route].cfg->name, in, out);
-    unsigned long *slot = q->env->metrics->tokens[t->route][service_slot(q->env->cfg, t->dialog.service)];
+    unsigned long *slot = q->env->metrics->tokens[t->route][service_slot(q->env, t->dialog.service)];
     slot[0] += (unsigned long)in;
     slot[1] += (unsigned long)out;
 }

@@ -61,7 +61,14 @@ typedef struct cg_turn_env {
     json_t *locks;       /* dialog key -> lock (store/lock.h) */
     long inflight;       /* chat turns between their start and their end: a drain waits for them */
     int stopping;        /* draining: new requests are refused */
+    /* the token counters' service slots (metrics.h): "none", the config's services, "other";
+     * set once by cg_turn_env_services */
+    const char *services[CG_METRIC_SERVICES];
+    int n_services;      /* slots named from the config: 1 (none) + its services, up to the last but one */
 } cg_turn_env;
+
+/* Names env's service slots from the config's "services" (at start; borrowed from cfg). */
+void cg_turn_env_services(cg_turn_env *env);
 
 typedef enum { CG_TURN_CHAT, CG_TURN_CONTEXT_GET, CG_TURN_CONTEXT_FORGET, CG_TURN_CONTEXT_CLEAR } cg_turn_kind;
 
