@@ -911,15 +911,11 @@ static int flag_given(int argc, char **argv, const char *flag)
     return 0;
 }
 
-/* Each upstream's fallback names another upstream; a single url counts as one replica. */
+/* Each upstream's fallback names another upstream. */
 static int check_fallbacks(cg_config *cfg, const char *file, char *err, size_t errlen)
 {
     for (int i = 0; i < cfg->n_upstreams; i++) {
         cg_upstream_config *u = &cfg->upstreams[i];
-        if (u->n_replicas == 0 && u->url) {
-            u->replicas[0] = strdup(u->url);
-            u->n_replicas = 1;
-        }
         u->fallback_index = -1;
         for (int j = 0; u->fallback && j < cfg->n_upstreams; j++)
             if (j != i && strcmp(cfg->upstreams[j].name, u->fallback) == 0)

@@ -209,20 +209,33 @@ static int place_object(json_t *cfg, json_t *copy, json_t *object)
     return -1;
 }
 
-/* prefix then text into a frame buffer (CG_FRAME_PRE of room in front). */
-static cg_frame_text frame_of(const char *prefix, const char *text, size_t len)
+/* The text codec's frame: the text as it came (CG_FRAME_PRE of room in front). */
+static cg_frame_text text_frame(const char *text, size_t len)
 {
     cg_frame_text f = {0};
-    size_t plen = prefix ? strlen(prefix) : 0;
-    f.buf = malloc(CG_FRAME_PRE + plen + len + 1);
+    f.buf = malloc(CG_FRAME_PRE + len + 1);
     if (!f.buf)
         abort();
     f.json = f.buf + CG_FRAME_PRE;
+    memcpy(f.json, text, len);
+    f.len = len;
+    f.json[len] = 0;
+    return f;
+}
+
+/* value as the codec writes it: the packet's prefix (socket.io; NULL for json), then the
+ * compact JSON, dumped where it is sent from (lws's header goes in the room before). */
+static cg_frame_text encode(const char *prefix, json_t *value)
+{
+    cg_frame_text f = {0};
+    size_t plen = prefix ? strlen(prefix) : 0, n = 0;
+    f.buf = cg_json_dump_pre(value, CG_FRAME_PRE + plen, 1024, &n);
+    if (!f.buf)
+        return f;
+    f.json = f.buf + CG_FRAME_PRE;
     if (plen)
         memcpy(f.json, prefix, plen);
-    memcpy(f.json + plen, text, len);
-    f.len = plen + len;
-    f.json[f.len] = 0;
+    f.len = plen + n;
     return f;
 }
 
@@ -232,7 +245,7 @@ cg_frame_text cg_dropin_map_forward(json_t *cfg, const cg_dropin_chat *chat, jso
     if (codec_of(cfg) == CODEC_TEXT) { /* no place for the object: the text as it came */
         json_decref(object);
         return json_is_string(chat->frame)
-                   ? frame_of(NULL, json_string_value(chat->frame), json_string_length(chat->frame))
+                   ? text_frame(json_string_value(chat->frame), json_string_length(chat->frame))
                    : f;
     }
     /* socket.io hands an event's ack callback to the handler after its arguments: one more
@@ -242,29 +255,15 @@ cg_frame_text cg_dropin_map_forward(json_t *cfg, const cg_dropin_chat *chat, jso
     int ack = plen > 2 && chat->prefix[plen - 1] >= '0' && chat->prefix[plen - 1] <= '9'; /* "427", "42/ns,7" */
     if (ack && !cfg_str(cfg, NULL, "object_at")) {
         json_decref(object);
-        char *arr = json_dumps(chat->frame, JSON_COMPACT);
-        if (arr)
-            f = frame_of(chat->prefix, arr, strlen(arr));
-        free(arr);
-        return f;
+        return encode(chat->prefix, chat->frame);
     }
     json_t *copy = chat->frame ? json_deep_copy(chat->frame) : NULL;
-    if (!copy || !object || place_object(cfg, copy, object) < 0) {
-        if (!copy)
-            json_decref(object); /* place_object takes it even when it fails */
-        json_decref(copy);
+    if (!copy) {
+        json_decref(object);
         return f;
     }
-    if (chat->prefix) { /* socket.io: the packet's own prefix, then the array */
-        char *arr = json_dumps(copy, JSON_COMPACT);
-        if (arr)
-            f = frame_of(chat->prefix, arr, strlen(arr));
-        free(arr);
-    } else { /* dumped where it is sent from: the drop-in queue writes it from json, lws's header before */
-        f.buf = cg_json_dump_pre(copy, CG_FRAME_PRE, 1024, &f.len);
-        if (f.buf)
-            f.json = f.buf + CG_FRAME_PRE;
-    }
+    if (object && place_object(cfg, copy, object) == 0) /* place_object takes object, placed or not */
+        f = encode(chat->prefix, copy);
     json_decref(copy);
     return f;
 }

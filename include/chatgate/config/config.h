@@ -64,7 +64,7 @@ typedef struct cg_upstream_config {
      * that failed stays out, how many attempts a message gets, and the upstream it falls
      * back to when they are spent */
     char *replicas[CG_MAX_REPLICAS];
-    int n_replicas;     /* 1 for a single url */
+    int n_replicas;     /* 0 for a single url (the upstream's one replica) */
     int least_busy;     /* balance "least_busy"; else "dialog" (affinity by user and room) */
     int out_ms;         /* a replica that failed is out for this long (10000), or Retry-After */
     int max_attempts;   /* replicas tried for one message (3) */
