@@ -1038,17 +1038,12 @@ static void dispatch(redis_store *rs, cg_store_req *r)
     } else if (r->kind == OP_REMOVE && connected) {
         if (!gated(rs, r)) /* behind a save of the dialog in flight, as loads are */
             send_remove(rs, r);
-    } else if (r->kind == OP_ROOMS && connected) {
+    } else if ((r->kind == OP_ROOMS || r->kind == OP_REMOVE_USER) && connected) {
+        /* both start from the user's rooms set */
         argv_buf a = {0};
         arg_str(&a, "SMEMBERS");
         arg_own(&a, rooms_key(rs, r->eu));
-        send_last(rs, &a, on_room_list, r);
-        argv_free(&a);
-    } else if (r->kind == OP_REMOVE_USER && connected) {
-        argv_buf a = {0};
-        arg_str(&a, "SMEMBERS");
-        arg_own(&a, rooms_key(rs, r->eu));
-        send_last(rs, &a, on_rooms_reply, r);
+        send_last(rs, &a, r->kind == OP_ROOMS ? on_room_list : on_rooms_reply, r);
         argv_free(&a);
     } else {
         cg_redis_answer_later_from_memory(r); /* a delete while degraded: the caller is told (503 at the admin API) */

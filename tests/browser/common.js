@@ -223,7 +223,22 @@ class GatewayProcess {
   tail(n) { return this.log.slice(-n).join("\n"); }
 }
 
+// Starts the process make(port) builds on a free port (make may keep it, for a deadline's
+// cleanup); a free port can be taken between the probe and the bind, so up to three tries.
+async function startOnFreePort(make) {
+  for (let attempt = 1; ; attempt++) {
+    const proc = make(await freePort());
+    try {
+      await proc.start();
+      return proc;
+    } catch (e) {
+      await proc.stop();
+      if (attempt >= 3) throw e;
+    }
+  }
+}
+
 module.exports = {
   REPO, NOW, stamp, say, TestFailure, fail, check, explain, sleep, until, parseArgs, preflight, steps, run,
-  launchChromium, freePort, httpGet, GatewayProcess,
+  launchChromium, freePort, httpGet, GatewayProcess, startOnFreePort,
 };

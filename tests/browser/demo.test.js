@@ -31,7 +31,7 @@ const fs = require("fs");
 const os = require("os");
 const path = require("path");
 const { REPO, stamp, say, fail, check, sleep, until, parseArgs, preflight, steps, run, launchChromium,
-  freePort, GatewayProcess } = require("./common");
+  startOnFreePort, GatewayProcess } = require("./common");
 
 const DEADLINE_MS = 55000; // the whole test, browser start to cleanup
 
@@ -72,16 +72,7 @@ async function main() {
 
   try {
     await step("start the gateway", async () => {
-      for (let attempt = 1; ; attempt++) {
-        gateway = new Gateway(opts.gateway, await freePort());
-        try {
-          await gateway.start();
-          break;
-        } catch (e) {
-          await gateway.stop();
-          if (attempt >= 3) throw e; // a free port can be taken between the probe and the bind
-        }
-      }
+      await startOnFreePort((port) => (gateway = new Gateway(opts.gateway, port)));
       say(`      gateway ${opts.gateway} on ${gateway.base}`);
     });
 

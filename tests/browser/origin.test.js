@@ -59,7 +59,7 @@ const os = require("os");
 const path = require("path");
 const readline = require("readline");
 const { REPO, say, fail, check, sleep, until, parseArgs, preflight, steps, run, launchChromium,
-  freePort, GatewayProcess } = require("./common");
+  startOnFreePort, GatewayProcess } = require("./common");
 
 const HERE = __dirname;
 const DEADLINE_MS = 55000;
@@ -240,16 +240,7 @@ async function main() {
     await step("start the app (origin_app.js) and the gateway", async () => {
       app = new App();
       await app.start();
-      for (let attempt = 1; ; attempt++) {
-        gateway = new Gateway(opts.gateway, await freePort(), gatewayConfig(app));
-        try {
-          await gateway.start();
-          break;
-        } catch (e) {
-          await gateway.stop();
-          if (attempt >= 3) throw e; // a free port can be taken between the probe and the bind
-        }
-      }
+      await startOnFreePort((port) => (gateway = new Gateway(opts.gateway, port, gatewayConfig(app))));
       say(`      app on ${app.origin}, gateway ${opts.gateway} on ${gateway.base}`);
     });
 

@@ -398,6 +398,13 @@ async def gateway_exit(config=None, args=(), env=None, timeout=10.0):
     return proc.returncode, proc.stdout + proc.stderr, path
 
 
+async def check_refused(config, where, why):
+    """The gateway refuses `config` at start: exit 2, the message naming `where` (a key's
+    path) and saying `why`."""
+    code, out, _ = await gateway_exit(config)
+    check(code == 2 and where in out and why in out, f"exit {code}, expected 2 naming {where} ({why!r}): {out}")
+
+
 def http_get(url, timeout=DEFAULT_TIMEOUT):
     """A blocking GET: (status, headers, body). Run it with asyncio.to_thread."""
     try:

@@ -419,8 +419,7 @@ async def part_config():
             cfg = dropin_config(harness.WsServer(), "/x", codec)
             cfg["dropin"]["app"] = "ws://127.0.0.1:9/chat"
             cfg["dropin"].update(dropin)
-            code, out, _ = await harness.gateway_exit(cfg)
-            check(code == 2 and where in out and why in out, f"exit {code}, expected 2 naming {where}: {out}")
+            await harness.check_refused(cfg, where, why)
 
 
 async def main(args):

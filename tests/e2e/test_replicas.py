@@ -210,8 +210,7 @@ async def part_config():
             ("upstreams.llm.fallback", {"url": "http://127.0.0.1:9/v1", "fallback": "nope"}, "no other upstream"),
             ("upstreams.llm.balance", {"url": "http://127.0.0.1:9/v1", "balance": "random"}, "least_busy")):
         with step(f"{where}: refused at start ({why!r})"):
-            code, out, _ = await harness.gateway_exit(config({"llm": up}, "llm"))
-            check(code == 2 and where in out and why in out, f"exit {code}, expected 2 naming {where}: {out}")
+            await harness.check_refused(config({"llm": up}, "llm"), where, why)
 
 
 async def main(args):

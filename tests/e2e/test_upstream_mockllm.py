@@ -44,8 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import harness
@@ -154,16 +152,12 @@ class MockLLM:
 
 
 def http(url, method="GET", headers=None, body=None, timeout=10):
-    """(status, headers, body text) of one request; no exception for HTTP errors."""
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
+    """harness.http_request with the body as text, and (0, {}, "") when nothing answers yet."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, dict(resp.headers), resp.read().decode(errors="replace")
-    except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), err.read().decode(errors="replace")
+        status, got, data = harness.http_request(url, method, headers, body, timeout)
     except OSError:
         return 0, {}, ""
+    return status, got, data.decode(errors="replace")
 
 
 def sse_text(body):
