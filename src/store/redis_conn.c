@@ -750,18 +750,25 @@ static void on_tick(uv_timer_t *t)
 
 static void sentinel_ask(redis_store *rs);
 
-/* Gives up the question in progress, if any (its callbacks then see another context). */
+/* Gives up a side connection's name lookup and connection, whichever exist (its callbacks
+ * then see another context). */
+static void side_abandon(cg_resolve **resolve, redisAsyncContext **ac)
+{
+    if (*resolve) {
+        cg_resolve_abandon(*resolve);
+        *resolve = NULL;
+    }
+    if (*ac) {
+        redisAsyncContext *c = *ac;
+        *ac = NULL;
+        redisAsyncFree(c); /* deferred by hiredis when inside one of its reply callbacks */
+    }
+}
+
+/* Gives up the question in progress, if any. */
 static void sentinel_query_abort(redis_store *rs)
 {
-    if (rs->sresolve) {
-        cg_resolve_abandon(rs->sresolve);
-        rs->sresolve = NULL;
-    }
-    if (rs->sac) {
-        redisAsyncContext *sac = rs->sac;
-        rs->sac = NULL;
-        redisAsyncFree(sac); /* deferred by hiredis when inside one of its reply callbacks */
-    }
+    side_abandon(&rs->sresolve, &rs->sac);
 }
 
 /* The Sentinel asked did not name the primary: the next one is asked, and when each has
@@ -915,19 +922,10 @@ static void on_sub_timer(uv_timer_t *t)
     sub_start(rs);
 }
 
-/* Gives up the +switch-master subscription: its resolve, its connection (its callbacks then
- * see another context). */
+/* Gives up the +switch-master subscription: its resolve, its connection. */
 static void sub_abandon(redis_store *rs)
 {
-    if (rs->sub_resolve) {
-        cg_resolve_abandon(rs->sub_resolve);
-        rs->sub_resolve = NULL;
-    }
-    if (rs->sub) {
-        redisAsyncContext *sub = rs->sub;
-        rs->sub = NULL;
-        redisAsyncFree(sub);
-    }
+    side_abandon(&rs->sub_resolve, &rs->sub);
 }
 
 /* The subscription is gone (or never came): the next Sentinel is tried in a second. A
