@@ -613,6 +613,25 @@ static void add_position(const char *file, const char *text, char *err, size_t e
 }
 
 /* Applies the settings of one parsed file; "file: key: message" on a mistake. */
+/* The drop-in app (checked with the mapping): its URL and its headers, the environment's
+ * values read once, here. */
+static int load_dropin_app(cg_config *cfg, const char *file, json_t *dropin, char *err, size_t errlen)
+{
+    char msg[256];
+    cg_upstream_config_free(&cfg->dropin_app);
+    if (cg_config_parse_upstream_url(&cfg->dropin_app, json_string_value(json_object_get(dropin, "app")), msg,
+                                     sizeof(msg)) < 0) {
+        set_err(err, errlen, "%s: dropin.app: %s", file, msg);
+        return -1;
+    }
+    if (cg_headers_load(json_object_get(dropin, "headers"), "dropin.headers", &cfg->dropin_app.headers, msg,
+                        sizeof(msg)) < 0) {
+        set_err(err, errlen, "%s: %s", file, msg);
+        return -1;
+    }
+    return 0;
+}
+
 static int load_root(cg_config *cfg, const char *file, json_t *root, char *err, size_t errlen)
 {
     if (!json_is_object(root)) {
@@ -634,7 +653,7 @@ static int load_root(cg_config *cfg, const char *file, json_t *root, char *err, 
                     return -1;
             }
         } else if (strcmp(key, "dropin") == 0) {
-            if (cg_dropin_config_check(val, file, err, errlen) < 0)
+            if (cg_dropin_config_check(val, file, err, errlen) < 0 || load_dropin_app(cfg, file, val, err, errlen) < 0)
                 return -1;
             json_decref(cfg->dropin);
             cfg->dropin = json_incref(val);
@@ -1138,5 +1157,6 @@ void cg_config_free(cg_config *cfg)
     free(cfg->admin_host);
     json_decref(cfg->services);
     json_decref(cfg->dropin);
+    cg_upstream_config_free(&cfg->dropin_app);
     memset(cfg, 0, sizeof(*cfg));
 }

@@ -8,7 +8,6 @@
 #include <string.h>
 
 #include "chatgate/config/dropin_config.h"
-#include "chatgate/config/headers.h"
 #include "chatgate/core/jsonptr.h"
 
 static int check_pointer(json_t *obj, const char *key, int required, const char *file, const char *where,
@@ -153,14 +152,6 @@ int cg_dropin_config_check(json_t *d, const char *file, char *err, size_t errlen
         snprintf(err, errlen, "%s: dropin.host: must be \"client\", \"app\" or a host[:port]", file);
         return -1;
     }
-    cg_headers headers;
-    if (cg_headers_load(json_object_get(d, "headers"), "dropin.headers", &headers, err, errlen) < 0) {
-        char msg[256];
-        snprintf(msg, sizeof(msg), "%s", err);
-        snprintf(err, errlen, "%s: %s", file, msg);
-        return -1;
-    }
-    cg_headers_free(&headers);
     json_t *path = json_object_get(d, "path");
     if (!json_is_string(path) || json_string_value(path)[0] != '/' || strcmp(json_string_value(path), "/ws") == 0) {
         snprintf(err, errlen, "%s: dropin.path: must be the app's WebSocket path, such as \"/socket\" (not /ws)",

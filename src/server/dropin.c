@@ -598,7 +598,7 @@ static void app_gone(cg_dropin *d, struct lws *wsi)
  */
 static int append_headers(cg_dropin *d, struct lws *wsi, unsigned char **p, unsigned char *end)
 {
-    const cg_headers *conf = &d->srv->dropin_app.headers;
+    const cg_headers *conf = &d->srv->cfg->dropin_app.headers;
     int rc = cg_upstream_append_headers(wsi, &d->forwarded, conf, p, end) |
              cg_upstream_append_headers(wsi, conf, NULL, p, end);
     if (rc)
@@ -701,7 +701,7 @@ static void on_app_resolved(void *data, const char *address, const char *err)
 {
     cg_dropin *d = data;
     d->resolve = NULL;
-    cg_upstream_config *u = &d->srv->dropin_app;
+    const cg_upstream_config *u = &d->srv->cfg->dropin_app;
     if (!address) {
         cg_warn("dropin: %s ('%s')", err, u->host);
         close_client(d, 1014, "the app could not be reached");
@@ -738,7 +738,8 @@ static char *app_path(const cg_server *srv, struct lws *client)
         return NULL;
     int ulen = lws_hdr_total_length(client, WSI_TOKEN_GET_URI);
     scratch = malloc((size_t)(ulen > 0 ? ulen : 0) + 1);
-    const char *base = srv->dropin_app.path && strcmp(srv->dropin_app.path, "/") ? srv->dropin_app.path : "";
+    const char *app = srv->cfg->dropin_app.path;
+    const char *base = app && strcmp(app, "/") ? app : "";
     if (scratch && lws_hdr_copy(client, scratch, ulen + 1, WSI_TOKEN_GET_URI) >= 0)
         fprintf(f, "%s%s", base, scratch);
     for (int idx = 0;; idx++) {
@@ -827,7 +828,7 @@ static void copy_headers(cg_dropin *d, struct lws *client)
  */
 static void app_host(cg_dropin *d, struct lws *client)
 {
-    const cg_upstream_config *u = &d->srv->dropin_app;
+    const cg_upstream_config *u = &d->srv->cfg->dropin_app;
     const char *want = json_string_value(json_object_get(d->cfg, "host"));
     if (!want)
         want = u->tls ? "app" : "client";
@@ -870,7 +871,7 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
         d->subprotocol = strdup(proto->name);
     copy_headers(d, client);
     app_host(d, client);
-    d->resolve = cg_resolve_start(srv->net.loop, srv->dropin_app.host, on_app_resolved, d);
+    d->resolve = cg_resolve_start(srv->net.loop, srv->cfg->dropin_app.host, on_app_resolved, d);
     if (!d->resolve) {
         d->refs = 1;
         dropin_unref(d); /* frees what was copied: path, subprotocol, headers */

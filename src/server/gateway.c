@@ -161,7 +161,6 @@ void cg_gateway_abort(cg_gateway *gw)
     json_decref(gw->srv.turn.locks);
     gw->srv.turn.locks = NULL;
     free_secrets(gw);
-    cg_upstream_config_free(&gw->srv.dropin_app);
 }
 
 static void gateway_stop(cg_gateway *gw);
@@ -216,7 +215,6 @@ static void gateway_stop(cg_gateway *gw)
     json_decref(gw->srv.turn.locks); /* empty: every session has closed */
     gw->srv.turn.locks = NULL;
     free_secrets(gw);
-    cg_upstream_config_free(&gw->srv.dropin_app);
     cg_info("stopped cleanly");
 }
 
@@ -359,20 +357,6 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         snprintf(err, errlen, "rules: %s", rerr);
         return CG_GATEWAY_BAD_CONFIG;
     }
-    if (cfg->dropin) {
-        char uerr[256];
-        if (cg_config_parse_upstream_url(&gw->srv.dropin_app, json_string_value(json_object_get(cfg->dropin, "app")),
-                                         uerr, sizeof(uerr)) < 0) {
-            snprintf(err, errlen, "dropin.app: %s", uerr);
-            return CG_GATEWAY_BAD_CONFIG;
-        }
-        /* checked with the file (dropin_config.c); read again here for the environment's values */
-        if (cg_headers_load(json_object_get(cfg->dropin, "headers"), "dropin.headers", &gw->srv.dropin_app.headers,
-                            uerr, sizeof(uerr)) < 0) {
-            snprintf(err, errlen, "%s", uerr);
-            return CG_GATEWAY_BAD_CONFIG;
-        }
-    }
     /* Client frames arrive in pieces of 4096 bytes; a frame over it is reassembled. */
     gw->protocols = build_protocols(cfg);
 
@@ -484,7 +468,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     for (int i = 0; i < cfg->n_upstreams; i++)
         cg_info("upstream '%s': %s (%s)%s", cfg->upstreams[i].name, cfg->upstreams[i].url,
                 gw->srv.upstreams[i].ops->kind, i == cfg->default_index ? ", default" : "");
-    log_headers("drop-in app", NULL, &gw->srv.dropin_app.headers);
+    log_headers("drop-in app", NULL, &cfg->dropin_app.headers);
     for (int i = 0; i < cfg->n_upstreams; i++)
         log_headers("upstream", cfg->upstreams[i].name, &cfg->upstreams[i].headers);
     return 0;

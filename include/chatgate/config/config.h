@@ -111,6 +111,7 @@ typedef struct cg_config {
     char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */
     long jwt_allow_no_exp; /* jwt.allow_no_exp: accept JWTs without exp (never expiring) */
     json_t *dropin;     /* the drop-in mapping (dropin.h), or NULL */
+    cg_upstream_config dropin_app; /* its app: dropin.app's URL and dropin.headers, read at load */
     char *admin_listen; /* HOST:PORT of the admin API's own listener, or NULL */
     char *admin_host;
     int admin_port;

@@ -36,7 +36,6 @@ typedef struct cg_server {
     size_t resume_secret_len;
     unsigned char *jwt_secret;    /* CHATGATE_JWT_SECRET with --auth jwt ("" otherwise); owned */
     size_t jwt_secret_len;
-    cg_upstream_config dropin_app; /* the app of drop-in mode, from dropin.app */
     /* Loads the rules again (POST /admin/reload): 0, or -1 with err; set by the gateway,
      * the only one that swaps the running set. */
     int (*reload_rules)(struct cg_server *srv, char *err, size_t errlen);
