@@ -210,6 +210,7 @@ static void gateway_stop(cg_gateway *gw)
     uv_close((uv_handle_t *)&gw->sig_int, NULL);
     uv_close((uv_handle_t *)&gw->sig_hup, NULL);
     cg_flusher_close(&gw->srv.flusher);
+    cg_net_batch_free(&gw->srv.batch);
     cg_ruleset_unref(gw->srv.turn.rules);
     gw->srv.turn.rules = NULL;
     json_decref(gw->srv.turn.locks); /* empty: every session has closed */
@@ -278,7 +279,6 @@ static void free_secrets(cg_gateway *gw)
     if (gw->srv.jwt_secret)
         OPENSSL_cleanse(gw->srv.jwt_secret, gw->srv.jwt_secret_len);
     free(gw->srv.resume_secret);
-    cg_net_batch_free(&gw->srv.batch);
     free(gw->srv.jwt_secret);
     gw->srv.resume_secret = gw->srv.jwt_secret = NULL;
     gw->srv.resume_secret_len = gw->srv.jwt_secret_len = 0;

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
@@ -149,26 +150,12 @@ static void session_send_delta(void *conn, const char *id, const char *text, siz
         o = calloc(1, sizeof(*o));
         if (!o || !(o->delta_id = strdup(id)))
             abort();
-        o->cap = len + 64;
-        o->text = malloc(o->cap);
-        if (!o->text)
-            abort();
+        cg_buf_append(&o->text, &o->len, &o->cap, text, len, len + 64);
         s->out_bytes += len;
-        memcpy(o->text, text, len);
-        o->len = len;
         out_push(s, o);
         return;
     }
-    if (o->len + len > o->cap) {
-        size_t ncap = o->cap * 2 > o->len + len ? o->cap * 2 : o->len + len;
-        char *nt = realloc(o->text, ncap);
-        if (!nt)
-            abort();
-        o->text = nt;
-        o->cap = ncap;
-    }
-    memcpy(o->text + o->len, text, len);
-    o->len += len;
+    cg_buf_append(&o->text, &o->len, &o->cap, text, len, len + 64);
     s->out_bytes += len;
     session_flow(s);
 }

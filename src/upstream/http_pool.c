@@ -227,7 +227,7 @@ static void transfer_end(cg_http_pool *p, transfer *t, CURLcode result)
     done(data, result);
 }
 
-/* The owners hear of their ended transfers; what they start or stop meanwhile waits (in_curl). */
+/* The transfer an easy handle belongs to (CURLOPT_PRIVATE). */
 static transfer *transfer_of(CURL *easy)
 {
     transfer *t = NULL;
@@ -235,6 +235,7 @@ static transfer *transfer_of(CURL *easy)
     return t;
 }
 
+/* The owners hear of their ended transfers; what they start or stop meanwhile waits (in_curl). */
 static void finish_done(cg_http_pool *p)
 {
     CURLMsg *msg;

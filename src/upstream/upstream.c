@@ -1,7 +1,7 @@
 /*
  * upstream.c: what the upstream kinds share: picking the ops for a URL's kind, reporting a
- * failed call (the message and what the upstream itself said), and the /metrics lines of the
- * OpenAI-compatible upstreams' connection pools (http_pool.c counts them).
+ * failed call (the message and what the upstream itself said), and writing configured
+ * headers into an lws client handshake.
  */
 #include <stddef.h>
 #include <stdio.h>

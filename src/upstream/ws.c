@@ -60,7 +60,7 @@ typedef struct ws_conn {
     pending *out_head, *out_tail;
     int n_out;
     cg_flush_item flush; /* registered while frames wait for the end of the iteration */
-    size_t last_len;     /* of the last message frame: the next one's first buffer size */
+    size_t last_head;    /* of the last message frame without its history: the next one's estimate */
     cg_wsrx rx; /* an app frame in pieces (core/wsrx.h) */
     hist_text *hist; /* the last message's history as text, n_hist items (at most history_n) */
     size_t n_hist;
@@ -539,14 +539,19 @@ static int hist_refresh(ws_conn *k, json_t *history)
 }
 
 /*
- * The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built;
- * hint: the size of the connection's last one. The history is written from the
- * connection's texts (hist_refresh) in place of the object's closing brace.
+ * The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built.
+ * The history is written from the connection's texts (hist_refresh) in place of the
+ * object's closing brace; its size is known, so the buffer is made big enough for it at once
+ * (the rest estimated from the connection's last frame).
  */
-static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t hint, size_t *len)
+static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len)
 {
     if (hist_refresh(k, m->history) < 0)
         return NULL;
+    size_t hist = 14 + k->n_hist; /* ,"history":[ ]} and the commas */
+    for (size_t i = 0; i < k->n_hist; i++)
+        hist += k->hist[i].len;
+    size_t hint = k->last_head + k->last_head / 4 + hist;
     json_t *o = json_pack(
         "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
         "user", m->user, "room", m->room, "text", m->text, "enriched",
@@ -559,8 +564,10 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t hint
     char *frame = frame_of(o, hint, &n);
     if (!frame)
         return NULL;
-    /* over the '}'; the buffer holds at least what was dumped (core/jsonout.h) */
-    size_t used = LWS_PRE + n - 1, cap = LWS_PRE + n + 1;
+    k->last_head = n;
+    /* over the '}'; the buffer holds at least pre + hint + 1 bytes, and what was dumped
+     * (core/jsonout.h) */
+    size_t used = LWS_PRE + n - 1, cap = LWS_PRE + (n > hint ? n : hint) + 1;
     cg_buf_append(&frame, &used, &cap, ",\"history\":[", 12, 0);
     for (size_t i = 0; i < k->n_hist; i++) {
         if (i)
@@ -586,12 +593,11 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
     c->ctx = ctx;
     c->id = strdup(m->id);
     size_t len = 0;
-    char *frame = c->id ? message_frame(k, m, k->last_len + k->last_len / 4, &len) : NULL;
+    char *frame = c->id ? message_frame(k, m, &len) : NULL;
     if (queue_frame(k, frame, len) < 0) {
         call_free(c);
         return -1;
     }
-    k->last_len = len;
     k->call = c;
     conn_pause(k, 0); /* a new call starts unpaused; the session pauses it if it must */
     if (k->open)
