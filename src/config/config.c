@@ -660,6 +660,9 @@ static int load_root(cg_config *cfg, const char *file, json_t *root, char *err, 
         } else if (strcmp(key, "services") == 0) {
             if (load_services(cfg, file, val, err, errlen) < 0)
                 return -1;
+        } else if (strcmp(key, "limits") == 0) {
+            if (cg_limits_config_load(&cfg->limits, file, val, err, errlen) < 0)
+                return -1;
         } else if (strcmp(key, "allow_origin") == 0 && json_is_array(val)) {
             size_t i;
             json_t *o;
@@ -1156,6 +1159,7 @@ void cg_config_free(cg_config *cfg)
     free(cfg->listen_host);
     free(cfg->admin_host);
     json_decref(cfg->services);
+    cg_limits_config_free(&cfg->limits);
     json_decref(cfg->dropin);
     cg_upstream_config_free(&cfg->dropin_app);
     memset(cfg, 0, sizeof(*cfg));

@@ -161,8 +161,21 @@ static int check_times(json_t *claims, int64_t now, long leeway_s, int allow_no_
     return 0;
 }
 
+/* The plan the claim names (limits_config.h), or a name no plan has, saying what was wrong. */
+static void take_plan(json_t *claims, const char *plan_claim, char *plan, size_t planlen)
+{
+    json_t *v = plan_claim ? json_object_get(claims, plan_claim) : NULL;
+    if (!v)
+        snprintf(plan, planlen, "%s", "");
+    else if (json_is_string(v) && json_string_length(v) > 0 && json_string_length(v) < planlen)
+        memcpy(plan, json_string_value(v), json_string_length(v) + 1);
+    else
+        snprintf(plan, planlen, "(the claim is not a plan name)");
+}
+
 int cg_identity_jwt_verify_ex(const unsigned char *secret, size_t secret_len, const char *token, int64_t now,
-                              long leeway_s, int allow_no_exp, char *user, size_t userlen, char *err, size_t errlen)
+                              long leeway_s, int allow_no_exp, char *user, size_t userlen, const char *plan_claim,
+                              char *plan, size_t planlen, char *err, size_t errlen)
 {
     const char *d1 = strchr(token, '.');
     const char *d2 = d1 ? strchr(d1 + 1, '.') : NULL;
@@ -197,6 +210,8 @@ int cg_identity_jwt_verify_ex(const unsigned char *secret, size_t secret_len, co
         goto out;
     }
     memcpy(user, json_string_value(sub), json_string_length(sub) + 1);
+    if (plan)
+        take_plan(claims, plan_claim, plan, planlen);
     rc = 0;
 out:
     json_decref(header);
@@ -207,5 +222,6 @@ out:
 int cg_identity_jwt_verify(const unsigned char *secret, size_t secret_len, const char *token, int64_t now,
                            long leeway_s, char *user, size_t userlen, char *err, size_t errlen)
 {
-    return cg_identity_jwt_verify_ex(secret, secret_len, token, now, leeway_s, 0, user, userlen, err, errlen);
+    return cg_identity_jwt_verify_ex(secret, secret_len, token, now, leeway_s, 0, user, userlen, NULL, NULL, 0, err,
+                                     errlen);
 }

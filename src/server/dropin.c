@@ -843,7 +843,7 @@ static void app_host(cg_dropin *d, struct lws *client)
     snprintf(d->host, sizeof(d->host), "%s", u->authority);
 }
 
-cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *name)
+cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *plan, const char *name)
 {
     cg_dropin *d = calloc(1, sizeof(*d));
     if (!d)
@@ -855,6 +855,7 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
     snprintf(d->user, sizeof(d->user), "%s", user);
     snprintf(d->name, sizeof(d->name), "%s", name); /* d outlives the session that named it */
     cg_turns_init(&d->turns, &srv->turn, &dropin_sink, d, d->user, d->name);
+    cg_turns_set_plan(&d->turns, plan);
     d->turns.supersede = 1; /* the app's protocol may have no end marker: the next message ends a turn */
     json_t *tt = json_object_get(d->cfg, "turn_timeout_ms");
     d->turns.reply_timeout_ms = json_is_integer(tt) ? (uint64_t)json_integer_value(tt) : 60000;

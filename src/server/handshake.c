@@ -94,10 +94,11 @@ int cg_ws_close_payload_check(const void *payload, size_t len)
  * fresh id (auth none), a JWT (auth jwt), or a proxy's header (auth header). 0, or -1 with
  * the reason in err.
  */
-int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, char *user, size_t userlen, char *err,
-                          size_t errlen)
+int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, char *user, size_t userlen, char *plan,
+                          char *err, size_t errlen)
 {
     const char *auth = srv->cfg->auth;
+    plan[0] = 0;
     char buf[4096];
     if (strcmp(auth, "jwt") == 0) {
         /* copied whole: a long JWT fits the header space (max_header_bytes), not buf */
@@ -116,7 +117,8 @@ int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, ch
             snprintf(err, errlen, "a JWT is needed: Authorization: Bearer, or ?access_token=");
         else
             rc = cg_identity_jwt_verify_ex(srv->jwt_secret, srv->jwt_secret_len, token, now, 30,
-                                           srv->cfg->jwt_allow_no_exp, user, userlen, err, errlen);
+                                           srv->cfg->jwt_allow_no_exp, user, userlen, srv->cfg->limits.plan_claim, plan,
+                                           CG_MAX_PLAN_NAME + 1, err, errlen);
         free(tbuf);
         return rc;
     }

@@ -101,6 +101,20 @@ static int token_lines(const cg_server *srv, const cg_metrics *m, char *buf, siz
     return 0;
 }
 
+/* chatgate_limited_total by the limit per user that refused a message (bounded: four). */
+static int limited_lines(const cg_metrics *m, char *buf, size_t len, size_t *used)
+{
+    if (put(buf, len, used,
+            "# HELP chatgate_limited_total Messages refused by a limit per user (rate_limited), by limit.\n"
+            "# TYPE chatgate_limited_total counter\n") < 0)
+        return -1;
+    for (int hit = CG_LIMIT_TOKENS_DAY; hit <= CG_LIMIT_TURNS; hit++)
+        if (put(buf, len, used, "chatgate_limited_total{limit=\"%s\"} %lu\n", cg_limit_name((cg_limit_hit)hit),
+                m->limited[hit]) < 0)
+            return -1;
+    return 0;
+}
+
 /* --workers: the lines of one worker each (after chatgate_connections' total, in its family). */
 static int worker_lines(const cg_workers *w, char *buf, size_t len, size_t *used)
 {
@@ -229,7 +243,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
             m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures) < 0 ||
         per_upstream(srv, m, buf, len, &used) < 0 ||
-        token_lines(srv, m, buf, len, &used) < 0)
+        token_lines(srv, m, buf, len, &used) < 0 || limited_lines(m, buf, len, &used) < 0)
         return used;
     if (put(buf, len, &used,
             "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n") < 0)

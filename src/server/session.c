@@ -409,7 +409,8 @@ static void session_open(cg_session *s, struct lws *wsi)
         dropin_open(s, wsi);
         return;
     }
-    if (cg_handshake_identify(srv, wsi, session_now(s), s->user, sizeof(s->user), err, sizeof(err)) < 0) {
+    char plan[CG_MAX_PLAN_NAME + 1];
+    if (cg_handshake_identify(srv, wsi, session_now(s), s->user, sizeof(s->user), plan, err, sizeof(err)) < 0) {
         cg_warn("session %s: refused: %s", s->session_id, err);
         s->unauthorized = 1;
         s->user[0] = 0;
@@ -418,6 +419,7 @@ static void session_open(cg_session *s, struct lws *wsi)
         return;
     }
     cg_info("session %s: open (%ld connected)", s->session_id, srv->n_sessions);
+    cg_turns_set_plan(&s->turns, plan);
     char *resume = strcmp(srv->cfg->auth, "none") == 0
                        ? cg_identity_resume_token(srv->resume_secret, srv->resume_secret_len, s->user)
                        : NULL;
@@ -456,10 +458,11 @@ static void session_close(cg_session *s)
 static void dropin_open(cg_session *s, struct lws *wsi)
 {
     cg_server *srv = s->srv;
-    char err[256];
+    char err[256], plan[CG_MAX_PLAN_NAME + 1] = "";
     if (strcmp(srv->cfg->auth, "none") == 0 && cg_handshake_dropin_user(srv, wsi, s->user, sizeof(s->user)) == 0) {
         /* the cookie's user */
-    } else if (cg_handshake_identify(srv, wsi, session_now(s), s->user, sizeof(s->user), err, sizeof(err)) < 0) {
+    } else if (cg_handshake_identify(srv, wsi, session_now(s), s->user, sizeof(s->user), plan, err, sizeof(err)) <
+               0) {
         /* as for chatgate.v1, but with no error frame (the app's protocol has none of ours):
          * marked unauthorized (nothing it sends is read), then closed with 1008 from the
          * next writable */
@@ -470,7 +473,7 @@ static void dropin_open(cg_session *s, struct lws *wsi)
         lws_callback_on_writable(wsi);
         return;
     }
-    s->dropin = cg_dropin_open(srv, wsi, s->user, s->session_id);
+    s->dropin = cg_dropin_open(srv, wsi, s->user, plan, s->session_id);
     if (!s->dropin)
         lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, LWS_TO_KILL_ASYNC);
     else

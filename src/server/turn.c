@@ -1,7 +1,8 @@
 /*
  * turn.c: one client message's whole life, for every way in (see turn.h).
  *
- * A request moves through: queue -> lock -> load -> (chat) pipeline -> upstream call or
+ * A request moves through: queue -> (chat, with limits per user) limit -> lock -> load ->
+ * (chat) pipeline -> upstream call or
  * forward -> reply -> end, or (context command) load -> answer. Each stage hands on to the
  * next from a callback of the one before (the lock's granted, the store's loaded, the
  * upstream's events), so nothing waits on the loop. Every way out of a request goes through
@@ -35,6 +36,11 @@ struct cg_turn {
     int counted;               /* in env->inflight */
     char *enriched;            /* the pipeline's rewrite, kept for the history */
     cg_store_req *load;        /* while the dialog loads */
+    cg_store_req *limit;       /* while the store counts it against its user's limits */
+    int limit_held;            /* counted (a turn at once, its tokens to come): limit_end at its end */
+    int limit_local;           /* ... in this process's memory (store.h, limit_end) */
+    uint64_t limit_turn;       /* its number there */
+    int refused;               /* over a limit: never started, so not a turn in the figures */
     cg_dialog dialog;          /* once loaded */
     int has_dialog;
     int saved;                 /* a save or remove ended its lease (store.h) */
@@ -46,6 +52,7 @@ struct cg_turn {
     int forwarded;             /* handed to the adapter (drop-in); its end comes by cg_turn_end */
     int cancel_requested;      /* a forwarded reply the user cancelled */
     long long tokens_in, tokens_out; /* as the upstream reported them; -1: it did not */
+    long long spent;           /* tokens counted for the turn (count_usage), 0 before */
     size_t prompt_bytes;       /* what went to the upstream: text, history, state (estimates) */
     char *reply;               /* the reply, up to max_reply_bytes */
     size_t reply_len, reply_cap;
@@ -111,6 +118,9 @@ static void turn_free(cg_turn *t)
         q->env->inflight--;
     if (t->opaque && !t->forwarded && q->sink->unsent)
         q->sink->unsent(q->conn, t->opaque);
+    if (t->limit_held) {
+        q->env->store->ops->limit_end(q->env->store, q->user, q->limits, t->limit_turn, t->limit_local, t->spent);
+    }
     if (t->has_dialog && !t->saved && q->env->store->ops->release) /* a turn that saved nothing */
         q->env->store->ops->release(q->env->store, q->user, t->room);
     cg_dialog_lock_release(q->env->locks, &t->lock);
@@ -138,7 +148,7 @@ static void turn_finish(cg_turn *t)
         q->inflight = NULL;
     if (q->timer)
         uv_timer_stop(q->timer);
-    if (t->kind == CG_TURN_CHAT)
+    if (t->kind == CG_TURN_CHAT && !t->refused)
         cg_histogram_observe(&q->env->metrics->turn, (double)(uv_hrtime() - t->t_arrived) / 1e9);
     turn_free(t);
     turns_pump(q);
@@ -185,6 +195,7 @@ static void count_usage(cg_turn *t, turn_end_kind end)
         return;
     long long in = t->tokens_in >= 0 ? t->tokens_in : (long long)(t->prompt_bytes + 3) / 4;
     long long out = t->tokens_out >= 0 ? t->tokens_out : (long long)(t->reply_len + 3) / 4;
+    t->spent = in + out; /* what the turn's end counts against the token limits */
     cg_dialog_add_usage(&t->dialog, q->env->upstreams[t->route].cfg->name, in, out);
     unsigned long *slot = q->env->metrics->tokens[t->route][service_slot(q->env, t->dialog.service)];
     slot[0] += (unsigned long)in;
@@ -236,7 +247,10 @@ static void turn_fail(cg_turn *t, int err, const char *message, json_t *detail)
 static void turn_stop(cg_turn *t)
 {
     cg_turns *q = t->q;
-    if (t->load) {
+    if (t->limit) {
+        q->env->store->ops->abandon(t->limit);
+        t->limit = NULL;
+    } else if (t->load) {
         q->env->store->ops->abandon(t->load);
         t->load = NULL;
     } else if (t->kind == CG_TURN_CHAT && t->has_dialog) {
@@ -633,7 +647,58 @@ static void on_lock_granted(cg_dialog_lock_waiter *w)
         turn_finish(t);
 }
 
-/* Runs the next waiting request, if none is in flight: first its dialog's lock, then its load. */
+/* Takes the dialog's lock, then loads it: 0, or -1 (said) when the load could not start. */
+static int turn_begin(cg_turn *t)
+{
+    t->lock.granted = on_lock_granted;
+    t->lock.owner = t;
+    if (!cg_dialog_lock_acquire(t->q->env->locks, &t->lock, t->q->user, t->room))
+        return 0; /* another connection's turn of this dialog runs; on_lock_granted starts this one */
+    return turn_load(t);
+}
+
+/* The store counted the message against its user's limits: over one, it is refused
+ * (rate_limited, saying which limit and when to try again) and never reaches its dialog. */
+static void on_limit_verdict(void *ctx, const cg_limit_verdict *v, const cg_store_status *status)
+{
+    (void)status; /* Redis away: counted in this gateway's memory; the load will say so */
+    cg_turn *t = ctx;
+    cg_turns *q = t->q;
+    t->limit = NULL;
+    if (v->hit != CG_LIMIT_OK) {
+        char msg[160];
+        const char *name = cg_limit_name(v->hit);
+        snprintf(msg, sizeof(msg), "over the user's %s limit: try again in %ld ms", name, v->retry_after_ms);
+        q->env->metrics->limited[v->hit]++;
+        json_t *detail = json_pack("{s:I,s:s}", "retry_after_ms", (json_int_t)v->retry_after_ms, "limit", name);
+        t->refused = 1;
+        say_error(q, t->id, CG_E_RATE_LIMITED, msg, detail);
+        json_decref(detail);
+        turn_finish(t);
+        return;
+    }
+    t->limit_held = 1;
+    t->limit_local = v->local;
+    if (turn_begin(t) < 0)
+        turn_finish(t);
+}
+
+/* Counts a chat message against its user's limits (the store answers later): 0, or -1
+ * (said) when the store could not start. */
+static int turn_limit(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    cg_store *st = q->env->store;
+    t->limit_turn = ++q->env->limit_seq;
+    t->limit = st->ops->limit(st, q->user, q->limits, t->limit_turn, on_limit_verdict, t);
+    if (t->limit)
+        return 0;
+    say_error(q, t->id, CG_E_INTERNAL, "the user's limits could not be checked", NULL);
+    return -1;
+}
+
+/* Runs the next waiting request, if none is in flight: a chat message's limits first (when
+ * its user has any), then its dialog's lock, then its load. */
 static void turns_pump(cg_turns *q)
 {
     while (!q->inflight && q->head) {
@@ -648,11 +713,8 @@ static void turns_pump(cg_turns *q)
             t->counted = 1;
             q->env->inflight++;
         }
-        t->lock.granted = on_lock_granted;
-        t->lock.owner = t;
-        if (!cg_dialog_lock_acquire(q->env->locks, &t->lock, q->user, t->room))
-            return; /* another connection's turn of this dialog runs; on_lock_granted starts this one */
-        if (turn_load(t) == 0)
+        int limited = t->kind == CG_TURN_CHAT && q->limits;
+        if ((limited ? turn_limit(t) : turn_begin(t)) == 0)
             return;
         q->inflight = NULL;
         turn_free(t);
@@ -671,6 +733,15 @@ void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, void
     q->user = user;
     q->name = name;
     cg_rate_init(&q->rate, env->cfg->rate_burst, uv_now(env->loop));
+}
+
+void cg_turns_set_plan(cg_turns *q, const char *plan)
+{
+    int unknown = 0;
+    q->limits = cg_limits_for(&q->env->cfg->limits, q->user, plan, &unknown);
+    if (unknown)
+        cg_warn("session %s: the plan '%.64s' its token names is not in limits.plans: the default limits hold",
+                q->name, plan);
 }
 
 int cg_turns_admit(cg_turns *q, const char *id)

@@ -354,6 +354,10 @@ void cg_redis_answer_from_memory(cg_store_req *r)
         if (!r->abandoned && !rs->closing)
             r->rooms_cb(r->ctx, rooms, &st);
         json_decref(rooms);
+    } else if (r->kind == OP_LIMIT && !r->abandoned && !rs->closing) { /* a turn gone is not counted */
+        cg_limit_verdict v;
+        cg_limiter_take(rs->limits, r->eu, &r->limits, now * 1000, &v);
+        r->limit_cb(r->ctx, &v, &st);
     } else if (r->kind == OP_REMOVE || r->kind == OP_REMOVE_USER) {
         if (r->kind == OP_REMOVE)
             cg_memstore_del(rs->mem, r->key);
@@ -1053,6 +1057,7 @@ static void handle_closed(uv_handle_t *h)
 static void store_free(redis_store *rs)
 {
     cg_memstore_free(rs->mem);
+    cg_limiter_free(rs->limits);
     for (int i = 0; i < rs->n_sentinels; i++)
         free(rs->sentinel_hosts[i]);
     free(rs->sentinel_hosts);
@@ -1360,6 +1365,7 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->base.now = cg_store_default_now;
     rs->dirty_max_bytes = cfg->writeback_max_bytes > 0 ? cfg->writeback_max_bytes : WRITEBACK_MAX_BYTES_DEFAULT;
     rs->mem = cg_memstore_new(cfg->max_dialogs, &cfg->lifetimes, &rs->base.stats);
+    rs->limits = cg_limiter_new(cfg->max_dialogs);
     rs->dirty = json_object();
     rs->warned = json_object();
     rs->unknown = json_object();

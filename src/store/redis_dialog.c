@@ -217,7 +217,7 @@ static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const 
 
 /* ---- scripts: EVALSHA, and EVAL once when the server does not know the script ----------- */
 
-typedef enum { S_LOAD, S_SAVE, S_RENEW, S_RELEASE, S_CANCEL, S_COUNT } script_id;
+typedef enum { S_LOAD, S_SAVE, S_RENEW, S_RELEASE, S_CANCEL, S_LIMIT, S_LIMIT_END, S_COUNT } script_id;
 static const char *script_text(script_id id);
 static char script_sha[S_COUNT][41];
 
@@ -834,9 +834,131 @@ static const char save_script[] =
     "if ARGV[17] ~= '' then redis.call('DEL', KEYS[6], KEYS[8]) end\n"
     "return code\n";
 
+/* ---- limits per user (limits.h) ------------------------------------------------------- */
+
+/*
+ * The counts of a user's limits, under the user's hash tag with the dialogs, named so that
+ * no dialog key can be one (those are "<room>:<part>", a room holding no ':'):
+ *   P:{U}:limit:messages:<minute>   STRING  messages let through in that minute
+ *   P:{U}:limit:turns:now           ZSET    turns running: "<holder>:<turn>" -> ms it lapses
+ *   P:{U}:limit:tokens:m<minute>    STRING  tokens spent in that minute
+ *   P:{U}:limit:tokens:d<day>       STRING  tokens spent that UTC day
+ * A turn's place in the set lapses after LIMIT_SLOT_MS when its end never comes (its
+ * gateway died): a user is never held back for longer by a lost turn.
+ */
+#define LIMIT_SLOT_MS 300000
+
+static char *limit_key(redis_store *rs, const char *eu, const char *fmt, long long n)
+{
+    char *part, *s;
+    if (asprintf(&part, fmt, n) < 0 || asprintf(&s, "%s:{%s}:limit:%s", rs->base.cfg.prefix, eu, part) < 0)
+        abort();
+    free(part);
+    return s;
+}
+
+/*
+ * A message against the limits, one atomic step: KEYS 1 messages this minute, 2 turns
+ * running, 3 tokens this minute, 4 tokens today; ARGV 1 now (ms), 2 to 5 the limits
+ * (messages a minute, turns at once, tokens a minute, tokens a day; 0: none), 6 the turn's
+ * member, 7 its place's lifetime, 8 and 9 the ms to the next minute and day. Answers
+ * {limit met (limits.h's numbers, 0: none), retry after ms (0 for turns: the gateway's hint)};
+ * counts only a message let through.
+ */
+static const char limit_script[] =
+    "local now = tonumber(ARGV[1])\n"
+    "local function over(limit, key) return limit > 0 and tonumber(redis.call('GET', key) or '0') >= limit end\n"
+    "if over(tonumber(ARGV[5]), KEYS[4]) then return {1, tonumber(ARGV[9])} end\n"
+    "if over(tonumber(ARGV[4]), KEYS[3]) then return {2, tonumber(ARGV[8])} end\n"
+    "local messages = tonumber(ARGV[2])\n"
+    "if over(messages, KEYS[1]) then return {3, tonumber(ARGV[8])} end\n"
+    "local turns = tonumber(ARGV[3])\n"
+    "if turns > 0 then\n"
+    "  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)\n"
+    "  if redis.call('ZCARD', KEYS[2]) >= turns then return {4, 0} end\n"
+    "  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[7]), ARGV[6])\n"
+    "  redis.call('PEXPIRE', KEYS[2], ARGV[7])\n"
+    "end\n"
+    "if messages > 0 then\n"
+    "  redis.call('INCR', KEYS[1])\n"
+    "  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[8]) + 1000)\n"
+    "end\n"
+    "return {0, 0}\n";
+
+/* A turn's end: KEYS 1 turns running, 2 tokens this minute, 3 tokens today; ARGV 1 the
+ * turn's member, 2 its tokens, 3 and 4 how long the two counts live (ms). */
+static const char limit_end_script[] =
+    "redis.call('ZREM', KEYS[1], ARGV[1])\n"
+    "local n = tonumber(ARGV[2])\n"
+    "if n > 0 then\n"
+    "  redis.call('INCRBY', KEYS[2], n)\n"
+    "  redis.call('PEXPIRE', KEYS[2], ARGV[3])\n"
+    "  redis.call('INCRBY', KEYS[3], n)\n"
+    "  redis.call('PEXPIRE', KEYS[3], ARGV[4])\n"
+    "end\n"
+    "return 0\n";
+
+static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uint64_t turn, int local,
+                      long long tokens);
+
+/* The verdict: {limit met, retry after ms}; anything else is a Redis that is not ours to
+ * trust, and the message is judged from memory. A turn let through that is gone by now
+ * (its client left) ends here. */
+static void on_limit_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    cg_store_req *r = priv;
+    redis_store *rs = r->rs;
+    redisReply *reply = reply_;
+    cg_redis_inflight_remove(rs, r);
+    if (cg_redis_reply_failed(rs, reply, 2, "limits (EVALSHA)") || reply->element[0]->type != REDIS_REPLY_INTEGER ||
+        reply->element[1]->type != REDIS_REPLY_INTEGER || reply->element[0]->integer < CG_LIMIT_OK ||
+        reply->element[0]->integer > CG_LIMIT_TURNS) {
+        rs->base.stats.errors++;
+        cg_redis_answer_from_memory(r);
+        return;
+    }
+    cg_limit_verdict v = {(cg_limit_hit)reply->element[0]->integer, (long)reply->element[1]->integer, 0};
+    if (v.hit == CG_LIMIT_TURNS)
+        v.retry_after_ms = CG_LIMIT_TURN_RETRY_MS;
+    static const cg_store_status ok = {0, 0, 0};
+    if (!r->abandoned && !rs->closing)
+        r->limit_cb(r->ctx, &v, &ok);
+    else if (v.hit == CG_LIMIT_OK)
+        limit_end(rs, r->eu, &r->limits, r->turn, 0, 0);
+    cg_redis_req_finish(r);
+}
+
+static void send_limit(redis_store *rs, cg_store_req *r)
+{
+    int64_t now = cg_store_now_ms(&rs->base);
+    cg_limit_clock c;
+    cg_limit_clock_at(now, &c);
+    argv_buf a = {0};
+    arg_str(&a, "EVALSHA");
+    arg_str(&a, script_sha[S_LIMIT]);
+    arg_str(&a, "4");
+    arg_own(&a, limit_key(rs, r->eu, "messages:%lld", (long long)c.minute));
+    arg_own(&a, limit_key(rs, r->eu, "turns:now", 0));
+    arg_own(&a, limit_key(rs, r->eu, "tokens:m%lld", (long long)c.minute));
+    arg_own(&a, limit_key(rs, r->eu, "tokens:d%lld", (long long)c.day));
+    arg_fmt(&a, "%lld", (long long)now);
+    arg_fmt(&a, "%ld", r->limits.messages_per_minute);
+    arg_fmt(&a, "%ld", r->limits.turns_at_once);
+    arg_fmt(&a, "%lld", r->limits.tokens_per_minute);
+    arg_fmt(&a, "%lld", r->limits.tokens_per_day);
+    arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)r->turn);
+    arg_fmt(&a, "%d", LIMIT_SLOT_MS);
+    arg_fmt(&a, "%ld", c.to_minute_ms);
+    arg_fmt(&a, "%ld", c.to_day_ms);
+    send_last_script(rs, S_LIMIT, &a, on_limit_reply, r);
+    argv_free(&a);
+}
+
 static const char *script_text(script_id id)
 {
-    static const char *const texts[S_COUNT] = {load_script, save_script, renew_script, release_script, cancel_script};
+    static const char *const texts[S_COUNT] = {load_script,   save_script,  renew_script,    release_script,
+                                               cancel_script, limit_script, limit_end_script};
     return texts[id];
 }
 
@@ -1038,6 +1160,8 @@ static void dispatch(redis_store *rs, cg_store_req *r)
     } else if (r->kind == OP_REMOVE && connected) {
         if (!gated(rs, r)) /* behind a save of the dialog in flight, as loads are */
             send_remove(rs, r);
+    } else if (r->kind == OP_LIMIT && connected) {
+        send_limit(rs, r);
     } else if ((r->kind == OP_ROOMS || r->kind == OP_REMOVE_USER) && connected) {
         /* both start from the user's rooms set */
         argv_buf a = {0};
@@ -1212,6 +1336,64 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
     return r;
 }
 
+static cg_store_req *rs_limit(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn,
+                              cg_store_limit_fn cb, void *ctx)
+{
+    redis_store *rs = (redis_store *)st;
+    cg_store_req *r = cg_redis_req_new(rs, OP_LIMIT, user, "", ctx);
+    r->limit_cb = cb;
+    r->limits = *lim;
+    r->turn = turn;
+    start_or_wait(rs, r);
+    return r;
+}
+
+static void on_limit_end_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    (void)priv;
+    redisReply *reply = reply_;
+    if (reply && reply->type == REDIS_REPLY_ERROR && ac->data)
+        cg_warn("redis: a turn's end was not counted against its user's limits: %s", reply->str);
+}
+
+/* Where the turn was counted: Redis (its place there goes, its tokens count there), or
+ * memory when Redis was away at its start. Tokens spent while Redis is away count in
+ * memory, this gateway's own. */
+static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uint64_t turn, int local,
+                      long long tokens)
+{
+    int64_t now = cg_store_now_ms(&rs->base);
+    int connected = rs->state == R_CONNECTED && rs->ac && !rs->closing;
+    if (local || !connected) {
+        cg_limiter_end(rs->limits, eu, lim, tokens, now);
+    } else {
+        cg_limit_clock c;
+        cg_limit_clock_at(now, &c);
+        argv_buf a = {0};
+        arg_str(&a, "EVALSHA");
+        arg_str(&a, script_sha[S_LIMIT_END]);
+        arg_str(&a, "3");
+        arg_own(&a, limit_key(rs, eu, "turns:now", 0));
+        arg_own(&a, limit_key(rs, eu, "tokens:m%lld", (long long)c.minute));
+        arg_own(&a, limit_key(rs, eu, "tokens:d%lld", (long long)c.day));
+        arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)turn);
+        arg_fmt(&a, "%lld", tokens);
+        arg_fmt(&a, "%ld", c.to_minute_ms + 1000);
+        arg_fmt(&a, "%ld", c.to_day_ms + 1000);
+        if (send_script(rs, S_LIMIT_END, &a, on_limit_end_reply, NULL) < 0)
+            cg_limiter_end(rs->limits, eu, lim, tokens, now);
+        argv_free(&a);
+    }
+}
+
+static void rs_limit_end(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, int local,
+                         long long tokens)
+{
+    char *eu = cg_store_escape(user);
+    limit_end((redis_store *)st, eu, lim, turn, local, tokens);
+    free(eu);
+}
+
 static void rs_abandon(cg_store_req *r)
 {
     r->abandoned = 1;
@@ -1227,6 +1409,8 @@ const cg_store_ops cg_redis_ops = {
     .remove = rs_remove,
     .remove_user = rs_remove_user,
     .rooms = rs_rooms,
+    .limit = rs_limit,
+    .limit_end = rs_limit_end,
     .abandon = rs_abandon,
     .close = cg_redis_close,
 };

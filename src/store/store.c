@@ -145,3 +145,8 @@ void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gaug
         dst->degraded |= src->degraded;
     }
 }
+
+int64_t cg_store_now_ms(cg_store *st)
+{
+    return st->now(st->clock_ctx) * 1000;
+}

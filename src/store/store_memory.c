@@ -239,6 +239,7 @@ long cg_memstore_count(cg_memstore *m)
 typedef struct memory_store {
     cg_store base;
     cg_memstore *mem;
+    cg_limiter *limits; /* limits per user: the counts of this process, which is all of them */
     int pending; /* requests whose timer has not closed yet */
     int closing; /* close() was called: free when pending reaches 0 */
 } memory_store;
@@ -246,10 +247,11 @@ typedef struct memory_store {
 static void memory_store_free(memory_store *ms)
 {
     cg_memstore_free(ms->mem);
+    cg_limiter_free(ms->limits);
     free(ms);
 }
 
-typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_ROOMS } op_kind;
+typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_ROOMS, OP_LIMIT } op_kind;
 
 struct cg_store_req {
     uv_timer_t timer;
@@ -259,6 +261,9 @@ struct cg_store_req {
     cg_store_load_fn load_cb;
     cg_store_done_fn done_cb;
     cg_store_rooms_fn rooms_cb;
+    cg_store_limit_fn limit_cb;
+    cg_limit_verdict verdict; /* limit: decided at the call, told from the loop */
+    cg_limits limits;         /* limit: what it was held to */
     void *ctx;
     int abandoned;
 };
@@ -288,6 +293,11 @@ static void req_run(uv_timer_t *t)
         json_t *rooms = cg_memstore_rooms(r->ms->mem, r->key);
         r->rooms_cb(r->ctx, rooms, &ok);
         json_decref(rooms);
+    } else if (r->kind == OP_LIMIT && r->abandoned && r->verdict.hit == CG_LIMIT_OK) {
+        /* counted for a turn that is gone: its end is now */
+        cg_limiter_end(r->ms->limits, r->key, &r->limits, 0, cg_store_now_ms(&r->ms->base));
+    } else if (!r->abandoned && r->kind == OP_LIMIT) {
+        r->limit_cb(r->ctx, &r->verdict, &ok);
     } else if (!r->abandoned && r->done_cb) {
         r->done_cb(r->ctx, &ok);
     }
@@ -365,6 +375,31 @@ static cg_store_req *mem_rooms(cg_store *st, const char *user, cg_store_rooms_fn
     return r;
 }
 
+/* Counted now, in call order, as the Redis script counts in the order it runs. */
+static cg_store_req *mem_limit(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn,
+                               cg_store_limit_fn cb, void *ctx)
+{
+    (void)turn;
+    memory_store *ms = (memory_store *)st;
+    cg_store_req *r = req_new(ms, OP_LIMIT, user, "", ctx);
+    if (!r)
+        return NULL;
+    r->limit_cb = cb;
+    r->limits = *lim;
+    cg_limiter_take(ms->limits, r->key, lim, cg_store_now_ms(st), &r->verdict);
+    return r;
+}
+
+static void mem_limit_end(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, int local,
+                          long long tokens)
+{
+    (void)turn;
+    (void)local;
+    char *key = cg_store_dialog_key(user, "");
+    cg_limiter_end(((memory_store *)st)->limits, key, lim, tokens, cg_store_now_ms(st));
+    free(key);
+}
+
 static void mem_abandon(cg_store_req *r)
 {
     r->abandoned = 1;
@@ -387,6 +422,8 @@ static const cg_store_ops memory_ops = {
     .remove = mem_remove,
     .remove_user = mem_remove_user,
     .rooms = mem_rooms,
+    .limit = mem_limit,
+    .limit_end = mem_limit_end,
     .abandon = mem_abandon,
     .close = mem_close,
 };
@@ -407,5 +444,6 @@ cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg)
     }
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(ms->mem, cfg->max_bytes);
+    ms->limits = cg_limiter_new(cfg->max_dialogs);
     return &ms->base;
 }

@@ -13,6 +13,7 @@
 #include <stddef.h>
 
 #include "chatgate/config/headers.h"
+#include "chatgate/config/limits_config.h"
 
 #define CG_MAX_UPSTREAMS 32
 #define CG_MAX_REPLICAS 16 /* URLs of one upstream (upstreams.NAME.urls) */
@@ -106,6 +107,7 @@ typedef struct cg_config {
     long redis_writeback_max_bytes;
     long redis_lease_ms; /* a dialog lease's lifetime across gateways (redis.lease_ms, 15 s) */
     json_t *services; /* {"travel": {"defaults": {...}}} */
+    cg_limits_config limits; /* limits per user (limits_config.h) */
     /* identity (docs/protocol.md, "Identity") */
     char *user_header;
     char *allow_origin; /* comma-separated origins, "*" for all; NULL: same host only */

@@ -63,6 +63,9 @@ typedef struct cg_metrics {
      * 0 none, then the config's services in order, the last one every other) and direction
      * (0 in, 1 out) */
     unsigned long tokens[32][CG_METRIC_SERVICES][2];
+    /* messages refused by a limit per user (README, "Limits per user"), by the limit met:
+     * limits.h's cg_limit_hit, slot 0 unused */
+    unsigned long limited[5];
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
 } cg_metrics;
 

@@ -26,11 +26,14 @@ int cg_identity_resume_check(const unsigned char *secret, size_t secret_len, con
  * Verifies an HS256 JWT: signature, alg, exp and nbf against now (with leeway_s), and takes
  * sub as the user id (1 to CG_MAX_USER bytes). A token without exp is refused unless
  * allow_no_exp (config jwt.allow_no_exp): it would be valid for ever. Every part must be
- * canonical base64url. 0, or -1 with the reason in err.
+ * canonical base64url. With plan (planlen bytes), the plan_claim's value (limits.plan_claim)
+ * goes there: "" when the token has none, a name no plan has when it is not a string that fits.
+ * 0, or -1 with the reason in err.
  */
 int cg_identity_jwt_verify_ex(const unsigned char *secret, size_t secret_len, const char *token, int64_t now,
-                              long leeway_s, int allow_no_exp, char *user, size_t userlen, char *err, size_t errlen);
-/* The same with allow_no_exp 0. */
+                              long leeway_s, int allow_no_exp, char *user, size_t userlen, const char *plan_claim,
+                              char *plan, size_t planlen, char *err, size_t errlen);
+/* The same with allow_no_exp 0 and no plan. */
 int cg_identity_jwt_verify(const unsigned char *secret, size_t secret_len, const char *token, int64_t now,
                            long leeway_s, char *user, size_t userlen, char *err, size_t errlen);
 

@@ -33,8 +33,9 @@ typedef struct cg_dropin cg_dropin;
 #define CG_LWS_PROTOCOL_DROPIN_APP "cg-dropin-app"
 
 /* Starts drop-in for a client connection just established on the drop-in path: copies what
- * is forwarded from the handshake and connects to the app. NULL on failure (logged). */
-cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *name);
+ * is forwarded from the handshake and connects to the app; plan is the one the client's
+ * token named ("" for none: limits_config.h). NULL on failure (logged). */
+cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *plan, const char *name);
 /* One whole frame from the client. */
 void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binary);
 /* Closes the client with code and reason (1009 for a frame over --max-frame: the app's

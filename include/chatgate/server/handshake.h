@@ -28,10 +28,11 @@ int cg_handshake_confirm_upgrade(struct lws *wsi);
 /* The request is on the drop-in path or under it (/socket, /socket/websocket). */
 int cg_handshake_is_dropin(const cg_server *srv, struct lws *wsi);
 
-/* Who the connection is, by --auth, into user; 0, or -1 with the reason in err. now is
- * unix seconds (a JWT's exp and nbf). */
-int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, char *user, size_t userlen, char *err,
-                          size_t errlen);
+/* Who the connection is, by --auth, into user, and the plan its JWT names (limits.plan_claim)
+ * into plan ("" when none; plan is CG_MAX_PLAN_NAME + 1 bytes); 0, or -1 with the reason in
+ * err. now is unix seconds (a JWT's exp and nbf). */
+int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, char *user, size_t userlen, char *plan,
+                          char *err, size_t errlen);
 
 /* The user id drop-in derives from the session cookie named by dropin.user_cookie (a hash,
  * so the cookie itself never reaches a key), into out; 0, or -1 when there is no such cookie. */

@@ -65,6 +65,7 @@ typedef struct cg_turn_env {
      * set once by cg_turn_env_services */
     const char *services[CG_METRIC_SERVICES];
     int n_services;      /* slots named from the config: 1 (none) + its services, up to the last but one */
+    uint64_t limit_seq;  /* numbers the turns counted against limits per user (store.h, limit) */
 } cg_turn_env;
 
 /* Names env's service slots from the config's "services" (at start; borrowed from cfg). */
@@ -133,6 +134,7 @@ typedef struct cg_turns {
     const char *user;  /* the connection's user (the adapter's buffer) */
     const char *name;  /* for the log: the session id */
     cg_rate rate;
+    const cg_limits *limits; /* the user's plan (limits_config.h; the config's), or NULL: none */
     cg_turn *inflight, *head, *tail;
     long queued;
     int paused;        /* the client reads slowly: the upstream call is paused */
@@ -146,6 +148,11 @@ typedef struct cg_turns {
 
 void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, void *conn, const char *user,
                    const char *name);
+/* Holds the connection's chat messages to the limits of its user's plan (limits_config.h):
+ * the one the config's limits.users gives the user, else plan (its token's; "" or NULL:
+ * the default plan). Each message is counted in the store before its dialog is loaded and
+ * refused with rate_limited and retry_after_ms when over. */
+void cg_turns_set_plan(cg_turns *q, const char *plan);
 
 /*
  * A request arrives: the arrival checks (rate, queue bound, shutdown, and with unique_id an

@@ -35,7 +35,7 @@
 /* R_ASKING: a redis-sentinel:// store asks a Sentinel for the primary (resolve, connect,
  * SENTINEL get-master-addr-by-name), before R_RESOLVING the address it named. */
 typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED, R_ASKING } redis_state;
-typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING, OP_ROOMS } op_kind;
+typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING, OP_ROOMS, OP_LIMIT } op_kind;
 
 typedef struct redis_store redis_store;
 typedef struct cg_redis_bus cg_redis_bus;
@@ -51,6 +51,9 @@ struct cg_store_req {
     cg_store_load_fn load_cb;
     cg_store_done_fn done_cb;
     cg_store_rooms_fn rooms_cb;
+    cg_store_limit_fn limit_cb;
+    cg_limits limits; /* limit: what the message is held to */
+    uint64_t turn;    /* limit: the turn's number, its slot among the user's turns at once */
     void *ctx;
     int abandoned;
     int steps;        /* replies due to on_step_reply: r lives until they came */
@@ -81,6 +84,7 @@ struct redis_store {
     int backoff;
     int ever_connected;
     cg_memstore *mem;
+    cg_limiter *limits; /* limits per user while Redis is away (this gateway's counts only) */
     json_t *dirty;  /* key -> {"u","r","v","b"}: written to memory only; oldest write first */
     long dirty_bytes;
     long dirty_max_bytes;

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "chatgate/dialog/dialog.h"
+#include "chatgate/store/limits.h"
 
 typedef struct cg_store cg_store;
 typedef struct cg_store_req cg_store_req;
@@ -36,6 +37,8 @@ typedef void (*cg_store_load_fn)(void *ctx, cg_dialog *d, const cg_store_status 
 typedef void (*cg_store_done_fn)(void *ctx, const cg_store_status *status);
 /* rooms: the names of the rooms (a JSON array of strings, borrowed for the call) */
 typedef void (*cg_store_rooms_fn)(void *ctx, json_t *rooms, const cg_store_status *status);
+/* limit: may the message go (limits.h)? */
+typedef void (*cg_store_limit_fn)(void *ctx, const cg_limit_verdict *v, const cg_store_status *status);
 
 typedef struct cg_store_stats {
     unsigned long loads, saves, deletes;
@@ -87,6 +90,15 @@ typedef struct cg_store_ops {
     cg_store_req *(*remove_user)(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx);
     /* The rooms user has a dialog in, through the user's room set (as remove_user). */
     cg_store_req *(*rooms)(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx);
+    /* Limits per user (limits.h): takes one chat message of user's against lim (copied),
+     * counted across every gateway sharing the store; the verdict comes to cb. turn is a
+     * number this process gives the turn, handed back to limit_end. */
+    cg_store_req *(*limit)(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, cg_store_limit_fn cb,
+                           void *ctx);
+    /* The turn limit() let through ended having spent tokens (counted against the token
+     * limits); local: its verdict's. No answer. */
+    void (*limit_end)(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, int local,
+                      long long tokens);
     /* The caller is gone: its callback will not be called. */
     void (*abandon)(cg_store_req *req);
     /* Stops timers and connections; frees the store once its handles have closed. */
@@ -161,6 +173,9 @@ long cg_memstore_count(cg_memstore *m);
 
 cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg);
 cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, size_t errlen);
+
+/* The store's clock in milliseconds (its now(), in whole seconds), for the limits' windows. */
+int64_t cg_store_now_ms(cg_store *st);
 
 /* Wall-clock seconds, or CHATGATE_NOW's when set (tests and demos). */
 int64_t cg_store_default_now(void *unused);

@@ -283,6 +283,184 @@ static void test_upstream_headers(void)
     unlink(path);
 }
 
+/* Config text (named t.json) that fails to load with a message containing want. */
+#define CHECK_TEXT_FAILS(text, want)                                                        \
+    do {                                                                                    \
+        cg_config c_;                                                                       \
+        const char *t_ = (text);                                                            \
+        err[0] = 0;                                                                         \
+        CHECK(cg_config_load_text(&c_, "t.json", t_, strlen(t_), err, sizeof(err)) == CG_CONFIG_EXIT_USAGE); \
+        if (!strstr(err, want))                                                             \
+            fprintf(stderr, "%s:%d: message \"%s\" lacks \"%s\"\n", __FILE__, __LINE__, err, want); \
+        CHECK(strstr(err, want) != NULL);                                                   \
+        cg_config_free(&c_);                                                                \
+    } while (0)
+
+static int limits_eq(const cg_limits *l, long messages, long turns, long long tok_minute, long long tok_day)
+{
+    return l && l->messages_per_minute == messages && l->turns_at_once == turns && l->tokens_per_minute == tok_minute &&
+           l->tokens_per_day == tok_day;
+}
+
+/* The "limits" section (limits_config.h): the default plan, named plans inheriting the keys
+ * they leave out, the users' list, and the plan a connection is held to. */
+static void test_limits(void)
+{
+    cg_config c;
+    const char *text = "{\n"
+                       "  \"limits\": {\n"
+                       "    \"messages_per_minute\": 20, \"turns_at_once\": 2,\n"
+                       "    \"tokens_per_minute\": 20000, \"tokens_per_day\": 200000,\n"
+                       "    \"plan_claim\": \"plan\",\n"
+                       "    \"plans\": {\n"
+                       "      \"pro\": {\"messages_per_minute\": 120, \"tokens_per_day\": 0},\n"
+                       "      \"solo\": {\"turns_at_once\": 1},\n"
+                       "      \"unlimited\": {\"messages_per_minute\": 0, \"turns_at_once\": 0,\n"
+                       "                    \"tokens_per_minute\": 0, \"tokens_per_day\": 0}\n"
+                       "    },\n"
+                       "    \"users\": {\"ops-bot\": \"pro\", \"alice\": \"default\", \"root\": \"unlimited\"}\n"
+                       "  }\n"
+                       "}\n";
+    err[0] = 0;
+    CHECK(cg_config_load_text(&c, "t.json", text, strlen(text), err, sizeof(err)) == 0);
+    CHECK_STR(err, "");
+    const cg_limits_config *lc = &c.limits;
+    CHECK(limits_eq(&lc->base, 20, 2, 20000, 200000));
+    CHECK_STR(lc->plan_claim, "plan");
+    CHECK(lc->n_plans == 3);
+    CHECK_STR(lc->plans[0].name, "pro");
+    CHECK(limits_eq(&lc->plans[0].limits, 120, 2, 20000, 0)); /* turns and tokens a minute: the default's */
+    CHECK_STR(lc->plans[1].name, "solo");
+    CHECK(limits_eq(&lc->plans[1].limits, 20, 1, 20000, 200000));
+    CHECK_STR(lc->plans[2].name, "unlimited");
+    CHECK(limits_eq(&lc->plans[2].limits, 0, 0, 0, 0));
+    CHECK(json_object_size(lc->users) == 3);
+
+    int warn = -1;
+    /* the operator's list of users wins over the plan the token names */
+    CHECK(cg_limits_for(lc, "ops-bot", "solo", &warn) == &lc->plans[0].limits && warn == 0);
+    CHECK(cg_limits_for(lc, "ops-bot", NULL, &warn) == &lc->plans[0].limits && warn == 0);
+    CHECK(cg_limits_for(lc, "alice", "pro", &warn) == &lc->base && warn == 0);
+    CHECK(cg_limits_for(lc, "alice", "gold", &warn) == &lc->base && warn == 0);
+    /* then the token's plan */
+    CHECK(cg_limits_for(lc, "bob", "solo", &warn) == &lc->plans[1].limits && warn == 0);
+    CHECK(cg_limits_for(lc, "bob", "pro", &warn) == &lc->plans[0].limits && warn == 0);
+    CHECK(cg_limits_for(lc, "bob", "default", &warn) == &lc->base && warn == 0);
+    /* no plan: the default one */
+    CHECK(cg_limits_for(lc, "bob", NULL, &warn) == &lc->base && warn == 0);
+    CHECK(cg_limits_for(lc, "bob", "", &warn) == &lc->base && warn == 0);
+    CHECK(cg_limits_for(lc, NULL, NULL, &warn) == &lc->base && warn == 0);
+    /* a plan not in limits.plans: the default one, and a warning */
+    warn = 0;
+    CHECK(cg_limits_for(lc, "bob", "gold", &warn) == &lc->base && warn == 1);
+    CHECK(cg_limits_for(lc, "bob", "Pro", &warn) == &lc->base && warn == 1); /* names are exact */
+    CHECK(cg_limits_for(lc, "bob", "pro", &warn) == &lc->plans[0].limits && warn == 0); /* warn is reset */
+    /* a plan that sets no limit: nothing to count */
+    CHECK(cg_limits_for(lc, "root", "pro", &warn) == NULL && warn == 0);
+    CHECK(cg_limits_for(lc, "bob", "unlimited", &warn) == NULL && warn == 0);
+    cg_config_free(&c);
+    CHECK(c.limits.n_plans == 0 && c.limits.plan_claim == NULL && c.limits.users == NULL);
+
+    /* the keys in any order: plans take the default's keys written after them; users may
+     * name a plan written after them */
+    text = "{\"limits\": {\"users\": {\"bob\": \"pro\"}, \"plans\": {\"pro\": {\"turns_at_once\": 3}},\n"
+           "            \"turns_at_once\": 1, \"messages_per_minute\": 9}}";
+    CHECK(cg_config_load_text(&c, "t.json", text, strlen(text), err, sizeof(err)) == 0);
+    CHECK(limits_eq(&c.limits.base, 9, 1, 0, 0));
+    CHECK(c.limits.n_plans == 1 && limits_eq(&c.limits.plans[0].limits, 9, 3, 0, 0));
+    CHECK(c.limits.plan_claim == NULL);
+    CHECK(cg_limits_for(&c.limits, "bob", NULL, &warn) == &c.limits.plans[0].limits && warn == 0);
+    cg_config_free(&c);
+
+    /* a default plan with no limits and one plan that has some; the largest values */
+    char name64[80];
+    snprintf(name64, sizeof(name64), "%064d", 0);
+    char big[512];
+    snprintf(big, sizeof(big),
+             "{\"limits\": {\"plans\": {\"team\": {\"turns_at_once\": 1},\n"
+             "  \"%s\": {\"messages_per_minute\": 1000000, \"turns_at_once\": 100000,\n"
+             "           \"tokens_per_minute\": 1000000000000, \"tokens_per_day\": 1000000000000}}}}",
+             name64);
+    CHECK(cg_config_load_text(&c, "t.json", big, strlen(big), err, sizeof(err)) == 0);
+    CHECK(limits_eq(&c.limits.base, 0, 0, 0, 0));
+    CHECK(c.limits.n_plans == 2);
+    CHECK(cg_limits_for(&c.limits, "bob", NULL, &warn) == NULL && warn == 0);
+    CHECK(cg_limits_for(&c.limits, "bob", "team", &warn) == &c.limits.plans[0].limits && warn == 0);
+    CHECK(cg_limits_for(&c.limits, "bob", "gold", &warn) == NULL && warn == 1); /* the default: no limit */
+    CHECK(limits_eq(cg_limits_for(&c.limits, "bob", name64, &warn), 1000000, 100000, 1000000000000LL,
+                    1000000000000LL));
+    cg_config_free(&c);
+
+    /* no limits section: no limits */
+    CHECK(cg_config_load_text(&c, "t.json", "{}", 2, err, sizeof(err)) == 0);
+    CHECK(c.limits.n_plans == 0 && c.limits.plan_claim == NULL && c.limits.users == NULL);
+    CHECK(cg_limits_for(&c.limits, "bob", NULL, &warn) == NULL && warn == 0);
+    CHECK(cg_limits_for(&c.limits, "bob", "", &warn) == NULL && warn == 0);
+    cg_config_free(&c);
+    CHECK(load(&c, NULL) == 0);
+    CHECK(cg_limits_for(&c.limits, "bob", NULL, &warn) == NULL && warn == 0);
+    cg_config_free(&c);
+
+    /* refusals: each names the key and where it is */
+    CHECK_TEXT_FAILS("{\"limits\": {\"messages_per_minute\": -1}}",
+                     "t.json:1:13: limits.messages_per_minute: must be a whole number from 0 (no limit) to 1000000");
+    CHECK_TEXT_FAILS("{\"limits\": {\"turns_at_once\": 100001}}",
+                     "t.json:1:13: limits.turns_at_once: must be a whole number from 0 (no limit) to 100000");
+    CHECK_TEXT_FAILS("{\"limits\": {\"tokens_per_minute\": \"20000\"}}",
+                     "t.json:1:13: limits.tokens_per_minute: must be a whole number from 0 (no limit) to 1000000000000");
+    CHECK_TEXT_FAILS("{\"limits\": {\"tokens_per_day\": 1.5}}",
+                     "t.json:1:13: limits.tokens_per_day: must be a whole number from 0 (no limit) to 1000000000000");
+    CHECK_TEXT_FAILS("{\"limits\": {\"tokens_per_day\": 1000000000001}}",
+                     "t.json:1:13: limits.tokens_per_day: must be a whole number from 0 (no limit) to 1000000000000");
+    CHECK_TEXT_FAILS("{\n  \"listen\": \"127.0.0.1:9000\",\n  \"limits\": {\n    \"turns_at_once\": 2,\n"
+                     "    \"plans\": {\"pro\": {\"tokens_per_day\": \"lots\"}}\n  }\n}\n",
+                     "t.json:5:23: limits.plans.pro.tokens_per_day: must be a whole number from 0 (no limit) to "
+                     "1000000000000");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plans\": {\"pro\": {\"turns_at_once\": -2}}}}",
+                     "t.json:1:31: limits.plans.pro.turns_at_once: must be a whole number from 0");
+    CHECK_TEXT_FAILS("{\"limits\": {\"tokens_per_hour\": 5}}", "t.json:1:13: limits.tokens_per_hour: unknown key");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plans\": {\"pro\": {\"burst\": 3}}}}",
+                     "t.json:1:31: limits.plans.pro.burst: unknown key (a plan sets messages_per_minute, "
+                     "turns_at_once, tokens_per_minute, tokens_per_day)");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plans\": {\"pro\": {\"plan_claim\": \"p\"}}}}",
+                     "t.json:1:31: limits.plans.pro.plan_claim: unknown key");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plans\": {\"default\": {\"turns_at_once\": 1}}}}",
+                     "t.json:1:23: limits.plans.default: a plan's name is 1 to 64 bytes and not \"default\"");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plans\": {\"\": {\"turns_at_once\": 1}}}}",
+                     "limits.plans.: a plan's name is 1 to 64 bytes");
+    snprintf(big, sizeof(big), "{\"limits\": {\"plans\": {\"%065d\": {}}}}", 0);
+    CHECK_TEXT_FAILS(big, "t.json:1:23: limits.plans.00000");
+    CHECK(strstr(err, "0: a plan's name is 1 to 64 bytes") != NULL);
+    /* at most CG_MAX_PLANS plans */
+    char many[4096];
+    size_t n = (size_t)snprintf(many, sizeof(many), "{\"limits\": {\"plans\": {");
+    for (int i = 1; i <= CG_MAX_PLANS; i++)
+        n += (size_t)snprintf(many + n, sizeof(many) - n, "%s\"p%d\": {\"turns_at_once\": %d}", i > 1 ? ", " : "", i, i);
+    snprintf(many + n, sizeof(many) - n, "}}}");
+    CHECK(cg_config_load_text(&c, "t.json", many, strlen(many), err, sizeof(err)) == 0);
+    CHECK(c.limits.n_plans == 64 && c.limits.plans[63].limits.turns_at_once == 64);
+    CHECK_STR(c.limits.plans[63].name, "p64");
+    cg_config_free(&c);
+    snprintf(many + n, sizeof(many) - n, ", \"p65\": {}}}}");
+    CHECK_TEXT_FAILS(many, ": limits.plans.p65: must be an object of limits (at most 64 plans)");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plans\": {\"pro\": 5}}}",
+                     "t.json:1:23: limits.plans.pro: must be an object of limits");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plans\": [\"pro\"]}}", "t.json:1:13: limits.plans: must be an object");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plans\": {\"pro\": {}}, \"users\": {\"bob\": \"gold\"}}}",
+                     "t.json:1:45: limits.users.bob: must name a plan of limits.plans, or \"default\"");
+    CHECK_TEXT_FAILS("{\"limits\": {\"users\": {\"bob\": \"pro\"}}}", "t.json:1:23: limits.users.bob: must name a plan");
+    CHECK_TEXT_FAILS("{\"limits\": {\"users\": {\"bob\": 1}}}", "t.json:1:23: limits.users.bob: must name a plan");
+    CHECK_TEXT_FAILS("{\"limits\": {\"users\": [\"bob\"]}}", "t.json:1:13: limits.users: must be an object");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plan_claim\": 7}}", "t.json:1:13: limits.plan_claim: must be the name of a JWT claim");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plan_claim\": true}}", "t.json:1:13: limits.plan_claim: must be the name");
+    CHECK_TEXT_FAILS("{\"limits\": {\"plan_claim\": \"\"}}", "t.json:1:13: limits.plan_claim: must be the name");
+    CHECK_TEXT_FAILS("{\"limits\": 5}", "t.json:1:2: limits: must be an object");
+
+    /* and from a file, the file's name in front */
+    CHECK_FILE_FAILS("{\n  \"limits\": {\"messages_per_minute\": -1}\n}\n", ":2:14: limits.messages_per_minute: must be");
+    unlink(path);
+}
+
 int main(void)
 {
     unsetenv("REDIS_URL");
@@ -295,5 +473,6 @@ int main(void)
     test_state_settings();
     test_hardening_settings();
     test_upstream_headers();
+    test_limits();
     return unit_done("test_config");
 }

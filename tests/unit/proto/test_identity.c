@@ -87,9 +87,20 @@ static void test_jwt_no_exp(void)
     char err[256], user[300];
     char *noexp = make_jwt(hs, "{\"sub\":\"u\"}", secret, SECRET_LEN);
     CHECK(verify(noexp, err) < 0 && strstr(err, "no exp"));
-    CHECK(cg_identity_jwt_verify_ex(secret, SECRET_LEN, noexp, 1000000, 30, 1, user, sizeof(user), err,
-                                    sizeof(err)) == 0);
+    char plan[65] = "x";
+    CHECK(cg_identity_jwt_verify_ex(secret, SECRET_LEN, noexp, 1000000, 30, 1, user, sizeof(user), "plan", plan,
+                                    sizeof(plan), err, sizeof(err)) == 0);
     CHECK_STR(user, "u");
+    CHECK_STR(plan, ""); /* no such claim: the default plan */
+    /* limits.plan_claim: the claim's value, or a name no plan has when it is not a fitting string */
+    char *pro = make_jwt(hs, "{\"sub\":\"u\",\"tier\":\"pro\",\"n\":7}", secret, SECRET_LEN);
+    CHECK(cg_identity_jwt_verify_ex(secret, SECRET_LEN, pro, 1000000, 30, 1, user, sizeof(user), "tier", plan,
+                                    sizeof(plan), err, sizeof(err)) == 0);
+    CHECK_STR(plan, "pro");
+    CHECK(cg_identity_jwt_verify_ex(secret, SECRET_LEN, pro, 1000000, 30, 1, user, sizeof(user), "n", plan,
+                                    sizeof(plan), err, sizeof(err)) == 0);
+    CHECK(strstr(plan, "not a plan name") != NULL);
+    free(pro);
     char *strexp = make_jwt(hs, "{\"sub\":\"u\",\"exp\":\"2000000\"}", secret, SECRET_LEN);
     CHECK(verify(strexp, err) < 0 && strstr(err, "exp must be a number"));
     /* huge and fractional NumericDates: compared as numbers, no undefined cast */
