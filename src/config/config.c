@@ -47,6 +47,9 @@ static const setting settings[] = {
      "memory | redis://[:PASSWORD@]HOST:PORT[/DB] | "
      "redis-sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB] (default memory, or $REDIS_URL)"},
     {"rules", T_STR, OFF(rules_dir), 0, 0, NULL, 1, "DIR of *.rules files (default: the shipped rules)"},
+    {"shadow_rules", T_STR, OFF(shadow_rules), 0, 0, NULL, 1,
+     "DIR of a second rule set run beside the live one on every message, never acting: differences are counted "
+     "and logged (default none)"},
     {"web", T_STR, OFF(web_dir), 0, 0, NULL, 1, "DIR served at / (default: the shipped demo page)"},
     {"auth", T_ENUM, OFF(auth), 0, 0, auth_choices, 1, "none | jwt | header: who the user is (default none: a signed resume token)"},
     {"log_level", T_ENUM, OFF(log_level), 0, 0, log_choices, 1, "error | warn | info | debug (default info)"},
@@ -61,6 +64,7 @@ static const setting settings[] = {
     {"rate_limit.messages_per_second", T_INT, OFF(rate_per_second), 1, 1000000, NULL, 0, NULL},
     {"rate_limit.burst", T_INT, OFF(rate_burst), 1, 1000000, NULL, 0, NULL},
     {"max_reply_bytes", T_INT, OFF(max_reply_bytes), 1024, 64 << 20, NULL, 0, NULL},
+    {"reply_window", T_INT, OFF(reply_window), 8, 65536, NULL, 0, NULL},
     {"send_buffer", T_INT, OFF(send_buffer), 4096, 16 << 20, NULL, 0, NULL},
     {"user_header", T_STR, OFF(user_header), 0, 0, NULL, 1,
      "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
@@ -1040,6 +1044,11 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
             return -1;
         }
     }
+    if (cfg->shadow_rules && !is_dir(cfg->shadow_rules)) {
+        origin_of("shadow_rules", "shadow-rules", flag_given(argc, argv, "shadow-rules"), file, where, sizeof(where));
+        set_err(err, errlen, "%s: '%s' is not a directory", where, cfg->shadow_rules);
+        return -1;
+    }
     return 0;
 }
 
@@ -1060,6 +1069,7 @@ static void set_defaults(cg_config *cfg)
     cfg->rate_per_second = 20;
     cfg->rate_burst = 40;
     cfg->max_reply_bytes = 1 << 20;
+    cfg->reply_window = 64;
     cfg->send_buffer = 64 * 1024;
     cg_lifetimes_default(&cfg->lifetimes);
     cfg->max_dialogs = 100000;

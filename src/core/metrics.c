@@ -45,7 +45,9 @@ size_t cg_histogram_format(const cg_histogram *h, const char *name, const char *
 
 /* The layout cg_metrics_add relies on (metrics.h): counters first, the histograms last. */
 _Static_assert(offsetof(cg_metrics, store_load) % sizeof(unsigned long) == 0, "counters are whole words");
-_Static_assert(offsetof(cg_metrics, turn) + sizeof(cg_histogram) == sizeof(cg_metrics), "histograms last");
+_Static_assert(offsetof(cg_metrics, rule_file_time) + sizeof(cg_histogram) * CG_METRIC_RULE_FILES ==
+                   sizeof(cg_metrics),
+               "histograms last");
 
 static void histogram_add(cg_histogram *dst, const cg_histogram *src)
 {
@@ -65,4 +67,6 @@ void cg_metrics_add(cg_metrics *dst, const cg_metrics *src)
     histogram_add(&dst->rules, &src->rules);
     histogram_add(&dst->first_token, &src->first_token);
     histogram_add(&dst->turn, &src->turn);
+    for (int i = 0; i < CG_METRIC_RULE_FILES; i++)
+        histogram_add(&dst->rule_file_time[i], &src->rule_file_time[i]);
 }

@@ -59,6 +59,30 @@ size_t cg_ruleset_count(const cg_ruleset *rs)
     return rs ? rs->n : 0;
 }
 
+const char *cg_ruleset_rule(const cg_ruleset *rs, size_t i, size_t *file, int *line)
+{
+    if (!rs || i >= rs->n)
+        return NULL;
+    *file = rs->rules[i].file_index;
+    *line = rs->rules[i].line;
+    return rs->rules[i].name;
+}
+
+size_t cg_ruleset_files(const cg_ruleset *rs)
+{
+    return rs ? rs->n_files : 0;
+}
+
+const char *cg_ruleset_file(const cg_ruleset *rs, size_t i)
+{
+    return rs && i < rs->n_files ? rs->files[i] : NULL;
+}
+
+void cg_ruleset_count_into(cg_ruleset *rs, const cg_rules_counts *counts)
+{
+    rs->counts = *counts;
+}
+
 /* Shared by the parser, the normalisers and evaluation. */
 char *cg_rules_trim(char *s)
 {

@@ -11,8 +11,10 @@
  */
 #include <ctype.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "chatgate/core/log.h"
 #include "chatgate/core/utf8.h"
@@ -254,6 +256,10 @@ static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject,
         if (!out->route[0])
             snprintf(out->route, sizeof(out->route), "%.64s", r->arg);
         break;
+    case A_MASK: /* reply rules act in rules_reply.c; here only their own tests run them */
+    case A_STOP:
+    case A_TAG:
+        break;
     }
 }
 
@@ -279,6 +285,17 @@ void cg_rules_result_free(cg_rules_result *r)
     memset(r, 0, sizeof(*r));
 }
 
+/* The counts' clock: the time of the file's rules just run goes to its histogram. */
+static void time_file(const cg_rules_counts *c, size_t file, double *t0)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double now = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+    if (file < c->n_files)
+        cg_histogram_observe(&c->file_time[file], now - *t0);
+    *t0 = now;
+}
+
 /* Evaluates rules [from, to) of rs; conditions are skipped when check_conditions is 0. */
 void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const char *text, const cg_dialog *d,
                          const char *previous, int64_t now, int check_conditions, cg_rules_result *out)
@@ -289,20 +306,34 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
     /* the subject is text's first len bytes: PCRE gets the length, and groups are copied by
      * their offsets, which never pass it */
     const char *subject = text;
+    const cg_rules_counts *c = rs->counts.hits ? &rs->counts : NULL;
+    size_t file = SIZE_MAX; /* the file whose rules run now, for its time */
+    double t0 = 0;
     for (size_t i = from; i < to; i++) {
         const rule *r = &rs->rules[i];
-        if (check_conditions && !conditions_hold(r, d, previous))
-            continue;
+        if (c && r->file_index != file) {
+            time_file(c, file, &t0);
+            file = r->file_index;
+        }
+        if (check_conditions && (r->on_reply || !conditions_hold(r, d, previous)))
+            continue; /* a reply rule never runs on a message (its own tests run it) */
         if (r->action == A_ENRICH && !previous)
             continue;
         int m = run_pattern(rs, r, subject, len);
-        if (m < 0)
+        if (m < 0) {
             json_array_append_new(out->limited, json_string(r->name));
+            if (c && i < c->n_rules)
+                c->limited[i]++;
+        }
         if (m <= 0)
             continue;
+        if (c && i < c->n_rules)
+            c->hits[i]++;
         json_array_append_new(out->fired, json_string(r->name));
         apply_rule(rs, r, subject, text, previous, now, out);
     }
+    if (c)
+        time_file(c, file, &t0);
 }
 
 void cg_rules_eval(const cg_ruleset *rs, const char *text, const cg_dialog *d, const char *previous, int64_t now,

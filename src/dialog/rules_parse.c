@@ -130,13 +130,16 @@ static int parse_do(parse_ctx *p, rule *r, char *rest)
     static const struct { const char *verb; rule_action action; int needs_arg; } verbs[] = {
         {"cancel", A_CANCEL, 0}, {"confirm", A_CONFIRM_YES, 1}, {"metadata", A_METADATA, 1},
         {"params", A_PARAMS, 1}, {"forget", A_FORGET, 1},       {"enrich", A_ENRICH, 1},
-        {"route", A_ROUTE, 1},
+        {"route", A_ROUTE, 1},   {"mask", A_MASK, 0},         {"stop", A_STOP, 0},
+        {"tag", A_TAG, 1},
     };
     size_t i = 0;
     while (i < sizeof(verbs) / sizeof(verbs[0]) && strcmp(verbs[i].verb, verb) != 0)
         i++;
     if (i == sizeof(verbs) / sizeof(verbs[0]))
-        return perr(p, "unknown action '%s' (cancel, confirm, metadata, params, forget, enrich, route)", verb);
+        return perr(p, "unknown action '%s' (cancel, confirm, metadata, params, forget, enrich, route; on reply: "
+                       "mask, stop, tag)",
+                    verb);
     if (r->has_do)
         return perr(p, "rule '%s' has a second 'do' line; one action per rule", r->name);
     r->has_do = 1;
@@ -159,9 +162,18 @@ static int parse_do(parse_ctx *p, rule *r, char *rest)
         else if (strcmp(arg, "yes") != 0)
             return perr(p, "'do confirm' takes yes or no, not '%s'", arg);
         break;
+    case A_STOP:
+        if (*arg)
+            return perr(p, "'do stop' takes nothing, not '%s'", arg);
+        break;
+    case A_MASK:
+        if (!*arg) /* what a masked match reads as, unless the rule says */
+            snprintf(r->arg, sizeof(r->arg), "%s", "[masked]");
+        break;
     case A_METADATA:
     case A_PARAMS:
     case A_ROUTE:
+    case A_TAG:
         if (!valid_name(arg, 64))
             return perr(p, "'%s' is not a name (letters, digits, _ . -; at most 64)", arg);
         break;
@@ -248,7 +260,9 @@ static int compile_rule(parse_ctx *p, rule *r)
         return perr(p, "rule '%s': bad pattern: %s at offset %zu of: %s", r->name, (char *)msg, (size_t)off,
                     r->pattern);
     }
-    pcre2_jit_compile(r->re, PCRE2_JIT_COMPLETE); /* without JIT (unsupported CPU) it still runs */
+    /* without JIT (unsupported CPU) it still runs; a reply rule is also matched partially
+     * (rules_reply.c: a match that may go on in the next delta) */
+    pcre2_jit_compile(r->re, PCRE2_JIT_COMPLETE | (r->on_reply ? PCRE2_JIT_PARTIAL_HARD : 0));
     /* a `type` must name a group of the pattern */
     for (int i = 0; i < r->n_types; i++)
         if (pcre2_substring_number_from_name(r->re, (PCRE2_SPTR)r->types[i].group) == PCRE2_ERROR_NOSUBSTRING) {
@@ -270,6 +284,13 @@ static int finish_rule(parse_ctx *p, rule *r)
         return perr(p, "rule '%s' has no 'do' line", r->name);
     if (r->n_types && r->action != A_PARAMS)
         return perr(p, "rule '%s': 'type' lines are for 'do params' rules", r->name);
+    int reply_action = r->action == A_MASK || r->action == A_STOP || r->action == A_TAG;
+    if (r->on_reply && !reply_action)
+        return perr(p, "rule '%s' is 'on reply': its action must be mask, stop or tag", r->name);
+    if (!r->on_reply && reply_action)
+        return perr(p, "rule '%s': mask, stop and tag act on replies: add 'on reply'", r->name);
+    if (r->on_reply && r->n_conds)
+        return perr(p, "rule '%s' is 'on reply': 'when' conditions are for rules on messages", r->name);
     p->line = line;
     return compile_rule(p, r);
 }
@@ -294,6 +315,7 @@ static rule *new_rule(parse_ctx *p, const char *name)
     memset(r, 0, sizeof(*r));
     snprintf(r->name, sizeof(r->name), "%s", name);
     r->file = p->file;
+    r->file_index = rs->n_files - 1; /* the file being read is the list's last */
     r->line = p->line;
     return r;
 }
@@ -338,6 +360,10 @@ static int parse_file(parse_ctx *p, FILE *f)
             rc = parse_when(p, r, rest);
         } else if (strcmp(kw, "type") == 0) {
             rc = parse_type(p, r, rest);
+        } else if (strcmp(kw, "on") == 0) {
+            if (strcmp(rest, "reply") != 0 && strcmp(rest, "message") != 0)
+                return perr(p, "'on' takes message (the default) or reply, not '%s'", rest);
+            r->on_reply = rest[0] == 'r';
         } else if (strcmp(kw, "option") == 0) {
             if (strcmp(rest, "case") != 0)
                 return perr(p, "unknown option '%s' (case)", rest);
@@ -345,7 +371,7 @@ static int parse_file(parse_ctx *p, FILE *f)
         } else if (strcmp(kw, "expect") == 0 || strcmp(kw, "reject") == 0) {
             rc = parse_test(p, r, rest, kw[0] == 'r');
         } else {
-            return perr(p, "unknown keyword '%s' (rule, match, do, when, type, option, expect, reject)", kw);
+            return perr(p, "unknown keyword '%s' (rule, match, do, on, when, type, option, expect, reject)", kw);
         }
         if (rc < 0)
             return -1;

@@ -231,6 +231,8 @@ cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, jso
         if (who->fallback_from)
             failed |= json_object_set_new(o, "fallback_from", json_string(who->fallback_from)) < 0;
     }
+    if (!failed && who && who->reply_rules)
+        failed |= json_object_set(o, "reply_rules", who->reply_rules) < 0;
     if (failed) {
         json_decref(o);
         o = NULL; /* encoded as the internal error: a done without its flags would mislead */

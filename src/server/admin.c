@@ -5,6 +5,8 @@
  *   DELETE /admin/dialogs/{user}/{room}   delete one dialog
  *   DELETE /admin/users/{user}            delete every dialog of a user (through the user's
  *                                         room set: the right to be forgotten)
+ *   GET    /admin/rules                   each rule's hits and cut-offs since it was loaded, and
+ *                                         the rules that never fired
  *   GET    /admin/users/{user}/usage      the tokens a user spent, by room and upstream, and
  *                                         the totals (each room's dialog, loaded in turn)
  *   POST   /admin/reload                  load the rules again (as SIGHUP)
@@ -27,6 +29,7 @@
 
 #include "chatgate/server/admin.h"
 #include "chatgate/server/handshake.h"
+#include "chatgate/server/ops.h"
 #include "chatgate/server/server.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/core/log.h"
@@ -202,6 +205,34 @@ static int authorized(struct lws *wsi, const char *token)
 
 static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_delete);
 
+/* GET /admin/rules: each rule of the running set with its hits and cut-offs since it was
+ * loaded (the group's, with --workers), and the names of those that never fired: the
+ * rules a team can look at before it trusts or drops them. */
+static json_t *rules_stats(const cg_server *srv)
+{
+    const cg_store_stats *st;
+    long connections;
+    const cg_metrics *m = cg_ops_metrics(srv, &st, &connections);
+    const cg_ruleset *rs = srv->turn.rules;
+    json_t *rules = json_array(), *never = json_array();
+    size_t file;
+    int line;
+    const char *name;
+    for (size_t i = 0; (name = cg_ruleset_rule(rs, i, &file, &line)); i++) {
+        int counted = i < CG_METRIC_RULES;
+        json_t *r = json_pack("{s:s,s:s,s:i}", "name", name, "file", cg_ruleset_file(rs, file), "line", line);
+        if (counted) {
+            json_object_set_new(r, "hits", json_integer((json_int_t)m->rule_hits[i]));
+            json_object_set_new(r, "limited", json_integer((json_int_t)m->rule_limited[i]));
+            if (!m->rule_hits[i])
+                json_array_append_new(never, json_string(name));
+        }
+        json_array_append_new(rules, r);
+    }
+    return json_pack("{s:o,s:o,s:{s:I,s:I}}", "rules", rules, "never_fired", never, "shadow", "same",
+                     (json_int_t)m->shadow_same, "different", (json_int_t)m->shadow_different);
+}
+
 /* Routes one request; answers now or once the store has. */
 static void admin_request(admin_req *a, struct lws *wsi)
 {
@@ -232,6 +263,10 @@ static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, in
     if (!authorized(wsi, token)) {
         cg_warn("admin: refused a request without the admin token");
         answer_error(a, 401, "an Authorization: Bearer token is needed (CHATGATE_ADMIN_TOKEN)");
+        return;
+    }
+    if (strcmp(uri, "/admin/rules") == 0 && is_get) {
+        answer(a, 200, rules_stats(srv));
         return;
     }
     if (strcmp(uri, "/admin/reload") == 0 && is_post) {

@@ -105,21 +105,55 @@ static struct lws_protocols *build_protocols(const cg_config *cfg)
     return p;
 }
 
-/* Loads the rules again (SIGHUP, POST /admin/reload): 0, or -1 with err; the running set
- * stays on failure. srv is the gateway's own (its first member). */
+/* The running set counts each rule's hits into the metrics (by index: the counts start
+ * again, as a new set's indices mean other rules). */
+static void count_rules(cg_metrics *m, cg_ruleset *rs)
+{
+    memset(m->rule_hits, 0, sizeof(m->rule_hits));
+    memset(m->rule_limited, 0, sizeof(m->rule_limited));
+    memset(m->rule_file_time, 0, sizeof(m->rule_file_time));
+    cg_rules_counts c = {m->rule_hits, m->rule_limited, CG_METRIC_RULES, m->rule_file_time, CG_METRIC_RULE_FILES};
+    cg_ruleset_count_into(rs, &c);
+}
+
+/* Loads the rules of dir (and the shadow set's, when there is one): 0, or -1 with err, and
+ * nothing loaded. */
+static int load_rule_sets(const cg_config *cfg, cg_ruleset **rs, cg_ruleset **shadow, char *err, size_t errlen)
+{
+    char msg[1024];
+    *rs = *shadow = NULL;
+    if (cg_rules_load(cfg->rules_dir, rs, msg, sizeof(msg)) < 0) {
+        snprintf(err, errlen, "rules: %s", msg);
+        return -1;
+    }
+    if (cfg->shadow_rules && cg_rules_load(cfg->shadow_rules, shadow, msg, sizeof(msg)) < 0) {
+        snprintf(err, errlen, "shadow rules: %s", msg);
+        cg_ruleset_unref(*rs);
+        *rs = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+/* Loads the rules again (SIGHUP, POST /admin/reload), the shadow set with them: 0, or -1
+ * with err; the running sets stay on failure. srv is the gateway's own (its first member). */
 static int gateway_reload_rules(cg_server *srv, char *err, size_t errlen)
 {
     cg_gateway *gw = (cg_gateway *)srv;
-    cg_ruleset *rs;
-    if (cg_rules_load(gw->srv.cfg->rules_dir, &rs, err, errlen) < 0) {
+    cg_ruleset *rs, *shadow;
+    if (load_rule_sets(gw->srv.cfg, &rs, &shadow, err, errlen) < 0) {
         gw->srv.metrics.reload_failures++;
-        cg_error("rules: reload refused, the running set stays: %s", err);
+        cg_error("%s: reload refused, the running sets stay", err);
         return -1;
     }
     cg_ruleset_unref(gw->srv.turn.rules); /* messages in flight keep the old set until they end */
     gw->srv.turn.rules = rs;
+    cg_ruleset_unref(gw->srv.turn.shadow);
+    gw->srv.turn.shadow = shadow;
+    count_rules(&gw->srv.metrics, rs);
     gw->srv.metrics.reloads++;
-    cg_info("rules: reloaded %zu rules from %s", cg_ruleset_count(rs), gw->srv.cfg->rules_dir);
+    cg_info("rules: reloaded %zu rules from %s%s%s", cg_ruleset_count(rs), gw->srv.cfg->rules_dir,
+            shadow ? ", and the shadow set from " : "", shadow ? gw->srv.cfg->shadow_rules : "");
     return 0;
 }
 
@@ -158,6 +192,8 @@ void cg_gateway_abort(cg_gateway *gw)
     /* the lws context, when there is one, is left to the exit (see cg_gateway_start) */
     cg_ruleset_unref(gw->srv.turn.rules);
     gw->srv.turn.rules = NULL;
+    cg_ruleset_unref(gw->srv.turn.shadow);
+    gw->srv.turn.shadow = NULL;
     json_decref(gw->srv.turn.locks);
     gw->srv.turn.locks = NULL;
     free_secrets(gw);
@@ -213,6 +249,8 @@ static void gateway_stop(cg_gateway *gw)
     cg_net_batch_free(&gw->srv.batch);
     cg_ruleset_unref(gw->srv.turn.rules);
     gw->srv.turn.rules = NULL;
+    cg_ruleset_unref(gw->srv.turn.shadow);
+    gw->srv.turn.shadow = NULL;
     json_decref(gw->srv.turn.locks); /* empty: every session has closed */
     gw->srv.turn.locks = NULL;
     free_secrets(gw);
@@ -352,11 +390,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     cg_turn_env_services(&gw->srv.turn);
     load_secrets(gw, cfg);
     gw->srv.turn.locks = json_object();
-    char rerr[1024];
-    if (cg_rules_load(cfg->rules_dir, &gw->srv.turn.rules, rerr, sizeof(rerr)) < 0) {
-        snprintf(err, errlen, "rules: %s", rerr);
+    if (load_rule_sets(cfg, &gw->srv.turn.rules, &gw->srv.turn.shadow, err, errlen) < 0)
         return CG_GATEWAY_BAD_CONFIG;
-    }
+    count_rules(&gw->srv.metrics, gw->srv.turn.rules);
     /* Client frames arrive in pieces of 4096 bytes; a frame over it is reassembled. */
     gw->protocols = build_protocols(cfg);
 
@@ -462,6 +498,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
             cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
     cg_info("rules: %zu from %s", cg_ruleset_count(gw->srv.turn.rules), cfg->rules_dir);
+    if (gw->srv.turn.shadow)
+        cg_info("shadow rules: %zu from %s, evaluated beside the live set on every message, never acting",
+                cg_ruleset_count(gw->srv.turn.shadow), cfg->shadow_rules);
     if (cfg->dropin)
         cg_info("drop-in: WebSocket %s... goes to the app at %s", json_string_value(json_object_get(cfg->dropin, "path")),
                 json_string_value(json_object_get(cfg->dropin, "app")));

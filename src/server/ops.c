@@ -137,30 +137,97 @@ static int worker_lines(const cg_workers *w, char *buf, size_t len, size_t *used
                w->restarts);
 }
 
-/* The whole text into buf; its length (cut at the last piece that fit when buf is short). */
-static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
+/* A file's name for a label: its base name (the directory is the config's). */
+static const char *base_name(const char *path)
 {
-    const cg_metrics *m = &srv->metrics;
-    const cg_store_stats *st = &srv->turn.store->stats;
-    double degraded = cg_store_degraded_seconds(st, uv_now(srv->net.loop));
-    long connections = srv->n_sessions;
+    const char *slash = strrchr(path, '/');
+    return slash ? slash + 1 : path;
+}
+
+/* Each rule of the running set: hits and cut-offs by rule and file (bounded by the set's
+ * rules, up to CG_METRIC_RULES), the time per file; then the shadow set's comparisons. */
+static int rule_lines(const cg_server *srv, const cg_metrics *m, char *buf, size_t len, size_t *used)
+{
+    const cg_ruleset *rs = srv->turn.rules;
+    static const struct { const char *name, *help; size_t offset; } families[] = {
+        {"chatgate_rule_hits_total", "Messages each rule fired on, by rule and file (the running set; started again "
+                                     "at a reload).", offsetof(cg_metrics, rule_hits)},
+        {"chatgate_rule_limited_total", "Messages on which a rule was cut off by a match limit (counted as no match).",
+         offsetof(cg_metrics, rule_limited)},
+    };
+    for (size_t f = 0; f < 2; f++) {
+        const unsigned long *v = (const unsigned long *)((const char *)m + families[f].offset);
+        if (put(buf, len, used, "# HELP %s %s\n# TYPE %s counter\n", families[f].name, families[f].help,
+                families[f].name) < 0)
+            return -1;
+        size_t file;
+        int line;
+        const char *name;
+        for (size_t i = 0; i < CG_METRIC_RULES && (name = cg_ruleset_rule(rs, i, &file, &line)); i++)
+            if (put(buf, len, used, "%s{file=\"%s\",rule=\"%s\"} %lu\n", families[f].name,
+                    base_name(cg_ruleset_file(rs, file)), name, v[i]) < 0)
+                return -1;
+    }
+    if (put(buf, len, used,
+            "# HELP chatgate_rule_file_seconds Time a message spent in each rule file's rules.\n"
+            "# TYPE chatgate_rule_file_seconds histogram\n") < 0)
+        return -1;
+    for (size_t i = 0; i < cg_ruleset_files(rs) && i < CG_METRIC_RULE_FILES; i++) {
+        char label[300];
+        snprintf(label, sizeof(label), "file=\"%.250s\"", base_name(cg_ruleset_file(rs, i)));
+        size_t n = cg_histogram_format(&m->rule_file_time[i], "chatgate_rule_file_seconds", label, buf + *used,
+                                       len - *used);
+        if (!n)
+            return -1;
+        *used += n;
+    }
+    if (put(buf, len, used,
+            "# HELP chatgate_shadow_rules_total Messages the shadow rule set (--shadow-rules) decided the same as the "
+            "live set, or differently.\n# TYPE chatgate_shadow_rules_total counter\n"
+            "chatgate_shadow_rules_total{outcome=\"same\"} %lu\nchatgate_shadow_rules_total{outcome=\"different\"} %lu\n"
+            "# HELP chatgate_shadow_rules_differences_total What differed, by field.\n"
+            "# TYPE chatgate_shadow_rules_differences_total counter\n",
+            m->shadow_same, m->shadow_different) < 0)
+        return -1;
+    static const char *const fields[6] = {"rules", "params", "resolution", "route", "enriched", "cancel"};
+    for (int i = 0; i < 6; i++)
+        if (put(buf, len, used, "chatgate_shadow_rules_differences_total{field=\"%s\"} %lu\n", fields[i],
+                m->shadow_field[i]) < 0)
+            return -1;
+    return 0;
+}
+
+const cg_metrics *cg_ops_metrics(const cg_server *srv, const cg_store_stats **store, long *connections)
+{
     const cg_workers *w = cg_workers_shared();
     static cg_metrics sum; /* --workers: the group's figures (static: large, one thread) */
     static cg_store_stats sum_st;
-    if (w) {
-        cg_worker_publish(srv); /* this worker's own figures, fresh */
-        sum = w->retired;
-        sum_st = w->retired_store;
-        connections = 0;
-        for (int i = 0; i < w->n; i++) {
-            cg_metrics_add(&sum, &w->slots[i].metrics);
-            cg_store_stats_add(&sum_st, &w->slots[i].store, 1);
-            connections += w->slots[i].connections;
-        }
-        m = &sum;
-        st = &sum_st;
-        degraded = st->degraded_seconds; /* each worker's includes its outage going on */
+    *store = &srv->turn.store->stats;
+    *connections = srv->n_sessions;
+    if (!w)
+        return &srv->metrics;
+    cg_worker_publish(srv); /* this worker's own figures, fresh */
+    sum = w->retired;
+    sum_st = w->retired_store;
+    *connections = 0;
+    for (int i = 0; i < w->n; i++) {
+        cg_metrics_add(&sum, &w->slots[i].metrics);
+        cg_store_stats_add(&sum_st, &w->slots[i].store, 1);
+        *connections += w->slots[i].connections;
     }
+    *store = &sum_st;
+    return &sum;
+}
+
+/* The whole text into buf; its length (cut at the last piece that fit when buf is short). */
+static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
+{
+    const cg_store_stats *st;
+    long connections;
+    const cg_metrics *m = cg_ops_metrics(srv, &st, &connections);
+    const cg_workers *w = cg_workers_shared();
+    /* --workers: each worker's includes its outage going on */
+    double degraded = w ? st->degraded_seconds : cg_store_degraded_seconds(st, uv_now(srv->net.loop));
     size_t used = 0;
     if (put(buf, len, &used,
             "# HELP chatgate_connections WebSocket clients connected now%s.\n"
@@ -243,7 +310,8 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
             m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures) < 0 ||
         per_upstream(srv, m, buf, len, &used) < 0 ||
-        token_lines(srv, m, buf, len, &used) < 0 || limited_lines(m, buf, len, &used) < 0)
+        token_lines(srv, m, buf, len, &used) < 0 || limited_lines(m, buf, len, &used) < 0 ||
+        rule_lines(srv, m, buf, len, &used) < 0)
         return used;
     if (put(buf, len, &used,
             "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n") < 0)
@@ -295,7 +363,7 @@ int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     cg_server *srv = cg_server_of(wsi);
     char uri[64];
-    static char body[LWS_PRE + 65536]; /* --workers adds lines per worker */
+    static char body[LWS_PRE + (1 << 20)]; /* per worker, per upstream, per rule: bounded by the config */
     char *text = body + LWS_PRE;
     size_t cap = sizeof(body) - LWS_PRE;
     lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI);

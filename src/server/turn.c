@@ -54,7 +54,9 @@ struct cg_turn {
     long long tokens_in, tokens_out; /* as the upstream reported them; -1: it did not */
     long long spent;           /* tokens counted for the turn (count_usage), 0 before */
     size_t prompt_bytes;       /* what went to the upstream: text, history, state (estimates) */
-    char *reply;               /* the reply, up to max_reply_bytes */
+    cg_reply_filter *filter;   /* the set's reply rules on this reply (rules.h), or NULL: none */
+    int blocked;               /* a stop rule matched: the turn ends as blocked from the loop */
+    char *reply;               /* the reply as the client got it, up to max_reply_bytes */
     size_t reply_len, reply_cap;
     int truncated;
 };
@@ -137,6 +139,7 @@ static void turn_free(cg_turn *t)
     free(t->text);
     free(t->enriched);
     free(t->reply);
+    cg_reply_filter_free(t->filter);
     free(t);
 }
 
@@ -312,7 +315,7 @@ static void on_reply_timeout(uv_timer_t *timer);
 /* A forwarded turn's app is still answering: its silence bound starts again, ms long. */
 static void turn_timer_arm(cg_turns *q, uint64_t ms)
 {
-    if (!ms)
+    if (!ms && !(q->inflight && q->inflight->blocked))
         return;
     if (!q->timer) {
         q->timer = malloc(sizeof(*q->timer));
@@ -323,6 +326,47 @@ static void turn_timer_arm(cg_turns *q, uint64_t ms)
     }
     q->timer_ms = ms;
     uv_timer_start(q->timer, on_reply_timeout, ms, 0);
+}
+
+/* A stop rule matched the reply: the upstream call is cancelled (never from inside its own
+ * callback: the upstreams do not expect it there, hence the turn's timer) and the reply
+ * ends with `blocked`, naming what acted. */
+static void turn_block_end(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    if (t->call)
+        q->env->upstreams[t->route].ops->cancel(t->call);
+    t->call = NULL;
+    json_t *detail = json_pack("{s:o}", "reply_rules", cg_reply_filter_acted(t->filter));
+    cg_info("session %s: message %s: a reply rule stopped the reply after %zu bytes", q->name, id_of(t), t->reply_len);
+    turn_fail(t, CG_E_BLOCKED, "a reply rule stopped the reply", detail);
+    json_decref(detail);
+}
+
+/* Passes reply text on to the client and keeps it. */
+static void turn_pass(cg_turn *t, const char *text, size_t len)
+{
+    if (!len)
+        return;
+    turn_keep_reply(t, text, len);
+    if (t->q->sink->delta)
+        t->q->sink->delta(t->q->conn, t->id, text, len);
+}
+
+/* The reply rules' filter: what may go now (all of it when final); 1 when a stop rule
+ * matched (the turn is then blocked, its end scheduled). */
+static int turn_filter(cg_turn *t, const char *text, size_t len, int final)
+{
+    char *out;
+    size_t n;
+    int stop = cg_reply_filter_feed(t->filter, text, len, final, &out, &n);
+    turn_pass(t, out, n);
+    free(out);
+    if (stop && !t->blocked) {
+        t->blocked = 1;
+        turn_timer_arm(t->q, 0);
+    }
+    return stop;
 }
 
 /*
@@ -336,6 +380,10 @@ static void on_reply_timeout(uv_timer_t *timer)
 {
     cg_turns *q = timer->data;
     cg_turn *t = q ? q->inflight : NULL;
+    if (t && t->blocked) {
+        turn_block_end(t);
+        return;
+    }
     if (!t || !t->forwarded)
         return;
     if (q->timer_ms == q->reply_gap_ms)
@@ -384,12 +432,13 @@ const char *cg_turn_id(const cg_turn *t)
 static void on_upstream_delta(void *ctx, const char *text, size_t len)
 {
     cg_turn *t = ctx;
-    if (len == 0)
+    if (len == 0 || t->blocked)
         return;
     turn_first_text(t);
-    turn_keep_reply(t, text, len);
-    if (t->q->sink->delta)
-        t->q->sink->delta(t->q->conn, t->id, text, len);
+    if (t->filter)
+        turn_filter(t, text, len, 0);
+    else
+        turn_pass(t, text, len);
 }
 
 static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
@@ -402,6 +451,16 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
     if (up->ops->answered)
         up->ops->answered(t->call, &who.replica, &who.attempts);
     t->call = NULL;
+    if (t->blocked || (t->filter && turn_filter(t, "", 0, 1))) {
+        turn_block_end(t);
+        return;
+    }
+    json_t *acted = NULL;
+    if (t->filter) {
+        cg_reply_filter_tags(t->filter, t->reply ? t->reply : "", t->reply_len);
+        acted = cg_reply_filter_acted(t->filter);
+        who.reply_rules = json_array_size(acted) ? acted : NULL;
+    }
     json_t *pt = json_object_get(usage, "prompt_tokens"), *ct = json_object_get(usage, "completion_tokens");
     if (json_is_integer(pt) && json_is_integer(ct) && json_integer_value(pt) >= 0 && json_integer_value(ct) >= 0) {
         t->tokens_in = json_integer_value(pt);
@@ -411,6 +470,7 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
         cg_turn_state(t, state, up->cfg->name);
     if (q->sink->done)
         q->sink->done(q->conn, t->id, t->reply ? t->reply : "", t->reply_len, usage, t->truncated, &who);
+    json_decref(acted);
     turn_save(t, END_DONE);
     turn_finish(t);
 }
@@ -435,6 +495,12 @@ static void on_upstream_error(void *ctx, int err, const char *message, json_t *d
     cg_turn *t = ctx;
     cg_turns *q = t->q;
     t->call = NULL;
+    if (t->blocked || (t->filter && turn_filter(t, "", 0, 1))) {
+        /* stopped (the stop is what the client hears), or the text held for the reply rules
+         * went on, masked, before the error */
+        turn_block_end(t);
+        return;
+    }
     q->env->metrics->upstream_errors[t->route]++;
     cg_info("session %s: message %s: %s: %s", q->name, id_of(t), cg_err_code(err), message);
     if (may_fall_back(t, err, detail)) {
@@ -511,6 +577,7 @@ static void turn_call(cg_turn *t, const cg_pipeline_result *res, json_t *params,
     t->fired = json_incref(res->rules);
     env->metrics->routed[t->route]++;
     t->t_upstream = uv_hrtime();
+    t->filter = cg_reply_filter_new(t->rules, (size_t)env->cfg->reply_window);
     if (turn_call_upstream(t, params) < 0)
         turn_fail(t, CG_E_INTERNAL, "the upstream request could not be started", NULL);
 }
@@ -542,6 +609,57 @@ static int turn_call_upstream(cg_turn *t, json_t *params)
     return rc < 0 ? -1 : 0;
 }
 
+/* ---- the shadow rule set ---------------------------------------------------------------- */
+
+static int same_json(json_t *a, json_t *b)
+{
+    return (!a && !b) || (a && b && json_equal(a, b));
+}
+
+static int same_text(const char *a, const char *b)
+{
+    return (!a && !b) || (a && b && strcmp(a, b) == 0);
+}
+
+/*
+ * The shadow set (--shadow-rules) on copy, the dialog as it was before this message: what
+ * it would have decided, beside what the live set did (res, d after), counted and logged by
+ * what differs. Never acts: the caller drops the copy. The log names the rules and the
+ * fields, not the values (the message's words stay out of it).
+ */
+static void shadow_compare(cg_turn *t, cg_dialog *copy, const cg_pipeline_result *res, const cg_dialog *d)
+{
+    cg_turns *q = t->q;
+    cg_turn_env *env = q->env;
+    cg_pipeline_result sres;
+    cg_pipeline_run(env->cfg, env->shadow, copy, t->text, turn_now(q), &env->cfg->lifetimes, &sres);
+    int differs[6] = {
+        !same_json(res->rules, sres.rules),           !same_json(d->params, copy->params),
+        !same_json(res->resolution, sres.resolution), res->route != sres.route,
+        !same_text(res->enriched, sres.enriched),     res->cancel != sres.cancel || res->absorb != sres.absorb,
+    };
+    static const char *const names[6] = {"rules", "params", "resolution", "route", "enriched", "cancel"};
+    char fields[96] = "";
+    for (int i = 0; i < 6; i++)
+        if (differs[i]) {
+            env->metrics->shadow_field[i]++;
+            snprintf(fields + strlen(fields), sizeof(fields) - strlen(fields), "%s%s", fields[0] ? ", " : "", names[i]);
+        }
+    if (fields[0]) {
+        env->metrics->shadow_different++;
+        char *live = json_dumps(res->rules, JSON_COMPACT), *shadow = json_dumps(sres.rules, JSON_COMPACT);
+        cg_info("shadow rules: session %s message %s: the shadow set differs in %s; rules live %s, shadow %s%s%s%s%s",
+                q->name, id_of(t), fields, live ? live : "?", shadow ? shadow : "?",
+                differs[3] ? "; route live " : "", differs[3] ? env->upstreams[res->route].cfg->name : "",
+                differs[3] ? ", shadow " : "", differs[3] ? env->upstreams[sres.route].cfg->name : "");
+        free(live);
+        free(shadow);
+    } else {
+        env->metrics->shadow_same++;
+    }
+    cg_pipeline_result_free(&sres);
+}
+
 /* A chat message with its dialog loaded: the pipeline, then the upstream or the adapter. */
 static void turn_start(cg_turn *t)
 {
@@ -552,11 +670,17 @@ static void turn_start(cg_turn *t)
     d->last_activity = turn_now(q);
 
     json_t *awaiting_before = json_incref(d->awaiting); /* forwarded as it was */
+    cg_dialog before; /* the shadow set's starting point */
+    int shadow = env->shadow && cg_dialog_copy(&before, d) == 0;
     cg_pipeline_result res;
     uint64_t t0 = uv_hrtime();
     cg_pipeline_run(env->cfg, t->rules, d, t->text, turn_now(q), &env->cfg->lifetimes, &res);
     cg_histogram_observe(&env->metrics->rules, (double)(uv_hrtime() - t0) / 1e9);
     count_pipeline(env->metrics, &res);
+    if (shadow) {
+        shadow_compare(t, &before, &res, d);
+        cg_dialog_free(&before);
+    }
     if (res.error && !q->sink->forward) { /* params over the cap: refused, nothing forwarded */
         json_decref(awaiting_before);
         turn_fail(t, res.error, res.error_message, NULL);

@@ -83,6 +83,7 @@ typedef struct cg_config {
     int default_index; /* index of default_upstream in upstreams */
     char *store;
     char *rules_dir;
+    char *shadow_rules; /* --shadow-rules DIR, or NULL */
     char *web_dir;
     char *auth;
     char *log_level;
@@ -95,6 +96,7 @@ typedef struct cg_config {
     long rate_per_second;
     long rate_burst;
     long max_reply_bytes;
+    long reply_window; /* bytes of a reply held back for rules on replies (rules.h, cg_reply_filter) */
     long send_buffer;
     /* dialog state (docs/state.md) */
     cg_lifetimes lifetimes; /* lifetimes.*, history_n, params_cap */

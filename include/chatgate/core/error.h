@@ -18,7 +18,8 @@
     XX(UPSTREAM_UNAVAILABLE, "upstream_unavailable", "upstream unavailable")    \
     XX(UPSTREAM_ERROR, "upstream_error", "upstream error")                      \
     XX(UPSTREAM_TIMEOUT, "upstream_timeout", "upstream timed out")              \
-    XX(INTERNAL, "internal", "internal error")
+    XX(INTERNAL, "internal", "internal error")                                  \
+    XX(BLOCKED, "blocked", "stopped by a reply rule")
 
 typedef enum cg_err {
     CG_OK = 0,

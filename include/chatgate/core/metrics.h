@@ -29,6 +29,10 @@ size_t cg_histogram_format(const cg_histogram *h, const char *name, const char *
 /* Service slots of the token counters: "none", up to CG_METRIC_SERVICES - 2 services named
  * in the config's "services" (in its order), and "other" for every other. */
 #define CG_METRIC_SERVICES 10
+/* Rules counted one by one in /metrics (by their place in the running set), and rule files
+ * timed one by one: a set's rules and files past these are not. */
+#define CG_METRIC_RULES 1024
+#define CG_METRIC_RULE_FILES 32
 
 typedef struct cg_metrics {
     unsigned long messages;     /* chat messages accepted into a queue */
@@ -66,7 +70,15 @@ typedef struct cg_metrics {
     /* messages refused by a limit per user (README, "Limits per user"), by the limit met:
      * limits.h's cg_limit_hit, slot 0 unused */
     unsigned long limited[5];
+    /* the running rule set's rules (rules.h, cg_rules_counts), by index: hits, and match-limit
+     * cut-offs; started again at each reload, as the indices change */
+    unsigned long rule_hits[CG_METRIC_RULES], rule_limited[CG_METRIC_RULES];
+    /* the shadow rule set (--shadow-rules): messages it decided the same as the live set,
+     * and differently, and by what differed (0 rules, 1 params, 2 resolution, 3 route,
+     * 4 enriched, 5 cancel) */
+    unsigned long shadow_same, shadow_different, shadow_field[6];
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
+    cg_histogram rule_file_time[CG_METRIC_RULE_FILES]; /* seconds per message in each file's rules */
 } cg_metrics;
 
 /* dst += src, every counter and histogram (--workers: the figures of the process group). */

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "chatgate/core/metrics.h"
 #include "chatgate/dialog/dialog.h"
 
 #define CG_RULES_MAX_SCAN 4096   /* bytes of a message the patterns see */
@@ -32,6 +33,26 @@ int cg_rules_load_text(const char *name, const char *text, size_t len, cg_rulese
 cg_ruleset *cg_ruleset_ref(cg_ruleset *rs);
 void cg_ruleset_unref(cg_ruleset *rs);
 size_t cg_ruleset_count(const cg_ruleset *rs);
+/* Rule i of the set (file order): its name, with its file's index and its line; NULL past the end. */
+const char *cg_ruleset_rule(const cg_ruleset *rs, size_t i, size_t *file, int *line);
+/* The set's files, in load order: how many, and file i's path. */
+size_t cg_ruleset_files(const cg_ruleset *rs);
+const char *cg_ruleset_file(const cg_ruleset *rs, size_t i);
+
+/*
+ * Per-rule figures (/metrics, GET /admin/rules): once counts are attached to a set, every
+ * cg_rules_eval on it adds each rule's hit and match-limit cut-off, by the rule's index
+ * (rules past n_rules are not counted), and observes the time each file's rules took
+ * (monotonic clock: the one thing evaluation reads besides its arguments). The arrays are
+ * the caller's (the gateway's metrics) and must outlive the set's use.
+ */
+typedef struct cg_rules_counts {
+    unsigned long *hits, *limited; /* by rule index, up to n_rules */
+    size_t n_rules;
+    cg_histogram *file_time;       /* seconds a message spent in each file's rules, up to n_files */
+    size_t n_files;
+} cg_rules_counts;
+void cg_ruleset_count_into(cg_ruleset *rs, const cg_rules_counts *counts);
 
 /* What the rules say about one message. */
 typedef struct cg_rules_result {
@@ -63,6 +84,27 @@ int cg_rules_cancels(const cg_ruleset *rs, const char *text);
 /* Runs the expect/reject lines of every rule at the clock `now`; prints each failure as
  * "file:line: ..." to out and returns how many failed. */
 int cg_rules_check(const cg_ruleset *rs, int64_t now, FILE *out, int *n_tests);
+
+/*
+ * Rules on replies (`on reply`: mask, stop, tag; rules/README.md): a filter over one
+ * reply's text as it streams (rules_reply.c). It holds back only text that may begin a
+ * match (PCRE2 partial matching), at most `window` bytes of it, so a match split across
+ * deltas is caught. The set must outlive the filter.
+ */
+typedef struct cg_reply_filter cg_reply_filter;
+int cg_ruleset_has_reply_rules(const cg_ruleset *rs);
+/* A filter for one reply; NULL when the set has no reply rules (nothing to do or hold). */
+cg_reply_filter *cg_reply_filter_new(const cg_ruleset *rs, size_t window);
+void cg_reply_filter_free(cg_reply_filter *f);
+/* Feeds len bytes of the reply (final: it ended, nothing more comes): the text the client
+ * may have now, masked, goes to *out (malloc'd, *out_len bytes; NULL when none). 0, or 1
+ * when a stop rule matched: *out is the text before the match, and nothing more goes. */
+int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int final, char **out, size_t *out_len);
+/* Runs the tag rules on the whole reply as the client got it (once, at its end). */
+void cg_reply_filter_tags(cg_reply_filter *f, const char *text, size_t len);
+/* What acted on the reply, in the order each first did: a new array of
+ * {"rule", "action": "mask"|"stop"|"tag", "count" (mask, stop) | "tag"}. */
+json_t *cg_reply_filter_acted(const cg_reply_filter *f);
 
 /* Normalisers (rules/README.md), in the process's time zone (TZ: main sets it from
  * --timezone, UTC by default). 0, or -1 when in is not one. */

@@ -18,12 +18,16 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "chatgate/core/metrics.h"
 #include "chatgate/dialog/dialog.h"
 
 /* rules.h's types, by their tags: this header stands without rules.h (each rules*.c
  * includes both), so the include graph has no rules.c -> here -> rules.h loop. */
 typedef struct cg_ruleset cg_ruleset;
 struct cg_rules_result;
+
+/* rules.h's cg_rules_counts: the set holds one (by value) */
+#include "chatgate/dialog/rules.h"
 
 typedef enum {
     A_CANCEL,
@@ -35,6 +39,10 @@ typedef enum {
     A_FORGET,
     A_ENRICH,
     A_ROUTE,
+    /* `on reply` rules: on the upstream's text as it streams (rules_reply.c) */
+    A_MASK,
+    A_STOP,
+    A_TAG,
 } rule_action;
 
 typedef enum { C_AWAITING, C_NO_AWAITING, C_SERVICE, C_HAS, C_HISTORY } cond_kind;
@@ -64,6 +72,7 @@ typedef struct rule_test {
 typedef struct rule {
     char name[65];
     const char *file; /* owned by the set's file list */
+    size_t file_index; /* its place in that list */
     int line;
     char *pattern;
     int pattern_line;
@@ -72,6 +81,7 @@ typedef struct rule {
     rule_action action;
     char arg[512];
     int case_sensitive;
+    int on_reply; /* `on reply`: matched on replies, never on messages */
     rule_cond conds[MAX_CONDS];
     int n_conds;
     rule_type types[MAX_TYPES];
@@ -89,6 +99,7 @@ struct cg_ruleset {
     pcre2_match_context *mctx;
     pcre2_jit_stack *jit;
     pcre2_match_data *md;
+    cg_rules_counts counts; /* where evaluation counts what each rule did; zero: nowhere */
 };
 
 /* rules.c: trims spaces and tabs at both ends, and line ends at the end, in place. */

@@ -72,6 +72,7 @@ typedef struct cg_answer {
     int replica;               /* its replica that answered; -1 when it has one URL */
     int attempts;              /* attempts it took on that upstream; said when over 1 */
     const char *fallback_from; /* the upstream that failed before, or NULL */
+    json_t *reply_rules;       /* what reply rules did to it (rules.h, cg_reply_filter_acted), or NULL */
 } cg_answer;
 cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated,
                                const cg_answer *who);

@@ -17,4 +17,10 @@
 
 int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);
 
+struct cg_server;
+struct cg_store_stats;
+/* The figures /metrics shows: this process's, or with --workers the group's (summed into a
+ * static copy, valid until the next call); the store's and the connections with them. */
+const cg_metrics *cg_ops_metrics(const struct cg_server *srv, const struct cg_store_stats **store, long *connections);
+
 #endif

@@ -55,6 +55,7 @@ typedef struct cg_turn_env {
     uv_loop_t *loop;
     cg_store *store;
     cg_ruleset *rules;
+    cg_ruleset *shadow;  /* --shadow-rules: evaluated beside rules on a copy of the state, never acting; or NULL */
     cg_upstream *upstreams;
     int n_upstreams;
     cg_metrics *metrics;
