@@ -16,17 +16,21 @@
 #include "chatgate/server/master.h"
 #include "chatgate/core/log.h"
 #include "chatgate/dialog/pipeline.h"
+#include "chatgate/dialog/replay.h"
 #include "chatgate/dialog/rules.h"
 #include "chatgate/store/store.h"
 
-/* The clock of `rules check` and of `rules explain` without CHATGATE_NOW: rule tests that
- * name dates ("Feb 20", "next week") mean the same thing every day. */
+/* The clock of `rules check`, and of `rules explain` and `rules replay` without
+ * CHATGATE_NOW: rule tests that name dates ("Feb 20", "next week") mean the same thing every day. */
 #define RULES_CHECK_NOW 1770112800 /* 2026-02-03T10:00:00Z */
 
 static int rules_usage(void)
 {
     fprintf(stderr, "usage: chatgate rules check DIR\n"
-                    "       chatgate rules explain DIR \"text\" [--state FILE.json]\n");
+                    "       chatgate rules explain DIR \"text\" [--state FILE.json]\n"
+                    "       chatgate rules replay --old DIR --new DIR TRANSCRIPT...\n"
+                    "         (TRANSCRIPT: JSON lines {\"dialog\",\"text\",\"ts\"}, or an admin dialog export;\n"
+                    "          exit 0: no turn differs, 1: some do, 2: a usage or input error)\n");
     return 2;
 }
 
@@ -118,12 +122,66 @@ static int rules_explain(int argc, char **argv)
     return 0;
 }
 
+/*
+ * chatgate rules replay --old DIR --new DIR TRANSCRIPT...: the recorded turns that the new
+ * rules decide differently (dialog/replay.h). Flags and transcripts in any order; "--" ends
+ * the flags. Exit status: that of cg_replay_run, 2 also for a set that does not load.
+ */
+static int rules_replay(int argc, char **argv)
+{
+    const char *dirs[2] = {NULL, NULL}; /* --old, --new */
+    cg_ruleset *rs[2] = {NULL, NULL};
+    char **paths = calloc((size_t)argc, sizeof(*paths)); /* the transcripts, in order */
+    char err[1024];
+    int n_paths = 0, flags = 1, rc = 2;
+    if (!paths)
+        return 2;
+    for (int i = 3; i < argc; i++) {
+        int which = strcmp(argv[i], "--old") == 0 ? 0 : strcmp(argv[i], "--new") == 0 ? 1 : -1;
+        if (flags && strcmp(argv[i], "--") == 0) {
+            flags = 0;
+        } else if (flags && which >= 0) {
+            if (dirs[which] || i + 1 == argc)
+                goto usage;
+            dirs[which] = argv[++i];
+        } else if (flags && strncmp(argv[i], "--", 2) == 0) {
+            goto usage;
+        } else {
+            paths[n_paths++] = argv[i];
+        }
+    }
+    if (!dirs[0] || !dirs[1] || n_paths == 0)
+        goto usage;
+    for (int k = 0; k < 2; k++)
+        if (cg_rules_load(dirs[k], &rs[k], err, sizeof(err)) < 0) {
+            fprintf(stderr, "%s %s: %s\n", k ? "--new" : "--old", dirs[k], err);
+            rs[k] = NULL;
+            goto done;
+        }
+    cg_replay_options opt = {
+        .old_rules = rs[0], .new_rules = rs[1], .out = stdout, .err = stderr,
+        .start = getenv("CHATGATE_NOW") ? cg_store_default_now(NULL) : RULES_CHECK_NOW,
+    };
+    rc = cg_replay_run(&opt, paths, n_paths, NULL);
+    goto done;
+usage:
+    rc = rules_usage();
+done:
+    for (int k = 0; k < 2; k++)
+        if (rs[k])
+            cg_ruleset_unref(rs[k]);
+    free(paths);
+    return rc;
+}
+
 static int rules_command(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[2], "check") == 0)
         return rules_check(argv[3]);
     if (argc >= 5 && strcmp(argv[2], "explain") == 0)
         return rules_explain(argc, argv);
+    if (argc >= 3 && strcmp(argv[2], "replay") == 0)
+        return rules_replay(argc, argv);
     return rules_usage();
 }
 

@@ -191,6 +191,7 @@
         if (!turn) break;
         // A truncated done holds only the first max_reply_bytes: keep what streamed.
         if (typeof f.text === "string" && !f.truncated) setReplyText(turn, f.text);
+        showReplyRules(turn, f.reply_rules);
         endTurn(f.id, "done", f.truncated ? "truncated" : "");
         break;
       case "cancelled": if (turn) endTurn(f.id, "stopped", "stopped"); break;
@@ -221,8 +222,23 @@
     requestContext(room);
   }
 
+  // What rules on replies did to a reply (done's or a blocked error's reply_rules): a chip
+  // per rule under the reply, "mask ×2", "stop", "tag refund".
+  function showReplyRules(turn, acted) {
+    if (!turn || !Array.isArray(acted) || !acted.length) return;
+    const box = el("div", { class: "reply-rules", "data-reply-rules": String(acted.length) },
+      el("span", { class: "ack-label", text: "reply rules" }));
+    for (const a of acted) {
+      const what = a.action === "tag" ? "tag " + a.tag : a.action + (a.count > 1 ? " \u00d7" + a.count : "");
+      box.appendChild(el("span", { class: "rule reply-rule", "data-rule": a.rule, "data-action": a.action,
+        text: a.rule + ": " + what }));
+    }
+    turn.node.appendChild(box);
+  }
+
   function onError(turn, f) {
     const text = (f.code || "error") + (f.message ? ": " + f.message : "");
+    showReplyRules(turn, f.reply_rules);
     if (turn && !turn.ended) {
       endTurn(f.id, "error", text);
     } else if (turn && f.code === "not_found") {
