@@ -146,7 +146,11 @@ static int gateway_reload_rules(cg_server *srv, char *err, size_t errlen)
         cg_error("%s: reload refused, the running sets stay", err);
         return -1;
     }
-    cg_ruleset_unref(gw->srv.turn.rules); /* messages in flight keep the old set until they end */
+    /* messages in flight (and queued) keep the old set until they end, uncounted: the
+     * counts' indices are the new set's now */
+    static const cg_rules_counts none;
+    cg_ruleset_count_into(gw->srv.turn.rules, &none);
+    cg_ruleset_unref(gw->srv.turn.rules);
     gw->srv.turn.rules = rs;
     cg_ruleset_unref(gw->srv.turn.shadow);
     gw->srv.turn.shadow = shadow;

@@ -296,6 +296,11 @@ int cg_master_run(const cg_config *cfg, int *exit_status)
                 else
                     cg_info("workers: SIGHUP: passed on to the workers (rules reload)");
                 signal_others(SIGHUP, from);
+                /* the new set's rules are counted from 0 (gateway.c, count_rules): so are
+                 * those of workers gone before it */
+                memset(shared->retired.rule_hits, 0, sizeof(shared->retired.rule_hits));
+                memset(shared->retired.rule_limited, 0, sizeof(shared->retired.rule_limited));
+                memset(shared->retired.rule_file_time, 0, sizeof(shared->retired.rule_file_time));
             } else if (signo == SIGTERM || signo == SIGINT) {
                 cg_info("workers: signal %d: passed on to %d workers%s", signo, live_count(),
                         stopping ? " (again: they stop now)" : ", which drain");

@@ -274,6 +274,15 @@ async function main() {
       await expectParams({ "travel.from": "Nairobi", "travel.to": "London" }, "after reconnecting");
     });
 
+    await step("a rule on replies: the card number the demo echoes is masked, and the page says which rule acted", async () => {
+      const text = "Pay with my card 4111 1111 1111 1111 please";
+      const turn = await playTurn(text);
+      const reply = await turn.locator(".msg-assistant .msg-text").textContent();
+      check(reply.includes("[card number]") && !reply.includes("4111"), "the reply shows the card number: " + reply);
+      const chips = await turn.locator('.reply-rule[data-rule="reply_card_number"][data-action="mask"]').allTextContents();
+      check(chips.length === 1 && chips[0].includes("mask"), `under the reply the page shows ${JSON.stringify(chips)}`);
+    });
+
     await step("no request outside the gateway, no console error", async () => {
       // Dropped connections during the restart log WebSocket errors: those are expected.
       const real = problems.filter((p) => !/WebSocket connection to .* failed/.test(p));

@@ -32,23 +32,6 @@ N_CLIENTS = 40
 TOKEN = "workers-admin-token"
 
 
-def children_of(pid):
-    """The pids whose parent is `pid` (from /proc/*/stat), alive (not zombies)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.add(int(entry))
-    return found
-
-
 def pid_exists(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -84,7 +67,7 @@ async def wait_workers(gw, n, exclude=(), timeout=10.0):
     """The set of n live worker pids of the master (none of `exclude`)."""
     deadline = time.monotonic() + timeout
     while True:
-        kids = children_of(gw.pid)
+        kids = harness.children_of(gw.pid)
         if len(kids) == n and not kids & set(exclude):
             return kids
         if time.monotonic() > deadline:
@@ -162,7 +145,7 @@ async def part_group(redis):
             m = await metrics(gw)
             check(m.value("chatgate_rules_reloads_total", result="ok") == before + 2,
                   "one SIGHUP should be one reload per worker, no more")
-            check(children_of(gw.pid) == workers, "SIGHUP should not restart a worker")
+            check(harness.children_of(gw.pid) == workers, "SIGHUP should not restart a worker")
 
         with step("POST /admin/reload reloads the worker that takes it and, through the master, the other"):
             status, _, body = await asyncio.to_thread(harness.http_request, gw.http_url + "/admin/reload", "POST",
