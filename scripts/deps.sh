@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/deps.sh: installs the Debian 12 packages chatgate needs, when any is missing.
-# Usage: scripts/deps.sh [build|test|fuzz|bench]   (test adds what the test suite runs on,
+# Usage: scripts/deps.sh [build|test|fuzz|bench|package]   (test adds what the test suite runs on,
 #        fuzz also clang and its libFuzzer runtime, bench what tests/bench/compare.sh
 #        compares with: nginx, Redis, node)
 set -euo pipefail
@@ -11,10 +11,15 @@ case "${1:-build}" in
   test)
     # nginx: the Socket.IO test runs examples/nginx-socketio.conf in an nginx of its own
     packages+=(python3 python3-websockets redis-server redis-sentinel nutcracker haproxy chromium nginx)
+    # the package test builds the .deb (dpkg-shlibdeps) and checks its unit (systemd-analyze);
+    # the dashboard test validates the alert rules with promtool (Debian's prometheus)
+    packages+=(dpkg-dev systemd prometheus python3-yaml curl)
     # the browser test runs on node; an image may bring its own node (not Debian's package)
     command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
     ;;
   fuzz) packages+=(clang libclang-rt-14-dev) ;;
+  # scripts/package.sh: dpkg-shlibdeps for the package's Depends
+  package) packages+=(dpkg-dev fakeroot) ;;
   bench)
     # tests/bench/compare.sh; not in test: CI runs no benchmarks. The Debian nginx package
     # starts a service on port 80 where there is an init system: compare.sh runs its own.

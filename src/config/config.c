@@ -59,41 +59,62 @@ static const setting settings[] = {
     {"max_frame", T_INT, OFF(max_frame), 256, 16 << 20, NULL, 1, "BYTES, largest client frame (default 65536)"},
     {"max_connections", T_INT, OFF(max_connections), 1, 1000000, NULL, 1,
      "N WebSocket connections at once; more get 503 (default 1024)"},
-    {"max_header_bytes", T_INT, OFF(max_header_bytes), 1024, 65535, NULL, 0, NULL},
-    {"queue_limit", T_INT, OFF(queue_limit), 1, 1024, NULL, 0, NULL},
-    {"rate_limit.messages_per_second", T_INT, OFF(rate_per_second), 1, 1000000, NULL, 0, NULL},
-    {"rate_limit.burst", T_INT, OFF(rate_burst), 1, 1000000, NULL, 0, NULL},
-    {"max_reply_bytes", T_INT, OFF(max_reply_bytes), 1024, 64 << 20, NULL, 0, NULL},
-    {"reply_window", T_INT, OFF(reply_window), 8, 65536, NULL, 0, NULL},
-    {"send_buffer", T_INT, OFF(send_buffer), 4096, 16 << 20, NULL, 0, NULL},
+    {"max_header_bytes", T_INT, OFF(max_header_bytes), 1024, 65535, NULL, 0,
+     "BYTES of a request's headers; more gets HTTP 431"},
+    {"queue_limit", T_INT, OFF(queue_limit), 1, 1024, NULL, 0,
+     "N messages of a connection waiting for their dialog; more are refused"},
+    {"rate_limit.messages_per_second", T_INT, OFF(rate_per_second), 1, 1000000, NULL, 0,
+     "N chat messages a second per connection (token bucket rate)"},
+    {"rate_limit.burst", T_INT, OFF(rate_burst), 1, 1000000, NULL, 0,
+     "N chat messages a connection may send at once (token bucket size)"},
+    {"max_reply_bytes", T_INT, OFF(max_reply_bytes), 1024, 64 << 20, NULL, 0,
+     "BYTES of a reply's text kept for its done frame"},
+    {"reply_window", T_INT, OFF(reply_window), 8, 65536, NULL, 0,
+     "BYTES of a reply held back at most while it may become a match of a rule on replies"},
+    {"send_buffer", T_INT, OFF(send_buffer), 4096, 16 << 20, NULL, 0,
+     "BYTES waiting for a client before its upstream is paused"},
     {"user_header", T_STR, OFF(user_header), 0, 0, NULL, 1,
      "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
     {"allow_origin", T_STR, OFF(allow_origin), 0, 0, NULL, 1,
      "ORIGIN a browser may connect from besides the gateway's own host; repeatable; * allows all"},
-    {"jwt.allow_no_exp", T_BOOL, OFF(jwt_allow_no_exp), 0, 1, NULL, 0, NULL},
-    {"lifetimes.params_s", T_INT, OFF(lifetimes.params_s), 1, 30L * 86400, NULL, 0, NULL},
-    {"lifetimes.dialog_s", T_INT, OFF(lifetimes.dialog_s), 1, 30L * 86400, NULL, 0, NULL},
-    {"lifetimes.awaiting_s", T_INT, OFF(lifetimes.awaiting_s), 1, 86400, NULL, 0, NULL},
-    {"lifetimes.soft_s", T_INT, OFF(lifetimes.soft_s), 1, 86400, NULL, 0, NULL},
-    {"lifetimes.history_s", T_INT, OFF(lifetimes.history_s), 1, 30L * 86400, NULL, 0, NULL},
-    {"history_n", T_INT, OFF(lifetimes.history_n), 0, 200, NULL, 0, NULL},
-    {"params_cap", T_INT, OFF(lifetimes.params_cap), 64, 1 << 20, NULL, 0, NULL},
-    {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0, NULL},
-    {"max_store_bytes", T_INT, OFF(max_store_bytes), 16384, 1L << 40, NULL, 0, NULL},
+    {"jwt.allow_no_exp", T_BOOL, OFF(jwt_allow_no_exp), 0, 1, NULL, 0,
+     "with --auth jwt: accept tokens without exp"},
+    {"lifetimes.params_s", T_INT, OFF(lifetimes.params_s), 1, 30L * 86400, NULL, 0, "SECONDS a dialog's params live"},
+    {"lifetimes.dialog_s", T_INT, OFF(lifetimes.dialog_s), 1, 30L * 86400, NULL, 0,
+     "SECONDS a dialog (its service and meta) lives after its last turn"},
+    {"lifetimes.awaiting_s", T_INT, OFF(lifetimes.awaiting_s), 1, 86400, NULL, 0,
+     "SECONDS an awaiting state set without a ttl lives"},
+    {"lifetimes.soft_s", T_INT, OFF(lifetimes.soft_s), 1, 86400, NULL, 0, "SECONDS soft context lives"},
+    {"lifetimes.history_s", T_INT, OFF(lifetimes.history_s), 1, 30L * 86400, NULL, 0,
+     "SECONDS the history lives, renewed by every turn"},
+    {"history_n", T_INT, OFF(lifetimes.history_n), 0, 200, NULL, 0, "N messages of history kept per dialog"},
+    {"params_cap", T_INT, OFF(lifetimes.params_cap), 64, 1 << 20, NULL, 0,
+     "BYTES of a dialog's params, as compact JSON"},
+    {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0,
+     "N dialogs the memory store (and Redis's in-memory copy) holds; least recently used go first"},
+    {"max_store_bytes", T_INT, OFF(max_store_bytes), 16384, 1L << 40, NULL, 0,
+     "BYTES the memory store (and Redis's in-memory copy) holds; least recently used go first"},
     {"admin_listen", T_STR, OFF(admin_listen), 0, 0, NULL, 1,
      "HOST:PORT for the admin API alone (default: on --listen; on only with CHATGATE_ADMIN_TOKEN)"},
-    {"ping_interval_s", T_INT, OFF(ping_interval_s), 1, 3600, NULL, 0, NULL},
-    {"idle_timeout_s", T_INT, OFF(idle_timeout_s), 2, 65535, NULL, 0, NULL},
+    {"ping_interval_s", T_INT, OFF(ping_interval_s), 1, 3600, NULL, 0, "SECONDS between pings of a quiet WebSocket"},
+    {"idle_timeout_s", T_INT, OFF(idle_timeout_s), 2, 65535, NULL, 0,
+     "SECONDS without anything valid, not even a pong, before a WebSocket is closed; over ping_interval_s"},
     {"shutdown_timeout_s", T_INT, OFF(shutdown_timeout_s), 0, 3600, NULL, 1,
      "SECONDS replies in flight may take to finish after SIGTERM (default 10)"},
     {"workers", T_INT, OFF(workers), 1, CG_MAX_WORKERS, NULL, 1,
      "N worker processes on the one port under a master that restarts them (default 1; more need --store redis://)"},
-    {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0, NULL},
-    {"redis.bus", T_STR, OFF(redis_bus), 0, 0, NULL, 0, NULL},
-    {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0, NULL},
-    {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0, NULL},
-    {"redis.writeback_max_bytes", T_INT, OFF(redis_writeback_max_bytes), 4096, 1L << 40, NULL, 0, NULL},
-    {"redis.lease_ms", T_INT, OFF(redis_lease_ms), 1000, 3600000, NULL, 0, NULL},
+    {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0,
+     "TEXT starting every Redis key, up to 128 bytes, without '{' or '}'"},
+    {"redis.bus", T_STR, OFF(redis_bus), 0, 0, NULL, 0,
+     "redis://[:PASSWORD@]HOST:PORT of a Redis (not twemproxy) for cancels between gateways (default: the store's)"},
+    {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0,
+     "MILLISECONDS without an answer to a Redis command before its connection is dropped (Redis is away)"},
+    {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0,
+     "MILLISECONDS a connection to Redis may take"},
+    {"redis.writeback_max_bytes", T_INT, OFF(redis_writeback_max_bytes), 4096, 1L << 40, NULL, 0,
+     "BYTES of dialogs held in memory for Redis's write-back while it is away"},
+    {"redis.lease_ms", T_INT, OFF(redis_lease_ms), 1000, 3600000, NULL, 0,
+     "MILLISECONDS of a dialog's lease across gateways: a killed holder frees the dialog after it"},
 };
 #undef OFF
 
@@ -102,22 +123,27 @@ typedef struct up_setting {
     setting_type type;
     size_t offset;
     long min, max;
+    const char *help; /* for --help-config */
 } up_setting;
 
 #define UOFF(f) offsetof(cg_upstream_config, f)
 static const up_setting upstream_settings[] = {
-    {"model", T_STR, UOFF(model), 0, 0},
-    {"api_key_env", T_STR, UOFF(api_key_env), 0, 0},
-    {"system_prompt", T_STR, UOFF(system_prompt), 0, 0},
-    {"connect_timeout_ms", T_INT, UOFF(connect_timeout_ms), 1, 3600000},
-    {"first_byte_timeout_ms", T_INT, UOFF(first_byte_timeout_ms), 1, 3600000},
-    {"idle_timeout_ms", T_INT, UOFF(idle_timeout_ms), 1, 3600000},
-    {"max_idle_connections", T_INT, UOFF(max_idle_connections), 0, 1024},
-    {"idle_keepalive_ms", T_INT, UOFF(idle_keepalive_ms), 1000, 3600000},
-    {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000},
-    {"out_ms", T_INT, UOFF(out_ms), 100, 3600000},
-    {"max_attempts", T_INT, UOFF(max_attempts), 1, CG_MAX_REPLICAS},
-    {"fallback", T_STR, UOFF(fallback), 0, 0},
+    {"model", T_STR, UOFF(model), 0, 0, "OpenAI: the model of each request (default: \"default\")"},
+    {"api_key_env", T_STR, UOFF(api_key_env), 0, 0, "OpenAI: the environment variable holding the bearer token"},
+    {"system_prompt", T_STR, UOFF(system_prompt), 0, 0, "OpenAI: the system message"},
+    {"connect_timeout_ms", T_INT, UOFF(connect_timeout_ms), 1, 3600000, "MILLISECONDS until the request is sent"},
+    {"first_byte_timeout_ms", T_INT, UOFF(first_byte_timeout_ms), 1, 3600000,
+     "MILLISECONDS from the request until the answer starts"},
+    {"idle_timeout_ms", T_INT, UOFF(idle_timeout_ms), 1, 3600000, "MILLISECONDS between chunks of the answer"},
+    {"max_idle_connections", T_INT, UOFF(max_idle_connections), 0, 1024,
+     "OpenAI: N kept-alive connections held idle for the next request (0: a new one per message)"},
+    {"idle_keepalive_ms", T_INT, UOFF(idle_keepalive_ms), 1000, 3600000,
+     "OpenAI: MILLISECONDS before an idle kept connection is closed"},
+    {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000, "demo: MILLISECONDS between words (0: all at once)"},
+    {"out_ms", T_INT, UOFF(out_ms), 100, 3600000, "OpenAI: MILLISECONDS a replica that failed is not picked"},
+    {"max_attempts", T_INT, UOFF(max_attempts), 1, CG_MAX_REPLICAS, "OpenAI: N replicas one message may be sent to"},
+    {"fallback", T_STR, UOFF(fallback), 0, 0,
+     "NAME of the upstream a message goes to when this one fails before any reply text"},
 };
 #undef UOFF
 
@@ -771,6 +797,7 @@ void cg_config_usage(const char *prog)
     }
     printf("  --%-18s %s\n", "config FILE", "a JSON file with these settings and more (README.md); flags win");
     printf("  --%-18s %s\n", "help", "this text");
+    printf("  --%-18s %s\n", "help-config", "every key of the config file, one a line: KEY, TYPE, default, meaning");
     printf("  --%-18s %s\n", "version", "the version");
 }
 
@@ -791,7 +818,7 @@ static const setting *flag_setting(const char *flag)
 /*
  * Splits argv[*i] into flag name and value ("--x=v" or "--x v"). Returns 0, -1 when the
  * value is missing, or -2 when the name does not fit in name (no flag is that long; a cut
- * name must not pass for a real one). Flags without a value (help, version) get NULL.
+ * name must not pass for a real one). Flags without a value (help, help-config, version) get NULL.
  */
 static int next_flag(int argc, char **argv, int *i, char *name, size_t namelen, const char **value)
 {
@@ -804,7 +831,7 @@ static int next_flag(int argc, char **argv, int *i, char *name, size_t namelen, 
     }
     memcpy(name, arg, n);
     name[n] = 0;
-    if (strcmp(name, "help") == 0 || strcmp(name, "version") == 0) {
+    if (strcmp(name, "help") == 0 || strcmp(name, "version") == 0 || strcmp(name, "help-config") == 0) {
         *value = NULL;
         return 0;
     }
@@ -1056,8 +1083,7 @@ static void set_defaults(cg_config *cfg)
 {
     memset(cfg, 0, sizeof(*cfg));
     cfg->listen = strdup("127.0.0.1:8080");
-    const char *redis = getenv("REDIS_URL");
-    cfg->store = strdup(redis && *redis ? redis : "memory");
+    cfg->store = strdup("memory");
     cfg->auth = strdup("none");
     cfg->log_level = strdup("info");
     cfg->log_format = strdup("text");
@@ -1086,9 +1112,152 @@ static void set_defaults(cg_config *cfg)
     cfg->workers = 1;
 }
 
+/* ---- --help-config ------------------------------------------------------------------ */
+
+/*
+ * The keys that are no row of the tables above: the structured ones load_upstream_object,
+ * load_services, limits_config.c and dropin_config.c read themselves. Written out here,
+ * beside the tables, so that --help-config lists every key the file may hold: the man page
+ * (docs/chatgate.1) is held to that list, and a file with the keys is loaded, by
+ * tests/e2e/test_manpage.py. A key added to one of those loaders belongs here too.
+ */
+typedef struct key_doc {
+    const char *key, *type, *def, *help; /* def "-": none, or as help says */
+} key_doc;
+
+/* upstreams.NAME.KEY besides upstream_settings[]: how the upstream is reached */
+static const key_doc upstream_keys[] = {
+    {"url", "url", "-",
+     "demo, http(s)://BASE (OpenAI-compatible) or ws(s)://HOST/PATH (a chat app), as --upstream; "
+     "upstreams.NAME may also be the URL alone"},
+    {"urls", "list", "-", "OpenAI: 1 to 16 replicas' base URLs, instead of url"},
+    {"balance", "enum dialog|least_busy", "dialog",
+     "OpenAI: a dialog keeps its replica, or the replica with the fewest requests in flight"},
+    {"headers", "object", "-",
+     "extra headers on each request or handshake: {\"Name\": \"value\"} or {\"Name\": {\"env\": \"VARIABLE\"}}"},
+};
+
+static const key_doc structured_keys[] = {
+    {"services.NAME.defaults", "object", "-", "params every dialog of service NAME starts from"},
+    {"limits.messages_per_minute", "integer 0..1000000", "0", "chat messages a user may send a minute (0: no limit)"},
+    {"limits.turns_at_once", "integer 0..100000", "0", "turns of a user running at once (0: no limit)"},
+    {"limits.tokens_per_minute", "integer 0..1000000000000", "0", "tokens a user may spend a minute (0: no limit)"},
+    {"limits.tokens_per_day", "integer 0..1000000000000", "0", "tokens a user may spend a UTC day (0: no limit)"},
+    {"limits.plan_claim", "string", "-", "the JWT claim naming the user's plan"},
+    {"limits.plans.NAME", "object", "-",
+     "plan NAME: messages_per_minute, turns_at_once, tokens_per_minute, tokens_per_day over the limits above"},
+    {"limits.users.USER", "string", "-", "the plan of user id USER: a NAME of limits.plans, or default"},
+    {"dropin.path", "string", "-", "the app's WebSocket path, served by chatgate (not /ws); sets drop-in mode"},
+    {"dropin.app", "url", "-", "the app's ws:// or wss:// URL; the client's path and query are appended"},
+    {"dropin.codec", "enum json|socket.io|text", "json", "how a frame becomes the value pointers and markers read"},
+    {"dropin.subprotocols", "list", "-", "subprotocols accepted from clients and passed on (at most 8)"},
+    {"dropin.forward_headers", "list", "Cookie,Authorization", "the client's headers passed on to the app (at most 8)"},
+    {"dropin.user_cookie", "string", "-", "the cookie whose hash is the dialog's user"},
+    {"dropin.host", "string", "-",
+     "the Host of the app's handshake: client (the default for ws://), app (for wss://) or HOST[:PORT]"},
+    {"dropin.headers", "object", "-", "extra handshake headers, as upstreams.NAME.headers"},
+    {"dropin.client.chat", "marker", "-", "what marks a client frame as a chat message"},
+    {"dropin.client.text", "pointer", "-", "the message's text in a chat message"},
+    {"dropin.client.room", "pointer", "-", "the message's room"},
+    {"dropin.client.id", "pointer", "-", "the message's id"},
+    {"dropin.client.cancel", "marker", "-", "what marks a client frame as a cancel"},
+    {"dropin.client.cancel_id", "pointer", "-", "the id of the message a cancel stops"},
+    {"dropin.app_frames.text", "pointer", "-", "the reply's text in an app frame"},
+    {"dropin.app_frames.id", "pointer", "-", "the id of the message an app frame answers"},
+    {"dropin.app_frames.end", "marker", "-", "what marks the end of a reply"},
+    {"dropin.app_frames.cancelled", "marker", "-", "what marks a reply the app stopped"},
+    {"dropin.app_frames.reply", "marker", "-", "which app frames are reply frames at all"},
+    {"dropin.app_frames.cancel_frame", "object|list|string", "-",
+     "the frame sent to the app to stop a reply, \"{id}\" standing for its id"},
+    {"dropin.object_key", "string", "chatgate", "the key the chatgate object goes under"},
+    {"dropin.object_at", "pointer", "-",
+     "where the chatgate object goes: the object there, or appended to the array of a pointer ending in /-"},
+    {"dropin.state_key", "string", "-", "json codec: the key of a state directive in the app's frames"},
+    {"dropin.namespace", "string", "/", "socket.io codec: the namespace of the chat events"},
+    {"dropin.turn_timeout_ms", "integer 100..3600000", "60000",
+     "MILLISECONDS a turn may wait for a frame of its reply from the app"},
+    {"dropin.reply_gap_ms", "integer 100..3600000", "-",
+     "MILLISECONDS of quiet that end a reply once begun (default 2000 without app_frames.end)"},
+};
+
+static void print_key(const char *prefix, const char *key, const char *type, const char *def, const char *help)
+{
+    printf("%s%s\t%s\t%s\t%s\n", prefix, key, type, def && *def ? def : "-", help);
+}
+
+/* A row's type as --help-config writes it: string, boolean, integer MIN..MAX, enum A|B. */
+static void type_text(setting_type type, long min, long max, const char *const *choices, char *out, size_t outlen)
+{
+    if (type == T_INT) {
+        snprintf(out, outlen, "integer %ld..%ld", min, max);
+    } else if (type == T_ENUM) {
+        snprintf(out, outlen, "enum");
+        for (const char *const *c = choices; *c; c++) {
+            size_t used = strlen(out);
+            snprintf(out + used, outlen - used, "%c%s", c == choices ? ' ' : '|', *c);
+        }
+    } else {
+        snprintf(out, outlen, "%s", type == T_BOOL ? "boolean" : "string");
+    }
+}
+
+/*
+ * --help-config: every key of the file, "KEY<TAB>TYPE<TAB>default<TAB>meaning" a line, the
+ * rows written from the tables the loader reads, with the defaults of set_defaults and
+ * upstream_upsert themselves (not the environment's), so the list cannot drift from them.
+ */
+static void help_config(void)
+{
+    static cg_config d; /* static: cg_config is large */
+    char type[256], def[64], msg[128];
+    set_defaults(&d);
+    for (size_t i = 0; i < sizeof(settings) / sizeof(settings[0]); i++) {
+        const setting *st = &settings[i];
+        void *field = (char *)&d + st->offset;
+        const char *value = def;
+        type_text(st->type, st->min, st->max, st->choices, type, sizeof(type));
+        if (st->type == T_INT)
+            snprintf(def, sizeof(def), "%ld", *(long *)field);
+        else if (st->type == T_BOOL)
+            value = *(long *)field ? "true" : "false";
+        else
+            value = *(char **)field;
+        /* allow_origin is one origin a flag, and a string or a list of them in the file (load_root) */
+        print_key("", st->name, strcmp(st->name, "allow_origin") == 0 ? "string|list" : type, value, st->help);
+    }
+    for (size_t i = 0; i < sizeof(upstream_keys) / sizeof(upstream_keys[0]); i++)
+        print_key("upstreams.NAME.", upstream_keys[i].key, upstream_keys[i].type, upstream_keys[i].def,
+                  upstream_keys[i].help);
+    cg_upstream_config *u = upstream_upsert(&d, "NAME", msg, sizeof(msg)); /* for its defaults */
+    for (size_t i = 0; u && i < sizeof(upstream_settings) / sizeof(upstream_settings[0]); i++) {
+        const up_setting *st = &upstream_settings[i];
+        void *field = (char *)u + st->offset;
+        const char *value = def;
+        type_text(st->type, st->min, st->max, NULL, type, sizeof(type));
+        if (st->type == T_INT)
+            snprintf(def, sizeof(def), "%d", *(int *)field);
+        else
+            value = *(char **)field;
+        print_key("upstreams.NAME.", st->name, type, value, st->help);
+    }
+    for (size_t i = 0; i < sizeof(structured_keys) / sizeof(structured_keys[0]); i++)
+        print_key("", structured_keys[i].key, structured_keys[i].type, structured_keys[i].def,
+                  structured_keys[i].help);
+    cg_config_free(&d);
+}
+
+/* The environment's defaults, over set_defaults' own (apart so --help-config shows those). */
+static void env_defaults(cg_config *cfg)
+{
+    const char *redis = getenv("REDIS_URL");
+    if (redis && *redis)
+        replace_str(&cfg->store, redis);
+}
+
 int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errlen)
 {
     set_defaults(cfg);
+    env_defaults(cfg);
     char name[64];
     const char *value;
     const char *file = NULL;
@@ -1116,6 +1285,10 @@ int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errl
             printf("chatgate %s\n", CG_VERSION);
             return CG_CONFIG_EXIT_OK;
         }
+        if (strcmp(name, "help-config") == 0) {
+            help_config();
+            return CG_CONFIG_EXIT_OK;
+        }
         if (strcmp(name, "config") == 0)
             file = value;
     }
@@ -1136,6 +1309,7 @@ int cg_config_load(cg_config *cfg, int argc, char **argv, char *err, size_t errl
 int cg_config_load_text(cg_config *cfg, const char *name, const char *text, size_t len, char *err, size_t errlen)
 {
     set_defaults(cfg);
+    env_defaults(cfg);
     char *argv[] = {"chatgate", NULL};
     if (load_text(cfg, name, text, len, err, errlen) < 0 || check(cfg, 1, argv, name, err, errlen) < 0)
         return CG_CONFIG_EXIT_USAGE;
