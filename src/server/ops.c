@@ -16,6 +16,7 @@
 #include "chatgate/server/master.h"
 #include "chatgate/server/server.h"
 #include "chatgate/server/ops.h"
+#include "chatgate/core/log.h"
 #include "chatgate/server/worker.h"
 #include "chatgate/dialog/pipeline.h"
 
@@ -380,6 +381,11 @@ int cg_ops_callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
     lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI);
     if (strcmp(uri, "/metrics") == 0) {
         size_t n = metrics_text(srv, text, cap);
+        static int warned;
+        if (n + 8192 > cap && !warned) { /* its families are bounded by the config: one that grew past it */
+            warned = 1;
+            cg_warn("/metrics: the text reached %zu of its %zu bytes: the last families may be cut off", n, cap);
+        }
         return respond(wsi, 200, "text/plain; version=0.0.4", text, n);
     }
     if (strcmp(uri, "/healthz") == 0) {
