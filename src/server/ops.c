@@ -248,10 +248,12 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
         (w && worker_lines(w, buf, len, &used) < 0))
         return used;
     if (put(buf, len, &used,
+            "# HELP chatgate_build_info The running version (always 1).\n# TYPE chatgate_build_info gauge\n"
+            "chatgate_build_info{version=\"%s\"} 1\n"
             "# TYPE chatgate_messages_total counter\nchatgate_messages_total %lu\n"
             "# TYPE chatgate_turns_total counter\n"
             "chatgate_turns_total{end=\"done\"} %lu\nchatgate_turns_total{end=\"error\"} %lu\n"
-            "chatgate_turns_total{end=\"cancelled\"} %lu\n"
+            "chatgate_turns_total{end=\"cancelled\"} %lu\nchatgate_turns_total{end=\"blocked\"} %lu\n"
             "# TYPE chatgate_frames_in_total counter\nchatgate_frames_in_total %lu\n"
             "# TYPE chatgate_frames_out_total counter\nchatgate_frames_out_total %lu\n"
             "# TYPE chatgate_bad_frames_total counter\nchatgate_bad_frames_total %lu\n"
@@ -274,7 +276,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             "chatgate_store_evictions_total{reason=\"bytes\"} %lu\n"
             "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
             "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
-            m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->frames_in, m->frames_out,
+            CG_VERSION, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->turns_blocked, m->frames_in, m->frames_out,
             m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
             m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers,
             st->reconnects, st->flushed, st->evictions, st->evictions_bytes, st->memory_bytes) < 0 ||

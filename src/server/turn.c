@@ -225,7 +225,10 @@ static void turn_save(cg_turn *t, turn_end_kind end)
         d->turn_count++;
         m->turns_done++;
     } else if (end == END_ERROR) {
-        m->turns_error++;
+        if (t->blocked)
+            m->turns_blocked++;
+        else
+            m->turns_error++;
     } else {
         m->turns_cancelled++;
     }

@@ -118,6 +118,9 @@ async def part_rules():
                                       if rule != "reply_card_number" else "90-replies.rules")
                         check(got == n, f"chatgate_rule_hits_total{{rule={rule}}} = {got}, want {n}")
                     check(m.value("chatgate_errors_total", code="blocked") == 1, "one blocked error")
+                    check(m.value("chatgate_turns_total", end="blocked") == 1 and
+                          m.value("chatgate_turns_total", end="error") == 0,
+                          "the stopped reply is a blocked turn, not an error one")
     finally:
         shutil.rmtree(rdir, ignore_errors=True)
 

@@ -39,6 +39,7 @@ typedef struct cg_metrics {
     unsigned long turns_done;   /* messages answered with done */
     unsigned long turns_error;  /* ... with error */
     unsigned long turns_cancelled;
+    unsigned long turns_blocked; /* ... stopped by a rule on replies (error blocked): policy, not failure */
     unsigned long frames_in, frames_out;
     unsigned long bad_frames;
     unsigned long rate_limited;
