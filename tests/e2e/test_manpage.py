@@ -504,4 +504,4 @@ async def main(args):
 
 
 if __name__ == "__main__":
-    harness.run(main, timeout=27)  # ctest's TIMEOUT is 30
+    harness.run(main, timeout=55)  # ctest's TIMEOUT is 60
