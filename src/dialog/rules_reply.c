@@ -8,9 +8,10 @@
  * only the text from there is held back until the next delta (or the reply's end). Text
  * that cannot begin a match goes to the client at once, masked: a reply that holds no
  * digits is never delayed by a phone number rule. A possible match is held for at most
- * `window` bytes (reply_window); one that grows longer is given up on at that place, so
- * nothing is held without bound. Tag rules need no hold: they run once, on the whole reply
- * as the client got it, when it ends.
+ * `window` bytes (reply_window): past that, its rule is run again without partial matching,
+ * as if the reply had ended there, and acts on what it finds (or lets the text go), so
+ * nothing is held without bound and no other rule's match is passed over. Tag rules need no
+ * hold: they run once, on the whole reply as the client got it, when it ends.
  *
  * Each rule is searched from the same place and the earliest match acts (a possible one
  * first on a tie, then the first rule in file order), then the search goes on after it:
@@ -95,8 +96,29 @@ typedef struct reply_match {
     int partial; /* the text ends inside what may still become a match, begun at start */
 } reply_match;
 
+/* One rule on held[from, len): 1 a match, 2 a possible one (partial), 0 none; its place in
+ * the match data's ovector. */
+static int run_reply_rule(cg_reply_filter *f, const rule *r, size_t from, int partial)
+{
+    const cg_ruleset *rs = f->rs;
+    int rc = pcre2_match(r->re, (PCRE2_SPTR)f->held, f->held_len, from, partial ? PCRE2_PARTIAL_HARD : 0, rs->md,
+                         rs->mctx);
+    if (rc >= 0)
+        return 1;
+    if (rc == PCRE2_ERROR_PARTIAL)
+        return 2;
+    if (rc != PCRE2_ERROR_NOMATCH) {
+        PCRE2_UCHAR why[120];
+        pcre2_get_error_message(rc, why, sizeof(why));
+        cg_warn("rules: reply rule '%s' (%s:%d) stopped: %s; counted as no match", r->name, r->file, r->line,
+                (const char *)why);
+    }
+    return 0;
+}
+
 /* The earliest match, or possible match (unless final), of a mask or stop rule in
- * held[from, len); r NULL when none. An empty match is no match. */
+ * held[from, len); r NULL when none. An empty match is no match. A possible match longer
+ * than the window is not waited for: that rule is run again as if the reply ended here. */
 static reply_match earliest(cg_reply_filter *f, size_t from, int final)
 {
     const cg_ruleset *rs = f->rs;
@@ -105,16 +127,13 @@ static reply_match earliest(cg_reply_filter *f, size_t from, int final)
         const rule *r = &rs->rules[i];
         if (!r->on_reply || r->action == A_TAG)
             continue;
-        int rc = pcre2_match(r->re, (PCRE2_SPTR)f->held, f->held_len, from, final ? 0 : PCRE2_PARTIAL_HARD, rs->md,
-                             rs->mctx);
-        if (rc < 0 && rc != PCRE2_ERROR_PARTIAL) {
-            if (rc != PCRE2_ERROR_NOMATCH)
-                cg_warn("rules: reply rule '%s' (%s:%d) stopped: match limit; counted as no match", r->name,
-                        r->file, r->line);
-            continue;
-        }
+        int rc = run_reply_rule(f, r, from, !final);
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(rs->md);
-        int partial = rc == PCRE2_ERROR_PARTIAL;
+        if (rc == 2 && f->held_len - ov[0] > f->window)
+            rc = run_reply_rule(f, r, from, 0);
+        if (!rc)
+            continue;
+        int partial = rc == 2;
         if (!partial && ov[1] == ov[0])
             continue;
         if (!best.r || ov[0] < best.start || (ov[0] == best.start && partial && !best.partial))
@@ -127,15 +146,6 @@ static void emit(char **out, size_t *out_len, size_t *out_cap, const char *s, si
 {
     if (n)
         cg_buf_append(out, out_len, out_cap, s, n, 256);
-}
-
-/* The next character's start after at (a UTF-8 lead byte). */
-static size_t next_char(const char *s, size_t len, size_t at)
-{
-    do
-        at++;
-    while (at < len && ((unsigned char)s[at] & 0xC0) == 0x80);
-    return at;
 }
 
 int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int final, char **out, size_t *out_len)
@@ -153,12 +163,8 @@ int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int f
         if (!m.r)
             break;
         if (m.partial) {
-            if (f->held_len - m.start <= f->window) {
-                upto = m.start; /* held from where it began, for the next delta */
-                break;
-            }
-            from = next_char(f->held, f->held_len, m.start); /* longer than the window: not one here */
-            continue;
+            upto = m.start; /* held from where it began (within the window), for the next delta */
+            break;
         }
         emit(out, out_len, &out_cap, f->held + pos, m.start - pos);
         note_acted(f, m.r);

@@ -194,7 +194,8 @@ static int service_slot(const cg_turn_env *env, const char *service)
 static void count_usage(cg_turn *t, turn_end_kind end)
 {
     cg_turns *q = t->q;
-    if (!t->t_upstream || t->forwarded || end == END_ABSORBED || (t->tokens_in < 0 && !t->reply_len))
+    /* a reply stopped by a rule before any text went on still cost its prompt */
+    if (!t->t_upstream || t->forwarded || end == END_ABSORBED || (t->tokens_in < 0 && !t->reply_len && !t->blocked))
         return;
     long long in = t->tokens_in >= 0 ? t->tokens_in : (long long)(t->prompt_bytes + 3) / 4;
     long long out = t->tokens_out >= 0 ? t->tokens_out : (long long)(t->reply_len + 3) / 4;

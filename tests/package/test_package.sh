@@ -7,9 +7,11 @@
 #      system user exists, the secrets file is root:chatgate 0640;
 #   3. the installed binary starts as that user on the example config and serves /healthz,
 #      the page and the rules from /usr/share/chatgate; SIGHUP reloads; SIGTERM stops it (0);
-#   4. the unit passes `systemd-analyze verify`, and `systemd-analyze security` rates it
+#   4. a second dpkg -i (the path of an upgrade) after the operator deleted the secrets
+#      file: the postinst copes, dpkg keeps it deleted;
+#   5. the unit passes `systemd-analyze verify`, and `systemd-analyze security` rates it
 #      (its exposure is printed, and must stay under 3.0: "OK");
-#   5. dpkg --purge removes it and /etc/chatgate, leaving nothing of it behind.
+#   6. dpkg --purge removes it and /etc/chatgate, leaving nothing of it behind.
 set -u
 build=$1
 src=$2
@@ -96,6 +98,12 @@ wait "$pid"
 rc=$?
 pid=
 [ "$rc" = 0 ] || { cat "$work/gateway.log"; fail "exit $rc after SIGTERM"; }
+
+say "dpkg -i again (an upgrade's path) with the secrets file deleted by the operator"
+rm /etc/chatgate/chatgate.env
+dpkg -i "$deb" >"$work/dpkg2.log" 2>&1 || { cat "$work/dpkg2.log"; fail "reinstalling over a deleted chatgate.env failed"; }
+[ -e /etc/chatgate/chatgate.env ] && fail "dpkg brought back a conffile the operator deleted"
+grep -q '"listen"' /etc/chatgate/chatgate.json || fail "the configuration went missing on reinstall"
 
 if command -v systemd-analyze >/dev/null; then
     say "the unit: systemd-analyze verify and security"
