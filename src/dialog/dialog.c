@@ -59,6 +59,19 @@ void cg_dialog_expire(cg_dialog *d, int64_t now)
     }
 }
 
+void cg_dialog_lapse(cg_dialog *d, int64_t now, int64_t params_exp, int64_t history_exp)
+{
+    cg_dialog_expire(d, now);
+    if (params_exp <= now) {
+        json_decref(d->params);
+        d->params = json_object();
+    }
+    if (history_exp <= now) {
+        json_decref(d->history);
+        d->history = json_array();
+    }
+}
+
 /* The size of j as compact JSON, counted without building the text. */
 static size_t json_size(json_t *j)
 {

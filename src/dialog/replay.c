@@ -449,11 +449,8 @@ static int upstream_named(replay_ctx *c, const char *name)
     return cfg->n_upstreams++;
 }
 
-/*
- * d as the store would give it back at now, saved last at saved: the parts whose lifetime
- * ran out are gone. The rule of cg_memstore_get (store/store_memory.c; Redis's keys expire
- * the same), restated here because the store layer is above this one.
- */
+/* d as the store would give it back at now, saved last at saved: the parts whose lifetime
+ * ran out are gone (cg_dialog_lapse, the memory store's rule), or the whole dialog. */
 static void dialog_reload(cg_dialog *d, int64_t saved, int64_t now, const cg_lifetimes *lt)
 {
     if (saved + lt->dialog_s <= now) {
@@ -461,15 +458,7 @@ static void dialog_reload(cg_dialog *d, int64_t saved, int64_t now, const cg_lif
         cg_dialog_init(d, now);
         return;
     }
-    cg_dialog_expire(d, now);
-    if (saved + lt->params_s <= now) {
-        json_decref(d->params);
-        d->params = json_object();
-    }
-    if (saved + lt->history_s <= now) {
-        json_decref(d->history);
-        d->history = json_array();
-    }
+    cg_dialog_lapse(d, now, saved + lt->params_s, saved + lt->history_s);
 }
 
 /* Makes sure the upstream a route rule would name is in our configuration before the

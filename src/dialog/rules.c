@@ -78,6 +78,13 @@ const char *cg_ruleset_file(const cg_ruleset *rs, size_t i)
     return rs && i < rs->n_files ? rs->files[i] : NULL;
 }
 
+const char *cg_ruleset_file_name(const cg_ruleset *rs, size_t i)
+{
+    const char *path = cg_ruleset_file(rs, i);
+    const char *slash = path ? strrchr(path, '/') : NULL;
+    return slash ? slash + 1 : path;
+}
+
 void cg_ruleset_count_into(cg_ruleset *rs, const cg_rules_counts *counts)
 {
     rs->counts = *counts;
@@ -94,11 +101,12 @@ char *cg_rules_trim(char *s)
     return s;
 }
 
-/* The match data and limits every evaluation of the set uses. */
+/* The match data and limits every evaluation of the set uses, and whether it has reply rules. */
 static cg_ruleset *ruleset_finish(cg_ruleset *rs)
 {
     uint32_t max_groups = 1;
     for (size_t i = 0; i < rs->n; i++) {
+        rs->has_reply |= rs->rules[i].on_reply;
         uint32_t c = 0;
         pcre2_pattern_info(rs->rules[i].re, PCRE2_INFO_CAPTURECOUNT, &c);
         if (c + 1 > max_groups)

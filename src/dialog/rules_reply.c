@@ -35,16 +35,15 @@ struct cg_reply_filter {
     char *held;       /* [0, ctx): passed on already, for lookbehinds; then the text come from the
                        * upstream and not passed on yet (raw: masks apply on output) */
     size_t held_len, held_cap, ctx;
+    char *out;        /* what a feed passes on: reused from one delta to the next */
+    size_t out_len, out_cap;
     json_t *acted;    /* rule name -> {"rule", "action", "count" | "tag"}, in the order they first acted */
     int stopped;
 };
 
 int cg_ruleset_has_reply_rules(const cg_ruleset *rs)
 {
-    for (size_t i = 0; rs && i < rs->n; i++)
-        if (rs->rules[i].on_reply)
-            return 1;
-    return 0;
+    return rs && rs->has_reply;
 }
 
 cg_reply_filter *cg_reply_filter_new(const cg_ruleset *rs, size_t window)
@@ -65,6 +64,7 @@ void cg_reply_filter_free(cg_reply_filter *f)
     if (!f)
         return;
     free(f->held);
+    free(f->out);
     json_decref(f->acted);
     free(f);
 }
@@ -142,19 +142,15 @@ static reply_match earliest(cg_reply_filter *f, size_t from, int final)
     return best;
 }
 
-static void emit(char **out, size_t *out_len, size_t *out_cap, const char *s, size_t n)
+static void emit(cg_reply_filter *f, const char *s, size_t n)
 {
     if (n)
-        cg_buf_append(out, out_len, out_cap, s, n, 256);
+        cg_buf_append(&f->out, &f->out_len, &f->out_cap, s, n, 256);
 }
 
-int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int final, char **out, size_t *out_len)
+/* One delta (rules.h, cg_reply_filter_feed): what goes on now is appended to f->out. */
+static int feed(cg_reply_filter *f, const char *text, size_t len, int final)
 {
-    size_t out_cap = 0;
-    *out = NULL;
-    *out_len = 0;
-    if (f->stopped)
-        return 1;
     cg_buf_append(&f->held, &f->held_len, &f->held_cap, text, len, 256);
     size_t pos = f->ctx, from = f->ctx; /* held[ctx, pos) is dealt with; the search goes on at from */
     size_t upto = f->held_len;          /* what may go now: all of it, unless a match may be under way */
@@ -166,17 +162,17 @@ int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int f
             upto = m.start; /* held from where it began (within the window), for the next delta */
             break;
         }
-        emit(out, out_len, &out_cap, f->held + pos, m.start - pos);
+        emit(f, f->held + pos, m.start - pos);
         note_acted(f, m.r);
         if (m.r->action == A_STOP) {
             f->stopped = 1;
             return 1;
         }
-        emit(out, out_len, &out_cap, m.r->arg, strlen(m.r->arg));
+        emit(f, m.r->arg, strlen(m.r->arg));
         pos = from = m.end;
     }
     if (upto > pos)
-        emit(out, out_len, &out_cap, f->held + pos, upto - pos);
+        emit(f, f->held + pos, upto - pos);
     else
         upto = pos;
     /* keep what is held, with up to CONTEXT bytes passed on before it (whole characters) */
@@ -187,6 +183,16 @@ int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int f
     f->held_len -= upto - keep;
     f->ctx = keep;
     return 0;
+}
+
+int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int final, const char **out,
+                         size_t *out_len)
+{
+    f->out_len = 0; /* the last delta's output has been passed on */
+    int stopped = f->stopped || feed(f, text, len, final);
+    *out = f->out;
+    *out_len = f->out_len;
+    return stopped;
 }
 
 void cg_reply_filter_tags(cg_reply_filter *f, const char *text, size_t len)

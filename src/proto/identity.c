@@ -166,7 +166,7 @@ static void take_plan(json_t *claims, const char *plan_claim, char *plan, size_t
 {
     json_t *v = plan_claim ? json_object_get(claims, plan_claim) : NULL;
     if (!v)
-        snprintf(plan, planlen, "%s", "");
+        plan[0] = 0;
     else if (json_is_string(v) && json_string_length(v) > 0 && json_string_length(v) < planlen)
         memcpy(plan, json_string_value(v), json_string_length(v) + 1);
     else

@@ -220,9 +220,8 @@ static json_t *rules_stats(const cg_server *srv)
     const char *name;
     for (size_t i = 0; (name = cg_ruleset_rule(rs, i, &file, &line)); i++) {
         int counted = i < CG_METRIC_RULES;
-        const char *path = cg_ruleset_file(rs, file), *slash = strrchr(path, '/');
-        json_t *r = json_pack("{s:s,s:s,s:s,s:i}", "name", name, "file", slash ? slash + 1 : path, "path", path,
-                              "line", line);
+        json_t *r = json_pack("{s:s,s:s,s:s,s:i}", "name", name, "file", cg_ruleset_file_name(rs, file), "path",
+                              cg_ruleset_file(rs, file), "line", line);
         if (counted) {
             json_object_set_new(r, "hits", json_integer((json_int_t)m->rule_hits[i]));
             json_object_set_new(r, "limited", json_integer((json_int_t)m->rule_limited[i]));

@@ -138,12 +138,11 @@ static int worker_lines(const cg_workers *w, char *buf, size_t len, size_t *used
                w->restarts);
 }
 
-/* A file's name as a label value: its base name (the directory is the config's), with
- * '\\', '"' and line ends escaped as the text format wants, cut at about 200 bytes. */
-static const char *file_label(const char *path, char *out, size_t outlen)
+/* A rule file's name as a label value: with '\\', '"' and line ends escaped as the text
+ * format wants, cut at about 200 bytes. */
+static const char *file_label(const char *name, char *out, size_t outlen)
 {
-    const char *slash = strrchr(path, '/');
-    const char *s = slash ? slash + 1 : path;
+    const char *s = name;
     size_t n = 0;
     for (; *s && n + 3 < outlen && n < 200; s++) {
         if (*s == '\\' || *s == '"' || *s == '\n')
@@ -177,7 +176,7 @@ static int rule_lines(const cg_server *srv, const cg_metrics *m, char *buf, size
         /* rule names are letters, digits, '_', '.', '-' (rules_parse.c): nothing to escape */
         for (size_t i = 0; i < CG_METRIC_RULES && (name = cg_ruleset_rule(rs, i, &file, &line)); i++)
             if (put(buf, len, used, "%s{file=\"%s\",rule=\"%s\"} %lu\n", families[f].name,
-                    file_label(cg_ruleset_file(rs, file), label, sizeof(label)), name, v[i]) < 0)
+                    file_label(cg_ruleset_file_name(rs, file), label, sizeof(label)), name, v[i]) < 0)
                 return -1;
     }
     if (put(buf, len, used,
@@ -186,7 +185,7 @@ static int rule_lines(const cg_server *srv, const cg_metrics *m, char *buf, size
         return -1;
     for (size_t i = 0; i < cg_ruleset_files(rs) && i < CG_METRIC_RULE_FILES; i++) {
         char name[256], label[300];
-        snprintf(label, sizeof(label), "file=\"%s\"", file_label(cg_ruleset_file(rs, i), name, sizeof(name)));
+        snprintf(label, sizeof(label), "file=\"%s\"", file_label(cg_ruleset_file_name(rs, i), name, sizeof(name)));
         size_t n = cg_histogram_format(&m->rule_file_time[i], "chatgate_rule_file_seconds", label, buf + *used,
                                        len - *used);
         if (!n)

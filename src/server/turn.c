@@ -316,11 +316,10 @@ static void turn_first_text(cg_turn *t)
 
 static void on_reply_timeout(uv_timer_t *timer);
 
-/* A forwarded turn's app is still answering: its silence bound starts again, ms long. */
-static void turn_timer_arm(cg_turns *q, uint64_t ms)
+/* The connection's turn timer (made at its first use), for the turn in flight: a forwarded
+ * reply's silence bound, or a blocked reply's end (on_reply_timeout says which). */
+static void turns_timer_start(cg_turns *q, uint64_t ms)
 {
-    if (!ms && !(q->inflight && q->inflight->blocked))
-        return;
     if (!q->timer) {
         q->timer = malloc(sizeof(*q->timer));
         if (!q->timer)
@@ -330,6 +329,13 @@ static void turn_timer_arm(cg_turns *q, uint64_t ms)
     }
     q->timer_ms = ms;
     uv_timer_start(q->timer, on_reply_timeout, ms, 0);
+}
+
+/* A forwarded turn's app is still answering: its silence bound starts again, ms long. */
+static void turn_timer_arm(cg_turns *q, uint64_t ms)
+{
+    if (ms)
+        turns_timer_start(q, ms);
 }
 
 /* A stop rule matched the reply: the upstream call is cancelled (never from inside its own
@@ -361,14 +367,13 @@ static void turn_pass(cg_turn *t, const char *text, size_t len)
  * matched (the turn is then blocked, its end scheduled). */
 static int turn_filter(cg_turn *t, const char *text, size_t len, int final)
 {
-    char *out;
+    const char *out;
     size_t n;
     int stop = cg_reply_filter_feed(t->filter, text, len, final, &out, &n);
     turn_pass(t, out, n);
-    free(out);
     if (stop && !t->blocked) {
         t->blocked = 1;
-        turn_timer_arm(t->q, 0);
+        turns_timer_start(t->q, 0); /* its end from the loop, outside the upstream's callback */
     }
     return stop;
 }

@@ -356,7 +356,7 @@ void cg_redis_answer_from_memory(cg_store_req *r)
         json_decref(rooms);
     } else if (r->kind == OP_LIMIT && !r->abandoned && !rs->closing) { /* a turn gone is not counted */
         cg_limit_verdict v;
-        cg_limiter_take(rs->limits, r->eu, &r->limits, now * 1000, &v);
+        cg_limiter_take(rs->limits, r->eu, &r->limits, cg_store_now_ms(&rs->base), &v);
         r->limit_cb(r->ctx, &v, &st);
     } else if (r->kind == OP_REMOVE || r->kind == OP_REMOVE_USER) {
         if (r->kind == OP_REMOVE)

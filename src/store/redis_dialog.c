@@ -848,12 +848,14 @@ static const char save_script[] =
  */
 #define LIMIT_SLOT_MS 300000
 
-static char *limit_key(redis_store *rs, const char *eu, const char *fmt, long long n)
+/* P:{U}:limit:<what><n>, n left out when negative ("turns:now"). */
+static char *limit_key(redis_store *rs, const char *eu, const char *what, long long n)
 {
-    char *part, *s;
-    if (asprintf(&part, fmt, n) < 0 || asprintf(&s, "%s:{%s}:limit:%s", rs->base.cfg.prefix, eu, part) < 0)
+    char *s;
+    int rc = n < 0 ? asprintf(&s, "%s:{%s}:limit:%s", rs->base.cfg.prefix, eu, what)
+                   : asprintf(&s, "%s:{%s}:limit:%s%lld", rs->base.cfg.prefix, eu, what, n);
+    if (rc < 0)
         abort();
-    free(part);
     return s;
 }
 
@@ -938,10 +940,10 @@ static void send_limit(redis_store *rs, cg_store_req *r)
     arg_str(&a, "EVALSHA");
     arg_str(&a, script_sha[S_LIMIT]);
     arg_str(&a, "4");
-    arg_own(&a, limit_key(rs, r->eu, "messages:%lld", (long long)c.minute));
-    arg_own(&a, limit_key(rs, r->eu, "turns:now", 0));
-    arg_own(&a, limit_key(rs, r->eu, "tokens:m%lld", (long long)c.minute));
-    arg_own(&a, limit_key(rs, r->eu, "tokens:d%lld", (long long)c.day));
+    arg_own(&a, limit_key(rs, r->eu, "messages:", c.minute));
+    arg_own(&a, limit_key(rs, r->eu, "turns:now", -1));
+    arg_own(&a, limit_key(rs, r->eu, "tokens:m", c.minute));
+    arg_own(&a, limit_key(rs, r->eu, "tokens:d", c.day));
     arg_fmt(&a, "%lld", (long long)now);
     arg_fmt(&a, "%ld", r->limits.messages_per_minute);
     arg_fmt(&a, "%ld", r->limits.turns_at_once);
@@ -1373,9 +1375,9 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
         arg_str(&a, "EVALSHA");
         arg_str(&a, script_sha[S_LIMIT_END]);
         arg_str(&a, "3");
-        arg_own(&a, limit_key(rs, eu, "turns:now", 0));
-        arg_own(&a, limit_key(rs, eu, "tokens:m%lld", (long long)c.minute));
-        arg_own(&a, limit_key(rs, eu, "tokens:d%lld", (long long)c.day));
+        arg_own(&a, limit_key(rs, eu, "turns:now", -1));
+        arg_own(&a, limit_key(rs, eu, "tokens:m", c.minute));
+        arg_own(&a, limit_key(rs, eu, "tokens:d", c.day));
         arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)turn);
         arg_fmt(&a, "%lld", tokens);
         arg_fmt(&a, "%ld", c.to_minute_ms + 1000);

@@ -143,15 +143,7 @@ int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
         cg_dialog_init(d, now);
         return 0;
     }
-    cg_dialog_expire(d, now);
-    if (e->params_exp <= now) {
-        json_decref(d->params);
-        d->params = json_object();
-    }
-    if (e->history_exp <= now) {
-        json_decref(d->history);
-        d->history = json_array();
-    }
+    cg_dialog_lapse(d, now, e->params_exp, e->history_exp);
     /* most recently used: to the end of the order */
     TAILQ_REMOVE(&m->order, e, order);
     TAILQ_INSERT_TAIL(&m->order, e, order);

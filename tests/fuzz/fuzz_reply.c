@@ -43,6 +43,19 @@ static void init(void)
     free(text);
 }
 
+/* One feed, its output appended to *all (*all_len bytes); 1 when stopped. */
+static int feed(cg_reply_filter *f, const char *text, size_t n, int final, char **all, size_t *all_len)
+{
+    const char *out;
+    size_t m;
+    int stopped = cg_reply_filter_feed(f, text, n, final, &out, &m);
+    *all = realloc(*all, *all_len + m + 1);
+    if (m)
+        memcpy(*all + *all_len, out, m);
+    *all_len += m;
+    return stopped;
+}
+
 /* The whole reply through a filter, cut after the bytes cuts[] says (at character
  * boundaries); the output and whether it stopped. */
 static char *run(const char *text, size_t len, size_t window, const uint8_t *cuts, size_t n_cuts, size_t *out_len,
@@ -58,24 +71,11 @@ static char *run(const char *text, size_t len, size_t window, const uint8_t *cut
             n = len - at;
         while (at + n < len && ((unsigned char)text[at + n] & 0xC0) == 0x80)
             n++; /* a delta is whole characters (a JSON string's) */
-        char *out;
-        size_t m;
-        *stopped = cg_reply_filter_feed(f, text + at, n, 0, &out, &m);
-        all = realloc(all, all_len + m + 1);
-        memcpy(all + all_len, out ? out : "", m);
-        all_len += m;
-        free(out);
+        *stopped = feed(f, text + at, n, 0, &all, &all_len);
         at += n;
     }
-    if (!*stopped) {
-        char *out;
-        size_t m;
-        *stopped = cg_reply_filter_feed(f, "", 0, 1, &out, &m);
-        all = realloc(all, all_len + m + 1);
-        memcpy(all + all_len, out ? out : "", m);
-        all_len += m;
-        free(out);
-    }
+    if (!*stopped)
+        *stopped = feed(f, "", 0, 1, &all, &all_len);
     cg_reply_filter_free(f);
     *out_len = all_len;
     return all;

@@ -50,6 +50,10 @@ int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src);
 size_t cg_dialog_weight(const cg_dialog *d);
 /* Drops awaiting and soft context whose time is up. */
 void cg_dialog_expire(cg_dialog *d, int64_t now);
+/* d as a store gives it back at now: cg_dialog_expire, and params and history emptied when
+ * their lifetimes (ending at params_exp and history_exp) ran out. The rule of the memory
+ * store (Redis's keys expire the same), shared with `rules replay`. */
+void cg_dialog_lapse(cg_dialog *d, int64_t now, int64_t params_exp, int64_t history_exp);
 
 /*
  * Merges params (an object of name -> value; a null value forgets the name) into service.

@@ -38,6 +38,8 @@ const char *cg_ruleset_rule(const cg_ruleset *rs, size_t i, size_t *file, int *l
 /* The set's files, in load order: how many, and file i's path. */
 size_t cg_ruleset_files(const cg_ruleset *rs);
 const char *cg_ruleset_file(const cg_ruleset *rs, size_t i);
+/* File i's base name (its directory is the config's: what /metrics and the admin API show). */
+const char *cg_ruleset_file_name(const cg_ruleset *rs, size_t i);
 
 /*
  * Per-rule figures (/metrics, GET /admin/rules): once counts are attached to a set, every
@@ -97,9 +99,11 @@ int cg_ruleset_has_reply_rules(const cg_ruleset *rs);
 cg_reply_filter *cg_reply_filter_new(const cg_ruleset *rs, size_t window);
 void cg_reply_filter_free(cg_reply_filter *f);
 /* Feeds len bytes of the reply (final: it ended, nothing more comes): the text the client
- * may have now, masked, goes to *out (malloc'd, *out_len bytes; NULL when none). 0, or 1
- * when a stop rule matched: *out is the text before the match, and nothing more goes. */
-int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int final, char **out, size_t *out_len);
+ * may have now, masked, is *out (*out_len bytes, maybe 0; the filter's buffer, good until
+ * the next feed, reused so that a delta costs no allocation). 0, or 1 when a stop rule
+ * matched: *out is the text before the match, and nothing more goes. */
+int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int final, const char **out,
+                         size_t *out_len);
 /* Runs the tag rules on the whole reply as the client got it (once, at its end). */
 void cg_reply_filter_tags(cg_reply_filter *f, const char *text, size_t len);
 /* What acted on the reply, in the order each first did: a new array of

@@ -100,6 +100,7 @@ struct cg_ruleset {
     pcre2_jit_stack *jit;
     pcre2_match_data *md;
     cg_rules_counts counts; /* where evaluation counts what each rule did; zero: nowhere */
+    int has_reply;          /* some rule is `on reply` (known at load: each reply asks) */
 };
 
 /* rules.c: trims spaces and tabs at both ends, and line ends at the end, in place. */
