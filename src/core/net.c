@@ -1,12 +1,15 @@
 /*
  * net.c: resolving host names off the event loop, and opening lws client connections on the
- * gateway's lws context, and close frames (see net.h).
+ * gateway's lws context, close frames, and frames written whole (see net.h).
  */
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <openssl/rand.h>
 
 #include "chatgate/core/net.h"
 #include "chatgate/core/buf.h"
@@ -133,11 +136,12 @@ int cg_net_write_close(struct lws *wsi, int code, const char *reason)
     return lws_write(wsi, close + LWS_PRE, 2 + rl, (enum lws_write_protocol)CG_LWS_WRITE_CLOSE);
 }
 
-void cg_net_batch_add(cg_net_batch *b, const char *json, size_t len)
+/* An RFC 6455 header of a final text (or binary) frame of len bytes into hdr (at least 10
+ * bytes), with the MASK bit when masked (the caller appends the 4-byte key); its size. */
+static size_t frame_header(unsigned char *hdr, size_t len, int binary, int masked)
 {
-    unsigned char hdr[10];
     size_t h = 2;
-    hdr[0] = 0x81; /* FIN, text */
+    hdr[0] = binary ? 0x82 : 0x81; /* FIN, binary or text */
     if (len < 126) {
         hdr[1] = (unsigned char)len;
     } else if (len <= 0xffff) {
@@ -151,8 +155,72 @@ void cg_net_batch_add(cg_net_batch *b, const char *json, size_t len)
             hdr[2 + i] = (unsigned char)((uint64_t)len >> (56 - 8 * i));
         h = 10;
     }
+    if (masked)
+        hdr[1] |= 0x80;
+    return h;
+}
+
+void cg_net_batch_add(cg_net_batch *b, const char *json, size_t len)
+{
+    unsigned char hdr[10];
+    size_t h = frame_header(hdr, len, 0, 0);
     cg_buf_append(&b->buf, &b->len, &b->cap, hdr, h, 1024);
     cg_buf_append(&b->buf, &b->len, &b->cap, json, len, 1024);
+}
+
+/*
+ * Masking keys, drawn from OpenSSL's generator a pool at a time (RFC 6455 5.3 asks for
+ * keys a peer cannot predict). The pool is emptied in a forked child (--workers), so that
+ * no two processes use the same keys.
+ */
+static unsigned char mask_pool[4096];
+static size_t mask_used = sizeof(mask_pool);
+
+static void mask_pool_forget(void)
+{
+    mask_used = sizeof(mask_pool);
+}
+
+static int next_mask(unsigned char key[4])
+{
+    static int at_fork;
+    if (!at_fork) {
+        pthread_atfork(NULL, NULL, mask_pool_forget);
+        at_fork = 1;
+    }
+    if (mask_used == sizeof(mask_pool)) {
+        if (RAND_bytes(mask_pool, (int)sizeof(mask_pool)) != 1)
+            return -1;
+        mask_used = 0;
+    }
+    memcpy(key, mask_pool + mask_used, 4);
+    mask_used += 4;
+    return 0;
+}
+
+size_t cg_net_client_frame(unsigned char *payload, size_t len, int binary)
+{
+    unsigned char hdr[14], key[4];
+    if (next_mask(key) < 0)
+        return 0;
+    size_t h = frame_header(hdr, len, binary, 1);
+    memcpy(hdr + h, key, 4);
+    h += 4;
+    memcpy(payload - h, hdr, h);
+    /* eight bytes at a time: the key repeats every four, and i stays a multiple of four */
+    unsigned char key8[8] = {key[0], key[1], key[2], key[3], key[0], key[1], key[2], key[3]};
+    uint64_t k;
+    memcpy(&k, key8, 8);
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t v;
+        memcpy(&v, payload + i, 8);
+        v ^= k;
+        memcpy(payload + i, &v, 8);
+    }
+    for (; i < len; i++)
+        payload[i] ^= key[i & 3];
+    return h;
 }
 
 int cg_net_batch_write(struct lws *wsi, cg_net_batch *b)

@@ -46,7 +46,7 @@
 /* Frames keep the headroom of the ones dumped for us (protocol.h), so those are adopted as
  * they are; lws writes its header there. */
 #define FRAME_PRE CG_FRAME_PRE
-_Static_assert(FRAME_PRE >= LWS_PRE, "a frame's headroom must hold lws's LWS_PRE");
+_Static_assert(FRAME_PRE >= LWS_PRE && FRAME_PRE >= CG_NET_CLIENT_HEAD, "a frame's headroom must hold lws's LWS_PRE, and a client frame's header");
 
 typedef struct frame {
     struct frame *next;
@@ -485,8 +485,10 @@ static int app_write_queue(cg_dropin *d)
     frame *f;
     while ((f = d->to_app.head) && f->ready && !lws_partial_buffered(d->app)) {
         queue_pop(&d->to_app);
-        int n = lws_write(d->app, f->data + FRAME_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
-        int short_write = n < (int)f->len;
+        /* made here, written as bytes (net.h: no read() of a masking key per frame) */
+        size_t head = cg_net_client_frame(f->data + FRAME_PRE, f->len, f->binary), len = head + f->len;
+        int n = head ? lws_write(d->app, f->data + FRAME_PRE - head, len, LWS_WRITE_HTTP) : -1;
+        int short_write = n < (int)len;
         frame_free(f);
         if (short_write) {
             dropin_flow(d);

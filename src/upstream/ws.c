@@ -29,6 +29,7 @@
 #include "chatgate/upstream/upstream.h"
 
 #define MAX_APP_FRAME (1 << 20) /* one frame from the app */
+_Static_assert(LWS_PRE >= CG_NET_CLIENT_HEAD, "a frame's header is written into its LWS_PRE headroom");
 #define MAX_PENDING 16          /* frames waiting to go to the app */
 
 typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE, PHASE_NONE } conn_phase;
@@ -365,8 +366,10 @@ static int write_one(ws_conn *k, struct lws *wsi)
     if (!k->out_head)
         k->out_tail = NULL;
     k->n_out--;
-    size_t len = p->len;
-    int n = lws_write(wsi, (unsigned char *)p->frame + LWS_PRE, len, LWS_WRITE_TEXT);
+    /* the frame is made here, written as bytes (net.h: no read() of a key per frame) */
+    unsigned char *payload = (unsigned char *)p->frame + LWS_PRE;
+    size_t head = cg_net_client_frame(payload, p->len, 0), len = head + p->len;
+    int n = head ? lws_write(wsi, payload - head, len, LWS_WRITE_HTTP) : -1;
     free(p->frame);
     free(p);
     return n < (int)len ? -1 : 0;

@@ -88,4 +88,15 @@ int cg_net_batch_write(struct lws *wsi, cg_net_batch *b);
 /* Frees b's buffer. */
 void cg_net_batch_free(cg_net_batch *b);
 
+/*
+ * A client's text frame (binary: a binary one), made in place for lws_write(LWS_WRITE_HTTP): masks the len bytes
+ * at payload with a fresh key and writes the header (FIN, text, MASK, length, key) into the
+ * CG_NET_CLIENT_HEAD bytes before it (LWS_PRE bytes of headroom are enough). Returns the
+ * header's size, the frame starting that far before payload; 0 when no key could be drawn.
+ * lws masks each frame itself, but reads the key from /dev/urandom, one read() per frame
+ * to the app (the ws upstream, drop-in): this draws keys from OpenSSL a pool at a time instead.
+ */
+#define CG_NET_CLIENT_HEAD 14
+size_t cg_net_client_frame(unsigned char *payload, size_t len, int binary);
+
 #endif
