@@ -304,10 +304,16 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             "# TYPE chatgate_store_lease_lost_total counter\nchatgate_store_lease_lost_total %lu\n"
             "# HELP chatgate_store_remote_cancels_total Turns stopped because another gateway asked (a cancel "
             "phrase or context.clear that arrived there).\n"
-            "# TYPE chatgate_store_remote_cancels_total counter\nchatgate_store_remote_cancels_total %lu\n",
+            "# TYPE chatgate_store_remote_cancels_total counter\nchatgate_store_remote_cancels_total %lu\n"
+            "# HELP chatgate_store_loads_cached_total Redis loads that Redis answered \"unchanged\": the "
+            "dialog was read from this gateway's copy.\n"
+            "# TYPE chatgate_store_loads_cached_total counter\nchatgate_store_loads_cached_total %lu\n"
+            "# HELP chatgate_store_saves_appended_total Redis saves that sent only the history's new messages.\n"
+            "# TYPE chatgate_store_saves_appended_total counter\nchatgate_store_saves_appended_total %lu\n",
             st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
             st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
-            st->replica_refused, st->lease_waits, st->lease_lost, st->remote_cancels) < 0 ||
+            st->replica_refused, st->lease_waits, st->lease_lost, st->remote_cancels, st->loads_cached,
+            st->saves_appended) < 0 ||
         put(buf, len, &used,
             "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
             "# TYPE chatgate_awaiting_resolutions_total counter\nchatgate_awaiting_resolutions_total %lu\n"

@@ -167,6 +167,7 @@ static void req_closed(uv_handle_t *h)
     redis_store *rs = r->rs;
     json_decref(r->snapshot);
     free(r->lease_value);
+    free(r->rev);
     free(r->user);
     free(r->eu);
     free(r->er);
@@ -318,12 +319,12 @@ static void unknown_add(redis_store *rs, const char *key)
     json_object_set_new(rs->unknown, key, json_true()); /* out of memory: created_at still guards */
 }
 
-void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot)
+void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot, const char *rev)
 {
     int64_t now = rs->base.now(rs->base.clock_ctx);
     cg_dialog d;
     cg_dialog_adopt_json(&d, snapshot, now); /* shares snapshot's parts: the put copies what it keeps */
-    cg_memstore_put(rs->mem, key, &d, now);
+    cg_memstore_put_rev(rs->mem, key, &d, now, rev);
     cg_dialog_free(&d);
 }
 
@@ -344,7 +345,7 @@ void cg_redis_answer_from_memory(cg_store_req *r)
             cg_dialog_free(&d);
     } else if (r->kind == OP_SAVE) {
         if (!r->version && r->snapshot) { /* a write-back that failed stays as it is: dirty, in memory */
-            cg_redis_memory_put(rs, r->key, r->snapshot);
+            cg_redis_memory_put(rs, r->key, r->snapshot, NULL);
             cg_redis_mark_dirty(rs, r);
         }
         if (!r->abandoned && !rs->closing && r->done_cb)

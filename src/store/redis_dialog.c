@@ -6,7 +6,9 @@
  *
  * Layout (docs/state.md), the user's hash tag on every key, so a user's dialogs, their
  * leases and the rooms set live on one shard (one cluster slot):
- *   P:{U}:R:params    HASH  "<service>.<name>" -> JSON value
+ *   P:{U}:R:params    HASH  "<service>.<name>" -> JSON value, and "rev": the version of the
+ *                           dialog that the last save wrote (docs/state.md, "The gateway's
+ *                           copy"); here because every save, by any chatgate version, rewrites it
  *   P:{U}:R:dialog    HASH  service, created_at, last_activity, turn_count, message_count,
  *                           last_tool_result, usage (JSON: tokens by upstream)
  *   P:{U}:R:awaiting  STRING JSON, EX its lifetime
@@ -22,6 +24,13 @@
  * single Redis, behind twemproxy (which refuses MULTI) and on one cluster slot, in one
  * command and one round trip. (The gateway holds the whole dialog for the turn, so
  * rewriting is simpler than HSET/HDEL deltas and gives the same keys.)
+ *
+ * Two things spare a turn most of that work (docs/state.md, "The gateway's copy"). Every
+ * save writes a new rev, unique to this store, and the memory store keeps the gateway's copy
+ * under it: a load names that rev, and Redis answers "same" instead of the dialog when its
+ * copy is that one, so the dialog is not read, sent and parsed again. And a save whose
+ * history is that copy's plus new messages appends them (RPUSH, LTRIM) instead of
+ * rewriting the list, refused (-3) and sent again in full when Redis's rev is another.
  *
  * A save is conditional, inside its script: Redis's copy is kept when it is another
  * incarnation of the dialog (its created_at differs: this gateway loaded a fresh dialog
@@ -371,7 +380,10 @@ static int gated(redis_store *rs, cg_store_req *r)
  * then the five reads. A lease held by another holder answers {"busy", its value, its PTTL}
  * and reads nothing; else the lease is "holder fence", the fence one more than the
  * dialog's last (KEYS[7], kept as long as the dialog), for ARGV[2] ms. The answer is the
- * lease ("" when none was asked), then the five parts (GET's nil comes back as nil).
+ * lease ("" when none was asked), then the five parts (GET's nil comes back as nil); or,
+ * when ARGV[4] names the rev of the copy this gateway holds and Redis's copy is that one,
+ * the lease, "same" and the number of params and of history messages Redis holds (the
+ * gateway checks its copy against them: a part that lapsed in Redis first).
  */
 static const char load_script[] =
     "local lease = ''\n"
@@ -385,6 +397,9 @@ static const char load_script[] =
     "  lease = ARGV[1] .. ' ' .. fence\n"
     "  redis.call('SET', KEYS[6], lease, 'PX', ARGV[2])\n"
     "  redis.call('DEL', KEYS[8])\n"
+    "end\n"
+    "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] then\n"
+    "  return {lease, 'same', redis.call('HLEN', KEYS[1]) - 1, redis.call('LLEN', KEYS[5])}\n"
     "end\n"
     "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
     "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}\n";
@@ -426,7 +441,8 @@ static void set_checked(json_t *obj, const char *key, size_t key_len, json_t *v)
                 (int)(key_len > 64 ? 64 : key_len), key);
 }
 
-/* params: fields "<service>.<name>" -> JSON, into {service: {name: value}} */
+/* params: fields "<service>.<name>" -> JSON, into {service: {name: value}}; the hash's
+ * "rev" (no dot: not a param) is the dialog's rev, read by dialog_from_replies */
 static json_t *params_from_reply(redisReply *rep)
 {
     json_t *params = json_object();
@@ -468,10 +484,12 @@ static void expiring_from_reply(json_t *j, redisReply *rep, const char *name, co
     set_checked(j, name, strlen(name), v);
 }
 
-/* Turns the five replies of a load into the JSON cg_dialog_from_json reads; NULL when out
- * of memory. */
-static json_t *dialog_from_replies(redisReply **rep)
+/* Turns the five replies of a load into the JSON cg_dialog_from_json reads, and *rev into
+ * the dialog's rev (NULL when it has none: written by an older chatgate); NULL when out of
+ * memory. */
+static json_t *dialog_from_replies(redisReply **rep, const char **rev)
 {
+    *rev = NULL;
     json_t *j = json_object(), *meta = json_object(), *history = json_array();
     if (!j || !meta || !history) {
         json_decref(j);
@@ -480,6 +498,10 @@ static json_t *dialog_from_replies(redisReply **rep)
         return NULL;
     }
     set_checked(j, "params", 6, params_from_reply(rep[0]));
+    for (size_t i = 0; rep[0]->type == REDIS_REPLY_ARRAY && i + 1 < rep[0]->elements; i += 2)
+        if (rep[0]->element[i]->type == REDIS_REPLY_STRING && strcmp(rep[0]->element[i]->str, "rev") == 0 &&
+            rep[0]->element[i + 1]->type == REDIS_REPLY_STRING)
+            *rev = rep[0]->element[i + 1]->str;
     for (size_t i = 0; rep[1]->type == REDIS_REPLY_ARRAY && i + 1 < rep[1]->elements; i += 2) {
         redisReply *f = rep[1]->element[i], *v = rep[1]->element[i + 1];
         if (f->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING)
@@ -556,6 +578,61 @@ static void lease_wait(redis_store *rs, cg_store_req *r, redisReply *busy)
     uv_timer_start(&r->defer, on_lease_retry, delay, 0);
 }
 
+static void send_load(redis_store *rs, cg_store_req *r);
+
+/* Number of params of d, as Redis keeps them (a field per service and name). */
+static size_t params_count(const cg_dialog *d)
+{
+    const char *service;
+    json_t *names;
+    size_t n = 0;
+    json_object_foreach(d->params, service, names) n += json_object_size(names);
+    return n;
+}
+
+/*
+ * Redis answered "same" (load_script): d is filled from the gateway's copy and 1 returned,
+ * or 0 when that copy is no longer the one asked about, or does not hold what Redis
+ * counts; r then loads in full.
+ */
+static int load_cached(redis_store *rs, cg_store_req *r, redisReply *reply, int64_t now, cg_dialog *d)
+{
+    const char *rev = cg_memstore_rev(rs->mem, r->key, now);
+    if (reply->elements != 4 || reply->element[2]->type != REDIS_REPLY_INTEGER ||
+        reply->element[3]->type != REDIS_REPLY_INTEGER || !rev || strcmp(rev, r->rev) != 0)
+        return 0;
+    if (!cg_memstore_get(rs->mem, r->key, now, d))
+        return 0;
+    if (params_count(d) == (size_t)reply->element[2]->integer &&
+        json_array_size(d->history) == (size_t)reply->element[3]->integer)
+        return 1;
+    cg_dialog_free(d);
+    return 0;
+}
+
+/* The load's dialog in d, from the replies or from the gateway's copy; 0, or -1 when the
+ * answer is not one (an error, or out of memory), 1 when r was sent again in full. */
+static int load_answer(redis_store *rs, cg_store_req *r, redisReply *reply, int64_t now, cg_dialog *d)
+{
+    if (reply->elements >= 2 && reply->element[1]->type == REDIS_REPLY_STRING && r->rev) {
+        if (load_cached(rs, r, reply, now, d)) {
+            rs->base.stats.loads_cached++;
+            return 0;
+        }
+        r->full = 1; /* the lease stays taken: the next load is the same holder's */
+        send_load(rs, r);
+        return 1;
+    }
+    const char *rev;
+    json_t *j;
+    if (reply->elements != 6 || !(j = dialog_from_replies(reply->element + 1, &rev)))
+        return -1;
+    cg_dialog_adopt_json(d, j, now); /* j was built from the replies for this */
+    json_decref(j);
+    cg_memstore_put_rev(rs->mem, r->key, d, now, rev); /* the copy that survives an outage */
+    return 0;
+}
+
 static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -568,22 +645,24 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
         lease_wait(rs, r, reply);
         return;
     }
-    json_t *j = NULL;
-    if (cg_redis_reply_failed(rs, reply, 6, "load") || reply->element[0]->type != REDIS_REPLY_STRING ||
-        !(j = dialog_from_replies(reply->element + 1))) {
+    int64_t now = rs->base.now(rs->base.clock_ctx);
+    cg_dialog d;
+    int rc = -1;
+    if (cg_redis_reply_failed(rs, reply, 0, "load") || reply->type != REDIS_REPLY_ARRAY || reply->elements < 2 ||
+        reply->element[0]->type != REDIS_REPLY_STRING || (rc = load_answer(rs, r, reply, now, &d)) < 0) {
+        if (reply && reply->type != REDIS_REPLY_ERROR && rc < 0)
+            cg_warn("redis %s:%d: load: unexpected answer (type %d, %zu elements)", rs->host, rs->port, reply->type,
+                    reply->type == REDIS_REPLY_ARRAY ? reply->elements : 0);
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
         return;
     }
+    if (rc == 1)
+        return; /* sent again, in full */
     redisReply *lease = reply->element[0];
-    int64_t now = rs->base.now(rs->base.clock_ctx);
-    cg_dialog d;
-    cg_dialog_adopt_json(&d, j, now); /* j was built from the replies for this */
-    json_decref(j);
-    cg_memstore_put(rs->mem, r->key, &d, now); /* the copy that survives an outage */
     json_object_del(rs->unknown, r->key);      /* Redis's copy is known now */
     cg_store_status st = {0, 0, 0};
-    for (size_t i = 1; i < reply->elements; i++) /* any of the five keys there */
+    for (size_t i = 1; i < reply->elements; i++) /* any of the five keys there ("same": the dialog is) */
         st.found |= reply->element[i]->type == REDIS_REPLY_STRING ||
                     (reply->element[i]->type == REDIS_REPLY_ARRAY && reply->element[i]->elements > 0);
     int wanted = !r->abandoned && !rs->closing;
@@ -601,11 +680,17 @@ static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
 
 static void send_load(redis_store *rs, cg_store_req *r)
 {
+    /* the rev of the copy this gateway holds, if Redis may answer "same" (a turn's load:
+     * one without the lease is an admin's read, rare, and reads everything) */
+    const char *rev = r->lease && !r->full ? cg_memstore_rev(rs->mem, r->key, rs->base.now(rs->base.clock_ctx)) : NULL;
+    free(r->rev);
+    r->rev = rev ? cg_redis_xstrdup(rev) : NULL;
     argv_buf a = {0};
     arg_script(rs, &a, S_LOAD, r->eu, r->er);
     arg_str(&a, r->lease ? rs->holder : "");
     arg_fmt(&a, "%ld", rs->base.cfg.lease_ms);
     arg_fmt(&a, "%ld", rs->base.cfg.lifetimes.dialog_s);
+    arg_str(&a, r->rev ? r->rev : "");
     send_last_script(rs, S_LOAD, &a, on_load_reply, r);
     argv_free(&a);
 }
@@ -776,15 +861,18 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * 9 service, 10 "1" when there is a service, 11 last_tool_result, 12-13 awaiting and its EX
  * (0: none), 14-15 soft and its EX, 16 the number of params, 17 the lease this save must
  * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
- * long the rooms set lives, 20 usage (JSON, "null" for none), then the params' field-value
- * pairs, then the history.
- * Returns 1 when written, 0 when Redis holds another incarnation, -1 a newer copy, -2 when
+ * long the rooms set lives, 20 usage (JSON, "null" for none), 21 the rev this save writes,
+ * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten),
+ * 23 how many messages the history holds after this save, then the params' field-value
+ * pairs, then the history (appending: only its new messages).
+ * Returns 1 when written, -3 (before writing anything) when an append finds another rev,
+ * 0 when Redis holds another incarnation, -1 a newer copy, -2 when
  * the lease is no longer this save's: another holder has it, or it is gone and the dialog's
  * fence moved past this save's (another gateway took the dialog over and finished). A lease
  * gone with the fence not past this save's, or this holder's own older lease (a failover to
  * a replica that had not received the lease, or its release), is no one else's: the save
  * goes on (this process orders its own turns of a dialog). A save that held the lease lets go of it,
- * written or not.
+ * written or not, but for -3: it is sent again at once, rewriting the history.
  */
 static const char save_script[] =
     "if ARGV[17] ~= '' then\n"
@@ -799,19 +887,19 @@ static const char save_script[] =
     "  local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
     "  if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
     "  if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
+    "  if ARGV[22] ~= '' and redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] then return -3 end\n"
     "  local function chunks(cmd, key, from, to, step)\n"
     "    for i = from, to, step do\n"
     "      redis.call(cmd, key, unpack(ARGV, i, math.min(i + step - 1, to)))\n"
     "    end\n"
     "  end\n"
-    "  local np = tonumber(ARGV[16])\n"
+    "  local np, P = tonumber(ARGV[16]), 23\n"
     "  redis.call('SADD', KEYS[9], ARGV[18])\n"
     "  redis.call('EXPIRE', KEYS[9], ARGV[19])\n"
     "  redis.call('DEL', KEYS[1])\n"
-    "  if np > 0 then\n"
-    "    chunks('HSET', KEYS[1], 21, 20 + 2 * np, 200)\n"
-    "    redis.call('EXPIRE', KEYS[1], ARGV[4])\n"
-    "  end\n"
+    "  redis.call('HSET', KEYS[1], 'rev', ARGV[21])\n"
+    "  if np > 0 then chunks('HSET', KEYS[1], P + 1, P + 2 * np, 200) end\n"
+    "  redis.call('EXPIRE', KEYS[1], ARGV[4])\n"
     "  redis.call('HSET', KEYS[2], 'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
     "             'message_count', ARGV[8], 'last_tool_result', ARGV[11])\n"
     "  if ARGV[20] ~= 'null' then redis.call('HSET', KEYS[2], 'usage', ARGV[20])\n"
@@ -823,15 +911,17 @@ static const char save_script[] =
     "  else redis.call('DEL', KEYS[3]) end\n"
     "  if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
     "  else redis.call('DEL', KEYS[4]) end\n"
-    "  redis.call('DEL', KEYS[5])\n"
-    "  if #ARGV > 20 + 2 * np then\n"
-    "    chunks('RPUSH', KEYS[5], 21 + 2 * np, #ARGV, 200)\n"
+    "  local keep = tonumber(ARGV[23])\n"
+    "  if ARGV[22] == '' or keep == 0 then redis.call('DEL', KEYS[5]) end\n"
+    "  if #ARGV > P + 2 * np then chunks('RPUSH', KEYS[5], P + 1 + 2 * np, #ARGV, 200) end\n"
+    "  if keep > 0 then\n"
+    "    if ARGV[22] ~= '' then redis.call('LTRIM', KEYS[5], -keep, -1) end\n"
     "    redis.call('EXPIRE', KEYS[5], ARGV[6])\n"
     "  end\n"
     "  return 1\n"
     "end\n"
     "local code = save()\n"
-    "if ARGV[17] ~= '' then redis.call('DEL', KEYS[6], KEYS[8]) end\n"
+    "if ARGV[17] ~= '' and code ~= -3 then redis.call('DEL', KEYS[6], KEYS[8]) end\n"
     "return code\n";
 
 /* ---- limits per user (limits.h) ------------------------------------------------------- */
@@ -993,7 +1083,12 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
     char *key = cg_redis_xstrdup(r->key); /* r may be finished below; the gate opens last */
-    save_answered(rs, r, reply);
+    if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == -3 && !r->full) {
+        r->full = 1; /* the history it appended to is not Redis's: all of it, now */
+        cg_redis_send_save(rs, r);
+    } else {
+        save_answered(rs, r, reply);
+    }
     gate_leave(rs, key);
     free(key);
 }
@@ -1024,7 +1119,8 @@ static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply)
         if (entry && json_object_get(rs->dirty, r->key) == entry)
             cg_redis_dirty_del(rs, r->key); /* a newer outage write of the same copy: refused too */
     } else if (!r->version) {
-        cg_redis_memory_put(rs, r->key, r->snapshot);
+        cg_redis_memory_put(rs, r->key, r->snapshot, r->rev); /* Redis's copy, of this rev */
+        rs->base.stats.saves_appended += (unsigned long)r->appended;
     }
     static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && !rs->closing && r->done_cb)
@@ -1048,6 +1144,35 @@ static void arg_expiring(argv_buf *a, json_t *value, int64_t expires, int64_t no
     arg_fmt(a, "%lld", (long long)(expires - now));
     if (expires - now > *longest)
         *longest = expires - now;
+}
+
+/*
+ * Where the new messages of a save's history start, when the history can be appended to
+ * Redis's list: Redis's copy is the rev the gateway's copy names (the save script checks),
+ * and history is that copy's messages, maybe fewer at the front (the window moved), then
+ * new ones (items are never changed once pushed: they are compared by pointer). -1 when it
+ * must be rewritten (no copy of a known rev, or a history cleared or replaced).
+ */
+static long history_appended_from(redis_store *rs, const char *key, json_t *history, int64_t now,
+                                   const char **base_rev)
+{
+    *base_rev = cg_memstore_rev(rs->mem, key, now);
+    json_t *had = *base_rev ? cg_memstore_history(rs->mem, key, now) : NULL;
+    if (!had)
+        return -1;
+    size_t n_had = json_array_size(had), n = json_array_size(history);
+    if (!n_had)
+        return 0;
+    json_t *last = json_array_get(had, n_had - 1);
+    size_t p = n; /* where the last message Redis has sits in history */
+    while (p > 0 && json_array_get(history, p - 1) != last)
+        p--;
+    if (p == 0 || p > n_had)
+        return -1;
+    for (size_t i = 0; i < p; i++) /* history[0..p) is the end of what Redis has */
+        if (json_array_get(history, i) != json_array_get(had, n_had - p + i))
+            return -1;
+    return (long)p;
 }
 
 void cg_redis_send_save(redis_store *rs, cg_store_req *r)
@@ -1079,22 +1204,30 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     arg_expiring(&a, d.soft, d.soft_expires, now, &longest);
     const char *service, *name;
     json_t *names, *value;
-    size_t n_params = 0;
-    json_object_foreach(d.params, service, names) n_params += json_object_size(names);
-    arg_fmt(&a, "%zu", n_params);
+    arg_fmt(&a, "%zu", params_count(&d));
     arg_str(&a, r->lease_value ? r->lease_value : "");
     arg_str(&a, r->er);
     arg_fmt(&a, "%lld", (long long)longest);
     arg_json(&a, d.usage);
+    /* a new rev for every write, write-backs too: a copy another gateway holds of an older one
+     * must never pass for this one */
+    free(r->rev);
+    if (asprintf(&r->rev, "%s#%llu", rs->holder, ++rs->rev_seq) < 0)
+        abort();
+    arg_str(&a, r->rev);
+    const char *base_rev = NULL;
+    long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d.history, now, &base_rev);
+    arg_str(&a, from >= 0 ? base_rev : "");
+    arg_fmt(&a, "%zu", json_array_size(d.history));
     json_object_foreach(d.params, service, names) {
         json_object_foreach(names, name, value) {
             arg_fmt(&a, "%s.%s", service, name);
             arg_json(&a, value);
         }
     }
-    size_t i;
-    json_t *m;
-    json_array_foreach(d.history, i, m) arg_json(&a, m);
+    for (size_t i = from >= 0 ? (size_t)from : 0; i < json_array_size(d.history); i++)
+        arg_json(&a, json_array_get(d.history, i));
+    r->appended = from >= 0;
 
     gate_enter(rs, r->key);
     if (send_last_script(rs, S_SAVE, &a, on_save_reply, r) < 0)
@@ -1154,7 +1287,7 @@ static void dispatch(redis_store *rs, cg_store_req *r)
         cg_redis_send_save(rs, r);
     } else if (r->kind == OP_SAVE && r->snapshot) {
         /* written to memory now, so a load queued after this save sees it */
-        cg_redis_memory_put(rs, r->key, r->snapshot);
+        cg_redis_memory_put(rs, r->key, r->snapshot, NULL);
         cg_redis_mark_dirty(rs, r);
         json_decref(r->snapshot); /* held in memory now: cg_redis_answer_from_memory only answers it */
         r->snapshot = NULL;

@@ -31,6 +31,7 @@ typedef struct mem_entry {
     cg_dialog d;
     int64_t dialog_exp, params_exp, history_exp;
     size_t bytes;    /* the key's length and the dialog's weight */
+    char *rev;       /* the Redis store's: the version of Redis's copy this one equals, or NULL */
     const char *key; /* stored right after the entry */
 } mem_entry;
 
@@ -95,6 +96,7 @@ static void entry_drop(cg_memstore *m, mem_entry *e)
     m->bytes -= e->bytes < m->bytes ? e->bytes : m->bytes;
     publish_bytes(m);
     cg_dialog_free(&e->d);
+    free(e->rev);
     free(e);
 }
 
@@ -132,13 +134,20 @@ static void evict(cg_memstore *m)
     }
 }
 
-int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
+/* The live entry for key: NULL when none, or when its time is up (it is dropped then). */
+static mem_entry *entry_live(cg_memstore *m, const char *key, int64_t now)
 {
     mem_entry *e = entry_find(m, key);
     if (e && e->dialog_exp <= now) {
         entry_drop(m, e);
         e = NULL;
     }
+    return e;
+}
+
+int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
+{
+    mem_entry *e = entry_live(m, key, now);
     if (!e || cg_dialog_copy(d, &e->d) < 0) {
         cg_dialog_init(d, now);
         return 0;
@@ -150,15 +159,34 @@ int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
     return 1;
 }
 
+const char *cg_memstore_rev(cg_memstore *m, const char *key, int64_t now)
+{
+    mem_entry *e = entry_live(m, key, now);
+    return e ? e->rev : NULL;
+}
+
+json_t *cg_memstore_history(cg_memstore *m, const char *key, int64_t now)
+{
+    mem_entry *e = entry_live(m, key, now);
+    return e && e->history_exp > now ? e->d.history : NULL;
+}
+
 void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now)
+{
+    cg_memstore_put_rev(m, key, d, now, NULL);
+}
+
+void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev)
 {
     mem_entry *old = entry_find(m, key);
     if (old)
         entry_drop(m, old);
     size_t n = strlen(key);
     mem_entry *e = calloc(1, sizeof(*e) + n + 1);
-    if (!e || cg_dialog_copy(&e->d, d) < 0) {
+    if (!e || (rev && !(e->rev = strdup(rev))) || cg_dialog_copy(&e->d, d) < 0) {
         /* what was held is older than what the caller has: better none than a stale one */
+        if (e)
+            free(e->rev);
         free(e);
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
@@ -172,6 +200,7 @@ void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_
     void **slot = tsearch(e, &m->tree, by_key);
     if (!slot || *slot != e) {
         cg_dialog_free(&e->d);
+        free(e->rev);
         free(e);
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;

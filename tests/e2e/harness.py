@@ -1904,6 +1904,15 @@ class RedisServer:
         flat = self.command("HGETALL", key)
         return dict(zip(flat[::2], flat[1::2]))
 
+    def params_hash(self, key):
+        """A dialog's params HASH without its "rev" field (docs/state.md: the version the last
+        save wrote, "<holder>#<n>"), which must be there when the hash is."""
+        fields = self.hgetall(key)
+        rev = fields.pop("rev", None)
+        if fields and not (isinstance(rev, str) and re.fullmatch(r"\S+#[0-9]+", rev)):
+            fail(f"{key}: the params hash has no rev like '<holder>#<n>': {rev!r}")
+        return fields
+
     def lrange(self, key, start=0, stop=-1):
         return self.command("LRANGE", key, start, stop)
 

@@ -209,7 +209,7 @@ def params_in_redis(redis, user, room):
     key = redis.find_key(harness.dialog_key(user, room, "params"))
     if not key:
         return {}
-    return {k: json.loads(v) for k, v in redis.hgetall(key).items()}
+    return {k: json.loads(v) for k, v in redis.params_hash(key).items()}
 
 
 async def wait_in_redis(redis, user, room, field, value, timeout=3.0):

@@ -137,7 +137,7 @@ def params_of(redis_servers, user, room):
     for r in redis_servers:
         key = r.find_key(harness.dialog_key(user, room, "params"))
         if key:
-            return {k: json.loads(v) for k, v in r.hgetall(key).items()}
+            return {k: json.loads(v) for k, v in r.params_hash(key).items()}
     return {}
 
 

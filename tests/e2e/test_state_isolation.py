@@ -101,7 +101,7 @@ async def two_users_same_room(app, rules, store_kind):
                       f"alice's dialog changed by bob's forget/clear: {harness.brief(state)}")
             if redis:
                 with step("[redis] the two dialogs have keys of their own"):
-                    pa = redis.hgetall(harness.dialog_key("alice", "shared", "params"))
+                    pa = redis.params_hash(harness.dialog_key("alice", "shared", "params"))
                     check(pa == {"travel.from": '"Nairobi"'}, f"alice's params hash: {pa}")
                     check(redis.type(harness.dialog_key("bob", "shared", "params")) == "none",
                           "bob's params hash should be gone after his clear")
@@ -185,7 +185,7 @@ async def hostile_ids(app, rules):
                     key = find_key(redis, user, room, "params")
                     check(key is not None, f"no params key for user {user!r} room {room!r} "
                                            f"(expected {harness.dialog_key(user, room, 'params')}); keys: {keys}")
-                    got = redis.hgetall(key)
+                    got = redis.params_hash(key)
                     check({k: json.loads(v) for k, v in got.items()} == {"travel.who": f"{user}|{room}"},
                           f"{key} holds {got}")
                     hist = redis.lrange(redis.find_key(harness.dialog_key(user, room, "history")) or "none")

@@ -63,6 +63,11 @@ struct cg_store_req {
     int lease;        /* load: takes the dialog's lease (a turn's load) */
     int lease_waits;  /* load: how often the lease was found held (the backoff grows) */
     char *lease_value; /* save: the lease this save must still hold ("holder fence"), or NULL */
+    char *rev;         /* load: the rev of the gateway's copy it asked Redis about, or NULL;
+                        * save: the rev it writes (docs/state.md, "The gateway's copy") */
+    int full;          /* load: reads everything, whatever the gateway holds; save: rewrites
+                        * the whole history (its append was refused) */
+    int appended;      /* save: sent only the history's new messages */
     cg_store_req *wait_next; /* waiting for the first connection's verdict */
     uint64_t sent_at;
     cg_store_req *prev, *next; /* in flight, oldest first */
@@ -98,6 +103,7 @@ struct redis_store {
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
     long dirty_seq;
+    unsigned long long rev_seq; /* the last rev this store wrote: revs are "<holder>#<seq>" */
     cg_store_req *head, *tail;
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
@@ -163,8 +169,9 @@ redisAsyncContext *cg_redis_async_open(redis_store *rs, const char *address, int
  * replies still due to it have come. */
 cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
 void cg_redis_req_finish(cg_store_req *r);
-/* Keeps a copy of snapshot (a dialog as cg_dialog_to_json wrote it) in memory under key. */
-void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot);
+/* Keeps a copy of snapshot (a dialog as cg_dialog_to_json wrote it) in memory under key;
+ * rev when it is Redis's copy of that version (a save's), else NULL. */
+void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot, const char *rev);
 /* Sentinel only: notes that r (a save) was sent, for the rewrite after a failover. */
 void cg_redis_recent_note(redis_store *rs, cg_store_req *r);
 /* The in-flight list, oldest first: the command timeout watches its head. */

@@ -57,6 +57,8 @@ typedef struct cg_store_stats {
     unsigned long lease_waits;             /* turns that found their dialog's lease held elsewhere */
     unsigned long lease_lost;              /* turns' saves refused: their lease had passed on */
     unsigned long remote_cancels;          /* turns stopped at another gateway's request */
+    unsigned long loads_cached;            /* loads answered "unchanged": the gateway's copy was Redis's */
+    unsigned long saves_appended;          /* saves that sent only the history's new messages */
     /* Redis Sentinel (redis-sentinel://) */
     unsigned long primary_switches;  /* connections trusted to a primary other than the last one */
     unsigned long readonly_replies;  /* -READONLY answers: the node had become a replica */
@@ -164,6 +166,16 @@ void cg_memstore_free(cg_memstore *m);
 /* Fills d from the entry for key (a fresh dialog when none or expired); 1 if it existed. */
 int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d);
 void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now);
+/*
+ * The same, and the entry remembers rev: the Redis store's name for the version of Redis's
+ * copy this one equals (docs/state.md, "The gateway's copy"); a plain put forgets it.
+ */
+void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev);
+/* The rev of key's live entry, or NULL (none, or put without one). Owned by the entry. */
+const char *cg_memstore_rev(cg_memstore *m, const char *key, int64_t now);
+/* The history items of key's live entry, shared (not a copy: only read), or NULL when
+ * there is no entry or its history's time is up. */
+json_t *cg_memstore_history(cg_memstore *m, const char *key, int64_t now);
 void cg_memstore_del(cg_memstore *m, const char *key);
 /* Deletes every dialog of user (keys "<escaped user>:..."); returns how many. */
 int cg_memstore_del_user(cg_memstore *m, const char *user);

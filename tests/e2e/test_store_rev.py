@@ -1,0 +1,196 @@
+"""End-to-end test of the Redis store's copy of a dialog (issue 12; docs/state.md, "The
+gateway's copy"), on a real redis-server started on a free port.
+
+Every save writes a new rev (the params hash's "rev" field), and the gateway keeps its copy
+of the dialog under it: a turn's load names that rev, and Redis answers "same" instead of
+the dialog when its copy is that one; a save whose history is that copy's plus new messages
+appends them (RPUSH, LTRIM) instead of rewriting the list. What must hold, through the
+state app (harness FakeApp /state, no rules):
+- one gateway: each of 14 turns forwards exactly the last 10 messages; from the second turn
+  on, every load is answered "same" and every save appends (counted exactly in /metrics);
+  the Redis list holds the last 10 messages in order; a gateway started afterwards reads the
+  same dialog in full;
+- two gateways on one Redis, turns alternating on one dialog: each sees the other's params
+  and history (a copy of another rev is never used), and the Redis list stays exact;
+- Redis's copy changed behind the gateway's back, between turns, as another writer would:
+  the params hash rewritten without a rev (a chatgate from before this change), or the
+  history list gone (it lapses before the dialog's hash): the next turn reads Redis's copy;
+- Redis's copy gone during a turn (its keys deleted), so the copy the save would append to
+  is no longer Redis's: the save is refused before it writes anything and sent again in
+  full, so the list holds the whole dialog (as the gateway's next turn sees it), not the new
+  messages alone.
+Checked by breaking the code: without the load's rev check the two-gateway part fails,
+without its count of history messages the lapsed-history part, without the save's rev
+check the mid-turn part (the list holds 2 messages); without the copy the counts do.
+"""
+
+import asyncio
+import json
+
+import harness
+from harness import Client, check, history_pairs, independent, step, state_reply_text
+
+LIFETIMES = {"params_s": 3600, "dialog_s": 7200, "awaiting_s": 60, "soft_s": 60, "history_s": 1800}
+HEADER = "X-User-Id"
+
+
+async def turn(client, app, mid, text, room, state=None):
+    """One message through the state app: (turn, forwarded frame)."""
+    if state is not None:
+        app.directives[mid] = state
+    t = await client.message(text, mid=mid, room=room)
+    t.expect_done()
+    check(t.terminal.get("text") == state_reply_text(text), f"reply not relayed: {t.describe()}")
+    return t, await app.wait_message(mid)
+
+
+def store_counts(gw):
+    """(loads answered "same", saves appended) from the gateway's /metrics."""
+    status, _, raw = harness.http_get(gw.http_url + "/metrics")
+    check(status == 200, f"GET /metrics: {status}")
+    m = harness.parse_metrics(raw.decode())
+    return (int(m.value("chatgate_store_loads_cached_total")), int(m.value("chatgate_store_saves_appended_total")))
+
+
+def redis_history(redis, user, room):
+    return history_pairs([json.loads(e) for e in redis.lrange(harness.dialog_key(user, room, "history"))])
+
+
+def config(app, redis):
+    return harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=redis.url,
+                                lifetimes=LIFETIMES, history_n=10)
+
+
+def args(rules):
+    return ["--rules", rules, "--auth", "header", "--user-header", HEADER]
+
+
+async def connect(gw, user):
+    return await Client.connect(gw, expect_user=user, extra_headers={HEADER: user})
+
+
+async def part_one_gateway(app, redis, rules):
+    with step("one gateway: 14 turns, each forwarding the last 10 messages; 13 loads answered "
+              "'same', 13 saves appended; Redis's list exact; a new gateway reads the same"):
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-one") as gw:
+            c = await connect(gw, "one")
+            everything = []
+            for k in range(1, 15):
+                text = f"turn {k}"
+                state = {"service": "travel", "params": {"n": k}}
+                t, fwd = await turn(c, app, f"one{k}", text, "r", state)
+                check(history_pairs(fwd["history"]) == everything[-10:],
+                      f"turn {k}: forwarded history {harness.brief(fwd['history'], 600)}, "
+                      f"expected {everything[-10:]}")
+                if k > 1:
+                    check(fwd["params"].get("n") == k - 1, f"turn {k}: params {fwd['params']}")
+                everything += [("user", text), ("assistant", t.terminal["text"])]
+            await c.close()
+            cached, appended = store_counts(gw)
+            check((cached, appended) == (13, 13),
+                  f"loads answered 'same' and saves appended should be 13 and 13, are {cached} and {appended}")
+            got = redis_history(redis, "one", "r")
+            check(got == everything[-10:], f"Redis's list should be the last 10 messages in order: {got}")
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-one-b") as gw:
+            c = await connect(gw, "one")
+            _, fwd = await turn(c, app, "one15", "turn 15", "r")
+            check(history_pairs(fwd["history"]) == everything[-10:],
+                  f"a new gateway's forwarded history: {harness.brief(fwd['history'], 600)}")
+            check(fwd["params"].get("n") == 14, f"a new gateway's params: {fwd['params']}")
+            check(store_counts(gw)[0] == 0, f"a new gateway has no copy to be 'same': {store_counts(gw)}")
+            await c.close()
+
+
+async def part_two_gateways(app, redis, rules):
+    with step("two gateways, turns alternating on one dialog: each sees the other's params and history"):
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-a") as gw_a, \
+                harness.Gateway(args(rules), config(app, redis), name="gw-b") as gw_b:
+            ca, cb = await connect(gw_a, "two"), await connect(gw_b, "two")
+            everything = []
+            for k in range(1, 11):
+                c = ca if k % 2 else cb
+                text = f"alternate {k}"
+                t, fwd = await turn(c, app, f"two{k}", text, "r", {"service": "travel", "params": {"n": k}})
+                check(history_pairs(fwd["history"]) == everything[-10:],
+                      f"turn {k} on gateway {'a' if k % 2 else 'b'}: forwarded history "
+                      f"{harness.brief(fwd['history'], 600)}, expected {everything[-10:]}")
+                if k > 1:
+                    check(fwd["params"].get("n") == k - 1, f"turn {k}: the other gateway's params: {fwd['params']}")
+                everything += [("user", text), ("assistant", t.terminal["text"])]
+            got = redis_history(redis, "two", "r")
+            check(got == everything[-10:], f"Redis's list should be the last 10 messages in order: {got}")
+            # then on one gateway only: its copy is Redis's again, and used
+            before = store_counts(gw_a)[0]
+            for k in range(11, 14):
+                t, fwd = await turn(ca, app, f"two{k}", f"alternate {k}", "r")
+                check(history_pairs(fwd["history"]) == everything[-10:], f"turn {k}: {fwd['history']}")
+                everything += [("user", f"alternate {k}"), ("assistant", t.terminal["text"])]
+            check(store_counts(gw_a)[0] - before == 2,
+                  f"after the first turn back on gateway a, its loads should be answered 'same': "
+                  f"{store_counts(gw_a)[0] - before} of 3")
+            await ca.close()
+            await cb.close()
+
+
+async def part_behind_the_back(app, redis, rules):
+    async with harness.Gateway(args(rules), config(app, redis), name="gw-back") as gw:
+        c = await connect(gw, "back")
+        with step("params rewritten in Redis without a rev (an older chatgate's save): the next turn reads them"):
+            await turn(c, app, "bk1", "first", "r", {"service": "travel", "params": {"from": "Nairobi"}})
+            await turn(c, app, "bk2", "second", "r")
+            key = harness.dialog_key("back", "r", "params")
+            redis.command("DEL", key)
+            redis.command("HSET", key, "travel.from", json.dumps("Mombasa"))
+            _, fwd = await turn(c, app, "bk3", "third", "r")
+            check(fwd["params"].get("from") == "Mombasa", f"params written behind the gateway: {fwd['params']}")
+        with step("the history list gone in Redis (it lapses first), the rev kept: the next turn has none"):
+            redis.command("DEL", harness.dialog_key("back", "r", "history"))
+            _, fwd = await turn(c, app, "bk4", "fourth", "r")
+            check(fwd["history"] == [], f"the history should be gone: {harness.brief(fwd['history'], 400)}")
+            _, fwd = await turn(c, app, "bk5", "fifth", "r")
+            check(history_pairs(fwd["history"]) == [("user", "fourth"), ("assistant", state_reply_text("fourth"))],
+                  f"then only the fourth turn: {fwd['history']}")
+        await c.close()
+
+
+async def part_mid_turn(app, redis, rules):
+    with step("the dialog's keys deleted during a turn: the save is sent again in full, the list holds "
+              "the whole dialog"):
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-mid") as gw:
+            c = await connect(gw, "mid")
+            everything = []
+            for k in range(1, 4):
+                t, _ = await turn(c, app, f"mid{k}", f"mid {k}", "r")
+                everything += [("user", f"mid {k}"), ("assistant", t.terminal["text"])]
+            text = "mid 4 [delay=1]"  # the app waits 1 s after its first delta
+            pending = asyncio.ensure_future(c.message(text, mid="mid4", room="r"))
+            await app.wait_message("mid4")
+            for part in ("params", "dialog", "history"):  # the dialog's data gone (a delete)
+                redis.command("DEL", harness.dialog_key("mid", "r", part))
+            t = await pending
+            t.expect_done()
+            everything += [("user", text), ("assistant", t.terminal["text"])]
+            ok = await harness.wait_until(lambda: redis_history(redis, "mid", "r") == everything, 5)
+            check(ok, f"Redis's list should hold all 8 messages: {redis_history(redis, 'mid', 'r')}")
+            _, appended = store_counts(gw)
+            check(appended == 2, f"2 saves appended (the 4th was refused, sent again in full): {appended}")
+            _, fwd = await turn(c, app, "mid5", "mid 5", "r")
+            check(history_pairs(fwd["history"]) == everything, f"the next turn's history: {fwd['history']}")
+            await c.close()
+
+
+async def main(args_):
+    rules = harness.empty_rules_dir()
+    redis = await harness.RedisServer().astart()
+    try:
+        async with harness.FakeApp() as app:
+            await independent(part_one_gateway(app, redis, rules))
+            await independent(part_two_gateways(app, redis, rules))
+            await independent(part_behind_the_back(app, redis, rules))
+            await independent(part_mid_turn(app, redis, rules))
+    finally:
+        redis.cleanup(keep=True)
+
+
+if __name__ == "__main__":
+    harness.run(main, timeout=100)
