@@ -102,8 +102,38 @@ static size_t json_weight(json_t *j)
 
 size_t cg_dialog_weight(const cg_dialog *d)
 {
+    size_t n = cg_dialog_weight_but_history(d) + 2;
+    for (size_t i = 0; i < json_array_size(d->history); i++)
+        n += cg_dialog_history_item_weight(json_array_get(d->history, i));
+    return n;
+}
+
+size_t cg_dialog_history_item_weight(json_t *m)
+{
+    return 1 + json_weight(m);
+}
+
+long cg_dialog_history_kept(json_t *had, json_t *history)
+{
+    size_t n_had = json_array_size(had), n = json_array_size(history);
+    if (!n_had)
+        return 0;
+    json_t *last = json_array_get(had, n_had - 1);
+    size_t p = n; /* where had's last message sits in history */
+    while (p > 0 && json_array_get(history, p - 1) != last)
+        p--;
+    if (p == 0 || p > n_had)
+        return -1;
+    for (size_t i = 0; i < p; i++) /* history[0..p) is the end of had */
+        if (json_array_get(history, i) != json_array_get(had, n_had - p + i))
+            return -1;
+    return (long)p;
+}
+
+size_t cg_dialog_weight_but_history(const cg_dialog *d)
+{
     size_t n = 128 + (d->service ? strlen(d->service) : 0); /* meta and the keys */
-    n += json_weight(d->params) + json_weight(d->history);
+    n += json_weight(d->params);
     if (d->awaiting)
         n += json_weight(d->awaiting);
     if (d->soft)

@@ -1148,31 +1148,16 @@ static void arg_expiring(argv_buf *a, json_t *value, int64_t expires, int64_t no
 
 /*
  * Where the new messages of a save's history start, when the history can be appended to
- * Redis's list: Redis's copy is the rev the gateway's copy names (the save script checks),
- * and history is that copy's messages, maybe fewer at the front (the window moved), then
- * new ones (items are never changed once pushed: they are compared by pointer). -1 when it
- * must be rewritten (no copy of a known rev, or a history cleared or replaced).
+ * Redis's list: the gateway's copy is of a known rev (the save script checks that it is
+ * still Redis's), and the history goes on from that copy's (cg_dialog_history_kept). -1
+ * when it must be rewritten.
  */
 static long history_appended_from(redis_store *rs, const char *key, json_t *history, int64_t now,
                                    const char **base_rev)
 {
     *base_rev = cg_memstore_rev(rs->mem, key, now);
     json_t *had = *base_rev ? cg_memstore_history(rs->mem, key, now) : NULL;
-    if (!had)
-        return -1;
-    size_t n_had = json_array_size(had), n = json_array_size(history);
-    if (!n_had)
-        return 0;
-    json_t *last = json_array_get(had, n_had - 1);
-    size_t p = n; /* where the last message Redis has sits in history */
-    while (p > 0 && json_array_get(history, p - 1) != last)
-        p--;
-    if (p == 0 || p > n_had)
-        return -1;
-    for (size_t i = 0; i < p; i++) /* history[0..p) is the end of what Redis has */
-        if (json_array_get(history, i) != json_array_get(had, n_had - p + i))
-            return -1;
-    return (long)p;
+    return had ? cg_dialog_history_kept(had, history) : -1;
 }
 
 void cg_redis_send_save(redis_store *rs, cg_store_req *r)

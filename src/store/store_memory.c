@@ -31,6 +31,7 @@ typedef struct mem_entry {
     cg_dialog d;
     int64_t dialog_exp, params_exp, history_exp;
     size_t bytes;    /* the key's length and the dialog's weight */
+    size_t hist_w;   /* the history's share of that weight */
     char *rev;       /* the Redis store's: the version of Redis's copy this one equals, or NULL */
     const char *key; /* stored right after the entry */
 } mem_entry;
@@ -176,9 +177,32 @@ void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_
     cg_memstore_put_rev(m, key, d, now, NULL);
 }
 
+/*
+ * What d's history weighs (cg_dialog_weight), from old's when d's goes on from it (a turn
+ * adds a message or two and the window drops as many): weighing every message of every
+ * dialog again at every put was a twentieth of a turn's CPU on the memory store.
+ */
+static size_t history_weight(const mem_entry *old, const cg_dialog *d)
+{
+    long kept = old ? cg_dialog_history_kept(old->d.history, d->history) : -1;
+    size_t n_had = old ? json_array_size(old->d.history) : 0, n = json_array_size(d->history), w = 2;
+    if (kept < 0) {
+        kept = 0;
+        n_had = 0;
+    } else {
+        w = old->hist_w;
+    }
+    for (size_t i = 0; i < n_had - (size_t)kept; i++) /* gone from the front */
+        w -= cg_dialog_history_item_weight(json_array_get(old->d.history, i));
+    for (size_t i = (size_t)kept; i < n; i++)
+        w += cg_dialog_history_item_weight(json_array_get(d->history, i));
+    return w;
+}
+
 void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev)
 {
     mem_entry *old = entry_find(m, key);
+    size_t hist_w = history_weight(old, d);
     if (old)
         entry_drop(m, old);
     size_t n = strlen(key);
@@ -196,7 +220,8 @@ void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, in
     e->dialog_exp = now + m->lt.dialog_s;
     e->params_exp = now + m->lt.params_s;
     e->history_exp = now + m->lt.history_s;
-    e->bytes = n + cg_dialog_weight(d);
+    e->hist_w = hist_w;
+    e->bytes = n + cg_dialog_weight_but_history(d) + hist_w;
     void **slot = tsearch(e, &m->tree, by_key);
     if (!slot || *slot != e) {
         cg_dialog_free(&e->d);

@@ -48,6 +48,17 @@ void cg_dialog_free(cg_dialog *d);
 int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src);
 /* About what d weighs as compact JSON, counted without building it (memory store bound). */
 size_t cg_dialog_weight(const cg_dialog *d);
+/* The same without the history (the weight is this, 2, and each message's share of it). */
+size_t cg_dialog_weight_but_history(const cg_dialog *d);
+size_t cg_dialog_history_item_weight(json_t *m);
+/*
+ * How history goes on from had, a copy of it kept earlier: the number of had's last messages
+ * it starts with (the window of history_n may have moved past the first ones), the rest of it
+ * new; -1 when it does not go on from had (cleared, or another dialog's). Messages are
+ * compared by pointer, as nobody changes one once pushed. What a store keeps can then be
+ * brought up to date with the new messages alone.
+ */
+long cg_dialog_history_kept(json_t *had, json_t *history);
 /* Drops awaiting and soft context whose time is up. */
 void cg_dialog_expire(cg_dialog *d, int64_t now);
 /* d as a store gives it back at now: cg_dialog_expire, and params and history emptied when

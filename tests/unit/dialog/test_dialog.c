@@ -311,9 +311,58 @@ static void test_history_and_round_trip(void)
     cg_dialog_free(&d);
 }
 
+/* cg_dialog_history_kept: how a turn's history goes on from a copy kept before it */
+static void test_history_kept(void)
+{
+    cg_dialog d;
+    cg_dialog_init(&d, 100);
+    json_t *empty = json_array();
+    CHECK(cg_dialog_history_kept(empty, d.history) == 0); /* nothing kept: all of it new */
+    for (int i = 1; i <= 4; i++)
+        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt, NULL);
+    CHECK(cg_dialog_history_kept(empty, d.history) == 0);
+    cg_dialog had;
+    CHECK(cg_dialog_copy(&had, &d) == 0);
+    CHECK(cg_dialog_history_kept(had.history, d.history) == 4); /* nothing new */
+    cg_dialog_push_history(&d, "user", "m5", 105, &lt, NULL);
+    cg_dialog_push_history(&d, "assistant", "m6", 106, &lt, NULL);
+    CHECK(cg_dialog_history_kept(had.history, d.history) == 4);
+    for (int i = 7; i <= 14; i++) /* past history_n (10): the window moves over 4 of had's */
+        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt, NULL);
+    CHECK(json_array_size(d.history) == 10);
+    CHECK(cg_dialog_history_kept(had.history, d.history) == -1); /* all of had gone */
+    cg_dialog_free(&d);
+    /* one of had's left at the front */
+    CHECK(cg_dialog_copy(&d, &had) == 0);
+    for (int i = 5; i <= 13; i++)
+        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt, NULL);
+    CHECK(json_array_size(d.history) == 10);
+    CHECK(cg_dialog_history_kept(had.history, d.history) == 1);
+    CHECK(json_array_get(d.history, 0) == json_array_get(had.history, 3));
+    /* another dialog's history with equal text is not a continuation: items by pointer */
+    cg_dialog other;
+    cg_dialog_init(&other, 100);
+    for (int i = 1; i <= 4; i++)
+        cg_dialog_push_history(&other, "user", "m", 100 + i, &lt, NULL);
+    CHECK(cg_dialog_history_kept(had.history, other.history) == -1);
+    /* a cleared history */
+    json_array_clear(d.history);
+    CHECK(cg_dialog_history_kept(had.history, d.history) == -1);
+    /* the weight, put together from the messages' shares, is the whole's */
+    size_t w = cg_dialog_weight_but_history(&other) + 2;
+    for (size_t i = 0; i < json_array_size(other.history); i++)
+        w += cg_dialog_history_item_weight(json_array_get(other.history, i));
+    CHECK(w == cg_dialog_weight(&other));
+    cg_dialog_free(&other);
+    cg_dialog_free(&had);
+    cg_dialog_free(&d);
+    json_decref(empty);
+}
+
 int main(void)
 {
     cg_lifetimes_default(&lt);
+    test_history_kept();
     test_merge();
     test_cap();
     test_pipeline_cap_all_or_nothing();

@@ -211,8 +211,57 @@ static void test_keys(void)
     free(k4);
 }
 
+/* The bytes held follow the dialog's weight when each put's history goes on from the last
+ * (counted from the messages that came and went), is cleared, or is another; and the rev
+ * stays with its put only. */
+static void test_weight_and_rev(void)
+{
+    cg_lifetimes lt;
+    cg_lifetimes_default(&lt);
+    cg_memstore *m = cg_memstore_new(100, &lt, NULL);
+    const char *key = "u:r";
+    size_t key_len = strlen(key);
+    cg_dialog d;
+    cg_dialog_init(&d, 1000);
+    int exact = 1;
+    for (int i = 0; i < 60; i++) {
+        char text[128];
+        snprintf(text, sizeof(text), "message %d %.*s", i, i, "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");
+        cg_dialog_push_history(&d, i % 2 ? "assistant" : "user", text, 1000 + i, &lt, NULL);
+        if (i == 30)
+            json_array_clear(d.history);
+        if (i == 40) { /* another history of equal text: weighed whole */
+            cg_dialog other;
+            cg_dialog_init(&other, 1000);
+            for (size_t k = 0; k < json_array_size(d.history); k++) {
+                json_t *c = json_deep_copy(json_array_get(d.history, k));
+                json_array_append_new(other.history, c);
+            }
+            json_decref(d.history);
+            d.history = json_incref(other.history);
+            cg_dialog_free(&other);
+        }
+        cg_memstore_put_rev(m, key, &d, 1000, i % 3 ? "rev" : NULL);
+        exact &= cg_memstore_bytes(m) == key_len + cg_dialog_weight(&d);
+        /* a turn's next copy comes from the store, as a load's */
+        cg_dialog_free(&d);
+        CHECK(cg_memstore_get(m, key, 1000, &d) == 1);
+        const char *rev = cg_memstore_rev(m, key, 1000);
+        exact &= i % 3 ? rev && strcmp(rev, "rev") == 0 : rev == NULL;
+        exact &= cg_memstore_history(m, key, 1000) != NULL;
+    }
+    CHECK(exact);
+    /* the history's time up: no history to append to; the dialog's: no entry, no rev */
+    CHECK(cg_memstore_history(m, key, 1000 + lt.history_s) == NULL);
+    CHECK(cg_memstore_rev(m, key, 1000 + lt.dialog_s) == NULL);
+    CHECK(cg_memstore_bytes(m) == 0);
+    cg_dialog_free(&d);
+    cg_memstore_free(m);
+}
+
 int main(void)
 {
+    test_weight_and_rev();
     test_lifetimes();
     test_lru();
     test_evict_long_keys();
