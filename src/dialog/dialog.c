@@ -179,6 +179,23 @@ int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
     return 0;
 }
 
+int cg_dialog_share(cg_dialog *dst, const cg_dialog *src)
+{
+    *dst = *src;
+    dst->service = src->service ? strdup(src->service) : NULL;
+    if (src->service && !dst->service) {
+        *dst = (cg_dialog){0};
+        return -1;
+    }
+    json_incref(dst->params);
+    json_incref(dst->awaiting);
+    json_incref(dst->soft);
+    json_incref(dst->last_tool_result);
+    json_incref(dst->usage);
+    json_incref(dst->history);
+    return 0;
+}
+
 /* Merges params (name -> value, null forgets) into all[service]; 0, or -1 out of memory. */
 static int merge_service(json_t *all, const char *service, json_t *params)
 {

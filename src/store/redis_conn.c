@@ -323,8 +323,8 @@ void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot, con
 {
     int64_t now = rs->base.now(rs->base.clock_ctx);
     cg_dialog d;
-    cg_dialog_adopt_json(&d, snapshot, now); /* shares snapshot's parts: the put copies what it keeps */
-    cg_memstore_put_rev(rs->mem, key, &d, now, rev);
+    cg_dialog_adopt_json(&d, snapshot, now); /* shares snapshot's parts, and so does the memory */
+    cg_memstore_keep(rs->mem, key, &d, now, rev);
     cg_dialog_free(&d);
 }
 

@@ -199,7 +199,8 @@ static size_t history_weight(const mem_entry *old, const cg_dialog *d)
     return w;
 }
 
-void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev)
+/* Puts d under key, a copy of it or (shared) d's own parts; rev as cg_memstore_put_rev. */
+static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev, int shared)
 {
     mem_entry *old = entry_find(m, key);
     size_t hist_w = history_weight(old, d);
@@ -207,7 +208,7 @@ void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, in
         entry_drop(m, old);
     size_t n = strlen(key);
     mem_entry *e = calloc(1, sizeof(*e) + n + 1);
-    if (!e || (rev && !(e->rev = strdup(rev))) || cg_dialog_copy(&e->d, d) < 0) {
+    if (!e || (rev && !(e->rev = strdup(rev))) || (shared ? cg_dialog_share(&e->d, d) : cg_dialog_copy(&e->d, d)) < 0) {
         /* what was held is older than what the caller has: better none than a stale one */
         if (e)
             free(e->rev);
@@ -235,6 +236,16 @@ void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, in
     m->bytes += e->bytes;
     publish_bytes(m);
     evict(m);
+}
+
+void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev)
+{
+    put(m, key, d, now, rev, 0);
+}
+
+void cg_memstore_keep(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev)
+{
+    put(m, key, d, now, rev, 1);
 }
 
 void cg_memstore_del(cg_memstore *m, const char *key)
@@ -384,8 +395,9 @@ static cg_store_req *mem_save(cg_store *st, const char *user, const char *room, 
     if (!r)
         return NULL;
     r->done_cb = cb;
-    /* written now, so a load queued after this save sees it */
-    cg_memstore_put(ms->mem, r->key, d, st->now(st->clock_ctx));
+    /* written now, so a load queued after this save sees it; d's parts are kept, not copied
+     * (a saved dialog is not changed again: store.h) */
+    cg_memstore_keep(ms->mem, r->key, d, st->now(st->clock_ctx), NULL);
     return r;
 }
 

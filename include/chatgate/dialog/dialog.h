@@ -46,6 +46,12 @@ void cg_dialog_free(cg_dialog *d);
  * (cg_dialog_push_history makes a new one each time). 0, or -1 out of memory (dst empty).
  */
 int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src);
+/*
+ * dst shares src's parts (new references; the service's name copied): for a dialog that
+ * neither side changes afterwards, as a store keeps a saved one. 0, or -1 out of memory
+ * (dst empty).
+ */
+int cg_dialog_share(cg_dialog *dst, const cg_dialog *src);
 /* About what d weighs as compact JSON, counted without building it (memory store bound). */
 size_t cg_dialog_weight(const cg_dialog *d);
 /* The same without the history (the weight is this, 2, and each message's share of it). */

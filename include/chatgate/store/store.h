@@ -82,7 +82,9 @@ typedef struct cg_store_ops {
     void (*cancel_remote)(cg_store *st, const char *user, const char *room);
     /* A turn that saves nothing lets go of its lease; NULL when the store has none. */
     void (*release)(cg_store *st, const char *user, const char *room);
-    /* Saves a copy of d; cb may be NULL. A save after lease() ends the lease. */
+    /* Saves d; cb may be NULL. A save after lease() ends the lease. The store may keep
+     * references to d's parts instead of copies: d is not changed after its save (the
+     * caller reads it, and frees it). */
     cg_store_req *(*save)(cg_store *st, const char *user, const char *room, const cg_dialog *d,
                           cg_store_done_fn cb, void *ctx);
     /* Deletes (user, room); cb may be NULL. */
@@ -171,6 +173,9 @@ void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_
  * copy this one equals (docs/state.md, "The gateway's copy"); a plain put forgets it.
  */
 void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev);
+/* The same, keeping d's own parts (cg_dialog_share) instead of copies: for a dialog nobody
+ * changes after its put (a saved one, store.h), which saves copying it at every save. */
+void cg_memstore_keep(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev);
 /* The rev of key's live entry, or NULL (none, or put without one). Owned by the entry. */
 const char *cg_memstore_rev(cg_memstore *m, const char *key, int64_t now);
 /* The history items of key's live entry, shared (not a copy: only read), or NULL when

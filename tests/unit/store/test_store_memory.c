@@ -241,11 +241,27 @@ static void test_weight_and_rev(void)
             d.history = json_incref(other.history);
             cg_dialog_free(&other);
         }
-        cg_memstore_put_rev(m, key, &d, 1000, i % 3 ? "rev" : NULL);
+        if (i % 2) /* kept (a save's: its parts shared) or copied (a load's) */
+            cg_memstore_keep(m, key, &d, 1000, i % 3 ? "rev" : NULL);
+        else
+            cg_memstore_put_rev(m, key, &d, 1000, i % 3 ? "rev" : NULL);
         exact &= cg_memstore_bytes(m) == key_len + cg_dialog_weight(&d);
-        /* a turn's next copy comes from the store, as a load's */
+        json_t *was = cg_dialog_to_json(&d);
+        /* a turn's next copy comes from the store, as a load's: the same dialog, its own parts */
         cg_dialog_free(&d);
         CHECK(cg_memstore_get(m, key, 1000, &d) == 1);
+        json_t *is = cg_dialog_to_json(&d);
+        exact &= json_equal(was, is);
+        json_decref(was);
+        json_decref(is);
+        json_t *p = json_pack("{s:i}", "n", i);
+        char err[64];
+        cg_dialog_merge_params(&d, "travel", p, &lt, err, sizeof(err)); /* the turn's change */
+        json_decref(p);
+        cg_dialog held;
+        CHECK(cg_memstore_get(m, key, 1000, &held) == 1);
+        exact &= json_integer_value(json_object_get(json_object_get(held.params, "travel"), "n")) == (i ? i - 1 : 0);
+        cg_dialog_free(&held);
         const char *rev = cg_memstore_rev(m, key, 1000);
         exact &= i % 3 ? rev && strcmp(rev, "rev") == 0 : rev == NULL;
         exact &= cg_memstore_history(m, key, 1000) != NULL;
