@@ -17,9 +17,7 @@ size_t cg_utf8_boundary(const char *text, size_t len)
     return (len - (n - 1) >= need) ? len : n - 1;
 }
 
-/* Length of the valid UTF-8 character at s (n bytes left, 1 to 4), or 0 when s does not
- * start one. */
-static size_t utf8_char_len(const unsigned char *s, size_t n)
+size_t cg_utf8_char_len(const unsigned char *s, size_t n)
 {
     size_t len = s[0] < 0x80 ? 1 : s[0] >= 0xC2 && s[0] <= 0xDF ? 2 : s[0] >= 0xE0 && s[0] <= 0xEF ? 3
                                  : s[0] >= 0xF0 && s[0] <= 0xF4 ? 4 : 0;
@@ -37,7 +35,7 @@ static size_t utf8_char_len(const unsigned char *s, size_t n)
 void cg_utf8_clean(char *s, size_t n)
 {
     for (size_t i = 0; i < n;) {
-        size_t len = utf8_char_len((unsigned char *)s + i, n - i);
+        size_t len = cg_utf8_char_len((unsigned char *)s + i, n - i);
         if (len == 0) {
             s[i++] = '?';
             continue;

@@ -136,27 +136,28 @@ void cg_client_frame_clear(cg_client_frame *f)
     f->keys = NULL;
 }
 
+/* The frame for an object that could not be built: text that is not UTF-8 (callers cut text
+ * on code point boundaries, cg_utf8_boundary, so this is a bug, not an input), or no
+ * memory; it must not take the process down. */
+static char *fallback_frame(size_t pre, size_t *len)
+{
+    static const char fallback[] = "{\"type\":\"error\",\"id\":null,\"code\":\"internal\","
+                                   "\"message\":\"a frame could not be encoded\"}";
+    char *s = malloc(pre + sizeof(fallback));
+    if (!s)
+        abort();
+    memcpy(s + pre, fallback, sizeof(fallback));
+    *len = sizeof(fallback) - 1;
+    return s;
+}
+
 /* obj compactly at pre bytes into one malloc'd buffer (not json_dumps' growth and copy);
  * decrefs obj. */
 static char *dump_pre(json_t *obj, size_t pre, size_t *len)
 {
-    /* json_pack fails on text that is not UTF-8; callers cut text on code point
-     * boundaries (cg_utf8_boundary), so this is a bug, not an input, but it must not
-     * take the process down. */
-    static const char fallback[] = "{\"type\":\"error\",\"id\":null,\"code\":\"internal\","
-                                   "\"message\":\"a frame could not be encoded\"}";
-    char *s;
-    if (!obj) {
-        *len = sizeof(fallback) - 1;
-        if ((s = malloc(pre + sizeof(fallback))))
-            memcpy(s + pre, fallback, sizeof(fallback));
-    } else {
-        s = cg_json_dump_pre(obj, pre, 256, len);
-        json_decref(obj);
-    }
-    if (!s)
-        abort();
-    return s;
+    char *s = obj ? cg_json_dump_pre(obj, pre, 256, len) : NULL;
+    json_decref(obj);
+    return s ? s : fallback_frame(pre, len);
 }
 
 char *cg_protocol_dump(json_t *obj)
@@ -173,6 +174,18 @@ cg_frame_text cg_protocol_frame(json_t *obj)
     return f;
 }
 
+/* The frame a text writer (core/jsonout.h) holds: the hot frames of a turn are written as
+ * text, not built as trees; their keys in the order the tree's had. */
+static cg_frame_text frame_written(cg_jsonw *w)
+{
+    cg_frame_text f;
+    f.buf = cg_jsonw_end(w, &f.len);
+    if (!f.buf)
+        f.buf = fallback_frame(CG_FRAME_PRE, &f.len);
+    f.json = f.buf + CG_FRAME_PRE;
+    return f;
+}
+
 static json_t *id_or_null(const char *id)
 {
     return id && *id ? json_string(id) : json_null();
@@ -185,19 +198,22 @@ cg_frame_text cg_protocol_hello(const char *user, const char *session, const cha
                                       resume ? json_string(resume) : json_null()));
 }
 
-static json_t *str_or_null(const char *s)
-{
-    return s ? json_string(s) : json_null();
-}
-
 cg_frame_text cg_protocol_ack(const cg_ack *a)
 {
-    return cg_protocol_frame(json_pack("{s:s, s:s, s:s, s:s, s:o, s:o, s:o, s:o, s:o}", "type", "ack", "id", a->id,
-                                      "room", a->room, "route", a->route, "service", str_or_null(a->service),
-                                      "params", a->params ? json_incref(a->params) : json_object(), "enriched",
-                                      str_or_null(a->enriched), "resolution",
-                                      a->resolution ? json_incref(a->resolution) : json_null(), "rules",
-                                      a->rules ? json_incref(a->rules) : json_array()));
+    cg_jsonw w;
+    cg_jsonw_init(&w, CG_FRAME_PRE, 256);
+    CG_JSONW_LIT(&w, "{\"type\":\"ack\"");
+    cg_jsonw_member_str(&w, "id", a->id);
+    cg_jsonw_member_str(&w, "room", a->room);
+    cg_jsonw_member_str(&w, "route", a->route);
+    cg_jsonw_member_str(&w, "service", a->service);
+    cg_jsonw_member_json(&w, "params", a->params, "{}");
+    cg_jsonw_member_str(&w, "enriched", a->enriched);
+    cg_jsonw_member_json(&w, "resolution", a->resolution, "null");
+    cg_jsonw_member_json(&w, "rules", a->rules, "[]");
+    CG_JSONW_LIT(&w, "}");
+    w.failed |= !a->id || !a->room || !a->route; /* as json_pack refuses a NULL "s" */
+    return frame_written(&w);
 }
 
 cg_frame_text cg_protocol_context(const char *room, json_t *state)
@@ -211,33 +227,51 @@ cg_frame_text cg_protocol_warning(const char *id, const char *code, const char *
                                       code, "message", message));
 }
 
+/* The start of a delta or done frame: {"type":TYPE,"id":id,"text":text */
+static void reply_frame_start(cg_jsonw *w, const char *type, const char *id, const char *text, size_t len)
+{
+    cg_jsonw_init(w, CG_FRAME_PRE, 96 + len + len / 8);
+    CG_JSONW_LIT(w, "{\"type\":");
+    cg_jsonw_str(w, type, strlen(type));
+    cg_jsonw_member_str(w, "id", id);
+    CG_JSONW_LIT(w, ",\"text\":");
+    cg_jsonw_str(w, text, len);
+    w->failed |= !id || !text; /* a frame without them would mislead: the internal error instead */
+}
+
 cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len)
 {
-    return cg_protocol_frame(json_pack("{s:s, s:s, s:s%}", "type", "delta", "id", id, "text", text, len));
+    cg_jsonw w;
+    reply_frame_start(&w, "delta", id, text, len);
+    CG_JSONW_LIT(&w, "}");
+    return frame_written(&w);
 }
 
 cg_frame_text cg_protocol_done(const char *id, const char *text, size_t len, json_t *usage, int truncated,
                                const cg_answer *who)
 {
-    json_t *o = json_pack("{s:s, s:s, s:s%, s:O}", "type", "done", "id", id, "text", text, len, "usage",
-                          usage ? usage : json_null());
-    int failed = !o || (truncated && json_object_set_new(o, "truncated", json_true()) < 0);
-    if (!failed && who && who->upstream) {
-        failed |= json_object_set_new(o, "upstream", json_string(who->upstream)) < 0;
-        if (who->replica >= 0)
-            failed |= json_object_set_new(o, "replica", json_integer(who->replica)) < 0;
-        if (who->attempts > 1)
-            failed |= json_object_set_new(o, "attempts", json_integer(who->attempts)) < 0;
+    cg_jsonw w;
+    reply_frame_start(&w, "done", id, text, len);
+    cg_jsonw_member_json(&w, "usage", usage, "null");
+    if (truncated)
+        CG_JSONW_LIT(&w, ",\"truncated\":true");
+    if (who && who->upstream) {
+        cg_jsonw_member_str(&w, "upstream", who->upstream);
+        if (who->replica >= 0) {
+            CG_JSONW_LIT(&w, ",\"replica\":");
+            cg_jsonw_int(&w, who->replica);
+        }
+        if (who->attempts > 1) {
+            CG_JSONW_LIT(&w, ",\"attempts\":");
+            cg_jsonw_int(&w, who->attempts);
+        }
         if (who->fallback_from)
-            failed |= json_object_set_new(o, "fallback_from", json_string(who->fallback_from)) < 0;
+            cg_jsonw_member_str(&w, "fallback_from", who->fallback_from);
     }
-    if (!failed && who && who->reply_rules)
-        failed |= json_object_set(o, "reply_rules", who->reply_rules) < 0;
-    if (failed) {
-        json_decref(o);
-        o = NULL; /* encoded as the internal error: a done without its flags would mislead */
-    }
-    return cg_protocol_frame(o);
+    if (who && who->reply_rules)
+        cg_jsonw_member_json(&w, "reply_rules", who->reply_rules, "null");
+    CG_JSONW_LIT(&w, "}");
+    return frame_written(&w);
 }
 
 cg_frame_text cg_protocol_cancelled(const char *id)

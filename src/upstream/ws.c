@@ -499,11 +499,6 @@ static ws_conn *conn_new(cg_upstream *up, void **slot)
     return k;
 }
 
-static json_t *or_null(json_t *j)
-{
-    return j ? json_incref(j) : json_null();
-}
-
 /*
  * Brings the connection's history text up to date with `history`: 0, or -1 when out of
  * memory. Every message carries the dialog's last history_n messages, and from one message
@@ -542,10 +537,10 @@ static int hist_refresh(ws_conn *k, json_t *history)
 }
 
 /*
- * The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built.
- * The history is written from the connection's texts (hist_refresh) in place of the
- * object's closing brace; its size is known, so the buffer is made big enough for it at once
- * (the rest estimated from the connection's last frame).
+ * The message frame of docs/protocol.md ("Upstreams"), or NULL when it cannot be built,
+ * written as text (core/jsonout.h, cg_jsonw), the history last, from the connection's texts
+ * (hist_refresh). The buffer starts big enough for the history, whose size is known, and for
+ * the rest as the connection's last frame had it.
  */
 static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len)
 {
@@ -554,32 +549,32 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len
     size_t hist = 14 + k->n_hist; /* ,"history":[ ]} and the commas */
     for (size_t i = 0; i < k->n_hist; i++)
         hist += k->hist[i].len;
-    size_t hint = k->last_head + k->last_head / 4 + hist;
-    json_t *o = json_pack(
-        "{s:s, s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "type", "message", "id", m->id,
-        "user", m->user, "room", m->room, "text", m->text, "enriched",
-        m->enriched ? json_string(m->enriched) : json_null(), "route", m->route, "service",
-        m->service ? json_string(m->service) : json_null(), "params", m->params ? json_incref(m->params) : json_object(),
-        "awaiting", or_null(m->awaiting), "resolution", or_null(m->resolution), "soft_context", or_null(m->soft),
-        "rules", m->rules ? json_incref(m->rules) : json_array(), "annotations",
-        m->annotations ? json_incref(m->annotations) : json_object());
-    size_t n = 0;
-    char *frame = frame_of(o, hint, &n);
-    if (!frame)
-        return NULL;
-    k->last_head = n;
-    /* over the '}'; the buffer holds at least pre + hint + 1 bytes, and what was dumped
-     * (core/jsonout.h) */
-    size_t used = LWS_PRE + n - 1, cap = LWS_PRE + (n > hint ? n : hint) + 1;
-    cg_buf_append(&frame, &used, &cap, ",\"history\":[", 12, 0);
+    cg_jsonw w;
+    cg_jsonw_init(&w, LWS_PRE, k->last_head + k->last_head / 4 + hist);
+    CG_JSONW_LIT(&w, "{\"type\":\"message\"");
+    cg_jsonw_member_str(&w, "id", m->id);
+    cg_jsonw_member_str(&w, "user", m->user);
+    cg_jsonw_member_str(&w, "room", m->room);
+    cg_jsonw_member_str(&w, "text", m->text);
+    cg_jsonw_member_str(&w, "enriched", m->enriched);
+    cg_jsonw_member_str(&w, "route", m->route);
+    cg_jsonw_member_str(&w, "service", m->service);
+    cg_jsonw_member_json(&w, "params", m->params, "{}");
+    cg_jsonw_member_json(&w, "awaiting", m->awaiting, "null");
+    cg_jsonw_member_json(&w, "resolution", m->resolution, "null");
+    cg_jsonw_member_json(&w, "soft_context", m->soft, "null");
+    cg_jsonw_member_json(&w, "rules", m->rules, "[]");
+    cg_jsonw_member_json(&w, "annotations", m->annotations, "{}");
+    k->last_head = w.used - LWS_PRE;
+    CG_JSONW_LIT(&w, ",\"history\":[");
     for (size_t i = 0; i < k->n_hist; i++) {
         if (i)
-            cg_buf_append(&frame, &used, &cap, ",", 1, 0);
-        cg_buf_append(&frame, &used, &cap, k->hist[i].text, k->hist[i].len, 0);
+            CG_JSONW_LIT(&w, ",");
+        cg_jsonw_raw(&w, k->hist[i].text, k->hist[i].len);
     }
-    cg_buf_append(&frame, &used, &cap, "]}", 2, 0);
-    *len = used - LWS_PRE;
-    return frame;
+    CG_JSONW_LIT(&w, "]}");
+    w.failed |= !m->id || !m->user || !m->room || !m->text || !m->route;
+    return cg_jsonw_end(&w, len);
 }
 
 static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,

@@ -15,5 +15,8 @@ size_t cg_utf8_boundary(const char *text, size_t len);
 /* Replaces, in place, every byte of s[0..n) that does not belong to a valid UTF-8 character
  * with '?': stray and cut-off bytes, overlong forms, surrogates, code points past U+10FFFF. */
 void cg_utf8_clean(char *s, size_t n);
+/* Length of the valid UTF-8 character at s (n bytes left): 1 to 4, or 0 when s does not start
+ * one (a stray or cut-off byte, an overlong form, a surrogate, past U+10FFFF). */
+size_t cg_utf8_char_len(const unsigned char *s, size_t n);
 
 #endif

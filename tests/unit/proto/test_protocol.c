@@ -138,6 +138,35 @@ static void test_build(void)
     free(f.buf);
     json_decref(usage);
 
+    /* the frames written as text (jsonout.h) are the bytes jansson dumped for them */
+    json_t *params = json_pack("{s:s, s:i}", "from", "Nair\"obi", "n", 2);
+    json_t *resolution = json_pack("{s:s}", "kind", "selection");
+    json_t *rules = json_pack("[s]", "travel.from");
+    ack = (cg_ack){.id = "m\n2", .room = "r\xc3\xa9", .route = "app", .service = "travel", .params = params,
+                   .enriched = "e\\", .resolution = resolution, .rules = rules};
+    s = (f = cg_protocol_ack(&ack)).json;
+    o = json_pack("{s:s, s:s, s:s, s:s, s:s, s:O, s:s, s:O, s:O}", "type", "ack", "id", ack.id, "room", ack.room,
+                  "route", ack.route, "service", ack.service, "params", params, "enriched", ack.enriched,
+                  "resolution", resolution, "rules", rules);
+    char *want = json_dumps(o, JSON_COMPACT);
+    CHECK_STR(s, want);
+    free(want);
+    json_decref(o);
+    free(f.buf);
+    s = (f = cg_protocol_delta("m1", "a\"b\\c\x01\x1f\t\xe2\x82\xac/", 12)).json;
+    CHECK_STR(s, "{\"type\":\"delta\",\"id\":\"m1\",\"text\":\"a\\\"b\\\\c\\u0001\\u001F\\t\xe2\x82\xac/\"}");
+    free(f.buf);
+    /* text that is not UTF-8 (a bug upstream of here) gives the internal error, not a bad frame */
+    s = (f = cg_protocol_delta("m1", "ab\xc3", 3)).json;
+    CHECK(strstr(s, "\"code\":\"internal\"") != NULL);
+    free(f.buf);
+    s = (f = cg_protocol_done(NULL, "ab", 2, NULL, 0, NULL)).json;
+    CHECK(strstr(s, "\"code\":\"internal\"") != NULL);
+    free(f.buf);
+    json_decref(params);
+    json_decref(resolution);
+    json_decref(rules);
+
     CHECK_STR(cg_err_code(CG_E_UPSTREAM_TIMEOUT), "upstream_timeout");
     CHECK_STR(cg_err_code(CG_E_RATE_LIMITED), "rate_limited");
 }
