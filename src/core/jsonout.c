@@ -4,41 +4,22 @@
  */
 #include "chatgate/core/jsonout.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "chatgate/core/buf.h"
 #include "chatgate/core/utf8.h"
 
-typedef struct {
-    char *buf;
-    size_t used, cap; /* used counts the headroom */
-} out_buf;
-
-static int append(const char *text, size_t size, void *data)
-{
-    out_buf *o = data;
-    cg_buf_append(&o->buf, &o->used, &o->cap, text, size, 64);
-    return 0;
-}
+/* ---- the text writer ------------------------------------------------------------------ */
 
 char *cg_json_dump_pre(json_t *j, size_t pre, size_t hint, size_t *len)
 {
-    out_buf o = {.used = pre, .cap = pre + (hint < 64 ? 64 : hint) + 1};
-    o.buf = malloc(o.cap);
-    if (!o.buf)
-        abort();
-    if (!j || json_dump_callback(j, append, &o, JSON_COMPACT) < 0) {
-        free(o.buf);
-        return NULL;
-    }
-    o.buf[o.used] = 0;
-    *len = o.used - pre;
-    return o.buf;
+    cg_jsonw w;
+    cg_jsonw_init(&w, pre, hint);
+    if (!j)
+        w.failed = 1;
+    cg_jsonw_json(&w, j);
+    return cg_jsonw_end(&w, len);
 }
-
-/* ---- the text writer ------------------------------------------------------------------ */
 
 void cg_jsonw_init(cg_jsonw *w, size_t pre, size_t hint)
 {
@@ -50,16 +31,23 @@ void cg_jsonw_init(cg_jsonw *w, size_t pre, size_t hint)
         abort();
 }
 
-void cg_jsonw_raw(cg_jsonw *w, const char *text, size_t len)
+void cg_jsonw_grow(cg_jsonw *w, size_t len)
 {
-    cg_buf_append(&w->buf, &w->used, &w->cap, text, len, 64);
+    size_t cap = w->cap;
+    while (w->used + len >= cap)
+        cap *= 2;
+    char *nb = realloc(w->buf, cap);
+    if (!nb)
+        abort();
+    w->buf = nb;
+    w->cap = cap;
 }
 
 /* Appends s[from..to) of a string's text, which needs no escape. */
 static void str_run(cg_jsonw *w, const char *s, size_t from, size_t to)
 {
     if (to > from)
-        cg_buf_append(&w->buf, &w->used, &w->cap, s + from, to - from, 64);
+        cg_jsonw_raw(w, s + from, to - from);
 }
 
 void cg_jsonw_str(cg_jsonw *w, const char *s, size_t len)
@@ -117,23 +105,79 @@ static int jsonw_dump(const char *text, size_t size, void *data)
     return 0;
 }
 
+/* Deeper than this, a value is refused (a cycle: jansson refuses those too). */
+#define MAX_DEPTH 2048
+
+static void json_value(cg_jsonw *w, json_t *v, int depth)
+{
+    size_t i;
+    const char *key;
+    json_t *item;
+    if (depth > MAX_DEPTH) {
+        w->failed = 1;
+        return;
+    }
+    switch (json_typeof(v)) {
+    case JSON_OBJECT:
+        CG_JSONW_LIT(w, "{");
+        i = 0;
+        json_object_foreach(v, key, item) { /* in the order set, as jansson dumps them */
+            if (i++)
+                CG_JSONW_LIT(w, ",");
+            cg_jsonw_str(w, key, strlen(key));
+            CG_JSONW_LIT(w, ":");
+            json_value(w, item, depth + 1);
+        }
+        CG_JSONW_LIT(w, "}");
+        break;
+    case JSON_ARRAY:
+        CG_JSONW_LIT(w, "[");
+        json_array_foreach(v, i, item) {
+            if (i)
+                CG_JSONW_LIT(w, ",");
+            json_value(w, item, depth + 1);
+        }
+        CG_JSONW_LIT(w, "]");
+        break;
+    case JSON_STRING:
+        cg_jsonw_str(w, json_string_value(v), json_string_length(v));
+        break;
+    case JSON_INTEGER:
+        cg_jsonw_int(w, (long long)json_integer_value(v));
+        break;
+    case JSON_TRUE:
+        CG_JSONW_LIT(w, "true");
+        break;
+    case JSON_FALSE:
+        CG_JSONW_LIT(w, "false");
+        break;
+    case JSON_NULL:
+        CG_JSONW_LIT(w, "null");
+        break;
+    default: /* a real: jansson's own form of it ("%.17g", with a '.' or an exponent) */
+        if (json_dump_callback(v, jsonw_dump, w, JSON_COMPACT | JSON_ENCODE_ANY) < 0)
+            w->failed = 1;
+    }
+}
+
 void cg_jsonw_json(cg_jsonw *w, json_t *v)
 {
-    if (!v || json_is_null(v))
+    if (!v)
         CG_JSONW_LIT(w, "null");
-    else if (json_is_object(v) && json_object_size(v) == 0)
-        CG_JSONW_LIT(w, "{}");
-    else if (json_is_array(v) && json_array_size(v) == 0)
-        CG_JSONW_LIT(w, "[]");
-    else if (json_dump_callback(v, jsonw_dump, w, JSON_COMPACT | JSON_ENCODE_ANY) < 0)
-        w->failed = 1;
+    else
+        json_value(w, v, 0);
 }
 
 void cg_jsonw_int(cg_jsonw *w, long long n)
 {
-    char num[24];
-    int k = snprintf(num, sizeof(num), "%lld", n);
-    cg_jsonw_raw(w, num, (size_t)k);
+    char num[24], *p = num + sizeof(num);
+    unsigned long long u = n < 0 ? 0ULL - (unsigned long long)n : (unsigned long long)n;
+    do
+        *--p = (char)('0' + u % 10);
+    while (u /= 10);
+    if (n < 0)
+        *--p = '-';
+    cg_jsonw_raw(w, p, (size_t)(num + sizeof(num) - p));
 }
 
 /* ,"name": */
@@ -166,7 +210,7 @@ char *cg_jsonw_end(cg_jsonw *w, size_t *len)
         w->buf = NULL;
         return NULL;
     }
-    w->buf[w->used] = 0; /* cg_buf_append keeps room for it */
+    w->buf[w->used] = 0; /* cap > used: there is room */
     *len = w->used - w->pre;
     return w->buf;
 }

@@ -26,13 +26,10 @@ static int hexval(char c)
     return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
 }
 
-char *cg_store_escape(const char *id)
+/* id escaped at out (room for 3 bytes a byte); returns the end. */
+static char *escape_into(char *out, const char *id)
 {
     static const char hex[] = "0123456789ABCDEF";
-    size_t n = strlen(id);
-    char *out = malloc(n * 3 + 1);
-    if (!out)
-        abort();
     char *p = out;
     for (const unsigned char *s = (const unsigned char *)id; *s; s++) {
         if ((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') || *s == '_' ||
@@ -44,7 +41,15 @@ char *cg_store_escape(const char *id)
             *p++ = hex[*s & 15];
         }
     }
-    *p = 0;
+    return p;
+}
+
+char *cg_store_escape(const char *id)
+{
+    char *out = malloc(strlen(id) * 3 + 1);
+    if (!out)
+        abort();
+    *escape_into(out, id) = 0;
     return out;
 }
 
@@ -68,14 +73,13 @@ char *cg_store_unescape(const char *s, size_t n)
 
 char *cg_store_dialog_key(const char *user, const char *room)
 {
-    char *u = cg_store_escape(user), *r = cg_store_escape(room);
-    size_t n = strlen(u) + strlen(r) + 2;
-    char *key = malloc(n);
+    /* a few times a turn (its lock, the store's load and save): escaped in place, one malloc */
+    char *key = malloc((strlen(user) + strlen(room)) * 3 + 2);
     if (!key)
         abort();
-    snprintf(key, n, "%s:%s", u, r);
-    free(u);
-    free(r);
+    char *p = escape_into(key, user);
+    *p++ = ':';
+    *escape_into(p, room) = 0;
     return key;
 }
 

@@ -6,15 +6,17 @@
  * json_dumps() grows its text from 16 bytes by doubling, then copies it into a fresh string,
  * and a frame for lws was then copied once more behind LWS_PRE bytes of headroom: for a
  * ws upstream's message frame, which carries the history, a dozen allocations and three
- * copies per message. Here the text is dumped (json_dump_callback) into one buffer that
+ * copies per message. Here the text is written (cg_jsonw_json, below) into one buffer that
  * starts at the size of the caller's previous frame and leaves `pre` bytes in front of it.
  */
 #include <jansson.h>
 #include <stddef.h>
+#include <string.h>
 
 /*
  * j as compact JSON at buf + pre (NUL-terminated; *len is its length), in a malloc'd buffer
- * of at least pre + hint + 1 bytes. NULL when j cannot be encoded (text that is not UTF-8).
+ * of at least pre + hint + 1 bytes, the bytes json_dumps writes. NULL when j is NULL or
+ * cannot be encoded (text that is not UTF-8).
  * Aborts when out of memory, as the gateway does for buffers it cannot work without.
  */
 char *cg_json_dump_pre(json_t *j, size_t pre, size_t hint, size_t *len);
@@ -28,7 +30,9 @@ char *cg_json_dump_pre(json_t *j, size_t pre, size_t hint, size_t *len);
  * strings are escaped straight into the buffer (cg_jsonw_str: RFC 8259, as jansson writes
  * them: '"', '\' and control characters escaped, nothing else; text that is not valid
  * UTF-8 fails the frame, as jansson refuses it), and values that are JSON trees (params,
- * usage) are still dumped by jansson (cg_jsonw_json).
+ * usage, history messages) are walked with jansson's iterators and written the same way
+ * (cg_jsonw_json), jansson's own dump being used for reals only. unit_jsonw holds all of it
+ * to jansson's output byte for byte.
  *
  *   cg_jsonw w;
  *   cg_jsonw_init(&w, LWS_PRE, 256);
@@ -41,19 +45,28 @@ char *cg_json_dump_pre(json_t *j, size_t pre, size_t hint, size_t *len);
  */
 typedef struct cg_jsonw {
     char *buf;
-    size_t used, cap; /* used counts the headroom */
+    size_t used, cap; /* used counts the headroom; cap > used always (room for the NUL) */
     size_t pre;
     int failed; /* a string was not UTF-8, or a value could not be encoded */
 } cg_jsonw;
 
 /* Starts a text with pre bytes of headroom, in a buffer of at least pre + hint + 1 bytes. */
 void cg_jsonw_init(cg_jsonw *w, size_t pre, size_t hint);
-/* Appends len bytes of JSON text as they are (the caller's literal skeleton). */
-void cg_jsonw_raw(cg_jsonw *w, const char *text, size_t len);
+/* Appends len bytes of JSON text as they are (the caller's literal skeleton). Inline: a
+ * frame is written in some twenty pieces, most of them a few bytes. */
+void cg_jsonw_grow(cg_jsonw *w, size_t len);
+static inline void cg_jsonw_raw(cg_jsonw *w, const char *text, size_t len)
+{
+    if (w->used + len >= w->cap)
+        cg_jsonw_grow(w, len);
+    memcpy(w->buf + w->used, text, len);
+    w->used += len;
+}
 #define CG_JSONW_LIT(w, lit) cg_jsonw_raw((w), (lit), sizeof(lit) - 1)
 /* Appends s[0..len) as a JSON string; s NULL appends null. */
 void cg_jsonw_str(cg_jsonw *w, const char *s, size_t len);
-/* Appends v as compact JSON (jansson); v NULL appends null. */
+/* Appends v as compact JSON, as json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY) writes it
+ * (keys in the order set; reals are left to jansson); v NULL appends null. */
 void cg_jsonw_json(cg_jsonw *w, json_t *v);
 /* Appends n as a JSON number. */
 void cg_jsonw_int(cg_jsonw *w, long long n);
