@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
 #include "chatgate/store/redis_internal.h"
@@ -57,45 +58,48 @@ static void on_room_list(redisAsyncContext *ac, void *reply_, void *priv);
 
 /* ---- building commands ----------------------------------------------------------------- */
 
-/* One command's arguments; grows as needed (a save's EVAL carries the whole dialog). */
+/*
+ * One command's arguments, written one after the other into one buffer (a save's EVAL
+ * carries the dialog's changes), then framed as RESP into the command hiredis sends
+ * (redisAsyncFormattedCommand). Building each argument in its own malloc'd string (asprintf
+ * for keys and numbers, json_dumps for values) and letting hiredis format them (sdscatfmt
+ * per argument) was a quarter of a Redis turn's instructions (callgrind, issue 12).
+ */
 typedef struct argv_buf {
-    const char **argv;
-    size_t *len;
-    char **owned;
-    int argc, n_owned, cap;
+    cg_jsonw w;       /* the arguments' bytes (no headroom); JSON values written by cg_jsonw */
+    size_t *off, *len; /* each argument's place in w.buf, and its length */
+    int argc, cap;
 } argv_buf;
 
-static void argv_grow(argv_buf *a)
+/* Starts an argument: where its bytes begin. */
+static size_t arg_begin(argv_buf *a)
 {
-    if (a->argc < a->cap && a->n_owned < a->cap)
-        return;
-    int cap = a->cap ? a->cap * 2 : 32;
-    a->argv = realloc(a->argv, sizeof(*a->argv) * (size_t)cap);
-    a->len = realloc(a->len, sizeof(*a->len) * (size_t)cap);
-    a->owned = realloc(a->owned, sizeof(*a->owned) * (size_t)cap);
-    if (!a->argv || !a->len || !a->owned)
-        abort();
-    a->cap = cap;
+    if (!a->w.buf)
+        cg_jsonw_init(&a->w, 0, 1024);
+    if (a->argc == a->cap) {
+        a->cap = a->cap ? a->cap * 2 : 32;
+        a->off = realloc(a->off, sizeof(*a->off) * (size_t)a->cap);
+        a->len = realloc(a->len, sizeof(*a->len) * (size_t)a->cap);
+        if (!a->off || !a->len)
+            abort();
+    }
+    return a->w.used;
 }
 
-static void arg_take(argv_buf *a, char *s, size_t n)
+/* Ends the argument begun at start. */
+static void arg_end(argv_buf *a, size_t start)
 {
-    argv_grow(a);
-    a->owned[a->n_owned++] = s;
-    a->argv[a->argc] = s;
-    a->len[a->argc++] = n;
+    a->off[a->argc] = start;
+    a->len[a->argc++] = a->w.used - start;
 }
 
 /* Every argument is the buffer's own copy: a script command may be sent again (NOSCRIPT)
  * after the strings it was built from are gone. */
 static void arg(argv_buf *a, const char *s, size_t n)
 {
-    char *copy = malloc(n + 1);
-    if (!copy)
-        abort();
-    memcpy(copy, s, n);
-    copy[n] = 0;
-    arg_take(a, copy, n);
+    size_t start = arg_begin(a);
+    cg_jsonw_raw(&a->w, s, n);
+    arg_end(a, start);
 }
 
 static void arg_str(argv_buf *a, const char *s)
@@ -103,53 +107,117 @@ static void arg_str(argv_buf *a, const char *s)
     arg(a, s, strlen(s));
 }
 
-/* An argument the buffer owns (freed by argv_clear); s NULL (jansson out of memory) aborts. */
+static void arg_int(argv_buf *a, long long n)
+{
+    size_t start = arg_begin(a);
+    cg_jsonw_int(&a->w, n);
+    arg_end(a, start);
+}
+
+/* A malloc'd string as an argument, freed (s NULL, out of memory, aborts). */
 static void arg_own(argv_buf *a, char *s)
 {
     if (!s)
         abort();
-    arg_take(a, s, strlen(s));
+    arg_str(a, s);
+    free(s);
 }
 
+/* A formatted argument (the limits' rare ones). */
 static void arg_fmt(argv_buf *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void arg_fmt(argv_buf *a, const char *fmt, ...)
 {
     char *s;
     va_list ap;
     va_start(ap, fmt);
-    if (vasprintf(&s, fmt, ap) < 0)
-        abort();
+    int rc = vasprintf(&s, fmt, ap);
     va_end(ap);
-    arg_own(a, s);
+    arg_own(a, rc < 0 ? NULL : s);
 }
 
-/* A JSON value as an argument; jansson fails only on memory, or on a value it cannot
- * encode, which the dialog never holds: "null" then, not a crash. */
-static void arg_json(argv_buf *a, const json_t *v)
+/* A JSON value as an argument; one it cannot encode, which the dialog never holds (text
+ * that is not UTF-8), is "null", not a crash. */
+static void arg_json(argv_buf *a, json_t *v)
 {
-    char *s = json_dumps(v ? v : json_null(), JSON_COMPACT | JSON_ENCODE_ANY);
-    arg_own(a, s ? s : cg_redis_xstrdup("null"));
+    size_t start = arg_begin(a);
+    cg_jsonw_json(&a->w, v);
+    if (a->w.failed) {
+        a->w.failed = 0;
+        a->w.used = start;
+        CG_JSONW_LIT(&a->w, "null");
+    }
+    arg_end(a, start);
+}
+
+/* "<prefix>:{<eu>}:<er>:<part>", or "<prefix>:{<eu>}:<part>" when er is NULL: a dialog's
+ * key, or a user's (the hash tag is the user's: a user's keys live on one shard). */
+static void arg_key(argv_buf *a, const char *prefix, const char *eu, const char *er, const char *part)
+{
+    size_t start = arg_begin(a);
+    cg_jsonw_raw(&a->w, prefix, strlen(prefix));
+    CG_JSONW_LIT(&a->w, ":{");
+    cg_jsonw_raw(&a->w, eu, strlen(eu));
+    CG_JSONW_LIT(&a->w, "}:");
+    if (er) {
+        cg_jsonw_raw(&a->w, er, strlen(er));
+        CG_JSONW_LIT(&a->w, ":");
+    }
+    cg_jsonw_raw(&a->w, part, strlen(part));
+    arg_end(a, start);
 }
 
 static void argv_clear(argv_buf *a)
 {
-    for (int i = 0; i < a->n_owned; i++)
-        free(a->owned[i]);
-    a->argc = a->n_owned = 0;
+    a->argc = 0;
+    a->w.used = 0;
 }
 
 static void argv_free(argv_buf *a)
 {
-    argv_clear(a);
-    free(a->argv);
+    free(a->w.buf);
+    free(a->off);
     free(a->len);
-    free(a->owned);
+    *a = (argv_buf){0};
+}
+
+/* One RESP bulk string: $<n>\r\n<bytes>\r\n */
+static void resp_bulk(cg_jsonw *cmd, const char *bytes, size_t n)
+{
+    CG_JSONW_LIT(cmd, "$");
+    cg_jsonw_int(cmd, (long long)n);
+    CG_JSONW_LIT(cmd, "\r\n");
+    cg_jsonw_raw(cmd, bytes, n);
+    CG_JSONW_LIT(cmd, "\r\n");
+}
+
+/* Sends a's command as RESP, its first two arguments replaced by arg0 and arg1 when they
+ * are not NULL (EVAL and the script's text, after NOSCRIPT); REDIS_OK or REDIS_ERR. */
+static int send_formatted(redisAsyncContext *ac, const argv_buf *a, const char *arg0, const char *arg1,
+                          redisCallbackFn *fn, void *priv)
+{
+    cg_jsonw cmd;
+    cg_jsonw_init(&cmd, 0, a->w.used + 16 * (size_t)a->argc + (arg1 ? strlen(arg1) : 0));
+    CG_JSONW_LIT(&cmd, "*");
+    cg_jsonw_int(&cmd, a->argc);
+    CG_JSONW_LIT(&cmd, "\r\n");
+    for (int i = 0; i < a->argc; i++) {
+        const char *over = i == 0 ? arg0 : i == 1 ? arg1 : NULL;
+        if (over)
+            resp_bulk(&cmd, over, strlen(over));
+        else
+            resp_bulk(&cmd, a->w.buf + a->off[i], a->len[i]);
+    }
+    size_t len = 0;
+    char *text = cg_jsonw_end(&cmd, &len);
+    int rc = redisAsyncFormattedCommand(ac, fn, priv, text, len);
+    free(text);
+    return rc;
 }
 
 /* Returns 0, or -1 when hiredis refused the command (its context is being freed). */
 static int send_argv(redis_store *rs, argv_buf *a, redisCallbackFn *fn, void *priv)
 {
-    int rc = rs->ac ? redisAsyncCommandArgv(rs->ac, fn, priv, a->argc, a->argv, a->len) : REDIS_ERR;
+    int rc = rs->ac ? send_formatted(rs->ac, a, NULL, NULL, fn, priv) : REDIS_ERR;
     argv_clear(a);
     return rc == REDIS_OK ? 0 : -1;
 }
@@ -189,24 +257,6 @@ static void send_last(redis_store *rs, argv_buf *a, redisCallbackFn *fn, cg_stor
     cg_redis_inflight_add(rs, r);
 }
 
-/* One key of the dialog (eu, er): the one builder of every dialog key, with its real length.
- * The hash tag is the user's, so a user's dialogs and rooms set live on one shard. */
-static char *dialog_key(redis_store *rs, const char *eu, const char *er, const char *part)
-{
-    char *s;
-    if (asprintf(&s, "%s:{%s}:%s:%s", rs->base.cfg.prefix, eu, er, part) < 0)
-        abort();
-    return s;
-}
-
-static char *rooms_key(redis_store *rs, const char *eu)
-{
-    char *s;
-    if (asprintf(&s, "%s:{%s}:rooms", rs->base.cfg.prefix, eu) < 0)
-        abort();
-    return s;
-}
-
 /* A dialog's keys, KEYS[1..8] of every script (the rooms set is KEYS[9]): its data, its
  * lease, the lease's fence counter, and the flag another gateway sets to cancel its turn. */
 static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lease", "fence", "cancel"};
@@ -221,7 +271,7 @@ static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "his
 static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er)
 {
     for (int i = 0; i < N_PARTS; i++)
-        arg_own(a, dialog_key(rs, eu, er, parts[i]));
+        arg_key(a, rs->base.cfg.prefix, eu, er, parts[i]);
 }
 
 /* ---- scripts: EVALSHA, and EVAL once when the server does not know the script ----------- */
@@ -252,7 +302,7 @@ static void arg_script(redis_store *rs, argv_buf *a, script_id id, const char *e
     arg_str(a, script_sha[id]);
     arg_str(a, "9");
     arg_dialog_keys(rs, a, eu, er);
-    arg_own(a, rooms_key(rs, eu));
+    arg_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
 }
 
 /*
@@ -277,11 +327,7 @@ static void on_script_reply(redisAsyncContext *ac, void *reply_, void *priv)
     if (reply && reply->type == REDIS_REPLY_ERROR && strncmp(reply->str, "NOSCRIPT", 8) == 0 && !c->retried &&
         c->rs->ac == ac) {
         c->retried = 1;
-        c->a.argv[0] = "EVAL";
-        c->a.len[0] = 4;
-        c->a.argv[1] = script_text(c->id);
-        c->a.len[1] = strlen(c->a.argv[1]);
-        if (redisAsyncCommandArgv(ac, on_script_reply, c, c->a.argc, c->a.argv, c->a.len) == REDIS_OK)
+        if (send_formatted(ac, &c->a, "EVAL", script_text(c->id), on_script_reply, c) == REDIS_OK)
             return;
         reply = NULL;
     }
@@ -303,7 +349,7 @@ static int send_script(redis_store *rs, script_id id, argv_buf *a, redisCallback
     memset(a, 0, sizeof(*a));
     c->fn = fn;
     c->priv = priv;
-    if (rs->ac && redisAsyncCommandArgv(rs->ac, on_script_reply, c, c->a.argc, c->a.argv, c->a.len) == REDIS_OK)
+    if (rs->ac && send_formatted(rs->ac, &c->a, NULL, NULL, on_script_reply, c) == REDIS_OK)
         return 0;
     argv_free(&c->a);
     free(c);
@@ -688,8 +734,8 @@ static void send_load(redis_store *rs, cg_store_req *r)
     argv_buf a = {0};
     arg_script(rs, &a, S_LOAD, r->eu, r->er);
     arg_str(&a, r->lease ? rs->holder : "");
-    arg_fmt(&a, "%ld", rs->base.cfg.lease_ms);
-    arg_fmt(&a, "%ld", rs->base.cfg.lifetimes.dialog_s);
+    arg_int(&a, (long long)(rs->base.cfg.lease_ms));
+    arg_int(&a, (long long)(rs->base.cfg.lifetimes.dialog_s));
     arg_str(&a, r->rev ? r->rev : "");
     send_last_script(rs, S_LOAD, &a, on_load_reply, r);
     argv_free(&a);
@@ -780,7 +826,7 @@ void cg_redis_renew_leases(redis_store *rs)
         argv_buf a = {0};
         arg_script(rs, &a, S_RENEW, eu, er);
         arg_str(&a, json_string_value(json_object_get(held, "v")));
-        arg_fmt(&a, "%ld", rs->base.cfg.lease_ms);
+        arg_int(&a, (long long)(rs->base.cfg.lease_ms));
         char *k = NULL;
         if (asprintf(&k, "%s %s", key, json_string_value(json_object_get(held, "v"))) < 0)
             abort();
@@ -827,7 +873,7 @@ static void rs_cancel_remote(cg_store *st, const char *user, const char *room)
     }
     argv_buf a = {0};
     arg_script(rs, &a, S_CANCEL, eu, er);
-    arg_fmt(&a, "%ld", rs->base.cfg.lease_ms);
+    arg_int(&a, (long long)(rs->base.cfg.lease_ms));
     if (send_script(rs, S_CANCEL, &a, on_cancel_reply, key) < 0)
         free(key);
     argv_free(&a);
@@ -1034,15 +1080,15 @@ static void send_limit(redis_store *rs, cg_store_req *r)
     arg_own(&a, limit_key(rs, r->eu, "turns:now", -1));
     arg_own(&a, limit_key(rs, r->eu, "tokens:m", c.minute));
     arg_own(&a, limit_key(rs, r->eu, "tokens:d", c.day));
-    arg_fmt(&a, "%lld", (long long)now);
-    arg_fmt(&a, "%ld", r->limits.messages_per_minute);
-    arg_fmt(&a, "%ld", r->limits.turns_at_once);
-    arg_fmt(&a, "%lld", r->limits.tokens_per_minute);
-    arg_fmt(&a, "%lld", r->limits.tokens_per_day);
+    arg_int(&a, (long long)now);
+    arg_int(&a, (long long)(r->limits.messages_per_minute));
+    arg_int(&a, (long long)(r->limits.turns_at_once));
+    arg_int(&a, (long long)(r->limits.tokens_per_minute));
+    arg_int(&a, (long long)(r->limits.tokens_per_day));
     arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)r->turn);
-    arg_fmt(&a, "%d", LIMIT_SLOT_MS);
-    arg_fmt(&a, "%ld", c.to_minute_ms);
-    arg_fmt(&a, "%ld", c.to_day_ms);
+    arg_int(&a, (long long)(LIMIT_SLOT_MS));
+    arg_int(&a, (long long)(c.to_minute_ms));
+    arg_int(&a, (long long)(c.to_day_ms));
     send_last_script(rs, S_LIMIT, &a, on_limit_reply, r);
     argv_free(&a);
 }
@@ -1141,7 +1187,7 @@ static void arg_expiring(argv_buf *a, json_t *value, int64_t expires, int64_t no
         abort(); /* out of memory */
     arg_json(a, copy);
     json_decref(copy);
-    arg_fmt(a, "%lld", (long long)(expires - now));
+    arg_int(a, (long long)(expires - now));
     if (expires - now > *longest)
         *longest = expires - now;
 }
@@ -1174,14 +1220,14 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
         longest = lt->history_s;
 
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
-    arg_fmt(&a, "%lld", (long long)d.created_at);
-    arg_fmt(&a, "%lld", (long long)d.last_activity);
+    arg_int(&a, (long long)d.created_at);
+    arg_int(&a, (long long)d.last_activity);
     arg_str(&a, r->base_unknown || json_object_get(rs->unknown, r->key) ? "2" : r->version ? "1" : "0");
-    arg_fmt(&a, "%ld", lt->params_s);
-    arg_fmt(&a, "%ld", lt->dialog_s);
-    arg_fmt(&a, "%ld", lt->history_s);
-    arg_fmt(&a, "%ld", d.turn_count);
-    arg_fmt(&a, "%ld", d.message_count);
+    arg_int(&a, (long long)(lt->params_s));
+    arg_int(&a, (long long)(lt->dialog_s));
+    arg_int(&a, (long long)(lt->history_s));
+    arg_int(&a, (long long)(d.turn_count));
+    arg_int(&a, (long long)(d.message_count));
     arg_str(&a, d.service ? d.service : "");
     arg_str(&a, d.service ? "1" : "0");
     arg_json(&a, d.last_tool_result);
@@ -1189,10 +1235,10 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     arg_expiring(&a, d.soft, d.soft_expires, now, &longest);
     const char *service, *name;
     json_t *names, *value;
-    arg_fmt(&a, "%zu", params_count(&d));
+    arg_int(&a, (long long)(params_count(&d)));
     arg_str(&a, r->lease_value ? r->lease_value : "");
     arg_str(&a, r->er);
-    arg_fmt(&a, "%lld", (long long)longest);
+    arg_int(&a, (long long)longest);
     arg_json(&a, d.usage);
     /* a new rev for every write, write-backs too: a copy another gateway holds of an older one
      * must never pass for this one */
@@ -1203,10 +1249,14 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     const char *base_rev = NULL;
     long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d.history, now, &base_rev);
     arg_str(&a, from >= 0 ? base_rev : "");
-    arg_fmt(&a, "%zu", json_array_size(d.history));
+    arg_int(&a, (long long)(json_array_size(d.history)));
     json_object_foreach(d.params, service, names) {
         json_object_foreach(names, name, value) {
-            arg_fmt(&a, "%s.%s", service, name);
+            size_t start = arg_begin(&a); /* "<service>.<name>" */
+            cg_jsonw_raw(&a.w, service, strlen(service));
+            CG_JSONW_LIT(&a.w, ".");
+            cg_jsonw_raw(&a.w, name, strlen(name));
+            arg_end(&a, start);
             arg_json(&a, value);
         }
     }
@@ -1251,7 +1301,7 @@ static void send_remove(redis_store *rs, cg_store_req *r)
     arg_dialog_keys(rs, &a, r->eu, r->er);
     send_step(rs, &a, r);
     arg_str(&a, "SREM"); /* after the data: forget-user must find a room as long as it has data */
-    arg_own(&a, rooms_key(rs, r->eu));
+    arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
     arg_str(&a, r->er);
     send_last(rs, &a, on_remove_reply, r);
     argv_free(&a);
@@ -1286,7 +1336,7 @@ static void dispatch(redis_store *rs, cg_store_req *r)
         /* both start from the user's rooms set */
         argv_buf a = {0};
         arg_str(&a, "SMEMBERS");
-        arg_own(&a, rooms_key(rs, r->eu));
+        arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
         send_last(rs, &a, r->kind == OP_ROOMS ? on_room_list : on_rooms_reply, r);
         argv_free(&a);
     } else {
@@ -1401,7 +1451,7 @@ static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
         arg_dialog_keys(rs, &a, r->eu, er);
         free(er);
     }
-    arg_own(&a, rooms_key(rs, r->eu));
+    arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
     send_last(rs, &a, on_remove_reply, r);
     argv_free(&a);
 }
@@ -1497,9 +1547,9 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
         arg_own(&a, limit_key(rs, eu, "tokens:m", c.minute));
         arg_own(&a, limit_key(rs, eu, "tokens:d", c.day));
         arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)turn);
-        arg_fmt(&a, "%lld", tokens);
-        arg_fmt(&a, "%ld", c.to_minute_ms + 1000);
-        arg_fmt(&a, "%ld", c.to_day_ms + 1000);
+        arg_int(&a, (long long)(tokens));
+        arg_int(&a, (long long)(c.to_minute_ms + 1000));
+        arg_int(&a, (long long)(c.to_day_ms + 1000));
         if (send_script(rs, S_LIMIT_END, &a, on_limit_end_reply, NULL) < 0)
             cg_limiter_end(rs->limits, eu, lim, tokens, now);
         argv_free(&a);
