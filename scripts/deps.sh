@@ -21,9 +21,10 @@ case "${1:-build}" in
   # scripts/package.sh: dpkg-shlibdeps for the package's Depends
   package) packages+=(dpkg-dev fakeroot) ;;
   bench)
-    # tests/bench/compare.sh; not in test: CI runs no benchmarks. The Debian nginx package
-    # starts a service on port 80 where there is an init system: compare.sh runs its own.
-    packages+=(nginx redis-server)
+    # tests/bench/compare.sh and instructions.sh (valgrind); not in test: CI runs no
+    # benchmarks. The Debian nginx package starts a service on port 80 where there is an
+    # init system: compare.sh runs its own.
+    packages+=(nginx redis-server valgrind curl)
     command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
     ;;
 esac
