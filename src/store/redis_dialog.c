@@ -427,9 +427,10 @@ static int gated(redis_store *rs, cg_store_req *r)
  * and reads nothing; else the lease is "holder fence", the fence one more than the
  * dialog's last (KEYS[7], kept as long as the dialog), for ARGV[2] ms. The answer is the
  * lease ("" when none was asked), then the five parts (GET's nil comes back as nil); or,
- * when ARGV[4] names the rev of the copy this gateway holds and Redis's copy is that one,
- * the lease, "same" and the number of params and of history messages Redis holds (the
- * gateway checks its copy against them: a part that lapsed in Redis first).
+ * when ARGV[4] names the rev of the copy this gateway holds and Redis's copy is that one
+ * (its hash still there), the lease, "same" and the number of params and of history
+ * messages Redis holds (the gateway checks its copy against them: a part that lapsed or was
+ * evicted in Redis alone).
  */
 static const char load_script[] =
     "local lease = ''\n"
@@ -444,7 +445,7 @@ static const char load_script[] =
     "  redis.call('SET', KEYS[6], lease, 'PX', ARGV[2])\n"
     "  redis.call('DEL', KEYS[8])\n"
     "end\n"
-    "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] then\n"
+    "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] and redis.call('EXISTS', KEYS[2]) == 1 then\n"
     "  return {lease, 'same', redis.call('HLEN', KEYS[1]) - 1, redis.call('LLEN', KEYS[5])}\n"
     "end\n"
     "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
@@ -909,7 +910,9 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
  * long the rooms set lives, 20 usage (JSON, "null" for none), 21 the rev this save writes,
  * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten),
- * 23 how many messages the history holds after this save, then the params' field-value
+ * 23 how many messages the history holds after this save, 24 how many Redis's list holds
+ * when it is appended to (the copy's: a list lapsed or evicted alone is not appended to),
+ * then the params' field-value
  * pairs, then the history (appending: only its new messages).
  * Returns 1 when written, -3 (before writing anything) when an append finds another rev,
  * 0 when Redis holds another incarnation, -1 a newer copy, -2 when
@@ -933,13 +936,14 @@ static const char save_script[] =
     "  local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
     "  if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
     "  if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
-    "  if ARGV[22] ~= '' and redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] then return -3 end\n"
+    "  if ARGV[22] ~= '' and (redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] or\n"
+    "                         redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[24])) then return -3 end\n"
     "  local function chunks(cmd, key, from, to, step)\n"
     "    for i = from, to, step do\n"
     "      redis.call(cmd, key, unpack(ARGV, i, math.min(i + step - 1, to)))\n"
     "    end\n"
     "  end\n"
-    "  local np, P = tonumber(ARGV[16]), 23\n"
+    "  local np, P = tonumber(ARGV[16]), 24\n"
     "  redis.call('SADD', KEYS[9], ARGV[18])\n"
     "  redis.call('EXPIRE', KEYS[9], ARGV[19])\n"
     "  redis.call('DEL', KEYS[1])\n"
@@ -1194,15 +1198,16 @@ static void arg_expiring(argv_buf *a, json_t *value, int64_t expires, int64_t no
 
 /*
  * Where the new messages of a save's history start, when the history can be appended to
- * Redis's list: the gateway's copy is of a known rev (the save script checks that it is
- * still Redis's), and the history goes on from that copy's (cg_dialog_history_kept). -1
- * when it must be rewritten.
+ * Redis's list: the gateway's copy is of a known rev, and the history goes on from that
+ * copy's (cg_dialog_history_kept); the save script checks that the rev is still Redis's and
+ * that its list holds the copy's *n_had messages. -1 when it must be rewritten.
  */
 static long history_appended_from(redis_store *rs, const char *key, json_t *history, int64_t now,
-                                   const char **base_rev)
+                                   const char **base_rev, size_t *n_had)
 {
     *base_rev = cg_memstore_rev(rs->mem, key, now);
     json_t *had = *base_rev ? cg_memstore_history(rs->mem, key, now) : NULL;
+    *n_had = json_array_size(had);
     return had ? cg_dialog_history_kept(had, history) : -1;
 }
 
@@ -1247,9 +1252,11 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
         abort();
     arg_str(&a, r->rev);
     const char *base_rev = NULL;
-    long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d.history, now, &base_rev);
+    size_t n_had = 0;
+    long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d.history, now, &base_rev, &n_had);
     arg_str(&a, from >= 0 ? base_rev : "");
     arg_int(&a, (long long)(json_array_size(d.history)));
+    arg_int(&a, (long long)n_had);
     json_object_foreach(d.params, service, names) {
         json_object_foreach(names, name, value) {
             size_t start = arg_begin(&a); /* "<service>.<name>" */

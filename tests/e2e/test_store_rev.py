@@ -15,13 +15,17 @@ state app (harness FakeApp /state, no rules):
 - Redis's copy changed behind the gateway's back, between turns, as another writer would:
   the params hash rewritten without a rev (a chatgate from before this change), or the
   history list gone (it lapses before the dialog's hash): the next turn reads Redis's copy;
-- Redis's copy gone during a turn (its keys deleted), so the copy the save would append to
-  is no longer Redis's: the save is refused before it writes anything and sent again in
-  full, so the list holds the whole dialog (as the gateway's next turn sees it), not the new
-  messages alone.
+- the dialog's hash gone (its lifetime can be shorter than the params'), the rev kept: the
+  next turn reads Redis's copy (no service);
+- Redis's copy gone during a turn (its keys deleted), or only its history list (lapsed or
+  evicted alone), so the copy the save would append to is no longer Redis's: the save is
+  refused before it writes anything and sent again in full, so the list holds the whole
+  dialog (as the gateway's next turn sees it), not the new messages alone.
 Checked by breaking the code: without the load's rev check the two-gateway part fails,
-without its count of history messages the lapsed-history part, without the save's rev
-check the mid-turn part (the list holds 2 messages); without the copy the counts do.
+without its count of history messages the lapsed-history part, without its check of the
+dialog's hash the hash part, without the save's rev check the first mid-turn part and
+without its count of messages the second (the list holds 2 messages); without the copy the
+counts do.
 """
 
 import asyncio
@@ -150,33 +154,50 @@ async def part_behind_the_back(app, redis, rules):
             _, fwd = await turn(c, app, "bk5", "fifth", "r")
             check(history_pairs(fwd["history"]) == [("user", "fourth"), ("assistant", state_reply_text("fourth"))],
                   f"then only the fourth turn: {fwd['history']}")
+        with step("the dialog's hash gone in Redis (a lifetime shorter than the params'), the rev kept: "
+                  "the next turn reads Redis's copy"):
+            await turn(c, app, "bk6", "sixth", "r", {"service": "travel"})
+            _, fwd = await turn(c, app, "bk7", "seventh", "r")
+            check(fwd["service"] == "travel", f"the service should be kept: {fwd['service']}")
+            redis.command("DEL", harness.dialog_key("back", "r", "dialog"))
+            _, fwd = await turn(c, app, "bk8", "eighth", "r")
+            check(fwd["service"] is None, f"the dialog's hash is gone, so is its service: {fwd['service']}")
+        await c.close()
+
+
+async def mid_turn(app, redis, rules, user, parts):
+    """Three turns, then a fourth during which `parts` of the dialog's keys are deleted in
+    Redis: Redis's list must end up holding the whole dialog, the 4th save sent again in
+    full (2 saves appended), and the next turn must see the same."""
+    async with harness.Gateway(args(rules), config(app, redis), name=f"gw-{user}") as gw:
+        c = await connect(gw, user)
+        everything = []
+        for k in range(1, 4):
+            t, _ = await turn(c, app, f"{user}{k}", f"mid {k}", "r")
+            everything += [("user", f"mid {k}"), ("assistant", t.terminal["text"])]
+        text = "mid 4 [delay=1]"  # the app waits 1 s after its first delta
+        pending = asyncio.ensure_future(c.message(text, mid=f"{user}4", room="r"))
+        await app.wait_message(f"{user}4")
+        for part in parts:
+            redis.command("DEL", harness.dialog_key(user, "r", part))
+        t = await pending
+        t.expect_done()
+        everything += [("user", text), ("assistant", t.terminal["text"])]
+        ok = await harness.wait_until(lambda: redis_history(redis, user, "r") == everything, 5)
+        check(ok, f"Redis's list should hold all 8 messages: {redis_history(redis, user, 'r')}")
+        _, appended = store_counts(gw)
+        check(appended == 2, f"2 saves appended (the 4th was refused, sent again in full): {appended}")
+        _, fwd = await turn(c, app, f"{user}5", "mid 5", "r")
+        check(history_pairs(fwd["history"]) == everything, f"the next turn's history: {fwd['history']}")
         await c.close()
 
 
 async def part_mid_turn(app, redis, rules):
     with step("the dialog's keys deleted during a turn: the save is sent again in full, the list holds "
               "the whole dialog"):
-        async with harness.Gateway(args(rules), config(app, redis), name="gw-mid") as gw:
-            c = await connect(gw, "mid")
-            everything = []
-            for k in range(1, 4):
-                t, _ = await turn(c, app, f"mid{k}", f"mid {k}", "r")
-                everything += [("user", f"mid {k}"), ("assistant", t.terminal["text"])]
-            text = "mid 4 [delay=1]"  # the app waits 1 s after its first delta
-            pending = asyncio.ensure_future(c.message(text, mid="mid4", room="r"))
-            await app.wait_message("mid4")
-            for part in ("params", "dialog", "history"):  # the dialog's data gone (a delete)
-                redis.command("DEL", harness.dialog_key("mid", "r", part))
-            t = await pending
-            t.expect_done()
-            everything += [("user", text), ("assistant", t.terminal["text"])]
-            ok = await harness.wait_until(lambda: redis_history(redis, "mid", "r") == everything, 5)
-            check(ok, f"Redis's list should hold all 8 messages: {redis_history(redis, 'mid', 'r')}")
-            _, appended = store_counts(gw)
-            check(appended == 2, f"2 saves appended (the 4th was refused, sent again in full): {appended}")
-            _, fwd = await turn(c, app, "mid5", "mid 5", "r")
-            check(history_pairs(fwd["history"]) == everything, f"the next turn's history: {fwd['history']}")
-            await c.close()
+        await mid_turn(app, redis, rules, "mid", ("params", "dialog", "history"))
+    with step("only the history list gone during a turn (lapsed, or evicted), the rev kept: the same"):
+        await mid_turn(app, redis, rules, "midh", ("history",))
 
 
 async def main(args_):
