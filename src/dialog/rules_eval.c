@@ -195,10 +195,28 @@ static char *expand_template(const cg_ruleset *rs, const rule *r, const char *su
     return out;
 }
 
-/* Runs one rule's pattern on subject: 1 matched, 0 not, -1 cut off by a limit. */
-static int run_pattern(const cg_ruleset *rs, const rule *r, const char *subject, size_t len)
+/*
+ * The match options for a subject: PCRE2_NO_UTF_CHECK once it is known valid UTF-8. PCRE2
+ * checks the whole subject at every pcre2_match() otherwise, and a message runs every rule
+ * on the same text; checked once here, as PCRE2's documentation advises. Text that is not
+ * valid keeps the check, and PCRE2's error (counted as no match).
+ */
+static uint32_t subject_options(const char *subject, size_t len)
 {
-    int rc = pcre2_match(r->re, (PCRE2_SPTR)subject, len, 0, 0, rs->md, rs->mctx);
+    const unsigned char *s = (const unsigned char *)subject;
+    for (size_t i = 0; i < len;) {
+        size_t n = s[i] < 0x80 ? 1 : cg_utf8_char_len(s + i, len - i);
+        if (!n)
+            return 0;
+        i += n;
+    }
+    return PCRE2_NO_UTF_CHECK;
+}
+
+/* Runs one rule's pattern on subject: 1 matched, 0 not, -1 cut off by a limit. */
+static int run_pattern(const cg_ruleset *rs, const rule *r, const char *subject, size_t len, uint32_t options)
+{
+    int rc = pcre2_match(r->re, (PCRE2_SPTR)subject, len, 0, options, rs->md, rs->mctx);
     if (rc >= 0)
         return 1;
     if (rc == PCRE2_ERROR_NOMATCH)
@@ -306,6 +324,7 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
     /* the subject is text's first len bytes: PCRE gets the length, and groups are copied by
      * their offsets, which never pass it */
     const char *subject = text;
+    uint32_t options = subject_options(subject, len);
     const cg_rules_counts *c = rs->counts.hits ? &rs->counts : NULL;
     size_t file = SIZE_MAX; /* the file whose rules run now, for its time */
     double t0 = 0;
@@ -319,7 +338,7 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
             continue; /* a reply rule never runs on a message (its own tests run it) */
         if (r->action == A_ENRICH && !previous)
             continue;
-        int m = run_pattern(rs, r, subject, len);
+        int m = run_pattern(rs, r, subject, len, options);
         if (m < 0) {
             json_array_append_new(out->limited, json_string(r->name));
             if (c && i < c->n_rules)
@@ -351,10 +370,11 @@ int cg_rules_cancels(const cg_ruleset *rs, const char *text)
     size_t len = strlen(text);
     if (len > CG_RULES_MAX_SCAN)
         len = cg_utf8_boundary(text, CG_RULES_MAX_SCAN);
+    uint32_t options = subject_options(text, len);
     for (size_t i = 0; i < rs->n; i++) {
         const rule *r = &rs->rules[i];
         if ((r->action == A_CANCEL || r->action == A_CANCEL_ABSORB) && r->n_conds == 0 &&
-            run_pattern(rs, r, text, len) > 0)
+            run_pattern(rs, r, text, len, options) > 0)
             return 1;
     }
     return 0;
