@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/jsonout.h"
 #include "chatgate/dialog/dialog.h"
 #include "chatgate/core/error.h"
 
@@ -72,10 +73,17 @@ void cg_dialog_lapse(cg_dialog *d, int64_t now, int64_t params_exp, int64_t hist
     }
 }
 
-/* The size of j as compact JSON, counted without building the text. */
+/* The size of j as compact JSON: written by the text writer (core/jsonout.h) into a buffer
+ * dropped at once, which costs less than jansson's counting dump (json_dumpb into nothing
+ * still walks its dump machinery token by token). 0 when j cannot be encoded. */
 static size_t json_size(json_t *j)
 {
-    return json_dumpb(j, NULL, 0, JSON_COMPACT);
+    cg_jsonw w;
+    cg_jsonw_init(&w, 0, 1024);
+    cg_jsonw_json(&w, j);
+    size_t n = 0;
+    free(cg_jsonw_end(&w, &n));
+    return n;
 }
 
 /* Close to json_size (strings count unescaped, numbers as 8), without formatting anything. */

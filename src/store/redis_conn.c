@@ -143,7 +143,7 @@ static void dirty_bound(redis_store *rs)
 /* Marks r's dialog (its snapshot) as written to memory only; the newest goes last. */
 void cg_redis_mark_dirty(redis_store *rs, cg_store_req *r)
 {
-    size_t bytes = json_dumpb(r->snapshot, NULL, 0, JSON_COMPACT) + strlen(r->key) + 64;
+    size_t bytes = cg_dialog_weight(r->snapshot) + strlen(r->key) + 64; /* about its JSON */
     json_t *old = json_object_get(rs->dirty, r->key);
     int base_unknown = json_object_get(rs->unknown, r->key) || json_is_true(json_object_get(old, "n"));
     cg_redis_dirty_del(rs, r->key); /* re-added at the end: the set runs from least to most recent */
@@ -165,7 +165,7 @@ static void req_closed(uv_handle_t *h)
 {
     cg_store_req *r = h->data;
     redis_store *rs = r->rs;
-    json_decref(r->snapshot);
+    cg_redis_snapshot_free(r->snapshot);
     free(r->lease_value);
     free(r->rev);
     free(r->user);
@@ -253,13 +253,13 @@ static void rewrite_recent(redis_store *rs)
             continue;
         cg_dialog d;
         int held = cg_memstore_get(rs->mem, key, rs->base.now(rs->base.clock_ctx), &d);
-        json_t *snapshot = held ? cg_dialog_to_json(&d) : NULL;
-        cg_dialog_free(&d);
-        if (!snapshot)
+        if (!held) {
+            cg_dialog_free(&d);
             continue; /* no longer in memory: Redis keeps what the new primary has */
-        cg_store_req r = {.rs = rs, .eu = (char *)eu, .er = (char *)er, .key = (char *)key, .snapshot = snapshot};
+        }
+        cg_store_req r = {.rs = rs, .eu = (char *)eu, .er = (char *)er, .key = (char *)key, .snapshot = &d};
         cg_redis_mark_dirty(rs, &r);
-        json_decref(snapshot);
+        cg_dialog_free(&d);
         n++;
     }
     json_object_clear(rs->recent);
@@ -319,13 +319,27 @@ static void unknown_add(redis_store *rs, const char *key)
     json_object_set_new(rs->unknown, key, json_true()); /* out of memory: created_at still guards */
 }
 
-void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot, const char *rev)
+void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snapshot, const char *rev)
 {
-    int64_t now = rs->base.now(rs->base.clock_ctx);
-    cg_dialog d;
-    cg_dialog_adopt_json(&d, snapshot, now); /* shares snapshot's parts, and so does the memory */
-    cg_memstore_keep(rs->mem, key, &d, now, rev);
-    cg_dialog_free(&d);
+    cg_memstore_keep(rs->mem, key, snapshot, rs->base.now(rs->base.clock_ctx), rev);
+}
+
+cg_dialog *cg_redis_snapshot(const cg_dialog *d)
+{
+    cg_dialog *s = malloc(sizeof(*s));
+    if (s && cg_dialog_share(s, d) < 0) {
+        free(s);
+        s = NULL;
+    }
+    return s;
+}
+
+void cg_redis_snapshot_free(cg_dialog *s)
+{
+    if (s) {
+        cg_dialog_free(s);
+        free(s);
+    }
 }
 
 /* Answers r from memory (Redis is away or failed it), then finishes it. */
@@ -397,7 +411,7 @@ int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry)
         return -1;
     }
     cg_store_req *r = req_alloc(rs, OP_SAVE, cg_redis_xstrdup(eu), cg_redis_xstrdup(er), NULL);
-    r->snapshot = cg_dialog_to_json(&d);
+    r->snapshot = cg_redis_snapshot(&d);
     cg_dialog_free(&d);
     r->version = (long)json_integer_value(json_object_get(entry, "v"));
     r->base_unknown = json_is_true(json_object_get(entry, "n"));

@@ -735,8 +735,8 @@ static void send_load(redis_store *rs, cg_store_req *r)
     argv_buf a = {0};
     arg_script(rs, &a, S_LOAD, r->eu, r->er);
     arg_str(&a, r->lease ? rs->holder : "");
-    arg_int(&a, (long long)(rs->base.cfg.lease_ms));
-    arg_int(&a, (long long)(rs->base.cfg.lifetimes.dialog_s));
+    arg_int(&a, (long long)rs->base.cfg.lease_ms);
+    arg_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s);
     arg_str(&a, r->rev ? r->rev : "");
     send_last_script(rs, S_LOAD, &a, on_load_reply, r);
     argv_free(&a);
@@ -827,7 +827,7 @@ void cg_redis_renew_leases(redis_store *rs)
         argv_buf a = {0};
         arg_script(rs, &a, S_RENEW, eu, er);
         arg_str(&a, json_string_value(json_object_get(held, "v")));
-        arg_int(&a, (long long)(rs->base.cfg.lease_ms));
+        arg_int(&a, (long long)rs->base.cfg.lease_ms);
         char *k = NULL;
         if (asprintf(&k, "%s %s", key, json_string_value(json_object_get(held, "v"))) < 0)
             abort();
@@ -874,7 +874,7 @@ static void rs_cancel_remote(cg_store *st, const char *user, const char *room)
     }
     argv_buf a = {0};
     arg_script(rs, &a, S_CANCEL, eu, er);
-    arg_int(&a, (long long)(rs->base.cfg.lease_ms));
+    arg_int(&a, (long long)rs->base.cfg.lease_ms);
     if (send_script(rs, S_CANCEL, &a, on_cancel_reply, key) < 0)
         free(key);
     argv_free(&a);
@@ -1085,14 +1085,14 @@ static void send_limit(redis_store *rs, cg_store_req *r)
     arg_own(&a, limit_key(rs, r->eu, "tokens:m", c.minute));
     arg_own(&a, limit_key(rs, r->eu, "tokens:d", c.day));
     arg_int(&a, (long long)now);
-    arg_int(&a, (long long)(r->limits.messages_per_minute));
-    arg_int(&a, (long long)(r->limits.turns_at_once));
-    arg_int(&a, (long long)(r->limits.tokens_per_minute));
-    arg_int(&a, (long long)(r->limits.tokens_per_day));
+    arg_int(&a, (long long)r->limits.messages_per_minute);
+    arg_int(&a, (long long)r->limits.turns_at_once);
+    arg_int(&a, (long long)r->limits.tokens_per_minute);
+    arg_int(&a, (long long)r->limits.tokens_per_day);
     arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)r->turn);
-    arg_int(&a, (long long)(LIMIT_SLOT_MS));
-    arg_int(&a, (long long)(c.to_minute_ms));
-    arg_int(&a, (long long)(c.to_day_ms));
+    arg_int(&a, (long long)LIMIT_SLOT_MS);
+    arg_int(&a, (long long)c.to_minute_ms);
+    arg_int(&a, (long long)c.to_day_ms);
     send_last_script(rs, S_LIMIT, &a, on_limit_reply, r);
     argv_free(&a);
 }
@@ -1215,8 +1215,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
 {
     const cg_lifetimes *lt = &rs->base.cfg.lifetimes;
     int64_t now = rs->base.now(rs->base.clock_ctx);
-    cg_dialog d;
-    cg_dialog_adopt_json(&d, r->snapshot, now); /* only read, into the arguments */
+    const cg_dialog *d = r->snapshot; /* only read, into the arguments */
     argv_buf a = {0};
     int64_t longest = lt->dialog_s; /* how long the rooms set must outlive this save */
     if (lt->params_s > longest)
@@ -1225,26 +1224,26 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
         longest = lt->history_s;
 
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
-    arg_int(&a, (long long)d.created_at);
-    arg_int(&a, (long long)d.last_activity);
+    arg_int(&a, (long long)d->created_at);
+    arg_int(&a, (long long)d->last_activity);
     arg_str(&a, r->base_unknown || json_object_get(rs->unknown, r->key) ? "2" : r->version ? "1" : "0");
-    arg_int(&a, (long long)(lt->params_s));
-    arg_int(&a, (long long)(lt->dialog_s));
-    arg_int(&a, (long long)(lt->history_s));
-    arg_int(&a, (long long)(d.turn_count));
-    arg_int(&a, (long long)(d.message_count));
-    arg_str(&a, d.service ? d.service : "");
-    arg_str(&a, d.service ? "1" : "0");
-    arg_json(&a, d.last_tool_result);
-    arg_expiring(&a, d.awaiting, d.awaiting_expires, now, &longest);
-    arg_expiring(&a, d.soft, d.soft_expires, now, &longest);
+    arg_int(&a, (long long)lt->params_s);
+    arg_int(&a, (long long)lt->dialog_s);
+    arg_int(&a, (long long)lt->history_s);
+    arg_int(&a, (long long)d->turn_count);
+    arg_int(&a, (long long)d->message_count);
+    arg_str(&a, d->service ? d->service : "");
+    arg_str(&a, d->service ? "1" : "0");
+    arg_json(&a, d->last_tool_result);
+    arg_expiring(&a, d->awaiting, d->awaiting_expires, now, &longest);
+    arg_expiring(&a, d->soft, d->soft_expires, now, &longest);
     const char *service, *name;
     json_t *names, *value;
-    arg_int(&a, (long long)(params_count(&d)));
+    arg_int(&a, (long long)(params_count(d)));
     arg_str(&a, r->lease_value ? r->lease_value : "");
     arg_str(&a, r->er);
     arg_int(&a, (long long)longest);
-    arg_json(&a, d.usage);
+    arg_json(&a, d->usage);
     /* a new rev for every write, write-backs too: a copy another gateway holds of an older one
      * must never pass for this one */
     free(r->rev);
@@ -1253,11 +1252,11 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     arg_str(&a, r->rev);
     const char *base_rev = NULL;
     size_t n_had = 0;
-    long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d.history, now, &base_rev, &n_had);
+    long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d->history, now, &base_rev, &n_had);
     arg_str(&a, from >= 0 ? base_rev : "");
-    arg_int(&a, (long long)(json_array_size(d.history)));
+    arg_int(&a, (long long)(json_array_size(d->history)));
     arg_int(&a, (long long)n_had);
-    json_object_foreach(d.params, service, names) {
+    json_object_foreach(d->params, service, names) {
         json_object_foreach(names, name, value) {
             size_t start = arg_begin(&a); /* "<service>.<name>" */
             cg_jsonw_raw(&a.w, service, strlen(service));
@@ -1267,8 +1266,8 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
             arg_json(&a, value);
         }
     }
-    for (size_t i = from >= 0 ? (size_t)from : 0; i < json_array_size(d.history); i++)
-        arg_json(&a, json_array_get(d.history, i));
+    for (size_t i = from >= 0 ? (size_t)from : 0; i < json_array_size(d->history); i++)
+        arg_json(&a, json_array_get(d->history, i));
     r->appended = from >= 0;
 
     gate_enter(rs, r->key);
@@ -1277,7 +1276,6 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     else if (rs->master)
         cg_redis_recent_note(rs, r);
     argv_free(&a);
-    cg_dialog_free(&d);
 }
 
 /* ---- remove ---------------------------------------------------------------------------- */
@@ -1331,7 +1329,7 @@ static void dispatch(redis_store *rs, cg_store_req *r)
         /* written to memory now, so a load queued after this save sees it */
         cg_redis_memory_put(rs, r->key, r->snapshot, NULL);
         cg_redis_mark_dirty(rs, r);
-        json_decref(r->snapshot); /* held in memory now: cg_redis_answer_from_memory only answers it */
+        cg_redis_snapshot_free(r->snapshot); /* held in memory now: cg_redis_answer_from_memory only answers it */
         r->snapshot = NULL;
         cg_redis_answer_later_from_memory(r);
     } else if (r->kind == OP_REMOVE && connected) {
@@ -1409,7 +1407,7 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
     st->stats.saves++;
     cg_store_req *r = cg_redis_req_new(rs, OP_SAVE, user, room, ctx);
     r->done_cb = cb;
-    r->snapshot = cg_dialog_to_json(d);
+    r->snapshot = cg_redis_snapshot(d);
     if (!r->snapshot) /* out of memory: nothing written, nothing overwritten */
         cg_error("redis %s:%d: out of memory: a dialog was not saved", rs->host, rs->port);
     json_t *held = json_object_get(rs->leases, r->key);
@@ -1554,7 +1552,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
         arg_own(&a, limit_key(rs, eu, "tokens:m", c.minute));
         arg_own(&a, limit_key(rs, eu, "tokens:d", c.day));
         arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)turn);
-        arg_int(&a, (long long)(tokens));
+        arg_int(&a, (long long)tokens);
         arg_int(&a, (long long)(c.to_minute_ms + 1000));
         arg_int(&a, (long long)(c.to_day_ms + 1000));
         if (send_script(rs, S_LIMIT_END, &a, on_limit_end_reply, NULL) < 0)

@@ -46,7 +46,8 @@ struct cg_store_req {
     char *user;      /* remove_user only: the user as given, for its memory delete */
     char *eu, *er;   /* user and room, escaped (cg_store_escape) */
     char *key;       /* "<eu>:<er>": the dialog's hash tag and memory key */
-    json_t *snapshot; /* save: the dialog as written */
+    cg_dialog *snapshot; /* save: the dialog as written, its parts shared with the saver's
+                          * (cg_dialog_share: store.h, a dialog is not changed after its save) */
     long version;     /* save of a dirty dialog: the dirty version it writes back */
     cg_store_load_fn load_cb;
     cg_store_done_fn done_cb;
@@ -169,9 +170,12 @@ redisAsyncContext *cg_redis_async_open(redis_store *rs, const char *address, int
  * replies still due to it have come. */
 cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
 void cg_redis_req_finish(cg_store_req *r);
-/* Keeps a copy of snapshot (a dialog as cg_dialog_to_json wrote it) in memory under key;
- * rev when it is Redis's copy of that version (a save's), else NULL. */
-void cg_redis_memory_put(redis_store *rs, const char *key, json_t *snapshot, const char *rev);
+/* Keeps snapshot (a saved dialog) in memory under key, its parts shared; rev when it is
+ * Redis's copy of that version (a save's), else NULL. */
+void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snapshot, const char *rev);
+/* A save's snapshot of d (its parts shared), or NULL out of memory; and its end. */
+cg_dialog *cg_redis_snapshot(const cg_dialog *d);
+void cg_redis_snapshot_free(cg_dialog *s);
 /* Sentinel only: notes that r (a save) was sent, for the rewrite after a failover. */
 void cg_redis_recent_note(redis_store *rs, cg_store_req *r);
 /* The in-flight list, oldest first: the command timeout watches its head. */
