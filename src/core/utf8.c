@@ -32,6 +32,18 @@ size_t cg_utf8_char_len(const unsigned char *s, size_t n)
     return len;
 }
 
+int cg_utf8_valid(const char *s, size_t n)
+{
+    const unsigned char *u = (const unsigned char *)s;
+    for (size_t i = 0; i < n;) {
+        size_t len = u[i] < 0x80 ? 1 : cg_utf8_char_len(u + i, n - i);
+        if (!len)
+            return 0;
+        i += len;
+    }
+    return 1;
+}
+
 void cg_utf8_clean(char *s, size_t n)
 {
     for (size_t i = 0; i < n;) {

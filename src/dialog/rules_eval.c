@@ -203,14 +203,7 @@ static char *expand_template(const cg_ruleset *rs, const rule *r, const char *su
  */
 static uint32_t subject_options(const char *subject, size_t len)
 {
-    const unsigned char *s = (const unsigned char *)subject;
-    for (size_t i = 0; i < len;) {
-        size_t n = s[i] < 0x80 ? 1 : cg_utf8_char_len(s + i, len - i);
-        if (!n)
-            return 0;
-        i += n;
-    }
-    return PCRE2_NO_UTF_CHECK;
+    return cg_utf8_valid(subject, len) ? PCRE2_NO_UTF_CHECK : 0;
 }
 
 /* Runs one rule's pattern on subject: 1 matched, 0 not, -1 cut off by a limit. */

@@ -43,7 +43,6 @@
 #include <hiredis/hiredis.h>
 
 #include <openssl/evp.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,27 +113,6 @@ static void arg_int(argv_buf *a, long long n)
     arg_end(a, start);
 }
 
-/* A malloc'd string as an argument, freed (s NULL, out of memory, aborts). */
-static void arg_own(argv_buf *a, char *s)
-{
-    if (!s)
-        abort();
-    arg_str(a, s);
-    free(s);
-}
-
-/* A formatted argument (the limits' rare ones). */
-static void arg_fmt(argv_buf *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void arg_fmt(argv_buf *a, const char *fmt, ...)
-{
-    char *s;
-    va_list ap;
-    va_start(ap, fmt);
-    int rc = vasprintf(&s, fmt, ap);
-    va_end(ap);
-    arg_own(a, rc < 0 ? NULL : s);
-}
-
 /* A JSON value as an argument; one it cannot encode, which the dialog never holds (text
  * that is not UTF-8), is "null", not a crash. */
 static void arg_json(argv_buf *a, json_t *v)
@@ -149,11 +127,11 @@ static void arg_json(argv_buf *a, json_t *v)
     arg_end(a, start);
 }
 
-/* "<prefix>:{<eu>}:<er>:<part>", or "<prefix>:{<eu>}:<part>" when er is NULL: a dialog's
- * key, or a user's (the hash tag is the user's: a user's keys live on one shard). */
-static void arg_key(argv_buf *a, const char *prefix, const char *eu, const char *er, const char *part)
+/* "<prefix>:{<eu>}:<er>:<part>", or "<prefix>:{<eu>}:<part>" when er is NULL, into the
+ * argument begun: a dialog's key, or a user's (the hash tag is the user's: a user's keys
+ * live on one shard). */
+static void put_key(argv_buf *a, const char *prefix, const char *eu, const char *er, const char *part)
 {
-    size_t start = arg_begin(a);
     cg_jsonw_raw(&a->w, prefix, strlen(prefix));
     CG_JSONW_LIT(&a->w, ":{");
     cg_jsonw_raw(&a->w, eu, strlen(eu));
@@ -163,6 +141,12 @@ static void arg_key(argv_buf *a, const char *prefix, const char *eu, const char 
         CG_JSONW_LIT(&a->w, ":");
     }
     cg_jsonw_raw(&a->w, part, strlen(part));
+}
+
+static void arg_key(argv_buf *a, const char *prefix, const char *eu, const char *er, const char *part)
+{
+    size_t start = arg_begin(a);
+    put_key(a, prefix, eu, er, part);
     arg_end(a, start);
 }
 
@@ -989,14 +973,23 @@ static const char save_script[] =
 #define LIMIT_SLOT_MS 300000
 
 /* P:{U}:limit:<what><n>, n left out when negative ("turns:now"). */
-static char *limit_key(redis_store *rs, const char *eu, const char *what, long long n)
+static void arg_limit_key(argv_buf *a, redis_store *rs, const char *eu, const char *what, long long n)
 {
-    char *s;
-    int rc = n < 0 ? asprintf(&s, "%s:{%s}:limit:%s", rs->base.cfg.prefix, eu, what)
-                   : asprintf(&s, "%s:{%s}:limit:%s%lld", rs->base.cfg.prefix, eu, what, n);
-    if (rc < 0)
-        abort();
-    return s;
+    size_t start = arg_begin(a);
+    put_key(a, rs->base.cfg.prefix, eu, "limit", what);
+    if (n >= 0)
+        cg_jsonw_int(&a->w, n);
+    arg_end(a, start);
+}
+
+/* "<holder>:<turn>": a turn's member of the user's set of turns running. */
+static void arg_turn_member(argv_buf *a, redis_store *rs, uint64_t turn)
+{
+    size_t start = arg_begin(a);
+    cg_jsonw_raw(&a->w, rs->holder, strlen(rs->holder));
+    CG_JSONW_LIT(&a->w, ":");
+    cg_jsonw_int(&a->w, (long long)turn); /* a count from 1: far below 2^63 */
+    arg_end(a, start);
 }
 
 /*
@@ -1080,16 +1073,16 @@ static void send_limit(redis_store *rs, cg_store_req *r)
     arg_str(&a, "EVALSHA");
     arg_str(&a, script_sha[S_LIMIT]);
     arg_str(&a, "4");
-    arg_own(&a, limit_key(rs, r->eu, "messages:", c.minute));
-    arg_own(&a, limit_key(rs, r->eu, "turns:now", -1));
-    arg_own(&a, limit_key(rs, r->eu, "tokens:m", c.minute));
-    arg_own(&a, limit_key(rs, r->eu, "tokens:d", c.day));
+    arg_limit_key(&a, rs, r->eu, "messages:", c.minute);
+    arg_limit_key(&a, rs, r->eu, "turns:now", -1);
+    arg_limit_key(&a, rs, r->eu, "tokens:m", c.minute);
+    arg_limit_key(&a, rs, r->eu, "tokens:d", c.day);
     arg_int(&a, (long long)now);
     arg_int(&a, (long long)r->limits.messages_per_minute);
     arg_int(&a, (long long)r->limits.turns_at_once);
     arg_int(&a, (long long)r->limits.tokens_per_minute);
     arg_int(&a, (long long)r->limits.tokens_per_day);
-    arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)r->turn);
+    arg_turn_member(&a, rs, r->turn);
     arg_int(&a, (long long)LIMIT_SLOT_MS);
     arg_int(&a, (long long)c.to_minute_ms);
     arg_int(&a, (long long)c.to_day_ms);
@@ -1548,10 +1541,10 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
         arg_str(&a, "EVALSHA");
         arg_str(&a, script_sha[S_LIMIT_END]);
         arg_str(&a, "3");
-        arg_own(&a, limit_key(rs, eu, "turns:now", -1));
-        arg_own(&a, limit_key(rs, eu, "tokens:m", c.minute));
-        arg_own(&a, limit_key(rs, eu, "tokens:d", c.day));
-        arg_fmt(&a, "%s:%llu", rs->holder, (unsigned long long)turn);
+        arg_limit_key(&a, rs, eu, "turns:now", -1);
+        arg_limit_key(&a, rs, eu, "tokens:m", c.minute);
+        arg_limit_key(&a, rs, eu, "tokens:d", c.day);
+        arg_turn_member(&a, rs, turn);
         arg_int(&a, (long long)tokens);
         arg_int(&a, (long long)(c.to_minute_ms + 1000));
         arg_int(&a, (long long)(c.to_day_ms + 1000));

@@ -172,11 +172,6 @@ json_t *cg_memstore_history(cg_memstore *m, const char *key, int64_t now)
     return e && e->history_exp > now ? e->d.history : NULL;
 }
 
-void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now)
-{
-    cg_memstore_put_rev(m, key, d, now, NULL);
-}
-
 /*
  * What d's history weighs (cg_dialog_weight), from old's when d's goes on from it (a turn
  * adds a message or two and the window drops as many): weighing every message of every

@@ -170,18 +170,17 @@ static void call_fail(ws_conn *k, int err, json_t *error, const char *fmt, ...)
     va_end(ap);
 }
 
-/* A frame to queue: o (taken) as text behind lws's headroom; NULL when it cannot be built. */
-static char *frame_of(json_t *o, size_t hint, size_t *len)
-{
-    char *frame = o ? cg_json_dump_pre(o, LWS_PRE, hint, len) : NULL;
-    json_decref(o);
-    return frame;
-}
-
-/* {"type":"cancel","id":id}, or NULL when it cannot be built */
+/* {"type":"cancel","id":id} behind lws's headroom, written as the message frame is; NULL
+ * when it cannot be built */
 static char *cancel_frame(const char *id, size_t *len)
 {
-    return frame_of(json_pack("{s:s, s:s}", "type", "cancel", "id", id), 64, len);
+    cg_jsonw w;
+    cg_jsonw_init(&w, LWS_PRE, 64);
+    CG_JSONW_LIT(&w, "{\"type\":\"cancel\"");
+    cg_jsonw_member_str(&w, "id", id);
+    CG_JSONW_LIT(&w, "}");
+    w.failed |= !id;
+    return cg_jsonw_end(&w, len);
 }
 
 /* The connection is no use any more: detach from the session and close. */

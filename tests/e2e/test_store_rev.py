@@ -73,22 +73,30 @@ async def connect(gw, user):
     return await Client.connect(gw, expect_user=user, extra_headers={HEADER: user})
 
 
+async def checked_turns(clients, app, name, ks, everything, with_params=True):
+    """Turns ks of dialog `name`, the k-th through clients[(k - 1) % len(clients)]: each must
+    forward exactly the last 10 messages of `everything` (which then grows by the turn) and,
+    with_params, the params n the turn before set (each sets n = k)."""
+    for k in ks:
+        i = (k - 1) % len(clients)
+        text = f"{name} {k}"
+        state = {"service": "travel", "params": {"n": k}} if with_params else None
+        t, fwd = await turn(clients[i], app, f"{name}{k}", text, "r", state)
+        check(history_pairs(fwd["history"]) == everything[-10:],
+              f"turn {k} through client {i}: forwarded history {harness.brief(fwd['history'], 600)}, "
+              f"expected {everything[-10:]}")
+        if with_params and k > 1:
+            check(fwd["params"].get("n") == k - 1, f"turn {k} through client {i}: params {fwd['params']}")
+        everything += [("user", text), ("assistant", t.terminal["text"])]
+
+
 async def part_one_gateway(app, redis, rules):
     with step("one gateway: 14 turns, each forwarding the last 10 messages; 13 loads answered "
               "'same', 13 saves appended; Redis's list exact; a new gateway reads the same"):
         async with harness.Gateway(args(rules), config(app, redis), name="gw-one") as gw:
             c = await connect(gw, "one")
             everything = []
-            for k in range(1, 15):
-                text = f"turn {k}"
-                state = {"service": "travel", "params": {"n": k}}
-                t, fwd = await turn(c, app, f"one{k}", text, "r", state)
-                check(history_pairs(fwd["history"]) == everything[-10:],
-                      f"turn {k}: forwarded history {harness.brief(fwd['history'], 600)}, "
-                      f"expected {everything[-10:]}")
-                if k > 1:
-                    check(fwd["params"].get("n") == k - 1, f"turn {k}: params {fwd['params']}")
-                everything += [("user", text), ("assistant", t.terminal["text"])]
+            await checked_turns([c], app, "one", range(1, 15), everything)
             await c.close()
             cached, appended = store_counts(gw)
             check((cached, appended) == (13, 13),
@@ -97,7 +105,7 @@ async def part_one_gateway(app, redis, rules):
             check(got == everything[-10:], f"Redis's list should be the last 10 messages in order: {got}")
         async with harness.Gateway(args(rules), config(app, redis), name="gw-one-b") as gw:
             c = await connect(gw, "one")
-            _, fwd = await turn(c, app, "one15", "turn 15", "r")
+            _, fwd = await turn(c, app, "one15", "one 15", "r")
             check(history_pairs(fwd["history"]) == everything[-10:],
                   f"a new gateway's forwarded history: {harness.brief(fwd['history'], 600)}")
             check(fwd["params"].get("n") == 14, f"a new gateway's params: {fwd['params']}")
@@ -111,24 +119,12 @@ async def part_two_gateways(app, redis, rules):
                 harness.Gateway(args(rules), config(app, redis), name="gw-b") as gw_b:
             ca, cb = await connect(gw_a, "two"), await connect(gw_b, "two")
             everything = []
-            for k in range(1, 11):
-                c = ca if k % 2 else cb
-                text = f"alternate {k}"
-                t, fwd = await turn(c, app, f"two{k}", text, "r", {"service": "travel", "params": {"n": k}})
-                check(history_pairs(fwd["history"]) == everything[-10:],
-                      f"turn {k} on gateway {'a' if k % 2 else 'b'}: forwarded history "
-                      f"{harness.brief(fwd['history'], 600)}, expected {everything[-10:]}")
-                if k > 1:
-                    check(fwd["params"].get("n") == k - 1, f"turn {k}: the other gateway's params: {fwd['params']}")
-                everything += [("user", text), ("assistant", t.terminal["text"])]
+            await checked_turns([ca, cb], app, "two", range(1, 11), everything)  # odd turns on a
             got = redis_history(redis, "two", "r")
             check(got == everything[-10:], f"Redis's list should be the last 10 messages in order: {got}")
             # then on one gateway only: its copy is Redis's again, and used
             before = store_counts(gw_a)[0]
-            for k in range(11, 14):
-                t, fwd = await turn(ca, app, f"two{k}", f"alternate {k}", "r")
-                check(history_pairs(fwd["history"]) == everything[-10:], f"turn {k}: {fwd['history']}")
-                everything += [("user", f"alternate {k}"), ("assistant", t.terminal["text"])]
+            await checked_turns([ca], app, "two", range(11, 14), everything, with_params=False)
             check(store_counts(gw_a)[0] - before == 2,
                   f"after the first turn back on gateway a, its loads should be answered 'same': "
                   f"{store_counts(gw_a)[0] - before} of 3")

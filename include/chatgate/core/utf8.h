@@ -18,5 +18,7 @@ void cg_utf8_clean(char *s, size_t n);
 /* Length of the valid UTF-8 character at s (n bytes left): 1 to 4, or 0 when s does not start
  * one (a stray or cut-off byte, an overlong form, a surrogate, past U+10FFFF). */
 size_t cg_utf8_char_len(const unsigned char *s, size_t n);
+/* 1 when s[0..n) is all valid UTF-8 characters, else 0. */
+int cg_utf8_valid(const char *s, size_t n);
 
 #endif

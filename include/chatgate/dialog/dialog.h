@@ -3,8 +3,10 @@
  *
  * Pure: JSON and numbers in, JSON and numbers out; the time is always passed in (unix
  * seconds), so the merge rules, expiry and history are unit-tested with any clock. The
- * stores (memory, Redis) keep what cg_dialog_to_json() gives and hand back what
- * cg_dialog_from_json() reads.
+ * stores keep dialogs as structs (a save's parts shared, cg_dialog_share; a load's copied,
+ * cg_dialog_copy); the Redis store reads its replies back with cg_dialog_adopt_json, and a
+ * state file (`chatgate rules explain`) is read with cg_dialog_from_json, the form
+ * cg_dialog_to_json writes.
  *
  * Params are kept per service ("travel" -> {"from": "Nairobi"}); what a message or a
  * backend adds is merged over what was kept (new > cached), and the service's configured

@@ -167,10 +167,9 @@ size_t cg_memstore_bytes(cg_memstore *m);
 void cg_memstore_free(cg_memstore *m);
 /* Fills d from the entry for key (a fresh dialog when none or expired); 1 if it existed. */
 int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d);
-void cg_memstore_put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now);
 /*
- * The same, and the entry remembers rev: the Redis store's name for the version of Redis's
- * copy this one equals (docs/state.md, "The gateway's copy"); a plain put forgets it.
+ * Puts a copy of d under key. The entry remembers rev (or NULL): the Redis store's name for
+ * the version of Redis's copy this one equals (docs/state.md, "The gateway's copy").
  */
 void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev);
 /* The same, keeping d's own parts (cg_dialog_share) instead of copies: for a dialog nobody

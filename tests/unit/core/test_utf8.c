@@ -176,8 +176,28 @@ static void test_invalid(void)
     CHECK(wrong == 0);
 }
 
+/* cg_utf8_valid agrees with jansson on what is UTF-8: valid text, and every invalid form */
+static void test_valid(void)
+{
+    static const char *const good[] = {"", "abc", "a\xc3\xa9", "\xe2\x82\xac", "\xf0\x9f\x91\x8d x", "\xf4\x8f\xbf\xbf"};
+    static const char *const bad[] = {"\x80", "a\xc3", "\xc0\x80", "\xe0\x80\x80", "\xed\xa0\x80",
+                                      "\xf0\x80\x80\x80", "\xf4\x90\x80\x80", "\xf5\x80\x80\x80", "ok\xff"};
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        CHECK(cg_utf8_valid(good[i], strlen(good[i])));
+        json_t *j = json_stringn(good[i], strlen(good[i]));
+        CHECK(j != NULL);
+        json_decref(j);
+    }
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        CHECK(!cg_utf8_valid(bad[i], strlen(bad[i])));
+        CHECK(json_stringn(bad[i], strlen(bad[i])) == NULL);
+    }
+    CHECK(cg_utf8_valid("a\0b", 3)); /* a NUL is a character */
+}
+
 int main(void)
 {
+    test_valid();
     test_ascii();
     test_each_length();
     test_every_code_point();

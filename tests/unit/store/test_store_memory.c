@@ -20,7 +20,7 @@ static void put_dialog(cg_memstore *m, const char *key, int64_t now, const char 
     json_t *p = json_pack("{s:s}", "from", from);
     cg_dialog_merge_params(&d, "travel", p, &lt, err, sizeof(err));
     cg_dialog_push_history(&d, "user", "hi", now, &lt, NULL);
-    cg_memstore_put(m, key, &d, now);
+    cg_memstore_put_rev(m, key, &d, now, NULL);
     json_decref(p);
     cg_dialog_free(&d);
 }
@@ -134,7 +134,7 @@ static void put_sized(cg_memstore *m, const char *key, int64_t now, size_t n)
     memset(text, 'x', n);
     text[n] = 0;
     cg_dialog_push_history(&d, "assistant", text, now, &lt, NULL);
-    cg_memstore_put(m, key, &d, now);
+    cg_memstore_put_rev(m, key, &d, now, NULL);
     free(text);
     cg_dialog_free(&d);
 }
