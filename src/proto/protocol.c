@@ -1,9 +1,12 @@
 /*
  * protocol.c: chatgate.v1 frames in and out (docs/protocol.md).
  *
- * jansson checks JSON syntax, UTF-8 and NUL (json_loadb refuses invalid UTF-8 and "\u0000"
- * unless asked), so a text frame with bad bytes is answered as bad_frame with jansson's own
- * position and reason, and every string taken from a frame is a proper C string.
+ * A client's frame is read by the flat reader when it is an object of plain members
+ * (core/jsonflat.h: strings, true, false, null; most frames), else by jansson. Either way
+ * JSON syntax, UTF-8 and NUL are checked (json_loadb refuses invalid UTF-8 and "\u0000"
+ * unless asked; the flat reader reads only what jansson accepts), so a text frame with bad
+ * bytes is answered as bad_frame with jansson's own position and reason, and every string
+ * taken from a frame is a proper C string.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +14,7 @@
 
 #include "chatgate/core/utf8.h"
 #include "chatgate/core/error.h"
+#include "chatgate/core/jsonflat.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/proto/protocol.h"
 
@@ -20,111 +24,161 @@ static int fail(char *err, size_t errlen, const char *msg)
     return CG_E_BAD_FRAME;
 }
 
-/* Copies an optional string field of at most max bytes into out; 0 or CG_E_BAD_FRAME. */
-static int string_field(json_t *root, const char *key, char *out, size_t max, char *err, size_t errlen)
+/*
+ * A frame's member as the checks below see it, whichever reader read the frame: the flat
+ * reader for a frame of plain members (core/jsonflat.h, most frames), else jansson's tree.
+ * A string's text is not NUL-terminated in the first case.
+ */
+typedef enum { M_ABSENT, M_NULL, M_STRING, M_OTHER } member_kind;
+typedef struct member {
+    member_kind kind;
+    const char *s;
+    size_t len;
+} member;
+
+typedef struct frame {
+    const cg_jsonflat *flat; /* or */
+    json_t *root;
+} frame;
+
+static member get(const frame *f, const char *key)
 {
-    json_t *v = json_object_get(root, key);
-    if (!v || json_is_null(v))
+    member m = {M_ABSENT, NULL, 0};
+    if (f->flat) {
+        const cg_jsonflat_member *fm = cg_jsonflat_get(f->flat, key);
+        if (fm) {
+            m.kind = fm->kind == CG_JSONFLAT_STRING ? M_STRING : fm->kind == CG_JSONFLAT_NULL ? M_NULL : M_OTHER;
+            m.s = fm->str;
+            m.len = fm->len;
+        }
+        return m;
+    }
+    json_t *v = json_object_get(f->root, key);
+    if (v) {
+        m.kind = json_is_string(v) ? M_STRING : json_is_null(v) ? M_NULL : M_OTHER;
+        if (m.kind == M_STRING) {
+            m.s = json_string_value(v);
+            m.len = json_string_length(v);
+        }
+    }
+    return m;
+}
+
+static int is(member m, const char *text)
+{
+    return m.kind == M_STRING && m.len == strlen(text) && memcmp(m.s, text, m.len) == 0;
+}
+
+/* Copies an optional string field of at most max bytes into out; 0 or CG_E_BAD_FRAME. */
+static int string_field(const frame *f, const char *key, char *out, size_t max, char *err, size_t errlen)
+{
+    member m = get(f, key);
+    if (m.kind == M_ABSENT || m.kind == M_NULL)
         return 0;
-    if (!json_is_string(v)) {
+    if (m.kind != M_STRING) {
         snprintf(err, errlen, "field '%s' must be a string", key);
         return CG_E_BAD_FRAME;
     }
-    size_t n = json_string_length(v);
-    if (n == 0 || n > max) {
+    if (m.len == 0 || m.len > max) {
         snprintf(err, errlen, "field '%s' must be 1 to %zu bytes", key, max);
         return CG_E_BAD_FRAME;
     }
-    memcpy(out, json_string_value(v), n + 1);
+    memcpy(out, m.s, m.len);
+    out[m.len] = '\0';
     return 0;
 }
 
-int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *err, size_t errlen)
+/* The frame's members into out, whichever reader read them. */
+static int parse_members(const frame *f, cg_client_frame *out, char *err, size_t errlen)
 {
-    memset(out, 0, sizeof(*out));
-    json_error_t jerr;
-    json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
-    if (!root) {
-        snprintf(err, errlen, "not JSON: %s at line %d column %d", jerr.text, jerr.line, jerr.column);
-        return CG_E_BAD_FRAME;
-    }
     int rc;
-    if (!json_is_object(root)) {
-        rc = fail(err, errlen, "the frame must be a JSON object");
-        goto out;
-    }
     /* The id first, so that later errors can name the message they are about. */
-    if ((rc = string_field(root, "id", out->id, CG_MAX_ID, err, errlen)) < 0)
-        goto out;
-    json_t *type = json_object_get(root, "type");
-    if (!json_is_string(type)) {
-        rc = fail(err, errlen, "field 'type' is missing or not a string");
-        goto out;
-    }
-    const char *t = json_string_value(type);
-    if (strcmp(t, "message") == 0) {
+    if ((rc = string_field(f, "id", out->id, CG_MAX_ID, err, errlen)) < 0)
+        return rc;
+    member type = get(f, "type");
+    if (type.kind != M_STRING)
+        return fail(err, errlen, "field 'type' is missing or not a string");
+    if (is(type, "message")) {
         out->type = CG_FRAME_MESSAGE;
-        if ((rc = string_field(root, "room", out->room, CG_MAX_ROOM, err, errlen)) < 0)
-            goto out;
+        if ((rc = string_field(f, "room", out->room, CG_MAX_ROOM, err, errlen)) < 0)
+            return rc;
         if (!out->room[0])
             strcpy(out->room, "default");
-        json_t *text = json_object_get(root, "text");
-        if (!json_is_string(text)) {
-            rc = fail(err, errlen, "field 'text' is missing or not a string");
-            goto out;
-        }
-        if (json_string_length(text) == 0) {
-            rc = fail(err, errlen, "field 'text' is empty");
-            goto out;
-        }
-        out->text = strdup(json_string_value(text));
-        if (!out->text)
+        member text = get(f, "text");
+        if (text.kind != M_STRING)
+            return fail(err, errlen, "field 'text' is missing or not a string");
+        if (text.len == 0)
+            return fail(err, errlen, "field 'text' is empty");
+        /* a client's text holds no NUL: jansson refuses "\u0000" here, the flat reader any \u */
+        if (!(out->text = malloc(text.len + 1)))
             abort(); /* as cg_protocol_dump: no memory is not an input error */
-    } else if (strncmp(t, "context.", 8) == 0) {
+        memcpy(out->text, text.s, text.len);
+        out->text[text.len] = '\0';
+    } else if (type.len > 8 && memcmp(type.s, "context.", 8) == 0) {
         static const struct { const char *name; cg_frame_type type; } kinds[] = {
             {"context.get", CG_FRAME_CONTEXT_GET},
             {"context.forget", CG_FRAME_CONTEXT_FORGET},
             {"context.clear", CG_FRAME_CONTEXT_CLEAR},
         };
         size_t i = 0;
-        while (i < 3 && strcmp(t, kinds[i].name) != 0)
+        while (i < 3 && !is(type, kinds[i].name))
             i++;
         if (i == 3) {
-            snprintf(err, errlen, "unknown type '%.64s'", t);
-            rc = CG_E_BAD_FRAME;
-            goto out;
+            snprintf(err, errlen, "unknown type '%.*s'", (int)(type.len < 64 ? type.len : 64), type.s);
+            return CG_E_BAD_FRAME;
         }
         out->type = kinds[i].type;
-        if ((rc = string_field(root, "room", out->room, CG_MAX_ROOM, err, errlen)) < 0)
-            goto out;
+        if ((rc = string_field(f, "room", out->room, CG_MAX_ROOM, err, errlen)) < 0)
+            return rc;
         if (!out->room[0])
             strcpy(out->room, "default");
         if (out->type == CG_FRAME_CONTEXT_FORGET) {
-            json_t *keys = json_object_get(root, "keys");
+            /* an array: only in jansson's tree (the flat reader reads no arrays) */
+            json_t *keys = f->root ? json_object_get(f->root, "keys") : NULL;
             size_t k;
             json_t *key;
             int ok = json_is_array(keys) && json_array_size(keys) > 0 && json_array_size(keys) <= 100;
             json_array_foreach(keys, k, key) ok &= json_is_string(key);
-            if (!ok) {
-                rc = fail(err, errlen, "context.forget needs 'keys': 1 to 100 strings like \"travel.from\"");
-                goto out;
-            }
+            if (!ok)
+                return fail(err, errlen, "context.forget needs 'keys': 1 to 100 strings like \"travel.from\"");
             out->keys = json_incref(keys);
         }
-    } else if (strcmp(t, "cancel") == 0) {
+    } else if (is(type, "cancel")) {
         out->type = CG_FRAME_CANCEL;
-        if (!out->id[0]) {
-            rc = fail(err, errlen, "cancel needs the 'id' of the message to cancel");
-            goto out;
-        }
+        if (!out->id[0])
+            return fail(err, errlen, "cancel needs the 'id' of the message to cancel");
     } else {
-        snprintf(err, errlen, "unknown type '%.64s'", t);
-        rc = CG_E_BAD_FRAME;
-        goto out;
+        snprintf(err, errlen, "unknown type '%.*s'", (int)(type.len < 64 ? type.len : 64), type.s);
+        return CG_E_BAD_FRAME;
     }
-    rc = 0;
-out:
-    json_decref(root);
+    return 0;
+}
+
+int cg_protocol_parse(const char *buf, size_t len, cg_client_frame *out, char *err, size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    cg_jsonflat flat;
+    frame f = {NULL, NULL};
+    int rc;
+    if (cg_jsonflat_read(&flat, buf, len)) {
+        f.flat = &flat;
+        rc = parse_members(&f, out, err, errlen);
+    } else {
+        json_error_t jerr;
+        f.root = json_loadb(buf, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+        if (!f.root) {
+            snprintf(err, errlen, "not JSON: %s at line %d column %d", jerr.text, jerr.line, jerr.column);
+            rc = CG_E_BAD_FRAME;
+        } else if (!json_is_object(f.root)) {
+            rc = fail(err, errlen, "the frame must be a JSON object");
+        } else {
+            rc = parse_members(&f, out, err, errlen);
+        }
+        json_decref(f.root);
+    }
+    cg_jsonflat_free(&flat);
+    if (rc < 0)
+        cg_client_frame_clear(out);
     return rc;
 }
 

@@ -23,6 +23,7 @@
 #include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
+#include "chatgate/core/jsonflat.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/wsrx.h"
@@ -274,11 +275,67 @@ static void on_timeout(uv_timer_t *t)
 
 /* ---- frames from the app -------------------------------------------------------------- */
 
+/* A delta's text (len 0: none) for the message in flight. */
+static void app_delta(ws_conn *k, cg_upstream_call *c, const char *text, size_t len)
+{
+    arm(k, PHASE_IDLE);
+    if (len) {
+        c->reply_bytes += len;
+        c->ev->on_delta(c->ctx, text, len);
+    }
+}
+
+/* The message in flight is done; usage and state are borrowed (NULL: none). */
+static void app_done(ws_conn *k, cg_upstream_call *c, const char *text, size_t len, json_t *usage, json_t *state)
+{
+    call_detach(k);
+    const cg_upstream_events *ev = c->ev;
+    void *ctx = c->ctx;
+    /* A done with text but no deltas before it: the text is the reply. */
+    if (!c->reply_bytes && len)
+        ev->on_delta(ctx, text, len);
+    call_free(c);
+    ev->on_done(ctx, usage, state);
+}
+
+/*
+ * The frames of every reply, a delta or a done of "type", "id" and "text" only, read without
+ * a tree (core/jsonflat.h). Returns 1 when the frame was one and has been dealt with, 0 when
+ * it is left to jansson (any other frame, and any frame the flat reader does not read).
+ */
+static int on_plain_frame(ws_conn *k, cg_upstream_call *c, const char *buf, size_t len)
+{
+    cg_jsonflat f;
+    int done = 0;
+    if (!cg_jsonflat_read(&f, buf, len))
+        goto out;
+    const cg_jsonflat_member *type = cg_jsonflat_get(&f, "type"), *id = cg_jsonflat_get(&f, "id"),
+                             *text = cg_jsonflat_get(&f, "text");
+    if (f.n != (size_t)(!!type + !!id + !!text) || !type || type->kind != CG_JSONFLAT_STRING)
+        goto out;
+    int delta = type->len == 5 && memcmp(type->str, "delta", 5) == 0;
+    if (!delta && !(type->len == 4 && memcmp(type->str, "done", 4) == 0))
+        goto out;
+    done = 1;
+    if (!id || id->kind != CG_JSONFLAT_STRING || id->len != strlen(c->id) || memcmp(id->str, c->id, id->len) != 0)
+        goto out; /* about another message */
+    size_t text_len = text && text->kind == CG_JSONFLAT_STRING ? text->len : 0;
+    if (delta)
+        app_delta(k, c, text_len ? text->str : NULL, text_len);
+    else
+        app_done(k, c, text_len ? text->str : NULL, text_len, NULL, NULL);
+out:
+    cg_jsonflat_free(&f);
+    return done;
+}
+
 static void on_app_frame(ws_conn *k, const char *buf, size_t len)
 {
     cg_upstream_call *c = k->call;
     if (!c)
         return; /* nothing in flight: a cancelled message's tail */
+    if (on_plain_frame(k, c, buf, len))
+        return;
     json_error_t jerr;
     json_t *o = json_loadb(buf, len, JSON_ALLOW_NUL, &jerr); /* "\u0000" is valid JSON */
     json_t *id = json_object_get(o, "id");
@@ -295,22 +352,13 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     }
     const char *t = json_string_value(type);
     json_t *text = json_object_get(o, "text");
+    size_t text_len = json_is_string(text) ? json_string_length(text) : 0;
     if (strcmp(t, "delta") == 0) {
-        arm(k, PHASE_IDLE);
-        if (json_is_string(text) && json_string_length(text)) {
-            c->reply_bytes += json_string_length(text);
-            c->ev->on_delta(c->ctx, json_string_value(text), json_string_length(text));
-        }
+        app_delta(k, c, json_string_value(text), text_len);
     } else if (strcmp(t, "done") == 0) {
-        call_detach(k);
-        const cg_upstream_events *ev = c->ev;
-        void *ctx = c->ctx;
-        /* A done with text but no deltas before it: the text is the reply. */
-        if (!c->reply_bytes && json_is_string(text) && json_string_length(text))
-            ev->on_delta(ctx, json_string_value(text), json_string_length(text));
-        call_free(c);
         json_t *usage = json_object_get(o, "usage");
-        ev->on_done(ctx, json_is_object(usage) ? usage : NULL, json_object_get(o, "state"));
+        app_done(k, c, json_string_value(text), text_len, json_is_object(usage) ? usage : NULL,
+                 json_object_get(o, "state"));
     } else if (strcmp(t, "error") == 0) {
         json_t *m = json_object_get(o, "message");
         const char *what = json_is_string(m) ? json_string_value(m) : "(no message)";

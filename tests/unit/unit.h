@@ -6,6 +6,7 @@
 #define CG_UNIT_H
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static int unit_failures, unit_checks;
@@ -29,6 +30,18 @@ static int unit_failures, unit_checks;
                     a_ ? a_ : "(null)", b_ ? b_ : "(null)");                                \
         }                                                                                   \
     } while (0)
+
+/* An exact-size malloc'd copy of s[0..len) (no NUL after it), so that ASan sees any read
+ * past the end of a test's input. */
+static inline char *unit_dup_exact(const char *s, size_t len)
+{
+    char *copy = malloc(len ? len : 1);
+    if (!copy)
+        abort();
+    if (len)
+        memcpy(copy, s, len);
+    return copy;
+}
 
 static inline int unit_done(const char *name)
 {

@@ -25,23 +25,13 @@
 
 /* ---- the two sides -------------------------------------------------------------------- */
 
-static char *dup_exact(const char *s, size_t len)
-{
-    char *copy = malloc(len ? len : 1);
-    if (!copy)
-        abort();
-    if (len)
-        memcpy(copy, s, len);
-    return copy;
-}
-
 /* The writer's text for the string s[0..len) alone (an exact-size copy of it): a malloc'd
  * NUL-terminated copy, *n its length, or NULL when the writer fails it (s NULL is given as
  * NULL). The frame's own
  * checks (its length, its NUL) are counted in *bad. */
 static char *writer_str(const char *s, size_t len, size_t pre, size_t hint, size_t *n, long *bad)
 {
-    char *copy = s ? dup_exact(s, len) : NULL;
+    char *copy = s ? unit_dup_exact(s, len) : NULL;
     cg_jsonw w;
     cg_jsonw_init(&w, pre, hint);
     cg_jsonw_str(&w, copy, len);
@@ -563,7 +553,7 @@ static void test_int(void)
 static int frame_round_trip(const char *id, size_t id_len, const char *text, size_t text_len,
                             long long seq, json_t *usage, size_t pre, size_t hint)
 {
-    char *idc = dup_exact(id, id_len), *textc = dup_exact(text, text_len);
+    char *idc = unit_dup_exact(id, id_len), *textc = unit_dup_exact(text, text_len);
     cg_jsonw w;
     cg_jsonw_init(&w, pre, hint);
     CG_JSONW_LIT(&w, "{\"type\":\"delta\",\"id\":");

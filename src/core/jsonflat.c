@@ -1,0 +1,218 @@
+/*
+ * jsonflat.c: a flat frame's members through yajl's callbacks (see jsonflat.h for which
+ * frames and why). Each callback either records what it was given or stops the parse (it
+ * returns 0), and a stopped parse is "not the plain case": the caller reads the frame with
+ * jansson, which then also words any error.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <yajl/yajl_parse.h>
+
+#include "chatgate/core/jsonflat.h"
+#include "chatgate/core/utf8.h"
+
+/* Text yajl handed over: a pointer into the frame when the text had no escape, else into
+ * its own buffer, valid only during the callback, so then copied. NULL when there is no room
+ * (cannot happen: decoded texts are shorter than the frame). */
+static const char *keep(cg_jsonflat *f, const unsigned char *s, size_t len)
+{
+    const char *p = (const char *)s;
+    if (p >= f->frame && p + len <= f->frame + f->frame_len)
+        return p;
+    if (!f->copies && !(f->copies = malloc(f->frame_len + 1)))
+        return NULL;
+    if (f->copied + len > f->frame_len)
+        return NULL;
+    char *dst = f->copies + f->copied;
+    memcpy(dst, s, len);
+    f->copied += len;
+    return dst;
+}
+
+/* The value of the member whose key came last; 0 stops the parse. */
+static int value(cg_jsonflat *f, cg_jsonflat_kind kind, const unsigned char *s, size_t len)
+{
+    if (f->depth != 1 || f->n == 0)
+        return 0; /* a value that is not a member's: the frame is not an object */
+    cg_jsonflat_member *m = &f->m[f->n - 1];
+    m->kind = kind;
+    if (kind == CG_JSONFLAT_STRING && !(m->str = keep(f, s, len)))
+        return 0;
+    m->len = len;
+    return 1;
+}
+
+static int on_null(void *ctx)
+{
+    return value(ctx, CG_JSONFLAT_NULL, NULL, 0);
+}
+
+static int on_boolean(void *ctx, int b)
+{
+    return value(ctx, b ? CG_JSONFLAT_TRUE : CG_JSONFLAT_FALSE, NULL, 0);
+}
+
+static int on_string(void *ctx, const unsigned char *s, size_t len)
+{
+    return value(ctx, CG_JSONFLAT_STRING, s, len);
+}
+
+static int on_number(void *ctx, const char *s, size_t len)
+{
+    (void)ctx, (void)s, (void)len;
+    return 0; /* jansson's range checks are jansson's */
+}
+
+static int on_key(void *ctx, const unsigned char *key, size_t len)
+{
+    cg_jsonflat *f = ctx;
+    if (f->n == CG_JSONFLAT_MAX)
+        return 0;
+    for (size_t i = 0; i < f->n; i++)
+        if (f->m[i].key_len == len && memcmp(f->m[i].key, key, len) == 0)
+            return 0; /* jansson refuses it or keeps the last: its call */
+    cg_jsonflat_member *m = &f->m[f->n];
+    if (!(m->key = keep(f, key, len)))
+        return 0;
+    m->key_len = len;
+    m->str = NULL;
+    m->len = 0;
+    f->n++;
+    return 1;
+}
+
+static int on_start_map(void *ctx)
+{
+    cg_jsonflat *f = ctx;
+    return f->depth++ == 0; /* the frame itself, not an object inside it */
+}
+
+/* The frame's end: the parse is stopped here, so that what follows can be checked to be
+ * whitespace (yajl would wait for the end of a string begun after it). */
+static int on_end_map(void *ctx)
+{
+    cg_jsonflat *f = ctx;
+    f->depth--;
+    f->ok = 1;
+    return 0;
+}
+
+static int on_start_array(void *ctx)
+{
+    (void)ctx;
+    return 0;
+}
+
+static const yajl_callbacks callbacks = {
+    .yajl_null = on_null,
+    .yajl_boolean = on_boolean,
+    .yajl_number = on_number,
+    .yajl_string = on_string,
+    .yajl_start_map = on_start_map,
+    .yajl_map_key = on_key,
+    .yajl_end_map = on_end_map,
+    .yajl_start_array = on_start_array,
+};
+
+/*
+ * 1 when buf[0..len) may be the plain case as far as its bytes go, in one pass: valid UTF-8
+ * as jansson checks it (cg_utf8_char_len), no \u escape, and no \v or \f, which yajl also
+ * takes for whitespace and jansson does not (both are control characters, so not in a valid
+ * string either).
+ */
+static int plain_bytes(const char *buf, size_t len)
+{
+    const unsigned char *u = (const unsigned char *)buf;
+    for (size_t i = 0; i < len;) {
+        unsigned char c = u[i];
+        if (c >= 0x80) {
+            size_t n = cg_utf8_char_len(u + i, len - i);
+            if (!n)
+                return 0;
+            i += n;
+            continue;
+        }
+        if ((c == '\\' && i + 1 < len && u[i + 1] == 'u') || c == '\v' || c == '\f')
+            return 0;
+        i += c == '\\' ? 2 : 1; /* an escape's second byte is not the start of one */
+    }
+    return 1;
+}
+
+/* yajl's few allocations for one read (its handle, lexer and stacks: five, some 400 bytes)
+ * from the reader's own room, all let go together; past it, malloc's. */
+static void *arena_malloc(void *ctx, size_t n)
+{
+    cg_jsonflat *f = ctx;
+    size_t need = (sizeof(size_t) + n + 15) & ~(size_t)15;
+    if (need > sizeof(f->arena) - f->arena_used)
+        return malloc(n);
+    char *p = (char *)f->arena + f->arena_used;
+    f->arena_used += need;
+    memcpy(p, &n, sizeof(n)); /* the size, for a realloc */
+    return p + sizeof(size_t);
+}
+
+static int in_arena(const cg_jsonflat *f, const void *p)
+{
+    return (const char *)p >= (const char *)f->arena && (const char *)p < (const char *)f->arena + sizeof(f->arena);
+}
+
+static void arena_free(void *ctx, void *p)
+{
+    if (!in_arena(ctx, p))
+        free(p);
+}
+
+static void *arena_realloc(void *ctx, void *p, size_t n)
+{
+    if (!p || !in_arena(ctx, p))
+        return p ? realloc(p, n) : arena_malloc(ctx, n);
+    size_t had;
+    memcpy(&had, (char *)p - sizeof(size_t), sizeof(had));
+    void *q = arena_malloc(ctx, n);
+    if (q)
+        memcpy(q, p, had < n ? had : n);
+    return q;
+}
+
+int cg_jsonflat_read(cg_jsonflat *f, const char *buf, size_t len)
+{
+    f->n = 0;
+    f->frame = buf;
+    f->frame_len = len;
+    f->copies = NULL;
+    f->copied = 0;
+    f->depth = 0;
+    f->ok = 0;
+    f->arena_used = 0;
+    if (!plain_bytes(buf, len))
+        return 0;
+    yajl_alloc_funcs arena = {arena_malloc, arena_realloc, arena_free, f};
+    yajl_handle h = yajl_alloc(&callbacks, &arena, f);
+    if (!h)
+        return 0;
+    /* yajl's defaults are strict JSON (no comments); its own UTF-8 check is left on, though
+     * plain_bytes has been stricter already. The parse stops at the object's end
+     * (on_end_map), and only whitespace may follow it. */
+    int read = yajl_parse(h, (const unsigned char *)buf, len) == yajl_status_client_canceled && f->ok;
+    for (size_t i = read ? yajl_get_bytes_consumed(h) : len; i < len && read; i++)
+        read = buf[i] == ' ' || buf[i] == '\t' || buf[i] == '\n' || buf[i] == '\r';
+    yajl_free(h);
+    return read;
+}
+
+const cg_jsonflat_member *cg_jsonflat_get(const cg_jsonflat *f, const char *key)
+{
+    size_t len = strlen(key);
+    for (size_t i = 0; i < f->n; i++)
+        if (f->m[i].key_len == len && memcmp(f->m[i].key, key, len) == 0)
+            return &f->m[i];
+    return NULL;
+}
+
+void cg_jsonflat_free(cg_jsonflat *f)
+{
+    free(f->copies);
+    f->copies = NULL;
+}
