@@ -890,7 +890,8 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * Redis's copy is newer), "2" a dialog that began from nothing while Redis was away (written
  * only if Redis has none), 4-6 params_s, dialog_s, history_s, 7 turn_count, 8 message_count,
  * 9 service, 10 "1" when there is a service, 11 last_tool_result, 12-13 awaiting and its EX
- * (0: none), 14-15 soft and its EX, 16 the number of params, 17 the lease this save must
+ * (0: none), 14-15 soft and its EX, 16 the number of params (-1: appending, the params are
+ * those of Redis's copy, and only their rev is written), 17 the lease this save must
  * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
  * long the rooms set lives, 20 usage (JSON, "null" for none), 21 the rev this save writes,
  * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten),
@@ -930,24 +931,28 @@ static const char save_script[] =
     "  local np, P = tonumber(ARGV[16]), 24\n"
     "  redis.call('SADD', KEYS[9], ARGV[18])\n"
     "  redis.call('EXPIRE', KEYS[9], ARGV[19])\n"
-    "  redis.call('DEL', KEYS[1])\n"
+    "  if np >= 0 then redis.call('DEL', KEYS[1]) end\n"
     "  redis.call('HSET', KEYS[1], 'rev', ARGV[21])\n"
     "  if np > 0 then chunks('HSET', KEYS[1], P + 1, P + 2 * np, 200) end\n"
     "  redis.call('EXPIRE', KEYS[1], ARGV[4])\n"
-    "  redis.call('HSET', KEYS[2], 'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
-    "             'message_count', ARGV[8], 'last_tool_result', ARGV[11])\n"
-    "  if ARGV[20] ~= 'null' then redis.call('HSET', KEYS[2], 'usage', ARGV[20])\n"
-    "  else redis.call('HDEL', KEYS[2], 'usage') end\n"
-    "  if ARGV[10] == '1' then redis.call('HSET', KEYS[2], 'service', ARGV[9])\n"
-    "  else redis.call('HDEL', KEYS[2], 'service') end\n"
+    "  local set, unset = {'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
+    "                      'message_count', ARGV[8], 'last_tool_result', ARGV[11]}, {}\n"
+    "  if ARGV[20] ~= 'null' then set[#set + 1] = 'usage'; set[#set + 1] = ARGV[20]\n"
+    "  else unset[#unset + 1] = 'usage' end\n"
+    "  if ARGV[10] == '1' then set[#set + 1] = 'service'; set[#set + 1] = ARGV[9]\n"
+    "  else unset[#unset + 1] = 'service' end\n"
+    "  redis.call('HSET', KEYS[2], unpack(set))\n"
+    "  if #unset > 0 then redis.call('HDEL', KEYS[2], unpack(unset)) end\n"
     "  redis.call('EXPIRE', KEYS[2], ARGV[5])\n"
+    "  local gone, keep = {}, tonumber(ARGV[23])\n"
     "  if ARGV[13] ~= '0' then redis.call('SET', KEYS[3], ARGV[12], 'EX', ARGV[13])\n"
-    "  else redis.call('DEL', KEYS[3]) end\n"
+    "  else gone[#gone + 1] = KEYS[3] end\n"
     "  if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
-    "  else redis.call('DEL', KEYS[4]) end\n"
-    "  local keep = tonumber(ARGV[23])\n"
-    "  if ARGV[22] == '' or keep == 0 then redis.call('DEL', KEYS[5]) end\n"
-    "  if #ARGV > P + 2 * np then chunks('RPUSH', KEYS[5], P + 1 + 2 * np, #ARGV, 200) end\n"
+    "  else gone[#gone + 1] = KEYS[4] end\n"
+    "  if ARGV[22] == '' or keep == 0 then gone[#gone + 1] = KEYS[5] end\n"
+    "  if #gone > 0 then redis.call('DEL', unpack(gone)) end\n"
+    "  local h = P + 1 + 2 * math.max(np, 0)\n"
+    "  if #ARGV >= h then chunks('RPUSH', KEYS[5], h, #ARGV, 200) end\n"
     "  if keep > 0 then\n"
     "    if ARGV[22] ~= '' then redis.call('LTRIM', KEYS[5], -keep, -1) end\n"
     "    redis.call('EXPIRE', KEYS[5], ARGV[6])\n"
@@ -1216,6 +1221,14 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     if (lt->history_s > longest)
         longest = lt->history_s;
 
+    const char *base_rev = NULL;
+    size_t n_had = 0;
+    long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d->history, now, &base_rev, &n_had);
+    /* appending to Redis's copy, whose params these still are: only their rev is written
+     * (rewriting the hash was a sixth of the save's work in Redis) */
+    json_t *had_params = from >= 0 ? cg_memstore_params(rs->mem, r->key, now) : NULL;
+    int params_same = had_params && json_equal(had_params, d->params);
+
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
     arg_int(&a, (long long)d->created_at);
     arg_int(&a, (long long)d->last_activity);
@@ -1232,7 +1245,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     arg_expiring(&a, d->soft, d->soft_expires, now, &longest);
     const char *service, *name;
     json_t *names, *value;
-    arg_int(&a, (long long)(params_count(d)));
+    arg_int(&a, params_same ? -1 : (long long)params_count(d));
     arg_str(&a, r->lease_value ? r->lease_value : "");
     arg_str(&a, r->er);
     arg_int(&a, (long long)longest);
@@ -1243,13 +1256,10 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     if (asprintf(&r->rev, "%s#%llu", rs->holder, ++rs->rev_seq) < 0)
         abort();
     arg_str(&a, r->rev);
-    const char *base_rev = NULL;
-    size_t n_had = 0;
-    long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d->history, now, &base_rev, &n_had);
     arg_str(&a, from >= 0 ? base_rev : "");
     arg_int(&a, (long long)(json_array_size(d->history)));
     arg_int(&a, (long long)n_had);
-    json_object_foreach(d->params, service, names) {
+    json_object_foreach(params_same ? NULL : d->params, service, names) {
         json_object_foreach(names, name, value) {
             size_t start = arg_begin(&a); /* "<service>.<name>" */
             cg_jsonw_raw(&a.w, service, strlen(service));

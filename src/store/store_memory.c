@@ -172,6 +172,12 @@ json_t *cg_memstore_history(cg_memstore *m, const char *key, int64_t now)
     return e && e->history_exp > now ? e->d.history : NULL;
 }
 
+json_t *cg_memstore_params(cg_memstore *m, const char *key, int64_t now)
+{
+    mem_entry *e = entry_live(m, key, now);
+    return e && e->params_exp > now ? e->d.params : NULL;
+}
+
 /*
  * What d's history weighs (cg_dialog_weight), from old's when d's goes on from it (a turn
  * adds a message or two and the window drops as many): weighing every message of every

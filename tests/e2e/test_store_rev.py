@@ -8,6 +8,8 @@ appends them (RPUSH, LTRIM) instead of rewriting the list. What must hold, throu
 state app (harness FakeApp /state, no rules):
 - one gateway: each of 14 turns forwards exactly the last 10 messages; from the second turn
   on, every load is answered "same" and every save appends (counted exactly in /metrics);
+  three more turns leave the params as they are, and their saves write only a new rev into
+  the params hash, whose params stay;
   the Redis list holds the last 10 messages in order; a gateway started afterwards reads the
   same dialog in full;
 - two gateways on one Redis, turns alternating on one dialog: each sees the other's params
@@ -91,21 +93,33 @@ async def checked_turns(clients, app, name, ks, everything, with_params=True):
 
 
 async def part_one_gateway(app, redis, rules):
-    with step("one gateway: 14 turns, each forwarding the last 10 messages; 13 loads answered "
-              "'same', 13 saves appended; Redis's list exact; a new gateway reads the same"):
+    with step("one gateway: 14 turns, each forwarding the last 10 messages, 3 more keeping the params; "
+              "16 loads answered 'same', 16 saves appended; Redis's list exact; a new gateway reads the same"):
         async with harness.Gateway(args(rules), config(app, redis), name="gw-one") as gw:
             c = await connect(gw, "one")
             everything = []
             await checked_turns([c], app, "one", range(1, 15), everything)
+            # three turns that leave the params as they are: each save writes only a new rev
+            # into Redis's params hash, whose params must stay (the new gateway below reads them)
+            key = harness.dialog_key("one", "r", "params")
+            revs = [redis.hgetall(key).get("rev")]
+            for k in range(15, 18):
+                t, _ = await turn(c, app, f"one{k}", f"one {k}", "r")
+                everything += [("user", f"one {k}"), ("assistant", t.terminal["text"])]
+                got = redis.hgetall(key)
+                check(got.get("travel.n") == "14" and len(got) == 2 and got.get("rev") not in revs,
+                      f"turn {k} left the params as they were: Redis's params hash should keep n 14 "
+                      f"under a new rev, is {got} (revs before: {revs})")
+                revs.append(got.get("rev"))
             await c.close()
             cached, appended = store_counts(gw)
-            check((cached, appended) == (13, 13),
-                  f"loads answered 'same' and saves appended should be 13 and 13, are {cached} and {appended}")
+            check((cached, appended) == (16, 16),
+                  f"loads answered 'same' and saves appended should be 16 and 16, are {cached} and {appended}")
             got = redis_history(redis, "one", "r")
             check(got == everything[-10:], f"Redis's list should be the last 10 messages in order: {got}")
         async with harness.Gateway(args(rules), config(app, redis), name="gw-one-b") as gw:
             c = await connect(gw, "one")
-            _, fwd = await turn(c, app, "one15", "one 15", "r")
+            _, fwd = await turn(c, app, "one18", "one 18", "r")
             check(history_pairs(fwd["history"]) == everything[-10:],
                   f"a new gateway's forwarded history: {harness.brief(fwd['history'], 600)}")
             check(fwd["params"].get("n") == 14, f"a new gateway's params: {fwd['params']}")

@@ -180,6 +180,8 @@ const char *cg_memstore_rev(cg_memstore *m, const char *key, int64_t now);
 /* The history items of key's live entry, shared (not a copy: only read), or NULL when
  * there is no entry or its history's time is up. */
 json_t *cg_memstore_history(cg_memstore *m, const char *key, int64_t now);
+/* The params of key's live entry, shared (only read), or NULL: no entry, or their time is up. */
+json_t *cg_memstore_params(cg_memstore *m, const char *key, int64_t now);
 void cg_memstore_del(cg_memstore *m, const char *key);
 /* Deletes every dialog of user (keys "<escaped user>:..."); returns how many. */
 int cg_memstore_del_user(cg_memstore *m, const char *user);
