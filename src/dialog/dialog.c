@@ -32,20 +32,29 @@ void cg_dialog_free(cg_dialog *d)
 
 void cg_dialog_add_usage(cg_dialog *d, const char *upstream, long long in, long long out)
 {
-    if (!d->usage && !(d->usage = json_object()))
-        return;
-    json_t *u = json_object_get(d->usage, upstream);
-    if (!json_is_object(u)) {
-        u = json_pack("{s:I, s:I, s:I}", "in", (json_int_t)0, "out", (json_int_t)0, "turns", (json_int_t)0);
-        if (!u || json_object_set_new(d->usage, upstream, u) < 0)
-            return; /* out of memory: this turn's tokens go uncounted, the dialog is whole */
-    }
+    /* a new usage object, not the old one changed: the parts of a dialog are shared with the
+     * stores' copies (cg_dialog_copy), so they are replaced, never changed in place */
+    json_t *usage = d->usage ? json_copy(d->usage) : json_object();
+    json_t *had = json_object_get(usage, upstream), *u = json_object();
+    if (!usage || !u)
+        goto oom;
     static const char *const keys[] = {"in", "out", "turns"};
     long long add[] = {in, out, 1};
     for (int i = 0; i < 3; i++) {
-        json_t *v = json_object_get(u, keys[i]);
-        json_object_set_new(u, keys[i], json_integer(json_integer_value(v) + add[i]));
+        json_t *v = json_is_object(had) ? json_object_get(had, keys[i]) : NULL;
+        if (json_object_set_new_nocheck(u, keys[i], json_integer(json_integer_value(v) + add[i])) < 0)
+            goto oom;
     }
+    if (json_object_set_new(usage, upstream, u) < 0) {
+        u = NULL; /* taken, and freed, by the failed set */
+        goto oom;
+    }
+    json_decref(d->usage);
+    d->usage = usage;
+    return;
+oom: /* this turn's tokens go uncounted, the dialog is whole */
+    json_decref(u);
+    json_decref(usage);
 }
 
 void cg_dialog_expire(cg_dialog *d, int64_t now)
@@ -153,17 +162,6 @@ size_t cg_dialog_weight_but_history(const cg_dialog *d)
     return n;
 }
 
-/* A deep copy of j, or NULL when j is NULL; *ok cleared when out of memory. */
-static json_t *copy_part(json_t *j, int *ok)
-{
-    if (!j)
-        return NULL;
-    json_t *c = json_deep_copy(j);
-    if (!c)
-        *ok = 0;
-    return c;
-}
-
 int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
 {
     int ok = 1;
@@ -171,12 +169,14 @@ int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
     dst->service = src->service ? strdup(src->service) : NULL;
     if (src->service && !dst->service)
         ok = 0;
-    dst->params = copy_part(src->params, &ok);
-    dst->awaiting = copy_part(src->awaiting, &ok);
-    dst->soft = copy_part(src->soft, &ok);
-    dst->last_tool_result = copy_part(src->last_tool_result, &ok);
-    dst->usage = copy_part(src->usage, &ok);
-    /* history items are never changed once pushed: the copy shares them */
+    /* the parts are shared: nothing changes a part in place (dialog.h); deep copies of them
+     * were a tenth of a turn's instructions with rules (callgrind, issue 12) */
+    json_incref(dst->params);
+    json_incref(dst->awaiting);
+    json_incref(dst->soft);
+    json_incref(dst->last_tool_result);
+    json_incref(dst->usage);
+    /* the history array is the copy's own (a turn pushes to it); its items are shared */
     dst->history = json_array();
     if (!dst->history || (src->history && json_array_extend(dst->history, src->history) < 0))
         ok = 0;
@@ -315,6 +315,15 @@ json_t *cg_dialog_params_merged(const cg_dialog *d, const char *service, json_t 
 
 int cg_dialog_forget(cg_dialog *d, json_t *keys)
 {
+    if (!json_array_size(keys))
+        return 0;
+    /* forgotten from a copy of the params, which then replaces them (dialog.h: parts are
+     * never changed in place); out of memory, nothing is forgotten */
+    json_t *params = json_deep_copy(d->params);
+    if (!params)
+        return 0;
+    json_decref(d->params);
+    d->params = params;
     int n = 0;
     size_t i;
     json_t *k;

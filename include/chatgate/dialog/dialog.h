@@ -2,9 +2,15 @@
  * dialog.h: the state of one dialog (one user in one room), docs/state.md.
  *
  * Pure: JSON and numbers in, JSON and numbers out; the time is always passed in (unix
- * seconds), so the merge rules, expiry and history are unit-tested with any clock. The
- * stores keep dialogs as structs (a save's parts shared, cg_dialog_share; a load's copied,
- * cg_dialog_copy); the Redis store reads its replies back with cg_dialog_adopt_json, and a
+ * seconds), so the merge rules, expiry and history are unit-tested with any clock.
+ *
+ * A dialog's JSON parts (params, awaiting, soft context, tool result, usage, history items)
+ * are values: once in a dialog, a part is never changed in place; every change makes a new
+ * part and replaces the old one (the history array alone is a dialog's own, and a push
+ * appends to it). So copies share their parts: the stores keep dialogs as structs (a save's
+ * parts shared, cg_dialog_share; a load's parts shared too and its history array its own,
+ * cg_dialog_copy), and a turn's changes to its copy never reach the store's before its save.
+ * The Redis store reads its replies back with cg_dialog_adopt_json, and a
  * state file (`chatgate rules explain`) is read with cg_dialog_from_json, the form
  * cg_dialog_to_json writes.
  *
@@ -43,9 +49,8 @@ void cg_dialog_add_usage(cg_dialog *d, const char *upstream, long long in, long 
 void cg_dialog_init(cg_dialog *d, int64_t now);
 void cg_dialog_free(cg_dialog *d);
 /*
- * Copies src into dst (uninitialised): params, awaiting, soft context and tool result are
- * deep copies, the history a new array of the same items, which nobody changes once pushed
- * (cg_dialog_push_history makes a new one each time). 0, or -1 out of memory (dst empty).
+ * Copies src into dst (uninitialised): the parts shared (new references), the history a new
+ * array of the same items, so that dst can push to it. 0, or -1 out of memory (dst empty).
  */
 int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src);
 /*

@@ -286,17 +286,37 @@ static void test_history_and_round_trip(void)
     cg_dialog_free(&back);
     CHECK(json_object_get(j, "params") != NULL); /* j still holds its own reference */
 
-    /* a copy: params its own, history a new array of the same items, the weight close to JSON's */
+    /* a copy: the parts shared (they are values, dialog.h), the history a new array of the
+     * same items; what the dialog's functions change in the copy is replaced there, so the
+     * original does not change; the weight close to JSON's */
     cg_dialog copy;
     CHECK(cg_dialog_copy(&copy, &d) == 0);
-    CHECK(copy.params != d.params && json_equal(copy.params, d.params));
-    CHECK(copy.soft != d.soft && json_equal(copy.soft, d.soft));
+    CHECK(copy.params == d.params && copy.soft == d.soft);
     CHECK(copy.history != d.history && json_array_size(copy.history) == 10);
     CHECK(json_array_get(copy.history, 3) == json_array_get(d.history, 3));
     CHECK_STR(copy.service, "travel");
     CHECK(copy.service != d.service);
-    json_object_set_new(json_object_get(copy.params, "travel"), "to", json_string("London"));
+    json_t *to = json_pack("{s:s}", "to", "London");
+    CHECK(cg_dialog_merge_params(&copy, "travel", to, &lt, err, sizeof(err)) == 0);
+    json_decref(to);
+    CHECK_STR(param(&copy, "travel", "to"), "London");
     CHECK(param(&d, "travel", "to") == NULL); /* the original's params did not change */
+    json_t *forget = json_pack("[s]", "travel.from");
+    CHECK(cg_dialog_forget(&copy, forget) == 1);
+    json_decref(forget);
+    CHECK(param(&copy, "travel", "from") == NULL);
+    CHECK_STR(param(&d, "travel", "from"), "Nairobi");
+    cg_dialog_add_usage(&d, "llm", 10, 20);
+    cg_dialog shares;
+    CHECK(cg_dialog_copy(&shares, &d) == 0);
+    cg_dialog_add_usage(&shares, "llm", 1, 2);
+    cg_dialog_add_usage(&shares, "app", 3, 4);
+    CHECK(json_integer_value(json_object_get(json_object_get(d.usage, "llm"), "in")) == 10);
+    CHECK(json_object_get(d.usage, "app") == NULL);
+    CHECK(json_integer_value(json_object_get(json_object_get(shares.usage, "llm"), "out")) == 22);
+    CHECK(json_integer_value(json_object_get(json_object_get(shares.usage, "llm"), "turns")) == 2);
+    CHECK(json_integer_value(json_object_get(json_object_get(shares.usage, "app"), "turns")) == 1);
+    cg_dialog_free(&shares);
     size_t weight = cg_dialog_weight(&d), compact = json_dumpb(j, NULL, 0, JSON_COMPACT);
     CHECK(weight > compact / 2 && weight < compact * 2);
     cg_dialog_free(&copy);
