@@ -73,6 +73,8 @@ static const setting settings[] = {
      "BYTES of a reply held back at most while it may become a match of a rule on replies"},
     {"send_buffer", T_INT, OFF(send_buffer), 4096, 16 << 20, NULL, 0,
      "BYTES waiting for a client before its upstream is paused"},
+    {"ack_hold_ms", T_INT, OFF(ack_hold_ms), 0, 100, NULL, 0,
+     "MS an ack waits for the reply's first frames to go out with them; 0 sends it alone at once"},
     {"user_header", T_STR, OFF(user_header), 0, 0, NULL, 1,
      "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
     {"allow_origin", T_STR, OFF(allow_origin), 0, 0, NULL, 1,
@@ -1097,6 +1099,7 @@ static void set_defaults(cg_config *cfg)
     cfg->max_reply_bytes = 1 << 20;
     cfg->reply_window = 64;
     cfg->send_buffer = 64 * 1024;
+    cfg->ack_hold_ms = 5;
     cg_lifetimes_default(&cfg->lifetimes);
     cfg->max_dialogs = 100000;
     cfg->max_store_bytes = (long)CG_MEMSTORE_DEFAULT_MAX_BYTES;

@@ -54,6 +54,31 @@ static void on_idle(uv_idle_t *h)
     (void)h;
 }
 
+/* The items of cg_flush_later that are due, called; the timer again for the rest. */
+static void on_timer(uv_timer_t *h)
+{
+    cg_flusher *f = h->data;
+    uint64_t now = uv_now(h->loop), next = 0;
+    cg_flush_item *due = NULL;
+    for (cg_flush_item *it = f->later, *following; it; it = following) {
+        following = it->next;
+        if (it->due > now) {
+            if (!next || it->due < next)
+                next = it->due;
+            continue;
+        }
+        unlink_item(it); /* onto a list of their own, so a flush may register anything */
+        it->next = due;
+        if (due)
+            due->pprev = &it->next;
+        due = it;
+        it->pprev = &due;
+    }
+    run_list(&due);
+    if (f->later) /* a flush may have added items: the soonest is due at most then */
+        uv_timer_start(&f->timer, on_timer, next && next > now ? next - now : 1, 0);
+}
+
 void cg_flusher_init(cg_flusher *f, uv_loop_t *loop)
 {
     f->head = NULL;
@@ -62,6 +87,9 @@ void cg_flusher_init(cg_flusher *f, uv_loop_t *loop)
     uv_check_init(loop, &f->check);
     f->check.data = f;
     uv_idle_init(loop, &f->idle);
+    f->later = NULL;
+    uv_timer_init(loop, &f->timer);
+    f->timer.data = f;
 }
 
 void cg_flusher_close(cg_flusher *f)
@@ -70,6 +98,9 @@ void cg_flusher_close(cg_flusher *f)
     run_list(&f->first);
     while (f->head)
         unlink_item(f->head);
+    while (f->later)
+        unlink_item(f->later);
+    uv_close((uv_handle_t *)&f->timer, NULL);
     uv_close((uv_handle_t *)&f->check, NULL);
     uv_close((uv_handle_t *)&f->idle, NULL);
 }
@@ -99,6 +130,21 @@ void cg_flush_request(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush
 int cg_flush_request_first(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item))
 {
     return request(f, &f->first, item, flush);
+}
+
+void cg_flush_later(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item), unsigned ms)
+{
+    if (f->closed || item->pprev)
+        return;
+    item->flush = flush;
+    item->due = uv_now(f->timer.loop) + ms;
+    item->next = f->later;
+    if (f->later)
+        f->later->pprev = &item->next;
+    f->later = item;
+    item->pprev = &f->later;
+    if (!uv_is_active((uv_handle_t *)&f->timer) || uv_timer_get_due_in(&f->timer) > ms)
+        uv_timer_start(&f->timer, on_timer, ms, 0); /* the soonest's time */
 }
 
 void cg_flush_cancel(cg_flush_item *item)

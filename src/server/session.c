@@ -70,6 +70,8 @@ struct cg_session {
     size_t out_bytes;
     int client_paused;
     cg_flush_item flush; /* registered while frames wait for the end of the iteration */
+    cg_out *held_ack;       /* an ack alone in the queue, waiting for company (sink_ack) */
+    cg_flush_item ack_item; /* ... until this is due (cg_flush_later) */
 
     cg_turns turns;    /* the messages of this connection (turn.h) */
     cg_dropin *dropin; /* drop-in mode: this connection speaks the app's protocol (dropin.h) */
@@ -111,8 +113,17 @@ static void session_flow(cg_session *s)
 
 static void session_flush(cg_flush_item *item);
 
+/* The held ack goes with the next write (sink_ack). */
+static void ack_release(cg_session *s)
+{
+    s->held_ack = NULL;
+    cg_flush_cancel(&s->ack_item);
+}
+
 static void out_push(cg_session *s, cg_out *o)
 {
+    if (s->held_ack) /* company for the ack: both go now */
+        ack_release(s);
     if (s->out_tail)
         s->out_tail->next = o;
     else
@@ -197,6 +208,8 @@ static cg_frame_text session_pop(cg_session *s)
     if (!s->out_head)
         s->out_tail = NULL;
     s->out_bytes -= o->len;
+    if (o == s->held_ack) /* written another way (a writable callback) */
+        ack_release(s);
 
     /* a delta's frame is built now, from all the text that came while it waited */
     cg_frame_text f = o->frame.buf ? o->frame : cg_protocol_delta(o->delta_id, o->text, o->len);
@@ -248,6 +261,8 @@ static int session_write_queue(cg_session *s)
 static void session_flush(cg_flush_item *item)
 {
     cg_session *s = (cg_session *)((char *)item - offsetof(cg_session, flush));
+    if (s->held_ack && s->out_head == s->held_ack && s->out_tail == s->held_ack)
+        return; /* the ack waits (sink_ack); ack_due or the next frame registers again */
     if (session_write_queue(s) < 0) /* not inside this wsi's callback: lws closes it soon */
         cg_net_kill_async(&s->srv->net, s->wsi, PENDING_TIMEOUT_CLOSE_SEND);
 }
@@ -265,9 +280,32 @@ static int session_writable(cg_session *s)
 
 /* ---- the turn's events as frames ------------------------------------------------------ */
 
+static void ack_due(cg_flush_item *item)
+{
+    cg_session *s = (cg_session *)((char *)item - offsetof(cg_session, ack_item));
+    s->held_ack = NULL;
+    cg_flush_request(s->srv->net.flush, &s->flush, session_flush);
+}
+
+/*
+ * An ack that finds the queue empty waits up to ack_hold_ms (5) for the reply's first frames
+ * and goes out in the same send() as they do: with an app that answers within the hold, a
+ * turn's frames to the client take one system call instead of two (and the client one
+ * receive), a fifth of a turn's system calls through a ws:// app (tests/bench: 4.7 -> 3.9 a
+ * turn, nginx makes 4). Its order is kept: it is first in the queue, before anything else
+ * about its message (docs/protocol.md). Any other frame queued meanwhile takes it along at
+ * once; an upstream slower than the hold (an LLM's first token) gets the ack out on its own,
+ * ack_hold_ms later than it would have been.
+ */
 static void sink_ack(void *conn, const cg_ack *ack)
 {
-    session_send(conn, cg_protocol_ack(ack));
+    cg_session *s = conn;
+    int alone = !s->out_head;
+    session_send(s, cg_protocol_ack(ack));
+    if (alone && s->srv->cfg->ack_hold_ms > 0) {
+        s->held_ack = s->out_tail;
+        cg_flush_later(s->srv->net.flush, &s->ack_item, ack_due, (unsigned)s->srv->cfg->ack_hold_ms);
+    }
 }
 
 static void sink_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,
@@ -439,6 +477,7 @@ static void session_close(cg_session *s)
     }
     cg_turns_close(&s->turns);
     cg_flush_cancel(&s->flush);
+    ack_release(s);
     while (s->out_head) {
         cg_out *o = s->out_head;
         s->out_head = o->next;

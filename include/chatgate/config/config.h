@@ -98,6 +98,7 @@ typedef struct cg_config {
     long max_reply_bytes;
     long reply_window; /* bytes of a reply held back for rules on replies (rules.h, cg_reply_filter) */
     long send_buffer;
+    long ack_hold_ms; /* how long an ack waits for company (session.c, sink_ack) */
     /* dialog state (docs/state.md) */
     cg_lifetimes lifetimes; /* lifetimes.*, history_n, params_cap */
     long max_dialogs;

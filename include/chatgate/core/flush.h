@@ -19,20 +19,24 @@
  * nothing; an item must be cancelled before its owner is freed. One flusher per loop, on
  * the loop's thread only.
  */
+#include <stdint.h>
 #include <uv.h>
 
 typedef struct cg_flush_item {
     struct cg_flush_item *next;
     struct cg_flush_item **pprev; /* NULL while not registered */
     void (*flush)(struct cg_flush_item *item);
+    uint64_t due; /* cg_flush_later: the loop time (ms) it is due at */
 } cg_flush_item;
 
 typedef struct cg_flusher {
     uv_check_t check;
     uv_idle_t idle; /* keeps the poll from blocking while items wait (flush.c) */
+    uv_timer_t timer; /* for the items of cg_flush_later */
     cg_flush_item *head;
     cg_flush_item *first; /* flushed before head's: commands to a store, before the frames
                            * that report their outcome (cg_flush_request_first) */
+    cg_flush_item *later; /* cg_flush_later's, in no order */
     int closed;
 } cg_flusher;
 
@@ -49,7 +53,11 @@ void cg_flush_request(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush
  * Returns -1, registering nothing, once the flusher is closed: the caller writes another
  * way. */
 int cg_flush_request_first(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
-/* Unregisters item if it is registered. */
+/* Calls item's flush (from a timer, not at the end of an iteration) once ms milliseconds
+ * of loop time have passed, unless it is cancelled before: for output that may wait a
+ * little for company (session.c's ack). A no-op if item is registered already. */
+void cg_flush_later(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item), unsigned ms);
+/* Unregisters item if it is registered (by any of the three). */
 void cg_flush_cancel(cg_flush_item *item);
 
 #endif

@@ -2,8 +2,9 @@
  * test_flush.c: the once-per-iteration flusher (core/flush.h) on a real libuv loop: items
  * registered "first" are flushed before the others of the same iteration (a Redis command
  * before the frame that reports it), an item registered during the flush runs in the next
- * iteration without the loop blocking in its poll (the idle handle), and closing flushes
- * what was registered first and refuses later requests.
+ * iteration without the loop blocking in its poll (the idle handle), an item registered to
+ * be flushed later (cg_flush_later) runs once its time has passed and not when cancelled,
+ * and closing flushes what was registered first and refuses later requests.
  */
 #include <uv.h>
 
@@ -62,6 +63,27 @@ int main(void)
     order[n_order] = 0;
     CHECK(n_order == 5);
     CHECK(order[3] == 'c' && order[4] == 'c');
+    CHECK(!guard_fired);
+
+    /* later: due after its time (not before, not at the end of the iteration), a cancelled
+     * one never; two at once, the sooner first */
+    n_order = 0;
+    probe d = {.name = 'd'}, e = {.name = 'e'}, g = {.name = 'g'};
+    uv_update_time(&loop);
+    uint64_t t0 = uv_now(&loop);
+    cg_flush_later(&flusher, &e.item, flush_probe, 60);
+    cg_flush_later(&flusher, &d.item, flush_probe, 30);
+    cg_flush_later(&flusher, &g.item, flush_probe, 10);
+    cg_flush_later(&flusher, &d.item, flush_probe, 1); /* already registered: kept as it was */
+    cg_flush_cancel(&g.item);
+    uv_run(&loop, UV_RUN_NOWAIT);
+    CHECK(n_order == 0);
+    while (n_order < 1 && !guard_fired)
+        uv_run(&loop, UV_RUN_ONCE);
+    CHECK(n_order == 1 && order[0] == 'd' && uv_now(&loop) - t0 >= 30);
+    while (n_order < 2 && !guard_fired)
+        uv_run(&loop, UV_RUN_ONCE);
+    CHECK(n_order == 2 && order[1] == 'e' && uv_now(&loop) - t0 >= 60);
     CHECK(!guard_fired);
 
     /* close: what is registered first is flushed, the rest dropped, later requests refused */
