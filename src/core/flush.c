@@ -62,11 +62,8 @@ static void on_timer(uv_timer_t *h)
     cg_flush_item *due = NULL;
     for (cg_flush_item *it = f->later, *following; it; it = following) {
         following = it->next;
-        if (it->due > now) {
-            if (!next || it->due < next)
-                next = it->due;
+        if (it->due > now)
             continue;
-        }
         unlink_item(it); /* onto a list of their own, so a flush may register anything */
         it->next = due;
         if (due)
@@ -75,8 +72,13 @@ static void on_timer(uv_timer_t *h)
         it->pprev = &due;
     }
     run_list(&due);
-    if (f->later) /* a flush may have added items: the soonest is due at most then */
-        uv_timer_start(&f->timer, on_timer, next && next > now ? next - now : 1, 0);
+    /* the soonest of the rest, those the flushes added (which may have started the timer)
+     * included */
+    for (cg_flush_item *it = f->later; it; it = it->next)
+        if (!next || it->due < next)
+            next = it->due;
+    if (next && (!uv_is_active((uv_handle_t *)&f->timer) || uv_timer_get_due_in(&f->timer) > next - now))
+        uv_timer_start(&f->timer, on_timer, next - now, 0);
 }
 
 void cg_flusher_init(cg_flusher *f, uv_loop_t *loop)

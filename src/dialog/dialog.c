@@ -35,7 +35,8 @@ void cg_dialog_add_usage(cg_dialog *d, const char *upstream, long long in, long 
     /* a new usage object, not the old one changed: the parts of a dialog are shared with the
      * stores' copies (cg_dialog_copy), so they are replaced, never changed in place */
     json_t *usage = d->usage ? json_copy(d->usage) : json_object();
-    json_t *had = json_object_get(usage, upstream), *u = json_object();
+    json_t *had = json_object_get(usage, upstream);
+    json_t *u = json_is_object(had) ? json_copy(had) : json_object(); /* other members kept */
     if (!usage || !u)
         goto oom;
     static const char *const keys[] = {"in", "out", "turns"};

@@ -4,10 +4,10 @@
  *
  * The table is a binary tree of entries by key (POSIX tsearch) and a list of the same
  * entries (sys/queue.h's TAILQ) in order of use, least recent first: the one to evict. An
- * entry holds its own copy of the dialog (cg_dialog_copy: the small parts copied, the
- * history's items shared, as nobody changes them), its lifetimes and its weight, so a
- * turn's load and save cost a copy of the dialog's parts and no JSON text: parts past their time read as empty, as Redis keys
- * would have expired. The weight is what the entry counts against the byte bound: its key
+ * entry holds a dialog whose parts it shares with the turns that load it (cg_dialog_copy:
+ * parts are values, never changed in place; the history array is each load's own), its
+ * lifetimes and its weight, so a turn's load and save cost a few references and no JSON
+ * text: parts past their time read as empty, as Redis keys would have expired. The weight is what the entry counts against the byte bound: its key
  * and its dialog about as compact JSON (cg_dialog_weight), so a few dialogs of 1 MiB
  * replies weigh what they are.
  *
