@@ -21,6 +21,7 @@ static void rule_free(rule *r)
 {
     free(r->pattern);
     pcre2_code_free(r->re);
+    pcre2_code_free(r->re_ascii);
     for (int i = 0; i < r->n_tests; i++) {
         free(r->tests[i].text);
         json_decref(r->tests[i].want);

@@ -196,20 +196,36 @@ static char *expand_template(const cg_ruleset *rs, const rule *r, const char *su
 }
 
 /*
- * The match options for a subject: PCRE2_NO_UTF_CHECK once it is known valid UTF-8. PCRE2
- * checks the whole subject at every pcre2_match() otherwise, and a message runs every rule
- * on the same text; checked once here, as PCRE2's documentation advises. Text that is not
- * valid keeps the check, and PCRE2's error (counted as no match).
+ * How a subject is matched: PCRE2_NO_UTF_CHECK once it is known valid UTF-8, and whether it
+ * is all ASCII (then a rule's ASCII form runs, rule.re_ascii). PCRE2 checks the whole
+ * subject at every pcre2_match() otherwise, and a message runs every rule on the same text;
+ * checked once here, as PCRE2's documentation advises. Text that is not valid keeps the
+ * check, and PCRE2's error (counted as no match).
  */
-static uint32_t subject_options(const char *subject, size_t len)
+typedef struct subject_mode {
+    uint32_t options;
+    int ascii;
+} subject_mode;
+
+static subject_mode subject_mode_of(const char *subject, size_t len)
 {
-    return cg_utf8_valid(subject, len) ? PCRE2_NO_UTF_CHECK : 0;
+    const unsigned char *u = (const unsigned char *)subject;
+    size_t i = 0;
+    while (i < len && u[i] < 0x80)
+        i++;
+    subject_mode m = {PCRE2_NO_UTF_CHECK, i == len};
+    if (!m.ascii && !cg_utf8_valid(subject + i, len - i))
+        m.options = 0;
+    return m;
 }
 
-/* Runs one rule's pattern on subject: 1 matched, 0 not, -1 cut off by a limit. */
-static int run_pattern(const cg_ruleset *rs, const rule *r, const char *subject, size_t len, uint32_t options)
+/* Runs one rule's pattern on subject: 1 matched, 0 not, -1 cut off by a limit. An all-ASCII
+ * subject is matched by the pattern's ASCII form when it has one: the same groups, numbered
+ * alike, so the ovector and the name table read the same. */
+static int run_pattern(const cg_ruleset *rs, const rule *r, const char *subject, size_t len, subject_mode mode)
 {
-    int rc = pcre2_match(r->re, (PCRE2_SPTR)subject, len, 0, options, rs->md, rs->mctx);
+    const pcre2_code *re = mode.ascii && r->re_ascii ? r->re_ascii : r->re;
+    int rc = pcre2_match(re, (PCRE2_SPTR)subject, len, 0, mode.options, rs->md, rs->mctx);
     if (rc >= 0)
         return 1;
     if (rc == PCRE2_ERROR_NOMATCH)
@@ -317,7 +333,7 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
     /* the subject is text's first len bytes: PCRE gets the length, and groups are copied by
      * their offsets, which never pass it */
     const char *subject = text;
-    uint32_t options = subject_options(subject, len);
+    subject_mode mode = subject_mode_of(subject, len);
     const cg_rules_counts *c = rs->counts.hits ? &rs->counts : NULL;
     size_t file = SIZE_MAX; /* the file whose rules run now, for its time */
     double t0 = 0;
@@ -331,7 +347,7 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
             continue; /* a reply rule never runs on a message (its own tests run it) */
         if (r->action == A_ENRICH && !previous)
             continue;
-        int m = run_pattern(rs, r, subject, len, options);
+        int m = run_pattern(rs, r, subject, len, mode);
         if (m < 0) {
             json_array_append_new(out->limited, json_string(r->name));
             if (c && i < c->n_rules)
@@ -363,11 +379,11 @@ int cg_rules_cancels(const cg_ruleset *rs, const char *text)
     size_t len = strlen(text);
     if (len > CG_RULES_MAX_SCAN)
         len = cg_utf8_boundary(text, CG_RULES_MAX_SCAN);
-    uint32_t options = subject_options(text, len);
+    subject_mode mode = subject_mode_of(text, len);
     for (size_t i = 0; i < rs->n; i++) {
         const rule *r = &rs->rules[i];
         if ((r->action == A_CANCEL || r->action == A_CANCEL_ABSORB) && r->n_conds == 0 &&
-            run_pattern(rs, r, text, len, options) > 0)
+            run_pattern(rs, r, text, len, mode) > 0)
             return 1;
     }
     return 0;

@@ -246,6 +246,49 @@ static int parse_type(parse_ctx *p, rule *r, char *rest)
     return 0;
 }
 
+/*
+ * 1 when the pattern, compiled without UTF and UCP, matches an all-ASCII subject exactly as
+ * it does with them. Without UTF a character past ASCII is its bytes, so a quantifier after
+ * one ("don’?t") would apply to its last byte alone: such a character must stand inside a
+ * [class], where its bytes are only more members that an ASCII subject never has ([^...]
+ * likewise). Everything else reads the same on ASCII: \w \d \s \b and POSIX classes
+ * under UCP are the ASCII ones there, and caseless ASCII letters differ only in matching
+ * two characters past ASCII (the Kelvin sign and long s). \x{...} past 0xff does not compile
+ * without UTF (then no second pattern). Comments and extended mode, where a '[' may not open
+ * a class, are not looked into: 0.
+ */
+static int ascii_equivalent(const char *pattern)
+{
+    int in_class = 0;
+    for (const unsigned char *c = (const unsigned char *)pattern; *c; c++) {
+        if (*c >= 0x80 && !in_class)
+            return 0;
+        if (*c == '\\') {
+            if (c[1] == 'Q' || c[1] == 'E' || !c[1])
+                return 0; /* quoting: not looked into */
+            c++;          /* the escaped character, whatever it is */
+        } else if (*c == '(' && c[1] == '?' && (c[2] == '#' || strchr("imnsxJU-^", c[2]))) {
+            for (const unsigned char *f = c + 2; *f && *f != ')' && *f != ':'; f++)
+                if (*f == 'x' || *f == '#')
+                    return 0; /* a comment, or extended mode */
+        } else if (!in_class && *c == '[') {
+            in_class = 1;
+            if (c[1] == '^')
+                c++;
+            if (c[1] == ']')
+                c++; /* a ']' first is a member */
+        } else if (in_class && *c == '[' && c[1] == ':') {
+            const char *end = strstr((const char *)c + 2, ":]");
+            if (!end)
+                return 0;
+            c = (const unsigned char *)end + 1;
+        } else if (in_class && *c == ']') {
+            in_class = 0;
+        }
+    }
+    return !in_class;
+}
+
 /* Compiles a rule's pattern; a PCRE2 error names the offset in the pattern. */
 static int compile_rule(parse_ctx *p, rule *r)
 {
@@ -263,6 +306,12 @@ static int compile_rule(parse_ctx *p, rule *r)
     /* without JIT (unsupported CPU) it still runs; a reply rule is also matched partially
      * (rules_reply.c: a match that may go on in the next delta) */
     pcre2_jit_compile(r->re, PCRE2_JIT_COMPLETE | (r->on_reply ? PCRE2_JIT_PARTIAL_HARD : 0));
+    if (!r->on_reply && ascii_equivalent(r->pattern)) {
+        r->re_ascii = pcre2_compile((PCRE2_SPTR)r->pattern, PCRE2_ZERO_TERMINATED, opts & ~(PCRE2_UTF | PCRE2_UCP),
+                                    &code, &off, NULL);
+        if (r->re_ascii)
+            pcre2_jit_compile(r->re_ascii, PCRE2_JIT_COMPLETE);
+    }
     /* a `type` must name a group of the pattern */
     for (int i = 0; i < r->n_types; i++)
         if (pcre2_substring_number_from_name(r->re, (PCRE2_SPTR)r->types[i].group) == PCRE2_ERROR_NOSUBSTRING) {
