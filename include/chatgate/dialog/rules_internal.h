@@ -78,8 +78,9 @@ typedef struct rule {
     int pattern_line;
     pcre2_code *re;
     /* the same pattern compiled without UTF and UCP, run instead of re on a subject that is
-     * all ASCII, where it matches the same at about half the cost; NULL when the pattern has
-     * a character past ASCII outside a [class] (or a reply rule's) (rules_parse.c) */
+     * all ASCII (a message, or a reply's held text), where it matches the same at about half
+     * the cost; NULL when the pattern has a character past ASCII outside a [class]
+     * (rules_parse.c, ascii_equivalent) */
     pcre2_code *re_ascii;
     int has_do;
     rule_action action;
