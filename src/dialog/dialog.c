@@ -96,26 +96,41 @@ static size_t json_size(json_t *j)
     return n;
 }
 
-/* Close to json_size (strings count unescaped, numbers as 8), without formatting anything. */
-static size_t json_weight(json_t *j)
+/*
+ * j's size as compact JSON, counted without writing anything: each byte of a key or string
+ * counted as per_byte, each number (and true, false, null) as number. With 1 and 8 it is
+ * close (json_weight, the memory store's bound); with 6 and 26 it is at least the size
+ * (json_size_bound: every byte as if escaped, \u00XX; a real at its longest, jansson's
+ * "%.17g" with its ".0" or exponent).
+ */
+static size_t json_measure(json_t *j, size_t per_byte, size_t number)
 {
-    size_t n = 0, i;
+    size_t n = 2, i;
     const char *k;
     json_t *v;
     switch (json_typeof(j)) {
     case JSON_OBJECT:
-        n = 2;
-        json_object_foreach(j, k, v) n += strlen(k) + 4 + json_weight(v);
+        json_object_foreach(j, k, v) n += per_byte * strlen(k) + 4 + json_measure(v, per_byte, number);
         return n;
     case JSON_ARRAY:
-        n = 2;
-        json_array_foreach(j, i, v) n += 1 + json_weight(v);
+        json_array_foreach(j, i, v) n += 1 + json_measure(v, per_byte, number);
         return n;
     case JSON_STRING:
-        return json_string_length(j) + 2;
+        return per_byte * json_string_length(j) + 2;
     default:
-        return 8;
+        return number;
     }
+}
+
+static size_t json_size_bound(json_t *j)
+{
+    return json_measure(j, 6, 26);
+}
+
+/* Close to json_size (strings count unescaped, numbers as 8), without formatting anything. */
+static size_t json_weight(json_t *j)
+{
+    return json_measure(j, 1, 8);
 }
 
 size_t cg_dialog_weight(const cg_dialog *d)
@@ -246,7 +261,10 @@ static json_t *params_with(const cg_dialog *d, json_t *by_service, const cg_life
             return NULL;
         }
     }
-    size_t size = json_size(all);
+    /* the exact size is written out only when the bound does not settle it */
+    size_t size = json_size_bound(all);
+    if ((long)size > lt->params_cap)
+        size = json_size(all);
     if ((long)size > lt->params_cap) {
         snprintf(err, errlen, "params would take %zu bytes, over the %ld-byte cap; nothing was changed", size,
                  lt->params_cap);

@@ -91,7 +91,9 @@ int cg_normalise_date(const char *in, int64_t now, char out[11])
         }
     int y, m, d;
     char tail;
-    if (sscanf(t, "%4d-%2d-%2d%c", &y, &m, &d, &tail) == 3 || sscanf(t, "%2d/%2d/%4d%c", &d, &m, &y, &tail) == 3) {
+    /* both numeric forms begin with a digit; sscanf is not cheap, and most dates are words */
+    if (isdigit((unsigned char)t[0]) &&
+        (sscanf(t, "%4d-%2d-%2d%c", &y, &m, &d, &tail) == 3 || sscanf(t, "%2d/%2d/%4d%c", &d, &m, &y, &tail) == 3)) {
         if (!valid_day(y, m, d))
             return -1;
         put_date(out, y, m, d);
@@ -102,7 +104,9 @@ int cg_normalise_date(const char *in, int64_t now, char out[11])
     for (char *w = t; *w;) {
         size_t len = strcspn(w, " ");
         char word[32];
-        snprintf(word, sizeof(word), "%.*s", (int)(len < 31 ? len : 31), w);
+        size_t wlen = len < 31 ? len : 31;
+        memcpy(word, w, wlen);
+        word[wlen] = 0;
         char *end;
         long v = strtol(word, &end, 10);
         if (end != word && (*end == 0 || strcmp(end, "st") == 0 || strcmp(end, "nd") == 0 ||

@@ -80,6 +80,24 @@ static void test_cap(void)
     CHECK(strstr(err, "over the 100-byte cap") != NULL);
     CHECK_STR(param(&d, "travel", "from"), "Nairobi"); /* nothing changed, nothing truncated */
     CHECK(param(&d, "travel", "to") == NULL);
+    /* the cap is the exact compact size: at it, taken; a byte under it, refused with the size
+     * (the bound that spares writing the params out is well over it here) */
+    json_t *edge = json_pack("{s:s}", "to", "London \"Heathrow\"");
+    cg_dialog probe;
+    cg_dialog_init(&probe, 0);
+    CHECK(cg_dialog_merge_params(&probe, "travel", ok, &lt, err, sizeof(err)) == 0);
+    CHECK(cg_dialog_merge_params(&probe, "travel", edge, &lt, err, sizeof(err)) == 0);
+    long exact = (long)json_dumpb(probe.params, NULL, 0, JSON_COMPACT);
+    small.params_cap = exact - 1;
+    CHECK(cg_dialog_merge_params(&d, "travel", edge, &small, err, sizeof(err)) == CG_E_TOO_LARGE);
+    char want[64];
+    snprintf(want, sizeof(want), "would take %ld bytes", exact);
+    CHECK(strstr(err, want) != NULL);
+    small.params_cap = exact;
+    CHECK(cg_dialog_merge_params(&d, "travel", edge, &small, err, sizeof(err)) == 0);
+    CHECK_STR(param(&d, "travel", "to"), "London \"Heathrow\"");
+    cg_dialog_free(&probe);
+    json_decref(edge);
     json_decref(ok);
     json_decref(toobig);
     cg_dialog_free(&d);
