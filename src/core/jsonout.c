@@ -31,6 +31,19 @@ void cg_jsonw_init(cg_jsonw *w, size_t pre, size_t hint)
         abort();
 }
 
+void cg_jsonw_init_in(cg_jsonw *w, size_t pre, size_t hint, char *buf, size_t cap)
+{
+    if (!buf || cap < pre + (hint < 64 ? 64 : hint) + 1) {
+        free(buf);
+        cg_jsonw_init(w, pre, hint);
+        return;
+    }
+    w->buf = buf;
+    w->cap = cap;
+    w->pre = w->used = pre;
+    w->failed = 0;
+}
+
 void cg_jsonw_grow(cg_jsonw *w, size_t len)
 {
     size_t cap = w->cap;

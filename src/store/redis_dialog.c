@@ -176,11 +176,14 @@ static void resp_bulk(cg_jsonw *cmd, const char *bytes, size_t n)
 
 /* Sends a's command as RESP, its first two arguments replaced by arg0 and arg1 when they
  * are not NULL (EVAL and the script's text, after NOSCRIPT); REDIS_OK or REDIS_ERR. */
-static int send_formatted(redisAsyncContext *ac, const argv_buf *a, const char *arg0, const char *arg1,
-                          redisCallbackFn *fn, void *priv)
+static int send_formatted(redis_store *rs, redisAsyncContext *ac, const argv_buf *a, const char *arg0,
+                          const char *arg1, redisCallbackFn *fn, void *priv)
 {
+    /* framed in the store's buffer, kept from one command to the next (hiredis copies the
+     * command into its own output buffer), unless it grew past 64 KiB */
     cg_jsonw cmd;
-    cg_jsonw_init(&cmd, 0, a->w.used + 16 * (size_t)a->argc + (arg1 ? strlen(arg1) : 0));
+    cg_jsonw_init_in(&cmd, 0, a->w.used + 16 * (size_t)a->argc + (arg1 ? strlen(arg1) : 0), rs->cmd_buf, rs->cmd_cap);
+    rs->cmd_buf = NULL;
     CG_JSONW_LIT(&cmd, "*");
     cg_jsonw_int(&cmd, a->argc);
     CG_JSONW_LIT(&cmd, "\r\n");
@@ -192,16 +195,21 @@ static int send_formatted(redisAsyncContext *ac, const argv_buf *a, const char *
             resp_bulk(&cmd, a->w.buf + a->off[i], a->len[i]);
     }
     size_t len = 0;
-    char *text = cg_jsonw_end(&cmd, &len);
+    char *text = cg_jsonw_end(&cmd, &len); /* bytes only: it cannot fail */
     int rc = redisAsyncFormattedCommand(ac, fn, priv, text, len);
-    free(text);
+    if (cmd.cap <= 64 * 1024) {
+        rs->cmd_buf = text;
+        rs->cmd_cap = cmd.cap;
+    } else {
+        free(text);
+    }
     return rc;
 }
 
 /* Returns 0, or -1 when hiredis refused the command (its context is being freed). */
 static int send_argv(redis_store *rs, argv_buf *a, redisCallbackFn *fn, void *priv)
 {
-    int rc = rs->ac ? send_formatted(rs->ac, a, NULL, NULL, fn, priv) : REDIS_ERR;
+    int rc = rs->ac ? send_formatted(rs, rs->ac, a, NULL, NULL, fn, priv) : REDIS_ERR;
     argv_clear(a);
     return rc == REDIS_OK ? 0 : -1;
 }
@@ -311,7 +319,7 @@ static void on_script_reply(redisAsyncContext *ac, void *reply_, void *priv)
     if (reply && reply->type == REDIS_REPLY_ERROR && strncmp(reply->str, "NOSCRIPT", 8) == 0 && !c->retried &&
         c->rs->ac == ac) {
         c->retried = 1;
-        if (send_formatted(ac, &c->a, "EVAL", script_text(c->id), on_script_reply, c) == REDIS_OK)
+        if (send_formatted(c->rs, ac, &c->a, "EVAL", script_text(c->id), on_script_reply, c) == REDIS_OK)
             return;
         reply = NULL;
     }
@@ -333,7 +341,7 @@ static int send_script(redis_store *rs, script_id id, argv_buf *a, redisCallback
     memset(a, 0, sizeof(*a));
     c->fn = fn;
     c->priv = priv;
-    if (rs->ac && send_formatted(rs->ac, &c->a, NULL, NULL, on_script_reply, c) == REDIS_OK)
+    if (rs->ac && send_formatted(rs, rs->ac, &c->a, NULL, NULL, on_script_reply, c) == REDIS_OK)
         return 0;
     argv_free(&c->a);
     free(c);

@@ -39,6 +39,7 @@ typedef struct pending {
     struct pending *next;
     char *frame; /* LWS_PRE bytes of headroom, then the JSON text (core/jsonout.h) */
     size_t len;
+    size_t cap; /* the buffer's size, for the connection's spare (0: not to be kept) */
 } pending;
 
 /* One history item as JSON text, kept for the next message (see hist_refresh). */
@@ -66,6 +67,8 @@ typedef struct ws_conn {
     cg_wsrx rx; /* an app frame in pieces (core/wsrx.h) */
     hist_text *hist; /* the last message's history as text, n_hist items (at most history_n) */
     size_t n_hist;
+    char *spare; /* the last message frame's buffer, written: the next one's (cg_jsonw_init_in) */
+    size_t spare_cap;
     int paused;
     char close_reason[128];
     int close_sent;
@@ -105,6 +108,7 @@ static void conn_unref(ws_conn *k)
         free(p->frame);
         free(p);
     }
+    free(k->spare);
     cg_wsrx_done(&k->rx);
     free(k);
 }
@@ -221,7 +225,9 @@ static int write_close(ws_conn *k, struct lws *wsi)
 static void conn_flush(cg_flush_item *item);
 
 /* Takes frame (NULL: it could not be built, -1). */
-static int queue_frame(ws_conn *k, char *frame, size_t len)
+/* Queues frame (len bytes after LWS_PRE, in a buffer of cap bytes: 0 when it is not to be
+ * kept as the connection's spare); takes it. */
+static int queue_frame(ws_conn *k, char *frame, size_t len, size_t cap)
 {
     if (!frame || k->n_out >= MAX_PENDING) {
         free(frame);
@@ -234,6 +240,7 @@ static int queue_frame(ws_conn *k, char *frame, size_t len)
     }
     p->frame = frame;
     p->len = len;
+    p->cap = cap;
     if (k->out_tail)
         k->out_tail->next = p;
     else
@@ -250,7 +257,7 @@ static void queue_cancel(ws_conn *k, const char *id)
 {
     size_t len = 0;
     char *frame = cancel_frame(id, &len);
-    queue_frame(k, frame, len);
+    queue_frame(k, frame, len, 0);
 }
 
 static void on_timeout(uv_timer_t *t)
@@ -417,7 +424,12 @@ static int write_one(ws_conn *k, struct lws *wsi)
     unsigned char *payload = (unsigned char *)p->frame + LWS_PRE;
     size_t head = cg_net_client_frame(payload, p->len, 0), len = head + p->len;
     int n = head ? lws_write(wsi, payload - head, len, LWS_WRITE_HTTP) : -1;
-    free(p->frame);
+    if (!k->spare && p->cap && p->cap <= 64 * 1024) { /* lws has the bytes (or buffered them) */
+        k->spare = p->frame;
+        k->spare_cap = p->cap;
+    } else {
+        free(p->frame);
+    }
     free(p);
     return n < (int)len ? -1 : 0;
 }
@@ -589,7 +601,7 @@ static int hist_refresh(ws_conn *k, json_t *history)
  * (hist_refresh). The buffer starts big enough for the history, whose size is known, and for
  * the rest as the connection's last frame had it.
  */
-static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len)
+static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len, size_t *cap)
 {
     if (hist_refresh(k, m->history) < 0)
         return NULL;
@@ -597,7 +609,8 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len
     for (size_t i = 0; i < k->n_hist; i++)
         hist += k->hist[i].len;
     cg_jsonw w;
-    cg_jsonw_init(&w, LWS_PRE, k->last_head + k->last_head / 4 + hist);
+    cg_jsonw_init_in(&w, LWS_PRE, k->last_head + k->last_head / 4 + hist, k->spare, k->spare_cap);
+    k->spare = NULL;
     CG_JSONW_LIT(&w, "{\"type\":\"message\"");
     cg_jsonw_member_str(&w, "id", m->id);
     cg_jsonw_member_str(&w, "user", m->user);
@@ -621,6 +634,7 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len
     }
     CG_JSONW_LIT(&w, "]}");
     w.failed |= !m->id || !m->user || !m->room || !m->text || !m->route;
+    *cap = w.cap;
     return cg_jsonw_end(&w, len);
 }
 
@@ -638,8 +652,9 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
     c->ctx = ctx;
     c->id = strdup(m->id);
     size_t len = 0;
-    char *frame = c->id ? message_frame(k, m, &len) : NULL;
-    if (queue_frame(k, frame, len) < 0) {
+    size_t cap = 0;
+    char *frame = c->id ? message_frame(k, m, &len, &cap) : NULL;
+    if (queue_frame(k, frame, len, cap) < 0) {
         call_free(c);
         return -1;
     }

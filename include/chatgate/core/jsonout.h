@@ -52,6 +52,11 @@ typedef struct cg_jsonw {
 
 /* Starts a text with pre bytes of headroom, in a buffer of at least pre + hint + 1 bytes. */
 void cg_jsonw_init(cg_jsonw *w, size_t pre, size_t hint);
+/* The same in buf (cap bytes, malloc'd, or NULL), which the writer takes: kept when it holds
+ * pre + hint + 1 bytes, else freed for a new one. For the buffers of frames a connection
+ * writes again and again: a buffer over 1 KiB taken from malloc each time also has malloc
+ * sort its lists of small free chunks (malloc_consolidate), a few percent of a turn. */
+void cg_jsonw_init_in(cg_jsonw *w, size_t pre, size_t hint, char *buf, size_t cap);
 /* Appends len bytes of JSON text as they are (the caller's literal skeleton). Inline: a
  * frame is written in some twenty pieces, most of them a few bytes. */
 void cg_jsonw_grow(cg_jsonw *w, size_t len);
