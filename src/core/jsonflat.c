@@ -9,6 +9,7 @@
 #include <yajl/yajl_parse.h>
 
 #include "chatgate/core/jsonflat.h"
+#include "chatgate/core/swar.h"
 #include "chatgate/core/utf8.h"
 
 /* Text yajl handed over: a pointer into the frame when the text had no escape, else into
@@ -124,6 +125,13 @@ static int plain_bytes(const char *buf, size_t len)
 {
     const unsigned char *u = (const unsigned char *)buf;
     for (size_t i = 0; i < len;) {
+        if (i + 8 <= len) { /* eight bytes of ASCII at once, none of them '\\', \v or \f */
+            uint64_t v = cg_swar_load(u + i);
+            if (!(v & CG_SWAR_HIGHS) && !cg_swar_has(v, '\\') && !cg_swar_has(v, '\v') && !cg_swar_has(v, '\f')) {
+                i += 8;
+                continue;
+            }
+        }
         unsigned char c = u[i];
         if (c >= 0x80) {
             size_t n = cg_utf8_char_len(u + i, len - i);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/swar.h"
 #include "chatgate/core/utf8.h"
 
 /* ---- the text writer ------------------------------------------------------------------ */
@@ -74,6 +75,14 @@ void cg_jsonw_str(cg_jsonw *w, const char *s, size_t len)
     const unsigned char *u = (const unsigned char *)s;
     size_t run = 0; /* the start of the text not yet appended */
     for (size_t i = 0; i < len;) {
+        if (i + 8 <= len) { /* eight bytes of plain ASCII at once: none to escape or check */
+            uint64_t v = cg_swar_load(u + i);
+            if (!(v & CG_SWAR_HIGHS) && !cg_swar_has_below(v, 0x20) && !cg_swar_has(v, '"') &&
+                !cg_swar_has(v, '\\')) {
+                i += 8;
+                continue;
+            }
+        }
         unsigned char c = u[i];
         if (c >= 0x80) { /* a character of 2 to 4 bytes, appended as it is when valid */
             size_t n = cg_utf8_char_len(u + i, len - i);

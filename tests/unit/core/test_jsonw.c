@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "chatgate/core/jsonout.h"
+#include "chatgate/core/swar.h"
 #include "unit.h"
 
 /* ---- the two sides -------------------------------------------------------------------- */
@@ -862,8 +863,33 @@ static void test_init_in(void)
     free(cg_jsonw_end(&w, &len));
 }
 
+/* swar.h's word tests, which the writer's and the flat reader's fast paths rest on: every
+ * byte value at every place of a word of other bytes, against a byte-by-byte answer. */
+static void test_swar(void)
+{
+    static const unsigned char fill[] = {'a', ' ', 0x7f, 0x20, 0x00, 0xff};
+    int wrong = 0;
+    for (size_t f = 0; f < sizeof(fill); f++)
+        for (int b = 0; b < 256; b++)
+            for (int at = 0; at < 8; at++) {
+                unsigned char word[8];
+                memset(word, fill[f], 8);
+                word[at] = (unsigned char)b;
+                uint64_t v = cg_swar_load(word);
+                int has_quote = 0, below = 0;
+                for (int i = 0; i < 8; i++) {
+                    has_quote |= word[i] == '"';
+                    below |= word[i] < 0x20;
+                }
+                wrong += !cg_swar_has(v, '"') != !has_quote;
+                wrong += !cg_swar_has_below(v, 0x20) != !below;
+            }
+    CHECK(wrong == 0);
+}
+
 int main(void)
 {
+    test_swar();
     test_init_in();
     test_random_values();
     test_literal_escapes();
