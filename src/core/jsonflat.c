@@ -64,14 +64,20 @@ static int on_number(void *ctx, const char *s, size_t len)
     return 0; /* jansson's range checks are jansson's */
 }
 
+/* The member whose key is key[0..len), or NULL. */
+static const cg_jsonflat_member *named(const cg_jsonflat *f, const void *key, size_t len)
+{
+    for (size_t i = 0; i < f->n; i++)
+        if (f->m[i].key_len == len && memcmp(f->m[i].key, key, len) == 0)
+            return &f->m[i];
+    return NULL;
+}
+
 static int on_key(void *ctx, const unsigned char *key, size_t len)
 {
     cg_jsonflat *f = ctx;
-    if (f->n == CG_JSONFLAT_MAX)
-        return 0;
-    for (size_t i = 0; i < f->n; i++)
-        if (f->m[i].key_len == len && memcmp(f->m[i].key, key, len) == 0)
-            return 0; /* jansson refuses it or keeps the last: its call */
+    if (f->n == CG_JSONFLAT_MAX || named(f, key, len))
+        return 0; /* a key twice: jansson refuses it or keeps the last, its call */
     cg_jsonflat_member *m = &f->m[f->n];
     if (!(m->key = keep(f, key, len)))
         return 0;
@@ -200,9 +206,10 @@ int cg_jsonflat_read(cg_jsonflat *f, const char *buf, size_t len)
     yajl_handle h = yajl_alloc(&callbacks, &arena, f);
     if (!h)
         return 0;
-    /* yajl's defaults are strict JSON (no comments); its own UTF-8 check is left on, though
-     * plain_bytes has been stricter already. The parse stops at the object's end
-     * (on_end_map), and only whitespace may follow it. */
+    /* yajl's defaults are strict JSON (no comments); its own UTF-8 check is turned off,
+     * plain_bytes having made a stricter one over the whole frame. The parse stops at the
+     * object's end (on_end_map), and only whitespace may follow it. */
+    yajl_config(h, yajl_dont_validate_strings, 1);
     int read = yajl_parse(h, (const unsigned char *)buf, len) == yajl_status_client_canceled && f->ok;
     for (size_t i = read ? yajl_get_bytes_consumed(h) : len; i < len && read; i++)
         read = buf[i] == ' ' || buf[i] == '\t' || buf[i] == '\n' || buf[i] == '\r';
@@ -212,11 +219,12 @@ int cg_jsonflat_read(cg_jsonflat *f, const char *buf, size_t len)
 
 const cg_jsonflat_member *cg_jsonflat_get(const cg_jsonflat *f, const char *key)
 {
-    size_t len = strlen(key);
-    for (size_t i = 0; i < f->n; i++)
-        if (f->m[i].key_len == len && memcmp(f->m[i].key, key, len) == 0)
-            return &f->m[i];
-    return NULL;
+    return named(f, key, strlen(key));
+}
+
+int cg_jsonflat_is(const cg_jsonflat_member *m, const char *text)
+{
+    return m && m->kind == CG_JSONFLAT_STRING && m->len == strlen(text) && memcmp(m->str, text, m->len) == 0;
 }
 
 void cg_jsonflat_free(cg_jsonflat *f)

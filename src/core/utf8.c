@@ -3,6 +3,8 @@
  */
 #include "chatgate/core/utf8.h"
 
+#include "chatgate/core/swar.h"
+
 size_t cg_utf8_boundary(const char *text, size_t len)
 {
     size_t n = len;
@@ -32,10 +34,21 @@ size_t cg_utf8_char_len(const unsigned char *s, size_t n)
     return len;
 }
 
+size_t cg_utf8_ascii_prefix(const char *s, size_t n)
+{
+    const unsigned char *u = (const unsigned char *)s;
+    size_t i = 0;
+    while (i + 8 <= n && !(cg_swar_load(u + i) & CG_SWAR_HIGHS))
+        i += 8;
+    while (i < n && u[i] < 0x80)
+        i++;
+    return i;
+}
+
 int cg_utf8_valid(const char *s, size_t n)
 {
     const unsigned char *u = (const unsigned char *)s;
-    for (size_t i = 0; i < n;) {
+    for (size_t i = cg_utf8_ascii_prefix(s, n); i < n;) {
         size_t len = u[i] < 0x80 ? 1 : cg_utf8_char_len(u + i, n - i);
         if (!len)
             return 0;

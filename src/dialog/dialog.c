@@ -88,11 +88,8 @@ void cg_dialog_lapse(cg_dialog *d, int64_t now, int64_t params_exp, int64_t hist
  * still walks its dump machinery token by token). 0 when j cannot be encoded. */
 static size_t json_size(json_t *j)
 {
-    cg_jsonw w;
-    cg_jsonw_init(&w, 0, 1024);
-    cg_jsonw_json(&w, j);
     size_t n = 0;
-    free(cg_jsonw_end(&w, &n));
+    free(cg_json_dump_pre(j, 0, 1024, &n));
     return n;
 }
 
@@ -180,26 +177,19 @@ size_t cg_dialog_weight_but_history(const cg_dialog *d)
 
 int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
 {
-    int ok = 1;
-    *dst = *src;
-    dst->service = src->service ? strdup(src->service) : NULL;
-    if (src->service && !dst->service)
-        ok = 0;
     /* the parts are shared: nothing changes a part in place (dialog.h); deep copies of them
      * were a tenth of a turn's instructions with rules (callgrind, issue 12) */
-    json_incref(dst->params);
-    json_incref(dst->awaiting);
-    json_incref(dst->soft);
-    json_incref(dst->last_tool_result);
-    json_incref(dst->usage);
-    /* the history array is the copy's own (a turn pushes to it); its items are shared */
-    dst->history = json_array();
-    if (!dst->history || (src->history && json_array_extend(dst->history, src->history) < 0))
-        ok = 0;
-    if (!dst->params || !ok) {
+    if (cg_dialog_share(dst, src) < 0)
+        return -1;
+    /* but the history array is the copy's own (a turn pushes to it); its items are shared */
+    json_t *history = json_array();
+    if (!history || (src->history && json_array_extend(history, src->history) < 0) || !dst->params) {
+        json_decref(history);
         cg_dialog_free(dst);
         return -1;
     }
+    json_decref(dst->history);
+    dst->history = history;
     return 0;
 }
 

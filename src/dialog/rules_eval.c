@@ -209,10 +209,7 @@ typedef struct subject_mode {
 
 static subject_mode subject_mode_of(const char *subject, size_t len)
 {
-    const unsigned char *u = (const unsigned char *)subject;
-    size_t i = 0;
-    while (i < len && u[i] < 0x80)
-        i++;
+    size_t i = cg_utf8_ascii_prefix(subject, len);
     subject_mode m = {PCRE2_NO_UTF_CHECK, i == len};
     if (!m.ascii && !cg_utf8_valid(subject + i, len - i))
         m.options = 0;
@@ -224,8 +221,7 @@ static subject_mode subject_mode_of(const char *subject, size_t len)
  * alike, so the ovector and the name table read the same. */
 static int run_pattern(const cg_ruleset *rs, const rule *r, const char *subject, size_t len, subject_mode mode)
 {
-    const pcre2_code *re = mode.ascii && r->re_ascii ? r->re_ascii : r->re;
-    int rc = pcre2_match(re, (PCRE2_SPTR)subject, len, 0, mode.options, rs->md, rs->mctx);
+    int rc = pcre2_match(cg_rule_code(r, mode.ascii), (PCRE2_SPTR)subject, len, 0, mode.options, rs->md, rs->mctx);
     if (rc >= 0)
         return 1;
     if (rc == PCRE2_ERROR_NOMATCH)

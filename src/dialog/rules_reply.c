@@ -102,8 +102,7 @@ typedef struct reply_match {
 static int run_reply_rule(cg_reply_filter *f, const rule *r, size_t from, int partial)
 {
     const cg_ruleset *rs = f->rs;
-    const pcre2_code *re = f->held_ascii && r->re_ascii ? r->re_ascii : r->re;
-    int rc = pcre2_match(re, (PCRE2_SPTR)f->held, f->held_len, from, partial ? PCRE2_PARTIAL_HARD : 0, rs->md,
+    int rc = pcre2_match(cg_rule_code(r, f->held_ascii), (PCRE2_SPTR)f->held, f->held_len, from, partial ? PCRE2_PARTIAL_HARD : 0, rs->md,
                          rs->mctx);
     if (rc >= 0)
         return 1;
@@ -151,19 +150,10 @@ static void emit(cg_reply_filter *f, const char *s, size_t n)
 }
 
 /* One delta (rules.h, cg_reply_filter_feed): what goes on now is appended to f->out. */
-/* 1 when s[0..n) is all ASCII. */
-static int all_ascii(const char *s, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)s[i] >= 0x80)
-            return 0;
-    return 1;
-}
-
 static int feed(cg_reply_filter *f, const char *text, size_t len, int final)
 {
     cg_buf_append(&f->held, &f->held_len, &f->held_cap, text, len, 256);
-    f->held_ascii = all_ascii(f->held, f->held_len); /* a few bytes of context and a delta */
+    f->held_ascii = cg_utf8_ascii_prefix(f->held, f->held_len) == f->held_len; /* context and a delta */
     size_t pos = f->ctx, from = f->ctx; /* held[ctx, pos) is dealt with; the search goes on at from */
     size_t upto = f->held_len;          /* what may go now: all of it, unless a match may be under way */
     for (;;) {
@@ -210,11 +200,11 @@ int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int f
 void cg_reply_filter_tags(cg_reply_filter *f, const char *text, size_t len)
 {
     const cg_ruleset *rs = f->rs;
-    int ascii = all_ascii(text, len);
+    int ascii = cg_utf8_ascii_prefix(text, len) == len;
     for (size_t i = 0; i < rs->n; i++) {
         const rule *r = &rs->rules[i];
         if (r->on_reply && r->action == A_TAG &&
-            pcre2_match(ascii && r->re_ascii ? r->re_ascii : r->re, (PCRE2_SPTR)text, len, 0, 0, rs->md, rs->mctx) >= 0)
+            pcre2_match(cg_rule_code(r, ascii), (PCRE2_SPTR)text, len, 0, 0, rs->md, rs->mctx) >= 0)
             note_acted(f, r);
     }
 }

@@ -180,7 +180,7 @@ static int send_formatted(redis_store *rs, redisAsyncContext *ac, const argv_buf
                           const char *arg1, redisCallbackFn *fn, void *priv)
 {
     /* framed in the store's buffer, kept from one command to the next (hiredis copies the
-     * command into its own output buffer), unless it grew past 64 KiB */
+     * command into its own output buffer), unless it grew past CG_JSONW_KEEP_MAX */
     cg_jsonw cmd;
     cg_jsonw_init_in(&cmd, 0, a->w.used + 16 * (size_t)a->argc + (arg1 ? strlen(arg1) : 0), rs->cmd_buf, rs->cmd_cap);
     rs->cmd_buf = NULL;
@@ -197,7 +197,7 @@ static int send_formatted(redis_store *rs, redisAsyncContext *ac, const argv_buf
     size_t len = 0;
     char *text = cg_jsonw_end(&cmd, &len); /* bytes only: it cannot fail */
     int rc = redisAsyncFormattedCommand(ac, fn, priv, text, len);
-    if (cmd.cap <= 64 * 1024) {
+    if (cmd.cap <= CG_JSONW_KEEP_MAX) {
         rs->cmd_buf = text;
         rs->cmd_cap = cmd.cap;
     } else {

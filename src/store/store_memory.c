@@ -7,7 +7,8 @@
  * entry holds a dialog whose parts it shares with the turns that load it (cg_dialog_copy:
  * parts are values, never changed in place; the history array is each load's own), its
  * lifetimes and its weight, so a turn's load and save cost a few references and no JSON
- * text: parts past their time read as empty, as Redis keys would have expired. The weight is what the entry counts against the byte bound: its key
+ * text: parts past their time read as empty, as Redis keys would have expired. The weight
+ * is what the entry counts against the byte bound: its key
  * and its dialog about as compact JSON (cg_dialog_weight), so a few dialogs of 1 MiB
  * replies weigh what they are.
  *

@@ -224,9 +224,8 @@ static int write_close(ws_conn *k, struct lws *wsi)
 
 static void conn_flush(cg_flush_item *item);
 
-/* Takes frame (NULL: it could not be built, -1). */
 /* Queues frame (len bytes after LWS_PRE, in a buffer of cap bytes: 0 when it is not to be
- * kept as the connection's spare); takes it. */
+ * kept as the connection's spare); takes it. NULL (it could not be built): -1. */
 static int queue_frame(ws_conn *k, char *frame, size_t len, size_t cap)
 {
     if (!frame || k->n_out >= MAX_PENDING) {
@@ -320,11 +319,11 @@ static int on_plain_frame(ws_conn *k, cg_upstream_call *c, const char *buf, size
                              *text = cg_jsonflat_get(&f, "text");
     if (f.n != (size_t)(!!type + !!id + !!text) || !type || type->kind != CG_JSONFLAT_STRING)
         goto out;
-    int delta = type->len == 5 && memcmp(type->str, "delta", 5) == 0;
-    if (!delta && !(type->len == 4 && memcmp(type->str, "done", 4) == 0))
+    int delta = cg_jsonflat_is(type, "delta");
+    if (!delta && !cg_jsonflat_is(type, "done"))
         goto out;
     done = 1;
-    if (!id || id->kind != CG_JSONFLAT_STRING || id->len != strlen(c->id) || memcmp(id->str, c->id, id->len) != 0)
+    if (!cg_jsonflat_is(id, c->id))
         goto out; /* about another message */
     size_t text_len = text && text->kind == CG_JSONFLAT_STRING ? text->len : 0;
     if (delta)
@@ -424,7 +423,7 @@ static int write_one(ws_conn *k, struct lws *wsi)
     unsigned char *payload = (unsigned char *)p->frame + LWS_PRE;
     size_t head = cg_net_client_frame(payload, p->len, 0), len = head + p->len;
     int n = head ? lws_write(wsi, payload - head, len, LWS_WRITE_HTTP) : -1;
-    if (!k->spare && p->cap && p->cap <= 64 * 1024) { /* lws has the bytes (or buffered them) */
+    if (!k->spare && p->cap && p->cap <= CG_JSONW_KEEP_MAX) { /* lws has the bytes (or buffered them) */
         k->spare = p->frame;
         k->spare_cap = p->cap;
     } else {

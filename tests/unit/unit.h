@@ -5,6 +5,7 @@
 #ifndef CG_UNIT_H
 #define CG_UNIT_H
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,16 @@ static inline char *unit_dup_exact(const char *s, size_t len)
     if (len)
         memcpy(copy, s, len);
     return copy;
+}
+
+/* A deterministic xorshift64 step on *state (a fixed seed per test, so a failure repeats):
+ * the high 32 bits of the next state. */
+static inline uint32_t unit_rand(uint64_t *state)
+{
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    return (uint32_t)(*state >> 32);
 }
 
 static inline int unit_done(const char *name)

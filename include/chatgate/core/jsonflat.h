@@ -53,6 +53,8 @@ typedef struct cg_jsonflat {
 int cg_jsonflat_read(cg_jsonflat *f, const char *buf, size_t len);
 /* The member named key, or NULL. */
 const cg_jsonflat_member *cg_jsonflat_get(const cg_jsonflat *f, const char *key);
+/* 1 when m is a member (not NULL) whose value is the string text. */
+int cg_jsonflat_is(const cg_jsonflat_member *m, const char *text);
 void cg_jsonflat_free(cg_jsonflat *f);
 
 #endif

@@ -57,6 +57,8 @@ void cg_jsonw_init(cg_jsonw *w, size_t pre, size_t hint);
  * writes again and again: a buffer over 1 KiB taken from malloc each time also has malloc
  * sort its lists of small free chunks (malloc_consolidate), a few percent of a turn. */
 void cg_jsonw_init_in(cg_jsonw *w, size_t pre, size_t hint, char *buf, size_t cap);
+/* The largest buffer worth keeping for the next text; one grown past it goes back to malloc. */
+#define CG_JSONW_KEEP_MAX (64 * 1024)
 /* Appends len bytes of JSON text as they are (the caller's literal skeleton). Inline: a
  * frame is written in some twenty pieces, most of them a few bytes. */
 void cg_jsonw_grow(cg_jsonw *w, size_t len);

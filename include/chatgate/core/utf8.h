@@ -20,5 +20,7 @@ void cg_utf8_clean(char *s, size_t n);
 size_t cg_utf8_char_len(const unsigned char *s, size_t n);
 /* 1 when s[0..n) is all valid UTF-8 characters, else 0. */
 int cg_utf8_valid(const char *s, size_t n);
+/* How many bytes s[0..n) begins with below 0x80 (n when it is all ASCII), eight at a time. */
+size_t cg_utf8_ascii_prefix(const char *s, size_t n);
 
 #endif

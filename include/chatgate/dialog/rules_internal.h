@@ -108,6 +108,12 @@ struct cg_ruleset {
     int has_reply;          /* some rule is `on reply` (known at load: each reply asks) */
 };
 
+/* The code r runs on a subject: its ASCII form when the subject is all ASCII and it has one. */
+static inline const pcre2_code *cg_rule_code(const rule *r, int ascii)
+{
+    return ascii && r->re_ascii ? r->re_ascii : r->re;
+}
+
 /* rules.c: trims spaces and tabs at both ends, and line ends at the end, in place. */
 char *cg_rules_trim(char *s);
 

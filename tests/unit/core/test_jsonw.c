@@ -156,10 +156,7 @@ static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 
 static uint32_t rnd(void)
 {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 32);
+    return unit_rand(&rng_state);
 }
 
 typedef struct {

@@ -195,8 +195,27 @@ static void test_valid(void)
     CHECK(cg_utf8_valid("a\0b", 3)); /* a NUL is a character */
 }
 
+/* The ASCII prefix (eight bytes at a time, then byte by byte): a byte past ASCII at every
+ * place of texts of every length up to 40 is where the prefix ends. */
+static void test_ascii_prefix(void)
+{
+    char text[40];
+    int wrong = 0;
+    for (size_t n = 0; n <= sizeof(text); n++) {
+        memset(text, 'a', sizeof(text));
+        wrong += cg_utf8_ascii_prefix(text, n) != n;
+        for (size_t at = 0; at < n; at++) {
+            memset(text, 'a', sizeof(text));
+            text[at] = (char)(at % 2 ? 0x80 : 0xff);
+            wrong += cg_utf8_ascii_prefix(text, n) != at;
+        }
+    }
+    CHECK(wrong == 0);
+}
+
 int main(void)
 {
+    test_ascii_prefix();
     test_valid();
     test_ascii();
     test_each_length();

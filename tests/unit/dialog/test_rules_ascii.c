@@ -35,13 +35,10 @@ static const char *const scenario_messages[] = {
     "card 4111 1111 1111 1111 ok", "card 4111 1111 11", "4111-1111-1111-1111", "x4111111111111111",
 };
 
-static unsigned long long seed = 88172645463325252ULL;
+static uint64_t seed = 88172645463325252ULL;
 static unsigned rnd(unsigned n)
 {
-    seed ^= seed << 13;
-    seed ^= seed >> 7;
-    seed ^= seed << 17;
-    return (unsigned)(seed % n);
+    return unit_rand(&seed) % n;
 }
 
 /* The words of a pattern (runs of letters), as a pool for subjects. */
