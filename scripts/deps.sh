@@ -6,7 +6,7 @@
 set -euo pipefail
 
 packages=(gcc make cmake pkg-config tzdata libwebsockets-dev libuv1-dev libjansson-dev
-          libhiredis-dev libpcre2-dev libssl-dev libcurl4-openssl-dev libyajl-dev)
+          libhiredis-dev libpcre2-dev libssl-dev libcurl4-openssl-dev libyajl-dev libmimalloc-dev)
 case "${1:-build}" in
   test)
     # nginx: the Socket.IO test runs examples/nginx-socketio.conf in an nginx of its own

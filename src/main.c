@@ -10,6 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef CG_MIMALLOC
+#include <mimalloc.h>
+#endif
 
 #include "chatgate/config/config.h"
 #include "chatgate/server/gateway.h"
@@ -174,6 +177,28 @@ done:
     return rc;
 }
 
+/*
+ * Says which malloc the process runs on. A build with mimalloc (CMake's CHATGATE_MIMALLOC)
+ * checks that a block from malloc is mimalloc's: an LD_PRELOAD of another allocator, or a
+ * link order that put the C library first, would leave it linked but unused.
+ */
+static void log_malloc(void)
+{
+#ifdef CG_MIMALLOC
+    void *probe = malloc(16);
+    int ours = probe && mi_is_in_heap_region(probe);
+    free(probe);
+    int v = mi_version(); /* 209 for 2.0.9 */
+    if (ours)
+        cg_info("malloc: mimalloc %d.%d.%d", v / 100, v / 10 % 10, v % 10);
+    else
+        cg_warn("malloc: mimalloc %d.%d.%d is linked but malloc is another's (an LD_PRELOAD?)", v / 100,
+                v / 10 % 10, v % 10);
+#else
+    cg_info("malloc: the C library's");
+#endif
+}
+
 static int rules_command(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[2], "check") == 0)
@@ -208,6 +233,7 @@ int main(int argc, char **argv)
     setenv("TZ", cfg.timezone, 1);
     tzset();
     cg_log_route_lws();
+    log_malloc();
     /* --workers N: this process becomes the master (it returns here only when every worker
      * has stopped); each worker goes on below as a gateway of its own */
     if (cfg.workers > 1 && cg_master_run(&cfg, &rc) == 0) {

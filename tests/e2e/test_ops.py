@@ -763,7 +763,13 @@ async def part_logs(app, fake):
         await log_conversation(gw, jwt_q, jwt_h, bad)
         code = await gw.astop()
         check(code == 0, f"exit status {code}")
-        check_masked(gw, secrets, "text log")
+        text = check_masked(gw, secrets, "text log")
+        # the build's malloc (CMake's CHATGATE_MIMALLOC, passed by tests/e2e/CMakeLists.txt)
+        # is the one in use: a mimalloc linked but not malloc's would say so and fail here
+        want = {"mimalloc": "info malloc: mimalloc ", "libc": "info malloc: the C library's"}[
+            os.environ.get("CHATGATE_EXPECT_MALLOC", "libc")]
+        check(want in text, f"the log should say {want!r}: " +
+              repr([line for line in text.splitlines() if "malloc" in line]))
     with step("logs (--log-format json): an OpenAI 500 quoting the user; every line JSON, masked"):
         gw = await harness.Gateway(["--auth", "jwt", "--log-level", "debug", "--log-format", "json"],
                                    cfg({"llm": harness.openai_upstream(fake, "err500echo")}, "llm"),

@@ -46,7 +46,7 @@ echo "   $(basename "$deb"), $(stat -c %s "$deb") bytes"
 say "its control data: Depends, conffiles, maintainer scripts"
 depends=$(dpkg-deb -f "$deb" Depends)
 echo "   Depends: $depends"
-for lib in libwebsockets libjansson libhiredis libpcre2-8 libuv1 libssl libcurl libyajl adduser; do
+for lib in libwebsockets libjansson libhiredis libpcre2-8 libuv1 libssl libcurl libyajl libmimalloc adduser; do
     echo "$depends" | grep -q "$lib" || fail "Depends lacks $lib"
 done
 dpkg-deb -e "$deb" "$work/control"
