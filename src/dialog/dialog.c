@@ -210,15 +210,15 @@ int cg_dialog_share(cg_dialog *dst, const cg_dialog *src)
     return 0;
 }
 
-/* Merges params (name -> value, null forgets) into all[service]; 0, or -1 out of memory. */
+/* Merges params (name -> value, null forgets) into all[service]; 0, or -1 out of memory.
+ * all is a copy of the dialog's params of its own, but the objects in it are still the
+ * dialog's (params_with): the service's object is copied before it changes. */
 static int merge_service(json_t *all, const char *service, json_t *params)
 {
-    json_t *mine = json_object_get(all, service);
-    if (!json_is_object(mine)) {
-        mine = json_object();
-        if (json_object_set_new(all, service, mine) < 0)
-            return -1;
-    }
+    json_t *kept = json_object_get(all, service);
+    json_t *mine = json_is_object(kept) ? json_copy(kept) : json_object();
+    if (!mine || json_object_set_new(all, service, mine) < 0)
+        return -1;
     const char *name;
     json_t *value;
     json_object_foreach(params, name, value) {
@@ -240,7 +240,9 @@ static int merge_service(json_t *all, const char *service, json_t *params)
 static json_t *params_with(const cg_dialog *d, json_t *by_service, const cg_lifetimes *lt, int *rc, char *err,
                            size_t errlen)
 {
-    json_t *all = json_deep_copy(d->params);
+    /* one level: the services' objects are shared until merge_service changes one, and the
+     * values in them are never changed in place (dialog.h) */
+    json_t *all = json_copy(d->params);
     const char *service;
     json_t *params;
     json_object_foreach(by_service, service, params) {

@@ -24,11 +24,8 @@
 static int param_present(const cg_dialog *d, const char *key)
 {
     const char *dot = strchr(key, '.');
-    if (dot) {
-        char service[129];
-        snprintf(service, sizeof(service), "%.*s", (int)(dot - key), key);
-        return json_object_get(json_object_get(d->params, service), dot + 1) != NULL;
-    }
+    if (dot)
+        return json_object_get(json_object_getn(d->params, key, (size_t)(dot - key)), dot + 1) != NULL;
     return d->service && json_object_get(json_object_get(d->params, d->service), key) != NULL;
 }
 
@@ -232,6 +229,15 @@ static int run_pattern(const cg_ruleset *rs, const rule *r, const char *subject,
     return -1;
 }
 
+/* A rule's service or route name into the result's field (65 bytes: at most 64 of the
+ * name, as before); a few times a message, so no snprintf. */
+static void copy_name(char *dst, size_t size, const char *name)
+{
+    size_t n = strnlen(name, size - 1);
+    memcpy(dst, name, n);
+    dst[n] = 0;
+}
+
 /* What one matched rule adds to the result. */
 static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject, const char *text,
                        const char *previous, int64_t now, cg_rules_result *out)
@@ -265,7 +271,7 @@ static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject,
             json_object_set_new(out->params, r->arg, mine = json_object());
         json_object_update(mine, p);
         json_decref(p);
-        snprintf(out->service, sizeof(out->service), "%.64s", r->arg);
+        copy_name(out->service, sizeof(out->service), r->arg);
         break;
     }
     case A_FORGET:
@@ -277,7 +283,7 @@ static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject,
         break;
     case A_ROUTE:
         if (!out->route[0])
-            snprintf(out->route, sizeof(out->route), "%.64s", r->arg);
+            copy_name(out->route, sizeof(out->route), r->arg);
         break;
     case A_MASK: /* reply rules act in rules_reply.c; here only their own tests run them */
     case A_STOP:

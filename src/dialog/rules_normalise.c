@@ -39,6 +39,15 @@ static int month_of(const char *w, size_t n)
 
 static void put_date(char out[11], int y, int m, int d)
 {
+    if (y >= 0 && y <= 9999 && m >= 0 && m <= 99 && d >= 0 && d <= 99) { /* every real date: no snprintf */
+        const int digits[8] = {y / 1000, y / 100 % 10, y / 10 % 10, y % 10, m / 10, m % 10, d / 10, d % 10};
+        static const int at[8] = {0, 1, 2, 3, 5, 6, 8, 9};
+        for (int i = 0; i < 8; i++)
+            out[at[i]] = (char)('0' + digits[i]);
+        out[4] = out[7] = '-';
+        out[10] = 0;
+        return;
+    }
     char tmp[48];
     snprintf(tmp, sizeof(tmp), "%04d-%02d-%02d", y, m, d);
     memcpy(out, tmp, 10);

@@ -194,8 +194,13 @@ static cg_store_req *req_alloc(redis_store *rs, op_kind kind, char *eu, char *er
     r->kind = kind;
     r->eu = eu;
     r->er = er;
-    if (asprintf(&r->key, "%s:%s", eu, er) < 0)
+    size_t nu = strlen(eu), nr = strlen(er); /* "<eu>:<er>", twice a turn: no asprintf */
+    r->key = malloc(nu + nr + 2);
+    if (!r->key)
         abort();
+    memcpy(r->key, eu, nu);
+    r->key[nu] = ':';
+    memcpy(r->key + nu + 1, er, nr + 1);
     r->ctx = ctx;
     uv_timer_init(rs->base.loop, &r->defer);
     r->defer.data = r;

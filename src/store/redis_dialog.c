@@ -915,6 +915,9 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * a replica that had not received the lease, or its release), is no one else's: the save
  * goes on (this process orders its own turns of a dialog). A save that held the lease lets go of it,
  * written or not, but for -3: it is sent again at once, rewriting the history.
+ * An append whose rev is Redis's needs no look at created_at and last_activity: any other
+ * incarnation, or any newer write, would have written another rev. So only a rewrite reads
+ * them (an append to another incarnation gets -3, and its rewrite then 0).
  */
 static const char save_script[] =
     "if ARGV[17] ~= '' then\n"
@@ -926,11 +929,15 @@ static const char save_script[] =
     "end\n"
     "local function save()\n"
     "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
-    "  local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
-    "  if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
-    "  if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
-    "  if ARGV[22] ~= '' and (redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] or\n"
-    "                         redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[24])) then return -3 end\n"
+    "  if ARGV[22] ~= '' then\n"
+    "    if redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] or redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[24]) then\n"
+    "      return -3\n"
+    "    end\n"
+    "  else\n"
+    "    local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
+    "    if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
+    "    if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
+    "  end\n"
     "  local function chunks(cmd, key, from, to, step)\n"
     "    for i = from, to, step do\n"
     "      redis.call(cmd, key, unpack(ARGV, i, math.min(i + step - 1, to)))\n"
