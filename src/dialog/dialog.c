@@ -284,11 +284,34 @@ bad:
     return CG_E_BAD_FRAME;
 }
 
+/* 1 when merging by_service would leave d's params as they are: every value is there
+ * already, every null names what is not. A message that says again what the dialog holds
+ * (the same route every turn) keeps the same params object, which the Redis save then sees
+ * is Redis's by its pointer instead of comparing it member by member. */
+static int merge_changes_nothing(const cg_dialog *d, json_t *by_service)
+{
+    const char *service, *name;
+    json_t *params, *value;
+    json_object_foreach(by_service, service, params) {
+        json_t *kept = json_object_get(d->params, service);
+        if (kept && !json_is_object(kept))
+            return 0;
+        json_object_foreach(params, name, value) {
+            json_t *had = json_object_get(kept, name);
+            if (json_is_null(value) ? had != NULL : !had || !json_equal(had, value))
+                return 0;
+        }
+    }
+    return 1;
+}
+
 int cg_dialog_merge_all_params(cg_dialog *d, json_t *by_service, const cg_lifetimes *lt, char *err, size_t errlen)
 {
     int rc = check_services(by_service, err, errlen);
     if (rc < 0)
         return rc;
+    if (d->params && merge_changes_nothing(d, by_service))
+        return 0;
     json_t *all = params_with(d, by_service, lt, &rc, err, errlen);
     if (!all)
         return rc;

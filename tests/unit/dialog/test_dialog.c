@@ -47,6 +47,24 @@ static void test_merge(void)
     CHECK_STR(param(&d, "travel", "to"), "London");
     CHECK(json_integer_value(json_object_get(json_object_get(d.params, "payment"), "amount")) == 5000);
 
+    /* a merge that changes nothing keeps the params object (the Redis save compares by
+     * pointer first); any value that differs, or a null naming something held, replaces it */
+    json_t *before = d.params;
+    json_t *same = json_pack("{s:s, s:n}", "to", "London", "return_date");
+    CHECK(cg_dialog_merge_params(&d, "travel", same, &lt, err, sizeof(err)) == 0);
+    CHECK(d.params == before);
+    json_t *other = json_pack("{s:s}", "to", "Paris");
+    CHECK(cg_dialog_merge_params(&d, "travel", other, &lt, err, sizeof(err)) == 0);
+    CHECK(d.params != before);
+    CHECK_STR(param(&d, "travel", "to"), "Paris");
+    before = d.params;
+    json_t *drop = json_pack("{s:n}", "to");
+    CHECK(cg_dialog_merge_params(&d, "travel", drop, &lt, err, sizeof(err)) == 0);
+    CHECK(d.params != before && param(&d, "travel", "to") == NULL);
+    json_decref(same);
+    json_decref(other);
+    json_decref(drop);
+
     /* forget: "service.name", or a name of the active service */
     d.service = strdup("travel");
     json_t *keys = json_pack("[s, s, s]", "payment.currency", "from", "nosuch.thing");
