@@ -160,19 +160,29 @@ long cg_dialog_history_kept(json_t *had, json_t *history)
     return (long)p;
 }
 
+size_t cg_dialog_weight_parts(const cg_dialog *d, const cg_dialog *had, const size_t *had_w, size_t w[CG_DIALOG_PARTS])
+{
+    json_t *mine[CG_DIALOG_PARTS] = {d->params, d->awaiting, d->soft, d->last_tool_result, d->usage};
+    json_t *theirs[CG_DIALOG_PARTS] = {0};
+    if (had && had_w) {
+        json_t *t[CG_DIALOG_PARTS] = {had->params, had->awaiting, had->soft, had->last_tool_result, had->usage};
+        memcpy(theirs, t, sizeof(t));
+    }
+    size_t n = 128 + (d->service ? strlen(d->service) : 0); /* meta and the keys */
+    for (int i = 0; i < CG_DIALOG_PARTS; i++) {
+        if (mine[i] && mine[i] == theirs[i])
+            w[i] = had_w[i];
+        else /* the params are weighed even when absent, as "{}" */
+            w[i] = mine[i] || i == 0 ? json_weight(mine[i]) : 0;
+        n += w[i];
+    }
+    return n;
+}
+
 size_t cg_dialog_weight_but_history(const cg_dialog *d)
 {
-    size_t n = 128 + (d->service ? strlen(d->service) : 0); /* meta and the keys */
-    n += json_weight(d->params);
-    if (d->awaiting)
-        n += json_weight(d->awaiting);
-    if (d->soft)
-        n += json_weight(d->soft);
-    if (d->last_tool_result)
-        n += json_weight(d->last_tool_result);
-    if (d->usage)
-        n += json_weight(d->usage);
-    return n;
+    size_t w[CG_DIALOG_PARTS];
+    return cg_dialog_weight_parts(d, NULL, NULL, w);
 }
 
 int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)

@@ -33,6 +33,7 @@ typedef struct mem_entry {
     int64_t dialog_exp, params_exp, history_exp;
     size_t bytes;    /* the key's length and the dialog's weight */
     size_t hist_w;   /* the history's share of that weight */
+    size_t part_w[CG_DIALOG_PARTS]; /* the other parts' shares (cg_dialog_weight_parts) */
     char *rev;       /* the Redis store's: the version of Redis's copy this one equals, or NULL */
     const char *key; /* stored right after the entry */
 } mem_entry;
@@ -201,30 +202,68 @@ static size_t history_weight(const mem_entry *old, const cg_dialog *d)
     return w;
 }
 
-/* Puts d under key, a copy of it or (shared) d's own parts; rev as cg_memstore_put_rev. */
-static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev, int shared)
+/* e's dialog, lifetimes and weight become d's (shared or copied) as of now; -1 out of
+ * memory, e unchanged. The weights go on from e's old copy (history_weight,
+ * cg_dialog_weight_parts) before it is let go. The total (m->bytes) is the caller's. */
+static int entry_set(cg_memstore *m, mem_entry *e, const cg_dialog *d, int64_t now, const char *rev, int shared)
 {
-    mem_entry *old = entry_find(m, key);
-    size_t hist_w = history_weight(old, d);
-    if (old)
-        entry_drop(m, old);
-    size_t n = strlen(key);
-    mem_entry *e = calloc(1, sizeof(*e) + n + 1);
-    if (!e || (rev && !(e->rev = strdup(rev))) || (shared ? cg_dialog_share(&e->d, d) : cg_dialog_copy(&e->d, d)) < 0) {
-        /* what was held is older than what the caller has: better none than a stale one */
-        if (e)
-            free(e->rev);
-        free(e);
-        cg_error("memory store: out of memory keeping a dialog; it was dropped");
-        return;
+    cg_dialog fresh;
+    char *fresh_rev = NULL;
+    if ((rev && !(fresh_rev = strdup(rev))) || (shared ? cg_dialog_share(&fresh, d) : cg_dialog_copy(&fresh, d)) < 0) {
+        free(fresh_rev);
+        return -1;
     }
-    memcpy(e + 1, key, n + 1);
-    e->key = (const char *)(e + 1);
+    int had = e->d.params != NULL; /* a new entry has no copy yet */
+    size_t hist_w = history_weight(had ? e : NULL, d), part_w[CG_DIALOG_PARTS];
+    size_t rest = cg_dialog_weight_parts(d, had ? &e->d : NULL, had ? e->part_w : NULL, part_w);
+    cg_dialog_free(&e->d);
+    free(e->rev);
+    e->d = fresh;
+    e->rev = fresh_rev;
     e->dialog_exp = now + m->lt.dialog_s;
     e->params_exp = now + m->lt.params_s;
     e->history_exp = now + m->lt.history_s;
     e->hist_w = hist_w;
-    e->bytes = n + cg_dialog_weight_but_history(d) + hist_w;
+    memcpy(e->part_w, part_w, sizeof(part_w));
+    e->bytes = strlen(e->key) + rest + hist_w;
+    return 0;
+}
+
+/*
+ * Puts d under key, a copy of it or (shared) d's own parts; rev as cg_memstore_put_rev. A
+ * key held already keeps its entry, whose copy is replaced (one lookup, and the weights of
+ * what the two copies share are not measured again: a turn's save of the Redis store).
+ */
+static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev, int shared)
+{
+    mem_entry *old = entry_find(m, key);
+    if (old) {
+        size_t before = old->bytes;
+        if (entry_set(m, old, d, now, rev, shared) < 0) {
+            /* what was held is older than what the caller has: better none than a stale one */
+            entry_drop(m, old);
+            cg_error("memory store: out of memory keeping a dialog; it was dropped");
+            return;
+        }
+        m->bytes -= before < m->bytes ? before : m->bytes;
+        m->bytes += old->bytes;
+        TAILQ_REMOVE(&m->order, old, order); /* most recently used */
+        TAILQ_INSERT_TAIL(&m->order, old, order);
+        publish_bytes(m);
+        evict(m);
+        return;
+    }
+    size_t n = strlen(key);
+    mem_entry *e = calloc(1, sizeof(*e) + n + 1);
+    if (e) {
+        memcpy(e + 1, key, n + 1);
+        e->key = (const char *)(e + 1);
+    }
+    if (!e || entry_set(m, e, d, now, rev, shared) < 0) {
+        free(e);
+        cg_error("memory store: out of memory keeping a dialog; it was dropped");
+        return;
+    }
     void **slot = tsearch(e, &m->tree, by_key);
     if (!slot || *slot != e) {
         cg_dialog_free(&e->d);

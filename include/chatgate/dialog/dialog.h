@@ -63,6 +63,15 @@ int cg_dialog_share(cg_dialog *dst, const cg_dialog *src);
 size_t cg_dialog_weight(const cg_dialog *d);
 /* The same without the history (the weight is this, 2, and each message's share of it). */
 size_t cg_dialog_weight_but_history(const cg_dialog *d);
+/* The parts cg_dialog_weight_but_history weighs: params, awaiting, soft context, last tool
+ * result, usage. */
+#define CG_DIALOG_PARTS 5
+/*
+ * cg_dialog_weight_but_history, each part's share into w; a part d shares with had (the same
+ * pointer: parts are values, dialog.h's rule) takes its weight from had_w instead of being
+ * measured again. had and had_w may be NULL. The memory store keeps w with its copy.
+ */
+size_t cg_dialog_weight_parts(const cg_dialog *d, const cg_dialog *had, const size_t *had_w, size_t w[CG_DIALOG_PARTS]);
 size_t cg_dialog_history_item_weight(json_t *m);
 /*
  * How history goes on from had, a copy of it kept earlier: the number of had's last messages

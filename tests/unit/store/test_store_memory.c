@@ -223,7 +223,7 @@ static void test_weight_and_rev(void)
     size_t key_len = strlen(key);
     cg_dialog d;
     cg_dialog_init(&d, 1000);
-    int exact = 1;
+    int exact = 1, last_n = 0;
     for (int i = 0; i < 60; i++) {
         char text[128];
         snprintf(text, sizeof(text), "message %d %.*s", i, i, "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");
@@ -254,13 +254,22 @@ static void test_weight_and_rev(void)
         exact &= json_equal(was, is);
         json_decref(was);
         json_decref(is);
-        json_t *p = json_pack("{s:i}", "n", i);
-        char err[64];
-        cg_dialog_merge_params(&d, "travel", p, &lt, err, sizeof(err)); /* the turn's change */
-        json_decref(p);
+        /* the turn's change: new params most turns; on the others the params are the very
+         * object the store holds, whose weight the next put takes from the entry (as usage's
+         * when no turn added to it) */
+        if (i % 4 != 3) {
+            json_t *p = json_pack("{s:i}", "n", i);
+            char err[64];
+            cg_dialog_merge_params(&d, "travel", p, &lt, err, sizeof(err));
+            json_decref(p);
+        }
+        if (i % 5 == 0)
+            cg_dialog_add_usage(&d, "llm", 10, i);
         cg_dialog held;
         CHECK(cg_memstore_get(m, key, 1000, &held) == 1);
-        exact &= json_integer_value(json_object_get(json_object_get(held.params, "travel"), "n")) == (i ? i - 1 : 0);
+        exact &= json_integer_value(json_object_get(json_object_get(held.params, "travel"), "n")) == last_n;
+        if (i % 4 != 3)
+            last_n = i;
         cg_dialog_free(&held);
         const char *rev = cg_memstore_rev(m, key, 1000);
         exact &= i % 3 ? rev && strcmp(rev, "rev") == 0 : rev == NULL;
