@@ -162,12 +162,10 @@ long cg_dialog_history_kept(json_t *had, json_t *history)
 
 size_t cg_dialog_weight_parts(const cg_dialog *d, const cg_dialog *had, const size_t *had_w, size_t w[CG_DIALOG_PARTS])
 {
+    static const cg_dialog none;
+    const cg_dialog *o = had && had_w ? had : &none;
     json_t *mine[CG_DIALOG_PARTS] = {d->params, d->awaiting, d->soft, d->last_tool_result, d->usage};
-    json_t *theirs[CG_DIALOG_PARTS] = {0};
-    if (had && had_w) {
-        json_t *t[CG_DIALOG_PARTS] = {had->params, had->awaiting, had->soft, had->last_tool_result, had->usage};
-        memcpy(theirs, t, sizeof(t));
-    }
+    json_t *theirs[CG_DIALOG_PARTS] = {o->params, o->awaiting, o->soft, o->last_tool_result, o->usage};
     size_t n = 128 + (d->service ? strlen(d->service) : 0); /* meta and the keys */
     for (int i = 0; i < CG_DIALOG_PARTS; i++) {
         if (mine[i] && mine[i] == theirs[i])

@@ -203,9 +203,10 @@ static size_t history_weight(const mem_entry *old, const cg_dialog *d)
 }
 
 /* e's dialog, lifetimes and weight become d's (shared or copied) as of now; -1 out of
- * memory, e unchanged. The weights go on from e's old copy (history_weight,
+ * memory, e unchanged. When e had a copy (had), the weights go on from it (history_weight,
  * cg_dialog_weight_parts) before it is let go. The total (m->bytes) is the caller's. */
-static int entry_set(cg_memstore *m, mem_entry *e, const cg_dialog *d, int64_t now, const char *rev, int shared)
+static int entry_set(cg_memstore *m, mem_entry *e, int had, const cg_dialog *d, int64_t now, const char *rev,
+                     int shared)
 {
     cg_dialog fresh;
     char *fresh_rev = NULL;
@@ -213,7 +214,6 @@ static int entry_set(cg_memstore *m, mem_entry *e, const cg_dialog *d, int64_t n
         free(fresh_rev);
         return -1;
     }
-    int had = e->d.params != NULL; /* a new entry has no copy yet */
     size_t hist_w = history_weight(had ? e : NULL, d), part_w[CG_DIALOG_PARTS];
     size_t rest = cg_dialog_weight_parts(d, had ? &e->d : NULL, had ? e->part_w : NULL, part_w);
     cg_dialog_free(&e->d);
@@ -239,7 +239,7 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
     mem_entry *old = entry_find(m, key);
     if (old) {
         size_t before = old->bytes;
-        if (entry_set(m, old, d, now, rev, shared) < 0) {
+        if (entry_set(m, old, 1, d, now, rev, shared) < 0) {
             /* what was held is older than what the caller has: better none than a stale one */
             entry_drop(m, old);
             cg_error("memory store: out of memory keeping a dialog; it was dropped");
@@ -259,7 +259,7 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
         memcpy(e + 1, key, n + 1);
         e->key = (const char *)(e + 1);
     }
-    if (!e || entry_set(m, e, d, now, rev, shared) < 0) {
+    if (!e || entry_set(m, e, 0, d, now, rev, shared) < 0) {
         free(e);
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
