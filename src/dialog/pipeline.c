@@ -153,7 +153,8 @@ void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, c
     memset(out, 0, sizeof(*out));
     out->route = cfg->default_index;
     cg_rules_result rr;
-    cg_rules_eval(rs, text, d, cg_pipeline_previous(d), now, &rr);
+    /* the previous message is a walk back through the history: only for rules that read it */
+    cg_rules_eval(rs, text, d, cg_ruleset_reads_previous(rs) ? cg_pipeline_previous(d) : NULL, now, &rr);
     out->rules = json_incref(rr.fired);
     out->limited = json_incref(rr.limited);
     out->annotations = json_object();

@@ -55,6 +55,11 @@ void cg_ruleset_unref(cg_ruleset *rs)
         ruleset_free(rs);
 }
 
+int cg_ruleset_reads_previous(const cg_ruleset *rs)
+{
+    return rs && rs->reads_previous;
+}
+
 size_t cg_ruleset_count(const cg_ruleset *rs)
 {
     return rs ? rs->n : 0;
@@ -102,12 +107,17 @@ char *cg_rules_trim(char *s)
     return s;
 }
 
-/* The match data and limits every evaluation of the set uses, and whether it has reply rules. */
+/* The match data and limits every evaluation of the set uses, whether it has reply rules,
+ * and whether a message's rules read the previous message. */
 static cg_ruleset *ruleset_finish(cg_ruleset *rs)
 {
     uint32_t max_groups = 1;
     for (size_t i = 0; i < rs->n; i++) {
-        rs->has_reply |= rs->rules[i].on_reply;
+        const rule *r = &rs->rules[i];
+        rs->has_reply |= r->on_reply;
+        rs->reads_previous |= !r->on_reply && r->action == A_ENRICH;
+        for (int k = 0; k < r->n_conds; k++)
+            rs->reads_previous |= !r->on_reply && r->conds[k].kind == C_HISTORY;
         uint32_t c = 0;
         pcre2_pattern_info(rs->rules[i].re, PCRE2_INFO_CAPTURECOUNT, &c);
         if (c + 1 > max_groups)

@@ -95,6 +95,9 @@ int cg_rules_check(const cg_ruleset *rs, int64_t now, FILE *out, int *n_tests);
  */
 typedef struct cg_reply_filter cg_reply_filter;
 int cg_ruleset_has_reply_rules(const cg_ruleset *rs);
+/* Whether the set's message rules read the previous user message (an enrich rule, or a
+ * `history` condition): the pipeline looks it up in the history only then. */
+int cg_ruleset_reads_previous(const cg_ruleset *rs);
 /* A filter for one reply; NULL when the set has no reply rules (nothing to do or hold). */
 cg_reply_filter *cg_reply_filter_new(const cg_ruleset *rs, size_t window);
 void cg_reply_filter_free(cg_reply_filter *f);

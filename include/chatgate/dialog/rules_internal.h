@@ -106,6 +106,7 @@ struct cg_ruleset {
     pcre2_match_data *md;
     cg_rules_counts counts; /* where evaluation counts what each rule did; zero: nowhere */
     int has_reply;          /* some rule is `on reply` (known at load: each reply asks) */
+    int reads_previous;     /* some message rule enriches, or needs the history (cg_ruleset_reads_previous) */
 };
 
 /* The code r runs on a subject: its ASCII form when the subject is all ASCII and it has one. */
