@@ -2,7 +2,8 @@
  * store_memory.c: dialogs in this process, with the same lifetimes the Redis layout gets
  * from key expiry, and two bounds on what is held: a number of dialogs and a number of bytes.
  *
- * The table is a binary tree of entries by key (POSIX tsearch) and a list of the same
+ * The table is an index of entries by key (a jansson object: its hash table, seeded at
+ * random, so keys a client picks cannot pile into one bucket) and a list of the same
  * entries (sys/queue.h's TAILQ) in order of use, least recent first: the one to evict. An
  * entry holds a dialog whose parts it shares with the turns that load it (cg_dialog_copy:
  * parts are values, never changed in place; the history array is each load's own), its
@@ -19,7 +20,7 @@
  * The store's ops answer on the next loop iteration (a zero timer), never from inside the
  * call, as store.h promises.
  */
-#include <search.h>
+#include <stdint.h>
 #include <sys/queue.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +40,8 @@ typedef struct mem_entry {
 } mem_entry;
 
 struct cg_memstore {
-    void *tree;              /* of mem_entry *, by key */
+    json_t *index; /* key -> the entry's address (a json integer); a lookup was a tenth of
+                    * a put's time as a binary tree of string compares (tsearch) */
     TAILQ_HEAD(, mem_entry) order;
     long count;
     long max_dialogs;
@@ -49,16 +51,14 @@ struct cg_memstore {
     cg_store_stats *stats;
 };
 
-static int by_key(const void *a, const void *b)
-{
-    return strcmp(((const mem_entry *)a)->key, ((const mem_entry *)b)->key);
-}
 
 cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_stats *stats)
 {
     cg_memstore *m = calloc(1, sizeof(*m));
-    if (!m)
+    if (!m || !(m->index = json_object())) {
+        free(m);
         return NULL;
+    }
     TAILQ_INIT(&m->order);
     m->max_dialogs = max_dialogs;
     m->max_bytes = CG_MEMSTORE_DEFAULT_MAX_BYTES;
@@ -85,15 +85,14 @@ static void publish_bytes(cg_memstore *m)
 
 static mem_entry *entry_find(cg_memstore *m, const char *key)
 {
-    mem_entry probe = {.key = key};
-    void **found = tfind(&probe, &m->tree, by_key);
-    return found ? *found : NULL;
+    json_t *at = json_object_get(m->index, key);
+    return at ? (mem_entry *)(uintptr_t)json_integer_value(at) : NULL;
 }
 
 /* Removes e from the table and frees it, taking its bytes off the total. */
 static void entry_drop(cg_memstore *m, mem_entry *e)
 {
-    tdelete(e, &m->tree, by_key);
+    json_object_del(m->index, e->key);
     TAILQ_REMOVE(&m->order, e, order);
     m->count--;
     m->bytes -= e->bytes < m->bytes ? e->bytes : m->bytes;
@@ -109,6 +108,7 @@ void cg_memstore_free(cg_memstore *m)
         return;
     while (!TAILQ_EMPTY(&m->order))
         entry_drop(m, TAILQ_FIRST(&m->order));
+    json_decref(m->index);
     free(m);
 }
 
@@ -264,8 +264,8 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
     }
-    void **slot = tsearch(e, &m->tree, by_key);
-    if (!slot || *slot != e) {
+    /* keys are escaped ids (store.h), ASCII: no UTF-8 check */
+    if (json_object_set_new_nocheck(m->index, e->key, json_integer((json_int_t)(uintptr_t)e)) < 0) {
         cg_dialog_free(&e->d);
         free(e->rev);
         free(e);
