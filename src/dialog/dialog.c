@@ -80,6 +80,7 @@ void cg_dialog_lapse(cg_dialog *d, int64_t now, int64_t params_exp, int64_t hist
     if (history_exp <= now) {
         json_decref(d->history);
         d->history = json_array();
+        d->text_of = NULL;
     }
 }
 
@@ -198,6 +199,10 @@ int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
     }
     json_decref(dst->history);
     dst->history = history;
+    if (src->text_of == src->history && src->text_n == json_array_size(src->history))
+        dst->text_of = history; /* the same messages: the count goes with them */
+    else
+        dst->text_of = NULL;
     return 0;
 }
 
@@ -519,6 +524,12 @@ fail:
     return rc;
 }
 
+/* A history message's content, in bytes (0 for one without). */
+static size_t content_bytes(json_t *m)
+{
+    return json_string_length(json_object_get(m, "content"));
+}
+
 void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
                             const cg_lifetimes *lt, json_t *extra)
 {
@@ -533,10 +544,30 @@ void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content,
     }
     if (json_is_object(extra))
         json_object_update(m, extra);
+    int counted = d->text_of == d->history && d->text_n == json_array_size(d->history);
+    size_t bytes = content_bytes(m);
     if (json_array_append_new(d->history, m) < 0)
         return;
-    while ((long)json_array_size(d->history) > lt->history_n)
+    d->text_bytes += bytes;
+    while ((long)json_array_size(d->history) > lt->history_n) {
+        d->text_bytes -= content_bytes(json_array_get(d->history, 0));
         json_array_remove(d->history, 0);
+    }
+    d->text_of = counted ? d->history : NULL;
+    d->text_n = json_array_size(d->history);
+}
+
+size_t cg_dialog_history_text(cg_dialog *d)
+{
+    size_t n = json_array_size(d->history), i;
+    json_t *m;
+    if (d->text_of != d->history || d->text_n != n) {
+        d->text_bytes = 0;
+        json_array_foreach(d->history, i, m) d->text_bytes += content_bytes(m);
+        d->text_of = d->history;
+        d->text_n = n;
+    }
+    return d->text_bytes;
 }
 
 static json_t *or_null(json_t *j)
@@ -604,8 +635,10 @@ static void from_json(cg_dialog *d, json_t *j, int64_t now, json_t *(*take)(json
         d->soft_expires = int_of(j, "soft_expires");
     }
     json_t *history = take(json_object_get(j, "history"));
-    if (json_is_array(history))
+    if (json_is_array(history)) {
         replace_json(&d->history, history);
+        d->text_of = NULL;
+    }
     else
         json_decref(history);
     json_t *tool = json_object_get(j, "last_tool_result");

@@ -608,10 +608,7 @@ static int turn_call_upstream(cg_turn *t, json_t *params)
         .resolution = t->resolution, .annotations = t->annotations, .rules = t->fired,
     };
     int rc = up->ops->start(up, &q->up_conns[t->route], &um, &upstream_events, t, &t->call);
-    t->prompt_bytes = strlen(um.enriched ? um.enriched : t->text) + strlen(um.summary);
-    size_t i;
-    json_t *h;
-    json_array_foreach(d->history, i, h) t->prompt_bytes += json_string_length(json_object_get(h, "content"));
+    t->prompt_bytes = strlen(um.enriched ? um.enriched : t->text) + strlen(um.summary) + cg_dialog_history_text(d);
     free(summary);
     if (rc == 0 && q->paused)
         up->ops->pause(t->call, 1);

@@ -40,7 +40,17 @@ typedef struct cg_dialog {
     long turn_count, message_count;
     json_t *usage; /* NULL, or the tokens this dialog spent, by upstream:
                     * {"llm": {"in": N, "out": N, "turns": N}} (README, "Usage") */
+    /* cg_dialog_history_text's count, valid while history is text_of with text_n messages:
+     * kept up to date by cg_dialog_push_history and cg_dialog_copy, counted again after
+     * any other change */
+    const json_t *text_of;
+    size_t text_n, text_bytes;
 } cg_dialog;
+
+/* The bytes of the history's messages' content: a prompt's estimate when an upstream
+ * reports no usage. Read at every call of an upstream, so kept from one message to the next
+ * instead of read back from every message (a hash lookup into each, cold). */
+size_t cg_dialog_history_text(cg_dialog *d);
 
 /* Adds one turn's tokens, in (the prompt) and out (the reply), to d's usage of upstream. */
 void cg_dialog_add_usage(cg_dialog *d, const char *upstream, long long in, long long out);

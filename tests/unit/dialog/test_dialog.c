@@ -415,10 +415,64 @@ static void test_history_kept(void)
     json_decref(empty);
 }
 
+/* The history's content bytes, counted the long way. */
+static size_t text_counted(const cg_dialog *d)
+{
+    size_t n = 0, i;
+    json_t *m;
+    json_array_foreach(d->history, i, m) n += json_string_length(json_object_get(m, "content"));
+    return n;
+}
+
+/* cg_dialog_history_text, kept by each push as the window moves, through copies (a load's),
+ * shares (a save's), a lapse and a history replaced, equals the count the long way. */
+static void test_history_text(void)
+{
+    cg_lifetimes small = lt;
+    small.history_n = 4;
+    cg_dialog d;
+    cg_dialog_init(&d, 1000);
+    int exact = cg_dialog_history_text(&d) == 0;
+    for (int i = 0; i < 40; i++) {
+        char text[64];
+        snprintf(text, sizeof(text), "message %d %.*s", i, i % 13, "xxxxxxxxxxxxx");
+        json_t *extra = i % 5 == 0 ? json_pack("{s:b}", "cancelled", 1) : NULL;
+        cg_dialog_push_history(&d, i % 2 ? "assistant" : "user", text, 1000 + i, &small, extra);
+        json_decref(extra);
+        exact &= cg_dialog_history_text(&d) == text_counted(&d);
+        if (i % 3 == 0) { /* the next turn's copy, as a load's */
+            cg_dialog next;
+            CHECK(cg_dialog_copy(&next, &d) == 0);
+            cg_dialog_free(&d);
+            d = next;
+        }
+        if (i % 7 == 0) { /* kept as a save's, read back */
+            cg_dialog kept;
+            CHECK(cg_dialog_share(&kept, &d) == 0);
+            exact &= cg_dialog_history_text(&kept) == text_counted(&kept);
+            cg_dialog_free(&kept);
+        }
+        if (i == 20) /* the history's time up */
+            cg_dialog_lapse(&d, 5000, 9000, 4000);
+        if (i == 30) { /* a history read from a store's JSON */
+            json_t *j = cg_dialog_to_json(&d);
+            json_array_remove(json_object_get(j, "history"), 0);
+            cg_dialog_free(&d);
+            cg_dialog_from_json(&d, j, 1000);
+            json_decref(j);
+        }
+        exact &= cg_dialog_history_text(&d) == text_counted(&d);
+    }
+    CHECK(exact);
+    CHECK(json_array_size(d.history) == 4 && text_counted(&d) > 0);
+    cg_dialog_free(&d);
+}
+
 int main(void)
 {
     cg_lifetimes_default(&lt);
     test_history_kept();
+    test_history_text();
     test_merge();
     test_cap();
     test_pipeline_cap_all_or_nothing();
