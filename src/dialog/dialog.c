@@ -250,6 +250,20 @@ static int merge_service(json_t *all, const char *service, json_t *params)
  * with err: the result would pass the cap (CG_E_TOO_LARGE in *rc), or memory ran out.
  * d is not touched, so a caller commits all the services or none.
  */
+/* 1, with err, when params pass the cap; the exact size is written out only when the bound
+ * does not settle it. */
+static int over_cap(json_t *params, const cg_lifetimes *lt, char *err, size_t errlen)
+{
+    size_t size = json_size_bound(params);
+    if ((long)size > lt->params_cap)
+        size = json_size(params);
+    if ((long)size <= lt->params_cap)
+        return 0;
+    snprintf(err, errlen, "params would take %zu bytes, over the %ld-byte cap; nothing was changed", size,
+             lt->params_cap);
+    return 1;
+}
+
 static json_t *params_with(const cg_dialog *d, json_t *by_service, const cg_lifetimes *lt, int *rc, char *err,
                            size_t errlen)
 {
@@ -266,13 +280,7 @@ static json_t *params_with(const cg_dialog *d, json_t *by_service, const cg_life
             return NULL;
         }
     }
-    /* the exact size is written out only when the bound does not settle it */
-    size_t size = json_size_bound(all);
-    if ((long)size > lt->params_cap)
-        size = json_size(all);
-    if ((long)size > lt->params_cap) {
-        snprintf(err, errlen, "params would take %zu bytes, over the %ld-byte cap; nothing was changed", size,
-                 lt->params_cap);
+    if (over_cap(all, lt, err, errlen)) {
         json_decref(all);
         *rc = CG_E_TOO_LARGE;
         return NULL;
@@ -298,16 +306,17 @@ bad:
 }
 
 /* 1 when merging by_service would leave d's params as they are: every value is there
- * already, every null names what is not. A message that says again what the dialog holds
- * (the same route every turn) keeps the same params object, which the Redis save then sees
- * is Redis's by its pointer instead of comparing it member by member. */
+ * already, every null names what is not (and no service it names is an empty object, which
+ * a merge drops). A message that says again what the dialog holds (the same route every
+ * turn) keeps the same params object, which the Redis save then sees is Redis's by its
+ * pointer instead of comparing it member by member. */
 static int merge_changes_nothing(const cg_dialog *d, json_t *by_service)
 {
     const char *service, *name;
     json_t *params, *value;
     json_object_foreach(by_service, service, params) {
         json_t *kept = json_object_get(d->params, service);
-        if (kept && !json_is_object(kept))
+        if (kept && (!json_is_object(kept) || json_object_size(kept) == 0))
             return 0;
         json_object_foreach(params, name, value) {
             json_t *had = json_object_get(kept, name);
@@ -323,8 +332,8 @@ int cg_dialog_merge_all_params(cg_dialog *d, json_t *by_service, const cg_lifeti
     int rc = check_services(by_service, err, errlen);
     if (rc < 0)
         return rc;
-    if (d->params && merge_changes_nothing(d, by_service))
-        return 0;
+    if (d->params && merge_changes_nothing(d, by_service)) /* still held to the cap, as a merge */
+        return over_cap(d->params, lt, err, errlen) ? CG_E_TOO_LARGE : 0;
     json_t *all = params_with(d, by_service, lt, &rc, err, errlen);
     if (!all)
         return rc;

@@ -114,6 +114,11 @@ static void test_cap(void)
     small.params_cap = exact;
     CHECK(cg_dialog_merge_params(&d, "travel", edge, &small, err, sizeof(err)) == 0);
     CHECK_STR(param(&d, "travel", "to"), "London \"Heathrow\"");
+    /* a merge that changes nothing is still held to the cap (lowered by a reload since):
+     * refused as any merge would be */
+    small.params_cap = exact - 1;
+    CHECK(cg_dialog_merge_params(&d, "travel", edge, &small, err, sizeof(err)) == CG_E_TOO_LARGE);
+    CHECK(strstr(err, want) != NULL);
     cg_dialog_free(&probe);
     json_decref(edge);
     json_decref(ok);
