@@ -199,10 +199,8 @@ int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
     }
     json_decref(dst->history);
     dst->history = history;
-    if (src->text_of == src->history && src->text_n == json_array_size(src->history))
-        dst->text_of = history; /* the same messages: the count goes with them */
-    else
-        dst->text_of = NULL;
+    /* the same messages: the count goes with them (cg_dialog_history_text checks its length) */
+    dst->text_of = src->text_of == src->history ? history : NULL;
     return 0;
 }
 
@@ -245,11 +243,6 @@ static int merge_service(json_t *all, const char *service, json_t *params)
     return 0;
 }
 
-/*
- * The dialog's params with every service of by_service merged, as a new object, or NULL
- * with err: the result would pass the cap (CG_E_TOO_LARGE in *rc), or memory ran out.
- * d is not touched, so a caller commits all the services or none.
- */
 /* 1, with err, when params pass the cap; the exact size is written out only when the bound
  * does not settle it. */
 static int over_cap(json_t *params, const cg_lifetimes *lt, char *err, size_t errlen)
@@ -264,6 +257,11 @@ static int over_cap(json_t *params, const cg_lifetimes *lt, char *err, size_t er
     return 1;
 }
 
+/*
+ * The dialog's params with every service of by_service merged, as a new object, or NULL
+ * with err: the result would pass the cap (CG_E_TOO_LARGE in *rc), or memory ran out.
+ * d is not touched, so a caller commits all the services or none.
+ */
 static json_t *params_with(const cg_dialog *d, json_t *by_service, const cg_lifetimes *lt, int *rc, char *err,
                            size_t errlen)
 {
@@ -647,9 +645,9 @@ static void from_json(cg_dialog *d, json_t *j, int64_t now, json_t *(*take)(json
     if (json_is_array(history)) {
         replace_json(&d->history, history);
         d->text_of = NULL;
-    }
-    else
+    } else {
         json_decref(history);
+    }
     json_t *tool = json_object_get(j, "last_tool_result");
     if (tool && !json_is_null(tool))
         d->last_tool_result = take(tool);

@@ -115,9 +115,9 @@ static cg_ruleset *ruleset_finish(cg_ruleset *rs)
     for (size_t i = 0; i < rs->n; i++) {
         const rule *r = &rs->rules[i];
         rs->has_reply |= r->on_reply;
+        for (int k = 0; !r->on_reply && k < r->n_conds; k++)
+            rs->reads_previous |= r->conds[k].kind == C_HISTORY;
         rs->reads_previous |= !r->on_reply && r->action == A_ENRICH;
-        for (int k = 0; k < r->n_conds; k++)
-            rs->reads_previous |= !r->on_reply && r->conds[k].kind == C_HISTORY;
         uint32_t c = 0;
         pcre2_pattern_info(rs->rules[i].re, PCRE2_INFO_CAPTURECOUNT, &c);
         if (c + 1 > max_groups)

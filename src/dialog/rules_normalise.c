@@ -37,14 +37,21 @@ static int month_of(const char *w, size_t n)
     return 0;
 }
 
+/* v (0 <= v < 10^n) in n digits, zeros first. */
+static void put_digits(char *out, int v, int n)
+{
+    for (int i = n - 1; i >= 0; i--, v /= 10)
+        out[i] = (char)('0' + v % 10);
+}
+
 static void put_date(char out[11], int y, int m, int d)
 {
     if (y >= 0 && y <= 9999 && m >= 0 && m <= 99 && d >= 0 && d <= 99) { /* every real date: no snprintf */
-        const int digits[8] = {y / 1000, y / 100 % 10, y / 10 % 10, y % 10, m / 10, m % 10, d / 10, d % 10};
-        static const int at[8] = {0, 1, 2, 3, 5, 6, 8, 9};
-        for (int i = 0; i < 8; i++)
-            out[at[i]] = (char)('0' + digits[i]);
-        out[4] = out[7] = '-';
+        put_digits(out, y, 4);
+        out[4] = '-';
+        put_digits(out + 5, m, 2);
+        out[7] = '-';
+        put_digits(out + 8, d, 2);
         out[10] = 0;
         return;
     }

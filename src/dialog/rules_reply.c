@@ -102,8 +102,8 @@ typedef struct reply_match {
 static int run_reply_rule(cg_reply_filter *f, const rule *r, size_t from, int partial)
 {
     const cg_ruleset *rs = f->rs;
-    int rc = pcre2_match(cg_rule_code(r, f->held_ascii), (PCRE2_SPTR)f->held, f->held_len, from, partial ? PCRE2_PARTIAL_HARD : 0, rs->md,
-                         rs->mctx);
+    int rc = pcre2_match(cg_rule_code(r, f->held_ascii), (PCRE2_SPTR)f->held, f->held_len, from,
+                         partial ? PCRE2_PARTIAL_HARD : 0, rs->md, rs->mctx);
     if (rc >= 0)
         return 1;
     if (rc == PCRE2_ERROR_PARTIAL)

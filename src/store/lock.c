@@ -2,14 +2,14 @@
  * lock.c: the per-dialog lock (see lock.h).
  *
  * A lock is a line of waiters in a json object keyed by the dialog's store key (the escaped
- * user and room, so no two dialogs share one); the object holds the lock's address as an
- * integer. The holder is not in the line; the lock is freed when its holder lets go and
+ * user and room, so no two dialogs share one), which holds the lock's address
+ * (core/addrmap.h). The holder is not in the line; the lock is freed when its holder lets go and
  * nobody waits. Across gateways this needs a lock in Redis (the next step of
  * docs/architecture.md, "Scaling out").
  */
-#include <stdint.h>
 #include <stdlib.h>
 
+#include "chatgate/core/addrmap.h"
 #include "chatgate/store/lock.h"
 #include "chatgate/store/store.h"
 
@@ -20,8 +20,7 @@ typedef struct dialog_lock {
 
 static dialog_lock *lock_of(json_t *locks, const char *key)
 {
-    json_t *v = json_object_get(locks, key);
-    return v ? (dialog_lock *)(intptr_t)json_integer_value(v) : NULL;
+    return cg_addrmap_get(locks, key);
 }
 
 int cg_dialog_lock_acquire(json_t *locks, cg_dialog_lock_waiter *w, const char *user, const char *room)
@@ -31,7 +30,7 @@ int cg_dialog_lock_acquire(json_t *locks, cg_dialog_lock_waiter *w, const char *
     dialog_lock *l = lock_of(locks, w->key);
     if (!l) {
         l = calloc(1, sizeof(*l));
-        if (!l || json_object_set_new(locks, w->key, json_integer((json_int_t)(intptr_t)l)) < 0)
+        if (!l || cg_addrmap_set(locks, w->key, l) < 0)
             abort(); /* out of memory */
         l->holder = w;
         w->state = CG_LOCK_HELD;

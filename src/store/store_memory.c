@@ -2,16 +2,14 @@
  * store_memory.c: dialogs in this process, with the same lifetimes the Redis layout gets
  * from key expiry, and two bounds on what is held: a number of dialogs and a number of bytes.
  *
- * The table is an index of entries by key (a jansson object: its hash table, seeded at
- * random, so keys a client picks cannot pile into one bucket) and a list of the same
- * entries (sys/queue.h's TAILQ) in order of use, least recent first: the one to evict. An
- * entry holds a dialog whose parts it shares with the turns that load it (cg_dialog_copy:
- * parts are values, never changed in place; the history array is each load's own), its
- * lifetimes and its weight, so a turn's load and save cost a few references and no JSON
- * text: parts past their time read as empty, as Redis keys would have expired. The weight
- * is what the entry counts against the byte bound: its key
- * and its dialog about as compact JSON (cg_dialog_weight), so a few dialogs of 1 MiB
- * replies weigh what they are.
+ * The table is an index of entries by key (core/addrmap.h) and a list of the same entries
+ * (sys/queue.h's TAILQ) in order of use, least recent first: the one to evict. An entry
+ * holds a dialog whose parts it shares with the turns that load it (cg_dialog_copy: parts
+ * are values, never changed in place; the history array is each load's own), its lifetimes
+ * and its weight, so a turn's load and save cost a few references and no JSON text: parts
+ * past their time read as empty, as Redis keys would have expired. The weight is what the
+ * entry counts against the byte bound: its key and its dialog about as compact JSON
+ * (cg_dialog_weight), so a few dialogs of 1 MiB replies weigh what they are.
  *
  * Eviction takes the oldest entry and stops when an eviction frees nothing, so the loop
  * cannot spin. The entry just written is never evicted: a dialog larger than the byte
@@ -20,11 +18,11 @@
  * The store's ops answer on the next loop iteration (a zero timer), never from inside the
  * call, as store.h promises.
  */
-#include <stdint.h>
 #include <sys/queue.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/addrmap.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
 
@@ -40,8 +38,8 @@ typedef struct mem_entry {
 } mem_entry;
 
 struct cg_memstore {
-    json_t *index; /* key -> the entry's address (a json integer); a lookup was a tenth of
-                    * a put's time as a binary tree of string compares (tsearch) */
+    json_t *index; /* key -> the entry (core/addrmap.h); a lookup was a tenth of a put's
+                    * time as a binary tree of string compares (tsearch) */
     TAILQ_HEAD(, mem_entry) order;
     long count;
     long max_dialogs;
@@ -50,7 +48,6 @@ struct cg_memstore {
     cg_lifetimes lt;
     cg_store_stats *stats;
 };
-
 
 cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_stats *stats)
 {
@@ -85,8 +82,7 @@ static void publish_bytes(cg_memstore *m)
 
 static mem_entry *entry_find(cg_memstore *m, const char *key)
 {
-    json_t *at = json_object_get(m->index, key);
-    return at ? (mem_entry *)(uintptr_t)json_integer_value(at) : NULL;
+    return cg_addrmap_get(m->index, key);
 }
 
 /* Removes e from the table and frees it, taking its bytes off the total. */
@@ -229,6 +225,25 @@ static int entry_set(cg_memstore *m, mem_entry *e, int had, const cg_dialog *d, 
     return 0;
 }
 
+/* A new entry for key, in the index and at the end of the list, with no dialog yet (no
+ * bytes); NULL when memory ran out. */
+static mem_entry *entry_new(cg_memstore *m, const char *key)
+{
+    size_t n = strlen(key);
+    mem_entry *e = calloc(1, sizeof(*e) + n + 1);
+    if (!e)
+        return NULL;
+    memcpy(e + 1, key, n + 1);
+    e->key = (const char *)(e + 1);
+    if (cg_addrmap_set(m->index, e->key, e) < 0) {
+        free(e);
+        return NULL;
+    }
+    TAILQ_INSERT_TAIL(&m->order, e, order);
+    m->count++;
+    return e;
+}
+
 /*
  * Puts d under key, a copy of it or (shared) d's own parts; rev as cg_memstore_put_rev. A
  * key held already keeps its entry, whose copy is replaced (one lookup, and the weights of
@@ -236,45 +251,23 @@ static int entry_set(cg_memstore *m, mem_entry *e, int had, const cg_dialog *d, 
  */
 static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev, int shared)
 {
-    mem_entry *old = entry_find(m, key);
-    if (old) {
-        size_t before = old->bytes;
-        if (entry_set(m, old, 1, d, now, rev, shared) < 0) {
-            /* what was held is older than what the caller has: better none than a stale one */
-            entry_drop(m, old);
-            cg_error("memory store: out of memory keeping a dialog; it was dropped");
-            return;
-        }
-        m->bytes -= before < m->bytes ? before : m->bytes;
-        m->bytes += old->bytes;
-        TAILQ_REMOVE(&m->order, old, order); /* most recently used */
-        TAILQ_INSERT_TAIL(&m->order, old, order);
-        publish_bytes(m);
-        evict(m);
-        return;
-    }
-    size_t n = strlen(key);
-    mem_entry *e = calloc(1, sizeof(*e) + n + 1);
-    if (e) {
-        memcpy(e + 1, key, n + 1);
-        e->key = (const char *)(e + 1);
-    }
-    if (!e || entry_set(m, e, 0, d, now, rev, shared) < 0) {
-        free(e);
+    mem_entry *e = entry_find(m, key);
+    int had = e != NULL;
+    if (!e && !(e = entry_new(m, key))) {
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
     }
-    /* keys are escaped ids (store.h), ASCII: no UTF-8 check */
-    if (json_object_set_new_nocheck(m->index, e->key, json_integer((json_int_t)(uintptr_t)e)) < 0) {
-        cg_dialog_free(&e->d);
-        free(e->rev);
-        free(e);
+    size_t before = e->bytes;
+    if (entry_set(m, e, had, d, now, rev, shared) < 0) {
+        /* what was held is older than what the caller has: better none than a stale one */
+        entry_drop(m, e);
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
     }
-    TAILQ_INSERT_TAIL(&m->order, e, order);
-    m->count++;
+    m->bytes -= before < m->bytes ? before : m->bytes;
     m->bytes += e->bytes;
+    TAILQ_REMOVE(&m->order, e, order); /* most recently used */
+    TAILQ_INSERT_TAIL(&m->order, e, order);
     publish_bytes(m);
     evict(m);
 }
