@@ -324,9 +324,10 @@ static void unknown_add(redis_store *rs, const char *key)
     json_object_set_new(rs->unknown, key, json_true()); /* out of memory: created_at still guards */
 }
 
-void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snapshot, const char *rev)
+void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snapshot, const char *rev,
+                         int64_t renewed)
 {
-    cg_memstore_keep(rs->mem, key, snapshot, rs->base.now(rs->base.clock_ctx), rev);
+    cg_memstore_keep(rs->mem, key, snapshot, rs->base.now(rs->base.clock_ctx), rev, renewed);
 }
 
 cg_dialog *cg_redis_snapshot(const cg_dialog *d)
@@ -364,7 +365,7 @@ void cg_redis_answer_from_memory(cg_store_req *r)
             cg_dialog_free(&d);
     } else if (r->kind == OP_SAVE) {
         if (!r->version && r->snapshot) { /* a write-back that failed stays as it is: dirty, in memory */
-            cg_redis_memory_put(rs, r->key, r->snapshot, NULL);
+            cg_redis_memory_put(rs, r->key, r->snapshot, NULL, 0);
             cg_redis_mark_dirty(rs, r);
         }
         if (!r->abandoned && !rs->closing && r->done_cb)

@@ -417,7 +417,8 @@ static int gated(redis_store *rs, cg_store_req *r)
  * The load, one atomic step: the dialog's lease (when ARGV[1], the holder, is not empty),
  * then the five reads. A lease held by another holder answers {"busy", its value, its PTTL}
  * and reads nothing; else the lease is "holder fence", the fence one more than the
- * dialog's last (KEYS[7], kept as long as the dialog), for ARGV[2] ms. The answer is the
+ * dialog's last (KEYS[7]: given the dialog's lifetime, ARGV[3], when INCR makes it, and
+ * renewed with the dialog's keys by a save), for ARGV[2] ms. The answer is the
  * lease ("" when none was asked), then the five parts (GET's nil comes back as nil); or,
  * when ARGV[4] names the rev of the copy this gateway holds and Redis's copy is that one
  * (its hash still there), the lease, "same" and the number of params and of history
@@ -432,7 +433,7 @@ static const char load_script[] =
     "    return {'busy', cur, redis.call('PTTL', KEYS[6])}\n"
     "  end\n"
     "  local fence = redis.call('INCR', KEYS[7])\n"
-    "  redis.call('EXPIRE', KEYS[7], ARGV[3])\n"
+    "  if fence == 1 then redis.call('EXPIRE', KEYS[7], ARGV[3]) end\n"
     "  lease = ARGV[1] .. ' ' .. fence\n"
     "  redis.call('SET', KEYS[6], lease, 'PX', ARGV[2])\n"
     "  redis.call('DEL', KEYS[8])\n"
@@ -684,7 +685,7 @@ static int load_answer(redis_store *rs, cg_store_req *r, redisReply *reply, int6
         return -1;
     cg_dialog_adopt_json(d, j, now); /* j was built from the replies for this */
     json_decref(j);
-    cg_memstore_put_rev(rs->mem, r->key, d, now, rev); /* the copy that survives an outage */
+    cg_memstore_put_rev(rs->mem, r->key, d, now, rev, 0); /* the copy that survives an outage */
     return 0;
 }
 
@@ -920,8 +921,13 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten),
  * 23 how many messages the history holds after this save, 24 how many Redis's list holds
  * when it is appended to (the copy's: a list lapsed or evicted alone is not appended to),
- * then the params' field-value
+ * 25 "1" when the lifetimes are renewed (lifetimes_due), then the params' field-value
  * pairs, then the history (appending: only its new messages).
+ * A key's lifetime is set whenever this save makes the key (the rooms set's SADD adds the
+ * room, the dialog hash's HSET adds fields, a list appended to had none, the params and a
+ * rewritten list are made anew), so no key is ever left without one; a key that was there
+ * keeps the lifetime it had (HSET, RPUSH, LTRIM keep it) unless ARGV[25] renews them all,
+ * the fence's with them.
  * Returns 1 when written, -3 (before writing anything) when an append finds another rev,
  * 0 when Redis holds another incarnation, -1 a newer copy, -2 when
  * the lease is no longer this save's: another holder has it, or it is gone and the dialog's
@@ -958,22 +964,21 @@ static const char save_script[] =
     "      redis.call(cmd, key, unpack(ARGV, i, math.min(i + step - 1, to)))\n"
     "    end\n"
     "  end\n"
-    "  local np, P = tonumber(ARGV[16]), 24\n"
-    "  redis.call('SADD', KEYS[9], ARGV[18])\n"
-    "  redis.call('EXPIRE', KEYS[9], ARGV[19])\n"
+    "  local np, P, renew = tonumber(ARGV[16]), 25, ARGV[25] == '1'\n"
+    "  if redis.call('SADD', KEYS[9], ARGV[18]) == 1 or renew then redis.call('EXPIRE', KEYS[9], ARGV[19]) end\n"
     "  if np >= 0 then redis.call('DEL', KEYS[1]) end\n"
     "  redis.call('HSET', KEYS[1], 'rev', ARGV[21])\n"
     "  if np > 0 then chunks('HSET', KEYS[1], P + 1, P + 2 * np, 200) end\n"
-    "  redis.call('EXPIRE', KEYS[1], ARGV[4])\n"
+    "  if np >= 0 or renew then redis.call('EXPIRE', KEYS[1], ARGV[4]) end\n"
     "  local set, unset = {'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
     "                      'message_count', ARGV[8], 'last_tool_result', ARGV[11]}, {}\n"
     "  if ARGV[20] ~= 'null' then set[#set + 1] = 'usage'; set[#set + 1] = ARGV[20]\n"
     "  else unset[#unset + 1] = 'usage' end\n"
     "  if ARGV[10] == '1' then set[#set + 1] = 'service'; set[#set + 1] = ARGV[9]\n"
     "  else unset[#unset + 1] = 'service' end\n"
-    "  redis.call('HSET', KEYS[2], unpack(set))\n"
+    "  local added = redis.call('HSET', KEYS[2], unpack(set))\n"
     "  if #unset > 0 then redis.call('HDEL', KEYS[2], unpack(unset)) end\n"
-    "  redis.call('EXPIRE', KEYS[2], ARGV[5])\n"
+    "  if added > 0 or renew then redis.call('EXPIRE', KEYS[2], ARGV[5]) end\n"
     "  local gone, keep = {}, tonumber(ARGV[23])\n"
     "  if ARGV[13] ~= '0' then redis.call('SET', KEYS[3], ARGV[12], 'EX', ARGV[13])\n"
     "  else gone[#gone + 1] = KEYS[3] end\n"
@@ -985,8 +990,9 @@ static const char save_script[] =
     "  if #ARGV >= h then chunks('RPUSH', KEYS[5], h, #ARGV, 200) end\n"
     "  if keep > 0 then\n"
     "    if ARGV[22] ~= '' then redis.call('LTRIM', KEYS[5], -keep, -1) end\n"
-    "    redis.call('EXPIRE', KEYS[5], ARGV[6])\n"
+    "    if ARGV[22] == '' or ARGV[24] == '0' or renew then redis.call('EXPIRE', KEYS[5], ARGV[6]) end\n"
     "  end\n"
+    "  if renew and ARGV[17] ~= '' then redis.call('EXPIRE', KEYS[7], ARGV[5]) end\n"
     "  return 1\n"
     "end\n"
     "local code = save()\n"
@@ -1197,7 +1203,7 @@ static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply)
         if (entry && json_object_get(rs->dirty, r->key) == entry)
             cg_redis_dirty_del(rs, r->key); /* a newer outage write of the same copy: refused too */
     } else if (!r->version) {
-        cg_redis_memory_put(rs, r->key, r->snapshot, r->rev); /* Redis's copy, of this rev */
+        cg_redis_memory_put(rs, r->key, r->snapshot, r->rev, r->renewed); /* Redis's copy, of this rev */
         rs->base.stats.saves_appended += (unsigned long)r->appended;
     }
     static const cg_store_status ok = {0, 0, 0};
@@ -1230,13 +1236,30 @@ static void arg_expiring(argv_buf *a, json_t *value, int64_t expires, int64_t no
  * copy's (cg_dialog_history_kept); the save script checks that the rev is still Redis's and
  * that its list holds the copy's *n_had messages. -1 when it must be rewritten.
  */
-static long history_appended_from(redis_store *rs, const char *key, json_t *history, int64_t now,
-                                   const char **base_rev, size_t *n_had)
+static long history_appended_from(const cg_memstore_view *copy, json_t *history, size_t *n_had)
 {
-    *base_rev = cg_memstore_rev(rs->mem, key, now);
-    json_t *had = *base_rev ? cg_memstore_history(rs->mem, key, now) : NULL;
+    json_t *had = copy->rev ? copy->history : NULL;
     *n_had = json_array_size(had);
     return had ? cg_dialog_history_kept(had, history) : -1;
+}
+
+/*
+ * Does a save renew the lifetimes of the dialog's keys in Redis (docs/state.md, "Lifetimes
+ * in Redis")? Renewing is an EXPIRE a key, five a turn: a fifth of the Lua calls of a turn,
+ * and as many for Redis as the rest of its work on them (issue 12). So a save renews them
+ * when its keys' lifetimes were last set (renewed, the gateway's copy's; 0 unknown) a
+ * sixtieth of the shortest of the three lifetimes ago or more: with the defaults, at most
+ * every 30 s of a dialog's turns, and a key lapses between 29.5 and 30 minutes after the
+ * last save instead of 30. A lifetime under a minute renews at every save.
+ */
+static int lifetimes_due(const cg_lifetimes *lt, int64_t renewed, int64_t now)
+{
+    int64_t shortest = lt->params_s;
+    if (lt->dialog_s < shortest)
+        shortest = lt->dialog_s;
+    if (lt->history_s < shortest)
+        shortest = lt->history_s;
+    return renewed <= 0 || now - renewed >= shortest / 60;
 }
 
 void cg_redis_send_save(redis_store *rs, cg_store_req *r)
@@ -1250,14 +1273,15 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
         longest = lt->params_s;
     if (lt->history_s > longest)
         longest = lt->history_s;
+    int64_t longest_lifetime = longest;
 
-    const char *base_rev = NULL;
+    cg_memstore_view copy; /* the gateway's copy: what this save can append to */
+    cg_memstore_view_of(rs->mem, r->key, now, &copy);
     size_t n_had = 0;
-    long from = r->version || r->full ? -1 : history_appended_from(rs, r->key, d->history, now, &base_rev, &n_had);
+    long from = r->version || r->full ? -1 : history_appended_from(&copy, d->history, &n_had);
     /* appending to Redis's copy, whose params these still are: only their rev is written
      * (rewriting the hash was a sixth of the save's work in Redis) */
-    json_t *had_params = from >= 0 ? cg_memstore_params(rs->mem, r->key, now) : NULL;
-    int params_same = had_params && json_equal(had_params, d->params);
+    int params_same = from >= 0 && copy.params && json_equal(copy.params, d->params);
 
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
     arg_int(&a, (long long)d->created_at);
@@ -1292,9 +1316,14 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     if (!(r->rev = cg_jsonw_end(&rev, &rev_len)))
         abort();
     arg_str(&a, r->rev);
-    arg_str(&a, from >= 0 ? base_rev : "");
+    arg_str(&a, from >= 0 ? copy.rev : "");
     arg_int(&a, (long long)(json_array_size(d->history)));
     arg_int(&a, (long long)n_had);
+    /* a rewrite makes its keys anew, and an awaiting or soft context that outlives the three
+     * lifetimes needs the rooms set's renewed: those renew at once */
+    int renew = from < 0 || longest > longest_lifetime || lifetimes_due(lt, copy.renewed, now);
+    r->renewed = renew ? now : copy.renewed;
+    arg_str(&a, renew ? "1" : "0");
     json_object_foreach(params_same ? NULL : d->params, service, names) {
         json_object_foreach(names, name, value) {
             size_t start = arg_begin(&a); /* "<service>.<name>" */
@@ -1366,7 +1395,7 @@ static void dispatch(redis_store *rs, cg_store_req *r)
         cg_redis_send_save(rs, r);
     } else if (r->kind == OP_SAVE && r->snapshot) {
         /* written to memory now, so a load queued after this save sees it */
-        cg_redis_memory_put(rs, r->key, r->snapshot, NULL);
+        cg_redis_memory_put(rs, r->key, r->snapshot, NULL, 0);
         cg_redis_mark_dirty(rs, r);
         cg_redis_snapshot_free(r->snapshot); /* held in memory now: cg_redis_answer_from_memory only answers it */
         r->snapshot = NULL;

@@ -34,6 +34,7 @@ typedef struct mem_entry {
     size_t hist_w;   /* the history's share of that weight */
     size_t part_w[CG_DIALOG_PARTS]; /* the other parts' shares (cg_dialog_weight_parts) */
     char *rev;       /* the Redis store's: the version of Redis's copy this one equals, or NULL */
+    int64_t renewed; /* the Redis store's: when a save last set the lifetimes of that copy's keys */
     const char *key; /* stored right after the entry */
 } mem_entry;
 
@@ -164,16 +165,17 @@ const char *cg_memstore_rev(cg_memstore *m, const char *key, int64_t now)
     return e ? e->rev : NULL;
 }
 
-json_t *cg_memstore_history(cg_memstore *m, const char *key, int64_t now)
+int cg_memstore_view_of(cg_memstore *m, const char *key, int64_t now, cg_memstore_view *v)
 {
     mem_entry *e = entry_live(m, key, now);
-    return e && e->history_exp > now ? e->d.history : NULL;
-}
-
-json_t *cg_memstore_params(cg_memstore *m, const char *key, int64_t now)
-{
-    mem_entry *e = entry_live(m, key, now);
-    return e && e->params_exp > now ? e->d.params : NULL;
+    memset(v, 0, sizeof(*v));
+    if (!e)
+        return 0;
+    v->rev = e->rev;
+    v->history = e->history_exp > now ? e->d.history : NULL;
+    v->params = e->params_exp > now ? e->d.params : NULL;
+    v->renewed = e->renewed;
+    return 1;
 }
 
 /*
@@ -202,7 +204,7 @@ static size_t history_weight(const mem_entry *old, const cg_dialog *d)
  * memory, e unchanged. When e had a copy (had), the weights go on from it (history_weight,
  * cg_dialog_weight_parts) before it is let go. The total (m->bytes) is the caller's. */
 static int entry_set(cg_memstore *m, mem_entry *e, int had, const cg_dialog *d, int64_t now, const char *rev,
-                     int shared)
+                     int64_t renewed, int shared)
 {
     cg_dialog fresh;
     char *fresh_rev = NULL;
@@ -216,6 +218,7 @@ static int entry_set(cg_memstore *m, mem_entry *e, int had, const cg_dialog *d, 
     free(e->rev);
     e->d = fresh;
     e->rev = fresh_rev;
+    e->renewed = renewed;
     e->dialog_exp = now + m->lt.dialog_s;
     e->params_exp = now + m->lt.params_s;
     e->history_exp = now + m->lt.history_s;
@@ -249,7 +252,8 @@ static mem_entry *entry_new(cg_memstore *m, const char *key)
  * key held already keeps its entry, whose copy is replaced (one lookup, and the weights of
  * what the two copies share are not measured again: a turn's save of the Redis store).
  */
-static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev, int shared)
+static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev, int64_t renewed,
+                int shared)
 {
     mem_entry *e = entry_find(m, key);
     int had = e != NULL;
@@ -258,7 +262,7 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
         return;
     }
     size_t before = e->bytes;
-    if (entry_set(m, e, had, d, now, rev, shared) < 0) {
+    if (entry_set(m, e, had, d, now, rev, renewed, shared) < 0) {
         /* what was held is older than what the caller has: better none than a stale one */
         entry_drop(m, e);
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
@@ -272,14 +276,16 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
     evict(m);
 }
 
-void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev)
+void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev,
+                         int64_t renewed)
 {
-    put(m, key, d, now, rev, 0);
+    put(m, key, d, now, rev, renewed, 0);
 }
 
-void cg_memstore_keep(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev)
+void cg_memstore_keep(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev,
+                      int64_t renewed)
 {
-    put(m, key, d, now, rev, 1);
+    put(m, key, d, now, rev, renewed, 1);
 }
 
 void cg_memstore_del(cg_memstore *m, const char *key)
@@ -431,7 +437,7 @@ static cg_store_req *mem_save(cg_store *st, const char *user, const char *room, 
     r->done_cb = cb;
     /* written now, so a load queued after this save sees it; d's parts are kept, not copied
      * (a saved dialog is not changed again: store.h) */
-    cg_memstore_keep(ms->mem, r->key, d, st->now(st->clock_ctx), NULL);
+    cg_memstore_keep(ms->mem, r->key, d, st->now(st->clock_ctx), NULL, 0);
     return r;
 }
 

@@ -23,11 +23,16 @@ state app (harness FakeApp /state, no rules):
   evicted alone), so the copy the save would append to is no longer Redis's: the save is
   refused before it writes anything and sent again in full, so the list holds the whole
   dialog (as the gateway's next turn sees it), not the new messages alone.
+- lifetimes in Redis (docs/state.md, "Lifetimes in Redis"): a save within a sixtieth of the
+  shortest lifetime of the last renewal leaves the keys' lifetimes as they are; a key gone
+  during such a save (the dialog's hash, the rooms set) is made again with its lifetime, never
+  without one; a save after that interval renews them all, the fence's included.
 Checked by breaking the code: without the load's rev check the two-gateway part fails,
 without its count of history messages the lapsed-history part, without its check of the
 dialog's hash the hash part, without the save's rev check the first mid-turn part and
 without its count of messages the second (the list holds 2 messages); without the copy the
-counts do.
+counts do; renewing at every save fails the first lifetimes part, renewing the dialog's hash
+only when due the second, never renewing the third.
 """
 
 import asyncio
@@ -210,6 +215,65 @@ async def part_mid_turn(app, redis, rules):
         await mid_turn(app, redis, rules, "midh", ("history",))
 
 
+def ttls(redis, user, parts=("params", "dialog", "history", "fence")):
+    """The TTLs of a dialog's keys (room "r") and of the user's rooms set, by part."""
+    got = {part: redis.ttl(harness.dialog_key(user, "r", part)) for part in parts}
+    got["rooms"] = redis.ttl(harness.rooms_key(user))
+    return got
+
+
+async def part_lifetimes(app, redis, rules):
+    with step("lifetimes in Redis: a save within 30 s of the last renewal (the shortest lifetime, "
+              "30 min, over 60) leaves them as they are"):
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-life") as gw:
+            c = await connect(gw, "life")
+            for k in range(1, 3):  # the first save renews, as every rewrite does
+                await turn(c, app, f"life{k}", f"life {k}", "r", {"service": "travel", "params": {"n": k}})
+            for part in ("params", "dialog", "history", "fence"):
+                redis.command("EXPIRE", harness.dialog_key("life", "r", part), "100")
+            redis.command("EXPIRE", harness.rooms_key("life"), "100")
+            await turn(c, app, "life3", "life 3", "r")  # the same params: an append, nothing made
+            got = ttls(redis, "life")
+            check(all(0 < t <= 100 for t in got.values()),
+                  f"a save 30 s within the last renewal keeps the keys' lifetimes (set to 100 s): {got}")
+            check(store_counts(gw)[1] == 2, f"the saves after the first appended: {store_counts(gw)}")
+            await c.close()
+    with step("keys gone during such a save (the dialog's hash, the rooms set) are made with their lifetime"):
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-life-b") as gw:
+            c = await connect(gw, "lifeb")
+            for k in range(1, 3):
+                await turn(c, app, f"lifeb{k}", f"lifeb {k}", "r")
+            pending = asyncio.ensure_future(c.message("lifeb 3 [delay=1]", mid="lifeb3", room="r"))
+            await app.wait_message("lifeb3")
+            redis.command("DEL", harness.dialog_key("lifeb", "r", "dialog"), harness.rooms_key("lifeb"))
+            (await pending).expect_done()
+            ok = await harness.wait_until(lambda: redis.ttl(harness.dialog_key("lifeb", "r", "dialog")) > 0, 5)
+            got = ttls(redis, "lifeb", ("dialog",))
+            check(ok and 7100 <= got["dialog"] <= 7200 and 7100 <= got["rooms"] <= 7200,
+                  f"the dialog's hash and the rooms set, made again by the save, should live 2 h: {got}")
+            check(store_counts(gw)[1] == 2, f"the saves after the first appended: {store_counts(gw)}")
+            await c.close()
+    short = {"params_s": 120, "dialog_s": 120, "awaiting_s": 60, "soft_s": 60, "history_s": 60}
+    with step("a save a second or more after the last renewal (60 s lifetimes) renews them all, the fence's too"):
+        cfg = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=redis.url,
+                                   lifetimes=short, history_n=10)
+        async with harness.Gateway(args(rules), cfg, name="gw-life-c") as gw:
+            c = await connect(gw, "lifec")
+            for k in range(1, 3):
+                await turn(c, app, f"lifec{k}", f"lifec {k}", "r")
+            for part in ("params", "dialog", "history", "fence"):
+                redis.command("EXPIRE", harness.dialog_key("lifec", "r", part), "30")
+            redis.command("EXPIRE", harness.rooms_key("lifec"), "30")
+            await asyncio.sleep(2.1)
+            await turn(c, app, "lifec3", "lifec 3", "r")
+            got = ttls(redis, "lifec")
+            want = {"params": 120, "dialog": 120, "history": 60, "fence": 120, "rooms": 120}
+            check(all(want[p] - 5 <= t <= want[p] for p, t in got.items()),
+                  f"renewed to their lifetimes {want}: {got}")
+            check(store_counts(gw)[1] == 2, f"the saves after the first appended: {store_counts(gw)}")
+            await c.close()
+
+
 async def main(args_):
     rules = harness.empty_rules_dir()
     redis = await harness.RedisServer().astart()
@@ -219,6 +283,7 @@ async def main(args_):
             await independent(part_two_gateways(app, redis, rules))
             await independent(part_behind_the_back(app, redis, rules))
             await independent(part_mid_turn(app, redis, rules))
+            await independent(part_lifetimes(app, redis, rules))
     finally:
         redis.cleanup(keep=True)
 

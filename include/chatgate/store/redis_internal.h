@@ -69,6 +69,8 @@ struct cg_store_req {
     int full;          /* load: reads everything, whatever the gateway holds; save: rewrites
                         * the whole history (its append was refused) */
     int appended;      /* save: sent only the history's new messages */
+    int64_t renewed;   /* save: when the lifetimes of the keys it writes were last set, this
+                        * save's time when it sets them (docs/state.md, "Lifetimes in Redis") */
     cg_store_req *wait_next; /* waiting for the first connection's verdict */
     uint64_t sent_at;
     cg_store_req *prev, *next; /* in flight, oldest first */
@@ -173,8 +175,10 @@ redisAsyncContext *cg_redis_async_open(redis_store *rs, const char *address, int
 cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
 void cg_redis_req_finish(cg_store_req *r);
 /* Keeps snapshot (a saved dialog) in memory under key, its parts shared; rev when it is
- * Redis's copy of that version (a save's), else NULL. */
-void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snapshot, const char *rev);
+ * Redis's copy of that version (a save's), else NULL, and renewed, when a save last set its
+ * keys' lifetimes (0: not known; cg_memstore_put_rev). */
+void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snapshot, const char *rev,
+                         int64_t renewed);
 /* A save's snapshot of d (its parts shared), or NULL out of memory; and its end. */
 cg_dialog *cg_redis_snapshot(const cg_dialog *d);
 void cg_redis_snapshot_free(cg_dialog *s);

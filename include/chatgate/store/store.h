@@ -169,19 +169,27 @@ void cg_memstore_free(cg_memstore *m);
 int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d);
 /*
  * Puts a copy of d under key. The entry remembers rev (or NULL): the Redis store's name for
- * the version of Redis's copy this one equals (docs/state.md, "The gateway's copy").
+ * the version of Redis's copy this one equals (docs/state.md, "The gateway's copy"), and
+ * renewed: when a save last set the lifetimes of Redis's keys of that copy (0: not known).
  */
-void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev);
+void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev,
+                         int64_t renewed);
 /* The same, keeping d's own parts (cg_dialog_share) instead of copies: for a dialog nobody
  * changes after its put (a saved one, store.h), which saves copying it at every save. */
-void cg_memstore_keep(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev);
+void cg_memstore_keep(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev,
+                      int64_t renewed);
 /* The rev of key's live entry, or NULL (none, or put without one). Owned by the entry. */
 const char *cg_memstore_rev(cg_memstore *m, const char *key, int64_t now);
-/* The history items of key's live entry, shared (not a copy: only read), or NULL when
- * there is no entry or its history's time is up. */
-json_t *cg_memstore_history(cg_memstore *m, const char *key, int64_t now);
-/* The params of key's live entry, shared (only read), or NULL: no entry, or their time is up. */
-json_t *cg_memstore_params(cg_memstore *m, const char *key, int64_t now);
+/* What a Redis save reads of the gateway's copy, in one lookup: all shared with the entry
+ * (only read, valid until its next put), NULL or 0 where there is none. */
+typedef struct cg_memstore_view {
+    const char *rev;  /* as cg_memstore_rev */
+    json_t *history;  /* the history items; NULL when their time is up */
+    json_t *params;   /* the params; NULL when their time is up */
+    int64_t renewed;  /* as given to the put */
+} cg_memstore_view;
+/* Fills v from key's live entry; 0 when there is none (v all NULL and 0). */
+int cg_memstore_view_of(cg_memstore *m, const char *key, int64_t now, cg_memstore_view *v);
 void cg_memstore_del(cg_memstore *m, const char *key);
 /* Deletes every dialog of user (keys "<escaped user>:..."); returns how many. */
 int cg_memstore_del_user(cg_memstore *m, const char *user);

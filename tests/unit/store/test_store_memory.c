@@ -20,7 +20,7 @@ static void put_dialog(cg_memstore *m, const char *key, int64_t now, const char 
     json_t *p = json_pack("{s:s}", "from", from);
     cg_dialog_merge_params(&d, "travel", p, &lt, err, sizeof(err));
     cg_dialog_push_history(&d, "user", "hi", now, &lt, NULL);
-    cg_memstore_put_rev(m, key, &d, now, NULL);
+    cg_memstore_put_rev(m, key, &d, now, NULL, 0);
     json_decref(p);
     cg_dialog_free(&d);
 }
@@ -134,7 +134,7 @@ static void put_sized(cg_memstore *m, const char *key, int64_t now, size_t n)
     memset(text, 'x', n);
     text[n] = 0;
     cg_dialog_push_history(&d, "assistant", text, now, &lt, NULL);
-    cg_memstore_put_rev(m, key, &d, now, NULL);
+    cg_memstore_put_rev(m, key, &d, now, NULL, 0);
     free(text);
     cg_dialog_free(&d);
 }
@@ -213,7 +213,7 @@ static void test_keys(void)
 
 /* The bytes held follow the dialog's weight when each put's history goes on from the last
  * (counted from the messages that came and went), is cleared, or is another; and the rev
- * stays with its put only. */
+ * and the renewal time stay with their put only. */
 static void test_weight_and_rev(void)
 {
     cg_lifetimes lt;
@@ -242,9 +242,9 @@ static void test_weight_and_rev(void)
             cg_dialog_free(&other);
         }
         if (i % 2) /* kept (a save's: its parts shared) or copied (a load's) */
-            cg_memstore_keep(m, key, &d, 1000, i % 3 ? "rev" : NULL);
+            cg_memstore_keep(m, key, &d, 1000, i % 3 ? "rev" : NULL, i);
         else
-            cg_memstore_put_rev(m, key, &d, 1000, i % 3 ? "rev" : NULL);
+            cg_memstore_put_rev(m, key, &d, 1000, i % 3 ? "rev" : NULL, i);
         exact &= cg_memstore_bytes(m) == key_len + cg_dialog_weight(&d);
         json_t *was = cg_dialog_to_json(&d);
         /* a turn's next copy comes from the store, as a load's: the same dialog, its own parts */
@@ -273,11 +273,15 @@ static void test_weight_and_rev(void)
         cg_dialog_free(&held);
         const char *rev = cg_memstore_rev(m, key, 1000);
         exact &= i % 3 ? rev && strcmp(rev, "rev") == 0 : rev == NULL;
-        exact &= cg_memstore_history(m, key, 1000) != NULL;
+        cg_memstore_view v;
+        exact &= cg_memstore_view_of(m, key, 1000, &v) == 1 && v.rev == rev && v.history && v.params &&
+                 v.renewed == i; /* the renewal time of the last put, whether kept or copied */
     }
     CHECK(exact);
     /* the history's time up: no history to append to; the dialog's: no entry, no rev */
-    CHECK(cg_memstore_history(m, key, 1000 + lt.history_s) == NULL);
+    cg_memstore_view v;
+    CHECK(cg_memstore_view_of(m, key, 1000 + lt.history_s, &v) == 1 && v.history == NULL && v.params);
+    CHECK(cg_memstore_view_of(m, key, 1000 + lt.dialog_s, &v) == 0 && !v.rev && !v.history && !v.renewed);
     CHECK(cg_memstore_rev(m, key, 1000 + lt.dialog_s) == NULL);
     CHECK(cg_memstore_bytes(m) == 0);
     cg_dialog_free(&d);
