@@ -58,6 +58,7 @@ typedef struct ws_conn {
     struct lws *wsi;
     int open;
     uv_timer_t timer;
+    uint64_t deadline; /* uv_now() by which the phase's deadline is due; 0: none runs */
     conn_phase phase;
     cg_upstream_call *call; /* the message in flight */
     pending *out_head, *out_tail;
@@ -120,7 +121,13 @@ static void timer_closed(uv_handle_t *h)
 
 static void on_timeout(uv_timer_t *t);
 
-/* Starts the phase's deadline afresh; while paused only the connect deadline runs. */
+/*
+ * Starts the phase's deadline afresh; while paused only the connect deadline runs. Only
+ * the deadline moves: the timer is set again only when it would fire after it, and
+ * on_timeout sets it again for the rest of a deadline that moved on meanwhile (the way
+ * nginx keeps its timers). Moving the timer in libuv's heap at every frame of every reply,
+ * and stopping it at every reply's end, was a fiftieth of a turn with no rules (issue 12).
+ */
 static void arm(ws_conn *k, conn_phase phase)
 {
     const cg_upstream_config *cfg = k->up->cfg;
@@ -128,12 +135,15 @@ static void arm(ws_conn *k, conn_phase phase)
     if (k->dead)
         return;
     if (phase == PHASE_NONE || (k->paused && phase != PHASE_CONNECT)) {
-        uv_timer_stop(&k->timer);
+        k->deadline = 0; /* the timer may still run: when it fires, nothing is due */
         return;
     }
-    int ms = phase == PHASE_CONNECT ? cfg->connect_timeout_ms
-             : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
-    uv_timer_start(&k->timer, on_timeout, (uint64_t)ms, 0);
+    uint64_t ms = (uint64_t)(phase == PHASE_CONNECT      ? cfg->connect_timeout_ms
+                             : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms
+                                                         : cfg->idle_timeout_ms);
+    k->deadline = uv_now(k->timer.loop) + ms;
+    if (!uv_is_active((uv_handle_t *)&k->timer) || uv_timer_get_due_in(&k->timer) > ms)
+        uv_timer_start(&k->timer, on_timeout, ms, 0);
 }
 
 /* Reading from the app stops while paused; the first-byte and idle deadlines with it. */
@@ -263,6 +273,14 @@ static void on_timeout(uv_timer_t *t)
 {
     ws_conn *k = t->data;
     const cg_upstream_config *cfg = k->up->cfg;
+    uint64_t now = uv_now(t->loop);
+    if (!k->deadline)
+        return; /* none runs now (arm) */
+    if (now < k->deadline) { /* it moved on since the timer was set */
+        uv_timer_start(t, on_timeout, k->deadline - now, 0);
+        return;
+    }
+    k->deadline = 0;
     if (k->phase == PHASE_CONNECT) {
         call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "did not connect within %d ms (connect_timeout_ms)",
                   cfg->connect_timeout_ms);

@@ -21,7 +21,10 @@ Covers, each with a gateway whose default upstream is the one under test:
   that is not JSON -> upstream_error (both also with long non-ASCII text; and a short one
   after a long reply, whose error must quote that frame only, nothing left from the
   previous one), the app closing (on the message, or mid-reply after two deltas) ->
-  upstream_unavailable, a closed port -> upstream_unavailable.
+  upstream_unavailable, a closed port -> upstream_unavailable;
+- WebSocket app deadlines: deltas 100 ms apart for 1.5 s under idle_timeout_ms 300 are no
+  timeout (each frame moves the deadline on), a reply quiet for 5 s after its first delta
+  ends in upstream_timeout after idle_timeout_ms 600, and the next message is answered.
 (test_hardening_upstream.py checks each failure's wording and the error frame's status,
 upstream_type and upstream_code.)
 After every failure the same client connection stays open: a cancel of an unknown id still
@@ -58,6 +61,8 @@ def build_config(fake, app):
         "app_garbage_utf8": harness.app_upstream(app, "/garbage_utf8"),
         "app_close": harness.app_upstream(app, "/close"),
         "app_close_mid": harness.app_upstream(app, "/close_mid"),
+        "app_slow_idle": harness.app_upstream(app, "/slow", idle_timeout_ms=300),
+        "app_quiet": harness.app_upstream(app, "/state", idle_timeout_ms=600, first_byte_timeout_ms=4000),
         "app_refused": {"url": f"ws://127.0.0.1:{closed}/app", "connect_timeout_ms": 2000},
     }
     return harness.make_config(upstreams, "llm")
@@ -225,6 +230,44 @@ async def test_app_failures(fake, app, config):
     await independent(test_app_garbage_after_reply(config))
 
 
+async def test_app_deadlines(app, config):
+    """The WS app's idle deadline moves with every frame (the timer is not moved with it:
+    ws.c arm) and still ends a reply that goes quiet."""
+    async with harness.Gateway(["--default-upstream", "app_slow_idle"], config) as gw:
+        client = await Client.connect(gw)
+        with step("WS app: deltas 100 ms apart for 1.5 s, idle_timeout_ms 300: no timeout; then cancelled"):
+            await client.send_message("stream for a while", "s1")
+            await client.recv_type("ack", "s1")
+            start = time.monotonic()
+            deltas = 0
+            while time.monotonic() - start < 1.5:
+                frame = await client.recv(timeout=2)
+                check(frame.get("type") == "delta",
+                      f"expected deltas while the app streams, got {harness.brief(frame)} after "
+                      f"{time.monotonic() - start:.2f} s")
+                deltas += 1
+            await client.send({"type": "cancel", "id": "s1"})
+            turn = await client.collect_turn("s1", timeout=5)
+            check(turn.kind == "cancelled", f"expected cancelled, got {harness.brief(turn.terminal)}")
+            check(deltas >= 10, f"only {deltas} deltas in 1.5 s")
+            await client.check_alive()
+        await client.close()
+    async with harness.Gateway(["--default-upstream", "app_quiet"], config) as gw:
+        client = await Client.connect(gw)
+        with step("WS app: quiet for 5 s after its first delta, idle_timeout_ms 600 (first byte 4000): upstream_timeout"):
+            await client.send_message("then quiet [delay=5]", "q1")
+            await client.recv_type("ack", "q1")
+            await client.recv_type("delta", "q1")
+            start = time.monotonic()
+            turn = await client.collect_turn("q1", timeout=8)
+            elapsed = time.monotonic() - start
+            err = turn.expect_error("upstream_timeout")
+            check("went quiet for 600 ms" in err.get("message", ""), f"the error's wording: {harness.brief(err)}")
+            check(0.4 <= elapsed <= 1.6, f"upstream_timeout {elapsed:.2f} s after the first delta, idle 600 ms")
+            (await client.message("again", mid="q2")).expect_done()
+        await client.close()
+
+
 async def test_app_garbage_after_reply(config):
     async with harness.Gateway(["--default-upstream", "app_reply_then_garbage"], config) as gw:
         client = await Client.connect(gw)
@@ -250,6 +293,7 @@ async def main(args):
         await test_openai_failures(fake, app, config)
         await independent(test_app_ok(app, config))
         await test_app_failures(fake, app, config)
+        await independent(test_app_deadlines(app, config))
 
 
 if __name__ == "__main__":
