@@ -921,8 +921,10 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten),
  * 23 how many messages the history holds after this save, 24 how many Redis's list holds
  * when it is appended to (the copy's: a list lapsed or evicted alone is not appended to),
- * 25 "1" when the lifetimes are renewed (lifetimes_due), then the params' field-value
- * pairs, then the history (appending: only its new messages).
+ * 25 "1" when the lifetimes are renewed (lifetimes_due), 26 "1" when Redis's copy, the
+ * one appended to, has neither an awaiting state nor soft context (the gateway's copy of
+ * that rev had none: its save deleted them), so deleting them again is left out, then the
+ * params' field-value pairs, then the history (appending: only its new messages).
  * A key's lifetime is set whenever this save makes the key (the rooms set's SADD adds the
  * room, the dialog hash's HSET adds fields, a list appended to had none, the params and a
  * rewritten list are made anew), so no key is ever left without one; a key that was there
@@ -964,7 +966,7 @@ static const char save_script[] =
     "      redis.call(cmd, key, unpack(ARGV, i, math.min(i + step - 1, to)))\n"
     "    end\n"
     "  end\n"
-    "  local np, P, renew = tonumber(ARGV[16]), 25, ARGV[25] == '1'\n"
+    "  local np, P, renew = tonumber(ARGV[16]), 26, ARGV[25] == '1'\n"
     "  if redis.call('SADD', KEYS[9], ARGV[18]) == 1 or renew then redis.call('EXPIRE', KEYS[9], ARGV[19]) end\n"
     "  if np >= 0 then redis.call('DEL', KEYS[1]) end\n"
     "  redis.call('HSET', KEYS[1], 'rev', ARGV[21])\n"
@@ -981,9 +983,9 @@ static const char save_script[] =
     "  if added > 0 or renew then redis.call('EXPIRE', KEYS[2], ARGV[5]) end\n"
     "  local gone, keep = {}, tonumber(ARGV[23])\n"
     "  if ARGV[13] ~= '0' then redis.call('SET', KEYS[3], ARGV[12], 'EX', ARGV[13])\n"
-    "  else gone[#gone + 1] = KEYS[3] end\n"
+    "  elseif ARGV[26] ~= '1' then gone[#gone + 1] = KEYS[3] end\n"
     "  if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
-    "  else gone[#gone + 1] = KEYS[4] end\n"
+    "  elseif ARGV[26] ~= '1' then gone[#gone + 1] = KEYS[4] end\n"
     "  if ARGV[22] == '' or keep == 0 then gone[#gone + 1] = KEYS[5] end\n"
     "  if #gone > 0 then redis.call('DEL', unpack(gone)) end\n"
     "  local h = P + 1 + 2 * math.max(np, 0)\n"
@@ -1324,6 +1326,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     int renew = from < 0 || longest > longest_lifetime || lifetimes_due(lt, copy.renewed, now);
     r->renewed = renew ? now : copy.renewed;
     arg_str(&a, renew ? "1" : "0");
+    arg_str(&a, from >= 0 && !copy.awaiting && !copy.soft ? "1" : "0");
     json_object_foreach(params_same ? NULL : d->params, service, names) {
         json_object_foreach(names, name, value) {
             size_t start = arg_begin(&a); /* "<service>.<name>" */

@@ -27,12 +27,15 @@ state app (harness FakeApp /state, no rules):
   shortest lifetime of the last renewal leaves the keys' lifetimes as they are; a key gone
   during such a save (the dialog's hash, the rooms set) is made again with its lifetime, never
   without one; a save after that interval renews them all, the fence's included.
+- an awaiting state and soft context cleared by an appending save are deleted in Redis, and
+  a save appending to a copy that had neither does not delete them again.
 Checked by breaking the code: without the load's rev check the two-gateway part fails,
 without its count of history messages the lapsed-history part, without its check of the
 dialog's hash the hash part, without the save's rev check the first mid-turn part and
 without its count of messages the second (the list holds 2 messages); without the copy the
 counts do; renewing at every save fails the first lifetimes part, renewing the dialog's hash
-only when due the second, never renewing the third.
+only when due the second, never renewing the third; never deleting an awaiting state
+that was cleared, or always deleting one that was not there, the last part.
 """
 
 import asyncio
@@ -274,6 +277,33 @@ async def part_lifetimes(app, redis, rules):
             await c.close()
 
 
+async def part_parts_deleted(app, redis, rules):
+    with step("an awaiting state and soft context set, then cleared: Redis's keys go with them, "
+              "and turns with neither delete nothing more (two DELs a turn: cancel flag, lease)"):
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-parts") as gw:
+            c = await connect(gw, "parts")
+            awaiting = {"type": "selection", "options": [{"name": "KQ100"}], "ttl": 60}
+            await turn(c, app, "parts1", "parts 1", "r")
+            for part, directive in (("awaiting", {"awaiting": awaiting}), ("soft", {"soft_context": {"a": 1}})):
+                key = harness.dialog_key("parts", "r", part)
+                await turn(c, app, f"parts-{part}-set", f"set {part}", "r", directive)
+                check(redis.command("EXISTS", key) == 1, f"the {part} key after a turn that set it")
+                await turn(c, app, f"parts-{part}-clear", f"clear {part}", "r",
+                           {"awaiting" if part == "awaiting" else "soft_context": None})
+                ok = await harness.wait_until(lambda: redis.command("EXISTS", key) == 0, 3)
+                check(ok, f"the {part} key should be deleted by the save that cleared it")
+            await turn(c, app, "parts-warm", "warm", "r")
+            before = redis.info_commandstats().get("del", {}).get("calls", 0)
+            for k in range(5):
+                await turn(c, app, f"parts-n{k}", f"plain {k}", "r")
+            await asyncio.sleep(0.3)  # the last save lands after its done
+            dels = redis.info_commandstats().get("del", {}).get("calls", 0) - before
+            check(dels == 10, f"5 turns with neither should make 10 DELs (the load's of a cancel flag, the "
+                              f"save's of the lease), made {dels}")
+            check(store_counts(gw)[1] >= 7, f"those saves appended: {store_counts(gw)}")
+            await c.close()
+
+
 async def main(args_):
     rules = harness.empty_rules_dir()
     redis = await harness.RedisServer().astart()
@@ -284,6 +314,7 @@ async def main(args_):
             await independent(part_behind_the_back(app, redis, rules))
             await independent(part_mid_turn(app, redis, rules))
             await independent(part_lifetimes(app, redis, rules))
+            await independent(part_parts_deleted(app, redis, rules))
     finally:
         redis.cleanup(keep=True)
 
