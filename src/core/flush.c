@@ -1,5 +1,6 @@
 /*
- * flush.c: the once-per-iteration output flush (see flush.h for why).
+ * flush.c: output written once per loop iteration, or at the end of the event that made it
+ * (see flush.h for why).
  *
  * The check handle is started only while something is registered, so an idle gateway's loop
  * does no work for it and the handle never keeps the loop alive on its own. A flush function
@@ -41,9 +42,11 @@ static void run_list(cg_flush_item **list)
 static void on_check(uv_check_t *h)
 {
     cg_flusher *f = h->data;
+    run_list(&f->answers);
     run_list(&f->first);
+    run_list(&f->event);
     run_list(&f->head);
-    if (!f->head && !f->first) {
+    if (!f->head && !f->first && !f->event && !f->answers) {
         uv_check_stop(&f->check);
         uv_idle_stop(&f->idle);
     }
@@ -90,6 +93,9 @@ void cg_flusher_init(cg_flusher *f, uv_loop_t *loop)
     f->check.data = f;
     uv_idle_init(loop, &f->idle);
     f->later = NULL;
+    f->event = NULL;
+    f->answers = NULL;
+    f->serving = NULL;
     uv_timer_init(loop, &f->timer);
     f->timer.data = f;
 }
@@ -100,6 +106,10 @@ void cg_flusher_close(cg_flusher *f)
     run_list(&f->first);
     while (f->head)
         unlink_item(f->head);
+    while (f->event)
+        unlink_item(f->event);
+    while (f->answers) /* their stores answer nothing once closing */
+        unlink_item(f->answers);
     while (f->later)
         unlink_item(f->later);
     uv_close((uv_handle_t *)&f->timer, NULL);
@@ -147,6 +157,29 @@ void cg_flush_later(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_i
     item->pprev = &f->later;
     if (!uv_is_active((uv_handle_t *)&f->timer) || uv_timer_get_due_in(&f->timer) > ms)
         uv_timer_start(&f->timer, on_timer, ms, 0); /* the soonest's time */
+}
+
+void cg_flush_request_event(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item))
+{
+    cg_flush_cancel(item); /* from whichever list it was on */
+    (void)request(f, &f->event, item, flush);
+}
+
+int cg_flush_request_answer(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item))
+{
+    return request(f, &f->answers, item, flush);
+}
+
+void cg_flush_event_end(cg_flusher *f, const void *serving)
+{
+    /* a few rounds: an answer makes an app frame, the app frame goes; what is made after
+     * that waits for the iteration's end */
+    f->serving = serving;
+    for (int round = 0; round < 4 && (f->answers || f->event); round++) {
+        run_list(&f->answers);
+        run_list(&f->event);
+    }
+    f->serving = NULL;
 }
 
 void cg_flush_cancel(cg_flush_item *item)

@@ -261,6 +261,13 @@ static int session_write_queue(cg_session *s)
 static void session_flush(cg_flush_item *item)
 {
     cg_session *s = (cg_session *)((char *)item - offsetof(cg_session, flush));
+    const cg_flusher *f = s->srv->net.flush;
+    /* at an event's end: not inside the client's own callback, and not before the store's
+     * commands of the same iteration (the turn's save: a client that has the done may look) */
+    if (cg_flush_serving(f) && (cg_flush_serving(f) == s->wsi || cg_flush_first_pending(f))) {
+        cg_flush_request(s->srv->net.flush, &s->flush, session_flush);
+        return;
+    }
     if (s->held_ack && s->out_head == s->held_ack && s->out_tail == s->held_ack)
         return; /* the ack waits (sink_ack); ack_due or the next frame registers again */
     if (session_write_queue(s) < 0) /* not inside this wsi's callback: lws closes it soon */
@@ -308,21 +315,30 @@ static void sink_ack(void *conn, const cg_ack *ack)
     }
 }
 
+/* A turn's last frame: the client's queue goes when the event that ended the turn does
+ * (core/flush.h), the ack and deltas with it. */
+static void session_send_last(cg_session *s, cg_frame_text frame)
+{
+    session_send(s, frame);
+    if (s->flush.pprev)
+        cg_flush_request_event(s->srv->net.flush, &s->flush, session_flush);
+}
+
 static void sink_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,
                       const cg_answer *who)
 {
-    session_send(conn, cg_protocol_done(id, reply, len, usage, truncated, who));
+    session_send_last(conn, cg_protocol_done(id, reply, len, usage, truncated, who));
 }
 
 static void sink_cancelled(void *conn, const char *id)
 {
-    session_send(conn, cg_protocol_cancelled(id));
+    session_send_last(conn, cg_protocol_cancelled(id));
 }
 
 /* Counted by the turn already. */
 static void sink_error(void *conn, const char *id, int err, const char *message, json_t *detail)
 {
-    session_send(conn, cg_protocol_error_detail(id, cg_err_code(err), message, detail));
+    session_send_last(conn, cg_protocol_error_detail(id, cg_err_code(err), message, detail));
 }
 
 static void sink_warning(void *conn, const char *id, const char *code, const char *message)
@@ -528,9 +544,12 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
     case LWS_CALLBACK_ESTABLISHED:
         session_open(s, wsi);
         return 0;
-    case LWS_CALLBACK_RECEIVE:
+    case LWS_CALLBACK_RECEIVE: {
+        cg_flusher *f = s->srv->net.flush;
         session_on_receive(s, in, len);
+        cg_flush_event_end(f, wsi); /* the message goes to its app now (core/flush.h) */
         return 0;
+    }
     case LWS_CALLBACK_SERVER_WRITEABLE:
         if (s->dropin && s->srv->closing_all && cg_dropin_client_idle(s->dropin))
             return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");

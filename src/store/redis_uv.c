@@ -37,8 +37,12 @@ static void on_poll(uv_poll_t *h, int status, int events)
     cg_redis_uv *u = h->data;
     if (status < 0) /* an error on the socket: let hiredis read or write it and see it */
         events = u->events;
-    if (u->ac && (events & UV_READABLE))
-        redisAsyncHandleRead(u->ac);
+    if (u->ac && (events & UV_READABLE)) {
+        cg_flusher *f = u->flusher;
+        redisAsyncHandleRead(u->ac); /* may free the context: cleanup clears u->ac */
+        if (f) /* the messages whose loads were answered go to their apps now (core/flush.h) */
+            cg_flush_event_end(f, u);
+    }
     if (u->ac && (events & UV_WRITABLE))
         redisAsyncHandleWrite(u->ac);
 }

@@ -19,10 +19,12 @@
  * call, as store.h promises.
  */
 #include <sys/queue.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "chatgate/core/addrmap.h"
+#include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
 
@@ -335,12 +337,22 @@ long cg_memstore_count(cg_memstore *m)
 
 /* ---- the store ops: the table above, answering from the loop ------------------------- */
 
+/*
+ * Requests are answered from the loop, never inside the call that made them (store.h), in
+ * the order they came: at the end of the event that made them (core/flush.h's answers: a
+ * message's load is answered, and the message goes to its app, before the gateway handles
+ * the next event), else at the end of the loop iteration; a store opened without a flusher
+ * answers from a timer. A timer per request was a fifteenth of a turn's instructions with
+ * no rules, and waited for the next iteration.
+ */
 typedef struct memory_store {
     cg_store base;
     cg_memstore *mem;
     cg_limiter *limits; /* limits per user: the counts of this process, which is all of them */
-    int pending; /* requests whose timer has not closed yet */
-    int closing; /* close() was called: free when pending reaches 0 */
+    cg_store_req *queue, **queue_tail; /* to be answered, oldest first */
+    cg_flush_item answer;              /* registered while the queue holds any (answer_all) */
+    uv_timer_t timer;                  /* the same for a store without a flusher */
+    int timer_made;
 } memory_store;
 
 static void memory_store_free(memory_store *ms)
@@ -353,7 +365,7 @@ static void memory_store_free(memory_store *ms)
 typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_ROOMS, OP_LIMIT } op_kind;
 
 struct cg_store_req {
-    uv_timer_t timer;
+    cg_store_req *next; /* in the store's queue */
     memory_store *ms;
     op_kind kind;
     char *key; /* rooms: "<escaped user>:", the prefix of the user's keys */
@@ -367,23 +379,17 @@ struct cg_store_req {
     int abandoned;
 };
 
-static void req_closed(uv_handle_t *h)
+static void req_free(cg_store_req *r)
 {
-    cg_store_req *r = h->data;
-    memory_store *ms = r->ms;
     free(r->key);
     free(r);
-    if (--ms->pending == 0 && ms->closing)
-        memory_store_free(ms);
 }
 
-static void req_run(uv_timer_t *t)
+/* Answers r (unless it was abandoned) and frees it. */
+static void req_run(cg_store_req *r)
 {
-    cg_store_req *r = t->data;
     static const cg_store_status ok = {0, 0, 0};
-    if (r->ms->closing) {
-        /* shutting down: nobody waits */
-    } else if (!r->abandoned && r->kind == OP_LOAD) {
+    if (!r->abandoned && r->kind == OP_LOAD) {
         cg_dialog d;
         cg_store_status st = {0, 0, 0};
         st.found = cg_memstore_get(r->ms->mem, r->key, r->ms->base.now(r->ms->base.clock_ctx), &d);
@@ -400,7 +406,43 @@ static void req_run(uv_timer_t *t)
     } else if (!r->abandoned && r->done_cb) {
         r->done_cb(r->ctx, &ok);
     }
-    uv_close((uv_handle_t *)&r->timer, req_closed);
+    req_free(r);
+}
+
+/* The queue as it is now, in order; what its answers ask for waits for the next round. */
+static void answer_all(memory_store *ms)
+{
+    cg_store_req *r = ms->queue;
+    ms->queue = NULL;
+    ms->queue_tail = &ms->queue;
+    while (r) {
+        cg_store_req *next = r->next;
+        req_run(r);
+        r = next;
+    }
+}
+
+static void on_answer(cg_flush_item *item)
+{
+    answer_all((memory_store *)((char *)item - offsetof(memory_store, answer)));
+}
+
+static void on_timer(uv_timer_t *t)
+{
+    answer_all(t->data);
+}
+
+/* The queue's answers are due: at the current event's end, else from the timer. */
+static void schedule(memory_store *ms)
+{
+    if (ms->base.cfg.flush && cg_flush_request_answer(ms->base.cfg.flush, &ms->answer, on_answer) == 0)
+        return;
+    if (!ms->timer_made) {
+        uv_timer_init(ms->base.loop, &ms->timer);
+        ms->timer.data = ms;
+        ms->timer_made = 1;
+    }
+    uv_timer_start(&ms->timer, on_timer, 0, 0);
 }
 
 static cg_store_req *req_new(memory_store *ms, op_kind kind, const char *user, const char *room, void *ctx)
@@ -412,10 +454,10 @@ static cg_store_req *req_new(memory_store *ms, op_kind kind, const char *user, c
     r->kind = kind;
     r->key = cg_store_dialog_key(user, room);
     r->ctx = ctx;
-    ms->pending++;
-    uv_timer_init(ms->base.loop, &r->timer);
-    r->timer.data = r;
-    uv_timer_start(&r->timer, req_run, 0, 0);
+    *ms->queue_tail = r;
+    ms->queue_tail = &r->next;
+    if (!ms->answer.pprev && !(ms->timer_made && uv_is_active((uv_handle_t *)&ms->timer)))
+        schedule(ms); /* nothing is due to answer it yet (a closed flusher drops its items) */
     return r;
 }
 
@@ -505,13 +547,26 @@ static void mem_abandon(cg_store_req *r)
     r->abandoned = 1;
 }
 
+static void timer_closed(uv_handle_t *h)
+{
+    memory_store_free(h->data);
+}
+
+/* Shutting down: what is queued is dropped unanswered (nobody waits), as abandoned limits
+ * are not ended (the process ends with its counts). */
 static void mem_close(cg_store *st)
 {
     memory_store *ms = (memory_store *)st;
-    if (ms->pending == 0)
-        memory_store_free(ms);
+    cg_flush_cancel(&ms->answer);
+    for (cg_store_req *r = ms->queue, *next; r; r = next) {
+        next = r->next;
+        req_free(r);
+    }
+    ms->queue = NULL;
+    if (ms->timer_made)
+        uv_close((uv_handle_t *)&ms->timer, timer_closed);
     else
-        ms->closing = 1;
+        memory_store_free(ms);
 }
 
 static const cg_store_ops memory_ops = {
@@ -545,5 +600,6 @@ cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg)
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(ms->mem, cfg->max_bytes);
     ms->limits = cg_limiter_new(cfg->max_dialogs);
+    ms->queue_tail = &ms->queue;
     return &ms->base;
 }

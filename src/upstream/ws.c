@@ -466,6 +466,10 @@ static int write_queue(ws_conn *k, struct lws *wsi)
 static void conn_flush(cg_flush_item *item)
 {
     ws_conn *k = (ws_conn *)((char *)item - offsetof(ws_conn, flush));
+    if (k->wsi && cg_flush_serving(k->up->net->flush) == k->wsi) { /* not inside its own callback */
+        cg_flush_request(k->up->net->flush, &k->flush, conn_flush);
+        return;
+    }
     if (!k->dead && k->open && k->wsi && write_queue(k, k->wsi) < 0) {
         call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost while sending");
         conn_kill(k);
@@ -497,11 +501,14 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
         if (k->dead)
             return write_close(k, wsi);
         return write_queue(k, wsi);
-    case LWS_CALLBACK_CLIENT_RECEIVE:
+    case LWS_CALLBACK_CLIENT_RECEIVE: {
         if (k->dead)
             return -1;
+        cg_flusher *f = k->up->net->flush;
         on_receive(k, wsi, in, len);
+        cg_flush_event_end(f, wsi); /* a reply that is done goes to its client now */
         return 0;
+    }
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
         if (len >= 2) {
             const unsigned char *b = in;
@@ -675,6 +682,8 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
         call_free(c);
         return -1;
     }
+    if (k->open && k->wsi) /* the message goes when the event that made it ends (core/flush.h) */
+        cg_flush_request_event(k->up->net->flush, &k->flush, conn_flush);
     k->call = c;
     conn_pause(k, 0); /* a new call starts unpaused; the session pauses it if it must */
     if (k->open)

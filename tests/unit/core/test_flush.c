@@ -4,8 +4,13 @@
  * before the frame that reports it), an item registered during the flush runs in the next
  * iteration without the loop blocking in its poll (the idle handle), an item registered to
  * be flushed later (cg_flush_later) runs once its time has passed and not when cancelled,
- * and closing flushes what was registered first and refuses later requests.
+ * and closing flushes what was registered first and refuses later requests. At an event's
+ * end (cg_flush_event_end), the answers run, then what they and the event registered for
+ * the event (an item registered for the iteration moves over), in rounds, and nothing of
+ * the iteration's; the connection served is known to the flushes; what is left runs at the
+ * iteration's end, answers first.
  */
+#include <string.h>
 #include <uv.h>
 
 #include "chatgate/core/flush.h"
@@ -31,6 +36,22 @@ static void flush_probe(cg_flush_item *item)
         p->again--;
         cg_flush_request(&flusher, &p->item, flush_probe);
     }
+}
+
+static const void *served; /* cg_flush_serving() as the last probe saw it */
+static probe *made_by_answer; /* registered for the event by answer_probe */
+
+static void event_probe(cg_flush_item *item)
+{
+    served = cg_flush_serving(&flusher);
+    flush_probe(item);
+}
+
+static void answer_probe(cg_flush_item *item)
+{
+    flush_probe(item);
+    if (made_by_answer)
+        cg_flush_request_event(&flusher, &made_by_answer->item, event_probe);
 }
 
 static void on_guard(uv_timer_t *t)
@@ -84,6 +105,30 @@ int main(void)
     while (n_order < 2 && !guard_fired)
         uv_run(&loop, UV_RUN_ONCE);
     CHECK(n_order == 2 && order[1] == 'e' && uv_now(&loop) - t0 >= 60);
+    CHECK(!guard_fired);
+
+    /* an event's end: answers, then the event's items (one an answer made, one moved from the
+     * iteration's list), not the iteration's; the served connection is known meanwhile */
+    n_order = 0;
+    int conn = 0;
+    probe h = {.name = 'h'}, i = {.name = 'i'}, j = {.name = 'j'}, k = {.name = 'k'}, m = {.name = 'm'};
+    made_by_answer = &j;
+    cg_flush_request(&flusher, &h.item, flush_probe);            /* the iteration's */
+    cg_flush_request(&flusher, &k.item, flush_probe);
+    cg_flush_request_event(&flusher, &k.item, event_probe);      /* moved to the event's */
+    CHECK(cg_flush_request_answer(&flusher, &i.item, answer_probe) == 0);
+    cg_flush_event_end(&flusher, &conn);
+    order[n_order] = 0;
+    CHECK(strcmp(order, "ikj") == 0 || strcmp(order, "ijk") == 0); /* i first; h waits */
+    CHECK(served == &conn && cg_flush_serving(&flusher) == NULL);
+    made_by_answer = NULL;
+    /* with no event end, the iteration's end runs them all, answers first */
+    CHECK(cg_flush_request_answer(&flusher, &m.item, answer_probe) == 0);
+    cg_flush_request_event(&flusher, &i.item, event_probe);
+    uv_run(&loop, UV_RUN_ONCE);
+    order[n_order] = 0;
+    CHECK(n_order == 6 && order[3] == 'm' && strchr(order + 4, 'h') && strchr(order + 4, 'i'));
+    CHECK(served == NULL); /* no event was being ended */
     CHECK(!guard_fired);
 
     /* close: what is registered first is flushed, the rest dropped, later requests refused */
