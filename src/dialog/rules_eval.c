@@ -118,7 +118,13 @@ static json_t *normalised(const rule *r, const char *name, const char *text, int
     return json_string(text);
 }
 
-/* Named groups that took part, normalised, into an object; a value a normaliser refuses is left out. */
+/*
+ * Named groups that took part, normalised, into an object; a value a normaliser refuses is
+ * left out. The name table is walked once: its entries are sorted by name, those of one name
+ * (DUPNAMES) together in the order of their groups, so a name's value is its first group
+ * that took part (named_text's), and the name's other entries are passed over, taken or not.
+ * Groups that never take part (DEFINE's) cost a look at the ovector.
+ */
 static json_t *params_of(const cg_ruleset *rs, const rule *r, const char *subject, int64_t now)
 {
     json_t *params = json_object();
@@ -127,13 +133,16 @@ static json_t *params_of(const cg_ruleset *rs, const rule *r, const char *subjec
     pcre2_pattern_info(r->re, PCRE2_INFO_NAMECOUNT, &count);
     pcre2_pattern_info(r->re, PCRE2_INFO_NAMEENTRYSIZE, &entry_size);
     pcre2_pattern_info(r->re, PCRE2_INFO_NAMETABLE, &table);
+    const char *handled = NULL; /* the last name whose group took part */
     for (uint32_t i = 0; i < count; i++) {
-        const char *name = (const char *)(table + i * entry_size + 2);
-        if (json_object_get(params, name))
+        PCRE2_SPTR e = table + i * entry_size;
+        const char *name = (const char *)(e + 2);
+        if (handled && strcmp(name, handled) == 0)
             continue; /* a duplicate name already taken */
-        char *text = named_text(rs, r, subject, name);
+        char *text = group_text(rs, subject, (uint32_t)(e[0] << 8 | e[1]));
         if (!text)
-            continue;
+            continue; /* this group did not take part; the name's next one may have */
+        handled = name;
         char *t = cg_rules_trim(text);
         json_t *v = *t ? normalised(r, name, t, now, params) : NULL;
         if (v)

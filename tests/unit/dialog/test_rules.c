@@ -212,6 +212,43 @@ static void test_match_limit(void)
     cg_ruleset_unref(rs);
 }
 
+/* A params rule's value per name (DUPNAMES): the first group of the name that took part,
+ * normalised; when the normaliser refuses it, the name is left out, whatever a later group
+ * of the name holds. DEFINE's groups never become params. */
+static json_t *params_for(const cg_ruleset *rs, const char *text)
+{
+    cg_rules_result r;
+    cg_rules_eval(rs, text, NULL, NULL, NOW, &r);
+    json_t *p = json_incref(json_object_get(r.params, "travel"));
+    cg_rules_result_free(&r);
+    return p;
+}
+
+static void test_dupnames(void)
+{
+    clear_dir();
+    write_rules("50-dup.rules", "rule dup\n"
+                                "  match (?:from\\s+(?<from>(?&w))|(?<from>(?&w))\\s+departure)(?:\\s+(?<n>\\w+)\\s+(?<n>\\d+))?"
+                                "(?(DEFINE)(?<w>\\p{L}+))\n"
+                                "  do params travel\n  type n int\n");
+    cg_ruleset *rs;
+    char err[1024];
+    CHECK(cg_rules_load(dir, &rs, err, sizeof(err)) == 0);
+    json_t *p = params_for(rs, "from Kisumu");
+    CHECK(p && json_object_size(p) == 1 && strcmp(json_string_value(json_object_get(p, "from")), "Kisumu") == 0);
+    json_decref(p);
+    p = params_for(rs, "Mombasa departure"); /* the second group of the name */
+    CHECK(p && json_object_size(p) == 1 && strcmp(json_string_value(json_object_get(p, "from")), "Mombasa") == 0);
+    json_decref(p);
+    p = params_for(rs, "from Kisumu 7 5"); /* n's first group, 7, is the value */
+    CHECK(p && json_integer_value(json_object_get(p, "n")) == 7);
+    json_decref(p);
+    p = params_for(rs, "from Kisumu abc 5"); /* its first group is refused: no n, not 5 */
+    CHECK(p && json_object_size(p) == 1 && !json_object_get(p, "n") && !json_object_get(p, "w"));
+    json_decref(p);
+    cg_ruleset_unref(rs);
+}
+
 static void test_selection(void)
 {
     json_error_t jerr;
@@ -328,6 +365,7 @@ int main(void)
     test_load_errors();
     test_eval_and_check();
     test_match_limit();
+    test_dupnames();
     test_selection();
     test_timezone();
     test_reply_rules();
