@@ -342,8 +342,8 @@ long cg_memstore_count(cg_memstore *m)
  * the order they came: at the end of the event that made them (core/flush.h's answers: a
  * message's load is answered, and the message goes to its app, before the gateway handles
  * the next event), else at the end of the loop iteration; a store opened without a flusher
- * answers from a timer. A timer per request was a fifteenth of a turn's instructions with
- * no rules, and waited for the next iteration.
+ * answers from a timer. A timer per request (made, run and closed for every load and save)
+ * answered in the next iteration, after the gateway had read every socket ready in it.
  */
 typedef struct memory_store {
     cg_store base;
