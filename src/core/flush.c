@@ -108,7 +108,7 @@ void cg_flusher_close(cg_flusher *f)
         unlink_item(f->head);
     while (f->event)
         unlink_item(f->event);
-    while (f->answers) /* their stores answer nothing once closing */
+    while (f->answers) /* dropped too: a store asked again answers from its own timer */
         unlink_item(f->answers);
     while (f->later)
         unlink_item(f->later);

@@ -74,9 +74,9 @@ int cg_flush_request_first(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_
 void cg_flush_later(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item), unsigned ms);
 /* Registers item to run when the event being handled ends (cg_flush_event_end), or at the
  * end of this loop iteration when no event end comes first; an item registered with
- * cg_flush_request moves over. A flush
- * that finds its own connection's event being ended (cg_flush_serving) must not write
- * from inside that connection's callback: it registers with cg_flush_request instead. */
+ * cg_flush_request moves over. A flush that finds its own connection's event being ended
+ * (cg_flush_serving) must not write from inside that connection's callback: it registers
+ * with cg_flush_request instead. */
 void cg_flush_request_event(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
 /* An answer from memory (a store's): run at the event's end before the event's output, so
  * that what it makes goes with that output; else at the iteration's end, before the rest.
