@@ -190,8 +190,8 @@ void cg_jsonw_json(cg_jsonw *w, json_t *v)
         json_value(w, v, 0);
 }
 
-/* Written in place, digits counted first: a save writes some sixty numbers (its arguments'
- * lengths among them), and a copy through a buffer of its own was most of their cost. */
+/* Written in place, digits counted first, rather than into a buffer of its own and copied:
+ * a save writes some sixty numbers (its arguments' lengths among them). */
 void cg_jsonw_int(cg_jsonw *w, long long n)
 {
     unsigned long long u = n < 0 ? 0ULL - (unsigned long long)n : (unsigned long long)n;
