@@ -25,8 +25,21 @@ static void unlink_item(cg_flush_item *it)
     it->pprev = NULL;
 }
 
-/* Calls the flush of each item on *list, as the list was when called. */
-static void run_list(cg_flush_item **list)
+void cg_flush_request(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
+
+/* Calls the item's flush; at an event's end, an item that waits for the iteration's end
+ * (cg_flush_request_event) is registered for it instead. */
+static void call(cg_flusher *f, cg_flush_item *it)
+{
+    if (f->serving && ((it->owner && it->owner == f->serving) || (it->after_first && f->first)))
+        cg_flush_request(f, it, it->flush);
+    else
+        it->flush(it);
+}
+
+/* Calls the flush of each item on *list, as the list was when called; at an event's end,
+ * an item that waits goes to the iteration's list instead. */
+static void run_list(cg_flusher *f, cg_flush_item **list)
 {
     cg_flush_item *batch = *list;
     *list = NULL;
@@ -35,17 +48,17 @@ static void run_list(cg_flush_item **list)
     while (batch) {
         cg_flush_item *it = batch;
         unlink_item(it); /* before the call: the flush may register it again */
-        it->flush(it);
+        call(f, it);
     }
 }
 
 static void on_check(uv_check_t *h)
 {
     cg_flusher *f = h->data;
-    run_list(&f->answers);
-    run_list(&f->first);
-    run_list(&f->event);
-    run_list(&f->head);
+    run_list(f, &f->answers);
+    run_list(f, &f->first);
+    run_list(f, &f->event);
+    run_list(f, &f->head);
     if (!f->head && !f->first && !f->event && !f->answers) {
         uv_check_stop(&f->check);
         uv_idle_stop(&f->idle);
@@ -74,7 +87,7 @@ static void on_timer(uv_timer_t *h)
         due = it;
         it->pprev = &due;
     }
-    run_list(&due);
+    run_list(f, &due);
     /* the soonest of the rest, those the flushes added (which may have started the timer)
      * included */
     for (cg_flush_item *it = f->later; it; it = it->next)
@@ -103,7 +116,7 @@ void cg_flusher_init(cg_flusher *f, uv_loop_t *loop)
 void cg_flusher_close(cg_flusher *f)
 {
     f->closed = 1; /* before the flushes: what they register again is written another way */
-    run_list(&f->first);
+    run_list(f, &f->first);
     while (f->head)
         unlink_item(f->head);
     while (f->event)
@@ -159,9 +172,12 @@ void cg_flush_later(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_i
         uv_timer_start(&f->timer, on_timer, ms, 0); /* the soonest's time */
 }
 
-void cg_flush_request_event(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item))
+void cg_flush_request_event(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item),
+                            const void *owner, int after_first)
 {
     cg_flush_cancel(item); /* from whichever list it was on */
+    item->owner = owner;
+    item->after_first = after_first;
     (void)request(f, &f->event, item, flush);
 }
 
@@ -176,8 +192,8 @@ void cg_flush_event_end(cg_flusher *f, const void *serving)
      * that waits for the iteration's end */
     f->serving = serving;
     for (int round = 0; round < 4 && (f->answers || f->event); round++) {
-        run_list(&f->answers);
-        run_list(&f->event);
+        run_list(f, &f->answers);
+        run_list(f, &f->event);
     }
     f->serving = NULL;
 }

@@ -190,23 +190,16 @@ void cg_jsonw_json(cg_jsonw *w, json_t *v)
         json_value(w, v, 0);
 }
 
-/* Written in place, digits counted first, rather than into a buffer of its own and copied:
- * a save writes some sixty numbers (its arguments' lengths among them). */
 void cg_jsonw_int(cg_jsonw *w, long long n)
 {
+    char num[24], *p = num + sizeof(num);
     unsigned long long u = n < 0 ? 0ULL - (unsigned long long)n : (unsigned long long)n;
-    size_t len = (n < 0) + 1;
-    for (unsigned long long t = u; t >= 10; t /= 10)
-        len++;
-    if (w->used + len >= w->cap)
-        cg_jsonw_grow(w, len);
-    char *p = w->buf + w->used + len;
     do
         *--p = (char)('0' + u % 10);
     while (u /= 10);
     if (n < 0)
         *--p = '-';
-    w->used += len;
+    cg_jsonw_raw(w, p, (size_t)(num + sizeof(num) - p));
 }
 
 /* ,"name": */

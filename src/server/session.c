@@ -261,13 +261,6 @@ static int session_write_queue(cg_session *s)
 static void session_flush(cg_flush_item *item)
 {
     cg_session *s = (cg_session *)((char *)item - offsetof(cg_session, flush));
-    const cg_flusher *f = s->srv->net.flush;
-    /* at an event's end: not inside the client's own callback, and not before the store's
-     * commands of the same iteration (the turn's save: a client that has the done may look) */
-    if (cg_flush_serving(f) && (cg_flush_serving(f) == s->wsi || cg_flush_first_pending(f))) {
-        cg_flush_request(s->srv->net.flush, &s->flush, session_flush);
-        return;
-    }
     if (s->held_ack && s->out_head == s->held_ack && s->out_tail == s->held_ack)
         return; /* the ack waits (sink_ack); ack_due or the next frame registers again */
     if (session_write_queue(s) < 0) /* not inside this wsi's callback: lws closes it soon */
@@ -316,12 +309,13 @@ static void sink_ack(void *conn, const cg_ack *ack)
 }
 
 /* A turn's last frame: the client's queue goes when the event that ended the turn does
- * (core/flush.h), the ack and deltas with it. */
+ * (core/flush.h), the ack and deltas with it; not before the store's commands of the same
+ * iteration (the turn's save: a client that has the done may look). */
 static void session_send_last(cg_session *s, cg_frame_text frame)
 {
     session_send(s, frame);
     if (s->flush.pprev)
-        cg_flush_request_event(s->srv->net.flush, &s->flush, session_flush);
+        cg_flush_request_event(s->srv->net.flush, &s->flush, session_flush, s->wsi, 1);
 }
 
 static void sink_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,

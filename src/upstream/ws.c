@@ -466,10 +466,6 @@ static int write_queue(ws_conn *k, struct lws *wsi)
 static void conn_flush(cg_flush_item *item)
 {
     ws_conn *k = (ws_conn *)((char *)item - offsetof(ws_conn, flush));
-    if (k->wsi && cg_flush_serving(k->up->net->flush) == k->wsi) { /* not inside its own callback */
-        cg_flush_request(k->up->net->flush, &k->flush, conn_flush);
-        return;
-    }
     if (!k->dead && k->open && k->wsi && write_queue(k, k->wsi) < 0) {
         call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost while sending");
         conn_kill(k);
@@ -683,7 +679,7 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
         return -1;
     }
     if (k->open && k->wsi) /* the message goes when the event that made it ends (core/flush.h) */
-        cg_flush_request_event(k->up->net->flush, &k->flush, conn_flush);
+        cg_flush_request_event(k->up->net->flush, &k->flush, conn_flush, k->wsi, 0);
     k->call = c;
     conn_pause(k, 0); /* a new call starts unpaused; the session pauses it if it must */
     if (k->open)

@@ -39,6 +39,8 @@ typedef struct cg_flush_item {
     struct cg_flush_item **pprev; /* NULL while not registered */
     void (*flush)(struct cg_flush_item *item);
     uint64_t due; /* cg_flush_later: the loop time (ms) it is due at */
+    const void *owner; /* cg_flush_request_event: the connection it writes to */
+    int after_first;   /* cg_flush_request_event: not before what waits with _first */
 } cg_flush_item;
 
 typedef struct cg_flusher {
@@ -74,10 +76,12 @@ int cg_flush_request_first(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_
 void cg_flush_later(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item), unsigned ms);
 /* Registers item to run when the event being handled ends (cg_flush_event_end), or at the
  * end of this loop iteration when no event end comes first; an item registered with
- * cg_flush_request moves over. A flush that finds its own connection's event being ended
- * (cg_flush_serving) must not write from inside that connection's callback: it registers
- * with cg_flush_request instead. */
-void cg_flush_request_event(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
+ * cg_flush_request moves over. owner is the connection it writes to: an event end never
+ * writes from inside that connection's own callback, and leaves the item for the
+ * iteration's end, as it leaves an item registered after_first while output registered
+ * with cg_flush_request_first waits (a client frame that reports a store write). */
+void cg_flush_request_event(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item),
+                            const void *owner, int after_first);
 /* An answer from memory (a store's): run at the event's end before the event's output, so
  * that what it makes goes with that output; else at the iteration's end, before the rest.
  * Returns -1, registering nothing, once the flusher is closed. */
@@ -89,12 +93,6 @@ void cg_flush_event_end(cg_flusher *f, const void *serving);
 static inline const void *cg_flush_serving(const cg_flusher *f)
 {
     return f->serving;
-}
-/* Whether output registered with cg_flush_request_first waits for the iteration's end: a
- * client frame that reports a store write must not pass it, and waits too. */
-static inline int cg_flush_first_pending(const cg_flusher *f)
-{
-    return f->first != NULL;
 }
 /* Unregisters item if it is registered (by any of them). */
 void cg_flush_cancel(cg_flush_item *item);

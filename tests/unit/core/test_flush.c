@@ -8,7 +8,8 @@
  * end (cg_flush_event_end), the answers run, then what they and the event registered for
  * the event (an item registered for the iteration moves over), in rounds, and nothing of
  * the iteration's; the connection served is known to the flushes; what is left runs at the
- * iteration's end, answers first.
+ * iteration's end, answers first. An event's end leaves for the iteration's end an item of
+ * the served connection, and one that is to follow a first item still waiting.
  */
 #include <string.h>
 #include <uv.h>
@@ -51,7 +52,7 @@ static void answer_probe(cg_flush_item *item)
 {
     flush_probe(item);
     if (made_by_answer)
-        cg_flush_request_event(&flusher, &made_by_answer->item, event_probe);
+        cg_flush_request_event(&flusher, &made_by_answer->item, event_probe, NULL, 0);
 }
 
 static void on_guard(uv_timer_t *t)
@@ -115,7 +116,7 @@ int main(void)
     made_by_answer = &j;
     cg_flush_request(&flusher, &h.item, flush_probe);            /* the iteration's */
     cg_flush_request(&flusher, &k.item, flush_probe);
-    cg_flush_request_event(&flusher, &k.item, event_probe);      /* moved to the event's */
+    cg_flush_request_event(&flusher, &k.item, event_probe, NULL, 0); /* moved to the event's */
     CHECK(cg_flush_request_answer(&flusher, &i.item, answer_probe) == 0);
     cg_flush_event_end(&flusher, &conn);
     order[n_order] = 0;
@@ -124,11 +125,27 @@ int main(void)
     made_by_answer = NULL;
     /* with no event end, the iteration's end runs them all, answers first */
     CHECK(cg_flush_request_answer(&flusher, &m.item, answer_probe) == 0);
-    cg_flush_request_event(&flusher, &i.item, event_probe);
+    cg_flush_request_event(&flusher, &i.item, event_probe, NULL, 0);
     uv_run(&loop, UV_RUN_ONCE);
     order[n_order] = 0;
     CHECK(n_order == 6 && order[3] == 'm' && strchr(order + 4, 'h') && strchr(order + 4, 'i'));
     CHECK(served == NULL); /* no event was being ended */
+    CHECK(!guard_fired);
+
+    /* what waits at an event's end: the served connection's own item, and one registered
+     * after_first while a first item waits; both run at the iteration's end, after it */
+    n_order = 0;
+    probe own = {.name = 'o'}, after = {.name = 'a'}, other = {.name = 'x'}, store = {.name = 's'};
+    cg_flush_request_event(&flusher, &own.item, event_probe, &conn, 0);
+    cg_flush_request_event(&flusher, &after.item, event_probe, NULL, 1);
+    cg_flush_request_event(&flusher, &other.item, event_probe, NULL, 0);
+    CHECK(cg_flush_request_first(&flusher, &store.item, flush_probe) == 0);
+    cg_flush_event_end(&flusher, &conn);
+    order[n_order] = 0;
+    CHECK(strcmp(order, "x") == 0);
+    uv_run(&loop, UV_RUN_ONCE);
+    order[n_order] = 0;
+    CHECK(n_order == 4 && order[1] == 's' && strchr(order + 2, 'o') && strchr(order + 2, 'a'));
     CHECK(!guard_fired);
 
     /* close: what is registered first is flushed, the rest dropped, later requests refused */
