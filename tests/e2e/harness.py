@@ -56,6 +56,7 @@ DEFAULT_TIMEOUT = 10.0  # seconds to wait for one expected frame (ASan builds ar
 
 _options = argparse.Namespace(gateway=None, keep_logs=False)
 _gateways = []  # every Gateway started by this process, for logs and cleanup
+_temp_dirs = []  # every directory made by temp_dir: removed when the test passes
 _current_step = [None]
 _failures = []  # (step, message, gateway) of every failure; any makes the script fail
 
@@ -144,6 +145,14 @@ def asan_env(**options):
 # The gateway process
 
 
+def temp_dir(prefix):
+    """A new directory under the system's temporary directory, removed with all it holds
+    when the test passes (kept, with the logs, when it fails or under --keep-logs)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    _temp_dirs.append(path)
+    return path
+
+
 class Gateway:
     """The chatgate binary as a subprocess.
 
@@ -169,7 +178,7 @@ class Gateway:
         self.stopped = False
         self.failed = False  # this gateway caused the failure: show its log
         self.stop_note = None  # how the process ended, when not by a clean exit 0
-        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-"))
+        self.dir = temp_dir("chatgate-e2e-")
         self.log_path = self.dir / "gateway.log"
         self.config_path = None
 
@@ -376,7 +385,7 @@ async def gateway_exit(config=None, args=(), env=None, timeout=10.0):
     """Run the gateway with `config` (a dict or a string, written to a file) and `args`,
     expecting it to exit on its own (a configuration mistake): (exit status, stdout + stderr,
     the config file's path). Fails if it is still running after `timeout` seconds."""
-    directory = Path(tempfile.mkdtemp(prefix="chatgate-e2e-cfg-"))
+    directory = temp_dir("chatgate-e2e-cfg-")
     cmd = [str(_options.gateway), "--listen", f"127.0.0.1:{free_port()}"]
     path = None
     if config is not None:
@@ -1699,7 +1708,7 @@ class Nutcracker:
 
     def __init__(self, redis_ports):
         self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-nutcracker-"))
+        self.dir = temp_dir("chatgate-e2e-nutcracker-")
         self.log = self.dir / "nutcracker.log"
         servers = "".join(f"   - 127.0.0.1:{p}:1\n" for p in redis_ports)
         (self.dir / "nutcracker.yml").write_text(
@@ -1740,7 +1749,7 @@ class RedisServer:
     def __init__(self, port=None, password=None):
         self.port = port or free_port()
         self.password = password  # --requirepass; the inspection client AUTHs with it
-        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-redis-"))
+        self.dir = temp_dir("chatgate-e2e-redis-")
         self.log_path = self.dir / "redis.log"
         self.proc = None
         self.paused = False
@@ -1970,7 +1979,7 @@ def escape_id(ident):
 
 def empty_rules_dir():
     """A directory without rule files: the state tests drive state by directives only."""
-    path = Path(tempfile.mkdtemp(prefix="chatgate-e2e-norules-"))
+    path = temp_dir("chatgate-e2e-norules-")
     return str(path)
 
 
@@ -2218,12 +2227,9 @@ def run(main, timeout=100):
         for gw in _gateways:
             print(f"log of {gw.name}: {gw.log_path}")
     else:
-        for gw in _gateways:
-            with contextlib.suppress(OSError):
-                for p in gw.dir.iterdir():
-                    p.unlink()
-                gw.dir.rmdir()
         for rs in _redis_servers:
             rs.cleanup()
+        for path in _temp_dirs:
+            shutil.rmtree(path, ignore_errors=True)
     print(f"PASS {name} ({time.monotonic() - started:.1f}s)", flush=True)
     sys.exit(0)

@@ -24,9 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -54,7 +52,7 @@ class HAProxy:
 
     def __init__(self, gateway_ports):
         self.port = harness.free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-haproxy-"))
+        self.dir = harness.temp_dir("chatgate-e2e-haproxy-")
         self.socket = self.dir / "admin.sock"
         text = EXAMPLE.read_text()
         for old, new in ((EXAMPLE_BIND, f"bind 127.0.0.1:{self.port}"), (EXAMPLE_SOCKET, str(self.socket))) + \

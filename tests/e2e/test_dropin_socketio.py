@@ -50,7 +50,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -178,7 +177,7 @@ class NodeProc:
         self.env = dict(env)
         self.modules = modules
         self.parse = parse
-        self.dir = Path(tempfile.mkdtemp(prefix=f"chatgate-e2e-{name}-"))
+        self.dir = harness.temp_dir(f"chatgate-e2e-{name}-")
         self.log_path = self.dir / f"{name}.log"
         self.lines = []          # parsed stdout lines, in order
         self.proc = None
@@ -369,7 +368,7 @@ class Nginx:
 
     def __init__(self, app_port, gateway_port):
         self.port = harness.free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-e2e-nginx-"))
+        self.dir = harness.temp_dir("chatgate-e2e-nginx-")
         self.dir.chmod(0o755)  # nginx's workers (nobody, when run as root) use the temp paths
         text = EXAMPLE.read_text()
         for old, new in ((EXAMPLE_LISTEN, f"listen 127.0.0.1:{self.port};"),

@@ -27,7 +27,7 @@ import struct
 import time
 
 import harness
-from harness import Client, Gateway, check, independent, step
+from harness import Gateway, check, independent, step
 from dropin_app import ChatApp
 from test_dropin import (FLIGHT1, FLIGHT2, WANT2, ENV, chatgate_of, config, connect, login, reply, short,
                          shorts, wait_say)

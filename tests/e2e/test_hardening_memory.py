@@ -18,8 +18,6 @@ Covers:
 """
 
 import asyncio
-import tempfile
-from pathlib import Path
 
 import harness
 from harness import Client, check, independent, step
@@ -133,7 +131,7 @@ rule big_one
 
 
 async def part_params_cap():
-    rules = Path(tempfile.mkdtemp(prefix="chatgate-e2e-rules-"))
+    rules = harness.temp_dir("chatgate-e2e-rules-")
     (rules / "10-two.rules").write_text(TWO_SERVICE_RULES)
     async with harness.Gateway(["--rules", rules], config(params_cap=64), name="gateway-cap") as gw:
         client = await Client.connect(gw)

@@ -37,10 +37,8 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 import urllib.parse
-from pathlib import Path
 
 import harness
 from harness import Client, check, check_turn_done, independent, step
@@ -648,7 +646,7 @@ int getaddrinfo(const char *node, const char *service, const struct addrinfo *hi
 async def part_resolve(app, rules):
     cc = shutil.which("cc") or shutil.which("gcc")
     check(cc is not None, "no C compiler for the getaddrinfo shim")
-    work = Path(tempfile.mkdtemp(prefix="chatgate-e2e-gai-"))
+    work = harness.temp_dir("chatgate-e2e-gai-")
     (work / "gai.c").write_text(GAI_SHIM)
     build = await asyncio.to_thread(subprocess.run, [cc, "-shared", "-fPIC", "-O1", "-o", str(work / "gai.so"),
                                                      str(work / "gai.c"), "-ldl"], capture_output=True, text=True)

@@ -41,9 +41,7 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import websockets
 
@@ -485,7 +483,7 @@ async def part_admin_path_ids():
         problems = []  # every id is checked, then one failure lists what went wrong
         with step("admin ids: GET /admin/dialogs/{user}/{room} of each addresses exactly that dialog"):
             requests = [(user, room, dialog_path(user, room)) for user, room in dialogs]
-            requests.append(("a", "r", f"/admin/dialogs?user=a&room=r"))  # the query form for plain ids too
+            requests.append(("a", "r", "/admin/dialogs?user=a&room=r"))  # the query form for plain ids too
             # the path form with a "/" inside an id is refused, never read as another dialog
             for path in (f"/admin/dialogs/a/{esc('b/r')}", f"/admin/dialogs/{esc('a/b')}/r"):
                 status, body, _ = await http(gw.http_url + path, "GET", AUTH)
@@ -584,7 +582,7 @@ async def part_admin_listener():
 
 
 async def part_admin_reload_broken():
-    rules = Path(tempfile.mkdtemp(prefix="chatgate-e2e-ops-rules-"))
+    rules = harness.temp_dir("chatgate-e2e-ops-rules-")
     for f in SHIPPED.glob("*.rules"):
         shutil.copy(f, rules / f.name)
     env = {"CHATGATE_NOW": NOW, "CHATGATE_ADMIN_TOKEN": TOKEN}

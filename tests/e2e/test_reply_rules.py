@@ -20,7 +20,6 @@ number in the message reaches the gateway split across several deltas.
 import asyncio
 import os
 import shutil
-import tempfile
 
 import harness
 from harness import Client, Gateway, check, independent, step
@@ -29,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def rules_dir():
-    d = tempfile.mkdtemp(prefix="chatgate-reply-rules-")
+    d = str(harness.temp_dir("chatgate-reply-rules-"))
     for src in (os.path.join(ROOT, "rules"), os.path.join(ROOT, "examples", "reply-rules")):
         for name in os.listdir(src):
             if name.endswith(".rules"):

@@ -54,7 +54,6 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -96,7 +95,7 @@ def rule_set(directory):
 
 
 def copy_rules(prefix):
-    path = Path(tempfile.mkdtemp(prefix=f"chatgate-e2e-{prefix}-"))
+    path = harness.temp_dir(f"chatgate-e2e-{prefix}-")
     for f in SHIPPED.glob("*.rules"):
         shutil.copy(f, path / f.name)
     return path
@@ -528,7 +527,7 @@ async def part_reload_queued():
 
 
 async def part_label_escaping():
-    odd = Path(tempfile.mkdtemp(prefix="chatgate-e2e-rules-odd-"))
+    odd = harness.temp_dir("chatgate-e2e-rules-odd-")
     name = '90-say "hi" \\ there.rules'
     (odd / name).write_text("rule odd_one\n  match   ^odd$\n  do      route app\n")
     try:

@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import harness
@@ -49,13 +48,6 @@ TOKEN = "replay-admin-token-5678"
 USER = "replay-user"
 
 _binary = [None]  # the chatgate binary under test (--gateway)
-_temp_dirs = []  # removed at the end of main
-
-
-def temp_dir(prefix):
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    _temp_dirs.append(path)
-    return path
 
 
 def transcript_files():
@@ -81,7 +73,7 @@ def at(name, dialog, text):
 
 def rules_copy(change=None, extra=None):
     """A copy of the shipped rules/ with one change: change = (file, old text, new text)."""
-    path = temp_dir("chatgate-replay-rules-")
+    path = harness.temp_dir("chatgate-replay-rules-")
     for f in SHIPPED.glob("*.rules"):
         shutil.copy(f, path / f.name)
     if change:
@@ -266,7 +258,7 @@ BAD_LINES = [  # (the bad line, what the message says)
 
 
 async def part_malformed():
-    directory = temp_dir("chatgate-replay-bad-")
+    directory = harness.temp_dir("chatgate-replay-bad-")
     good = transcript_files()[0]
     with step("a malformed line: exit 2, file:line, nothing replayed (a good transcript first)"):
         for i, (bad, says) in enumerate(BAD_LINES):
@@ -306,7 +298,7 @@ async def part_admin_export():
     """A dialog recorded by a live gateway, exported, replayed like its JSON lines."""
     trip = [(n, o) for n, o in read_lines(TRANSCRIPTS / "flights.jsonl") if o["dialog"] == "trip"]
     texts = [o["text"] for _, o in trip if o.get("role", "user") == "user"]
-    directory = temp_dir("chatgate-replay-export-")
+    directory = harness.temp_dir("chatgate-replay-export-")
     env = {"CHATGATE_NOW": NOW, "CHATGATE_ADMIN_TOKEN": TOKEN}
     args = ["--rules", SHIPPED, "--auth", "header", "--user-header", "X-User-Id"]
     config = harness.make_config({"demo": harness.demo_upstream(0)}, "demo", store="memory",
@@ -355,7 +347,7 @@ async def part_admin_export():
                 check(dialog == f"{USER}/trip" and where == f"{export} history[{2 * (turn - 1)}]",
                       f"an export's turn is named by its history entry and USER/ROOM: {where} dialog {dialog}")
     with step("what replay says the shipped rules decide is what the live gateway acknowledged"):
-        empty = temp_dir("chatgate-replay-norules-")
+        empty = harness.temp_dir("chatgate-replay-norules-")
         rc, out, err = await replay("--old", empty, "--new", SHIPPED, export)
         blocks, _ = parse_output(out)
         by_turn = {turn: fields for _, turn, _, fields in blocks.values()}
@@ -377,13 +369,9 @@ async def part_admin_export():
 
 async def main(args):
     _binary[0] = args.gateway
-    try:
-        for part in (part_same_rules(), part_cancel_phrase_dropped(), part_params_rule_changed(),
-                     part_route_rule_added(), part_malformed(), part_admin_export()):
-            await independent(part)
-    finally:
-        for path in _temp_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+    for part in (part_same_rules(), part_cancel_phrase_dropped(), part_params_rule_changed(),
+                 part_route_rule_added(), part_malformed(), part_admin_export()):
+        await independent(part)
 
 
 if __name__ == "__main__":

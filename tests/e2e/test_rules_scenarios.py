@@ -46,9 +46,7 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import harness
 from harness import Client, check, context_command, independent, step
@@ -90,18 +88,9 @@ def rules_config(upstreams, default, **extra):
     return cfg
 
 
-_temp_dirs = []  # removed at the end of main
-
-
-def temp_dir(prefix):
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    _temp_dirs.append(path)
-    return path
-
-
 def rules_copy(extra=None):
     """A temporary copy of the shipped rules/, plus `extra` {file name: text}."""
-    path = temp_dir("chatgate-e2e-rules-")
+    path = harness.temp_dir("chatgate-e2e-rules-")
     for f in SHIPPED.glob("*.rules"):
         shutil.copy(f, path / f.name)
     for name, text in (extra or {}).items():
@@ -537,7 +526,7 @@ BROKEN = {
 
 def broken_dir(kind, with_shipped=False):
     name, text, _, _ = BROKEN[kind]
-    path = rules_copy() if with_shipped else temp_dir("chatgate-e2e-badrules-")
+    path = rules_copy() if with_shipped else harness.temp_dir("chatgate-e2e-badrules-")
     (path / name).write_text(text)
     return path
 
@@ -649,11 +638,7 @@ async def part_reload(app):
 
 
 async def main(args):
-    try:
-        await scenarios()
-    finally:
-        for path in _temp_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+    await scenarios()
 
 
 async def scenarios():

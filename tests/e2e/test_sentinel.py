@@ -21,11 +21,7 @@ nothing: the gateway must try the next Sentinel).
 """
 
 import asyncio
-import re
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import harness
 from harness import Client, check, independent, step

@@ -42,7 +42,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -104,7 +103,7 @@ class MockLLM:
         self.main = modules / "@dwmkerr" / "mock-llm" / "dist" / "main.js"
         self.key = key
         self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="chatgate-mockllm-"))
+        self.dir = harness.temp_dir("chatgate-mockllm-")
         self.log_path = self.dir / "mock-llm.log"
         self.proc = None
 
