@@ -25,13 +25,11 @@ static void unlink_item(cg_flush_item *it)
     it->pprev = NULL;
 }
 
-void cg_flush_request(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
-
 /* Calls the item's flush; at an event's end, an item that waits for the iteration's end
  * (cg_flush_request_event) is registered for it instead. */
 static void call(cg_flusher *f, cg_flush_item *it)
 {
-    if (f->serving && ((it->owner && it->owner == f->serving) || (it->after_first && f->first)))
+    if (f->serving && (it->owner == f->serving || (it->after_first && f->first)))
         cg_flush_request(f, it, it->flush);
     else
         it->flush(it);
