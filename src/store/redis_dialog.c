@@ -420,10 +420,12 @@ static int gated(redis_store *rs, cg_store_req *r)
  * dialog's last (KEYS[7]: given the dialog's lifetime, ARGV[3], when INCR makes it, and
  * renewed with the dialog's keys by a save), for ARGV[2] ms. The answer is the
  * lease ("" when none was asked), then the five parts (GET's nil comes back as nil); or,
- * when ARGV[4] names the rev of the copy this gateway holds and Redis's copy is that one
- * (its hash still there), the lease, "same" and the number of params and of history
- * messages Redis holds (the gateway checks its copy against them: a part that lapsed or was
- * evicted in Redis alone).
+ * when ARGV[4] names the rev of the copy this gateway holds and Redis's copy is that one,
+ * the lease and "same". Redis's copy is that one when its params hash has that rev, its
+ * dialog hash is there, and its history list is there when the copy has messages (ARGV[5]
+ * "1"; "0" when it has none): a part that lapsed or was evicted in Redis alone. The params
+ * hash and the list are not counted: only a save writes them, and it writes a new rev with
+ * them (counting them was two calls of the load's eight; issue 12).
  */
 static const char load_script[] =
     "local lease = ''\n"
@@ -438,8 +440,9 @@ static const char load_script[] =
     "  redis.call('SET', KEYS[6], lease, 'PX', ARGV[2])\n"
     "  redis.call('DEL', KEYS[8])\n"
     "end\n"
-    "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] and redis.call('EXISTS', KEYS[2]) == 1 then\n"
-    "  return {lease, 'same', redis.call('HLEN', KEYS[1]) - 1, redis.call('LLEN', KEYS[5])}\n"
+    "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] and\n"
+    "   (ARGV[5] == '1' and redis.call('EXISTS', KEYS[2], KEYS[5]) == 2 or ARGV[5] == '0' and redis.call('EXISTS', KEYS[2]) == 1) then\n"
+    "  return {lease, 'same'}\n"
     "end\n"
     "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
     "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}\n";
@@ -636,31 +639,29 @@ static json_t *lease_held(const char *lease, size_t len, uint64_t now)
 
 static void send_load(redis_store *rs, cg_store_req *r);
 
-/* Number of params of d, as Redis keeps them (a field per service and name). */
-static size_t params_count(const cg_dialog *d)
+/* Number of params (a dialog's), as Redis keeps them (a field per service and name). */
+static size_t params_count(json_t *params)
 {
     const char *service;
     json_t *names;
     size_t n = 0;
-    json_object_foreach(d->params, service, names) n += json_object_size(names);
+    json_object_foreach(params, service, names) n += json_object_size(names);
     return n;
 }
 
 /*
  * Redis answered "same" (load_script): d is filled from the gateway's copy and 1 returned,
- * or 0 when that copy is no longer the one asked about, or does not hold what Redis
- * counts; r then loads in full.
+ * or 0 when that copy is no longer the one asked about, or no longer holds what it held
+ * when asked (a part of it lapsed meanwhile); r then loads in full.
  */
 static int load_cached(redis_store *rs, cg_store_req *r, redisReply *reply, int64_t now, cg_dialog *d)
 {
     const char *rev = cg_memstore_rev(rs->mem, r->key, now);
-    if (reply->elements != 4 || reply->element[2]->type != REDIS_REPLY_INTEGER ||
-        reply->element[3]->type != REDIS_REPLY_INTEGER || !rev || strcmp(rev, r->rev) != 0)
+    if (reply->elements != 2 || !rev || strcmp(rev, r->rev) != 0)
         return 0;
     if (!cg_memstore_get(rs->mem, r->key, now, d))
         return 0;
-    if (params_count(d) == (size_t)reply->element[2]->integer &&
-        json_array_size(d->history) == (size_t)reply->element[3]->integer)
+    if (params_count(d->params) == r->copy_params && json_array_size(d->history) == r->copy_history)
         return 1;
     cg_dialog_free(d);
     return 0;
@@ -737,15 +738,20 @@ static void send_load(redis_store *rs, cg_store_req *r)
 {
     /* the rev of the copy this gateway holds, if Redis may answer "same" (a turn's load:
      * one without the lease is an admin's read, rare, and reads everything) */
-    const char *rev = r->lease && !r->full ? cg_memstore_rev(rs->mem, r->key, rs->base.now(rs->base.clock_ctx)) : NULL;
+    cg_memstore_view v = {0};
+    if (r->lease && !r->full)
+        (void)cg_memstore_view_of(rs->mem, r->key, rs->base.now(rs->base.clock_ctx), &v);
     free(r->rev);
-    r->rev = rev ? cg_redis_xstrdup(rev) : NULL;
+    r->rev = v.rev ? cg_redis_xstrdup(v.rev) : NULL;
+    r->copy_params = params_count(v.params);
+    r->copy_history = json_array_size(v.history);
     argv_buf a = {0};
     arg_script(rs, &a, S_LOAD, r->eu, r->er);
     arg_str(&a, r->lease ? rs->holder : "");
     arg_int(&a, (long long)rs->base.cfg.lease_ms);
     arg_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s);
     arg_str(&a, r->rev ? r->rev : "");
+    arg_str(&a, r->copy_history ? "1" : "0");
     send_last_script(rs, S_LOAD, &a, on_load_reply, r);
     argv_free(&a);
 }
@@ -1313,7 +1319,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     arg_expiring(&a, d->soft, d->soft_expires, now, &longest);
     const char *service, *name;
     json_t *names, *value;
-    arg_int(&a, params_same ? -1 : (long long)params_count(d));
+    arg_int(&a, params_same ? -1 : (long long)params_count(d->params));
     arg_str(&a, r->lease_value ? r->lease_value : "");
     arg_str(&a, r->er);
     arg_int(&a, (long long)longest);

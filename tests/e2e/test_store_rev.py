@@ -30,7 +30,7 @@ state app (harness FakeApp /state, no rules):
 - an awaiting state and soft context cleared by an appending save are deleted in Redis, and
   a save appending to a copy that had neither does not delete them again.
 Checked by breaking the code: without the load's rev check the two-gateway part fails,
-without its count of history messages the lapsed-history part, without its check of the
+without its check that the history list is there the lapsed-history part, without its check of the
 dialog's hash the hash part, without the save's rev check the first mid-turn part and
 without its count of messages the second (the list holds 2 messages); without the copy the
 counts do; renewing at every save fails the first lifetimes part, renewing the dialog's hash
@@ -279,7 +279,8 @@ async def part_lifetimes(app, redis, rules):
 
 async def part_parts_deleted(app, redis, rules):
     with step("an awaiting state and soft context set, then cleared: Redis's keys go with them, "
-              "and turns with neither delete nothing more (two DELs a turn: cancel flag, lease)"):
+              "and turns with neither delete nothing more (two DELs a turn: cancel flag, lease); "
+              "their loads, answered 'same', count nothing (no HLEN; one LLEN a turn: the save's)"):
         async with harness.Gateway(args(rules), config(app, redis), name="gw-parts") as gw:
             c = await connect(gw, "parts")
             awaiting = {"type": "selection", "options": [{"name": "KQ100"}], "ttl": 60}
@@ -293,13 +294,20 @@ async def part_parts_deleted(app, redis, rules):
                 ok = await harness.wait_until(lambda: redis.command("EXISTS", key) == 0, 3)
                 check(ok, f"the {part} key should be deleted by the save that cleared it")
             await turn(c, app, "parts-warm", "warm", "r")
-            before = redis.info_commandstats().get("del", {}).get("calls", 0)
+            def calls():
+                stats = redis.info_commandstats()
+                return {cmd: stats.get(cmd, {}).get("calls", 0) for cmd in ("del", "hlen", "llen")}
+            cached, before = store_counts(gw)[0], calls()
             for k in range(5):
                 await turn(c, app, f"parts-n{k}", f"plain {k}", "r")
             await asyncio.sleep(0.3)  # the last save lands after its done
-            dels = redis.info_commandstats().get("del", {}).get("calls", 0) - before
-            check(dels == 10, f"5 turns with neither should make 10 DELs (the load's of a cancel flag, the "
-                              f"save's of the lease), made {dels}")
+            made = {cmd: n - before[cmd] for cmd, n in calls().items()}
+            check(made["del"] == 10, f"5 turns with neither should make 10 DELs (the load's of a cancel flag, the "
+                                     f"save's of the lease), made {made['del']}")
+            check(store_counts(gw)[0] - cached == 5, f"the 5 loads were answered 'same': {store_counts(gw)}")
+            check(made["hlen"] == 0 and made["llen"] == 5,
+                  f"5 loads answered 'same' should count nothing in Redis (no HLEN), and their 5 appending "
+                  f"saves check the list's length (5 LLENs): {made}")
             check(store_counts(gw)[1] >= 7, f"those saves appended: {store_counts(gw)}")
             await c.close()
 

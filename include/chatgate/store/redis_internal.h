@@ -66,6 +66,8 @@ struct cg_store_req {
     char *lease_value; /* save: the lease this save must still hold ("holder fence"), or NULL */
     char *rev;         /* load: the rev of the gateway's copy it asked Redis about, or NULL;
                         * save: the rev it writes (docs/state.md, "The gateway's copy") */
+    size_t copy_params, copy_history; /* load: what that copy held when asked about (its
+                                       * params, its history messages) */
     int full;          /* load: reads everything, whatever the gateway holds; save: rewrites
                         * the whole history (its append was refused) */
     int appended;      /* save: sent only the history's new messages */
