@@ -190,16 +190,23 @@ void cg_jsonw_json(cg_jsonw *w, json_t *v)
         json_value(w, v, 0);
 }
 
-void cg_jsonw_int(cg_jsonw *w, long long n)
+size_t cg_int_text(char *end, long long n)
 {
-    char num[24], *p = num + sizeof(num);
+    char *p = end;
     unsigned long long u = n < 0 ? 0ULL - (unsigned long long)n : (unsigned long long)n;
     do
         *--p = (char)('0' + u % 10);
     while (u /= 10);
     if (n < 0)
         *--p = '-';
-    cg_jsonw_raw(w, p, (size_t)(num + sizeof(num) - p));
+    return (size_t)(end - p);
+}
+
+void cg_jsonw_int(cg_jsonw *w, long long n)
+{
+    char num[24];
+    size_t len = cg_int_text(num + sizeof(num), n);
+    cg_jsonw_raw(w, num + sizeof(num) - len, len);
 }
 
 /* ,"name": */

@@ -1091,7 +1091,6 @@ static void store_free(redis_store *rs)
     json_decref(rs->leases);
     json_decref(rs->saving);
     json_decref(rs->recent);
-    free(rs->cmd_buf);
     free(rs->host);
     free(rs->password);
     free(rs->address);

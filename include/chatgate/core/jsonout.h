@@ -77,6 +77,8 @@ void cg_jsonw_str(cg_jsonw *w, const char *s, size_t len);
 void cg_jsonw_json(cg_jsonw *w, json_t *v);
 /* Appends n as a JSON number. */
 void cg_jsonw_int(cg_jsonw *w, long long n);
+/* n in decimal, written backwards to end just before end (at most 20 bytes); its length. */
+size_t cg_int_text(char *end, long long n);
 /* Members after an object's first: ,"name":value, name being a key that needs no escape.
  * A NULL string is null; a NULL JSON value is `empty` ("null", "{}" or "[]"). */
 void cg_jsonw_member_str(cg_jsonw *w, const char *name, const char *value);

@@ -134,8 +134,6 @@ struct redis_store {
     json_t *recent;         /* key -> {"u","r","t"}: dialogs saved in the last seconds, oldest
                              * first: rewritten to a new primary (the old one may have taken
                              * them after the new one was promoted) */
-    char *cmd_buf;          /* the buffer commands are framed in (redis_dialog.c, send_formatted) */
-    size_t cmd_cap;
 };
 
 static inline char *cg_redis_xstrdup(const char *s)
