@@ -305,12 +305,13 @@ static int compile_rule(parse_ctx *p, rule *r)
     }
     /* without JIT (unsupported CPU) it still runs; a reply rule is also matched partially
      * (rules_reply.c: a match that may go on in the next delta) */
-    pcre2_jit_compile(r->re, PCRE2_JIT_COMPLETE | (r->on_reply ? PCRE2_JIT_PARTIAL_HARD : 0));
+    r->jit = pcre2_jit_compile(r->re, PCRE2_JIT_COMPLETE | (r->on_reply ? PCRE2_JIT_PARTIAL_HARD : 0)) == 0;
     if (ascii_equivalent(r->pattern)) {
         r->re_ascii = pcre2_compile((PCRE2_SPTR)r->pattern, PCRE2_ZERO_TERMINATED, opts & ~(PCRE2_UTF | PCRE2_UCP),
                                     &code, &off, NULL);
         if (r->re_ascii)
-            pcre2_jit_compile(r->re_ascii, PCRE2_JIT_COMPLETE | (r->on_reply ? PCRE2_JIT_PARTIAL_HARD : 0));
+            r->jit_ascii =
+                pcre2_jit_compile(r->re_ascii, PCRE2_JIT_COMPLETE | (r->on_reply ? PCRE2_JIT_PARTIAL_HARD : 0)) == 0;
     }
     /* a `type` must name a group of the pattern */
     for (int i = 0; i < r->n_types; i++)

@@ -82,6 +82,7 @@ typedef struct rule {
      * the cost; NULL when the pattern has a character past ASCII outside a [class]
      * (rules_parse.c, ascii_equivalent) */
     pcre2_code *re_ascii;
+    int jit, jit_ascii; /* re and re_ascii were JIT-compiled (not on every CPU) */
     int has_do;
     rule_action action;
     char arg[512];
