@@ -300,7 +300,9 @@ async def part_parts_deleted(app, redis, rules):
             cached, before = store_counts(gw)[0], calls()
             for k in range(5):
                 await turn(c, app, f"parts-n{k}", f"plain {k}", "r")
-            await asyncio.sleep(0.3)  # the last save lands after its done
+            # the last save lands after its done: wait for it (a loaded machine may take a while)
+            await harness.wait_until(lambda: calls()["del"] - before["del"] >= 10, 5)
+            await asyncio.sleep(0.2)  # anything more would have come by now
             made = {cmd: n - before[cmd] for cmd, n in calls().items()}
             check(made["del"] == 10, f"5 turns with neither should make 10 DELs (the load's of a cancel flag, the "
                                      f"save's of the lease), made {made['del']}")
