@@ -58,10 +58,11 @@ static void on_room_list(redisAsyncContext *ac, void *reply_, void *priv);
 /* ---- building commands ----------------------------------------------------------------- */
 
 /*
- * One command, written as RESP as its arguments come: each argument's bytes go into the
- * buffer, then move up by the few bytes of their "$<length>\r\n", which go in front, and the
- * "*<count>\r\n" goes into the headroom before the first when the command is sent, so hiredis
- * is handed the buffer as it is (redisAsyncFormattedCommand, which copies it). Building each
+ * One command, written as RESP as its arguments come: an argument whose length is known
+ * (a string, a key, a number) gets its "$<length>\r\n" first; one known only once written (a
+ * JSON value) moves up by those few bytes, which then go in front. The "*<count>\r\n" goes
+ * into the headroom before the first when the command is sent, so hiredis is handed the
+ * buffer as it is (redisAsyncFormattedCommand, which copies it). Building each
  * argument in its own malloc'd string (asprintf for keys and numbers, json_dumps for values)
  * and letting hiredis format them (sdscatfmt per argument) was a quarter of a Redis turn's
  * instructions; writing the arguments into a list and framing them as RESP in a second pass,
@@ -1005,9 +1006,9 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * incarnation, or any newer write, would have written another rev. So only a rewrite reads
  * them (an append to another incarnation gets -3, and its rewrite then 0).
  * Kept cheap for Redis, whose time this script is half of (issue 12): the lease is compared
- * whole first (still this save's, the common case) and taken apart only when it differs; no
- * closure or table is made for the common save (usage and a service both there); an append
- * trims the list only when it would hold more than ARGV[23].
+ * whole first (still this save's, the common case) and taken apart only when it differs; the
+ * common save (usage and a service both there) makes no table, and no closure but save();
+ * an append trims the list only when it would hold more than ARGV[23].
  */
 static const char save_script[] =
     "if ARGV[17] ~= '' then\n"
