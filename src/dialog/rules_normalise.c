@@ -95,14 +95,14 @@ int cg_normalise_date(const char *in, int64_t now, char out[11])
     time_t tt = (time_t)now;
     struct tm today;
     localtime_r(&tt, &today);
-    int64_t midnight = day_start(today.tm_year + 1900, today.tm_mon + 1, today.tm_mday);
+    int ty = today.tm_year + 1900, tmon = today.tm_mon + 1, tday = today.tm_mday;
     static const struct { const char *word; int days; } relative[] = {
         {"today", 0}, {"tonight", 0}, {"tomorrow", 1}, {"day after tomorrow", 2}, {"the day after tomorrow", 2},
         {"next week", 7}, {"in a week", 7},
     };
     for (size_t i = 0; i < sizeof(relative) / sizeof(relative[0]); i++)
         if (strcmp(t, relative[i].word) == 0) {
-            format_date(midnight + relative[i].days * 86400, out);
+            format_date(day_start(ty, tmon, tday) + relative[i].days * 86400, out);
             return 0;
         }
     int y, m, d;
@@ -144,11 +144,12 @@ int cg_normalise_date(const char *in, int64_t now, char out[11])
     }
     if (!d || !m)
         return -1;
-    if (!y) { /* the next such date on or after today */
-        y = today.tm_year + 1900;
-        if (!valid_day(y, m, d) || day_start(y, m, d) < midnight)
+    if (!y) { /* the next such date on or after today (compared as dates: mktime, twice a
+               * message with a date, was a twentieth of the rules' time; issue 12) */
+        y = ty;
+        if (!valid_day(y, m, d) || m < tmon || (m == tmon && d < tday))
             y++;
-        while (!valid_day(y, m, d) && y < today.tm_year + 1900 + 8)
+        while (!valid_day(y, m, d) && y < ty + 8)
             y++; /* 29 February */
     }
     if (!valid_day(y, m, d))
