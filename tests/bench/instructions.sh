@@ -29,14 +29,7 @@ binaries=("$@")
 for tool in valgrind callgrind_control callgrind_annotate curl; do
 	command -v $tool >/dev/null || { echo "$0: $tool is needed (apt-get install valgrind curl)" >&2; exit 1; }
 done
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-	wait 2>/dev/null
-	rm -rf "$tmp"
-}
-trap cleanup EXIT
+bench_workdir instructions
 
 app_port=$(pick_free_port) || exit 1
 "$build/tests/bench/app_backend" --port "$app_port" >"$tmp/app.log" 2>&1 &
@@ -50,9 +43,7 @@ if [ "$kind" = full ]; then
 	pids+=($!)
 	rules=$repo/rules store=redis://127.0.0.1:$redis_port
 fi
-cat >"$tmp/chatgate.json" <<EOF
-{"upstreams":{"app":{"url":"ws://127.0.0.1:$app_port/app"}},"rate_limit":{"messages_per_second":1000000,"burst":1000000}}
-EOF
+bench_config "$app_port" >"$tmp/chatgate.json"
 
 status=0
 for bin in "${binaries[@]}"; do

@@ -1,7 +1,12 @@
 # shellcheck shell=bash
-# tests/bench/ports.sh: sourced by the bench scripts (run.sh, compare.sh, scaleout.sh).
+# tests/bench/ports.sh: sourced by the bench scripts (run.sh, compare.sh, scaleout.sh,
+# instructions.sh, script_cost.sh).
 # port_is_open PORT: something accepts on 127.0.0.1:PORT.
 # pick_free_port: prints a port nothing listens on (20000-59999); 1 when 50 tries found none.
+# bench_workdir NAME: makes $tmp, a new directory for NAME's files, and an empty $pids; at
+#   exit, every process in $pids is stopped and $tmp removed (unless the trap is reset).
+# bench_config APP_PORT: prints a gateway config with app_backend on APP_PORT as its ws://
+#   upstream "app", and no rate limit a benchmark would meet.
 
 port_is_open() {
 	(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
@@ -17,4 +22,21 @@ pick_free_port() {
 		fi
 	done
 	return 1
+}
+
+bench_workdir() {
+	tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_$1.XXXXXX") || exit 1
+	pids=()
+	trap bench_cleanup EXIT
+}
+
+# shellcheck disable=SC2317  # called through the EXIT trap
+bench_cleanup() {
+	for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+	wait 2>/dev/null
+	rm -rf "$tmp"
+}
+
+bench_config() {
+	printf '{"upstreams":{"app":{"url":"ws://127.0.0.1:%s/app"}},"rate_limit":{"messages_per_second":1000000,"burst":1000000}}\n' "$1"
 }

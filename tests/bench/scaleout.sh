@@ -23,18 +23,11 @@ secs=${3:-10}
 gateway=${CHATGATE_BIN:-$build/chatgate}
 bench=$build/tests/bench/cg_bench
 [ -x "$gateway" ] && [ -x "$bench" ] || { echo "scaleout.sh: build chatgate and cg_bench first" >&2; exit 1; }
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_scaleout.XXXXXX")
-pids=()
-cleanup() {
-	for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-	wait 2>/dev/null
-	rm -rf "$tmp"
-}
-trap cleanup EXIT
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
 # shellcheck source=tests/bench/ports.sh
 . "$(dirname "$0")/ports.sh"
+bench_workdir scaleout
 
 start_redis() { # PORT
 	redis-server --port "$1" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" >"$tmp/redis-$1.log" 2>&1 &

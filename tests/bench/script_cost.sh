@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# What the gateway's Lua scripts cost Redis, away from the machine's noise: with the gateway
+# and Redis sharing a core (docs/state.md, "What the scripts cost Redis"), every µs of
+# Redis's time a turn is one the gateway waits, and the benchmark's own figures move too
+# much to see a change of a tenth.
+#
+#   tests/bench/script_cost.sh BUILD_DIR [BINARY...]
+#
+# For each binary (default BUILD_DIR/chatgate): app_backend, a redis-server and the gateway
+# (the shipped rules/, Redis store) on free ports; cg_bench runs one connection for 3 s
+# while `redis-cli monitor` records; then the recorded script commands are replayed,
+# pipelined, into a fresh redis-server (resp_replay.py), whose INFO commandstats gives the
+# scripts' time. The replay is run three times, each into a new server, and the best is
+# kept. Prints one line a binary:
+#   SCRIPTS binary=... turns=N usec_per_script=X calls_per_turn=Y
+# (turns: the save scripts replayed; calls_per_turn: the Redis commands the scripts ran, per
+# turn). Compare binaries in one run: the figures still move by a tenth between sittings.
+# Needs redis-server, redis-cli (Debian's redis-server and redis-tools), curl and python3.
+set -u
+. "$(dirname "$0")/ports.sh"
+
+if [ $# -lt 1 ]; then
+	echo "usage: $0 BUILD_DIR [BINARY...]" >&2
+	exit 2
+fi
+build=$(cd "$1" && pwd)
+shift
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+binaries=("$@")
+[ ${#binaries[@]} = 0 ] && binaries=("$build/chatgate")
+for tool in redis-server redis-cli curl python3; do
+	command -v $tool >/dev/null || { echo "$0: $tool is needed (apt-get install redis-server redis-tools curl python3)" >&2; exit 1; }
+done
+bench_workdir script_cost
+
+# start NAME PORT COMMAND...: runs COMMAND in the background and waits for PORT to accept
+start() {
+	local name=$1 port=$2
+	shift 2
+	"$@" >"$tmp/$name.log" 2>&1 &
+	pids+=($!)
+	for _ in $(seq 100); do port_is_open "$port" && return 0; sleep 0.05; done
+	echo "$0: $name did not start on port $port (see its log: $*)" >&2
+	cat "$tmp/$name.log" >&2
+	exit 1
+}
+
+app_port=$(pick_free_port) || exit 1
+start app "$app_port" "$build/tests/bench/app_backend" --port "$app_port"
+bench_config "$app_port" >"$tmp/chatgate.json"
+
+status=0
+for bin in "${binaries[@]}"; do
+	redis_port=$(pick_free_port) || exit 1
+	start redis "$redis_port" redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp"
+	redis=${pids[-1]}
+	port=$(pick_free_port) || exit 1
+	start gateway "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" --rules "$repo/rules" \
+		--store "redis://127.0.0.1:$redis_port"
+	gw=${pids[-1]}
+	for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+	redis-cli -p "$redis_port" monitor >"$tmp/monitor.txt" 2>&1 &
+	monitor=$!
+	sleep 0.3
+	"$build/tests/bench/cg_bench" --url "ws://127.0.0.1:$port/ws" --connections 1 --duration 3 >"$tmp/bench.out" 2>&1
+	sleep 0.5
+	kill $monitor $gw $redis 2>/dev/null
+	wait $monitor $gw $redis 2>/dev/null
+	best= calls= turns=
+	for _ in 1 2 3; do
+		replay_port=$(pick_free_port) || exit 1
+		start replay "$replay_port" redis-server --port "$replay_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp"
+		replay=${pids[-1]}
+		if ! python3 "$here/resp_replay.py" "$tmp/monitor.txt" "$replay_port" >"$tmp/replay.out" 2>&1; then
+			cat "$tmp/replay.out" >&2
+			kill $replay
+			status=1
+			break
+		fi
+		stats=$(redis-cli -p "$replay_port" info commandstats | tr -d '\r')
+		kill $replay
+		wait $replay 2>/dev/null
+		# cmdstat_<name>:calls=N,usec=N,usec_per_call=X,...: the scripts' own time, and the
+		# commands they ran (everything but the scripts, PING and INFO)
+		read -r u c n <<<"$(awk -F'[:,=]' '
+			/^cmdstat_(evalsha|eval):/ { scripts += $3; usec += $5 }
+			/^cmdstat_/ && !/^cmdstat_(evalsha|eval|ping|info):/ { inner += $3 }
+			END { printf "%.2f %d %d\n", scripts ? usec / scripts : 0, inner, scripts }' <<<"$stats")"
+		if [ "$n" -gt 0 ] && { [ -z "$best" ] || awk "BEGIN { exit !($u < $best) }"; }; then
+			best=$u calls=$c turns=$((n / 2))
+		fi
+	done
+	if [ -z "$best" ] || [ "$turns" -eq 0 ]; then
+		echo "SCRIPTS binary=$bin failed (no script was replayed; see $tmp, kept)" >&2
+		trap - EXIT
+		status=1
+		continue
+	fi
+	echo "SCRIPTS binary=$bin turns=$turns usec_per_script=$best calls_per_turn=$(awk "BEGIN { printf \"%.1f\", $calls / $turns }")"
+done
+exit $status
