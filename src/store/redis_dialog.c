@@ -106,19 +106,7 @@ static void arg_done(argv_buf *a)
         a->third = a->w.used;
 }
 
-/* Starts an argument of n bytes, which the caller writes, then calls arg_done. */
-static void arg_known(argv_buf *a, size_t n)
-{
-    if (!a->w.buf)
-        cg_jsonw_init(&a->w, ARGV_HEAD, 1024);
-    size_t d = digits(n);
-    if (a->w.used + d + 3 >= a->w.cap)
-        cg_jsonw_grow(&a->w, d + 3);
-    resp_line(a->w.buf + a->w.used, '$', n, d);
-    a->w.used += d + 3;
-}
-
-/* Starts an argument whose length is known only once written: where its bytes begin. */
+/* Starts an argument: where its bytes begin. */
 static size_t arg_begin(argv_buf *a)
 {
     if (!a->w.buf)
@@ -126,15 +114,29 @@ static size_t arg_begin(argv_buf *a)
     return a->w.used;
 }
 
-/* Ends the argument begun at start: moved up for its length line in front. */
-static void arg_end(argv_buf *a, size_t start)
+/* The length line "$<n>\r\n" of the argument that begins at start, written there; what is
+ * written of the argument already moves up behind it. */
+static void length_line(argv_buf *a, size_t start, size_t n)
 {
-    size_t n = a->w.used - start, d = digits(n);
+    size_t d = digits(n);
     if (a->w.used + d + 3 >= a->w.cap)
         cg_jsonw_grow(&a->w, d + 3);
-    memmove(a->w.buf + start + d + 3, a->w.buf + start, n);
+    if (a->w.used > start)
+        memmove(a->w.buf + start + d + 3, a->w.buf + start, a->w.used - start);
     resp_line(a->w.buf + start, '$', n, d);
     a->w.used += d + 3;
+}
+
+/* Starts an argument of n bytes, which the caller writes, then calls arg_done. */
+static void arg_known(argv_buf *a, size_t n)
+{
+    length_line(a, arg_begin(a), n);
+}
+
+/* Ends the argument begun at start (its length known only once written). */
+static void arg_end(argv_buf *a, size_t start)
+{
+    length_line(a, start, a->w.used - start);
     arg_done(a);
 }
 
@@ -189,9 +191,15 @@ static void put_key(argv_buf *a, const char *prefix, const char *eu, const char 
     cg_jsonw_raw(&a->w, part, strlen(part));
 }
 
+/* The length of put_key's key but its part: "<prefix>:{<eu>}:<er>:" or "<prefix>:{<eu>}:". */
+static size_t key_stem_len(const char *prefix, const char *eu, const char *er)
+{
+    return strlen(prefix) + 4 + strlen(eu) + (er ? strlen(er) + 1 : 0);
+}
+
 static void arg_key(argv_buf *a, const char *prefix, const char *eu, const char *er, const char *part)
 {
-    arg_known(a, strlen(prefix) + 4 + strlen(eu) + (er ? strlen(er) + 1 : 0) + strlen(part));
+    arg_known(a, key_stem_len(prefix, eu, er) + strlen(part));
     put_key(a, prefix, eu, er, part);
     arg_done(a);
 }
@@ -213,34 +221,22 @@ static void argv_free(argv_buf *a)
 static int send_formatted(redisAsyncContext *ac, argv_buf *a, const char *arg0, const char *arg1,
                           redisCallbackFn *fn, void *priv)
 {
-    char count[24], line[24];
-    size_t hl = digits((size_t)a->argc) + 3;
-    resp_line(count, '*', (size_t)a->argc, hl - 3);
     if (!a->w.buf || (arg0 && a->argc < 2))
         return REDIS_ERR;
-    if (!arg0) {
-        char *at = a->w.buf + a->w.pre - hl; /* hl < ARGV_HEAD: argc is an int */
-        memcpy(at, count, hl);
-        return redisAsyncFormattedCommand(ac, fn, priv, at, a->w.used - a->w.pre + hl);
+    if (arg0) { /* a command of its own: the two, then a's arguments after its second */
+        argv_buf b = {0};
+        arg_str(&b, arg0);
+        arg_str(&b, arg1);
+        cg_jsonw_raw(&b.w, a->w.buf + a->third, a->w.used - a->third);
+        b.argc = a->argc;
+        int rc = send_formatted(ac, &b, NULL, NULL, fn, priv);
+        argv_free(&b);
+        return rc;
     }
-    size_t n0 = strlen(arg0), n1 = strlen(arg1), rest = a->w.used - a->third;
-    cg_jsonw cmd;
-    cg_jsonw_init(&cmd, 0, hl + n0 + n1 + rest + 64);
-    cg_jsonw_raw(&cmd, count, hl);
-    resp_line(line, '$', n0, digits(n0));
-    cg_jsonw_raw(&cmd, line, digits(n0) + 3);
-    cg_jsonw_raw(&cmd, arg0, n0);
-    CG_JSONW_LIT(&cmd, "\r\n");
-    resp_line(line, '$', n1, digits(n1));
-    cg_jsonw_raw(&cmd, line, digits(n1) + 3);
-    cg_jsonw_raw(&cmd, arg1, n1);
-    CG_JSONW_LIT(&cmd, "\r\n");
-    cg_jsonw_raw(&cmd, a->w.buf + a->third, rest);
-    size_t len = 0;
-    char *text = cg_jsonw_end(&cmd, &len); /* bytes only: it cannot fail */
-    int rc = redisAsyncFormattedCommand(ac, fn, priv, text, len);
-    free(text);
-    return rc;
+    size_t hl = digits((size_t)a->argc) + 3;
+    char *at = a->w.buf + a->w.pre - hl; /* hl < ARGV_HEAD: argc is an int */
+    resp_line(at, '*', (size_t)a->argc, hl - 3);
+    return redisAsyncFormattedCommand(ac, fn, priv, at, a->w.used - a->w.pre + hl);
 }
 
 /* Returns 0, or -1 when hiredis refused the command (its context is being freed). */
@@ -299,26 +295,18 @@ static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "his
  */
 static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er)
 {
-    /* put_key's form, its stem "<prefix>:{<eu>}:<er>:" made once for the eight (two scripts a
-     * turn: measuring and copying the pieces again for every key was 3,700 instructions) */
-    const char *prefix = rs->base.cfg.prefix;
-    size_t np = strlen(prefix), nu = strlen(eu), nr = strlen(er), n = np + nu + nr + 5;
-    char stem[512];
-    if (n > sizeof(stem)) { /* long user ids and rooms, escaped */
-        for (int i = 0; i < N_PARTS; i++)
-            arg_key(a, prefix, eu, er, parts[i]);
-        return;
-    }
-    memcpy(stem, prefix, np);
-    memcpy(stem + np, ":{", 2);
-    memcpy(stem + np + 2, eu, nu);
-    memcpy(stem + np + 2 + nu, "}:", 2);
-    memcpy(stem + np + 4 + nu, er, nr);
-    stem[n - 1] = ':';
-    for (int i = 0; i < N_PARTS; i++) {
+    /* the first whole; the others copy its stem, "<prefix>:{<eu>}:<er>:" (two scripts a turn:
+     * measuring and copying the pieces again for every key was 3,700 instructions) */
+    arg_key(a, rs->base.cfg.prefix, eu, er, parts[0]);
+    size_t stem = key_stem_len(rs->base.cfg.prefix, eu, er);
+    size_t from = a->w.used - 2 - strlen(parts[0]) - stem; /* the first's bytes end at its CRLF */
+    for (int i = 1; i < N_PARTS; i++) {
         size_t pl = strlen(parts[i]);
-        arg_known(a, n + pl);
-        cg_jsonw_raw(&a->w, stem, n);
+        arg_known(a, stem + pl);
+        if (a->w.used + stem >= a->w.cap)
+            cg_jsonw_grow(&a->w, stem);
+        memcpy(a->w.buf + a->w.used, a->w.buf + from, stem); /* from lies before: no overlap */
+        a->w.used += stem;
         cg_jsonw_raw(&a->w, parts[i], pl);
         arg_done(a);
     }
