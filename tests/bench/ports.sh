@@ -4,7 +4,7 @@
 # port_is_open PORT: something accepts on 127.0.0.1:PORT.
 # pick_free_port: prints a port nothing listens on (20000-59999); 1 when 50 tries found none.
 # bench_workdir NAME: makes $tmp, a new directory for NAME's files, and an empty $pids; at
-#   exit, every process in $pids is stopped and $tmp removed (unless the trap is reset).
+#   exit, every process in $pids is stopped and $tmp removed (kept when bench_keep is set).
 # bench_config APP_PORT: prints a gateway config with app_backend on APP_PORT as its ws://
 #   upstream "app", and no rate limit a benchmark would meet.
 
@@ -34,7 +34,7 @@ bench_workdir() {
 bench_cleanup() {
 	for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
 	wait 2>/dev/null
-	rm -rf "$tmp"
+	[ -n "${bench_keep:-}" ] || rm -rf "$tmp"
 }
 
 bench_config() {

@@ -93,7 +93,7 @@ for bin in "${binaries[@]}"; do
 	done
 	if [ -z "$best" ] || [ "$turns" -eq 0 ]; then
 		echo "SCRIPTS binary=$bin failed (no script was replayed; see $tmp, kept)" >&2
-		trap - EXIT
+		bench_keep=1
 		status=1
 		continue
 	fi
