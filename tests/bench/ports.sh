@@ -2,7 +2,9 @@
 # tests/bench/ports.sh: sourced by the bench scripts (run.sh, compare.sh, scaleout.sh,
 # instructions.sh, script_cost.sh).
 # port_is_open PORT: something accepts on 127.0.0.1:PORT.
-# pick_free_port: prints a port nothing listens on (20000-59999); 1 when 50 tries found none.
+# pick_free_port: prints a port nothing listens on (20000-32767, below Linux's ephemeral
+#   ports, which an outgoing connection could take before the port is bound); 1 when 50
+#   tries found none.
 # bench_workdir NAME: makes $tmp, a new directory for NAME's files, and an empty $pids; at
 #   exit, every process in $pids is stopped and $tmp removed (kept when bench_keep is set).
 # bench_config APP_PORT: prints a gateway config with app_backend on APP_PORT as its ws://
@@ -15,7 +17,7 @@ port_is_open() {
 pick_free_port() {
 	local port
 	for _ in $(seq 1 50); do
-		port=$((20000 + RANDOM % 40000))
+		port=$((20000 + RANDOM % 12768))
 		if ! port_is_open "$port"; then
 			echo "$port"
 			return 0
