@@ -530,16 +530,42 @@ static void set_checked(json_t *obj, const char *key, size_t key_len, json_t *v)
                 (int)(key_len > 64 ? 64 : key_len), key);
 }
 
+/*
+ * What a full load left out of a dialog because Redis held something chatgate does not
+ * write there (a params field that is not "<service>.<name>" with a JSON value, a history
+ * message that is not a JSON object, ...): counted, the first one named, for one warning
+ * (load_answer), after which the dialog's next save rewrites it without them.
+ */
+typedef struct left_out {
+    size_t n;
+    char first[128];
+} left_out;
+
+static void leave_out(left_out *lo, const char *what, const char *name, size_t len)
+{
+    if (lo->n++)
+        return;
+    char shown[65]; /* the name as printable ASCII: it came from Redis, written by anyone */
+    size_t k = len < sizeof(shown) - 1 ? len : sizeof(shown) - 1;
+    for (size_t i = 0; i < k; i++)
+        shown[i] = name[i] >= 0x20 && name[i] < 0x7f ? name[i] : '?';
+    shown[k] = 0;
+    snprintf(lo->first, sizeof(lo->first), "%s '%s'", what, shown);
+}
+
 /* params: fields "<service>.<name>" -> JSON, into {service: {name: value}}; the hash's
  * "rev" (no dot: not a param) is the dialog's rev, read by dialog_from_replies */
-static json_t *params_from_reply(redisReply *rep)
+static json_t *params_from_reply(redisReply *rep, left_out *lo)
 {
     json_t *params = json_object();
     for (size_t i = 0; params && rep->type == REDIS_REPLY_ARRAY && i + 1 < rep->elements; i += 2) {
         redisReply *f = rep->element[i];
-        const char *dot = f->type == REDIS_REPLY_STRING ? memchr(f->str, '.', f->len) : NULL;
+        if (f->type != REDIS_REPLY_STRING || (f->len == 3 && memcmp(f->str, "rev", 3) == 0))
+            continue;
+        const char *dot = memchr(f->str, '.', f->len);
         json_t *v = parse_json_reply(rep->element[i + 1]);
         if (!dot || !v) {
+            leave_out(lo, dot ? "params field (not JSON)" : "params field (no service)", f->str, f->len);
             json_decref(v);
             continue;
         }
@@ -559,10 +585,13 @@ static json_t *params_from_reply(redisReply *rep)
 }
 
 /* An expiring part ({...,"expires_at":N}) into j's `name` and `name_expires`. */
-static void expiring_from_reply(json_t *j, redisReply *rep, const char *name, const char *expires_name)
+static void expiring_from_reply(json_t *j, redisReply *rep, const char *name, const char *expires_name,
+                                left_out *lo)
 {
     json_t *v = parse_json_reply(rep);
     if (!json_is_object(v)) {
+        if (rep->type == REDIS_REPLY_STRING) /* there, but not an object */
+            leave_out(lo, "part", name, strlen(name));
         json_decref(v);
         return;
     }
@@ -575,8 +604,8 @@ static void expiring_from_reply(json_t *j, redisReply *rep, const char *name, co
 
 /* Turns the five replies of a load into the JSON cg_dialog_from_json reads, and *rev into
  * the dialog's rev (NULL when it has none: written by an older chatgate); NULL when out of
- * memory. */
-static json_t *dialog_from_replies(redisReply **rep, const char **rev)
+ * memory. What it cannot read is left out and counted in lo. */
+static json_t *dialog_from_replies(redisReply **rep, const char **rev, left_out *lo)
 {
     *rev = NULL;
     json_t *j = json_object(), *meta = json_object(), *history = json_array();
@@ -586,7 +615,7 @@ static json_t *dialog_from_replies(redisReply **rep, const char **rev)
         json_decref(history);
         return NULL;
     }
-    set_checked(j, "params", 6, params_from_reply(rep[0]));
+    set_checked(j, "params", 6, params_from_reply(rep[0], lo));
     for (size_t i = 0; rep[0]->type == REDIS_REPLY_ARRAY && i + 1 < rep[0]->elements; i += 2)
         if (rep[0]->element[i]->type == REDIS_REPLY_STRING && strcmp(rep[0]->element[i]->str, "rev") == 0 &&
             rep[0]->element[i + 1]->type == REDIS_REPLY_STRING)
@@ -597,20 +626,28 @@ static json_t *dialog_from_replies(redisReply **rep, const char **rev)
             continue;
         if (strcmp(f->str, "service") == 0)
             set_checked(j, "service", 7, json_stringn(v->str, v->len));
-        else if (strcmp(f->str, "last_tool_result") == 0)
-            set_checked(j, "last_tool_result", 16, parse_json_reply(v));
-        else if (strcmp(f->str, "usage") == 0)
-            set_checked(j, "usage", 5, parse_json_reply(v));
-        else
+        else if (strcmp(f->str, "last_tool_result") == 0 || strcmp(f->str, "usage") == 0) {
+            json_t *parsed = parse_json_reply(v);
+            if (parsed)
+                set_checked(j, f->str, f->len, parsed);
+            else
+                leave_out(lo, "dialog field (not JSON)", f->str, f->len);
+        } else
             set_checked(meta, f->str, f->len, json_integer(strtoll(v->str, NULL, 10)));
     }
     set_checked(j, "meta", 4, meta);
-    expiring_from_reply(j, rep[2], "awaiting", "awaiting_expires");
-    expiring_from_reply(j, rep[3], "soft_context", "soft_expires");
+    expiring_from_reply(j, rep[2], "awaiting", "awaiting_expires", lo);
+    expiring_from_reply(j, rep[3], "soft_context", "soft_expires", lo);
     for (size_t i = 0; rep[4]->type == REDIS_REPLY_ARRAY && i < rep[4]->elements; i++) {
         json_t *m = parse_json_reply(rep[4]->element[i]);
-        if (!json_is_object(m) || json_array_append_new(history, m) < 0)
-            json_decref(json_is_object(m) ? NULL : m);
+        if (!json_is_object(m)) {
+            char at[24];
+            int n = snprintf(at, sizeof(at), "%zu", i + 1);
+            leave_out(lo, "history message (not a JSON object) number", at, (size_t)n);
+            json_decref(m);
+        } else {
+            (void)json_array_append_new(history, m); /* out of memory: m is freed, the history shorter */
+        }
     }
     set_checked(j, "history", 7, history);
     return j;
@@ -728,8 +765,17 @@ static int load_answer(redis_store *rs, cg_store_req *r, redisReply *reply, int6
     }
     const char *rev;
     json_t *j;
-    if (reply->elements != 6 || !(j = dialog_from_replies(reply->element + 1, &rev)))
+    left_out lo = {0};
+    if (reply->elements != 6 || !(j = dialog_from_replies(reply->element + 1, &rev, &lo)))
         return -1;
+    if (lo.n) {
+        /* no rev for the copy: its next save cannot append to what Redis holds, so it
+         * rewrites every part, without what was left out (docs/state.md) */
+        cg_warn("redis %s:%d: load: a dialog held %zu part(s) chatgate does not write, the first a %s: left out; "
+                "its next save rewrites the dialog without them",
+                rs->host, rs->port, lo.n, lo.first);
+        rev = NULL;
+    }
     cg_dialog_adopt_json(d, j, now); /* j was built from the replies for this */
     json_decref(j);
     cg_memstore_put_rev(rs->mem, r->key, d, now, rev, 0); /* the copy that survives an outage */

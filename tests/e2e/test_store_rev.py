@@ -29,6 +29,10 @@ state app (harness FakeApp /state, no rules):
   without one; a save after that interval renews them all, the fence's included.
 - an awaiting state and soft context cleared by an appending save are deleted in Redis, and
   a save appending to a copy that had neither does not delete them again.
+- parts in Redis that chatgate does not write (a params field whose value is not JSON or
+  whose name has no service, a history message that is not a JSON object), read by a
+  gateway with no copy: the rest is read, one warning names the first, and the turn's save
+  rewrites the dialog without them.
 Checked by breaking the code: without the load's rev check the two-gateway part fails,
 without its check that the history list is there the lapsed-history part, without its check of the
 dialog's hash the hash part, without the save's rev check the first mid-turn part and
@@ -314,6 +318,52 @@ async def part_parts_deleted(app, redis, rules):
             await c.close()
 
 
+async def read_by_new_gateway(app, redis, rules, name, mid, everything):
+    """One turn of dialog unread/r through a gateway with no copy (it reads Redis's in full):
+    (forwarded frame, the gateway's warnings of parts left out); everything grows by the turn."""
+    async with harness.Gateway(args(rules), config(app, redis), name=name) as gw:
+        c = await connect(gw, "unread")
+        t, fwd = await turn(c, app, mid, mid, "r")
+        everything += [("user", mid), ("assistant", t.terminal["text"])]
+        await c.close()
+        # the save lands after the done: the gateway's stop waits for it
+    return fwd, [line for line in gw.log_text().splitlines() if "chatgate does not write" in line]
+
+
+async def part_unreadable(app, redis, rules):
+    params, history = harness.dialog_key("unread", "r", "params"), harness.dialog_key("unread", "r", "history")
+    everything = []
+    with step("params fields in Redis that chatgate does not write (a value not JSON, a name with no "
+              "service), read by a gateway with no copy: the rest is read, one warning names the first, "
+              "and the turn's save rewrites the params without them"):
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-unread-a") as gw:
+            c = await connect(gw, "unread")
+            for mid, state in (("un1", {"service": "travel", "params": {"from": "Nairobi"}}), ("un2", None)):
+                t, _ = await turn(c, app, mid, mid, "r", state)
+                everything += [("user", mid), ("assistant", t.terminal["text"])]
+            await c.close()
+        redis.command("HSET", params, "travel.bad", "{not json", "nodot", json.dumps("x"))
+        fwd, warnings = await read_by_new_gateway(app, redis, rules, "gw-unread-b", "un3", everything)
+        check(fwd["params"].get("from") == "Nairobi" and "bad" not in fwd["params"],
+              f"the readable params only (and the service's defaults): {fwd['params']}")
+        got = redis.hgetall(params)
+        check("travel.bad" not in got and "nodot" not in got and json.loads(got.get("travel.from", "null")) == "Nairobi"
+              and "rev" in got, f"the save should rewrite the params hash without what was left out: {got}")
+        check(len(warnings) == 1 and "2 part(s)" in warnings[0] and "'travel.bad'" in warnings[0],
+              f"one warning naming the first of the 2 params fields left out: {warnings}")
+    with step("a history message in Redis that is not a JSON object, read by a gateway with no copy: the "
+              "rest is forwarded, and the turn's save rewrites the list without it"):
+        redis.command("LINSERT", history, "BEFORE", redis.lrange(history)[1], "garbage")
+        expected = list(everything)
+        fwd, warnings = await read_by_new_gateway(app, redis, rules, "gw-unread-c", "un4", everything)
+        check(history_pairs(fwd["history"]) == expected,
+              f"the readable history only: {harness.brief(fwd['history'], 600)}")
+        check(redis_history(redis, "unread", "r") == everything,
+              f"the save should rewrite the list without the garbage: {redis.lrange(history)}")
+        check(len(warnings) == 1 and "history message" in warnings[0],
+              f"one warning naming the history message left out: {warnings}")
+
+
 async def main(args_):
     rules = harness.empty_rules_dir()
     redis = await harness.RedisServer().astart()
@@ -325,6 +375,7 @@ async def main(args_):
             await independent(part_mid_turn(app, redis, rules))
             await independent(part_lifetimes(app, redis, rules))
             await independent(part_parts_deleted(app, redis, rules))
+            await independent(part_unreadable(app, redis, rules))
     finally:
         redis.cleanup(keep=True)
 
