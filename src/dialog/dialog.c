@@ -543,8 +543,8 @@ void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content,
     /* built member by member: json_pack reads its format string at every call, which was a
      * twentieth of a turn's instructions with no rules (callgrind, issue 12) */
     json_t *m = json_object();
-    if (!m || json_object_set_new_nocheck(m, "role", json_string(role)) < 0 ||
-        json_object_set_new_nocheck(m, "content", json_string(content)) < 0 ||
+    if (!m || json_object_set_new_nocheck(m, "role", cg_json_string(role)) < 0 ||
+        json_object_set_new_nocheck(m, "content", cg_json_string(content)) < 0 ||
         json_object_set_new_nocheck(m, "ts", json_integer((json_int_t)ts)) < 0) {
         json_decref(m);
         return; /* out of memory; content that is not UTF-8 never reaches here: it came from JSON */
@@ -585,7 +585,7 @@ static json_t *or_null(json_t *j)
 /* The active service as JSON: null when none (or, out of memory, unreadable). */
 static json_t *service_json(const cg_dialog *d)
 {
-    json_t *s = d->service ? json_string(d->service) : NULL;
+    json_t *s = d->service ? cg_json_string(d->service) : NULL;
     return s ? s : json_null();
 }
 
@@ -688,7 +688,7 @@ char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resol
 {
     json_t *parts = json_object();
     if (d->service)
-        json_object_set_new(parts, "service", json_string(d->service));
+        json_object_set_new(parts, "service", cg_json_string(d->service));
     if (json_object_size(merged_params))
         json_object_set(parts, "params", merged_params);
     if (d->awaiting)

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/utf8.h"
 #include "chatgate/dialog/rules.h"
@@ -95,14 +96,14 @@ static json_t *normalised(const rule *r, const char *name, const char *text, int
         double amount;
         switch (r->types[i].norm) {
         case N_DATE:
-            return cg_normalise_date(text, now, date) == 0 ? json_string(date) : NULL;
+            return cg_normalise_date(text, now, date) == 0 ? cg_json_string(date) : NULL;
         case N_INT:
             return cg_normalise_int(text, &v) == 0 ? json_integer(v) : NULL;
         case N_LOWER: { /* ASCII letters only: other scripts are left as written */
             char *low = strdup(text);
             for (char *c = low; *c; c++)
                 *c = (char)tolower((unsigned char)*c);
-            json_t *v = json_string(low);
+            json_t *v = cg_json_string(low);
             free(low);
             return v;
         }
@@ -110,12 +111,12 @@ static json_t *normalised(const rule *r, const char *name, const char *text, int
             if (cg_normalise_amount(text, &amount, currency) < 0)
                 return NULL;
             if (currency[0] && !json_object_get(params, "currency"))
-                json_object_set_new(params, "currency", json_string(currency));
+                json_object_set_new(params, "currency", cg_json_string(currency));
             return amount == floor(amount) && fabs(amount) < 9e15 ? json_integer((json_int_t)amount)
                                                                   : json_real(amount);
         }
     }
-    return json_string(text);
+    return cg_json_string(text);
 }
 
 /*
@@ -276,7 +277,7 @@ static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject,
                 content = group_text(rs, subject, 1);
             if (!content)
                 content = group_text(rs, subject, 0);
-            json_object_set_new(out->metadata, r->arg, json_string(cg_rules_trim(content)));
+            json_object_set_new(out->metadata, r->arg, cg_json_string(cg_rules_trim(content)));
             free(content);
         }
         break;
@@ -291,7 +292,7 @@ static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject,
         break;
     }
     case A_FORGET:
-        json_array_append_new(out->forget, json_string(r->arg));
+        json_array_append_new(out->forget, cg_json_string(r->arg));
         break;
     case A_ENRICH:
         if (!out->enriched && previous)
@@ -367,7 +368,7 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
             continue;
         int m = run_pattern(rs, r, subject, len, mode);
         if (m < 0) {
-            json_array_append_new(out->limited, json_string(r->name));
+            json_array_append_new(out->limited, cg_json_string(r->name));
             if (c && i < c->n_rules)
                 c->limited[i]++;
         }
@@ -375,7 +376,7 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
             continue;
         if (c && i < c->n_rules)
             c->hits[i]++;
-        json_array_append_new(out->fired, json_string(r->name));
+        json_array_append_new(out->fired, cg_json_string(r->name));
         apply_rule(rs, r, subject, text, previous, now, out);
     }
     if (c)

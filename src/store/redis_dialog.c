@@ -709,7 +709,7 @@ static void lease_wait(redis_store *rs, cg_store_req *r, redisReply *busy)
  * member: json_pack's format was a fiftieth of a load's answer. */
 static json_t *lease_held(const char *lease, size_t len, uint64_t now)
 {
-    json_t *held = json_object(), *v = json_stringn(lease, len);
+    json_t *held = json_object(), *v = cg_json_stringn(lease, len);
     if (!held || !v || json_object_set_new_nocheck(held, "v", v) < 0 ||
         json_object_set_new_nocheck(held, "t", json_integer((json_int_t)now)) < 0) {
         json_decref(held);

@@ -884,9 +884,32 @@ static void test_swar(void)
     CHECK(wrong == 0);
 }
 
+/* cg_json_stringn makes what json_stringn makes: the same string for UTF-8 (NULs inside
+ * included), NULL for anything else, on random texts and the invalid ones below. */
+static void test_json_stringn(void)
+{
+    static const char *const bad[] = {"\xff", "a\xc3", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "abcdefgh\x80"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        CHECK(cg_json_stringn(bad[i], strlen(bad[i])) == NULL && json_stringn(bad[i], strlen(bad[i])) == NULL);
+    CHECK(cg_json_string(NULL) == NULL);
+    int wrong = 0;
+    for (int k = 0; k < 20000; k++) {
+        char s[64];
+        size_t n = random_text(s, sizeof(s), rnd() % 40);
+        if (rnd() % 4 == 0 && n) /* a stray byte somewhere */
+            s[rnd() % n] = (char)(0x80 + rnd() % 0x80);
+        json_t *a = cg_json_stringn(s, n), *b = json_stringn(s, n);
+        wrong += !a != !b || (a && !json_equal(a, b));
+        json_decref(a);
+        json_decref(b);
+    }
+    CHECK(wrong == 0);
+}
+
 int main(void)
 {
     test_swar();
+    test_json_stringn();
     test_init_in();
     test_random_values();
     test_literal_escapes();
