@@ -30,6 +30,9 @@
 #   CHATGATE_BIN     gateway binary (default BUILD_DIR/chatgate)
 #   CHATGATE_BIN_B   a second gateway binary: adds the rows chatgate-pass(B), chatgate-full(B)
 #                    (before/after in one run)
+#   CHATGATE_RULES_B the rules directory of chatgate-full(B) (default: the repo's rules/), to
+#                    weigh a change of the rules the same way (CHATGATE_BIN_B may be the same
+#                    binary)
 #   CG_COMPARE_PATHS the paths to run, space-separated (default: all of them)
 #   CG_COMPARE_KEEP=1 keep the temporary directory (configs, logs, every cg_bench output)
 #
@@ -251,12 +254,13 @@ if wants chatgate-full; then
 	fi
 fi
 
-# start_chatgate NAME BINARY full|pass
+# start_chatgate NAME BINARY full|pass [SUFFIX [RULES]]
 start_chatgate() {
 	local name=$1 bin=$2 kind=$3 port rules store desc
 	if [ "$kind" = full ]; then
 		[ -n "$redis_store" ] || return 0
-		rules=$repo/rules store=$redis_store desc="shipped rules, Redis store"
+		rules=${5:-$repo/rules} store=$redis_store desc="shipped rules, Redis store"
+		[ -n "${5:-}" ] && desc="rules of $5, Redis store"
 	else
 		rules=$tmp/norules store=memory desc="no rules, memory store"
 	fi
@@ -272,7 +276,7 @@ wants chatgate-pass && start_chatgate chatgate-pass "$gateway" pass
 wants chatgate-full && start_chatgate chatgate-full "$gateway" full
 if [ -n "$gateway_b" ]; then
 	wants chatgate-pass && start_chatgate "chatgate-pass(B)" "$gateway_b" pass " (B)"
-	wants chatgate-full && start_chatgate "chatgate-full(B)" "$gateway_b" full " (B)"
+	wants chatgate-full && start_chatgate "chatgate-full(B)" "$gateway_b" full " (B)" "${CHATGATE_RULES_B:-}"
 fi
 
 if [ ${#path_names[@]} = 0 ]; then
