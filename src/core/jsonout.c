@@ -82,17 +82,10 @@ void cg_jsonw_str(cg_jsonw *w, const char *s, size_t len)
     const unsigned char *u = (const unsigned char *)s;
     size_t run = 0; /* the start of the text not yet appended */
     for (size_t i = 0; i < len;) {
-        /* eight bytes of plain ASCII at once: none to escape or check; the last few bytes
-         * are tested the same way, padded with a plain letter (most strings are short) */
-        uint64_t v;
-        if (i + 8 <= len) {
-            v = cg_swar_load(u + i);
-        } else {
-            unsigned char tail[8] = "aaaaaaaa";
-            memcpy(tail, u + i, len - i);
-            v = cg_swar_load(tail);
-        }
-        if (!str_special(v)) {
+        /* eight bytes of plain ASCII at once: none to escape or check. The last few go a
+         * byte at a time: copied into a padded word instead, they took a fifth longer
+         * (fewer instructions, but the word's load waits for the bytes' stores) */
+        if (i + 8 <= len && !str_special(cg_swar_load(u + i))) {
             i += 8;
             continue;
         }
