@@ -25,17 +25,23 @@ cg_server *cg_server_of(struct lws *wsi)
  * the upgrade stage lws_return_http_status() would say "HTTP/1.0", which strict WebSocket
  * clients take for no answer.
  */
-int cg_http_refuse(struct lws *wsi, int status, const char *reason, const char *body)
+/* The answer cg_http_refuse writes, with extra header lines (each ending in CRLF) */
+static int http_answer(struct lws *wsi, int status, const char *reason, const char *extra, const char *body)
 {
     char *text;
     int n = asprintf(&text, "%*sHTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %zu\r\n"
-                            "cache-control: no-store\r\nconnection: close\r\n\r\n%s",
-                     LWS_PRE, "", status, reason, strlen(body), body);
+                            "cache-control: no-store\r\n%sconnection: close\r\n\r\n%s",
+                     LWS_PRE, "", status, reason, strlen(body), extra, body);
     if (n < 0)
         return -1;
     lws_write(wsi, (unsigned char *)text + LWS_PRE, (size_t)n - LWS_PRE, LWS_WRITE_HTTP_HEADERS);
     free(text);
     return 1;
+}
+
+int cg_http_refuse(struct lws *wsi, int status, const char *reason, const char *body)
+{
+    return http_answer(wsi, status, reason, "", body);
 }
 
 /*
@@ -152,16 +158,41 @@ int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, ch
 }
 
 /* The drop-in path and what lies under it (/socket, /socket/websocket, /socket/room/1). */
-int cg_handshake_is_dropin(const cg_server *srv, struct lws *wsi)
+/* uri is the drop-in path or under it; 0 when drop-in is off */
+static int under_dropin_path(const cg_server *srv, const char *uri)
 {
     const char *path = json_string_value(json_object_get(srv->cfg->dropin, "path"));
-    char uri[1024];
-    if (!path || lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) <= 0)
+    if (!path)
         return 0;
     size_t n = strlen(path);
     while (n > 1 && path[n - 1] == '/')
         n--;
     return strncmp(uri, path, n) == 0 && (uri[n] == 0 || uri[n] == '/');
+}
+
+int cg_handshake_is_dropin(const cg_server *srv, struct lws *wsi)
+{
+    char uri[1024];
+    return lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) > 0 && under_dropin_path(srv, uri);
+}
+
+int cg_refuse_plain_http_on_ws(struct lws *wsi)
+{
+    char *p;
+    int len;
+    char uri[1024];
+    if (lws_hdr_total_length(wsi, WSI_TOKEN_UPGRADE) > 0 || lws_http_get_uri_and_method(wsi, &p, &len) < 0 ||
+        len <= 0 || (size_t)len >= sizeof(uri))
+        return 0;
+    memcpy(uri, p, (size_t)len);
+    uri[len] = 0;
+    const char *why = NULL;
+    if (strcmp(uri, "/ws") == 0)
+        why = "/ws takes WebSocket connections only (the chatgate.v1 protocol; docs/protocol.md)\n";
+    else if (strcmp(uri, "/") != 0 && under_dropin_path(cg_server_of(wsi), uri))
+        why = "this path takes the chat app's WebSocket only: send its other requests (Socket.IO's "
+              "long-polling among them) to the app itself (README.md, drop-in)\n";
+    return why ? http_answer(wsi, 426, "Upgrade Required", "upgrade: websocket\r\n", why) : 0;
 }
 
 /*

@@ -7,6 +7,9 @@ Covers:
   or a 20 KB Authorization header, the answer is HTTP 431 with a body that says why, on
   the WebSocket path as on plain HTTP; `max_header_bytes` in the config moves the bound;
   the gateway keeps serving afterwards;
+- a request without an upgrade on /ws, or under the drop-in path, gets 426 Upgrade Required
+  with "upgrade: websocket" and a body that says what the path takes (it fell through to
+  the pages' 404); the pages and the WebSocket on /ws are served as before;
 - the admin listener (--admin-listen) refuses a WebSocket upgrade with an HTTP error
   (no 101), on any path, and still answers its API;
 - JWTs (--auth jwt): a long token (8 KB) is accepted, in the header and in the query; a
@@ -214,8 +217,48 @@ async def test_jwt_policy():
             await c.close()
 
 
+def raw_plain(port, method, path):
+    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-length: 0\r\n\r\n").encode()
+
+
+async def expect_426(gw, method, path, says):
+    answer = await asyncio.to_thread(raw_request, gw.port, raw_plain(gw.port, method, path))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    check(head.startswith(b"HTTP/1.1 426 ") and b"\r\nupgrade: websocket" in head.lower() and says in body,
+          f"{method} {path} without an upgrade should get 426 with 'upgrade: websocket' and a body saying "
+          f"{says!r}: {answer[:300]!r}")
+
+
+async def test_plain_http_on_ws_paths():
+    config = harness.make_config({"demo": harness.demo_upstream(0)}, "demo")
+    async with harness.Gateway([], config, name="gateway-426") as gw:
+        with step("GET and POST on /ws without an upgrade: 426 Upgrade Required, upgrade: websocket, a body "
+                  "that says what /ws takes (not the pages' 404); the pages and /ws's WebSocket as before"):
+            await expect_426(gw, "GET", "/ws", b"WebSocket")
+            await expect_426(gw, "POST", "/ws", b"WebSocket")
+            for path, want in (("/", 200), ("/healthz", 200), ("/wsx", 404), ("/ws/x", 404)):
+                status, body = await asyncio.to_thread(http_get, gw.port, path, {})
+                check(status == want, f"GET {path}: {want} expected, got {status} {body[:120]!r}")
+            client = await Client.connect(gw)
+            await client.send_raw(json.dumps({"type": "message", "id": "p1", "text": "hello"}))
+            (await client.collect_turn("p1")).expect_done()
+            await client.close()
+    config = dict(config, dropin={"path": "/socket.io/", "app": "ws://127.0.0.1:9/socket.io/",
+                                  "client": {"chat": {"pointer": "/0", "equals": "chat message"}, "text": "/1"},
+                                  "app_frames": {"text": "/1"}})
+    async with harness.Gateway([], config, name="gateway-426-dropin") as gw:
+        with step("under the drop-in path without an upgrade (Socket.IO's long-polling sent to chatgate): 426, "
+                  "a body that says to send those requests to the app"):
+            await expect_426(gw, "GET", "/socket.io/?EIO=4&transport=polling", b"to the app")
+            await expect_426(gw, "POST", "/socket.io/", b"to the app")
+            status, body = await asyncio.to_thread(http_get, gw.port, "/healthz", {})
+            check(status == 200, f"GET /healthz with drop-in on: {status} {body[:120]!r}")
+            gw.assert_alive()
+
+
 async def main(args):
     await independent(test_header_space())
+    await independent(test_plain_http_on_ws_paths())
     await independent(test_admin_listener_upgrade())
     await independent(test_jwt_policy())
 

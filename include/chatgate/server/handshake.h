@@ -20,6 +20,11 @@ int cg_http_refuse(struct lws *wsi, int status, const char *reason, const char *
 /* When the request's headers pass max_header_bytes, answers 431 and returns 1; else 0. */
 int cg_refuse_large_headers(struct lws *wsi);
 
+/* A request without an Upgrade header on /ws or the drop-in path: answers 426 Upgrade
+ * Required (with "upgrade: websocket" and a body that says what the path takes) and returns
+ * 1; else 0. Without it such a request fell through to the pages' 404. */
+int cg_refuse_plain_http_on_ws(struct lws *wsi);
+
 /* LWS_CALLBACK_HTTP_CONFIRM_UPGRADE: 0 to accept; 1 when refused (the answer is written:
  * 404 off /ws and the drop-in path, 403 for an Origin not allowed, 503 while shutting down
  * or over max_connections). */
