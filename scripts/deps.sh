@@ -14,6 +14,8 @@ case "${1:-build}" in
     # the package test builds the .deb (dpkg-shlibdeps) and checks its unit (systemd-analyze);
     # the dashboard test validates the alert rules with promtool (Debian's prometheus)
     packages+=(dpkg-dev systemd prometheus python3-yaml curl)
+    # openssl: the upstream tests make a self-signed certificate
+    packages+=(openssl)
     # the browser test runs on node; an image may bring its own node (not Debian's package)
     command -v node >/dev/null && command -v npm >/dev/null || packages+=(nodejs npm)
     ;;

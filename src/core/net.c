@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include <openssl/rand.h>
+#include <openssl/x509.h>
 
 #include "chatgate/core/net.h"
 #include "chatgate/core/buf.h"
@@ -117,6 +118,33 @@ struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void 
     i.opaque_user_data = opaque;
     i.pwsi = pwsi;
     return lws_client_connect_via_info(&i);
+}
+
+/* The last client connection whose server certificate OpenSSL refused, and why: lws reports
+ * the refusal to protocols[0] and then the connection's failure to its own protocol, with a
+ * text that does not say why ("connect SSL err 1: error:00000001:lib(0)::reason(1)"), at
+ * once and in that order; one slot is enough. */
+static struct {
+    const struct lws *wsi;
+    char why[128];
+} tls_refusal;
+
+void cg_net_tls_verified(const struct lws *wsi, void *x509_ctx, int preverify_ok)
+{
+    if (preverify_ok || !x509_ctx)
+        return;
+    X509_STORE_CTX *ctx = x509_ctx;
+    tls_refusal.wsi = wsi;
+    snprintf(tls_refusal.why, sizeof(tls_refusal.why), "%s (certificate depth %d)",
+             X509_verify_cert_error_string(X509_STORE_CTX_get_error(ctx)), X509_STORE_CTX_get_error_depth(ctx));
+}
+
+const char *cg_net_tls_refusal(const struct lws *wsi)
+{
+    if (!wsi || tls_refusal.wsi != wsi)
+        return NULL;
+    tls_refusal.wsi = NULL; /* taken: a later connection at the same address is another */
+    return tls_refusal.why;
 }
 
 void cg_net_kill_async(const cg_net *net, struct lws *wsi, int reason)

@@ -669,8 +669,11 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
          * policy, 1008, with its status; anything else is a bad gateway, 1014 */
         char reason[256]; /* close_client cuts it to what a close frame holds */
         unsigned int status = lws_http_client_http_response(wsi);
+        const char *tls = cg_net_tls_refusal(wsi);
         if (status)
             snprintf(reason, sizeof(reason), "the app refused the connection with HTTP %u", status);
+        else if (tls)
+            snprintf(reason, sizeof(reason), "the app's TLS certificate was refused: %s", tls);
         else
             snprintf(reason, sizeof(reason), "the app could not be reached: %s",
                      in ? (const char *)in : "connection failed");

@@ -53,6 +53,11 @@ static int front_callback(struct lws *wsi, enum lws_callback_reasons reason, voi
         if (cg_refuse_large_headers(wsi) || cg_refuse_plain_http_on_ws(wsi))
             return -1; /* answered; lws closes the connection */
         break;
+    case LWS_CALLBACK_OPENSSL_PERFORM_SERVER_CERT_VERIFICATION:
+        /* an upstream's or a drop-in app's certificate: lws's own check decides, and a
+         * refusal's reason is kept for the connection's error (core/net.h) */
+        cg_net_tls_verified(wsi, user, (int)len);
+        return 0;
     case LWS_CALLBACK_WSI_DESTROY: {
         /* The session callback passes a wsi's end on to the wsi's own protocol when that is
          * not its own: for a wsi of protocols[0] that would be this callback again. */

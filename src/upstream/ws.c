@@ -512,12 +512,18 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
                      len > 2 ? ": " : "", (int)(len > 100 ? 98 : len - 2), (const char *)in + 2);
         }
         return 0;
-    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR:
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s",
-                  in ? (const char *)in : "connection failed");
+    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {
+        const char *tls = cg_net_tls_refusal(wsi);
+        if (tls)
+            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: its TLS certificate was refused: %s "
+                      "(the system's CA certificates must trust it)", tls);
+        else
+            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s",
+                      in ? (const char *)in : "connection failed");
         conn_kill(k);
         wsi_gone(wsi, k);
         return 0;
+    }
     case LWS_CALLBACK_CLIENT_CLOSED:
         if (k->call && k->call->reply_bytes)
             call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection mid-reply, after %zu bytes of "

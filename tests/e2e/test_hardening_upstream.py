@@ -27,11 +27,18 @@ Defect 14, upstream errors say what happened. Fake OpenAI servers (ErrorsOpenAI 
 - a closed port: upstream_unavailable, "could not be reached", no status;
 - a WebSocket app's error frame with a "code": upstream_error with that upstream_code; the
   app closing before any delta / after two: upstream_unavailable, "mid-reply" only after.
+- an upstream whose TLS certificate is not trusted (self-signed), over https (libcurl) and
+  wss (libwebsockets): upstream_unavailable, and the message says the certificate was
+  refused and why ("self-signed certificate"); libwebsockets' own text said
+  "connect SSL err 1: error:00000001:lib(0)::reason(1)".
 After each error the client connection stays up.
 """
 
 import asyncio
 import json
+import ssl
+import subprocess
+import tempfile
 
 import websockets
 
@@ -248,7 +255,47 @@ async def error_case(fake, app, name):
         await client.close()
 
 
+async def tls_refused():
+    """A TLS server with a self-signed certificate (made by Debian's openssl): the handshake
+    is all it needs, since the gateway gives up at the certificate."""
+    where = tempfile.mkdtemp(prefix="chatgate-e2e-tls-")
+    cert, key = f"{where}/cert.pem", f"{where}/key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+
+    async def hold(reader, writer):
+        try:
+            await reader.read()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0, ssl=ctx)
+    port = server.sockets[0].getsockname()[1]
+    cases = (("https", {"url": f"https://127.0.0.1:{port}/v1", "model": "m"}, "SSL certificate problem"),
+             ("wss", {"url": f"wss://127.0.0.1:{port}/app"}, "its TLS certificate was refused"))
+    try:
+        for kind, upstream, says in cases:
+            async with harness.Gateway([], harness.make_config({"tls": upstream}, "tls"), name=f"gw-{kind}") as gw:
+                client = await Client.connect(gw)
+                with step(f"{kind} upstream with a self-signed certificate: upstream_unavailable saying so"):
+                    err = (await client.message("hello", mid="t1")).expect_error("upstream_unavailable")
+                    message = err.get("message", "")
+                    check(says in message and "self-signed certificate" in message,
+                          f"the message should say {says!r} and why (self-signed certificate): {message!r}")
+                with step(f"{kind}: the connection stays up"):
+                    await client.check_alive()
+                await client.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def main(args):
+    await independent(tls_refused())
     async with ErrorsOpenAI() as fake, CodedApp() as app:
         for name in list(CASES) + list(APP_CASES):
             await independent(error_case(fake, app, name))
