@@ -21,11 +21,11 @@ cg_server *cg_server_of(struct lws *wsi)
 }
 
 /*
- * Writes a whole HTTP answer by hand ("connection: close", a text body) and returns 1. At
- * the upgrade stage lws_return_http_status() would say "HTTP/1.0", which strict WebSocket
- * clients take for no answer.
+ * Writes a whole HTTP answer by hand ("connection: close", a text body, and the extra
+ * header lines, each ending in CRLF) and returns 1. At the upgrade stage
+ * lws_return_http_status() would say "HTTP/1.0", which strict WebSocket clients take for
+ * no answer.
  */
-/* The answer cg_http_refuse writes, with extra header lines (each ending in CRLF) */
 static int http_answer(struct lws *wsi, int status, const char *reason, const char *extra, const char *body)
 {
     char *text;
