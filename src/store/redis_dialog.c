@@ -90,10 +90,7 @@ static size_t digits(size_t n)
 static void resp_line(char *out, char kind, size_t n, size_t d)
 {
     out[0] = kind;
-    for (size_t i = d; i > 0; i--) {
-        out[i] = (char)('0' + n % 10);
-        n /= 10;
-    }
+    cg_int_text(out + 1 + d, (long long)n);
     out[d + 1] = '\r';
     out[d + 2] = '\n';
 }
@@ -554,14 +551,19 @@ static void leave_out(left_out *lo, const char *what, const char *name, size_t l
 }
 
 /* params: fields "<service>.<name>" -> JSON, into {service: {name: value}}; the hash's
- * "rev" (no dot: not a param) is the dialog's rev, read by dialog_from_replies */
-static json_t *params_from_reply(redisReply *rep, left_out *lo)
+ * "rev" (no dot: not a param) is the dialog's rev, into *rev (NULL when there is none) */
+static json_t *params_from_reply(redisReply *rep, const char **rev, left_out *lo)
 {
     json_t *params = json_object();
     for (size_t i = 0; params && rep->type == REDIS_REPLY_ARRAY && i + 1 < rep->elements; i += 2) {
         redisReply *f = rep->element[i];
-        if (f->type != REDIS_REPLY_STRING || (f->len == 3 && memcmp(f->str, "rev", 3) == 0))
+        if (f->type != REDIS_REPLY_STRING)
             continue;
+        if (f->len == 3 && memcmp(f->str, "rev", 3) == 0) {
+            if (rep->element[i + 1]->type == REDIS_REPLY_STRING)
+                *rev = rep->element[i + 1]->str;
+            continue;
+        }
         const char *dot = memchr(f->str, '.', f->len);
         json_t *v = parse_json_reply(rep->element[i + 1]);
         if (!dot || !v) {
@@ -615,11 +617,7 @@ static json_t *dialog_from_replies(redisReply **rep, const char **rev, left_out 
         json_decref(history);
         return NULL;
     }
-    set_checked(j, "params", 6, params_from_reply(rep[0], lo));
-    for (size_t i = 0; rep[0]->type == REDIS_REPLY_ARRAY && i + 1 < rep[0]->elements; i += 2)
-        if (rep[0]->element[i]->type == REDIS_REPLY_STRING && strcmp(rep[0]->element[i]->str, "rev") == 0 &&
-            rep[0]->element[i + 1]->type == REDIS_REPLY_STRING)
-            *rev = rep[0]->element[i + 1]->str;
+    set_checked(j, "params", 6, params_from_reply(rep[0], rev, lo));
     for (size_t i = 0; rep[1]->type == REDIS_REPLY_ARRAY && i + 1 < rep[1]->elements; i += 2) {
         redisReply *f = rep[1]->element[i], *v = rep[1]->element[i + 1];
         if (f->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING)
