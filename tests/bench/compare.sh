@@ -114,28 +114,6 @@ fd_limit=$(ulimit -n)
 # shellcheck source=tests/bench/ports.sh
 . "$(dirname "$0")/ports.sh"
 
-# start NAME PORT COMMAND...: runs COMMAND in the background (log in $tmp/NAME.log), waits
-# until PORT accepts, and sets started_pid. Returns 1 if it exits or does not listen in 10 s.
-started_pid=
-start() {
-	local name=$1 port=$2
-	shift 2
-	"$@" >"$tmp/$name.log" 2>&1 &
-	started_pid=$!
-	pids+=("$started_pid")
-	for _ in $(seq 1 100); do
-		if ! kill -0 "$started_pid" 2>/dev/null; then
-			echo "compare.sh: $name exited at start; its log ends:" >&2
-			tail -n 10 "$tmp/$name.log" >&2
-			return 1
-		fi
-		port_is_open "$port" && return 0
-		sleep 0.1
-	done
-	echo "compare.sh: $name did not listen on port $port within 10 s" >&2
-	return 1
-}
-
 if [ $mode = idle ]; then
 	max_connections=$((idle_n + 100))
 else
@@ -147,7 +125,7 @@ wants() { case $wanted in *" $1 "*) return 0 ;; esac; return 1; }
 
 # ---- the app ----
 app_port=$(pick_free_port) || exit 1
-start app "$app_port" "$app" --port "$app_port" || exit 1
+bench_start app "$app_port" "$app" --port "$app_port" || exit 1
 app_pid=$started_pid
 app_url="ws://127.0.0.1:$app_port/app"
 
@@ -205,7 +183,7 @@ http {
 	}
 }
 EOF
-		if start nginx "$nginx_port" "$nginx_bin" -p "$tmp/nginx" -e "$tmp/nginx/error.log" -c "$tmp/nginx/nginx.conf"; then
+		if bench_start nginx "$nginx_port" "$nginx_bin" -p "$tmp/nginx" -e "$tmp/nginx/error.log" -c "$tmp/nginx/nginx.conf"; then
 			nginx_version=$("$nginx_bin" -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')
 			add_path nginx "ws://127.0.0.1:$nginx_port/app" "$started_pid" --raw \
 				"nginx ${nginx_version:-?}, one process, proxying WebSocket"
@@ -227,7 +205,7 @@ if wants node; then
 		fi
 		node_port=$(pick_free_port) || exit 1
 		if [ -d "$here/node_modules/ws" ] &&
-			start node "$node_port" node "$here/node_relay.js" "$node_port" "$app_url"; then
+			bench_start node "$node_port" node "$here/node_relay.js" "$node_port" "$app_url"; then
 			add_path node "ws://127.0.0.1:$node_port/app" "$started_pid" --raw \
 				"Node $(node --version) relay on ws $(node -p 'require(process.argv[1]).version' "$here/node_modules/ws/package.json" 2>/dev/null)"
 		else
@@ -247,7 +225,7 @@ if wants chatgate-full; then
 		echo "compare.sh: no redis-server; leaving chatgate-full out" >&2
 	else
 		redis_port=$(pick_free_port) || exit 1
-		if start redis "$redis_port" redis-server --port "$redis_port" --bind 127.0.0.1 --save "" \
+		if bench_start redis "$redis_port" redis-server --port "$redis_port" --bind 127.0.0.1 --save "" \
 			--appendonly no --dir "$tmp"; then
 			redis_store="redis://127.0.0.1:$redis_port"
 		fi
@@ -265,7 +243,7 @@ start_chatgate() {
 		rules=$tmp/norules store=memory desc="no rules, memory store"
 	fi
 	port=$(pick_free_port) || return 1
-	if start "$name" "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" \
+	if bench_start "$name" "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" \
 		--rules "$rules" --store "$store"; then
 		add_path "$name" "ws://127.0.0.1:$port/ws" "$started_pid" "" "chatgate${4:-}, ws app upstream, $desc"
 	else

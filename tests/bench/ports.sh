@@ -9,6 +9,9 @@
 #   exit, every process in $pids is stopped and $tmp removed (kept when bench_keep is set).
 # bench_config APP_PORT: prints a gateway config with app_backend on APP_PORT as its ws://
 #   upstream "app", and no rate limit a benchmark would meet.
+# bench_start NAME PORT COMMAND...: runs COMMAND in the background (its log in
+#   $tmp/NAME.log), adds it to $pids, sets started_pid, and waits until PORT accepts; 1, with
+#   the log's end, when it exits first or does not listen within 10 s.
 
 port_is_open() {
 	(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
@@ -41,4 +44,25 @@ bench_cleanup() {
 
 bench_config() {
 	printf '{"upstreams":{"app":{"url":"ws://127.0.0.1:%s/app"}},"rate_limit":{"messages_per_second":1000000,"burst":1000000}}\n' "$1"
+}
+
+started_pid=
+bench_start() {
+	local name=$1 port=$2
+	shift 2
+	"$@" >"$tmp/$name.log" 2>&1 &
+	started_pid=$!
+	pids+=("$started_pid")
+	for _ in $(seq 1 100); do
+		if ! kill -0 "$started_pid" 2>/dev/null; then
+			echo "${0##*/}: $name exited at start; its log ends:" >&2
+			tail -n 10 "$tmp/$name.log" >&2
+			return 1
+		fi
+		port_is_open "$port" && return 0
+		sleep 0.1
+	done
+	echo "${0##*/}: $name did not listen on port $port within 10 s; its log ends:" >&2
+	tail -n 10 "$tmp/$name.log" >&2
+	return 1
 }

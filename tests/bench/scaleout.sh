@@ -30,23 +30,16 @@ ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 bench_workdir scaleout
 
 start_redis() { # PORT
-	redis-server --port "$1" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" >"$tmp/redis-$1.log" 2>&1 &
-	pids+=($!)
-	for _ in $(seq 50); do redis-cli -p "$1" ping >/dev/null 2>&1 && return; sleep 0.1; done
-	echo "scaleout.sh: redis on $1 did not start" >&2
-	exit 1
+	bench_start "redis-$1" "$1" redis-server --port "$1" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" ||
+		exit 1
 }
 
 start_gateway() { # PORT STORE [ARGS...]
 	local port=$1 store=$2
 	shift 2
 	echo '{"upstreams":{"demo":{"url":"demo","delay_ms":0}},"rate_limit":{"messages_per_second":100000,"burst":100000},"max_connections":5000}' >"$tmp/config.json"
-	"$gateway" --listen "127.0.0.1:$port" --config "$tmp/config.json" --store "$store" "$@" >"$tmp/gw-$port.log" 2>&1 &
-	pids+=($!)
-	for _ in $(seq 100); do port_is_open "$port" && return; sleep 0.1; done
-	echo "scaleout.sh: gateway on $port did not start" >&2
-	tail "$tmp/gw-$port.log" >&2
-	exit 1
+	bench_start "gw-$port" "$port" "$gateway" --listen "127.0.0.1:$port" --config "$tmp/config.json" --store "$store" "$@" ||
+		exit 1
 }
 
 # CPU ticks (utime + stime) of a process and its children that are gateways (workers)
@@ -113,13 +106,13 @@ run() {
 # 1 worker, one Redis
 r1=$(pick_free_port); start_redis "$r1"
 g1=$(pick_free_port); start_gateway "$g1" "redis://127.0.0.1:$r1"
-gw1=${pids[-1]}
+gw1=$started_pid
 run 1w 1 "$gw1" -- "ws://127.0.0.1:$g1/ws" -- "$r1"
 kill -TERM "$gw1"; wait "$gw1" 2>/dev/null
 
 # 2 workers, one Redis
 g2=$(pick_free_port); start_gateway "$g2" "redis://127.0.0.1:$r1" --workers 2
-gw2=${pids[-1]}
+gw2=$started_pid
 sleep 0.5
 run 2w 2 "$gw2" -- "ws://127.0.0.1:$g2/ws" -- "$r1"
 kill -TERM "$gw2"; wait "$gw2" 2>/dev/null
@@ -144,7 +137,7 @@ nutcracker -c "$tmp/nutcracker.yml" -s "$(pick_free_port)" -o "$tmp/nutcracker.l
 pids+=($!)
 sleep 0.5
 ga=$(pick_free_port); start_gateway "$ga" "redis://127.0.0.1:$tp"
-gwa=${pids[-1]}
+gwa=$started_pid
 gb=$(pick_free_port); start_gateway "$gb" "redis://127.0.0.1:$tp"
-gwb=${pids[-1]}
+gwb=$started_pid
 run 2gw 2 "$gwa" "$gwb" -- "ws://127.0.0.1:$ga/ws" "ws://127.0.0.1:$gb/ws" -- "$r1" "$r2"

@@ -34,31 +34,19 @@ for tool in redis-server redis-cli curl python3; do
 done
 bench_workdir script_cost
 
-# start NAME PORT COMMAND...: runs COMMAND in the background and waits for PORT to accept
-start() {
-	local name=$1 port=$2
-	shift 2
-	"$@" >"$tmp/$name.log" 2>&1 &
-	pids+=($!)
-	for _ in $(seq 100); do port_is_open "$port" && return 0; sleep 0.05; done
-	echo "$0: $name did not start on port $port (see its log: $*)" >&2
-	cat "$tmp/$name.log" >&2
-	exit 1
-}
-
 app_port=$(pick_free_port) || exit 1
-start app "$app_port" "$build/tests/bench/app_backend" --port "$app_port"
+bench_start app "$app_port" "$build/tests/bench/app_backend" --port "$app_port" || exit 1
 bench_config "$app_port" >"$tmp/chatgate.json"
 
 status=0
 for bin in "${binaries[@]}"; do
 	redis_port=$(pick_free_port) || exit 1
-	start redis "$redis_port" redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp"
-	redis=${pids[-1]}
+	bench_start redis "$redis_port" redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" || exit 1
+	redis=$started_pid
 	port=$(pick_free_port) || exit 1
-	start gateway "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" --rules "$repo/rules" \
-		--store "redis://127.0.0.1:$redis_port"
-	gw=${pids[-1]}
+	bench_start gateway "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" --rules "$repo/rules" \
+		--store "redis://127.0.0.1:$redis_port" || exit 1
+	gw=$started_pid
 	for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
 	redis-cli -p "$redis_port" monitor >"$tmp/monitor.txt" 2>&1 &
 	monitor=$!
@@ -70,8 +58,8 @@ for bin in "${binaries[@]}"; do
 	best= calls= turns=
 	for _ in 1 2 3; do
 		replay_port=$(pick_free_port) || exit 1
-		start replay "$replay_port" redis-server --port "$replay_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp"
-		replay=${pids[-1]}
+		bench_start replay "$replay_port" redis-server --port "$replay_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" || exit 1
+		replay=$started_pid
 		if ! python3 "$here/resp_replay.py" "$tmp/monitor.txt" "$replay_port" >"$tmp/replay.out" 2>&1; then
 			cat "$tmp/replay.out" >&2
 			kill $replay
