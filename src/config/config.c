@@ -21,6 +21,7 @@
 #include "chatgate/config/config.h"
 #include "chatgate/config/dropin_config.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/tls_ca.h"
 
 typedef enum { T_STR, T_INT, T_ENUM, T_BOOL } setting_type; /* T_BOOL: a long, 0 or 1 */
 
@@ -55,6 +56,9 @@ static const setting settings[] = {
     {"log_level", T_ENUM, OFF(log_level), 0, 0, log_choices, 1, "error | warn | info | debug (default info)"},
     {"timezone", T_STR, OFF(timezone), 0, 0, NULL, 1,
      "ZONE for dates the rules read (\"tomorrow\", \"Feb 20\"), an IANA name such as Africa/Nairobi (default UTC)"},
+    {"tls_ca_file", T_STR, OFF(tls_ca_file), 0, 0, NULL, 1,
+     "FILE of PEM CA certificates that the certificates of https and wss upstreams and of the drop-in app may "
+     "chain to, besides the system's (default: the system's alone)"},
     {"log_format", T_ENUM, OFF(log_format), 0, 0, log_formats, 1, "text | json: one line or one JSON object per event"},
     {"max_frame", T_INT, OFF(max_frame), 256, 16 << 20, NULL, 1, "BYTES, largest client frame (default 65536)"},
     {"max_connections", T_INT, OFF(max_connections), 1, 1000000, NULL, 1,
@@ -1044,6 +1048,14 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
             return -1;
         }
     }
+    if (cfg->tls_ca_file) {
+        char why[512];
+        if (!(cfg->tls_ca = cg_tls_ca_load(cfg->tls_ca_file, why, sizeof(why)))) {
+            origin_of("tls_ca_file", "tls-ca-file", flag_given(argc, argv, "tls-ca-file"), file, where, sizeof(where));
+            set_err(err, errlen, "%s: %s", where, why);
+            return -1;
+        }
+    }
     if (cfg->admin_listen) {
         origin_of("admin_listen", "admin-listen", flag_given(argc, argv, "admin-listen"), file, where, sizeof(where));
         if (parse_host_port(cfg->admin_listen, &cfg->admin_host, &cfg->admin_port, where, err, errlen) < 0)
@@ -1345,6 +1357,7 @@ void cg_config_free(cg_config *cfg)
             free(*(char **)((char *)cfg + settings[i].offset));
     free(cfg->listen_host);
     free(cfg->admin_host);
+    cg_tls_ca_free(cfg->tls_ca);
     json_decref(cfg->services);
     cg_limits_config_free(&cfg->limits);
     json_decref(cfg->dropin);

@@ -33,6 +33,7 @@
 #include "chatgate/server/handshake.h"
 #include "chatgate/server/ops.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/tls_ca.h"
 #include "chatgate/server/master.h"
 #include "chatgate/server/session.h"
 #include "chatgate/server/worker.h"
@@ -53,6 +54,14 @@ static int front_callback(struct lws *wsi, enum lws_callback_reasons reason, voi
         if (cg_refuse_large_headers(wsi) || cg_refuse_plain_http_on_ws(wsi))
             return -1; /* answered; lws closes the connection */
         break;
+    case LWS_CALLBACK_OPENSSL_LOAD_EXTRA_CLIENT_VERIFY_CERTS: {
+        /* the vhost's client context (user), made inside lws_create_context: tls_ca_file's
+         * certificates join the system's for wss upstreams and drop-in apps (tls_ca.h) */
+        const cg_server *srv = cg_server_of(wsi);
+        if (srv && cg_tls_ca_trust(srv->cfg->tls_ca, user) < 0)
+            cg_error("tls_ca_file: OpenSSL refused its certificates for wss connections (out of memory?)");
+        return 0;
+    }
     case LWS_CALLBACK_OPENSSL_PERFORM_SERVER_CERT_VERIFICATION:
         /* an upstream's or a drop-in app's certificate: lws's own check decides, and a
          * refusal's reason is kept for the connection's error (core/net.h) */
@@ -483,7 +492,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     if (cg_worker_self() && cg_worker_listen(loop, gw->vhost, cfg->listen_host, cfg->listen_port, "listener") < 0)
         return -1;
     cg_flusher_init(&gw->srv.flusher, loop); /* before the loop runs: the store's first write comes after its connect */
-    gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher};
+    gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher,
+                           .tls_ca = cfg->tls_ca};
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++) {
         cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i], &gw->srv.metrics, i);

@@ -53,6 +53,9 @@ static const struct upstream_family {
     {"chatgate_upstream_connections_reused_total", "counter",
      "Requests sent on a kept-alive connection instead of a new one.", offsetof(cg_metrics, upstream_conns_reused),
      CG_UPSTREAM_OPENAI},
+    {"chatgate_upstream_tls_resumed_total", "counter",
+     "New TLS connections to an OpenAI-compatible upstream that resumed an earlier TLS session (no full handshake).",
+     offsetof(cg_metrics, upstream_tls_resumed), CG_UPSTREAM_OPENAI},
     {"chatgate_upstream_connections_idle", "gauge", "Kept-alive connections idle now, waiting for the next request.",
      offsetof(cg_metrics, upstream_conns_idle), CG_UPSTREAM_OPENAI},
     /* replicas and fallback (README, "Replicas, retries and fallback") */

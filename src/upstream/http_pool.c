@@ -15,8 +15,9 @@
  * the session must not hear of a reply from inside its own pause call.
  *
  * Counted into metrics at the upstream's index: connections opened (the opensocket
- * callback), requests sent on a kept connection (cg_http_pool_sending) and the idle gauge
- * (sockets open less the transfers that hold one).
+ * callback), requests sent on a kept connection and new TLS connections that resumed an
+ * earlier session (cg_http_pool_sending), and the idle gauge (sockets open less the
+ * transfers that hold one).
  */
 #include <ctype.h>
 #include <stdlib.h>
@@ -26,7 +27,10 @@
 #include <sys/queue.h>
 #include <sys/socket.h>
 
+#include <openssl/ssl.h>
+
 #include "chatgate/core/log.h"
+#include "chatgate/core/tls_ca.h"
 #include "chatgate/upstream/http_pool.h"
 
 typedef struct transfer {
@@ -53,6 +57,7 @@ struct cg_http_pool {
     int index;
     CURLM *multi;  /* NULL while no connection is open and nothing runs */
     CURLSH *share; /* TLS sessions and DNS answers, kept across multi handles */
+    const cg_tls_ca *ca; /* trusted besides the system's CAs (tls_ca_file), or NULL */
     uv_timer_t curl_timer, kick, idle;
     LIST_HEAD(, transfer) transfers; /* every running transfer */
     long open;           /* sockets open now */
@@ -303,7 +308,16 @@ static void on_kick(uv_timer_t *t)
 
 /* ---- the API ---------------------------------------------------------------------------- */
 
-cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, cg_metrics *metrics, int index)
+/* CURLOPT_SSL_CTX_FUNCTION: a new TLS connection's context, before its handshake, gets the
+ * pool's extra CAs beside the system's, which libcurl has loaded into it already. */
+static CURLcode on_ssl_ctx(CURL *easy, void *ssl_ctx, void *data)
+{
+    (void)easy;
+    return cg_tls_ca_trust(data, ssl_ctx) < 0 ? CURLE_OUT_OF_MEMORY : CURLE_OK;
+}
+
+cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, const cg_tls_ca *ca,
+                               cg_metrics *metrics, int index)
 {
     static int curl_ready;
     if (!curl_ready) {
@@ -317,6 +331,7 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
     LIST_INIT(&p->transfers);
     p->loop = loop;
     p->cfg = cfg;
+    p->ca = ca;
     p->metrics = metrics;
     p->index = index;
     p->share = curl_share_init();
@@ -357,6 +372,13 @@ CURL *cg_http_pool_easy(cg_http_pool *p)
     curl_easy_setopt(e, CURLOPT_PROXY, ""); /* as before: no proxy from the environment */
     /* HTTP/1.1, one request per connection at a time: a cancel closes exactly its own */
     curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
+    if (p->ca && (curl_easy_setopt(e, CURLOPT_SSL_CTX_FUNCTION, on_ssl_ctx) != CURLE_OK ||
+                  curl_easy_setopt(e, CURLOPT_SSL_CTX_DATA, (void *)p->ca) != CURLE_OK)) {
+        /* a libcurl built on another TLS library than OpenSSL (Debian's libcurl4-openssl is) */
+        cg_error("upstream %s: tls_ca_file cannot be used: this libcurl's TLS library is not OpenSSL", p->cfg->name);
+        curl_easy_cleanup(e);
+        return NULL;
+    }
     return e;
 }
 
@@ -414,6 +436,17 @@ void cg_http_pool_pause(cg_http_pool *p, CURL *easy, int paused)
     uv_timer_start(&p->kick, on_kick, 0, 0);
 }
 
+/* 1 when the transfer's connection, just made, is TLS that resumed a session of an earlier
+ * one (the share handle keeps them) rather than a full handshake. */
+static int tls_resumed(CURL *easy)
+{
+    struct curl_tlssessioninfo *info = NULL;
+    if (curl_easy_getinfo(easy, CURLINFO_TLS_SSL_PTR, &info) != CURLE_OK || !info ||
+        info->backend != CURLSSLBACKEND_OPENSSL || !info->internals)
+        return 0;
+    return SSL_session_reused(info->internals) == 1;
+}
+
 void cg_http_pool_sending(cg_http_pool *p, CURL *easy)
 {
     transfer *t = transfer_of(easy);
@@ -421,6 +454,8 @@ void cg_http_pool_sending(cg_http_pool *p, CURL *easy)
     curl_easy_getinfo(easy, CURLINFO_NUM_CONNECTS, &connects);
     if (connects == 0 && p->metrics)
         p->metrics->upstream_conns_reused[p->index]++;
+    else if (p->metrics && tls_resumed(easy))
+        p->metrics->upstream_tls_resumed[p->index]++;
     if (t && !t->busy) {
         t->busy = 1;
         p->busy++;

@@ -176,7 +176,9 @@ def _short(frame, limit=140):
 class ChatApp:
     """The chat app's server, on an asyncio loop (in a test's own loop, or standalone)."""
 
-    def __init__(self, chunk_interval=0.05, long_chunks=20, short_chunks=3, honour_halt=True, verbose=False):
+    def __init__(self, chunk_interval=0.05, long_chunks=20, short_chunks=3, honour_halt=True, verbose=False,
+                 tls=None):
+        self.tls = tls  # a server ssl.SSLContext: wss (the tests' tls_server())
         self.chunk_interval = chunk_interval
         self.honour_halt = honour_halt  # False: an app that cannot stop a reply (halts are only recorded)
         self.long_chunks = long_chunks
@@ -198,7 +200,7 @@ class ChatApp:
         self.host = host
         self.server = await websockets.serve(
             self._handler, host, port, subprotocols=[SUBPROTOCOL],
-            process_request=self._process_request, max_size=2**22)
+            process_request=self._process_request, max_size=2**22, ssl=self.tls)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -216,7 +218,7 @@ class ChatApp:
     @property
     def url(self):
         """The app's base URL (what a drop-in config's app URL is)."""
-        return f"ws://127.0.0.1:{self.port}"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
 
     @property
     def socket_url(self):

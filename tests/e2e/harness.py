@@ -35,6 +35,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -530,6 +531,24 @@ def parse_metrics(text):
 # Config helpers
 
 
+def tls_server(directory):
+    """A test CA and a certificate it signed for 127.0.0.1, ::1 and localhost, made by Debian's
+    openssl in `directory`: (the CA's PEM file, for tls_ca_file; a server ssl.SSLContext with
+    the certificate, for FakeOpenAI and WsServer)."""
+    d = Path(directory)
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,IP:::1,DNS:localhost\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for cmd in (["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+                 "-subj", "/CN=chatgate test CA"],
+                ["req", *ec, "-keyout", "key.pem", "-out", "req.csr", "-subj", "/CN=localhost"],
+                ["x509", "-req", "-in", "req.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", "cert.pem", "-days", "2", "-extfile", "ext.cnf"]):
+        subprocess.run(["openssl", *cmd], check=True, capture_output=True, cwd=d)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(d / "cert.pem", d / "key.pem")
+    return str(d / "ca.pem"), ctx
+
+
 def openai_upstream(fake, behaviour, model="test-model", **timeouts):
     """Config of an OpenAI-compatible upstream served by `fake` with `behaviour`."""
     cfg = {"url": fake.url(behaviour), "model": model, "connect_timeout_ms": 2000,
@@ -569,6 +588,8 @@ class HttpConnection:
     def __init__(self, reader, writer):
         self.reader = reader
         self.writer = writer
+        tls = writer.get_extra_info("ssl_object")
+        self.tls_resumed = tls.session_reused if tls else None  # None: not TLS
         self.buf = bytearray()
         self.eof = False
         self.opened_at = time.monotonic()
@@ -780,9 +801,11 @@ class FakeOpenAI:
       script   by the last user message: "FAIL" in it -> err500; "SLOW" -> `slow_words`
                words `slow_interval` apart (w0 w1 ...); else "echo: <text>" word by word.
     Every request is kept in `requests` (path, lower-cased headers, parsed JSON body, timing).
+    With `tls` (a server ssl.SSLContext, tls_server()) it serves https.
     """
 
-    def __init__(self):
+    def __init__(self, tls=None):
+        self.tls = tls
         self.requests = []
         self.connections = []
         self.server = None
@@ -795,7 +818,7 @@ class FakeOpenAI:
         self.quick_interval = 0.05
 
     async def start(self):
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.tls)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -813,7 +836,7 @@ class FakeOpenAI:
         await self.stop()
 
     def url(self, behaviour):
-        return f"http://127.0.0.1:{self.port}/{behaviour}/v1"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}/{behaviour}/v1"
 
     def requests_for(self, behaviour):
         return [r for r in self.requests if r.behaviour == behaviour]
@@ -1078,16 +1101,18 @@ class AppConnection:
 class WsServer:
     """A WebSocket server of the test's own on a free local port: subclasses give `_handler(ws)`
     and, in `serve_options`, what websockets.serve should get besides (frame size, write limit).
-    `async with` starts and stops it; `url(path)` is where the gateway finds it."""
+    `async with` starts and stops it; `url(path)` is where the gateway finds it. With `tls` (a
+    server ssl.SSLContext, tls_server()) it serves wss."""
 
     serve_options = {}
 
-    def __init__(self):
+    def __init__(self, tls=None):
+        self.tls = tls
         self.server = None
         self.port = None
 
     async def start(self):
-        self.server = await websockets.serve(self._handler, "127.0.0.1", 0, **self.serve_options)
+        self.server = await websockets.serve(self._handler, "127.0.0.1", 0, ssl=self.tls, **self.serve_options)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -1103,7 +1128,7 @@ class WsServer:
         await self.stop()
 
     def url(self, path):
-        return f"ws://127.0.0.1:{self.port}{path}"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}{path}"
 
 
 class FakeApp(WsServer):
@@ -1130,8 +1155,8 @@ class FakeApp(WsServer):
 
     serve_options = {"max_size": 2**22}
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, tls=None):
+        super().__init__(tls)
         self.connections = []
         self.slow_deltas = 100
         self.slow_interval = 0.1

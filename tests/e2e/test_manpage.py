@@ -291,6 +291,7 @@ def full_configs(keys):
         "shadow_rules": str(harness.REPO_ROOT / "rules"),
         "web": str(harness.REPO_ROOT / "web"),
         "timezone": "Africa/Nairobi" if os.path.isfile(f"{zones}/Africa/Nairobi") else "UTC",
+        "tls_ca_file": harness.tls_server(harness.temp_dir("chatgate-e2e-manpage-ca-"))[0],
         "allow_origin": ["https://chat.example", "https://app.example"],
         "redis.prefix": "cg-manpage",
         "redis.bus": "redis://127.0.0.1:6379",

@@ -89,6 +89,8 @@ typedef struct cg_config {
     char *log_level;
     char *log_format;
     char *timezone; /* IANA name ("Africa/Nairobi"); dates are this zone's */
+    char *tls_ca_file; /* PEM CA certificates upstreams may chain to besides the system's, or NULL */
+    struct cg_tls_ca *tls_ca; /* its certificates, read by the config's check (core/tls_ca.h) */
     long max_frame;
     long max_connections;
     long max_header_bytes; /* a request's header space; more gets 431 (gateway.c) */

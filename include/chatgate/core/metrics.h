@@ -58,9 +58,10 @@ typedef struct cg_metrics {
     unsigned long errors[16];               /* error frames by code, index -code - CG__ERR_FIRST - 1 */
     unsigned long upstream_errors[32];      /* by upstream index */
     /* an OpenAI-compatible upstream's kept-alive connections, by upstream index: TCP
-     * connections opened, requests sent on a kept one, and held idle now (a gauge; summed
-     * over the workers it is the group's) */
-    unsigned long upstream_conns_opened[32], upstream_conns_reused[32], upstream_conns_idle[32];
+     * connections opened, requests sent on a kept one, new TLS connections that resumed a
+     * session, and held idle now (a gauge; summed over the workers it is the group's) */
+    unsigned long upstream_conns_opened[32], upstream_conns_reused[32], upstream_tls_resumed[32];
+    unsigned long upstream_conns_idle[32];
     /* replicas (upstreams.NAME.urls): attempts retried on another replica, replicas marked
      * out after a failure, and messages that went on to the upstream's fallback, by index */
     unsigned long upstream_retries[32], upstream_replica_outs[32], upstream_fallbacks[32];

@@ -38,9 +38,11 @@
 typedef struct cg_http_pool cg_http_pool;
 typedef void (*cg_http_done_fn)(void *data, CURLcode result);
 
-/* A pool for the upstream cfg on loop; metrics (may be NULL) gets its counters at index.
- * NULL when libcurl cannot start. */
-cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, cg_metrics *metrics, int index);
+/* A pool for the upstream cfg on loop, whose TLS connections trust ca (tls_ca_file, may be
+ * NULL) besides the system's CAs; metrics (may be NULL) gets its counters at index. NULL
+ * when libcurl cannot start. */
+cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, const struct cg_tls_ca *ca,
+                               cg_metrics *metrics, int index);
 
 /* A new easy handle with the pool's settings (its sockets, the TLS session share, the idle
  * age); the caller sets the request and owns the handle. NULL on failure. */
@@ -57,7 +59,8 @@ void cg_http_pool_stop(cg_http_pool *p, CURL *easy);
 void cg_http_pool_pause(cg_http_pool *p, CURL *easy, int paused);
 
 /* The request of a running transfer goes out on a connection (CURLOPT_PREREQFUNCTION
- * time): counted as a reuse when the connection was kept from before; from here until the
+ * time): counted as a reuse when the connection was kept from before, as a TLS resumption
+ * when it is new and its handshake resumed a session; from here until the
  * transfer ends its connection is busy, not idle. */
 void cg_http_pool_sending(cg_http_pool *p, CURL *easy);
 
