@@ -3,6 +3,8 @@
  * gateway's lws context, close frames, and frames written whole (see net.h).
  */
 #include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -10,7 +12,9 @@
 #include <string.h>
 
 #include <openssl/rand.h>
+#include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
 #include "chatgate/core/net.h"
 #include "chatgate/core/buf.h"
@@ -126,17 +130,61 @@ struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void 
  * once and in that order; one slot is enough. */
 static struct {
     const struct lws *wsi;
-    char why[128];
+    char why[192];
 } tls_refusal;
 
-void cg_net_tls_verified(const struct lws *wsi, void *x509_ctx, int preverify_ok)
+/*
+ * lws 4.1.6 takes the name a certificate must be for from the Host header's text, cut at its
+ * first ':' to drop the port, so an IPv6 literal ("[::1]:8443") is checked as "[" and never
+ * matches. Such a name is checked here instead: the certificate must be for the IPv6 address
+ * the connection went to, which is the literal itself (a literal is not resolved). Any other
+ * name lws checks as it is.
+ */
+static int ipv6_literal_matches(X509_STORE_CTX *ctx, SSL *ssl)
+{
+    if (!ssl || X509_STORE_CTX_get_error(ctx) != X509_V_ERR_HOSTNAME_MISMATCH)
+        return 0;
+    const char *name = X509_VERIFY_PARAM_get0_host(SSL_get0_param(ssl), 0);
+    X509 *cert = X509_STORE_CTX_get_current_cert(ctx);
+    struct sockaddr_in6 peer;
+    socklen_t len = sizeof(peer);
+    int fd = SSL_get_fd(ssl);
+    if (!name || strcmp(name, "[") != 0 || !cert || fd < 0 || getpeername(fd, (struct sockaddr *)&peer, &len) != 0 ||
+        peer.sin6_family != AF_INET6)
+        return 0;
+    return X509_check_ip(cert, (const unsigned char *)&peer.sin6_addr, sizeof(peer.sin6_addr), 0) == 1;
+}
+
+/* What a refusal's reason leaves unsaid: where trust comes from. */
+static const char *refusal_hint(int err)
+{
+    switch (err) {
+    case X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT:
+    case X509_V_ERR_SELF_SIGNED_CERT_IN_CHAIN:
+    case X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY:
+    case X509_V_ERR_UNABLE_TO_VERIFY_LEAF_SIGNATURE:
+        return " (neither the system's CA certificates nor tls_ca_file trust it)";
+    case X509_V_ERR_HOSTNAME_MISMATCH:
+    case X509_V_ERR_IP_ADDRESS_MISMATCH:
+        return " (it is not for the host of the URL)";
+    default:
+        return "";
+    }
+}
+
+void cg_net_tls_verified(const struct lws *wsi, void *x509_ctx, void *ssl, int preverify_ok)
 {
     if (preverify_ok || !x509_ctx)
         return;
     X509_STORE_CTX *ctx = x509_ctx;
+    if (ipv6_literal_matches(ctx, ssl)) {
+        X509_STORE_CTX_set_error(ctx, X509_V_OK); /* lws then lets the handshake go on */
+        return;
+    }
+    int err = X509_STORE_CTX_get_error(ctx);
     tls_refusal.wsi = wsi;
-    snprintf(tls_refusal.why, sizeof(tls_refusal.why), "%s (certificate depth %d)",
-             X509_verify_cert_error_string(X509_STORE_CTX_get_error(ctx)), X509_STORE_CTX_get_error_depth(ctx));
+    snprintf(tls_refusal.why, sizeof(tls_refusal.why), "%s (certificate depth %d)%s", X509_verify_cert_error_string(err),
+             X509_STORE_CTX_get_error_depth(ctx), refusal_hint(err));
 }
 
 const char *cg_net_tls_refusal(const struct lws *wsi)

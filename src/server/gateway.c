@@ -63,9 +63,10 @@ static int front_callback(struct lws *wsi, enum lws_callback_reasons reason, voi
         return 0;
     }
     case LWS_CALLBACK_OPENSSL_PERFORM_SERVER_CERT_VERIFICATION:
-        /* an upstream's or a drop-in app's certificate: lws's own check decides, and a
-         * refusal's reason is kept for the connection's error (core/net.h) */
-        cg_net_tls_verified(wsi, user, (int)len);
+        /* an upstream's or a drop-in app's certificate: lws's own check decides (but for
+         * an IPv6 literal host), and a refusal's reason is kept for the connection's error
+         * (core/net.h) */
+        cg_net_tls_verified(wsi, user, in, (int)len);
         return 0;
     case LWS_CALLBACK_WSI_DESTROY: {
         /* The session callback passes a wsi's end on to the wsi's own protocol when that is

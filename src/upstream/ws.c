@@ -515,8 +515,8 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
     case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {
         const char *tls = cg_net_tls_refusal(wsi);
         if (tls)
-            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: its TLS certificate was refused: %s "
-                      "(the system's CA certificates must trust it)", tls);
+            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: its TLS certificate was refused: %s",
+                      tls);
         else
             call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s",
                       in ? (const char *)in : "connection failed");

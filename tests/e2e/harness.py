@@ -531,12 +531,12 @@ def parse_metrics(text):
 # Config helpers
 
 
-def tls_server(directory):
-    """A test CA and a certificate it signed for 127.0.0.1, ::1 and localhost, made by Debian's
+def tls_server(directory, names="IP:127.0.0.1,IP:::1,DNS:localhost"):
+    """A test CA and a certificate it signed for `names` (subjectAltName), made by Debian's
     openssl in `directory`: (the CA's PEM file, for tls_ca_file; a server ssl.SSLContext with
     the certificate, for FakeOpenAI and WsServer)."""
     d = Path(directory)
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,IP:::1,DNS:localhost\n")
+    (d / "ext.cnf").write_text(f"subjectAltName={names}\n")
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     for cmd in (["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
                  "-subj", "/CN=chatgate test CA"],
@@ -1102,17 +1102,18 @@ class WsServer:
     """A WebSocket server of the test's own on a free local port: subclasses give `_handler(ws)`
     and, in `serve_options`, what websockets.serve should get besides (frame size, write limit).
     `async with` starts and stops it; `url(path)` is where the gateway finds it. With `tls` (a
-    server ssl.SSLContext, tls_server()) it serves wss."""
+    server ssl.SSLContext, tls_server()) it serves wss; `host` is the address it listens on."""
 
     serve_options = {}
 
-    def __init__(self, tls=None):
+    def __init__(self, tls=None, host="127.0.0.1"):
         self.tls = tls
+        self.host = host
         self.server = None
         self.port = None
 
     async def start(self):
-        self.server = await websockets.serve(self._handler, "127.0.0.1", 0, ssl=self.tls, **self.serve_options)
+        self.server = await websockets.serve(self._handler, self.host, 0, ssl=self.tls, **self.serve_options)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -1128,7 +1129,8 @@ class WsServer:
         await self.stop()
 
     def url(self, path):
-        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}{path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'wss' if self.tls else 'ws'}://{host}:{self.port}{path}"
 
 
 class FakeApp(WsServer):
@@ -1155,8 +1157,8 @@ class FakeApp(WsServer):
 
     serve_options = {"max_size": 2**22}
 
-    def __init__(self, tls=None):
-        super().__init__(tls)
+    def __init__(self, tls=None, host="127.0.0.1"):
+        super().__init__(tls, host)
         self.connections = []
         self.slow_deltas = 100
         self.slow_interval = 0.1

@@ -66,9 +66,10 @@ void cg_net_kill_async(const cg_net *net, struct lws *wsi, int reason);
 int cg_net_write_close(struct lws *wsi, int code, const char *reason);
 
 /* LWS_CALLBACK_OPENSSL_PERFORM_SERVER_CERT_VERIFICATION (to protocols[0]: user is the
- * X509_STORE_CTX, len preverify_ok): a refusal is kept, with OpenSSL's reason, for the
- * connection's failure that follows. */
-void cg_net_tls_verified(const struct lws *wsi, void *x509_ctx, int preverify_ok);
+ * X509_STORE_CTX, in the SSL, len preverify_ok): a refusal is kept, with OpenSSL's reason,
+ * for the connection's failure that follows; one lws cannot get right (a URL's IPv6 literal
+ * host) is checked here and, when the certificate is for that address, overruled. */
+void cg_net_tls_verified(const struct lws *wsi, void *x509_ctx, void *ssl, int preverify_ok);
 /* Why wsi's server certificate was refused ("self-signed certificate (certificate depth
  * 0)"), once, or NULL when it was not: for the error of a client connection that failed. */
 const char *cg_net_tls_refusal(const struct lws *wsi);
