@@ -481,7 +481,6 @@ static const char load_script[] =
     "  if fence == 1 then redis.call('EXPIRE', KEYS[7], ARGV[3]) end\n"
     "  lease = ARGV[1] .. ' ' .. fence\n"
     "  redis.call('SET', KEYS[6], lease, 'PX', ARGV[2])\n"
-    "  redis.call('DEL', KEYS[8])\n"
     "end\n"
     "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] and\n"
     "   (ARGV[5] == '1' and redis.call('EXISTS', KEYS[2], KEYS[5]) == 2 or ARGV[5] == '0' and redis.call('EXISTS', KEYS[2]) == 1) then\n"
@@ -491,22 +490,25 @@ static const char load_script[] =
     "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}\n";
 
 /* A lease still ours, renewed (ARGV[1] the lease, ARGV[2] ms): 1, 2 when another gateway
- * asked to cancel the turn (the flag is taken), or 0 when the lease is not exactly ours.
+ * asked to cancel the turn (the flag names this lease's fence; it is taken), or 0 when the
+ * lease is not exactly ours.
  * A lease gone is never taken back here: a renewal sent again after NOSCRIPT may land after
  * the turn's save released it (the save itself decides about a lease lost in a failover). */
 static const char renew_script[] =
     "if redis.call('GET', KEYS[6]) ~= ARGV[1] then return 0 end\n"
     "redis.call('PEXPIRE', KEYS[6], ARGV[2])\n"
-    "if redis.call('DEL', KEYS[8]) > 0 then return 2 end\n"
+    "if redis.call('GET', KEYS[8]) == string.match(ARGV[1], '%d+$') then redis.call('DEL', KEYS[8]) return 2 end\n"
     "return 1\n";
 
 /* Another gateway's turn of the dialog must stop (ARGV[1]: the flag's lifetime, ms): the
  * flag its lease renewal reads, in case the bus message is lost; answers the lease ("" when
- * none) so that its holder can be told on the bus now. */
+ * none) so that its holder can be told on the bus now. The flag holds the fence of the lease
+ * it stops: a flag left over (its turn ended without a save, or a renewal) then never stops
+ * the dialog's next turn, which has another fence, so a load need not delete it. */
 static const char cancel_script[] =
     "local cur = redis.call('GET', KEYS[6])\n"
     "if not cur then return '' end\n"
-    "redis.call('SET', KEYS[8], '1', 'PX', ARGV[1])\n"
+    "redis.call('SET', KEYS[8], string.match(cur, '%d+$') or '', 'PX', ARGV[1])\n"
     "return cur\n";
 
 /* A lease let go by its holder without a save. */
@@ -1036,16 +1038,22 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * written or not, but for -3: it is sent again at once, rewriting the history.
  * An append whose rev is Redis's needs no look at created_at and last_activity: any other
  * incarnation, or any newer write, would have written another rev. So only a rewrite reads
- * them (an append to another incarnation gets -3, and its rewrite then 0).
+ * them (an append to another incarnation gets -3, and its rewrite then 0). And while the
+ * lease is still exactly this save's, the rev is not read either: the load that took the
+ * lease checked it (or read it), and every other save needs the lease, so it cannot have
+ * changed (a Redis that lost writes in a failover has this lease only if it has what came
+ * before it).
  * Kept cheap for Redis, whose time this script is half of (issue 12): the lease is compared
  * whole first (still this save's, the common case) and taken apart only when it differs; the
  * common save (usage and a service both there) makes no table, and no closure but save();
  * an append trims the list only when it would hold more than ARGV[23].
  */
 static const char save_script[] =
+    "local held = false\n"
     "if ARGV[17] ~= '' then\n"
     "  local cur = redis.call('GET', KEYS[6])\n"
-    "  if cur ~= ARGV[17] then\n"
+    "  held = cur == ARGV[17]\n"
+    "  if not held then\n"
     "    if cur and string.match(cur, '^%S+') ~= string.match(ARGV[17], '^%S+') then return -2 end\n"
     "    if not cur and (tonumber(redis.call('GET', KEYS[7])) or 0) > tonumber(string.match(ARGV[17], '%d+$')) then\n"
     "      return -2\n"
@@ -1056,7 +1064,7 @@ static const char save_script[] =
     "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
     "  local append = ARGV[22] ~= ''\n"
     "  if append then\n"
-    "    if redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] or redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[24]) then\n"
+    "    if not held and redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] or redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[24]) then\n"
     "      return -3\n"
     "    end\n"
     "  else\n"

@@ -414,6 +414,17 @@ async def part_cross_cancel(rules):
                           "(a third of redis.lease_ms, 1 s here)"):
                     s, c = await cross_cancel(app, ga, gb, "cc3|user", "x3", "phrase", 2.5)
                     print(f"   A's cancelled after {s * 1000:.0f} ms (renewal every 1,000 ms)")
+                with step("a cancel flag left by an earlier turn (its fence) stops no later turn: a reply of "
+                          "2.5 s, over two renewals, ends done"):
+                    user = "cc5|user"
+                    c = await connect_as(ga, user)
+                    (await c.message("first", mid="x5a", room="trip")).expect_done()  # the lease of fence 1
+                    redis.command("SET", harness.dialog_key(user, "trip", "cancel"), "1", "PX", "60000")
+                    app.slow["x5b"] = 2.5
+                    turn = await c.message("a slow one", mid="x5b", room="trip", timeout=10)
+                    check(turn.terminal.get("type") == "done",
+                          f"the turn after a stale flag should end done: {harness.brief(turn.terminal)}")
+                    await c.close()
     finally:
         redis.cleanup(keep=True)
 

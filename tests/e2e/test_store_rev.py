@@ -283,8 +283,9 @@ async def part_lifetimes(app, redis, rules):
 
 async def part_parts_deleted(app, redis, rules):
     with step("an awaiting state and soft context set, then cleared: Redis's keys go with them, "
-              "and turns with neither delete nothing more (two DELs a turn: cancel flag, lease); "
-              "their loads, answered 'same', count nothing (no HLEN; one LLEN a turn: the save's)"):
+              "and turns with neither delete nothing more (one DEL a turn: the save's of the lease); "
+              "their loads, answered 'same', count nothing (no HLEN; one LLEN a turn: the save's; one HGET "
+              "of the rev: the load's, the save holding the lease reads it no more)"):
         async with harness.Gateway(args(rules), config(app, redis), name="gw-parts") as gw:
             c = await connect(gw, "parts")
             awaiting = {"type": "selection", "options": [{"name": "KQ100"}], "ttl": 60}
@@ -300,16 +301,18 @@ async def part_parts_deleted(app, redis, rules):
             await turn(c, app, "parts-warm", "warm", "r")
             def calls():
                 stats = redis.info_commandstats()
-                return {cmd: stats.get(cmd, {}).get("calls", 0) for cmd in ("del", "hlen", "llen")}
+                return {cmd: stats.get(cmd, {}).get("calls", 0) for cmd in ("del", "hlen", "llen", "hget")}
             cached, before = store_counts(gw)[0], calls()
             for k in range(5):
                 await turn(c, app, f"parts-n{k}", f"plain {k}", "r")
             # the last save lands after its done: wait for it (a loaded machine may take a while)
-            await harness.wait_until(lambda: calls()["del"] - before["del"] >= 10, 5)
+            await harness.wait_until(lambda: calls()["del"] - before["del"] >= 5, 5)
             await asyncio.sleep(0.2)  # anything more would have come by now
             made = {cmd: n - before[cmd] for cmd, n in calls().items()}
-            check(made["del"] == 10, f"5 turns with neither should make 10 DELs (the load's of a cancel flag, the "
-                                     f"save's of the lease), made {made['del']}")
+            check(made["del"] == 5, f"5 turns with neither should make 5 DELs (the save's of the lease and the "
+                                    f"cancel flag; a load deletes no flag: it names its fence), made {made['del']}")
+            check(made["hget"] == 5, f"5 turns should read the rev 5 times (the loads'; a save under its own lease "
+                                     f"knows it), read it {made['hget']} times")
             check(store_counts(gw)[0] - cached == 5, f"the 5 loads were answered 'same': {store_counts(gw)}")
             check(made["hlen"] == 0 and made["llen"] == 5,
                   f"5 loads answered 'same' should count nothing in Redis (no HLEN), and their 5 appending "
