@@ -220,6 +220,9 @@ async def part_mid_turn(app, redis, rules):
         await mid_turn(app, redis, rules, "mid", ("params", "dialog", "history"))
     with step("only the history list gone during a turn (lapsed, or evicted), the rev kept: the same"):
         await mid_turn(app, redis, rules, "midh", ("history",))
+    with step("only the params hash gone during a turn (its rev with it; a save under its own lease does not "
+              "read the rev first): the same"):
+        await mid_turn(app, redis, rules, "midp", ("params",))
 
 
 def ttls(redis, user, parts=("params", "dialog", "history", "fence")):
