@@ -530,6 +530,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     log_headers("drop-in app", NULL, &cfg->dropin_app.headers);
     for (int i = 0; i < cfg->n_upstreams; i++)
         log_headers("upstream", cfg->upstreams[i].name, &cfg->upstreams[i].headers);
+    if (cfg->tls_ca)
+        cg_info("tls_ca_file %s: %d CA certificate%s trusted besides the system's", cfg->tls_ca_file,
+                cg_tls_ca_count(cfg->tls_ca), cg_tls_ca_count(cfg->tls_ca) > 1 ? "s" : "");
     return 0;
 }
 

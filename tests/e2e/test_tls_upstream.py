@@ -66,6 +66,9 @@ async def https(ca, tls):
             await client.close()
         async with harness.Gateway([], harness.make_config(llm, "llm", tls_ca_file=ca), name="gw-ca") as gw:
             client = await Client.connect(gw)
+            with step("tls_ca_file at start: the gateway says how many CA certificates it read"):
+                check("tls_ca_file " + ca + ": 1 CA certificate trusted besides the system's" in gw.log_text(),
+                      "the start-up log should name the file and the count")
             with step("https with tls_ca_file: 3 turns on one kept TLS connection"):
                 before = len(fake.connections)
                 for i in range(3):
