@@ -331,11 +331,21 @@ static void turns_timer_start(cg_turns *q, uint64_t ms)
     uv_timer_start(q->timer, on_reply_timeout, ms, 0);
 }
 
-/* A forwarded turn's app is still answering: its silence bound starts again, ms long. */
+/* A forwarded turn's app is still answering: its silence bound starts again, ms long. A
+ * bound of the same length already running is only moved on (quiet_until), and the timer
+ * sets itself again for what is left when it fires early: restarting a libuv timer takes it
+ * out of the loop's heap and puts it back, which every frame of a reply did. */
 static void turn_timer_arm(cg_turns *q, uint64_t ms)
 {
-    if (ms)
-        turns_timer_start(q, ms);
+    if (!ms)
+        return;
+    uint64_t until = uv_now(q->env->loop) + ms;
+    if (q->timer && q->timer_ms == ms && uv_is_active((uv_handle_t *)q->timer) && until >= q->quiet_until) {
+        q->quiet_until = until;
+        return;
+    }
+    turns_timer_start(q, ms);
+    q->quiet_until = until;
 }
 
 /* A stop rule matched the reply: the upstream call is cancelled (never from inside its own
@@ -395,6 +405,11 @@ static void on_reply_timeout(uv_timer_t *timer)
     }
     if (!t || !t->forwarded)
         return;
+    uint64_t now = uv_now(q->env->loop);
+    if (now < q->quiet_until) { /* a frame came since it was set: the rest of the bound */
+        uv_timer_start(q->timer, on_reply_timeout, q->quiet_until - now, 0);
+        return;
+    }
     if (q->timer_ms == q->reply_gap_ms)
         cg_debug("session %s: the app's reply went quiet for %llu ms: it has ended", q->name,
                  (unsigned long long)q->reply_gap_ms);

@@ -339,6 +339,34 @@ async def part_silent_app():
             gw.assert_alive()
 
 
+async def part_app_still_answering():
+    """A reply with no end marker ends after a silence, not a time from its start: frames
+    100 ms apart for 2 s keep a turn of turn_timeout_ms and reply_gap_ms 400 alive (each
+    frame moves the bound on without restarting the timer; the timer, firing early, waits out
+    the rest)."""
+    async with ChatApp(chunk_interval=0.1) as app:
+        cfg = config(app.url)
+        cfg["dropin"]["app_frames"] = {"text": "/body", "id": "/reply_to"}  # no end: the silence ends it
+        cfg["dropin"]["turn_timeout_ms"] = 400
+        cfg["dropin"]["reply_gap_ms"] = 400
+        async with Gateway(config=cfg, env=ENV, name="gateway:still-answering") as gw:
+            a, b, sa, sb = await two_tabs(app, gw)
+            with step("tab A's reply streams 20 frames 100 ms apart: tab B's say in the same room waits for "
+                      "it all, reaching the app 2 s to 3.5 s after A's"):
+                await a.say("Tell me a long story about trains", "l1", "trip")
+                await wait_say(sa, "l1")
+                started = time.monotonic()
+                await b.say(FLIGHT2, "l2", "trip")
+                await wait_say(sb, "l2", 6)
+                waited = time.monotonic() - started
+                check(1.9 <= waited <= 3.5, f"B's say reached the app {waited:.2f} s after A's: A's turn should "
+                                            "last its 2 s of frames plus a 400 ms silence")
+                print(f"   B's say reached the app {waited:.2f} s after A's")
+            await a.close()
+            await b.close()
+            gw.assert_alive()
+
+
 async def main(args):
     await independent(part_long_id())
     await independent(part_two_tabs())
@@ -348,6 +376,7 @@ async def main(args):
     await independent(part_close_frames())
     await independent(part_big_cookie())
     await independent(part_silent_app())
+    await independent(part_app_still_answering())
 
 
 if __name__ == "__main__":

@@ -144,6 +144,8 @@ typedef struct cg_turns {
     uint64_t reply_gap_ms;     /* 0, or: a reply that has begun ends after this much silence */
     uv_timer_t *timer; /* for reply_timeout_ms; malloc'd, freed when closed */
     uint64_t timer_ms; /* what it was last armed with */
+    uint64_t quiet_until; /* loop time the silence bound ends: later than the timer after a
+                           * frame came, which moves this alone (turn_timer_arm) */
     void *up_conns[CG_MAX_UPSTREAMS]; /* per-connection upstream connections (ws kind) */
 } cg_turns;
 
