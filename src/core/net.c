@@ -236,12 +236,12 @@ static size_t frame_header(unsigned char *hdr, size_t len, int binary, int maske
     return h;
 }
 
-void cg_net_batch_add(cg_net_batch *b, const char *json, size_t len)
+void cg_net_batch_add(cg_net_batch *b, const char *data, size_t len, int binary)
 {
     unsigned char hdr[10];
-    size_t h = frame_header(hdr, len, 0, 0);
+    size_t h = frame_header(hdr, len, binary, 0);
     cg_buf_append(&b->buf, &b->len, &b->cap, hdr, h, 1024);
-    cg_buf_append(&b->buf, &b->len, &b->cap, json, len, 1024);
+    cg_buf_append(&b->buf, &b->len, &b->cap, data, len, 1024);
 }
 
 /*

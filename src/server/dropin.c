@@ -434,6 +434,41 @@ int cg_dropin_client_idle(cg_dropin *d)
  * it. What is left, and the close frame, wait for the writable callback. Returns -1 when the
  * socket failed or the close frame is out.
  */
+/* 1 when the frame at the head of the client's queue goes in a batch holding `held` bytes:
+ * not a close frame, and room for it. */
+static int batch_takes(const cg_dropin *d, size_t held)
+{
+    const frame *f = d->to_client.head;
+    return f && !f->close && held + f->len <= CG_NET_BATCH_BYTES;
+}
+
+/*
+ * Writes the frame at the head of the client's queue (not a close frame), or, when more
+ * wait behind it, as many as fit in CG_NET_BATCH_BYTES with one send (core/net.h,
+ * cg_net_batch): an app's frames read in one packet leave in one, as a relay's would.
+ * Returns -1 when the socket failed.
+ */
+static int client_write_some(cg_dropin *d)
+{
+    frame *f = queue_pop(&d->to_client);
+    d->srv->metrics.frames_out++;
+    cg_net_batch *b = &d->srv->batch;
+    if (!batch_takes(d, f->len)) {
+        int n = lws_write(d->client, f->data + FRAME_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
+        int rc = n < (int)f->len ? -1 : 0;
+        frame_free(f);
+        return rc;
+    }
+    for (;;) {
+        cg_net_batch_add(b, (const char *)f->data + FRAME_PRE, f->len, f->binary);
+        frame_free(f);
+        if (!batch_takes(d, b->len))
+            return cg_net_batch_write(d->client, b);
+        f = queue_pop(&d->to_client);
+        d->srv->metrics.frames_out++;
+    }
+}
+
 static int client_write_queue(cg_dropin *d, int from_writable)
 {
     if (d->closing)
@@ -441,20 +476,16 @@ static int client_write_queue(cg_dropin *d, int from_writable)
     int rc = 0;
     frame *f;
     while ((f = d->to_client.head) && !lws_partial_buffered(d->client)) {
-        if (f->close && !from_writable)
-            break;
-        queue_pop(&d->to_client);
         if (f->close) {
+            if (!from_writable)
+                break;
+            queue_pop(&d->to_client);
             cg_net_write_close(d->client, f->close, (const char *)f->data + FRAME_PRE);
             d->closing = 1;
             frame_free(f);
             break;
         }
-        int n = lws_write(d->client, f->data + FRAME_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
-        d->srv->metrics.frames_out++;
-        rc = n < (int)f->len ? -1 : 0;
-        frame_free(f);
-        if (rc < 0)
+        if ((rc = client_write_some(d)) < 0)
             break;
     }
     if (rc == 0 && (d->closing || d->to_client.head || d->srv->closing_all))

@@ -38,9 +38,8 @@
 /* Text of one pending delta frame is cut here, so no single frame grows large. */
 #define CG_DELTA_CHUNK 16384
 
-/* Frames written together with one send go up to this many bytes (a delta's text counts
+/* Frames written together with one send go up to CG_NET_BATCH_BYTES (a delta's text counts
  * for its frame: escaping may add to it, within one chunk). */
-#define CG_BATCH_BYTES 16384
 
 /* Built frames are written from where they were dumped: lws's header goes in front. */
 _Static_assert(CG_FRAME_PRE >= LWS_PRE, "CG_FRAME_PRE must leave lws its LWS_PRE bytes");
@@ -221,22 +220,22 @@ static cg_frame_text session_pop(cg_session *s)
 
 /*
  * Writes the frames at the head of the send queue: one through lws_write(), or, when more
- * are waiting, as many as fit in CG_BATCH_BYTES with one send (core/net.h, cg_net_batch).
+ * are waiting, as many as fit in CG_NET_BATCH_BYTES with one send (core/net.h, cg_net_batch).
  * Returns -1 when the socket failed.
  */
 static int session_write_some(cg_session *s)
 {
     cg_frame_text f = session_pop(s);
-    if (!s->out_head || f.len + s->out_head->len > CG_BATCH_BYTES) {
+    if (!s->out_head || f.len + s->out_head->len > CG_NET_BATCH_BYTES) {
         int n = lws_write(s->wsi, (unsigned char *)f.json, f.len, LWS_WRITE_TEXT);
         free(f.buf);
         return n < (int)f.len ? -1 : 0;
     }
     cg_net_batch *b = &s->srv->batch;
     for (;;) {
-        cg_net_batch_add(b, f.json, f.len);
+        cg_net_batch_add(b, f.json, f.len, 0);
         free(f.buf);
-        if (!s->out_head || b->len + s->out_head->len > CG_BATCH_BYTES)
+        if (!s->out_head || b->len + s->out_head->len > CG_NET_BATCH_BYTES)
             return cg_net_batch_write(s->wsi, b);
         f = session_pop(s);
     }

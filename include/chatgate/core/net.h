@@ -88,8 +88,12 @@ typedef struct cg_net_batch {
     size_t len, cap;
 } cg_net_batch;
 
-/* Appends one text frame (json, len bytes) to b. */
-void cg_net_batch_add(cg_net_batch *b, const char *json, size_t len);
+/* The most a batch holds: frames past it wait for the next one (a send of 16 KiB is as cheap
+ * as a smaller one; the batch's buffer is the process's, kept at that size). */
+#define CG_NET_BATCH_BYTES 16384
+
+/* Appends one frame (data, len bytes; text, or binary when binary is 1) to b. */
+void cg_net_batch_add(cg_net_batch *b, const char *data, size_t len, int binary);
 
 /* Writes b's frames and empties b (its buffer is kept for the next batch); -1 when the
  * socket failed. Outside wsi's callbacks too, as lws_write() is. */

@@ -4,7 +4,8 @@
  * opcode, the MASK bit, the length in its three encodings (7 bits, 16, 64) at their edges,
  * the key, and the payload unmasked back to what was given, at every length around the
  * eight-byte steps of the masking loop. Keys must not repeat within a run, and a forked
- * child (--workers) must not draw the keys its parent draws next.
+ * child (--workers) must not draw the keys its parent draws next. And the server frames of a
+ * batch (cg_net_batch: several frames for one send), text and binary, read back in order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,8 +57,47 @@ static uint32_t frame_and_check(size_t len, int binary)
     return k;
 }
 
+/* A batch of text and binary frames of lengths at the three encodings' edges, read back
+ * frame by frame: FIN and the opcode, no MASK, the length, the payload. */
+static void batch_reads_back(void)
+{
+    static const size_t lens[] = {0, 5, 125, 126, 200, 65535, 65536, 70000};
+    enum { N = sizeof(lens) / sizeof(lens[0]) };
+    cg_net_batch b = {0};
+    char *payload = malloc(70000);
+    if (!payload)
+        abort();
+    for (size_t i = 0; i < 70000; i++)
+        payload[i] = (char)(i * 13 + 1);
+    for (size_t i = 0; i < N; i++)
+        cg_net_batch_add(&b, payload, lens[i], (int)(i & 1));
+    const unsigned char *p = (const unsigned char *)b.buf, *end = p + b.len;
+    for (size_t i = 0; i < N; i++) {
+        CHECK(end - p >= 2);
+        CHECK(p[0] == ((i & 1) ? 0x82 : 0x81));
+        CHECK(!(p[1] & 0x80)); /* a server's frames are not masked */
+        size_t n = p[1] & 0x7f, at = 2;
+        if (n == 126) {
+            n = (size_t)p[2] << 8 | p[3];
+            at = 4;
+        } else if (n == 127) {
+            n = 0;
+            for (int k = 0; k < 8; k++)
+                n = n << 8 | p[2 + k];
+            at = 10;
+        }
+        CHECK(n == lens[i]);
+        CHECK((size_t)(end - p) >= at + n && memcmp(p + at, payload, n) == 0);
+        p += at + n;
+    }
+    CHECK(p == end);
+    cg_net_batch_free(&b);
+    free(payload);
+}
+
 int main(void)
 {
+    batch_reads_back();
     static const size_t lens[] = {0, 1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 125, 126, 127, 1000, 65535, 65536, 70001};
     for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++) {
         frame_and_check(lens[i], 0);
