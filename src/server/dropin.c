@@ -428,12 +428,6 @@ int cg_dropin_client_idle(cg_dropin *d)
     return d->to_client.head == NULL;
 }
 
-/*
- * Writes the client's queue while the socket takes it, up to a close frame, which is written
- * only from the writable callback (from_writable): the connection goes at the writable after
- * it. What is left, and the close frame, wait for the writable callback. Returns -1 when the
- * socket failed or the close frame is out.
- */
 /* 1 when the frame at the head of the client's queue goes in a batch holding `held` bytes:
  * not a close frame, and room for it. */
 static int batch_takes(const cg_dropin *d, size_t held)
@@ -469,6 +463,12 @@ static int client_write_some(cg_dropin *d)
     }
 }
 
+/*
+ * Writes the client's queue while the socket takes it, up to a close frame, which is written
+ * only from the writable callback (from_writable): the connection goes at the writable after
+ * it. What is left, and the close frame, wait for the writable callback. Returns -1 when the
+ * socket failed or the close frame is out.
+ */
 static int client_write_queue(cg_dropin *d, int from_writable)
 {
     if (d->closing)

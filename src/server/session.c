@@ -38,9 +38,6 @@
 /* Text of one pending delta frame is cut here, so no single frame grows large. */
 #define CG_DELTA_CHUNK 16384
 
-/* Frames written together with one send go up to CG_NET_BATCH_BYTES (a delta's text counts
- * for its frame: escaping may add to it, within one chunk). */
-
 /* Built frames are written from where they were dumped: lws's header goes in front. */
 _Static_assert(CG_FRAME_PRE >= LWS_PRE, "CG_FRAME_PRE must leave lws its LWS_PRE bytes");
 
@@ -220,7 +217,8 @@ static cg_frame_text session_pop(cg_session *s)
 
 /*
  * Writes the frames at the head of the send queue: one through lws_write(), or, when more
- * are waiting, as many as fit in CG_NET_BATCH_BYTES with one send (core/net.h, cg_net_batch).
+ * are waiting, as many as fit in CG_NET_BATCH_BYTES with one send (core/net.h, cg_net_batch;
+ * a delta's text counts for its frame: escaping may add to it, within one chunk).
  * Returns -1 when the socket failed.
  */
 static int session_write_some(cg_session *s)
