@@ -20,6 +20,8 @@
 # the p50 it adds over the direct path (run with CONNECTIONS=1 for the per-hop latency), and
 # the proxy's CPU per 1,000 turns (user + system time of the proxy process over the window,
 # from /proc/PID/stat: nginx runs as one process, master_process off; node is one process).
+# A second table gives each path's ratio to the nginx run of its own round, lowest, median
+# and highest: nginx moves within one run, and those ratios are taken closest in time.
 #
 # --idle measures memory instead: N (default 10000) connections are opened to each proxy and
 # held idle (chatgate: after its hello; the others: once open), and the proxy's VmRSS growth
@@ -372,6 +374,22 @@ for name in "${path_names[@]}"; do
 		printf "| %s | %s | %.3f ms | %.3f ms | %s | %s | %s |\n", d, commas(r + 0.5), p50, p99, vs, over, c
 	}'
 done
+# Each path against the nginx run of its own round: nginx moves by a tenth or more within
+# one run on a shared machine, and a path's run sits closest in time to its own round's.
+if [ "$nginx_rate" != "-" ]; then
+	echo
+	echo "| path | vs the same round's nginx: lowest | median | highest |"
+	echo "|---|---|---|---|"
+	for name in "${path_names[@]}"; do
+		[ "$name" = nginx ] && continue
+		awk -v n="$name" '$1 == "nginx" { ng[$2] = $3 } $1 == n { r[$2] = $3 }
+			END { for (k in r) if (ng[k] > 0) print r[k] / ng[k] }' "$tmp/runs" | sort -g |
+			awk -v d="${path_desc[$name]}" '{ v[NR] = $1 }
+			END { if (!NR) { printf "| %s | - | - | - |\n", d; exit }
+			      m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+			      printf "| %s | x%.2f | x%.2f | x%.2f |\n", d, v[1], m, v[NR] }'
+	done
+fi
 echo
 [ -n "$gateway_b" ] && echo "chatgate: $gateway; chatgate (B): $gateway_b"
 echo "(proxy CPU per 1k turns: user + system time of the proxy process over the window, per 1,000 turns; ms per 1k turns = µs per turn)"
