@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <openssl/err.h>
 #include <openssl/pem.h>
@@ -13,6 +14,10 @@
 #include <openssl/x509.h>
 
 #include "chatgate/core/tls_ca.h"
+
+/* A CA file larger than this is refused: Debian's whole bundle of public CAs is about
+ * 200 KiB, and a file with no end (a device, a FIFO) must not hold up the start. */
+#define CG_TLS_CA_MAX_BYTES (16L << 20)
 
 struct cg_tls_ca {
     STACK_OF(X509) *certs; /* owned, with a reference on each */
@@ -37,6 +42,16 @@ cg_tls_ca *cg_tls_ca_load(const char *path, char *err, size_t errlen)
     BIO *in = NULL;
     if (!ca || !(ca->certs = sk_X509_new_null())) {
         snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        snprintf(err, errlen, "cannot read %s: %s", path, strerror(errno));
+        goto fail;
+    }
+    if (!S_ISREG(sb.st_mode) || sb.st_size > CG_TLS_CA_MAX_BYTES) {
+        snprintf(err, errlen, "%s is %s", path,
+                 S_ISREG(sb.st_mode) ? "larger than 16 MiB: not a file of CA certificates" : "not a regular file");
         goto fail;
     }
     ERR_clear_error();

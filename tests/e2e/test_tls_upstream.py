@@ -5,7 +5,8 @@ Debian's openssl makes a CA and a certificate it signed for 127.0.0.1 (harness.t
 the test's own servers serve with it: the fake OpenAI server over https, the fake app over
 wss, the drop-in chat app (dropin_app.py) over wss. Covers:
 - tls_ca_file names a missing file, a file with no certificate, a certificate that does not
-  parse: the gateway refuses to start, naming the key (or the flag) and what is wrong;
+  parse, a FIFO or a directory: the gateway refuses to start, naming the key (or the flag)
+  and what is wrong;
 - https without tls_ca_file: the turn fails, saying the certificate's issuer is unknown;
   with it: three turns answered on one kept connection (/metrics: opened 1, reused 2);
 - https with max_idle_connections 0 (a new connection for every message): the second and
@@ -19,6 +20,7 @@ wss, the drop-in chat app (dropin_app.py) over wss. Covers:
 """
 
 import asyncio
+import os
 import socket
 import tempfile
 
@@ -40,11 +42,15 @@ async def config_errors(where, ca):
     lines = open(ca).read().splitlines()
     lines[3] = "!" * len(lines[3])  # a line of the certificate's base64 body
     open(broken, "w").write("\n".join(lines) + "\n")
+    fifo = f"{where}/fifo.pem"
+    os.mkfifo(fifo)
     cases = ((f"{where}/none.pem", "cannot read", "No such file"),
              (f"{where}/key.pem", "holds no PEM certificate", None),
-             (broken, "certificate 1 does not parse", None))
+             (broken, "certificate 1 does not parse", None),
+             (fifo, "not a regular file", None),  # opening it would wait for a writer
+             (where, "not a regular file", None))
     for path, says, also in cases:
-        with step(f"tls_ca_file {path.rsplit('/', 1)[1]}: refused at start ({says})"):
+        with step(f"tls_ca_file {path}: refused at start ({says})"):
             cfg = harness.make_config({"d": harness.demo_upstream()}, "d", tls_ca_file=path)
             code, out, cfg_path = await harness.gateway_exit(cfg)
             check(code == 2 and f"{cfg_path}: tls_ca_file: " in out and says in out and (also or "") in out,
