@@ -20,6 +20,7 @@
 
 #include "chatgate/config/config.h"
 #include "chatgate/config/dropin_config.h"
+#include "chatgate/core/file.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/tls_ca.h"
 
@@ -752,25 +753,15 @@ static int load_text(cg_config *cfg, const char *file, const char *text, size_t 
     return rc;
 }
 
-/* Reads the whole file (at most CG_MAX_CONFIG_FILE bytes) and loads it. */
+/* Reads the whole file (at most CG_MAX_CONFIG_FILE bytes; core/file.h: a FIFO too, as
+ * `--config <(...)` gives) and loads it. */
 static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
 {
-    FILE *f = fopen(file, "rb");
-    if (!f) {
-        set_err(err, errlen, "%s: unable to open: %s", file, strerror(errno));
+    size_t n = 0;
+    char *text = cg_file_read(file, CG_MAX_CONFIG_FILE, &n, err, errlen);
+    if (!text)
         return -1;
-    }
-    char *text = malloc(CG_MAX_CONFIG_FILE + 1);
-    size_t n = text ? fread(text, 1, CG_MAX_CONFIG_FILE + 1, f) : 0;
-    int failed = !text || ferror(f);
-    fclose(f);
-    int rc = -1;
-    if (failed)
-        set_err(err, errlen, "%s: could not be read", file);
-    else if (n > CG_MAX_CONFIG_FILE)
-        set_err(err, errlen, "%s: larger than %d bytes", file, CG_MAX_CONFIG_FILE);
-    else
-        rc = load_text(cfg, file, text, n, err, errlen);
+    int rc = load_text(cfg, file, text, n, err, errlen);
     free(text);
     return rc;
 }

@@ -2,22 +2,21 @@
  * tls_ca.c: the extra CA certificates of the gateway's TLS clients (see tls_ca.h): read
  * once from a PEM file, added to each OpenSSL context that verifies an upstream.
  */
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include <openssl/err.h>
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 
+#include "chatgate/core/file.h"
 #include "chatgate/core/tls_ca.h"
 
 /* A CA file larger than this is refused: Debian's whole bundle of public CAs is about
- * 200 KiB, and a file with no end (a device, a FIFO) must not hold up the start. */
-#define CG_TLS_CA_MAX_BYTES (16L << 20)
+ * 200 KiB, and a file with no end (/dev/urandom) must not hold up the start. */
+#define CG_TLS_CA_MAX_BYTES ((size_t)16 << 20)
 
 struct cg_tls_ca {
     STACK_OF(X509) *certs; /* owned, with a reference on each */
@@ -40,25 +39,21 @@ cg_tls_ca *cg_tls_ca_load(const char *path, char *err, size_t errlen)
     char why[256];
     cg_tls_ca *ca = calloc(1, sizeof(*ca));
     BIO *in = NULL;
+    char *text = NULL; /* the file's bytes: the BIO reads them in place */
     if (!ca || !(ca->certs = sk_X509_new_null())) {
         snprintf(err, errlen, "out of memory");
         goto fail;
     }
-    struct stat sb;
-    if (stat(path, &sb) != 0) {
-        snprintf(err, errlen, "cannot read %s: %s", path, strerror(errno));
-        goto fail;
-    }
-    if (!S_ISREG(sb.st_mode) || sb.st_size > CG_TLS_CA_MAX_BYTES) {
-        snprintf(err, errlen, "%s is %s", path,
-                 S_ISREG(sb.st_mode) ? "larger than 16 MiB: not a file of CA certificates" : "not a regular file");
+    size_t len = 0;
+    text = cg_file_read(path, CG_TLS_CA_MAX_BYTES, &len, why, sizeof(why));
+    if (!text) {
+        snprintf(err, errlen, "cannot read %s", why);
         goto fail;
     }
     ERR_clear_error();
-    errno = 0;
-    in = BIO_new_file(path, "r");
+    in = BIO_new_mem_buf(text, (int)len);
     if (!in) {
-        snprintf(err, errlen, "cannot read %s: %s", path, errno ? strerror(errno) : openssl_reason(why, sizeof(why)));
+        snprintf(err, errlen, "out of memory");
         goto fail;
     }
     X509 *x;
@@ -83,9 +78,11 @@ cg_tls_ca *cg_tls_ca_load(const char *path, char *err, size_t errlen)
         goto fail;
     }
     BIO_free(in);
+    free(text);
     return ca;
 fail:
     BIO_free(in);
+    free(text);
     cg_tls_ca_free(ca);
     return NULL;
 }

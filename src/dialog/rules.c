@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/file.h"
 #include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
 
@@ -138,6 +139,30 @@ static int is_rules_file(const struct dirent *e)
     return e->d_name[0] != '.' && n > 6 && strcmp(e->d_name + n - 6, ".rules") == 0;
 }
 
+/* A rule file larger than this is refused (the shipped set is 35 KiB in all). */
+#define CG_RULES_FILE_MAX_BYTES ((size_t)16 << 20)
+
+/* Reads one rule file whole (core/file.h: never waiting on a FIFO without a writer, which a
+ * reload on the loop would have) and parses it into rs. 0, or -1 with the message in err. */
+static int load_file(cg_ruleset *rs, const char *path, char *err, size_t errlen)
+{
+    size_t len = 0;
+    char *text = cg_file_read(path, CG_RULES_FILE_MAX_BYTES, &len, err, errlen);
+    if (!text)
+        return -1;
+    FILE *f = len ? fmemopen(text, len, "r") : NULL;
+    int rc = 0;
+    if (f) {
+        rc = cg_rules_parse_file(rs, path, f, err, errlen);
+        fclose(f);
+    } else if (len) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        rc = -1;
+    }
+    free(text);
+    return rc;
+}
+
 int cg_rules_load(const char *dir, cg_ruleset **out, char *err, size_t errlen)
 {
     struct dirent **names;
@@ -154,14 +179,8 @@ int cg_rules_load(const char *dir, cg_ruleset **out, char *err, size_t errlen)
         char path[4096];
         snprintf(path, sizeof(path), "%s/%s", dir, names[i]->d_name);
         rs->files[rs->n_files++] = strdup(path);
-        FILE *f = rc == 0 ? fopen(path, "r") : NULL;
-        if (rc == 0 && !f) {
-            snprintf(err, errlen, "%s: %s", path, strerror(errno));
-            rc = -1;
-        } else if (f) {
-            rc = cg_rules_parse_file(rs, rs->files[rs->n_files - 1], f, err, errlen);
-            fclose(f);
-        }
+        if (rc == 0)
+            rc = load_file(rs, rs->files[rs->n_files - 1], err, errlen);
     }
     for (int i = 0; i < n; i++)
         free(names[i]);

@@ -5,8 +5,9 @@ Debian's openssl makes a CA and a certificate it signed for 127.0.0.1 (harness.t
 the test's own servers serve with it: the fake OpenAI server over https, the fake app over
 wss, the drop-in chat app (dropin_app.py) over wss. Covers:
 - tls_ca_file names a missing file, a file with no certificate, a certificate that does not
-  parse, a FIFO or a directory: the gateway refuses to start, naming the key (or the flag)
-  and what is wrong;
+  parse, a FIFO no one writes to (read at once, never waited on) or a directory: the
+  gateway refuses to start, naming the key (or the flag) and what is wrong (test_config
+  reads `--config` from a pipe, as `<(...)` gives, the same way);
 - https without tls_ca_file: the turn fails, saying the certificate's issuer is unknown;
   with it: three turns answered on one kept connection (/metrics: opened 1, reused 2);
 - https with max_idle_connections 0 (a new connection for every message): the second and
@@ -47,8 +48,8 @@ async def config_errors(where, ca):
     cases = ((f"{where}/none.pem", "cannot read", "No such file"),
              (f"{where}/key.pem", "holds no PEM certificate", None),
              (broken, "certificate 1 does not parse", None),
-             (fifo, "not a regular file", None),  # opening it would wait for a writer
-             (where, "not a regular file", None))
+             (fifo, "holds no PEM certificate", None),  # no writer: read at once, not waited on
+             (where, "cannot read", "Is a directory"))
     for path, says, also in cases:
         with step(f"tls_ca_file {path}: refused at start ({says})"):
             cfg = harness.make_config({"d": harness.demo_upstream()}, "d", tls_ca_file=path)

@@ -17,9 +17,9 @@
 
 typedef struct cg_tls_ca cg_tls_ca;
 
-/* Reads the PEM certificates of path. NULL with a message in err when the file cannot be
- * read, is not a regular file of at most 16 MiB, holds no certificate, or one of them does
- * not parse (the message says which, and OpenSSL's reason). */
+/* Reads the PEM certificates of path (core/file.h: a pipe too). NULL with a message in err
+ * when the file cannot be read, holds more than 16 MiB, holds no certificate, or one of them
+ * does not parse (the message says which, and OpenSSL's reason). */
 cg_tls_ca *cg_tls_ca_load(const char *path, char *err, size_t errlen);
 
 /* How many certificates ca holds (0 for NULL). */

@@ -4,7 +4,10 @@
  * wrong value (docs/architecture.md, Operations).
  */
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "chatgate/config/config.h"
@@ -166,8 +169,39 @@ static void test_file_mistakes(void)
 
     CHECK_FILE_FAILS("[1]", ":1:1: the configuration must be a JSON object");
 
-    CHECK_FAILS("/nonexistent.json: unable to open", "--config", "/nonexistent.json");
+    CHECK_FAILS("/nonexistent.json: No such file or directory", "--config", "/nonexistent.json");
     unlink(path);
+
+    /* --config a FIFO no one writes to (core/file.h): read at once, and empty, where fopen()
+     * waited in open() for ever */
+    char fifo[64];
+    snprintf(fifo, sizeof(fifo), "/tmp/cg-test-config-%d.fifo", (int)getpid());
+    CHECK(mkfifo(fifo, 0600) == 0);
+    CHECK_FAILS("fifo:1:0: '[' or '{' expected near end of file", "--config", fifo);
+    unlink(fifo);
+
+    /* --config <(...): bash hands the reading end of a pipe as /dev/fd/N, its writer there */
+    int p[2];
+    CHECK(pipe(p) == 0);
+    pid_t writer = fork();
+    if (writer == 0) {
+        close(p[0]);
+        static const char text[] = "{\"max_frame\": 4096}";
+        _exit(write(p[1], text, sizeof(text) - 1) == (ssize_t)sizeof(text) - 1 ? 0 : 1);
+    }
+    close(p[1]);
+    char dev_fd[32];
+    snprintf(dev_fd, sizeof(dev_fd), "/dev/fd/%d", p[0]);
+    cg_config c;
+    CHECK(load(&c, "--config", dev_fd, NULL) == 0);
+    CHECK(c.max_frame == 4096);
+    cg_config_free(&c);
+    close(p[0]);
+    int status = 0;
+    CHECK(waitpid(writer, &status, 0) == writer && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+
+    /* a "file" with no end stops at the bound */
+    CHECK_FAILS("/dev/zero: larger than", "--config", "/dev/zero");
 }
 
 static void test_redis_url_env(void)

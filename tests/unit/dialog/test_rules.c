@@ -354,6 +354,24 @@ static void test_reply_rules(void)
     cg_ruleset_unref(rs);
 }
 
+/* A *.rules FIFO no one writes to (core/file.h): read at once as empty, where fopen()
+ * waited in open() for ever, which on a SIGHUP reload would have stopped the loop. */
+static void test_fifo_file(void)
+{
+    clear_dir();
+    write_rules("10-a.rules", "rule cancel\n  match ^\\s*cancel\\s*$\n  do cancel\n");
+    char fifo[300];
+    snprintf(fifo, sizeof(fifo), "%s/20-fifo.rules", dir);
+    CHECK(mkfifo(fifo, 0600) == 0);
+    cg_ruleset *rs = NULL;
+    char err[1024] = "";
+    CHECK(cg_rules_load(dir, &rs, err, sizeof(err)) == 0);
+    CHECK(rs && cg_ruleset_count(rs) == 1);
+    if (rs)
+        cg_ruleset_unref(rs);
+    unlink(fifo);
+}
+
 int main(void)
 {
     setenv("TZ", "UTC", 1);
@@ -369,6 +387,7 @@ int main(void)
     test_selection();
     test_timezone();
     test_reply_rules();
+    test_fifo_file();
     clear_dir();
     rmdir(dir);
     return unit_done("test_rules");
