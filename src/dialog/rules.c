@@ -142,6 +142,22 @@ static int is_rules_file(const struct dirent *e)
 /* A rule file larger than this is refused (the shipped set is 35 KiB in all). */
 #define CG_RULES_FILE_MAX_BYTES ((size_t)16 << 20)
 
+/* Parses len bytes of a rule file's text (named name in messages) into rs: the parser reads
+ * a stream, so the text is handed to it as one. 0, or -1 with the message in err. */
+static int parse_text(cg_ruleset *rs, const char *name, const char *text, size_t len, char *err, size_t errlen)
+{
+    if (!len)
+        return 0; /* fmemopen refuses an empty buffer; an empty file holds no rule */
+    FILE *f = fmemopen((void *)text, len, "r");
+    if (!f) {
+        snprintf(err, errlen, "%s: %s", name, strerror(errno));
+        return -1;
+    }
+    int rc = cg_rules_parse_file(rs, name, f, err, errlen);
+    fclose(f);
+    return rc;
+}
+
 /* Reads one rule file whole (core/file.h: never waiting on a FIFO without a writer, which a
  * reload on the loop would have) and parses it into rs. 0, or -1 with the message in err. */
 static int load_file(cg_ruleset *rs, const char *path, char *err, size_t errlen)
@@ -150,15 +166,7 @@ static int load_file(cg_ruleset *rs, const char *path, char *err, size_t errlen)
     char *text = cg_file_read(path, CG_RULES_FILE_MAX_BYTES, &len, err, errlen);
     if (!text)
         return -1;
-    FILE *f = len ? fmemopen(text, len, "r") : NULL;
-    int rc = 0;
-    if (f) {
-        rc = cg_rules_parse_file(rs, path, f, err, errlen);
-        fclose(f);
-    } else if (len) {
-        snprintf(err, errlen, "%s: %s", path, strerror(errno));
-        rc = -1;
-    }
+    int rc = parse_text(rs, path, text, len, err, errlen);
     free(text);
     return rc;
 }
@@ -199,11 +207,7 @@ int cg_rules_load_text(const char *name, const char *text, size_t len, cg_rulese
     rs->refs = 1;
     rs->files = calloc(1, sizeof(char *));
     rs->files[rs->n_files++] = strdup(name);
-    FILE *f = len ? fmemopen((void *)text, len, "r") : NULL;
-    int rc = f ? cg_rules_parse_file(rs, rs->files[0], f, err, errlen) : 0;
-    if (f)
-        fclose(f);
-    if (rc < 0) {
+    if (parse_text(rs, rs->files[0], text, len, err, errlen) < 0) {
         ruleset_free(rs);
         return -1;
     }

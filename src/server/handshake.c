@@ -157,8 +157,8 @@ int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, ch
     return 0;
 }
 
-/* The drop-in path and what lies under it (/socket, /socket/websocket, /socket/room/1). */
-/* uri is the drop-in path or under it; 0 when drop-in is off */
+/* 1 when uri is the drop-in path or lies under it (/socket, /socket/websocket,
+ * /socket/room/1); 0 when drop-in is off. */
 static int under_dropin_path(const cg_server *srv, const char *uri)
 {
     const char *path = json_string_value(json_object_get(srv->cfg->dropin, "path"));

@@ -344,11 +344,15 @@ for round in $(seq 1 "$rounds"); do
 	done
 done
 
+# spread: numbers on stdin, one a line -> "LOWEST MEDIAN HIGHEST" ("- - -" for none)
+spread() {
+	sort -g | awk '{ v[NR] = $1 } END { if (!NR) { print "- - -"; exit }
+		print v[1], (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2), v[NR] }'
+}
+
 # median COLUMN NAME: the median of one column of a path's runs ("-" if none)
 median() {
-	awk -v n="$2" -v col="$1" '$1 == n && $col != "-" { print $col }' "$tmp/runs" | sort -g |
-		awk '{ v[NR] = $1 } END { if (!NR) print "-"; else if (NR % 2) print v[(NR + 1) / 2];
-		                           else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+	awk -v n="$2" -v col="$1" '$1 == n && $col != "-" { print $col }' "$tmp/runs" | spread | awk '{ print $2 }'
 }
 
 nginx_rate=$(median 3 nginx)
@@ -382,12 +386,14 @@ if [ "$nginx_rate" != "-" ]; then
 	echo "|---|---|---|---|"
 	for name in "${path_names[@]}"; do
 		[ "$name" = nginx ] && continue
-		awk -v n="$name" '$1 == "nginx" { ng[$2] = $3 } $1 == n { r[$2] = $3 }
-			END { for (k in r) if (ng[k] > 0) print r[k] / ng[k] }' "$tmp/runs" | sort -g |
-			awk -v d="${path_desc[$name]}" '{ v[NR] = $1 }
-			END { if (!NR) { printf "| %s | - | - | - |\n", d; exit }
-			      m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
-			      printf "| %s | x%.2f | x%.2f | x%.2f |\n", d, v[1], m, v[NR] }'
+		read -r lo mid hi < <(awk -v n="$name" '$1 == "nginx" { ng[$2] = $3 } $1 == n { r[$2] = $3 }
+			END { for (k in r) if (ng[k] > 0) print r[k] / ng[k] }' "$tmp/runs" | spread)
+		if [ "$lo" = - ]; then
+			echo "| ${path_desc[$name]} | - | - | - |"
+		else
+			awk -v d="${path_desc[$name]}" -v a="$lo" -v b="$mid" -v c="$hi" \
+				'BEGIN { printf "| %s | x%.2f | x%.2f | x%.2f |\n", d, a, b, c }'
+		fi
 	done
 fi
 echo
