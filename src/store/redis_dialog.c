@@ -1044,8 +1044,7 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * changed (a Redis that lost writes in a failover has this lease only if it has what came
  * before it). The params hash lapsing or evicted meanwhile, rev and all, is still seen: the
  * HSET of the new rev then adds a field instead of replacing one, and the save is undone
- * and refused (-3) before anything else is written (the rooms set's SADD aside, which
- * changes nothing of the dialog).
+ * and refused (-3) before anything else is written.
  * Kept cheap for Redis, whose time this script is half of (issue 12): the lease is compared
  * whole first (still this save's, the common case) and taken apart only when it differs; the
  * common save (usage and a service both there) makes no table, and no closure but save();
@@ -1076,12 +1075,12 @@ static const char save_script[] =
     "    if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
     "  end\n"
     "  local np, P, renew = tonumber(ARGV[16]), 26, ARGV[25] == '1'\n"
-    "  if redis.call('SADD', KEYS[9], ARGV[18]) == 1 or renew then redis.call('EXPIRE', KEYS[9], ARGV[19]) end\n"
     "  if np >= 0 then redis.call('DEL', KEYS[1]) end\n"
     "  if redis.call('HSET', KEYS[1], 'rev', ARGV[21]) == 1 and np < 0 then\n"
     "    redis.call('DEL', KEYS[1])\n"
     "    return -3\n"
     "  end\n"
+    "  if redis.call('SADD', KEYS[9], ARGV[18]) == 1 or renew then redis.call('EXPIRE', KEYS[9], ARGV[19]) end\n"
     "  for i = P + 1, P + 2 * np, 200 do\n"
     "    redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 199, P + 2 * np)))\n"
     "  end\n"
