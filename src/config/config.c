@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <jansson.h>
 #include <limits.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +32,8 @@ typedef struct setting {
     setting_type type;
     size_t offset;
     long min, max;             /* T_INT bounds */
-    const char *const *choices; /* T_ENUM values, NULL-terminated */
+    const char *const *choices; /* T_ENUM values, NULL-terminated; T_INT: a word allowed besides a
+                                 * number ("auto"), stored as 0 (outside the bounds) */
     int flag;                  /* 1 when the setting is also a command-line flag */
     const char *help;
 } setting;
@@ -39,6 +41,7 @@ typedef struct setting {
 static const char *const auth_choices[] = {"none", "jwt", "header", NULL};
 static const char *const log_choices[] = {"error", "warn", "info", "debug", NULL};
 static const char *const log_formats[] = {"text", "json", NULL};
+static const char *const auto_word[] = {"auto", NULL};
 
 #define OFF(f) offsetof(cg_config, f)
 static const setting settings[] = {
@@ -108,8 +111,9 @@ static const setting settings[] = {
      "SECONDS without anything valid, not even a pong, before a WebSocket is closed; over ping_interval_s"},
     {"shutdown_timeout_s", T_INT, OFF(shutdown_timeout_s), 0, 3600, NULL, 1,
      "SECONDS replies in flight may take to finish after SIGTERM (default 10)"},
-    {"workers", T_INT, OFF(workers), 1, CG_MAX_WORKERS, NULL, 1,
-     "N worker processes on the one port under a master that restarts them (default 1; more need --store redis://)"},
+    {"workers", T_INT, OFF(workers), 1, CG_MAX_WORKERS, auto_word, 1,
+     "N worker processes on the one port under a master that restarts them (default 1; more need --store redis://); "
+     "auto: one per CPU the process may run on, as nginx's worker_processes auto (1 with the memory store)"},
     {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0,
      "TEXT starting every Redis key, up to 128 bytes, without '{' or '}'"},
     {"redis.bus", T_STR, OFF(redis_bus), 0, 0, NULL, 0,
@@ -181,6 +185,15 @@ void cg_lifetimes_default(cg_lifetimes *lt)
     lt->params_cap = 10000;
 }
 
+/* The CPUs this process may run on (its affinity mask, as taskset or a container's cpuset
+ * leaves it), at most CG_MAX_WORKERS: what --workers auto runs. */
+static long cpus_usable(void)
+{
+    cpu_set_t set;
+    long n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > CG_MAX_WORKERS ? CG_MAX_WORKERS : n;
+}
+
 /* Parses a whole decimal number within [min, max]; 0 or -1. */
 static int parse_long(const char *s, long min, long max, long *out)
 {
@@ -246,8 +259,13 @@ static int apply_setting(cg_config *cfg, const setting *st, const char *value, c
         *(long *)field = strcmp(value, "true") == 0;
         return 0;
     case T_INT:
+        if (st->choices && strcmp(value, st->choices[0]) == 0) {
+            *(long *)field = 0;
+            return 0;
+        }
         if (parse_long(value, st->min, st->max, (long *)field) < 0) {
-            set_err(err, errlen, "'%s' is not a whole number from %ld to %ld", value, st->min, st->max);
+            set_err(err, errlen, "'%s' is not a whole number from %ld to %ld%s%s", value, st->min, st->max,
+                    st->choices ? ", nor " : "", st->choices ? st->choices[0] : "");
             return -1;
         }
         return 0;
@@ -525,9 +543,12 @@ static int load_json_value(cg_config *cfg, const char *file, const char *path, j
     }
     char text[64];
     const char *value;
-    if (st->type == T_INT) {
+    if (st->type == T_INT && st->choices && json_is_string(val)) {
+        value = json_string_value(val); /* "auto": apply_setting says when it is another word */
+    } else if (st->type == T_INT) {
         if (!json_is_integer(val)) {
-            set_err(err, errlen, "%s: %s: must be a whole number", file, path);
+            set_err(err, errlen, "%s: %s: must be a whole number%s%s%s", file, path, st->choices ? " or \"" : "",
+                    st->choices ? st->choices[0] : "", st->choices ? "\"" : "");
             return -1;
         }
         snprintf(text, sizeof(text), "%" JSON_INTEGER_FORMAT, json_integer_value(val));
@@ -1020,6 +1041,10 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
                 getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
         return -1;
     }
+    if (cfg->workers == 0) { /* auto */
+        cfg->workers_auto = 1;
+        cfg->workers = strcmp(cfg->store, "memory") == 0 ? 1 : cpus_usable();
+    }
     if (cfg->workers > 1 && strcmp(cfg->store, "memory") == 0) {
         /* each worker would keep its own dialogs: a user's next message, on another
          * worker, would find none (and the dialog lock would not hold across them) */
@@ -1195,7 +1220,7 @@ static void print_key(const char *prefix, const char *key, const char *type, con
 static void type_text(setting_type type, long min, long max, const char *const *choices, char *out, size_t outlen)
 {
     if (type == T_INT) {
-        snprintf(out, outlen, "integer %ld..%ld", min, max);
+        snprintf(out, outlen, "integer %ld..%ld%s%s", min, max, choices ? " | " : "", choices ? choices[0] : "");
     } else if (type == T_ENUM) {
         snprintf(out, outlen, "enum");
         for (const char *const *c = choices; *c; c++) {

@@ -515,6 +515,9 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
 
     if (cg_worker_self())
         cg_info("worker %d (pid %d) of %ld", cg_worker_index(), (int)uv_os_getpid(), cfg->workers);
+    else if (cfg->workers_auto) /* auto gave one process: say why there is no master */
+        cg_info("workers auto: 1 (%s)", strcmp(cfg->store, "memory") == 0 ? "the memory store is one process's"
+                                                                           : "this process may run on one CPU");
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
             cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
     cg_info("rules: %zu from %s", cg_ruleset_count(gw->srv.turn.rules), cfg->rules_dir);

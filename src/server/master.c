@@ -227,7 +227,8 @@ int cg_master_run(const cg_config *cfg, int *exit_status)
         return 0;
     }
     pid_t master = getpid();
-    cg_info("workers: master (pid %d) starting %d workers", (int)master, n);
+    cg_info("workers: master (pid %d) starting %d workers%s", (int)master, n,
+            cfg->workers_auto ? " (auto: one per CPU this process may run on)" : "");
     for (int i = 0; i < n; i++)
         if (spawn(i, sfd, ready[0], ready[1], master))
             return 1;

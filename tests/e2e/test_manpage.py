@@ -43,6 +43,10 @@ VALUELESS = {"help", "help-config", "version"}
 ENUM_FLAGS = {"auth": "auth", "log-level": "log_level", "log-format": "log_format"}
 DIR_FLAGS = ("rules", "shadow-rules", "web")
 
+# an integer key's type in --help-config: "integer MIN..MAX", or "integer MIN..MAX | WORD" when
+# a word is taken besides a number (workers: auto)
+INTEGER = re.compile(r"integer (-?\d+)\.\.(-?\d+)(?: \| (\w+))?")
+
 _binary = [None]
 
 
@@ -144,11 +148,13 @@ def check_configuration(keys, sections):
     for name, body in entries:
         kind, default, _ = keys[name]
         text = " ".join(body)
-        integer = re.fullmatch(r"integer (-?\d+)\.\.(-?\d+)", kind)
+        integer = INTEGER.fullmatch(kind)
         if integer and f"from {integer[1]} to {integer[2]}" not in text:
             wrong.append(f"{name}: not 'from {integer[1]} to {integer[2]}'")
         if integer and default != "-" and f"default \\fB{default}\\fR" not in text:
             wrong.append(f"{name}: not 'default {default}'")
+        if integer and integer[3] and f"\\fB{integer[3]}\\fR" not in text:
+            wrong.append(f"{name}: the word {integer[3]} not given")
         if kind.startswith("enum "):
             for value in kind[5:].split("|"):
                 if f"\\fB{value}\\fR" not in text:
@@ -268,7 +274,7 @@ def scalar_value(key, kind, default, samples):
     """A valid value of a key of a table row: a sample, or its default, or its minimum."""
     if key in samples:
         return samples[key]
-    integer = re.fullmatch(r"integer (-?\d+)\.\.(-?\d+)", kind)
+    integer = INTEGER.fullmatch(kind)
     if integer:
         return int(default) if default != "-" else int(integer[1])
     if kind == "boolean":
@@ -394,10 +400,15 @@ def integer_keys(keys):
     """{key: (min, max)} of the integer keys of --help-config."""
     out = {}
     for key, (kind, _, _) in keys.items():
-        match = re.fullmatch(r"integer (-?\d+)\.\.(-?\d+)", kind)
+        match = INTEGER.fullmatch(kind)
         if match:
             out[key] = (int(match[1]), int(match[2]))
     return out
+
+
+def integer_words(keys):
+    """{key: word} of the integer keys that take a word besides a number (workers: auto)."""
+    return {key: m[3] for key, (kind, _, _) in keys.items() if (m := INTEGER.fullmatch(kind)) and m[3]}
 
 
 async def check_bounds(keys):
@@ -412,6 +423,16 @@ async def check_bounds(keys):
                 config, _ = with_key(config, key, value)
             async with Gateway(config=config, name=f"keys-at-{which}") as gw:
                 gw.assert_alive()
+    words = integer_words(keys)
+    with step(f"the {len(words)} integer key(s) taking a word ({', '.join(words)}) take it, in a file and as a flag"):
+        check(words, "--help-config lists no integer key with a word; workers takes auto")
+        for key, word in words.items():
+            config, _ = with_key({}, key, word)
+            async with Gateway(config=config, name=f"word-{key}") as gw:
+                gw.assert_alive()
+            if "." not in key:
+                async with Gateway(args=[f"--{key.replace('_', '-')}", word], name=f"word-flag-{key}") as gw:
+                    gw.assert_alive()
     with step(f"each of the {len(ranges)} integer keys one past its range, either side: exit 2, naming it"):
         cases = [with_key({}, key, value) + (value,) for key, (lo, hi) in ranges.items() for value in (lo - 1, hi + 1)]
         results = await run_configs([config for config, _, _ in cases])

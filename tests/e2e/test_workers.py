@@ -15,8 +15,12 @@ With --workers 2 --store redis://...:
    group do not go back, and the port still serves;
 5. SIGTERM to the master with a reply in flight (the demo upstream with a delay): the reply
    finishes with done, the master exits 0, and no worker is left.
+--workers auto runs one worker per CPU the process may run on: as many as the test's own
+affinity mask holds, one process (no master) when the gateway is started on one CPU, and one
+process with the memory store, each saying so in its log.
 And: --workers 2 with the memory store exits 2 with "--workers: 2 workers need a shared
-store: --store redis://..."; --workers 2 on a port another process holds exits 1.
+store: --store redis://..."; --workers many or 0 exits 2 naming what it takes; --workers 2 on
+a port another process holds exits 1.
 """
 
 import asyncio
@@ -209,6 +213,13 @@ async def part_refused():
               f"status {code}, output {out!r}")
         code, out, _ = await harness.gateway_exit(config={"workers": 3})
         check(code == 2 and "workers: 3 workers need a shared store" in out, f"status {code}, output {out!r}")
+    with step("--workers with a word other than auto, or 0, exits 2 and names the values it takes"):
+        for value in ("many", "0"):
+            code, out, _ = await harness.gateway_exit(args=["--workers", value])
+            check(code == 2 and f"--workers: '{value}' is not a whole number from 1 to 64, nor auto" in out,
+                  f"--workers {value}: status {code}, output {out!r}")
+        code, out, _ = await harness.gateway_exit(config={"workers": True})
+        check(code == 2 and 'workers: must be a whole number or "auto"' in out, f"status {code}, output {out!r}")
     with step("--workers 2 on a port another process holds exits 1"):
         with socket.socket() as held:
             held.bind(("127.0.0.1", 0))
@@ -219,10 +230,63 @@ async def part_refused():
             check(code == 1 and "could not start listening" in out, f"status {code}, output {out[-2000:]!r}")
 
 
+async def auto_gateway(args, config, name, cpus=None):
+    """A gateway started with `args` while this process may run only on `cpus` (the gateway
+    inherits the affinity mask at fork), or on all its own; the mask is restored at once."""
+    mine = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        return await harness.Gateway(args, config, name=name).astart()
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+async def part_auto(redis):
+    config = harness.make_config({"demo": harness.demo_upstream(0)}, "demo", store=redis.url)
+    cpus = min(len(os.sched_getaffinity(0)), 64)
+    with step(f"--workers auto with Redis: one worker per CPU this process may run on ({cpus})"):
+        gw = await auto_gateway(["--workers", "auto"], config, "gateway-workers-auto")
+        try:
+            if cpus > 1:
+                await wait_workers(gw, cpus)
+                check("(auto: one per CPU this process may run on)" in gw.log_text(),
+                      f"the master's log should say the count is auto's: {gw.log_tail(10)}")
+            else:
+                check(not harness.children_of(gw.pid), "one CPU: no master, no workers")
+            client = await Client.connect(gw)
+            await say(client, "auto-1", "hello")
+            await client.close()
+        finally:
+            await gw.astop(timeout=15)
+    with step("--workers auto on one CPU (the affinity mask, as taskset leaves it): one process, no master"):
+        gw = await auto_gateway(["--workers", "auto"], config, "gateway-workers-auto-1cpu",
+                                cpus={min(os.sched_getaffinity(0))})
+        try:
+            check(not harness.children_of(gw.pid), f"no workers should be forked: {harness.children_of(gw.pid)}")
+            check("workers auto: 1 (this process may run on one CPU)" in gw.log_text(),
+                  f"the log should say why there is one process: {gw.log_tail(10)}")
+            client = await Client.connect(gw)
+            await say(client, "auto-2", "hello")
+            await client.close()
+        finally:
+            await gw.astop(timeout=15)
+    with step("\"workers\": \"auto\" with the memory store: one process, and the log says why"):
+        memory = harness.make_config({"demo": harness.demo_upstream(0)}, "demo", workers="auto")
+        gw = await auto_gateway([], memory, "gateway-workers-auto-memory")
+        try:
+            check(not harness.children_of(gw.pid), f"no workers should be forked: {harness.children_of(gw.pid)}")
+            check("workers auto: 1 (the memory store is one process's)" in gw.log_text(),
+                  f"the log should say why there is one process: {gw.log_tail(10)}")
+        finally:
+            await gw.astop(timeout=15)
+
+
 async def main(args):
     redis = await harness.RedisServer().astart()
     try:
         await independent(part_group(redis))
+        await independent(part_auto(redis))
         await independent(part_refused())
     finally:
         redis.cleanup()

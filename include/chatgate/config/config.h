@@ -127,6 +127,7 @@ typedef struct cg_config {
     long idle_timeout_s;
     long shutdown_timeout_s;
     long workers; /* --workers: processes on the one port (server/master.c); 1: no master */
+    int workers_auto; /* --workers auto: workers is the CPUs this process may run on */
 } cg_config;
 
 /* Result of cg_config_load besides 0: print nothing more and exit with this status. */
