@@ -242,6 +242,12 @@ async def auto_gateway(args, config, name, cpus=None):
         os.sched_setaffinity(0, mine)
 
 
+def one_process(gw, why):
+    """gw runs as one process, forked no workers, and its log says why auto gave one."""
+    check(not harness.children_of(gw.pid), f"no workers should be forked: {harness.children_of(gw.pid)}")
+    check(f"workers auto: 1 ({why})" in gw.log_text(), f"the log should say why there is one process: {gw.log_tail(10)}")
+
+
 async def part_auto(redis):
     config = harness.make_config({"demo": harness.demo_upstream(0)}, "demo", store=redis.url)
     cpus = min(len(os.sched_getaffinity(0)), 64)
@@ -263,9 +269,7 @@ async def part_auto(redis):
         gw = await auto_gateway(["--workers", "auto"], config, "gateway-workers-auto-1cpu",
                                 cpus={min(os.sched_getaffinity(0))})
         try:
-            check(not harness.children_of(gw.pid), f"no workers should be forked: {harness.children_of(gw.pid)}")
-            check("workers auto: 1 (this process may run on one CPU)" in gw.log_text(),
-                  f"the log should say why there is one process: {gw.log_tail(10)}")
+            one_process(gw, "this process may run on one CPU")
             client = await Client.connect(gw)
             await say(client, "auto-2", "hello")
             await client.close()
@@ -275,9 +279,7 @@ async def part_auto(redis):
         memory = harness.make_config({"demo": harness.demo_upstream(0)}, "demo", workers="auto")
         gw = await auto_gateway([], memory, "gateway-workers-auto-memory")
         try:
-            check(not harness.children_of(gw.pid), f"no workers should be forked: {harness.children_of(gw.pid)}")
-            check("workers auto: 1 (the memory store is one process's)" in gw.log_text(),
-                  f"the log should say why there is one process: {gw.log_tail(10)}")
+            one_process(gw, "the memory store is one process's")
         finally:
             await gw.astop(timeout=15)
 
