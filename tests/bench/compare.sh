@@ -9,6 +9,10 @@
 #   chatgate-pass  chatgate, ws:// app upstream, no rules (an empty --rules dir), memory store
 #   chatgate-full  chatgate, ws:// app upstream, the shipped rules/, Redis store (a
 #                  redis-server started here on a free port)
+#   nginx-auto     nginx as in production: worker_processes auto, under its master
+#   chatgate-full-auto  chatgate-full with --workers auto, under its master: one process per
+#                  CPU on both sides, compared with nginx-auto (its "vs nginx" and the
+#                  second table's ratios are to nginx-auto; nginx-auto's own to nginx)
 #
 #   tests/bench/compare.sh BUILD_DIR [CONNECTIONS] [SECONDS] [ROUNDS]
 #   tests/bench/compare.sh --idle BUILD_DIR [N]
@@ -19,7 +23,8 @@
 # each path's median over the rounds of turns/s, p50 and p99, its ratio to nginx's turns/s,
 # the p50 it adds over the direct path (run with CONNECTIONS=1 for the per-hop latency), and
 # the proxy's CPU per 1,000 turns (user + system time of the proxy process over the window,
-# from /proc/PID/stat: nginx runs as one process, master_process off; node is one process).
+# from /proc/PID/stat: nginx runs as one process, master_process off; node is one process;
+# the -auto paths are several processes, and have no CPU figure).
 # A second table gives each path's ratio to the nginx run of its own round, lowest, median
 # and highest: nginx moves within one run, and those ratios are taken closest in time.
 #
@@ -122,7 +127,7 @@ else
 	max_connections=$((conns + 100))
 	[ $max_connections -lt 5000 ] && max_connections=5000
 fi
-wanted=" ${CG_COMPARE_PATHS:-direct nginx node chatgate-pass chatgate-full} "
+wanted=" ${CG_COMPARE_PATHS:-direct nginx node chatgate-pass chatgate-full nginx-auto chatgate-full-auto} "
 wants() { case $wanted in *" $1 "*) return 0 ;; esac; return 1; }
 
 # ---- the app ----
@@ -148,32 +153,42 @@ if wants direct; then
 fi
 
 # ---- nginx ----
-if wants nginx; then
+# start_nginx NAME one|auto: one process (no master), as a single-threaded proxy beside
+# chatgate's one event loop; or worker_processes auto under its master, as in production
+start_nginx() {
+	local name=$1 procs=$2 port dir conns version pid desc
 	nginx_bin=$(command -v nginx || echo /usr/sbin/nginx)
 	if [ ! -x "$nginx_bin" ]; then
-		echo "compare.sh: no nginx (scripts/deps.sh bench installs it); leaving the nginx path out" >&2
+		echo "compare.sh: no nginx (scripts/deps.sh bench installs it); leaving the $name path out" >&2
+		return 0
+	fi
+	port=$(pick_free_port) || exit 1
+	dir=$tmp/$name
+	mkdir -p "$dir/tmp"
+	conns=$((fd_limit - 64)) # counts client and app sockets both
+	if [ "$procs" = auto ]; then
+		procs="master_process on;
+worker_processes auto;"
 	else
-		nginx_port=$(pick_free_port) || exit 1
-		mkdir -p "$tmp/nginx/tmp"
-		nginx_conns=$((fd_limit - 64)) # counts client and app sockets both
-		cat >"$tmp/nginx/nginx.conf" <<EOF
-# one process (no master), as a single-threaded proxy beside chatgate's one event loop
+		procs="master_process off;
+worker_processes 1;"
+	fi
+	cat >"$dir/nginx.conf" <<EOF
 daemon off;
-master_process off;
-worker_processes 1;
+$procs
 worker_rlimit_nofile $fd_limit;
-pid $tmp/nginx/nginx.pid;
-error_log $tmp/nginx/error.log warn;
-events { worker_connections $nginx_conns; multi_accept on; }
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
+events { worker_connections $conns; multi_accept on; }
 http {
 	access_log off;
-	client_body_temp_path $tmp/nginx/tmp/body;
-	proxy_temp_path $tmp/nginx/tmp/proxy;
-	fastcgi_temp_path $tmp/nginx/tmp/fastcgi;
-	uwsgi_temp_path $tmp/nginx/tmp/uwsgi;
-	scgi_temp_path $tmp/nginx/tmp/scgi;
+	client_body_temp_path $dir/tmp/body;
+	proxy_temp_path $dir/tmp/proxy;
+	fastcgi_temp_path $dir/tmp/fastcgi;
+	uwsgi_temp_path $dir/tmp/uwsgi;
+	scgi_temp_path $dir/tmp/scgi;
 	server {
-		listen 127.0.0.1:$nginx_port;
+		listen 127.0.0.1:$port;
 		location / {
 			proxy_pass http://127.0.0.1:$app_port;
 			proxy_http_version 1.1;
@@ -185,15 +200,20 @@ http {
 	}
 }
 EOF
-		if bench_start nginx "$nginx_port" "$nginx_bin" -p "$tmp/nginx" -e "$tmp/nginx/error.log" -c "$tmp/nginx/nginx.conf"; then
-			nginx_version=$("$nginx_bin" -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')
-			add_path nginx "ws://127.0.0.1:$nginx_port/app" "$started_pid" --raw \
-				"nginx ${nginx_version:-?}, one process, proxying WebSocket"
-		else
-			echo "compare.sh: leaving the nginx path out" >&2
-		fi
+	if ! bench_start "$name" "$port" "$nginx_bin" -p "$dir" -e "$dir/error.log" -c "$dir/nginx.conf"; then
+		echo "compare.sh: leaving the $name path out" >&2
+		return 0
 	fi
-fi
+	version=$("$nginx_bin" -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')
+	if [ "$name" = nginx ]; then
+		pid=$started_pid desc="nginx ${version:-?}, one process, proxying WebSocket"
+	else # the master's CPU is not the workers': no CPU figure
+		pid="" desc="nginx ${version:-?}, worker_processes auto ($(nproc) CPUs), proxying WebSocket"
+	fi
+	add_path "$name" "ws://127.0.0.1:$port/app" "$pid" --raw "$desc"
+}
+wants nginx && start_nginx nginx one
+wants nginx-auto && start_nginx nginx-auto auto
 
 # ---- the Node relay ----
 if wants node; then
@@ -222,7 +242,7 @@ cat >"$tmp/chatgate.json" <<EOF
 {"upstreams":{"app":{"url":"$app_url"}},"rate_limit":{"messages_per_second":1000000,"burst":1000000},"max_connections":$max_connections}
 EOF
 redis_store=
-if wants chatgate-full; then
+if wants chatgate-full || wants chatgate-full-auto; then
 	if ! command -v redis-server >/dev/null; then
 		echo "compare.sh: no redis-server; leaving chatgate-full out" >&2
 	else
@@ -234,26 +254,30 @@ if wants chatgate-full; then
 	fi
 fi
 
-# start_chatgate NAME BINARY full|pass [SUFFIX [RULES]]
+# start_chatgate NAME BINARY full|pass|auto [SUFFIX [RULES]]  (auto: full, --workers auto)
 start_chatgate() {
-	local name=$1 bin=$2 kind=$3 port rules store desc
-	if [ "$kind" = full ]; then
+	local name=$1 bin=$2 kind=$3 port rules store desc pid workers=()
+	if [ "$kind" != pass ]; then
 		[ -n "$redis_store" ] || return 0
 		rules=${5:-$repo/rules} store=$redis_store desc="shipped rules, Redis store"
 		[ -n "${5:-}" ] && desc="rules of $5, Redis store"
 	else
 		rules=$tmp/norules store=memory desc="no rules, memory store"
 	fi
+	[ "$kind" = auto ] && workers=(--workers auto) desc="--workers auto ($(nproc) CPUs), $desc"
 	port=$(pick_free_port) || return 1
 	if bench_start "$name" "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" \
-		--rules "$rules" --store "$store"; then
-		add_path "$name" "ws://127.0.0.1:$port/ws" "$started_pid" "" "chatgate${4:-}, ws app upstream, $desc"
+		--rules "$rules" --store "$store" "${workers[@]}"; then
+		pid=$started_pid
+		[ "$kind" = auto ] && pid="" # the master's CPU is not the workers': no CPU figure
+		add_path "$name" "ws://127.0.0.1:$port/ws" "$pid" "" "chatgate${4:-}, ws app upstream, $desc"
 	else
 		echo "compare.sh: leaving $name out" >&2
 	fi
 }
 wants chatgate-pass && start_chatgate chatgate-pass "$gateway" pass
 wants chatgate-full && start_chatgate chatgate-full "$gateway" full
+wants chatgate-full-auto && start_chatgate chatgate-full-auto "$gateway" auto
 if [ -n "$gateway_b" ]; then
 	wants chatgate-pass && start_chatgate "chatgate-pass(B)" "$gateway_b" pass " (B)"
 	wants chatgate-full && start_chatgate "chatgate-full(B)" "$gateway_b" full " (B)" "${CHATGATE_RULES_B:-}"
@@ -355,6 +379,14 @@ median() {
 	awk -v n="$2" -v col="$1" '$1 == n && $col != "-" { print $col }' "$tmp/runs" | spread | awk '{ print $2 }'
 }
 
+# reference NAME: the path NAME's ratios are to (one process per CPU against its like)
+reference() {
+	case $1 in
+	chatgate-full-auto) echo nginx-auto ;;
+	*) echo nginx ;;
+	esac
+}
+
 nginx_rate=$(median 3 nginx)
 direct_p50=$(median 4 direct)
 echo
@@ -368,7 +400,7 @@ for name in "${path_names[@]}"; do
 	p99=$(median 5 "$name")
 	cpu=$(median 6 "$name")
 	awk -v d="${path_desc[$name]}" -v r="$rate" -v p50="$p50" -v p99="$p99" -v cpu="$cpu" \
-		-v nr="$nginx_rate" -v dp="$direct_p50" -v name="$name" '
+		-v nr="$(median 3 "$(reference "$name")")" -v dp="$direct_p50" -v name="$name" '
 	function commas(n,   s) { s = sprintf("%d", n); while (s ~ /[0-9][0-9][0-9][0-9]/) sub(/[0-9][0-9][0-9]($|,)/, ",&", s); return s }
 	BEGIN {
 		if (r == "-") { printf "| %s | - | - | - | - | - | - |\n", d; exit }
@@ -386,7 +418,8 @@ if [ "$nginx_rate" != "-" ]; then
 	echo "|---|---|---|---|"
 	for name in "${path_names[@]}"; do
 		[ "$name" = nginx ] && continue
-		read -r lo mid hi < <(awk -v n="$name" '$1 == "nginx" { ng[$2] = $3 } $1 == n { r[$2] = $3 }
+		read -r lo mid hi < <(awk -v n="$name" -v ref="$(reference "$name")" \
+			'$1 == ref { ng[$2] = $3 } $1 == n { r[$2] = $3 }
 			END { for (k in r) if (ng[k] > 0) print r[k] / ng[k] }' "$tmp/runs" | spread)
 		if [ "$lo" = - ]; then
 			echo "| ${path_desc[$name]} | - | - | - |"
@@ -399,4 +432,5 @@ fi
 echo
 [ -n "$gateway_b" ] && echo "chatgate: $gateway; chatgate (B): $gateway_b"
 echo "(proxy CPU per 1k turns: user + system time of the proxy process over the window, per 1,000 turns; ms per 1k turns = µs per turn)"
+wants chatgate-full-auto && echo "(chatgate with --workers auto is compared with nginx with worker_processes auto, in both tables)"
 exit $status
