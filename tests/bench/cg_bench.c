@@ -41,6 +41,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <dirent.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -353,31 +354,60 @@ static int read_process_memory(long pid, long *rss_kb, long *hwm_kb)
 	return *rss_kb < 0 ? -1 : 0;
 }
 
-/* User plus system CPU time of a process, in seconds; -1 if unknown. */
-static double process_cpu_seconds(long pid)
+/* User plus system CPU time of the process whose /proc/PID/stat is at path, in clock ticks,
+ * and its parent's pid; -1 if unknown. */
+static long long stat_ticks(const char *path, long *ppid)
 {
-	char path[64];
 	char buf[1024];
 	unsigned long long utime, stime;
 	const char *p;
 	size_t n;
-	FILE *f;
+	FILE *f = fopen(path, "r");
 
-	if (!pid)
-		return -1;
-	snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
-	f = fopen(path, "r");
 	if (!f)
 		return -1;
 	n = fread(buf, 1, sizeof(buf) - 1, f);
 	fclose(f);
 	buf[n] = '\0';
-	/* fields 14 and 15 (utime, stime) follow the ")" that ends field 2, comm */
+	/* field 4 is the parent, fields 14 and 15 (utime, stime); all follow the ")" that ends
+	 * field 2, comm */
 	p = strrchr(buf, ')');
-	if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
-			 &stime) != 2)
+	if (!p || sscanf(p + 1, " %*c %ld %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", ppid, &utime,
+			 &stime) != 3)
 		return -1;
-	return (double)(utime + stime) / (double)sysconf(_SC_CLK_TCK);
+	return (long long)(utime + stime);
+}
+
+/* User plus system CPU time of a process and its children, in seconds; -1 if unknown. The
+ * children count for a master of worker processes (chatgate --workers, nginx's master):
+ * their CPU is the gateway's. */
+static double process_cpu_seconds(long pid)
+{
+	char path[64];
+	long ppid;
+	long long ticks;
+	DIR *d;
+	struct dirent *e;
+
+	if (!pid)
+		return -1;
+	snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+	ticks = stat_ticks(path, &ppid);
+	if (ticks < 0)
+		return -1;
+	d = opendir("/proc");
+	while (d && (e = readdir(d))) {
+		long long t;
+		if (e->d_name[0] < '1' || e->d_name[0] > '9' || strlen(e->d_name) > 20)
+			continue;
+		snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
+		t = stat_ticks(path, &ppid);
+		if (t >= 0 && ppid == pid)
+			ticks += t;
+	}
+	if (d)
+		closedir(d);
+	return (double)ticks / (double)sysconf(_SC_CLK_TCK);
 }
 
 static void sample_gateway_memory(struct bench *b)
@@ -1002,7 +1032,8 @@ static void usage(FILE *out)
 		"  --warmup SECONDS       traffic before the window, not recorded (default 1)\n"
 		"  --text TEXT            message text (default \"" DEFAULT_TEXT "\")\n"
 		"  --room ROOM            room of every message (default " DEFAULT_ROOM ")\n"
-		"  --pid PID              gateway process, for its peak RSS\n"
+		"  --pid PID              gateway process, for its peak RSS, and its CPU with its\n"
+		"                         children's (the workers of a master)\n"
 		"  --connect-timeout S    give up waiting for connections after S (default 10)\n"
 		"  --subprotocol NAME     offer this Sec-WebSocket-Protocol (default none)\n"
 		"  --raw                  a chat app, not chatgate: send {type,id,text}, expect no\n"

@@ -24,7 +24,7 @@
 # the p50 it adds over the direct path (run with CONNECTIONS=1 for the per-hop latency), and
 # the proxy's CPU per 1,000 turns (user + system time of the proxy process over the window,
 # from /proc/PID/stat: nginx runs as one process, master_process off; node is one process;
-# the -auto paths are several processes, and have no CPU figure).
+# the -auto paths count the master's and its workers').
 # A second table gives each path's ratio to the nginx run of its own round, lowest, median
 # and highest: nginx moves within one run, and those ratios are taken closest in time.
 #
@@ -156,7 +156,7 @@ fi
 # start_nginx NAME one|auto: one process (no master), as a single-threaded proxy beside
 # chatgate's one event loop; or worker_processes auto under its master, as in production
 start_nginx() {
-	local name=$1 procs=$2 port dir conns version pid desc
+	local name=$1 procs=$2 port dir conns version desc
 	nginx_bin=$(command -v nginx || echo /usr/sbin/nginx)
 	if [ ! -x "$nginx_bin" ]; then
 		echo "compare.sh: no nginx (scripts/deps.sh bench installs it); leaving the $name path out" >&2
@@ -205,12 +205,10 @@ EOF
 		return 0
 	fi
 	version=$("$nginx_bin" -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')
-	if [ "$name" = nginx ]; then
-		pid=$started_pid desc="nginx ${version:-?}, one process, proxying WebSocket"
-	else # the master's CPU is not the workers': no CPU figure
-		pid="" desc="nginx ${version:-?}, worker_processes auto ($(nproc) CPUs), proxying WebSocket"
-	fi
-	add_path "$name" "ws://127.0.0.1:$port/app" "$pid" --raw "$desc"
+	desc="nginx ${version:-?}, one process, proxying WebSocket"
+	[ "$name" = nginx ] || desc="nginx ${version:-?}, worker_processes auto ($(nproc) CPUs), proxying WebSocket"
+	# the master's pid: cg_bench counts its workers' CPU with its own
+	add_path "$name" "ws://127.0.0.1:$port/app" "$started_pid" --raw "$desc"
 }
 wants nginx && start_nginx nginx one
 wants nginx-auto && start_nginx nginx-auto auto
@@ -256,7 +254,7 @@ fi
 
 # start_chatgate NAME BINARY full|pass|auto [SUFFIX [RULES]]  (auto: full, --workers auto)
 start_chatgate() {
-	local name=$1 bin=$2 kind=$3 port rules store desc pid workers=()
+	local name=$1 bin=$2 kind=$3 port rules store desc workers=()
 	if [ "$kind" != pass ]; then
 		[ -n "$redis_store" ] || return 0
 		rules=${5:-$repo/rules} store=$redis_store desc="shipped rules, Redis store"
@@ -268,9 +266,7 @@ start_chatgate() {
 	port=$(pick_free_port) || return 1
 	if bench_start "$name" "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" \
 		--rules "$rules" --store "$store" "${workers[@]}"; then
-		pid=$started_pid
-		[ "$kind" = auto ] && pid="" # the master's CPU is not the workers': no CPU figure
-		add_path "$name" "ws://127.0.0.1:$port/ws" "$pid" "" "chatgate${4:-}, ws app upstream, $desc"
+		add_path "$name" "ws://127.0.0.1:$port/ws" "$started_pid" "" "chatgate${4:-}, ws app upstream, $desc"
 	else
 		echo "compare.sh: leaving $name out" >&2
 	fi
@@ -431,6 +427,6 @@ if [ "$nginx_rate" != "-" ]; then
 fi
 echo
 [ -n "$gateway_b" ] && echo "chatgate: $gateway; chatgate (B): $gateway_b"
-echo "(proxy CPU per 1k turns: user + system time of the proxy process over the window, per 1,000 turns; ms per 1k turns = µs per turn)"
+echo "(proxy CPU per 1k turns: user + system time of the proxy process, with its workers', over the window, per 1,000 turns; ms per 1k turns = µs per turn)"
 wants chatgate-full-auto && echo "(chatgate with --workers auto is compared with nginx with worker_processes auto, in both tables)"
 exit $status
