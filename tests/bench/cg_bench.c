@@ -383,7 +383,7 @@ static long long stat_ticks(const char *path, long *ppid)
  * their CPU is the gateway's. */
 static double process_cpu_seconds(long pid)
 {
-	char path[64];
+	char path[300]; /* "/proc/<d_name>/stat", d_name up to 255 bytes */
 	long ppid;
 	long long ticks;
 	DIR *d;
@@ -398,7 +398,7 @@ static double process_cpu_seconds(long pid)
 	d = opendir("/proc");
 	while (d && (e = readdir(d))) {
 		long long t;
-		if (e->d_name[0] < '1' || e->d_name[0] > '9' || strlen(e->d_name) > 20)
+		if (e->d_name[0] < '1' || e->d_name[0] > '9')
 			continue;
 		snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
 		t = stat_ticks(path, &ppid);
