@@ -41,7 +41,6 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
-#include <dirent.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -328,10 +327,32 @@ static uint64_t histogram_quantile(const struct latency_histogram *h, double q)
 /* ---- gateway memory from /proc/PID/status ---- */
 
 /*
- * Reads VmRSS and VmHWM (kB). Returns 0, or -1 when the process is gone or
+ * The children of pid, at most max of them into out: a master's workers (chatgate
+ * --workers, nginx's master), whose memory and CPU are the gateway's. From
+ * /proc/PID/task/PID/children (the main thread's children: a master forks from it); none on
+ * a kernel without CONFIG_PROC_CHILDREN.
+ */
+static int children_of(long pid, long *out, int max)
+{
+	char path[64];
+	int n = 0;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%ld/task/%ld/children", pid, pid);
+	f = fopen(path, "r");
+	if (!f)
+		return 0;
+	while (n < max && fscanf(f, "%ld", &out[n]) == 1)
+		n++;
+	fclose(f);
+	return n;
+}
+
+/*
+ * Reads VmRSS and VmHWM (kB) of one process. Returns 0, or -1 when the process is gone or
  * its status cannot be read.
  */
-static int read_process_memory(long pid, long *rss_kb, long *hwm_kb)
+static int read_one_memory(long pid, long *rss_kb, long *hwm_kb)
 {
 	char path[64];
 	char line[256];
@@ -354,59 +375,60 @@ static int read_process_memory(long pid, long *rss_kb, long *hwm_kb)
 	return *rss_kb < 0 ? -1 : 0;
 }
 
-/* User plus system CPU time of the process whose /proc/PID/stat is at path, in clock ticks,
- * and its parent's pid; -1 if unknown. */
-static long long stat_ticks(const char *path, long *ppid)
+/* VmRSS of the process with its children's (a master's workers), and its own VmHWM (kB). */
+static int read_process_memory(long pid, long *rss_kb, long *hwm_kb)
 {
+	long kids[256], rss, hwm;
+	int n;
+
+	if (read_one_memory(pid, rss_kb, hwm_kb) < 0)
+		return -1;
+	n = children_of(pid, kids, 256);
+	for (int i = 0; i < n; i++)
+		if (read_one_memory(kids[i], &rss, &hwm) == 0)
+			*rss_kb += rss;
+	return 0;
+}
+
+/* User plus system CPU time of one process, in clock ticks; -1 if unknown. */
+static long long stat_ticks(long pid)
+{
+	char path[64];
 	char buf[1024];
 	unsigned long long utime, stime;
 	const char *p;
 	size_t n;
-	FILE *f = fopen(path, "r");
+	FILE *f;
 
+	snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+	f = fopen(path, "r");
 	if (!f)
 		return -1;
 	n = fread(buf, 1, sizeof(buf) - 1, f);
 	fclose(f);
 	buf[n] = '\0';
-	/* field 4 is the parent, fields 14 and 15 (utime, stime); all follow the ")" that ends
-	 * field 2, comm */
+	/* fields 14 and 15 (utime, stime) follow the ")" that ends field 2, comm */
 	p = strrchr(buf, ')');
-	if (!p || sscanf(p + 1, " %*c %ld %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", ppid, &utime,
-			 &stime) != 3)
+	if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
+			 &stime) != 2)
 		return -1;
 	return (long long)(utime + stime);
 }
 
-/* User plus system CPU time of a process and its children, in seconds; -1 if unknown. The
- * children count for a master of worker processes (chatgate --workers, nginx's master):
- * their CPU is the gateway's. */
+/* User plus system CPU time of a process and its children (a master's workers: their CPU
+ * is the gateway's), in seconds; -1 if unknown. */
 static double process_cpu_seconds(long pid)
 {
-	char path[300]; /* "/proc/<d_name>/stat", d_name up to 255 bytes */
-	long ppid;
-	long long ticks;
-	DIR *d;
-	struct dirent *e;
+	long kids[256];
+	long long ticks, t;
+	int n;
 
-	if (!pid)
+	if (!pid || (ticks = stat_ticks(pid)) < 0)
 		return -1;
-	snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
-	ticks = stat_ticks(path, &ppid);
-	if (ticks < 0)
-		return -1;
-	d = opendir("/proc");
-	while (d && (e = readdir(d))) {
-		long long t;
-		if (e->d_name[0] < '1' || e->d_name[0] > '9')
-			continue;
-		snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
-		t = stat_ticks(path, &ppid);
-		if (t >= 0 && ppid == pid)
+	n = children_of(pid, kids, 256);
+	for (int i = 0; i < n; i++)
+		if ((t = stat_ticks(kids[i])) >= 0)
 			ticks += t;
-	}
-	if (d)
-		closedir(d);
 	return (double)ticks / (double)sysconf(_SC_CLK_TCK);
 }
 
@@ -1032,8 +1054,8 @@ static void usage(FILE *out)
 		"  --warmup SECONDS       traffic before the window, not recorded (default 1)\n"
 		"  --text TEXT            message text (default \"" DEFAULT_TEXT "\")\n"
 		"  --room ROOM            room of every message (default " DEFAULT_ROOM ")\n"
-		"  --pid PID              gateway process, for its peak RSS, and its CPU with its\n"
-		"                         children's (the workers of a master)\n"
+		"  --pid PID              gateway process, for its RSS and CPU with its children's\n"
+		"                         (a master's workers; its own peak RSS)\n"
 		"  --connect-timeout S    give up waiting for connections after S (default 10)\n"
 		"  --subprotocol NAME     offer this Sec-WebSocket-Protocol (default none)\n"
 		"  --raw                  a chat app, not chatgate: send {type,id,text}, expect no\n"
