@@ -408,7 +408,7 @@ for name in "${path_names[@]}"; do
 done
 # Each path against the nginx run of its own round: nginx moves by a tenth or more within
 # one run on a shared machine, and a path's run sits closest in time to its own round's.
-if [ "$nginx_rate" != "-" ]; then
+if [ "$nginx_rate" != "-" ] || [ "$(median 3 nginx-auto)" != "-" ]; then
 	echo
 	echo "| path | vs the same round's nginx: lowest | median | highest |"
 	echo "|---|---|---|---|"
