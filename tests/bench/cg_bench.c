@@ -152,6 +152,14 @@ struct ws_target {
 	char host_header[300];
 };
 
+/* The machine's CPU time, every CPU's summed (/proc/stat), in clock ticks. */
+struct machine_ticks {
+	unsigned long long idle;  /* idle and iowait */
+	unsigned long long steal; /* taken by the hypervisor for other guests */
+	unsigned long long total;
+	int known;
+};
+
 struct bench {
 	struct bench_options opt;
 	struct ws_target target;
@@ -217,6 +225,8 @@ struct bench {
 	double cpu_at_measure_end_s;
 	double gateway_cpu_at_measure_start_s; /* < 0: unknown */
 	double gateway_cpu_at_measure_end_s;
+	struct machine_ticks machine_at_measure_start; /* the whole machine's, from /proc/stat */
+	struct machine_ticks machine_at_measure_end;
 
 	/* gateway memory */
 	long rss_peak_sampled_kb;
@@ -232,6 +242,42 @@ static void on_signal(int sig)
 {
 	(void)sig;
 	signal_seen = 1;
+}
+
+/*
+ * The whole machine's CPU time from the first line of /proc/stat, in ticks summed over every
+ * CPU: how much of it was idle, and how much the hypervisor took (steal). A closed loop whose
+ * processes wait on each other leaves cores idle although every turn is in flight: with
+ * the proxy's CPU, this says whether a path stopped at the cores or at one of its processes.
+ */
+static void read_machine_ticks(struct machine_ticks *m)
+{
+	unsigned long long v[8] = {0};
+	FILE *f = fopen("/proc/stat", "r");
+
+	m->known = 0;
+	if (!f)
+		return;
+	/* user nice system idle iowait irq softirq steal (guest time is inside user) */
+	if (fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+		   &v[4], &v[5], &v[6], &v[7]) == 8) {
+		m->idle = v[3] + v[4];
+		m->steal = v[7];
+		m->total = 0;
+		for (int i = 0; i < 8; i++)
+			m->total += v[i];
+		m->known = 1;
+	}
+	fclose(f);
+}
+
+/* Percent of the machine's CPU time between a and b that was idle, or stolen; -1 if unknown. */
+static double machine_pct(const struct machine_ticks *a, const struct machine_ticks *b, int steal)
+{
+	if (!a->known || !b->known || b->total <= a->total)
+		return -1;
+	return 100.0 * (double)(steal ? b->steal - a->steal : b->idle - a->idle) /
+	       (double)(b->total - a->total);
 }
 
 /* User plus system CPU time this process has used, in seconds. */
@@ -479,6 +525,7 @@ static void start_measure(struct bench *b)
 	b->measure_start_ns = now_ns();
 	b->cpu_at_measure_start_s = own_cpu_seconds();
 	b->gateway_cpu_at_measure_start_s = process_cpu_seconds(b->opt.pid);
+	read_machine_ticks(&b->machine_at_measure_start);
 	schedule_phase_timer(b, b->opt.duration_s);
 }
 
@@ -501,10 +548,12 @@ static void start_stop(struct bench *b)
 	b->measure_end_ns = now_ns();
 	b->cpu_at_measure_end_s = own_cpu_seconds();
 	b->gateway_cpu_at_measure_end_s = process_cpu_seconds(b->opt.pid);
+	read_machine_ticks(&b->machine_at_measure_end);
 	if (b->phase != PHASE_MEASURE) { /* empty window */
 		b->measure_start_ns = b->measure_end_ns;
 		b->cpu_at_measure_start_s = b->cpu_at_measure_end_s;
 		b->gateway_cpu_at_measure_start_s = b->gateway_cpu_at_measure_end_s;
+		b->machine_at_measure_start = b->machine_at_measure_end;
 	}
 	if (b->opt.idle_s > 0 && b->opt.pid) {
 		long hwm;
@@ -1204,6 +1253,8 @@ static void print_report(struct bench *b)
 							  b->cpu_at_measure_start_s) / window_s
 					     : 0;
 	double gateway_cpu_pct = -1;
+	double idle_pct = machine_pct(&b->machine_at_measure_start, &b->machine_at_measure_end, 0);
+	double steal_pct = machine_pct(&b->machine_at_measure_start, &b->machine_at_measure_end, 1);
 	long peak_kb = -1;
 	if (window_s > 0 && b->gateway_cpu_at_measure_start_s >= 0 &&
 	    b->gateway_cpu_at_measure_end_s >= 0)
@@ -1259,6 +1310,9 @@ static void print_report(struct bench *b)
 	       client_cpu_pct >= 85 ? " (cg_bench itself may be the bottleneck)" : "");
 	if (gateway_cpu_pct >= 0)
 		printf("  gateway CPU        %.0f%% of one core\n", gateway_cpu_pct);
+	if (idle_pct >= 0)
+		printf("  machine            %.1f%% of all CPUs' time idle, %.1f%% stolen by the hypervisor\n",
+		       idle_pct, steal_pct);
 	if (b->opt.pid && b->rss_samples)
 		printf("  gateway pid %-6ld peak RSS %ld kB (VmHWM %ld kB, sampled VmRSS max %ld kB over %u samples, last %ld kB)%s\n",
 		       b->opt.pid, peak_kb, b->hwm_kb, b->rss_peak_sampled_kb, b->rss_samples,
@@ -1269,11 +1323,12 @@ static void print_report(struct bench *b)
 		printf("  gateway RSS        not measured (no --pid)\n");
 	printf("RESULT conns=%u msgs_per_sec=%.1f p50_ms=%.3f p99_ms=%.3f p999_ms=%.3f peak_rss_kb=%ld"
 	       " msgs=%" PRIu64 " errors=%" PRIu64 " duration_s=%.3f client_cpu_pct=%.0f"
-	       " gateway_cpu_pct=%.0f gateway_cpu_s=%.3f\n",
+	       " gateway_cpu_pct=%.0f gateway_cpu_s=%.3f machine_idle_pct=%.1f machine_steal_pct=%.1f\n",
 	       b->established, rate, p50, p99, p999, peak_kb, b->done, b->errors, window_s,
 	       client_cpu_pct, gateway_cpu_pct,
 	       gateway_cpu_pct >= 0 ? b->gateway_cpu_at_measure_end_s - b->gateway_cpu_at_measure_start_s
-				    : -1.0);
+				    : -1.0,
+	       idle_pct, steal_pct);
 	fflush(stdout);
 }
 

@@ -24,7 +24,8 @@
 # the p50 it adds over the direct path (run with CONNECTIONS=1 for the per-hop latency), and
 # the proxy's CPU per 1,000 turns (user + system time of the proxy process over the window,
 # from /proc/PID/stat: nginx runs as one process, master_process off; node is one process;
-# the -auto paths count the master's and its workers').
+# the -auto paths count the master's and its workers'), and how much of the machine's CPU
+# time was idle over the window (/proc/stat, every CPU).
 # A second table gives each path's ratio to the nginx run of its own round, lowest, median
 # and highest: nginx moves within one run, and those ratios are taken closest in time.
 #
@@ -355,11 +356,13 @@ for round in $(seq 1 "$rounds"); do
 		if [ -n "${path_pid[$name]}" ] && [ -n "$cpu_s" ] && [ "${cpu_s#-}" = "$cpu_s" ]; then
 			cpu_1k=$(awk -v c="$cpu_s" -v m="$msgs" 'BEGIN { printf "%.1f", c * 1e6 / m }')
 		fi
-		printf '%s %s %s %s %s %s %s\n' "$name" "$round" "$rate" "$(result "$out" p50_ms)" \
-			"$(result "$out" p99_ms)" "$cpu_1k" "$(result "$out" errors)" >>"$tmp/runs"
-		printf 'compare.sh: round %s %-18s %9.0f turns/s  p50 %s ms  p99 %s ms  CPU %s ms/1k turns  client CPU %s%%  errors %s\n' \
+		idle=$(result "$out" machine_idle_pct)
+		[ -z "$idle" ] || [ "${idle#-}" != "$idle" ] && idle=-
+		printf '%s %s %s %s %s %s %s %s\n' "$name" "$round" "$rate" "$(result "$out" p50_ms)" \
+			"$(result "$out" p99_ms)" "$cpu_1k" "$(result "$out" errors)" "$idle" >>"$tmp/runs"
+		printf 'compare.sh: round %s %-18s %9.0f turns/s  p50 %s ms  p99 %s ms  CPU %s ms/1k turns  client CPU %s%%  CPUs idle %s%%  errors %s\n' \
 			"$round" "$name" "$rate" "$(result "$out" p50_ms)" "$(result "$out" p99_ms)" "$cpu_1k" \
-			"$(result "$out" client_cpu_pct)" "$(result "$out" errors)" >&2
+			"$(result "$out" client_cpu_pct)" "$idle" "$(result "$out" errors)" >&2
 		sleep 0.5 # the closing handshakes finish before the next path starts
 	done
 done
@@ -388,22 +391,24 @@ direct_p50=$(median 4 direct)
 echo
 echo "$conns connections, $secs s x $rounds rounds, medians; cg_bench and app_backend on the same machine"
 echo
-echo "| path | turns/s | p50 | p99 | vs nginx | p50 over direct | proxy CPU per 1k turns |"
-echo "|---|---|---|---|---|---|---|"
+echo "| path | turns/s | p50 | p99 | vs nginx | p50 over direct | proxy CPU per 1k turns | CPUs idle |"
+echo "|---|---|---|---|---|---|---|---|"
 for name in "${path_names[@]}"; do
 	rate=$(median 3 "$name")
 	p50=$(median 4 "$name")
 	p99=$(median 5 "$name")
 	cpu=$(median 6 "$name")
-	awk -v d="${path_desc[$name]}" -v r="$rate" -v p50="$p50" -v p99="$p99" -v cpu="$cpu" \
+	idle=$(median 8 "$name")
+	awk -v d="${path_desc[$name]}" -v r="$rate" -v p50="$p50" -v p99="$p99" -v cpu="$cpu" -v idle="$idle" \
 		-v nr="$(median 3 "$(reference "$name")")" -v dp="$direct_p50" -v name="$name" '
 	function commas(n,   s) { s = sprintf("%d", n); while (s ~ /[0-9][0-9][0-9][0-9]/) sub(/[0-9][0-9][0-9]($|,)/, ",&", s); return s }
 	BEGIN {
-		if (r == "-") { printf "| %s | - | - | - | - | - | - |\n", d; exit }
+		if (r == "-") { printf "| %s | - | - | - | - | - | - | - |\n", d; exit }
 		vs = (nr == "-" || nr == 0) ? "-" : sprintf("x%.2f", r / nr)
 		over = (dp == "-" || name == "direct") ? "-" : sprintf("%+.3f ms", p50 - dp)
 		c = (cpu == "-") ? "-" : sprintf("%.0f ms", cpu)
-		printf "| %s | %s | %.3f ms | %.3f ms | %s | %s | %s |\n", d, commas(r + 0.5), p50, p99, vs, over, c
+		i = (idle == "-") ? "-" : sprintf("%.0f%%", idle)
+		printf "| %s | %s | %.3f ms | %.3f ms | %s | %s | %s | %s |\n", d, commas(r + 0.5), p50, p99, vs, over, c, i
 	}'
 done
 # Each path against the nginx run of its own round: nginx moves by a tenth or more within
@@ -428,5 +433,6 @@ fi
 echo
 [ -n "$gateway_b" ] && echo "chatgate: $gateway; chatgate (B): $gateway_b"
 echo "(proxy CPU per 1k turns: user + system time of the proxy process, with its workers', over the window, per 1,000 turns; ms per 1k turns = µs per turn)"
+echo "(CPUs idle: the share of every CPU's time over the window that was idle, from /proc/stat; a path that leaves CPUs idle while every connection has a turn in flight is waiting on one of its processes, not on the cores)"
 wants chatgate-full-auto && echo "(chatgate with --workers auto is compared with nginx with worker_processes auto, in both tables)"
 exit $status
