@@ -543,8 +543,11 @@ static int load_json_value(cg_config *cfg, const char *file, const char *path, j
     }
     char text[64];
     const char *value;
-    if (st->type == T_INT && st->choices && json_is_string(val)) {
-        value = json_string_value(val); /* "auto": apply_setting says when it is another word */
+    /* a T_INT key's word ("auto") is the one string it takes: a number in quotes is refused, as
+     * for every other whole-number key */
+    if (st->type == T_INT && st->choices && json_is_string(val) &&
+        strcmp(json_string_value(val), st->choices[0]) == 0) {
+        value = json_string_value(val);
     } else if (st->type == T_INT) {
         if (!json_is_integer(val)) {
             set_err(err, errlen, "%s: %s: must be a whole number%s%s%s", file, path, st->choices ? " or \"" : "",

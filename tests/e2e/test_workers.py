@@ -219,8 +219,12 @@ async def part_refused():
             code, out, _ = await harness.gateway_exit(args=["--workers", value])
             check(code == 2 and f"--workers: '{value}' is not a whole number from 1 to 64, nor auto" in out,
                   f"--workers {value}: status {code}, output {out!r}")
-        code, out, _ = await harness.gateway_exit(config={"workers": True})
-        check(code == 2 and 'workers: must be a whole number or "auto"' in out, f"status {code}, output {out!r}")
+        # in a file, only the word may be a string: a number in quotes is refused, as it is for
+        # every other whole-number key
+        for value in (True, "2", "AUTO"):
+            code, out, _ = await harness.gateway_exit(config={"workers": value, "store": "redis://127.0.0.1:1"})
+            check(code == 2 and 'workers: must be a whole number or "auto"' in out,
+                  f"workers {value!r}: status {code}, output {out!r}")
     with step("--workers 2 on a port another process holds exits 1"):
         with socket.socket() as held:
             held.bind(("127.0.0.1", 0))
