@@ -378,6 +378,7 @@ static uint64_t histogram_quantile(const struct latency_histogram *h, double q)
  * /proc/PID/task/PID/children (the main thread's children: a master forks from it); none on
  * a kernel without CONFIG_PROC_CHILDREN.
  */
+#define MAX_CHILDREN 256 /* a master's workers counted: chatgate allows 64 */
 static int children_of(long pid, long *out, int max)
 {
 	char path[64];
@@ -424,12 +425,12 @@ static int read_one_memory(long pid, long *rss_kb, long *hwm_kb)
 /* VmRSS of the process with its children's (a master's workers), and its own VmHWM (kB). */
 static int read_process_memory(long pid, long *rss_kb, long *hwm_kb)
 {
-	long kids[256], rss, hwm;
+	long kids[MAX_CHILDREN], rss, hwm;
 	int n;
 
 	if (read_one_memory(pid, rss_kb, hwm_kb) < 0)
 		return -1;
-	n = children_of(pid, kids, 256);
+	n = children_of(pid, kids, MAX_CHILDREN);
 	for (int i = 0; i < n; i++)
 		if (read_one_memory(kids[i], &rss, &hwm) == 0)
 			*rss_kb += rss;
@@ -465,13 +466,13 @@ static long long stat_ticks(long pid)
  * is the gateway's), in seconds; -1 if unknown. */
 static double process_cpu_seconds(long pid)
 {
-	long kids[256];
+	long kids[MAX_CHILDREN];
 	long long ticks, t;
 	int n;
 
 	if (!pid || (ticks = stat_ticks(pid)) < 0)
 		return -1;
-	n = children_of(pid, kids, 256);
+	n = children_of(pid, kids, MAX_CHILDREN);
 	for (int i = 0; i < n; i++)
 		if ((t = stat_ticks(kids[i])) >= 0)
 			ticks += t;

@@ -167,12 +167,15 @@ start_nginx() {
 	dir=$tmp/$name
 	mkdir -p "$dir/tmp"
 	conns=$((fd_limit - 64)) # counts client and app sockets both
+	version=$("$nginx_bin" -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')
 	if [ "$procs" = auto ]; then
 		procs="master_process on;
 worker_processes auto;"
+		desc="nginx ${version:-?}, worker_processes auto ($(nproc) CPUs), proxying WebSocket"
 	else
 		procs="master_process off;
 worker_processes 1;"
+		desc="nginx ${version:-?}, one process, proxying WebSocket"
 	fi
 	cat >"$dir/nginx.conf" <<EOF
 daemon off;
@@ -205,9 +208,6 @@ EOF
 		echo "compare.sh: leaving the $name path out" >&2
 		return 0
 	fi
-	version=$("$nginx_bin" -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')
-	desc="nginx ${version:-?}, one process, proxying WebSocket"
-	[ "$name" = nginx ] || desc="nginx ${version:-?}, worker_processes auto ($(nproc) CPUs), proxying WebSocket"
 	# the master's pid: cg_bench counts its workers' CPU with its own
 	add_path "$name" "ws://127.0.0.1:$port/app" "$started_pid" --raw "$desc"
 }
