@@ -279,8 +279,9 @@ static void send_last(redis_store *rs, argv_buf *a, redisCallbackFn *fn, cg_stor
     cg_redis_inflight_add(rs, r);
 }
 
-/* A dialog's keys, KEYS[1..8] of every script (the rooms set is KEYS[9]): its data, its
- * lease, the lease's fence counter, and the flag another gateway sets to cancel its turn. */
+/* A dialog's keys, KEYS[1..8] of a script (the rooms set is KEYS[9]): its data, its lease,
+ * the lease's fence counter, and the flag another gateway sets to cancel its turn. A script
+ * is given the first of them up to the last it uses (script_keys). */
 static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lease", "fence", "cancel"};
 #define N_PARTS 8
 
@@ -290,14 +291,14 @@ static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "his
  * meanwhile keeps its entry in rs->leases, so its save still refuses to write over another
  * holder's lease).
  */
-static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er)
+static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er, int n)
 {
     /* the first whole; the others copy its stem, "<prefix>:{<eu>}:<er>:" (two scripts a turn:
      * measuring and copying the pieces again for every key was 3,700 instructions) */
     arg_key(a, rs->base.cfg.prefix, eu, er, parts[0]);
     size_t stem = key_stem_len(rs->base.cfg.prefix, eu, er);
     size_t from = a->w.used - 2 - strlen(parts[0]) - stem; /* the first's bytes end at its CRLF */
-    for (int i = 1; i < N_PARTS; i++) {
+    for (int i = 1; i < n; i++) {
         size_t pl = strlen(parts[i]);
         arg_known(a, stem + pl);
         if (a->w.used + stem >= a->w.cap)
@@ -330,14 +331,21 @@ void cg_redis_scripts_init(void)
     }
 }
 
-/* EVALSHA <sha> 9 <the dialog's keys> <the rooms set> */
+/* How many keys a dialog's script is given: KEYS[1] up to the last it uses (9: the rooms set
+ * too). A key passed is an argument Redis makes into a Lua string at every call, about a
+ * tenth of a µs under load: the load uses none after the fence (issue 12). */
+static const int script_keys[S_COUNT] = {[S_LOAD] = 7, [S_SAVE] = 9, [S_RENEW] = 8, [S_RELEASE] = 6, [S_CANCEL] = 8};
+
+/* EVALSHA <sha> <n> <the dialog's first keys> [<the rooms set>] */
 static void arg_script(redis_store *rs, argv_buf *a, script_id id, const char *eu, const char *er)
 {
+    int n = script_keys[id];
     arg_str(a, "EVALSHA");
     arg_str(a, script_sha[id]);
-    arg_str(a, "9");
-    arg_dialog_keys(rs, a, eu, er);
-    arg_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
+    arg_int(a, n);
+    arg_dialog_keys(rs, a, eu, er, n < N_PARTS ? n : N_PARTS);
+    if (n > N_PARTS)
+        arg_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
 }
 
 /*
@@ -1028,8 +1036,9 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * rewritten list are made anew), so no key is ever left without one; a key that was there
  * keeps the lifetime it had (HSET, RPUSH, LTRIM keep it) unless ARGV[25] renews them all,
  * the fence's with them.
- * Returns 1 when written, -3 (before writing anything) when an append finds another rev,
- * 0 when Redis holds another incarnation, -1 a newer copy, -2 when
+ * Returns 1 when written, -3 (with nothing written, or what was taken back) when an append
+ * finds another rev or a list of another length, 0 when Redis holds another incarnation, -1
+ * a newer copy, -2 when
  * the lease is no longer this save's: another holder has it, or it is gone and the dialog's
  * fence moved past this save's (another gateway took the dialog over and finished). A lease
  * gone with the fence not past this save's, or this holder's own older lease (a failover to
@@ -1045,6 +1054,11 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * before it). The params hash lapsing or evicted meanwhile, rev and all, is still seen: the
  * HSET of the new rev then adds a field instead of replacing one, and the save is undone
  * and refused (-3) before anything else is written.
+ * An append pushes its messages first: RPUSH answers the list's length, which must be the
+ * copy's and theirs, so the list is checked without an LLEN of its own (one call of the
+ * turn's 13, issue 12). A list of another length (lapsed or evicted alone) has them taken
+ * back (LTRIM of as many from its end; a list that was not there is empty again, so gone),
+ * as does the params hash's check after it, and the save is refused (-3).
  * Kept cheap for Redis, whose time this script is half of (issue 12): the lease is compared
  * whole first (still this save's, the common case) and taken apart only when it differs; the
  * common save (usage and a service both there) makes no table, and no closure but save();
@@ -1064,9 +1078,23 @@ static const char save_script[] =
     "end\n"
     "local function save()\n"
     "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
-    "  local append = ARGV[22] ~= ''\n"
+    "  local append, keep = ARGV[22] ~= '', tonumber(ARGV[23])\n"
+    "  local np, P, renew = tonumber(ARGV[16]), 26, ARGV[25] == '1'\n"
+    "  local h, n = P + 1 + 2 * math.max(np, 0), #ARGV\n"
+    "  local pushed = 0\n"
     "  if append then\n"
-    "    if not held and redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] or redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[24]) then\n"
+    "    if not held and redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] then return -3 end\n"
+    "    if keep > 0 and n >= h then\n"
+    "      local len\n"
+    "      for i = h, n, 200 do\n"
+    "        len = redis.call('RPUSH', KEYS[5], unpack(ARGV, i, math.min(i + 199, n)))\n"
+    "      end\n"
+    "      pushed = n - h + 1\n"
+    "      if len ~= tonumber(ARGV[24]) + pushed then\n"
+    "        redis.call('LTRIM', KEYS[5], 0, -pushed - 1)\n"
+    "        return -3\n"
+    "      end\n"
+    "    elseif redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[24]) then\n"
     "      return -3\n"
     "    end\n"
     "  else\n"
@@ -1074,10 +1102,10 @@ static const char save_script[] =
     "    if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
     "    if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
     "  end\n"
-    "  local np, P, renew = tonumber(ARGV[16]), 26, ARGV[25] == '1'\n"
     "  if np >= 0 then redis.call('DEL', KEYS[1]) end\n"
     "  if redis.call('HSET', KEYS[1], 'rev', ARGV[21]) == 1 and np < 0 then\n"
     "    redis.call('DEL', KEYS[1])\n"
+    "    if pushed > 0 then redis.call('LTRIM', KEYS[5], 0, -pushed - 1) end\n"
     "    return -3\n"
     "  end\n"
     "  if redis.call('SADD', KEYS[9], ARGV[18]) == 1 or renew then redis.call('EXPIRE', KEYS[9], ARGV[19]) end\n"
@@ -1100,16 +1128,17 @@ static const char save_script[] =
     "    redis.call('HDEL', KEYS[2], unpack(unset))\n"
     "  end\n"
     "  if added > 0 or renew then redis.call('EXPIRE', KEYS[2], ARGV[5]) end\n"
-    "  local gone, keep = {}, tonumber(ARGV[23])\n"
+    "  local gone = {}\n"
     "  if ARGV[13] ~= '0' then redis.call('SET', KEYS[3], ARGV[12], 'EX', ARGV[13])\n"
     "  elseif ARGV[26] ~= '1' then gone[#gone + 1] = KEYS[3] end\n"
     "  if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
     "  elseif ARGV[26] ~= '1' then gone[#gone + 1] = KEYS[4] end\n"
     "  if not append or keep == 0 then gone[#gone + 1] = KEYS[5] end\n"
     "  if #gone > 0 then redis.call('DEL', unpack(gone)) end\n"
-    "  local h, n = P + 1 + 2 * math.max(np, 0), #ARGV\n"
-    "  for i = h, n, 200 do\n"
-    "    redis.call('RPUSH', KEYS[5], unpack(ARGV, i, math.min(i + 199, n)))\n"
+    "  if pushed == 0 then\n"
+    "    for i = h, n, 200 do\n"
+    "      redis.call('RPUSH', KEYS[5], unpack(ARGV, i, math.min(i + 199, n)))\n"
+    "    end\n"
     "  end\n"
     "  if keep > 0 then\n"
     "    if append and tonumber(ARGV[24]) + n - h + 1 > keep then redis.call('LTRIM', KEYS[5], -keep, -1) end\n"
@@ -1495,7 +1524,7 @@ static void send_remove(redis_store *rs, cg_store_req *r)
 {
     argv_buf a = {0};
     arg_str(&a, "DEL");
-    arg_dialog_keys(rs, &a, r->eu, r->er);
+    arg_dialog_keys(rs, &a, r->eu, r->er, N_PARTS);
     send_step(rs, &a, r);
     arg_str(&a, "SREM"); /* after the data: forget-user must find a room as long as it has data */
     arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
@@ -1645,7 +1674,7 @@ static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
         char *er = strndup(room->str, room->len); /* stored escaped, as the keys use it */
         if (!er)
             abort();
-        arg_dialog_keys(rs, &a, r->eu, er);
+        arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);
         free(er);
     }
     arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");

@@ -287,8 +287,9 @@ async def part_lifetimes(app, redis, rules):
 async def part_parts_deleted(app, redis, rules):
     with step("an awaiting state and soft context set, then cleared: Redis's keys go with them, "
               "and turns with neither delete nothing more (one DEL a turn: the save's of the lease); "
-              "their loads, answered 'same', count nothing (no HLEN; one LLEN a turn: the save's; one HGET "
-              "of the rev: the load's, the save holding the lease reads it no more)"):
+              "their loads, answered 'same', count nothing (no HLEN; no LLEN: an appending save checks the "
+              "list's length by its RPUSH's answer; one HGET of the rev: the load's, the save holding the lease "
+              "reads it no more)"):
         async with harness.Gateway(args(rules), config(app, redis), name="gw-parts") as gw:
             c = await connect(gw, "parts")
             awaiting = {"type": "selection", "options": [{"name": "KQ100"}], "ttl": 60}
@@ -304,7 +305,7 @@ async def part_parts_deleted(app, redis, rules):
             await turn(c, app, "parts-warm", "warm", "r")
             def calls():
                 stats = redis.info_commandstats()
-                return {cmd: stats.get(cmd, {}).get("calls", 0) for cmd in ("del", "hlen", "llen", "hget")}
+                return {cmd: stats.get(cmd, {}).get("calls", 0) for cmd in ("del", "hlen", "llen", "hget", "rpush")}
             cached, before = store_counts(gw)[0], calls()
             for k in range(5):
                 await turn(c, app, f"parts-n{k}", f"plain {k}", "r")
@@ -317,9 +318,9 @@ async def part_parts_deleted(app, redis, rules):
             check(made["hget"] == 5, f"5 turns should read the rev 5 times (the loads'; a save under its own lease "
                                      f"knows it), read it {made['hget']} times")
             check(store_counts(gw)[0] - cached == 5, f"the 5 loads were answered 'same': {store_counts(gw)}")
-            check(made["hlen"] == 0 and made["llen"] == 5,
+            check(made["hlen"] == 0 and made["llen"] == 0 and made["rpush"] == 5,
                   f"5 loads answered 'same' should count nothing in Redis (no HLEN), and their 5 appending "
-                  f"saves check the list's length (5 LLENs): {made}")
+                  f"saves check the list's length by their RPUSH's answer (5 RPUSHes, no LLEN): {made}")
             check(store_counts(gw)[1] >= 7, f"those saves appended: {store_counts(gw)}")
             await c.close()
 
