@@ -20,6 +20,7 @@
 
 static void rule_free(rule *r)
 {
+    json_decref(r->name_json);
     free(r->pattern);
     pcre2_code_free(r->re);
     pcre2_code_free(r->re_ascii);

@@ -368,7 +368,7 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
             continue;
         int m = run_pattern(rs, r, subject, len, mode);
         if (m < 0) {
-            json_array_append_new(out->limited, cg_json_string(r->name));
+            json_array_append(out->limited, r->name_json);
             if (c && i < c->n_rules)
                 c->limited[i]++;
         }
@@ -376,7 +376,7 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
             continue;
         if (c && i < c->n_rules)
             c->hits[i]++;
-        json_array_append_new(out->fired, cg_json_string(r->name));
+        json_array_append(out->fired, r->name_json);
         apply_rule(rs, r, subject, text, previous, now, out);
     }
     if (c)

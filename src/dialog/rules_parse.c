@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/jsonout.h"
 #include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
 
@@ -342,6 +343,7 @@ static int finish_rule(parse_ctx *p, rule *r)
     if (r->on_reply && r->n_conds)
         return perr(p, "rule '%s' is 'on reply': 'when' conditions are for rules on messages", r->name);
     p->line = line;
+    r->name_json = cg_json_string(r->name); /* NULL (out of memory): its lists leave it out */
     return compile_rule(p, r);
 }
 

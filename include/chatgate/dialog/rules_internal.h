@@ -71,6 +71,8 @@ typedef struct rule_test {
 
 typedef struct rule {
     char name[65];
+    json_t *name_json; /* the name as a JSON string, owned: what a message's list of fired
+                        * (or limited) rules holds, made once, not at every match */
     const char *file; /* owned by the set's file list */
     size_t file_index; /* its place in that list */
     int line;
