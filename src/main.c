@@ -104,8 +104,8 @@ static int rules_explain(int argc, char **argv)
     cg_rules_eval(rs, text, &d, cg_pipeline_previous(&d), now, &rr);
     cg_pipeline_result res;
     cg_pipeline_run(&cfg, rs, &d, text, now, &lt, &res);
-    json_t *out = json_pack("{s:s, s:O, s:O, s:o, s:O, s:o, s:o, s:O, s:o, s:o}", "text", text, "fired", rr.fired,
-                            "limited", rr.limited, "cancel",
+    json_t *out = json_pack("{s:s, s:O, s:o, s:o, s:O, s:o, s:o, s:O, s:o, s:o}", "text", text, "fired", rr.fired,
+                            "limited", rr.limited ? json_incref(rr.limited) : json_array(), "cancel",
                             res.cancel ? json_string(res.absorb ? "absorb" : "forward") : json_null(), "params",
                             rr.params, "enriched", res.enriched ? json_string(res.enriched) : json_null(),
                             "resolution", res.resolution ? json_incref(res.resolution) : json_null(), "annotations",

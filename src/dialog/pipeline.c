@@ -188,7 +188,7 @@ void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, c
         json_decref(d->awaiting);
         d->awaiting = NULL;
     }
-    if (rr.service[0]) {
+    if (rr.service[0] && (!d->service || strcmp(d->service, rr.service) != 0)) {
         char *service = strdup(rr.service);
         if (service) {
             free(d->service);

@@ -277,6 +277,8 @@ static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject,
                 content = group_text(rs, subject, 1);
             if (!content)
                 content = group_text(rs, subject, 0);
+            if (!out->metadata)
+                out->metadata = json_object();
             json_object_set_new(out->metadata, r->arg, cg_json_string(cg_rules_trim(content)));
             free(content);
         }
@@ -292,6 +294,8 @@ static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject,
         break;
     }
     case A_FORGET:
+        if (!out->forget)
+            out->forget = json_array();
         json_array_append_new(out->forget, cg_json_string(r->arg));
         break;
     case A_ENRICH:
@@ -313,11 +317,10 @@ void cg_rules_result_init(cg_rules_result *out)
 {
     memset(out, 0, sizeof(*out));
     out->confirm = -1;
-    out->metadata = json_object();
     out->params = json_object();
-    out->forget = json_array();
     out->fired = json_array();
-    out->limited = json_array();
+    /* metadata, forget and limited are made by the first rule that adds to them: most
+     * messages have none, and the three were six allocations a message (issue 12) */
 }
 
 void cg_rules_result_free(cg_rules_result *r)
@@ -368,6 +371,8 @@ void cg_rules_eval_range(const cg_ruleset *rs, size_t from, size_t to, const cha
             continue;
         int m = run_pattern(rs, r, subject, len, mode);
         if (m < 0) {
+            if (!out->limited)
+                out->limited = json_array();
             json_array_append(out->limited, r->name_json);
             if (c && i < c->n_rules)
                 c->limited[i]++;

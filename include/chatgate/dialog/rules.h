@@ -60,14 +60,14 @@ void cg_ruleset_count_into(cg_ruleset *rs, const cg_rules_counts *counts);
 typedef struct cg_rules_result {
     int cancel;          /* 0; 1 cancel (forwarded with resolution cancel); 2 cancel absorb */
     int confirm;         /* -1 none, 0 no, 1 yes */
-    json_t *metadata;    /* {"must_try": "shroom burger"} */
+    json_t *metadata;    /* {"must_try": "shroom burger"}, or NULL: none */
     char service[65];    /* the service of the last params rule that fired, or "" */
     json_t *params;      /* {"travel": {"from": "Nairobi"}}, normalised */
-    json_t *forget;      /* ["travel.from", "from"] */
+    json_t *forget;      /* ["travel.from", "from"], or NULL: none */
     char *enriched;      /* the rewritten message, or NULL */
     char route[65];      /* a route rule's upstream, or "" */
     json_t *fired;       /* names of the rules that fired, in order */
-    json_t *limited;     /* names of rules cut off by a match limit */
+    json_t *limited;     /* names of rules cut off by a match limit, or NULL: none */
 } cg_rules_result;
 
 /*
