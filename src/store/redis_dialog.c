@@ -497,7 +497,7 @@ static const char load_script[] =
     "  return {lease, 'same'}\n"
     "end\n"
     "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
-    "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], 0, -1)}\n";
+    "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], '0', '-1')}\n";
 
 /* A lease still ours, renewed (ARGV[1] the lease, ARGV[2] ms): 1, 2 when another gateway
  * asked to cancel the turn (the flag names this lease's fence; it is taken), or 0 when the
