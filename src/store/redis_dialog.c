@@ -332,8 +332,8 @@ void cg_redis_scripts_init(void)
 }
 
 /* How many keys a dialog's script is given: KEYS[1] up to the last it uses (9: the rooms set
- * too). A key passed is an argument Redis makes into a Lua string at every call, about a
- * tenth of a µs under load: the load uses none after the fence (issue 12). */
+ * too). A key passed is a string Redis's Lua makes, hashing each of its bytes, at every call
+ * (docs/state.md, "What the scripts cost Redis"): the load uses none after the fence. */
 static const int script_keys[S_COUNT] = {[S_LOAD] = 7, [S_SAVE] = 9, [S_RENEW] = 8, [S_RELEASE] = 6, [S_CANCEL] = 8};
 
 /* EVALSHA <sha> <n> <the dialog's first keys> [<the rooms set>] */
@@ -476,10 +476,10 @@ static int gated(redis_store *rs, cg_store_req *r)
  * dialog hash is there, and its history list is there when the copy has messages (ARGV[5]
  * "1"; "0" when it has none): a part that lapsed or was evicted in Redis alone. The params
  * hash and the list are not counted: only a save writes them, and it writes a new rev with
- * them (counting them was two calls of the load's eight; issue 12).
+ * them (counting them was two calls of the load's eight; issue 12). The fence goes into the
+ * lease as "%d": Lua's own number-to-string is sprintf's "%.14g", whose floating-point
+ * formatting was 1.4% of Redis's time under the benchmark (issue 12).
  */
-/* The fence goes into the lease as "%d": Lua's own number-to-string is sprintf's "%.14g",
- * whose floating-point formatting was 1.4% of Redis's time under the benchmark (issue 12). */
 static const char load_script[] =
     "local lease = ''\n"
     "if ARGV[1] ~= '' then\n"

@@ -544,7 +544,7 @@ async def part_check_cli():
             explained = json.loads(out)
         except ValueError:
             harness.fail(f"rules explain did not print JSON:\n{out}")
-        check(explained.get("fired") == ["flight_route", "departure_date"]
+        check(explained.get("fired") == ["flight_route", "departure_date"] and explained.get("limited") == []
               and (explained.get("state") or {}).get("params") == {"travel": FLIGHT},
               f"rules explain: {harness.brief(explained, 600)}")
     for kind, (name, _, line, needles) in BROKEN.items():
