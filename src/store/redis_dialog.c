@@ -1195,7 +1195,9 @@ static void arg_turn_member(argv_buf *a, redis_store *rs, uint64_t turn)
  * (messages a minute, turns at once, tokens a minute, tokens a day; 0: none), 6 the turn's
  * member, 7 its place's lifetime, 8 and 9 the ms to the next minute and day. Answers
  * {limit met (limits.h's numbers, 0: none), retry after ms (0 for turns: the gateway's hint)};
- * counts only a message let through.
+ * counts only a message let through. A number given as an argument goes to a call as its
+ * text, not as a Lua number (which Lua would format again with "%.14g", as for the dialog's
+ * scripts); only the two sums are numbers.
  */
 static const char limit_script[] =
     "local now = tonumber(ARGV[1])\n"
@@ -1206,7 +1208,7 @@ static const char limit_script[] =
     "if over(messages, KEYS[1]) then return {3, tonumber(ARGV[8])} end\n"
     "local turns = tonumber(ARGV[3])\n"
     "if turns > 0 then\n"
-    "  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)\n"
+    "  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])\n"
     "  if redis.call('ZCARD', KEYS[2]) >= turns then return {4, 0} end\n"
     "  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[7]), ARGV[6])\n"
     "  redis.call('PEXPIRE', KEYS[2], ARGV[7])\n"
@@ -1223,9 +1225,9 @@ static const char limit_end_script[] =
     "redis.call('ZREM', KEYS[1], ARGV[1])\n"
     "local n = tonumber(ARGV[2])\n"
     "if n > 0 then\n"
-    "  redis.call('INCRBY', KEYS[2], n)\n"
+    "  redis.call('INCRBY', KEYS[2], ARGV[2])\n"
     "  redis.call('PEXPIRE', KEYS[2], ARGV[3])\n"
-    "  redis.call('INCRBY', KEYS[3], n)\n"
+    "  redis.call('INCRBY', KEYS[3], ARGV[2])\n"
     "  redis.call('PEXPIRE', KEYS[3], ARGV[4])\n"
     "end\n"
     "return 0\n";
