@@ -549,12 +549,11 @@ static int load_json_value(cg_config *cfg, const char *file, const char *path, j
         strcmp(json_string_value(val), st->choices[0]) == 0) {
         value = json_string_value(val);
     } else if (st->type == T_INT) {
-        if (!json_is_integer(val) && st->choices) {
-            set_err(err, errlen, "%s: %s: must be a whole number or \"%s\"", file, path, st->choices[0]);
-            return -1;
-        }
         if (!json_is_integer(val)) {
-            set_err(err, errlen, "%s: %s: must be a whole number", file, path);
+            if (st->choices)
+                set_err(err, errlen, "%s: %s: must be a whole number or \"%s\"", file, path, st->choices[0]);
+            else
+                set_err(err, errlen, "%s: %s: must be a whole number", file, path);
             return -1;
         }
         snprintf(text, sizeof(text), "%" JSON_INTEGER_FORMAT, json_integer_value(val));
