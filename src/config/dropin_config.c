@@ -200,6 +200,13 @@ int cg_dropin_config_check(json_t *d, const char *file, char *err, size_t errlen
         check_marker(client, "cancel", 0, file, "client", err, errlen) < 0 ||
         check_pointer(client, "cancel_id", 0, file, "client", err, errlen) < 0)
         return -1;
+    json_t *args = json_object_get(client, "arguments");
+    if (args && (strcmp(codec, "socket.io") || !json_is_integer(args) || json_integer_value(args) < 1 ||
+                 json_integer_value(args) > CG_DROPIN_MAX_ARGUMENTS)) {
+        snprintf(err, errlen, "%s: dropin.client.arguments: the socket.io chat event's argument count, an integer "
+                 "from 1 to %d", file, CG_DROPIN_MAX_ARGUMENTS);
+        return -1;
+    }
     json_t *appf = json_object_get(d, "app_frames");
     if (appf && !json_is_object(appf)) {
         snprintf(err, errlen, "%s: dropin.app_frames: must be an object: text, id, end, cancelled, cancel_frame",

@@ -27,57 +27,201 @@ static codec codec_of(json_t *cfg)
 }
 
 /*
- * A Socket.IO EVENT in an Engine.IO message: "4" (message) "2" (event), then "/ns," when
- * not the main namespace, then the ack id's digits, then the JSON array. Only events of the
- * mapping's namespace (dropin.namespace, "/") are ours; *prefix_len is the length up to the
- * array. The array is returned when it is one whose first element (the event name) is a
- * string, else NULL.
+ * socket.io-parser's reading of one text frame (its Decoder.decodeString, version 4.2, as
+ * socket.io 4 runs it): what the app will take for an event must be what we take for one,
+ * or a frame we pass as "not ours" reaches the app's chat handler unchecked. After the
+ * Engine.IO message type "4": the packet type ("2" an EVENT, "5" a BINARY_EVENT, whose
+ * attachment count ends at a "-"), then "/ns" up to a ',' (or the end) when a '/' comes
+ * next, then an ack id: every following character that JavaScript's Number() reads as a
+ * number, which takes in whitespace as well as digits ("42 [" is an event with ack id 0),
+ * then the JSON payload (JSON.parse: whitespace around it is fine).
  */
-static json_t *socketio_event(json_t *cfg, const char *buf, size_t len, size_t *prefix_len)
+typedef enum { SIO_NOT_EVENT, SIO_EVENT, SIO_UNREADABLE } sio_kind;
+
+typedef struct sio_event {
+    size_t prefix_len;  /* up to the payload: "42/ns,7" */
+    long attachments;   /* a BINARY_EVENT's binary frames that follow, else 0 */
+    json_t *args;       /* the payload when it is an event's array (owned) */
+} sio_event;
+
+/* Length of the JavaScript whitespace character at s (ASCII, and the Unicode spaces that
+ * Number() trims, in UTF-8), 0 when there is none. */
+static size_t js_space(const unsigned char *s, size_t n)
 {
+    if (n >= 1 && (*s == ' ' || (*s >= '\t' && *s <= '\r')))
+        return 1;
+    if (n >= 2 && s[0] == 0xC2 && s[1] == 0xA0)
+        return 2;
+    if (n < 3)
+        return 0;
+    unsigned cp = (unsigned)(s[0] & 0x0F) << 12 | (unsigned)(s[1] & 0x3F) << 6 | (s[2] & 0x3F);
+    int three = (s[0] & 0xF0) == 0xE0 && (s[1] & 0xC0) == 0x80 && (s[2] & 0xC0) == 0x80;
+    return three && (cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
+                     cp == 0x202F || cp == 0x205F || cp == 0x3000 || cp == 0xFEFF)
+               ? 3
+               : 0;
+}
+
+/* An event's name as socket.io's emitter finds its handler: a number is its decimal text. */
+static void sio_name_as_text(json_t *args)
+{
+    json_t *name = json_array_get(args, 0);
+    double v = json_number_value(name);
+    if (!json_is_number(name) || v != v || v < -1e15 || v > 1e15 || v != (double)(long long)v)
+        return;
+    char text[32];
+    snprintf(text, sizeof(text), "%lld", (long long)v);
+    json_array_set_new(args, 0, json_string(text));
+}
+
+/*
+ * Reads buf as socket.io-parser does. SIO_EVENT: an event (or binary event) of the mapping's
+ * namespace with its array in ev->args; SIO_UNREADABLE: one of that namespace that the app
+ * reads as an event but we cannot (its JSON is one jansson refuses: a number out of range, a
+ * lone surrogate, \u0000, a duplicate key); SIO_NOT_EVENT: anything else (another packet
+ * type, another namespace, a frame the app's parser refuses).
+ */
+static sio_kind socketio_event(json_t *cfg, const char *buf, size_t len, sio_event *ev)
+{
+    const unsigned char *b = (const unsigned char *)buf;
     const char *want = cfg_str(cfg, NULL, "namespace");
-    size_t i = 2, ns_len = 1;
+    size_t i = 2;
+    memset(ev, 0, sizeof(*ev));
+    if (len < 3 || b[0] != '4' || (b[1] != '2' && b[1] != '5'))
+        return SIO_NOT_EVENT;
+    if (b[1] == '5') { /* attachments: digits (and spaces, as Number() reads them) up to '-' */
+        long n = 0;
+        int digits = 0;
+        for (; i < len && b[i] != '-'; i++) {
+            if (b[i] >= '0' && b[i] <= '9') {
+                n = n < 100000 ? n * 10 + (b[i] - '0') : n;
+                digits++;
+            } else if (b[i] != ' ' && b[i] != '\t') {
+                return SIO_NOT_EVENT;
+            }
+        }
+        if (i == len || !digits || n < 1)
+            return SIO_NOT_EVENT;
+        ev->attachments = n;
+        i++;
+    }
     const char *ns = "/";
-    if (len < 3 || buf[0] != '4' || buf[1] != '2')
-        return NULL;
-    if (buf[i] == '/') {
+    size_t ns_len = 1;
+    if (i < len && b[i] == '/') {
         const char *comma = memchr(buf + i, ',', len - i);
-        if (!comma)
-            return NULL;
         ns = buf + i;
-        ns_len = (size_t)(comma - ns);
-        i = (size_t)(comma - buf) + 1;
+        ns_len = comma ? (size_t)(comma - ns) : len - i;
+        i += ns_len + (comma != NULL);
     }
     if (!want)
         want = "/";
     if (ns_len != strlen(want) || memcmp(ns, want, ns_len) != 0)
-        return NULL;
-    while (i < len && buf[i] >= '0' && buf[i] <= '9')
-        i++;
-    json_t *arr = i < len && buf[i] == '[' ? json_loadb(buf + i, len - i, 0, NULL) : NULL;
-    if (!json_is_string(json_array_get(arr, 0))) {
-        json_decref(arr);
-        return NULL;
+        return SIO_NOT_EVENT;
+    for (size_t w; i < len; i += w) /* the ack id */
+        if (!(w = b[i] >= '0' && b[i] <= '9' ? 1 : js_space(b + i, len - i)))
+            break;
+    ev->prefix_len = i;
+    if (i == len)
+        return SIO_NOT_EVENT; /* no payload: the app's parser refuses an event without one */
+    json_error_t jerr;
+    json_t *payload = json_loadb(buf + i, len - i, JSON_REJECT_DUPLICATES, &jerr);
+    if (!payload) {
+        size_t k = i;
+        while (k < len && (b[k] == ' ' || b[k] == '\t' || b[k] == '\n' || b[k] == '\r'))
+            k++;
+        return k < len && b[k] == '[' ? SIO_UNREADABLE : SIO_NOT_EVENT;
     }
-    *prefix_len = i;
-    return arr;
+    sio_name_as_text(payload);
+    if (!json_is_string(json_array_get(payload, 0))) { /* the app's parser refuses it too */
+        json_decref(payload);
+        return SIO_NOT_EVENT;
+    }
+    ev->args = payload;
+    return SIO_EVENT;
 }
 
-/* A text frame as the value the mapping reads (see dropin_map.h); NULL when it holds none. */
-static json_t *decode(json_t *cfg, const char *buf, size_t len, size_t flags, char **prefix)
+/* Is the first byte that is not JSON whitespace one that starts an object or array? */
+static int looks_like_json(const char *buf, size_t len)
 {
-    size_t plen = 0;
-    json_t *v;
+    size_t k = 0;
+    while (k < len && (buf[k] == ' ' || buf[k] == '\t' || buf[k] == '\n' || buf[k] == '\r'))
+        k++;
+    return k < len && (buf[k] == '{' || buf[k] == '[');
+}
+
+/*
+ * A client frame as the value the mapping reads (see dropin_map.h): *v NULL when it holds
+ * nothing the app reads as a message; -1 (and why) when the app would read it but we cannot
+ * check it. A binary frame is read as text when it is UTF-8: apps that parse JSON parse
+ * bytes too (Python's json.loads, JSON.parse of a Buffer).
+ */
+static int decode_client(json_t *cfg, const char *buf, size_t len, int binary, json_t **v, char **prefix,
+                         long *attachments, char *why, size_t whylen)
+{
+    *v = NULL;
+    *attachments = 0;
+    json_t *text = json_stringn(buf, len); /* NULL when not UTF-8 */
+    int utf8 = text != NULL;
+    json_decref(text);
+    switch (codec_of(cfg)) {
+    case CODEC_TEXT:
+        if (!utf8 && !binary) {
+            snprintf(why, whylen, "a text frame that is not UTF-8");
+            return -1;
+        }
+        if (utf8 && memchr(buf, 0, len)) { /* the rules would read up to the NUL, the app past it */
+            snprintf(why, whylen, "a message holding a NUL byte");
+            return -1;
+        }
+        if (utf8 && binary) {
+            snprintf(why, whylen, "a chat message in a binary frame: send it as text");
+            return -1;
+        }
+        *v = utf8 ? json_stringn(buf, len) : NULL;
+        return 0;
+    case CODEC_SOCKETIO: {
+        if (binary) /* an attachment: its event decided (the caller counts them) */
+            return 0;
+        sio_event ev;
+        sio_kind k = socketio_event(cfg, buf, len, &ev);
+        if (k == SIO_UNREADABLE) {
+            *attachments = ev.attachments;
+            snprintf(why, whylen, "an event whose JSON the gateway cannot read (a number out of range, a lone "
+                                  "surrogate, \\u0000 or a duplicate key)");
+            return -1;
+        }
+        if (k == SIO_NOT_EVENT)
+            return 0;
+        *attachments = ev.attachments;
+        *v = ev.args;
+        if (!(*prefix = strndup(buf, ev.prefix_len)))
+            abort();
+        return 0;
+    }
+    default:
+        if (binary && !utf8)
+            return 0;
+        *v = json_loadb(buf, len, JSON_REJECT_DUPLICATES, NULL);
+        if (!*v && looks_like_json(buf, len)) {
+            snprintf(why, whylen, "JSON the gateway cannot read (a number out of range, NaN, a lone surrogate, "
+                                  "\\u0000 or a duplicate key)");
+            return -1;
+        }
+        return 0;
+    }
+}
+
+/* An app frame as the value the mapping reads; NULL when it holds none. */
+static json_t *decode_app(json_t *cfg, const char *buf, size_t len)
+{
+    sio_event ev;
     switch (codec_of(cfg)) {
     case CODEC_TEXT:
         return json_stringn(buf, len); /* NULL when not UTF-8 */
     case CODEC_SOCKETIO:
-        v = socketio_event(cfg, buf, len, &plen);
-        if (v && prefix && !(*prefix = strndup(buf, plen)))
-            abort();
-        return v;
+        return socketio_event(cfg, buf, len, &ev) == SIO_EVENT ? ev.args : NULL;
     default:
-        return json_loadb(buf, len, flags, NULL);
+        return json_loadb(buf, len, JSON_ALLOW_NUL, NULL);
     }
 }
 
@@ -127,13 +271,50 @@ static int field_text(json_t *frame, const char *ptr, size_t max, const char *df
         *out = dup_bytes(dflt, strlen(dflt));
         return 0;
     }
-    if (!json_is_string(v) || json_string_length(v) > max) {
+    if (!json_is_string(v) || json_string_length(v) > max || memchr(json_string_value(v), 0, json_string_length(v))) {
         snprintf(why, whylen, "dropin.client.%s (%s): must be a string of 1 to %zu bytes or an integer", name, ptr,
                  max);
         return -1;
     }
     *out = dup_bytes(json_string_value(v), json_string_length(v));
     return 0;
+}
+
+int cg_dropin_map_arguments(json_t *cfg)
+{
+    json_t *client = json_object_get(cfg, "client");
+    json_t *set = json_object_get(client, "arguments");
+    if (json_is_integer(set))
+        return (int)json_integer_value(set);
+    static const char *const ptrs[] = {"text", "id", "room"};
+    long n = 1;
+    for (int i = 0; i < 3; i++) { /* "/2/text": the event's second argument */
+        const char *p = json_string_value(json_object_get(client, ptrs[i]));
+        char *end;
+        long at = p && p[0] == '/' && p[1] >= '0' && p[1] <= '9' ? strtol(p + 1, &end, 10) : 0;
+        if (at > n && at <= CG_DROPIN_MAX_ARGUMENTS && (*end == 0 || *end == '/'))
+            n = at;
+    }
+    return (int)n;
+}
+
+/* Is the chatgate object placed where the codec puts it by default (socket.io: appended
+ * after the event's arguments)? Then the client's arguments are counted. */
+static int appends_object(json_t *cfg)
+{
+    return codec_of(cfg) == CODEC_SOCKETIO && !cfg_str(cfg, NULL, "object_at");
+}
+
+/* json codec: a frame that is not a chat message but carries a member where the chatgate
+ * object goes (object_at, object_key): the member is removed, so that no frame reaches the
+ * app with an object the client wrote in chatgate's place. 1 when one was removed. */
+static int strip_object(json_t *cfg, json_t *frame)
+{
+    if (codec_of(cfg) != CODEC_JSON)
+        return 0;
+    const char *at = cfg_str(cfg, NULL, "object_at"), *key = cfg_str(cfg, NULL, "object_key");
+    json_t *target = cg_json_pointer_get(frame, at ? at : "");
+    return json_is_object(target) && json_object_del(target, key ? key : "chatgate") == 0;
 }
 
 cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t len, int binary,
@@ -143,35 +324,61 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t 
     why[0] = 0;
     json_t *client = json_object_get(cfg, "client");
     int text_codec = codec_of(cfg) == CODEC_TEXT;
-    json_t *o = binary ? NULL : decode(cfg, buf, len, 0, &chat->prefix);
+    json_t *o;
+    if (decode_client(cfg, buf, len, binary, &o, &chat->prefix, &chat->attachments, why, whylen) < 0)
+        goto refuse;
     if (!o) {
         free(chat->prefix);
         chat->prefix = NULL;
         return CG_DROPIN_PASS;
     }
     chat->frame = o;
-    if (matches(o, json_object_get(client, "cancel"))) {
+    int cancel = matches(o, json_object_get(client, "cancel"));
+    int is_chat = text_codec || matches(o, json_object_get(client, "chat"));
+    if ((cancel || is_chat) && (binary || chat->attachments)) {
+        snprintf(why, whylen, "a %s in a binary frame or binary event: send it as text",
+                 cancel ? "cancel" : "chat message");
+        goto refuse;
+    }
+    if (cancel) {
         cg_dropin_chat_clear(chat);
         return CG_DROPIN_CANCEL;
     }
-    if (!text_codec && !matches(o, json_object_get(client, "chat"))) {
-        cg_dropin_chat_clear(chat);
-        return CG_DROPIN_PASS;
+    if (!is_chat) {
+        long attachments = chat->attachments;
+        int stripped = strip_object(cfg, o);
+        if (!stripped)
+            cg_dropin_chat_clear(chat);
+        chat->attachments = attachments;
+        return stripped ? CG_DROPIN_STRIPPED : CG_DROPIN_PASS;
     }
     const char *text_ptr = text_codec ? "" : cfg_str(cfg, "client", "text");
     json_t *text = text_ptr ? cg_json_pointer_get(o, text_ptr) : NULL;
     if (!json_is_string(text) || json_string_length(text) == 0) {
         snprintf(why, whylen, "dropin.client.text (%s): must be a non-empty string", text_ptr ? text_ptr : "");
-        goto bad;
+        goto refuse;
+    }
+    if (memchr(json_string_value(text), 0, json_string_length(text))) {
+        snprintf(why, whylen, "dropin.client.text (%s): holds a NUL byte", text_ptr);
+        goto refuse;
+    }
+    if (appends_object(cfg) && json_array_size(o) - 1 > (size_t)cg_dropin_map_arguments(cfg)) {
+        snprintf(why, whylen, "the chat event has %zu arguments, the mapping takes %d (dropin.client.arguments): "
+                              "the one after them is chatgate's",
+                 json_array_size(o) - 1, cg_dropin_map_arguments(cfg));
+        goto refuse;
     }
     if (field_text(o, cfg_str(cfg, "client", "id"), CG_MAX_ID, "", "id", &chat->id, why, whylen) < 0 ||
         field_text(o, cfg_str(cfg, "client", "room"), CG_MAX_ROOM, "default", "room", &chat->room, why, whylen) < 0)
-        goto bad;
+        goto refuse;
     chat->text = dup_bytes(json_string_value(text), json_string_length(text));
     return CG_DROPIN_CHAT;
-bad:
+refuse: {
+    long attachments = chat->attachments;
     cg_dropin_chat_clear(chat);
-    return CG_DROPIN_BAD_CHAT;
+    chat->attachments = attachments;
+    return CG_DROPIN_REFUSE;
+}
 }
 
 void cg_dropin_chat_clear(cg_dropin_chat *chat)
@@ -248,24 +455,26 @@ cg_frame_text cg_dropin_map_forward(json_t *cfg, const cg_dropin_chat *chat, jso
                    ? text_frame(json_string_value(chat->frame), json_string_length(chat->frame))
                    : f;
     }
-    /* socket.io hands an event's ack callback to the handler after its arguments: one more
-     * argument would take the callback's place, so an event with an ack id gets the object
-     * only where object_at says, never appended by default */
-    size_t plen = chat->prefix ? strlen(chat->prefix) : 0;
-    int ack = plen > 2 && chat->prefix[plen - 1] >= '0' && chat->prefix[plen - 1] <= '9'; /* "427", "42/ns,7" */
-    if (ack && !cfg_str(cfg, NULL, "object_at")) {
-        json_decref(object);
-        return encode(chat->prefix, chat->frame);
-    }
+    /* socket.io: the object goes right after the arguments the mapping takes (padded with
+     * null when the client sent fewer), so it is always the same argument of the handler; an
+     * event with an ack id gets it there too, its callback after it */
     json_t *copy = chat->frame ? json_deep_copy(chat->frame) : NULL;
     if (!copy) {
         json_decref(object);
         return f;
     }
+    int pad = appends_object(cfg) ? cg_dropin_map_arguments(cfg) + 1 : 0;
+    while (json_array_size(copy) < (size_t)pad && json_array_append_new(copy, json_null()) == 0)
+        ;
     if (object && place_object(cfg, copy, object) == 0) /* place_object takes object, placed or not */
         f = encode(chat->prefix, copy);
     json_decref(copy);
     return f;
+}
+
+cg_frame_text cg_dropin_map_encode(json_t *cfg, const cg_dropin_chat *chat)
+{
+    return encode(codec_of(cfg) == CODEC_SOCKETIO ? chat->prefix : NULL, chat->frame);
 }
 
 int cg_dropin_map_app(json_t *cfg, const char *buf, size_t len, int binary, cg_dropin_app_frame *out)
@@ -273,9 +482,8 @@ int cg_dropin_map_app(json_t *cfg, const char *buf, size_t len, int binary, cg_d
     memset(out, 0, sizeof(*out));
     json_t *appf = json_object_get(cfg, "app_frames");
     codec c = codec_of(cfg);
-    char *prefix = NULL;
-    json_t *o = binary ? NULL : decode(cfg, buf, len, JSON_ALLOW_NUL, &prefix);
-    free(prefix); /* app frames are relayed as they came, never re-encoded but for a directive */
+    /* app frames are relayed as they came, never re-encoded but for a directive */
+    json_t *o = binary ? NULL : decode_app(cfg, buf, len);
     if (!o || (c == CODEC_JSON && !json_is_object(o))) {
         json_decref(o);
         return 0;

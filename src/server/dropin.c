@@ -87,6 +87,7 @@ struct cg_dropin {
     int client_paused, app_paused;
     int closing; /* the close frame was written; the connection goes at the next writable */
     int refusing;       /* chat messages over a limit are being refused (logged once) */
+    long drop_binary;   /* binary frames still to drop: a refused socket.io binary event's attachments */
     cg_turns turns;     /* the chat messages of this client (turn.h) */
     char close_reason[124];
     int close_code;
@@ -310,56 +311,70 @@ static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
  * mode"); NULL when it could not be built. */
 static json_t *chatgate_object(const cg_turn_forward *f)
 {
-    json_t *object = json_pack(
+    return json_pack(
         "{s:s, s:s, s:s, s:o, s:O, s:O, s:o, s:O, s:O, s:O, s:O}", "user", f->user, "room", f->room, "route", "app",
         "service", f->service ? json_string(f->service) : json_null(), "params", f->params, "resolution",
         f->resolution ? f->resolution : json_null(), "enriched", f->enriched ? json_string(f->enriched) : json_null(),
         "soft_context", f->soft ? f->soft : json_null(), "awaiting", f->awaiting ? f->awaiting : json_null(), "rules",
         f->rules, "annotations", f->annotations);
-    if (object && f->error &&
-        json_object_set_new(object, "error", json_pack("{s:s, s:s}", "code", cg_err_code(f->error), "message",
-                                                       f->error_message)) < 0)
-        cg_warn("dropin: the pipeline's error could not be added to the chatgate object");
-    return object;
 }
 
-/* The pipeline ran: the chat frame, with the chatgate object added, takes its place. */
+/* A chat message's slot in to_app leaves the queue unsent (the frames behind it go on). */
+static void drop_slot(cg_dropin *d, pending_chat *c)
+{
+    frame **pp = &d->to_app.head, *prev = NULL;
+    while (*pp && *pp != c->slot)
+        prev = *pp, pp = &(*pp)->next;
+    if (*pp) {
+        *pp = c->slot->next;
+        if (d->to_app.tail == c->slot)
+            d->to_app.tail = prev;
+        d->to_app.bytes -= c->slot->len;
+        frame_free(c->slot);
+    }
+    pending_free(c);
+    flush_to_app(d);
+    dropin_flow(d);
+}
+
+/* The pipeline ran: the chat frame, with the chatgate object added, takes its place. When
+ * the object cannot be added, the message is dropped (the turn ends with an error): as the
+ * client wrote it, it could carry an object of its own where the app reads chatgate's. */
 static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
 {
     cg_dropin *d = conn;
     pending_chat *c = f->opaque;
     (void)t;
-    d->forwards++;
     cg_frame_text built = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(f));
     frame *slot = c->slot;
-    if (built.buf) { /* the slot adopts the buffer: same headroom */
-        free(slot->data);
-        slot->data = (unsigned char *)built.buf;
-        d->to_app.bytes += built.len - slot->len;
-        slot->len = built.len;
-    } else { /* the frame as the client wrote it is still the app's message */
-        cg_warn("dropin: the chatgate object could not be added to a chat message: forwarded as written");
+    if (!built.buf) {
+        cg_warn("dropin: session %s: the chatgate object could not be added to a chat message: not forwarded",
+                d->name);
+        drop_slot(d, c);
+        return -1;
     }
+    d->forwards++;
+    free(slot->data); /* the slot adopts the buffer: same headroom */
+    slot->data = (unsigned char *)built.buf;
+    d->to_app.bytes += built.len - slot->len;
+    slot->len = built.len;
     slot->ready = 1;
     pending_free(c);
     flush_to_app(d);
     return 0;
 }
 
-/* A chat message that will not be forwarded by its turn (the connection went, or the store
- * refused its dialog): its frame goes on as the client wrote it, so what follows is not held. */
+/* A chat message whose turn ended before it was forwarded (over a limit, its dialog not
+ * loaded, params over the cap, the connection gone): it never reaches the app. */
 static void sink_unsent(void *conn, void *opaque)
 {
-    cg_dropin *d = conn;
-    pending_chat *c = opaque;
-    c->slot->ready = 1;
-    pending_free(c);
-    flush_to_app(d);
+    drop_slot(conn, opaque);
 }
 
-/* A chat message refused on arrival (rate, queue bound, shutdown): not forwarded, as the
- * app's protocol has no error frame of ours; logged once per run of refusals (counted by the
- * turn in chatgate_rate_limited_total and chatgate_errors_total). */
+/* A chat message refused (rate, queue bound, shutdown on arrival; a user's limit, its
+ * dialog's load or the params cap later): not forwarded, as the app's protocol has no error
+ * frame of ours; logged once per run of refusals (counted by the turn in
+ * chatgate_rate_limited_total, chatgate_limited_total and chatgate_errors_total). */
 static void sink_error(void *conn, const char *id, int err, const char *message, json_t *detail)
 {
     cg_dropin *d = conn;
@@ -387,17 +402,38 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
     pending_chat *c = calloc(1, sizeof(*c));
     if (!c)
         abort();
+    if (binary && d->drop_binary > 0) { /* an attachment of a refused socket.io binary event */
+        d->drop_binary--;
+        pending_free(c);
+        return;
+    }
+    d->drop_binary = 0;
     cg_dropin_client_kind kind = cg_dropin_map_client(d->cfg, buf, len, binary, &c->chat, why, sizeof(why));
     if (kind == CG_DROPIN_CANCEL)
         cg_turns_cancel_current(&d->turns); /* the client's own cancel frame goes on to the app as it is */
-    if (kind == CG_DROPIN_BAD_CHAT) { /* the app's own frame, but not a message of ours */
-        if (cg_turns_admit(&d->turns, "") != 0) { /* still charged to the rate limit */
-            pending_free(c);
+    if (kind == CG_DROPIN_REFUSE) { /* the app would read it as a message, unchecked: never forwarded */
+        d->drop_binary = c->chat.attachments;
+        pending_free(c);
+        if (cg_turns_admit(&d->turns, "") != 0) /* still charged to the rate limit */
+            return;
+        d->srv->metrics.bad_frames++;
+        cg_warn("dropin: session %s: a client frame refused, not forwarded: %s", d->name, why);
+        return;
+    }
+    if (kind == CG_DROPIN_STRIPPED) { /* a member in chatgate's place, removed */
+        cg_frame_text f = cg_dropin_map_encode(d->cfg, &c->chat);
+        pending_free(c);
+        if (!f.buf) {
+            cg_warn("dropin: session %s: a frame that named chatgate's member could not be rewritten: dropped",
+                    d->name);
             return;
         }
-        d->refusing = 0;
-        d->srv->metrics.bad_frames++;
-        cg_warn("dropin: a frame marked as a chat message passes through untouched, not as one: %s", why);
+        frame *fr = frame_new(NULL, 0, 0);
+        free(fr->data);
+        fr->data = (unsigned char *)f.buf;
+        fr->len = f.len;
+        to_app(d, fr);
+        return;
     }
     if (kind != CG_DROPIN_CHAT) {
         pending_free(c);

@@ -560,8 +560,7 @@ static void turn_forward(cg_turn *t, const cg_pipeline_result *res, json_t *para
     cg_turn_forward f = {
         .id = t->id, .user = q->user, .room = t->room, .text = t->text, .service = d->service,
         .params = params, .awaiting = awaiting_before, .soft = d->soft, .resolution = res->resolution,
-        .enriched = res->enriched, .rules = res->rules, .annotations = res->annotations, .error = res->error,
-        .error_message = res->error ? res->error_message : NULL, .opaque = t->opaque,
+        .enriched = res->enriched, .rules = res->rules, .annotations = res->annotations, .opaque = t->opaque,
     };
     t->opaque = NULL; /* the adapter's again, whatever forward answers */
     t->t_upstream = uv_hrtime();
@@ -702,7 +701,7 @@ static void turn_start(cg_turn *t)
         shadow_compare(t, &before, &res, d);
         cg_dialog_free(&before);
     }
-    if (res.error && !q->sink->forward) { /* params over the cap: refused, nothing forwarded */
+    if (res.error) { /* params over the cap: refused, nothing forwarded (drop-in: the frame is dropped) */
         json_decref(awaiting_before);
         turn_fail(t, res.error, res.error_message, NULL);
         cg_pipeline_result_free(&res);

@@ -589,12 +589,14 @@ async def part_main(modules):
             check(cg["route"] == "app", f"chatgate.route should be 'app': {short(cg)}")
             check(isinstance(cg["user"], str) and cg["user"], f"chatgate.user should be a non-empty id: {short(cg)}")
             print(f"   note: chatgate object of 'Hello there': {short(cg, 400)}", flush=True)
-            # socket.io passes the ack callback after the event's arguments: an appended object
-            # would take its place in a handler (msg, callback), so by default (no object_at) an
-            # event sent with an ack reaches the app as written, its ack id kept
-            check(got[5]["args"] == ["Hello again", "<ack callback>"],
-                  f"'Hello again' was sent with an acknowledgement: the app should get it as written, with "
-                  f"socket.io's ack callback in its place: {short(got[5]['args'])}")
+            # an event sent with an ack gets the chatgate object too, at the same place as one
+            # without (right after the arguments the mapping takes), socket.io's ack callback
+            # after it: a handler (msg, chatgate, callback) (issue 35, defect 2)
+            args = got[5]["args"]
+            check(len(args) == 3 and args[0] == "Hello again" and isinstance(args[1], dict) and "params" in args[1]
+                  and args[2] == "<ack callback>",
+                  f"'Hello again' was sent with an acknowledgement: the app should get it, the chatgate object, "
+                  f"then socket.io's ack callback: {short(args)}")
             acks = [(a["event"], a["args"]) for a in client.of("ack")]
             check(len(acks) == 2 and acks[0][0] == "whoami" and acks[0][1][0].get("sid") == sid and
                   acks[1] == ("chat message", ["delivered"]),

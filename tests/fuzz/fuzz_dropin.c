@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/jsonptr.h"
 #include "chatgate/proto/dropin_map.h"
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/handshake.h"
@@ -68,11 +69,22 @@ static void client_side(json_t *cfg, const char *buf, size_t len, int binary)
     cg_dropin_chat chat;
     char why[160];
     cg_dropin_client_kind kind = cg_dropin_map_client(cfg, buf, len, binary, &chat, why, sizeof(why));
-    CHECK(kind != CG_DROPIN_BAD_CHAT || why[0]);
+    CHECK(kind != CG_DROPIN_REFUSE || why[0]);
+    if (kind == CG_DROPIN_STRIPPED) { /* the frame without the member in chatgate's place */
+        const char *key = json_string_value(json_object_get(cfg, "object_key"));
+        const char *at = json_string_value(json_object_get(cfg, "object_at"));
+        CHECK(!json_object_get(cg_json_pointer_get(chat.frame, at ? at : ""), key ? key : "chatgate"));
+        cg_frame_text f = cg_dropin_map_encode(cfg, &chat);
+        CHECK(f.buf);
+        free(f.buf);
+        cg_dropin_chat_clear(&chat);
+        return;
+    }
     if (kind != CG_DROPIN_CHAT) {
         CHECK(!chat.frame && !chat.id);
         return;
     }
+    CHECK(!binary);
     CHECK(strlen(chat.id) <= CG_MAX_ID && utf8_ok(chat.id));
     CHECK(chat.room[0] && strlen(chat.room) <= CG_MAX_ROOM && utf8_ok(chat.room));
     CHECK(chat.text[0] && utf8_ok(chat.text));
@@ -89,11 +101,12 @@ static void client_side(json_t *cfg, const char *buf, size_t len, int binary)
         CHECK(strncmp(fwd, chat.prefix, plen) == 0 && memcmp(buf, chat.prefix, plen) == 0);
         json_t *back = json_loads(fwd + plen, 0, NULL);
         size_t n = json_array_size(back);
-        if (plen > 2 && chat.prefix[plen - 1] >= '0' && chat.prefix[plen - 1] <= '9') { /* an ack id: no object */
-            CHECK(json_equal(back, chat.frame));
-        } else {
-            CHECK(n >= 2 && json_equal(json_array_get(back, n - 1), object));
-            CHECK(json_array_remove(back, n - 1) == 0 && json_equal(back, chat.frame));
+        size_t at = (size_t)cg_dropin_map_arguments(cfg) + 1; /* right after the arguments, ack or not */
+        if (!json_object_get(cfg, "object_at")) {
+            CHECK(n == at + 1 && json_equal(json_array_get(back, at), object));
+            for (size_t i = 0; i < at; i++)
+                CHECK(json_equal(json_array_get(back, i), json_array_get(chat.frame, i)) ||
+                      (json_is_null(json_array_get(back, i)) && i >= json_array_size(chat.frame)));
         }
         json_decref(back);
     } else {

@@ -10,12 +10,21 @@
  * (the frame's text is the message, or the reply).
  *
  * A client frame is a chat message when it matches dropin.client.chat, a cancel when it
- * matches dropin.client.cancel, else nothing of ours (passed through untouched). A chat
- * message's id (dropin.client.id) must be a string of at most CG_MAX_ID bytes or an integer,
- * its room (dropin.client.room) a string of at most CG_MAX_ROOM bytes or an integer, and its
- * text (dropin.client.text) a non-empty string; a frame marked as chat that breaks one of
- * these is CG_DROPIN_BAD_CHAT, and the caller passes it through untouched (it is the app's
- * frame) without treating it as a chat message.
+ * matches dropin.client.cancel, else nothing of ours (passed through untouched). The rule
+ * the mapping keeps: nothing the app will read as a chat message reaches it unchecked. So
+ * frames are read as the apps' own parsers read them (socket.io-parser's grammar, binary
+ * events and all; JSON in binary frames), and a frame the app would read but the gateway
+ * cannot check is CG_DROPIN_REFUSE, never passed: JSON that jansson refuses (a number out of
+ * range, a lone surrogate, \u0000, a duplicate key), a chat message whose id is not a string
+ * of at most CG_MAX_ID bytes or an integer, whose room is not one of at most CG_MAX_ROOM
+ * bytes, whose text (dropin.client.text) is not a non-empty string, that holds a NUL byte,
+ * that comes in a binary frame, or (socket.io) that carries more arguments than the mapping
+ * takes (the next one is chatgate's).
+ *
+ * The object an app reads as chatgate's is always chatgate's: json codec, it replaces any
+ * member of that name in a chat message, and a passed frame that carries one has it removed
+ * (CG_DROPIN_STRIPPED); socket.io, it is the argument right after the ones the mapping takes
+ * (dropin.client.arguments), padded with null, before an ack callback.
  */
 #ifndef CHATGATE_DROPIN_MAP_H
 #define CHATGATE_DROPIN_MAP_H
@@ -23,14 +32,18 @@
 #include <jansson.h>
 #include <stddef.h>
 
+#include "chatgate/config/dropin_config.h"
 #include "chatgate/proto/protocol.h"
 
 typedef enum {
     CG_DROPIN_PASS,     /* not a chat message or cancel: untouched */
     CG_DROPIN_CHAT,     /* a chat message: chat is filled */
-    CG_DROPIN_BAD_CHAT, /* marked as a chat message but not one we can take: why says what */
+    CG_DROPIN_REFUSE,   /* the app would read it as a message, the gateway cannot check it: why says what */
     CG_DROPIN_CANCEL,   /* the client's own cancel frame */
+    CG_DROPIN_STRIPPED, /* not a chat message, but it carried a member in chatgate's place: chat->frame is
+                         * the frame without it, to send as cg_dropin_map_encode writes it */
 } cg_dropin_client_kind;
+
 
 /* A chat message from the client, every string owned (cg_dropin_chat_clear). */
 typedef struct cg_dropin_chat {
@@ -39,11 +52,17 @@ typedef struct cg_dropin_chat {
     char *id;      /* "" when the frame has none */
     char *room;    /* "default" when the frame has none */
     char *text;
+    long attachments; /* socket.io: the binary frames of this (binary) event that follow it */
 } cg_dropin_chat;
 
 cg_dropin_client_kind cg_dropin_map_client(json_t *dropin_cfg, const char *buf, size_t len, int binary,
                                            cg_dropin_chat *chat, char *why, size_t whylen);
 void cg_dropin_chat_clear(cg_dropin_chat *chat);
+/* socket.io: how many arguments a chat event carries (dropin.client.arguments, else the
+ * highest argument the client pointers name: "/2/text" is 2; 1 at least). */
+int cg_dropin_map_arguments(json_t *dropin_cfg);
+/* A CG_DROPIN_STRIPPED frame as the codec writes it (buf NULL when out of memory). */
+cg_frame_text cg_dropin_map_encode(json_t *dropin_cfg, const cg_dropin_chat *chat);
 
 /* The frame for the app: chat->frame with object added at dropin.object_at (under
  * dropin.object_key, "chatgate", or appended to an array), encoded by the codec; the text

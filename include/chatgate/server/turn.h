@@ -19,9 +19,9 @@
  *     forwarded turn, the app's own end; the adapter is told nothing more);
  *   - the user's message always joins the history; the reply joins it when done, or when
  *     cancelled or ended with some text (marked "cancelled" when cancelled);
- *   - params over the cap are refused with an error, nothing forwarded; but an adapter that
- *     forwards itself (drop-in, whose app protocol has no error frame of ours) gets the
- *     message with the refusal in cg_turn_forward.error, and the turn goes on.
+ *   - a message refused on its way (rate, queue bound, a user's limits, its dialog's load,
+ *     params over the cap) is never sent on: no upstream call, and an adapter that forwards
+ *     itself (drop-in) gets its opaque back through unsent, to drop, never to send as it came.
  *
  * Ownership: the adapter embeds cg_turns in its connection struct and calls cg_turns_close()
  * when the connection goes; the turns and their requests are the turn module's. Sink calls
@@ -97,8 +97,6 @@ typedef struct cg_turn_forward {
     json_t *resolution;
     const char *enriched;
     json_t *rules, *annotations;
-    int error;            /* a params-cap refusal (CG_E_TOO_LARGE), or 0 */
-    const char *error_message;
     void *opaque;
 } cg_turn_forward;
 
@@ -121,9 +119,10 @@ typedef struct cg_turn_sink {
     /* The user cancelled a forwarded reply: tell the app (client_said: the client's own
      * cancel frame is already on its way to it). The turn goes on until cg_turn_end(). */
     void (*stop_forward)(void *conn, cg_turn *t, int client_said);
-    /* A forwarding adapter's request that ends before it was forwarded (the connection went,
-     * the store refused its dialog): its opaque goes back. The opaque of an accepted request
-     * comes back exactly once, through forward or unsent. */
+    /* A forwarding adapter's request that ends before it was forwarded (refused by a limit,
+     * its load or the params cap; cancelled; the connection went): its opaque goes back, and
+     * the message must never reach the app. The opaque of an accepted request comes back
+     * exactly once, through forward or unsent. */
     void (*unsent)(void *conn, void *opaque);
 } cg_turn_sink;
 
