@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/num.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/dialog/dialog.h"
 #include "chatgate/core/error.h"
@@ -43,7 +44,7 @@ void cg_dialog_add_usage(cg_dialog *d, const char *upstream, long long in, long 
     long long add[] = {in, out, 1};
     for (int i = 0; i < 3; i++) {
         json_t *v = json_is_object(had) ? json_object_get(had, keys[i]) : NULL;
-        if (json_object_set_new_nocheck(u, keys[i], json_integer(json_integer_value(v) + add[i])) < 0)
+        if (json_object_set_new_nocheck(u, keys[i], json_integer(cg_sat_add(json_integer_value(v), add[i]))) < 0)
             goto oom;
     }
     if (json_object_set_new(usage, upstream, u) < 0) {
@@ -502,8 +503,10 @@ int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, i
         replace_json(&d->awaiting, NULL);
     } else if (new_awaiting) {
         json_t *ttl = json_object_get(awaiting, "ttl");
-        long seconds = json_is_integer(ttl) && json_integer_value(ttl) > 0 ? (long)json_integer_value(ttl)
-                                                                             : lt->awaiting_s;
+        /* a backend's number: a year at most, so that now + ttl never overflows */
+        long seconds = json_is_integer(ttl) && json_integer_value(ttl) > 0
+                           ? (long)cg_clamp(json_integer_value(ttl), 1, 366L * 86400)
+                           : lt->awaiting_s;
         replace_json(&d->awaiting, new_awaiting);
         d->awaiting_expires = now + seconds;
     }
@@ -658,8 +661,9 @@ static void from_json(cg_dialog *d, json_t *j, int64_t now, json_t *(*take)(json
     if (json_is_object(meta)) {
         d->created_at = int_of(meta, "created_at") ? int_of(meta, "created_at") : now;
         d->last_activity = int_of(meta, "last_activity") ? int_of(meta, "last_activity") : now;
-        d->turn_count = (long)int_of(meta, "turn_count");
-        d->message_count = (long)int_of(meta, "message_count");
+        /* a stored count is a peer's number (Redis): bounded, so that counting on never wraps */
+        d->turn_count = (long)cg_clamp(int_of(meta, "turn_count"), 0, 1LL << 53);
+        d->message_count = (long)cg_clamp(int_of(meta, "message_count"), 0, 1LL << 53);
     }
     cg_dialog_expire(d, now);
 }

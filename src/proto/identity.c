@@ -128,33 +128,45 @@ static json_t *jwt_part(const char *s, size_t len)
     return j;
 }
 
+/* The last second of year 9999: a NumericDate past it is no date a real issuer writes. */
+#define CG_JWT_MAX_DATE 253402300799.0
+
 /*
  * exp and nbf are NumericDates (RFC 7519 section 2): compared as doubles, since a huge or
- * fractional value cast to an integer would be undefined. exp is required unless the
- * policy allows tokens that never expire.
+ * fractional value cast to an integer would be undefined. Each must be a number from 0 to
+ * the end of year 9999 (so "exp": 1e300 is refused, not a token that never expires). exp is
+ * required unless the policy allows tokens that never expire.
  */
+static int numeric_date(json_t *claims, const char *name, double *out, char *err, size_t errlen)
+{
+    json_t *v = json_object_get(claims, name);
+    if (!v)
+        return 0;
+    double d = json_number_value(v);
+    if (!json_is_number(v) || !(d >= 0 && d <= CG_JWT_MAX_DATE)) {
+        snprintf(err, errlen, "the token's %s must be a number of seconds since 1970, up to year 9999", name);
+        return -1;
+    }
+    *out = d;
+    return 1;
+}
+
 static int check_times(json_t *claims, int64_t now, long leeway_s, int allow_no_exp, char *err, size_t errlen)
 {
-    json_t *exp = json_object_get(claims, "exp");
-    json_t *nbf = json_object_get(claims, "nbf");
-    double t = (double)now;
-    if (!exp && !allow_no_exp) {
+    double t = (double)now, exp = 0, nbf = 0;
+    int has_exp = numeric_date(claims, "exp", &exp, err, errlen);
+    int has_nbf = has_exp < 0 ? -1 : numeric_date(claims, "nbf", &nbf, err, errlen);
+    if (has_exp < 0 || has_nbf < 0)
+        return -1;
+    if (!has_exp && !allow_no_exp) {
         snprintf(err, errlen, "the token has no exp (expiry); such tokens are refused unless jwt.allow_no_exp is set");
         return -1;
     }
-    if (exp && !json_is_number(exp)) {
-        snprintf(err, errlen, "the token's exp must be a number (seconds since 1970)");
-        return -1;
-    }
-    if (exp && json_number_value(exp) + (double)leeway_s <= t) {
+    if (has_exp && exp + (double)leeway_s <= t) {
         snprintf(err, errlen, "the token has expired");
         return -1;
     }
-    if (nbf && !json_is_number(nbf)) {
-        snprintf(err, errlen, "the token's nbf must be a number (seconds since 1970)");
-        return -1;
-    }
-    if (nbf && json_number_value(nbf) - (double)leeway_s > t) {
+    if (has_nbf && nbf - (double)leeway_s > t) {
         snprintf(err, errlen, "the token is not valid yet (nbf)");
         return -1;
     }

@@ -32,6 +32,7 @@
 #include "chatgate/server/ops.h"
 #include "chatgate/server/server.h"
 #include "chatgate/proto/identity.h"
+#include "chatgate/core/num.h"
 #include "chatgate/core/log.h"
 #include "chatgate/proto/protocol.h"
 
@@ -120,7 +121,7 @@ static void add_usage(json_t *total, json_t *usage)
             continue;
         json_object_foreach(u, k, v) {
             if (json_is_integer(v))
-                json_object_set_new(t, k, json_integer(json_integer_value(json_object_get(t, k)) + json_integer_value(v)));
+                json_object_set_new(t, k, json_integer(cg_sat_add(json_integer_value(json_object_get(t, k)), json_integer_value(v))));
         }
     }
 }
@@ -373,7 +374,7 @@ int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *u
         /* a POST is answered once its body (ignored) has been read */
         if (lws_hdr_total_length(wsi, WSI_TOKEN_POST_URI)) {
             char cl[32];
-            if (lws_hdr_copy(wsi, cl, sizeof(cl), WSI_TOKEN_HTTP_CONTENT_LENGTH) > 0 && atol(cl) > 0)
+            if (lws_hdr_copy(wsi, cl, sizeof(cl), WSI_TOKEN_HTTP_CONTENT_LENGTH) > 0 && cg_parse_decimal_sat(cl, 1L << 30) > 0)
                 return 0;
         }
         admin_request(a, wsi);

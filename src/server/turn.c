@@ -16,6 +16,7 @@
 #include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/num.h"
 #include "chatgate/core/utf8.h"
 #include "chatgate/dialog/dialog.h"
 #include "chatgate/dialog/pipeline.h"
@@ -60,6 +61,10 @@ struct cg_turn {
     size_t reply_len, reply_cap;
     int truncated;
 };
+
+/* The most tokens one turn is counted for, whatever its upstream reports (a billion: no
+ * model's turn comes near), so that sums of turns stay far from overflowing. */
+#define CG_MAX_TURN_TOKENS 1000000000LL
 
 /* How a chat turn ended: what joins the history and which counter moves. */
 typedef enum { END_DONE, END_ERROR, END_CANCELLED, END_ABSORBED, END_ENDED } turn_end_kind;
@@ -199,7 +204,7 @@ static void count_usage(cg_turn *t, turn_end_kind end)
         return;
     long long in = t->tokens_in >= 0 ? t->tokens_in : (long long)(t->prompt_bytes + 3) / 4;
     long long out = t->tokens_out >= 0 ? t->tokens_out : (long long)(t->reply_len + 3) / 4;
-    t->spent = in + out; /* what the turn's end counts against the token limits */
+    t->spent = cg_sat_add(in, out); /* what the turn's end counts against the token limits */
     cg_dialog_add_usage(&t->dialog, q->env->upstreams[t->route].cfg->name, in, out);
     unsigned long *slot = q->env->metrics->tokens[t->route][service_slot(q->env, t->dialog.service)];
     slot[0] += (unsigned long)in;
@@ -487,8 +492,9 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
     }
     json_t *pt = json_object_get(usage, "prompt_tokens"), *ct = json_object_get(usage, "completion_tokens");
     if (json_is_integer(pt) && json_is_integer(ct) && json_integer_value(pt) >= 0 && json_integer_value(ct) >= 0) {
-        t->tokens_in = json_integer_value(pt);
-        t->tokens_out = json_integer_value(ct);
+        /* an upstream's count, bounded: a turn's spend never wraps a sum (dialog, limits) */
+        t->tokens_in = cg_clamp(json_integer_value(pt), 0, CG_MAX_TURN_TOKENS);
+        t->tokens_out = cg_clamp(json_integer_value(ct), 0, CG_MAX_TURN_TOKENS);
     }
     if (state)
         cg_turn_state(t, state, up->cfg->name);

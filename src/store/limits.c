@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/queue.h>
 
+#include "chatgate/core/num.h"
 #include "chatgate/store/limits.h"
 
 const char *cg_limit_name(cg_limit_hit hit)
@@ -173,7 +174,7 @@ void cg_limiter_end(cg_limiter *l, const char *user, const cg_limits *lim, long 
     if (lim->turns_at_once > 0 && e->busy > 0)
         e->busy--;
     if (tokens > 0) {
-        e->tokens_minute += tokens;
-        e->tokens_day += tokens;
+        e->tokens_minute = cg_sat_add(e->tokens_minute, tokens);
+        e->tokens_day = cg_sat_add(e->tokens_day, tokens);
     }
 }

@@ -1011,7 +1011,7 @@ static void on_sub_message(redisAsyncContext *ac, void *reply_, void *priv)
     /* "<master> <old ip> <old port> <new ip> <new port>" */
     char name[256], old_host[256], new_host[256];
     int old_port, new_port;
-    if (sscanf(reply->element[2]->str, "%255s %255s %d %255s %d", name, old_host, &old_port, new_host, &new_port) != 5 ||
+    if (sscanf(reply->element[2]->str, "%255s %255s %5d %255s %5d", name, old_host, &old_port, new_host, &new_port) != 5 ||
         new_port < 1 || new_port > 65535)
         return;
     if (strcmp(name, rs->master) == 0)

@@ -37,6 +37,7 @@
 
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/num.h"
 #include "chatgate/core/sse.h"
 #include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
@@ -355,8 +356,10 @@ static size_t on_header(char *line, size_t size, size_t n, void *data)
     if (c->ended)
         return ended_take(c, len);
     arm(c, PHASE_IDLE); /* the first bytes came */
-    if (len > 12 && strncasecmp(line, "Retry-After:", 12) == 0) /* seconds (a date is not read) */
-        c->retry_after_ms = strtol(line + 12, NULL, 10) * 1000;
+    if (len > 12 && strncasecmp(line, "Retry-After:", 12) == 0) { /* seconds (a date is not read) */
+        long long s = cg_parse_decimal_sat(line + 12, 3600); /* a replica is marked out an hour at most */
+        c->retry_after_ms = s > 0 ? (long)s * 1000 : 0;
+    }
     if (len <= 2 && (line[0] == '\r' || line[0] == '\n')) {
         long code = 0;
         char *type = NULL;

@@ -103,9 +103,9 @@ static void test_jwt_no_exp(void)
     free(pro);
     char *strexp = make_jwt(hs, "{\"sub\":\"u\",\"exp\":\"2000000\"}", secret, SECRET_LEN);
     CHECK(verify(strexp, err) < 0 && strstr(err, "exp must be a number"));
-    /* huge and fractional NumericDates: compared as numbers, no undefined cast */
+    /* huge NumericDates are refused (test_jwt_dates_in_range); fractional ones compared as numbers */
     char *huge = make_jwt(hs, "{\"sub\":\"u\",\"exp\":1e300,\"nbf\":-1e300}", secret, SECRET_LEN);
-    CHECK(verify(huge, err) == 0);
+    CHECK(verify(huge, err) < 0 && strstr(err, "exp must be a number of seconds"));
     char *frac = make_jwt(hs, "{\"sub\":\"u\",\"exp\":999969.5}", secret, SECRET_LEN);
     CHECK(verify(frac, err) < 0 && strstr(err, "expired"));
     free(noexp);
@@ -168,8 +168,35 @@ static void test_resume(void)
     free(t);
 }
 
+/* exp and nbf out of any real date's range are refused, not taken as "never expires"
+ * (issue 35, defect 6: "exp": 1e300 was accepted). */
+static void test_jwt_dates_in_range(void)
+{
+    const char *hs = "{\"alg\":\"HS256\",\"typ\":\"JWT\"}";
+    static const char *const bad[] = {
+        "{\"sub\":\"u\",\"exp\":1e300}",          "{\"sub\":\"u\",\"exp\":1e19}",
+        "{\"sub\":\"u\",\"exp\":253402300800}",   "{\"sub\":\"u\",\"exp\":-1}",
+        "{\"sub\":\"u\",\"exp\":2000000,\"nbf\":-1e300}", "{\"sub\":\"u\",\"exp\":2000000,\"nbf\":1e300}",
+        "{\"sub\":\"u\",\"exp\":\"2000000\"}",
+    };
+    char err[256];
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char *jwt = make_jwt(hs, bad[i], secret, SECRET_LEN);
+        CHECK(verify(jwt, err) < 0);
+        CHECK(strstr(err, "exp") || strstr(err, "nbf"));
+        free(jwt);
+    }
+    char *last = make_jwt(hs, "{\"sub\":\"u\",\"exp\":253402300799.5,\"nbf\":0}", secret, SECRET_LEN);
+    CHECK(verify(last, err) < 0); /* past year 9999 by half a second */
+    free(last);
+    char *fine = make_jwt(hs, "{\"sub\":\"u\",\"exp\":253402300799,\"nbf\":0.5}", secret, SECRET_LEN);
+    CHECK(verify(fine, err) == 0);
+    free(fine);
+}
+
 int main(void)
 {
+    test_jwt_dates_in_range();
     test_jwt();
     test_jwt_no_exp();
     test_jwt_canonical();
