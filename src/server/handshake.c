@@ -195,16 +195,49 @@ int cg_refuse_plain_http_on_ws(struct lws *wsi)
     return why ? http_answer(wsi, 426, "Upgrade Required", "upgrade: websocket\r\n", why) : 0;
 }
 
-/*
- * The browser Origin check of docs/protocol.md, "Identity" against cross-site WebSocket hijacking:
- * an Origin, when present, must name the Host the request was sent to, or be allowed by
- * --allow-origin ("*" allows all).
- */
-static int origin_allowed(struct lws *wsi, const char *allow)
+/* Is host (no port, IPv6 in brackets) a name of this machine's loopback: localhost, a name
+ * under .localhost (RFC 6761), 127.0.0.0/8 or [::1]? */
+static int loopback_host(const char *host, size_t n)
 {
-    char origin[512], host[512];
-    if (lws_hdr_copy(wsi, origin, sizeof(origin), WSI_TOKEN_ORIGIN) <= 0)
+    static const char sub[] = ".localhost";
+    if ((n == 9 && strncasecmp(host, "localhost", 9) == 0) || (n == 5 && strncmp(host, "[::1]", 5) == 0) ||
+        (n > sizeof(sub) - 1 && strncasecmp(host + n - (sizeof(sub) - 1), sub, sizeof(sub) - 1) == 0))
+        return 1;
+    if (n < 4 || strncmp(host, "127.", 4) != 0)
+        return 0;
+    for (size_t i = 4; i < n; i++)
+        if (!(host[i] == '.' || (host[i] >= '0' && host[i] <= '9')))
+            return 0;
+    return 1;
+}
+
+/* Is host an IP literal (v4 digits and dots, or v6 in brackets)? A page at an IP literal
+ * cannot be a rebound name. */
+static int ip_literal(const char *host, size_t n)
+{
+    if (n >= 2 && host[0] == '[' && host[n - 1] == ']')
+        return 1;
+    for (size_t i = 0; i < n; i++)
+        if (!(host[i] == '.' || (host[i] >= '0' && host[i] <= '9')))
+            return 0;
+    return n > 0;
+}
+
+/*
+ * The browser Origin check of docs/protocol.md, "Identity", against cross-site WebSocket
+ * hijacking and DNS rebinding: an Origin, when present, must be allowed by --allow-origin
+ * ("*" allows all, "null" a page opened from a file), or name a loopback host (any port),
+ * or be an IP literal that is the Host the request was sent to. A name is never accepted
+ * because it matches the Host header: with DNS rebinding, a page of
+ * http://rebind.attacker.example:P whose name now resolves to 127.0.0.1 sends exactly that.
+ */
+static int origin_allowed(struct lws *wsi, const char *allow, char *origin, size_t originlen)
+{
+    char host[512];
+    if (lws_hdr_copy(wsi, origin, (int)originlen, WSI_TOKEN_ORIGIN) <= 0) {
+        origin[0] = 0;
         return 1; /* not a browser */
+    }
     if (allow) {
         size_t n = strlen(origin);
         for (const char *p = allow; *p;) {
@@ -215,7 +248,42 @@ static int origin_allowed(struct lws *wsi, const char *allow)
         }
     }
     const char *sep = strstr(origin, "://");
-    return sep && lws_hdr_copy(wsi, host, sizeof(host), WSI_TOKEN_HOST) > 0 && strcasecmp(sep + 3, host) == 0;
+    if (!sep || (strncasecmp(origin, "http", 4) != 0))
+        return 0;
+    const char *name = sep + 3;
+    size_t n = name[0] == '[' && strchr(name, ']') ? (size_t)(strchr(name, ']') - name) + 1 : strcspn(name, ":/");
+    if (loopback_host(name, n))
+        return 1;
+    return ip_literal(name, n) && lws_hdr_copy(wsi, host, sizeof(host), WSI_TOKEN_HOST) > 0 &&
+           strcasecmp(name, host) == 0;
+}
+
+/*
+ * RFC 6455 4.2.1 and 4.4, which lws 4.1 does not hold to: Sec-WebSocket-Version must be 13
+ * (else 426, saying which version we speak), Sec-WebSocket-Key 16 bytes in base64 (else
+ * 400). 0 when both are fine, else the answer was written (1).
+ */
+static int refuse_bad_websocket(struct lws *wsi)
+{
+    char v[16], key[64];
+    int vn = lws_hdr_copy(wsi, v, sizeof(v), WSI_TOKEN_VERSION);
+    if (vn != 2 || strcmp(v, "13") != 0) {
+        cg_warn("refused a WebSocket handshake with Sec-WebSocket-Version '%.8s': only 13 is spoken (RFC 6455)",
+                vn > 0 ? v : "(none)");
+        return http_answer(wsi, 426, "Upgrade Required", "sec-websocket-version: 13\r\n",
+                           "only WebSocket version 13 is spoken (RFC 6455)\n");
+    }
+    unsigned char raw[48];
+    int kn = lws_hdr_copy(wsi, key, sizeof(key), WSI_TOKEN_KEY);
+    int ok = kn == 24 && key[22] == '=' && key[23] == '=' && EVP_DecodeBlock(raw, (unsigned char *)key, 24) == 18;
+    for (int i = 0; ok && i < 22; i++)
+        ok = isalnum((unsigned char)key[i]) || key[i] == '+' || key[i] == '/';
+    if (!ok) {
+        cg_warn("refused a WebSocket handshake: Sec-WebSocket-Key is not 16 bytes in base64 (RFC 6455 4.2.1)");
+        return http_answer(wsi, 400, "Bad Request", "",
+                           "Sec-WebSocket-Key must be 16 bytes in base64 (RFC 6455 4.2.1)\n");
+    }
+    return 0;
 }
 
 /*
@@ -230,8 +298,15 @@ int cg_handshake_confirm_upgrade(struct lws *wsi)
     if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 ||
         (strcmp(uri, "/ws") != 0 && !cg_handshake_is_dropin(srv, wsi)))
         return cg_http_refuse(wsi, 404, "Not Found", "WebSocket connections go to /ws\n");
-    if (!origin_allowed(wsi, srv->cfg->allow_origin)) {
-        cg_warn("refused a connection from another site's page (Origin not allowed; see --allow-origin)");
+    if (refuse_bad_websocket(wsi)) {
+        srv->metrics.refused_connections++;
+        return 1;
+    }
+    char origin[512];
+    if (!origin_allowed(wsi, srv->cfg->allow_origin, origin, sizeof(origin))) {
+        cg_warn("refused a connection from the page of Origin '%.200s': not a loopback host nor in --allow-origin "
+                "(a page opened from a file sends 'null')",
+                origin);
         srv->metrics.refused_connections++;
         return cg_http_refuse(wsi, 403, "Forbidden", "this Origin may not connect (see --allow-origin)\n");
     }
