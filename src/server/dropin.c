@@ -798,8 +798,8 @@ static void on_app_resolved(void *data, const char *address, const char *err)
 
 /*
  * The app's path: its base path, the client's path and the client's query ("a=1&b=two
- * words", from lws's url-decoded fragments, encoded again), all at their real length (a
- * query is as long as the header space allows). NULL when out of memory.
+ * words", from lws's url-decoded fragments), both encoded again, all at their real length
+ * (a query is as long as the header space allows). NULL when out of memory.
  */
 static char *app_path(const cg_server *srv, struct lws *client)
 {
@@ -812,8 +812,18 @@ static char *app_path(const cg_server *srv, struct lws *client)
     scratch = malloc((size_t)(ulen > 0 ? ulen : 0) + 1);
     const char *app = srv->cfg->dropin_app.path;
     const char *base = app && strcmp(app, "/") ? app : "";
-    if (scratch && lws_hdr_copy(client, scratch, ulen + 1, WSI_TOKEN_GET_URI) >= 0)
-        fprintf(f, "%s%s", base, scratch);
+    if (scratch && lws_hdr_copy(client, scratch, ulen + 1, WSI_TOKEN_GET_URI) >= 0) {
+        /* lws hands the path decoded ("/a b", a '?' that was %3F): encoded again outside RFC
+         * 3986's pchar, so the app gets the path the client meant, never a raw space or TAB */
+        fputs(base, f);
+        for (const unsigned char *c = (unsigned char *)scratch; *c; c++) {
+            if ((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+                strchr("/-._~!$&'()*+,;=:@", *c))
+                fputc(*c, f);
+            else
+                fprintf(f, "%%%02X", *c);
+        }
+    }
     for (int idx = 0;; idx++) {
         int flen = lws_hdr_fragment_length(client, WSI_TOKEN_HTTP_URI_ARGS, idx);
         char *grown = flen > 0 ? realloc(scratch, (size_t)flen + 1) : NULL;

@@ -369,7 +369,35 @@ async def part_app_still_answering():
             gw.assert_alive()
 
 
+async def part_path_encoded():
+    """Issue 35, defect 7: lws hands the client's path decoded; the gateway forwarded it so
+    (`/socket/a%20b` reached the app as `GET /socket/a b HTTP/1.1`, %09 a raw TAB, %3F the
+    start of a query). The app must get the path as the client meant it, encoded again."""
+    lines = []
+
+    async def first_line(reader, writer):
+        lines.append((await reader.readline()).decode("latin-1").rstrip("\r\n"))
+        writer.close()
+
+    server = await asyncio.start_server(first_line, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        cfg = config(f"ws://127.0.0.1:{port}")
+        async with Gateway(config=cfg, env=ENV, name="gateway:path") as gw:
+            with step("a client at /socket/a%20b%09c%3Fd%25e?x=1: the app's request line is "
+                      "GET /socket/a%20b%09c%3Fd%25e?x=1 HTTP/1.1"):
+                client = await connect(gw.ws_url("/socket/a%20b%09c%3Fd%25e") + "?x=1", "s1")
+                ok = await harness.wait_until(lambda: lines, 5)
+                check(ok, "the app got no request")
+                check(lines[0] == "GET /socket/a%20b%09c%3Fd%25e?x=1 HTTP/1.1", f"the app's request line: {lines[0]!r}")
+                await client.close()
+            gw.assert_alive()
+    finally:
+        server.close()
+
+
 async def main(args):
+    await independent(part_path_encoded())
     await independent(part_long_id())
     await independent(part_two_tabs())
     await independent(part_rate_limit())
