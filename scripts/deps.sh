@@ -10,7 +10,7 @@ packages=(gcc make cmake pkg-config tzdata libwebsockets-dev libuv1-dev libjanss
 case "${1:-build}" in
   test)
     # nginx: the Socket.IO test runs examples/nginx-socketio.conf in an nginx of its own
-    packages+=(python3 python3-websockets redis-server redis-sentinel nutcracker haproxy chromium nginx)
+    packages+=(python3 python3-websockets python3-tornado redis-server redis-sentinel nutcracker haproxy chromium nginx)
     # the package test builds the .deb (dpkg-shlibdeps) and checks its unit (systemd-analyze);
     # the dashboard test validates the alert rules with promtool (Debian's prometheus)
     packages+=(dpkg-dev systemd prometheus python3-yaml curl)

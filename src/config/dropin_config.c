@@ -66,9 +66,11 @@ static int check_text_codec(json_t *d, const char *file, char *err, size_t errle
         json_object_foreach(json_object_get(d, sections[i]), key, v) {
             if (i == 1 && strcmp(key, "cancel_frame") == 0 && json_is_string(v))
                 continue;
+            if (i == 1 && strcmp(key, "reply") == 0) /* which frames are the reply: every_text_frame */
+                continue;
             snprintf(err, errlen,
                      "%s: dropin.%s.%s: the text codec has no fields to map (every text frame is the message, or "
-                     "the reply); only app_frames.cancel_frame, as a string, may be set",
+                     "the reply); only app_frames.cancel_frame, as a string, and app_frames.reply may be set",
                      file, sections[i], key);
             return -1;
         }
@@ -77,7 +79,7 @@ static int check_text_codec(json_t *d, const char *file, char *err, size_t errle
         snprintf(err, errlen, "%s: dropin: object_at and namespace need the json or socket.io codec", file);
         return -1;
     }
-    return 0;
+    return check_marker(json_object_get(d, "app_frames"), "reply", 0, file, "app_frames", err, errlen);
 }
 
 /* Mappings that load but could never work are refused with the reason. */

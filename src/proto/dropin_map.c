@@ -62,6 +62,32 @@ static size_t js_space(const unsigned char *s, size_t n)
                : 0;
 }
 
+/*
+ * A binary event's attachment count as JavaScript's Number() reads it ("1", " 1", "+1",
+ * "1.0", "0x1", "" is 0): parser versions differ on which counts they take (4.2.4 takes 0,
+ * 4.2.7 refuses it), so every binary event is one for us, and the count only says how many
+ * binary frames follow it; 0 when it is no whole number (nothing is then taken as its).
+ */
+static long sio_attachments(const char *s, size_t n)
+{
+    char text[32];
+    size_t w;
+    while (n && (w = js_space((const unsigned char *)s, n))) {
+        s += w;
+        n -= w;
+    }
+    while (n && (s[n - 1] == ' ' || (s[n - 1] >= '\t' && s[n - 1] <= '\r')))
+        n--;
+    if (n == 0 || n >= sizeof(text))
+        return 0;
+    memcpy(text, s, n);
+    text[n] = 0;
+    char *end;
+    double v = (n > 2 && text[0] == '0' && (text[1] == 'x' || text[1] == 'X')) ? (double)strtol(text + 2, &end, 16)
+                                                                               : strtod(text, &end);
+    return *end || !(v >= 0 && v <= 1000) || v != (double)(long)v ? 0 : (long)v;
+}
+
 /* An event's name as socket.io's emitter finds its handler: a number is its decimal text. */
 static void sio_name_as_text(json_t *args)
 {
@@ -89,21 +115,12 @@ static sio_kind socketio_event(json_t *cfg, const char *buf, size_t len, sio_eve
     memset(ev, 0, sizeof(*ev));
     if (len < 3 || b[0] != '4' || (b[1] != '2' && b[1] != '5'))
         return SIO_NOT_EVENT;
-    if (b[1] == '5') { /* attachments: digits (and spaces, as Number() reads them) up to '-' */
-        long n = 0;
-        int digits = 0;
-        for (; i < len && b[i] != '-'; i++) {
-            if (b[i] >= '0' && b[i] <= '9') {
-                n = n < 100000 ? n * 10 + (b[i] - '0') : n;
-                digits++;
-            } else if (b[i] != ' ' && b[i] != '\t') {
-                return SIO_NOT_EVENT;
-            }
-        }
-        if (i == len || !digits || n < 1)
-            return SIO_NOT_EVENT;
-        ev->attachments = n;
-        i++;
+    if (b[1] == '5') { /* the attachment count, up to '-' */
+        const char *dash = memchr(buf + i, '-', len - i);
+        if (!dash)
+            return SIO_NOT_EVENT; /* the app's parser refuses it too */
+        ev->attachments = sio_attachments(buf + i, (size_t)(dash - buf) - i);
+        i = (size_t)(dash - buf) + 1;
     }
     const char *ns = "/";
     size_t ns_len = 1;
@@ -138,6 +155,21 @@ static sio_kind socketio_event(json_t *cfg, const char *buf, size_t len, sio_eve
     }
     ev->args = payload;
     return SIO_EVENT;
+}
+
+/* Does a binary frame hold JSON in another encoding than plain UTF-8, as Python's json.loads
+ * reads bytes (a UTF-8 BOM, UTF-16 or UTF-32 with or without one)? After any BOM, NULs and
+ * whitespace, the first byte starts an object or array. */
+static int other_encoding_json(const char *buf, size_t len)
+{
+    const unsigned char *b = (const unsigned char *)buf;
+    size_t k = len >= 3 && b[0] == 0xEF && b[1] == 0xBB && b[2] == 0xBF ? 3 : 0;
+    int odd = k > 0;
+    for (; k < len && (b[k] == 0 || b[k] == 0xFE || b[k] == 0xFF || b[k] == ' ' || b[k] == '\t' || b[k] == '\n' ||
+                       b[k] == '\r');
+         k++)
+        odd |= b[k] == 0 || b[k] >= 0xFE;
+    return odd && k < len && (b[k] == '{' || b[k] == '[');
 }
 
 /* Is the first byte that is not JSON whitespace one that starts an object or array? */
@@ -199,6 +231,11 @@ static int decode_client(json_t *cfg, const char *buf, size_t len, int binary, j
         return 0;
     }
     default:
+        if (binary && other_encoding_json(buf, len)) {
+            snprintf(why, whylen, "JSON in a binary frame that is not plain UTF-8 (a BOM, UTF-16 or UTF-32): send "
+                                  "chat messages as text");
+            return -1;
+        }
         if (binary && !utf8)
             return 0;
         *v = json_loadb(buf, len, JSON_REJECT_DUPLICATES, NULL);
@@ -335,7 +372,8 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t 
     chat->frame = o;
     int cancel = matches(o, json_object_get(client, "cancel"));
     int is_chat = text_codec || matches(o, json_object_get(client, "chat"));
-    if ((cancel || is_chat) && (binary || chat->attachments)) {
+    int binary_event = chat->prefix && chat->prefix[1] == '5'; /* "45...-": whatever its count */
+    if ((cancel || is_chat) && (binary || binary_event)) {
         snprintf(why, whylen, "a %s in a binary frame or binary event: send it as text",
                  cancel ? "cancel" : "chat message");
         goto refuse;

@@ -268,6 +268,15 @@ static int has_cancel_frame(const cg_dropin *d)
     return json_object_get(json_object_get(d->cfg, "app_frames"), "cancel_frame") != NULL;
 }
 
+/* Can the app's frames of one reply be told apart: by their id (app_frames.id), or, without
+ * ids, by the reply marker (app_frames.reply)? Without either, in a chat between people
+ * every frame with text could be someone's message, and none may be held back. */
+static int replies_known(const cg_dropin *d)
+{
+    json_t *appf = json_object_get(d->cfg, "app_frames");
+    return json_object_get(appf, "id") || json_object_get(appf, "reply");
+}
+
 /*
  * The user cancelled the reply in flight: send the app the mapping's cancel frame (unless
  * the client's own cancel frame, on its way to the app, already says so), or, when the
@@ -277,6 +286,12 @@ static int has_cancel_frame(const cg_dropin *d)
 static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
 {
     cg_dropin *d = conn;
+    if (!has_cancel_frame(d) && !replies_known(d)) {
+        cg_info("dropin: session %s: a reply was cancelled, and the mapping has no cancel_frame, nor app_frames.id or "
+                "app_frames.reply to tell the reply's frames from other people's: the app goes on, its frames are "
+                "relayed", d->name);
+        return;
+    }
     if (!has_cancel_frame(d)) {
         free(d->suppress.id);
         if (!(d->suppress.id = strdup(cg_turn_id(t))))
@@ -428,7 +443,7 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
                     d->name);
             return;
         }
-        frame *fr = frame_new(NULL, 0, 0);
+        frame *fr = frame_new(NULL, 0, binary); /* sent as it came, text or binary */
         free(fr->data);
         fr->data = (unsigned char *)f.buf;
         fr->len = f.len;
@@ -577,8 +592,9 @@ static void app_flush(cg_flush_item *item)
 
 /*
  * Is this app frame part of a cancelled reply that is not relayed? Frames of its id, or,
- * when the app's frames carry none, every reply frame with text (the app's other frames,
- * presence or typing, still pass). The hold ends at the reply's end marker; after gap_ms
+ * when the app's frames carry none, every frame with text that app_frames.reply marks as a
+ * reply (never one it does not: another user's message, the user's own echoed, presence or
+ * typing all pass). Only held at all when one of the two is set (replies_known). The hold ends at the reply's end marker; after gap_ms
  * with no frame of it once one came; for an app whose frames carry no ids, once a chat
  * message after the cancel has gone to the app (its reply cannot be told from the stopped
  * one's, and the newer one is what the user waits for); and max_ms after the cancel at
@@ -588,7 +604,9 @@ static int suppressed(cg_dropin *d, const cg_dropin_app_frame *a)
 {
     if (!d->suppress.id)
         return 0;
-    int of_it = a->id ? cg_dropin_app_frame_about(a, d->suppress.id) : a->reply && a->text;
+    /* a frame without an id is held only when the reply marker says it is one */
+    int marker = json_object_get(json_object_get(d->cfg, "app_frames"), "reply") != NULL;
+    int of_it = a->id ? cg_dropin_app_frame_about(a, d->suppress.id) : marker && a->reply && a->text;
     uint64_t now = uv_now(d->srv->net.loop);
     int end = of_it && (a->end || a->cancelled);
     int ids = json_object_get(json_object_get(d->cfg, "app_frames"), "id") != NULL;
@@ -902,18 +920,20 @@ static void copy_headers(cg_dropin *d, struct lws *client)
 }
 
 /*
- * The Host of the app's handshake (dropin.host): the client's own, port and all, so an app
- * that compares Origin with Host (Tornado's check_origin, many others) sees what it would
- * see without chatgate ("client", the default for ws://); the app URL's host[:port] ("app",
- * the default for wss://, whose Host is also the name its certificate is checked against);
- * or the configured text. lws writes Host in 128 bytes: a longer one falls back to the app's.
+ * The Host of the app's handshake (dropin.host): the app URL's host[:port] ("app", the
+ * default: the page is the app's own, served from the app's origin, and only its WebSocket
+ * URL changed to chatgate's, so an app that compares Origin with Host, as Tornado's
+ * check_origin does, sees its own host as it would without chatgate; for wss:// it is also
+ * the name the certificate is checked against); the client's own, port and all ("client":
+ * when the page comes through the same host as chatgate, a proxy in front of both); or the
+ * configured text. lws writes Host in 128 bytes: a longer one falls back to the app's.
  */
 static void app_host(cg_dropin *d, struct lws *client)
 {
     const cg_upstream_config *u = &d->srv->cfg->dropin_app;
     const char *want = json_string_value(json_object_get(d->cfg, "host"));
     if (!want)
-        want = u->tls ? "app" : "client";
+        want = "app";
     int n = strcmp(want, "client") == 0 ? lws_hdr_copy(client, d->host, sizeof(d->host), WSI_TOKEN_HOST)
             : strcmp(want, "app") == 0  ? 0
                                         : snprintf(d->host, sizeof(d->host), "%s", want);

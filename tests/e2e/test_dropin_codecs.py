@@ -140,8 +140,11 @@ def dropin_config(app, path, codec, client=None, app_frames=None, **extra):
             "rate_limit": {"messages_per_second": 1000, "burst": 1000}, "dropin": dropin}
 
 
+# the bot answers in the chat's own frames: one-to-one, so every frame with a body is the
+# reply (app_frames.reply; without it a cancel holds nothing back: in a chat between people
+# those frames could be anyone's, issue 35)
 TORNADO = {"client": {"chat": {"pointer": "/body", "exists": True}, "text": "/body"},
-           "app_frames": {"text": "/body"}}
+           "app_frames": {"text": "/body", "reply": {"pointer": "/body", "exists": True}}}
 SOCKETIO = {"client": {"chat": {"pointer": "/0", "in": ["chat message", "ask"]}, "text": "/1"},
             "app_frames": {"reply": {"pointer": "/0", "equals": "bot message"}, "text": "/1",
                            "cancel_frame": ["cancel", "{id}"]}}
@@ -183,12 +186,12 @@ async def wait_app(cond, what):
 
 async def part_handshake():
     async with RawApp("tornado") as app:
-        cfg = dropin_config(app, "/chatsocket", "json", **TORNADO,
+        cfg = dropin_config(app, "/chatsocket", "json", **TORNADO, host="client",
                             forward_headers=["Cookie"],
                             headers={"X-App-Key": {"env": "TEST_APP_KEY"}, "X-Tenant": "acme"})
         async with gateway(cfg, "handshake", TEST_APP_KEY=SECRET) as gw:
-            with step("the client's Origin and Host (with its port) reach the app exactly, with the cookie "
-                      "and dropin.headers"):
+            with step('"host": "client": the client\'s Origin and Host (with its port) reach the app exactly, '
+                      "with the cookie and dropin.headers"):
                 origin = f"http://127.0.0.1:{gw.port}"
                 ws = await websockets.connect(gw.ws_url("/chatsocket?room=1"), origin=origin,
                                               extra_headers={"Cookie": "session=abc"})
@@ -208,9 +211,10 @@ async def part_handshake():
                 check(SECRET not in log, "the log holds the header's secret value")
                 check("X-App-Key" in log, "the log should name the configured headers (names only)")
     async with RawApp("tornado") as app:
-        cfg = dropin_config(app, "/chatsocket", "json", **TORNADO, host="app")
+        cfg = dropin_config(app, "/chatsocket", "json", **TORNADO)
         async with gateway(cfg, "host-app") as gw:
-            with step('"host": "app": the app gets its own host:port as Host; no Origin when the client sent none'):
+            with step('no "host" ("app", the default): the app gets its own host:port as Host; no Origin when the '
+                      'client sent none'):
                 ws = await websockets.connect(gw.ws_url("/chatsocket"))
                 await wait_app(lambda: app.handshakes, "a handshake")
                 headers = app.handshakes[-1][1]
@@ -327,7 +331,7 @@ async def part_socketio():
 
 async def part_text():
     async with RawApp("text") as app:
-        cfg = dropin_config(app, "/text", "text")
+        cfg = dropin_config(app, "/text", "text", app_frames={"reply": {"every_text_frame": True}})
         async with gateway(cfg, "text") as gw:
             ws = await websockets.connect(gw.ws_url("/text"))
             with step("text codec: a plain text frame is the message, forwarded as written; the reply is relayed"):
