@@ -206,6 +206,29 @@ static void log_headers(const char *what, const char *name, const cg_headers *h)
                 name ? name : "", name ? "'" : "", h->n, h->n > 1 ? "s" : "", names);
 }
 
+/*
+ * With --auth none a connection's user is new unless it comes back with its resume token
+ * (or, drop-in, the app's session cookie): a client that simply reconnects starts its
+ * limits afresh. Said at start, naming the keys, since such limits look like they hold.
+ */
+static void warn_limits_without_users(const cg_config *cfg)
+{
+    const cg_limits *l = &cfg->limits.base;
+    if (strcmp(cfg->auth, "none") != 0 || (!cg_limits_any(l) && cfg->limits.n_plans == 0))
+        return;
+    char keys[160] = "";
+    static const char *const names[] = {"messages_per_minute", "turns_at_once", "tokens_per_minute",
+                                        "tokens_per_day"};
+    long long set[] = {l->messages_per_minute, l->turns_at_once, l->tokens_per_minute, l->tokens_per_day};
+    for (int i = 0; i < 4; i++)
+        if (set[i] > 0)
+            snprintf(keys + strlen(keys), sizeof(keys) - strlen(keys), "%slimits.%s", keys[0] ? ", " : "", names[i]);
+    cg_warn("%s%s: with --auth none every connection is a new user unless it resumes with its token (drop-in: the "
+            "app's session cookie, dropin.user_cookie), so a client that reconnects starts its limits afresh; use "
+            "--auth jwt or --auth header for limits that hold per user",
+            keys[0] ? keys : "limits.plans", keys[0] && cfg->limits.n_plans ? " and limits.plans" : "");
+}
+
 void cg_gateway_abort(cg_gateway *gw)
 {
     /* the lws context, when there is one, is left to the exit (see cg_gateway_start) */
@@ -524,6 +547,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     if (gw->srv.turn.shadow)
         cg_info("shadow rules: %zu from %s, evaluated beside the live set on every message, never acting",
                 cg_ruleset_count(gw->srv.turn.shadow), cfg->shadow_rules);
+    warn_limits_without_users(cfg);
     if (cfg->dropin)
         cg_info("drop-in: WebSocket %s... goes to the app at %s", json_string_value(json_object_get(cfg->dropin, "path")),
                 json_string_value(json_object_get(cfg->dropin, "app")));

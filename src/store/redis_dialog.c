@@ -1657,8 +1657,25 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
     return r;
 }
 
-/* Second step of remove_user: the rooms are known; every dialog's keys and the rooms set go
- * in one DEL (one hash tag: the user's), so nothing is left half forgotten. */
+static void arg_limit_key(argv_buf *a, redis_store *rs, const char *eu, const char *what, long long n);
+
+/* A user's limit counts that may still live: this and the last minute's, today's and
+ * yesterday's (a count outlives its window a little), and the turns running. */
+static void arg_limit_keys(argv_buf *a, redis_store *rs, const char *eu)
+{
+    cg_limit_clock c;
+    cg_limit_clock_at(cg_store_now_ms(&rs->base), &c);
+    for (int back = 0; back < 2; back++) {
+        arg_limit_key(a, rs, eu, "messages:", c.minute - back);
+        arg_limit_key(a, rs, eu, "tokens:m", c.minute - back);
+        arg_limit_key(a, rs, eu, "tokens:d", c.day - back);
+    }
+    arg_limit_key(a, rs, eu, "turns:now", -1);
+}
+
+/* Second step of remove_user: the rooms are known; every dialog's keys, the rooms set and
+ * the user's limit counts go in one DEL (one hash tag: the user's), so nothing is left half
+ * forgotten, nor counts that would outlive the user by a day. */
 static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -1684,6 +1701,7 @@ static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
         free(er);
     }
     arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
+    arg_limit_keys(&a, rs, r->eu);
     send_last(rs, &a, on_remove_reply, r);
     argv_free(&a);
 }

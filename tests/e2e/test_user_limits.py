@@ -51,7 +51,8 @@ def config(fake, behaviour, limits, store="memory"):
     return harness.state_config(ups, "llm", store=store, auth="jwt", limits=limits)
 
 
-ENV = {"CHATGATE_JWT_SECRET": SECRET, "CHATGATE_NOW": NOW}
+ADMIN_TOKEN = "limits-admin-token-0123456789"
+ENV = {"CHATGATE_JWT_SECRET": SECRET, "CHATGATE_NOW": NOW, "CHATGATE_ADMIN_TOKEN": ADMIN_TOKEN}
 
 
 def check_limited(turn, limit, low, high):
@@ -205,6 +206,17 @@ async def part_redis():
                         for t in turns:
                             if t.kind == "error":
                                 check_limited(t, "messages_per_minute", 1000, 60000)
+                with step("DELETE /admin/users/ruth forgets her limit counts too, not only her dialogs "
+                          "(issue 35: they stayed for up to a day)"):
+                    esc = harness.escape_id("ruth")
+                    limit_keys = [k for k in redis.keys("chatgate:*") if esc in k and ":limit:" in k]
+                    check(limit_keys, f"no limit keys of ruth's before: {redis.keys('chatgate:*')}")
+                    status, _, body = await asyncio.to_thread(
+                        harness.http_request, gw1.http_url + "/admin/users/ruth", "DELETE",
+                        {"Authorization": f"Bearer {ADMIN_TOKEN}"})
+                    check(status == 200, f"DELETE /admin/users/ruth: HTTP {status} {body!r}")
+                    left = [k for k in redis.keys("chatgate:*") if esc in k]
+                    check(not left, f"ruth's keys left: {left}")
                 with step("a turn at once on one gateway refuses the user's message on the other"):
                     cfg1 = config(fake, "script", {"turns_at_once": 1, "messages_per_minute": 3, "plan_claim": "plan",
                                                    "plans": {"tok": {"turns_at_once": 0, "messages_per_minute": 0,
@@ -243,7 +255,22 @@ async def part_redis():
         redis.stop()
 
 
+async def part_auth_none_warning():
+    """Issue 35: with --auth none every connection is a new user, so per-user limits reset on
+    reconnect; the gateway says so at start, naming the keys (before: nothing said)."""
+    cfg = harness.make_config({"demo": harness.demo_upstream()}, "demo",
+                              limits={"messages_per_minute": 5, "tokens_per_day": 1000})
+    async with Gateway(["--auth", "none"], cfg, name="limits-auth-none") as gw:
+        with step("--auth none with limits: a warning at start names limits.messages_per_minute and "
+                  "limits.tokens_per_day and says why"):
+            ok = await harness.wait_until(lambda: "--auth none" in gw.log_text(), 5)
+            line = next((l for l in gw.log_text().splitlines() if "--auth none" in l), "")
+            check(ok and "warn" in line and "limits.messages_per_minute" in line and "limits.tokens_per_day" in line
+                  and "reconnect" in line, f"the start's warning: {line or gw.log_tail()}")
+
+
 async def main(args):
+    await independent(part_auth_none_warning())
     await independent(part_messages())
     await independent(part_turns())
     await independent(part_tokens())
