@@ -86,7 +86,7 @@ static const setting settings[] = {
     {"user_header", T_STR, OFF(user_header), 0, 0, NULL, 1,
      "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
     {"allow_origin", T_STR, OFF(allow_origin), 0, 0, NULL, 1,
-     "ORIGIN a browser may connect from besides loopback hosts; repeatable; * allows all, null a file's page"},
+     "ORIGIN a browser may connect from besides loopback pages at its own port; repeatable; * allows all, null a file's page"},
     {"jwt.allow_no_exp", T_BOOL, OFF(jwt_allow_no_exp), 0, 1, NULL, 0,
      "with --auth jwt: accept tokens without exp"},
     {"lifetimes.params_s", T_INT, OFF(lifetimes.params_s), 1, 30L * 86400, NULL, 0, "SECONDS a dialog's params live"},

@@ -223,13 +223,23 @@ static int ip_literal(const char *host, size_t n)
     return n > 0;
 }
 
+/* The port of "host[:port]" (IPv6 in brackets), or dflt when it names none. */
+static const char *port_of(const char *hostport, size_t n, const char *dflt)
+{
+    const char *end = hostport + n, *close = hostport[0] == '[' ? memchr(hostport, ']', n) : NULL;
+    const char *colon = memchr(close ? close : hostport, ':', (size_t)(end - (close ? close : hostport)));
+    return colon ? colon + 1 : dflt;
+}
+
 /*
  * The browser Origin check of docs/protocol.md, "Identity", against cross-site WebSocket
  * hijacking and DNS rebinding: an Origin, when present, must be allowed by --allow-origin
- * ("*" allows all, "null" a page opened from a file), or name a loopback host (any port),
- * or be an IP literal that is the Host the request was sent to. A name is never accepted
- * because it matches the Host header: with DNS rebinding, a page of
- * http://rebind.attacker.example:P whose name now resolves to 127.0.0.1 sends exactly that.
+ * ("*" allows all, "null" a page opened from a file), or be a page of this gateway's own
+ * loopback address (a loopback host at the port the request came to: localhost:8080 and
+ * 127.0.0.1:8080 are one site, localhost:3000 another), or an IP literal that is the Host
+ * the request was sent to. A name is never accepted because it matches the Host header:
+ * with DNS rebinding, a page of http://rebind.attacker.example:P whose name now resolves to
+ * 127.0.0.1 sends exactly that.
  */
 static int origin_allowed(struct lws *wsi, const char *allow, char *origin, size_t originlen)
 {
@@ -252,10 +262,15 @@ static int origin_allowed(struct lws *wsi, const char *allow, char *origin, size
         return 0;
     const char *name = sep + 3;
     size_t n = name[0] == '[' && strchr(name, ']') ? (size_t)(strchr(name, ']') - name) + 1 : strcspn(name, ":/");
-    if (loopback_host(name, n))
-        return 1;
-    return ip_literal(name, n) && lws_hdr_copy(wsi, host, sizeof(host), WSI_TOKEN_HOST) > 0 &&
-           strcasecmp(name, host) == 0;
+    int hn = lws_hdr_copy(wsi, host, sizeof(host), WSI_TOKEN_HOST);
+    if (hn <= 0)
+        return 0;
+    if (loopback_host(name, n)) { /* the same port: one site; another port is another site */
+        const char *dflt = strncasecmp(origin, "https:", 6) == 0 ? "443" : "80";
+        const char *hp = port_of(host, (size_t)hn, "80"), *op = port_of(name, strlen(name), dflt);
+        return strcmp(hp, op) == 0;
+    }
+    return ip_literal(name, n) && strcasecmp(name, host) == 0;
 }
 
 /*

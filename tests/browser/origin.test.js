@@ -152,7 +152,9 @@ function gatewayConfig(app) {
       codec: "json",
       host: "app",
       client: { chat: { pointer: "/body", exists: true }, text: "/body" },
-      app_frames: { text: "/body" },
+      // one-to-one: every frame with a body is the bot's reply (without a reply marker or
+      // ids, a cancel holds nothing back: in a chat between people the frames may be anyone's)
+      app_frames: { text: "/body", reply: { pointer: "/body", exists: true } },
       reply_gap_ms: REPLY_GAP_MS,
     },
   };

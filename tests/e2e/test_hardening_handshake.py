@@ -9,11 +9,11 @@ handshakes carry an app session cookie and the subprotocol chat.v2).
 
 - part_origin_rebinding (A), on /ws and on the drop-in path, without --allow-origin: a page
   from a DNS-rebound name (Host rebind.attacker.example:PORT, Origin
-  http://rebind.attacker.example:PORT) gets 403. Still 101: Origins http://localhost:PORT,
-  http://127.0.0.1:PORT, http://[::1]:PORT, http://localhost:9999 (a page from another port
-  of a local name) and http://foo.localhost:PORT, each with the Host a browser would send
-  (a local name, the gateway's port), and no Origin at all. Before: the rebound page got
-  101 (its Origin named the Host), and localhost:9999 got 403.
+  http://rebind.attacker.example:PORT) gets 403, and so does http://localhost:9999 (a page of
+  another local site: another port). Still 101: Origins http://localhost:PORT,
+  http://127.0.0.1:PORT (with Host localhost:PORT too: one site), http://[::1]:PORT and
+  http://foo.localhost:PORT, each with the Host a browser would send, and no Origin at all.
+  Before: the rebound page got 101 (its Origin named the Host).
 - part_origin_allow_list (A), on both paths, --allow-origin https://chat.example.com, Host
   chat.example.com: that Origin gets 101, http://chat.example.com 403. Before: 101 for
   http://chat.example.com (it named the Host).
@@ -164,8 +164,9 @@ async def part_origin_rebinding():
                         ("localhost", 101, dict(host=f"localhost:{p}", origin=f"http://localhost:{p}")),
                         ("127.0.0.1", 101, dict(host=f"127.0.0.1:{p}", origin=f"http://127.0.0.1:{p}")),
                         ("[::1]", 101, dict(host=f"[::1]:{p}", origin=f"http://[::1]:{p}")),
-                        ("localhost:9999 (another port)", 101, dict(host=f"localhost:{p}",
+                        ("localhost:9999 (another port)", 403, dict(host=f"localhost:{p}",
                                                                     origin="http://localhost:9999")),
+                        ("127.0.0.1 to localhost", 101, dict(host=f"localhost:{p}", origin=f"http://127.0.0.1:{p}")),
                         ("foo.localhost", 101, dict(host=f"foo.localhost:{p}", origin=f"http://foo.localhost:{p}")),
                         ("no Origin", 101, dict()),
                     ])
