@@ -345,8 +345,8 @@ static void drop_slot(cg_dropin *d, pending_chat *c)
         if (d->to_app.tail == c->slot)
             d->to_app.tail = prev;
         d->to_app.bytes -= c->slot->len;
-        frame_free(c->slot);
     }
+    frame_free(c->slot);
     pending_free(c);
     flush_to_app(d);
     dropin_flow(d);
@@ -455,21 +455,21 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
         to_app(d, frame_new(buf, len, binary)); /* untouched */
         return;
     }
+    /* the frame takes its place in to_app first, not ready: the turn may hand c back (forward
+     * or unsent) before cg_turns_submit returns, and what the client sends after it waits
+     * behind it */
     frame *slot = c->slot = frame_new(buf, len, 0);
     slot->ready = 0;
+    queue_push(&d->to_app, slot);
     cg_turn_request r = {
         .kind = CG_TURN_CHAT, .id = c->chat.id, .room = c->chat.room, .text = c->chat.text, .opaque = c,
     };
     c->chat.id = c->chat.room = c->chat.text = NULL;
-    if (cg_turns_submit(&d->turns, &r) != 0) { /* refused: not forwarded; c is still ours */
-        frame_free(slot);
-        pending_free(c);
+    if (cg_turns_submit(&d->turns, &r) != 0) { /* refused on arrival: not forwarded; c is still ours */
+        drop_slot(d, c);
         return;
     }
-    /* c is the turn's now (it comes back through forward or unsent); the frame waits in to_app
-     * until the turn forwards it, and what the client sends after it waits behind it */
-    d->refusing = 0;
-    queue_push(&d->to_app, slot);
+    d->refusing = 0; /* c is the turn's now (it comes back through forward or unsent) */
     dropin_flow(d);
     flush_to_app(d);
 }
