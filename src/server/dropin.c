@@ -88,6 +88,8 @@ struct cg_dropin {
     int closing; /* the close frame was written; the connection goes at the next writable */
     int refusing;       /* chat messages over a limit are being refused (logged once) */
     long drop_binary;   /* binary frames still to drop: a refused socket.io binary event's attachments */
+    void *submitting;   /* the pending chat being submitted (cg_dropin_client_frame), or NULL */
+    int submit_dropped; /* ... which its turn dropped before the submission returned */
     cg_turns turns;     /* the chat messages of this client (turn.h) */
     char close_reason[124];
     int close_code;
@@ -334,9 +336,16 @@ static json_t *chatgate_object(const cg_turn_forward *f)
         f->rules, "annotations", f->annotations);
 }
 
-/* A chat message's slot in to_app leaves the queue unsent (the frames behind it go on). */
+/* A chat message's slot in to_app leaves the queue unsent (the frames behind it go on); one
+ * not queued yet (its turn ended inside cg_turns_submit) is freed, and the submitter told. */
 static void drop_slot(cg_dropin *d, pending_chat *c)
 {
+    if (c == d->submitting) {
+        d->submit_dropped = 1;
+        frame_free(c->slot);
+        pending_free(c);
+        return;
+    }
     frame **pp = &d->to_app.head, *prev = NULL;
     while (*pp && *pp != c->slot)
         prev = *pp, pp = &(*pp)->next;
@@ -455,21 +464,28 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
         to_app(d, frame_new(buf, len, binary)); /* untouched */
         return;
     }
-    /* the frame takes its place in to_app first, not ready: the turn may hand c back (forward
-     * or unsent) before cg_turns_submit returns, and what the client sends after it waits
-     * behind it */
+    /* the frame joins to_app after cg_turns_submit, so that a cancel frame the submission
+     * sends (the message is a cancel phrase) goes before it; c may come back from the turn
+     * (forward or unsent) before submit returns, which `submitting` notes */
     frame *slot = c->slot = frame_new(buf, len, 0);
     slot->ready = 0;
-    queue_push(&d->to_app, slot);
     cg_turn_request r = {
         .kind = CG_TURN_CHAT, .id = c->chat.id, .room = c->chat.room, .text = c->chat.text, .opaque = c,
     };
     c->chat.id = c->chat.room = c->chat.text = NULL;
-    if (cg_turns_submit(&d->turns, &r) != 0) { /* refused on arrival: not forwarded; c is still ours */
-        drop_slot(d, c);
+    d->submitting = c;
+    d->submit_dropped = 0;
+    int rc = cg_turns_submit(&d->turns, &r);
+    d->submitting = NULL;
+    if (rc != 0) { /* refused on arrival: not forwarded; c is still ours */
+        frame_free(slot);
+        pending_free(c);
         return;
     }
-    d->refusing = 0; /* c is the turn's now (it comes back through forward or unsent) */
+    d->refusing = 0; /* c is the turn's now, or already back */
+    if (d->submit_dropped) /* refused before submit returned: slot and c are gone */
+        return;
+    queue_push(&d->to_app, slot);
     dropin_flow(d);
     flush_to_app(d);
 }
