@@ -244,9 +244,13 @@ static const char *port_of(const char *hostport, size_t n, const char *dflt)
 static int origin_allowed(struct lws *wsi, const char *allow, char *origin, size_t originlen)
 {
     char host[512];
-    if (lws_hdr_copy(wsi, origin, (int)originlen, WSI_TOKEN_ORIGIN) <= 0) {
+    if (lws_hdr_total_length(wsi, WSI_TOKEN_ORIGIN) <= 0) {
         origin[0] = 0;
         return 1; /* not a browser */
+    }
+    if (lws_hdr_copy(wsi, origin, (int)originlen, WSI_TOKEN_ORIGIN) <= 0) {
+        snprintf(origin, originlen, "(over %zu bytes)", originlen - 1);
+        return 0; /* an Origin too long to be any allowed one */
     }
     if (allow) {
         size_t n = strlen(origin);

@@ -168,6 +168,8 @@ async def part_origin_rebinding():
                                                                     origin="http://localhost:9999")),
                         ("127.0.0.1 to localhost", 101, dict(host=f"localhost:{p}", origin=f"http://127.0.0.1:{p}")),
                         ("foo.localhost", 101, dict(host=f"foo.localhost:{p}", origin=f"http://foo.localhost:{p}")),
+                        ("an Origin of 600 bytes", 403, dict(host=f"localhost:{p}",
+                                                             origin="http://" + "a" * 580 + ".example")),
                         ("no Origin", 101, dict()),
                     ])
                 check(not wrong, "the Origin check without --allow-origin:\n  " + "\n  ".join(wrong))
