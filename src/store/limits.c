@@ -134,6 +134,19 @@ static lim_entry *entry_get(cg_limiter *l, const char *user, int create)
     return e;
 }
 
+void cg_limiter_forget(cg_limiter *l, const char *user)
+{
+    lim_entry *e = entry_get(l, user, 0);
+    if (!e)
+        return;
+    if (e->busy == 0) {
+        entry_drop(l, e);
+        return;
+    }
+    e->messages = 0;
+    e->tokens_minute = e->tokens_day = 0;
+}
+
 void cg_limiter_take(cg_limiter *l, const char *user, const cg_limits *lim, int64_t now_ms, cg_limit_verdict *v)
 {
     cg_limit_clock c;

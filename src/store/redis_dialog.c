@@ -1751,6 +1751,7 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
     cg_store_req *r = cg_redis_req_new(rs, OP_REMOVE_USER, user, "", ctx);
     r->done_cb = cb;
     cg_memstore_del_user(rs->mem, user);
+    cg_limiter_forget(rs->limits, r->eu); /* the counts kept here while Redis was away */
     cg_redis_forget_dirty(rs, r);
     start_or_wait(rs, r);
     return r;

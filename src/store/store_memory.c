@@ -506,6 +506,7 @@ static cg_store_req *mem_remove_user(cg_store *st, const char *user, cg_store_do
         return NULL;
     r->done_cb = cb;
     cg_memstore_del_user(ms->mem, user);
+    cg_limiter_forget(ms->limits, r->key); /* the key its limits are counted under (mem_limit) */
     return r;
 }
 

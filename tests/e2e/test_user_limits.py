@@ -140,6 +140,14 @@ async def part_messages():
                 got = m.value("chatgate_limited_total", limit="messages_per_minute")
                 check(got == 5 + 1 + 1 + 1 + 1, f"chatgate_limited_total: {got}")
                 check(m.value("chatgate_limited_total", limit="turns_at_once") == 0, "no turns_at_once refusal yet")
+            with step("DELETE /admin/users/bob (memory store) forgets his counts: his next message goes "
+                      "(issue 35: they stayed until the minute's end)"):
+                status, _, body = await asyncio.to_thread(
+                    harness.http_request, gw.http_url + "/admin/users/bob", "DELETE",
+                    {"Authorization": f"Bearer {ADMIN_TOKEN}"})
+                check(status == 200, f"DELETE /admin/users/bob: HTTP {status} {body!r}")
+                got = kinds(await send_many(bob, 1, "after-forget"))
+                check(got == ["done"], f"bob after being forgotten: {got}")
 
 
 async def part_turns():

@@ -58,6 +58,9 @@ void cg_limiter_free(cg_limiter *l);
 void cg_limiter_take(cg_limiter *l, const char *user, const cg_limits *lim, int64_t now_ms, cg_limit_verdict *v);
 /* A turn that take() let through ended having spent tokens (0: none counted). */
 void cg_limiter_end(cg_limiter *l, const char *user, const cg_limits *lim, long long tokens, int64_t now_ms);
+/* The user is forgotten (DELETE /admin/users): their counts go; an entry whose turns still
+ * run keeps only those (their ends come). */
+void cg_limiter_forget(cg_limiter *l, const char *user);
 long cg_limiter_count(const cg_limiter *l);
 
 #endif

@@ -327,8 +327,32 @@ static void test_bound(void)
     cg_limiter_free(NULL);
 }
 
+/* Forgetting a user (DELETE /admin/users) drops their counts at once (issue 35): an entry
+ * with no turn running goes; one with turns running keeps those, its counts zeroed. */
+static void test_forget(void)
+{
+    cg_limiter *l = cg_limiter_new(10);
+    cg_limits msgs = limits(3, 0, 0, 1000);
+    CHECK(drain(l, "u", &msgs, DAY0 + 1000) == 3);
+    cg_limiter_end(l, "u", &msgs, 1000, DAY0 + 1001); /* a day's tokens spent too */
+    CHECK(take(l, "u", &msgs, DAY0 + 1002, NULL) != CG_LIMIT_OK);
+    cg_limiter_forget(l, "u");
+    CHECK(cg_limiter_count(l) == 0);
+    CHECK(drain(l, "u", &msgs, DAY0 + 1003) == 3); /* a fresh minute and day */
+    cg_limiter_forget(l, "nobody"); /* not counted: nothing happens */
+
+    cg_limits turns = limits(0, 1, 0, 0);
+    CHECK(take(l, "t", &turns, DAY0, NULL) == CG_LIMIT_OK); /* its turn runs */
+    cg_limiter_forget(l, "t");
+    CHECK(take(l, "t", &turns, DAY0 + 1, NULL) == CG_LIMIT_TURNS); /* the turn still runs */
+    cg_limiter_end(l, "t", &turns, 0, DAY0 + 2);
+    CHECK(take(l, "t", &turns, DAY0 + 3, NULL) == CG_LIMIT_OK);
+    cg_limiter_free(l);
+}
+
 int main(void)
 {
+    test_forget();
     test_clock();
     test_names();
     test_messages();
