@@ -42,6 +42,7 @@
 #include "chatgate/server/turn.h"
 
 #define CG_DROPIN_HIGH (256 * 1024)
+#define CG_DROPIN_HOLD_S 40 /* a held client's wait for the app's handshake (its connect bound is 30 s) */
 
 /* Frames keep the headroom of the ones dumped for us (protocol.h), so those are adopted as
  * they are; lws writes its header there. */
@@ -108,6 +109,12 @@ struct cg_dropin {
     } suppress;
     unsigned long forwards; /* chat messages handed to the app so far */
     cg_wsrx app_rx; /* the app frame being reassembled */
+    /* the client's handshake held until the app has answered its own (cg_dropin_hold) */
+    enum { HOLD_NONE, HOLD_WAITING, HOLD_APP_OPEN, HOLD_APP_REFUSED } hold;
+    unsigned int app_status; /* HOLD_APP_REFUSED: the app's HTTP status, 0 when it gave none */
+    json_t *app_cookies;     /* HOLD_APP_OPEN: the app's Set-Cookie values, for the client's 101 */
+    struct cg_dropin *held_next; /* the list of held clients (held_head) */
+    cg_flush_item release_flush; /* the held client's flow goes on at the iteration's end */
     cg_flush_item client_flush, app_flush; /* registered while a queue waits for the iteration's end */
 };
 
@@ -234,6 +241,7 @@ static void dropin_unref(cg_dropin *d)
         return;
     cg_flush_cancel(&d->client_flush);
     cg_flush_cancel(&d->app_flush);
+    cg_flush_cancel(&d->release_flush);
     queue_clear(&d->to_app);
     queue_clear(&d->to_client);
     cg_headers_free(&d->forwarded);
@@ -241,6 +249,7 @@ static void dropin_unref(cg_dropin *d)
     free(d->subprotocol);
     cg_wsrx_done(&d->app_rx);
     free(d->suppress.id);
+    json_decref(d->app_cookies);
     free(d);
 }
 
@@ -564,6 +573,8 @@ static int client_write_queue(cg_dropin *d, int from_writable)
 static void client_flush(cg_flush_item *item)
 {
     cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, client_flush));
+    if (d->hold != HOLD_NONE) /* the client's handshake is not done: its session flushes */
+        return;
     /* closing: the close frame is out, and the writable callback that ends it is asked for */
     if (!d->client_gone && !d->closing && client_write_queue(d, 0) < 0) /* not inside the wsi's callback */
         cg_net_kill_async(&d->srv->net, d->client, PENDING_TIMEOUT_CLOSE_SEND);
@@ -681,6 +692,11 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     cg_dropin_app_frame_clear(&a);
 }
 
+static void hold_app_cookies(cg_dropin *d, struct lws *app);
+static void hold_app_open(cg_dropin *d);
+static void hold_refused(cg_dropin *d, unsigned int status);
+static void app_unreachable(cg_dropin *d);
+
 /* The app connection is gone: nothing more is written to it, and its reference goes
  * (app_failed: a connect that failed before it returned must not drop it again). */
 static void app_gone(cg_dropin *d, struct lws *wsi)
@@ -717,8 +733,14 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
     switch (reason) {
     case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER:
         return append_headers(d, wsi, (unsigned char **)in, *(unsigned char **)in + len);
+    case LWS_CALLBACK_CLIENT_FILTER_PRE_ESTABLISH:
+        if (d->hold == HOLD_WAITING)
+            hold_app_cookies(d, wsi);
+        return 0;
     case LWS_CALLBACK_CLIENT_ESTABLISHED:
         d->app_open = 1;
+        if (d->hold == HOLD_WAITING)
+            hold_app_open(d);
         if (d->client_gone) { /* the client left during the handshake: a close frame (1001) */
             lws_callback_on_writable(wsi);
             return 0;
@@ -779,7 +801,10 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
             snprintf(reason, sizeof(reason), "the app could not be reached: %s",
                      in ? (const char *)in : "connection failed");
         cg_warn("dropin: session %s: %s", d->name, reason);
-        close_client(d, status == 401 || status == 403 ? 1008 : 1014, reason);
+        if (d->hold == HOLD_WAITING) /* the client's handshake gets the refusal instead */
+            hold_refused(d, status);
+        else
+            close_client(d, status == 401 || status == 403 ? 1008 : 1014, reason);
         app_gone(d, wsi);
         return 0;
     }
@@ -801,6 +826,177 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
     }
 }
 
+/* ---- the client's handshake, held for the app's ------------------------------------------ */
+
+static void release_flush(cg_flush_item *item)
+{
+    cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, release_flush));
+    int rc = lws_rx_flow_control(d->client, 1);
+    cg_debug("dropin: session %s: the client's handshake goes on (%d)", d->name, rc);
+}
+
+/* The held client's handshake goes on: lws reads the end of its head (listener.h). Not from
+ * inside the app connection's callback, where lws does not apply another wsi's flow change:
+ * at the end of the loop iteration. */
+static void hold_release(cg_dropin *d)
+{
+    cg_flush_request(d->srv->net.flush, &d->release_flush, release_flush);
+}
+
+/* The app's answer to its handshake, while lws still has its headers (FILTER_PRE_ESTABLISH):
+ * its cookies, for the client's 101. */
+static void hold_app_cookies(cg_dropin *d, struct lws *app)
+{
+    json_decref(d->app_cookies);
+    d->app_cookies = json_array();
+    char *value = malloc((size_t)d->srv->cfg->max_header_bytes + 1);
+    if (!value || !d->app_cookies)
+        abort();
+    for (int i = 0;; i++) {
+        int n = lws_hdr_copy_fragment(app, value, (int)d->srv->cfg->max_header_bytes + 1, WSI_TOKEN_HTTP_SET_COOKIE, i);
+        if (n <= 0)
+            break;
+        json_array_append_new(d->app_cookies, json_stringn(value, (size_t)n)); /* NULL (not UTF-8): left out */
+    }
+    free(value);
+}
+
+/* The app answered 101: the client's handshake goes on. */
+static void hold_app_open(cg_dropin *d)
+{
+    d->hold = HOLD_APP_OPEN;
+    hold_release(d);
+}
+
+/* The app refused the handshake (status) or could not be reached (0): so is the client. */
+static void hold_refused(cg_dropin *d, unsigned int status)
+{
+    d->hold = HOLD_APP_REFUSED;
+    d->app_status = status;
+    hold_release(d);
+}
+
+static void app_unreachable(cg_dropin *d)
+{
+    if (d->hold == HOLD_WAITING)
+        hold_refused(d, 0);
+    else
+        close_client(d, 1014, "the app could not be reached");
+}
+
+/* The clients held now: a few at a time, found by their wsi (a wsi's opaque data is not
+ * ours to read: other connections keep theirs there). */
+static cg_dropin *held_head;
+
+static cg_dropin *held_of(struct lws *client)
+{
+    for (cg_dropin *d = held_head; d; d = d->held_next)
+        if (d->client == client)
+            return d;
+    return NULL;
+}
+
+/* The client's handshake is done, or the client gone: it is held no more. */
+static void held_remove(cg_dropin *d)
+{
+    for (cg_dropin **pp = &held_head; *pp; pp = &(*pp)->held_next)
+        if (*pp == d) {
+            *pp = d->held_next;
+            break;
+        }
+    d->held_next = NULL;
+    d->hold = HOLD_NONE;
+}
+
+int cg_dropin_identify(cg_server *srv, struct lws *client, char *user, size_t userlen, char *plan, char *err,
+                       size_t errlen)
+{
+    plan[0] = 0;
+    if (strcmp(srv->cfg->auth, "none") == 0 && cg_handshake_dropin_user(srv, client, user, userlen) == 0)
+        return 0; /* the cookie's user */
+    int64_t now = srv->turn.store->now(srv->turn.store->clock_ctx);
+    return cg_handshake_identify(srv, client, now, user, userlen, plan, err, errlen);
+}
+
+int cg_dropin_hold(cg_server *srv, struct lws *client)
+{
+    char user[CG_MAX_USER + 1], plan[CG_MAX_PLAN_NAME + 1], err[256];
+    if (!cg_handshake_upgrade_acceptable(client) ||
+        cg_dropin_identify(srv, client, user, sizeof(user), plan, err, sizeof(err)) < 0)
+        return -1; /* refused as it would be unheld, without an app connection */
+    cg_dropin *d = cg_dropin_open(srv, client, user, plan, "(handshake)");
+    if (!d)
+        return -1;
+    d->hold = HOLD_WAITING;
+    d->held_next = held_head;
+    held_head = d;
+    /* lws's wait for the rest of a head (10 s) becomes the app's: its connect bound and more */
+    lws_set_timeout(client, PENDING_TIMEOUT_HOLDING_AH, CG_DROPIN_HOLD_S);
+    return 0;
+}
+
+int cg_dropin_confirm_held(struct lws *client)
+{
+    cg_dropin *d = held_of(client);
+    if (!d || d->hold != HOLD_APP_REFUSED)
+        return 0;
+    unsigned int status = d->app_status == 401 || d->app_status == 403 ? d->app_status : 502;
+    char body[128];
+    if (d->app_status)
+        snprintf(body, sizeof(body), "the app refused the connection with HTTP %u\n", d->app_status);
+    else
+        snprintf(body, sizeof(body), "the app could not be reached\n");
+    d->srv->metrics.refused_connections++;
+    return cg_http_refuse(client, (int)status, status == 401 ? "Unauthorized" : status == 403 ? "Forbidden"
+                                                                                             : "Bad Gateway",
+                          body);
+}
+
+int cg_dropin_add_headers(struct lws *client, void *in)
+{
+    cg_dropin *d = held_of(client);
+    struct lws_process_html_args *args = in;
+    size_t i;
+    json_t *cookie;
+    if (!d || !args)
+        return 0;
+    unsigned char *p = (unsigned char *)args->p, *end = p + args->max_len;
+    json_array_foreach(d->app_cookies, i, cookie) {
+        if (lws_add_http_header_by_name(client, (const unsigned char *)"set-cookie:",
+                                        (const unsigned char *)json_string_value(cookie),
+                                        (int)json_string_length(cookie), &p, end)) {
+            cg_warn("dropin: session %s: the app's Set-Cookie does not fit the 101: left out", d->name);
+            break;
+        }
+    }
+    args->p = (char *)p;
+    return 0;
+}
+
+cg_dropin *cg_dropin_take_held(struct lws *client, char *user, size_t userlen, const char *name)
+{
+    cg_dropin *d = held_of(client);
+    if (!d)
+        return NULL;
+    held_remove(d);
+    lws_set_timeout(client, NO_PENDING_TIMEOUT, 0);
+    snprintf(user, userlen, "%s", d->user);
+    snprintf(d->name, sizeof(d->name), "%s", name); /* the session's id from now on */
+    flush_to_app(d);
+    if (d->to_client.head) /* what the app said before the client's handshake was done */
+        cg_flush_request(d->srv->net.flush, &d->client_flush, client_flush);
+    return d;
+}
+
+void cg_dropin_client_gone(struct lws *client)
+{
+    cg_dropin *d = held_of(client);
+    if (!d)
+        return;
+    held_remove(d);
+    cg_dropin_close(d);
+}
+
 /* ---- opening --------------------------------------------------------------------------- */
 
 static void on_app_resolved(void *data, const char *address, const char *err)
@@ -810,7 +1006,7 @@ static void on_app_resolved(void *data, const char *address, const char *err)
     const cg_upstream_config *u = &d->srv->cfg->dropin_app;
     if (!address) {
         cg_warn("dropin: %s ('%s')", err, u->host);
-        close_client(d, 1014, "the app could not be reached");
+        app_unreachable(d);
         dropin_unref(d);
         return;
     }
@@ -825,7 +1021,7 @@ static void on_app_resolved(void *data, const char *address, const char *err)
     };
     if (!cg_net_connect(&d->srv->net, &spec, d, &d->app) && !d->app_failed) { /* refused before any callback said so */
         d->app = NULL;
-        close_client(d, 1014, "the app could not be reached");
+        app_unreachable(d);
         dropin_unref(d);
     }
 }
@@ -885,6 +1081,35 @@ static char *app_path(const cg_server *srv, struct lws *client)
 }
 
 _Static_assert(CG_DROPIN_MAX_FORWARD_HEADERS + 1 <= CG_HEADERS_MAX, "the Origin and every forwarded header fit");
+
+/*
+ * The subprotocol the client's handshake gets, as lws chooses it: the first name the client
+ * offers (Sec-WebSocket-Protocol) that the vhost has, chatgate.v1 or one of
+ * dropin.subprotocols. Read from the header, since a held client (listener.h) is not bound
+ * to it yet. NULL for chatgate.v1 or none (the app is offered none).
+ */
+static char *client_subprotocol(const cg_dropin *d, struct lws *client)
+{
+    int total = lws_hdr_total_length(client, WSI_TOKEN_PROTOCOL);
+    char *offered = total > 0 ? malloc((size_t)total + 1) : NULL;
+    char *chosen = NULL;
+    if (!offered || lws_hdr_copy(client, offered, total + 1, WSI_TOKEN_PROTOCOL) <= 0) {
+        free(offered);
+        return NULL;
+    }
+    json_t *subs = json_object_get(d->cfg, "subprotocols");
+    for (char *save = NULL, *name = strtok_r(offered, ", \t", &save); name && !chosen;
+         name = strtok_r(NULL, ", \t", &save)) {
+        if (strcmp(name, CG_PROTOCOL_NAME) == 0)
+            break;
+        size_t i;
+        json_t *s;
+        json_array_foreach(subs, i, s) if (strcmp(name, json_string_value(s)) == 0 && !(chosen = strdup(name)))
+            abort();
+    }
+    free(offered);
+    return chosen;
+}
 
 /* Keeps one header of the client's handshake (name lower-cased, without ':') to pass on. */
 static void forward_header(cg_dropin *d, const char *name, const char *value)
@@ -985,9 +1210,7 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
         free(d);
         return NULL;
     }
-    const struct lws_protocols *proto = lws_get_protocol(client);
-    if (proto && strcmp(proto->name, CG_PROTOCOL_NAME) != 0)
-        d->subprotocol = strdup(proto->name);
+    d->subprotocol = client_subprotocol(d, client);
     copy_headers(d, client);
     app_host(d, client);
     d->resolve = cg_resolve_start(srv->net.loop, srv->cfg->dropin_app.host, on_app_resolved, d);

@@ -31,6 +31,7 @@
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/gateway.h"
 #include "chatgate/server/handshake.h"
+#include "chatgate/server/listener.h"
 #include "chatgate/server/ops.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/tls_ca.h"
@@ -69,6 +70,7 @@ static int front_callback(struct lws *wsi, enum lws_callback_reasons reason, voi
         cg_net_tls_verified(wsi, user, in, (int)len);
         return 0;
     case LWS_CALLBACK_WSI_DESTROY: {
+        cg_dropin_client_gone(wsi); /* a drop-in client held for its app that never got a session */
         /* The session callback passes a wsi's end on to the wsi's own protocol when that is
          * not its own: for a wsi of protocols[0] that would be this callback again. */
         const struct lws_protocols *p = lws_get_protocol(wsi);
@@ -273,7 +275,8 @@ static void gateway_stop(cg_gateway *gw)
     uv_signal_stop(&gw->sig_term);
     uv_signal_stop(&gw->sig_int);
     uv_signal_stop(&gw->sig_hup);
-    cg_worker_stop(&gw->srv); /* --workers: its own listeners and publishing */
+    cg_listener_close_all();
+    cg_worker_stop(&gw->srv); /* --workers: its publishing */
     /* With a foreign loop, destroying the context closes its handles; the loop then runs
      * until they are gone (docs/architecture.md, "Threading"). */
     lws_context_destroy(gw->lws);
@@ -384,7 +387,8 @@ static int start_admin_listener(cg_gateway *gw, const cg_config *cfg, const stru
         cg_error("could not start the admin listener on %s", cfg->admin_listen);
         return -1;
     }
-    if (cg_worker_self() && cg_worker_listen(gw->loop, vh, cfg->admin_host, cfg->admin_port, "admin listener") < 0)
+    if (cg_worker_self() &&
+        cg_listener_open(&gw->srv, vh, cfg->admin_host, cfg->admin_port, CG_LISTEN_SHARED, "admin listener") < 0)
         return -1;
     cg_info("admin API on http://%s/admin/%s", cfg->admin_listen,
             getenv("CHATGATE_ADMIN_TOKEN") ? "" : " (off: CHATGATE_ADMIN_TOKEN is not set)");
@@ -467,15 +471,16 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->srv.turn.store->on_cancel = on_store_cancel;
     gw->srv.turn.store->cancel_ctx = &gw->srv.turn;
 
+    gw->srv.net.loop = loop; /* the listeners' (listener.h), before the rest of net is set */
     void *foreign_loops[1] = {loop};
     struct lws_context_creation_info info;
     memset(&info, 0, sizeof(info));
     info.options = LWS_SERVER_OPTION_LIBUV | LWS_SERVER_OPTION_DO_SSL_GLOBAL_INIT |
                    LWS_SERVER_OPTION_HTTP_HEADERS_SECURITY_BEST_PRACTICES_ENFORCE;
     info.foreign_loops = foreign_loops;
-    /* --workers: the worker listens itself (worker.h: lws 4.1 cannot share the port) */
-    info.port = cg_worker_self() ? CONTEXT_PORT_NO_LISTEN_SERVER : cfg->listen_port;
-    info.iface = cg_worker_self() ? NULL : cfg->listen_host;
+    /* the gateway listens itself (listener.h: a drop-in client's head is held while its app
+     * answers; workers share the port, which lws 4.1 cannot) */
+    info.port = CONTEXT_PORT_NO_LISTEN_SERVER;
     info.protocols = gw->protocols;
     info.mounts = &gw->mount;
     info.user = &gw->srv; /* cg_server_of() */
@@ -513,11 +518,12 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
         return -1;
     }
-    if (cg_worker_self() && cg_worker_listen(loop, gw->vhost, cfg->listen_host, cfg->listen_port, "listener") < 0)
-        return -1;
     cg_flusher_init(&gw->srv.flusher, loop); /* before the loop runs: the store's first write comes after its connect */
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher,
                            .tls_ca = cfg->tls_ca};
+    int flags = CG_LISTEN_DROPIN | (cg_worker_self() ? CG_LISTEN_SHARED : 0);
+    if (cg_listener_open(&gw->srv, gw->vhost, cfg->listen_host, cfg->listen_port, flags, "listener") < 0)
+        return -1;
     gw->srv.turn.n_upstreams = cfg->n_upstreams;
     for (int i = 0; i < cfg->n_upstreams; i++) {
         cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i], &gw->srv.metrics, i);

@@ -170,6 +170,11 @@ static int under_dropin_path(const cg_server *srv, const char *uri)
     return strncmp(uri, path, n) == 0 && (uri[n] == 0 || uri[n] == '/');
 }
 
+int cg_handshake_path_is_dropin(const cg_server *srv, const char *path)
+{
+    return under_dropin_path(srv, path);
+}
+
 int cg_handshake_is_dropin(const cg_server *srv, struct lws *wsi)
 {
     char uri[1024];
@@ -277,20 +282,29 @@ static int origin_allowed(struct lws *wsi, const char *allow, char *origin, size
     return ip_literal(name, n) && strcasecmp(name, host) == 0;
 }
 
+/* A refused upgrade: its answer, and why, for the log (NULL: not logged). */
+typedef struct refusal {
+    int status;
+    const char *reason, *extra, *body;
+    char log[512];
+} refusal;
+
 /*
  * RFC 6455 4.2.1 and 4.4, which lws 4.1 does not hold to: Sec-WebSocket-Version must be 13
  * (else 426, saying which version we speak), Sec-WebSocket-Key 16 bytes in base64 (else
- * 400). 0 when both are fine, else the answer was written (1).
+ * 400). 0 when both are fine, else 1 and the refusal.
  */
-static int refuse_bad_websocket(struct lws *wsi)
+static int bad_websocket(struct lws *wsi, refusal *r)
 {
     char v[16], key[64];
     int vn = lws_hdr_copy(wsi, v, sizeof(v), WSI_TOKEN_VERSION);
     if (vn != 2 || strcmp(v, "13") != 0) {
-        cg_warn("refused a WebSocket handshake with Sec-WebSocket-Version '%.8s': only 13 is spoken (RFC 6455)",
-                vn > 0 ? v : "(none)");
-        return http_answer(wsi, 426, "Upgrade Required", "sec-websocket-version: 13\r\n",
-                           "only WebSocket version 13 is spoken (RFC 6455)\n");
+        *r = (refusal){426, "Upgrade Required", "sec-websocket-version: 13\r\n",
+                       "only WebSocket version 13 is spoken (RFC 6455)\n", ""};
+        snprintf(r->log, sizeof(r->log),
+                 "refused a WebSocket handshake with Sec-WebSocket-Version '%.8s': only 13 is spoken (RFC 6455)",
+                 vn > 0 ? v : "(none)");
+        return 1;
     }
     unsigned char raw[48];
     int kn = lws_hdr_copy(wsi, key, sizeof(key), WSI_TOKEN_KEY);
@@ -298,48 +312,77 @@ static int refuse_bad_websocket(struct lws *wsi)
     for (int i = 0; ok && i < 22; i++)
         ok = isalnum((unsigned char)key[i]) || key[i] == '+' || key[i] == '/';
     if (!ok) {
-        cg_warn("refused a WebSocket handshake: Sec-WebSocket-Key is not 16 bytes in base64 (RFC 6455 4.2.1)");
-        return http_answer(wsi, 400, "Bad Request", "",
-                           "Sec-WebSocket-Key must be 16 bytes in base64 (RFC 6455 4.2.1)\n");
+        *r = (refusal){400, "Bad Request", "", "Sec-WebSocket-Key must be 16 bytes in base64 (RFC 6455 4.2.1)\n",
+                       "refused a WebSocket handshake: Sec-WebSocket-Key is not 16 bytes in base64 (RFC 6455 4.2.1)"};
+        return 1;
     }
     return 0;
 }
 
 /*
- * The WebSocket upgrade: only on /ws, and only while under --max-connections. Refusals
- * are HTTP answers (404, 503) so that a client or load balancer sees why; returning 1
- * tells lws the answer was written.
+ * Would this upgrade be refused, and how? Only on /ws and the drop-in path, a handshake of
+ * RFC 6455, an Origin allowed, and while under --max-connections and not shutting down.
+ * Reads the headers only: a held drop-in client is asked before its app is opened.
+ */
+static int upgrade_refusal(struct lws *wsi, cg_server *srv, refusal *r)
+{
+    char uri[256], origin[512];
+    memset(r, 0, sizeof(*r));
+    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 ||
+        (strcmp(uri, "/ws") != 0 && !cg_handshake_is_dropin(srv, wsi))) {
+        *r = (refusal){404, "Not Found", "", "WebSocket connections go to /ws\n", ""};
+        return 1;
+    }
+    if (bad_websocket(wsi, r))
+        return 1;
+    if (!origin_allowed(wsi, srv->cfg->allow_origin, origin, sizeof(origin))) {
+        *r = (refusal){403, "Forbidden", "", "this Origin may not connect (see --allow-origin)\n", ""};
+        snprintf(r->log, sizeof(r->log),
+                 "refused a connection from the page of Origin '%.200s': not a loopback page of this gateway nor "
+                 "in --allow-origin (a page opened from a file sends 'null')",
+                 origin);
+        return 1;
+    }
+    if (srv->turn.stopping) {
+        *r = (refusal){503, "Service Unavailable", "", "shutting down\n", ""};
+        return 1;
+    }
+    if (srv->n_sessions >= srv->cfg->max_connections) {
+        *r = (refusal){503, "Service Unavailable", "", "too many connections\n", ""};
+        snprintf(r->log, sizeof(r->log), "refused a connection: %ld connected, the limit is %ld", srv->n_sessions,
+                 srv->cfg->max_connections);
+        return 1;
+    }
+    long total;
+    if (headers_too_large(wsi, srv->cfg->max_header_bytes, &total)) { /* answered by the front callback */
+        *r = (refusal){431, "Request Header Fields Too Large", "", "", ""};
+        return 1;
+    }
+    return 0;
+}
+
+int cg_handshake_upgrade_acceptable(struct lws *wsi)
+{
+    refusal r;
+    return !upgrade_refusal(wsi, cg_server_of(wsi), &r);
+}
+
+/*
+ * The WebSocket upgrade (upgrade_refusal). Refusals are HTTP answers (404, 403, 426, 400,
+ * 503) so that a client or load balancer sees why; returning 1 tells lws the answer was
+ * written.
  */
 int cg_handshake_confirm_upgrade(struct lws *wsi)
 {
     cg_server *srv = cg_server_of(wsi);
-    char uri[256];
-    if (lws_hdr_copy(wsi, uri, sizeof(uri), WSI_TOKEN_GET_URI) < 0 ||
-        (strcmp(uri, "/ws") != 0 && !cg_handshake_is_dropin(srv, wsi)))
-        return cg_http_refuse(wsi, 404, "Not Found", "WebSocket connections go to /ws\n");
-    if (refuse_bad_websocket(wsi)) {
+    refusal r;
+    if (!upgrade_refusal(wsi, srv, &r))
+        return 0;
+    if (r.status != 404)
         srv->metrics.refused_connections++;
-        return 1;
-    }
-    char origin[512];
-    if (!origin_allowed(wsi, srv->cfg->allow_origin, origin, sizeof(origin))) {
-        cg_warn("refused a connection from the page of Origin '%.200s': not a loopback host nor in --allow-origin "
-                "(a page opened from a file sends 'null')",
-                origin);
-        srv->metrics.refused_connections++;
-        return cg_http_refuse(wsi, 403, "Forbidden", "this Origin may not connect (see --allow-origin)\n");
-    }
-    if (srv->turn.stopping) {
-        srv->metrics.refused_connections++;
-        return cg_http_refuse(wsi, 503, "Service Unavailable", "shutting down\n");
-    }
-    if (srv->n_sessions >= srv->cfg->max_connections) {
-        cg_warn("refused a connection: %ld connected, the limit is %ld", srv->n_sessions,
-                srv->cfg->max_connections);
-        srv->metrics.refused_connections++;
-        return cg_http_refuse(wsi, 503, "Service Unavailable", "too many connections\n");
-    }
-    return 0;
+    if (r.log[0])
+        cg_warn("%s", r.log);
+    return http_answer(wsi, r.status, r.reason, r.extra, r.body);
 }
 
 int cg_handshake_dropin_user(const cg_server *srv, struct lws *client, char *out, size_t outlen)

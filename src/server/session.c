@@ -505,10 +505,12 @@ static void dropin_open(cg_session *s, struct lws *wsi)
 {
     cg_server *srv = s->srv;
     char err[256], plan[CG_MAX_PLAN_NAME + 1] = "";
-    if (strcmp(srv->cfg->auth, "none") == 0 && cg_handshake_dropin_user(srv, wsi, s->user, sizeof(s->user)) == 0) {
-        /* the cookie's user */
-    } else if (cg_handshake_identify(srv, wsi, session_now(s), s->user, sizeof(s->user), plan, err, sizeof(err)) <
-               0) {
+    /* held for the app's handshake (listener.h): the app connection is open already */
+    if ((s->dropin = cg_dropin_take_held(wsi, s->user, sizeof(s->user), s->session_id))) {
+        cg_info("session %s: drop-in (%ld connected)", s->session_id, srv->n_sessions);
+        return;
+    }
+    if (cg_dropin_identify(srv, wsi, s->user, sizeof(s->user), plan, err, sizeof(err)) < 0) {
         /* as for chatgate.v1, but with no error frame (the app's protocol has none of ours):
          * marked unauthorized (nothing it sends is read), then closed with 1008 from the
          * next writable */
@@ -531,7 +533,11 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
     cg_session *s = user;
     switch (reason) {
     case LWS_CALLBACK_HTTP_CONFIRM_UPGRADE:
+        if (cg_dropin_confirm_held(wsi)) /* the app refused its own handshake: so is this one */
+            return 1;
         return cg_handshake_confirm_upgrade(wsi);
+    case LWS_CALLBACK_ADD_HEADERS: /* the 101 of a held drop-in client: the app's cookies */
+        return cg_dropin_add_headers(wsi, in);
     case LWS_CALLBACK_ESTABLISHED:
         session_open(s, wsi);
         return 0;

@@ -40,7 +40,8 @@
 //      page; typing echoes still pass meanwhile; the next message gets its whole reply;
 //   5. negative control: the page from another origin (http://localhost:APP, which chatgate
 //      itself allows) through chatgate: the app refuses it with 403, chatgate reports the
-//      refusal in its log, the page's socket fails and gets no frame.
+//      refusal in its log and answers the page's handshake with that 403 (it waits for the
+//      app's answer), the page's socket fails and gets no frame.
 //
 // Usage: node origin.test.js [CHATGATE_BINARY] [--out DIR]
 //   CHATGATE_BINARY  the gateway (else $CHATGATE_BINARY, else ../../build/chatgate)
@@ -413,8 +414,12 @@ async function main() {
         `the refused handshake carried Origin ${js(ev.origin)} and Host ${js(ev.host)}; expected ${js(other)} and ${js(app.hostPort)}`);
       await bad.page.waitForSelector('#status[data-state="closed"]', { timeout: 8000 })
         .catch(() => fail("the page's socket did not fail although the app refused the handshake"));
+      // chatgate answers the page's handshake only once the app has answered its own (issue
+      // 35): the app's 403 is the page's, and a handshake refused is a close 1006 in a browser
       const code = await bad.page.getAttribute("#status", "data-code");
-      check(code === "1008", `the page's socket should close with 1008 (the app's policy refused it), got ${code}`);
+      check(code === "1006", `the page's handshake should fail (1006: refused with the app's 403), got ${code}`);
+      await until(() => problems.some((p) => p.includes("via-chatgate-other-origin") && /response code: 403/.test(p)), 3000,
+        () => `the browser did not report the handshake's 403: ${problems.join("\n")}`);
       check(parsed(bad, "<").length === 0, `the refused page got frames: ${describeFrames(bad)}`);
       await until(() => gateway.log.slice(gwLog).some((l) => /refused the connection with HTTP 403/.test(l)), 3000,
         () => `chatgate's log does not report the app's 403; its new lines:\n${gateway.log.slice(gwLog).join("\n")}`);

@@ -167,9 +167,10 @@ def readme_config(app):
     return cfg, source
 
 
-def gateway(app, name):
-    """The gateway with readme_config, nothing added."""
+def gateway(app, name, allow_origin=()):
+    """The gateway with readme_config; allow_origin: more origins the gateway lets through."""
     cfg, source = readme_config(app)
+    cfg["allow_origin"] = cfg.get("allow_origin", []) + list(allow_origin)
     print(f"   config ({source}, adapted): {json.dumps(cfg, separators=(',', ':'))}")
     return Gateway(config=cfg, env={"CHATGATE_NOW": NOW}, name=name)
 
@@ -359,10 +360,53 @@ async def part_group_cancel():
             gw.assert_alive()
 
 
+# -------------------------------------------------------------------------------------- c
+
+
+async def part_handshake_order():
+    """Issue 35, item 9: the gateway answers a client's handshake only once the app has
+    answered its own, and passes on what the app answered."""
+    async with TornadoChat() as app:
+        # another origin the gateway lets through, so that the app's refusal is the one seen
+        async with gateway(app, "gateway:order", allow_origin=["http://other.example"]) as gw:
+            url = gw.ws_url("/chatsocket")
+            with step("20 rounds: client 2 connects right after client 1, and client 1 sends once both handshakes "
+                      "have returned: client 2 gets the line every time (the app knows a client when its 101 "
+                      "comes; before: 6 to 18 misses in 20, 0 direct)"):
+                missed = []
+                for i in range(20):
+                    c1 = await Chatter.open("client 1", url, app.origin)
+                    c2 = await Chatter.open("client 2", url, app.origin)
+                    first, probe = f"first {i}", f"probe {i}"
+                    await c1.say(first)
+                    await c1.wait_body(first)
+                    await c2.say(probe)
+                    await c2.wait_body(probe)
+                    if c2.when(first) is None:
+                        missed.append(i)
+                    await close_all([c1, c2])
+                check(not missed, f"client 2 missed client 1's first line in rounds {missed}")
+            with step("the app's 101 sets a cookie (Set-Cookie: chat_seen=1): the client's 101 carries it"):
+                ws = await websockets.connect(url, origin=app.origin, open_timeout=T)
+                cookies = ws.response_headers.get_all("Set-Cookie")
+                await ws.close()
+                check(any(c.startswith("chat_seen=1") for c in cookies), f"the client's 101 had Set-Cookie {cookies}")
+            with step("a page of another origin (allowed by the gateway, not by the app): the app answers its "
+                      "handshake 403, and so the gateway answers the client's (before: 101, then a close 1008)"):
+                try:
+                    ws = await websockets.connect(url, origin="http://other.example", open_timeout=T)
+                    await ws.close()
+                    harness.fail("the client's handshake got 101 although the app refused its own with 403")
+                except websockets.InvalidStatusCode as err:
+                    check(err.status_code == 403, f"the client's handshake was answered {err.status_code}, expected 403")
+            gw.assert_alive()
+
+
 async def main(args):
     started = time.monotonic()
     await independent(part_origin())
     await independent(part_group_cancel())
+    await independent(part_handshake_order())
     print(f"-- all parts in {time.monotonic() - started:.1f} s")
 
 

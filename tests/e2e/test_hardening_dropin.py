@@ -27,9 +27,11 @@ import socket
 import struct
 import time
 
+import websockets
+
 import harness
 from harness import Gateway, check, independent, step
-from dropin_app import ChatApp
+from dropin_app import ChatApp, ChatClient
 from test_dropin import (FLIGHT1, FLIGHT2, WANT2, ENV, chatgate_of, config, connect, login, reply, short,
                          shorts, wait_say)
 
@@ -386,11 +388,16 @@ async def part_path_encoded():
         async with Gateway(config=cfg, env=ENV, name="gateway:path") as gw:
             with step("a client at /socket/a%20b%09c%3Fd%25e?x=1: the app's request line is "
                       "GET /socket/a%20b%09c%3Fd%25e?x=1 HTTP/1.1"):
-                client = await connect(gw.ws_url("/socket/a%20b%09c%3Fd%25e") + "?x=1", "s1")
+                # the app here reads the request line and hangs up: the client's handshake is
+                # answered 502 (it waits for the app's), which is not what is checked
+                try:
+                    client = await ChatClient.connect(gw.ws_url("/socket/a%20b%09c%3Fd%25e") + "?x=1", "s1")
+                    await client.close()
+                except websockets.InvalidStatusCode:
+                    pass
                 ok = await harness.wait_until(lambda: lines, 5)
                 check(ok, "the app got no request")
                 check(lines[0] == "GET /socket/a%20b%09c%3Fd%25e?x=1 HTTP/1.1", f"the app's request line: {lines[0]!r}")
-                await client.close()
             gw.assert_alive()
     finally:
         server.close()

@@ -26,9 +26,9 @@ handshakes carry an app session cookie and the subprotocol chat.v2).
   "Sec-WebSocket-Version: 13"; a Sec-WebSocket-Key that is not base64 of exactly 16 bytes
   (abc, 15 bytes, 17 bytes, 24 characters outside base64) or none gets 400; a correct
   handshake gets 101. Before: 101 for all of them (libwebsockets 4.1.6 takes any version and
-  key), but no key, which got no answer at all (the connection was closed). A target with dot
-  segments (/../ws) is not checked: libwebsockets 4.1.6 collapses them to /ws while parsing
-  and keeps no raw copy (the issue's note says what that would take).
+  key, and collapses dot segments to /ws), but no key, which got no answer at all (the
+  connection was closed). A target with dot segments (/../ws, /ws/../ws, /./ws) gets 400: the
+  gateway reads the request head itself before lws does (listener.h).
 - part_jwt_times (D), --auth jwt: a token with exp 1e300 or 1e19, or nbf -1e300, is refused
   as an expired one is (an error frame unauthorized, close 1008); exp now+3600 is accepted.
   Before: a hello for each of the three.
@@ -248,7 +248,7 @@ async def part_rfc6455():
         async with dropin_gateway(app, "gateway:rfc6455") as gw:
             with step(f"/ws and {DROPIN_PATH}: Sec-WebSocket-Version 8, 14, abc or none: 426 with "
                       f"Sec-WebSocket-Version: 13; a Sec-WebSocket-Key not base64 of 16 bytes, or none: 400; a "
-                      f"correct handshake: 101"):
+                      f"target with dot segments: 400; a correct handshake: 101"):
                 wrong = []
                 for where in paths_of(gw, app):
                     base = where.path
@@ -264,6 +264,9 @@ async def part_rfc6455():
                         ("key of 17 bytes", 400, dict(key=b64(17))),
                         ("key of 24 characters outside base64", 400, dict(key="@" * 22 + "==")),
                         ("no key", 400, dict(key=None)),
+                        (f"target /..{base}", 400, dict(path=f"/..{base}")),
+                        (f"target {base}/..{base}", 400, dict(path=f"{base}/..{base}")),
+                        (f"target /.{base}", 400, dict(path=f"/.{base}")),
                         ("a correct handshake", 101, dict()),
                     ])
                 check(not wrong, "RFC 6455 handshake checks:\n  " + "\n  ".join(wrong))

@@ -73,6 +73,10 @@ class ChatSocketBase(tornado.websocket.WebSocketHandler):
     def get_compression_options(self):
         return {}  # not None: permessage-deflate for the clients that offer it
 
+    def prepare(self):
+        # not the demo's: a cookie set on the handshake's 101, which a proxy must pass on
+        self.set_cookie("chat_seen", "1")
+
     def open(self):
         type(self).waiters.add(self)
 

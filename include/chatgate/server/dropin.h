@@ -48,6 +48,31 @@ int cg_dropin_client_writable(cg_dropin *d);
 /* The client is gone: the app connection goes too; d is freed when that is done. */
 void cg_dropin_close(cg_dropin *d);
 
+/*
+ * The client's handshake waits for the app's (listener.h holds its head): the client gets
+ * its 101 only once the app has sent its own, with the app's Set-Cookie, or the app's
+ * refusal (401 or 403 as the app said it, else 502), as a proxy would answer it; a client
+ * connecting right after another is the app's before anything else is said.
+ *
+ * cg_dropin_hold runs the handshake's checks and the client's identity on the held head and,
+ * when they pass, opens the app connection: 0, held (its rx flow stays off until the app
+ * answers); -1 when not held (the checks refuse it, or the app cannot be opened): the
+ * handshake goes on at once, refused or served as without a hold. The callbacks of the
+ * client's handshake then ask: cg_dropin_confirm_held (CONFIRM_UPGRADE: 1 when the app
+ * refused, its answer written), cg_dropin_add_headers (ADD_HEADERS: the app's Set-Cookie),
+ * cg_dropin_take_held (ESTABLISHED: the session takes d, and its user), and
+ * cg_dropin_client_gone (WSI_DESTROY before that: d goes as for a client that left).
+ */
+int cg_dropin_hold(cg_server *srv, struct lws *client);
+/* Who a drop-in client is: with auth none the app's session cookie (dropin.user_cookie),
+ * else --auth as for chatgate.v1; 0, or -1 with err. plan is CG_MAX_PLAN_NAME + 1 bytes. */
+int cg_dropin_identify(cg_server *srv, struct lws *client, char *user, size_t userlen, char *plan, char *err,
+                       size_t errlen);
+int cg_dropin_confirm_held(struct lws *client);
+int cg_dropin_add_headers(struct lws *client, void *in);
+cg_dropin *cg_dropin_take_held(struct lws *client, char *user, size_t userlen, const char *name);
+void cg_dropin_client_gone(struct lws *client);
+
 /* The lws callback of the upstream (app) connections. */
 int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);
 

@@ -26,12 +26,18 @@ int cg_refuse_large_headers(struct lws *wsi);
 int cg_refuse_plain_http_on_ws(struct lws *wsi);
 
 /* LWS_CALLBACK_HTTP_CONFIRM_UPGRADE: 0 to accept; 1 when refused (the answer is written:
- * 404 off /ws and the drop-in path, 403 for an Origin not allowed, 503 while shutting down
- * or over max_connections). */
+ * 404 off /ws and the drop-in path, 426 or 400 for a handshake not of RFC 6455, 403 for an
+ * Origin not allowed, 503 while shutting down or over max_connections). */
 int cg_handshake_confirm_upgrade(struct lws *wsi);
+
+/* 1 when cg_handshake_confirm_upgrade would accept this upgrade; nothing written or logged
+ * (a held drop-in client is asked before its app is opened, listener.h). */
+int cg_handshake_upgrade_acceptable(struct lws *wsi);
 
 /* The request is on the drop-in path or under it (/socket, /socket/websocket). */
 int cg_handshake_is_dropin(const cg_server *srv, struct lws *wsi);
+/* The same for a path (no query). */
+int cg_handshake_path_is_dropin(const cg_server *srv, const char *path);
 
 /* Who the connection is, by --auth, into user, and the plan its JWT names (limits.plan_claim)
  * into plan ("" when none; plan is CG_MAX_PLAN_NAME + 1 bytes); 0, or -1 with the reason in

@@ -1,0 +1,399 @@
+/*
+ * listener.c: the gateway's listening sockets and the reading of each connection's request
+ * head before lws serves it (see listener.h).
+ *
+ * Accepting: a uv_poll on the listening socket (level-triggered) accepts up to
+ * CG_ACCEPT_BATCH connections per wake-up. When the process runs out of descriptors
+ * (EMFILE), the poll pauses for CG_ACCEPT_PAUSE_MS instead of waking at once again for the
+ * same connection: the pending connections wait in the kernel's backlog.
+ *
+ * The head: each accepted connection gets a head_conn (its poll, a timer, a buffer) until
+ * its head is read, at most max_connections of them at once and CG_HEAD_TIMEOUT_MS each.
+ * What has come is looked at with MSG_PEEK: while the head is not whole, all of it is taken
+ * (so the level-triggered poll waits for more); once it is, only what lws is handed is taken,
+ * so the CRLF that a held head ends with stays in the socket for lws to read later. Then
+ * both handles close, and from the close callback (libuv allows one poll per socket, and
+ * lws makes its own) the socket and what was read go to lws. A head over the buffer is
+ * handed over as far as it came: lws reads the rest and answers 431.
+ */
+#define _GNU_SOURCE /* accept4, memmem */
+#include <uv.h>
+#include <libwebsockets.h>
+
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "chatgate/core/log.h"
+#include "chatgate/server/dropin.h"
+#include "chatgate/server/handshake.h"
+#include "chatgate/server/listener.h"
+
+#define CG_ACCEPT_BATCH 64
+#define CG_ACCEPT_PAUSE_MS 100
+#define CG_MAX_LISTENERS 2
+#define CG_HEAD_TIMEOUT_MS 10000 /* as lws's own wait for a head (timeout_secs_ah_idle) */
+
+typedef struct listener {
+    uv_poll_t poll;
+    uv_timer_t pause; /* resumes accepting after EMFILE */
+    int fd;
+    int open;
+    int flags;
+    cg_server *srv;
+    struct lws_vhost *vh;
+    const char *what;
+} listener;
+
+/* A connection whose request head is being read; freed once both handles have closed. */
+typedef struct head_conn {
+    uv_poll_t poll;
+    uv_timer_t timer;
+    listener *l;
+    int fd;
+    int handles;   /* open handles: the struct goes when both have closed */
+    int adopt;     /* then: hand the socket to lws (1), or close it (0) */
+    int hold;      /* a drop-in upgrade: handed over without the last CRLF, held */
+    size_t len, taken, give, cap; /* bytes come (peeked); taken out of the socket; lws gets; the buffer's size */
+    struct head_conn *prev, *next;
+    char buf[];
+} head_conn;
+
+static listener listeners[CG_MAX_LISTENERS];
+static head_conn *heads; /* those being read, for the drain */
+static long n_heads;
+
+/* ---- the head ----------------------------------------------------------------------- */
+
+static void head_unlink(head_conn *h)
+{
+    if (h->prev)
+        h->prev->next = h->next;
+    else
+        heads = h->next;
+    if (h->next)
+        h->next->prev = h->prev;
+    h->prev = h->next = NULL;
+    n_heads--;
+}
+
+/* Both handles closed: the socket goes to lws (held for its app, when a drop-in upgrade),
+ * or is closed. */
+static void head_closed(uv_handle_t *handle)
+{
+    head_conn *h = handle->data;
+    if (--h->handles > 0)
+        return;
+    if (!h->adopt) {
+        close(h->fd);
+        free(h);
+        return;
+    }
+    cg_server *srv = h->l->srv;
+    struct lws *wsi = lws_adopt_socket_vhost_readbuf(h->l->vh, h->fd, h->buf, h->give);
+    if (!wsi) /* it closed the socket */
+        cg_warn("%s: libwebsockets could not take a new connection", h->l->what);
+    else if (h->hold) {
+        /* lws has read every header but not the head's end: it reads on when the app has
+         * answered (dropin.c), or at once when the connection is not to be held */
+        lws_rx_flow_control(wsi, 0);
+        if (cg_dropin_hold(srv, wsi) < 0)
+            lws_rx_flow_control(wsi, 1);
+    }
+    free(h);
+}
+
+static void head_finish(head_conn *h, int adopt)
+{
+    head_unlink(h);
+    h->adopt = adopt;
+    uv_poll_stop(&h->poll);
+    uv_timer_stop(&h->timer);
+    uv_close((uv_handle_t *)&h->poll, head_closed);
+    uv_close((uv_handle_t *)&h->timer, head_closed);
+}
+
+/* The request target of the head (its request line's second word), and its length. */
+static const char *head_target(const head_conn *h, size_t *n)
+{
+    const char *sp = memchr(h->buf, ' ', h->len);
+    const char *t = sp ? sp + 1 : NULL;
+    const char *end = t ? memchr(t, ' ', h->len - (size_t)(t - h->buf)) : NULL;
+    *n = end ? (size_t)(end - t) : 0;
+    return end ? t : NULL;
+}
+
+/* Does the head ask for a WebSocket upgrade ("Upgrade: websocket", any case)? */
+static int head_upgrade(const head_conn *h)
+{
+    for (const char *p = h->buf, *end = h->buf + h->len; p < end;) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        size_t n = nl ? (size_t)(nl - p) : (size_t)(end - p);
+        if (n > 8 && strncasecmp(p, "upgrade:", 8) == 0 && memmem(p, n, "ebsocket", 8)) /* [Ww]ebsocket */
+            return 1;
+        p += n + 1;
+    }
+    return 0;
+}
+
+/* Does the target's path hold a dot segment ("/./", "/../", or one at its end)? */
+static int dot_segments(const char *t, size_t n)
+{
+    size_t path = 0;
+    while (path < n && t[path] != '?' && t[path] != '#')
+        path++;
+    for (size_t i = 0; i + 1 < path; i++) {
+        if (t[i] != '/' || t[i + 1] != '.')
+            continue;
+        size_t j = i + 2 < path && t[i + 2] == '.' ? i + 3 : i + 2;
+        if (j == path || t[j] == '/')
+            return 1;
+    }
+    return 0;
+}
+
+static int head_take(head_conn *h, size_t upto);
+
+/* The head is whole (its blank line ends at end; h->len bytes have come, h->taken of them
+ * are out of the socket): answered here (dot segments), or handed to lws, whole or held. */
+static void head_done(head_conn *h, size_t end)
+{
+    size_t tn;
+    const char *target = head_target(h, &tn);
+    int upgrade = head_upgrade(h);
+    if (upgrade && target && dot_segments(target, tn)) {
+        static const char answer[] = "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: 55\r\n"
+                                     "cache-control: no-store\r\nconnection: close\r\n\r\n"
+                                     "a WebSocket request target may not hold dot segments\n";
+        cg_warn("%s: refused a WebSocket handshake whose target holds dot segments ('%.*s'): 400", h->l->what,
+                (int)(tn < 200 ? tn : 200), target);
+        h->l->srv->metrics.refused_connections++;
+        if (send(h->fd, answer, sizeof(answer) - 1, MSG_NOSIGNAL) < 0)
+            cg_debug("%s: the 400 could not be sent: %s", h->l->what, strerror(errno));
+        head_finish(h, 0);
+        return;
+    }
+    /* held only when lws can hold the whole head in its header space and nothing came after
+     * it (a client sends no frame before its 101) */
+    char path[1024];
+    snprintf(path, sizeof(path), "%.*s", target ? (int)(tn < sizeof(path) - 1 ? tn : sizeof(path) - 1) : 0,
+             target ? target : "");
+    path[strcspn(path, "?")] = 0;
+    h->hold = (h->l->flags & CG_LISTEN_DROPIN) && upgrade && end == h->len && end - 2 >= h->taken &&
+              h->len <= (size_t)h->l->srv->cfg->max_header_bytes * 2 && cg_handshake_path_is_dropin(h->l->srv, path);
+    h->give = h->hold ? h->len - 2 : h->len;
+    if (head_take(h, h->give) < 0) {
+        head_finish(h, 0);
+        return;
+    }
+    head_finish(h, 1);
+}
+
+/* Takes the bytes up to upto out of the socket (they were peeked into the buffer): 0, or -1
+ * when the socket fails. */
+static int head_take(head_conn *h, size_t upto)
+{
+    while (h->taken < upto) {
+        ssize_t n = recv(h->fd, h->buf + h->taken, upto - h->taken, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        h->taken += (size_t)n;
+    }
+    return 0;
+}
+
+static void head_readable(uv_poll_t *p, int status, int events)
+{
+    (void)events;
+    head_conn *h = p->data;
+    if (status < 0) {
+        head_finish(h, 0);
+        return;
+    }
+    /* what is in the socket, after what was taken already */
+    ssize_t n = recv(h->fd, h->buf + h->taken, h->cap - h->taken, MSG_PEEK);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+        return;
+    if (n <= 0) { /* gone before its head was whole */
+        head_finish(h, 0);
+        return;
+    }
+    size_t from = h->taken > 3 ? h->taken - 3 : 0;
+    h->len = h->taken + (size_t)n;
+    const char *blank = memmem(h->buf + from, h->len - from, "\r\n\r\n", 4);
+    if (blank) {
+        head_done(h, (size_t)(blank - h->buf) + 4);
+        return;
+    }
+    /* not whole: all of it is taken, and the poll waits for more */
+    if (head_take(h, h->len) < 0) {
+        head_finish(h, 0);
+    } else if (h->len == h->cap) { /* over the buffer: lws reads on, and answers 431 */
+        h->give = h->len;
+        head_finish(h, 1);
+    }
+}
+
+static void head_timeout(uv_timer_t *t)
+{
+    head_finish(t->data, 0);
+}
+
+static void head_start(listener *l, int fd)
+{
+    const cg_config *cfg = l->srv->cfg;
+    if (n_heads >= cfg->max_connections) {
+        cg_warn("%s: %ld connections are still sending their request head: one more is closed", l->what, n_heads);
+        close(fd);
+        return;
+    }
+    size_t cap = (size_t)cfg->max_header_bytes * 4 + 2048; /* within lws's pt_serv_buf_size (gateway.c) */
+    head_conn *h = calloc(1, sizeof(*h) + cap);
+    if (!h)
+        abort();
+    h->l = l;
+    h->fd = fd;
+    h->cap = cap;
+    h->handles = 2;
+    h->next = heads;
+    if (heads)
+        heads->prev = h;
+    heads = h;
+    n_heads++;
+    uv_loop_t *loop = uv_handle_get_loop((uv_handle_t *)&l->poll);
+    uv_poll_init(loop, &h->poll, fd);
+    uv_timer_init(loop, &h->timer);
+    h->poll.data = h->timer.data = h;
+    uv_poll_start(&h->poll, UV_READABLE, head_readable);
+    uv_timer_start(&h->timer, head_timeout, CG_HEAD_TIMEOUT_MS, 0);
+}
+
+/* ---- accepting ---------------------------------------------------------------------- */
+
+static void on_readable(uv_poll_t *p, int status, int events);
+
+static void on_pause_end(uv_timer_t *t)
+{
+    listener *l = t->data;
+    uv_poll_start(&l->poll, UV_READABLE, on_readable);
+}
+
+static void on_readable(uv_poll_t *p, int status, int events)
+{
+    (void)events;
+    listener *l = p->data;
+    if (status < 0) {
+        cg_warn("%s: polling the listening socket failed: %s", l->what, uv_strerror(status));
+        return;
+    }
+    for (int i = 0; i < CG_ACCEPT_BATCH; i++) {
+        int fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return;
+            /* EMFILE, ENFILE, ENOBUFS, ENOMEM: wait instead of spinning on the same one */
+            cg_warn("%s: accept: %s; pausing %d ms", l->what, strerror(errno), CG_ACCEPT_PAUSE_MS);
+            uv_poll_stop(&l->poll);
+            uv_timer_start(&l->pause, on_pause_end, CG_ACCEPT_PAUSE_MS, 0);
+            return;
+        }
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)); /* as lws does for its own */
+        head_start(l, fd);
+    }
+}
+
+/* A listening socket on host:port (SO_REUSEPORT when shared): -1 (logged) or the fd. The
+ * name is resolved before the loop serves anything (the gateway's start). */
+static int open_socket(const char *host, int port, int shared, const char *what)
+{
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    char portstr[16];
+    snprintf(portstr, sizeof(portstr), "%d", port);
+    int rc = getaddrinfo(host && *host ? host : NULL, portstr, &hints, &res);
+    if (rc != 0) {
+        cg_error("%s: cannot listen on %s:%d: %s (an address or a host name, not an interface)", what, host, port,
+                 gai_strerror(rc));
+        return -1;
+    }
+    int fd = -1, err = 0;
+    for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) {
+            err = errno;
+            continue;
+        }
+        int one = 1;
+        if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
+            (shared && setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one)) < 0) ||
+            bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, SOMAXCONN) < 0) {
+            err = errno;
+            close(fd);
+            fd = -1;
+        }
+    }
+    freeaddrinfo(res);
+    if (fd < 0)
+        cg_error("%s: could not start listening on %s:%d: %s (in use, or not an address of this machine?)", what,
+                 host, port, strerror(err));
+    return fd;
+}
+
+int cg_listener_open(cg_server *srv, struct lws_vhost *vh, const char *host, int port, int flags, const char *what)
+{
+    listener *l = NULL;
+    for (int i = 0; i < CG_MAX_LISTENERS && !l; i++)
+        if (!listeners[i].open)
+            l = &listeners[i];
+    if (!l) {
+        cg_error("%s: too many listeners", what);
+        return -1;
+    }
+    int fd = open_socket(host, port, flags & CG_LISTEN_SHARED, what);
+    if (fd < 0)
+        return -1;
+    *l = (listener){.fd = fd, .open = 1, .flags = flags, .srv = srv, .vh = vh, .what = what};
+    uv_poll_init(srv->net.loop, &l->poll, fd);
+    uv_timer_init(srv->net.loop, &l->pause);
+    l->poll.data = l->pause.data = l;
+    uv_poll_start(&l->poll, UV_READABLE, on_readable);
+    return 0;
+}
+
+static void on_poll_closed(uv_handle_t *h)
+{
+    listener *l = h->data;
+    close(l->fd); /* after the poll let go of it */
+    l->fd = -1;
+}
+
+void cg_listener_close_all(void)
+{
+    for (int i = 0; i < CG_MAX_LISTENERS; i++) {
+        listener *l = &listeners[i];
+        if (!l->open)
+            continue;
+        uv_poll_stop(&l->poll);
+        uv_timer_stop(&l->pause);
+        uv_close((uv_handle_t *)&l->poll, on_poll_closed);
+        uv_close((uv_handle_t *)&l->pause, NULL);
+        l->open = 0;
+    }
+    while (heads)
+        head_finish(heads, 0);
+}
