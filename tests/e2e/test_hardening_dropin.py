@@ -22,6 +22,7 @@ item of 15, each with the behaviour that failed on main 1b36468.
 
 import asyncio
 import base64
+import hashlib
 import os
 import socket
 import struct
@@ -403,7 +404,58 @@ async def part_path_encoded():
         server.close()
 
 
+async def part_client_leaves_during_hold():
+    """Issue 35, item 9: the client's handshake waits for the app's. A client that leaves
+    while the app is slow to answer must not leave the app's connection behind: once the app
+    answers, the gateway finds the client gone and closes the app's connection."""
+    events = []
+
+    async def slow_app(reader, writer):
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = await reader.read(4096)
+            if not chunk:
+                return
+            head += chunk
+        key = next(l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:"))
+        events.append(("request", time.monotonic()))
+        await asyncio.sleep(1.0)  # the client leaves meanwhile
+        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Protocol: chat.v2\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        await writer.drain()
+        events.append(("101", time.monotonic()))
+        rest = await reader.read(4096)  # a close frame (masked, opcode 8), or EOF
+        events.append(("closed" if not rest or rest[0] & 0x0F == 8 else "frame", time.monotonic()))
+        writer.close()
+
+    server = await asyncio.start_server(slow_app, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Gateway(config=config(f"ws://127.0.0.1:{port}"), env=ENV, name="gateway:hold-leave") as gw:
+            with step("the app answers its handshake 1 s late; the client gives up after 0.3 s: once the app has "
+                      "answered, its connection is closed (a close frame or EOF) within 2 s"):
+                s = socket.create_connection(("127.0.0.1", gw.port), timeout=5)
+                key = base64.b64encode(os.urandom(16)).decode()
+                s.sendall((f"GET /socket HTTP/1.1\r\nHost: 127.0.0.1:{gw.port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                           f"Sec-WebSocket-Protocol: chat.v2\r\nCookie: sid=x\r\n\r\n").encode())
+                ok = await harness.wait_until(lambda: events, 5)
+                check(ok, "the app got no handshake while the client waited")
+                await asyncio.sleep(0.3)
+                s.close()
+                ok = await harness.wait_until(lambda: any(e == "closed" for e, _ in events), 4)
+                check(ok, f"the app's connection was not closed after the client left: {events}")
+                t101 = next(t for e, t in events if e == "101")
+                tclosed = next(t for e, t in events if e == "closed")
+                check(tclosed - t101 < 2, f"closed {tclosed - t101:.2f} s after the app's 101")
+            gw.assert_alive()
+    finally:
+        server.close()
+
+
 async def main(args):
+    await independent(part_client_leaves_during_hold())
     await independent(part_path_encoded())
     await independent(part_long_id())
     await independent(part_two_tabs())
