@@ -1101,11 +1101,10 @@ static char *client_subprotocol(const cg_dropin *d, struct lws *client)
     for (char *save = NULL, *name = strtok_r(offered, ", \t", &save); name && !chosen;
          name = strtok_r(NULL, ", \t", &save)) {
         if (strcmp(name, CG_PROTOCOL_NAME) == 0)
-            break;
-        size_t i;
-        json_t *s;
-        json_array_foreach(subs, i, s) if (strcmp(name, json_string_value(s)) == 0 && !(chosen = strdup(name)))
-            abort();
+            break; /* lws takes chatgate.v1: the app is offered none */
+        for (size_t i = 0; i < json_array_size(subs) && !chosen; i++)
+            if (strcmp(name, json_string_value(json_array_get(subs, i))) == 0 && !(chosen = strdup(name)))
+                abort();
     }
     free(offered);
     return chosen;
