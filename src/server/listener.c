@@ -59,6 +59,7 @@ typedef struct head_conn {
     listener *l;
     int fd;
     int handles;   /* open handles: the struct goes when both have closed */
+    int finished;  /* the handles are closing */
     int adopt;     /* then: hand the socket to lws (1), or close it (0) */
     int hold;      /* a drop-in upgrade: handed over without the last CRLF, held */
     size_t len, taken, give, cap; /* bytes come (peeked); taken out of the socket; lws gets; the buffer's size */
@@ -67,7 +68,7 @@ typedef struct head_conn {
 } head_conn;
 
 static listener listeners[CG_MAX_LISTENERS];
-static head_conn *heads; /* those being read, for the drain */
+static head_conn *heads; /* those being read or closing, for the drain */
 static long n_heads;
 
 /* ---- the head ----------------------------------------------------------------------- */
@@ -91,6 +92,7 @@ static void head_closed(uv_handle_t *handle)
     head_conn *h = handle->data;
     if (--h->handles > 0)
         return;
+    head_unlink(h);
     if (!h->adopt) {
         close(h->fd);
         free(h);
@@ -112,7 +114,7 @@ static void head_closed(uv_handle_t *handle)
 
 static void head_finish(head_conn *h, int adopt)
 {
-    head_unlink(h);
+    h->finished = 1;
     h->adopt = adopt;
     uv_poll_stop(&h->poll);
     uv_timer_stop(&h->timer);
@@ -251,7 +253,7 @@ static void head_timeout(uv_timer_t *t)
 static void head_start(listener *l, int fd)
 {
     const cg_config *cfg = l->srv->cfg;
-    if (n_heads >= cfg->max_connections) {
+    if (n_heads >= cfg->max_connections) { /* those closing still hold their socket: counted too */
         cg_warn("%s: %ld connections are still sending their request head: one more is closed", l->what, n_heads);
         close(fd);
         return;
@@ -394,6 +396,10 @@ void cg_listener_close_all(void)
         uv_close((uv_handle_t *)&l->pause, NULL);
         l->open = 0;
     }
-    while (heads)
-        head_finish(heads, 0);
+    /* none goes to lws now, which is about to be destroyed: not even one already closing */
+    for (head_conn *h = heads; h; h = h->next) {
+        if (!h->finished)
+            head_finish(h, 0);
+        h->adopt = 0;
+    }
 }
