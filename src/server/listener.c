@@ -145,12 +145,17 @@ static int head_upgrade(const head_conn *h)
     return 0;
 }
 
-/* Does the target's path hold a dot segment ("/./", "/../", or one at its end)? */
-static int dot_segments(const char *t, size_t n)
+/* Does the target's path hold a dot segment ("/./", "/../", or one at its end), its dots
+ * written as they are or as %2e, which lws decodes before it collapses them? */
+static int dot_segments(const char *raw, size_t n)
 {
+    char t[1024];
     size_t path = 0;
-    while (path < n && t[path] != '?' && t[path] != '#')
-        path++;
+    for (size_t i = 0; i < n && raw[i] != '?' && raw[i] != '#' && path < sizeof(t); i++) {
+        int dot = raw[i] == '%' && i + 2 < n && raw[i + 1] == '2' && (raw[i + 2] == 'e' || raw[i + 2] == 'E');
+        t[path++] = dot ? '.' : raw[i];
+        i += dot ? 2 : 0;
+    }
     for (size_t i = 0; i + 1 < path; i++) {
         if (t[i] != '/' || t[i + 1] != '.')
             continue;
@@ -171,9 +176,10 @@ static void head_done(head_conn *h, size_t end)
     const char *target = head_target(h, &tn);
     int upgrade = head_upgrade(h);
     if (upgrade && target && dot_segments(target, tn)) {
-        static const char answer[] = "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: 55\r\n"
-                                     "cache-control: no-store\r\nconnection: close\r\n\r\n"
-                                     "a WebSocket request target may not hold dot segments\n";
+#define DOT_BODY "a WebSocket request target may not hold dot segments\n"
+        static const char answer[] = "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: 53\r\n"
+                                     "cache-control: no-store\r\nconnection: close\r\n\r\n" DOT_BODY;
+        _Static_assert(sizeof(DOT_BODY) - 1 == 53, "the content-length is the body's");
         cg_warn("%s: refused a WebSocket handshake whose target holds dot segments ('%.*s'): 400", h->l->what,
                 (int)(tn < 200 ? tn : 200), target);
         h->l->srv->metrics.refused_connections++;

@@ -267,6 +267,7 @@ async def part_rfc6455():
                         (f"target /..{base}", 400, dict(path=f"/..{base}")),
                         (f"target {base}/..{base}", 400, dict(path=f"{base}/..{base}")),
                         (f"target /.{base}", 400, dict(path=f"/.{base}")),
+                        (f"target /%2e%2E{base}", 400, dict(path=f"/%2e%2E{base}")),
                         ("a correct handshake", 101, dict()),
                     ])
                 check(not wrong, "RFC 6455 handshake checks:\n  " + "\n  ".join(wrong))
