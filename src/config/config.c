@@ -102,6 +102,8 @@ static const setting settings[] = {
      "BYTES of a dialog's params, as compact JSON"},
     {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0,
      "N dialogs the memory store (and Redis's in-memory copy) holds; least recently used go first"},
+    {"max_rooms_per_user", T_INT, OFF(max_rooms_per_user), 1, 1000000, NULL, 0,
+     "N dialogs (rooms) one user keeps in the store; past it, the user's least recently used goes"},
     {"max_store_bytes", T_INT, OFF(max_store_bytes), 16384, 1L << 40, NULL, 0,
      "BYTES the memory store (and Redis's in-memory copy) holds; least recently used go first"},
     {"admin_listen", T_STR, OFF(admin_listen), 0, 0, NULL, 1,
@@ -1135,6 +1137,7 @@ static void set_defaults(cg_config *cfg)
     cfg->ack_hold_ms = 5;
     cg_lifetimes_default(&cfg->lifetimes);
     cfg->max_dialogs = 100000;
+    cfg->max_rooms_per_user = 1000;
     cfg->max_store_bytes = (long)CG_MEMSTORE_DEFAULT_MAX_BYTES;
     cfg->redis_prefix = strdup("chatgate");
     cfg->redis_command_timeout_ms = 1000;

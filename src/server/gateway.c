@@ -408,6 +408,7 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     sc.url = cfg->store;
     sc.prefix = cfg->redis_prefix;
     sc.max_dialogs = cfg->max_dialogs;
+    sc.max_rooms_per_user = cfg->max_rooms_per_user;
     sc.max_bytes = (size_t)cfg->max_store_bytes;
     sc.command_timeout_ms = cfg->redis_command_timeout_ms;
     sc.connect_timeout_ms = cfg->redis_connect_timeout_ms;

@@ -273,15 +273,16 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             "# TYPE chatgate_store_memory_answers_total counter\nchatgate_store_memory_answers_total %lu\n"
             "# TYPE chatgate_store_reconnects_total counter\nchatgate_store_reconnects_total %lu\n"
             "# TYPE chatgate_store_written_back_total counter\nchatgate_store_written_back_total %lu\n"
-            "# HELP chatgate_store_evictions_total Dialogs dropped by max_dialogs (count) or max_store_bytes (bytes).\n"
+            "# HELP chatgate_store_evictions_total Dialogs dropped by max_dialogs (count), max_store_bytes (bytes) "
+            "or max_rooms_per_user (rooms).\n"
             "# TYPE chatgate_store_evictions_total counter\nchatgate_store_evictions_total{reason=\"count\"} %lu\n"
-            "chatgate_store_evictions_total{reason=\"bytes\"} %lu\n"
+            "chatgate_store_evictions_total{reason=\"bytes\"} %lu\nchatgate_store_evictions_total{reason=\"rooms\"} %lu\n"
             "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
             "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
             CG_VERSION, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->turns_blocked, m->frames_in, m->frames_out,
             m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
             m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers,
-            st->reconnects, st->flushed, st->evictions, st->evictions_bytes, st->memory_bytes) < 0 ||
+            st->reconnects, st->flushed, st->evictions, st->evictions_bytes, st->evictions_rooms, st->memory_bytes) < 0 ||
         put(buf, len, &used,
             "# HELP chatgate_store_writeback_pending Dialogs (and bytes) held in memory for Redis's write-back.\n"
             "# TYPE chatgate_store_writeback_pending gauge\nchatgate_store_writeback_pending %ld\n"

@@ -46,6 +46,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
@@ -312,7 +313,7 @@ static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const 
 
 /* ---- scripts: EVALSHA, and EVAL once when the server does not know the script ----------- */
 
-typedef enum { S_LOAD, S_SAVE, S_RENEW, S_RELEASE, S_CANCEL, S_LIMIT, S_LIMIT_END, S_COUNT } script_id;
+typedef enum { S_LOAD, S_SAVE, S_RENEW, S_RELEASE, S_CANCEL, S_LIMIT, S_LIMIT_END, S_ROOMS, S_COUNT } script_id;
 static const char *script_text(script_id id);
 static char script_sha[S_COUNT][41];
 
@@ -1031,9 +1032,15 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * when it is appended to (the copy's: a list lapsed or evicted alone is not appended to),
  * 25 "1" when the lifetimes are renewed (lifetimes_due), 26 "1" when Redis's copy, the
  * one appended to, has neither an awaiting state nor soft context (the gateway's copy of
- * that rev had none: its save deleted them), so deleting them again is left out, then the
- * params' field-value pairs, then the history (appending: only its new messages).
- * A key's lifetime is set whenever this save makes the key (the rooms set's SADD adds the
+ * that rev had none: its save deleted them), so deleting them again is left out, 27 how
+ * many rooms a user keeps (max_rooms_per_user; "0": no bound), 28 now (ms: the room's
+ * score), then the params' field-value pairs, then the history (appending: only its new
+ * messages).
+ * The rooms set is a ZSET scored by each room's last save (ms): a new room past ARGV[27]
+ * takes the user's least recently used ones out of it, and the answer is then
+ * {code, evicted room, ...}, the gateway deleting their keys (undeclared keys are not the
+ * script's to touch). A rooms SET of an older version is made a ZSET at its first save.
+ * A key's lifetime is set whenever this save makes the key (the rooms set's ZADD adds the
  * room, the dialog hash's HSET adds fields, a list appended to had none, the params and a
  * rewritten list are made anew), so no key is ever left without one; a key that was there
  * keeps the lifetime it had (HSET, RPUSH, LTRIM keep it) unless ARGV[25] renews them all,
@@ -1069,7 +1076,7 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * and none read twice.
  */
 static const char save_script[] =
-    "local held = false\n"
+    "local held, evicted = false, nil\n"
     "if ARGV[17] ~= '' then\n"
     "  local cur = redis.call('GET', KEYS[6])\n"
     "  held = cur == ARGV[17]\n"
@@ -1083,7 +1090,7 @@ static const char save_script[] =
     "local function save()\n"
     "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
     "  local append, keep, had = ARGV[22] ~= '', tonumber(ARGV[23]), tonumber(ARGV[24])\n"
-    "  local np, P, renew = tonumber(ARGV[16]), 26, ARGV[25] == '1'\n"
+    "  local np, P, renew = tonumber(ARGV[16]), 28, ARGV[25] == '1'\n"
     "  local h, n = P + 1 + 2 * math.max(np, 0), #ARGV\n"
     "  local pushed = 0\n"
     "  if append then\n"
@@ -1112,7 +1119,24 @@ static const char save_script[] =
     "    if pushed > 0 then redis.call('LTRIM', KEYS[5], 0, -pushed - 1) end\n"
     "    return -3\n"
     "  end\n"
-    "  if redis.call('SADD', KEYS[9], ARGV[18]) == 1 or renew then redis.call('EXPIRE', KEYS[9], ARGV[19]) end\n"
+    "  local room = redis.pcall('ZADD', KEYS[9], ARGV[28], ARGV[18])\n"
+    "  if type(room) == 'table' then\n" /* a rooms SET of a version before the bound: made a ZSET */
+    "    local old = redis.call('SMEMBERS', KEYS[9])\n"
+    "    redis.call('DEL', KEYS[9])\n"
+    "    for i = 1, #old do redis.call('ZADD', KEYS[9], '0', old[i]) end\n"
+    "    room = redis.call('ZADD', KEYS[9], ARGV[28], ARGV[18])\n"
+    "  end\n"
+    "  if room == 1 or renew then redis.call('EXPIRE', KEYS[9], ARGV[19]) end\n"
+    "  if room == 1 and ARGV[27] ~= '0' then\n"
+    "    local over = redis.call('ZCARD', KEYS[9]) - tonumber(ARGV[27])\n"
+    "    if over > 0 then\n" /* the oldest go, one more looked at: this room may tie with them */
+    "      evicted = {}\n"
+    "      for _, r in ipairs(redis.call('ZRANGE', KEYS[9], 0, over)) do\n"
+    "        if r ~= ARGV[18] and #evicted < over then evicted[#evicted + 1] = r end\n"
+    "      end\n"
+    "      redis.call('ZREM', KEYS[9], unpack(evicted))\n"
+    "    end\n"
+    "  end\n"
     "  for i = P + 1, P + 2 * np, 200 do\n"
     "    redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 199, P + 2 * np)))\n"
     "  end\n"
@@ -1153,6 +1177,7 @@ static const char save_script[] =
     "end\n"
     "local code = save()\n"
     "if ARGV[17] ~= '' and code ~= -3 then redis.call('DEL', KEYS[6], KEYS[8]) end\n"
+    "if evicted then table.insert(evicted, 1, code); return evicted end\n"
     "return code\n";
 
 /* ---- limits per user (limits.h) ------------------------------------------------------- */
@@ -1289,10 +1314,36 @@ static void send_limit(redis_store *rs, cg_store_req *r)
     argv_free(&a);
 }
 
+/*
+ * A user's rooms set (KEYS[1]): ARGV[1] "" lists it (escaped rooms), else takes that room out
+ * of it. A ZSET since max_rooms_per_user; a SET a save of this version has not made one yet
+ * is read as it is.
+ */
+static const char rooms_script[] =
+    "local t = redis.call('TYPE', KEYS[1])['ok']\n"
+    "if ARGV[1] == '' then\n"
+    "  if t == 'zset' then return redis.call('ZRANGE', KEYS[1], 0, -1) end\n"
+    "  if t == 'set' then return redis.call('SMEMBERS', KEYS[1]) end\n"
+    "  return {}\n"
+    "end\n"
+    "if t == 'zset' then return redis.call('ZREM', KEYS[1], ARGV[1]) end\n"
+    "if t == 'set' then return redis.call('SREM', KEYS[1], ARGV[1]) end\n"
+    "return 0\n";
+
+/* EVALSHA <rooms script> 1 <the user's rooms set> <room or ""> */
+static void arg_rooms_script(redis_store *rs, argv_buf *a, const char *eu, const char *er)
+{
+    arg_str(a, "EVALSHA");
+    arg_str(a, script_sha[S_ROOMS]);
+    arg_str(a, "1");
+    arg_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
+    arg_str(a, er);
+}
+
 static const char *script_text(script_id id)
 {
-    static const char *const texts[S_COUNT] = {load_script,   save_script,  renew_script,    release_script,
-                                               cancel_script, limit_script, limit_end_script};
+    static const char *const texts[S_COUNT] = {load_script,   save_script,  renew_script,     release_script,
+                                               cancel_script, limit_script, limit_end_script, rooms_script};
     return texts[id];
 }
 
@@ -1317,6 +1368,52 @@ static void save_refused(redis_store *rs, cg_store_req *r, long long why)
 
 static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply);
 
+static void on_rooms_del_reply(redisAsyncContext *ac, void *reply_, void *priv)
+{
+    (void)priv;
+    redisReply *reply = reply_;
+    if (reply && reply->type == REDIS_REPLY_ERROR && ac->data)
+        cg_warn("redis: the dialogs of rooms over max_rooms_per_user were not deleted: %s (they lapse)", reply->str);
+}
+
+/*
+ * A save that made a new room past max_rooms_per_user answers {code, the user's least
+ * recently used rooms (escaped), taken out of the rooms set}: their keys go (one DEL, one
+ * hash tag), and their copies here; the answer is then read as the code alone. A reply of
+ * any other shape is left as it is (save_answered judges it).
+ */
+static redisReply *save_evictions(redis_store *rs, cg_store_req *r, redisReply *reply)
+{
+    if (!reply || reply->type != REDIS_REPLY_ARRAY || reply->elements < 2 ||
+        reply->element[0]->type != REDIS_REPLY_INTEGER)
+        return reply;
+    argv_buf a = {0};
+    arg_str(&a, "DEL");
+    size_t n = 0;
+    for (size_t i = 1; i < reply->elements; i++) {
+        redisReply *room = reply->element[i];
+        if (room->type != REDIS_REPLY_STRING)
+            continue;
+        char *er = strndup(room->str, room->len); /* stored escaped, as the keys use it */
+        char *key = er ? malloc(strlen(r->eu) + room->len + 2) : NULL;
+        if (!key)
+            abort();
+        sprintf(key, "%s:%s", r->eu, er); /* the gateway's key of that dialog (cg_store_dialog_key) */
+        cg_memstore_del(rs->mem, key);
+        arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);
+        free(key);
+        free(er);
+        n++;
+    }
+    rs->base.stats.evictions_rooms += n;
+    cg_info("redis: a user's new room passed max_rooms_per_user (%ld): %zu least recently used forgotten",
+            rs->base.cfg.max_rooms_per_user, n);
+    if (n && send_argv(rs, &a, on_rooms_del_reply, NULL) < 0)
+        cg_warn("redis: the dialogs of rooms over max_rooms_per_user could not be deleted now (they lapse)");
+    argv_free(&a);
+    return reply->element[0];
+}
+
 static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -1324,6 +1421,7 @@ static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
+    reply = save_evictions(rs, r, reply);
     char *key = cg_redis_xstrdup(r->key); /* r may be finished below; the gate opens last */
     if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == -3 && !r->full) {
         r->full = 1; /* the history it appended to is not Redis's: all of it, now */
@@ -1420,6 +1518,16 @@ static int lifetimes_due(const cg_lifetimes *lt, int64_t renewed, int64_t now)
     return renewed <= 0 || now - renewed >= shortest / 60;
 }
 
+/* A room's last use, for the order of the rooms set: the store's clock (whole seconds, which
+ * CHATGATE_NOW moves) in ms, plus the wall clock's milliseconds, so that the turns of one
+ * second keep their order, across gateways too. */
+static long long room_score(redis_store *rs)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (long long)rs->base.now(rs->base.clock_ctx) * 1000 + ts.tv_nsec / 1000000;
+}
+
 void cg_redis_send_save(redis_store *rs, cg_store_req *r)
 {
     const cg_lifetimes *lt = &rs->base.cfg.lifetimes;
@@ -1483,6 +1591,8 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     r->renewed = renew ? now : copy.renewed;
     arg_str(&a, renew ? "1" : "0");
     arg_str(&a, from >= 0 && !copy.awaiting && !copy.soft ? "1" : "0");
+    arg_int(&a, (long long)rs->base.cfg.max_rooms_per_user);
+    arg_int(&a, room_score(rs)); /* the room's last use, its score */
     json_object_foreach(params_same ? NULL : d->params, service, names) {
         json_object_foreach(names, name, value) {
             size_t start = arg_begin(&a); /* "<service>.<name>" */
@@ -1532,10 +1642,8 @@ static void send_remove(redis_store *rs, cg_store_req *r)
     arg_str(&a, "DEL");
     arg_dialog_keys(rs, &a, r->eu, r->er, N_PARTS);
     send_step(rs, &a, r);
-    arg_str(&a, "SREM"); /* after the data: forget-user must find a room as long as it has data */
-    arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
-    arg_str(&a, r->er);
-    send_last(rs, &a, on_remove_reply, r);
+    arg_rooms_script(rs, &a, r->eu, r->er); /* after the data: forget-user must find a room as long as it has data */
+    send_last_script(rs, S_ROOMS, &a, on_remove_reply, r);
     argv_free(&a);
 }
 
@@ -1567,9 +1675,8 @@ static void dispatch(redis_store *rs, cg_store_req *r)
     } else if ((r->kind == OP_ROOMS || r->kind == OP_REMOVE_USER) && connected) {
         /* both start from the user's rooms set */
         argv_buf a = {0};
-        arg_str(&a, "SMEMBERS");
-        arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
-        send_last(rs, &a, r->kind == OP_ROOMS ? on_room_list : on_rooms_reply, r);
+        arg_rooms_script(rs, &a, r->eu, "");
+        send_last_script(rs, S_ROOMS, &a, r->kind == OP_ROOMS ? on_room_list : on_rooms_reply, r);
         argv_free(&a);
     } else {
         cg_redis_answer_later_from_memory(r); /* a delete while degraded: the caller is told (503 at the admin API) */
@@ -1683,7 +1790,7 @@ static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
-    if (cg_redis_reply_failed(rs, reply, 0, "forget user (SMEMBERS)") || reply->type != REDIS_REPLY_ARRAY || !rs->ac) {
+    if (cg_redis_reply_failed(rs, reply, 0, "forget user (its rooms)") || reply->type != REDIS_REPLY_ARRAY || !rs->ac) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
         return;
@@ -1714,7 +1821,7 @@ static void on_room_list(redisAsyncContext *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
-    if (cg_redis_reply_failed(rs, reply, 0, "rooms (SMEMBERS)") || reply->type != REDIS_REPLY_ARRAY) {
+    if (cg_redis_reply_failed(rs, reply, 0, "rooms") || reply->type != REDIS_REPLY_ARRAY) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
         return;

@@ -132,6 +132,7 @@ void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gaug
     dst->flushed += src->flushed;
     dst->evictions += src->evictions;
     dst->evictions_bytes += src->evictions_bytes;
+    dst->evictions_rooms += src->evictions_rooms;
     dst->writeback_dropped_bound += src->writeback_dropped_bound;
     dst->writeback_dropped_gone += src->writeback_dropped_gone;
     dst->save_conflicts += src->save_conflicts;

@@ -48,6 +48,8 @@ struct cg_memstore {
     long max_dialogs;
     size_t max_bytes;
     size_t bytes; /* the sum of the entries' bytes */
+    long max_rooms;     /* a user's entries at most (0: no bound) */
+    json_t *user_count; /* "<user>:" -> how many entries the user has (only with max_rooms) */
     cg_lifetimes lt;
     cg_store_stats *stats;
 };
@@ -72,6 +74,39 @@ void cg_memstore_set_max_bytes(cg_memstore *m, size_t max_bytes)
     m->max_bytes = max_bytes;
 }
 
+void cg_memstore_set_max_rooms(cg_memstore *m, long max_rooms)
+{
+    m->max_rooms = max_rooms;
+    if (max_rooms > 0 && !m->user_count && !(m->user_count = json_object()))
+        abort();
+}
+
+/* A key's user part, escaped (3 bytes a byte at most) and its ':': user ids are at most 256
+ * bytes (protocol.h). */
+#define USER_PART_MAX (256 * 3 + 2)
+
+/* The user's part of a key ("<user>:", users escaped: no ':' in them), its length. */
+static size_t user_part(const char *key)
+{
+    const char *colon = strchr(key, ':');
+    return colon ? (size_t)(colon - key) + 1 : strlen(key);
+}
+
+/* The user of key has one entry more (by +1) or less (-1); how many now. */
+static long user_count_add(cg_memstore *m, const char *key, int by)
+{
+    if (!m->user_count)
+        return 0;
+    char user[USER_PART_MAX];
+    snprintf(user, sizeof(user), "%.*s", (int)user_part(key), key);
+    long n = (long)json_integer_value(json_object_get(m->user_count, user)) + by;
+    if (n <= 0)
+        json_object_del(m->user_count, user);
+    else if (json_object_set_new(m->user_count, user, json_integer(n)) < 0)
+        abort();
+    return n;
+}
+
 size_t cg_memstore_bytes(cg_memstore *m)
 {
     return m->bytes;
@@ -91,6 +126,7 @@ static mem_entry *entry_find(cg_memstore *m, const char *key)
 /* Removes e from the table and frees it, taking its bytes off the total. */
 static void entry_drop(cg_memstore *m, mem_entry *e)
 {
+    user_count_add(m, e->key, -1);
     json_object_del(m->index, e->key);
     TAILQ_REMOVE(&m->order, e, order);
     m->count--;
@@ -108,6 +144,7 @@ void cg_memstore_free(cg_memstore *m)
     while (!TAILQ_EMPTY(&m->order))
         entry_drop(m, TAILQ_FIRST(&m->order));
     json_decref(m->index);
+    json_decref(m->user_count);
     free(m);
 }
 
@@ -248,7 +285,26 @@ static mem_entry *entry_new(cg_memstore *m, const char *key)
     }
     TAILQ_INSERT_TAIL(&m->order, e, order);
     m->count++;
+    user_count_add(m, key, +1);
     return e;
+}
+
+/* A user past max_rooms (a new entry, e, made it so): their least recently used entry goes,
+ * never e. The walk from the list's oldest end is only for a user past the bound. */
+static void rooms_bound(cg_memstore *m, mem_entry *e)
+{
+    size_t n = user_part(e->key);
+    char user[USER_PART_MAX];
+    snprintf(user, sizeof(user), "%.*s", (int)n, e->key);
+    if (!m->max_rooms || json_integer_value(json_object_get(m->user_count, user)) <= m->max_rooms)
+        return;
+    for (mem_entry *o = TAILQ_FIRST(&m->order); o; o = TAILQ_NEXT(o, order))
+        if (o != e && strncmp(o->key, e->key, n) == 0) {
+            entry_drop(m, o);
+            if (m->stats)
+                m->stats->evictions_rooms++;
+            return;
+        }
 }
 
 /*
@@ -276,6 +332,8 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
     m->bytes += e->bytes;
     TAILQ_REMOVE(&m->order, e, order); /* most recently used */
     TAILQ_INSERT_TAIL(&m->order, e, order);
+    if (!had)
+        rooms_bound(m, e);
     publish_bytes(m);
     evict(m);
 }
@@ -600,6 +658,7 @@ cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg)
     }
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(ms->mem, cfg->max_bytes);
+    cg_memstore_set_max_rooms(ms->mem, cfg->max_rooms_per_user);
     ms->limits = cg_limiter_new(cfg->max_dialogs);
     ms->queue_tail = &ms->queue;
     return &ms->base;

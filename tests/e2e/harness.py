@@ -1955,6 +1955,9 @@ class RedisServer:
     def smembers(self, key):
         return set(self.command("SMEMBERS", key))
 
+    def zrange(self, key, start=0, stop=-1):
+        return self.command("ZRANGE", key, start, stop)
+
     def ttl(self, key):
         return self.command("TTL", key)
 

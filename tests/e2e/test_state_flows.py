@@ -200,8 +200,8 @@ async def part_flight(cx):
                   f"history list should hold 10 JSON messages: {entries}")
             ttl_between(r, f"chatgate:{tag}:history", 1700, 1800, "history")
             rooms = harness.rooms_key(user)
-            check(r.type(rooms) == "set" and room in r.smembers(rooms),
-                  f"{rooms} should be a SET holding {room!r}: type {r.type(rooms)}, "
+            check(r.type(rooms) == "zset" and room in r.zrange(rooms),
+                  f"{rooms} should be a ZSET (by last use) holding {room!r}: type {r.type(rooms)}, "
                   f"keys {r.keys('chatgate:*rooms')}")
             check(not r.keys("dialog:*"), "keys of a one-key-per-dialog layout (dialog:*) in Redis")
     await client.close()

@@ -192,7 +192,7 @@ async def hostile_ids(app, rules):
                     check(len(hist) == 4 and json.loads(hist[0]).get("content") == f"I am {user}|{room}",
                           f"history of user {user!r} room {room!r} in Redis: {hist}")
                     rooms = redis.find_key(harness.rooms_key(user))
-                    check(rooms and redis.type(rooms) == "set",
+                    check(rooms and redis.type(rooms) == "zset",
                           f"no rooms set {harness.rooms_key(user)} for user {user!r}; keys: {keys}")
                 print(f"   {len(keys)} keys, e.g. {[k for k in keys if 'a%3A' in k or 'a%3a' in k][:3]}")
                 for c in clients.values():

@@ -104,6 +104,7 @@ typedef struct cg_config {
     /* dialog state (docs/state.md) */
     cg_lifetimes lifetimes; /* lifetimes.*, history_n, params_cap */
     long max_dialogs;
+    long max_rooms_per_user;
     long max_store_bytes; /* bytes of dialogs the memory store (and Redis's memory copy) holds */
     char *redis_prefix;
     char *redis_bus; /* redis.bus: where gateways tell each other to cancel; NULL: the store's URL */

@@ -48,6 +48,7 @@ typedef struct cg_store_stats {
     unsigned long flushed;           /* dialogs written back to Redis after an outage */
     unsigned long evictions;         /* dialogs dropped by the memory store's count bound */
     unsigned long evictions_bytes;   /* dialogs dropped by its byte bound */
+    unsigned long evictions_rooms;   /* dialogs dropped by max_rooms_per_user (a user's oldest room) */
     size_t memory_bytes;             /* what the memory store holds now (its byte measure) */
     /* Redis: the write-back after an outage */
     long writeback_pending, writeback_pending_bytes; /* dialogs written to memory only, now */
@@ -115,6 +116,7 @@ typedef struct cg_store_config {
     const char *prefix; /* key prefix, "chatgate" */
     cg_lifetimes lifetimes;
     long max_dialogs;        /* memory store bound */
+    long max_rooms_per_user; /* a user's dialogs kept; past it, their least recently used goes */
     size_t max_bytes;        /* memory store byte bound; 0: CG_MEMSTORE_DEFAULT_MAX_BYTES */
     long command_timeout_ms; /* Redis: a command unanswered this long fails the connection */
     long connect_timeout_ms;
@@ -162,6 +164,9 @@ cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_
 /* Bounds the store in bytes as well (its key and about its dialog as compact JSON count for
  * each entry, cg_dialog_weight); least recently used entries go first, the one just written never. */
 void cg_memstore_set_max_bytes(cg_memstore *m, size_t max_bytes);
+/* A user's entries kept at most (0: no bound): past it, their least recently used goes,
+ * counted in stats->evictions_rooms. The memory store's; Redis keeps its own. */
+void cg_memstore_set_max_rooms(cg_memstore *m, long max_rooms);
 /* The bytes held now, by that measure. */
 size_t cg_memstore_bytes(cg_memstore *m);
 void cg_memstore_free(cg_memstore *m);

@@ -4,6 +4,7 @@
  * bytes) and their counts, eviction of keys of any length, and dialog keys that no id can
  * make collide.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -288,8 +289,45 @@ static void test_weight_and_rev(void)
     cg_memstore_free(m);
 }
 
+/* max_rooms_per_user (issue 35): a user past the bound loses their least recently used
+ * room, counted; other users and a room saved again are untouched. */
+static void test_rooms_bound(void)
+{
+    cg_lifetimes lt;
+    cg_lifetimes_default(&lt);
+    cg_store_stats stats = {0};
+    cg_memstore *m = cg_memstore_new(100, &lt, &stats);
+    cg_memstore_set_max_rooms(m, 3);
+    int existed;
+    put_dialog(m, "u:r1", 0, "1");
+    put_dialog(m, "u:r2", 1, "2");
+    put_dialog(m, "v:r1", 2, "v");
+    put_dialog(m, "u:r3", 3, "3");
+    put_dialog(m, "u:r1", 4, "1b"); /* saved again: no new room */
+    CHECK(stats.evictions_rooms == 0 && cg_memstore_count(m) == 4);
+    from_of(m, "u:r2", 5, &existed); /* used: r3 is u's least recently used now */
+    put_dialog(m, "u:r4", 6, "4");   /* u's fourth room: r3 goes */
+    CHECK(stats.evictions_rooms == 1);
+    from_of(m, "u:r3", 7, &existed);
+    CHECK(!existed);
+    CHECK_STR(from_of(m, "u:r1", 7, &existed), "1b");
+    CHECK_STR(from_of(m, "u:r2", 7, &existed), "2");
+    CHECK_STR(from_of(m, "u:r4", 7, &existed), "4");
+    CHECK_STR(from_of(m, "v:r1", 7, &existed), "v"); /* another user's room stays */
+    /* a user forgotten starts again from none */
+    CHECK(cg_memstore_del_user(m, "u") == 3);
+    for (int i = 0; i < 3; i++) {
+        char key[16];
+        snprintf(key, sizeof(key), "u:n%d", i);
+        put_dialog(m, key, 10 + i, "n");
+    }
+    CHECK(stats.evictions_rooms == 1 && cg_memstore_count(m) == 4);
+    cg_memstore_free(m);
+}
+
 int main(void)
 {
+    test_rooms_bound();
     test_weight_and_rev();
     test_lifetimes();
     test_lru();
