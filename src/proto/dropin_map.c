@@ -10,6 +10,7 @@
 #include "chatgate/proto/dropin_map.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/jsonptr.h"
+#include "chatgate/core/utf8.h"
 #include "chatgate/proto/protocol.h"
 
 static const char *cfg_str(json_t *cfg, const char *section, const char *key)
@@ -192,11 +193,10 @@ static int decode_client(json_t *cfg, const char *buf, size_t len, int binary, j
 {
     *v = NULL;
     *attachments = 0;
-    json_t *text = json_stringn(buf, len); /* NULL when not UTF-8 */
-    int utf8 = text != NULL;
-    json_decref(text);
+    int utf8;
     switch (codec_of(cfg)) {
     case CODEC_TEXT:
+        utf8 = cg_utf8_valid(buf, len);
         if (!utf8 && !binary) {
             snprintf(why, whylen, "a text frame that is not UTF-8");
             return -1;
@@ -236,7 +236,7 @@ static int decode_client(json_t *cfg, const char *buf, size_t len, int binary, j
                                   "chat messages as text");
             return -1;
         }
-        if (binary && !utf8)
+        if (binary && !cg_utf8_valid(buf, len)) /* a text frame's UTF-8 is jansson's to check */
             return 0;
         *v = json_loadb(buf, len, JSON_REJECT_DUPLICATES, NULL);
         if (!*v && looks_like_json(buf, len)) {
@@ -400,10 +400,11 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t 
         snprintf(why, whylen, "dropin.client.text (%s): holds a NUL byte", text_ptr);
         goto refuse;
     }
-    if (appends_object(cfg) && json_array_size(o) - 1 > (size_t)cg_dropin_map_arguments(cfg)) {
+    int takes = appends_object(cfg) ? cg_dropin_map_arguments(cfg) : 0;
+    if (takes && json_array_size(o) - 1 > (size_t)takes) {
         snprintf(why, whylen, "the chat event has %zu arguments, the mapping takes %d (dropin.client.arguments): "
                               "the one after them is chatgate's",
-                 json_array_size(o) - 1, cg_dropin_map_arguments(cfg));
+                 json_array_size(o) - 1, takes);
         goto refuse;
     }
     if (field_text(o, cfg_str(cfg, "client", "id"), CG_MAX_ID, "", "id", &chat->id, why, whylen) < 0 ||

@@ -58,7 +58,7 @@ static const struct upstream_family {
      offsetof(cg_metrics, upstream_tls_resumed), CG_UPSTREAM_OPENAI},
     {"chatgate_upstream_connections_idle", "gauge", "Kept-alive connections idle now, waiting for the next request.",
      offsetof(cg_metrics, upstream_conns_idle), CG_UPSTREAM_OPENAI},
-    /* replicas and fallback (README, "Replicas, retries and fallback") */
+    /* replicas and fallback (docs/configuration.md, "Replicas, retries and fallback") */
     {"chatgate_upstream_retries_total", "counter",
      "Messages sent again to another replica after one failed before any reply text.",
      offsetof(cg_metrics, upstream_retries), CG_UPSTREAM_OPENAI},

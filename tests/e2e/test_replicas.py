@@ -1,5 +1,5 @@
 """End-to-end tests of an upstream's replicas, retries and fallback (issue 14, items 1, 2 and
-5; README, "Replicas, retries and fallback").
+5; docs/configuration.md, "Replicas, retries and fallback").
 
 Three fake OpenAI-compatible servers (harness.FakeOpenAI, each on its own port) are the
 replicas of one upstream `llm` (`urls`), balanced by dialog:

@@ -97,7 +97,10 @@ def mockllm_modules():
 
 
 class MockLLM:
-    """mock-llm as a subprocess on a free port, with mock-llm.yaml and `key` as the key."""
+    """mock-llm as a subprocess on a free port, with `config_file` (its MOCKLLM_KEY replaced by
+    `key`); test_upstream_portkey.py gives it a config of its own."""
+
+    config_file = PKG / "mock-llm.yaml"
 
     def __init__(self, modules, key):
         self.main = modules / "@dwmkerr" / "mock-llm" / "dist" / "main.js"
@@ -113,7 +116,7 @@ class MockLLM:
 
     async def start(self, timeout=15.0):
         check(self.main.is_file(), f"no mock-llm at {self.main}")
-        config = (PKG / "mock-llm.yaml").read_text().replace("MOCKLLM_KEY", self.key)
+        config = self.config_file.read_text().replace("MOCKLLM_KEY", self.key)
         config = config.replace("LONG_STORY", " ".join(["once upon a time"] * 75))
         (self.dir / "mock-llm.yaml").write_text(config)
         env = dict(os.environ, PORT=str(self.port), HOST="127.0.0.1")

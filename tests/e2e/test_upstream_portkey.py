@@ -1,4 +1,4 @@
-"""End-to-end test of the README's self-hosted Portkey example (README.md, Upstream headers):
+"""End-to-end test of the README's self-hosted Portkey example (docs/configuration.md, Upstream headers):
 chatgate -> the self-hosted Portkey gateway (npm @portkey-ai/gateway 1.15.2, pinned in
 tests/e2e/portkey/package-lock.json) -> an OpenAI-compatible provider at the address in
 `x-portkey-custom-host`, here mock-llm (npm @dwmkerr/mock-llm, as in
@@ -102,17 +102,7 @@ class ProviderMock(MockLLM):
     """mock-llm with tests/e2e/portkey/mock-llm.yaml (a bearer token) instead of the one of
     test_upstream_mockllm.py (x-portkey-api-key, which Portkey does not pass on)."""
 
-    async def start(self, timeout=15.0):
-        check(self.main.is_file(), f"no mock-llm at {self.main}")
-        config = (PKG / "mock-llm.yaml").read_text().replace("MOCKLLM_KEY", self.key)
-        (self.dir / "mock-llm.yaml").write_text(config)
-        env = dict(os.environ, PORT=str(self.port), HOST="127.0.0.1")
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(["node", str(self.main), "--config", str(self.dir / "mock-llm.yaml")],
-                                     cwd=self.dir, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        await wait_http(self.base + "/health", self.proc, timeout, "mock-llm", self.log_text)
-        return self
+    config_file = PKG / "mock-llm.yaml"
 
     def requests(self):
         """How many chat completions mock-llm has been sent (its log has a line for each)."""

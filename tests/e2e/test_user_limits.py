@@ -1,4 +1,4 @@
-"""End-to-end tests of limits per user (issue 14, item 3; README, "Limits per user").
+"""End-to-end tests of limits per user (issue 14, item 3; docs/configuration.md, "Limits per user").
 
 Users come from HS256 JWTs (auth jwt); the plan from the token's `plan` claim
 (limits.plan_claim) or from limits.users. The clock starts at a minute's start
