@@ -143,6 +143,55 @@ def asan_env(**options):
 
 
 # --------------------------------------------------------------------------------------
+# npm packages of the tests
+
+
+def npm_modules(pkg, work, markers, what, skip):
+    """The node_modules holding `markers` (paths under node_modules) for the package.json and
+    package-lock.json of directory `pkg`: pkg's own when someone ran `npm ci` there, else
+    work/node_modules, installed there with `npm ci` when missing or out of date.
+
+    Tests that share `work` (ctest -j runs them at once) take turns under a lock file beside
+    it: two `npm ci` in one directory remove each other's files (ENOTEMPTY, corrupt tarballs).
+    `skip(reason)` is called (and must exit) when node or npm is missing."""
+    import fcntl
+    if shutil.which("node") is None:
+        skip("node not found (Debian: apt-get install nodejs npm)")
+    own = pkg / "node_modules"
+    if all((own / m).is_file() for m in markers):
+        return own
+    work = Path(work)
+    work.parent.mkdir(parents=True, exist_ok=True)
+    modules, lock = work / "node_modules", work / "package-lock.json"
+    with open(work.parent / f".{work.name}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        if all((modules / m).is_file() for m in markers) and lock.is_file() \
+                and lock.read_bytes() == (pkg / "package-lock.json").read_bytes():
+            return modules
+        if shutil.which("npm") is None:
+            skip("npm not found (Debian: apt-get install npm)")
+        print(f"installing {what} into {work} (npm ci)", flush=True)
+        work.mkdir(parents=True, exist_ok=True)
+        if work.resolve() != pkg.resolve():
+            shutil.copy(pkg / "package.json", work / "package.json")
+            shutil.copy(pkg / "package-lock.json", lock)
+        try:
+            proc = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=work,
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+            ok, out = proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            ok, out = False, "npm ci ran for 300 s"
+        if not ok or not all((modules / m).is_file() for m in markers):
+            if work.resolve() != pkg.resolve():
+                lock.unlink(missing_ok=True)  # so the next run tries again
+            print(out, file=sys.stderr)
+            print(f"FAIL: npm ci in {work} did not install {what} (is the npm registry reachable?)",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
+    return modules
+
+
+# --------------------------------------------------------------------------------------
 # The gateway process
 
 

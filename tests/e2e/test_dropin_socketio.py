@@ -66,7 +66,6 @@ EXAMPLE_APP = "server 127.0.0.1:3000;"
 EXAMPLE_GATEWAY = "server 127.0.0.1:8080;"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 NODE = shutil.which("node")
-NPM = shutil.which("npm")
 
 NOW = "2026-02-03T10:00:00Z"
 ENV = {"CHATGATE_NOW": NOW}
@@ -133,38 +132,10 @@ def skip_or_fail(reason):
 def node_modules(gateway):
     """The node_modules with socket.io and socket.io-client: tests/e2e/socketio/node_modules
     when someone ran `npm ci` there, else socketio-npm/node_modules beside the gateway binary,
-    installed there with `npm ci` from package-lock.json when missing or out of date."""
-    own = SIO_DIR / "node_modules"
-    if (own / "socket.io" / "package.json").exists() and (own / "socket.io-client" / "package.json").exists():
-        return own
-    work = Path(gateway).resolve().parent / "socketio-npm"
-    modules = work / "node_modules"
-    lock = SIO_DIR / "package-lock.json"
-    fresh = (modules / "socket.io" / "package.json").exists() and \
-        (modules / "socket.io-client" / "package.json").exists() and \
-        (work / "package-lock.json").exists() and (work / "package-lock.json").read_bytes() == lock.read_bytes()
-    if fresh:
-        return modules
-    if not NPM:
-        skip_or_fail("npm not found (Debian: apt-get install npm)")
-    print(f"installing socket.io and socket.io-client into {work} (npm ci)", flush=True)
-    work.mkdir(parents=True, exist_ok=True)
-    shutil.copy(SIO_DIR / "package.json", work / "package.json")
-    shutil.copy(lock, work / "package-lock.json")
-    try:
-        proc = subprocess.run([NPM, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=work,
-                              capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
-        ok = proc.returncode == 0
-        out = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        ok, out = False, "npm ci ran for 240 s"
-    if not ok:
-        with contextlib.suppress(OSError):
-            (work / "package-lock.json").unlink()  # so the next run tries again
-        print(out[-2000:], flush=True)
-        print(f"FAIL: npm ci in {work} did not install socket.io (is the npm registry reachable?)", flush=True)
-        sys.exit(1)
-    return modules
+    installed there from package-lock.json (harness.npm_modules)."""
+    return harness.npm_modules(SIO_DIR, Path(gateway).resolve().parent / "socketio-npm",
+                               [Path("socket.io") / "package.json", Path("socket.io-client") / "package.json"],
+                               "socket.io and socket.io-client", skip_or_fail)
 
 
 class NodeProc:

@@ -33,7 +33,6 @@ CHATGATE_REQUIRE_BROWSER=1 (then it fails).
 """
 
 import asyncio
-import filecmp
 import json
 import os
 import re
@@ -61,39 +60,13 @@ def skip_or_fail(reason):
 
 def mockllm_modules():
     """The node_modules holding @dwmkerr/mock-llm: tests/e2e/mockllm's when someone ran
-    `npm ci` there, else ./mockllm/node_modules, installed there with `npm ci` from the
-    package-lock.json when missing or out of date (as tests/browser/run.sh does)."""
-    if shutil.which("node") is None:
-        skip_or_fail("node not found (Debian: apt-get install nodejs npm)")
-    own = PKG / "node_modules"
-    if (own / "@dwmkerr" / "mock-llm" / "package.json").is_file():
-        return own
-    # run from the source tree (repo root or tests/e2e): install into tests/e2e/mockllm itself
-    # (node_modules is git-ignored), not into a new directory of the checkout
+    `npm ci` there, else ./mockllm/node_modules, installed there from the package-lock.json
+    (harness.npm_modules). Run from the source tree, it installs into tests/e2e/mockllm itself
+    (node_modules is git-ignored), not into a new directory of the checkout."""
     in_source = Path.cwd().resolve() in (harness.REPO_ROOT, HERE)
-    work = PKG if in_source else Path.cwd() / "mockllm"
-    modules = work / "node_modules"
-    lock = work / "package-lock.json"
-    if not in_source and (modules / "@dwmkerr" / "mock-llm" / "package.json").is_file() and lock.is_file() \
-            and filecmp.cmp(lock, PKG / "package-lock.json", shallow=False):
-        return modules
-    if shutil.which("npm") is None:
-        skip_or_fail("npm not found (Debian: apt-get install npm)")
-    print(f"installing @dwmkerr/mock-llm into {work} (npm ci)", flush=True)
-    if not in_source:
-        work.mkdir(parents=True, exist_ok=True)
-        shutil.copy(PKG / "package.json", work / "package.json")
-        shutil.copy(PKG / "package-lock.json", lock)
-    proc = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=work,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 or not (modules / "@dwmkerr" / "mock-llm" / "package.json").is_file():
-        if not in_source:
-            lock.unlink(missing_ok=True)  # so the next run tries again
-        print(proc.stdout[-2000:] + proc.stderr[-2000:], file=sys.stderr)
-        print(f"FAIL: npm ci in {work} did not install @dwmkerr/mock-llm (is the npm registry reachable?)",
-              file=sys.stderr, flush=True)
-        sys.exit(1)
-    return modules
+    return harness.npm_modules(PKG, PKG if in_source else Path.cwd() / "mockllm",
+                               [Path("@dwmkerr") / "mock-llm" / "package.json"], "@dwmkerr/mock-llm",
+                               skip_or_fail)
 
 
 class MockLLM:

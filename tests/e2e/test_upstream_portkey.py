@@ -41,10 +41,8 @@ when node or npm is missing, unless CHATGATE_REQUIRE_BROWSER=1 (then it fails).
 """
 
 import asyncio
-import filecmp
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -64,38 +62,11 @@ GATEWAY_PKG = Path("@portkey-ai") / "gateway"
 
 def portkey_modules():
     """The node_modules holding @portkey-ai/gateway: tests/e2e/portkey's when someone ran
-    `npm ci` there, else ./portkey/node_modules, installed there with `npm ci` from the
-    package-lock.json when missing or out of date (as mockllm_modules does for mock-llm)."""
-    if shutil.which("node") is None:
-        skip_or_fail("node not found (Debian: apt-get install nodejs npm)")
-    marker = GATEWAY_PKG / "package.json"
-    own = PKG / "node_modules"
-    if (own / marker).is_file():
-        return own
+    `npm ci` there, else ./portkey/node_modules, installed there from the package-lock.json
+    (harness.npm_modules, as mockllm_modules does for mock-llm)."""
     in_source = Path.cwd().resolve() in (harness.REPO_ROOT, HERE)
-    work = PKG if in_source else Path.cwd() / "portkey"
-    modules = work / "node_modules"
-    lock = work / "package-lock.json"
-    if not in_source and (modules / marker).is_file() and lock.is_file() \
-            and filecmp.cmp(lock, PKG / "package-lock.json", shallow=False):
-        return modules
-    if shutil.which("npm") is None:
-        skip_or_fail("npm not found (Debian: apt-get install npm)")
-    print(f"installing @portkey-ai/gateway into {work} (npm ci)", flush=True)
-    if not in_source:
-        work.mkdir(parents=True, exist_ok=True)
-        shutil.copy(PKG / "package.json", work / "package.json")
-        shutil.copy(PKG / "package-lock.json", lock)
-    proc = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=work,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 or not (modules / marker).is_file():
-        if not in_source:
-            lock.unlink(missing_ok=True)  # so the next run tries again
-        print(proc.stdout[-2000:] + proc.stderr[-2000:], file=sys.stderr)
-        print(f"FAIL: npm ci in {work} did not install @portkey-ai/gateway (is the npm registry reachable?)",
-              file=sys.stderr, flush=True)
-        sys.exit(1)
-    return modules
+    return harness.npm_modules(PKG, PKG if in_source else Path.cwd() / "portkey",
+                               [GATEWAY_PKG / "package.json"], "@portkey-ai/gateway", skip_or_fail)
 
 
 class ProviderMock(MockLLM):
