@@ -49,8 +49,9 @@ static const setting settings[] = {
     {"default_upstream", T_STR, OFF(default_upstream), 0, 0, NULL, 1,
      "NAME of the upstream messages go to (default: the first)"},
     {"store", T_STR, OFF(store), 0, 0, NULL, 1,
-     "memory | redis://[:PASSWORD@]HOST:PORT[/DB] | "
-     "redis-sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB] (default memory, or $REDIS_URL)"},
+     "memory | redis[s]://[[USER]:PASSWORD@]HOST:PORT[/DB] | "
+     "redis[s]-sentinel://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB] | "
+     "redis[s]-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...] (default memory, or $REDIS_URL; rediss: TLS)"},
     {"rules", T_STR, OFF(rules_dir), 0, 0, NULL, 1, "DIR of *.rules files (default: the shipped rules)"},
     {"shadow_rules", T_STR, OFF(shadow_rules), 0, 0, NULL, 1,
      "DIR of a second rule set run beside the live one on every message, never acting: differences are counted "
@@ -119,13 +120,24 @@ static const setting settings[] = {
     {"redis.prefix", T_STR, OFF(redis_prefix), 0, 0, NULL, 0,
      "TEXT starting every Redis key, up to 128 bytes, without '{' or '}'"},
     {"redis.bus", T_STR, OFF(redis_bus), 0, 0, NULL, 0,
-     "redis://[:PASSWORD@]HOST:PORT of a Redis (not twemproxy) for cancels between gateways (default: the store's)"},
+     "redis[s]://[[USER]:PASSWORD@]HOST:PORT of a Redis (not twemproxy) for cancels between gateways (default: the "
+     "store's)"},
     {"redis.command_timeout_ms", T_INT, OFF(redis_command_timeout_ms), 10, 600000, NULL, 0,
      "MILLISECONDS without an answer to a Redis command before its connection is dropped (Redis is away)"},
     {"redis.connect_timeout_ms", T_INT, OFF(redis_connect_timeout_ms), 10, 600000, NULL, 0,
      "MILLISECONDS a connection to Redis may take"},
     {"redis.writeback_max_bytes", T_INT, OFF(redis_writeback_max_bytes), 4096, 1L << 40, NULL, 0,
      "BYTES of dialogs held in memory for Redis's write-back while it is away"},
+    {"redis.tls_ca_file", T_STR, OFF(redis_tls_ca_file), 0, 0, NULL, 0,
+     "FILE of PEM CA certificates that Redis's certificates must chain to (rediss; default: the system's)"},
+    {"redis.tls_cert_file", T_STR, OFF(redis_tls_cert_file), 0, 0, NULL, 0,
+     "FILE of the PEM client certificate (chain) shown to Redis, for mutual TLS"},
+    {"redis.tls_key_file", T_STR, OFF(redis_tls_key_file), 0, 0, NULL, 0,
+     "FILE of its PEM key (default: in redis.tls_cert_file)"},
+    {"redis.tls_server_name", T_STR, OFF(redis_tls_server_name), 0, 0, NULL, 0,
+     "NAME Redis's certificates must be for (SNI too; default: each node's host or address)"},
+    {"redis.tls_verify", T_BOOL, OFF(redis_tls_verify), 0, 1, NULL, 0,
+     "true | false: check Redis's certificate and name (default true; false only for tests)"},
     {"redis.lease_ms", T_INT, OFF(redis_lease_ms), 1000, 3600000, NULL, 0,
      "MILLISECONDS of a dialog's lease across gateways: a killed holder frees the dialog after it"},
 };
@@ -235,9 +247,9 @@ static int check_string(const setting *st, const char *value, char *err, size_t 
     }
     if (strcmp(st->name, "redis.prefix") == 0)
         return check_redis_prefix(value, err, errlen);
-    if (strcmp(st->name, "redis.bus") == 0 && strncmp(value, "redis://", 8) != 0) {
-        set_err(err, errlen, "'%s' must be redis://[:PASSWORD@]HOST:PORT (a Redis itself: twemproxy has no "
-                             "SUBSCRIBE)", value);
+    if (strcmp(st->name, "redis.bus") == 0 && strncmp(value, "redis://", 8) != 0 && strncmp(value, "rediss://", 9) != 0) {
+        set_err(err, errlen, "must be redis[s]://[[USER]:PASSWORD@]HOST:PORT (a Redis itself: twemproxy has no "
+                             "SUBSCRIBE)");
         return -1;
     }
     return 0;
@@ -1039,12 +1051,16 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
 
     origin_of("store", "store", flag_given(argc, argv, "store"), file, where, sizeof(where));
     /* the store checks the rest of a Redis URL when it opens (exit 2 too, "store: ...") */
-    if (strcmp(cfg->store, "memory") != 0 && strncmp(cfg->store, "redis://", 8) != 0 &&
-        strncmp(cfg->store, "redis-sentinel://", 17) != 0) {
+    static const char *const schemes[] = {"redis://",         "rediss://",         "redis-sentinel://",
+                                          "rediss-sentinel://", "redis-cluster://", "rediss-cluster://"};
+    int known = strcmp(cfg->store, "memory") == 0;
+    for (size_t i = 0; i < sizeof(schemes) / sizeof(schemes[0]); i++)
+        known |= strncmp(cfg->store, schemes[i], strlen(schemes[i])) == 0;
+    if (!known) {
         set_err(err, errlen,
-                "%s: '%s' must be memory or redis://HOST:PORT[/DB] or "
-                "redis-sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]%s",
-                where, cfg->store,
+                "%s: must be memory, redis[s]://HOST:PORT[/DB], "
+                "redis[s]-sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB] or redis[s]-cluster://HOST:PORT[,HOST:PORT...]%s",
+                where,
                 getenv("REDIS_URL") ? " (REDIS_URL is set in the environment)" : "");
         return -1;
     }
@@ -1144,6 +1160,7 @@ static void set_defaults(cg_config *cfg)
     cfg->redis_connect_timeout_ms = 1000;
     cfg->redis_writeback_max_bytes = 64L << 20;
     cfg->redis_lease_ms = 15000;
+    cfg->redis_tls_verify = 1;
     cfg->user_header = strdup("X-User-Id");
     cfg->ping_interval_s = 30;
     cfg->idle_timeout_s = 300;

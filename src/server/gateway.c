@@ -415,6 +415,11 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     sc.writeback_max_bytes = cfg->redis_writeback_max_bytes;
     sc.lease_ms = cfg->redis_lease_ms;
     sc.bus_url = cfg->redis_bus;
+    sc.tls.ca_file = cfg->redis_tls_ca_file;
+    sc.tls.cert_file = cfg->redis_tls_cert_file;
+    sc.tls.key_file = cfg->redis_tls_key_file;
+    sc.tls.server_name = cfg->redis_tls_server_name;
+    sc.tls.no_verify = !cfg->redis_tls_verify;
     sc.lifetimes = cfg->lifetimes;
     sc.flush = &gw->srv.flusher; /* initialised below, before the loop runs and so before any write */
     char msg[256];
@@ -549,7 +554,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         cg_info("workers auto: 1 (%s)", strcmp(cfg->store, "memory") == 0 ? "the memory store is one process's"
                                                                            : "this process may run on one CPU");
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
-            cfg->listen, cfg->web_dir, strncmp(cfg->store, "redis://", 8) == 0 ? "redis" : "memory", cfg->auth);
+            cfg->listen, cfg->web_dir, strcmp(cfg->store, "memory") == 0 ? "memory" : "redis", cfg->auth);
     cg_info("rules: %zu from %s", cg_ruleset_count(gw->srv.turn.rules), cfg->rules_dir);
     if (gw->srv.turn.shadow)
         cg_info("shadow rules: %zu from %s, evaluated beside the live set on every message, never acting",

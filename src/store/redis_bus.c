@@ -11,7 +11,7 @@
  * B also sets the dialog's cancel flag, which A's lease renewal reads (redis_dialog.c).
  */
 #define _GNU_SOURCE /* asprintf */
-#include <hiredis/async.h>
+#include "chatgate/store/redis_client.h"
 #include <hiredis/hiredis.h>
 
 #include <stdio.h>
@@ -27,10 +27,10 @@
 
 struct cg_redis_bus {
     redis_store *rs;
-    char *host, *password;
+    char *host, *user, *password;
     int port;
     char *channel;               /* this gateway's: "<prefix>:bus:<holder>" */
-    redisAsyncContext *sub, *pub;
+    cg_redis_conn *sub, *pub;
     cg_resolve *resolve;
     uv_timer_t retry;
     int failures; /* in a row, since the last subscription confirmed: the backoff, and one log */
@@ -46,7 +46,7 @@ static void on_retry(uv_timer_t *t)
 
 /* A connection is gone or never came: once logged per run of failures (a twemproxy URL, which
  * closes a connection that subscribes, would fail every time), retried with a backoff. */
-static void bus_lost(cg_redis_bus *b, redisAsyncContext **slot, const char *why)
+static void bus_lost(cg_redis_bus *b, cg_redis_conn **slot, const char *why)
 {
     if (b->failures++ == 0)
         cg_warn("redis bus %s:%d: %s; cancels from other gateways come with the lease renewal meanwhile (is "
@@ -57,27 +57,19 @@ static void bus_lost(cg_redis_bus *b, redisAsyncContext **slot, const char *why)
         uv_timer_start(&b->retry, on_retry, delay < BUS_RETRY_MAX_MS ? delay : BUS_RETRY_MAX_MS, 0);
 }
 
-static void on_bus_disconnect(const redisAsyncContext *ac, int status)
+static void on_bus_event(cg_redis_conn *ac, int up, const char *why)
 {
-    (void)status;
-    cg_redis_bus *b = ac->data;
-    if (!b)
+    cg_redis_bus *b = cg_redis_conn_data(ac);
+    if (up || !b)
         return;
-    bus_lost(b, ac == b->sub ? &b->sub : &b->pub, "connection lost");
-}
-
-static void on_bus_connect(const redisAsyncContext *ac, int status)
-{
-    cg_redis_bus *b = ac->data;
-    if (status != REDIS_OK && b) /* hiredis frees the context after this */
-        bus_lost(b, ac == b->sub ? &b->sub : &b->pub, ac->errstr[0] ? ac->errstr : "connect failed");
+    bus_lost(b, ac == b->sub ? &b->sub : &b->pub, why ? why : "connection lost");
 }
 
 /* A message on this gateway's channel: the dialog whose turn must stop, and its lease. */
-static void on_message(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_message(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)priv;
-    cg_redis_bus *b = ac->data;
+    cg_redis_bus *b = cg_redis_conn_data(ac);
     redisReply *r = reply_;
     if (!b || !r || r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_STRING)
         return; /* the connection going */
@@ -92,16 +84,13 @@ static void on_message(redisAsyncContext *ac, void *reply_, void *priv)
     cg_redis_cancel_turn(b->rs, r->element[2]->str); /* "<dialog key> <lease>" */
 }
 
-static redisAsyncContext *bus_open(cg_redis_bus *b, const char *address)
+static cg_redis_conn *bus_open(cg_redis_bus *b, const char *address)
 {
     char why[160];
-    redisAsyncContext *ac = cg_redis_async_open(b->rs, address, b->port, b, on_bus_connect,
-                                                on_bus_disconnect, why, sizeof(why));
-    if (ac && b->password) {
-        const char *argv[] = {"AUTH", b->password};
-        size_t len[] = {4, strlen(b->password)};
-        redisAsyncCommandArgv(ac, NULL, NULL, 2, argv, len);
-    }
+    cg_redis_conn *ac = cg_redis_async_open(b->rs, address, b->port, b->host, b, on_bus_event, why,
+                                            sizeof(why));
+    if (ac && b->password)
+        cg_redis_send_auth(ac, b->user, b->password, NULL, NULL);
     return ac;
 }
 
@@ -116,7 +105,7 @@ static void on_resolved(void *data, const char *address, const char *err)
     if (!b->sub && (b->sub = bus_open(b, address))) {
         const char *argv[] = {"SUBSCRIBE", b->channel};
         size_t len[] = {9, strlen(b->channel)};
-        redisAsyncCommandArgv(b->sub, on_message, NULL, 2, argv, len);
+        cg_redis_conn_argv(b->sub, on_message, NULL, 2, argv, len);
     }
     if (!b->pub)
         b->pub = bus_open(b, address);
@@ -142,9 +131,10 @@ cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url)
         abort();
     b->rs = rs;
     b->host = url->host;
+    b->user = url->user;
     b->password = url->password;
     b->port = url->port;
-    url->host = url->password = NULL;
+    url->host = url->user = url->password = NULL;
     if (asprintf(&b->channel, "%s:bus:%s", rs->base.cfg.prefix, rs->holder) < 0)
         abort(); /* out of memory at startup */
     uv_timer_init(rs->base.loop, &b->retry);
@@ -162,7 +152,7 @@ void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_a
     }
     const char *argv[] = {"PUBLISH", channel, key_and_lease};
     size_t len[] = {7, strlen(channel), strlen(key_and_lease)};
-    redisAsyncCommandArgv(b->pub, NULL, NULL, 3, argv, len);
+    cg_redis_conn_argv(b->pub, NULL, NULL, 3, argv, len);
     free(channel);
 }
 
@@ -170,6 +160,7 @@ static void on_retry_closed(uv_handle_t *h)
 {
     cg_redis_bus *b = h->data;
     free(b->host);
+    free(b->user);
     free(b->password);
     free(b->channel);
     free(b);
@@ -182,12 +173,12 @@ void cg_redis_bus_close(cg_redis_bus *b)
     b->closing = 1;
     if (b->resolve)
         cg_resolve_abandon(b->resolve);
-    redisAsyncContext *contexts[] = {b->sub, b->pub};
+    cg_redis_conn *contexts[] = {b->sub, b->pub};
     b->sub = b->pub = NULL;
     for (int i = 0; i < 2; i++)
         if (contexts[i]) {
-            contexts[i]->data = NULL; /* its callbacks, called from the free, find no bus */
-            redisAsyncFree(contexts[i]);
+            cg_redis_conn_set_data(contexts[i], NULL); /* its callbacks, called from the close, find no bus */
+            cg_redis_conn_close(contexts[i]);
         }
     uv_close((uv_handle_t *)&b->retry, on_retry_closed);
 }

@@ -285,6 +285,8 @@ void cg_redis_inflight_add(redis_store *rs, cg_store_req *r)
     rs->tail = r;
 }
 
+static void on_close_deadline(uv_timer_t *t);
+
 void cg_redis_inflight_remove(redis_store *rs, cg_store_req *r)
 {
     if (r->prev)
@@ -296,6 +298,8 @@ void cg_redis_inflight_remove(redis_store *rs, cg_store_req *r)
     else
         rs->tail = r->prev;
     r->prev = r->next = NULL;
+    if (rs->closing && rs->cluster && !rs->head) /* a cluster's graceful close: the last answer came */
+        uv_timer_start(&rs->connect_timer, on_close_deadline, 0, 0);
 }
 
 /* Drops r's dialog (or, for remove_user, every dialog of its user) from the write-back. */
@@ -482,15 +486,19 @@ static void resolve_abandon(redis_store *rs)
  * NULL reply. Safe inside a hiredis reply callback (hiredis frees after it returns). */
 static void drop_connection(redis_store *rs, const char *why)
 {
-    redisAsyncContext *ac = rs->ac;
+    cg_redis_conn *ac = rs->ac;
     rs->ac = NULL;
+    cg_redis_cluster *cl = rs->cluster;
+    rs->cluster = NULL;
+    rs->cluster_up = 0;
+    cg_redis_cluster_close(cl); /* its commands get NULL, as the connection's below */
     rs->state = R_CLOSED;
     resolve_abandon(rs);
     sentinel_query_abort(rs);
     uv_timer_stop(&rs->connect_timer);
     enter_degraded(rs, why);
     if (ac)
-        redisAsyncFree(ac);
+        cg_redis_conn_close(ac);
     schedule_reconnect(rs);
 }
 
@@ -521,12 +529,12 @@ static void connection_trusted(redis_store *rs)
     cg_redis_drain_waiting(rs);
 }
 
-static void on_role(redisAsyncContext *ac, void *reply_, void *priv);
+static void on_role(cg_redis_conn *ac, void *reply_, void *priv);
 
 static void send_role(redis_store *rs)
 {
     cg_store_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
-    if (redisAsyncCommand(rs->ac, on_role, r, "ROLE") == REDIS_OK)
+    if (cg_redis_conn_cmd(rs->ac, on_role, r, "ROLE") == REDIS_OK)
         cg_redis_inflight_add(rs, r);
     else {
         cg_redis_req_finish(r);
@@ -537,7 +545,7 @@ static void send_role(redis_store *rs)
 /* The probe: only a PING answered makes the store use a connection (a stopped Redis
  * accepts too). An error answer (-LOADING after a restart, -NOAUTH for a wrong password,
  * -MASTERDOWN) drops it, to try again with the backoff. */
-static void on_ping(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_ping(cg_redis_conn *ac, void *reply_, void *priv)
 {
     cg_store_req *r = priv;
     redis_store *rs = r->rs;
@@ -562,7 +570,7 @@ static void on_ping(redisAsyncContext *ac, void *reply_, void *priv)
 }
 
 /* With Sentinel, the probe goes on: the node must say it is the primary. */
-static void on_role(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_role(cg_redis_conn *ac, void *reply_, void *priv)
 {
     cg_store_req *r = priv;
     redis_store *rs = r->rs;
@@ -592,39 +600,39 @@ static void on_role(redisAsyncContext *ac, void *reply_, void *priv)
     connection_trusted(rs);
 }
 
-static void on_connect(const redisAsyncContext *ac, int status)
+static void on_disconnect(redis_store *rs, cg_redis_conn *ac, const char *why);
+
+/* The data connection is up (TCP and TLS), or gone. */
+static void on_conn_event(cg_redis_conn *ac, int up, const char *why)
 {
-    redis_store *rs = ac->data;
+    redis_store *rs = cg_redis_conn_data(ac);
     if (ac != rs->ac)
         return;
-    uv_timer_stop(&rs->connect_timer);
-    if (status != REDIS_OK) {
-        rs->ac = NULL; /* hiredis frees the context after this callback, not drop_connection */
-        drop_connection(rs, ac->errstr[0] ? ac->errstr : "connection failed");
+    if (!up) {
+        on_disconnect(rs, ac, why);
         return;
     }
+    uv_timer_stop(&rs->connect_timer);
     /* Connected at the TCP level; the PING decides (on_ping), within the command timeout. */
     rs->state = R_PROBING;
     cg_store_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
-    if (redisAsyncCommand(rs->ac, on_ping, r, "PING") == REDIS_OK)
+    if (cg_redis_conn_cmd(rs->ac, on_ping, r, "PING") == REDIS_OK)
         cg_redis_inflight_add(rs, r);
     else
         cg_redis_req_finish(r);
 }
 
-static void on_disconnect(const redisAsyncContext *ac, int status)
+/* It failed to connect, or closed: the connection frees itself after this. */
+static void on_disconnect(redis_store *rs, cg_redis_conn *ac, const char *why)
 {
-    redis_store *rs = ac->data;
-    (void)status;
-    if (ac != rs->ac)
-        return; /* we freed it ourselves */
-    rs->ac = NULL; /* hiredis frees it, not drop_connection */
+    (void)ac;
+    uv_timer_stop(&rs->connect_timer);
+    rs->ac = NULL; /* it frees itself, not drop_connection */
     if (rs->closing) { /* the graceful close of cg_redis_close is complete */
-        uv_timer_stop(&rs->connect_timer);
         finish_close(rs);
         return;
     }
-    drop_connection(rs, ac->errstr[0] ? ac->errstr : "connection closed");
+    drop_connection(rs, why ? why : "connection closed");
 }
 
 static void on_connect_timeout(uv_timer_t *t)
@@ -637,48 +645,19 @@ static void on_connect_timeout(uv_timer_t *t)
     drop_connection(rs, rs->state == R_RESOLVING ? "resolving the host timed out" : "connect timed out");
 }
 
-static void on_auth(redisAsyncContext *ac, void *reply, void *priv)
+static void on_auth(cg_redis_conn *ac, void *reply, void *priv)
 {
     (void)priv;
-    redis_store *rs = ac->data;
+    redis_store *rs = cg_redis_conn_data(ac);
     cg_redis_reply_failed(rs, reply, 0, "AUTH"); /* logged; a server that needs it answers the PING -NOAUTH */
 }
 
-static void on_select(redisAsyncContext *ac, void *reply, void *priv)
+static void on_select(cg_redis_conn *ac, void *reply, void *priv)
 {
     (void)priv;
-    redis_store *rs = ac->data;
+    redis_store *rs = cg_redis_conn_data(ac);
     if (ac == rs->ac && reply && cg_redis_reply_failed(rs, reply, 0, "SELECT"))
         rs->setup_failed = 1; /* the PING's answer drops the connection: never the wrong database */
-}
-
-/*
- * -READONLY, whatever command gets it: hiredis builds every reply through its reader's
- * object functions, so the data connection's reader gets a copy of the default ones whose
- * string constructor (errors are strings) notes a READONLY error before building it as
- * usual. The reply itself reaches its callback unchanged (it fails, and the operation is
- * answered from memory, marked for the write-back); the tick then drops the connection, out
- * of hiredis's reading, and the Sentinels are asked again.
- */
-static redisReplyObjectFunctions readonly_fns;
-static void *(*plain_create_string)(const redisReadTask *, char *, size_t);
-
-static void *create_string_watching(const redisReadTask *task, char *str, size_t len)
-{
-    if (task->type == REDIS_REPLY_ERROR && task->privdata && memmem(str, len, "READONLY", 8))
-        ((redis_store *)task->privdata)->readonly_seen++;
-    return plain_create_string(task, str, len);
-}
-
-static void watch_readonly(redis_store *rs, redisAsyncContext *ac)
-{
-    if (!plain_create_string) { /* one loop thread: set once, before the first connection */
-        readonly_fns = *ac->c.reader->fn;
-        plain_create_string = readonly_fns.createString;
-        readonly_fns.createString = create_string_watching;
-    }
-    ac->c.reader->fn = &readonly_fns;
-    ac->c.reader->privdata = rs;
 }
 
 /* Connects to a numeric address (hiredis's own getaddrinfo then never waits on DNS). */
@@ -691,8 +670,8 @@ static void connect_to(redis_store *rs, const char *address)
         rs->address_port = rs->port;
     }
     char why[160];
-    redisAsyncContext *ac =
-        cg_redis_async_open(rs, address, rs->port, rs, on_connect, on_disconnect, why, sizeof(why));
+    cg_redis_conn *ac =
+        cg_redis_async_open(rs, address, rs->port, rs->host, rs, on_conn_event, why, sizeof(why));
     if (!ac) {
         drop_connection(rs, why);
         return;
@@ -701,15 +680,10 @@ static void connect_to(redis_store *rs, const char *address)
     rs->state = R_CONNECTING;
     rs->setup_failed = 0;
     rs->readonly_seen = 0;
-    if (rs->master) /* before any reply is read: the loop has not run since the connect */
-        watch_readonly(rs, ac);
-    if (rs->password) {
-        const char *argv[] = {"AUTH", rs->password};
-        size_t len[] = {4, strlen(rs->password)};
-        redisAsyncCommandArgv(ac, on_auth, NULL, 2, argv, len);
-    }
+    if (rs->password)
+        cg_redis_send_auth(ac, rs->user, rs->password, on_auth, NULL);
     if (rs->db)
-        redisAsyncCommand(ac, on_select, NULL, "SELECT %d", rs->db);
+        cg_redis_conn_cmd(ac, on_select, NULL, "SELECT %d", rs->db);
 }
 
 static void on_resolved(void *data, const char *address, const char *err)
@@ -725,10 +699,60 @@ static void on_resolved(void *data, const char *address, const char *err)
 
 /* Every (re)connect resolves the host again, off the loop: its address may have moved. With
  * Sentinel, a Sentinel names the host first. */
+static void on_cluster_state(void *data, int up, const char *why)
+{
+    redis_store *rs = data;
+    if (!up) {
+        rs->cluster = NULL; /* closed by itself */
+        rs->cluster_up = 0;
+        drop_connection(rs, why);
+        return;
+    }
+    uv_timer_stop(&rs->connect_timer);
+    rs->cluster_up = 1;
+    connection_trusted(rs);
+}
+
+/* redis-cluster://: the router reads the map from a seed and connects every master, within
+ * the connect timeout; the seeds are resolved again at each connect. */
+static void cluster_connect(redis_store *rs)
+{
+    rs->state = R_CONNECTING;
+    uv_update_time(rs->base.loop);
+    uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
+    cg_redis_cluster_config cc = {
+        .loop = rs->base.loop,
+        .flush = rs->base.cfg.flush,
+        .tls = rs->tls,
+        .user = rs->user,
+        .password = rs->password,
+        .seed_hosts = (const char *const *)rs->seed_hosts,
+        .seed_ports = rs->seed_ports,
+        .n_seeds = rs->n_seeds,
+        .on_state = on_cluster_state,
+        .data = rs,
+        .stats = &rs->cluster_stats,
+    };
+    rs->cluster = cg_redis_cluster_open(&cc);
+    if (!rs->cluster)
+        drop_connection(rs, "out of memory");
+}
+
+int cg_redis_send(redis_store *rs, unsigned slot, const char *cmd, size_t len, cg_redis_reply_fn *fn, void *priv)
+{
+    if (rs->cluster)
+        return rs->cluster_up ? cg_redis_cluster_send(rs->cluster, slot, cmd, len, fn, priv) : -1;
+    return rs->ac ? cg_redis_conn_formatted(rs->ac, fn, priv, cmd, len) : -1;
+}
+
 static void redis_connect(redis_store *rs)
 {
     if (rs->closing)
         return;
+    if (rs->n_seeds) {
+        cluster_connect(rs);
+        return;
+    }
     if (rs->master) {
         rs->sentinel_tries = 0;
         sentinel_ask(rs);
@@ -751,6 +775,8 @@ static void resolve_and_connect(redis_store *rs)
 static void on_tick(uv_timer_t *t)
 {
     redis_store *rs = t->data;
+    if (rs->master && rs->ac)
+        rs->readonly_seen += (int)cg_redis_conn_take_readonly(rs->ac);
     if (rs->readonly_seen && rs->ac) {
         rs->base.stats.readonly_replies += (unsigned long)rs->readonly_seen;
         cg_warn("redis %s:%d: %d answers were -READONLY: this node is a replica now; asking the Sentinels for "
@@ -767,7 +793,7 @@ static void on_tick(uv_timer_t *t)
         snprintf(why, sizeof(why), "no answer for %ld ms", rs->base.cfg.command_timeout_ms);
         drop_connection(rs, why);
     }
-    if (rs->state == R_CONNECTED && rs->ac)
+    if (rs->state == R_CONNECTED && cg_redis_linked(rs))
         cg_redis_renew_leases(rs);
 }
 
@@ -777,16 +803,16 @@ static void sentinel_ask(redis_store *rs);
 
 /* Gives up a side connection's name lookup and connection, whichever exist (its callbacks
  * then see another context). */
-static void side_abandon(cg_resolve **resolve, redisAsyncContext **ac)
+static void side_abandon(cg_resolve **resolve, cg_redis_conn **ac)
 {
     if (*resolve) {
         cg_resolve_abandon(*resolve);
         *resolve = NULL;
     }
     if (*ac) {
-        redisAsyncContext *c = *ac;
+        cg_redis_conn *c = *ac;
         *ac = NULL;
-        redisAsyncFree(c); /* deferred by hiredis when inside one of its reply callbacks */
+        cg_redis_conn_close(c); /* deferred by hiredis when inside one of its reply callbacks */
     }
 }
 
@@ -818,15 +844,15 @@ static void sentinel_failed(redis_store *rs, const char *why)
     drop_connection(rs, msg);
 }
 
-static void on_sentinel_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_sentinel_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     redis_store *rs = priv;
     redisReply *reply = reply_;
     if (ac != rs->sac)
         return; /* given up */
     if (!reply) {
-        rs->sac = NULL; /* hiredis is freeing it: the connection failed or closed */
-        sentinel_failed(rs, ac->errstr[0] ? ac->errstr : "the connection closed");
+        rs->sac = NULL; /* it is closing: the connection failed or closed */
+        sentinel_failed(rs, cg_redis_conn_error(ac));
         return;
     }
     char why[200];
@@ -852,7 +878,7 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply_, void *priv)
     }
     char *host = cg_redis_xstrdup(reply->element[0]->str);
     rs->sac = NULL;
-    redisAsyncFree(ac); /* after this callback: hiredis defers it */
+    cg_redis_conn_close(ac); /* after this callback: hiredis defers it */
     uv_timer_stop(&rs->connect_timer);
     if (strcmp(rs->host, host) != 0 || rs->port != (int)port)
         cg_info("redis sentinel %s:%d: the primary of '%s' is %s:%ld", rs->sentinel_hosts[rs->sentinel_at],
@@ -863,45 +889,28 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply_, void *priv)
     resolve_and_connect(rs); /* as a redis:// address from here; the probe adds ROLE */
 }
 
-static void on_sentinel_connect(const redisAsyncContext *ac, int status)
+static void on_sentinel_event(cg_redis_conn *ac, int up, const char *why)
 {
-    redis_store *rs = ac->data;
-    if (ac != rs->sac || status == REDIS_OK)
+    redis_store *rs = cg_redis_conn_data(ac);
+    if (ac != rs->sac || up)
         return;
-    rs->sac = NULL; /* hiredis frees it after this callback */
-    sentinel_failed(rs, ac->errstr[0] ? ac->errstr : "connection failed");
+    rs->sac = NULL; /* it frees itself after this callback */
+    sentinel_failed(rs, why ? why : "the connection closed before the answer");
 }
 
-static void on_sentinel_disconnect(const redisAsyncContext *ac, int status)
+void cg_redis_send_auth(cg_redis_conn *ac, const char *user, const char *password, cg_redis_reply_fn *cb,
+                        void *priv)
 {
-    (void)status;
-    redis_store *rs = ac->data;
-    if (ac != rs->sac)
-        return;
-    rs->sac = NULL;
-    sentinel_failed(rs, "the connection closed before the answer");
+    const char *argv[] = {"AUTH", user ? user : password, password};
+    size_t len[] = {4, strlen(argv[1]), strlen(password)};
+    cg_redis_conn_argv(ac, cb, priv, user ? 3 : 2, argv, len);
 }
 
-redisAsyncContext *cg_redis_async_open(redis_store *rs, const char *address, int port, void *data,
-                                       redisConnectCallback *on_connect, redisDisconnectCallback *on_disconnect,
-                                       char *why, size_t whylen)
+cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host, void *data,
+                                   cg_redis_event_fn *on_event, char *why, size_t whylen)
 {
-    redisAsyncContext *ac = redisAsyncConnect(address, port);
-    if (!ac || ac->err) {
-        snprintf(why, whylen, "%s", ac ? ac->errstr : "out of memory");
-        if (ac)
-            redisAsyncFree(ac);
-        return NULL;
-    }
-    ac->data = data;
-    if (cg_redis_uv_attach(ac, rs->base.loop, rs->base.cfg.flush) < 0) {
-        snprintf(why, whylen, "cannot watch its socket on the loop");
-        redisAsyncFree(ac);
-        return NULL;
-    }
-    redisAsyncSetConnectCallback(ac, on_connect);
-    redisAsyncSetDisconnectCallback(ac, on_disconnect);
-    return ac;
+    return cg_redis_conn_open(rs->base.loop, address, port, host, rs->tls, rs->base.cfg.flush, data, on_event, why,
+                              whylen);
 }
 
 static void on_sentinel_resolved(void *data, const char *address, const char *err)
@@ -909,9 +918,9 @@ static void on_sentinel_resolved(void *data, const char *address, const char *er
     redis_store *rs = data;
     rs->sresolve = NULL;
     char why[160];
-    redisAsyncContext *ac = address ? cg_redis_async_open(rs, address, rs->sentinel_ports[rs->sentinel_at],
-                                                          rs, on_sentinel_connect, on_sentinel_disconnect, why,
-                                                          sizeof(why))
+    cg_redis_conn *ac = address ? cg_redis_async_open(rs, address, rs->sentinel_ports[rs->sentinel_at],
+                                                          rs->sentinel_hosts[rs->sentinel_at], rs, on_sentinel_event,
+                                                          why, sizeof(why))
                                     : NULL;
     if (!ac) {
         sentinel_failed(rs, address ? why : err);
@@ -919,7 +928,7 @@ static void on_sentinel_resolved(void *data, const char *address, const char *er
     }
     rs->sac = ac;
     /* queued until the connection is up; the connect timer bounds connect and answer */
-    redisAsyncCommand(ac, on_sentinel_reply, rs, "SENTINEL get-master-addr-by-name %s", rs->master);
+    cg_redis_conn_cmd(ac, on_sentinel_reply, rs, "SENTINEL get-master-addr-by-name %s", rs->master);
 }
 
 /* Asks rs->sentinel_at, within the connect timeout. */
@@ -991,12 +1000,12 @@ static void follow_switch(redis_store *rs, const char *host, int port)
     }
 }
 
-static void on_sub_message(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_sub_message(cg_redis_conn *ac, void *reply_, void *priv)
 {
     redis_store *rs = priv;
     redisReply *reply = reply_;
     if (ac != rs->sub || !reply)
-        return; /* given up, or being freed by hiredis (on_sub_disconnect follows) */
+        return; /* given up, or being freed by hiredis (on_sub_event follows) */
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 3 || reply->element[0]->type != REDIS_REPLY_STRING)
         return;
     if (strcmp(reply->element[0]->str, "subscribe") == 0) {
@@ -1018,23 +1027,13 @@ static void on_sub_message(redisAsyncContext *ac, void *reply_, void *priv)
         follow_switch(rs, new_host, new_port);
 }
 
-static void on_sub_connect(const redisAsyncContext *ac, int status)
+static void on_sub_event(cg_redis_conn *ac, int up, const char *why)
 {
-    redis_store *rs = ac->data;
-    if (ac != rs->sub || status == REDIS_OK)
+    redis_store *rs = cg_redis_conn_data(ac);
+    if (ac != rs->sub || up)
         return;
-    rs->sub = NULL; /* hiredis frees it after this callback */
-    sub_lost(rs, ac->errstr[0] ? ac->errstr : "connection failed");
-}
-
-static void on_sub_disconnect(const redisAsyncContext *ac, int status)
-{
-    (void)status;
-    redis_store *rs = ac->data;
-    if (ac != rs->sub)
-        return;
-    rs->sub = NULL; /* hiredis frees it */
-    sub_lost(rs, ac->errstr[0] ? ac->errstr : "the connection closed");
+    rs->sub = NULL; /* it frees itself after this callback */
+    sub_lost(rs, why ? why : "the connection closed");
 }
 
 static void on_sub_resolved(void *data, const char *address, const char *err)
@@ -1042,15 +1041,16 @@ static void on_sub_resolved(void *data, const char *address, const char *err)
     redis_store *rs = data;
     rs->sub_resolve = NULL;
     char why[160];
-    redisAsyncContext *ac = address ? cg_redis_async_open(rs, address, rs->sentinel_ports[rs->sub_at], rs,
-                                                          on_sub_connect, on_sub_disconnect, why, sizeof(why))
+    cg_redis_conn *ac = address ? cg_redis_async_open(rs, address, rs->sentinel_ports[rs->sub_at],
+                                                          rs->sentinel_hosts[rs->sub_at], rs, on_sub_event, why,
+                                                          sizeof(why))
                                     : NULL;
     if (!ac) {
         sub_lost(rs, address ? why : err);
         return;
     }
     rs->sub = ac;
-    redisAsyncCommand(ac, on_sub_message, rs, "SUBSCRIBE +switch-master");
+    cg_redis_conn_cmd(ac, on_sub_message, rs, "SUBSCRIBE +switch-master");
 }
 
 /* Subscribes on rs->sub_at, within the connect timeout (sub_timer). */
@@ -1083,6 +1083,10 @@ static void store_free(redis_store *rs)
         free(rs->sentinel_hosts[i]);
     free(rs->sentinel_hosts);
     free(rs->sentinel_ports);
+    for (int i = 0; i < rs->n_seeds; i++)
+        free(rs->seed_hosts[i]);
+    free(rs->seed_hosts);
+    free(rs->seed_ports);
     free(rs->master);
     free(rs->primary);
     json_decref(rs->dirty);
@@ -1092,8 +1096,10 @@ static void store_free(redis_store *rs)
     json_decref(rs->saving);
     json_decref(rs->recent);
     free(rs->host);
+    free(rs->user);
     free(rs->password);
     free(rs->address);
+    cg_redis_tls_free(rs->tls);
     free(rs);
 }
 
@@ -1116,12 +1122,20 @@ static void finish_close(redis_store *rs)
 static void on_close_deadline(uv_timer_t *t)
 {
     redis_store *rs = t->data;
+    if (rs->cluster) {
+        cg_redis_cluster *cl = rs->cluster;
+        rs->cluster = NULL;
+        rs->cluster_up = 0;
+        if (rs->head)
+            cg_warn("redis cluster: writes still unanswered at shutdown are lost");
+        cg_redis_cluster_close(cl);
+    }
     if (rs->ac) {
-        redisAsyncContext *ac = rs->ac;
+        cg_redis_conn *ac = rs->ac;
         rs->ac = NULL;
         if (rs->head)
             cg_warn("redis %s:%d: writes still unanswered at shutdown are lost", rs->host, rs->port);
-        redisAsyncFree(ac);
+        cg_redis_conn_close(ac);
     }
     finish_close(rs);
 }
@@ -1147,7 +1161,11 @@ void cg_redis_close(cg_store *st)
         cg_warn("redis %s:%d: stopping with %zu dialogs not yet written back", rs->host, rs->port,
                 json_object_size(rs->dirty));
     if (rs->ac && rs->state == R_CONNECTED && rs->head) {
-        redisAsyncDisconnect(rs->ac);
+        cg_redis_conn_close_graceful(rs->ac);
+        uv_timer_start(&rs->connect_timer, on_close_deadline, 1000, 0);
+        return;
+    }
+    if (rs->cluster_up && rs->head) { /* the router closes once the last answer came */
         uv_timer_start(&rs->connect_timer, on_close_deadline, 1000, 0);
         return;
     }
@@ -1176,11 +1194,11 @@ static char *url_decode(const char *s, const char *end, size_t *len)
     return out;
 }
 
-/* The "[:password@]" after the scheme at p: sets *password (NULL: none) and returns where
- * the hosts begin (NULL with err on a bad one); *shown is what errors may quote (never the
- * password). */
-static const char *parse_password(char **password, const char *url, const char *p, const char **shown, char *err,
-                                  size_t errlen)
+/* The "[[USER]:PASSWORD@]" after the scheme at p: sets *user and *password (NULL: none) and
+ * returns where the hosts begin (NULL with err on a bad one); *shown is what errors may quote
+ * (never the user or the password). A user is an ACL user (AUTH USER PASSWORD, Redis 6). */
+static const char *parse_userinfo(char **user, char **password, const char *url, const char *p, const char **shown,
+                                  char *err, size_t errlen)
 {
     const char *at = strchr(p, '@');
     *shown = at ? at + 1 : url;
@@ -1189,6 +1207,13 @@ static const char *parse_password(char **password, const char *url, const char *
     const char *colon = memchr(p, ':', (size_t)(at - p));
     const char *pw = colon ? colon + 1 : p;
     size_t len;
+    if (colon && colon > p) {
+        *user = url_decode(p, colon, &len);
+        if (strlen(*user) != len || strpbrk(*user, " \r\n")) {
+            snprintf(err, errlen, "'...@%s': the user holds %%00, a space or a line break", *shown);
+            return NULL;
+        }
+    }
     *password = url_decode(pw, at, &len);
     if (strlen(*password) != len) {
         snprintf(err, errlen, "'...@%s': the password holds %%00", *shown);
@@ -1197,6 +1222,10 @@ static const char *parse_password(char **password, const char *url, const char *
     if (!len) {
         free(*password);
         *password = NULL;
+        if (*user) {
+            snprintf(err, errlen, "'...@%s': an ACL user needs its password (USER:PASSWORD@)", *shown);
+            return NULL;
+        }
     }
     return at + 1;
 }
@@ -1216,8 +1245,83 @@ static int parse_db(int *db_out, const char *s, const char *shown, char *err, si
     return 0;
 }
 
-#define SENTINEL_USAGE "(redis-sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB])"
+#define SENTINEL_USAGE "(redis[s]-sentinel://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB])"
 #define SENTINELS_MAX 16
+
+/* "HOST[:PORT][,HOST[:PORT]...]" in [p, end): at most SENTINELS_MAX, each port default_port
+ * unless given; what names one in errors ("Sentinel 2: no host"). */
+static int parse_hosts(const char *p, const char *end_all, char ***hosts, int **ports, int *n_out, int default_port,
+                       const char *what, const char *usage, const char *shown, char *err, size_t errlen)
+{
+    *hosts = calloc(SENTINELS_MAX, sizeof(char *));
+    *ports = calloc(SENTINELS_MAX, sizeof(int));
+    if (!*hosts || !*ports)
+        abort();
+    for (const char *h = p; h < end_all;) {
+        const char *comma = memchr(h, ',', (size_t)(end_all - h));
+        const char *end = comma ? comma : end_all;
+        const char *colon = memchr(h, ':', (size_t)(end - h));
+        const char *host_end = colon ? colon : end;
+        int n = *n_out + 1;
+        if (n > SENTINELS_MAX) {
+            snprintf(err, errlen, "'%s': more than %d %s hosts", shown, SENTINELS_MAX, what);
+            return -1;
+        }
+        if (host_end == h || host_end - h > 253) {
+            snprintf(err, errlen, "'%s': %s %d: %s %s", shown, what, n,
+                     host_end == h ? "no host" : "the host is longer than 253 bytes", usage);
+            return -1;
+        }
+        long port = default_port;
+        if (colon) {
+            char *e;
+            port = strtol(colon + 1, &e, 10);
+            if (e != end || e == colon + 1 || port < 1 || port > 65535) {
+                snprintf(err, errlen, "'%s': %s %d: the port must be 1 to 65535", shown, what, n);
+                return -1;
+            }
+        }
+        if (asprintf(&(*hosts)[*n_out], "%.*s", (int)(host_end - h), h) < 0)
+            abort();
+        (*ports)[(*n_out)++] = (int)port;
+        if (comma && comma + 1 == end_all) {
+            snprintf(err, errlen, "'%s': %s %d: no host %s", shown, what, n + 1, usage);
+            return -1;
+        }
+        h = comma ? comma + 1 : end_all;
+    }
+    return 0;
+}
+
+#define CLUSTER_USAGE "(redis[s]-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...])"
+
+/*
+ * redis-cluster://[[user]:password@]host[:port][,host[:port]...]: seeds, any nodes of the
+ * cluster (port 6379 unless given), asked in turn for the slot map. A cluster has only
+ * database 0: no path.
+ */
+static int parse_cluster_url(redis_store *rs, const char *url, char *err, size_t errlen)
+{
+    const char *shown;
+    const char *p = parse_userinfo(&rs->user, &rs->password, url, strstr(url, "://") + 3, &shown, err, errlen);
+    if (!p)
+        return -1;
+    const char *end = p + strcspn(p, "/?");
+    if (*end) {
+        snprintf(err, errlen, "'%s': a cluster has no database or options in its URL %s", shown, CLUSTER_USAGE);
+        return -1;
+    }
+    if (end == p) {
+        snprintf(err, errlen, "'%s': no seed host %s", shown, CLUSTER_USAGE);
+        return -1;
+    }
+    if (parse_hosts(p, end, &rs->seed_hosts, &rs->seed_ports, &rs->n_seeds, 6379, "seed", CLUSTER_USAGE, shown, err,
+                    errlen) < 0)
+        return -1;
+    rs->host = cg_redis_xstrdup(rs->seed_hosts[0]); /* in the log: the first seed */
+    rs->port = rs->seed_ports[0];
+    return 0;
+}
 
 /*
  * redis-sentinel://[:password@]host[:port][,host[:port]...]/master[/db]: the Sentinels
@@ -1227,7 +1331,7 @@ static int parse_db(int *db_out, const char *s, const char *shown, char *err, si
 static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_t errlen)
 {
     const char *shown;
-    const char *p = parse_password(&rs->password, url, url + strlen("redis-sentinel://"), &shown, err, errlen);
+    const char *p = parse_userinfo(&rs->user, &rs->password, url, strstr(url, "://") + 3, &shown, err, errlen);
     if (!p)
         return -1;
     const char *slash = strchr(p, '/');
@@ -1236,43 +1340,9 @@ static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_
         snprintf(err, errlen, "'%s': no Sentinel host %s", shown, SENTINEL_USAGE);
         return -1;
     }
-    rs->sentinel_hosts = calloc(SENTINELS_MAX, sizeof(char *));
-    rs->sentinel_ports = calloc(SENTINELS_MAX, sizeof(int));
-    if (!rs->sentinel_hosts || !rs->sentinel_ports)
-        abort();
-    for (const char *h = p; h < hosts_end;) {
-        const char *comma = memchr(h, ',', (size_t)(hosts_end - h));
-        const char *end = comma ? comma : hosts_end;
-        const char *colon = memchr(h, ':', (size_t)(end - h));
-        const char *host_end = colon ? colon : end;
-        int n = rs->n_sentinels + 1;
-        if (n > SENTINELS_MAX) {
-            snprintf(err, errlen, "'%s': more than %d Sentinels", shown, SENTINELS_MAX);
-            return -1;
-        }
-        if (host_end == h || host_end - h > 253) {
-            snprintf(err, errlen, "'%s': Sentinel %d: %s %s", shown, n,
-                     host_end == h ? "no host" : "the host is longer than 253 bytes", SENTINEL_USAGE);
-            return -1;
-        }
-        long port = 26379;
-        if (colon) {
-            char *e;
-            port = strtol(colon + 1, &e, 10);
-            if (e != end || e == colon + 1 || port < 1 || port > 65535) {
-                snprintf(err, errlen, "'%s': Sentinel %d: the port must be 1 to 65535", shown, n);
-                return -1;
-            }
-        }
-        if (asprintf(&rs->sentinel_hosts[rs->n_sentinels], "%.*s", (int)(host_end - h), h) < 0)
-            abort();
-        rs->sentinel_ports[rs->n_sentinels++] = (int)port;
-        if (comma && comma + 1 == hosts_end) {
-            snprintf(err, errlen, "'%s': Sentinel %d: no host %s", shown, n + 1, SENTINEL_USAGE);
-            return -1;
-        }
-        h = comma ? comma + 1 : hosts_end;
-    }
+    if (parse_hosts(p, hosts_end, &rs->sentinel_hosts, &rs->sentinel_ports, &rs->n_sentinels, 26379, "Sentinel",
+                    SENTINEL_USAGE, shown, err, errlen) < 0)
+        return -1;
     const char *name = slash ? slash + 1 : hosts_end;
     const char *name_end = name + strcspn(name, "/");
     if (name_end == name) {
@@ -1297,12 +1367,13 @@ static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_
 int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errlen)
 {
     memset(u, 0, sizeof(*u));
-    if (strncmp(url, "redis://", 8) != 0) {
-        snprintf(err, errlen, "must be redis://[:PASSWORD@]HOST[:PORT][/DB]");
+    if (strncmp(url, "redis://", 8) != 0 && strncmp(url, "rediss://", 9) != 0) {
+        snprintf(err, errlen, "must be redis[s]://[[USER]:PASSWORD@]HOST[:PORT][/DB]");
         return -1;
     }
+    u->tls = url[5] == 's';
     const char *shown;
-    const char *p = parse_password(&u->password, url, url + strlen("redis://"), &shown, err, errlen);
+    const char *p = parse_userinfo(&u->user, &u->password, url, strstr(url, "://") + 3, &shown, err, errlen);
     if (!p)
         return -1;
     const char *slash = strchr(p, '/');
@@ -1329,15 +1400,18 @@ int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errle
     return parse_db(&u->db, slash ? slash + 1 : "", shown, err, errlen);
 }
 
-/* The store's URL: redis-sentinel:// or redis:// (errors never quote the password); what
- * it parsed is rs's either way, freed with it. */
+/* The store's URL: redis[s]-sentinel:// or redis[s]:// (errors never quote the user or the
+ * password); what it parsed is rs's either way, freed with it. */
 static int parse_url(redis_store *rs, const char *url, char *err, size_t errlen)
 {
-    if (strncmp(url, "redis-sentinel://", 17) == 0)
+    if (strncmp(url, "redis-sentinel://", 17) == 0 || strncmp(url, "rediss-sentinel://", 18) == 0)
         return parse_sentinel_url(rs, url, err, errlen);
+    if (strncmp(url, "redis-cluster://", 16) == 0 || strncmp(url, "rediss-cluster://", 17) == 0)
+        return parse_cluster_url(rs, url, err, errlen);
     cg_redis_url u;
     int rc = cg_redis_parse_url(url, &u, err, errlen);
     rs->host = u.host;
+    rs->user = u.user;
     rs->password = u.password;
     rs->port = u.port;
     rs->db = u.db;
@@ -1366,9 +1440,9 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     if (!rs)
         return NULL;
     /* the bus: redis.bus, else the store's own URL when it is a Redis (not Sentinel's) */
-    const char *bus_url = cfg->bus_url && *cfg->bus_url ? cfg->bus_url
-                          : strncmp(cfg->url, "redis://", 8) == 0 ? cfg->url
-                                                                  : NULL;
+    const char *bus_url = cfg->bus_url && *cfg->bus_url                                          ? cfg->bus_url
+                          : strncmp(cfg->url, "redis://", 8) == 0 || strncmp(cfg->url, "rediss://", 9) == 0 ? cfg->url
+                                                                                                            : NULL;
     cg_redis_url bus = {0};
     char why[200] = "";
     if (parse_url(rs, cfg->url, err, errlen) < 0 ||
@@ -1376,9 +1450,21 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
         if (why[0])
             snprintf(err, errlen, "redis.bus: %s", why);
         free(bus.host);
+        free(bus.user);
         free(bus.password);
         store_free(rs);
         return NULL;
+    }
+    if (strncmp(cfg->url, "rediss", 6) == 0 || bus.tls) {
+        cg_redis_tls_config tc = {cfg->tls.ca_file, cfg->tls.cert_file, cfg->tls.key_file, cfg->tls.server_name,
+                                  !cfg->tls.no_verify};
+        if (!(rs->tls = cg_redis_tls_new(&tc, err, errlen))) {
+            free(bus.host);
+            free(bus.user);
+            free(bus.password);
+            store_free(rs);
+            return NULL;
+        }
     }
     rs->base.ops = &cg_redis_ops;
     rs->base.loop = loop;

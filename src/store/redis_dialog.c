@@ -39,7 +39,6 @@
  * memory copy, so the next load reads Redis's.
  */
 #define _GNU_SOURCE /* asprintf */
-#include <hiredis/async.h>
 #include <hiredis/hiredis.h>
 
 #include <openssl/evp.h>
@@ -53,8 +52,8 @@
 #include "chatgate/store/store.h"
 #include "chatgate/store/redis_internal.h"
 
-static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv);
-static void on_room_list(redisAsyncContext *ac, void *reply_, void *priv);
+static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv);
+static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv);
 
 /* ---- building commands ----------------------------------------------------------------- */
 
@@ -75,6 +74,7 @@ typedef struct argv_buf {
     int argc;
     size_t third; /* where the third argument begins: a script sent again as EVAL has its
                    * first two replaced (send_formatted) */
+    unsigned slot; /* Redis Cluster: the slot of its keys (their hash tag, the user's) */
 } argv_buf;
 
 static size_t digits(size_t n)
@@ -178,6 +178,7 @@ static void arg_json(argv_buf *a, json_t *v)
  * live on one shard). */
 static void put_key(argv_buf *a, const char *prefix, const char *eu, const char *er, const char *part)
 {
+    a->slot = cg_redis_key_slot(eu, strlen(eu)); /* every key of a command has this tag */
     cg_jsonw_raw(&a->w, prefix, strlen(prefix));
     CG_JSONW_LIT(&a->w, ":{");
     cg_jsonw_raw(&a->w, eu, strlen(eu));
@@ -205,6 +206,7 @@ static void arg_key(argv_buf *a, const char *prefix, const char *eu, const char 
 static void argv_clear(argv_buf *a)
 {
     a->argc = 0;
+    a->slot = 0;
     a->w.used = a->w.pre;
 }
 
@@ -216,8 +218,8 @@ static void argv_free(argv_buf *a)
 
 /* Sends a's command, its first two arguments replaced by arg0 and arg1 when they are not
  * NULL (EVAL and the script's text, after NOSCRIPT); REDIS_OK or REDIS_ERR. */
-static int send_formatted(redisAsyncContext *ac, argv_buf *a, const char *arg0, const char *arg1,
-                          redisCallbackFn *fn, void *priv)
+static int send_formatted(redis_store *rs, argv_buf *a, const char *arg0, const char *arg1,
+                          cg_redis_reply_fn *fn, void *priv)
 {
     if (!a->w.buf || (arg0 && a->argc < 2))
         return REDIS_ERR;
@@ -227,26 +229,27 @@ static int send_formatted(redisAsyncContext *ac, argv_buf *a, const char *arg0, 
         arg_str(&b, arg1);
         cg_jsonw_raw(&b.w, a->w.buf + a->third, a->w.used - a->third);
         b.argc = a->argc;
-        int rc = send_formatted(ac, &b, NULL, NULL, fn, priv);
+        b.slot = a->slot;
+        int rc = send_formatted(rs, &b, NULL, NULL, fn, priv);
         argv_free(&b);
         return rc;
     }
     size_t hl = digits((size_t)a->argc) + 3;
     char *at = a->w.buf + a->w.pre - hl; /* hl < ARGV_HEAD: argc is an int */
     resp_line(at, '*', (size_t)a->argc, hl - 3);
-    return redisAsyncFormattedCommand(ac, fn, priv, at, a->w.used - a->w.pre + hl);
+    return cg_redis_send(rs, a->slot, at, a->w.used - a->w.pre + hl, fn, priv);
 }
 
 /* Returns 0, or -1 when hiredis refused the command (its context is being freed). */
-static int send_argv(redis_store *rs, argv_buf *a, redisCallbackFn *fn, void *priv)
+static int send_argv(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, void *priv)
 {
-    int rc = rs->ac ? send_formatted(rs->ac, a, NULL, NULL, fn, priv) : REDIS_ERR;
+    int rc = send_formatted(rs, a, NULL, NULL, fn, priv);
     argv_clear(a);
     return rc == REDIS_OK ? 0 : -1;
 }
 
 /* A command before r's last: its reply only says whether it failed. */
-static void on_step_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_step_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     cg_store_req *r = priv;
@@ -270,7 +273,7 @@ static void send_step(redis_store *rs, argv_buf *a, cg_store_req *r)
 }
 
 /* Sends r's last command; r is answered from memory if that fails. */
-static void send_last(redis_store *rs, argv_buf *a, redisCallbackFn *fn, cg_store_req *r)
+static void send_last(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, cg_store_req *r)
 {
     if (send_argv(rs, a, fn, r) < 0) {
         rs->base.stats.errors++;
@@ -359,19 +362,21 @@ typedef struct script_call {
     redis_store *rs;
     script_id id;
     argv_buf a;
-    redisCallbackFn *fn;
+    cg_redis_reply_fn *fn;
     void *priv;
     int retried;
 } script_call;
 
-static void on_script_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_script_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     script_call *c = priv;
     redisReply *reply = reply_;
     if (reply && reply->type == REDIS_REPLY_ERROR && strncmp(reply->str, "NOSCRIPT", 8) == 0 && !c->retried &&
-        c->rs->ac == ac) {
+        cg_redis_linked(c->rs)) {
+        /* the node that answered lacks the script; the EVAL goes to the slot's node (the
+         * same, unless a cluster's slot moved meanwhile, which then answers MOVED) */
         c->retried = 1;
-        if (send_formatted(ac, &c->a, "EVAL", script_text(c->id), on_script_reply, c) == REDIS_OK)
+        if (send_formatted(c->rs, &c->a, "EVAL", script_text(c->id), on_script_reply, c) == REDIS_OK)
             return;
         reply = NULL;
     }
@@ -382,7 +387,7 @@ static void on_script_reply(redisAsyncContext *ac, void *reply_, void *priv)
 }
 
 /* Sends a script command built in a (taken); 0, or -1 when hiredis refused it. */
-static int send_script(redis_store *rs, script_id id, argv_buf *a, redisCallbackFn *fn, void *priv)
+static int send_script(redis_store *rs, script_id id, argv_buf *a, cg_redis_reply_fn *fn, void *priv)
 {
     script_call *c = calloc(1, sizeof(*c));
     if (!c)
@@ -393,7 +398,7 @@ static int send_script(redis_store *rs, script_id id, argv_buf *a, redisCallback
     memset(a, 0, sizeof(*a));
     c->fn = fn;
     c->priv = priv;
-    if (rs->ac && send_formatted(rs->ac, &c->a, NULL, NULL, on_script_reply, c) == REDIS_OK)
+    if (send_formatted(rs, &c->a, NULL, NULL, on_script_reply, c) == REDIS_OK)
         return 0;
     argv_free(&c->a);
     free(c);
@@ -403,7 +408,7 @@ static int send_script(redis_store *rs, script_id id, argv_buf *a, redisCallback
 /* Sends r's script; r is answered from memory if that fails. */
 static void dispatch(redis_store *rs, cg_store_req *r);
 
-static int send_last_script(redis_store *rs, script_id id, argv_buf *a, redisCallbackFn *fn, cg_store_req *r)
+static int send_last_script(redis_store *rs, script_id id, argv_buf *a, cg_redis_reply_fn *fn, cg_store_req *r)
 {
     if (send_script(rs, id, a, fn, r) < 0) {
         rs->base.stats.errors++;
@@ -793,7 +798,7 @@ static int load_answer(redis_store *rs, cg_store_req *r, redisReply *reply, int6
     return 0;
 }
 
-static void on_load_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     cg_store_req *r = priv;
@@ -885,12 +890,12 @@ void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease)
     free(key);
 }
 
-static void on_lease_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_lease_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     char *kl = priv; /* "<dialog key> <lease>", for a renewal; NULL for a release */
     redisReply *reply = reply_;
-    redis_store *rs = ac->data;
+    redis_store *rs = cg_redis_conn_data(ac);
     if (kl && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 2) {
         /* another gateway asked, and its bus message did not come (or came first) */
         cg_redis_cancel_turn(rs, kl);
@@ -957,11 +962,11 @@ void cg_redis_renew_leases(redis_store *rs)
     }
 }
 
-static void on_cancel_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_cancel_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     char *key = priv;
     redisReply *reply = reply_;
-    redis_store *rs = ac->data;
+    redis_store *rs = cg_redis_conn_data(ac);
     if (rs && reply && reply->type == REDIS_REPLY_STRING && reply->len > 0) {
         char *holder = strndup(reply->str, strcspn(reply->str, " "));
         if (!holder)
@@ -982,7 +987,7 @@ static void on_cancel_reply(redisAsyncContext *ac, void *reply_, void *priv)
 static void rs_cancel_remote(cg_store *st, const char *user, const char *room)
 {
     redis_store *rs = (redis_store *)st;
-    if (rs->state != R_CONNECTED || !rs->ac)
+    if (rs->state != R_CONNECTED || !cg_redis_linked(rs))
         return;
     char *key = cg_store_dialog_key(user, room), *eu, *er;
     if (key_split(key, &eu, &er) < 0) {
@@ -1006,7 +1011,7 @@ static void rs_release(cg_store *st, const char *user, const char *room)
     char *key = cg_store_dialog_key(user, room);
     json_t *held = json_object_get(rs->leases, key);
     char *eu, *er;
-    if (held && rs->state == R_CONNECTED && rs->ac && key_split(key, &eu, &er) == 0) {
+    if (held && rs->state == R_CONNECTED && cg_redis_linked(rs) && key_split(key, &eu, &er) == 0) {
         lease_release(rs, eu, er, json_string_value(json_object_get(held, "v")));
         free(eu);
         free(er);
@@ -1263,7 +1268,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
 /* The verdict: {limit met, retry after ms}; anything else is a Redis that is not ours to
  * trust, and the message is judged from memory. A turn let through that is gone by now
  * (its client left) ends here. */
-static void on_limit_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_limit_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     cg_store_req *r = priv;
@@ -1368,11 +1373,11 @@ static void save_refused(redis_store *rs, cg_store_req *r, long long why)
 
 static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply);
 
-static void on_rooms_del_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_rooms_del_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)priv;
     redisReply *reply = reply_;
-    if (reply && reply->type == REDIS_REPLY_ERROR && ac->data)
+    if (reply && reply->type == REDIS_REPLY_ERROR && cg_redis_conn_data(ac))
         cg_warn("redis: the dialogs of rooms over max_rooms_per_user were not deleted: %s (they lapse)", reply->str);
 }
 
@@ -1414,7 +1419,7 @@ static redisReply *save_evictions(redis_store *rs, cg_store_req *r, redisReply *
     return reply->element[0];
 }
 
-static void on_save_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     cg_store_req *r = priv;
@@ -1617,7 +1622,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
 
 /* ---- remove ---------------------------------------------------------------------------- */
 
-static void on_remove_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_remove_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     cg_store_req *r = priv;
@@ -1652,7 +1657,7 @@ static void send_remove(redis_store *rs, cg_store_req *r)
 /* Starts r on Redis or answers it from memory, as the connection stands now. */
 static void dispatch(redis_store *rs, cg_store_req *r)
 {
-    int connected = rs->state == R_CONNECTED && rs->ac && !rs->closing;
+    int connected = rs->state == R_CONNECTED && cg_redis_linked(rs) && !rs->closing;
     /* a dirty dialog is read and written in memory until its write-back */
     int clean = connected && !json_object_get(rs->dirty, r->key);
     if (r->kind == OP_LOAD && clean) {
@@ -1783,14 +1788,14 @@ static void arg_limit_keys(argv_buf *a, redis_store *rs, const char *eu)
 /* Second step of remove_user: the rooms are known; every dialog's keys, the rooms set and
  * the user's limit counts go in one DEL (one hash tag: the user's), so nothing is left half
  * forgotten, nor counts that would outlive the user by a day. */
-static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     cg_store_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
-    if (cg_redis_reply_failed(rs, reply, 0, "forget user (its rooms)") || reply->type != REDIS_REPLY_ARRAY || !rs->ac) {
+    if (cg_redis_reply_failed(rs, reply, 0, "forget user (its rooms)") || reply->type != REDIS_REPLY_ARRAY || !cg_redis_linked(rs)) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
         return;
@@ -1814,7 +1819,7 @@ static void on_rooms_reply(redisAsyncContext *ac, void *reply_, void *priv)
 }
 
 /* The rooms set, as names: the rooms are stored escaped, as the keys use them. */
-static void on_room_list(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     cg_store_req *r = priv;
@@ -1876,11 +1881,11 @@ static cg_store_req *rs_limit(cg_store *st, const char *user, const cg_limits *l
     return r;
 }
 
-static void on_limit_end_reply(redisAsyncContext *ac, void *reply_, void *priv)
+static void on_limit_end_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)priv;
     redisReply *reply = reply_;
-    if (reply && reply->type == REDIS_REPLY_ERROR && ac->data)
+    if (reply && reply->type == REDIS_REPLY_ERROR && cg_redis_conn_data(ac))
         cg_warn("redis: a turn's end was not counted against its user's limits: %s", reply->str);
 }
 
@@ -1891,7 +1896,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
                       long long tokens)
 {
     int64_t now = cg_store_now_ms(&rs->base);
-    int connected = rs->state == R_CONNECTED && rs->ac && !rs->closing;
+    int connected = rs->state == R_CONNECTED && cg_redis_linked(rs) && !rs->closing;
     if (local || !connected) {
         cg_limiter_end(rs->limits, eu, lim, tokens, now);
     } else {

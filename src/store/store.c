@@ -14,10 +14,11 @@ cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, 
 {
     if (strcmp(cfg->url, "memory") == 0)
         return cg_store_memory_open(loop, cfg);
-    if (strncmp(cfg->url, "redis://", 8) == 0 || strncmp(cfg->url, "redis-sentinel://", 17) == 0)
-        return cg_store_redis_open(loop, cfg, err, errlen);
-    snprintf(err, errlen, "'%s' must be memory, redis://HOST:PORT[/DB] or redis-sentinel://HOST:PORT[,...]/MASTER[/DB]",
-             cfg->url);
+    if (strncmp(cfg->url, "redis", 5) == 0)
+        return cg_store_redis_open(loop, cfg, err, errlen); /* it says which of its schemes it is not */
+    /* the URL is not quoted: it may hold a password */
+    snprintf(err, errlen, "must be memory, redis[s]://HOST:PORT[/DB], redis[s]-sentinel://HOST:PORT[,...]/MASTER[/DB] "
+                          "or redis[s]-cluster://HOST:PORT[,...]");
     return NULL;
 }
 

@@ -112,6 +112,8 @@ typedef struct cg_config {
     long redis_connect_timeout_ms;
     long redis_writeback_max_bytes;
     long redis_lease_ms; /* a dialog lease's lifetime across gateways (redis.lease_ms, 15 s) */
+    char *redis_tls_ca_file, *redis_tls_cert_file, *redis_tls_key_file, *redis_tls_server_name; /* rediss */
+    long redis_tls_verify; /* 1 (default): Redis's certificate and name are checked */
     json_t *services; /* {"travel": {"defaults": {...}}} */
     cg_limits_config limits; /* limits per user (limits_config.h) */
     /* identity (docs/protocol.md, "Identity") */

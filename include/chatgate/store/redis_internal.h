@@ -22,7 +22,8 @@
 #ifndef CHATGATE_STORE_REDIS_INTERNAL_H
 #define CHATGATE_STORE_REDIS_INTERNAL_H
 
-#include <hiredis/async.h>
+#include "chatgate/store/redis_client.h"
+#include "chatgate/store/redis_cluster.h"
 #include <hiredis/hiredis.h>
 
 #include <stdint.h>
@@ -83,10 +84,11 @@ struct redis_store {
     cg_store base;
     char *host; /* as in the URL; resolved before each connect */
     int port, db;
+    char *user;     /* an ACL user (AUTH USER PASSWORD), or NULL */
     char *password; /* NULL: none */
     char *address;  /* the last address connected to, for the log */
     cg_resolve *resolve;
-    redisAsyncContext *ac;
+    cg_redis_conn *ac;
     redis_state state;
     int setup_failed; /* SELECT failed on this connection */
     uv_timer_t connect_timer; /* connect timeout, then reconnect backoff */
@@ -105,6 +107,15 @@ struct redis_store {
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
     cg_store_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
+    cg_redis_tls *tls; /* rediss: the TLS context of every connection, else NULL */
+    /* redis-cluster:// only: the seeds (as in the URL, resolved by the router) and the router
+     * (redis_cluster.c), which stands for ac: up once it has the map and every master */
+    char **seed_hosts;
+    int *seed_ports;
+    int n_seeds;
+    cg_redis_cluster *cluster;
+    int cluster_up;
+    cg_redis_cluster_stats cluster_stats;
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
     long dirty_seq;
@@ -121,9 +132,9 @@ struct redis_store {
     int n_sentinels;
     int sentinel_at;       /* the Sentinel asked now, or next (the last that answered) */
     int sentinel_tries;    /* Sentinels asked in this round */
-    redisAsyncContext *sac; /* the question: SENTINEL get-master-addr-by-name */
+    cg_redis_conn *sac; /* the question: SENTINEL get-master-addr-by-name */
     cg_resolve *sresolve;
-    redisAsyncContext *sub; /* SUBSCRIBE +switch-master, its own connection (pub/sub only) */
+    cg_redis_conn *sub; /* SUBSCRIBE +switch-master, its own connection (pub/sub only) */
     cg_resolve *sub_resolve;
     int sub_at;             /* the Sentinel the subscription is on */
     int sub_ok;             /* its SUBSCRIBE was confirmed */
@@ -150,7 +161,9 @@ static inline char *cg_redis_xstrdup(const char *s)
 typedef struct cg_redis_url {
     char *host;
     int port, db;
+    char *user;     /* an ACL user, or NULL (the default user) */
     char *password;
+    int tls;        /* rediss:// */
 } cg_redis_url;
 
 /* Parses redis://[:password@]host[:port][/db] (the password percent-decoded, port 1 to 65535,
@@ -158,17 +171,28 @@ typedef struct cg_redis_url {
  * The strings u holds then are the caller's to free either way. */
 int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errlen);
 
-/* Puts an async hiredis connection on the loop (redis_uv.c: commands written once per
- * iteration through flusher, or when the socket is writable with none); 0, or -1 when out
- * of memory or the socket cannot be polled. */
-int cg_redis_uv_attach(redisAsyncContext *ac, uv_loop_t *loop, struct cg_flusher *flusher);
+/* A connection to a resolved address on the loop (redis_client.h), TLS when the store's URL
+ * is rediss (host: the name its certificate must be for), with data and its event callback
+ * (the data connection, the Sentinel queries, their subscription, the bus); NULL with why
+ * filled when it could not even start. */
+cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host, void *data,
+                                   cg_redis_event_fn *on_event, char *why, size_t whylen);
 
-/* An async hiredis connection to a resolved address on the loop, with data and callbacks
- * (the Sentinel queries, its subscription, the bus); NULL with why filled when hiredis
- * refused it at once (out of memory, a bad address). */
-redisAsyncContext *cg_redis_async_open(redis_store *rs, const char *address, int port, void *data,
-                                       redisConnectCallback *on_connect, redisDisconnectCallback *on_disconnect,
-                                       char *why, size_t whylen);
+/* The store can send commands: its connection is up (redis://, Sentinel's primary), or the
+ * cluster's router. */
+static inline int cg_redis_linked(const redis_store *rs)
+{
+    return rs->ac != NULL || rs->cluster_up;
+}
+
+/* Sends a whole RESP command whose keys are in slot (their hash tag's) on the store's
+ * connection, or to the slot's master in a cluster; 0, or -1 when none takes it (fn is then
+ * never called). */
+int cg_redis_send(redis_store *rs, unsigned slot, const char *cmd, size_t len, cg_redis_reply_fn *fn, void *priv);
+
+/* AUTH [user] password (the reply to cb). */
+void cg_redis_send_auth(cg_redis_conn *ac, const char *user, const char *password, cg_redis_reply_fn *cb,
+                        void *priv);
 
 /* Requests: a new one for (user, room), escaped; freed by cg_redis_req_finish once the
  * replies still due to it have come. */

@@ -110,6 +110,13 @@ typedef struct cg_store_ops {
     void (*close)(cg_store *st);
 } cg_store_ops;
 
+/* TLS to Redis (rediss://, rediss-sentinel://, rediss-cluster://) */
+typedef struct cg_store_tls {
+    const char *ca_file, *cert_file, *key_file; /* NULL: the system's CAs; no client certificate */
+    const char *server_name; /* the name certificates must be for; NULL: each node's host */
+    int no_verify;           /* 1: no certificate or name check (tests, never production) */
+} cg_store_tls;
+
 typedef struct cg_store_config {
     const char *url; /* "memory", "redis://[:password@]host:port[/db]" or
                       * "redis-sentinel://[:password@]host:port[,host:port...]/master[/db]" */
@@ -127,6 +134,7 @@ typedef struct cg_store_config {
                                * socket is writable */
     const char *bus_url;      /* Redis: where gateways tell each other to cancel (redis.bus);
                                * NULL: the store's own URL when it is redis://, else none */
+    cg_store_tls tls;
 } cg_store_config;
 
 struct cg_store {
