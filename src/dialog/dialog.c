@@ -717,3 +717,139 @@ char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resol
     json_decref(parts);
     return out ? out : strdup(""); /* nothing established, or no memory to say it */
 }
+
+/* ---- merging two copies ------------------------------------------------------------------- */
+
+static json_int_t message_ts(json_t *m)
+{
+    return json_integer_value(json_object_get(m, "ts"));
+}
+
+/* m already among kept's messages of the same time (the run of them ending at its end)? */
+static int already_kept(json_t *kept, json_t *m)
+{
+    json_int_t ts = message_ts(m);
+    for (size_t i = json_array_size(kept); i-- > 0;) {
+        json_t *k = json_array_get(kept, i);
+        if (message_ts(k) != ts)
+            return 0; /* both inputs run oldest first, so the merge does too */
+        if (json_equal(k, m))
+            return 1;
+    }
+    return 0;
+}
+
+/* The two histories as one, in order of time, each message once; *added: b's not in a. */
+static json_t *history_union(json_t *a, json_t *b, long *added)
+{
+    json_t *out = json_array();
+    size_t i = 0, j = 0, na = json_array_size(a), nb = json_array_size(b);
+    *added = 0;
+    while (out && (i < na || j < nb)) {
+        int from_a = j >= nb || (i < na && message_ts(json_array_get(a, i)) <= message_ts(json_array_get(b, j)));
+        json_t *m = from_a ? json_array_get(a, i++) : json_array_get(b, j++);
+        if (already_kept(out, m))
+            continue;
+        if (!from_a)
+            (*added)++;
+        if (json_array_append(out, m) < 0) {
+            json_decref(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* a's params, with b's added (b's value wins where both have one when b_wins). */
+static json_t *params_union(json_t *a, json_t *b, int b_wins)
+{
+    json_t *out = a ? json_deep_copy(a) : json_object(); /* out's own: the caller's copies stay as they are */
+    const char *service, *name;
+    json_t *names, *value;
+    json_object_foreach(b, service, names) {
+        json_t *mine = json_object_get(out, service);
+        if (!mine) {
+            if (json_object_set_new(out, service, json_deep_copy(names)) < 0)
+                goto fail;
+            continue;
+        }
+        json_object_foreach(names, name, value) {
+            if ((b_wins || !json_object_get(mine, name)) && json_object_set(mine, name, value) < 0)
+                goto fail;
+        }
+    }
+    return out;
+fail:
+    json_decref(out);
+    return NULL;
+}
+
+/* *slot holds value (a new reference), its old one released. */
+static void hold_json(json_t **slot, json_t *value)
+{
+    json_t *old = *slot;
+    *slot = value ? json_incref(value) : NULL;
+    json_decref(old);
+}
+
+long cg_dialog_merge(cg_dialog *into, const cg_dialog *other, const cg_lifetimes *lt)
+{
+    long added = 0;
+    json_t *history = history_union(into->history, other->history, &added);
+    int other_last = other->last_activity > into->last_activity;
+    json_t *params = history ? params_union(into->params, other->params, other_last) : NULL;
+    if (!history || !params) {
+        json_decref(history);
+        json_decref(params);
+        return -1;
+    }
+    while ((long)json_array_size(history) > lt->history_n)
+        json_array_remove(history, 0);
+    json_decref(into->history);
+    into->history = history;
+    into->text_of = NULL; /* counted again when asked */
+    json_decref(into->params);
+    into->params = params;
+    if (other_last) {
+        char *service = other->service ? strdup(other->service) : NULL;
+        if (other->service && !service)
+            return -1; /* the history and params are merged already: still a valid dialog */
+        free(into->service);
+        into->service = service;
+        hold_json(&into->awaiting, other->awaiting);
+        into->awaiting_expires = other->awaiting_expires;
+        hold_json(&into->soft, other->soft);
+        into->soft_expires = other->soft_expires;
+        hold_json(&into->last_tool_result, other->last_tool_result);
+        into->last_activity = other->last_activity;
+    }
+    if (other->created_at && (!into->created_at || other->created_at < into->created_at))
+        into->created_at = other->created_at;
+    if (other->turn_count > into->turn_count)
+        into->turn_count = other->turn_count;
+    if (other->message_count > into->message_count)
+        into->message_count = other->message_count;
+    if (!other->usage)
+        return added;
+    json_t *usage = into->usage ? json_deep_copy(into->usage) : json_object(); /* into's may be shared */
+    if (!usage)
+        return added;
+    json_decref(into->usage);
+    into->usage = usage;
+    const char *upstream;
+    json_t *u;
+    json_object_foreach(other->usage, upstream, u) { /* per upstream, the larger count of each */
+        json_t *mine = json_object_get(usage, upstream);
+        if (!mine) {
+            json_object_set_new(usage, upstream, json_deep_copy(u));
+            continue;
+        }
+        const char *k;
+        json_t *v;
+        json_object_foreach(u, k, v) {
+            if (json_integer_value(v) > json_integer_value(json_object_get(mine, k)))
+                json_object_set(mine, k, v);
+        }
+    }
+    return added;
+}

@@ -313,11 +313,27 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
             "dialog was read from this gateway's copy.\n"
             "# TYPE chatgate_store_loads_cached_total counter\nchatgate_store_loads_cached_total %lu\n"
             "# HELP chatgate_store_saves_appended_total Redis saves that sent only the history's new messages.\n"
-            "# TYPE chatgate_store_saves_appended_total counter\nchatgate_store_saves_appended_total %lu\n",
+            "# TYPE chatgate_store_saves_appended_total counter\nchatgate_store_saves_appended_total %lu\n"
+            "# HELP chatgate_store_merges_total Saves that met another copy of their dialog in Redis (two "
+            "gateways served it while the store switched, or a write-back met a newer copy) and merged with it; "
+            "messages: what the merges added to Redis's copy.\n"
+            "# TYPE chatgate_store_merges_total counter\nchatgate_store_merges_total %lu\n"
+            "# TYPE chatgate_store_merged_messages_total counter\nchatgate_store_merged_messages_total %lu\n"
+            "# HELP chatgate_store_cluster_redirects_total Redis Cluster: answers that sent a command elsewhere "
+            "(moved, ask) or asked it again later (tryagain, clusterdown), each followed.\n"
+            "# TYPE chatgate_store_cluster_redirects_total counter\n"
+            "chatgate_store_cluster_redirects_total{kind=\"moved\"} %lu\n"
+            "chatgate_store_cluster_redirects_total{kind=\"ask\"} %lu\n"
+            "chatgate_store_cluster_redirects_total{kind=\"tryagain\"} %lu\n"
+            "chatgate_store_cluster_redirects_total{kind=\"clusterdown\"} %lu\n"
+            "# HELP chatgate_store_cluster_map_reads_total Redis Cluster: slot maps read (at each connect, and "
+            "after a MOVED).\n# TYPE chatgate_store_cluster_map_reads_total counter\n"
+            "chatgate_store_cluster_map_reads_total %lu\n",
             st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
             st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
             st->replica_refused, st->lease_waits, st->lease_lost, st->remote_cancels, st->loads_cached,
-            st->saves_appended) < 0 ||
+            st->saves_appended, st->merges, st->merged_messages, st->cluster.moved, st->cluster.ask, st->cluster.tryagain, st->cluster.clusterdown,
+            st->cluster.map_reads) < 0 ||
         put(buf, len, &used,
             "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
             "# TYPE chatgate_awaiting_resolutions_total counter\nchatgate_awaiting_resolutions_total %lu\n"

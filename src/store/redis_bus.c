@@ -9,6 +9,12 @@
  * send nothing else: one SUBSCRIBEd to this gateway's channel, one that PUBLISHes. Each
  * reconnects after a second when it is lost. A message lost meanwhile is not lost for good:
  * B also sets the dialog's cancel flag, which A's lease renewal reads (redis_dialog.c).
+ *
+ * In a Redis Cluster (redis-cluster://) the bus is sharded pub/sub, Redis 7's: a channel lives
+ * on the master of its slot, so A SSUBSCRIBEs on its own connection to that master (found in
+ * the router's map), and B SPUBLISHes through the router, which follows MOVED like any
+ * command. A slot that moves unsubscribes A ("sunsubscribe"): A subscribes again where the
+ * map now says.
  */
 #define _GNU_SOURCE /* asprintf */
 #include "chatgate/store/redis_client.h"
@@ -30,6 +36,7 @@ struct cg_redis_bus {
     char *host, *user, *password;
     int port;
     char *channel;               /* this gateway's: "<prefix>:bus:<holder>" */
+    int sharded;                 /* a cluster's: SSUBSCRIBE at the channel's master, SPUBLISH via the router */
     cg_redis_conn *sub, *pub;
     cg_resolve *resolve;
     uv_timer_t retry;
@@ -49,10 +56,12 @@ static void on_retry(uv_timer_t *t)
 static void bus_lost(cg_redis_bus *b, cg_redis_conn **slot, const char *why)
 {
     if (b->failures++ == 0)
-        cg_warn("redis bus %s:%d: %s; cancels from other gateways come with the lease renewal meanwhile (is "
-                "redis.bus a Redis, not twemproxy?)", b->host, b->port, why);
+        cg_warn("redis bus %s:%d: %s; cancels from other gateways come with the lease renewal meanwhile%s", b->host,
+                b->port, why, b->sharded ? "" : " (is redis.bus a Redis, not twemproxy?)");
     *slot = NULL;
     uint64_t delay = (uint64_t)BUS_RETRY_MS << (b->failures < 7 ? b->failures - 1 : 6);
+    if (b->sharded) /* the cluster's map decides where: it is back as soon as the store is */
+        delay = BUS_RETRY_MS;
     if (!b->closing && !uv_is_active((uv_handle_t *)&b->retry))
         uv_timer_start(&b->retry, on_retry, delay < BUS_RETRY_MAX_MS ? delay : BUS_RETRY_MAX_MS, 0);
 }
@@ -73,13 +82,21 @@ static void on_message(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *r = reply_;
     if (!b || !r || r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_STRING)
         return; /* the connection going */
-    if (strcmp(r->element[0]->str, "subscribe") == 0) {
+    const char *kind = r->element[0]->str;
+    if (strcmp(kind, "subscribe") == 0 || strcmp(kind, "ssubscribe") == 0) {
         if (b->failures)
             cg_info("redis bus %s:%d: listening again", b->host, b->port);
         b->failures = 0;
         return;
     }
-    if (strcmp(r->element[0]->str, "message") != 0 || r->element[2]->type != REDIS_REPLY_STRING)
+    if (strcmp(kind, "sunsubscribe") == 0 && ac == b->sub) { /* its slot moved to another master */
+        b->sub = NULL;
+        cg_redis_conn_close(ac);
+        b->failures = 0;
+        bus_lost(b, &b->sub, "the channel's slot moved: subscribing where it is now");
+        return;
+    }
+    if ((strcmp(kind, "message") != 0 && strcmp(kind, "smessage") != 0) || r->element[2]->type != REDIS_REPLY_STRING)
         return;
     cg_redis_cancel_turn(b->rs, r->element[2]->str); /* "<dialog key> <lease>" */
 }
@@ -113,10 +130,52 @@ static void on_resolved(void *data, const char *address, const char *err)
         bus_lost(b, b->sub ? &b->pub : &b->sub, "could not connect");
 }
 
+/* A cluster's: SSUBSCRIBE on a connection of its own to the master the map names for the
+ * channel's slot (the router must be up: else the retry comes back later). */
+static void sharded_subscribe(cg_redis_bus *b)
+{
+    cg_redis_conn *data = cg_redis_cluster_conn(b->rs->cluster, cg_redis_key_slot(b->channel, strlen(b->channel)));
+    char address[64];
+    int port = 0;
+    const char *peer = data ? cg_redis_conn_peer(data) : NULL;
+    const char *colon = peer ? strrchr(peer, ':') : NULL;
+    if (!colon || (size_t)(colon - peer) >= sizeof(address)) {
+        bus_lost(b, &b->sub, "the cluster is not connected");
+        return;
+    }
+    memcpy(address, peer, (size_t)(colon - peer));
+    address[colon - peer] = 0;
+    if (address[0] == '[') { /* "[v6]:port" */
+        memmove(address, address + 1, strlen(address));
+        address[strlen(address) - 1] = 0;
+    }
+    port = atoi(colon + 1);
+    free(b->host);
+    b->host = strdup(address);
+    if (!b->host)
+        abort();
+    b->port = port;
+    char why[160];
+    b->sub = cg_redis_async_open(b->rs, address, port, address, b, on_bus_event, why, sizeof(why));
+    if (!b->sub) {
+        bus_lost(b, &b->sub, why);
+        return;
+    }
+    if (b->rs->password)
+        cg_redis_send_auth(b->sub, b->rs->user, b->rs->password, NULL, NULL);
+    const char *argv[] = {"SSUBSCRIBE", b->channel};
+    size_t len[] = {10, strlen(b->channel)};
+    cg_redis_conn_argv(b->sub, on_message, NULL, 2, argv, len);
+}
+
 static void bus_connect(cg_redis_bus *b)
 {
-    if (b->closing || b->resolve || (b->sub && b->pub))
+    if (b->closing || b->resolve || (b->sub && (b->pub || b->sharded)))
         return;
+    if (b->sharded) {
+        sharded_subscribe(b);
+        return;
+    }
     b->resolve = cg_resolve_start(b->rs->base.loop, b->host, on_resolved, b);
     if (!b->resolve)
         uv_timer_start(&b->retry, on_retry, BUS_RETRY_MS, 0);
@@ -143,12 +202,40 @@ cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url)
     return b;
 }
 
+cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs)
+{
+    cg_redis_bus *b = calloc(1, sizeof(*b));
+    if (!b)
+        abort();
+    b->rs = rs;
+    b->sharded = 1;
+    b->host = cg_redis_xstrdup(rs->host);
+    b->port = rs->port;
+    if (asprintf(&b->channel, "%s:bus:%s", rs->base.cfg.prefix, rs->holder) < 0)
+        abort(); /* out of memory at startup */
+    uv_timer_init(rs->base.loop, &b->retry);
+    b->retry.data = b;
+    uv_timer_start(&b->retry, on_retry, BUS_RETRY_MS, 0); /* once the router is likely up */
+    return b;
+}
+
 void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease)
 {
     char *channel = NULL;
-    if (!b || !b->pub || asprintf(&channel, "%s:bus:%s", b->rs->base.cfg.prefix, holder) < 0) {
+    if (!b || (!b->pub && !b->sharded) || asprintf(&channel, "%s:bus:%s", b->rs->base.cfg.prefix, holder) < 0) {
         free(channel);
         return; /* the cancel flag still reaches the holder's renewal */
+    }
+    if (b->sharded) { /* through the router, to the channel's master */
+        char *cmd = NULL;
+        const char *argv[] = {"SPUBLISH", channel, key_and_lease};
+        size_t len[] = {8, strlen(channel), strlen(key_and_lease)};
+        int n = redisFormatCommandArgv(&cmd, 3, argv, len);
+        if (n > 0)
+            cg_redis_send(b->rs, cg_redis_key_slot(channel, len[1]), cmd, (size_t)n, NULL, NULL);
+        free(cmd);
+        free(channel);
+        return;
     }
     const char *argv[] = {"PUBLISH", channel, key_and_lease};
     size_t len[] = {7, strlen(channel), strlen(key_and_lease)};

@@ -167,6 +167,7 @@ static void req_closed(uv_handle_t *h)
     redis_store *rs = r->rs;
     cg_redis_snapshot_free(r->snapshot);
     free(r->lease_value);
+    free(r->merge_rev);
     free(r->rev);
     free(r->user);
     free(r->eu);
@@ -731,7 +732,7 @@ static void cluster_connect(redis_store *rs)
         .n_seeds = rs->n_seeds,
         .on_state = on_cluster_state,
         .data = rs,
-        .stats = &rs->cluster_stats,
+        .stats = &rs->base.stats.cluster,
     };
     rs->cluster = cg_redis_cluster_open(&cc);
     if (!rs->cluster)
@@ -1496,6 +1497,8 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
         sub_start(rs);
     if (bus_url)
         rs->bus = cg_redis_bus_open(rs, &bus);
+    else if (rs->n_seeds)
+        rs->bus = cg_redis_bus_open_sharded(rs);
     else
         cg_info("redis: no redis.bus for a Sentinel store: cancels between gateways come with the lease renewal");
     redis_connect(rs);

@@ -1094,7 +1094,7 @@ static const char save_script[] =
     "end\n"
     "local function save()\n"
     "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
-    "  local append, keep, had = ARGV[22] ~= '', tonumber(ARGV[23]), tonumber(ARGV[24])\n"
+    "  local append, keep, had = ARGV[22] ~= '' and ARGV[3] ~= '3', tonumber(ARGV[23]), tonumber(ARGV[24])\n"
     "  local np, P, renew = tonumber(ARGV[16]), 28, ARGV[25] == '1'\n"
     "  local h, n = P + 1 + 2 * math.max(np, 0), #ARGV\n"
     "  local pushed = 0\n"
@@ -1113,6 +1113,8 @@ static const char save_script[] =
     "    elseif redis.call('LLEN', KEYS[5]) ~= had then\n"
     "      return -3\n"
     "    end\n"
+    "  elseif ARGV[3] == '3' then\n" /* a merge: only over the copy it merged with */
+    "    if (redis.call('HGET', KEYS[1], 'rev') or '') ~= ARGV[22] then return -4 end\n"
     "  else\n"
     "    local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
     "    if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
@@ -1419,6 +1421,74 @@ static redisReply *save_evictions(redis_store *rs, cg_store_req *r, redisReply *
     return reply->element[0];
 }
 
+/* ---- merging two copies of a dialog ------------------------------------------------------ */
+
+#define MERGE_TRIES 4
+
+/* What a log line may say of a dialog's key: a hash, never the user's id (an e-mail, a
+ * phone number). */
+static unsigned long key_tag(const char *key)
+{
+    unsigned long h = 2166136261ul; /* FNV-1a, 32 bits */
+    for (const unsigned char *p = (const unsigned char *)key; *p; p++)
+        h = ((h ^ *p) * 16777619ul) & 0xfffffffful;
+    return h;
+}
+
+static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
+{
+    cg_store_req *r = ctx;
+    redis_store *rs = r->rs;
+    if (st->degraded) { /* Redis failed meanwhile: the save stays in memory, for the write-back */
+        cg_dialog_free(d);
+        rs->base.stats.errors++;
+        cg_redis_answer_from_memory(r);
+        return;
+    }
+    int64_t now = rs->base.now(rs->base.clock_ctx);
+    const char *rev = cg_memstore_rev(rs->mem, r->key, now); /* the load's: Redis's copy */
+    free(r->merge_rev);
+    r->merge_rev = cg_redis_xstrdup(rev ? rev : "");
+    long added = cg_dialog_merge(d, r->snapshot, &rs->base.cfg.lifetimes);
+    cg_dialog *merged = added >= 0 ? malloc(sizeof(*merged)) : NULL;
+    if (!merged) {
+        cg_dialog_free(d);
+        cg_error("redis: out of memory merging two copies of a dialog: this gateway's is kept for the write-back");
+        cg_redis_answer_from_memory(r);
+        return;
+    }
+    *merged = *d; /* d's parts move to merged */
+    rs->base.stats.merges++;
+    rs->base.stats.merged_messages += (unsigned long)added;
+    cg_warn("redis: dialog #%08lx had two copies (two gateways served it while the store switched, or a turn "
+            "met another's write): merged, %ld message(s) of this gateway's added to Redis's (%s)",
+            key_tag(r->key), added, r->version ? "write-back" : "save");
+    cg_redis_snapshot_free(r->snapshot);
+    r->snapshot = merged;
+    free(r->lease_value); /* a merge keeps every turn: it writes over Redis's copy only as it read it */
+    r->lease_value = NULL;
+    r->full = 1;
+    cg_redis_send_save(rs, r);
+}
+
+/* r's save met another copy in Redis: Redis's is read in full (no lease), the two merged
+ * (cg_dialog_merge), and the merge written where Redis still holds the copy read (save mode
+ * 3, its rev), else read and merged again, up to MERGE_TRIES times. r lives on meanwhile. */
+static void merge_start(redis_store *rs, cg_store_req *r)
+{
+    r->merges++;
+    cg_store_req *l = cg_redis_req_new(rs, OP_LOAD, "", "", r);
+    free(l->eu);
+    free(l->er);
+    free(l->key);
+    l->eu = cg_redis_xstrdup(r->eu);
+    l->er = cg_redis_xstrdup(r->er);
+    l->key = cg_redis_xstrdup(r->key);
+    l->load_cb = on_merge_loaded;
+    l->full = 1;
+    send_load(rs, l);
+}
+
 static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -1428,9 +1498,12 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     cg_redis_inflight_remove(rs, r);
     reply = save_evictions(rs, r, reply);
     char *key = cg_redis_xstrdup(r->key); /* r may be finished below; the gate opens last */
-    if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == -3 && !r->full) {
-        r->full = 1; /* the history it appended to is not Redis's: all of it, now */
-        cg_redis_send_save(rs, r);
+    if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && reply->integer != -2 &&
+        r->snapshot && r->merges < MERGE_TRIES) {
+        /* Redis holds a copy other than the one this save began from (-3: appending found
+         * another rev; 0, -1: another incarnation, or a newer copy; -4: the copy merged with
+         * changed again): both copies' turns are kept, merged */
+        merge_start(rs, r);
     } else {
         save_answered(rs, r, reply);
     }
@@ -1463,7 +1536,7 @@ static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply)
         save_refused(rs, r, reply->integer);
         if (entry && json_object_get(rs->dirty, r->key) == entry)
             cg_redis_dirty_del(rs, r->key); /* a newer outage write of the same copy: refused too */
-    } else if (!r->version) {
+    } else if (!r->version || r->merges) {
         cg_redis_memory_put(rs, r->key, r->snapshot, r->rev, r->renewed); /* Redis's copy, of this rev */
         rs->base.stats.saves_appended += (unsigned long)r->appended;
     }
@@ -1549,7 +1622,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     cg_memstore_view copy; /* the gateway's copy: what this save can append to */
     cg_memstore_view_of(rs->mem, r->key, now, &copy);
     size_t n_had = 0;
-    long from = r->version || r->full ? -1 : history_appended_from(&copy, d->history, &n_had);
+    long from = r->version || r->full || r->merge_rev ? -1 : history_appended_from(&copy, d->history, &n_had);
     /* appending to Redis's copy, whose params these still are: only their rev is written
      * (rewriting the hash was a sixth of the save's work in Redis) */
     int params_same = from >= 0 && copy.params && json_equal(copy.params, d->params);
@@ -1557,7 +1630,10 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
     arg_int(&a, (long long)d->created_at);
     arg_int(&a, (long long)d->last_activity);
-    arg_str(&a, r->base_unknown || json_object_get(rs->unknown, r->key) ? "2" : r->version ? "1" : "0");
+    arg_str(&a, r->merge_rev                                               ? "3"
+                : r->base_unknown || json_object_get(rs->unknown, r->key) ? "2"
+                : r->version                                              ? "1"
+                                                                          : "0");
     arg_int(&a, (long long)lt->params_s);
     arg_int(&a, (long long)lt->dialog_s);
     arg_int(&a, (long long)lt->history_s);
@@ -1587,7 +1663,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     if (!(r->rev = cg_jsonw_end(&rev, &rev_len)))
         abort();
     arg_str(&a, r->rev);
-    arg_str(&a, from >= 0 ? copy.rev : "");
+    arg_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : ""); /* the rev it must find */
     arg_int(&a, (long long)(json_array_size(d->history)));
     arg_int(&a, (long long)n_had);
     /* a rewrite makes its keys anew, and an awaiting or soft context that outlives the three

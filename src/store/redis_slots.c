@@ -34,23 +34,41 @@ unsigned cg_redis_key_slot(const char *key, size_t len)
     return cg_redis_crc16(key, len) & (CG_REDIS_SLOTS - 1);
 }
 
+/* The decimal number at [*p, end) (digits only, at most max), *p moved past it; -1 when none
+ * or too large. Never reads at or past end: the error text need not end with a NUL. */
+static long parse_num(const char **p, const char *end, long max)
+{
+    const char *c = *p;
+    long v = 0;
+    while (c < end && *c >= '0' && *c <= '9') {
+        v = v * 10 + (*c - '0');
+        if (v > max)
+            return -1;
+        c++;
+    }
+    if (c == *p)
+        return -1;
+    *p = c;
+    return v;
+}
+
 /* "MOVED 3999 127.0.0.1:6381" / "ASK 3999 127.0.0.1:6381": the slot and the node's address
  * (the port after the last ':', so an IPv6 address keeps its colons). */
 static int parse_target(const char *p, const char *end, cg_redis_redirect *out)
 {
-    char *e;
-    long slot = strtol(p, &e, 10);
-    if (e == p || *e != ' ' || slot < 0 || slot >= CG_REDIS_SLOTS)
+    long slot = parse_num(&p, end, CG_REDIS_SLOTS - 1);
+    if (slot < 0 || p == end || *p != ' ')
         return -1;
-    const char *addr = e + 1;
+    const char *addr = p + 1;
     const char *colon = NULL;
     for (const char *c = addr; c < end; c++)
         if (*c == ':')
             colon = c;
     if (!colon || colon == addr || (size_t)(colon - addr) >= sizeof(out->host))
         return -1;
-    long port = strtol(colon + 1, &e, 10);
-    if (e != end || e == colon + 1 || port < 1 || port > 65535)
+    const char *q = colon + 1;
+    long port = parse_num(&q, end, 65535);
+    if (port < 1 || q != end)
         return -1;
     out->slot = (int)slot;
     memcpy(out->host, addr, (size_t)(colon - addr));

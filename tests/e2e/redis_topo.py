@@ -17,7 +17,8 @@ harness.run kills them at the end like any other, and their tiny inspection clie
 - `RedisCluster(n_masters, replicas_per_master, tls=None)`: `redis-cli --cluster create` over
   fresh nodes, then the moves a test makes: kill a master and wait for the failover, reshard
   slots in the background while traffic goes on.
-- `TLSSentinel(primary, certs)`: test_sentinel.py's Sentinel over TLS.
+- `TLSSentinel(primary, certs)`: test_sentinel.py's Sentinel over TLS; `sentinel_url()`.
+- `with_auth(url, user, password)`: a URL of these with an ACL user's credentials.
 - `redis_cli(...)`: Debian's redis-cli with the TLS and auth flags these servers need.
 
 Run this file to check the machinery itself: `python3 redis_topo.py` (about 15 s).
@@ -314,6 +315,14 @@ class TLSRedisServer(harness.RedisServer):
         return redis_cli(self.tls_port, *args, tls=self.certs, client_cert=client_cert, ca=ca, **options)
 
 
+def with_auth(url, user, password):
+    """`url` (any redis*:// URL of this module) with credentials user:password@ instead of
+    its own (user None: :password@, the default user's form)."""
+    scheme, _, rest = url.partition("://")
+    rest = rest.rpartition("@")[2] if "@" in rest.split("/", 1)[0] else rest
+    return f"{scheme}://{user or ''}:{password}@{rest}"
+
+
 def acl_user(redis, user, password, rules=("~*", "&*", "+@all")):
     """`ACL SETUSER user reset on >password ~* &* +@all` (or other `rules`) on a running
     server (anything with command(): RedisServer, a cluster node); `reset` first, so that
@@ -408,8 +417,9 @@ class ClusterNode(harness.RedisServer):
 
 class ReshardRun:
     """`redis-cli --cluster reshard` running in the background: `running()`, `join(timeout)`
-    (waits, fails on a non-zero exit or "[ERR]" in its output, returns the output),
-    `kill()`. Its output goes to `log_path`."""
+    or `await ajoin(timeout)` (waits, fails on a non-zero exit or "[ERR]" in its output,
+    returns the output; `elapsed` is then its run time), `kill()`. Its output goes to
+    `log_path`."""
 
     def __init__(self, argv, log_path, what):
         self.argv = argv
@@ -457,13 +467,17 @@ class RedisCluster:
 
     `start()` / `astart()` (or `async with`) create it and wait until every node says
     cluster_state:ok with all 16384 slots assigned, knows every other node, and every replica's
-    link is up. Then, always read live from the nodes: `masters()`, `replicas()`,
-    `replicas_of(master)`, `master_of_slot(slot)`, `key_slot(key)`, `node(port or id)`. Moves:
-    `kill_master(node)` (SIGKILL) and `wait_failover(old, timeout)` / `await_failover`;
-    `reshard(from, to, slots)` (background redis-cli, a ReshardRun to join);
-    `wait_stable()`; `stop()`. Each node also has the RedisServer moves (kill, pause,
-    resume, restart: it rejoins from its nodes.conf) and inspection client. Methods taking a
-    node take a ClusterNode, its plain or TLS port, or its node id."""
+    link is up. `nodes` lists the ClusterNodes; `seeds_url()` is the URL for the gateway;
+    `cli(...)` runs redis-cli with the cluster's TLS and password; `acl_user(user, password)`
+    defines a user on every node. Then, always read live from the nodes: `masters()`,
+    `replicas()`, `replicas_of(master)`, `slots_of(node)`, `master_of_slot(slot)`,
+    `key_slot(key)`, `live()`, `node(port or id)`. Moves: `kill_master(node)` (SIGKILL) and
+    `wait_failover(old, timeout)` / `await_failover`; `reshard(from, to, slots)` (background
+    redis-cli, a ReshardRun to join); `wait_stable()` / `await_stable`; `stop()`. Each node
+    also has the RedisServer moves (kill, pause, resume, restart: it rejoins from its
+    nodes.conf, as a replica if it lost its slots) and inspection client. Methods taking a
+    node take a ClusterNode, its plain or TLS port, or its node id. `timings` holds the
+    seconds of the last create and failover (a ReshardRun has its own `elapsed`)."""
 
     def __init__(self, n_masters=3, replicas_per_master=1, tls=None, tls_auth_clients="no",
                  password=None, node_timeout_ms=1000, extra_args=()):
@@ -477,14 +491,16 @@ class RedisCluster:
         self.nodes = [ClusterNode(tls, tls_auth_clients, password, node_timeout_ms, extra_args)
                       for _ in range(n_masters * (1 + replicas_per_master))]
         self.background = []  # ReshardRun
-        self.timings = {}  # what -> seconds of the last one (create, failover, reshard)
+        self.timings = {}  # what -> seconds of the last one (create, failover)
         self.orphans = {}  # node id of a killed master -> its replicas then, for wait_failover
         self._killed_at = {}  # node id of a killed master -> time.monotonic() of the kill
 
     # -- addresses
-    def seeds_url(self, scheme="redis-cluster", n=3, auth=True):
+    def seeds_url(self, scheme=None, n=3, auth=True):
         """scheme://[:password@]127.0.0.1:P1,127.0.0.1:P2,... of the first `n` nodes' client
-        ports (the TLS ports over TLS)."""
+        ports (the TLS ports over TLS); `scheme` by default redis-cluster, rediss-cluster over
+        TLS (the gateway's two). with_auth() puts an ACL user in it."""
+        scheme = scheme or ("rediss-cluster" if self.tls else "redis-cluster")
         cred = f":{self.password}@" if auth and self.password else ""
         return f"{scheme}://{cred}" + ",".join(n.address for n in self.nodes[:n])
 
@@ -726,6 +742,11 @@ class TLSSentinel(harness.RedisServer):
         return [harness.REDIS_SERVER, str(self.conf), "--sentinel"]
 
 
+def sentinel_url(sentinels, master=SENTINEL_MASTER, scheme="rediss-sentinel"):
+    """rediss-sentinel://127.0.0.1:T1,127.0.0.1:T2,.../master: the TLSSentinels' TLS ports."""
+    return f"{scheme}://" + ",".join(f"127.0.0.1:{s.tls_port}" for s in sentinels) + f"/{master}"
+
+
 # --------------------------------------------------------------------------------------
 # Self-test: python3 redis_topo.py
 
@@ -797,6 +818,8 @@ def _tls_server_checks(certs):
     out = mutual.cli("PING")
     check(out.stdout.strip() == "PONG", f"redis-cli with client cert and password: {out.stdout}{out.stderr}")
     check(mutual.url == f"rediss://:pw@127.0.0.1:{mutual.tls_port}", mutual.url)
+    check(with_auth(mutual.url, "gw", "s3cret") == f"rediss://gw:s3cret@127.0.0.1:{mutual.tls_port}",
+          with_auth(mutual.url, "gw", "s3cret"))
 
 
 def _sentinel_checks(certs):
@@ -815,6 +838,9 @@ def _sentinel_checks(certs):
     def named(sentinel):  # asked over TLS, as the gateway will
         out = redis_cli(sentinel.tls_port, "SENTINEL", "get-master-addr-by-name", SENTINEL_MASTER, tls=certs)
         return out.stdout.split()
+    tls_ports = ",".join(f"127.0.0.1:{s.tls_port}" for s in sentinels)
+    check(sentinel_url(sentinels) == f"rediss-sentinel://{tls_ports}/{SENTINEL_MASTER}",
+          sentinel_url(sentinels))
     check(named(sentinels[0]) == ["127.0.0.1", str(primary.tls_port)],
           f"a Sentinel names {named(sentinels[0])}, expected 127.0.0.1 {primary.tls_port}")
     started = time.monotonic()
@@ -884,7 +910,6 @@ def _cluster_checks(cluster, label):
         writes += 50
     run.join()
     cluster.wait_stable()
-    t["reshard"] = run.elapsed
     moved = {s for a, b in cluster.slots_of(dst) for s in range(a, b + 1)} - before
     check(len(moved) == 100, f"{label}: {len(moved)} slots moved to {dst.address}, expected 100")
     on_dst = sum(dst.command("CLUSTER", "COUNTKEYSINSLOT", s) for s in moved)
@@ -916,6 +941,8 @@ async def _selftest(args):
         cluster = RedisCluster(tls=certs, tls_auth_clients="yes", password="pw")
         await cluster.astart()
         cluster.acl_user("gw", "s3cret")
+        url = with_auth(cluster.seeds_url(), "gw", "s3cret")
+        check(url == "rediss-cluster://gw:s3cret@" + ",".join(n.address for n in cluster.nodes[:3]), url)
         out = cluster.cli("SET", "acl:{x}", "1", cluster=True, user="gw", password="s3cret")
         check(replies(out) == ["OK"], f"ACL user gw on the cluster: {out.stdout}{out.stderr}")
         _cluster_checks(cluster, "tls")

@@ -129,6 +129,19 @@ int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, i
 void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
                             const cg_lifetimes *lt, json_t *extra);
 
+/*
+ * Merges two copies of one dialog that went separate ways (two gateways served it while the
+ * store was switching, or a write-back meets a copy written meanwhile) into into: the
+ * history is the union of both, each message once (the same role, content, time and marks),
+ * in order of time (into's first on a tie), cut to lt->history_n; a param set on both sides
+ * takes the value of the copy active last, a param on one side is kept; awaiting, soft
+ * context, service and the last tool result come from the copy active last; counts and usage
+ * take the larger of the two; created_at the earlier, last_activity the later. Returns how
+ * many of other's messages were missing from into (0 when into held them all), or -1 out of
+ * memory (into unchanged).
+ */
+long cg_dialog_merge(cg_dialog *into, const cg_dialog *other, const cg_lifetimes *lt);
+
 /* The state as the client's context frame shows it (docs/protocol.md, "Server frames"). New reference. */
 json_t *cg_dialog_context(const cg_dialog *d);
 /* Everything, expiry times included, for a store. New reference; NULL out of memory. */

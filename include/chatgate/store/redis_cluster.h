@@ -24,6 +24,7 @@
 #include <uv.h>
 
 #include "chatgate/store/redis_client.h"
+#include "chatgate/store/store.h"
 
 #define CG_REDIS_SLOTS 16384
 #define CG_REDIS_CLUSTER_MAX_NODES 256 /* masters a map may name */
@@ -76,10 +77,7 @@ int cg_redis_slot_map_node(cg_redis_slot_map *m, const char *host, int port);
 
 typedef struct cg_redis_cluster cg_redis_cluster;
 
-typedef struct cg_redis_cluster_stats {
-    unsigned long moved, ask, tryagain, clusterdown; /* redirects met (and followed) */
-    unsigned long map_reads;                           /* CLUSTER SLOTS read */
-} cg_redis_cluster_stats;
+typedef cg_store_cluster_stats cg_redis_cluster_stats; /* store.h: what the metrics show */
 
 typedef struct cg_redis_cluster_config {
     uv_loop_t *loop;

@@ -72,6 +72,8 @@ struct cg_store_req {
     int full;          /* load: reads everything, whatever the gateway holds; save: rewrites
                         * the whole history (its append was refused) */
     int appended;      /* save: sent only the history's new messages */
+    int merges;        /* save: how often Redis's copy was read and merged with this one */
+    char *merge_rev;   /* save of a merge: the rev of Redis's copy it merged with ("" none) */
     int64_t renewed;   /* save: when the lifetimes of the keys it writes were last set, this
                         * save's time when it sets them (docs/state.md, "Lifetimes in Redis") */
     cg_store_req *wait_next; /* waiting for the first connection's verdict */
@@ -115,7 +117,6 @@ struct redis_store {
     int n_seeds;
     cg_redis_cluster *cluster;
     int cluster_up;
-    cg_redis_cluster_stats cluster_stats;
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
     long dirty_seq;
@@ -246,6 +247,9 @@ void cg_redis_scripts_init(void);
 /* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy,
  * parsed by cg_redis_parse_url): the bus takes its host and password. */
 cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url);
+/* A cluster's bus (redis-cluster:// without redis.bus): sharded pub/sub through the store's
+ * router. */
+cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs);
 /* Tells the gateway `holder` to stop its turn: key_and_lease is "<dialog key> <lease>";
  * nothing when the bus is down. */
 void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease);

@@ -40,6 +40,12 @@ typedef void (*cg_store_rooms_fn)(void *ctx, json_t *rooms, const cg_store_statu
 /* limit: may the message go (limits.h)? */
 typedef void (*cg_store_limit_fn)(void *ctx, const cg_limit_verdict *v, const cg_store_status *status);
 
+/* Redis Cluster (redis-cluster://): the redirects met and followed, the map read. */
+typedef struct cg_store_cluster_stats {
+    unsigned long moved, ask, tryagain, clusterdown;
+    unsigned long map_reads; /* CLUSTER SLOTS read */
+} cg_store_cluster_stats;
+
 typedef struct cg_store_stats {
     unsigned long loads, saves, deletes;
     unsigned long errors;            /* commands that failed or timed out */
@@ -55,6 +61,8 @@ typedef struct cg_store_stats {
     unsigned long writeback_dropped_bound; /* dropped by the bound on those */
     unsigned long writeback_dropped_gone;  /* no longer in memory at the write-back: not written */
     unsigned long save_conflicts;          /* saves refused: Redis held another or a newer copy */
+    unsigned long merges;                  /* saves that met another copy and merged with it */
+    unsigned long merged_messages;         /* history messages those merges added to Redis's copy */
     unsigned long lease_waits;             /* turns that found their dialog's lease held elsewhere */
     unsigned long lease_lost;              /* turns' saves refused: their lease had passed on */
     unsigned long remote_cancels;          /* turns stopped at another gateway's request */
@@ -64,6 +72,7 @@ typedef struct cg_store_stats {
     unsigned long primary_switches;  /* connections trusted to a primary other than the last one */
     unsigned long readonly_replies;  /* -READONLY answers: the node had become a replica */
     unsigned long replica_refused;   /* connects dropped because ROLE did not say master */
+    cg_store_cluster_stats cluster;
     double degraded_seconds;         /* time spent with Redis away, up to the last recovery */
     uint64_t degraded_since_ms;      /* uv_now() when the current outage began */
     int degraded;                    /* Redis is away now */

@@ -473,12 +473,73 @@ static void test_history_text(void)
     cg_dialog_free(&d);
 }
 
+/* Two copies of one dialog that went separate ways (two gateways while the store switched):
+ * the merge keeps every message once, in order of time, and the later copy's state. */
+static void test_merge_copies(void)
+{
+    cg_dialog a, b;
+    cg_dialog_init(&a, 100);
+    cg_dialog_push_history(&a, "user", "u1", 100, &lt, NULL);
+    cg_dialog_push_history(&a, "assistant", "a1", 101, &lt, NULL);
+    CHECK(cg_dialog_copy(&b, &a) == 0); /* the common part */
+    cg_dialog_push_history(&a, "user", "from A", 110, &lt, NULL);
+    cg_dialog_push_history(&a, "assistant", "A's answer", 112, &lt, NULL);
+    cg_dialog_push_history(&b, "user", "from B", 111, &lt, NULL);
+    json_t *mark = json_pack("{s:b}", "cancelled", 1);
+    cg_dialog_push_history(&b, "assistant", "B's answer", 111, &lt, mark);
+    json_decref(mark);
+    a.last_activity = 112;
+    b.last_activity = 120;
+    a.turn_count = 2;
+    b.turn_count = 3;
+    json_t *pa = json_pack("{s:{s:s, s:s}}", "travel", "from", "A", "only_a", "x");
+    json_t *pb = json_pack("{s:{s:s}, s:{s:i}}", "travel", "from", "B", "food", "n", 2);
+    CHECK(cg_dialog_merge_all_params(&a, pa, &lt, NULL, 0) == 0);
+    CHECK(cg_dialog_merge_all_params(&b, pb, &lt, NULL, 0) == 0);
+    json_decref(pa);
+    json_decref(pb);
+    b.soft = json_pack("{s:s}", "topic", "B");
+    b.soft_expires = 999;
+
+    long added = cg_dialog_merge(&a, &b, &lt);
+    CHECK(added == 2); /* B's two messages; the common two were A's already */
+    const char *want[] = {"u1", "a1", "from A", "from B", "B's answer", "A's answer"};
+    CHECK(json_array_size(a.history) == 6);
+    for (size_t i = 0; i < 6 && i < json_array_size(a.history); i++)
+        CHECK_STR(json_string_value(json_object_get(json_array_get(a.history, i), "content")), want[i]);
+    CHECK(json_is_true(json_object_get(json_array_get(a.history, 4), "cancelled")));
+    /* B was active last: its value wins where both set one; A's own are kept */
+    CHECK_STR(json_string_value(json_object_get(json_object_get(a.params, "travel"), "from")), "B");
+    CHECK_STR(json_string_value(json_object_get(json_object_get(a.params, "travel"), "only_a")), "x");
+    CHECK(json_integer_value(json_object_get(json_object_get(a.params, "food"), "n")) == 2);
+    CHECK_STR(json_string_value(json_object_get(a.soft, "topic")), "B");
+    CHECK(a.last_activity == 120 && a.turn_count == 3);
+    CHECK(cg_dialog_history_text(&a) == strlen("u1a1from Afrom BB's answerA's answer"));
+
+    /* merged again with either: nothing new; b unchanged by the merge */
+    CHECK(cg_dialog_merge(&a, &b, &lt) == 0);
+    CHECK(json_array_size(a.history) == 6 && json_array_size(b.history) == 4);
+
+    /* the window: history_n keeps the newest */
+    cg_lifetimes small = lt;
+    small.history_n = 3;
+    cg_dialog c;
+    cg_dialog_init(&c, 100);
+    CHECK(cg_dialog_merge(&c, &a, &small) == 6); /* all missing from c; the window keeps 3 */
+    CHECK(json_array_size(c.history) == 3);
+    CHECK_STR(json_string_value(json_object_get(json_array_get(c.history, 0), "content")), "from B");
+    cg_dialog_free(&a);
+    cg_dialog_free(&b);
+    cg_dialog_free(&c);
+}
+
 int main(void)
 {
     cg_lifetimes_default(&lt);
     test_history_kept();
     test_history_text();
     test_merge();
+    test_merge_copies();
     test_cap();
     test_pipeline_cap_all_or_nothing();
     test_directive_all_or_nothing();
