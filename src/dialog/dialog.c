@@ -725,37 +725,56 @@ static json_int_t message_ts(json_t *m)
     return json_integer_value(json_object_get(m, "ts"));
 }
 
-/* m already among kept's messages of the same time (the run of them ending at its end)? */
-static int already_kept(json_t *kept, json_t *m)
+/* m is one of h's messages (the same role, content, time and marks)? */
+static int holds_message(json_t *h, json_t *m)
 {
-    json_int_t ts = message_ts(m);
-    for (size_t i = json_array_size(kept); i-- > 0;) {
-        json_t *k = json_array_get(kept, i);
-        if (message_ts(k) != ts)
-            return 0; /* both inputs run oldest first, so the merge does too */
+    size_t i;
+    json_t *k;
+    json_array_foreach(h, i, k) {
         if (json_equal(k, m))
             return 1;
     }
     return 0;
 }
 
-/* The two histories as one, in order of time, each message once; *added: b's not in a. */
+/*
+ * a with b's messages that a lacks, each once, *added their count. A history is in the order
+ * its turns were saved, not of its messages' times (a turn that waited for the dialog's lease
+ * has a user message older than the turn before it), so a's order is kept, and each run of
+ * b's missing messages (its turns, user message first) goes in whole, before a's first turn
+ * that began after it, else at the end: turns stay whole, in order of their time.
+ */
 static json_t *history_union(json_t *a, json_t *b, long *added)
 {
-    json_t *out = json_array();
-    size_t i = 0, j = 0, na = json_array_size(a), nb = json_array_size(b);
+    json_t *out = a ? json_copy(a) : json_array(); /* shallow: its messages are shared, never changed */
+    size_t nb = json_array_size(b);
     *added = 0;
-    while (out && (i < na || j < nb)) {
-        int from_a = j >= nb || (i < na && message_ts(json_array_get(a, i)) <= message_ts(json_array_get(b, j)));
-        json_t *m = from_a ? json_array_get(a, i++) : json_array_get(b, j++);
-        if (already_kept(out, m))
+    for (size_t i = 0; out && i < nb;) {
+        if (holds_message(a, json_array_get(b, i))) {
+            i++;
             continue;
-        if (!from_a)
-            (*added)++;
-        if (json_array_append(out, m) < 0) {
-            json_decref(out);
-            return NULL;
         }
+        size_t end = i + 1;
+        while (end < nb && !holds_message(a, json_array_get(b, end)))
+            end++;
+        json_int_t began = message_ts(json_array_get(b, i));
+        size_t at = json_array_size(out);
+        for (size_t k = 0; k < json_array_size(out); k++) {
+            json_t *m = json_array_get(out, k);
+            json_t *role = json_object_get(m, "role");
+            if (json_is_string(role) && strcmp(json_string_value(role), "user") == 0 && message_ts(m) > began) {
+                at = k;
+                break;
+            }
+        }
+        for (size_t k = i; k < end; k++, at++) {
+            if (json_array_insert(out, at, json_array_get(b, k)) < 0) {
+                json_decref(out);
+                return NULL;
+            }
+        }
+        *added += (long)(end - i);
+        i = end;
     }
     return out;
 }
@@ -810,17 +829,24 @@ long cg_dialog_merge(cg_dialog *into, const cg_dialog *other, const cg_lifetimes
     into->text_of = NULL; /* counted again when asked */
     json_decref(into->params);
     into->params = params;
-    if (other_last) {
-        char *service = other->service ? strdup(other->service) : NULL;
-        if (other->service && !service)
-            return -1; /* the history and params are merged already: still a valid dialog */
-        free(into->service);
-        into->service = service;
-        hold_json(&into->awaiting, other->awaiting);
-        into->awaiting_expires = other->awaiting_expires;
-        hold_json(&into->soft, other->soft);
-        into->soft_expires = other->soft_expires;
-        hold_json(&into->last_tool_result, other->last_tool_result);
+    if (other_last) { /* what the later copy holds; what it never had is not a decision to drop into's */
+        if (other->service) {
+            char *service = strdup(other->service);
+            if (!service)
+                return -1; /* the history and params are merged already: still a valid dialog */
+            free(into->service);
+            into->service = service;
+        }
+        if (other->awaiting) {
+            hold_json(&into->awaiting, other->awaiting);
+            into->awaiting_expires = other->awaiting_expires;
+        }
+        if (other->soft) {
+            hold_json(&into->soft, other->soft);
+            into->soft_expires = other->soft_expires;
+        }
+        if (other->last_tool_result)
+            hold_json(&into->last_tool_result, other->last_tool_result);
         into->last_activity = other->last_activity;
     }
     if (other->created_at && (!into->created_at || other->created_at < into->created_at))

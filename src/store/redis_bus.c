@@ -57,7 +57,10 @@ static void bus_lost(cg_redis_bus *b, cg_redis_conn **slot, const char *why)
 {
     if (b->failures++ == 0)
         cg_warn("redis bus %s:%d: %s; cancels from other gateways come with the lease renewal meanwhile%s", b->host,
-                b->port, why, b->sharded ? "" : " (is redis.bus a Redis, not twemproxy?)");
+                b->port, why,
+                !b->sharded && strcmp(why, "the server closed the connection") == 0
+                    ? " (is redis.bus a Redis, not twemproxy, which closes a connection that subscribes?)"
+                    : "");
     *slot = NULL;
     uint64_t delay = (uint64_t)BUS_RETRY_MS << (b->failures < 7 ? b->failures - 1 : 6);
     if (b->sharded) /* the cluster's map decides where: it is back as soon as the store is */

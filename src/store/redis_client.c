@@ -67,6 +67,7 @@ struct cg_redis_conn {
     cg_flush_item flush;
     char rbuf[READ_CHUNK];
     unsigned readonly;
+    int answered;    /* a reply came: TLS is surely done (TLS 1.3 refuses a client late) */
     int depth;       /* inside our callbacks: a close waits for the outermost to return */
     int close_asked; /* 1: at once, 2: graceful (when no reply is due) */
     int event_due;   /* the gone event is still to be given (not after cg_redis_conn_close) */
@@ -82,7 +83,7 @@ static void tls_error(char *err, size_t errlen, const char *what, const char *fi
     if (e)
         ERR_error_string_n(e, detail, sizeof(detail));
     ERR_clear_error();
-    snprintf(err, errlen, "redis TLS: %s %s: %s", what, file ? file : "", e ? detail : "refused");
+    snprintf(err, errlen, "redis TLS: %s%s%s: %s", what, file ? " " : "", file ? file : "", e ? detail : "refused");
 }
 
 cg_redis_tls *cg_redis_tls_new(const cg_redis_tls_config *cfg, char *err, size_t errlen)
@@ -158,7 +159,7 @@ static void handshake_failed_why(cg_redis_conn *c, char *why, size_t len)
         return;
     }
     unsigned long e = ERR_get_error();
-    char detail[160] = "the server closed the connection";
+    char detail[160] = "the server closed the connection (does it want a client certificate: redis.tls_cert_file?)";
     if (e)
         ERR_error_string_n(e, detail, sizeof(detail));
     ERR_clear_error();
@@ -218,6 +219,12 @@ static void fail(cg_redis_conn *c, const char *why)
         finish(c);
 }
 
+void cg_redis_conn_fail(cg_redis_conn *c, const char *why)
+{
+    if (c)
+        fail(c, why);
+}
+
 void cg_redis_conn_close(cg_redis_conn *c)
 {
     if (!c || c->state == C_CLOSED)
@@ -239,12 +246,25 @@ void cg_redis_conn_close_graceful(cg_redis_conn *c)
 
 /* ---- writing ------------------------------------------------------------------------------ */
 
+/* The socket failed (err, libuv's). Before the first answer on a TLS connection that is most
+ * likely the server refusing this client (TLS 1.3 refuses a client certificate after the
+ * client's side of the handshake is done, and resets): what OpenSSL read says why. */
+static void io_failed(cg_redis_conn *c, int err)
+{
+    char why[240];
+    if (c->ssl && !c->answered)
+        handshake_failed_why(c, why, sizeof(why));
+    else
+        snprintf(why, sizeof(why), "%s", err == UV_EOF ? "the server closed the connection" : uv_strerror(err));
+    fail(c, why);
+}
+
 static void on_written(uv_write_t *req, int status)
 {
     cg_redis_conn *c = req->data;
     free(req);
     if (status < 0 && status != UV_ECANCELED)
-        fail(c, uv_strerror(status));
+        io_failed(c, status);
 }
 
 /* Sends bytes on the socket: what the kernel takes at once, the rest through uv_write (which
@@ -256,7 +276,7 @@ static void send_bytes(cg_redis_conn *c, const char *buf, size_t len)
     if (n == UV_EAGAIN || n == UV_ENOSYS)
         n = 0;
     if (n < 0) {
-        fail(c, uv_strerror(n));
+        io_failed(c, n);
         return;
     }
     if ((size_t)n == len)
@@ -272,7 +292,7 @@ static void send_bytes(cg_redis_conn *c, const char *buf, size_t len)
     int rc = uv_write(&w->req, (uv_stream_t *)&c->tcp, &rest, 1, on_written);
     if (rc < 0) {
         free(w);
-        fail(c, uv_strerror(rc));
+        io_failed(c, rc);
     }
 }
 
@@ -423,6 +443,7 @@ static void dispatch_replies(cg_redis_conn *c)
         if (!reply)
             return;
         redisReply *r = reply;
+        c->answered = 1;
         if (r->type == REDIS_REPLY_ERROR && strncmp(r->str, "READONLY", 8) == 0)
             c->readonly++;
         if (c->push_cb && !c->head) {
@@ -488,7 +509,14 @@ static void tls_input(cg_redis_conn *c)
         int e = SSL_get_error(c->ssl, n);
         if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE)
             break;
-        fail(c, e == SSL_ERROR_ZERO_RETURN ? "the server closed the TLS session" : "TLS error reading");
+        char why[240];
+        if (!c->answered) /* TLS 1.3: a refused client certificate comes after the handshake */
+            handshake_failed_why(c, why, sizeof(why));
+        else if (e == SSL_ERROR_ZERO_RETURN)
+            snprintf(why, sizeof(why), "the server closed the TLS session");
+        else
+            tls_error(why, sizeof(why), "error reading", NULL);
+        fail(c, why);
         return;
     }
     send_tls_output(c); /* a key update's answer, if any */
@@ -511,7 +539,7 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
     cg_flusher *f = c->flusher;
     c->depth++;
     if (n < 0) {
-        fail(c, n == UV_EOF ? "the server closed the connection" : uv_strerror((int)n));
+        io_failed(c, (int)n);
     } else if (c->ssl) {
         if (BIO_write(c->rbio, buf->base, (int)n) != (int)n)
             fail(c, "out of memory reading");

@@ -168,6 +168,7 @@ static void req_closed(uv_handle_t *h)
     cg_redis_snapshot_free(r->snapshot);
     free(r->lease_value);
     free(r->merge_rev);
+    free(r->ticket);
     free(r->rev);
     free(r->user);
     free(r->eu);
@@ -427,7 +428,7 @@ int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry)
     r->version = (long)json_integer_value(json_object_get(entry, "v"));
     r->base_unknown = json_is_true(json_object_get(entry, "n"));
     if (r->snapshot) {
-        cg_redis_send_save(rs, r);
+        cg_redis_send_writeback(rs, r); /* merged with Redis's copy: another gateway may have written it */
         /* Redis runs this write-back before any save sent after it on the connection: those
          * are updates of this copy (created_at still guards them), not create-only */
         json_object_del(rs->unknown, key);
@@ -557,8 +558,10 @@ static void on_ping(cg_redis_conn *ac, void *reply_, void *priv)
         return; /* an older connection, or this one gone (on_disconnect or a timeout saw to it) */
     if (reply->type == REDIS_REPLY_ERROR || rs->setup_failed) {
         char why[200];
-        snprintf(why, sizeof(why), "the connection's PING was answered '%.120s'",
-                 reply->type == REDIS_REPLY_ERROR ? reply->str : "after a failed SELECT");
+        if (reply->type == REDIS_REPLY_ERROR)
+            snprintf(why, sizeof(why), "the connection's PING was answered '%.120s'", reply->str);
+        else
+            snprintf(why, sizeof(why), "the connection's %s was refused (the line above says why)", rs->setup_failed);
         rs->base.stats.errors++;
         drop_connection(rs, why);
         return;
@@ -650,7 +653,10 @@ static void on_auth(cg_redis_conn *ac, void *reply, void *priv)
 {
     (void)priv;
     redis_store *rs = cg_redis_conn_data(ac);
-    cg_redis_reply_failed(rs, reply, 0, "AUTH"); /* logged; a server that needs it answers the PING -NOAUTH */
+    /* logged; and the PING's answer drops the connection: a refused ACL user would otherwise
+     * go on as Redis's default user, with its rights */
+    if (ac == rs->ac && reply && cg_redis_reply_failed(rs, reply, 0, "AUTH"))
+        rs->setup_failed = "AUTH";
 }
 
 static void on_select(cg_redis_conn *ac, void *reply, void *priv)
@@ -658,7 +664,7 @@ static void on_select(cg_redis_conn *ac, void *reply, void *priv)
     (void)priv;
     redis_store *rs = cg_redis_conn_data(ac);
     if (ac == rs->ac && reply && cg_redis_reply_failed(rs, reply, 0, "SELECT"))
-        rs->setup_failed = 1; /* the PING's answer drops the connection: never the wrong database */
+        rs->setup_failed = "SELECT"; /* the PING's answer drops the connection: never the wrong database */
 }
 
 /* Connects to a numeric address (hiredis's own getaddrinfo then never waits on DNS). */
@@ -679,7 +685,7 @@ static void connect_to(redis_store *rs, const char *address)
     }
     rs->ac = ac;
     rs->state = R_CONNECTING;
-    rs->setup_failed = 0;
+    rs->setup_failed = NULL;
     rs->readonly_seen = 0;
     if (rs->password)
         cg_redis_send_auth(ac, rs->user, rs->password, on_auth, NULL);

@@ -318,6 +318,11 @@ static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const 
 
 typedef enum { S_LOAD, S_SAVE, S_RENEW, S_RELEASE, S_CANCEL, S_LIMIT, S_LIMIT_END, S_ROOMS, S_COUNT } script_id;
 static const char *script_text(script_id id);
+
+/* A save that met another copy of its dialog merges with it (merge_start), at most this often. */
+#define MERGE_TRIES 4
+struct cg_store_req;
+static void merge_start(redis_store *rs, cg_store_req *r);
 static char script_sha[S_COUNT][41];
 
 void cg_redis_scripts_init(void)
@@ -489,9 +494,33 @@ static int gated(redis_store *rs, cg_store_req *r)
 static const char load_script[] =
     "local lease = ''\n"
     "if ARGV[1] ~= '' then\n"
+    "  local line, ticket, now = KEYS[8], ARGV[6], tonumber(ARGV[7])\n"
+    "  local function queue()\n" /* takes (or keeps, renewed) this turn's place in line */
+    "    local had = redis.call('HGET', line, ticket)\n"
+    "    local seq = had and string.match(had, '^%d+') or redis.call('HINCRBY', line, '#', 1)\n"
+    "    redis.call('HSET', line, ticket, seq .. ' ' .. string.format('%d', now + 10000))\n"
+    "    redis.call('PEXPIRE', line, 20000)\n"
+    "  end\n"
     "  local cur = redis.call('GET', KEYS[6])\n"
     "  if cur and string.match(cur, '^%S+') ~= ARGV[1] then\n"
+    "    queue()\n"
     "    return {'busy', cur, redis.call('PTTL', KEYS[6])}\n"
+    "  end\n"
+    "  if redis.call('EXISTS', line) == 1 then\n" /* turns of other gateways wait: the first goes first */
+    "    local all, first, first_seq = redis.call('HGETALL', line), nil, nil\n"
+    "    for i = 1, #all, 2 do\n"
+    "      if all[i] ~= '#' then\n"
+    "        local seq, due = string.match(all[i + 1], '^(%d+) (%d+)$')\n"
+    "        if not due or tonumber(due) < now then redis.call('HDEL', line, all[i])\n" /* a waiter gone */
+    "        elseif not first_seq or tonumber(seq) < first_seq then first, first_seq = all[i], tonumber(seq) end\n"
+    "      end\n"
+    "    end\n"
+    "    if first and first ~= ticket then\n"
+    "      queue()\n"
+    "      return {'busy', 'the turn ' .. first .. ' waiting before this one', 0}\n"
+    "    end\n"
+    "    redis.call('HDEL', line, ticket)\n"
+    "    if not first then redis.call('DEL', line) end\n"
     "  end\n"
     "  local fence = redis.call('INCR', KEYS[7])\n"
     "  if fence == 1 then redis.call('EXPIRE', KEYS[7], ARGV[3]) end\n"
@@ -692,14 +721,40 @@ static void lease_release(redis_store *rs, const char *eu, const char *er, const
  * per dialog is rare (the in-process lock already queues this gateway's own turns), and
  * short: the holder's save releases it. Polling keeps the store one connection and one
  * kind of command; a pub/sub wake-up would save at most the backoff. */
+static void leave_line(redis_store *rs, cg_store_req *r);
+
 static void on_lease_retry(uv_timer_t *t)
 {
     cg_store_req *r = t->data;
     if (r->abandoned || r->rs->closing) {
+        leave_line(r->rs, r);
         cg_redis_req_finish(r);
         return;
     }
     dispatch(r->rs, r);
+}
+
+/* The wall clock in ms: a waiter's place in line lapses by it (10 s after its last poll), so
+ * that a gateway that died waiting holds up no one for long. */
+static long long wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* A turn that waited in line for the lease and went away gives up its place at once (else
+ * the turns behind it would wait for its place to lapse). No answer. */
+static void leave_line(redis_store *rs, cg_store_req *r)
+{
+    if (!r->ticket || !r->lease_waits || rs->state != R_CONNECTED || !cg_redis_linked(rs))
+        return;
+    argv_buf a = {0};
+    arg_str(&a, "HDEL");
+    arg_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
+    arg_str(&a, r->ticket);
+    send_argv(rs, &a, NULL, NULL);
+    argv_free(&a);
 }
 
 static void lease_wait(redis_store *rs, cg_store_req *r, redisReply *busy)
@@ -854,12 +909,29 @@ static void send_load(redis_store *rs, cg_store_req *r)
     r->copy_params = params_count(v.params);
     r->copy_history = json_array_size(v.history);
     argv_buf a = {0};
-    arg_script(rs, &a, S_LOAD, r->eu, r->er);
+    if (r->lease) { /* a turn's load takes the lease: the line of waiters is its KEYS[8] */
+        arg_str(&a, "EVALSHA");
+        arg_str(&a, script_sha[S_LOAD]);
+        arg_int(&a, 8);
+        arg_dialog_keys(rs, &a, r->eu, r->er, 7);
+        arg_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
+    } else {
+        arg_script(rs, &a, S_LOAD, r->eu, r->er);
+    }
     arg_str(&a, r->lease ? rs->holder : "");
     arg_int(&a, (long long)rs->base.cfg.lease_ms);
     arg_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s);
     arg_str(&a, r->rev ? r->rev : "");
     arg_str(&a, r->copy_history ? "1" : "0");
+    if (r->lease) { /* its place in the line of turns waiting for the lease (docs/state.md) */
+        if (!r->ticket) {
+            char ticket[80];
+            snprintf(ticket, sizeof(ticket), "%s#%llu", rs->holder, ++rs->ticket_seq);
+            r->ticket = cg_redis_xstrdup(ticket);
+        }
+        arg_str(&a, r->ticket);
+        arg_int(&a, wall_ms());
+    }
     send_last_script(rs, S_LOAD, &a, on_load_reply, r);
     argv_free(&a);
 }
@@ -1423,8 +1495,6 @@ static redisReply *save_evictions(redis_store *rs, cg_store_req *r, redisReply *
 
 /* ---- merging two copies of a dialog ------------------------------------------------------ */
 
-#define MERGE_TRIES 4
-
 /* What a log line may say of a dialog's key: a hash, never the user's id (an e-mail, a
  * phone number). */
 static unsigned long key_tag(const char *key)
@@ -1442,6 +1512,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     if (st->degraded) { /* Redis failed meanwhile: the save stays in memory, for the write-back */
         cg_dialog_free(d);
         rs->base.stats.errors++;
+        gate_leave(rs, r->key);
         cg_redis_answer_from_memory(r);
         return;
     }
@@ -1454,21 +1525,34 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     if (!merged) {
         cg_dialog_free(d);
         cg_error("redis: out of memory merging two copies of a dialog: this gateway's is kept for the write-back");
+        gate_leave(rs, r->key);
         cg_redis_answer_from_memory(r);
         return;
     }
     *merged = *d; /* d's parts move to merged */
-    rs->base.stats.merges++;
-    rs->base.stats.merged_messages += (unsigned long)added;
-    cg_warn("redis: dialog #%08lx had two copies (two gateways served it while the store switched, or a turn "
-            "met another's write): merged, %ld message(s) of this gateway's added to Redis's (%s)",
-            key_tag(r->key), added, r->version ? "write-back" : "save");
+    size_t from_redis = json_array_size(merged->history) - (size_t)added;
+    if (added > 0 && from_redis > json_array_size(r->snapshot->history) - (size_t)added) {
+        /* both copies held turns the other lacked: a conflict, resolved */
+        rs->base.stats.merges++;
+        rs->base.stats.merged_messages += (unsigned long)added;
+        cg_warn("redis: dialog #%08lx had two copies (two gateways served it while the store switched, or a turn "
+                "met another's write): merged, %ld message(s) of this gateway's added to Redis's (%s)",
+                key_tag(r->key), added, r->version ? "write-back" : "save");
+    }
     cg_redis_snapshot_free(r->snapshot);
     r->snapshot = merged;
     free(r->lease_value); /* a merge keeps every turn: it writes over Redis's copy only as it read it */
     r->lease_value = NULL;
     r->full = 1;
-    cg_redis_send_save(rs, r);
+    char *key = cg_redis_xstrdup(r->key);
+    cg_redis_send_save(rs, r); /* holds the gate in its turn */
+    gate_leave(rs, key);
+    free(key);
+}
+
+void cg_redis_send_writeback(redis_store *rs, cg_store_req *r)
+{
+    merge_start(rs, r);
 }
 
 /* r's save met another copy in Redis: Redis's is read in full (no lease), the two merged
@@ -1476,6 +1560,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
  * 3, its rev), else read and merged again, up to MERGE_TRIES times. r lives on meanwhile. */
 static void merge_start(redis_store *rs, cg_store_req *r)
 {
+    gate_enter(rs, r->key); /* later loads of the dialog wait for the merge's save */
     r->merges++;
     cg_store_req *l = cg_redis_req_new(rs, OP_LOAD, "", "", r);
     free(l->eu);
@@ -1623,6 +1708,13 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
     cg_memstore_view_of(rs->mem, r->key, now, &copy);
     size_t n_had = 0;
     long from = r->version || r->full || r->merge_rev ? -1 : history_appended_from(&copy, d->history, &n_had);
+    if (from < 0 && copy.rev && !r->merge_rev && !r->version && r->merges < MERGE_TRIES) {
+        /* this turn's dialog does not go on from the copy Redis holds now (another gateway
+         * wrote it since this one was loaded, or a write-back merged it): rewriting it would
+         * drop what the other wrote, so the two merge */
+        merge_start(rs, r);
+        return;
+    }
     /* appending to Redis's copy, whose params these still are: only their rev is written
      * (rewriting the hash was a sixth of the save's work in Redis) */
     int params_same = from >= 0 && copy.params && json_equal(copy.params, d->params);
@@ -1722,6 +1814,7 @@ static void send_remove(redis_store *rs, cg_store_req *r)
     argv_buf a = {0};
     arg_str(&a, "DEL");
     arg_dialog_keys(rs, &a, r->eu, r->er, N_PARTS);
+    arg_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
     send_step(rs, &a, r);
     arg_rooms_script(rs, &a, r->eu, r->er); /* after the data: forget-user must find a room as long as it has data */
     send_last_script(rs, S_ROOMS, &a, on_remove_reply, r);

@@ -327,7 +327,8 @@ async def part_bus_url(app, rules):
 
 
 async def part_writeback_fresh_load(app, rules):
-    """A dialog first loaded while Redis is away (a fresh gateway): Redis's copy stays."""
+    """A dialog first loaded while Redis is away (a fresh gateway): Redis's copy stays, and the
+    turn of the outage joins it (the two copies merge, issue 36)."""
     redis = await harness.RedisServer().astart()
     front = await RedisFront(redis.port).start()
     user, room = "wb|fresh", "trip"
@@ -342,7 +343,7 @@ async def part_writeback_fresh_load(app, rules):
         check(params_in_redis(redis, user, room) == want, f"params in Redis: {params_in_redis(redis, user, room)}")
         async with harness.Gateway(header_args(rules), config_for(app, front.url), name="gateway-wb2") as gw:
             with step("gateway 2 (fresh memory) loses Redis, gets a message in that room, Redis comes back: "
-                      "Redis's copy is intact, the save refused and counted"):
+                      "Redis's copy is intact and the outage's turn merged into it, counted"):
                 await wait_store(gw, False, 3, "gateway 2 at start")
                 await outage(front, gw)
                 c = await connect_as(gw, user)
@@ -353,11 +354,14 @@ async def part_writeback_fresh_load(app, rules):
                 got = params_in_redis(redis, user, room)
                 check(got == want, f"the write-back erased Redis's params: {got}, expected {want}")
                 hist = history_in_redis(redis, user, room)
-                check(len(hist) == 4, f"Redis's history should be the 4 entries of gateway 1, got {len(hist)}: "
+                said = [h["content"] for h in hist if h["role"] == "user"]
+                check(said == ["fly from Nairobi", "to London", "hello during the outage"] and len(hist) == 6,
+                      f"Redis's history should be gateway 1's 4 entries, then the outage's 2, got {len(hist)}: "
                       f"{harness.brief(hist, 400)}")
                 m = await metrics(gw)
-                check(m.value("chatgate_store_save_conflicts_total") >= 1,
-                      f"the refused write-back is not counted: {m.value('chatgate_store_save_conflicts_total')}")
+                check(m.value("chatgate_store_merges_total") >= 1 and m.value("chatgate_store_merged_messages_total") >= 2,
+                      f"the merge is not counted: {m.value('chatgate_store_merges_total')} merges, "
+                      f"{m.value('chatgate_store_merged_messages_total')} messages")
             with step("the next message reads Redis's copy (the params are forwarded)"):
                 _, fwd = await say(c, app, "w4", "and now?", room)
                 check(fwd.get("params", {}).get("from") == "Nairobi", f"forwarded params: {fwd.get('params')}")
@@ -413,7 +417,8 @@ async def part_writeback_evicted(app, rules, bound):
 
 
 async def part_writeback_older(app, rules):
-    """Gateway A holds an older copy through its outage; gateway B wrote a newer one: B's stays."""
+    """Gateway A holds an older copy through its outage; gateway B wrote a newer one: B's values
+    stay where both set one, and A's turn of the outage joins the history (merged, issue 36)."""
     redis = await harness.RedisServer().astart()
     front = await RedisFront(redis.port).start()
     user, room = "wb|race", "race"
@@ -421,7 +426,7 @@ async def part_writeback_older(app, rules):
         async with harness.Gateway(header_args(rules), config_for(app, front.url), name="gateway-wb-a") as gwa, \
                 harness.Gateway(header_args(rules), config_for(app, redis.url), name="gateway-wb-b") as gwb:
             with step("A writes the dialog, loses Redis, writes it again; B (with Redis) writes it later; "
-                      "A's write-back does not overwrite B's newer copy"):
+                      "A's write-back merges: B's newer value stays, A's outage turn joins the history"):
                 await wait_store(gwa, False, 3, "gateway A at start")
                 ca, cb = await connect_as(gwa, user), await connect_as(gwb, user)
                 await say(ca, app, "a1", "first", room, {"service": "travel", "params": {"v": "one"}})
@@ -437,8 +442,11 @@ async def part_writeback_older(app, rules):
                 m = await wait_written_back(gwa)
                 got = params_in_redis(redis, user, room).get("travel.v")
                 check(got == "b-newer", f"A's older copy was written over B's newer one: travel.v = {got!r}")
-                check(m.value("chatgate_store_save_conflicts_total") >= 1,
-                      f"the refused write-back is not counted: {m.value('chatgate_store_save_conflicts_total')}")
+                said = [h["content"] for h in history_in_redis(redis, user, room) if h["role"] == "user"]
+                check(said == ["first", "A during its outage", "B later"],
+                      f"the history should hold every turn once, in order of time: {said}")
+                check(m.value("chatgate_store_merges_total") >= 1,
+                      f"the merged write-back is not counted: {m.value('chatgate_store_merges_total')}")
                 _, fwd = await say(ca, app, "a3", "A again", room)
                 check(fwd["params"].get("v") == "b-newer", f"A's next message should read Redis's copy: {fwd['params']}")
             await ca.close()

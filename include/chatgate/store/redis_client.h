@@ -75,6 +75,8 @@ int cg_redis_conn_cmd(cg_redis_conn *c, cg_redis_reply_fn *cb, void *priv, const
 /* cmd is a whole command in RESP (redisFormatCommandArgv's), copied */
 int cg_redis_conn_formatted(cg_redis_conn *c, cg_redis_reply_fn *cb, void *priv, const char *cmd, size_t len);
 
+/* Fails the connection (a setup answer refused, say): closed as if lost, the event says why. */
+void cg_redis_conn_fail(cg_redis_conn *c, const char *why);
 /* Closes at once: commands still waiting get NULL; no event. */
 void cg_redis_conn_close(cg_redis_conn *c);
 /* Closes once every reply due has come (no new commands): then the event with up 0, why NULL. */

@@ -74,6 +74,7 @@ struct cg_store_req {
     int appended;      /* save: sent only the history's new messages */
     int merges;        /* save: how often Redis's copy was read and merged with this one */
     char *merge_rev;   /* save of a merge: the rev of Redis's copy it merged with ("" none) */
+    char *ticket;      /* a turn's load: its place in the line for the lease, "<holder>#<n>" */
     int64_t renewed;   /* save: when the lifetimes of the keys it writes were last set, this
                         * save's time when it sets them (docs/state.md, "Lifetimes in Redis") */
     cg_store_req *wait_next; /* waiting for the first connection's verdict */
@@ -92,7 +93,7 @@ struct redis_store {
     cg_resolve *resolve;
     cg_redis_conn *ac;
     redis_state state;
-    int setup_failed; /* SELECT failed on this connection */
+    const char *setup_failed; /* "AUTH" or "SELECT": it failed on this connection, or NULL */
     uv_timer_t connect_timer; /* connect timeout, then reconnect backoff */
     uv_timer_t tick;          /* command timeouts */
     int backoff;
@@ -121,6 +122,7 @@ struct redis_store {
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
     long dirty_seq;
     unsigned long long rev_seq; /* the last rev this store wrote: revs are "<holder>#<seq>" */
+    unsigned long long ticket_seq; /* the last ticket a turn of this store took */
     cg_store_req *head, *tail;
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
@@ -230,6 +232,10 @@ extern const cg_store_ops cg_redis_ops;
 /* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
  * the rooms set. */
 void cg_redis_send_save(redis_store *rs, cg_store_req *r);
+/* Sends r's write-back (a dirty dialog, its snapshot): Redis's copy is read and merged with it
+ * first (another gateway may have written the dialog meanwhile), then written over that copy
+ * only. */
+void cg_redis_send_writeback(redis_store *rs, cg_store_req *r);
 /* Starts the requests that waited for the first connection's verdict. */
 void cg_redis_drain_waiting(redis_store *rs);
 /* A reply that failed: NULL (connection gone) or an error; logs the error's text. */

@@ -503,18 +503,19 @@ static void test_merge_copies(void)
 
     long added = cg_dialog_merge(&a, &b, &lt);
     CHECK(added == 2); /* B's two messages; the common two were A's already */
-    const char *want[] = {"u1", "a1", "from A", "from B", "B's answer", "A's answer"};
+    /* B's turn began after A's (111 > 110): it goes after it, whole */
+    const char *want[] = {"u1", "a1", "from A", "A's answer", "from B", "B's answer"};
     CHECK(json_array_size(a.history) == 6);
     for (size_t i = 0; i < 6 && i < json_array_size(a.history); i++)
         CHECK_STR(json_string_value(json_object_get(json_array_get(a.history, i), "content")), want[i]);
-    CHECK(json_is_true(json_object_get(json_array_get(a.history, 4), "cancelled")));
+    CHECK(json_is_true(json_object_get(json_array_get(a.history, 5), "cancelled")));
     /* B was active last: its value wins where both set one; A's own are kept */
     CHECK_STR(json_string_value(json_object_get(json_object_get(a.params, "travel"), "from")), "B");
     CHECK_STR(json_string_value(json_object_get(json_object_get(a.params, "travel"), "only_a")), "x");
     CHECK(json_integer_value(json_object_get(json_object_get(a.params, "food"), "n")) == 2);
     CHECK_STR(json_string_value(json_object_get(a.soft, "topic")), "B");
     CHECK(a.last_activity == 120 && a.turn_count == 3);
-    CHECK(cg_dialog_history_text(&a) == strlen("u1a1from Afrom BB's answerA's answer"));
+    CHECK(cg_dialog_history_text(&a) == strlen("u1a1from AA's answerfrom BB's answer"));
 
     /* merged again with either: nothing new; b unchanged by the merge */
     CHECK(cg_dialog_merge(&a, &b, &lt) == 0);
@@ -527,7 +528,22 @@ static void test_merge_copies(void)
     cg_dialog_init(&c, 100);
     CHECK(cg_dialog_merge(&c, &a, &small) == 6); /* all missing from c; the window keeps 3 */
     CHECK(json_array_size(c.history) == 3);
-    CHECK_STR(json_string_value(json_object_get(json_array_get(c.history, 0), "content")), "from B");
+    CHECK_STR(json_string_value(json_object_get(json_array_get(c.history, 0), "content")), "A's answer");
+
+    /* a turn of the other copy that began before one of into's goes before it, whole */
+    cg_dialog e, f;
+    cg_dialog_init(&e, 100);
+    cg_dialog_push_history(&e, "user", "late", 120, &lt, NULL);
+    cg_dialog_push_history(&e, "assistant", "late answer", 121, &lt, NULL);
+    cg_dialog_init(&f, 100);
+    cg_dialog_push_history(&f, "user", "early", 115, &lt, NULL);
+    cg_dialog_push_history(&f, "assistant", "early answer", 125, &lt, NULL);
+    CHECK(cg_dialog_merge(&e, &f, &lt) == 2);
+    const char *order[] = {"early", "early answer", "late", "late answer"};
+    for (size_t i = 0; i < 4 && i < json_array_size(e.history); i++)
+        CHECK_STR(json_string_value(json_object_get(json_array_get(e.history, i), "content")), order[i]);
+    cg_dialog_free(&e);
+    cg_dialog_free(&f);
     cg_dialog_free(&a);
     cg_dialog_free(&b);
     cg_dialog_free(&c);
