@@ -829,26 +829,27 @@ long cg_dialog_merge(cg_dialog *into, const cg_dialog *other, const cg_lifetimes
     into->text_of = NULL; /* counted again when asked */
     json_decref(into->params);
     into->params = params;
-    if (other_last) { /* what the later copy holds; what it never had is not a decision to drop into's */
-        if (other->service) {
-            char *service = strdup(other->service);
-            if (!service)
-                return -1; /* the history and params are merged already: still a valid dialog */
-            free(into->service);
-            into->service = service;
-        }
-        if (other->awaiting) {
-            hold_json(&into->awaiting, other->awaiting);
-            into->awaiting_expires = other->awaiting_expires;
-        }
-        if (other->soft) {
-            hold_json(&into->soft, other->soft);
-            into->soft_expires = other->soft_expires;
-        }
-        if (other->last_tool_result)
-            hold_json(&into->last_tool_result, other->last_tool_result);
-        into->last_activity = other->last_activity;
+    /* each part from the copy active last; a part only one copy has, from that one (a copy
+     * begun from nothing has none: that is no decision to drop the other's) */
+    if (other->service && (other_last || !into->service)) {
+        char *service = strdup(other->service);
+        if (!service)
+            return -1; /* the history and params are merged already: still a valid dialog */
+        free(into->service);
+        into->service = service;
     }
+    if (other->awaiting && (other_last || !into->awaiting)) {
+        hold_json(&into->awaiting, other->awaiting);
+        into->awaiting_expires = other->awaiting_expires;
+    }
+    if (other->soft && (other_last || !into->soft)) {
+        hold_json(&into->soft, other->soft);
+        into->soft_expires = other->soft_expires;
+    }
+    if (other->last_tool_result && (other_last || !into->last_tool_result))
+        hold_json(&into->last_tool_result, other->last_tool_result);
+    if (other_last)
+        into->last_activity = other->last_activity;
     if (other->created_at && (!into->created_at || other->created_at < into->created_at))
         into->created_at = other->created_at;
     if (other->turn_count > into->turn_count)

@@ -152,7 +152,7 @@ static void load_next_room(admin_req *a)
     const char *room = json_string_value(json_array_get(a->rooms, a->next_room));
     if (room) {
         a->next_room++;
-        if ((a->pending = st->ops->load(st, a->user, room, on_room_usage, a)))
+        if ((a->pending = st->ops->dialogs->load(st, a->user, room, on_room_usage, a)))
             return;
         answer_error(a, 500, "the store refused the request");
         json_decref(a->usage);
@@ -299,8 +299,8 @@ static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, in
             return;
         }
         cg_info("admin: %s dialog of one user", is_get ? "view" : "delete");
-        a->pending = is_get ? st->ops->load(st, a->user, a->room, on_loaded, a)
-                            : st->ops->remove(st, a->user, a->room, on_deleted, a);
+        a->pending = is_get ? st->ops->dialogs->load(st, a->user, a->room, on_loaded, a)
+                            : st->ops->dialogs->remove(st, a->user, a->room, on_deleted, a);
     } else if (is_get && (strcmp(uri, "/admin/usage") == 0 ||
                           (strncmp(uri, "/admin/users/", 13) == 0 && strlen(uri) > 19 &&
                            strcmp(uri + strlen(uri) - 6, "/usage") == 0))) {
@@ -313,7 +313,7 @@ static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, in
             return;
         }
         cg_info("admin: usage of one user");
-        a->pending = st->ops->rooms(st, a->user, on_rooms, a);
+        a->pending = st->ops->dialogs->rooms(st, a->user, on_rooms, a);
     } else if ((strncmp(uri, "/admin/users/", 13) == 0 || strcmp(uri, "/admin/users") == 0) && is_delete) {
         p = uri + 12;
         int ok = *p ? !strchr(p + 1, '/') && copy_id(p + 1, strlen(p + 1), a->user, sizeof(a->user)) == 0
@@ -323,7 +323,7 @@ static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, in
             return;
         }
         cg_info("admin: forget a user (every room)");
-        a->pending = st->ops->remove_user(st, a->user, on_deleted, a);
+        a->pending = st->ops->dialogs->remove_user(st, a->user, on_deleted, a);
     } else {
         answer_error(a, 404, "no such admin path or method");
         return;
@@ -390,7 +390,7 @@ int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *u
     case LWS_CALLBACK_CLOSED_HTTP:
     case LWS_CALLBACK_HTTP_DROP_PROTOCOL:
         if (a && a->pending) { /* the client left before the store answered */
-            a->srv->turn.store->ops->abandon(a->pending);
+            cg_store_abandon(a->pending);
             a->pending = NULL;
         }
         if (a) {

@@ -126,10 +126,10 @@ static void turn_free(cg_turn *t)
     if (t->opaque && !t->forwarded && q->sink->unsent)
         q->sink->unsent(q->conn, t->opaque);
     if (t->limit_held) {
-        q->env->store->ops->limit_end(q->env->store, q->user, q->limits, t->limit_turn, t->limit_local, t->spent);
+        q->env->store->ops->limits->end(q->env->store, q->user, q->limits, t->limit_turn, t->limit_local, t->spent);
     }
-    if (t->has_dialog && !t->saved && q->env->store->ops->release) /* a turn that saved nothing */
-        q->env->store->ops->release(q->env->store, q->user, t->room);
+    if (t->has_dialog && !t->saved && q->env->store->ops->lease->release) /* a turn that saved nothing */
+        q->env->store->ops->lease->release(q->env->store, q->user, t->room);
     cg_dialog_lock_release(q->env->locks, &t->lock);
     cg_ruleset_unref(t->rules);
     if (t->has_dialog)
@@ -240,7 +240,7 @@ static void turn_save(cg_turn *t, turn_end_kind end)
     }
     count_usage(t, end);
     d->last_activity = now;
-    q->env->store->ops->save(q->env->store, q->user, t->room, d, NULL, NULL);
+    q->env->store->ops->dialogs->save(q->env->store, q->user, t->room, d, NULL, NULL);
     t->saved = 1;
 }
 
@@ -260,10 +260,10 @@ static void turn_stop(cg_turn *t)
 {
     cg_turns *q = t->q;
     if (t->limit) {
-        q->env->store->ops->abandon(t->limit);
+        cg_store_abandon(t->limit);
         t->limit = NULL;
     } else if (t->load) {
-        q->env->store->ops->abandon(t->load);
+        cg_store_abandon(t->load);
         t->load = NULL;
     } else if (t->kind == CG_TURN_CHAT && t->has_dialog) {
         if (t->call)
@@ -733,11 +733,11 @@ static void turn_context(cg_turn *t)
     cg_store *st = q->env->store;
     if (t->kind == CG_TURN_CONTEXT_FORGET) {
         if (cg_dialog_forget(&t->dialog, t->keys) > 0) {
-            st->ops->save(st, q->user, t->room, &t->dialog, NULL, NULL);
+            st->ops->dialogs->save(st, q->user, t->room, &t->dialog, NULL, NULL);
             t->saved = 1;
         }
     } else if (t->kind == CG_TURN_CONTEXT_CLEAR) {
-        st->ops->remove(st, q->user, t->room, NULL, NULL); /* the lease stays: turn_free lets go */
+        st->ops->dialogs->remove(st, q->user, t->room, NULL, NULL); /* the lease stays: turn_free lets go */
         cg_dialog_free(&t->dialog);
         cg_dialog_init(&t->dialog, turn_now(q));
     }
@@ -782,7 +782,7 @@ static int turn_load(cg_turn *t)
     cg_turns *q = t->q;
     cg_store *st = q->env->store;
     t->t_load = uv_hrtime();
-    t->load = st->ops->lease(st, q->user, t->room, on_dialog_loaded, t);
+    t->load = st->ops->lease->acquire(st, q->user, t->room, on_dialog_loaded, t);
     if (t->load)
         return 0;
     say_error(q, t->kind == CG_TURN_CHAT ? t->id : NULL, CG_E_INTERNAL, "the dialog could not be loaded", NULL);
@@ -840,7 +840,7 @@ static int turn_limit(cg_turn *t)
     cg_turns *q = t->q;
     cg_store *st = q->env->store;
     t->limit_turn = ++q->env->limit_seq;
-    t->limit = st->ops->limit(st, q->user, q->limits, t->limit_turn, on_limit_verdict, t);
+    t->limit = st->ops->limits->take(st, q->user, q->limits, t->limit_turn, on_limit_verdict, t);
     if (t->limit)
         return 0;
     say_error(q, t->id, CG_E_INTERNAL, "the user's limits could not be checked", NULL);
@@ -992,8 +992,8 @@ static void cancel_dialog(cg_turns *q, const char *room, int own)
                 t->q == q ? "phrase" : "from another connection");
         turn_cancel(t, 0);
     }
-    if (remote && q->env->store->ops->cancel_remote)
-        q->env->store->ops->cancel_remote(q->env->store, q->user, room);
+    if (remote && q->env->store->ops->bus)
+        q->env->store->ops->bus->cancel_remote(q->env->store, q->user, room);
 }
 
 /*
@@ -1004,7 +1004,7 @@ static void cancel_dialog(cg_turns *q, const char *room, int own)
  */
 static void cancel_on_arrival(cg_turns *q, const char *room, const char *text)
 {
-    if (!q->env->store->ops->cancel_remote && !room_turn(q, room))
+    if (!q->env->store->ops->bus && !room_turn(q, room))
         return;
     if (cg_rules_cancels(q->env->rules, text))
         cancel_dialog(q, room, 1);

@@ -141,7 +141,7 @@ static void dirty_bound(redis_store *rs)
 }
 
 /* Marks r's dialog (its snapshot) as written to memory only; the newest goes last. */
-void cg_redis_mark_dirty(redis_store *rs, cg_store_req *r)
+void cg_redis_mark_dirty(redis_store *rs, redis_req *r)
 {
     size_t bytes = cg_dialog_weight(r->snapshot) + strlen(r->key) + 64; /* about its JSON */
     json_t *old = json_object_get(rs->dirty, r->key);
@@ -163,7 +163,7 @@ void cg_redis_mark_dirty(redis_store *rs, cg_store_req *r)
 
 static void req_closed(uv_handle_t *h)
 {
-    cg_store_req *r = h->data;
+    redis_req *r = h->data;
     redis_store *rs = r->rs;
     cg_redis_snapshot_free(r->snapshot);
     free(r->lease_value);
@@ -180,16 +180,16 @@ static void req_closed(uv_handle_t *h)
 }
 
 /* Frees r once the replies still due to it have come (they come, possibly NULL). */
-void cg_redis_req_finish(cg_store_req *r)
+void cg_redis_req_finish(redis_req *r)
 {
     r->finished = 1;
     if (r->steps == 0)
         uv_close((uv_handle_t *)&r->defer, req_closed);
 }
 
-static cg_store_req *req_alloc(redis_store *rs, op_kind kind, char *eu, char *er, void *ctx)
+static redis_req *req_alloc(redis_store *rs, op_kind kind, char *eu, char *er, void *ctx)
 {
-    cg_store_req *r = calloc(1, sizeof(*r));
+    redis_req *r = calloc(1, sizeof(*r));
     if (!r)
         abort();
     r->rs = rs;
@@ -210,10 +210,10 @@ static cg_store_req *req_alloc(redis_store *rs, op_kind kind, char *eu, char *er
     return r;
 }
 
-cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx)
+redis_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx)
 {
     user = user ? user : "";
-    cg_store_req *r = req_alloc(rs, kind, cg_store_escape(user), cg_store_escape(room ? room : ""), ctx);
+    redis_req *r = req_alloc(rs, kind, cg_store_escape(user), cg_store_escape(room ? room : ""), ctx);
     if (kind == OP_REMOVE_USER) /* its memory delete is by the user as given */
         r->user = cg_redis_xstrdup(user);
     return r;
@@ -230,7 +230,7 @@ cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, 
  */
 #define SWITCH_REWRITE_MS 30000
 
-void cg_redis_recent_note(redis_store *rs, cg_store_req *r)
+void cg_redis_recent_note(redis_store *rs, redis_req *r)
 {
     uint64_t now = now_ms(rs);
     json_object_del(rs->recent, r->key); /* re-added at the end: the set runs oldest first */
@@ -264,7 +264,7 @@ static void rewrite_recent(redis_store *rs)
             cg_dialog_free(&d);
             continue; /* no longer in memory: Redis keeps what the new primary has */
         }
-        cg_store_req r = {.rs = rs, .eu = (char *)eu, .er = (char *)er, .key = (char *)key, .snapshot = &d};
+        redis_req r = {.rs = rs, .eu = (char *)eu, .er = (char *)er, .key = (char *)key, .snapshot = &d};
         cg_redis_mark_dirty(rs, &r);
         cg_dialog_free(&d);
         n++;
@@ -276,7 +276,7 @@ static void rewrite_recent(redis_store *rs)
                 rs->host, rs->port, n, SWITCH_REWRITE_MS / 1000);
 }
 
-void cg_redis_inflight_add(redis_store *rs, cg_store_req *r)
+void cg_redis_inflight_add(redis_store *rs, redis_req *r)
 {
     r->sent_at = now_ms(rs);
     r->prev = rs->tail;
@@ -289,7 +289,7 @@ void cg_redis_inflight_add(redis_store *rs, cg_store_req *r)
 
 static void on_close_deadline(uv_timer_t *t);
 
-void cg_redis_inflight_remove(redis_store *rs, cg_store_req *r)
+void cg_redis_inflight_remove(redis_store *rs, redis_req *r)
 {
     if (r->prev)
         r->prev->next = r->next;
@@ -305,7 +305,7 @@ void cg_redis_inflight_remove(redis_store *rs, cg_store_req *r)
 }
 
 /* Drops r's dialog (or, for remove_user, every dialog of its user) from the write-back. */
-void cg_redis_forget_dirty(redis_store *rs, cg_store_req *r)
+void cg_redis_forget_dirty(redis_store *rs, redis_req *r)
 {
     if (r->kind != OP_REMOVE_USER) {
         cg_redis_dirty_del(rs, r->key);
@@ -355,7 +355,7 @@ void cg_redis_snapshot_free(cg_dialog *s)
 }
 
 /* Answers r from memory (Redis is away or failed it), then finishes it. */
-void cg_redis_answer_from_memory(cg_store_req *r)
+void cg_redis_answer_from_memory(redis_req *r)
 {
     redis_store *rs = r->rs;
     int64_t now = rs->base.now(rs->base.clock_ctx);
@@ -402,7 +402,7 @@ static void deferred_answer(uv_timer_t *t)
     cg_redis_answer_from_memory(t->data);
 }
 
-void cg_redis_answer_later_from_memory(cg_store_req *r)
+void cg_redis_answer_later_from_memory(redis_req *r)
 {
     uv_timer_start(&r->defer, deferred_answer, 0, 0);
 }
@@ -422,7 +422,7 @@ int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry)
         rs->base.stats.writeback_dropped_gone++;
         return -1;
     }
-    cg_store_req *r = req_alloc(rs, OP_SAVE, cg_redis_xstrdup(eu), cg_redis_xstrdup(er), NULL);
+    redis_req *r = req_alloc(rs, OP_SAVE, cg_redis_xstrdup(eu), cg_redis_xstrdup(er), NULL);
     r->snapshot = cg_redis_snapshot(&d);
     cg_dialog_free(&d);
     r->version = (long)json_integer_value(json_object_get(entry, "v"));
@@ -535,7 +535,7 @@ static void on_role(cg_redis_conn *ac, void *reply_, void *priv);
 
 static void send_role(redis_store *rs)
 {
-    cg_store_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
+    redis_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
     if (cg_redis_conn_cmd(rs->ac, on_role, r, "ROLE") == REDIS_OK)
         cg_redis_inflight_add(rs, r);
     else {
@@ -549,7 +549,7 @@ static void send_role(redis_store *rs)
  * -MASTERDOWN) drops it, to try again with the backoff. */
 static void on_ping(cg_redis_conn *ac, void *reply_, void *priv)
 {
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
@@ -576,7 +576,7 @@ static void on_ping(cg_redis_conn *ac, void *reply_, void *priv)
 /* With Sentinel, the probe goes on: the node must say it is the primary. */
 static void on_role(cg_redis_conn *ac, void *reply_, void *priv)
 {
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
@@ -619,7 +619,7 @@ static void on_conn_event(cg_redis_conn *ac, int up, const char *why)
     uv_timer_stop(&rs->connect_timer);
     /* Connected at the TCP level; the PING decides (on_ping), within the command timeout. */
     rs->state = R_PROBING;
-    cg_store_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
+    redis_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
     if (cg_redis_conn_cmd(rs->ac, on_ping, r, "PING") == REDIS_OK)
         cg_redis_inflight_add(rs, r);
     else

@@ -252,7 +252,7 @@ static int send_argv(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, void *
 static void on_step_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redisReply *reply = reply_;
     if (!reply || reply->type == REDIS_REPLY_ERROR) {
         if (reply)
@@ -264,7 +264,7 @@ static void on_step_reply(cg_redis_conn *ac, void *reply_, void *priv)
         cg_redis_req_finish(r);
 }
 
-static void send_step(redis_store *rs, argv_buf *a, cg_store_req *r)
+static void send_step(redis_store *rs, argv_buf *a, redis_req *r)
 {
     if (send_argv(rs, a, on_step_reply, r) == 0)
         r->steps++;
@@ -273,7 +273,7 @@ static void send_step(redis_store *rs, argv_buf *a, cg_store_req *r)
 }
 
 /* Sends r's last command; r is answered from memory if that fails. */
-static void send_last(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, cg_store_req *r)
+static void send_last(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, redis_req *r)
 {
     if (send_argv(rs, a, fn, r) < 0) {
         rs->base.stats.errors++;
@@ -321,8 +321,8 @@ static const char *script_text(script_id id);
 
 /* A save that met another copy of its dialog merges with it (merge_start), at most this often. */
 #define MERGE_TRIES 4
-struct cg_store_req;
-static void merge_start(redis_store *rs, cg_store_req *r);
+struct redis_req;
+static void merge_start(redis_store *rs, redis_req *r);
 static char script_sha[S_COUNT][41];
 
 void cg_redis_scripts_init(void)
@@ -411,9 +411,9 @@ static int send_script(redis_store *rs, script_id id, argv_buf *a, cg_redis_repl
 }
 
 /* Sends r's script; r is answered from memory if that fails. */
-static void dispatch(redis_store *rs, cg_store_req *r);
+static void dispatch(redis_store *rs, redis_req *r);
 
-static int send_last_script(redis_store *rs, script_id id, argv_buf *a, cg_redis_reply_fn *fn, cg_store_req *r)
+static int send_last_script(redis_store *rs, script_id id, argv_buf *a, cg_redis_reply_fn *fn, redis_req *r)
 {
     if (send_script(rs, id, a, fn, r) < 0) {
         rs->base.stats.errors++;
@@ -446,9 +446,9 @@ static void gate_leave(redis_store *rs, const char *key)
         return;
     }
     json_object_del(rs->saving, key);
-    cg_store_req **pp = &rs->gated;
+    redis_req **pp = &rs->gated;
     while (*pp) { /* the held loads of this dialog go now, in their order */
-        cg_store_req *r = *pp;
+        redis_req *r = *pp;
         if (strcmp(r->key, key) != 0) {
             pp = &r->wait_next;
             continue;
@@ -462,11 +462,11 @@ static void gate_leave(redis_store *rs, const char *key)
 }
 
 /* 1 when r (a load) must wait for a save of its dialog; it is held then. */
-static int gated(redis_store *rs, cg_store_req *r)
+static int gated(redis_store *rs, redis_req *r)
 {
     if (!json_object_get(rs->saving, r->key))
         return 0;
-    cg_store_req **pp = &rs->gated;
+    redis_req **pp = &rs->gated;
     while (*pp)
         pp = &(*pp)->wait_next;
     *pp = r;
@@ -721,11 +721,11 @@ static void lease_release(redis_store *rs, const char *eu, const char *er, const
  * per dialog is rare (the in-process lock already queues this gateway's own turns), and
  * short: the holder's save releases it. Polling keeps the store one connection and one
  * kind of command; a pub/sub wake-up would save at most the backoff. */
-static void leave_line(redis_store *rs, cg_store_req *r);
+static void leave_line(redis_store *rs, redis_req *r);
 
 static void on_lease_retry(uv_timer_t *t)
 {
-    cg_store_req *r = t->data;
+    redis_req *r = t->data;
     if (r->abandoned || r->rs->closing) {
         leave_line(r->rs, r);
         cg_redis_req_finish(r);
@@ -745,7 +745,7 @@ static long long wall_ms(void)
 
 /* A turn that waited in line for the lease and went away gives up its place at once (else
  * the turns behind it would wait for its place to lapse). No answer. */
-static void leave_line(redis_store *rs, cg_store_req *r)
+static void leave_line(redis_store *rs, redis_req *r)
 {
     if (!r->ticket || !r->lease_waits || rs->state != R_CONNECTED || !cg_redis_linked(rs))
         return;
@@ -757,7 +757,7 @@ static void leave_line(redis_store *rs, cg_store_req *r)
     argv_free(&a);
 }
 
-static void lease_wait(redis_store *rs, cg_store_req *r, redisReply *busy)
+static void lease_wait(redis_store *rs, redis_req *r, redisReply *busy)
 {
     long long pttl = busy->elements > 2 && busy->element[2]->type == REDIS_REPLY_INTEGER ? busy->element[2]->integer
                                                                                          : -1;
@@ -791,7 +791,7 @@ static json_t *lease_held(const char *lease, size_t len, uint64_t now)
     return held;
 }
 
-static void send_load(redis_store *rs, cg_store_req *r);
+static void send_load(redis_store *rs, redis_req *r);
 
 /* Number of params (a dialog's), as Redis keeps them (a field per service and name). */
 static size_t params_count(json_t *params)
@@ -808,7 +808,7 @@ static size_t params_count(json_t *params)
  * or 0 when that copy is no longer the one asked about, or no longer holds what it held
  * when asked (a part of it lapsed meanwhile); r then loads in full.
  */
-static int load_cached(redis_store *rs, cg_store_req *r, redisReply *reply, int64_t now, cg_dialog *d)
+static int load_cached(redis_store *rs, redis_req *r, redisReply *reply, int64_t now, cg_dialog *d)
 {
     const char *rev = cg_memstore_rev(rs->mem, r->key, now);
     if (reply->elements != 2 || !rev || strcmp(rev, r->rev) != 0)
@@ -823,7 +823,7 @@ static int load_cached(redis_store *rs, cg_store_req *r, redisReply *reply, int6
 
 /* The load's dialog in d, from the replies or from the gateway's copy; 0, or -1 when the
  * answer is not one (an error, or out of memory), 1 when r was sent again in full. */
-static int load_answer(redis_store *rs, cg_store_req *r, redisReply *reply, int64_t now, cg_dialog *d)
+static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t now, cg_dialog *d)
 {
     if (reply->elements >= 2 && reply->element[1]->type == REDIS_REPLY_STRING && r->rev) {
         if (load_cached(rs, r, reply, now, d)) {
@@ -856,7 +856,7 @@ static int load_answer(redis_store *rs, cg_store_req *r, redisReply *reply, int6
 static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
@@ -897,7 +897,7 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     cg_redis_req_finish(r);
 }
 
-static void send_load(redis_store *rs, cg_store_req *r)
+static void send_load(redis_store *rs, redis_req *r)
 {
     /* the rev of the copy this gateway holds, if Redis may answer "same" (a turn's load:
      * one without the lease is an admin's read, rare, and reads everything) */
@@ -1345,7 +1345,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
 static void on_limit_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
@@ -1367,7 +1367,7 @@ static void on_limit_reply(cg_redis_conn *ac, void *reply_, void *priv)
     cg_redis_req_finish(r);
 }
 
-static void send_limit(redis_store *rs, cg_store_req *r)
+static void send_limit(redis_store *rs, redis_req *r)
 {
     int64_t now = cg_store_now_ms(&rs->base);
     cg_limit_clock c;
@@ -1428,7 +1428,7 @@ static const char *script_text(script_id id)
 
 /* Redis kept its own copy (save_script's 0 or -1): this one is dropped, from memory too, so
  * the next load reads Redis's. */
-static void save_refused(redis_store *rs, cg_store_req *r, long long why)
+static void save_refused(redis_store *rs, redis_req *r, long long why)
 {
     if (why == -2) {
         rs->base.stats.lease_lost++;
@@ -1445,7 +1445,7 @@ static void save_refused(redis_store *rs, cg_store_req *r, long long why)
     json_object_del(rs->unknown, r->key); /* the next load reads Redis's copy */
 }
 
-static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply);
+static void save_answered(redis_store *rs, redis_req *r, redisReply *reply);
 
 static void on_rooms_del_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
@@ -1461,7 +1461,7 @@ static void on_rooms_del_reply(cg_redis_conn *ac, void *reply_, void *priv)
  * hash tag), and their copies here; the answer is then read as the code alone. A reply of
  * any other shape is left as it is (save_answered judges it).
  */
-static redisReply *save_evictions(redis_store *rs, cg_store_req *r, redisReply *reply)
+static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *reply)
 {
     if (!reply || reply->type != REDIS_REPLY_ARRAY || reply->elements < 2 ||
         reply->element[0]->type != REDIS_REPLY_INTEGER)
@@ -1507,7 +1507,7 @@ static unsigned long key_tag(const char *key)
 
 static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
 {
-    cg_store_req *r = ctx;
+    redis_req *r = ctx;
     redis_store *rs = r->rs;
     if (st->degraded) { /* Redis failed meanwhile: the save stays in memory, for the write-back */
         cg_dialog_free(d);
@@ -1520,7 +1520,13 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     const char *rev = cg_memstore_rev(rs->mem, r->key, now); /* the load's: Redis's copy */
     free(r->merge_rev);
     r->merge_rev = cg_redis_xstrdup(rev ? rev : "");
-    long added = cg_dialog_merge(d, r->snapshot, &rs->base.cfg.lifetimes);
+    long added;
+    if (!st->found) { /* Redis has no copy (restarted empty, expired): this one goes as it is */
+        cg_dialog_free(d);
+        added = cg_dialog_copy(d, r->snapshot) < 0 ? -1 : 0;
+    } else {
+        added = cg_dialog_merge(d, r->snapshot, &rs->base.cfg.lifetimes);
+    }
     cg_dialog *merged = added >= 0 ? malloc(sizeof(*merged)) : NULL;
     if (!merged) {
         cg_dialog_free(d);
@@ -1550,7 +1556,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     free(key);
 }
 
-void cg_redis_send_writeback(redis_store *rs, cg_store_req *r)
+void cg_redis_send_writeback(redis_store *rs, redis_req *r)
 {
     merge_start(rs, r);
 }
@@ -1558,11 +1564,11 @@ void cg_redis_send_writeback(redis_store *rs, cg_store_req *r)
 /* r's save met another copy in Redis: Redis's is read in full (no lease), the two merged
  * (cg_dialog_merge), and the merge written where Redis still holds the copy read (save mode
  * 3, its rev), else read and merged again, up to MERGE_TRIES times. r lives on meanwhile. */
-static void merge_start(redis_store *rs, cg_store_req *r)
+static void merge_start(redis_store *rs, redis_req *r)
 {
     gate_enter(rs, r->key); /* later loads of the dialog wait for the merge's save */
     r->merges++;
-    cg_store_req *l = cg_redis_req_new(rs, OP_LOAD, "", "", r);
+    redis_req *l = cg_redis_req_new(rs, OP_LOAD, "", "", r);
     free(l->eu);
     free(l->er);
     free(l->key);
@@ -1577,7 +1583,7 @@ static void merge_start(redis_store *rs, cg_store_req *r)
 static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
@@ -1596,7 +1602,7 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     free(key);
 }
 
-static void save_answered(redis_store *rs, cg_store_req *r, redisReply *reply)
+static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
 {
     if (cg_redis_reply_failed(rs, reply, 0, "save") || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;
@@ -1691,7 +1697,7 @@ static long long room_score(redis_store *rs)
     return (long long)rs->base.now(rs->base.clock_ctx) * 1000 + ts.tv_nsec / 1000000;
 }
 
-void cg_redis_send_save(redis_store *rs, cg_store_req *r)
+void cg_redis_send_save(redis_store *rs, redis_req *r)
 {
     const cg_lifetimes *lt = &rs->base.cfg.lifetimes;
     int64_t now = rs->base.now(rs->base.clock_ctx);
@@ -1793,7 +1799,7 @@ void cg_redis_send_save(redis_store *rs, cg_store_req *r)
 static void on_remove_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redis_store *rs = r->rs;
     cg_redis_inflight_remove(rs, r);
     if (cg_redis_reply_failed(rs, reply_, 0, "delete") || r->step_failed) {
@@ -1809,7 +1815,7 @@ static void on_remove_reply(cg_redis_conn *ac, void *reply_, void *priv)
     cg_redis_req_finish(r);
 }
 
-static void send_remove(redis_store *rs, cg_store_req *r)
+static void send_remove(redis_store *rs, redis_req *r)
 {
     argv_buf a = {0};
     arg_str(&a, "DEL");
@@ -1824,7 +1830,7 @@ static void send_remove(redis_store *rs, cg_store_req *r)
 /* ---- the ops --------------------------------------------------------------------------- */
 
 /* Starts r on Redis or answers it from memory, as the connection stands now. */
-static void dispatch(redis_store *rs, cg_store_req *r)
+static void dispatch(redis_store *rs, redis_req *r)
 {
     int connected = rs->state == R_CONNECTED && cg_redis_linked(rs) && !rs->closing;
     /* a dirty dialog is read and written in memory until its write-back */
@@ -1859,7 +1865,7 @@ static void dispatch(redis_store *rs, cg_store_req *r)
 
 /* Requests made before the first connection is decided wait for it (a gateway just started
  * has not had its PING answered yet), rather than being served from an empty memory. */
-static void start_or_wait(redis_store *rs, cg_store_req *r)
+static void start_or_wait(redis_store *rs, redis_req *r)
 {
     if (rs->state == R_CONNECTED || rs->base.stats.degraded || rs->closing) {
         dispatch(rs, r);
@@ -1874,22 +1880,22 @@ static void start_or_wait(redis_store *rs, cg_store_req *r)
 
 void cg_redis_drain_waiting(redis_store *rs)
 {
-    cg_store_req *r = rs->waiting;
+    redis_req *r = rs->waiting;
     rs->waiting = rs->waiting_tail = NULL;
     while (r) {
-        cg_store_req *next = r->wait_next;
+        redis_req *next = r->wait_next;
         r->wait_next = NULL;
         dispatch(rs, r);
         r = next;
     }
 }
 
-static cg_store_req *load(cg_store *st, const char *user, const char *room, int lease, cg_store_load_fn cb,
+static redis_req *load(cg_store *st, const char *user, const char *room, int lease, cg_store_load_fn cb,
                           void *ctx)
 {
     redis_store *rs = (redis_store *)st;
     st->stats.loads++;
-    cg_store_req *r = cg_redis_req_new(rs, OP_LOAD, user, room, ctx);
+    redis_req *r = cg_redis_req_new(rs, OP_LOAD, user, room, ctx);
     r->load_cb = cb;
     r->lease = lease;
     start_or_wait(rs, r);
@@ -1898,14 +1904,14 @@ static cg_store_req *load(cg_store *st, const char *user, const char *room, int 
 
 static cg_store_req *rs_load(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
 {
-    return load(st, user, room, 0, cb, ctx);
+    return (cg_store_req *)load(st, user, room, 0, cb, ctx);
 }
 
 /* A turn's load: the dialog's lease comes with it (waiting while another gateway holds it),
  * kept until the turn's save or rs_release. */
 static cg_store_req *rs_lease(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
 {
-    return load(st, user, room, 1, cb, ctx);
+    return (cg_store_req *)load(st, user, room, 1, cb, ctx);
 }
 
 static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, const cg_dialog *d,
@@ -1913,7 +1919,7 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
 {
     redis_store *rs = (redis_store *)st;
     st->stats.saves++;
-    cg_store_req *r = cg_redis_req_new(rs, OP_SAVE, user, room, ctx);
+    redis_req *r = cg_redis_req_new(rs, OP_SAVE, user, room, ctx);
     r->done_cb = cb;
     r->snapshot = cg_redis_snapshot(d);
     if (!r->snapshot) /* out of memory: nothing written, nothing overwritten */
@@ -1924,18 +1930,18 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
         json_object_del(rs->leases, r->key);
     }
     start_or_wait(rs, r);
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room, cg_store_done_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
     st->stats.deletes++;
-    cg_store_req *r = cg_redis_req_new(rs, OP_REMOVE, user, room, ctx);
+    redis_req *r = cg_redis_req_new(rs, OP_REMOVE, user, room, ctx);
     r->done_cb = cb;
     cg_redis_dirty_del(rs, r->key);
     start_or_wait(rs, r);
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static void arg_limit_key(argv_buf *a, redis_store *rs, const char *eu, const char *what, long long n);
@@ -1960,7 +1966,7 @@ static void arg_limit_keys(argv_buf *a, redis_store *rs, const char *eu)
 static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
@@ -1991,7 +1997,7 @@ static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
 static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    cg_store_req *r = priv;
+    redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     cg_redis_inflight_remove(rs, r);
@@ -2019,35 +2025,35 @@ static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv)
 static cg_store_req *rs_rooms(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
-    cg_store_req *r = cg_redis_req_new(rs, OP_ROOMS, user, "", ctx);
+    redis_req *r = cg_redis_req_new(rs, OP_ROOMS, user, "", ctx);
     r->rooms_cb = cb;
     start_or_wait(rs, r);
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
     st->stats.deletes++;
-    cg_store_req *r = cg_redis_req_new(rs, OP_REMOVE_USER, user, "", ctx);
+    redis_req *r = cg_redis_req_new(rs, OP_REMOVE_USER, user, "", ctx);
     r->done_cb = cb;
     cg_memstore_del_user(rs->mem, user);
     cg_limiter_forget(rs->limits, r->eu); /* the counts kept here while Redis was away */
     cg_redis_forget_dirty(rs, r);
     start_or_wait(rs, r);
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static cg_store_req *rs_limit(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn,
                               cg_store_limit_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
-    cg_store_req *r = cg_redis_req_new(rs, OP_LIMIT, user, "", ctx);
+    redis_req *r = cg_redis_req_new(rs, OP_LIMIT, user, "", ctx);
     r->limit_cb = cb;
     r->limits = *lim;
     r->turn = turn;
     start_or_wait(rs, r);
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static void on_limit_end_reply(cg_redis_conn *ac, void *reply_, void *priv)
@@ -2096,23 +2102,25 @@ static void rs_limit_end(cg_store *st, const char *user, const cg_limits *lim, u
     free(eu);
 }
 
-static void rs_abandon(cg_store_req *r)
-{
-    r->abandoned = 1;
-}
-
-const cg_store_ops cg_redis_ops = {
-    .name = "redis",
+static const cg_store_dialog_ops redis_dialogs = {
     .load = rs_load,
-    .lease = rs_lease,
-    .release = rs_release,
-    .cancel_remote = rs_cancel_remote,
     .save = rs_save,
     .remove = rs_remove,
     .remove_user = rs_remove_user,
     .rooms = rs_rooms,
-    .limit = rs_limit,
-    .limit_end = rs_limit_end,
-    .abandon = rs_abandon,
+};
+
+static const cg_store_lease_ops redis_lease = {.acquire = rs_lease, .release = rs_release};
+
+static const cg_store_limit_ops redis_limits = {.take = rs_limit, .end = rs_limit_end};
+
+static const cg_store_bus_ops redis_bus_ops = {.cancel_remote = rs_cancel_remote};
+
+const cg_store_ops cg_redis_ops = {
+    .name = "redis",
+    .dialogs = &redis_dialogs,
+    .lease = &redis_lease,
+    .limits = &redis_limits,
+    .bus = &redis_bus_ops,
     .close = cg_redis_close,
 };

@@ -403,11 +403,13 @@ long cg_memstore_count(cg_memstore *m)
  * answers from a timer. A timer per request (made, run and closed for every load and save)
  * answered in the next iteration, after the gateway had read every socket ready in it.
  */
+typedef struct memory_req memory_req; /* a request of this store (cg_store_req's fields first) */
+
 typedef struct memory_store {
     cg_store base;
     cg_memstore *mem;
     cg_limiter *limits; /* limits per user: the counts of this process, which is all of them */
-    cg_store_req *queue, **queue_tail; /* to be answered, oldest first */
+    memory_req *queue, **queue_tail; /* to be answered, oldest first */
     cg_flush_item answer;              /* registered while the queue holds any (answer_all) */
     uv_timer_t timer;                  /* the same for a store without a flusher */
     int timer_made;
@@ -422,8 +424,9 @@ static void memory_store_free(memory_store *ms)
 
 typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_ROOMS, OP_LIMIT } op_kind;
 
-struct cg_store_req {
-    cg_store_req *next; /* in the store's queue */
+struct memory_req {
+    CG_STORE_REQ_FIELDS
+    memory_req *next; /* in the store's queue */
     memory_store *ms;
     op_kind kind;
     char *key; /* rooms: "<escaped user>:", the prefix of the user's keys */
@@ -433,18 +436,16 @@ struct cg_store_req {
     cg_store_limit_fn limit_cb;
     cg_limit_verdict verdict; /* limit: decided at the call, told from the loop */
     cg_limits limits;         /* limit: what it was held to */
-    void *ctx;
-    int abandoned;
 };
 
-static void req_free(cg_store_req *r)
+static void req_free(memory_req *r)
 {
     free(r->key);
     free(r);
 }
 
 /* Answers r (unless it was abandoned) and frees it. */
-static void req_run(cg_store_req *r)
+static void req_run(memory_req *r)
 {
     static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && r->kind == OP_LOAD) {
@@ -470,11 +471,11 @@ static void req_run(cg_store_req *r)
 /* The queue as it is now, in order; what its answers ask for waits for the next round. */
 static void answer_all(memory_store *ms)
 {
-    cg_store_req *r = ms->queue;
+    memory_req *r = ms->queue;
     ms->queue = NULL;
     ms->queue_tail = &ms->queue;
     while (r) {
-        cg_store_req *next = r->next;
+        memory_req *next = r->next;
         req_run(r);
         r = next;
     }
@@ -503,9 +504,9 @@ static void schedule(memory_store *ms)
     uv_timer_start(&ms->timer, on_timer, 0, 0);
 }
 
-static cg_store_req *req_new(memory_store *ms, op_kind kind, const char *user, const char *room, void *ctx)
+static memory_req *req_new(memory_store *ms, op_kind kind, const char *user, const char *room, void *ctx)
 {
-    cg_store_req *r = calloc(1, sizeof(*r));
+    memory_req *r = calloc(1, sizeof(*r));
     if (!r)
         return NULL;
     r->ms = ms;
@@ -522,10 +523,10 @@ static cg_store_req *req_new(memory_store *ms, op_kind kind, const char *user, c
 static cg_store_req *mem_load(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
 {
     st->stats.loads++;
-    cg_store_req *r = req_new((memory_store *)st, OP_LOAD, user, room, ctx);
+    memory_req *r = req_new((memory_store *)st, OP_LOAD, user, room, ctx);
     if (r)
         r->load_cb = cb;
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static cg_store_req *mem_save(cg_store *st, const char *user, const char *room, const cg_dialog *d,
@@ -533,47 +534,47 @@ static cg_store_req *mem_save(cg_store *st, const char *user, const char *room, 
 {
     memory_store *ms = (memory_store *)st;
     st->stats.saves++;
-    cg_store_req *r = req_new(ms, OP_SAVE, user, room, ctx);
+    memory_req *r = req_new(ms, OP_SAVE, user, room, ctx);
     if (!r)
         return NULL;
     r->done_cb = cb;
     /* written now, so a load queued after this save sees it; d's parts are kept, not copied
      * (a saved dialog is not changed again: store.h) */
     cg_memstore_keep(ms->mem, r->key, d, st->now(st->clock_ctx), NULL, 0);
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static cg_store_req *mem_remove(cg_store *st, const char *user, const char *room, cg_store_done_fn cb, void *ctx)
 {
     memory_store *ms = (memory_store *)st;
     st->stats.deletes++;
-    cg_store_req *r = req_new(ms, OP_REMOVE, user, room, ctx);
+    memory_req *r = req_new(ms, OP_REMOVE, user, room, ctx);
     if (!r)
         return NULL;
     r->done_cb = cb;
     cg_memstore_del(ms->mem, r->key);
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static cg_store_req *mem_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
 {
     memory_store *ms = (memory_store *)st;
     st->stats.deletes++;
-    cg_store_req *r = req_new(ms, OP_REMOVE_USER, user, "", ctx);
+    memory_req *r = req_new(ms, OP_REMOVE_USER, user, "", ctx);
     if (!r)
         return NULL;
     r->done_cb = cb;
     cg_memstore_del_user(ms->mem, user);
     cg_limiter_forget(ms->limits, r->key); /* the key its limits are counted under (mem_limit) */
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static cg_store_req *mem_rooms(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx)
 {
-    cg_store_req *r = req_new((memory_store *)st, OP_ROOMS, user, "", ctx);
+    memory_req *r = req_new((memory_store *)st, OP_ROOMS, user, "", ctx);
     if (r)
         r->rooms_cb = cb;
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 /* Counted now, in call order, as the Redis script counts in the order it runs. */
@@ -582,13 +583,13 @@ static cg_store_req *mem_limit(cg_store *st, const char *user, const cg_limits *
 {
     (void)turn;
     memory_store *ms = (memory_store *)st;
-    cg_store_req *r = req_new(ms, OP_LIMIT, user, "", ctx);
+    memory_req *r = req_new(ms, OP_LIMIT, user, "", ctx);
     if (!r)
         return NULL;
     r->limit_cb = cb;
     r->limits = *lim;
     cg_limiter_take(ms->limits, r->key, lim, cg_store_now_ms(st), &r->verdict);
-    return r;
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static void mem_limit_end(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, int local,
@@ -599,11 +600,6 @@ static void mem_limit_end(cg_store *st, const char *user, const cg_limits *lim, 
     char *key = cg_store_dialog_key(user, "");
     cg_limiter_end(((memory_store *)st)->limits, key, lim, tokens, cg_store_now_ms(st));
     free(key);
-}
-
-static void mem_abandon(cg_store_req *r)
-{
-    r->abandoned = 1;
 }
 
 static void timer_closed(uv_handle_t *h)
@@ -617,7 +613,7 @@ static void mem_close(cg_store *st)
 {
     memory_store *ms = (memory_store *)st;
     cg_flush_cancel(&ms->answer);
-    for (cg_store_req *r = ms->queue, *next; r; r = next) {
+    for (memory_req *r = ms->queue, *next; r; r = next) {
         next = r->next;
         req_free(r);
     }
@@ -628,17 +624,25 @@ static void mem_close(cg_store *st)
         memory_store_free(ms);
 }
 
-static const cg_store_ops memory_ops = {
-    .name = "memory",
+static const cg_store_dialog_ops memory_dialogs = {
     .load = mem_load,
-    .lease = mem_load, /* one process: the in-process dialog lock is the whole story */
     .save = mem_save,
     .remove = mem_remove,
     .remove_user = mem_remove_user,
     .rooms = mem_rooms,
-    .limit = mem_limit,
-    .limit_end = mem_limit_end,
-    .abandon = mem_abandon,
+};
+
+/* one process: the in-process dialog lock is the whole lease */
+static const cg_store_lease_ops memory_lease = {.acquire = mem_load};
+
+static const cg_store_limit_ops memory_limits = {.take = mem_limit, .end = mem_limit_end};
+
+static const cg_store_ops memory_ops = {
+    .name = "memory",
+    .dialogs = &memory_dialogs,
+    .lease = &memory_lease,
+    .limits = &memory_limits,
+    .bus = NULL, /* no other gateway */
     .close = mem_close,
 };
 

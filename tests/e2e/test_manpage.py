@@ -301,6 +301,10 @@ def full_configs(keys):
         "allow_origin": ["https://chat.example", "https://app.example"],
         "redis.prefix": "cg-manpage",
         "redis.bus": "redis://127.0.0.1:6379",
+        "redis.tls_ca_file": "/etc/ssl/certs/ca-certificates.crt",  # read only by a rediss store
+        "redis.tls_cert_file": "/etc/chatgate/redis-client.pem",
+        "redis.tls_key_file": "/etc/chatgate/redis-client.key",
+        "redis.tls_server_name": "redis.example",
         "upstreams.NAME.model": "test-model",
         "upstreams.NAME.api_key_env": "CG_MANPAGE_API_KEY",
         "upstreams.NAME.fallback": "d",

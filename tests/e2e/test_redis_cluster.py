@@ -745,6 +745,63 @@ async def part_cancel_fallback(w):
             await b.close()
 
 
+def move_slot(cluster, slot, dst):
+    """Move `slot` (and its keys) to master `dst` by hand: IMPORTING, MIGRATING, MIGRATE of its
+    keys, then SETSLOT NODE on every master. The master it came from."""
+    src = cluster.master_of_slot(slot)
+    check(src.port != dst.port, f"slot {slot} is on {dst.port} already")
+    check(dst.command("CLUSTER", "SETSLOT", slot, "IMPORTING", src.node_id) == "OK", "SETSLOT IMPORTING")
+    check(src.command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst.node_id) == "OK", "SETSLOT MIGRATING")
+    while True:
+        keys = src.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+        if not keys:
+            break
+        check(src.command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys) == "OK", "MIGRATE")
+    for n in [dst, src] + [m for m in cluster.masters() if m.port not in (src.port, dst.port)]:
+        check(n.command("CLUSTER", "SETSLOT", slot, "NODE", dst.node_id) == "OK", f"SETSLOT NODE on {n.port}")
+    return src
+
+
+async def part_bus_slot_moved(w):
+    cluster = w.cluster
+    with step("gateway A's bus channel's slot moved by hand, no traffic meanwhile: A subscribes again at the "
+              "slot's new master, and a cancel phrase on B still stops A's reply within 1 s"):
+        channel = next((ch for ch in await asyncio.to_thread(bus_channels, cluster)
+                        if ch.split(":")[-2] == str(w.ga.pid)), None)
+        check(channel, f"no bus channel of {w.ga.name} (pid {w.ga.pid}): {bus_channels(cluster)}")
+        slot = await asyncio.to_thread(cluster.key_slot, channel)
+        owner = await asyncio.to_thread(cluster.master_of_slot, slot)
+        dst = next(m for m in cluster.masters() if m.port != owner.port)
+        marks = log_marks([w.ga])
+        await asyncio.to_thread(move_slot, cluster, slot, dst)
+        moved_at = time.monotonic()
+        deadline = moved_at + 5
+        while True:
+            where = (await asyncio.to_thread(bus_channels, cluster)).get(channel)
+            if where == [dst.port] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        print(f"   {channel} (slot {slot}) moved {owner.port} -> {dst.port}: subscribed at {where} "
+              f"{time.monotonic() - moved_at:.2f} s later; A logged: "
+              f"{[line.split(' ', 3)[-1][:120] for line in log_problems([w.ga], marks)[w.ga.name]]}", flush=True)
+        check(where == [dst.port], f"{w.ga.name}'s channel {channel} should be subscribed at {dst.port} "
+                                   f"within 5 s of its slot's move; subscribed at: {where}")
+        before = await counters(w.gws)
+        a, b, long = await cross_cancel(w, w.ga, w.gb, "mv|user", 1.0)
+        sent = time.monotonic()
+        phrase = asyncio.create_task(b.ask("stop", "mv|user-1", "c"))
+        first = await long
+        stopped = time.monotonic() - sent
+        await phrase
+        d = delta(await counters(w.gws), before)
+        print(f"   A's reply {first.kind} {stopped * 1000:.1f} ms after the phrase on B", flush=True)
+        check(first.kind == "cancelled" and stopped < 1.0,
+              f"A's reply: {harness.brief(first.terminals)} after {stopped * 1000:.0f} ms")
+        check(d[w.ga.name].get("chatgate_store_remote_cancels_total") == 1, f"A's remote cancels: {d[w.ga.name]}")
+        await a.close()
+        await b.close()
+
+
 async def part_parked_at_close(w):
     cluster = w.cluster
     with step("commands parked on TRYAGAIN when the router closes (a node connection lost): the gateway "
@@ -852,7 +909,7 @@ async def main(args):
                 tabs = [await Tab.open(ga if i % 2 == 0 else gb, f"u{i}") for i in range(N_USERS)]
                 w = World(cluster, upstream, ga, gb, tabs, cfg, gw_args)
                 for part in (part_routing, part_failover, part_reshard, part_cancel, part_one_turn,
-                             part_cancel_fallback, part_parked_at_close):
+                             part_cancel_fallback, part_bus_slot_moved, part_parked_at_close):
                     await independent(part(w))
                 for tab in tabs:
                     check(tab.closed is None, f"{tab.user}'s connection closed: {tab.closed}")

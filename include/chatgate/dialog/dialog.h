@@ -136,8 +136,8 @@ void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content,
  * into's in its order and other's turns it lacks each put whole before into's first turn that
  * began after it, cut to lt->history_n; a param set on both sides
  * takes the value of the copy active last, a param on one side is kept; awaiting, soft
- * context, service and the last tool result come from the copy active last when it has them
- * (a copy begun from nothing has none: that is no decision to drop the other's); counts and usage
+ * context, service and the last tool result come from the copy active last, or from the one
+ * that has them (a copy begun from nothing has none: no decision to drop the other's); counts and usage
  * take the larger of the two; created_at the earlier, last_activity the later. Returns how
  * many of other's messages were missing from into (0 when into held them all), or -1 out of
  * memory (into unchanged).

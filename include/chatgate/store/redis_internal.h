@@ -39,9 +39,12 @@ typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED, R_AS
 typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING, OP_ROOMS, OP_LIMIT } op_kind;
 
 typedef struct redis_store redis_store;
+typedef struct redis_req redis_req;
 typedef struct cg_redis_bus cg_redis_bus;
 
-struct cg_store_req {
+/* A request of the Redis store: cg_store_req's fields first (store.h), then its own. */
+struct redis_req {
+    CG_STORE_REQ_FIELDS
     redis_store *rs;
     op_kind kind;
     char *user;      /* remove_user only: the user as given, for its memory delete */
@@ -56,8 +59,6 @@ struct cg_store_req {
     cg_store_limit_fn limit_cb;
     cg_limits limits; /* limit: what the message is held to */
     uint64_t turn;    /* limit: the turn's number, its slot among the user's turns at once */
-    void *ctx;
-    int abandoned;
     int steps;        /* replies due to on_step_reply: r lives until they came */
     int step_failed;  /* one of them was an error or never came */
     int finished;     /* cg_redis_req_finish was called while steps were due */
@@ -77,9 +78,9 @@ struct cg_store_req {
     char *ticket;      /* a turn's load: its place in the line for the lease, "<holder>#<n>" */
     int64_t renewed;   /* save: when the lifetimes of the keys it writes were last set, this
                         * save's time when it sets them (docs/state.md, "Lifetimes in Redis") */
-    cg_store_req *wait_next; /* waiting for the first connection's verdict */
+    redis_req *wait_next; /* waiting for the first connection's verdict */
     uint64_t sent_at;
-    cg_store_req *prev, *next; /* in flight, oldest first */
+    redis_req *prev, *next; /* in flight, oldest first */
     uv_timer_t defer;          /* answers from memory come through this */
 };
 
@@ -106,10 +107,10 @@ struct redis_store {
     json_t *warned; /* keys told "store_degraded" in this outage */
     json_t *unknown; /* keys loaded from memory, not found, while Redis was away: Redis's copy
                       * is unknown, so a save of them only creates (oldest first, bounded) */
-    cg_store_req *waiting, *waiting_tail; /* before the first connection is decided */
+    redis_req *waiting, *waiting_tail; /* before the first connection is decided */
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
-    cg_store_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
+    redis_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
     cg_redis_tls *tls; /* rediss: the TLS context of every connection, else NULL */
     /* redis-cluster:// only: the seeds (as in the URL, resolved by the router) and the router
      * (redis_cluster.c), which stands for ac: up once it has the map and every master */
@@ -123,7 +124,7 @@ struct redis_store {
     long dirty_seq;
     unsigned long long rev_seq; /* the last rev this store wrote: revs are "<holder>#<seq>" */
     unsigned long long ticket_seq; /* the last ticket a turn of this store took */
-    cg_store_req *head, *tail;
+    redis_req *head, *tail;
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
     /* redis-sentinel:// only (master is NULL for redis://): host and port above are the
@@ -199,8 +200,8 @@ void cg_redis_send_auth(cg_redis_conn *ac, const char *user, const char *passwor
 
 /* Requests: a new one for (user, room), escaped; freed by cg_redis_req_finish once the
  * replies still due to it have come. */
-cg_store_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
-void cg_redis_req_finish(cg_store_req *r);
+redis_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
+void cg_redis_req_finish(redis_req *r);
 /* Keeps snapshot (a saved dialog) in memory under key, its parts shared; rev when it is
  * Redis's copy of that version (a save's), else NULL, and renewed, when a save last set its
  * keys' lifetimes (0: not known; cg_memstore_put_rev). */
@@ -210,17 +211,17 @@ void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snap
 cg_dialog *cg_redis_snapshot(const cg_dialog *d);
 void cg_redis_snapshot_free(cg_dialog *s);
 /* Sentinel only: notes that r (a save) was sent, for the rewrite after a failover. */
-void cg_redis_recent_note(redis_store *rs, cg_store_req *r);
+void cg_redis_recent_note(redis_store *rs, redis_req *r);
 /* The in-flight list, oldest first: the command timeout watches its head. */
-void cg_redis_inflight_add(redis_store *rs, cg_store_req *r);
-void cg_redis_inflight_remove(redis_store *rs, cg_store_req *r);
+void cg_redis_inflight_add(redis_store *rs, redis_req *r);
+void cg_redis_inflight_remove(redis_store *rs, redis_req *r);
 /* Answers r from memory (Redis is away or failed it), now or from the loop; finishes it. */
-void cg_redis_answer_from_memory(cg_store_req *r);
-void cg_redis_answer_later_from_memory(cg_store_req *r);
+void cg_redis_answer_from_memory(redis_req *r);
+void cg_redis_answer_later_from_memory(redis_req *r);
 /* The dirty set: dialogs written to memory only, waiting for the write-back. */
-void cg_redis_mark_dirty(redis_store *rs, cg_store_req *r);
+void cg_redis_mark_dirty(redis_store *rs, redis_req *r);
 void cg_redis_dirty_del(redis_store *rs, const char *key);
-void cg_redis_forget_dirty(redis_store *rs, cg_store_req *r);
+void cg_redis_forget_dirty(redis_store *rs, redis_req *r);
 /* Writes back one dirty dialog; -1 when memory no longer holds it (dropped then). */
 int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry);
 /* The ops table's close. */
@@ -231,11 +232,11 @@ void cg_redis_close(cg_store *st);
 extern const cg_store_ops cg_redis_ops;
 /* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
  * the rooms set. */
-void cg_redis_send_save(redis_store *rs, cg_store_req *r);
+void cg_redis_send_save(redis_store *rs, redis_req *r);
 /* Sends r's write-back (a dirty dialog, its snapshot): Redis's copy is read and merged with it
  * first (another gateway may have written the dialog meanwhile), then written over that copy
  * only. */
-void cg_redis_send_writeback(redis_store *rs, cg_store_req *r);
+void cg_redis_send_writeback(redis_store *rs, redis_req *r);
 /* Starts the requests that waited for the first connection's verdict. */
 void cg_redis_drain_waiting(redis_store *rs);
 /* A reply that failed: NULL (connection gone) or an error; logs the error's text. */

@@ -26,6 +26,20 @@
 typedef struct cg_store cg_store;
 typedef struct cg_store_req cg_store_req;
 
+/*
+ * What every request of every store begins with (as libuv's UV_REQ_FIELDS): the caller's
+ * context for its callback, and whether the caller still wants it. Each store's own request
+ * type (memory_req, redis_req) starts with these fields, so a cg_store_req * is a pointer
+ * to any of them; cg_store_abandon works on all.
+ */
+#define CG_STORE_REQ_FIELDS                                                                   \
+    void *ctx;     /* the caller's, handed to its callback */                                 \
+    int abandoned; /* the caller is gone: its callback will not be called */
+
+struct cg_store_req {
+    CG_STORE_REQ_FIELDS
+};
+
 typedef struct cg_store_status {
     int degraded; /* answered from memory: Redis is away */
     int warn;     /* the first such answer for this dialog: tell the client */
@@ -78,21 +92,19 @@ typedef struct cg_store_stats {
     int degraded;                    /* Redis is away now */
 } cg_store_stats;
 
-typedef struct cg_store_ops {
-    const char *name;
+/*
+ * A store is four narrow interfaces, one a job, each with a memory and a Redis
+ * implementation, and what every request shares (abandon) and the store's end (close).
+ * Callers call through the table of the job they need: the dialogs (an admin's read or
+ * delete), the lease (a turn), the limiter (a chat message with limits), the bus (a cancel
+ * for another gateway).
+ */
+
+/* Dialogs: where a dialog's state lives between messages. */
+typedef struct cg_store_dialog_ops {
     /* Loads (user, room), a fresh dialog when there is none. NULL on failure to start. */
     cg_store_req *(*load)(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx);
-    /* A turn's load: as load, and the dialog is this turn's until its save (which writes only
-     * while that still holds) or release(). Redis: a lease across every gateway sharing the
-     * store, waited for in order when another holds it; memory: the load itself. */
-    cg_store_req *(*lease)(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx);
-    /* Asks whoever holds the dialog's lease (another gateway) to stop its reply in flight:
-     * a cancel phrase or context.clear that arrived here; NULL when the store has no
-     * gateways to tell. */
-    void (*cancel_remote)(cg_store *st, const char *user, const char *room);
-    /* A turn that saves nothing lets go of its lease; NULL when the store has none. */
-    void (*release)(cg_store *st, const char *user, const char *room);
-    /* Saves d; cb may be NULL. A save after lease() ends the lease. The store may keep
+    /* Saves d; cb may be NULL. A save after a lease's load ends the lease. The store may keep
      * references to d's parts instead of copies: d is not changed after its save (the
      * caller reads it, and frees it). */
     cg_store_req *(*save)(cg_store *st, const char *user, const char *room, const cg_dialog *d,
@@ -104,17 +116,43 @@ typedef struct cg_store_ops {
     cg_store_req *(*remove_user)(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx);
     /* The rooms user has a dialog in, through the user's room set (as remove_user). */
     cg_store_req *(*rooms)(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx);
-    /* Limits per user (limits.h): takes one chat message of user's against lim (copied),
-     * counted across every gateway sharing the store; the verdict comes to cb. turn is a
-     * number this process gives the turn, handed back to limit_end. */
-    cg_store_req *(*limit)(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, cg_store_limit_fn cb,
-                           void *ctx);
-    /* The turn limit() let through ended having spent tokens (counted against the token
+} cg_store_dialog_ops;
+
+/* The dialog lease: one turn of a dialog at a time, across every gateway sharing the store. */
+typedef struct cg_store_lease_ops {
+    /* A turn's load: as load, and the dialog is this turn's until its save (which writes only
+     * while that still holds) or release(). Redis: a lease across every gateway, waited for in
+     * line when another holds it; memory: the load itself (the in-process lock is enough). */
+    cg_store_req *(*acquire)(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx);
+    /* A turn that saves nothing lets go of its lease; NULL when the store has none. */
+    void (*release)(cg_store *st, const char *user, const char *room);
+} cg_store_lease_ops;
+
+/* Limits per user (limits.h), counted across every gateway sharing the store. */
+typedef struct cg_store_limit_ops {
+    /* Takes one chat message of user's against lim (copied); the verdict comes to cb. turn is
+     * a number this process gives the turn, handed back to end. */
+    cg_store_req *(*take)(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, cg_store_limit_fn cb,
+                          void *ctx);
+    /* The turn take() let through ended having spent tokens (counted against the token
      * limits); local: its verdict's. No answer. */
-    void (*limit_end)(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, int local,
-                      long long tokens);
-    /* The caller is gone: its callback will not be called. */
-    void (*abandon)(cg_store_req *req);
+    void (*end)(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, int local, long long tokens);
+} cg_store_limit_ops;
+
+/* The cancel bus between gateways; a store with no other gateways has none (NULL table). A
+ * cancel that arrives for this gateway comes to cg_store's on_cancel. */
+typedef struct cg_store_bus_ops {
+    /* Asks whoever holds the dialog's lease (another gateway) to stop its reply in flight: a
+     * cancel phrase or context.clear that arrived here. */
+    void (*cancel_remote)(cg_store *st, const char *user, const char *room);
+} cg_store_bus_ops;
+
+typedef struct cg_store_ops {
+    const char *name;
+    const cg_store_dialog_ops *dialogs;
+    const cg_store_lease_ops *lease;
+    const cg_store_limit_ops *limits;
+    const cg_store_bus_ops *bus; /* NULL: no other gateways to tell */
     /* Stops timers and connections; frees the store once its handles have closed. */
     void (*close)(cg_store *st);
 } cg_store_ops;
@@ -158,6 +196,14 @@ struct cg_store {
     void (*on_cancel)(void *cancel_ctx, const char *key);
     void *cancel_ctx;
 };
+
+/* The caller of req (any request of any store, NULL too) is gone: its callback will not be
+ * called; the store frees the request when its work is done. */
+static inline void cg_store_abandon(cg_store_req *req)
+{
+    if (req)
+        req->abandoned = 1;
+}
 
 /* Creates the store cfg->url names; NULL with err on a bad URL. */
 cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, size_t errlen);

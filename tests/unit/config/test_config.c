@@ -116,7 +116,7 @@ static void test_flag_mistakes(void)
     unsetenv("CHATGATE_JWT_SECRET");
     CHECK_FAILS("--auth: jwt needs the secret in the environment variable CHATGATE_JWT_SECRET", "--auth", "jwt");
     CHECK_FAILS("--allow-origin: 'a,b' must be one origin", "--allow-origin", "a,b");
-    CHECK_FAILS("--store: 'mongo' must be memory or redis://", "--store", "mongo");
+    CHECK_FAILS("--store: must be memory, redis[s]://", "--store", "mongo");
     CHECK_FAILS("--web: '/nonexistent/web' is not a directory", "--web", "/nonexistent/web");
     CHECK_FAILS("--listen: needs a value", "--listen");
     CHECK_FAILS("'stray': unexpected argument", "stray");
