@@ -37,6 +37,7 @@ struct cg_redis_bus {
     int port;
     char *channel;               /* this gateway's: "<prefix>:bus:<holder>" */
     int sharded;                 /* a cluster's: SSUBSCRIBE at the channel's master, SPUBLISH via the router */
+    cg_redis_bus_cancel_fn *on_cancel; /* a cancel for this gateway: the store decides what it stops */
     cg_redis_conn *sub, *pub;
     cg_resolve *resolve;
     uv_timer_t retry;
@@ -101,7 +102,7 @@ static void on_message(cg_redis_conn *ac, void *reply_, void *priv)
     }
     if ((strcmp(kind, "message") != 0 && strcmp(kind, "smessage") != 0) || r->element[2]->type != REDIS_REPLY_STRING)
         return;
-    cg_redis_cancel_turn(b->rs, r->element[2]->str); /* "<dialog key> <lease>" */
+    b->on_cancel(b->rs, r->element[2]->str); /* "<dialog key> <lease>" */
 }
 
 static cg_redis_conn *bus_open(cg_redis_bus *b, const char *address)
@@ -186,12 +187,13 @@ static void bus_connect(cg_redis_bus *b)
 
 /* The URL was checked at open (cg_redis_parse_url, the store's own parser): the database does
  * not matter to pub/sub. */
-cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url)
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_cancel_fn *on_cancel)
 {
     cg_redis_bus *b = calloc(1, sizeof(*b));
     if (!b)
         abort();
     b->rs = rs;
+    b->on_cancel = on_cancel;
     b->host = url->host;
     b->user = url->user;
     b->password = url->password;
@@ -205,12 +207,13 @@ cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url)
     return b;
 }
 
-cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs)
+cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn *on_cancel)
 {
     cg_redis_bus *b = calloc(1, sizeof(*b));
     if (!b)
         abort();
     b->rs = rs;
+    b->on_cancel = on_cancel;
     b->sharded = 1;
     b->host = cg_redis_xstrdup(rs->host);
     b->port = rs->port;

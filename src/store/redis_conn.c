@@ -74,8 +74,16 @@ static uint64_t now_ms(redis_store *rs)
 
 static void enter_degraded(redis_store *rs, const char *why)
 {
-    if (rs->base.stats.degraded)
+    if (rs->base.stats.degraded) {
+        /* each new reason once: the first (a timeout at a slow start, say) may not be the one
+         * that keeps Redis away (a refused certificate, a wrong password) */
+        if (strncmp(rs->away_why, why, sizeof(rs->away_why) - 1) != 0) {
+            snprintf(rs->away_why, sizeof(rs->away_why), "%s", why);
+            cg_warn("redis %s:%d: still away: %s", rs->host, rs->port, why);
+        }
         return;
+    }
+    snprintf(rs->away_why, sizeof(rs->away_why), "%s", why);
     rs->base.stats.degraded = 1;
     rs->base.stats.degraded_since_ms = now_ms(rs);
     cg_warn("redis %s:%d: %s; serving dialogs from memory until it is back", rs->host, rs->port, why);
@@ -1502,11 +1510,13 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     if (rs->master)
         sub_start(rs);
     if (bus_url)
-        rs->bus = cg_redis_bus_open(rs, &bus);
+        rs->bus = cg_redis_bus_open(rs, &bus, cg_redis_cancel_turn);
     else if (rs->n_seeds)
-        rs->bus = cg_redis_bus_open_sharded(rs);
+        rs->bus = cg_redis_bus_open_sharded(rs, cg_redis_cancel_turn);
     else
         cg_info("redis: no redis.bus for a Sentinel store: cancels between gateways come with the lease renewal");
-    redis_connect(rs);
+    /* the first connect from the loop: its timeout counts from there, not from a start that
+     * still has rules to compile (seconds under a sanitizer) */
+    uv_timer_start(&rs->connect_timer, on_reconnect_timer, 0, 0);
     return &rs->base;
 }

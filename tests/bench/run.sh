@@ -13,6 +13,10 @@
 #   CG_BENCH_STORE=redis  run against a redis-server started here on a free
 #                   port (default: the in-memory store); prints Redis
 #                   commands and round trips per message (INFO commandstats)
+#   CG_BENCH_STORE=cluster:N  run against a Redis Cluster of N masters (no
+#                   replicas) made here with redis-cli --cluster create, through
+#                   redis-cluster:// (the gateway's own cluster client); prints
+#                   the Redis CPU of the masters over the run
 #
 # Exit status: 0 on a complete run; cg_bench's status if it failed (1: no
 # connection, no completed message, or every connection lost); 1 if the
@@ -56,6 +60,7 @@ fi
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_bench.XXXXXX") || exit 1
 gateway_pid=
 redis_pid=
+cluster_pids=()
 
 # shellcheck disable=SC2317  # called through the EXIT trap
 cleanup() {
@@ -63,6 +68,10 @@ cleanup() {
 		kill -KILL "$gateway_pid" 2>/dev/null
 		wait "$gateway_pid" 2>/dev/null
 	fi
+	for pid in "${cluster_pids[@]}"; do
+		kill -TERM "$pid" 2>/dev/null
+		wait "$pid" 2>/dev/null
+	done
 	if [ -n "$redis_pid" ]; then
 		kill -TERM "$redis_pid" 2>/dev/null
 		wait "$redis_pid" 2>/dev/null
@@ -91,6 +100,41 @@ EOF
 . "$(dirname "$0")/ports.sh"
 
 store=memory
+case ${CG_BENCH_STORE:-memory} in
+cluster:[1-9])
+	n=${CG_BENCH_STORE#cluster:}
+	seeds=
+	for i in $(seq 1 "$n"); do
+		cport=$(pick_free_port) || exit 1
+		bport=$(pick_free_port) || exit 1
+		mkdir -p "$tmp/node$i"
+		redis-server --port "$cport" --cluster-port "$bport" --bind 127.0.0.1 --save "" --appendonly no \
+			--cluster-enabled yes --cluster-config-file "$tmp/node$i/nodes.conf" --dir "$tmp/node$i" \
+			>"$tmp/node$i/redis.log" 2>&1 &
+		cluster_pids+=($!)
+		for _ in $(seq 1 50); do
+			redis-cli -p "$cport" ping >/dev/null 2>&1 && break
+			sleep 0.1
+		done
+		seeds="$seeds${seeds:+ }127.0.0.1:$cport"
+	done
+	# shellcheck disable=SC2086  # one argument per node
+	if [ "$n" = 1 ]; then # --cluster create wants 3 masters: one node takes every slot itself
+		redis-cli -p "${seeds##*:}" cluster addslotsrange 0 16383 >/dev/null
+	else
+		redis-cli --cluster create $seeds --cluster-yes >"$tmp/create.log" 2>&1 || {
+			echo "run.sh: redis-cli --cluster create failed:" >&2
+			cat "$tmp/create.log" >&2
+			exit 1
+		}
+	fi
+	for _ in $(seq 1 100); do
+		redis-cli -p "${seeds##*:}" cluster info 2>/dev/null | grep -q 'cluster_state:ok' && break
+		sleep 0.1
+	done
+	store="redis-cluster://${seeds// /,}"
+	;;
+esac
 if [ "${CG_BENCH_STORE:-memory}" = redis ]; then
 	redis_port=$(pick_free_port) || exit 1
 	redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" \
@@ -176,6 +220,15 @@ if [ "$bench_status" != 0 ]; then
 	exit "$bench_status"
 fi
 grep '^RESULT ' "$tmp/bench.out"
+if [ ${#cluster_pids[@]} -gt 0 ]; then
+	# the masters' CPU over their whole life (start, create, warmup, the run): what Redis spent
+	ticks=0
+	for pid in "${cluster_pids[@]}"; do
+		read -r -a st <"/proc/$pid/stat"
+		ticks=$((ticks + st[13] + st[14]))
+	done
+	echo "CLUSTER masters=${#cluster_pids[@]} redis_cpu_s=$(awk -v t="$ticks" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f", t / hz }')"
+fi
 if [ -n "$redis_pid" ]; then
 	# Every turn is one load and one save, each one script (EVALSHA, or EVAL: once on NOSCRIPT
 	# now, every time before issue 11) in its own round trip: so the scripts are the round

@@ -105,6 +105,7 @@ struct redis_store {
     long dirty_bytes;
     long dirty_max_bytes;
     json_t *warned; /* keys told "store_degraded" in this outage */
+    char away_why[160]; /* why Redis is away, as last logged (each new reason is logged once) */
     json_t *unknown; /* keys loaded from memory, not found, while Redis was away: Redis's copy
                       * is unknown, so a save of them only creates (oldest first, bounded) */
     redis_req *waiting, *waiting_tail; /* before the first connection is decided */
@@ -253,10 +254,13 @@ void cg_redis_scripts_init(void);
 
 /* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy,
  * parsed by cg_redis_parse_url): the bus takes its host and password. */
-cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url);
+/* What the bus hands a cancel for this gateway to ("<dialog key> <lease>"): the bus knows
+ * nothing of dialogs. */
+typedef void cg_redis_bus_cancel_fn(redis_store *rs, const char *key_and_lease);
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_cancel_fn *on_cancel);
 /* A cluster's bus (redis-cluster:// without redis.bus): sharded pub/sub through the store's
  * router. */
-cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs);
+cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn *on_cancel);
 /* Tells the gateway `holder` to stop its turn: key_and_lease is "<dialog key> <lease>";
  * nothing when the bus is down. */
 void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease);
