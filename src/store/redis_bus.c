@@ -38,6 +38,7 @@ struct cg_redis_bus {
     char *channel;               /* this gateway's: "<prefix>:bus:<holder>" */
     int sharded;                 /* a cluster's: SSUBSCRIBE at the channel's master, SPUBLISH via the router */
     cg_redis_bus_cancel_fn *on_cancel; /* a cancel for this gateway: the store decides what it stops */
+    cg_redis_redirect moved; /* sharded: where a MOVED answer to SSUBSCRIBE said the channel is */
     cg_redis_conn *sub, *pub;
     cg_resolve *resolve;
     uv_timer_t retry;
@@ -84,6 +85,18 @@ static void on_message(cg_redis_conn *ac, void *reply_, void *priv)
     (void)priv;
     cg_redis_bus *b = cg_redis_conn_data(ac);
     redisReply *r = reply_;
+    if (b && r && r->type == REDIS_REPLY_ERROR && ac == b->sub) {
+        /* SSUBSCRIBE at a master the map named before the channel's slot moved: -MOVED says
+         * where it is now (the router's map may not know yet); anything else, try again */
+        if (cg_redis_parse_redirect(r->str, r->len, &b->moved) != CG_REDIRECT_MOVED)
+            b->moved.kind = CG_REDIRECT_NONE;
+        b->sub = NULL;
+        cg_redis_conn_close(ac);
+        char why[200];
+        snprintf(why, sizeof(why), "subscribing was answered '%.120s'", r->str);
+        bus_lost(b, &b->sub, why);
+        return;
+    }
     if (!b || !r || r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_STRING)
         return; /* the connection going */
     const char *kind = r->element[0]->str;
@@ -143,17 +156,22 @@ static void sharded_subscribe(cg_redis_bus *b)
     int port = 0;
     const char *peer = data ? cg_redis_conn_peer(data) : NULL;
     const char *colon = peer ? strrchr(peer, ':') : NULL;
-    if (!colon || (size_t)(colon - peer) >= sizeof(address)) {
+    if (b->moved.kind == CG_REDIRECT_MOVED) { /* where the last SSUBSCRIBE was sent */
+        snprintf(address, sizeof(address), "%s", b->moved.host);
+        port = b->moved.port;
+        b->moved.kind = CG_REDIRECT_NONE;
+    } else if (!colon || (size_t)(colon - peer) >= sizeof(address)) {
         bus_lost(b, &b->sub, "the cluster is not connected");
         return;
+    } else {
+        memcpy(address, peer, (size_t)(colon - peer));
+        address[colon - peer] = 0;
+        if (address[0] == '[') { /* "[v6]:port" */
+            memmove(address, address + 1, strlen(address));
+            address[strlen(address) - 1] = 0;
+        }
+        port = atoi(colon + 1);
     }
-    memcpy(address, peer, (size_t)(colon - peer));
-    address[colon - peer] = 0;
-    if (address[0] == '[') { /* "[v6]:port" */
-        memmove(address, address + 1, strlen(address));
-        address[strlen(address) - 1] = 0;
-    }
-    port = atoi(colon + 1);
     free(b->host);
     b->host = strdup(address);
     if (!b->host)

@@ -654,7 +654,7 @@ cg_redis_conn *cg_redis_conn_open(uv_loop_t *loop, const char *address, int port
 
 void *cg_redis_conn_data(const cg_redis_conn *c)
 {
-    return c->data;
+    return c ? c->data : NULL; /* a cluster command answered after its router closed has none */
 }
 
 void cg_redis_conn_set_data(cg_redis_conn *c, void *data)

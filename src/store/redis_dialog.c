@@ -823,6 +823,8 @@ static int load_cached(redis_store *rs, redis_req *r, redisReply *reply, int64_t
 
 /* The load's dialog in d, from the replies or from the gateway's copy; 0, or -1 when the
  * answer is not one (an error, or out of memory), 1 when r was sent again in full. */
+static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st);
+
 static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t now, cg_dialog *d)
 {
     if (reply->elements >= 2 && reply->element[1]->type == REDIS_REPLY_STRING && r->rev) {
@@ -849,6 +851,14 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
     }
     cg_dialog_adopt_json(d, j, now); /* j was built from the replies for this */
     json_decref(j);
+    if (r->load_cb == on_merge_loaded) {
+        /* a merge's read: the save waiting for it must know the rev it read; the gateway's
+         * copy is left as it is (it may hold turns of this gateway that Redis's lacks) */
+        redis_req *save = r->ctx;
+        free(save->merge_rev);
+        save->merge_rev = cg_redis_xstrdup(rev ? rev : "");
+        return 0;
+    }
     cg_memstore_put_rev(rs->mem, r->key, d, now, rev, 0); /* the copy that survives an outage */
     return 0;
 }
@@ -962,12 +972,36 @@ void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease)
     free(key);
 }
 
+/* A script no one waits for (a renewal, a cancel), and what its answer needs: the store (not
+ * the connection's data, which in a cluster is the router's node) and a text. */
+typedef struct store_note {
+    redis_store *rs;
+    char text[]; /* a renewal's "<dialog key> <lease>", a cancel's dialog key */
+} store_note;
+
+static store_note *note_new(redis_store *rs, const char *a, const char *b)
+{
+    size_t na = strlen(a), nb = b ? strlen(b) + 1 : 0;
+    store_note *n = malloc(sizeof(*n) + na + nb + 1);
+    if (!n)
+        abort();
+    n->rs = rs;
+    memcpy(n->text, a, na);
+    if (b) {
+        n->text[na] = ' ';
+        memcpy(n->text + na + 1, b, nb - 1);
+    }
+    n->text[na + nb] = 0;
+    return n;
+}
+
 static void on_lease_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    char *kl = priv; /* "<dialog key> <lease>", for a renewal; NULL for a release */
+    store_note *note = priv; /* a renewal's; NULL for a release */
+    const char *kl = note ? note->text : NULL;
     redisReply *reply = reply_;
-    redis_store *rs = cg_redis_conn_data(ac);
+    redis_store *rs = note ? note->rs : NULL;
     if (kl && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 2) {
         /* another gateway asked, and its bus message did not come (or came first) */
         cg_redis_cancel_turn(rs, kl);
@@ -980,7 +1014,7 @@ static void on_lease_reply(cg_redis_conn *ac, void *reply_, void *priv)
                     "redis.lease_ms): its save will be refused");
         }
     }
-    free(kl);
+    free(note);
 }
 
 static void lease_release(redis_store *rs, const char *eu, const char *er, const char *value)
@@ -1022,9 +1056,7 @@ void cg_redis_renew_leases(redis_store *rs)
         arg_script(rs, &a, S_RENEW, eu, er);
         arg_str(&a, json_string_value(json_object_get(held, "v")));
         arg_int(&a, (long long)rs->base.cfg.lease_ms);
-        char *k = NULL;
-        if (asprintf(&k, "%s %s", key, json_string_value(json_object_get(held, "v"))) < 0)
-            abort();
+        store_note *k = note_new(rs, key, json_string_value(json_object_get(held, "v")));
         if (send_script(rs, S_RENEW, &a, on_lease_reply, k) < 0)
             free(k);
         argv_free(&a);
@@ -1036,10 +1068,12 @@ void cg_redis_renew_leases(redis_store *rs)
 
 static void on_cancel_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
-    char *key = priv;
+    (void)ac;
+    store_note *note = priv;
+    const char *key = note->text;
     redisReply *reply = reply_;
-    redis_store *rs = cg_redis_conn_data(ac);
-    if (rs && reply && reply->type == REDIS_REPLY_STRING && reply->len > 0) {
+    redis_store *rs = note->rs;
+    if (reply && reply->type == REDIS_REPLY_STRING && reply->len > 0) {
         char *holder = strndup(reply->str, strcspn(reply->str, " "));
         if (!holder)
             abort();
@@ -1051,7 +1085,7 @@ static void on_cancel_reply(cg_redis_conn *ac, void *reply_, void *priv)
         free(kl);
         free(holder);
     }
-    free(key);
+    free(note);
 }
 
 /* A cancel phrase or context.clear arrived here for a dialog whose turn may run on another
@@ -1069,8 +1103,10 @@ static void rs_cancel_remote(cg_store *st, const char *user, const char *room)
     argv_buf a = {0};
     arg_script(rs, &a, S_CANCEL, eu, er);
     arg_int(&a, (long long)rs->base.cfg.lease_ms);
-    if (send_script(rs, S_CANCEL, &a, on_cancel_reply, key) < 0)
-        free(key);
+    store_note *note = note_new(rs, key, NULL);
+    if (send_script(rs, S_CANCEL, &a, on_cancel_reply, note) < 0)
+        free(note);
+    free(key);
     argv_free(&a);
     free(eu);
     free(er);
@@ -1449,9 +1485,10 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply);
 
 static void on_rooms_del_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
+    (void)ac;
     (void)priv;
     redisReply *reply = reply_;
-    if (reply && reply->type == REDIS_REPLY_ERROR && cg_redis_conn_data(ac))
+    if (reply && reply->type == REDIS_REPLY_ERROR)
         cg_warn("redis: the dialogs of rooms over max_rooms_per_user were not deleted: %s (they lapse)", reply->str);
 }
 
@@ -1516,10 +1553,8 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
         cg_redis_answer_from_memory(r);
         return;
     }
-    int64_t now = rs->base.now(rs->base.clock_ctx);
-    const char *rev = cg_memstore_rev(rs->mem, r->key, now); /* the load's: Redis's copy */
-    free(r->merge_rev);
-    r->merge_rev = cg_redis_xstrdup(rev ? rev : "");
+    if (!r->merge_rev) /* the load's answer names Redis's rev (load_answer) */
+        r->merge_rev = cg_redis_xstrdup("");
     long added;
     if (!st->found) { /* Redis has no copy (restarted empty, expired): this one goes as it is */
         cg_dialog_free(d);
@@ -1627,8 +1662,10 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
         save_refused(rs, r, reply->integer);
         if (entry && json_object_get(rs->dirty, r->key) == entry)
             cg_redis_dirty_del(rs, r->key); /* a newer outage write of the same copy: refused too */
-    } else if (!r->version || r->merges) {
-        cg_redis_memory_put(rs, r->key, r->snapshot, r->rev, r->renewed); /* Redis's copy, of this rev */
+    } else if (!r->version || (r->merges && !json_object_get(rs->dirty, r->key))) {
+        /* Redis's copy, of this rev (a merge's, unless a newer write of the dialog waits in
+         * memory: that one stays, and is merged in its turn) */
+        cg_redis_memory_put(rs, r->key, r->snapshot, r->rev, r->renewed);
         rs->base.stats.saves_appended += (unsigned long)r->appended;
     }
     static const cg_store_status ok = {0, 0, 0};
@@ -2058,9 +2095,10 @@ static cg_store_req *rs_limit(cg_store *st, const char *user, const cg_limits *l
 
 static void on_limit_end_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
+    (void)ac;
     (void)priv;
     redisReply *reply = reply_;
-    if (reply && reply->type == REDIS_REPLY_ERROR && cg_redis_conn_data(ac))
+    if (reply && reply->type == REDIS_REPLY_ERROR)
         cg_warn("redis: a turn's end was not counted against its user's limits: %s", reply->str);
 }
 

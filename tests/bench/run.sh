@@ -118,19 +118,23 @@ cluster:[1-9])
 		done
 		seeds="$seeds${seeds:+ }127.0.0.1:$cport"
 	done
-	# shellcheck disable=SC2086  # one argument per node
-	if [ "$n" = 1 ]; then # --cluster create wants 3 masters: one node takes every slot itself
-		redis-cli -p "${seeds##*:}" cluster addslotsrange 0 16383 >/dev/null
-	else
-		redis-cli --cluster create $seeds --cluster-yes >"$tmp/create.log" 2>&1 || {
-			echo "run.sh: redis-cli --cluster create failed:" >&2
-			cat "$tmp/create.log" >&2
-			exit 1
-		}
-	fi
-	for _ in $(seq 1 100); do
-		redis-cli -p "${seeds##*:}" cluster info 2>/dev/null | grep -q 'cluster_state:ok' && break
-		sleep 0.1
+	# the slots in N even ranges, one a node, and every node told of the first (CLUSTER MEET):
+	# redis-cli --cluster create wants 3 masters at least
+	i=0
+	first=${seeds%% *}
+	for node in $seeds; do
+		lo=$((16384 * i / n))
+		hi=$((16384 * (i + 1) / n - 1))
+		redis-cli -p "${node##*:}" cluster addslotsrange "$lo" "$hi" >/dev/null
+		[ "$node" != "$first" ] && redis-cli -p "${node##*:}" cluster meet 127.0.0.1 "${first##*:}" >/dev/null
+		i=$((i + 1))
+	done
+	for node in $seeds; do
+		for _ in $(seq 1 100); do
+			redis-cli -p "${node##*:}" cluster info 2>/dev/null | grep -q 'cluster_state:ok' &&
+				[ "$(redis-cli -p "${node##*:}" cluster slots | grep -c '^127.0.0.1$')" -ge "$n" ] && break
+			sleep 0.1
+		done
 	done
 	store="redis-cluster://${seeds// /,}"
 	;;
