@@ -510,6 +510,11 @@ cg_redis_conn *cg_redis_cluster_conn(cg_redis_cluster *cl, unsigned slot)
     return n ? n->conn : NULL;
 }
 
+static void on_start(uv_timer_t *t)
+{
+    ask_seed(t->data);
+}
+
 cg_redis_cluster *cg_redis_cluster_open(const cg_redis_cluster_config *cfg)
 {
     cg_redis_cluster *cl = calloc(1, sizeof(*cl));
@@ -530,6 +535,6 @@ cg_redis_cluster *cg_redis_cluster_open(const cg_redis_cluster_config *cfg)
     uv_timer_init(cfg->loop, &cl->timer);
     cl->timer.data = cl;
     cl->state = CL_ASKING;
-    ask_seed(cl);
+    uv_timer_start(&cl->timer, on_start, 0, 0); /* from the loop: never a callback inside open */
     return cl;
 }

@@ -1,18 +1,20 @@
 /*
- * redis_conn.c: the Redis store's connection, through the hiredis async API on the
- * gateway's loop, and what the store does while it has none. The dialog operations that
+ * redis_conn.c: the Redis store's connection (one node through redis_client.c, or a
+ * cluster through redis_cluster.c), on the gateway's loop, and what the store does while it
+ * has none. The dialog operations that
  * travel over it (keys, scripts, load, save, remove) are in redis_dialog.c; what the two
  * share is in chatgate/store/redis_internal.h.
  *
- * Faults. hiredis 0.14 has no connect or command timeout, so this file keeps its own
+ * Faults. A connection has no connect or command timeout of its own, so this file keeps them
  * (h2o's lib/common/redis.c does the same): a connect timer (covering the name's
  * resolution too), and a 100 ms tick that fails the connection when the oldest command has
  * waited command_timeout_ms (Redis stopped with SIGSTOP keeps its socket open and answers
- * nothing). Failing means redisAsyncFree, after which hiredis calls every pending callback
- * with a NULL reply. The host name is resolved off the loop (cg_resolve_start) before each
- * connect, since hiredis would call a blocking getaddrinfo. A connection is trusted once its
- * PING is answered; an error instead (-LOADING, -NOAUTH, -MASTERDOWN) or a failed SELECT
- * drops it and reconnects with the backoff, degraded meanwhile.
+ * nothing). Failing closes the connection, which calls every pending callback with a NULL
+ * reply. The host name is resolved off the loop (cg_resolve_start) before each connect. A
+ * connection is trusted once its PING is answered; an error instead (-LOADING, -NOAUTH,
+ * -MASTERDOWN), a refused AUTH or a failed SELECT drops it and reconnects with the backoff,
+ * degraded meanwhile. A cluster (redis-cluster://) is one connection to the store: up once
+ * the router has the map and every master answered.
  *
  * While Redis is away the store answers from an in-memory store (a write-through copy of
  * what it last read or wrote, so a conversation keeps its context), marks what it wrote
@@ -38,7 +40,6 @@
  * tick drops the connection, to ask again. What a failover can lose is in docs/state.md.
  */
 #define _GNU_SOURCE /* asprintf */
-#include <hiredis/async.h>
 #include <hiredis/hiredis.h>
 
 #include <openssl/rand.h>
@@ -493,7 +494,7 @@ static void resolve_abandon(redis_store *rs)
 }
 
 /* Drops the connection (a timeout, a failed probe, or close): every pending callback gets a
- * NULL reply. Safe inside a hiredis reply callback (hiredis frees after it returns). */
+ * NULL reply. Safe inside a reply callback (the connection frees after it returns). */
 static void drop_connection(redis_store *rs, const char *why)
 {
     cg_redis_conn *ac = rs->ac;
@@ -675,7 +676,7 @@ static void on_select(cg_redis_conn *ac, void *reply, void *priv)
         rs->setup_failed = "SELECT"; /* the PING's answer drops the connection: never the wrong database */
 }
 
-/* Connects to a numeric address (hiredis's own getaddrinfo then never waits on DNS). */
+/* Connects to a numeric address (resolved off the loop before). */
 static void connect_to(redis_store *rs, const char *address)
 {
     if (!rs->address || strcmp(rs->address, address) != 0 || rs->address_port != rs->port) {
@@ -827,7 +828,7 @@ static void side_abandon(cg_resolve **resolve, cg_redis_conn **ac)
     if (*ac) {
         cg_redis_conn *c = *ac;
         *ac = NULL;
-        cg_redis_conn_close(c); /* deferred by hiredis when inside one of its reply callbacks */
+        cg_redis_conn_close(c); /* deferred when inside one of its reply callbacks */
     }
 }
 
@@ -893,7 +894,7 @@ static void on_sentinel_reply(cg_redis_conn *ac, void *reply_, void *priv)
     }
     char *host = cg_redis_xstrdup(reply->element[0]->str);
     rs->sac = NULL;
-    cg_redis_conn_close(ac); /* after this callback: hiredis defers it */
+    cg_redis_conn_close(ac); /* after this callback: the connection defers it */
     uv_timer_stop(&rs->connect_timer);
     if (strcmp(rs->host, host) != 0 || rs->port != (int)port)
         cg_info("redis sentinel %s:%d: the primary of '%s' is %s:%ld", rs->sentinel_hosts[rs->sentinel_at],
@@ -1020,7 +1021,7 @@ static void on_sub_message(cg_redis_conn *ac, void *reply_, void *priv)
     redis_store *rs = priv;
     redisReply *reply = reply_;
     if (ac != rs->sub || !reply)
-        return; /* given up, or being freed by hiredis (on_sub_event follows) */
+        return; /* given up, or closing (on_sub_event follows) */
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 3 || reply->element[0]->type != REDIS_REPLY_STRING)
         return;
     if (strcmp(reply->element[0]->str, "subscribe") == 0) {
@@ -1157,7 +1158,7 @@ static void on_close_deadline(uv_timer_t *t)
 
 /*
  * Shutdown: the saves the sessions just made are still on their way, so the connection is
- * closed gracefully (hiredis waits for pending replies), for at most a second.
+ * closed gracefully (it waits for pending replies), for at most a second.
  */
 void cg_redis_close(cg_store *st)
 {

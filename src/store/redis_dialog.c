@@ -61,8 +61,8 @@ static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv);
  * One command, written as RESP as its arguments come: an argument whose length is known
  * (a string, a key, a number) gets its "$<length>\r\n" first; one known only once written (a
  * JSON value) moves up by those few bytes, which then go in front. The "*<count>\r\n" goes
- * into the headroom before the first when the command is sent, so hiredis is handed the
- * buffer as it is (redisAsyncFormattedCommand, which copies it). Building each
+ * into the headroom before the first when the command is sent, so the connection is handed
+ * the buffer as it is (cg_redis_send, which copies it). Building each
  * argument in its own malloc'd string (asprintf for keys and numbers, json_dumps for values)
  * and letting hiredis format them (sdscatfmt per argument) was a quarter of a Redis turn's
  * instructions; writing the arguments into a list and framing them as RESP in a second pass,

@@ -1,19 +1,22 @@
 /*
  * redis_internal.h: what the parts of the Redis store share. Private: only
  * src/store/redis_*.c include it; the rest of the gateway knows the Redis store through
- * store.h alone (cg_store_redis_open and the ops table).
+ * store.h alone (cg_store_redis_open and the ops tables).
  *
- * The store is split along its real seams:
- *   redis_conn.c    the connection's life: Sentinel, resolve, connect, the PING probe,
+ * Under the store, knowing nothing of dialogs: redis_client.c (one connection to one node,
+ * TCP or TLS), redis_slots.c and redis_cluster.c (Redis Cluster). The store itself is split
+ * along its seams:
+ *   redis_conn.c    the connection's life: Sentinel, the cluster's router, resolve,
+ *                   connect, the PING probe,
  *                   AUTH/SELECT, command timeouts, reconnect with backoff, degraded mode
  *                   (answers from memory), the dirty set and its write-back after an outage,
  *                   open (the URL) and close; the requests and their in-flight list (the
  *                   command timeout reads it);
  *   redis_dialog.c  the dialog operations: the keys, the scripts (EVALSHA) and their
- *                   arguments, load, save, remove, forget a user, the dialog leases, reading
- *                   the replies; the ops table;
- *   redis_bus.c     the pub/sub connections that carry cancels between gateways;
- *   redis_uv.c      hiredis on the libuv loop, commands written once per iteration.
+ *                   arguments, load, save, remove, forget a user, the dialog leases and their
+ *                   line, merging two copies, reading the replies; the ops tables;
+ *   redis_bus.c     the pub/sub connections that carry cancels between gateways (sharded
+ *                   in a cluster), handing each to the store's callback.
  * Each half calls the other through the few cg_redis_ functions below: the operations need
  * requests, the in-flight list, the dirty set and the answers from memory; the connection
  * needs a save (for the write-back), the dispatch of waiting requests once it is decided,
