@@ -475,7 +475,10 @@ static void on_reconnect_timer(uv_timer_t *t)
 static void schedule_reconnect(redis_store *rs)
 {
     static const int delays_ms[] = {100, 200, 500, 1000, 2000, 5000};
-    int i = rs->backoff < 5 ? rs->backoff : 5;
+    /* a cluster has other masters that answer, and its failover ends when a replica is
+     * promoted, about a node timeout later: asked again every half second at most */
+    int most = rs->n_seeds ? 2 : 5;
+    int i = rs->backoff < most ? rs->backoff : most;
     rs->backoff++;
     uint64_t delay = (uint64_t)delays_ms[i];
     delay += (uint64_t)(rand() % (int)(delay / 4 + 1)); /* jitter, so gateways don't reconnect in step */
