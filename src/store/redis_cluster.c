@@ -32,6 +32,7 @@
 
 #define REDIRECTS_MAX 8
 #define RETRY_FIRST_MS 20
+#define RETRY_MAX_MS 100 /* 8 retries end within the store's command timeout (1 s by default) */
 #define MAP_READ_GAP_MS 100 /* at most one CLUSTER SLOTS in flight, and none closer than this */
 
 typedef enum { CL_ASKING, CL_CONNECTING, CL_UP, CL_CLOSED } cl_state;
@@ -419,6 +420,8 @@ static void on_timer(uv_timer_t *t)
 static void park(cg_redis_cluster *cl, cl_cmd *k)
 {
     uint64_t delay = (uint64_t)RETRY_FIRST_MS << (k->redirects < 6 ? k->redirects : 6);
+    if (delay > RETRY_MAX_MS)
+        delay = RETRY_MAX_MS;
     k->due = uv_now(cl->cfg.loop) + delay;
     k->parked_next = cl->parked;
     cl->parked = k;

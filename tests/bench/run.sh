@@ -117,6 +117,7 @@ cluster:[1-9])
 			sleep 0.1
 		done
 		seeds="$seeds${seeds:+ }127.0.0.1:$cport"
+		[ "$i" = 1 ] && first_bus=$bport
 	done
 	# the slots in N even ranges, one a node, and every node told of the first (CLUSTER MEET):
 	# redis-cli --cluster create wants 3 masters at least
@@ -126,7 +127,7 @@ cluster:[1-9])
 		lo=$((16384 * i / n))
 		hi=$((16384 * (i + 1) / n - 1))
 		redis-cli -p "${node##*:}" cluster addslotsrange "$lo" "$hi" >/dev/null
-		[ "$node" != "$first" ] && redis-cli -p "${node##*:}" cluster meet 127.0.0.1 "${first##*:}" >/dev/null
+		[ "$node" != "$first" ] && redis-cli -p "${node##*:}" cluster meet 127.0.0.1 "${first##*:}" "$first_bus" >/dev/null
 		i=$((i + 1))
 	done
 	for node in $seeds; do
