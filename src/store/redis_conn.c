@@ -382,6 +382,10 @@ void cg_redis_answer_from_memory(redis_req *r)
         if (!r->version && r->snapshot) { /* a write-back that failed stays as it is: dirty, in memory */
             cg_redis_memory_put(rs, r->key, r->snapshot, NULL, 0);
             cg_redis_mark_dirty(rs, r);
+        } else if (r->version) { /* the write-back failed: the tick sends it again (flush_again) */
+            json_t *entry = json_object_get(rs->dirty, r->key);
+            if (entry && json_integer_value(json_object_get(entry, "v")) == r->version)
+                json_object_del(entry, "f");
         }
         if (!r->abandoned && !rs->closing && r->done_cb)
             r->done_cb(r->ctx, &st);
@@ -436,6 +440,7 @@ int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry)
     cg_dialog_free(&d);
     r->version = (long)json_integer_value(json_object_get(entry, "v"));
     r->base_unknown = json_is_true(json_object_get(entry, "n"));
+    json_object_set_new(entry, "f", json_true()); /* its write-back is in flight */
     if (r->snapshot) {
         cg_redis_send_writeback(rs, r); /* merged with Redis's copy: another gateway may have written it */
         /* Redis runs this write-back before any save sent after it on the connection: those
@@ -465,6 +470,29 @@ static void flush_dirty(redis_store *rs)
                 rs->host, rs->port, gone);
     if (sent)
         cg_info("redis %s:%d: writing back %zu dialogs held in memory", rs->host, rs->port, sent);
+}
+
+/*
+ * A dialog can be marked for the write-back while Redis is connected: its save failed with an
+ * error answer (a cluster's slot migrating past the retries, -OOM, ...). Nothing reconnects
+ * then, so the tick sends the marked dialogs whose write-back is not in flight again, once a
+ * second; until then they are served from memory, as in an outage.
+ */
+#define FLUSH_AGAIN_MS 1000
+
+static void flush_again(redis_store *rs)
+{
+    uint64_t now = now_ms(rs);
+    if (!json_object_size(rs->dirty) || rs->base.stats.degraded || now - rs->flushed_at < FLUSH_AGAIN_MS)
+        return;
+    rs->flushed_at = now;
+    const char *key;
+    json_t *entry;
+    void *tmp;
+    json_object_foreach_safe(rs->dirty, tmp, key, entry) {
+        if (!json_is_true(json_object_get(entry, "f")))
+            cg_redis_flush_one(rs, key, entry);
+    }
 }
 
 static void on_reconnect_timer(uv_timer_t *t)
@@ -812,8 +840,10 @@ static void on_tick(uv_timer_t *t)
         snprintf(why, sizeof(why), "no answer for %ld ms", rs->base.cfg.command_timeout_ms);
         drop_connection(rs, why);
     }
-    if (rs->state == R_CONNECTED && cg_redis_linked(rs))
+    if (rs->state == R_CONNECTED && cg_redis_linked(rs)) {
         cg_redis_renew_leases(rs);
+        flush_again(rs);
+    }
 }
 
 /* ---- Sentinel: asking for the primary -------------------------------------------------- */

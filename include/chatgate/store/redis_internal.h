@@ -126,6 +126,7 @@ struct redis_store {
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
     long dirty_seq;
+    uint64_t flushed_at; /* when the tick last sent marked dialogs again while connected (ms) */
     unsigned long long rev_seq; /* the last rev this store wrote: revs are "<holder>#<seq>" */
     unsigned long long ticket_seq; /* the last ticket a turn of this store took */
     redis_req *head, *tail;
