@@ -1571,8 +1571,11 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
         return;
     }
     *merged = *d; /* d's parts move to merged */
-    size_t from_redis = json_array_size(merged->history) - (size_t)added;
-    if (added > 0 && from_redis > json_array_size(r->snapshot->history) - (size_t)added) {
+    /* the merge's messages that came from Redis's copy, against this copy's that Redis had
+     * (signed: the window of history_n may have cut the merge shorter) */
+    long from_redis = (long)json_array_size(merged->history) - added;
+    long shared = (long)json_array_size(r->snapshot->history) - added;
+    if (added > 0 && from_redis > shared) {
         /* both copies held turns the other lacked: a conflict, resolved */
         rs->base.stats.merges++;
         rs->base.stats.merged_messages += (unsigned long)added;
