@@ -947,6 +947,19 @@ static void on_sentinel_event(cg_redis_conn *ac, int up, const char *why)
     sentinel_failed(rs, why ? why : "the connection closed before the answer");
 }
 
+/* A side connection's AUTH refused (the bus's): the connection fails, naming the answer; it
+ * would go on as Redis's default user, with its rights. */
+void cg_redis_auth_checked(cg_redis_conn *ac, void *reply_, void *priv)
+{
+    (void)priv;
+    redisReply *reply = reply_;
+    if (reply && reply->type == REDIS_REPLY_ERROR) {
+        char why[200];
+        snprintf(why, sizeof(why), "AUTH was answered '%.120s'", reply->str);
+        cg_redis_conn_fail(ac, why);
+    }
+}
+
 void cg_redis_send_auth(cg_redis_conn *ac, const char *user, const char *password, cg_redis_reply_fn *cb,
                         void *priv)
 {

@@ -199,6 +199,8 @@ static inline int cg_redis_linked(const redis_store *rs)
  * never called). */
 int cg_redis_send(redis_store *rs, unsigned slot, const char *cmd, size_t len, cg_redis_reply_fn *fn, void *priv);
 
+/* A reply callback for the AUTH of a side connection: a refusal fails the connection. */
+void cg_redis_auth_checked(cg_redis_conn *ac, void *reply, void *priv);
 /* AUTH [user] password (the reply to cb). */
 void cg_redis_send_auth(cg_redis_conn *ac, const char *user, const char *password, cg_redis_reply_fn *cb,
                         void *priv);
