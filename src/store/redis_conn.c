@@ -26,13 +26,12 @@
  * The requests live here too: their in-flight list is what the command timeout watches,
  * and their answers from memory are the degraded mode's.
  *
- * Sentinel (redis-sentinel://HOSTS/MASTER). Before each connect the store asks a Sentinel
- * for the primary (SENTINEL get-master-addr-by-name, on a short-lived connection of its
- * own), trying the Sentinels in turn, each bounded by the connect timeout; the address it
- * names is then resolved and connected to as a plain redis:// one. Three things keep the
- * store off a replica: a second connection, to one Sentinel, SUBSCRIBEd to +switch-master
- * (a failover of our master drops the data connection at once, so the store degrades to
- * memory and writes back to the new primary, as after any outage); the probe, which with
+ * Sentinel (redis-sentinel://HOSTS/MASTER). Before each connect the store asks the Sentinels
+ * for the primary (redis_sentinel.c: each in turn, each bounded by the connect timeout); the
+ * address they name is then resolved and connected to as a plain redis:// one. Three things
+ * keep the store off a replica: the module's subscription to +switch-master (a failover of
+ * our master drops the data connection at once, so the store degrades to memory and writes
+ * back to the new primary, as after any outage); the probe, which with
  * Sentinel asks ROLE after the PING and trusts only "master" (a Sentinel that has not seen
  * the failover yet still names the old primary, now a replica); and -READONLY, which any
  * command can get from a primary demoted under an open connection: the data connection's
@@ -60,11 +59,6 @@ static void redis_connect(redis_store *rs);
 static void resolve_and_connect(redis_store *rs);
 static void store_free_if_done(redis_store *rs);
 static void finish_close(redis_store *rs);
-static void sentinel_query_abort(redis_store *rs);
-static void sentinel_failed(redis_store *rs, const char *why);
-static void sub_lost(redis_store *rs, const char *why);
-static void sentinel_ask(redis_store *rs);
-static void sub_start(redis_store *rs);
 
 static uint64_t now_ms(redis_store *rs)
 {
@@ -536,7 +530,7 @@ static void drop_connection(redis_store *rs, const char *why)
     cg_redis_cluster_close(cl); /* its commands get NULL, as the connection's below */
     rs->state = R_CLOSED;
     resolve_abandon(rs);
-    sentinel_query_abort(rs);
+    cg_redis_sentinel_abort(rs->sentinel);
     uv_timer_stop(&rs->connect_timer);
     enter_degraded(rs, why);
     if (ac)
@@ -682,10 +676,6 @@ static void on_disconnect(redis_store *rs, cg_redis_conn *ac, const char *why)
 static void on_connect_timeout(uv_timer_t *t)
 {
     redis_store *rs = t->data;
-    if (rs->state == R_ASKING) {
-        sentinel_failed(rs, "no answer within redis.connect_timeout_ms");
-        return;
-    }
     drop_connection(rs, rs->state == R_RESOLVING ? "resolving the host timed out" : "connect timed out");
 }
 
@@ -801,8 +791,8 @@ static void redis_connect(redis_store *rs)
         return;
     }
     if (rs->master) {
-        rs->sentinel_tries = 0;
-        sentinel_ask(rs);
+        rs->state = R_ASKING;
+        cg_redis_sentinel_ask(rs->sentinel, rs->base.stats.degraded);
         return;
     }
     resolve_and_connect(rs);
@@ -846,106 +836,7 @@ static void on_tick(uv_timer_t *t)
     }
 }
 
-/* ---- Sentinel: asking for the primary -------------------------------------------------- */
-
-static void sentinel_ask(redis_store *rs);
-
-/* Gives up a side connection's name lookup and connection, whichever exist (its callbacks
- * then see another context). */
-static void side_abandon(cg_resolve **resolve, cg_redis_conn **ac)
-{
-    if (*resolve) {
-        cg_resolve_abandon(*resolve);
-        *resolve = NULL;
-    }
-    if (*ac) {
-        cg_redis_conn *c = *ac;
-        *ac = NULL;
-        cg_redis_conn_close(c); /* deferred when inside one of its reply callbacks */
-    }
-}
-
-/* Gives up the question in progress, if any. */
-static void sentinel_query_abort(redis_store *rs)
-{
-    side_abandon(&rs->sresolve, &rs->sac);
-}
-
-/* The Sentinel asked did not name the primary: the next one is asked, and when each has
- * failed in this round the store degrades and tries again with the backoff. */
-static void sentinel_failed(redis_store *rs, const char *why)
-{
-    int i = rs->sentinel_at;
-    if (rs->base.stats.degraded)
-        cg_debug("redis sentinel %s:%d: %s", rs->sentinel_hosts[i], rs->sentinel_ports[i], why);
-    else
-        cg_warn("redis sentinel %s:%d: %s", rs->sentinel_hosts[i], rs->sentinel_ports[i], why);
-    sentinel_query_abort(rs);
-    uv_timer_stop(&rs->connect_timer);
-    rs->sentinel_at = (i + 1) % rs->n_sentinels;
-    if (++rs->sentinel_tries < rs->n_sentinels) {
-        sentinel_ask(rs);
-        return;
-    }
-    char msg[300];
-    snprintf(msg, sizeof(msg), "none of the %d Sentinels named the primary of '%s' (the last: %.150s)",
-             rs->n_sentinels, rs->master, why);
-    drop_connection(rs, msg);
-}
-
-static void on_sentinel_reply(cg_redis_conn *ac, void *reply_, void *priv)
-{
-    redis_store *rs = priv;
-    redisReply *reply = reply_;
-    if (ac != rs->sac)
-        return; /* given up */
-    if (!reply) {
-        rs->sac = NULL; /* it is closing: the connection failed or closed */
-        sentinel_failed(rs, cg_redis_conn_error(ac));
-        return;
-    }
-    char why[200];
-    if (reply->type == REDIS_REPLY_ERROR) {
-        snprintf(why, sizeof(why), "SENTINEL get-master-addr-by-name was answered '%.120s'", reply->str);
-        sentinel_failed(rs, why);
-        return;
-    }
-    if (reply->type == REDIS_REPLY_NIL) {
-        snprintf(why, sizeof(why), "it does not monitor a master named '%.100s'", rs->master);
-        sentinel_failed(rs, why);
-        return;
-    }
-    char *end = NULL;
-    long port = 0;
-    if (reply->type == REDIS_REPLY_ARRAY && reply->elements == 2 && reply->element[0]->type == REDIS_REPLY_STRING &&
-        reply->element[1]->type == REDIS_REPLY_STRING && reply->element[0]->len > 0 &&
-        reply->element[0]->len <= 253)
-        port = strtol(reply->element[1]->str, &end, 10);
-    if (!end || *end || port < 1 || port > 65535) {
-        sentinel_failed(rs, "SENTINEL get-master-addr-by-name: unexpected answer");
-        return;
-    }
-    char *host = cg_redis_xstrdup(reply->element[0]->str);
-    rs->sac = NULL;
-    cg_redis_conn_close(ac); /* after this callback: the connection defers it */
-    uv_timer_stop(&rs->connect_timer);
-    if (strcmp(rs->host, host) != 0 || rs->port != (int)port)
-        cg_info("redis sentinel %s:%d: the primary of '%s' is %s:%ld", rs->sentinel_hosts[rs->sentinel_at],
-                rs->sentinel_ports[rs->sentinel_at], rs->master, host, port);
-    free(rs->host);
-    rs->host = host;
-    rs->port = (int)port;
-    resolve_and_connect(rs); /* as a redis:// address from here; the probe adds ROLE */
-}
-
-static void on_sentinel_event(cg_redis_conn *ac, int up, const char *why)
-{
-    redis_store *rs = cg_redis_conn_data(ac);
-    if (ac != rs->sac || up)
-        return;
-    rs->sac = NULL; /* it frees itself after this callback */
-    sentinel_failed(rs, why ? why : "the connection closed before the answer");
-}
+/* ---- Sentinel (redis_sentinel.c asks, and follows failovers) --------------------------- */
 
 /* A side connection's AUTH refused (the bus's): the connection fails, naming the answer; it
  * would go on as Redis's default user, with its rights. */
@@ -975,84 +866,32 @@ cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int por
                               whylen);
 }
 
-static void on_sentinel_resolved(void *data, const char *address, const char *err)
+/* The Sentinels' answer to the store's question: the primary, or why none named it. */
+static void on_sentinel_answer(void *data, const char *host, int port, const char *why)
 {
     redis_store *rs = data;
-    rs->sresolve = NULL;
-    char why[160];
-    cg_redis_conn *ac = address ? cg_redis_async_open(rs, address, rs->sentinel_ports[rs->sentinel_at],
-                                                          rs->sentinel_hosts[rs->sentinel_at], rs, on_sentinel_event,
-                                                          why, sizeof(why))
-                                    : NULL;
-    if (!ac) {
-        sentinel_failed(rs, address ? why : err);
+    if (!host) {
+        drop_connection(rs, why);
         return;
     }
-    rs->sac = ac;
-    /* queued until the connection is up; the connect timer bounds connect and answer */
-    cg_redis_conn_cmd(ac, on_sentinel_reply, rs, "SENTINEL get-master-addr-by-name %s", rs->master);
+    if (strcmp(rs->host, host) != 0 || rs->port != port)
+        cg_info("redis sentinel: the primary of '%s' is %s:%d", rs->master, host, port);
+    free(rs->host);
+    rs->host = cg_redis_xstrdup(host);
+    rs->port = port;
+    resolve_and_connect(rs); /* as a redis:// address from here; the probe adds ROLE */
 }
 
-/* Asks rs->sentinel_at, within the connect timeout. */
-static void sentinel_ask(redis_store *rs)
+/* Sentinel says the primary of our master moved: drop what points elsewhere. */
+static void on_sentinel_switch(void *data, const char *host, int port, const char *sentinel)
 {
-    rs->state = R_ASKING;
-    uv_update_time(rs->base.loop);
-    uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
-    rs->sresolve = cg_resolve_start(rs->base.loop, rs->sentinel_hosts[rs->sentinel_at], on_sentinel_resolved, rs);
-    if (!rs->sresolve)
-        sentinel_failed(rs, "could not start resolving the host");
-}
-
-/* ---- Sentinel: following a failover (+switch-master) ----------------------------------- */
-
-static void sub_start(redis_store *rs);
-
-static void on_sub_timer(uv_timer_t *t)
-{
-    redis_store *rs = t->data;
-    if (rs->sub || rs->sub_resolve) { /* the connect timeout: not subscribed in time */
-        sub_lost(rs, "no answer to SUBSCRIBE within redis.connect_timeout_ms");
-        return;
-    }
-    sub_start(rs);
-}
-
-/* Gives up the +switch-master subscription: its resolve, its connection. */
-static void sub_abandon(redis_store *rs)
-{
-    side_abandon(&rs->sub_resolve, &rs->sub);
-}
-
-/* The subscription is gone (or never came): the next Sentinel is tried in a second. A
- * failover meanwhile is still followed: the old primary closes our connection or answers
- * -READONLY, and the probe's ROLE refuses it. */
-static void sub_lost(redis_store *rs, const char *why)
-{
-    int i = rs->sub_at;
-    if (rs->sub_ok)
-        cg_warn("redis sentinel %s:%d: the +switch-master subscription was lost (%s); trying the next Sentinel",
-                rs->sentinel_hosts[i], rs->sentinel_ports[i], why);
-    else
-        cg_debug("redis sentinel %s:%d: could not subscribe to +switch-master: %s", rs->sentinel_hosts[i],
-                 rs->sentinel_ports[i], why);
-    rs->sub_ok = 0;
-    sub_abandon(rs);
-    rs->sub_at = (i + 1) % rs->n_sentinels;
-    if (!rs->closing)
-        uv_timer_start(&rs->sub_timer, on_sub_timer, 1000, 0);
-}
-
-/* Sentinel says the primary of a master moved; ours: drop what points elsewhere. */
-static void follow_switch(redis_store *rs, const char *host, int port)
-{
+    redis_store *rs = data;
     if (rs->closing)
         return;
     int going_there = strcmp(rs->host, host) == 0 && rs->port == port && rs->state != R_CLOSED;
     if (going_there)
         return; /* already connected or connecting there (a reconnect asked first) */
-    cg_warn("redis sentinel %s:%d: the primary of '%s' moved to %s:%d: reconnecting", rs->sentinel_hosts[rs->sub_at],
-            rs->sentinel_ports[rs->sub_at], rs->master, host, port);
+    cg_warn("redis sentinel %s: the primary of '%s' moved to %s:%d: reconnecting", sentinel, rs->master, host, port);
     rs->backoff = 0;
     if (rs->state == R_CLOSED) { /* waiting for the backoff: ask now */
         uv_timer_stop(&rs->connect_timer);
@@ -1060,71 +899,6 @@ static void follow_switch(redis_store *rs, const char *host, int port)
     } else if (rs->state != R_ASKING) { /* a question under way is answered anew, or ROLE refuses */
         drop_connection(rs, "Sentinel switched the primary");
     }
-}
-
-static void on_sub_message(cg_redis_conn *ac, void *reply_, void *priv)
-{
-    redis_store *rs = priv;
-    redisReply *reply = reply_;
-    if (ac != rs->sub || !reply)
-        return; /* given up, or closing (on_sub_event follows) */
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 3 || reply->element[0]->type != REDIS_REPLY_STRING)
-        return;
-    if (strcmp(reply->element[0]->str, "subscribe") == 0) {
-        rs->sub_ok = 1;
-        uv_timer_stop(&rs->sub_timer);
-        cg_info("redis sentinel %s:%d: following failovers of '%s' (+switch-master)", rs->sentinel_hosts[rs->sub_at],
-                rs->sentinel_ports[rs->sub_at], rs->master);
-        return;
-    }
-    if (strcmp(reply->element[0]->str, "message") != 0 || reply->element[2]->type != REDIS_REPLY_STRING)
-        return;
-    /* "<master> <old ip> <old port> <new ip> <new port>" */
-    char name[256], old_host[256], new_host[256];
-    int old_port, new_port;
-    if (sscanf(reply->element[2]->str, "%255s %255s %5d %255s %5d", name, old_host, &old_port, new_host, &new_port) != 5 ||
-        new_port < 1 || new_port > 65535)
-        return;
-    if (strcmp(name, rs->master) == 0)
-        follow_switch(rs, new_host, new_port);
-}
-
-static void on_sub_event(cg_redis_conn *ac, int up, const char *why)
-{
-    redis_store *rs = cg_redis_conn_data(ac);
-    if (ac != rs->sub || up)
-        return;
-    rs->sub = NULL; /* it frees itself after this callback */
-    sub_lost(rs, why ? why : "the connection closed");
-}
-
-static void on_sub_resolved(void *data, const char *address, const char *err)
-{
-    redis_store *rs = data;
-    rs->sub_resolve = NULL;
-    char why[160];
-    cg_redis_conn *ac = address ? cg_redis_async_open(rs, address, rs->sentinel_ports[rs->sub_at],
-                                                          rs->sentinel_hosts[rs->sub_at], rs, on_sub_event, why,
-                                                          sizeof(why))
-                                    : NULL;
-    if (!ac) {
-        sub_lost(rs, address ? why : err);
-        return;
-    }
-    rs->sub = ac;
-    cg_redis_conn_cmd(ac, on_sub_message, rs, "SUBSCRIBE +switch-master");
-}
-
-/* Subscribes on rs->sub_at, within the connect timeout (sub_timer). */
-static void sub_start(redis_store *rs)
-{
-    if (rs->closing)
-        return;
-    uv_update_time(rs->base.loop);
-    uv_timer_start(&rs->sub_timer, on_sub_timer, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
-    rs->sub_resolve = cg_resolve_start(rs->base.loop, rs->sentinel_hosts[rs->sub_at], on_sub_resolved, rs);
-    if (!rs->sub_resolve)
-        sub_lost(rs, "could not start resolving the host");
 }
 
 /* ---- close -------------------------------------------------------------------------- */
@@ -1178,7 +952,6 @@ static void finish_close(redis_store *rs)
         return;
     uv_close((uv_handle_t *)&rs->connect_timer, handle_closed);
     uv_close((uv_handle_t *)&rs->tick, handle_closed);
-    uv_close((uv_handle_t *)&rs->sub_timer, handle_closed);
 }
 
 static void on_close_deadline(uv_timer_t *t)
@@ -1214,11 +987,10 @@ void cg_redis_close(cg_store *st)
     uv_timer_stop(&rs->tick);
     uv_timer_stop(&rs->connect_timer);
     resolve_abandon(rs);
-    sentinel_query_abort(rs);
+    cg_redis_sentinel_close(rs->sentinel); /* frees itself once its handles have closed */
+    rs->sentinel = NULL;
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;
-    uv_timer_stop(&rs->sub_timer);
-    sub_abandon(rs);
     if (json_object_size(rs->dirty))
         cg_warn("redis %s:%d: stopping with %zu dialogs not yet written back", rs->host, rs->port,
                 json_object_size(rs->dirty));
@@ -1549,13 +1321,30 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
         cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);
     uv_timer_init(loop, &rs->connect_timer);
     uv_timer_init(loop, &rs->tick);
-    uv_timer_init(loop, &rs->sub_timer);
-    rs->connect_timer.data = rs->tick.data = rs->sub_timer.data = rs;
-    rs->handles = 3;
+    rs->connect_timer.data = rs->tick.data = rs;
+    rs->handles = 2;
     uv_timer_start(&rs->tick, on_tick, 100, 100);
     uv_unref((uv_handle_t *)&rs->tick);
-    if (rs->master)
-        sub_start(rs);
+    if (rs->master) {
+        cg_redis_sentinel_config sc = {
+            .loop = loop,
+            .flush = cfg->flush,
+            .tls = rs->tls,
+            .master = rs->master,
+            .hosts = rs->sentinel_hosts,
+            .ports = rs->sentinel_ports,
+            .n = rs->n_sentinels,
+            .timeout_ms = cfg->connect_timeout_ms,
+            .on_answer = on_sentinel_answer,
+            .on_switch = on_sentinel_switch,
+            .data = rs,
+        };
+        if (!(rs->sentinel = cg_redis_sentinel_open(&sc)))
+            abort(); /* out of memory at startup */
+        rs->sentinel_hosts = NULL; /* the module's now */
+        rs->sentinel_ports = NULL;
+        rs->n_sentinels = 0;
+    }
     if (bus_url)
         rs->bus = cg_redis_bus_open(rs, &bus, cg_redis_cancel_turn);
     else if (rs->n_seeds)

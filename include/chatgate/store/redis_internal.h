@@ -4,10 +4,11 @@
  * store.h alone (cg_store_redis_open and the ops tables).
  *
  * Under the store, knowing nothing of dialogs: redis_client.c (one connection to one node,
- * TCP or TLS), redis_slots.c and redis_cluster.c (Redis Cluster). The store itself is split
+ * TCP or TLS), redis_sentinel.c (Sentinel), redis_slots.c and redis_cluster.c (Redis
+ * Cluster). The store itself is split
  * along its seams:
- *   redis_conn.c    the connection's life: Sentinel, the cluster's router, resolve,
- *                   connect, the PING probe,
+ *   redis_conn.c    the connection's life: the Sentinels' and the cluster's answers, resolve,
+ *                   connect, the PING probe (and ROLE with Sentinel),
  *                   AUTH/SELECT, command timeouts, reconnect with backoff, degraded mode
  *                   (answers from memory), the dirty set and its write-back after an outage,
  *                   open (the URL) and close; the requests and their in-flight list (the
@@ -27,6 +28,7 @@
 
 #include "chatgate/store/redis_client.h"
 #include "chatgate/store/redis_cluster.h"
+#include "chatgate/store/redis_sentinel.h"
 #include <hiredis/hiredis.h>
 
 #include <stdint.h>
@@ -133,21 +135,14 @@ struct redis_store {
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
     /* redis-sentinel:// only (master is NULL for redis://): host and port above are the
-     * primary the Sentinels named last; they are asked again before each connect, and a
-     * subscription to +switch-master on one of them follows a failover as it happens. */
+     * primary the Sentinels named last (redis_sentinel.c asks them before each connect, and
+     * follows +switch-master). The URL's Sentinels are parsed into the three fields below,
+     * then handed to the module. */
     char *master;          /* the master's name at the Sentinels */
-    char **sentinel_hosts; /* as in the URL, resolved before each use */
+    char **sentinel_hosts;
     int *sentinel_ports;
     int n_sentinels;
-    int sentinel_at;       /* the Sentinel asked now, or next (the last that answered) */
-    int sentinel_tries;    /* Sentinels asked in this round */
-    cg_redis_conn *sac; /* the question: SENTINEL get-master-addr-by-name */
-    cg_resolve *sresolve;
-    cg_redis_conn *sub; /* SUBSCRIBE +switch-master, its own connection (pub/sub only) */
-    cg_resolve *sub_resolve;
-    int sub_at;             /* the Sentinel the subscription is on */
-    int sub_ok;             /* its SUBSCRIBE was confirmed */
-    uv_timer_t sub_timer;   /* the subscription's connect timeout, then its retry */
+    cg_redis_sentinel *sentinel;
     char *primary;          /* "ip:port" of the last primary a connection was trusted to */
     int address_port;       /* the port that went with address, for the log */
     int readonly_seen;      /* -READONLY replies on this connection, for the tick to act on */
