@@ -151,7 +151,7 @@ static void on_resolved(void *data, const char *address, const char *err)
  * channel's slot (the router must be up: else the retry comes back later). */
 static void sharded_subscribe(cg_redis_bus *b)
 {
-    cg_redis_conn *data = cg_redis_cluster_conn(b->rs->cluster, cg_redis_key_slot(b->channel, strlen(b->channel)));
+    cg_redis_conn *data = cg_redis_link_conn(b->rs->link, cg_redis_key_slot(b->channel, strlen(b->channel)));
     char address[64];
     int port = 0;
     const char *peer = data ? cg_redis_conn_peer(data) : NULL;
@@ -256,7 +256,7 @@ void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_a
         size_t len[] = {8, strlen(channel), strlen(key_and_lease)};
         int n = redisFormatCommandArgv(&cmd, 3, argv, len);
         if (n > 0)
-            cg_redis_send(b->rs, cg_redis_key_slot(channel, len[1]), cmd, (size_t)n, NULL, NULL);
+            cg_redis_link_send(b->rs->link, cg_redis_key_slot(channel, len[1]), cmd, (size_t)n, NULL, NULL);
         free(cmd);
         free(channel);
         return;

@@ -1,42 +1,20 @@
 /*
- * redis_conn.c: the Redis store's connection (one node through redis_client.c, or a
- * cluster through redis_cluster.c), on the gateway's loop, and what the store does while it
- * has none. The dialog operations that
- * travel over it (keys, scripts, load, save, remove) are in redis_dialog.c; what the two
- * share is in chatgate/store/redis_internal.h.
+ * redis_conn.c: the Redis store's life over its link (redis_link.c: the connection, whatever
+ * the topology, its probe, timeouts and reconnects), and what the store does while the link
+ * is down. The dialog operations that travel over it (keys, scripts, load, save, remove) are
+ * in redis_dialog.c; what the two share is in chatgate/store/redis_internal.h.
  *
- * Faults. A connection has no connect or command timeout of its own, so this file keeps them
- * (h2o's lib/common/redis.c does the same): a connect timer (covering the name's
- * resolution too), and a 100 ms tick that fails the connection when the oldest command has
- * waited command_timeout_ms (Redis stopped with SIGSTOP keeps its socket open and answers
- * nothing). Failing closes the connection, which calls every pending callback with a NULL
- * reply. The host name is resolved off the loop (cg_resolve_start) before each connect. A
- * connection is trusted once its PING is answered; an error instead (-LOADING, -NOAUTH,
- * -MASTERDOWN), a refused AUTH or a failed SELECT drops it and reconnects with the backoff,
- * degraded meanwhile. A cluster (redis-cluster://) is one connection to the store: up once
- * the router has the map and every master answered.
+ * While Redis is away (the link says down) the store answers from an in-memory store (a
+ * write-through copy of what it last read or wrote, so a conversation keeps its context),
+ * marks what it wrote there dirty, and writes the dirty dialogs back, merged with Redis's
+ * copies, when the link is up again. The dirty set is bounded in dialogs (max_dialogs) and in
+ * bytes (redis.writeback_max_bytes), least recently written going first; a dirty dialog the
+ * memory copy no longer holds is never written back (that would write a blank dialog). When
+ * the link came up with another primary than before (Sentinel), the dialogs saved in the
+ * last seconds go again too: the old primary may have taken them after the new one was
+ * promoted. What a failover can lose is in docs/state.md.
  *
- * While Redis is away the store answers from an in-memory store (a write-through copy of
- * what it last read or wrote, so a conversation keeps its context), marks what it wrote
- * there dirty, and writes the dirty dialogs back when a reconnect (with backoff and jitter)
- * answers a PING. The dirty set is bounded in dialogs (max_dialogs) and in bytes
- * (redis.writeback_max_bytes), least recently written going first; a dirty dialog the
- * memory copy no longer holds is never written back (that would write a blank dialog).
- *
- * The requests live here too: their in-flight list is what the command timeout watches,
- * and their answers from memory are the degraded mode's.
- *
- * Sentinel (redis-sentinel://HOSTS/MASTER). Before each connect the store asks the Sentinels
- * for the primary (redis_sentinel.c: each in turn, each bounded by the connect timeout); the
- * address they name is then resolved and connected to as a plain redis:// one. Three things
- * keep the store off a replica: the module's subscription to +switch-master (a failover of
- * our master drops the data connection at once, so the store degrades to memory and writes
- * back to the new primary, as after any outage); the probe, which with
- * Sentinel asks ROLE after the PING and trusts only "master" (a Sentinel that has not seen
- * the failover yet still names the old primary, now a replica); and -READONLY, which any
- * command can get from a primary demoted under an open connection: the data connection's
- * reply reader notices it (so every operation is covered, whatever file sends it), and the
- * tick drops the connection, to ask again. What a failover can lose is in docs/state.md.
+ * The requests live here too, and their answers from memory are the degraded mode's.
  */
 #define _GNU_SOURCE /* asprintf */
 #include <hiredis/hiredis.h>
@@ -55,10 +33,7 @@
 /* The default of redis.writeback_max_bytes, for callers that leave it 0. */
 #define WRITEBACK_MAX_BYTES_DEFAULT (64L << 20)
 
-static void redis_connect(redis_store *rs);
-static void resolve_and_connect(redis_store *rs);
 static void store_free_if_done(redis_store *rs);
-static void finish_close(redis_store *rs);
 
 static uint64_t now_ms(redis_store *rs)
 {
@@ -279,34 +254,6 @@ static void rewrite_recent(redis_store *rs)
                 rs->host, rs->port, n, SWITCH_REWRITE_MS / 1000);
 }
 
-void cg_redis_inflight_add(redis_store *rs, redis_req *r)
-{
-    r->sent_at = now_ms(rs);
-    r->prev = rs->tail;
-    if (rs->tail)
-        rs->tail->next = r;
-    else
-        rs->head = r;
-    rs->tail = r;
-}
-
-static void on_close_deadline(uv_timer_t *t);
-
-void cg_redis_inflight_remove(redis_store *rs, redis_req *r)
-{
-    if (r->prev)
-        r->prev->next = r->next;
-    else
-        rs->head = r->next;
-    if (r->next)
-        r->next->prev = r->prev;
-    else
-        rs->tail = r->prev;
-    r->prev = r->next = NULL;
-    if (rs->closing && rs->cluster && !rs->head) /* a cluster's graceful close: the last answer came */
-        uv_timer_start(&rs->connect_timer, on_close_deadline, 0, 0);
-}
-
 /* Drops r's dialog (or, for remove_user, every dialog of its user) from the write-back. */
 void cg_redis_forget_dirty(redis_store *rs, redis_req *r)
 {
@@ -489,354 +436,35 @@ static void flush_again(redis_store *rs)
     }
 }
 
-static void on_reconnect_timer(uv_timer_t *t)
+/* The link is up: the store uses it, and writes back what it held (moved: Sentinel named
+ * another primary, which may lack what the old one took last: those dialogs go again). */
+static void on_link_up(void *data, int moved)
 {
-    redis_connect(t->data);
-}
-
-static void schedule_reconnect(redis_store *rs)
-{
-    static const int delays_ms[] = {100, 200, 500, 1000, 2000, 5000};
-    /* a cluster has other masters that answer, and its failover ends when a replica is
-     * promoted, about a node timeout later: asked again every half second at most */
-    int most = rs->n_seeds ? 2 : 5;
-    int i = rs->backoff < most ? rs->backoff : most;
-    rs->backoff++;
-    uint64_t delay = (uint64_t)delays_ms[i];
-    delay += (uint64_t)(rand() % (int)(delay / 4 + 1)); /* jitter, so gateways don't reconnect in step */
-    if (!rs->closing)
-        uv_timer_start(&rs->connect_timer, on_reconnect_timer, delay, 0);
-}
-
-/* Gives up resolving the data connection's host, if under way: it frees itself; its answer
- * never comes. */
-static void resolve_abandon(redis_store *rs)
-{
-    if (rs->resolve) {
-        cg_resolve_abandon(rs->resolve);
-        rs->resolve = NULL;
-    }
-}
-
-/* Drops the connection (a timeout, a failed probe, or close): every pending callback gets a
- * NULL reply. Safe inside a reply callback (the connection frees after it returns). */
-static void drop_connection(redis_store *rs, const char *why)
-{
-    cg_redis_conn *ac = rs->ac;
-    rs->ac = NULL;
-    cg_redis_cluster *cl = rs->cluster;
-    rs->cluster = NULL;
-    rs->cluster_up = 0;
-    cg_redis_cluster_close(cl); /* its commands get NULL, as the connection's below */
-    rs->state = R_CLOSED;
-    resolve_abandon(rs);
-    cg_redis_sentinel_abort(rs->sentinel);
-    uv_timer_stop(&rs->connect_timer);
-    enter_degraded(rs, why);
-    if (ac)
-        cg_redis_conn_close(ac);
-    schedule_reconnect(rs);
-}
-
-/* The probe passed: the store uses the connection, and writes back what it held. */
-static void connection_trusted(redis_store *rs)
-{
-    rs->state = R_CONNECTED;
-    rs->backoff = 0;
-    if (rs->ever_connected)
-        rs->base.stats.reconnects++;
-    rs->ever_connected = 1;
-    cg_info("redis %s:%d: connected", rs->host, rs->port);
-    if (rs->master) {
-        char *now;
-        if (asprintf(&now, "%s:%d", rs->host, rs->port) < 0)
-            abort();
-        if (rs->primary && strcmp(rs->primary, now) != 0) {
-            rs->base.stats.primary_switches++;
-            cg_warn("redis: followed a failover of '%s': the primary is now %s (was %s)", rs->master, now,
-                    rs->primary);
-            rewrite_recent(rs);
-        }
-        free(rs->primary);
-        rs->primary = now;
-    }
+    redis_store *rs = data;
+    if (moved)
+        rewrite_recent(rs);
     leave_degraded(rs);
     flush_dirty(rs);
     cg_redis_drain_waiting(rs);
 }
 
-static void on_role(cg_redis_conn *ac, void *reply_, void *priv);
-
-static void send_role(redis_store *rs)
+/* The link is down (it reconnects by itself): the store answers from memory meanwhile. */
+static void on_link_down(void *data, const char *why)
 {
-    redis_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
-    if (cg_redis_conn_cmd(rs->ac, on_role, r, "ROLE") == REDIS_OK)
-        cg_redis_inflight_add(rs, r);
-    else {
-        cg_redis_req_finish(r);
-        drop_connection(rs, "could not send ROLE");
-    }
+    enter_degraded(data, why);
 }
 
-/* The probe: only a PING answered makes the store use a connection (a stopped Redis
- * accepts too). An error answer (-LOADING after a restart, -NOAUTH for a wrong password,
- * -MASTERDOWN) drops it, to try again with the backoff. */
-static void on_ping(cg_redis_conn *ac, void *reply_, void *priv)
-{
-    redis_req *r = priv;
-    redis_store *rs = r->rs;
-    redisReply *reply = reply_;
-    cg_redis_inflight_remove(rs, r);
-    cg_redis_req_finish(r);
-    if (ac != rs->ac || !reply)
-        return; /* an older connection, or this one gone (on_disconnect or a timeout saw to it) */
-    if (reply->type == REDIS_REPLY_ERROR || rs->setup_failed) {
-        char why[200];
-        if (reply->type == REDIS_REPLY_ERROR)
-            snprintf(why, sizeof(why), "the connection's PING was answered '%.120s'", reply->str);
-        else
-            snprintf(why, sizeof(why), "the connection's %s was refused (the line above says why)", rs->setup_failed);
-        rs->base.stats.errors++;
-        drop_connection(rs, why);
-        return;
-    }
-    if (rs->master) {
-        send_role(rs);
-        return;
-    }
-    connection_trusted(rs);
-}
-
-/* With Sentinel, the probe goes on: the node must say it is the primary. */
-static void on_role(cg_redis_conn *ac, void *reply_, void *priv)
-{
-    redis_req *r = priv;
-    redis_store *rs = r->rs;
-    redisReply *reply = reply_;
-    cg_redis_inflight_remove(rs, r);
-    cg_redis_req_finish(r);
-    if (ac != rs->ac || !reply)
-        return;
-    if (reply->type == REDIS_REPLY_ERROR) {
-        char why[200];
-        snprintf(why, sizeof(why), "the connection's ROLE was answered '%.120s'", reply->str);
-        rs->base.stats.errors++;
-        drop_connection(rs, why);
-        return;
-    }
-    const char *role = reply->type == REDIS_REPLY_ARRAY && reply->elements > 0 &&
-                               reply->element[0]->type == REDIS_REPLY_STRING ? reply->element[0]->str : "?";
-    if (strcmp(role, "master") != 0) {
-        /* a Sentinel that has not seen the failover yet names the old primary, now a replica */
-        rs->base.stats.replica_refused++;
-        cg_warn("redis %s:%d: the Sentinels named this node as the primary of '%s', but it is a %s now: asking "
-                "them again",
-                rs->host, rs->port, rs->master, role);
-        drop_connection(rs, "the node named as the primary is a replica");
-        return;
-    }
-    connection_trusted(rs);
-}
-
-static void on_disconnect(redis_store *rs, cg_redis_conn *ac, const char *why);
-
-/* The data connection is up (TCP and TLS), or gone. */
-static void on_conn_event(cg_redis_conn *ac, int up, const char *why)
-{
-    redis_store *rs = cg_redis_conn_data(ac);
-    if (ac != rs->ac)
-        return;
-    if (!up) {
-        on_disconnect(rs, ac, why);
-        return;
-    }
-    uv_timer_stop(&rs->connect_timer);
-    /* Connected at the TCP level; the PING decides (on_ping), within the command timeout. */
-    rs->state = R_PROBING;
-    redis_req *r = cg_redis_req_new(rs, OP_PING, "", "", NULL);
-    if (cg_redis_conn_cmd(rs->ac, on_ping, r, "PING") == REDIS_OK)
-        cg_redis_inflight_add(rs, r);
-    else
-        cg_redis_req_finish(r);
-}
-
-/* It failed to connect, or closed: the connection frees itself after this. */
-static void on_disconnect(redis_store *rs, cg_redis_conn *ac, const char *why)
-{
-    (void)ac;
-    uv_timer_stop(&rs->connect_timer);
-    rs->ac = NULL; /* it frees itself, not drop_connection */
-    if (rs->closing) { /* the graceful close of cg_redis_close is complete */
-        finish_close(rs);
-        return;
-    }
-    drop_connection(rs, why ? why : "connection closed");
-}
-
-static void on_connect_timeout(uv_timer_t *t)
-{
-    redis_store *rs = t->data;
-    drop_connection(rs, rs->state == R_RESOLVING ? "resolving the host timed out" : "connect timed out");
-}
-
-static void on_auth(cg_redis_conn *ac, void *reply, void *priv)
-{
-    (void)priv;
-    redis_store *rs = cg_redis_conn_data(ac);
-    /* logged; and the PING's answer drops the connection: a refused ACL user would otherwise
-     * go on as Redis's default user, with its rights */
-    if (ac == rs->ac && reply && cg_redis_reply_failed(rs, reply, 0, "AUTH"))
-        rs->setup_failed = "AUTH";
-}
-
-static void on_select(cg_redis_conn *ac, void *reply, void *priv)
-{
-    (void)priv;
-    redis_store *rs = cg_redis_conn_data(ac);
-    if (ac == rs->ac && reply && cg_redis_reply_failed(rs, reply, 0, "SELECT"))
-        rs->setup_failed = "SELECT"; /* the PING's answer drops the connection: never the wrong database */
-}
-
-/* Connects to a numeric address (resolved off the loop before). */
-static void connect_to(redis_store *rs, const char *address)
-{
-    if (!rs->address || strcmp(rs->address, address) != 0 || rs->address_port != rs->port) {
-        cg_info("redis %s:%d: connecting to %s", rs->host, rs->port, address);
-        free(rs->address);
-        rs->address = cg_redis_xstrdup(address);
-        rs->address_port = rs->port;
-    }
-    char why[160];
-    cg_redis_conn *ac =
-        cg_redis_async_open(rs, address, rs->port, rs->host, rs, on_conn_event, why, sizeof(why));
-    if (!ac) {
-        drop_connection(rs, why);
-        return;
-    }
-    rs->ac = ac;
-    rs->state = R_CONNECTING;
-    rs->setup_failed = NULL;
-    rs->readonly_seen = 0;
-    if (rs->password)
-        cg_redis_send_auth(ac, rs->user, rs->password, on_auth, NULL);
-    if (rs->db)
-        cg_redis_conn_cmd(ac, on_select, NULL, "SELECT %d", rs->db);
-}
-
-static void on_resolved(void *data, const char *address, const char *err)
-{
-    redis_store *rs = data;
-    rs->resolve = NULL;
-    if (!address) {
-        drop_connection(rs, err);
-        return;
-    }
-    connect_to(rs, address);
-}
-
-/* Every (re)connect resolves the host again, off the loop: its address may have moved. With
- * Sentinel, a Sentinel names the host first. */
-static void on_cluster_state(void *data, int up, const char *why)
-{
-    redis_store *rs = data;
-    if (!up) {
-        rs->cluster = NULL; /* closed by itself */
-        rs->cluster_up = 0;
-        drop_connection(rs, why);
-        return;
-    }
-    uv_timer_stop(&rs->connect_timer);
-    rs->cluster_up = 1;
-    connection_trusted(rs);
-}
-
-/* redis-cluster://: the router reads the map from a seed and connects every master, within
- * the connect timeout; the seeds are resolved again at each connect. */
-static void cluster_connect(redis_store *rs)
-{
-    rs->state = R_CONNECTING;
-    uv_update_time(rs->base.loop);
-    uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
-    cg_redis_cluster_config cc = {
-        .loop = rs->base.loop,
-        .flush = rs->base.cfg.flush,
-        .tls = rs->tls,
-        .user = rs->user,
-        .password = rs->password,
-        .seed_hosts = (const char *const *)rs->seed_hosts,
-        .seed_ports = rs->seed_ports,
-        .n_seeds = rs->n_seeds,
-        .on_state = on_cluster_state,
-        .data = rs,
-        .stats = &rs->base.stats.cluster,
-    };
-    rs->cluster = cg_redis_cluster_open(&cc);
-    if (!rs->cluster)
-        drop_connection(rs, "out of memory");
-}
-
-int cg_redis_send(redis_store *rs, unsigned slot, const char *cmd, size_t len, cg_redis_reply_fn *fn, void *priv)
-{
-    if (rs->cluster)
-        return rs->cluster_up ? cg_redis_cluster_send(rs->cluster, slot, cmd, len, fn, priv) : -1;
-    return rs->ac ? cg_redis_conn_formatted(rs->ac, fn, priv, cmd, len) : -1;
-}
-
-static void redis_connect(redis_store *rs)
-{
-    if (rs->closing)
-        return;
-    if (rs->n_seeds) {
-        cluster_connect(rs);
-        return;
-    }
-    if (rs->master) {
-        rs->state = R_ASKING;
-        cg_redis_sentinel_ask(rs->sentinel, rs->base.stats.degraded);
-        return;
-    }
-    resolve_and_connect(rs);
-}
-
-static void resolve_and_connect(redis_store *rs)
-{
-    rs->state = R_RESOLVING;
-    uv_update_time(rs->base.loop); /* at startup the loop's time is as old as the loop */
-    uv_timer_start(&rs->connect_timer, on_connect_timeout, (uint64_t)rs->base.cfg.connect_timeout_ms, 0);
-    rs->resolve = cg_resolve_start(rs->base.loop, rs->host, on_resolved, rs);
-    if (!rs->resolve)
-        drop_connection(rs, "could not start resolving the host");
-}
-
-/* Every 100 ms: has the oldest command waited too long? */
+/* Every 100 ms: the leases held renewed, the dialogs marked while connected sent again. */
 static void on_tick(uv_timer_t *t)
 {
     redis_store *rs = t->data;
-    if (rs->master && rs->ac)
-        rs->readonly_seen += (int)cg_redis_conn_take_readonly(rs->ac);
-    if (rs->readonly_seen && rs->ac) {
-        rs->base.stats.readonly_replies += (unsigned long)rs->readonly_seen;
-        cg_warn("redis %s:%d: %d answers were -READONLY: this node is a replica now; asking the Sentinels for "
-                "the primary of '%s'",
-                rs->host, rs->port, rs->readonly_seen, rs->master);
-        rs->readonly_seen = 0;
-        rs->backoff = 0; /* the new primary is likely known already: ask at once */
-        drop_connection(rs, "the node became a replica (-READONLY)");
-        return;
-    }
-    if (rs->head && now_ms(rs) - rs->head->sent_at > (uint64_t)rs->base.cfg.command_timeout_ms) {
-        rs->base.stats.errors++;
-        char why[96];
-        snprintf(why, sizeof(why), "no answer for %ld ms", rs->base.cfg.command_timeout_ms);
-        drop_connection(rs, why);
-    }
-    if (rs->state == R_CONNECTED && cg_redis_linked(rs)) {
+    if (cg_redis_linked(rs)) {
         cg_redis_renew_leases(rs);
         flush_again(rs);
     }
 }
 
-/* ---- Sentinel (redis_sentinel.c asks, and follows failovers) --------------------------- */
+/* ---- side connections (the bus) ----------------------------------------------------------- */
 
 /* A side connection's AUTH refused (the bus's): the connection fails, naming the answer; it
  * would go on as Redis's default user, with its rights. */
@@ -867,40 +495,6 @@ cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int por
 }
 
 /* The Sentinels' answer to the store's question: the primary, or why none named it. */
-static void on_sentinel_answer(void *data, const char *host, int port, const char *why)
-{
-    redis_store *rs = data;
-    if (!host) {
-        drop_connection(rs, why);
-        return;
-    }
-    if (strcmp(rs->host, host) != 0 || rs->port != port)
-        cg_info("redis sentinel: the primary of '%s' is %s:%d", rs->master, host, port);
-    free(rs->host);
-    rs->host = cg_redis_xstrdup(host);
-    rs->port = port;
-    resolve_and_connect(rs); /* as a redis:// address from here; the probe adds ROLE */
-}
-
-/* Sentinel says the primary of our master moved: drop what points elsewhere. */
-static void on_sentinel_switch(void *data, const char *host, int port, const char *sentinel)
-{
-    redis_store *rs = data;
-    if (rs->closing)
-        return;
-    int going_there = strcmp(rs->host, host) == 0 && rs->port == port && rs->state != R_CLOSED;
-    if (going_there)
-        return; /* already connected or connecting there (a reconnect asked first) */
-    cg_warn("redis sentinel %s: the primary of '%s' moved to %s:%d: reconnecting", sentinel, rs->master, host, port);
-    rs->backoff = 0;
-    if (rs->state == R_CLOSED) { /* waiting for the backoff: ask now */
-        uv_timer_stop(&rs->connect_timer);
-        schedule_reconnect(rs);
-    } else if (rs->state != R_ASKING) { /* a question under way is answered anew, or ROLE refuses */
-        drop_connection(rs, "Sentinel switched the primary");
-    }
-}
-
 /* ---- close -------------------------------------------------------------------------- */
 
 static void handle_closed(uv_handle_t *h)
@@ -924,7 +518,6 @@ static void store_free(redis_store *rs)
     free(rs->seed_hosts);
     free(rs->seed_ports);
     free(rs->master);
-    free(rs->primary);
     json_decref(rs->dirty);
     json_decref(rs->warned);
     json_decref(rs->unknown);
@@ -934,7 +527,6 @@ static void store_free(redis_store *rs)
     free(rs->host);
     free(rs->user);
     free(rs->password);
-    free(rs->address);
     cg_redis_tls_free(rs->tls);
     free(rs);
 }
@@ -945,39 +537,17 @@ static void store_free_if_done(redis_store *rs)
         store_free(rs);
 }
 
-/* The last step of close: the timers go, and the store with the last handle. */
-static void finish_close(redis_store *rs)
+/* The last step of close, once the link has closed: the tick goes, and the store with it. */
+static void on_link_closed(void *data)
 {
-    if (uv_is_closing((uv_handle_t *)&rs->connect_timer))
-        return;
-    uv_close((uv_handle_t *)&rs->connect_timer, handle_closed);
+    redis_store *rs = data;
+    rs->link = NULL;
     uv_close((uv_handle_t *)&rs->tick, handle_closed);
 }
 
-static void on_close_deadline(uv_timer_t *t)
-{
-    redis_store *rs = t->data;
-    if (rs->cluster) {
-        cg_redis_cluster *cl = rs->cluster;
-        rs->cluster = NULL;
-        rs->cluster_up = 0;
-        if (rs->head)
-            cg_warn("redis cluster: writes still unanswered at shutdown are lost");
-        cg_redis_cluster_close(cl);
-    }
-    if (rs->ac) {
-        cg_redis_conn *ac = rs->ac;
-        rs->ac = NULL;
-        if (rs->head)
-            cg_warn("redis %s:%d: writes still unanswered at shutdown are lost", rs->host, rs->port);
-        cg_redis_conn_close(ac);
-    }
-    finish_close(rs);
-}
-
 /*
- * Shutdown: the saves the sessions just made are still on their way, so the connection is
- * closed gracefully (it waits for pending replies), for at most a second.
+ * Shutdown: the saves the sessions just made are still on their way, so the link waits for
+ * the commands in flight, for at most a second (redis_link.c).
  */
 void cg_redis_close(cg_store *st)
 {
@@ -985,25 +555,15 @@ void cg_redis_close(cg_store *st)
     rs->closing = 1;
     cg_redis_drain_waiting(rs); /* answered from memory: their callers are told nothing while closing */
     uv_timer_stop(&rs->tick);
-    uv_timer_stop(&rs->connect_timer);
-    resolve_abandon(rs);
-    cg_redis_sentinel_close(rs->sentinel); /* frees itself once its handles have closed */
-    rs->sentinel = NULL;
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;
     if (json_object_size(rs->dirty))
         cg_warn("redis %s:%d: stopping with %zu dialogs not yet written back", rs->host, rs->port,
                 json_object_size(rs->dirty));
-    if (rs->ac && rs->state == R_CONNECTED && rs->head) {
-        cg_redis_conn_close_graceful(rs->ac);
-        uv_timer_start(&rs->connect_timer, on_close_deadline, 1000, 0);
-        return;
-    }
-    if (rs->cluster_up && rs->head) { /* the router closes once the last answer came */
-        uv_timer_start(&rs->connect_timer, on_close_deadline, 1000, 0);
-        return;
-    }
-    on_close_deadline(&rs->connect_timer);
+    if (rs->link)
+        cg_redis_link_close(rs->link, on_link_closed);
+    else
+        on_link_closed(rs);
 }
 
 /* ---- open --------------------------------------------------------------------------- */
@@ -1319,40 +879,44 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
         abort(); /* out of memory at startup */
     if (cfg->max_bytes > 0)
         cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);
-    uv_timer_init(loop, &rs->connect_timer);
     uv_timer_init(loop, &rs->tick);
-    rs->connect_timer.data = rs->tick.data = rs;
-    rs->handles = 2;
+    rs->tick.data = rs;
+    rs->handles = 1;
     uv_timer_start(&rs->tick, on_tick, 100, 100);
     uv_unref((uv_handle_t *)&rs->tick);
-    if (rs->master) {
-        cg_redis_sentinel_config sc = {
-            .loop = loop,
-            .flush = cfg->flush,
-            .tls = rs->tls,
-            .master = rs->master,
-            .hosts = rs->sentinel_hosts,
-            .ports = rs->sentinel_ports,
-            .n = rs->n_sentinels,
-            .timeout_ms = cfg->connect_timeout_ms,
-            .on_answer = on_sentinel_answer,
-            .on_switch = on_sentinel_switch,
-            .data = rs,
-        };
-        if (!(rs->sentinel = cg_redis_sentinel_open(&sc)))
-            abort(); /* out of memory at startup */
-        rs->sentinel_hosts = NULL; /* the module's now */
-        rs->sentinel_ports = NULL;
-        rs->n_sentinels = 0;
-    }
+    cg_redis_link_config lc = {
+        .loop = loop,
+        .flush = cfg->flush,
+        .tls = rs->tls,
+        .host = rs->master ? NULL : rs->host,
+        .port = rs->port,
+        .db = rs->db,
+        .master = rs->master,
+        .sentinel_hosts = rs->sentinel_hosts, /* the link's now */
+        .sentinel_ports = rs->sentinel_ports,
+        .n_sentinels = rs->n_sentinels,
+        .seed_hosts = rs->seed_hosts,
+        .seed_ports = rs->seed_ports,
+        .n_seeds = rs->n_seeds,
+        .user = rs->user,
+        .password = rs->password,
+        .connect_timeout_ms = cfg->connect_timeout_ms,
+        .command_timeout_ms = cfg->command_timeout_ms,
+        .on_up = on_link_up,
+        .on_down = on_link_down,
+        .data = rs,
+        .stats = &rs->base.stats,
+    };
+    rs->sentinel_hosts = NULL;
+    rs->sentinel_ports = NULL;
+    rs->n_sentinels = 0;
+    if (!(rs->link = cg_redis_link_open(&lc)))
+        abort(); /* out of memory at startup */
     if (bus_url)
         rs->bus = cg_redis_bus_open(rs, &bus, cg_redis_cancel_turn);
     else if (rs->n_seeds)
         rs->bus = cg_redis_bus_open_sharded(rs, cg_redis_cancel_turn);
     else
         cg_info("redis: no redis.bus for a Sentinel store: cancels between gateways come with the lease renewal");
-    /* the first connect from the loop: its timeout counts from there, not from a start that
-     * still has rules to compile (seconds under a sanitizer) */
-    uv_timer_start(&rs->connect_timer, on_reconnect_timer, 0, 0);
     return &rs->base;
 }

@@ -72,8 +72,6 @@ static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv);
 typedef struct argv_buf {
     cg_jsonw w;   /* the arguments as RESP bulk strings, after ARGV_HEAD bytes of headroom */
     int argc;
-    size_t third; /* where the third argument begins: a script sent again as EVAL has its
-                   * first two replaced (send_formatted) */
     unsigned slot; /* Redis Cluster: the slot of its keys (their hash tag, the user's) */
 } argv_buf;
 
@@ -100,8 +98,7 @@ static void resp_line(char *out, char kind, size_t n, size_t d)
 static void arg_done(argv_buf *a)
 {
     CG_JSONW_LIT(&a->w, "\r\n");
-    if (++a->argc == 2)
-        a->third = a->w.used;
+    a->argc++;
 }
 
 /* Starts an argument: where its bytes begin. */
@@ -216,34 +213,25 @@ static void argv_free(argv_buf *a)
     *a = (argv_buf){0};
 }
 
-/* Sends a's command, its first two arguments replaced by arg0 and arg1 when they are not
- * NULL (EVAL and the script's text, after NOSCRIPT); REDIS_OK or REDIS_ERR. */
-static int send_formatted(redis_store *rs, argv_buf *a, const char *arg0, const char *arg1,
-                          cg_redis_reply_fn *fn, void *priv)
+/* a's command, framed: its "*<count>" line written into the headroom before the first
+ * argument; its bytes at the pointer returned, *len of them. NULL when a is empty. */
+static const char *framed(argv_buf *a, size_t *len)
 {
-    if (!a->w.buf || (arg0 && a->argc < 2))
-        return REDIS_ERR;
-    if (arg0) { /* a command of its own: the two, then a's arguments after its second */
-        argv_buf b = {0};
-        arg_str(&b, arg0);
-        arg_str(&b, arg1);
-        cg_jsonw_raw(&b.w, a->w.buf + a->third, a->w.used - a->third);
-        b.argc = a->argc;
-        b.slot = a->slot;
-        int rc = send_formatted(rs, &b, NULL, NULL, fn, priv);
-        argv_free(&b);
-        return rc;
-    }
+    if (!a->w.buf)
+        return NULL;
     size_t hl = digits((size_t)a->argc) + 3;
     char *at = a->w.buf + a->w.pre - hl; /* hl < ARGV_HEAD: argc is an int */
     resp_line(at, '*', (size_t)a->argc, hl - 3);
-    return cg_redis_send(rs, a->slot, at, a->w.used - a->w.pre + hl, fn, priv);
+    *len = a->w.used - a->w.pre + hl;
+    return at;
 }
 
-/* Returns 0, or -1 when hiredis refused the command (its context is being freed). */
+/* Sends a's command; 0, or -1 when the link refused it (it is down). */
 static int send_argv(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, void *priv)
 {
-    int rc = send_formatted(rs, a, NULL, NULL, fn, priv);
+    size_t len;
+    const char *cmd = framed(a, &len);
+    int rc = cmd ? cg_redis_link_send(rs->link, a->slot, cmd, len, fn, priv) : -1;
     argv_clear(a);
     return rc == REDIS_OK ? 0 : -1;
 }
@@ -280,7 +268,6 @@ static void send_last(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, redis
         cg_redis_answer_later_from_memory(r);
         return;
     }
-    cg_redis_inflight_add(rs, r);
 }
 
 /* A dialog's keys, KEYS[1..8] of a script (the rooms set is KEYS[9]): its data, its lease,
@@ -357,57 +344,15 @@ static void arg_script(redis_store *rs, argv_buf *a, script_id id, const char *e
         arg_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
 }
 
-/*
- * One script command in flight. Redis keeps scripts in a cache that a restart, a failover,
- * SCRIPT FLUSH or a new shard behind twemproxy (which passes EVALSHA but not SCRIPT LOAD)
- * does not have: a NOSCRIPT answer sends the same command once more as EVAL with the text,
- * which also loads it there. The call keeps its arguments for that until its answer.
- */
-typedef struct script_call {
-    redis_store *rs;
-    script_id id;
-    argv_buf a;
-    cg_redis_reply_fn *fn;
-    void *priv;
-    int retried;
-} script_call;
-
-static void on_script_reply(cg_redis_conn *ac, void *reply_, void *priv)
-{
-    script_call *c = priv;
-    redisReply *reply = reply_;
-    if (reply && reply->type == REDIS_REPLY_ERROR && strncmp(reply->str, "NOSCRIPT", 8) == 0 && !c->retried &&
-        cg_redis_linked(c->rs)) {
-        /* the node that answered lacks the script; the EVAL goes to the slot's node (the
-         * same, unless a cluster's slot moved meanwhile, which then answers MOVED) */
-        c->retried = 1;
-        if (send_formatted(c->rs, &c->a, "EVAL", script_text(c->id), on_script_reply, c) == REDIS_OK)
-            return;
-        reply = NULL;
-    }
-    if (c->fn)
-        c->fn(ac, reply, c->priv);
-    argv_free(&c->a);
-    free(c);
-}
-
-/* Sends a script command built in a (taken); 0, or -1 when hiredis refused it. */
+/* Sends a script command built in a (taken): by SHA, and once more as EVAL with its text
+ * when the node answers NOSCRIPT (redis_link.c); 0, or -1 when the link refused it. */
 static int send_script(redis_store *rs, script_id id, argv_buf *a, cg_redis_reply_fn *fn, void *priv)
 {
-    script_call *c = calloc(1, sizeof(*c));
-    if (!c)
-        abort();
-    c->rs = rs;
-    c->id = id;
-    c->a = *a;
-    memset(a, 0, sizeof(*a));
-    c->fn = fn;
-    c->priv = priv;
-    if (send_formatted(rs, &c->a, NULL, NULL, on_script_reply, c) == REDIS_OK)
-        return 0;
-    argv_free(&c->a);
-    free(c);
-    return -1;
+    size_t len;
+    const char *cmd = framed(a, &len);
+    int rc = cmd ? cg_redis_link_script(rs->link, a->slot, cmd, len, script_text(id), fn, priv) : -1;
+    argv_free(a);
+    return rc;
 }
 
 /* Sends r's script; r is answered from memory if that fails. */
@@ -420,7 +365,6 @@ static int send_last_script(redis_store *rs, script_id id, argv_buf *a, cg_redis
         cg_redis_answer_later_from_memory(r);
         return -1;
     }
-    cg_redis_inflight_add(rs, r);
     return 0;
 }
 
@@ -747,7 +691,7 @@ static long long wall_ms(void)
  * the turns behind it would wait for its place to lapse). No answer. */
 static void leave_line(redis_store *rs, redis_req *r)
 {
-    if (!r->ticket || !r->lease_waits || rs->state != R_CONNECTED || !cg_redis_linked(rs))
+    if (!r->ticket || !r->lease_waits || !cg_redis_linked(rs))
         return;
     argv_buf a = {0};
     arg_str(&a, "HDEL");
@@ -869,7 +813,6 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
-    cg_redis_inflight_remove(rs, r);
     if (reply && reply->type == REDIS_REPLY_ARRAY && reply->elements == 3 && reply->element[0]->type == REDIS_REPLY_STRING &&
         strcmp(reply->element[0]->str, "busy") == 0 && reply->element[1]->type == REDIS_REPLY_STRING) {
         lease_wait(rs, r, reply);
@@ -1093,7 +1036,7 @@ static void on_cancel_reply(cg_redis_conn *ac, void *reply_, void *priv)
 static void rs_cancel_remote(cg_store *st, const char *user, const char *room)
 {
     redis_store *rs = (redis_store *)st;
-    if (rs->state != R_CONNECTED || !cg_redis_linked(rs))
+    if (!cg_redis_linked(rs))
         return;
     char *key = cg_store_dialog_key(user, room), *eu, *er;
     if (key_split(key, &eu, &er) < 0) {
@@ -1119,7 +1062,7 @@ static void rs_release(cg_store *st, const char *user, const char *room)
     char *key = cg_store_dialog_key(user, room);
     json_t *held = json_object_get(rs->leases, key);
     char *eu, *er;
-    if (held && rs->state == R_CONNECTED && cg_redis_linked(rs) && key_split(key, &eu, &er) == 0) {
+    if (held && cg_redis_linked(rs) && key_split(key, &eu, &er) == 0) {
         lease_release(rs, eu, er, json_string_value(json_object_get(held, "v")));
         free(eu);
         free(er);
@@ -1384,7 +1327,6 @@ static void on_limit_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
-    cg_redis_inflight_remove(rs, r);
     if (cg_redis_reply_failed(rs, reply, 2, "limits (EVALSHA)") || reply->element[0]->type != REDIS_REPLY_INTEGER ||
         reply->element[1]->type != REDIS_REPLY_INTEGER || reply->element[0]->integer < CG_LIMIT_OK ||
         reply->element[0]->integer > CG_LIMIT_TURNS) {
@@ -1624,7 +1566,6 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
-    cg_redis_inflight_remove(rs, r);
     reply = save_evictions(rs, r, reply);
     char *key = cg_redis_xstrdup(r->key); /* r may be finished below; the gate opens last */
     if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && reply->integer != -2 &&
@@ -1652,7 +1593,7 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
         cg_redis_dirty_del(rs, r->key); /* a write-back: done */
         if (reply->integer == 1)
             rs->base.stats.flushed++;
-    } else if (entry && reply->integer == 1 && rs->state == R_CONNECTED) {
+    } else if (entry && reply->integer == 1 && cg_redis_linked(rs)) {
         /* changed meanwhile: its newer version, now; Redis holds this dialog's copy now, so
          * the newer one is an update, not a create-only (that would be refused) */
         json_object_set_new(entry, "n", json_false());
@@ -1841,7 +1782,6 @@ static void on_remove_reply(cg_redis_conn *ac, void *reply_, void *priv)
     (void)ac;
     redis_req *r = priv;
     redis_store *rs = r->rs;
-    cg_redis_inflight_remove(rs, r);
     if (cg_redis_reply_failed(rs, reply_, 0, "delete") || r->step_failed) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
@@ -1872,7 +1812,7 @@ static void send_remove(redis_store *rs, redis_req *r)
 /* Starts r on Redis or answers it from memory, as the connection stands now. */
 static void dispatch(redis_store *rs, redis_req *r)
 {
-    int connected = rs->state == R_CONNECTED && cg_redis_linked(rs) && !rs->closing;
+    int connected = cg_redis_linked(rs) && !rs->closing;
     /* a dirty dialog is read and written in memory until its write-back */
     int clean = connected && !json_object_get(rs->dirty, r->key);
     if (r->kind == OP_LOAD && clean) {
@@ -1907,7 +1847,7 @@ static void dispatch(redis_store *rs, redis_req *r)
  * has not had its PING answered yet), rather than being served from an empty memory. */
 static void start_or_wait(redis_store *rs, redis_req *r)
 {
-    if (rs->state == R_CONNECTED || rs->base.stats.degraded || rs->closing) {
+    if (cg_redis_linked(rs) || rs->base.stats.degraded || rs->closing) {
         dispatch(rs, r);
         return;
     }
@@ -2009,7 +1949,6 @@ static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
-    cg_redis_inflight_remove(rs, r);
     if (cg_redis_reply_failed(rs, reply, 0, "forget user (its rooms)") || reply->type != REDIS_REPLY_ARRAY || !cg_redis_linked(rs)) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
@@ -2040,7 +1979,6 @@ static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv)
     redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
-    cg_redis_inflight_remove(rs, r);
     if (cg_redis_reply_failed(rs, reply, 0, "rooms") || reply->type != REDIS_REPLY_ARRAY) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r);
@@ -2112,7 +2050,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
                       long long tokens)
 {
     int64_t now = cg_store_now_ms(&rs->base);
-    int connected = rs->state == R_CONNECTED && cg_redis_linked(rs) && !rs->closing;
+    int connected = cg_redis_linked(rs) && !rs->closing;
     if (local || !connected) {
         cg_limiter_end(rs->limits, eu, lim, tokens, now);
     } else {

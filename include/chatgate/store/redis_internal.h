@@ -3,16 +3,15 @@
  * src/store/redis_*.c include it; the rest of the gateway knows the Redis store through
  * store.h alone (cg_store_redis_open and the ops tables).
  *
- * Under the store, knowing nothing of dialogs: redis_client.c (one connection to one node,
- * TCP or TLS), redis_sentinel.c (Sentinel), redis_slots.c and redis_cluster.c (Redis
- * Cluster). The store itself is split
- * along its seams:
- *   redis_conn.c    the connection's life: the Sentinels' and the cluster's answers, resolve,
- *                   connect, the PING probe (and ROLE with Sentinel),
- *                   AUTH/SELECT, command timeouts, reconnect with backoff, degraded mode
- *                   (answers from memory), the dirty set and its write-back after an outage,
- *                   open (the URL) and close; the requests and their in-flight list (the
- *                   command timeout reads it);
+ * Under the store, knowing nothing of dialogs: redis_link.c (the store's Redis, whatever
+ * the topology: connect, AUTH/SELECT, the PING probe (and ROLE with Sentinel), command
+ * timeouts over its in-flight list, reconnect with backoff and jitter, scripts by SHA with
+ * NOSCRIPT recovery), over redis_client.c (one connection to one node, TCP or TLS),
+ * redis_sentinel.c (Sentinel), redis_slots.c and redis_cluster.c (Redis Cluster). The store
+ * itself is split along its seams:
+ *   redis_conn.c    the store's life over the link: degraded mode (answers from memory),
+ *                   the dirty set and its write-back after an outage, open (the URL) and
+ *                   close; the requests;
  *   redis_dialog.c  the dialog operations: the keys, the scripts (EVALSHA) and their
  *                   arguments, load, save, remove, forget a user, the dialog leases and their
  *                   line, merging two copies, reading the replies; the ops tables;
@@ -28,6 +27,7 @@
 
 #include "chatgate/store/redis_client.h"
 #include "chatgate/store/redis_cluster.h"
+#include "chatgate/store/redis_link.h"
 #include "chatgate/store/redis_sentinel.h"
 #include <hiredis/hiredis.h>
 
@@ -38,9 +38,6 @@
 #include "chatgate/core/net.h"
 #include "chatgate/store/store.h"
 
-/* R_ASKING: a redis-sentinel:// store asks a Sentinel for the primary (resolve, connect,
- * SENTINEL get-master-addr-by-name), before R_RESOLVING the address it named. */
-typedef enum { R_CLOSED, R_RESOLVING, R_CONNECTING, R_PROBING, R_CONNECTED, R_ASKING } redis_state;
 typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING, OP_ROOMS, OP_LIMIT } op_kind;
 
 typedef struct redis_store redis_store;
@@ -84,29 +81,30 @@ struct redis_req {
     int64_t renewed;   /* save: when the lifetimes of the keys it writes were last set, this
                         * save's time when it sets them (docs/state.md, "Lifetimes in Redis") */
     redis_req *wait_next; /* waiting for the first connection's verdict */
-    uint64_t sent_at;
-    redis_req *prev, *next; /* in flight, oldest first */
     uv_timer_t defer;          /* answers from memory come through this */
 };
 
 struct redis_store {
     cg_store base;
-    char *host; /* as in the URL; resolved before each connect */
+    /* the URL, parsed: the link (redis_link.c) connects with it; host and port name the
+     * store in logs (a cluster's first seed, Sentinel's master name) */
+    char *host;
     int port, db;
     char *user;     /* an ACL user (AUTH USER PASSWORD), or NULL */
     char *password; /* NULL: none */
-    char *address;  /* the last address connected to, for the log */
-    cg_resolve *resolve;
-    cg_redis_conn *ac;
-    redis_state state;
-    const char *setup_failed; /* "AUTH" or "SELECT": it failed on this connection, or NULL */
-    uv_timer_t connect_timer; /* connect timeout, then reconnect backoff */
-    uv_timer_t tick;          /* command timeouts */
-    int backoff;
-    int ever_connected;
+    char *master;   /* redis-sentinel:// only: the master's name at the Sentinels */
+    char **sentinel_hosts; /* parsed, then the link's */
+    int *sentinel_ports;
+    int n_sentinels;
+    char **seed_hosts;     /* redis-cluster:// only: the seeds (the link copies them) */
+    int *seed_ports;
+    int n_seeds;
+    cg_redis_tls *tls;     /* rediss: the TLS context of every connection, else NULL */
+    cg_redis_link *link;   /* the store's Redis, up or down */
+    uv_timer_t tick;       /* lease renewals, the write-back of dialogs marked while connected */
     cg_memstore *mem;
     cg_limiter *limits; /* limits per user while Redis is away (this gateway's counts only) */
-    json_t *dirty;  /* key -> {"u","r","v","b"}: written to memory only; oldest write first */
+    json_t *dirty;  /* key -> {"u","r","v","b","f"}: written to memory only; oldest write first */
     long dirty_bytes;
     long dirty_max_bytes;
     json_t *warned; /* keys told "store_degraded" in this outage */
@@ -117,35 +115,14 @@ struct redis_store {
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
     redis_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
-    cg_redis_tls *tls; /* rediss: the TLS context of every connection, else NULL */
-    /* redis-cluster:// only: the seeds (as in the URL, resolved by the router) and the router
-     * (redis_cluster.c), which stands for ac: up once it has the map and every master */
-    char **seed_hosts;
-    int *seed_ports;
-    int n_seeds;
-    cg_redis_cluster *cluster;
-    int cluster_up;
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
     long dirty_seq;
     uint64_t flushed_at; /* when the tick last sent marked dialogs again while connected (ms) */
     unsigned long long rev_seq; /* the last rev this store wrote: revs are "<holder>#<seq>" */
     unsigned long long ticket_seq; /* the last ticket a turn of this store took */
-    redis_req *head, *tail;
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
-    /* redis-sentinel:// only (master is NULL for redis://): host and port above are the
-     * primary the Sentinels named last (redis_sentinel.c asks them before each connect, and
-     * follows +switch-master). The URL's Sentinels are parsed into the three fields below,
-     * then handed to the module. */
-    char *master;          /* the master's name at the Sentinels */
-    char **sentinel_hosts;
-    int *sentinel_ports;
-    int n_sentinels;
-    cg_redis_sentinel *sentinel;
-    char *primary;          /* "ip:port" of the last primary a connection was trusted to */
-    int address_port;       /* the port that went with address, for the log */
-    int readonly_seen;      /* -READONLY replies on this connection, for the tick to act on */
     json_t *recent;         /* key -> {"u","r","t"}: dialogs saved in the last seconds, oldest
                              * first: rewritten to a new primary (the old one may have taken
                              * them after the new one was promoted) */
@@ -182,17 +159,11 @@ int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errle
 cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host, void *data,
                                    cg_redis_event_fn *on_event, char *why, size_t whylen);
 
-/* The store can send commands: its connection is up (redis://, Sentinel's primary), or the
- * cluster's router. */
+/* The store can send commands: its link is up. */
 static inline int cg_redis_linked(const redis_store *rs)
 {
-    return rs->ac != NULL || rs->cluster_up;
+    return cg_redis_link_up(rs->link);
 }
-
-/* Sends a whole RESP command whose keys are in slot (their hash tag's) on the store's
- * connection, or to the slot's master in a cluster; 0, or -1 when none takes it (fn is then
- * never called). */
-int cg_redis_send(redis_store *rs, unsigned slot, const char *cmd, size_t len, cg_redis_reply_fn *fn, void *priv);
 
 /* A reply callback for the AUTH of a side connection: a refusal fails the connection. */
 void cg_redis_auth_checked(cg_redis_conn *ac, void *reply, void *priv);
@@ -214,9 +185,6 @@ cg_dialog *cg_redis_snapshot(const cg_dialog *d);
 void cg_redis_snapshot_free(cg_dialog *s);
 /* Sentinel only: notes that r (a save) was sent, for the rewrite after a failover. */
 void cg_redis_recent_note(redis_store *rs, redis_req *r);
-/* The in-flight list, oldest first: the command timeout watches its head. */
-void cg_redis_inflight_add(redis_store *rs, redis_req *r);
-void cg_redis_inflight_remove(redis_store *rs, redis_req *r);
 /* Answers r from memory (Redis is away or failed it), now or from the loop; finishes it. */
 void cg_redis_answer_from_memory(redis_req *r);
 void cg_redis_answer_later_from_memory(redis_req *r);
