@@ -100,8 +100,9 @@ static void head_closed(uv_handle_t *handle)
     }
     cg_server *srv = h->l->srv;
     struct lws *wsi = lws_adopt_socket_vhost_readbuf(h->l->vh, h->fd, h->buf, h->give);
-    if (!wsi) /* it closed the socket */
-        cg_warn("%s: libwebsockets could not take a new connection", h->l->what);
+    if (!wsi) /* it closed the socket: it served the request buffered with it at once, and the
+               * request said "Connection: close" (lws 4.1 returns NULL then), or it refused it */
+        cg_debug("%s: libwebsockets closed a connection as it took it (served at once, or refused)", h->l->what);
     else if (h->hold) {
         /* lws has read every header but not the head's end: it reads on when the app has
          * answered (dropin.c), or at once when the connection is not to be held */
