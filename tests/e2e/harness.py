@@ -1778,7 +1778,7 @@ async def wait_listening(port, proc, what, log_path, timeout=5.0):
 class Nutcracker:
     """Debian's nutcracker (twemproxy) with hash_tag "{}" in front of Redis servers on
     `redis_ports` (docs/state.md, Redis layout). `distribution: modula`: with `ketama` and
-    fnv1a_64, Debian's 0.5 put every test user on one shard of two (README, Many machines)."""
+    fnv1a_64, Debian's 0.5 put every test user on one shard of two (docs/deployment.md)."""
 
     BINARY = "/usr/sbin/nutcracker"
 

@@ -1,9 +1,9 @@
 """End-to-end test of many machines (issue 11): HAProxy in front of two gateways on one Redis.
 
 Real processes only: Debian's haproxy (2.6), run with examples/haproxy.cfg as written but for
-the addresses and the stats socket's path (the README shows the same file: checked here), two
+the addresses and the stats socket's path (docs/deployment.md shows the same file: checked here), two
 gateway binaries (--auth header) on one redis-server, and two state apps (harness.FakeApp
-/state, one per gateway, so the test knows which gateway served a message). Covers README.md,
+/state, one per gateway, so the test knows which gateway served a message). Covers docs/deployment.md,
 "Many machines":
 - a chatgate.v1 client through HAProxy gets its hello (the subprotocol passes) and done;
 - ten users through HAProxy: both gateways serve, and a user's connections land on one
@@ -32,7 +32,7 @@ from harness import Client, check, step  # noqa: E402
 
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 EXAMPLE = harness.REPO_ROOT / "examples" / "haproxy.cfg"
-README = harness.REPO_ROOT / "README.md"
+README = harness.REPO_ROOT / "docs" / "deployment.md"  # the HAProxy example lives there
 # What the test replaces in examples/haproxy.cfg: everything else runs as written.
 EXAMPLE_BIND = "bind :80"
 EXAMPLE_SOCKET = "/run/haproxy/admin.sock"
@@ -153,8 +153,8 @@ async def wait_status(proxy, server, want, timeout):
 
 
 async def part_readme_shows_example(rules):
-    with step("README.md shows examples/haproxy.cfg as it is (the tested config)"):
-        check(example_body() in README.read_text(), "README.md's HAProxy block differs from examples/haproxy.cfg "
+    with step("docs/deployment.md shows examples/haproxy.cfg as it is (the tested config)"):
+        check(example_body() in README.read_text(), "docs/deployment.md's HAProxy block differs from examples/haproxy.cfg "
                                                     "(copy the file without its leading comment)")
 
 
