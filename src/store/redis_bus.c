@@ -124,7 +124,7 @@ static cg_redis_conn *bus_open(cg_redis_bus *b, const char *address)
     cg_redis_conn *ac = cg_redis_async_open(b->rs, address, b->port, b->host, b, on_bus_event, why,
                                             sizeof(why));
     if (ac && b->password)
-        cg_redis_send_auth(ac, b->user, b->password, cg_redis_auth_checked, NULL);
+        cg_redis_conn_auth(ac, b->user, b->password, NULL, NULL);
     return ac;
 }
 
@@ -184,7 +184,7 @@ static void sharded_subscribe(cg_redis_bus *b)
         return;
     }
     if (b->rs->password)
-        cg_redis_send_auth(b->sub, b->rs->user, b->rs->password, cg_redis_auth_checked, NULL);
+        cg_redis_conn_auth(b->sub, b->rs->user, b->rs->password, NULL, NULL);
     const char *argv[] = {"SSUBSCRIBE", b->channel};
     size_t len[] = {10, strlen(b->channel)};
     cg_redis_conn_argv(b->sub, on_message, NULL, 2, argv, len);

@@ -219,6 +219,26 @@ static void fail(cg_redis_conn *c, const char *why)
         finish(c);
 }
 
+/* A refused AUTH fails the connection: it would go on as Redis's default user, with its
+ * rights. */
+static void on_auth_checked(cg_redis_conn *c, void *reply_, void *priv)
+{
+    (void)priv;
+    redisReply *reply = reply_;
+    if (reply && reply->type == REDIS_REPLY_ERROR) {
+        char why[200];
+        snprintf(why, sizeof(why), "AUTH was answered '%.120s'", reply->str);
+        fail(c, why);
+    }
+}
+
+int cg_redis_conn_auth(cg_redis_conn *c, const char *user, const char *password, cg_redis_reply_fn *cb, void *priv)
+{
+    const char *argv[] = {"AUTH", user ? user : password, password};
+    size_t len[] = {4, strlen(argv[1]), strlen(password)};
+    return cg_redis_conn_argv(c, cb ? cb : on_auth_checked, priv, user ? 3 : 2, argv, len);
+}
+
 void cg_redis_conn_fail(cg_redis_conn *c, const char *why)
 {
     if (c)

@@ -136,26 +136,10 @@ static void cl_lost(cg_redis_cluster *cl, const char *why)
 
 /* ---- nodes ------------------------------------------------------------------------------ */
 
-/* A refused AUTH ends the connection: it would go on as Redis's default user, with its
- * rights (its close event says why). */
-static void on_auth(cg_redis_conn *c, void *reply_, void *priv)
-{
-    (void)priv;
-    redisReply *reply = reply_;
-    if (reply && reply->type == REDIS_REPLY_ERROR) {
-        char why[200];
-        snprintf(why, sizeof(why), "AUTH was answered '%.120s'", reply->str);
-        cg_redis_conn_fail(c, why);
-    }
-}
-
 static void send_auth(cg_redis_cluster *cl, cg_redis_conn *c)
 {
-    if (!cl->password)
-        return;
-    const char *argv[] = {"AUTH", cl->user ? cl->user : cl->password, cl->password};
-    size_t len[] = {4, strlen(argv[1]), strlen(cl->password)};
-    cg_redis_conn_argv(c, on_auth, NULL, cl->user ? 3 : 2, argv, len);
+    if (cl->password) /* refused, it fails the connection (its close event says why) */
+        cg_redis_conn_auth(c, cl->user, cl->password, NULL, NULL);
 }
 
 static void on_node_event(cg_redis_conn *c, int up, const char *why)

@@ -466,27 +466,6 @@ static void on_tick(uv_timer_t *t)
 
 /* ---- side connections (the bus) ----------------------------------------------------------- */
 
-/* A side connection's AUTH refused (the bus's): the connection fails, naming the answer; it
- * would go on as Redis's default user, with its rights. */
-void cg_redis_auth_checked(cg_redis_conn *ac, void *reply_, void *priv)
-{
-    (void)priv;
-    redisReply *reply = reply_;
-    if (reply && reply->type == REDIS_REPLY_ERROR) {
-        char why[200];
-        snprintf(why, sizeof(why), "AUTH was answered '%.120s'", reply->str);
-        cg_redis_conn_fail(ac, why);
-    }
-}
-
-void cg_redis_send_auth(cg_redis_conn *ac, const char *user, const char *password, cg_redis_reply_fn *cb,
-                        void *priv)
-{
-    const char *argv[] = {"AUTH", user ? user : password, password};
-    size_t len[] = {4, strlen(argv[1]), strlen(password)};
-    cg_redis_conn_argv(ac, cb, priv, user ? 3 : 2, argv, len);
-}
-
 cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host, void *data,
                                    cg_redis_event_fn *on_event, char *why, size_t whylen)
 {

@@ -409,11 +409,8 @@ static void connect_to(cg_redis_link *ln, const char *address)
     ln->state = L_CONNECTING;
     ln->setup_failed = NULL;
     cg_redis_conn_take_readonly(c);
-    if (ln->cfg.password) {
-        const char *argv[] = {"AUTH", ln->cfg.user ? ln->cfg.user : ln->cfg.password, ln->cfg.password};
-        size_t len[] = {4, strlen(argv[1]), strlen(ln->cfg.password)};
-        cg_redis_conn_argv(c, on_setup, (void *)"AUTH", ln->cfg.user ? 3 : 2, argv, len);
-    }
+    if (ln->cfg.password)
+        cg_redis_conn_auth(c, ln->cfg.user, ln->cfg.password, on_setup, (void *)"AUTH");
     if (ln->cfg.db)
         cg_redis_conn_cmd(c, on_setup, (void *)"SELECT", "SELECT %d", ln->cfg.db);
 }

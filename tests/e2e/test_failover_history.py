@@ -21,7 +21,7 @@ import time
 
 import harness
 from harness import Client, check, independent, step
-from test_sentinel import MASTER, Replica, Sentinel, metrics, wait_for
+from test_sentinel import MASTER, Replica, metrics, start_sentinels, wait_for
 
 TABS_DIALOGS = 10
 
@@ -92,16 +92,9 @@ async def lease_order(rules):
 async def sentinel_failover(rules):
     primary = await harness.RedisServer().astart()
     replica = Replica(primary)
+    sentinels = []
     try:
-        await replica.astart()
-        await wait_for("the replica's link to the primary is up",
-                       lambda: "master_link_status:up" in replica.command("INFO", "replication"), 10)
-        sentinels = [Sentinel(primary) for _ in range(3)]
-        for s in sentinels:
-            await s.astart()
-        await wait_for("every Sentinel knows the replica and the other Sentinels",
-                       lambda: all(len(s.command("SENTINEL", "replicas", MASTER)) == 1 and
-                                   len(s.command("SENTINEL", "sentinels", MASTER)) == 2 for s in sentinels), 15)
+        await start_sentinels(primary, replica, sentinels)
         url = "redis-sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in sentinels) + f"/{MASTER}"
         config = harness.state_config({"demo": harness.demo_upstream(delay_ms=2)}, "demo", store=url,
                                       history_n=200)
@@ -192,6 +185,8 @@ async def sentinel_failover(rules):
                 check(not twice, f"turns in history twice: {twice[:8]}")
                 check(not unordered, f"histories out of order: {unordered[:5]}")
     finally:
+        for s in sentinels:
+            s.cleanup(keep=True)
         replica.cleanup(keep=True)
         primary.cleanup(keep=True)
 

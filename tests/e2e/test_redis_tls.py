@@ -49,7 +49,7 @@ import time
 
 import harness
 from harness import Client, check, independent, step
-from redis_topo import CertFactory, RedisCluster, TLSRedisServer, TLSSentinel, acl_user, sentinel_url
+from redis_topo import CertFactory, RedisCluster, TLSRedisServer, TLSSentinel, acl_user, sentinel_url, wait_for
 
 USER, PASSWORD = "gwuser", "s3cret-acl"
 DEGRADED_LINE = r"redis (\S+): (.*); serving dialogs from memory until it is back"
@@ -81,22 +81,9 @@ async def all_of(*parts):
 
 
 async def poll(what, predicate, timeout, state=None):
-    """Until predicate() (run in a thread: it may ask Redis) is true; its value. Fails after
-    `timeout` s naming `what` and state() if given."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = await asyncio.to_thread(predicate)
-        except (OSError, ConnectionError, harness.RedisError):
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            seen = ""
-            if state is not None:
-                seen = f"; last seen: {await asyncio.to_thread(state)}"
-            harness.fail(f"{what}: not within {timeout:.0f} s{seen}")
-        await asyncio.sleep(0.05)
+    """redis_topo.wait_for off the event loop (its predicate may ask Redis): until predicate()
+    is true, its value; fails after `timeout` s naming `what` and state() if given."""
+    return await asyncio.to_thread(wait_for, what, predicate, timeout, state)
 
 
 async def wait_log(gw, pattern, timeout=8.0):

@@ -118,20 +118,26 @@ class Sender:
             await asyncio.sleep(0.02)
 
 
+async def start_sentinels(primary, replica, sentinels):
+    """Starts replica (of primary) and three Sentinels into the list sentinels (so that the
+    caller's cleanup sees every one started), and waits until they all know each other."""
+    await replica.astart()
+    await wait_for("the replica's link to the primary is up",
+                   lambda: "master_link_status:up" in replica.command("INFO", "replication"), 10)
+    for _ in range(3):
+        sentinels.append(Sentinel(primary))
+        await sentinels[-1].astart()
+    await wait_for("every Sentinel knows the replica and the other Sentinels",
+                   lambda: all(len(s.command("SENTINEL", "replicas", MASTER)) == 1 and
+                               len(s.command("SENTINEL", "sentinels", MASTER)) == 2 for s in sentinels), 15)
+
+
 async def failover(rules):
     primary = await harness.RedisServer().astart()
     replica = Replica(primary)
     sentinels = []
     try:
-        await replica.astart()
-        await wait_for("the replica's link to the primary is up",
-                       lambda: "master_link_status:up" in replica.command("INFO", "replication"), 10)
-        sentinels = [Sentinel(primary) for _ in range(3)]
-        for s in sentinels:
-            await s.astart()
-        await wait_for("every Sentinel knows the replica and the other Sentinels",
-                       lambda: all(len(s.command("SENTINEL", "replicas", MASTER)) == 1 and
-                                   len(s.command("SENTINEL", "sentinels", MASTER)) == 2 for s in sentinels), 15)
+        await start_sentinels(primary, replica, sentinels)
         dead = harness.free_port()  # nothing listens there: the gateway must try the next one
         url = (f"redis-sentinel://127.0.0.1:{dead}," +
                ",".join(f"127.0.0.1:{s.port}" for s in sentinels) + f"/{MASTER}")

@@ -69,7 +69,30 @@ def mockllm_modules():
                                skip_or_fail)
 
 
-class MockLLM:
+class NodeProcess:
+    """What a node server of these tests shares: its log (self.log_path, written through
+    self._log) and its stop (SIGTERM, then SIGKILL after 5 s). test_upstream_portkey.py's
+    Portkey is one too."""
+
+    def log_text(self):
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc:
+            self._log.close()
+
+
+class MockLLM(NodeProcess):
     """mock-llm as a subprocess on a free port, with `config_file` (its MOCKLLM_KEY replaced by
     `key`); test_upstream_portkey.py gives it a config of its own."""
 
@@ -107,22 +130,8 @@ class MockLLM:
                              f"{self.log_text()[-2000:]}")
             await asyncio.sleep(0.1)
 
-    def log_text(self):
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
     def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc:
-            self._log.close()
+        NodeProcess.stop(self)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -43,7 +43,6 @@ when node or npm is missing, unless CHATGATE_REQUIRE_BROWSER=1 (then it fails).
 import asyncio
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -51,7 +50,7 @@ from pathlib import Path
 
 import harness
 from harness import Client, Gateway, check, free_port, make_config, run, step
-from test_upstream_mockllm import MockLLM, http, mockllm_modules, skip_or_fail, sse_text
+from test_upstream_mockllm import MockLLM, NodeProcess, http, mockllm_modules, skip_or_fail, sse_text
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE / "portkey"
@@ -80,7 +79,7 @@ class ProviderMock(MockLLM):
         return self.log_text().count("POST /v1/chat/completions")
 
 
-class Portkey:
+class Portkey(NodeProcess):
     """The self-hosted Portkey gateway as a subprocess on a free port (--headless: no console UI)."""
 
     def __init__(self, modules):
@@ -103,23 +102,6 @@ class Portkey:
                                      stdout=self._log, stderr=subprocess.STDOUT)
         await wait_http(self.base + "/", self.proc, timeout, "Portkey", self.log_text)
         return self
-
-    def log_text(self):
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc:
-            self._log.close()
 
 
 async def wait_http(url, proc, timeout, what, log_text):

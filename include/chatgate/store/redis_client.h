@@ -75,6 +75,9 @@ int cg_redis_conn_cmd(cg_redis_conn *c, cg_redis_reply_fn *cb, void *priv, const
 /* cmd is a whole command in RESP (redisFormatCommandArgv's), copied */
 int cg_redis_conn_formatted(cg_redis_conn *c, cg_redis_reply_fn *cb, void *priv, const char *cmd, size_t len);
 
+/* AUTH [user] password; its answer to cb, or with cb NULL a refusal fails the connection
+ * (it would go on as Redis's default user). 0, or -1 as cg_redis_conn_argv. */
+int cg_redis_conn_auth(cg_redis_conn *c, const char *user, const char *password, cg_redis_reply_fn *cb, void *priv);
 /* Fails the connection (a setup answer refused, say): closed as if lost, the event says why. */
 void cg_redis_conn_fail(cg_redis_conn *c, const char *why);
 /* Closes at once: commands still waiting get NULL; no event. */

@@ -154,7 +154,7 @@ int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errle
 
 /* A connection to a resolved address on the loop (redis_client.h), TLS when the store's URL
  * is rediss (host: the name its certificate must be for), with data and its event callback
- * (the data connection, the Sentinel queries, their subscription, the bus); NULL with why
+ * (the bus's: the link opens its own); NULL with why
  * filled when it could not even start. */
 cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host, void *data,
                                    cg_redis_event_fn *on_event, char *why, size_t whylen);
@@ -164,12 +164,6 @@ static inline int cg_redis_linked(const redis_store *rs)
 {
     return cg_redis_link_up(rs->link);
 }
-
-/* A reply callback for the AUTH of a side connection: a refusal fails the connection. */
-void cg_redis_auth_checked(cg_redis_conn *ac, void *reply, void *priv);
-/* AUTH [user] password (the reply to cb). */
-void cg_redis_send_auth(cg_redis_conn *ac, const char *user, const char *password, cg_redis_reply_fn *cb,
-                        void *priv);
 
 /* Requests: a new one for (user, room), escaped; freed by cg_redis_req_finish once the
  * replies still due to it have come. */
