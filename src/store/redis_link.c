@@ -39,10 +39,10 @@ typedef struct link_cmd {
     void *priv;
     uint64_t sent_at;
     unsigned slot;
-    char *script;          /* a script command: its text for the EVAL after NOSCRIPT, and ... */
-    char *cmd;             /* ... the command itself, kept until the answer */
-    size_t len;
+    const char *script;    /* a script command: its text for the EVAL after NOSCRIPT (static) */
+    size_t len;            /* and the command itself, kept in cmd until the answer */
     struct link_cmd *prev, *next;
+    char cmd[];
 } link_cmd;
 
 struct cg_redis_link {
@@ -114,8 +114,6 @@ static void cmd_unlink(link_cmd *k)
 
 static void cmd_free(link_cmd *k)
 {
-    free(k->script);
-    free(k->cmd);
     free(k);
 }
 
@@ -155,7 +153,6 @@ static void on_cmd_reply(cg_redis_conn *c, void *reply_, void *priv)
         /* the node that answered lacks the script: once more as EVAL, to the slot's node */
         size_t len;
         char *eval = as_eval(k, &len);
-        free(k->script);
         k->script = NULL;
         if (eval && send_on_wire(ln, k, eval, len) == 0) {
             free(eval);
@@ -192,18 +189,15 @@ static int send_on_wire(cg_redis_link *ln, link_cmd *k, const char *cmd, size_t 
 static int link_send(cg_redis_link *ln, unsigned slot, const char *cmd, size_t len, const char *script,
                      cg_redis_reply_fn *cb, void *priv)
 {
-    link_cmd *k = calloc(1, sizeof(*k));
+    link_cmd *k = calloc(1, sizeof(*k) + (script ? len : 0)); /* a script's command kept in one piece */
     if (!k)
         return -1;
     k->ln = ln;
     k->cb = cb;
     k->priv = priv;
     k->slot = slot;
-    if (script && (!(k->script = strdup(script)) || !(k->cmd = malloc(len)))) {
-        cmd_free(k);
-        return -1;
-    }
     if (script) {
+        k->script = script;
         memcpy(k->cmd, cmd, len);
         k->len = len;
     }

@@ -62,7 +62,7 @@ int cg_redis_link_up(const cg_redis_link *ln);
 int cg_redis_link_send(cg_redis_link *ln, unsigned slot, const char *cmd, size_t len, cg_redis_reply_fn *cb,
                        void *priv);
 /* The same for a script command, EVALSHA <sha> ...: on NOSCRIPT it goes once more as EVAL
- * with text. */
+ * with text (not copied: it must live as long as the link, as the scripts' static texts do). */
 int cg_redis_link_script(cg_redis_link *ln, unsigned slot, const char *cmd, size_t len, const char *text,
                          cg_redis_reply_fn *cb, void *priv);
 /* The connection to the master of slot (a cluster's; the one node's otherwise), or NULL. */
