@@ -1,20 +1,15 @@
 /*
  * redis_conn.c: the Redis store's life over its link (redis_link.c: the connection, whatever
- * the topology, its probe, timeouts and reconnects), and what the store does while the link
- * is down. The dialog operations that travel over it (keys, scripts, load, save, remove) are
- * in redis_dialog.c; what the two share is in chatgate/store/redis_internal.h.
+ * the topology, its probe, timeouts and reconnects): open (the URL) and close, the requests,
+ * and what the link's going and coming mean to the store. The dialog operations that travel
+ * over it (keys, scripts, load, save, remove) are in redis_dialog.c; what the two share is in
+ * chatgate/store/redis_internal.h.
  *
- * While Redis is away (the link says down) the store answers from an in-memory store (a
- * write-through copy of what it last read or wrote, so a conversation keeps its context),
- * marks what it wrote there dirty, and writes the dirty dialogs back, merged with Redis's
- * copies, when the link is up again. The dirty set is bounded in dialogs (max_dialogs) and in
- * bytes (redis.writeback_max_bytes), least recently written going first; a dirty dialog the
- * memory copy no longer holds is never written back (that would write a blank dialog). When
- * the link came up with another primary than before (Sentinel), the dialogs saved in the
- * last seconds go again too: the old primary may have taken them after the new one was
- * promoted. What a failover can lose is in docs/state.md.
- *
- * The requests live here too, and their answers from memory are the degraded mode's.
+ * While Redis is away (the link says down) the store answers from memory: that is the
+ * fallback's (fallback.c, degraded mode for any store), which this file tells when the link
+ * goes and comes and hands the requests it cannot send. The fallback writes back what it
+ * held through the store's merging write-back (cg_redis_send_writeback). What a failover
+ * can lose is in docs/state.md.
  */
 #define _GNU_SOURCE /* asprintf */
 #include <hiredis/hiredis.h>
@@ -30,112 +25,7 @@
 #include "chatgate/core/net.h"
 #include "chatgate/store/redis_internal.h"
 
-/* The default of redis.writeback_max_bytes, for callers that leave it 0. */
-#define WRITEBACK_MAX_BYTES_DEFAULT (64L << 20)
-
 static void store_free_if_done(redis_store *rs);
-
-static uint64_t now_ms(redis_store *rs)
-{
-    return uv_now(rs->base.loop);
-}
-
-/* ---- degraded mode --------------------------------------------------------------------- */
-
-static void enter_degraded(redis_store *rs, const char *why)
-{
-    if (rs->base.stats.degraded) {
-        /* each new reason once: the first (a timeout at a slow start, say) may not be the one
-         * that keeps Redis away (a refused certificate, a wrong password) */
-        if (strncmp(rs->away_why, why, sizeof(rs->away_why) - 1) != 0) {
-            snprintf(rs->away_why, sizeof(rs->away_why), "%s", why);
-            cg_warn("redis %s:%d: still away: %s", rs->host, rs->port, why);
-        }
-        return;
-    }
-    snprintf(rs->away_why, sizeof(rs->away_why), "%s", why);
-    rs->base.stats.degraded = 1;
-    rs->base.stats.degraded_since_ms = now_ms(rs);
-    cg_warn("redis %s:%d: %s; serving dialogs from memory until it is back", rs->host, rs->port, why);
-    cg_redis_drain_waiting(rs); /* from memory now */
-}
-
-static void leave_degraded(redis_store *rs)
-{
-    if (!rs->base.stats.degraded)
-        return;
-    rs->base.stats.degraded = 0;
-    rs->base.stats.degraded_seconds += (double)(now_ms(rs) - rs->base.stats.degraded_since_ms) / 1000.0;
-    json_object_clear(rs->warned);
-}
-
-/* The warning goes with the answer to a load, the one that reaches the client before its
- * ack; a save's answer reaches nobody, so it must not use up the dialog's warning. */
-static cg_store_status degraded_status(redis_store *rs, const char *key, int load)
-{
-    cg_store_status st = {1, 0, 0};
-    if (load && !json_object_get(rs->warned, key)) {
-        if (json_object_size(rs->warned) > 100000)
-            json_object_clear(rs->warned);
-        st.warn = json_object_set_new(rs->warned, key, json_true()) == 0;
-    }
-    rs->base.stats.degraded_answers++;
-    return st;
-}
-
-/* ---- the dirty set: dialogs written to memory only, waiting for the write-back ---------- */
-
-static void dirty_gauges(redis_store *rs)
-{
-    rs->base.stats.writeback_pending = (long)json_object_size(rs->dirty);
-    rs->base.stats.writeback_pending_bytes = rs->dirty_bytes;
-}
-
-void cg_redis_dirty_del(redis_store *rs, const char *key)
-{
-    json_t *entry = json_object_get(rs->dirty, key);
-    if (!entry)
-        return;
-    rs->dirty_bytes -= (long)json_integer_value(json_object_get(entry, "b"));
-    json_object_del(rs->dirty, key);
-    dirty_gauges(rs);
-}
-
-/* Keeps the dirty set within max_dialogs and writeback_max_bytes: the least recently written
- * dialogs lose their write-back (the memory copy keeps serving them while it holds them). */
-static void dirty_bound(redis_store *rs)
-{
-    long dropped = 0;
-    while (json_object_size(rs->dirty) > 0 &&
-           ((long)json_object_size(rs->dirty) > rs->base.cfg.max_dialogs || rs->dirty_bytes > rs->dirty_max_bytes)) {
-        void *it = json_object_iter(rs->dirty);
-        cg_redis_dirty_del(rs, json_object_iter_key(it));
-        rs->base.stats.writeback_dropped_bound++;
-        dropped++;
-    }
-    if (dropped)
-        cg_warn("redis %s:%d: %ld dialogs held for the write-back dropped to stay within %ld dialogs and %ld bytes",
-                rs->host, rs->port, dropped, rs->base.cfg.max_dialogs, rs->dirty_max_bytes);
-}
-
-/* Marks r's dialog (its snapshot) as written to memory only; the newest goes last. */
-void cg_redis_mark_dirty(redis_store *rs, redis_req *r)
-{
-    size_t bytes = cg_dialog_weight(r->snapshot) + strlen(r->key) + 64; /* about its JSON */
-    json_t *old = json_object_get(rs->dirty, r->key);
-    int base_unknown = json_object_get(rs->unknown, r->key) || json_is_true(json_object_get(old, "n"));
-    cg_redis_dirty_del(rs, r->key); /* re-added at the end: the set runs from least to most recent */
-    json_t *entry = json_pack("{s:s, s:s, s:I, s:I, s:b}", "u", r->eu, "r", r->er, "v", (json_int_t)++rs->dirty_seq,
-                              "b", (json_int_t)bytes, "n", base_unknown);
-    if (!entry || json_object_set_new(rs->dirty, r->key, entry) < 0) {
-        cg_error("redis %s:%d: out of memory: a dialog will not be written back", rs->host, rs->port);
-        rs->base.stats.writeback_dropped_bound++;
-        return;
-    }
-    rs->dirty_bytes += (long)bytes;
-    dirty_bound(rs);
-    dirty_gauges(rs);
-}
 
 /* ---- requests -------------------------------------------------------------------------- */
 
@@ -197,95 +87,6 @@ redis_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, con
     return r;
 }
 
-/*
- * A failover loses the writes the old primary took after the new one was promoted (from
- * SENTINEL's REPLICAOF NO ONE to the +switch-master we act on: about a second when
- * Sentinel runs the failover, the down-after time and more when the old primary died).
- * The gateway holds what it wrote in memory, so with Sentinel it notes each dialog it saves
- * and, on a switch, writes back the ones saved in the last SWITCH_REWRITE_MS through the
- * conditional save (never over a newer copy another gateway wrote since). Bounded by
- * max_dialogs here, and by the write-back's own bounds after.
- */
-#define SWITCH_REWRITE_MS 30000
-
-void cg_redis_recent_note(redis_store *rs, redis_req *r)
-{
-    uint64_t now = now_ms(rs);
-    json_object_del(rs->recent, r->key); /* re-added at the end: the set runs oldest first */
-    while (json_object_size(rs->recent) > 0) {
-        void *it = json_object_iter(rs->recent);
-        uint64_t t = (uint64_t)json_integer_value(json_object_get(json_object_iter_value(it), "t"));
-        if (now - t <= SWITCH_REWRITE_MS && (long)json_object_size(rs->recent) < rs->base.cfg.max_dialogs)
-            break;
-        json_object_del(rs->recent, json_object_iter_key(it));
-    }
-    json_object_set_new(rs->recent, r->key, json_pack("{s:s, s:s, s:I}", "u", r->eu, "r", r->er, "t", (json_int_t)now));
-}
-
-/* The primary changed: the dialogs saved lately join the write-back (see recent_note). */
-static void rewrite_recent(redis_store *rs)
-{
-    uint64_t now = now_ms(rs);
-    const char *key;
-    json_t *entry;
-    void *tmp;
-    long n = 0;
-    json_object_foreach_safe(rs->recent, tmp, key, entry) {
-        const char *eu = json_string_value(json_object_get(entry, "u"));
-        const char *er = json_string_value(json_object_get(entry, "r"));
-        uint64_t t = (uint64_t)json_integer_value(json_object_get(entry, "t"));
-        if (!eu || !er || now - t > SWITCH_REWRITE_MS || json_object_get(rs->dirty, key))
-            continue;
-        cg_dialog d;
-        int held = cg_memstore_get(rs->mem, key, rs->base.now(rs->base.clock_ctx), &d);
-        if (!held) {
-            cg_dialog_free(&d);
-            continue; /* no longer in memory: Redis keeps what the new primary has */
-        }
-        redis_req r = {.rs = rs, .eu = (char *)eu, .er = (char *)er, .key = (char *)key, .snapshot = &d};
-        cg_redis_mark_dirty(rs, &r);
-        cg_dialog_free(&d);
-        n++;
-    }
-    json_object_clear(rs->recent);
-    if (n)
-        cg_info("redis %s:%d: writing %ld dialogs saved in the last %d s again: the old primary may have taken "
-                "them after this one was promoted",
-                rs->host, rs->port, n, SWITCH_REWRITE_MS / 1000);
-}
-
-/* Drops r's dialog (or, for remove_user, every dialog of its user) from the write-back. */
-void cg_redis_forget_dirty(redis_store *rs, redis_req *r)
-{
-    if (r->kind != OP_REMOVE_USER) {
-        cg_redis_dirty_del(rs, r->key);
-        return;
-    }
-    const char *key;
-    json_t *entry;
-    void *tmp;
-    json_object_foreach_safe(rs->dirty, tmp, key, entry) {
-        const char *u = json_string_value(json_object_get(entry, "u"));
-        if (u && strcmp(u, r->eu) == 0)
-            cg_redis_dirty_del(rs, key);
-    }
-}
-
-/* key was served fresh from memory while Redis was away: until Redis is read or written
- * for it, a save of it must not replace a copy Redis may hold. */
-static void unknown_add(redis_store *rs, const char *key)
-{
-    while ((long)json_object_size(rs->unknown) >= rs->base.cfg.max_dialogs && json_object_size(rs->unknown))
-        json_object_del(rs->unknown, json_object_iter_key(json_object_iter(rs->unknown)));
-    json_object_set_new(rs->unknown, key, json_true()); /* out of memory: created_at still guards */
-}
-
-void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snapshot, const char *rev,
-                         int64_t renewed)
-{
-    cg_memstore_keep(rs->mem, key, snapshot, rs->base.now(rs->base.clock_ctx), rev, renewed);
-}
-
 cg_dialog *cg_redis_snapshot(const cg_dialog *d)
 {
     cg_dialog *s = malloc(sizeof(*s));
@@ -308,45 +109,52 @@ void cg_redis_snapshot_free(cg_dialog *s)
 void cg_redis_answer_from_memory(redis_req *r)
 {
     redis_store *rs = r->rs;
-    int64_t now = rs->base.now(rs->base.clock_ctx);
-    cg_store_status st = degraded_status(rs, r->key, r->kind == OP_LOAD);
-    if (r->kind == OP_LOAD) {
+    cg_fallback *fb = rs->fb;
+    int wanted = !r->abandoned && !rs->closing;
+    cg_store_status st = cg_fallback_answer(fb, r->key, r->kind == OP_LOAD);
+    switch (r->kind) {
+    case OP_LOAD: {
         cg_dialog d;
-        st.found = cg_memstore_get(rs->mem, r->key, now, &d);
-        if (!st.found)
-            unknown_add(rs, r->key);
-        if (!r->abandoned && !rs->closing)
+        st.found = cg_fallback_load(fb, r->key, &d);
+        if (wanted)
             r->load_cb(r->ctx, &d, &st);
         else
             cg_dialog_free(&d);
-    } else if (r->kind == OP_SAVE) {
-        if (!r->version && r->snapshot) { /* a write-back that failed stays as it is: dirty, in memory */
-            cg_redis_memory_put(rs, r->key, r->snapshot, NULL, 0);
-            cg_redis_mark_dirty(rs, r);
-        } else if (r->version) { /* the write-back failed: the tick sends it again (flush_again) */
-            json_t *entry = json_object_get(rs->dirty, r->key);
-            if (entry && json_integer_value(json_object_get(entry, "v")) == r->version)
-                json_object_del(entry, "f");
-        }
-        if (!r->abandoned && !rs->closing && r->done_cb)
+        break;
+    }
+    case OP_SAVE:
+        if (r->version) /* a write-back that failed: it goes again (the tick, a reconnect) */
+            cg_fallback_writeback_failed(fb, r->key, r->version);
+        else if (r->snapshot) /* kept in memory, dirty, for the write-back */
+            cg_fallback_save(fb, r->key, r->eu, r->er, r->snapshot);
+        if (wanted && r->done_cb)
             r->done_cb(r->ctx, &st);
-    } else if (r->kind == OP_ROOMS) {
-        json_t *rooms = cg_memstore_rooms(rs->mem, r->key); /* r->key: "<escaped user>:" */
-        if (!r->abandoned && !rs->closing)
+        break;
+    case OP_ROOMS: {
+        json_t *rooms = cg_fallback_rooms(fb, r->key); /* r->key: "<escaped user>:" */
+        if (wanted)
             r->rooms_cb(r->ctx, rooms, &st);
         json_decref(rooms);
-    } else if (r->kind == OP_LIMIT && !r->abandoned && !rs->closing) { /* a turn gone is not counted */
-        cg_limit_verdict v;
-        cg_limiter_take(rs->limits, r->eu, &r->limits, cg_store_now_ms(&rs->base), &v);
-        r->limit_cb(r->ctx, &v, &st);
-    } else if (r->kind == OP_REMOVE || r->kind == OP_REMOVE_USER) {
+        break;
+    }
+    case OP_LIMIT:
+        if (wanted) { /* a turn gone is not counted */
+            cg_limit_verdict v;
+            cg_fallback_limit(fb, r->eu, &r->limits, cg_store_now_ms(&rs->base), &v);
+            r->limit_cb(r->ctx, &v, &st);
+        }
+        break;
+    case OP_REMOVE:
+    case OP_REMOVE_USER:
         if (r->kind == OP_REMOVE)
-            cg_memstore_del(rs->mem, r->key);
+            cg_fallback_remove(fb, r->key);
         else
-            cg_memstore_del_user(rs->mem, r->user);
-        cg_redis_forget_dirty(rs, r);
-        if (!r->abandoned && !rs->closing && r->done_cb)
+            cg_fallback_remove_user(fb, r->user, r->eu);
+        if (wanted && r->done_cb)
             r->done_cb(r->ctx, &st);
+        break;
+    case OP_PING:
+        break;
     }
     cg_redis_req_finish(r);
 }
@@ -360,98 +168,44 @@ void cg_redis_answer_later_from_memory(redis_req *r)
 {
     uv_timer_start(&r->defer, deferred_answer, 0, 0);
 }
-/* ---- the connection -------------------------------------------------------------------- */
+/* ---- the link ------------------------------------------------------------------------- */
 
-/* Writes back one dirty dialog as memory holds it; returns 0, or -1 when memory no longer
- * holds it (evicted or expired): it is dropped then, never written blank over Redis's copy. */
-int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry)
+/* The fallback's write-back of d (a dialog written to memory only): a save, merged with
+ * Redis's copy first (another gateway may have written it). */
+static int writeback(void *backend, const cg_fallback_dirty *item, cg_dialog *d)
 {
-    const char *eu = json_string_value(json_object_get(entry, "u"));
-    const char *er = json_string_value(json_object_get(entry, "r"));
-    cg_dialog d;
-    if (!eu || !er || !cg_memstore_get(rs->mem, key, rs->base.now(rs->base.clock_ctx), &d)) {
-        if (eu && er)
-            cg_dialog_free(&d);
-        cg_redis_dirty_del(rs, key);
-        rs->base.stats.writeback_dropped_gone++;
+    redis_store *rs = backend;
+    redis_req *r = req_alloc(rs, OP_SAVE, cg_redis_xstrdup(item->eu), cg_redis_xstrdup(item->er), NULL);
+    r->snapshot = malloc(sizeof(*r->snapshot));
+    if (!r->snapshot) {
+        cg_dialog_free(d);
+        cg_redis_req_finish(r);
         return -1;
     }
-    redis_req *r = req_alloc(rs, OP_SAVE, cg_redis_xstrdup(eu), cg_redis_xstrdup(er), NULL);
-    r->snapshot = cg_redis_snapshot(&d);
-    cg_dialog_free(&d);
-    r->version = (long)json_integer_value(json_object_get(entry, "v"));
-    r->base_unknown = json_is_true(json_object_get(entry, "n"));
-    json_object_set_new(entry, "f", json_true()); /* its write-back is in flight */
-    if (r->snapshot) {
-        cg_redis_send_writeback(rs, r); /* merged with Redis's copy: another gateway may have written it */
-        /* Redis runs this write-back before any save sent after it on the connection: those
-         * are updates of this copy (created_at still guards them), not create-only */
-        json_object_del(rs->unknown, key);
-    } else
-        cg_redis_req_finish(r); /* out of memory: still dirty, tried again at the next reconnect */
+    *r->snapshot = *d; /* moved: the request owns it now */
+    r->version = item->version;
+    r->base_unknown = item->base_unknown;
+    cg_redis_send_writeback(rs, r);
     return 0;
 }
 
-static void flush_dirty(redis_store *rs)
-{
-    const char *key;
-    json_t *entry;
-    void *tmp;
-    long gone = 0;
-    size_t sent = 0;
-    json_object_foreach_safe(rs->dirty, tmp, key, entry) {
-        if (cg_redis_flush_one(rs, key, entry) < 0)
-            gone++;
-        else
-            sent++;
-    }
-    if (gone)
-        cg_warn("redis %s:%d: %ld dialogs written during the outage are no longer held in memory (evicted or "
-                "expired): not written back, Redis keeps its copy",
-                rs->host, rs->port, gone);
-    if (sent)
-        cg_info("redis %s:%d: writing back %zu dialogs held in memory", rs->host, rs->port, sent);
-}
-
-/*
- * A dialog can be marked for the write-back while Redis is connected: its save failed with an
- * error answer (a cluster's slot migrating past the retries, -OOM, ...). Nothing reconnects
- * then, so the tick sends the marked dialogs whose write-back is not in flight again, once a
- * second; until then they are served from memory, as in an outage.
- */
-#define FLUSH_AGAIN_MS 1000
-
-static void flush_again(redis_store *rs)
-{
-    uint64_t now = now_ms(rs);
-    if (!json_object_size(rs->dirty) || rs->base.stats.degraded || now - rs->flushed_at < FLUSH_AGAIN_MS)
-        return;
-    rs->flushed_at = now;
-    const char *key;
-    json_t *entry;
-    void *tmp;
-    json_object_foreach_safe(rs->dirty, tmp, key, entry) {
-        if (!json_is_true(json_object_get(entry, "f")))
-            cg_redis_flush_one(rs, key, entry);
-    }
-}
+static const cg_fallback_backend_ops redis_backend = {.writeback = writeback};
 
 /* The link is up: the store uses it, and writes back what it held (moved: Sentinel named
  * another primary, which may lack what the old one took last: those dialogs go again). */
 static void on_link_up(void *data, int moved)
 {
     redis_store *rs = data;
-    if (moved)
-        rewrite_recent(rs);
-    leave_degraded(rs);
-    flush_dirty(rs);
+    cg_fallback_up(rs->fb, moved);
     cg_redis_drain_waiting(rs);
 }
 
 /* The link is down (it reconnects by itself): the store answers from memory meanwhile. */
 static void on_link_down(void *data, const char *why)
 {
-    enter_degraded(data, why);
+    redis_store *rs = data;
+    cg_fallback_down(rs->fb, why);
+    cg_redis_drain_waiting(rs); /* from memory now */
 }
 
 /* Every 100 ms: the leases held renewed, the dialogs marked while connected sent again. */
@@ -460,7 +214,7 @@ static void on_tick(uv_timer_t *t)
     redis_store *rs = t->data;
     if (cg_redis_linked(rs)) {
         cg_redis_renew_leases(rs);
-        flush_again(rs);
+        cg_fallback_tick(rs->fb);
     }
 }
 
@@ -486,8 +240,7 @@ static void handle_closed(uv_handle_t *h)
 /* Frees rs and what it owns (what open has not made yet is NULL: a bad URL's store too). */
 static void store_free(redis_store *rs)
 {
-    cg_memstore_free(rs->mem);
-    cg_limiter_free(rs->limits);
+    cg_fallback_free(rs->fb);
     for (int i = 0; i < rs->n_sentinels; i++)
         free(rs->sentinel_hosts[i]);
     free(rs->sentinel_hosts);
@@ -497,12 +250,8 @@ static void store_free(redis_store *rs)
     free(rs->seed_hosts);
     free(rs->seed_ports);
     free(rs->master);
-    json_decref(rs->dirty);
-    json_decref(rs->warned);
-    json_decref(rs->unknown);
     json_decref(rs->leases);
     json_decref(rs->saving);
-    json_decref(rs->recent);
     free(rs->host);
     free(rs->user);
     free(rs->password);
@@ -536,9 +285,7 @@ void cg_redis_close(cg_store *st)
     uv_timer_stop(&rs->tick);
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;
-    if (json_object_size(rs->dirty))
-        cg_warn("redis %s:%d: stopping with %zu dialogs not yet written back", rs->host, rs->port,
-                json_object_size(rs->dirty));
+    cg_fallback_closing(rs->fb);
     if (rs->link)
         cg_redis_link_close(rs->link, on_link_closed);
     else
@@ -843,21 +590,15 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->base.loop = loop;
     rs->base.cfg = *cfg;
     rs->base.now = cg_store_default_now;
-    rs->dirty_max_bytes = cfg->writeback_max_bytes > 0 ? cfg->writeback_max_bytes : WRITEBACK_MAX_BYTES_DEFAULT;
-    rs->mem = cg_memstore_new(cfg->max_dialogs, &cfg->lifetimes, &rs->base.stats);
-    rs->limits = cg_limiter_new(cfg->max_dialogs);
-    rs->dirty = json_object();
-    rs->warned = json_object();
-    rs->unknown = json_object();
+    char name[96];
+    snprintf(name, sizeof(name), "redis %s:%d", rs->host, rs->port);
+    rs->fb = cg_fallback_new(&rs->base, name, &redis_backend, rs);
     rs->leases = json_object();
     rs->saving = json_object();
-    rs->recent = json_object();
     cg_redis_scripts_init();
     lease_holder_id(rs);
-    if (!rs->mem || !rs->recent || !rs->dirty || !rs->warned || !rs->unknown || !rs->leases || !rs->saving)
+    if (!rs->leases || !rs->saving)
         abort(); /* out of memory at startup */
-    if (cfg->max_bytes > 0)
-        cg_memstore_set_max_bytes(rs->mem, cfg->max_bytes);
     uv_timer_init(loop, &rs->tick);
     rs->tick.data = rs;
     rs->handles = 1;

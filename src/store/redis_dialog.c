@@ -754,10 +754,10 @@ static size_t params_count(json_t *params)
  */
 static int load_cached(redis_store *rs, redis_req *r, redisReply *reply, int64_t now, cg_dialog *d)
 {
-    const char *rev = cg_memstore_rev(rs->mem, r->key, now);
+    const char *rev = cg_memstore_rev(cg_fallback_copy(rs->fb), r->key, now);
     if (reply->elements != 2 || !rev || strcmp(rev, r->rev) != 0)
         return 0;
-    if (!cg_memstore_get(rs->mem, r->key, now, d))
+    if (!cg_memstore_get(cg_fallback_copy(rs->fb), r->key, now, d))
         return 0;
     if (params_count(d->params) == r->copy_params && json_array_size(d->history) == r->copy_history)
         return 1;
@@ -803,7 +803,7 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
         save->merge_rev = cg_redis_xstrdup(rev ? rev : "");
         return 0;
     }
-    cg_memstore_put_rev(rs->mem, r->key, d, now, rev, 0); /* the copy that survives an outage */
+    cg_memstore_put_rev(cg_fallback_copy(rs->fb), r->key, d, now, rev, 0); /* the copy that survives an outage */
     return 0;
 }
 
@@ -833,7 +833,7 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     if (rc == 1)
         return; /* sent again, in full */
     redisReply *lease = reply->element[0];
-    json_object_del(rs->unknown, r->key);      /* Redis's copy is known now */
+    cg_fallback_known(rs->fb, r->key); /* Redis's copy is known now */
     cg_store_status st = {0, 0, 0};
     for (size_t i = 1; i < reply->elements; i++) /* any of the five keys there ("same": the dialog is) */
         st.found |= reply->element[i]->type == REDIS_REPLY_STRING ||
@@ -856,7 +856,7 @@ static void send_load(redis_store *rs, redis_req *r)
      * one without the lease is an admin's read, rare, and reads everything) */
     cg_memstore_view v = {0};
     if (r->lease && !r->full)
-        (void)cg_memstore_view_of(rs->mem, r->key, rs->base.now(rs->base.clock_ctx), &v);
+        (void)cg_memstore_view_of(cg_fallback_copy(rs->fb), r->key, rs->base.now(rs->base.clock_ctx), &v);
     free(r->rev);
     r->rev = v.rev ? cg_redis_xstrdup(v.rev) : NULL;
     r->copy_params = params_count(v.params);
@@ -1419,8 +1419,7 @@ static void save_refused(redis_store *rs, redis_req *r, long long why)
                 rs->port, r->version ? "write-back" : "save",
                 why == 0 ? "another copy (this one began while Redis was away)" : "a newer copy");
     }
-    cg_memstore_del(rs->mem, r->key);
-    json_object_del(rs->unknown, r->key); /* the next load reads Redis's copy */
+    cg_fallback_forget(rs->fb, r->key); /* the next load reads Redis's copy */
 }
 
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply);
@@ -1457,7 +1456,7 @@ static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *rep
         if (!key)
             abort();
         sprintf(key, "%s:%s", r->eu, er); /* the gateway's key of that dialog (cg_store_dialog_key) */
-        cg_memstore_del(rs->mem, key);
+        cg_fallback_remove(rs->fb, key);
         arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);
         free(key);
         free(er);
@@ -1588,28 +1587,15 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
         cg_redis_answer_from_memory(r); /* keeps it in memory, dirty, for the write-back */
         return;
     }
-    json_t *entry = r->version ? json_object_get(rs->dirty, r->key) : NULL;
-    if (entry && json_integer_value(json_object_get(entry, "v")) == r->version) {
-        cg_redis_dirty_del(rs, r->key); /* a write-back: done */
-        if (reply->integer == 1)
-            rs->base.stats.flushed++;
-    } else if (entry && reply->integer == 1 && cg_redis_linked(rs)) {
-        /* changed meanwhile: its newer version, now; Redis holds this dialog's copy now, so
-         * the newer one is an update, not a create-only (that would be refused) */
-        json_object_set_new(entry, "n", json_false());
-        json_object_del(rs->unknown, r->key);
-        cg_redis_flush_one(rs, r->key, entry);
-    }
-    if (reply->integer == 1)
-        json_object_del(rs->unknown, r->key); /* written: Redis's copy is ours, known */
-    if (reply->integer != 1) {
+    int written = reply->integer == 1;
+    cg_fallback_written(rs->fb, r->key, r->version, written); /* a write-back's end */
+    if (!written) {
         save_refused(rs, r, reply->integer);
-        if (entry && json_object_get(rs->dirty, r->key) == entry)
-            cg_redis_dirty_del(rs, r->key); /* a newer outage write of the same copy: refused too */
-    } else if (!r->version || (r->merges && !json_object_get(rs->dirty, r->key))) {
+    } else if (!r->version || (r->merges && !cg_fallback_is_dirty(rs->fb, r->key))) {
         /* Redis's copy, of this rev (a merge's, unless a newer write of the dialog waits in
          * memory: that one stays, and is merged in its turn) */
-        cg_redis_memory_put(rs, r->key, r->snapshot, r->rev, r->renewed);
+        cg_memstore_keep(cg_fallback_copy(rs->fb), r->key, r->snapshot, rs->base.now(rs->base.clock_ctx), r->rev,
+                         r->renewed);
         rs->base.stats.saves_appended += (unsigned long)r->appended;
     }
     static const cg_store_status ok = {0, 0, 0};
@@ -1692,7 +1678,7 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     int64_t longest_lifetime = longest;
 
     cg_memstore_view copy; /* the gateway's copy: what this save can append to */
-    cg_memstore_view_of(rs->mem, r->key, now, &copy);
+    cg_memstore_view_of(cg_fallback_copy(rs->fb), r->key, now, &copy);
     size_t n_had = 0;
     long from = r->version || r->full || r->merge_rev ? -1 : history_appended_from(&copy, d->history, &n_had);
     if (from < 0 && copy.rev && !r->merge_rev && !r->version && r->merges < MERGE_TRIES) {
@@ -1710,7 +1696,7 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     arg_int(&a, (long long)d->created_at);
     arg_int(&a, (long long)d->last_activity);
     arg_str(&a, r->merge_rev                                               ? "3"
-                : r->base_unknown || json_object_get(rs->unknown, r->key) ? "2"
+                : r->base_unknown || cg_fallback_base_unknown(rs->fb, r->key) ? "2"
                 : r->version                                              ? "1"
                                                                           : "0");
     arg_int(&a, (long long)lt->params_s);
@@ -1771,7 +1757,7 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     if (send_last_script(rs, S_SAVE, &a, on_save_reply, r) < 0)
         gate_leave(rs, r->key);
     else if (rs->master)
-        cg_redis_recent_note(rs, r);
+        cg_fallback_note_saved(rs->fb, r->key, r->eu, r->er);
     argv_free(&a);
 }
 
@@ -1788,7 +1774,7 @@ static void on_remove_reply(cg_redis_conn *ac, void *reply_, void *priv)
         return;
     }
     if (r->kind == OP_REMOVE)
-        cg_memstore_del(rs->mem, r->key);
+        cg_fallback_remove(rs->fb, r->key);
     static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && !rs->closing && r->done_cb)
         r->done_cb(r->ctx, &ok);
@@ -1814,7 +1800,7 @@ static void dispatch(redis_store *rs, redis_req *r)
 {
     int connected = cg_redis_linked(rs) && !rs->closing;
     /* a dirty dialog is read and written in memory until its write-back */
-    int clean = connected && !json_object_get(rs->dirty, r->key);
+    int clean = connected && !cg_fallback_is_dirty(rs->fb, r->key);
     if (r->kind == OP_LOAD && clean) {
         if (!gated(rs, r))
             send_load(rs, r);
@@ -1822,8 +1808,7 @@ static void dispatch(redis_store *rs, redis_req *r)
         cg_redis_send_save(rs, r);
     } else if (r->kind == OP_SAVE && r->snapshot) {
         /* written to memory now, so a load queued after this save sees it */
-        cg_redis_memory_put(rs, r->key, r->snapshot, NULL, 0);
-        cg_redis_mark_dirty(rs, r);
+        cg_fallback_save(rs->fb, r->key, r->eu, r->er, r->snapshot);
         cg_redis_snapshot_free(r->snapshot); /* held in memory now: cg_redis_answer_from_memory only answers it */
         r->snapshot = NULL;
         cg_redis_answer_later_from_memory(r);
@@ -1919,7 +1904,7 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
     st->stats.deletes++;
     redis_req *r = cg_redis_req_new(rs, OP_REMOVE, user, room, ctx);
     r->done_cb = cb;
-    cg_redis_dirty_del(rs, r->key);
+    cg_fallback_remove(rs->fb, r->key); /* from memory and the write-back, whatever Redis says */
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
@@ -2015,9 +2000,7 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
     st->stats.deletes++;
     redis_req *r = cg_redis_req_new(rs, OP_REMOVE_USER, user, "", ctx);
     r->done_cb = cb;
-    cg_memstore_del_user(rs->mem, user);
-    cg_limiter_forget(rs->limits, r->eu); /* the counts kept here while Redis was away */
-    cg_redis_forget_dirty(rs, r);
+    cg_fallback_remove_user(rs->fb, user, r->eu); /* memory, write-back and the counts kept here */
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
@@ -2052,7 +2035,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
     int64_t now = cg_store_now_ms(&rs->base);
     int connected = cg_redis_linked(rs) && !rs->closing;
     if (local || !connected) {
-        cg_limiter_end(rs->limits, eu, lim, tokens, now);
+        cg_fallback_limit_end(rs->fb, eu, lim, tokens, now);
     } else {
         cg_limit_clock c;
         cg_limit_clock_at(now, &c);
@@ -2068,7 +2051,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
         arg_int(&a, (long long)(c.to_minute_ms + 1000));
         arg_int(&a, (long long)(c.to_day_ms + 1000));
         if (send_script(rs, S_LIMIT_END, &a, on_limit_end_reply, NULL) < 0)
-            cg_limiter_end(rs->limits, eu, lim, tokens, now);
+            cg_fallback_limit_end(rs->fb, eu, lim, tokens, now);
         argv_free(&a);
     }
 }

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "chatgate/core/net.h"
+#include "chatgate/store/fallback.h"
 #include "chatgate/store/store.h"
 
 typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING, OP_ROOMS, OP_LIMIT } op_kind;
@@ -102,30 +103,18 @@ struct redis_store {
     cg_redis_tls *tls;     /* rediss: the TLS context of every connection, else NULL */
     cg_redis_link *link;   /* the store's Redis, up or down */
     uv_timer_t tick;       /* lease renewals, the write-back of dialogs marked while connected */
-    cg_memstore *mem;
-    cg_limiter *limits; /* limits per user while Redis is away (this gateway's counts only) */
-    json_t *dirty;  /* key -> {"u","r","v","b","f"}: written to memory only; oldest write first */
-    long dirty_bytes;
-    long dirty_max_bytes;
-    json_t *warned; /* keys told "store_degraded" in this outage */
-    char away_why[160]; /* why Redis is away, as last logged (each new reason is logged once) */
-    json_t *unknown; /* keys loaded from memory, not found, while Redis was away: Redis's copy
-                      * is unknown, so a save of them only creates (oldest first, bounded) */
+    cg_fallback *fb; /* degraded mode (fallback.c): the gateway's copy of the dialogs, what
+                      * it wrote while Redis was away, the limits counted meanwhile */
     redis_req *waiting, *waiting_tail; /* before the first connection is decided */
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
     redis_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
-    long dirty_seq;
-    uint64_t flushed_at; /* when the tick last sent marked dialogs again while connected (ms) */
     unsigned long long rev_seq; /* the last rev this store wrote: revs are "<holder>#<seq>" */
     unsigned long long ticket_seq; /* the last ticket a turn of this store took */
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
-    json_t *recent;         /* key -> {"u","r","t"}: dialogs saved in the last seconds, oldest
-                             * first: rewritten to a new primary (the old one may have taken
-                             * them after the new one was promoted) */
 };
 
 static inline char *cg_redis_xstrdup(const char *s)
@@ -169,25 +158,12 @@ static inline int cg_redis_linked(const redis_store *rs)
  * replies still due to it have come. */
 redis_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
 void cg_redis_req_finish(redis_req *r);
-/* Keeps snapshot (a saved dialog) in memory under key, its parts shared; rev when it is
- * Redis's copy of that version (a save's), else NULL, and renewed, when a save last set its
- * keys' lifetimes (0: not known; cg_memstore_put_rev). */
-void cg_redis_memory_put(redis_store *rs, const char *key, const cg_dialog *snapshot, const char *rev,
-                         int64_t renewed);
 /* A save's snapshot of d (its parts shared), or NULL out of memory; and its end. */
 cg_dialog *cg_redis_snapshot(const cg_dialog *d);
 void cg_redis_snapshot_free(cg_dialog *s);
-/* Sentinel only: notes that r (a save) was sent, for the rewrite after a failover. */
-void cg_redis_recent_note(redis_store *rs, redis_req *r);
 /* Answers r from memory (Redis is away or failed it), now or from the loop; finishes it. */
 void cg_redis_answer_from_memory(redis_req *r);
 void cg_redis_answer_later_from_memory(redis_req *r);
-/* The dirty set: dialogs written to memory only, waiting for the write-back. */
-void cg_redis_mark_dirty(redis_store *rs, redis_req *r);
-void cg_redis_dirty_del(redis_store *rs, const char *key);
-void cg_redis_forget_dirty(redis_store *rs, redis_req *r);
-/* Writes back one dirty dialog; -1 when memory no longer holds it (dropped then). */
-int cg_redis_flush_one(redis_store *rs, const char *key, json_t *entry);
 /* The ops table's close. */
 void cg_redis_close(cg_store *st);
 
