@@ -227,9 +227,8 @@ static void flush_dirty(cg_fallback *fb)
         cg_info("%s: writing back %zu dialogs held in memory", fb->name, sent);
 }
 
-void cg_fallback_tick(cg_fallback *fb)
+void cg_fallback_tick(cg_fallback *fb, uint64_t now)
 {
-    uint64_t now = now_ms(fb);
     if (!json_object_size(fb->dirty) || fb->st->stats.degraded || now - fb->flushed_at < FLUSH_AGAIN_MS)
         return;
     fb->flushed_at = now;
@@ -359,7 +358,7 @@ void cg_fallback_closing(cg_fallback *fb)
 
 /* ---- answers from memory --------------------------------------------------------------- */
 
-cg_store_status cg_fallback_answer(cg_fallback *fb, const char *key, int load)
+static cg_store_status answer_status(cg_fallback *fb, const char *key, int load)
 {
     cg_store_status st = {1, 0, 0};
     if (load && !json_object_get(fb->warned, key)) {
@@ -387,7 +386,7 @@ void cg_fallback_forget(cg_fallback *fb, const char *key)
     json_object_del(fb->unknown, key);
 }
 
-int cg_fallback_load(cg_fallback *fb, const char *key, cg_dialog *d)
+static int load_from_memory(cg_fallback *fb, const char *key, cg_dialog *d)
 {
     int found = cg_memstore_get(fb->mem, key, now_s(fb), d);
     if (!found) { /* the store's copy is unknown: until it is read or written, a save only creates */
@@ -424,14 +423,49 @@ void cg_fallback_remove_user(cg_fallback *fb, const char *user, const char *eu)
     }
 }
 
-json_t *cg_fallback_rooms(cg_fallback *fb, const char *prefix)
+void cg_fallback_answer_req(cg_fallback *fb, cg_store_req *req, const cg_fallback_subject *s, int closing)
 {
-    return cg_memstore_rooms(fb->mem, prefix);
-}
-
-void cg_fallback_limit(cg_fallback *fb, const char *eu, const cg_limits *lim, int64_t now, cg_limit_verdict *v)
-{
-    cg_limiter_take(fb->limits, eu, lim, now, v);
+    int wanted = !req->abandoned && !closing;
+    cg_store_status st = answer_status(fb, s->key, req->kind == CG_STORE_LOAD);
+    switch (req->kind) {
+    case CG_STORE_LOAD: {
+        cg_dialog d;
+        st.found = load_from_memory(fb, s->key, &d);
+        if (wanted)
+            req->cb.load(req->ctx, &d, &st);
+        else
+            cg_dialog_free(&d);
+        return;
+    }
+    case CG_STORE_SAVE:
+        if (s->version) /* a write-back that failed: it goes again (the tick, a reconnect) */
+            cg_fallback_writeback_failed(fb, s->key, s->version);
+        else if (s->snapshot)
+            cg_fallback_save(fb, s->key, s->eu, s->er, s->snapshot);
+        break;
+    case CG_STORE_REMOVE:
+        cg_fallback_remove(fb, s->key);
+        break;
+    case CG_STORE_REMOVE_USER:
+        cg_fallback_remove_user(fb, s->user, s->eu);
+        break;
+    case CG_STORE_ROOMS: {
+        json_t *rooms = cg_memstore_rooms(fb->mem, s->key);
+        if (wanted)
+            req->cb.rooms(req->ctx, rooms, &st);
+        json_decref(rooms);
+        return;
+    }
+    case CG_STORE_LIMIT:
+        if (wanted) { /* a turn gone is not counted */
+            cg_limit_verdict v;
+            cg_limiter_take(fb->limits, s->eu, s->limits, cg_store_now_ms(fb->st), &v);
+            req->cb.limit(req->ctx, &v, &st);
+        }
+        return;
+    }
+    if (wanted && req->cb.done) /* save, remove, remove_user */
+        req->cb.done(req->ctx, &st);
 }
 
 void cg_fallback_limit_end(cg_fallback *fb, const char *eu, const cg_limits *lim, long long tokens, int64_t now)

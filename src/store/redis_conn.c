@@ -55,7 +55,7 @@ void cg_redis_req_finish(redis_req *r)
         uv_close((uv_handle_t *)&r->defer, req_closed);
 }
 
-static redis_req *req_alloc(redis_store *rs, op_kind kind, char *eu, char *er, void *ctx)
+static redis_req *req_alloc(redis_store *rs, cg_store_op kind, char *eu, char *er, void *ctx)
 {
     redis_req *r = calloc(1, sizeof(*r));
     if (!r)
@@ -78,11 +78,11 @@ static redis_req *req_alloc(redis_store *rs, op_kind kind, char *eu, char *er, v
     return r;
 }
 
-redis_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx)
+redis_req *cg_redis_req_new(redis_store *rs, cg_store_op kind, const char *user, const char *room, void *ctx)
 {
     user = user ? user : "";
     redis_req *r = req_alloc(rs, kind, cg_store_escape(user), cg_store_escape(room ? room : ""), ctx);
-    if (kind == OP_REMOVE_USER) /* its memory delete is by the user as given */
+    if (kind == CG_STORE_REMOVE_USER) /* its memory delete is by the user as given */
         r->user = cg_redis_xstrdup(user);
     return r;
 }
@@ -108,54 +108,16 @@ void cg_redis_snapshot_free(cg_dialog *s)
 /* Answers r from memory (Redis is away or failed it), then finishes it. */
 void cg_redis_answer_from_memory(redis_req *r)
 {
-    redis_store *rs = r->rs;
-    cg_fallback *fb = rs->fb;
-    int wanted = !r->abandoned && !rs->closing;
-    cg_store_status st = cg_fallback_answer(fb, r->key, r->kind == OP_LOAD);
-    switch (r->kind) {
-    case OP_LOAD: {
-        cg_dialog d;
-        st.found = cg_fallback_load(fb, r->key, &d);
-        if (wanted)
-            r->load_cb(r->ctx, &d, &st);
-        else
-            cg_dialog_free(&d);
-        break;
-    }
-    case OP_SAVE:
-        if (r->version) /* a write-back that failed: it goes again (the tick, a reconnect) */
-            cg_fallback_writeback_failed(fb, r->key, r->version);
-        else if (r->snapshot) /* kept in memory, dirty, for the write-back */
-            cg_fallback_save(fb, r->key, r->eu, r->er, r->snapshot);
-        if (wanted && r->done_cb)
-            r->done_cb(r->ctx, &st);
-        break;
-    case OP_ROOMS: {
-        json_t *rooms = cg_fallback_rooms(fb, r->key); /* r->key: "<escaped user>:" */
-        if (wanted)
-            r->rooms_cb(r->ctx, rooms, &st);
-        json_decref(rooms);
-        break;
-    }
-    case OP_LIMIT:
-        if (wanted) { /* a turn gone is not counted */
-            cg_limit_verdict v;
-            cg_fallback_limit(fb, r->eu, &r->limits, cg_store_now_ms(&rs->base), &v);
-            r->limit_cb(r->ctx, &v, &st);
-        }
-        break;
-    case OP_REMOVE:
-    case OP_REMOVE_USER:
-        if (r->kind == OP_REMOVE)
-            cg_fallback_remove(fb, r->key);
-        else
-            cg_fallback_remove_user(fb, r->user, r->eu);
-        if (wanted && r->done_cb)
-            r->done_cb(r->ctx, &st);
-        break;
-    case OP_PING:
-        break;
-    }
+    cg_fallback_subject s = {
+        .key = r->key,
+        .eu = r->eu,
+        .er = r->er,
+        .user = r->user,
+        .snapshot = r->snapshot,
+        .version = r->version,
+        .limits = &r->limits,
+    };
+    cg_fallback_answer_req(r->rs->fb, (cg_store_req *)r, &s, r->rs->closing);
     cg_redis_req_finish(r);
 }
 
@@ -175,7 +137,7 @@ void cg_redis_answer_later_from_memory(redis_req *r)
 static int writeback(void *backend, const cg_fallback_dirty *item, cg_dialog *d)
 {
     redis_store *rs = backend;
-    redis_req *r = req_alloc(rs, OP_SAVE, cg_redis_xstrdup(item->eu), cg_redis_xstrdup(item->er), NULL);
+    redis_req *r = req_alloc(rs, CG_STORE_SAVE, cg_redis_xstrdup(item->eu), cg_redis_xstrdup(item->er), NULL);
     r->snapshot = malloc(sizeof(*r->snapshot));
     if (!r->snapshot) {
         cg_dialog_free(d);
@@ -214,7 +176,7 @@ static void on_tick(uv_timer_t *t)
     redis_store *rs = t->data;
     if (cg_redis_linked(rs)) {
         cg_redis_renew_leases(rs);
-        cg_fallback_tick(rs->fb);
+        cg_fallback_tick(rs->fb, uv_now(rs->base.loop));
     }
 }
 

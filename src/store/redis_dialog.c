@@ -795,7 +795,7 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
     }
     cg_dialog_adopt_json(d, j, now); /* j was built from the replies for this */
     json_decref(j);
-    if (r->load_cb == on_merge_loaded) {
+    if (r->cb.load == on_merge_loaded) {
         /* a merge's read: the save waiting for it must know the rev it read; the gateway's
          * copy is left as it is (it may hold turns of this gateway that Redis's lacks) */
         redis_req *save = r->ctx;
@@ -844,7 +844,7 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     else if (lease->len > 0) /* the caller left meanwhile: let go at once */
         lease_release(rs, r->eu, r->er, lease->str);
     if (wanted)
-        r->load_cb(r->ctx, &d, &st);
+        r->cb.load(r->ctx, &d, &st);
     else
         cg_dialog_free(&d);
     cg_redis_req_finish(r);
@@ -1339,7 +1339,7 @@ static void on_limit_reply(cg_redis_conn *ac, void *reply_, void *priv)
         v.retry_after_ms = CG_LIMIT_TURN_RETRY_MS;
     static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && !rs->closing)
-        r->limit_cb(r->ctx, &v, &ok);
+        r->cb.limit(r->ctx, &v, &ok);
     else if (v.hit == CG_LIMIT_OK)
         limit_end(rs, r->eu, &r->limits, r->turn, 0, 0);
     cg_redis_req_finish(r);
@@ -1547,14 +1547,14 @@ static void merge_start(redis_store *rs, redis_req *r)
 {
     gate_enter(rs, r->key); /* later loads of the dialog wait for the merge's save */
     r->merges++;
-    redis_req *l = cg_redis_req_new(rs, OP_LOAD, "", "", r);
+    redis_req *l = cg_redis_req_new(rs, CG_STORE_LOAD, "", "", r);
     free(l->eu);
     free(l->er);
     free(l->key);
     l->eu = cg_redis_xstrdup(r->eu);
     l->er = cg_redis_xstrdup(r->er);
     l->key = cg_redis_xstrdup(r->key);
-    l->load_cb = on_merge_loaded;
+    l->cb.load = on_merge_loaded;
     l->full = 1;
     send_load(rs, l);
 }
@@ -1599,8 +1599,8 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
         rs->base.stats.saves_appended += (unsigned long)r->appended;
     }
     static const cg_store_status ok = {0, 0, 0};
-    if (!r->abandoned && !rs->closing && r->done_cb)
-        r->done_cb(r->ctx, &ok);
+    if (!r->abandoned && !rs->closing && r->cb.done)
+        r->cb.done(r->ctx, &ok);
     cg_redis_req_finish(r);
 }
 
@@ -1773,11 +1773,11 @@ static void on_remove_reply(cg_redis_conn *ac, void *reply_, void *priv)
         cg_redis_answer_from_memory(r);
         return;
     }
-    if (r->kind == OP_REMOVE)
+    if (r->kind == CG_STORE_REMOVE)
         cg_fallback_remove(rs->fb, r->key);
     static const cg_store_status ok = {0, 0, 0};
-    if (!r->abandoned && !rs->closing && r->done_cb)
-        r->done_cb(r->ctx, &ok);
+    if (!r->abandoned && !rs->closing && r->cb.done)
+        r->cb.done(r->ctx, &ok);
     cg_redis_req_finish(r);
 }
 
@@ -1801,27 +1801,27 @@ static void dispatch(redis_store *rs, redis_req *r)
     int connected = cg_redis_linked(rs) && !rs->closing;
     /* a dirty dialog is read and written in memory until its write-back */
     int clean = connected && !cg_fallback_is_dirty(rs->fb, r->key);
-    if (r->kind == OP_LOAD && clean) {
+    if (r->kind == CG_STORE_LOAD && clean) {
         if (!gated(rs, r))
             send_load(rs, r);
-    } else if (r->kind == OP_SAVE && r->snapshot && clean) {
+    } else if (r->kind == CG_STORE_SAVE && r->snapshot && clean) {
         cg_redis_send_save(rs, r);
-    } else if (r->kind == OP_SAVE && r->snapshot) {
+    } else if (r->kind == CG_STORE_SAVE && r->snapshot) {
         /* written to memory now, so a load queued after this save sees it */
         cg_fallback_save(rs->fb, r->key, r->eu, r->er, r->snapshot);
         cg_redis_snapshot_free(r->snapshot); /* held in memory now: cg_redis_answer_from_memory only answers it */
         r->snapshot = NULL;
         cg_redis_answer_later_from_memory(r);
-    } else if (r->kind == OP_REMOVE && connected) {
+    } else if (r->kind == CG_STORE_REMOVE && connected) {
         if (!gated(rs, r)) /* behind a save of the dialog in flight, as loads are */
             send_remove(rs, r);
-    } else if (r->kind == OP_LIMIT && connected) {
+    } else if (r->kind == CG_STORE_LIMIT && connected) {
         send_limit(rs, r);
-    } else if ((r->kind == OP_ROOMS || r->kind == OP_REMOVE_USER) && connected) {
+    } else if ((r->kind == CG_STORE_ROOMS || r->kind == CG_STORE_REMOVE_USER) && connected) {
         /* both start from the user's rooms set */
         argv_buf a = {0};
         arg_rooms_script(rs, &a, r->eu, "");
-        send_last_script(rs, S_ROOMS, &a, r->kind == OP_ROOMS ? on_room_list : on_rooms_reply, r);
+        send_last_script(rs, S_ROOMS, &a, r->kind == CG_STORE_ROOMS ? on_room_list : on_rooms_reply, r);
         argv_free(&a);
     } else {
         cg_redis_answer_later_from_memory(r); /* a delete while degraded: the caller is told (503 at the admin API) */
@@ -1860,8 +1860,8 @@ static redis_req *load(cg_store *st, const char *user, const char *room, int lea
 {
     redis_store *rs = (redis_store *)st;
     st->stats.loads++;
-    redis_req *r = cg_redis_req_new(rs, OP_LOAD, user, room, ctx);
-    r->load_cb = cb;
+    redis_req *r = cg_redis_req_new(rs, CG_STORE_LOAD, user, room, ctx);
+    r->cb.load = cb;
     r->lease = lease;
     start_or_wait(rs, r);
     return r;
@@ -1884,8 +1884,8 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
 {
     redis_store *rs = (redis_store *)st;
     st->stats.saves++;
-    redis_req *r = cg_redis_req_new(rs, OP_SAVE, user, room, ctx);
-    r->done_cb = cb;
+    redis_req *r = cg_redis_req_new(rs, CG_STORE_SAVE, user, room, ctx);
+    r->cb.done = cb;
     r->snapshot = cg_redis_snapshot(d);
     if (!r->snapshot) /* out of memory: nothing written, nothing overwritten */
         cg_error("redis %s:%d: out of memory: a dialog was not saved", rs->host, rs->port);
@@ -1902,8 +1902,8 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
 {
     redis_store *rs = (redis_store *)st;
     st->stats.deletes++;
-    redis_req *r = cg_redis_req_new(rs, OP_REMOVE, user, room, ctx);
-    r->done_cb = cb;
+    redis_req *r = cg_redis_req_new(rs, CG_STORE_REMOVE, user, room, ctx);
+    r->cb.done = cb;
     cg_fallback_remove(rs->fb, r->key); /* from memory and the write-back, whatever Redis says */
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
@@ -1980,7 +1980,7 @@ static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv)
     }
     static const cg_store_status ok = {0, 0, 0};
     if (!r->abandoned && !rs->closing)
-        r->rooms_cb(r->ctx, rooms, &ok);
+        r->cb.rooms(r->ctx, rooms, &ok);
     json_decref(rooms);
     cg_redis_req_finish(r);
 }
@@ -1988,8 +1988,8 @@ static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv)
 static cg_store_req *rs_rooms(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
-    redis_req *r = cg_redis_req_new(rs, OP_ROOMS, user, "", ctx);
-    r->rooms_cb = cb;
+    redis_req *r = cg_redis_req_new(rs, CG_STORE_ROOMS, user, "", ctx);
+    r->cb.rooms = cb;
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
@@ -1998,8 +1998,8 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
 {
     redis_store *rs = (redis_store *)st;
     st->stats.deletes++;
-    redis_req *r = cg_redis_req_new(rs, OP_REMOVE_USER, user, "", ctx);
-    r->done_cb = cb;
+    redis_req *r = cg_redis_req_new(rs, CG_STORE_REMOVE_USER, user, "", ctx);
+    r->cb.done = cb;
     cg_fallback_remove_user(rs->fb, user, r->eu); /* memory, write-back and the counts kept here */
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
@@ -2009,8 +2009,8 @@ static cg_store_req *rs_limit(cg_store *st, const char *user, const cg_limits *l
                               cg_store_limit_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
-    redis_req *r = cg_redis_req_new(rs, OP_LIMIT, user, "", ctx);
-    r->limit_cb = cb;
+    redis_req *r = cg_redis_req_new(rs, CG_STORE_LIMIT, user, "", ctx);
+    r->cb.limit = cb;
     r->limits = *lim;
     r->turn = turn;
     start_or_wait(rs, r);

@@ -422,18 +422,12 @@ static void memory_store_free(memory_store *ms)
     free(ms);
 }
 
-typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_ROOMS, OP_LIMIT } op_kind;
 
 struct memory_req {
     CG_STORE_REQ_FIELDS
     memory_req *next; /* in the store's queue */
     memory_store *ms;
-    op_kind kind;
     char *key; /* rooms: "<escaped user>:", the prefix of the user's keys */
-    cg_store_load_fn load_cb;
-    cg_store_done_fn done_cb;
-    cg_store_rooms_fn rooms_cb;
-    cg_store_limit_fn limit_cb;
     cg_limit_verdict verdict; /* limit: decided at the call, told from the loop */
     cg_limits limits;         /* limit: what it was held to */
 };
@@ -448,22 +442,22 @@ static void req_free(memory_req *r)
 static void req_run(memory_req *r)
 {
     static const cg_store_status ok = {0, 0, 0};
-    if (!r->abandoned && r->kind == OP_LOAD) {
+    if (!r->abandoned && r->kind == CG_STORE_LOAD) {
         cg_dialog d;
         cg_store_status st = {0, 0, 0};
         st.found = cg_memstore_get(r->ms->mem, r->key, r->ms->base.now(r->ms->base.clock_ctx), &d);
-        r->load_cb(r->ctx, &d, &st);
-    } else if (!r->abandoned && r->kind == OP_ROOMS) {
+        r->cb.load(r->ctx, &d, &st);
+    } else if (!r->abandoned && r->kind == CG_STORE_ROOMS) {
         json_t *rooms = cg_memstore_rooms(r->ms->mem, r->key);
-        r->rooms_cb(r->ctx, rooms, &ok);
+        r->cb.rooms(r->ctx, rooms, &ok);
         json_decref(rooms);
-    } else if (r->kind == OP_LIMIT && r->abandoned && r->verdict.hit == CG_LIMIT_OK) {
+    } else if (r->kind == CG_STORE_LIMIT && r->abandoned && r->verdict.hit == CG_LIMIT_OK) {
         /* counted for a turn that is gone: its end is now */
         cg_limiter_end(r->ms->limits, r->key, &r->limits, 0, cg_store_now_ms(&r->ms->base));
-    } else if (!r->abandoned && r->kind == OP_LIMIT) {
-        r->limit_cb(r->ctx, &r->verdict, &ok);
-    } else if (!r->abandoned && r->done_cb) {
-        r->done_cb(r->ctx, &ok);
+    } else if (!r->abandoned && r->kind == CG_STORE_LIMIT) {
+        r->cb.limit(r->ctx, &r->verdict, &ok);
+    } else if (!r->abandoned && r->cb.done) {
+        r->cb.done(r->ctx, &ok);
     }
     req_free(r);
 }
@@ -504,7 +498,7 @@ static void schedule(memory_store *ms)
     uv_timer_start(&ms->timer, on_timer, 0, 0);
 }
 
-static memory_req *req_new(memory_store *ms, op_kind kind, const char *user, const char *room, void *ctx)
+static memory_req *req_new(memory_store *ms, cg_store_op kind, const char *user, const char *room, void *ctx)
 {
     memory_req *r = calloc(1, sizeof(*r));
     if (!r)
@@ -523,9 +517,9 @@ static memory_req *req_new(memory_store *ms, op_kind kind, const char *user, con
 static cg_store_req *mem_load(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
 {
     st->stats.loads++;
-    memory_req *r = req_new((memory_store *)st, OP_LOAD, user, room, ctx);
+    memory_req *r = req_new((memory_store *)st, CG_STORE_LOAD, user, room, ctx);
     if (r)
-        r->load_cb = cb;
+        r->cb.load = cb;
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
@@ -534,10 +528,10 @@ static cg_store_req *mem_save(cg_store *st, const char *user, const char *room, 
 {
     memory_store *ms = (memory_store *)st;
     st->stats.saves++;
-    memory_req *r = req_new(ms, OP_SAVE, user, room, ctx);
+    memory_req *r = req_new(ms, CG_STORE_SAVE, user, room, ctx);
     if (!r)
         return NULL;
-    r->done_cb = cb;
+    r->cb.done = cb;
     /* written now, so a load queued after this save sees it; d's parts are kept, not copied
      * (a saved dialog is not changed again: store.h) */
     cg_memstore_keep(ms->mem, r->key, d, st->now(st->clock_ctx), NULL, 0);
@@ -548,10 +542,10 @@ static cg_store_req *mem_remove(cg_store *st, const char *user, const char *room
 {
     memory_store *ms = (memory_store *)st;
     st->stats.deletes++;
-    memory_req *r = req_new(ms, OP_REMOVE, user, room, ctx);
+    memory_req *r = req_new(ms, CG_STORE_REMOVE, user, room, ctx);
     if (!r)
         return NULL;
-    r->done_cb = cb;
+    r->cb.done = cb;
     cg_memstore_del(ms->mem, r->key);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
@@ -560,10 +554,10 @@ static cg_store_req *mem_remove_user(cg_store *st, const char *user, cg_store_do
 {
     memory_store *ms = (memory_store *)st;
     st->stats.deletes++;
-    memory_req *r = req_new(ms, OP_REMOVE_USER, user, "", ctx);
+    memory_req *r = req_new(ms, CG_STORE_REMOVE_USER, user, "", ctx);
     if (!r)
         return NULL;
-    r->done_cb = cb;
+    r->cb.done = cb;
     cg_memstore_del_user(ms->mem, user);
     cg_limiter_forget(ms->limits, r->key); /* the key its limits are counted under (mem_limit) */
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
@@ -571,9 +565,9 @@ static cg_store_req *mem_remove_user(cg_store *st, const char *user, cg_store_do
 
 static cg_store_req *mem_rooms(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx)
 {
-    memory_req *r = req_new((memory_store *)st, OP_ROOMS, user, "", ctx);
+    memory_req *r = req_new((memory_store *)st, CG_STORE_ROOMS, user, "", ctx);
     if (r)
-        r->rooms_cb = cb;
+        r->cb.rooms = cb;
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
@@ -583,10 +577,10 @@ static cg_store_req *mem_limit(cg_store *st, const char *user, const cg_limits *
 {
     (void)turn;
     memory_store *ms = (memory_store *)st;
-    memory_req *r = req_new(ms, OP_LIMIT, user, "", ctx);
+    memory_req *r = req_new(ms, CG_STORE_LIMIT, user, "", ctx);
     if (!r)
         return NULL;
-    r->limit_cb = cb;
+    r->cb.limit = cb;
     r->limits = *lim;
     cg_limiter_take(ms->limits, r->key, lim, cg_store_now_ms(st), &r->verdict);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */

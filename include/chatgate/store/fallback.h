@@ -67,9 +67,9 @@ void cg_fallback_down(cg_fallback *fb, const char *why);
  * the dialogs saved in the last SWITCH_REWRITE_MS (cg_fallback_note_saved) go again too. */
 void cg_fallback_up(cg_fallback *fb, int moved);
 int cg_fallback_degraded(const cg_fallback *fb);
-/* Called every 100 ms or so while the store is up: the dialogs marked while it was up (a
- * save it refused with an error) are written back again once a second. */
-void cg_fallback_tick(cg_fallback *fb);
+/* Called every 100 ms or so while the store is up (now: uv_now()): the dialogs marked while
+ * it was up (a save it failed with an error) are written back again once a second. */
+void cg_fallback_tick(cg_fallback *fb, uint64_t now);
 /* The store is closing: says how many dialogs were never written back. */
 void cg_fallback_closing(cg_fallback *fb);
 
@@ -78,22 +78,34 @@ void cg_fallback_closing(cg_fallback *fb);
 /* Does memory answer for key even while the store is up? A dialog written while the store was
  * away (or whose save it failed) is read and written here until its write-back. */
 int cg_fallback_is_dirty(const cg_fallback *fb, const char *key);
-/* The status of an answer from memory for key, counted (degraded_answers): degraded, and
- * warn on the dialog's first load so answered in this outage (a save's answer reaches
- * nobody, so it must not use up the dialog's warning). */
-cg_store_status cg_fallback_answer(cg_fallback *fb, const char *key, int load);
-/* Fills d from memory (a fresh dialog when none); 1 when memory held it. */
-int cg_fallback_load(cg_fallback *fb, const char *key, cg_dialog *d);
+
+/* What a request is about, as its store holds it: the fallback knows no store's request
+ * type beyond their common header (store.h, CG_STORE_REQ_FIELDS). */
+typedef struct cg_fallback_subject {
+    const char *key;           /* the dialog's key; rooms: "<eu>:" */
+    const char *eu, *er;       /* user and room, escaped */
+    const char *user;          /* remove_user: the user as given */
+    const cg_dialog *snapshot; /* save: the dialog; NULL when cg_fallback_save kept it already */
+    long version;              /* save: a write-back's version (cg_fallback_dirty), else 0 */
+    const cg_limits *limits;   /* limit: what the message is held to */
+} cg_fallback_subject;
+
+/*
+ * Answers req (any store's request: its kind and callback) from memory, the store being away
+ * or having failed it: a load from the gateway's copy (degraded, found, and warn on the
+ * dialog's first such load in this outage: a save's answer reaches nobody, so it must not
+ * use up the warning); a save kept and marked for the write-back (a failed write-back goes
+ * again later); a delete here; the rooms memory holds; a limit counted by this gateway
+ * alone. The callback is not called when req was abandoned or `closing`.
+ */
+void cg_fallback_answer_req(cg_fallback *fb, cg_store_req *req, const cg_fallback_subject *s, int closing);
+
 /* Keeps d in memory (its parts shared, not copied: store.h) and marks it for the write-back. */
 void cg_fallback_save(cg_fallback *fb, const char *key, const char *eu, const char *er, const cg_dialog *d);
 /* Forgets key here: memory and write-back. */
 void cg_fallback_remove(cg_fallback *fb, const char *key);
 /* Forgets every dialog of user (eu: escaped) here: memory, write-back and limit counts. */
 void cg_fallback_remove_user(cg_fallback *fb, const char *user, const char *eu);
-/* The user's rooms memory holds (prefix "<eu>:"); the caller's (json_decref). */
-json_t *cg_fallback_rooms(cg_fallback *fb, const char *prefix);
-/* A chat message of user eu's against lim, counted by this gateway alone (now: ms). */
-void cg_fallback_limit(cg_fallback *fb, const char *eu, const cg_limits *lim, int64_t now, cg_limit_verdict *v);
 /* A turn counted here ended (its tokens count here too). */
 void cg_fallback_limit_end(cg_fallback *fb, const char *eu, const cg_limits *lim, long long tokens, int64_t now);
 

@@ -39,7 +39,6 @@
 #include "chatgate/store/fallback.h"
 #include "chatgate/store/store.h"
 
-typedef enum { OP_LOAD, OP_SAVE, OP_REMOVE, OP_REMOVE_USER, OP_PING, OP_ROOMS, OP_LIMIT } op_kind;
 
 typedef struct redis_store redis_store;
 typedef struct redis_req redis_req;
@@ -49,17 +48,12 @@ typedef struct cg_redis_bus cg_redis_bus;
 struct redis_req {
     CG_STORE_REQ_FIELDS
     redis_store *rs;
-    op_kind kind;
     char *user;      /* remove_user only: the user as given, for its memory delete */
     char *eu, *er;   /* user and room, escaped (cg_store_escape) */
     char *key;       /* "<eu>:<er>": the dialog's hash tag and memory key */
     cg_dialog *snapshot; /* save: the dialog as written, its parts shared with the saver's
                           * (cg_dialog_share: store.h, a dialog is not changed after its save) */
     long version;     /* save of a dirty dialog: the dirty version it writes back */
-    cg_store_load_fn load_cb;
-    cg_store_done_fn done_cb;
-    cg_store_rooms_fn rooms_cb;
-    cg_store_limit_fn limit_cb;
     cg_limits limits; /* limit: what the message is held to */
     uint64_t turn;    /* limit: the turn's number, its slot among the user's turns at once */
     int steps;        /* replies due to on_step_reply: r lives until they came */
@@ -156,7 +150,7 @@ static inline int cg_redis_linked(const redis_store *rs)
 
 /* Requests: a new one for (user, room), escaped; freed by cg_redis_req_finish once the
  * replies still due to it have come. */
-redis_req *cg_redis_req_new(redis_store *rs, op_kind kind, const char *user, const char *room, void *ctx);
+redis_req *cg_redis_req_new(redis_store *rs, cg_store_op kind, const char *user, const char *room, void *ctx);
 void cg_redis_req_finish(redis_req *r);
 /* A save's snapshot of d (its parts shared), or NULL out of memory; and its end. */
 cg_dialog *cg_redis_snapshot(const cg_dialog *d);

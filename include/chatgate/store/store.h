@@ -26,20 +26,6 @@
 typedef struct cg_store cg_store;
 typedef struct cg_store_req cg_store_req;
 
-/*
- * What every request of every store begins with (as libuv's UV_REQ_FIELDS): the caller's
- * context for its callback, and whether the caller still wants it. Each store's own request
- * type (memory_req, redis_req) starts with these fields, so a cg_store_req * is a pointer
- * to any of them; cg_store_abandon works on all.
- */
-#define CG_STORE_REQ_FIELDS                                                                   \
-    void *ctx;     /* the caller's, handed to its callback */                                 \
-    int abandoned; /* the caller is gone: its callback will not be called */
-
-struct cg_store_req {
-    CG_STORE_REQ_FIELDS
-};
-
 typedef struct cg_store_status {
     int degraded; /* answered from memory: Redis is away */
     int warn;     /* the first such answer for this dialog: tell the client */
@@ -53,6 +39,38 @@ typedef void (*cg_store_done_fn)(void *ctx, const cg_store_status *status);
 typedef void (*cg_store_rooms_fn)(void *ctx, json_t *rooms, const cg_store_status *status);
 /* limit: may the message go (limits.h)? */
 typedef void (*cg_store_limit_fn)(void *ctx, const cg_limit_verdict *v, const cg_store_status *status);
+
+/* What a request asks of a store. */
+typedef enum {
+    CG_STORE_LOAD,
+    CG_STORE_SAVE,
+    CG_STORE_REMOVE,
+    CG_STORE_REMOVE_USER,
+    CG_STORE_ROOMS,
+    CG_STORE_LIMIT,
+} cg_store_op;
+
+/*
+ * What every request of every store begins with (as libuv's UV_REQ_FIELDS): what it asks,
+ * the caller's callback for the answer and its context, and whether the caller still wants
+ * it. Each store's own request type (memory_req, redis_req) starts with these fields, so a
+ * cg_store_req * is a pointer to any of them: cg_store_abandon works on all, and degraded
+ * mode (fallback.h) answers any store's request from memory.
+ */
+#define CG_STORE_REQ_FIELDS                                                                   \
+    void *ctx;     /* the caller's, handed to its callback */                                 \
+    int abandoned; /* the caller is gone: its callback will not be called */                  \
+    cg_store_op kind;                                                                         \
+    union {                                                                                   \
+        cg_store_load_fn load;   /* CG_STORE_LOAD (and a lease's acquire) */                   \
+        cg_store_done_fn done;   /* SAVE, REMOVE, REMOVE_USER; may be NULL */                 \
+        cg_store_rooms_fn rooms; /* ROOMS */                                                  \
+        cg_store_limit_fn limit; /* LIMIT */                                                  \
+    } cb;
+
+struct cg_store_req {
+    CG_STORE_REQ_FIELDS
+};
 
 /* Redis Cluster (redis-cluster://): the redirects met and followed, the map read. */
 typedef struct cg_store_cluster_stats {
