@@ -1,8 +1,9 @@
 /*
  * redis_dialog.c: the Redis store's dialog operations (load, save, remove, forget a user)
- * and its ops table: the keys, the scripts and their arguments, and reading the replies.
- * The connection they travel over, and the answers from memory when it is away, are in
- * redis_conn.c; what the two share is in chatgate/store/redis_internal.h.
+ * and the tables of its four jobs: the keys, the scripts and their arguments, and reading
+ * the replies. The link they travel over is redis_link.c's; the answers from memory when
+ * it is away, the fallback's (fallback.c, through redis_req.c); what the Redis store's
+ * files share is in chatgate/store/redis_internal.h.
  *
  * Layout (docs/state.md), the user's hash tag on every key, so a user's dialogs, their
  * leases and the rooms set live on one shard (one cluster slot):
@@ -2064,7 +2065,7 @@ static void rs_limit_end(cg_store *st, const char *user, const cg_limits *lim, u
     free(eu);
 }
 
-static const cg_store_dialog_ops redis_dialogs = {
+const cg_store_dialog_ops cg_redis_dialog_ops = {
     .load = rs_load,
     .save = rs_save,
     .remove = rs_remove,
@@ -2072,17 +2073,8 @@ static const cg_store_dialog_ops redis_dialogs = {
     .rooms = rs_rooms,
 };
 
-static const cg_store_lease_ops redis_lease = {.acquire = rs_lease, .release = rs_release};
+const cg_store_lease_ops cg_redis_lease_ops = {.acquire = rs_lease, .release = rs_release};
 
-static const cg_store_limit_ops redis_limits = {.take = rs_limit, .end = rs_limit_end};
+const cg_store_limit_ops cg_redis_limit_ops = {.take = rs_limit, .end = rs_limit_end};
 
-static const cg_store_bus_ops redis_bus_ops = {.cancel_remote = rs_cancel_remote};
-
-const cg_store_ops cg_redis_ops = {
-    .name = "redis",
-    .dialogs = &redis_dialogs,
-    .lease = &redis_lease,
-    .limits = &redis_limits,
-    .bus = &redis_bus_ops,
-    .close = cg_redis_close,
-};
+const cg_store_bus_ops cg_redis_bus_ops = {.cancel_remote = rs_cancel_remote};

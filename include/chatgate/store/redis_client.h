@@ -1,6 +1,6 @@
 /*
  * redis_client.h: one connection to one Redis node, on the gateway's libuv loop, in plain
- * TCP or TLS. It knows nothing of dialogs: the store (redis_conn.c, redis_dialog.c), the
+ * TCP or TLS. It knows nothing of dialogs: the store (redis_store.c, redis_dialog.c), the
  * cancel bus, the Sentinel queries and the cluster router (redis_cluster.c) all talk to
  * Redis through it.
  *

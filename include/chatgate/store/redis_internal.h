@@ -8,19 +8,18 @@
  * timeouts over its in-flight list, reconnect with backoff and jitter, scripts by SHA with
  * NOSCRIPT recovery), over redis_client.c (one connection to one node, TCP or TLS),
  * redis_sentinel.c (Sentinel), redis_slots.c and redis_cluster.c (Redis Cluster). The store
- * itself is split along its seams:
- *   redis_conn.c    the store's life over the link: degraded mode (answers from memory),
- *                   the dirty set and its write-back after an outage, open (the URL) and
- *                   close; the requests;
+ * itself is split along its seams, each calling only the ones below it:
+ *   redis_store.c   open (the URL) and close; what the link's going and coming mean to the
+ *                   store (the fallback told, the waiting requests started); the tick;
  *   redis_dialog.c  the dialog operations: the keys, the scripts (EVALSHA) and their
  *                   arguments, load, save, remove, forget a user, the dialog leases and their
- *                   line, merging two copies, reading the replies; the ops tables;
+ *                   line, merging two copies, reading the replies; the four jobs' tables;
  *   redis_bus.c     the pub/sub connections that carry cancels between gateways (sharded
- *                   in a cluster), handing each to the store's callback.
- * Each half calls the other through the few cg_redis_ functions below: the operations need
- * requests, the in-flight list, the dirty set and the answers from memory; the connection
- * needs a save (for the write-back), the dispatch of waiting requests once it is decided,
- * and the check of a reply.
+ *                   in a cluster), handing each to the store's callback;
+ *   redis_req.c     the requests, their answers from memory, and the store's end.
+ * Degraded mode (the gateway's copy of the dialogs, what was written while Redis was away,
+ * the write-back) is no Redis code: fallback.c, which the store tells when the link goes
+ * and comes, and hands what it cannot send.
  */
 #ifndef CHATGATE_STORE_REDIS_INTERNAL_H
 #define CHATGATE_STORE_REDIS_INTERNAL_H
@@ -119,7 +118,45 @@ static inline char *cg_redis_xstrdup(const char *s)
     return d;
 }
 
-/* ---- redis_conn.c ---------------------------------------------------------------------- */
+/* The store can send commands: its link is up. */
+static inline int cg_redis_linked(const redis_store *rs)
+{
+    return cg_redis_link_up(rs->link);
+}
+
+/* A connection to a resolved address on the store's loop (redis_client.h), TLS when the
+ * store's URL is rediss (host: the name its certificate must be for), with data and its
+ * event callback (the bus's: the link opens its own); NULL with why filled when it could
+ * not even start. */
+static inline cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host,
+                                                 void *data, cg_redis_event_fn *on_event, char *why, size_t whylen)
+{
+    return cg_redis_conn_open(rs->base.loop, address, port, host, rs->tls, rs->base.cfg.flush, data, on_event, why,
+                              whylen);
+}
+
+/* ---- redis_req.c: the requests, and the store's end ------------------------------------ */
+
+/* Requests: a new one for (user, room), escaped (or already escaped: eu, er); freed by
+ * cg_redis_req_finish once the replies still due to it have come. */
+redis_req *cg_redis_req_new(redis_store *rs, cg_store_op kind, const char *user, const char *room, void *ctx);
+redis_req *cg_redis_req_new_escaped(redis_store *rs, cg_store_op kind, const char *eu, const char *er, void *ctx);
+void cg_redis_req_finish(redis_req *r);
+/* A save's snapshot of d (its parts shared), or NULL out of memory; and its end. */
+cg_dialog *cg_redis_snapshot(const cg_dialog *d);
+void cg_redis_snapshot_free(cg_dialog *s);
+/* Answers r from memory (Redis is away or failed it: the fallback's), now or from the loop;
+ * finishes it. */
+void cg_redis_answer_from_memory(redis_req *r);
+void cg_redis_answer_later_from_memory(redis_req *r);
+/* A handle or request of the store's is gone (the close callback of its handles); the store
+ * is freed with its last one once it is closing. */
+void cg_redis_handle_closed(uv_handle_t *h);
+void cg_redis_store_unref(redis_store *rs);
+/* Frees rs and what it owns (what open has not made yet is NULL: a bad URL's store too). */
+void cg_redis_store_free(redis_store *rs);
+
+/* ---- redis_store.c: open (the URL) and close, the link's going and coming -------------- */
 
 /* A redis:// URL, parsed: host and password (NULL: none) malloc'd. */
 typedef struct cg_redis_url {
@@ -135,35 +172,13 @@ typedef struct cg_redis_url {
  * The strings u holds then are the caller's to free either way. */
 int cg_redis_parse_url(const char *url, cg_redis_url *u, char *err, size_t errlen);
 
-/* A connection to a resolved address on the loop (redis_client.h), TLS when the store's URL
- * is rediss (host: the name its certificate must be for), with data and its event callback
- * (the bus's: the link opens its own); NULL with why
- * filled when it could not even start. */
-cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host, void *data,
-                                   cg_redis_event_fn *on_event, char *why, size_t whylen);
-
-/* The store can send commands: its link is up. */
-static inline int cg_redis_linked(const redis_store *rs)
-{
-    return cg_redis_link_up(rs->link);
-}
-
-/* Requests: a new one for (user, room), escaped; freed by cg_redis_req_finish once the
- * replies still due to it have come. */
-redis_req *cg_redis_req_new(redis_store *rs, cg_store_op kind, const char *user, const char *room, void *ctx);
-void cg_redis_req_finish(redis_req *r);
-/* A save's snapshot of d (its parts shared), or NULL out of memory; and its end. */
-cg_dialog *cg_redis_snapshot(const cg_dialog *d);
-void cg_redis_snapshot_free(cg_dialog *s);
-/* Answers r from memory (Redis is away or failed it), now or from the loop; finishes it. */
-void cg_redis_answer_from_memory(redis_req *r);
-void cg_redis_answer_later_from_memory(redis_req *r);
-/* The ops table's close. */
-void cg_redis_close(cg_store *st);
-
 /* ---- redis_dialog.c -------------------------------------------------------------------- */
 
-extern const cg_store_ops cg_redis_ops;
+/* The four jobs' tables (store.h); redis_store.c makes the store's table of them. */
+extern const cg_store_dialog_ops cg_redis_dialog_ops;
+extern const cg_store_lease_ops cg_redis_lease_ops;
+extern const cg_store_limit_ops cg_redis_limit_ops;
+extern const cg_store_bus_ops cg_redis_bus_ops;
 /* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
  * the rooms set. */
 void cg_redis_send_save(redis_store *rs, redis_req *r);
@@ -185,11 +200,11 @@ void cg_redis_scripts_init(void);
 
 /* ---- redis_bus.c ----------------------------------------------------------------------- */
 
-/* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy,
- * parsed by cg_redis_parse_url): the bus takes its host and password. */
 /* What the bus hands a cancel for this gateway to ("<dialog key> <lease>"): the bus knows
  * nothing of dialogs. */
 typedef void cg_redis_bus_cancel_fn(redis_store *rs, const char *key_and_lease);
+/* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy,
+ * parsed by cg_redis_parse_url): the bus takes its host and password. */
 cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_cancel_fn *on_cancel);
 /* A cluster's bus (redis-cluster:// without redis.bus): sharded pub/sub through the store's
  * router. */

@@ -1,7 +1,7 @@
 /*
- * redis_conn.c: the Redis store's life over its link (redis_link.c: the connection, whatever
- * the topology, its probe, timeouts and reconnects): open (the URL) and close, the requests,
- * and what the link's going and coming mean to the store. The dialog operations that travel
+ * redis_store.c: the Redis store's life over its link (redis_link.c: the connection, whatever
+ * the topology, its probe, timeouts and reconnects): open (the URL) and close, and what the
+ * link's going and coming mean to the store. The dialog operations that travel
  * over it (keys, scripts, load, save, remove) are in redis_dialog.c; what the two share is in
  * chatgate/store/redis_internal.h.
  *
@@ -25,111 +25,6 @@
 #include "chatgate/core/net.h"
 #include "chatgate/store/redis_internal.h"
 
-static void store_free_if_done(redis_store *rs);
-
-/* ---- requests -------------------------------------------------------------------------- */
-
-static void req_closed(uv_handle_t *h)
-{
-    redis_req *r = h->data;
-    redis_store *rs = r->rs;
-    cg_redis_snapshot_free(r->snapshot);
-    free(r->lease_value);
-    free(r->merge_rev);
-    free(r->ticket);
-    free(r->rev);
-    free(r->user);
-    free(r->eu);
-    free(r->er);
-    free(r->key);
-    free(r);
-    rs->handles--;
-    store_free_if_done(rs);
-}
-
-/* Frees r once the replies still due to it have come (they come, possibly NULL). */
-void cg_redis_req_finish(redis_req *r)
-{
-    r->finished = 1;
-    if (r->steps == 0)
-        uv_close((uv_handle_t *)&r->defer, req_closed);
-}
-
-static redis_req *req_alloc(redis_store *rs, cg_store_op kind, char *eu, char *er, void *ctx)
-{
-    redis_req *r = calloc(1, sizeof(*r));
-    if (!r)
-        abort();
-    r->rs = rs;
-    r->kind = kind;
-    r->eu = eu;
-    r->er = er;
-    size_t nu = strlen(eu), nr = strlen(er); /* "<eu>:<er>", twice a turn: no asprintf */
-    r->key = malloc(nu + nr + 2);
-    if (!r->key)
-        abort();
-    memcpy(r->key, eu, nu);
-    r->key[nu] = ':';
-    memcpy(r->key + nu + 1, er, nr + 1);
-    r->ctx = ctx;
-    uv_timer_init(rs->base.loop, &r->defer);
-    r->defer.data = r;
-    rs->handles++;
-    return r;
-}
-
-redis_req *cg_redis_req_new(redis_store *rs, cg_store_op kind, const char *user, const char *room, void *ctx)
-{
-    user = user ? user : "";
-    redis_req *r = req_alloc(rs, kind, cg_store_escape(user), cg_store_escape(room ? room : ""), ctx);
-    if (kind == CG_STORE_REMOVE_USER) /* its memory delete is by the user as given */
-        r->user = cg_redis_xstrdup(user);
-    return r;
-}
-
-cg_dialog *cg_redis_snapshot(const cg_dialog *d)
-{
-    cg_dialog *s = malloc(sizeof(*s));
-    if (s && cg_dialog_share(s, d) < 0) {
-        free(s);
-        s = NULL;
-    }
-    return s;
-}
-
-void cg_redis_snapshot_free(cg_dialog *s)
-{
-    if (s) {
-        cg_dialog_free(s);
-        free(s);
-    }
-}
-
-/* Answers r from memory (Redis is away or failed it), then finishes it. */
-void cg_redis_answer_from_memory(redis_req *r)
-{
-    cg_fallback_subject s = {
-        .key = r->key,
-        .eu = r->eu,
-        .er = r->er,
-        .user = r->user,
-        .snapshot = r->snapshot,
-        .version = r->version,
-        .limits = &r->limits,
-    };
-    cg_fallback_answer_req(r->rs->fb, (cg_store_req *)r, &s, r->rs->closing);
-    cg_redis_req_finish(r);
-}
-
-static void deferred_answer(uv_timer_t *t)
-{
-    cg_redis_answer_from_memory(t->data);
-}
-
-void cg_redis_answer_later_from_memory(redis_req *r)
-{
-    uv_timer_start(&r->defer, deferred_answer, 0, 0);
-}
 /* ---- the link ------------------------------------------------------------------------- */
 
 /* The fallback's write-back of d (a dialog written to memory only): a save, merged with
@@ -137,7 +32,7 @@ void cg_redis_answer_later_from_memory(redis_req *r)
 static int writeback(void *backend, const cg_fallback_dirty *item, cg_dialog *d)
 {
     redis_store *rs = backend;
-    redis_req *r = req_alloc(rs, CG_STORE_SAVE, cg_redis_xstrdup(item->eu), cg_redis_xstrdup(item->er), NULL);
+    redis_req *r = cg_redis_req_new_escaped(rs, CG_STORE_SAVE, item->eu, item->er, NULL);
     r->snapshot = malloc(sizeof(*r->snapshot));
     if (!r->snapshot) {
         cg_dialog_free(d);
@@ -180,59 +75,14 @@ static void on_tick(uv_timer_t *t)
     }
 }
 
-/* ---- side connections (the bus) ----------------------------------------------------------- */
-
-cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host, void *data,
-                                   cg_redis_event_fn *on_event, char *why, size_t whylen)
-{
-    return cg_redis_conn_open(rs->base.loop, address, port, host, rs->tls, rs->base.cfg.flush, data, on_event, why,
-                              whylen);
-}
-
-/* The Sentinels' answer to the store's question: the primary, or why none named it. */
 /* ---- close -------------------------------------------------------------------------- */
-
-static void handle_closed(uv_handle_t *h)
-{
-    redis_store *rs = h->data;
-    rs->handles--;
-    store_free_if_done(rs);
-}
-
-/* Frees rs and what it owns (what open has not made yet is NULL: a bad URL's store too). */
-static void store_free(redis_store *rs)
-{
-    cg_fallback_free(rs->fb);
-    for (int i = 0; i < rs->n_sentinels; i++)
-        free(rs->sentinel_hosts[i]);
-    free(rs->sentinel_hosts);
-    free(rs->sentinel_ports);
-    for (int i = 0; i < rs->n_seeds; i++)
-        free(rs->seed_hosts[i]);
-    free(rs->seed_hosts);
-    free(rs->seed_ports);
-    free(rs->master);
-    json_decref(rs->leases);
-    json_decref(rs->saving);
-    free(rs->host);
-    free(rs->user);
-    free(rs->password);
-    cg_redis_tls_free(rs->tls);
-    free(rs);
-}
-
-static void store_free_if_done(redis_store *rs)
-{
-    if (rs->closing && rs->handles == 0)
-        store_free(rs);
-}
 
 /* The last step of close, once the link has closed: the tick goes, and the store with it. */
 static void on_link_closed(void *data)
 {
     redis_store *rs = data;
     rs->link = NULL;
-    uv_close((uv_handle_t *)&rs->tick, handle_closed);
+    uv_close((uv_handle_t *)&rs->tick, cg_redis_handle_closed);
 }
 
 /*
@@ -253,6 +103,18 @@ void cg_redis_close(cg_store *st)
     else
         on_link_closed(rs);
 }
+
+/* ---- the store ---------------------------------------------------------------------------- */
+
+/* The four jobs' tables are redis_dialog.c's; the store's life is this file's. */
+static const cg_store_ops redis_ops = {
+    .name = "redis",
+    .dialogs = &cg_redis_dialog_ops,
+    .lease = &cg_redis_lease_ops,
+    .limits = &cg_redis_limit_ops,
+    .bus = &cg_redis_bus_ops,
+    .close = cg_redis_close,
+};
 
 /* ---- open --------------------------------------------------------------------------- */
 
@@ -534,7 +396,7 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
         free(bus.host);
         free(bus.user);
         free(bus.password);
-        store_free(rs);
+        cg_redis_store_free(rs);
         return NULL;
     }
     if (strncmp(cfg->url, "rediss", 6) == 0 || bus.tls) {
@@ -544,11 +406,11 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
             free(bus.host);
             free(bus.user);
             free(bus.password);
-            store_free(rs);
+            cg_redis_store_free(rs);
             return NULL;
         }
     }
-    rs->base.ops = &cg_redis_ops;
+    rs->base.ops = &redis_ops;
     rs->base.loop = loop;
     rs->base.cfg = *cfg;
     rs->base.now = cg_store_default_now;
