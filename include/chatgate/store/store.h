@@ -3,10 +3,10 @@
  *
  * Two stores: in memory (one process, TTLs and bounds on dialogs and bytes held, least
  * recently used going first) and Redis (any number of gateways; docs/state.md's key layout,
- * one pipelined read and one pipelined write per message, through the hiredis async API
- * on the gateway's loop). When Redis fails the Redis store answers from an in-memory store
- * of its own, says so (status.degraded, status.warn once per dialog), and writes what it
- * held back to Redis when it returns.
+ * one pipelined read and one pipelined write per message, on the gateway's loop). When
+ * Redis fails, degraded mode (fallback.h, no Redis code) answers from memory, says so
+ * (status.degraded, status.warn once per dialog), and writes what it held back to Redis
+ * when it returns.
  *
  * Calls never call back from inside themselves: the answer comes later from the loop.
  * A caller that goes away before the answer abandons its request; the callback is then
@@ -237,7 +237,7 @@ char *cg_store_escape(const char *id);
 /* The id cg_store_escape made s (n bytes) from; malloc'd. */
 char *cg_store_unescape(const char *s, size_t n);
 
-/* ---- the in-memory store, also the Redis store's fallback ---------------------------- */
+/* ---- the in-memory store, also degraded mode's copy (fallback.h) ---------------------- */
 
 typedef struct cg_memstore cg_memstore;
 /* The byte bound a new memory store starts with: 256 MiB. */
