@@ -3,9 +3,12 @@
  *
  * Life: ASKING (a seed is resolved, connected and asked CLUSTER SLOTS; the next seed when it
  * fails) -> CONNECTING (a connection per master, each AUTHed and PINGed) -> UP -> CLOSED.
- * A master's connection lost, or every seed failing, is the router's end: on_state(0) and
- * the store reconnects with its backoff, reading the map anew (a failed master's replica is
- * found there once promoted).
+ * Every seed failing, or a master lost before UP, is the router's end: on_state(0), and the
+ * store reconnects with its backoff, reading the map anew. Once UP, a master lost is only
+ * its slots' outage: their commands fail at once (the store answers those dialogs from
+ * memory and writes them back later) while the map is asked of the masters that answer,
+ * every MAP_REFRESH_MS, until each master it names answers again (the node back, or its
+ * replica promoted). The router ends only when no master answers.
  *
  * Each command keeps its RESP text until its final answer, for the redirects:
  *   MOVED slot host:port  the slot's owner becomes that node (connected when new), the
@@ -34,6 +37,7 @@
 #define RETRY_FIRST_MS 20
 #define RETRY_MAX_MS 100 /* 8 retries end within the store's command timeout (1 s by default) */
 #define MAP_READ_GAP_MS 100 /* at most one CLUSTER SLOTS in flight, and none closer than this */
+#define MAP_REFRESH_MS 250  /* a master lost: the map asked again this often until all answer */
 
 typedef enum { CL_ASKING, CL_CONNECTING, CL_UP, CL_CLOSED } cl_state;
 
@@ -42,6 +46,7 @@ typedef struct cl_node {
     cg_redis_node_addr addr;
     cg_redis_conn *conn; /* NULL: not connected (yet) */
     int answered;        /* its PING came back */
+    int lost;            /* lost while the router was up, and not answering since (logged once) */
 } cl_node;
 
 typedef struct cl_cmd {
@@ -73,6 +78,8 @@ struct cg_redis_cluster {
     uint64_t map_read_at; /* loop time of the last */
     cl_cmd *parked;       /* waiting for a retry (TRYAGAIN, CLUSTERDOWN) */
     uv_timer_t timer;     /* the parked commands' */
+    uv_timer_t refresh;   /* a master lost: the map asked again (node_lost) */
+    int handles;          /* the timers not yet closed: freed at 0 */
     char *user, *password;
 };
 
@@ -90,6 +97,8 @@ static cg_redis_cluster_stats *stats(cg_redis_cluster *cl)
 static void on_timer_closed(uv_handle_t *h)
 {
     cg_redis_cluster *cl = h->data;
+    if (--cl->handles > 0)
+        return;
     for (int i = 0; i < cl->cfg.n_seeds; i++)
         free(cl->seed_hosts[i]);
     free(cl->seed_hosts);
@@ -121,6 +130,7 @@ void cg_redis_cluster_close(cg_redis_cluster *cl)
         deliver(k, NULL, NULL);
     }
     uv_close((uv_handle_t *)&cl->timer, on_timer_closed);
+    uv_close((uv_handle_t *)&cl->refresh, on_timer_closed);
 }
 
 /* The router cannot go on: the store is told (and closes it). */
@@ -142,15 +152,56 @@ static void send_auth(cg_redis_cluster *cl, cg_redis_conn *c)
         cg_redis_conn_auth(c, cl->user, cl->password, NULL, NULL);
 }
 
+static void on_refresh(uv_timer_t *t);
+
+/* A master of the map whose connection answers, or NULL. */
+static cl_node *node_answering(cg_redis_cluster *cl)
+{
+    for (int i = 0; i < cl->map.n_nodes; i++) {
+        cl_node *n = &cl->nodes[cl->map_node[i]];
+        if (n->conn && n->answered)
+            return n;
+    }
+    return NULL;
+}
+
+/*
+ * n's connection is gone (closed, refused, or it answered PING with an error), why says how.
+ * Before the router is up that is its end. After, only n's slots fail until the map names a
+ * master for them that answers: the map is asked again (on_refresh), and the router ends
+ * only when no master answers.
+ */
+static void node_lost(cl_node *n, const char *why)
+{
+    cg_redis_cluster *cl = n->cl;
+    char msg[300];
+    snprintf(msg, sizeof(msg), "cluster node %s:%d: %s", n->addr.host, n->addr.port, why);
+    n->answered = 0;
+    if (cl->state != CL_UP) {
+        cl_lost(cl, msg);
+        return;
+    }
+    if (!node_answering(cl)) {
+        cl_lost(cl, msg);
+        return;
+    }
+    if (!n->lost) {
+        n->lost = 1;
+        cg_warn("redis %s; the dialogs in its slots are served from memory until it, or a replica promoted in its "
+                "place, answers",
+                msg);
+    }
+    if (!uv_is_active((uv_handle_t *)&cl->refresh))
+        uv_timer_start(&cl->refresh, on_refresh, MAP_REFRESH_MS, 0);
+}
+
 static void on_node_event(cg_redis_conn *c, int up, const char *why)
 {
     cl_node *n = cg_redis_conn_data(c);
     if (up || !n || n->conn != c)
         return;
     n->conn = NULL;
-    char msg[300];
-    snprintf(msg, sizeof(msg), "cluster node %s:%d: %s", n->addr.host, n->addr.port, why ? why : "closed");
-    cl_lost(n->cl, msg);
+    node_lost(n, why ? why : "closed");
 }
 
 static void on_node_ping(cg_redis_conn *c, void *reply_, void *priv)
@@ -160,13 +211,19 @@ static void on_node_ping(cg_redis_conn *c, void *reply_, void *priv)
     cg_redis_cluster *cl = n->cl;
     if (!reply || n->conn != c || cl->state == CL_CLOSED)
         return; /* the node's event says why */
-    if (reply->type == REDIS_REPLY_ERROR) {
-        char msg[300];
-        snprintf(msg, sizeof(msg), "cluster node %s:%d answered PING '%.120s'", n->addr.host, n->addr.port, reply->str);
-        cl_lost(cl, msg);
+    if (reply->type == REDIS_REPLY_ERROR) { /* -LOADING, -NOAUTH, ...: not a node to use */
+        char msg[200];
+        snprintf(msg, sizeof(msg), "answered PING '%.120s'", reply->str);
+        n->conn = NULL;
+        cg_redis_conn_close(c); /* from inside its callback: closed when this returns */
+        node_lost(n, msg);
         return;
     }
     n->answered = 1;
+    if (n->lost) {
+        n->lost = 0;
+        cg_info("redis cluster node %s:%d: answers again", n->addr.host, n->addr.port);
+    }
     if (cl->state != CL_CONNECTING)
         return;
     for (int i = 0; i < cl->map.n_nodes; i++)
@@ -177,7 +234,8 @@ static void on_node_ping(cg_redis_conn *c, void *reply_, void *priv)
 }
 
 /* The node at host:port, connected (AUTH and PING queued) when it was not; NULL when the
- * table is full or it cannot connect (the router is then lost). */
+ * table is full (the router is then lost). A connection that cannot even start is the
+ * router's end before it is up, and that node's loss after (node_lost). */
 static cl_node *node_get(cg_redis_cluster *cl, const char *host, int port)
 {
     cl_node *n = NULL;
@@ -203,10 +261,9 @@ static cl_node *node_get(cg_redis_cluster *cl, const char *host, int port)
     n->conn = cg_redis_conn_open(cl->cfg.loop, host, port, host, cl->cfg.tls, cl->cfg.flush, n, on_node_event, why,
                                  sizeof(why));
     if (!n->conn) {
-        char msg[300];
-        snprintf(msg, sizeof(msg), "cluster node %s:%d: %s", host, port, why);
-        cl_lost(cl, msg);
-        return NULL;
+        int up = cl->state == CL_UP;
+        node_lost(n, why);
+        return up && cl->state == CL_UP ? n : NULL;
     }
     n->answered = 0;
     send_auth(cl, n->conn);
@@ -339,6 +396,25 @@ static void map_reread(cg_redis_cluster *cl, cl_node *from)
     cl->map_reading = 1;
     cl->map_read_at = now;
     cg_redis_conn_cmd(from->conn, on_map_reread, from, "CLUSTER SLOTS");
+}
+
+/* A master was lost: until every master the map names answers, the map is asked again of one
+ * that answers (the lost one's replica is found there once promoted), and the masters it
+ * names that are not connected are connected again (node_get: the lost one, if back). */
+static void on_refresh(uv_timer_t *t)
+{
+    cg_redis_cluster *cl = t->data;
+    if (cl->state != CL_UP)
+        return;
+    int whole = 1;
+    for (int i = 0; i < cl->map.n_nodes && whole; i++)
+        whole = cl->nodes[cl->map_node[i]].answered;
+    if (whole)
+        return;
+    cl_node *from = node_answering(cl);
+    if (from)
+        map_reread(cl, from);
+    uv_timer_start(&cl->refresh, on_refresh, MAP_REFRESH_MS, 0);
 }
 
 /* ---- commands --------------------------------------------------------------------------- */
@@ -521,6 +597,9 @@ cg_redis_cluster *cg_redis_cluster_open(const cg_redis_cluster_config *cfg)
         abort();
     uv_timer_init(cfg->loop, &cl->timer);
     cl->timer.data = cl;
+    uv_timer_init(cfg->loop, &cl->refresh);
+    cl->refresh.data = cl;
+    cl->handles = 2;
     cl->state = CL_ASKING;
     uv_timer_start(&cl->timer, on_start, 0, 0); /* from the loop: never a callback inside open */
     return cl;

@@ -11,9 +11,11 @@
  *     CLUSTERDOWN retried with a backoff, a bounded number of times.
  *
  * To the store the cluster is one connection: up once the map is read and every master
- * answered PING; down (and reconnected with the store's backoff) when any master's
- * connection is lost. Writes go to masters only: the map names a slot's master first, and
- * replicas are never connected to.
+ * answered PING; down (and reconnected with the store's backoff) when no master answers.
+ * One master lost is its slots' outage only: their commands fail at once (send returns -1,
+ * or the answer is NULL) while the map is read again until a master answers for them.
+ * Writes go to masters only: the map names a slot's master first, and replicas are never
+ * connected to.
  */
 #ifndef CHATGATE_STORE_REDIS_CLUSTER_H
 #define CHATGATE_STORE_REDIS_CLUSTER_H
@@ -87,8 +89,9 @@ typedef struct cg_redis_cluster_config {
     const char *const *seed_hosts; /* numeric addresses, resolved by the caller */
     const int *seed_ports;
     int n_seeds;
-    /* up: the map is read and every master answered; 0: lost (why), the router is closed
-     * and must not be used after this call returns */
+    /* up: the map is read and every master answered; 0: lost (why: no master answers, or
+     * one was lost before up), the router is closed and must not be used after this call
+     * returns */
     void (*on_state)(void *data, int up, const char *why);
     void *data;
     cg_redis_cluster_stats *stats; /* counted into; may be NULL */
