@@ -1405,21 +1405,16 @@ static const char *script_text(script_id id)
     return texts[id];
 }
 
-/* Redis kept its own copy (save_script's 0 or -1): this one is dropped, from memory too, so
- * the next load reads Redis's. */
+/* Redis kept its own copy (save_script's 0, -1 or -2, once merging it was tried as often as
+ * it may be): this one is dropped, from memory too, so the next load reads Redis's. */
 static void save_refused(redis_store *rs, redis_req *r, long long why)
 {
-    if (why == -2) {
-        rs->base.stats.lease_lost++;
-        cg_warn("redis %s:%d: a turn's save was refused: the dialog's lease passed to another gateway while this "
-                "one was away past redis.lease_ms (stopped, or cut off); Redis's copy is kept",
-                rs->host, rs->port);
-    } else {
-        rs->base.stats.save_conflicts++;
-        cg_warn("redis %s:%d: a %s of a dialog was not written: Redis holds %s; its copy is kept", rs->host,
-                rs->port, r->version ? "write-back" : "save",
-                why == 0 ? "another copy (this one began while Redis was away)" : "a newer copy");
-    }
+    rs->base.stats.save_conflicts++;
+    cg_warn("redis %s:%d: a %s of a dialog was not written: Redis holds %s; its copy is kept", rs->host, rs->port,
+            r->version ? "write-back" : "save",
+            why == 0    ? "another copy (this one began while Redis was away)"
+            : why == -2 ? "a copy whose lease another gateway holds"
+                        : "a newer copy");
     cg_fallback_forget(rs->fb, r->key); /* the next load reads Redis's copy */
 }
 
@@ -1568,11 +1563,17 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *reply = reply_;
     reply = save_evictions(rs, r, reply);
     char *key = cg_redis_xstrdup(r->key); /* r may be finished below; the gate opens last */
-    if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && reply->integer != -2 &&
-        r->snapshot && r->merges < MERGE_TRIES) {
+    if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot && r->merges < MERGE_TRIES) {
         /* Redis holds a copy other than the one this save began from (-3: appending found
          * another rev; 0, -1: another incarnation, or a newer copy; -4: the copy merged with
-         * changed again): both copies' turns are kept, merged */
+         * changed again; -2: the lease passed to another gateway, which may have saved): both
+         * copies' turns are kept, merged. This turn was answered: dropping it would lose it. */
+        if (reply->integer == -2) {
+            rs->base.stats.lease_lost++;
+            cg_warn("redis %s:%d: a turn's save found the dialog's lease passed to another gateway while this one was "
+                    "away past redis.lease_ms (stopped, or cut off): its turn is merged into Redis's copy",
+                    rs->host, rs->port);
+        }
         merge_start(rs, r);
     } else {
         save_answered(rs, r, reply);

@@ -306,7 +306,8 @@ async def part_stopped_holder(rules):
             async with harness.Gateway(header_args(rules), cfg, name="gateway-stopped") as ga, \
                     harness.Gateway(header_args(rules), cfg, name="gateway-other") as gb:
                 with step("a holder stopped (SIGSTOP) past its lease: the other takes the dialog; the stopped "
-                          "one's save is refused, logged and counted; Redis keeps the other's"):
+                          "one's save finds the lease gone (logged, counted) and is merged: both answered turns "
+                          "kept, in order"):
                     app.slow["s1"] = 1.0
                     ca = await connect_as(ga, "stop|user")
                     await ca.send_message("slow one", "s1", "trip")
@@ -329,10 +330,16 @@ async def part_stopped_holder(rules):
                     m = await metrics(ga)
                     check(m.value("chatgate_store_lease_lost_total") == 1,
                           f"lease_lost on the stopped gateway: {m.value('chatgate_store_lease_lost_total')}")
-                    check("lease passed to another gateway" in ga.log_text(), "the refused save was not logged")
+                    check("lease passed to another gateway" in ga.log_text(), "the lease lost was not logged")
                     kept = params_of([redis], "stop|user", "trip")
-                    check(kept.get("count.p_s2") == 1 and "count.p_s1" not in kept,
-                          f"Redis should keep the other gateway's save only: {kept}")
+                    check(kept.get("count.p_s2") == 1 and kept.get("count.p_s1") == 1,
+                          f"Redis should keep both gateways' params (merged): {kept}")
+                    key = redis.find_key(harness.dialog_key("stop|user", "trip", "history"))
+                    users = [m.get("content") for m in map(json.loads, redis.lrange(key) if key else [])
+                             if m.get("role") == "user"]
+                    check(users == ["slow one", "my turn"],
+                          f"both answered turns in the history, the stopped one's first: {users}")
+                    check(m.value("chatgate_store_merges_total") == 1, "the merge was not counted")
                     await ca.close()
     finally:
         redis.cleanup(keep=True)
