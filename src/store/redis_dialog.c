@@ -1497,6 +1497,10 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
         cg_dialog_free(d);
         added = cg_dialog_copy(d, r->snapshot) < 0 ? -1 : 0;
     } else {
+        /* a turn whose lease another gateway took began before that gateway's turns: where
+         * both set a part, theirs is the newer, though this one saved last */
+        if (r->lease_lost && r->snapshot->last_activity > d->last_activity)
+            r->snapshot->last_activity = d->last_activity;
         added = cg_dialog_merge(d, r->snapshot, &rs->base.cfg.lifetimes);
     }
     cg_dialog *merged = added >= 0 ? malloc(sizeof(*merged)) : NULL;
@@ -1569,6 +1573,7 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
          * changed again; -2: the lease passed to another gateway, which may have saved): both
          * copies' turns are kept, merged. This turn was answered: dropping it would lose it. */
         if (reply->integer == -2) {
+            r->lease_lost = 1;
             rs->base.stats.lease_lost++;
             cg_warn("redis %s:%d: a turn's save found the dialog's lease passed to another gateway while this one was "
                     "away past redis.lease_ms (stopped, or cut off): its turn is merged into Redis's copy",

@@ -37,7 +37,8 @@ REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 class CountingApp(harness.WsServer):
     """A chat app (the gateway's ws:// upstream) that counts, per dialog (user, room), the
     requests it is answering at the same time; each answer takes `delay` seconds and its done
-    carries a state directive adding the param p_<id> of service "count"."""
+    carries a state directive adding the param p_<id> of service "count", and setting its
+    param "last" to the message's id."""
 
     def __init__(self, delay=0.01):
         super().__init__()
@@ -75,7 +76,7 @@ class CountingApp(harness.WsServer):
         try:
             await asyncio.sleep(self.slow.pop(mid, self.delay))
             done = {"type": "done", "id": mid, "text": f"ok {mid}",
-                    "state": {"service": "count", "params": {f"p_{mid}": 1}}}
+                    "state": {"service": "count", "params": {f"p_{mid}": 1, "last": mid}}}
             await ws.send(json.dumps(done))
         except (websockets.ConnectionClosed, asyncio.CancelledError):
             pass
@@ -322,6 +323,7 @@ async def part_stopped_holder(rules):
                         turn = await cb.message("my turn", mid="s2", room="trip", timeout=10)
                         turn.expect_done()
                         await cb.close()
+                        await asyncio.sleep(1.1)  # the stopped one saves a second later (whole seconds)
                     finally:
                         os.kill(ga.pid, signal.SIGCONT)
                     turn = await ca.collect_turn("s1", 10)
@@ -334,6 +336,9 @@ async def part_stopped_holder(rules):
                     kept = params_of([redis], "stop|user", "trip")
                     check(kept.get("count.p_s2") == 1 and kept.get("count.p_s1") == 1,
                           f"Redis should keep both gateways' params (merged): {kept}")
+                    # the stopped turn began first: where both set a param, the later turn's wins,
+                    # though the stopped one saved last
+                    check(kept.get("count.last") == "s2", f"the later turn's param should win: {kept}")
                     key = redis.find_key(harness.dialog_key("stop|user", "trip", "history"))
                     users = [m.get("content") for m in map(json.loads, redis.lrange(key) if key else [])
                              if m.get("role") == "user"]

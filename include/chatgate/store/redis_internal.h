@@ -70,6 +70,8 @@ struct redis_req {
                         * the whole history (its append was refused) */
     int appended;      /* save: sent only the history's new messages */
     int merges;        /* save: how often Redis's copy was read and merged with this one */
+    int lease_lost;    /* save: refused for a lease another gateway took (-2): its turn began
+                        * before that gateway's, so Redis's copy counts as the newer one */
     char *merge_rev;   /* save of a merge: the rev of Redis's copy it merged with ("" none) */
     char *ticket;      /* a turn's load: its place in the line for the lease, "<holder>#<n>" */
     int64_t renewed;   /* save: when the lifetimes of the keys it writes were last set, this
