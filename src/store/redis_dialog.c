@@ -1702,10 +1702,10 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
     arg_int(&a, (long long)d->created_at);
     arg_int(&a, (long long)d->last_activity);
-    arg_str(&a, r->merge_rev                                               ? "3"
+    arg_str(&a, r->merge_rev                                                    ? "3"
                 : r->base_unknown || cg_fallback_base_unknown(rs->fb, r->key) ? "2"
-                : r->version                                              ? "1"
-                                                                          : "0");
+                : r->version                                                  ? "1"
+                                                                              : "0");
     arg_int(&a, (long long)lt->params_s);
     arg_int(&a, (long long)lt->dialog_s);
     arg_int(&a, (long long)lt->history_s);

@@ -422,7 +422,6 @@ static void memory_store_free(memory_store *ms)
     free(ms);
 }
 
-
 struct memory_req {
     CG_STORE_REQ_FIELDS
     memory_req *next; /* in the store's queue */
