@@ -263,6 +263,7 @@ static void up_error(int err, int status)
 
 typedef struct client {
     char log[2048]; /* "ack:m1 delta:m1 done:m1 ..." */
+    char said[1024]; /* the deltas' text, end to end */
     json_t *terminals; /* id -> how many terminal events */
     int last_err;
     char last_done[256];
@@ -290,9 +291,9 @@ static void sk_ack(void *conn, const cg_ack *ack)
 
 static void sk_delta(void *conn, const char *id, const char *text, size_t len)
 {
-    (void)text;
-    (void)len;
-    note(conn, "delta", id);
+    client *c = conn;
+    note(c, "delta", id);
+    snprintf(c->said + strlen(c->said), sizeof(c->said) - strlen(c->said), "%.*s", (int)len, text);
 }
 
 static void sk_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,
@@ -763,6 +764,169 @@ static void test_pause(void)
     world_close(&w);
 }
 
+
+/* A stop rule on the reply: the text held back is never said, the call is cancelled from the
+ * loop (not inside the upstream's callback), and the message ends with one error, blocked. */
+static void test_blocked(void)
+{
+    world w;
+    world_open(&w, NULL);
+    static const char rules[] = "rule reply_secret_key\n  on      reply\n  match   \\bsk-[a-z]{16,}\n  do      stop\n";
+    char err[256];
+    cg_ruleset *stop = NULL;
+    if (cg_rules_load_text("stop.rules", rules, strlen(rules), &stop, err, sizeof(err)) != 0)
+        fprintf(stderr, "rules: %s\n", err);
+    CHECK(stop != NULL);
+    cg_ruleset_unref(w.env.rules);
+    w.env.rules = w.rules = stop;
+    send_chat(&w, "m1", "r1", "what is my key?");
+    answer_load(&w.fs);
+    up_delta("your key is sk-abcdefghijklmnopqrstuvwxyz and more");
+    CHECK(terminals_of(&w, "m1") == 0 && !ups.calls[0]->cancelled); /* not from inside its callback */
+    uv_run(&w.loop, UV_RUN_NOWAIT);
+    CHECK(ups.calls[0]->cancelled);
+    CHECK(terminals_of(&w, "m1") == 1 && w.cl.last_err == CG_E_BLOCKED);
+    CHECK(strstr(w.cl.said, "sk-") == NULL); /* the secret never went out */
+    CHECK(w.metrics.turns_blocked == 1 && w.fs.saves == 1);
+    world_close(&w);
+}
+
+/* ---- a forwarding adapter (drop-in): the message goes over the adapter's own connection --- */
+
+typedef struct app {
+    cg_turn *t;        /* the forwarded turn in flight */
+    int forwarded, stopped, unsent;
+    char opaque_back[64]; /* which opaques came back, and how: "F1 U2 ..." */
+} app;
+
+static app the_app;
+
+static int fw_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
+{
+    (void)conn;
+    the_app.t = t;
+    the_app.forwarded++;
+    snprintf(the_app.opaque_back + strlen(the_app.opaque_back), sizeof(the_app.opaque_back) - strlen(the_app.opaque_back),
+             "F%s ", (const char *)f->opaque);
+    return 0;
+}
+
+static void fw_stop(void *conn, cg_turn *t, int client_said)
+{
+    (void)conn;
+    (void)client_said;
+    CHECK(t == the_app.t);
+    the_app.stopped++;
+}
+
+static void fw_unsent(void *conn, void *opaque)
+{
+    (void)conn;
+    the_app.unsent++;
+    snprintf(the_app.opaque_back + strlen(the_app.opaque_back), sizeof(the_app.opaque_back) - strlen(the_app.opaque_back),
+             "U%s ", (const char *)opaque);
+}
+
+static const cg_turn_sink fw_sink = {.error = sk_error, .warning = sk_warning, .forward = fw_forward,
+                                     .stop_forward = fw_stop, .unsent = fw_unsent};
+
+static void forwarding(world *w)
+{
+    memset(&the_app, 0, sizeof(the_app));
+    cg_turns_close(&w->q);
+    cg_turns_init(&w->q, &w->env, &fw_sink, &w->cl, "alice", "s_dropin");
+}
+
+static int send_frame(world *w, const char *id, const char *text, const char *opaque)
+{
+    cg_turn_request r = {.kind = CG_TURN_CHAT, .id = strdup(id), .room = strdup("r1"), .text = strdup(text),
+                         .opaque = (void *)opaque};
+    return cg_turns_submit(&w->q, &r);
+}
+
+static void test_forward(void)
+{
+    world w;
+    world_open(&w, NULL);
+    forwarding(&w);
+    send_frame(&w, "a1", "hello app", "1");
+    answer_load(&w.fs);
+    CHECK(the_app.forwarded == 1 && ups.n_calls == 0);
+    cg_turn_reply(the_app.t, "hi ", 3);
+    cg_turn_reply(the_app.t, "there", 5);
+    cg_turn_end(the_app.t, 0);
+    CHECK(w.fs.saves == 1 && strstr(w.fs.last_history, "\"hi there\""));
+
+    /* the client cancels: the app is told, the turn goes on until the app's end */
+    send_frame(&w, "a2", "long one", "2");
+    answer_load(&w.fs);
+    cg_turns_cancel_current(&w.q);
+    CHECK(the_app.stopped == 1 && w.fs.saves == 1);
+    cg_turn_end(the_app.t, 1);
+    CHECK(w.fs.saves == 2 && strstr(w.fs.last_history, "\"long one\""));
+    CHECK(w.metrics.turns_cancelled == 1);
+
+    /* a cancel before the message is forwarded stops nothing: it goes, and the app gets the
+     * client's cancel after it (the adapter's own relay) */
+    send_frame(&w, "a3", "loading", "3");
+    cg_turns_cancel_current(&w.q);
+    answer_load(&w.fs);
+    CHECK(the_app.forwarded == 3 && the_app.stopped == 1);
+    cg_turn_end(the_app.t, 0);
+    /* one cancelled while it waits in the queue is given back, never forwarded */
+    send_frame(&w, "a4", "first", "4");
+    send_frame(&w, "a5", "queued", "5");
+    CHECK(cg_turns_cancel(&w.q, "a5") == 0);
+    answer_load(&w.fs);
+    cg_turn_end(the_app.t, 0);
+    CHECK(pending(&w.fs, CG_STORE_LOAD) == 0);
+    CHECK_STR(the_app.opaque_back, "F1 F2 F3 U5 F4 ");
+    CHECK(w.fs.saves == 4);
+
+    /* the app says nothing: the turn ends after reply_timeout_ms, its dialog free */
+    w.q.reply_timeout_ms = 1;
+    send_frame(&w, "a6", "anyone?", "6");
+    answer_load(&w.fs);
+    CHECK(the_app.forwarded == 5);
+    uv_run(&w.loop, UV_RUN_DEFAULT); /* until the timer, the loop's only live handle, has run */
+    CHECK(w.fs.saves == 5 && w.q.inflight == NULL);
+
+    /* supersede: the next message ends the forwarded turn in flight */
+    w.q.reply_timeout_ms = 0;
+    w.q.supersede = 1;
+    send_frame(&w, "a7", "one", "7");
+    answer_load(&w.fs);
+    send_frame(&w, "a8", "two", "8");
+    CHECK(w.fs.saves == 6); /* a7 ended, saved */
+    answer_load(&w.fs);
+    CHECK(the_app.forwarded == 7);
+    cg_turns_close(&w.q); /* a8 in flight: saved as cancelled, and nothing is given back twice */
+    CHECK(w.fs.saves == 7);
+    CHECK_STR(the_app.opaque_back, "F1 F2 F3 U5 F4 F6 F7 F8 ");
+    world_close(&w);
+}
+
+static void test_forward_limit_refused(void)
+{
+    world w;
+    world_open(&w, ", \"limits\": {\"messages_per_minute\": 1}");
+    forwarding(&w);
+    cg_turns_set_plan(&w.q, NULL);
+    send_frame(&w, "a1", "hello", "1");
+    answer_limit(&w.fs, CG_LIMIT_MESSAGES);
+    w.fs.limit_takes--;
+    CHECK_STR(the_app.opaque_back, "U1 ");
+    CHECK(w.cl.last_err == CG_E_RATE_LIMITED && the_app.forwarded == 0);
+    /* and closed while the limit is counted: given back too */
+    send_frame(&w, "a2", "hello", "2");
+    cg_turns_close(&w.q);
+    CHECK_STR(the_app.opaque_back, "U1 U2 ");
+    answer_limit(&w.fs, CG_LIMIT_OK);
+    w.fs.limit_takes--;
+    json_object_clear(w.cl.terminals);
+    world_close(&w);
+}
+
 int main(void)
 {
     test_done();
@@ -776,5 +940,8 @@ int main(void)
     test_reload_while_queued();
     test_context();
     test_pause();
+    test_blocked();
+    test_forward();
+    test_forward_limit_refused();
     return unit_done("turn");
 }
