@@ -309,8 +309,8 @@ static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
             abort();
         d->suppress.since = uv_now(d->srv->net.loop);
         d->suppress.last = 0;
-        d->suppress.gap_ms = d->turns.reply_gap_ms ? d->turns.reply_gap_ms : d->turns.reply_timeout_ms;
-        d->suppress.max_ms = d->turns.reply_timeout_ms;
+        d->suppress.gap_ms = d->turns.fw.reply_gap_ms ? d->turns.fw.reply_gap_ms : d->turns.fw.reply_timeout_ms;
+        d->suppress.max_ms = d->turns.fw.reply_timeout_ms;
         /* a cancel phrase is itself a chat message, forwarded next: the message after it
          * is the first whose reply is not the stopped one's */
         d->suppress.ends_at = d->forwards + (client_said ? 0 : 1);
@@ -1196,14 +1196,16 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
     d->refs = 2; /* the client's and the app connection's */
     snprintf(d->user, sizeof(d->user), "%s", user);
     snprintf(d->name, sizeof(d->name), "%s", name); /* d outlives the session that named it */
-    cg_turns_init(&d->turns, &srv->turn, &dropin_sink, d, d->user, d->name);
-    cg_turns_set_plan(&d->turns, plan);
-    d->turns.supersede = 1; /* the app's protocol may have no end marker: the next message ends a turn */
     json_t *tt = json_object_get(d->cfg, "turn_timeout_ms");
-    d->turns.reply_timeout_ms = json_is_integer(tt) ? (uint64_t)json_integer_value(tt) : 60000;
     json_t *gap = json_object_get(d->cfg, "reply_gap_ms");
     int no_end = !json_object_get(json_object_get(d->cfg, "app_frames"), "end");
-    d->turns.reply_gap_ms = json_is_integer(gap) ? (uint64_t)json_integer_value(gap) : no_end ? 2000 : 0;
+    cg_turn_forwarding fw = {
+        .supersede = 1, /* the app's protocol may have no end marker: the next message ends a turn */
+        .reply_timeout_ms = json_is_integer(tt) ? (uint64_t)json_integer_value(tt) : 60000,
+        .reply_gap_ms = json_is_integer(gap) ? (uint64_t)json_integer_value(gap) : no_end ? 2000 : 0,
+    };
+    cg_turns_init(&d->turns, &srv->turn, &dropin_sink, &fw, d, d->user, d->name);
+    cg_turns_set_plan(&d->turns, plan);
     d->path = app_path(srv, client);
     if (!d->path) {
         free(d);

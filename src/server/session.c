@@ -447,7 +447,7 @@ static void session_open(cg_session *s, struct lws *wsi)
     s->srv = srv;
     s->established = 1;
     snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++srv->session_seq);
-    cg_turns_init(&s->turns, &srv->turn, &session_sink, s, s->user, s->session_id);
+    cg_turns_init(&s->turns, &srv->turn, &session_sink, NULL, s, s->user, s->session_id);
     srv->n_sessions++;
     char err[256];
     if (cg_handshake_is_dropin(srv, wsi)) {

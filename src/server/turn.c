@@ -1,14 +1,28 @@
 /*
  * turn.c: one client message's whole life, for every way in (see turn.h).
  *
- * A request moves through: queue -> (chat, with limits per user) limit -> lock -> load ->
- * (chat) pipeline -> upstream call or
- * forward -> reply -> end, or (context command) load -> answer. Each stage hands on to the
- * next from a callback of the one before (the lock's granted, the store's loaded, the
- * upstream's events), so nothing waits on the loop. Every way out of a request goes through
- * turn_finish(), which frees it and starts the next: that is what makes "one at a time, in
- * order, exactly one end" hold.
+ * A request's stage is its state (turn_state), entered through turn_enter(), which checks
+ * the transition against one table:
+ *
+ *   QUEUED -> LIMITING (a chat message of a user with limits) -> LOCKING (another connection
+ *   holds the dialog) -> LOADING -> the pipeline, then, by the connection's backend:
+ *     upstream calls:  CALLING -> STREAMING (the first text) [-> BLOCKED (a stop rule)]
+ *     forwarding:      FORWARDED (the adapter's app answers; cg_turn_end)
+ *   -> ENDED. A context command ends once loaded. Any stage may end early (a refusal, a
+ *   cancel, the connection gone): stopping asks the state what is under way.
+ *
+ * Each stage hands on to the next from a callback of the one before (the lock's granted,
+ * the store's loaded, the upstream's events), so nothing waits on the loop. Every way out of
+ * a request goes through turn_finish(), which frees it and starts the next: that is what
+ * makes "one at a time, in order, exactly one end" hold.
+ *
+ * What differs between an adapter whose messages go to an upstream (chatgate.v1) and one
+ * that forwards them over its own connection (drop-in) is a backend (turn_backend), chosen
+ * once in cg_turns_init: where the message goes after the pipeline, what a cancel does, and
+ * the connection's timer (a blocked reply's end from the loop; a forwarded reply's silence
+ * bound).
  */
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,9 +36,24 @@
 #include "chatgate/dialog/pipeline.h"
 #include "chatgate/server/turn.h"
 
+/* A request's stage (the header comment draws the transitions; turn_enter checks them). */
+typedef enum {
+    TURN_QUEUED,    /* in its connection's queue */
+    TURN_LIMITING,  /* the store counts it against its user's limits (limit) */
+    TURN_LOCKING,   /* waiting for its dialog's lock, held by another connection's turn */
+    TURN_LOADING,   /* the store loads its dialog (load), and takes its lease */
+    TURN_CALLING,   /* an upstream call in flight (call), no text yet: it may fall back */
+    TURN_STREAMING, /* the call's text is coming */
+    TURN_BLOCKED,   /* a stop rule matched the reply: it ends from the loop, blocked */
+    TURN_FORWARDED, /* handed to the adapter (drop-in): it ends by cg_turn_end */
+    TURN_ENDED,     /* said and saved, or dropped: freed now */
+    TURN_STATES
+} turn_state;
+
 struct cg_turn {
     cg_turn *next;
     cg_turns *q;
+    turn_state state;          /* turn_enter() alone changes it */
     cg_turn_kind kind;
     char *id, *room, *text;
     json_t *keys;              /* context.forget */
@@ -33,7 +62,7 @@ struct cg_turn {
     cg_dialog_lock_waiter lock; /* its dialog's lock, held from load to end */
     int64_t arrived;           /* unix seconds, for the history */
     uint64_t t_arrived, t_load, t_upstream; /* uv_hrtime() of arrival, load, upstream start */
-    int got_first;             /* the first text came (first-token latency) */
+    int got_first;             /* the first text came (first-token latency; a forwarded reply's too) */
     int counted;               /* in env->inflight */
     char *enriched;            /* the pipeline's rewrite, kept for the history */
     cg_store_req *load;        /* while the dialog loads */
@@ -43,20 +72,18 @@ struct cg_turn {
     uint64_t limit_turn;       /* its number there */
     int refused;               /* over a limit: never started, so not a turn in the figures */
     cg_dialog dialog;          /* once loaded */
-    int has_dialog;
+    int has_dialog;            /* dialog is this turn's to free (and its lease to let go) */
     int saved;                 /* a save or remove ended its lease (store.h) */
     int route;                 /* the upstream's index */
     int first_route;           /* -1, or the upstream that failed when route is its fallback */
     cg_upstream_call *call;    /* while an upstream call is in flight */
     /* what the pipeline gave the upstream call, kept for a fallback's call (references) */
     json_t *awaiting_before, *resolution, *annotations, *fired;
-    int forwarded;             /* handed to the adapter (drop-in); its end comes by cg_turn_end */
     int cancel_requested;      /* a forwarded reply the user cancelled */
     long long tokens_in, tokens_out; /* as the upstream reported them; -1: it did not */
     long long spent;           /* tokens counted for the turn (count_usage), 0 before */
     size_t prompt_bytes;       /* what went to the upstream: text, history, state (estimates) */
     cg_reply_filter *filter;   /* the set's reply rules on this reply (rules.h), or NULL: none */
-    int blocked;               /* a stop rule matched: the turn ends as blocked from the loop */
     char *reply;               /* the reply as the client got it, up to max_reply_bytes */
     size_t reply_len, reply_cap;
     int truncated;
@@ -76,6 +103,61 @@ static const char *id_of(const cg_turn *t)
 {
     return t->id[0] ? t->id : "(no id)";
 }
+
+/* ---- the states ----------------------------------------------------------------------- */
+
+#define S(x) (1u << (x))
+/* Where each state may go. A fallback starts another call in CALLING; every state may end. */
+static const unsigned turn_next[TURN_STATES] = {
+    [TURN_QUEUED] = S(TURN_LIMITING) | S(TURN_LOCKING) | S(TURN_LOADING) | S(TURN_ENDED),
+    [TURN_LIMITING] = S(TURN_LOCKING) | S(TURN_LOADING) | S(TURN_ENDED),
+    [TURN_LOCKING] = S(TURN_LOADING) | S(TURN_ENDED),
+    [TURN_LOADING] = S(TURN_CALLING) | S(TURN_FORWARDED) | S(TURN_ENDED),
+    [TURN_CALLING] = S(TURN_CALLING) | S(TURN_STREAMING) | S(TURN_BLOCKED) | S(TURN_ENDED),
+    [TURN_STREAMING] = S(TURN_BLOCKED) | S(TURN_ENDED),
+    [TURN_BLOCKED] = S(TURN_ENDED),
+    [TURN_FORWARDED] = S(TURN_ENDED),
+    [TURN_ENDED] = 0,
+};
+#undef S
+
+static const char *const turn_state_names[TURN_STATES] = {
+    "queued", "limiting", "locking", "loading", "calling", "streaming", "blocked", "forwarded", "ended",
+};
+
+/* Moves t to state `to`. A move the table does not allow is a bug of this file: logged with
+ * both states, and fatal in a debug build (the tests run one). */
+static void turn_enter(cg_turn *t, turn_state to)
+{
+    if (!(turn_next[t->state] & (1u << to))) {
+        cg_error("turn: message %s: %s -> %s is not a transition", t->id[0] ? t->id : "(no id)",
+                 turn_state_names[t->state], turn_state_names[to]);
+        assert(!"a turn's state moved where it may not");
+    }
+    t->state = to;
+}
+
+/* Before its dialog is loaded: nothing of it under way but the store's answer or the lock. */
+static int turn_waiting(const cg_turn *t)
+{
+    return t->state == TURN_LIMITING || t->state == TURN_LOCKING || t->state == TURN_LOADING;
+}
+
+/* ---- the backends: what differs between an adapter of upstream calls and a forwarding one */
+
+struct cg_turn_backend {
+    /* The pipeline ran (res): the message goes on, with its merged params and the awaiting
+     * state as it was before it. */
+    void (*go)(cg_turn *t, const cg_pipeline_result *res, json_t *params, json_t *awaiting_before);
+    /* A cancel of the chat turn in flight (client_said: the client's own cancel frame). */
+    void (*cancel)(cg_turn *t, int client_said);
+    /* A chat message arrived (before it is queued). NULL: nothing to do. */
+    void (*arrived)(cg_turns *q);
+    /* The connection's timer fired; t is the request in flight, or NULL. */
+    void (*timer)(cg_turns *q, cg_turn *t);
+};
+
+static const cg_turn_backend upstream_backend, forward_backend;
 
 static int64_t turn_now(const cg_turns *q)
 {
@@ -123,7 +205,7 @@ static void turn_free(cg_turn *t)
     cg_turns *q = t->q;
     if (t->counted)
         q->env->inflight--;
-    if (t->opaque && !t->forwarded && q->sink->unsent)
+    if (t->opaque && q->sink->unsent) /* never forwarded: forwarding hands it over */
         q->sink->unsent(q->conn, t->opaque);
     if (t->limit_held) {
         q->env->store->ops->limits->end(q->env->store, q->user, q->limits, t->limit_turn, t->limit_local, t->spent);
@@ -152,6 +234,7 @@ static void turn_free(cg_turn *t)
 static void turn_finish(cg_turn *t)
 {
     cg_turns *q = t->q;
+    turn_enter(t, TURN_ENDED);
     if (q->inflight == t)
         q->inflight = NULL;
     if (q->timer)
@@ -200,7 +283,8 @@ static void count_usage(cg_turn *t, turn_end_kind end)
 {
     cg_turns *q = t->q;
     /* a reply stopped by a rule before any text went on still cost its prompt */
-    if (!t->t_upstream || t->forwarded || end == END_ABSORBED || (t->tokens_in < 0 && !t->reply_len && !t->blocked))
+    if (!t->t_upstream || t->state == TURN_FORWARDED || end == END_ABSORBED ||
+        (t->tokens_in < 0 && !t->reply_len && t->state != TURN_BLOCKED))
         return;
     long long in = t->tokens_in >= 0 ? t->tokens_in : (long long)(t->prompt_bytes + 3) / 4;
     long long out = t->tokens_out >= 0 ? t->tokens_out : (long long)(t->reply_len + 3) / 4;
@@ -231,7 +315,7 @@ static void turn_save(cg_turn *t, turn_end_kind end)
         d->turn_count++;
         m->turns_done++;
     } else if (end == END_ERROR) {
-        if (t->blocked)
+        if (t->state == TURN_BLOCKED)
             m->turns_blocked++;
         else
             m->turns_error++;
@@ -259,40 +343,38 @@ static void turn_fail(cg_turn *t, int err, const char *message, json_t *detail)
 static void turn_stop(cg_turn *t)
 {
     cg_turns *q = t->q;
-    if (t->limit) {
+    switch (t->state) {
+    case TURN_LIMITING:
         cg_store_abandon(t->limit);
         t->limit = NULL;
-    } else if (t->load) {
+        break;
+    case TURN_LOADING:
         cg_store_abandon(t->load);
         t->load = NULL;
-    } else if (t->kind == CG_TURN_CHAT && t->has_dialog) {
+        break;
+    case TURN_CALLING:
+    case TURN_STREAMING:
+    case TURN_BLOCKED:
         if (t->call)
             q->env->upstreams[t->route].ops->cancel(t->call);
         t->call = NULL;
         turn_save(t, END_CANCELLED);
+        break;
+    case TURN_FORWARDED: /* the app is told by the adapter (its connection goes) */
+        turn_save(t, END_CANCELLED);
+        break;
+    case TURN_QUEUED:
+    case TURN_LOCKING: /* its place in the lock's line goes with turn_free */
+    case TURN_ENDED:
+    case TURN_STATES:
+        break;
     }
 }
-
-static void turn_timer_arm(cg_turns *q, uint64_t ms);
 
 /* A cancel (the client's, or a cancel phrase) of the chat turn in flight. */
 static void turn_cancel(cg_turn *t, int client_said)
 {
-    cg_turns *q = t->q;
-    if (q->sink->forward) {
-        /* a forwarded reply ends when the app says so; before it is forwarded there is
-         * nothing to stop (the message goes, then the next one ends its turn) */
-        if (t->forwarded && !t->cancel_requested) {
-            t->cancel_requested = 1;
-            q->sink->stop_forward(q->conn, t, client_said);
-            turn_timer_arm(q, q->reply_gap_ms); /* a reply not relayed ends within the gap */
-        }
-        return;
-    }
-    turn_stop(t);
-    if (q->sink->cancelled)
-        q->sink->cancelled(q->conn, t->id);
-    turn_finish(t);
+    t->q->backend->cancel(t, client_said);
 }
 
 /* ---- the reply ------------------------------------------------------------------------ */
@@ -316,13 +398,20 @@ static void turn_first_text(cg_turn *t)
     if (t->got_first)
         return;
     t->got_first = 1;
+    if (t->state == TURN_CALLING)
+        turn_enter(t, TURN_STREAMING);
     cg_histogram_observe(&t->q->env->metrics->first_token, (double)(uv_hrtime() - t->t_upstream) / 1e9);
 }
 
-static void on_reply_timeout(uv_timer_t *timer);
+static void on_turns_timer(uv_timer_t *timer)
+{
+    cg_turns *q = timer->data;
+    if (q)
+        q->backend->timer(q, q->inflight);
+}
 
-/* The connection's turn timer (made at its first use), for the turn in flight: a forwarded
- * reply's silence bound, or a blocked reply's end (on_reply_timeout says which). */
+/* The connection's timer (made at its first use), for the turn in flight; what it means is
+ * its backend's (the timer op). */
 static void turns_timer_start(cg_turns *q, uint64_t ms)
 {
     if (!q->timer) {
@@ -333,24 +422,7 @@ static void turns_timer_start(cg_turns *q, uint64_t ms)
         q->timer->data = q;
     }
     q->timer_ms = ms;
-    uv_timer_start(q->timer, on_reply_timeout, ms, 0);
-}
-
-/* A forwarded turn's app is still answering: its silence bound starts again, ms long. A
- * bound of the same length already running is only moved on (quiet_until), and the timer
- * sets itself again for what is left when it fires early: restarting a libuv timer takes it
- * out of the loop's heap and puts it back, which every frame of a reply did. */
-static void turn_timer_arm(cg_turns *q, uint64_t ms)
-{
-    if (!ms)
-        return;
-    uint64_t until = uv_now(q->env->loop) + ms;
-    if (q->timer && q->timer_ms == ms && uv_is_active((uv_handle_t *)q->timer) && until >= q->quiet_until) {
-        q->quiet_until = until;
-        return;
-    }
-    turns_timer_start(q, ms);
-    q->quiet_until = until;
+    uv_timer_start(q->timer, on_turns_timer, ms, 0);
 }
 
 /* A stop rule matched the reply: the upstream call is cancelled (never from inside its own
@@ -386,47 +458,18 @@ static int turn_filter(cg_turn *t, const char *text, size_t len, int final)
     size_t n;
     int stop = cg_reply_filter_feed(t->filter, text, len, final, &out, &n);
     turn_pass(t, out, n);
-    if (stop && !t->blocked) {
-        t->blocked = 1;
+    if (stop && t->state != TURN_BLOCKED) {
+        turn_enter(t, TURN_BLOCKED);
         turns_timer_start(t->q, 0); /* its end from the loop, outside the upstream's callback */
     }
     return stop;
 }
 
-/*
- * A forwarded turn holds its dialog's lock until the app's end or cancelled marker. An app
- * that never sends one (a mapping without an end marker, an app stalled mid-reply) must not
- * hold the dialog for ever: the turn ends, saved as it stands, after reply_timeout_ms with
- * nothing from the app, or, once the reply has begun (or was cancelled), reply_gap_ms of
- * silence when the mapping sets one (its end by a quiet gap).
- */
-static void on_reply_timeout(uv_timer_t *timer)
-{
-    cg_turns *q = timer->data;
-    cg_turn *t = q ? q->inflight : NULL;
-    if (t && t->blocked) {
-        turn_block_end(t);
-        return;
-    }
-    if (!t || !t->forwarded)
-        return;
-    uint64_t now = uv_now(q->env->loop);
-    if (now < q->quiet_until) { /* a frame came since it was set: the rest of the bound */
-        uv_timer_start(q->timer, on_reply_timeout, q->quiet_until - now, 0);
-        return;
-    }
-    if (q->timer_ms == q->reply_gap_ms)
-        cg_debug("session %s: the app's reply went quiet for %llu ms: it has ended", q->name,
-                 (unsigned long long)q->reply_gap_ms);
-    else
-        cg_info("session %s: the app sent nothing of the reply in flight for %llu ms: the turn ends, its dialog is "
-                "free", q->name, (unsigned long long)q->reply_timeout_ms);
-    cg_turn_end(t, 0);
-}
+static void forward_arm(cg_turns *q, uint64_t ms);
 
 void cg_turn_reply(cg_turn *t, const char *text, size_t len)
 {
-    turn_timer_arm(t->q, t->q->reply_gap_ms ? t->q->reply_gap_ms : t->q->reply_timeout_ms);
+    forward_arm(t->q, t->q->fw.reply_gap_ms ? t->q->fw.reply_gap_ms : t->q->fw.reply_timeout_ms);
     if (len == 0)
         return;
     turn_first_text(t);
@@ -461,7 +504,7 @@ const char *cg_turn_id(const cg_turn *t)
 static void on_upstream_delta(void *ctx, const char *text, size_t len)
 {
     cg_turn *t = ctx;
-    if (len == 0 || t->blocked)
+    if (len == 0 || t->state == TURN_BLOCKED)
         return;
     turn_first_text(t);
     if (t->filter)
@@ -480,7 +523,7 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
     if (up->ops->answered)
         up->ops->answered(t->call, &who.replica, &who.attempts);
     t->call = NULL;
-    if (t->blocked || (t->filter && turn_filter(t, "", 0, 1))) {
+    if (t->state == TURN_BLOCKED || (t->filter && turn_filter(t, "", 0, 1))) {
         turn_block_end(t);
         return;
     }
@@ -514,7 +557,7 @@ static int turn_call_upstream(cg_turn *t, json_t *params);
 static int may_fall_back(const cg_turn *t, int err, json_t *detail)
 {
     json_int_t status = json_integer_value(json_object_get(detail, "status"));
-    return t->first_route < 0 && !t->got_first && t->reply_len == 0 &&
+    return t->first_route < 0 && t->state == TURN_CALLING && t->reply_len == 0 &&
            t->q->env->upstreams[t->route].cfg->fallback_index >= 0 &&
            (err == CG_E_UPSTREAM_UNAVAILABLE || err == CG_E_UPSTREAM_TIMEOUT ||
             (err == CG_E_UPSTREAM_ERROR && (status >= 500 || status == 429)));
@@ -525,7 +568,7 @@ static void on_upstream_error(void *ctx, int err, const char *message, json_t *d
     cg_turn *t = ctx;
     cg_turns *q = t->q;
     t->call = NULL;
-    if (t->blocked || (t->filter && turn_filter(t, "", 0, 1))) {
+    if (t->state == TURN_BLOCKED || (t->filter && turn_filter(t, "", 0, 1))) {
         /* stopped (the stop is what the client hears), or the text held for the reply rules
          * went on, masked, before the error */
         turn_block_end(t);
@@ -540,6 +583,7 @@ static void on_upstream_error(void *ctx, int err, const char *message, json_t *d
         q->env->metrics->upstream_fallbacks[t->route]++;
         t->first_route = t->route;
         t->route = to;
+        turn_enter(t, TURN_CALLING); /* another call: its text may come now */
         cg_dialog *d = &t->dialog;
         json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(q->env->cfg, d->service));
         int rc = turn_call_upstream(t, params);
@@ -558,7 +602,7 @@ static const cg_upstream_events upstream_events = {
 
 /* ---- a chat turn ---------------------------------------------------------------------- */
 
-/* The message goes to the adapter's own connection (drop-in). */
+/* forwarding's go: the message goes to the adapter's own connection (drop-in). */
 static void turn_forward(cg_turn *t, const cg_pipeline_result *res, json_t *params, json_t *awaiting_before)
 {
     cg_turns *q = t->q;
@@ -574,13 +618,14 @@ static void turn_forward(cg_turn *t, const cg_pipeline_result *res, json_t *para
         turn_fail(t, CG_E_INTERNAL, "the message could not be forwarded", NULL);
         return;
     }
-    t->forwarded = 1;
-    turn_timer_arm(q, q->reply_timeout_ms);
-    if (q->supersede && q->head) /* the next message came while this one loaded */
+    turn_enter(t, TURN_FORWARDED);
+    forward_arm(q, q->fw.reply_timeout_ms);
+    if (q->fw.supersede && q->head) /* the next message came while this one loaded */
         cg_turn_end(t, 0);
 }
 
-/* The message goes to its upstream: ack, then the call (or `cancel absorb`: answered here). */
+/* upstream calls' go: the message goes to its upstream: ack, then the call (or `cancel
+ * absorb`: answered here). */
 static void turn_call(cg_turn *t, const cg_pipeline_result *res, json_t *params, json_t *awaiting_before)
 {
     cg_turns *q = t->q;
@@ -607,6 +652,7 @@ static void turn_call(cg_turn *t, const cg_pipeline_result *res, json_t *params,
     env->metrics->routed[t->route]++;
     t->t_upstream = uv_hrtime();
     t->filter = cg_reply_filter_new(t->rules, (size_t)env->cfg->reply_window);
+    turn_enter(t, TURN_CALLING);
     if (turn_call_upstream(t, params) < 0)
         turn_fail(t, CG_E_INTERNAL, "the upstream request could not be started", NULL);
 }
@@ -634,6 +680,102 @@ static int turn_call_upstream(cg_turn *t, json_t *params)
         up->ops->pause(t->call, 1);
     return rc < 0 ? -1 : 0;
 }
+
+/* ---- the two backends ------------------------------------------------------------------- */
+
+/* upstream calls: a cancel stops the call, says cancelled, and ends the turn. */
+static void upstream_cancel(cg_turn *t, int client_said)
+{
+    (void)client_said;
+    cg_turns *q = t->q;
+    turn_stop(t);
+    if (q->sink->cancelled)
+        q->sink->cancelled(q->conn, t->id);
+    turn_finish(t);
+}
+
+/* upstream calls: the timer ends a blocked reply, outside the upstream's callback. */
+static void upstream_timer(cg_turns *q, cg_turn *t)
+{
+    (void)q;
+    if (t && t->state == TURN_BLOCKED)
+        turn_block_end(t);
+}
+
+static const cg_turn_backend upstream_backend = {
+    .go = turn_call,
+    .cancel = upstream_cancel,
+    .timer = upstream_timer,
+};
+
+/* forwarding: a forwarded reply ends when the app says so; the app is told of the cancel,
+ * and a reply not relayed ends within the gap. Before it is forwarded there is nothing to
+ * stop (the message goes, then the adapter relays the client's cancel after it). */
+static void forward_cancel(cg_turn *t, int client_said)
+{
+    cg_turns *q = t->q;
+    if (t->state == TURN_FORWARDED && !t->cancel_requested) {
+        t->cancel_requested = 1;
+        q->sink->stop_forward(q->conn, t, client_said);
+        forward_arm(q, q->fw.reply_gap_ms);
+    }
+}
+
+/* forwarding with supersede: the next chat message ends the forwarded turn in flight. */
+static void forward_arrived(cg_turns *q)
+{
+    if (q->fw.supersede && q->inflight && q->inflight->state == TURN_FORWARDED)
+        cg_turn_end(q->inflight, 0);
+}
+
+/* forwarding: the app is still answering: its silence bound starts again, ms long. A bound
+ * of the same length already running is only moved on (quiet_until), and the timer sets
+ * itself again for what is left when it fires early: restarting a libuv timer takes it out
+ * of the loop's heap and puts it back, which every frame of a reply did. */
+static void forward_arm(cg_turns *q, uint64_t ms)
+{
+    if (!ms)
+        return;
+    uint64_t until = uv_now(q->env->loop) + ms;
+    if (q->timer && q->timer_ms == ms && uv_is_active((uv_handle_t *)q->timer) && until >= q->quiet_until) {
+        q->quiet_until = until;
+        return;
+    }
+    turns_timer_start(q, ms);
+    q->quiet_until = until;
+}
+
+/*
+ * forwarding: a forwarded turn holds its dialog's lock until the app's end or cancelled
+ * marker. An app that never sends one (a mapping without an end marker, an app stalled
+ * mid-reply) must not hold the dialog for ever: the turn ends, saved as it stands, after
+ * reply_timeout_ms with nothing from the app, or, once the reply has begun (or was
+ * cancelled), reply_gap_ms of silence when the mapping sets one (its end by a quiet gap).
+ */
+static void forward_timer(cg_turns *q, cg_turn *t)
+{
+    if (!t || t->state != TURN_FORWARDED)
+        return;
+    uint64_t now = uv_now(q->env->loop);
+    if (now < q->quiet_until) { /* a frame came since it was set: the rest of the bound */
+        uv_timer_start(q->timer, on_turns_timer, q->quiet_until - now, 0);
+        return;
+    }
+    if (q->timer_ms == q->fw.reply_gap_ms)
+        cg_debug("session %s: the app's reply went quiet for %llu ms: it has ended", q->name,
+                 (unsigned long long)q->fw.reply_gap_ms);
+    else
+        cg_info("session %s: the app sent nothing of the reply in flight for %llu ms: the turn ends, its dialog is "
+                "free", q->name, (unsigned long long)q->fw.reply_timeout_ms);
+    cg_turn_end(t, 0);
+}
+
+static const cg_turn_backend forward_backend = {
+    .go = turn_forward,
+    .cancel = forward_cancel,
+    .arrived = forward_arrived,
+    .timer = forward_timer,
+};
 
 /* ---- the shadow rule set ---------------------------------------------------------------- */
 
@@ -717,10 +859,7 @@ static void turn_start(cg_turn *t)
     if (res.enriched && !(t->enriched = strdup(res.enriched)))
         abort();
     json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(env->cfg, d->service));
-    if (q->sink->forward)
-        turn_forward(t, &res, params, awaiting_before);
-    else
-        turn_call(t, &res, params, awaiting_before);
+    q->backend->go(t, &res, params, awaiting_before);
     json_decref(params);
     json_decref(awaiting_before);
     cg_pipeline_result_free(&res);
@@ -781,6 +920,7 @@ static int turn_load(cg_turn *t)
 {
     cg_turns *q = t->q;
     cg_store *st = q->env->store;
+    turn_enter(t, TURN_LOADING);
     t->t_load = uv_hrtime();
     t->load = st->ops->lease->acquire(st, q->user, t->room, on_dialog_loaded, t);
     if (t->load)
@@ -802,8 +942,10 @@ static int turn_begin(cg_turn *t)
 {
     t->lock.granted = on_lock_granted;
     t->lock.owner = t;
-    if (!cg_dialog_lock_acquire(t->q->env->locks, &t->lock, t->q->user, t->room))
-        return 0; /* another connection's turn of this dialog runs; on_lock_granted starts this one */
+    if (!cg_dialog_lock_acquire(t->q->env->locks, &t->lock, t->q->user, t->room)) {
+        turn_enter(t, TURN_LOCKING); /* another connection's turn of this dialog runs */
+        return 0;                    /* on_lock_granted starts this one */
+    }
     return turn_load(t);
 }
 
@@ -840,6 +982,7 @@ static int turn_limit(cg_turn *t)
     cg_turns *q = t->q;
     cg_store *st = q->env->store;
     t->limit_turn = ++q->env->limit_seq;
+    turn_enter(t, TURN_LIMITING);
     t->limit = st->ops->limits->take(st, q->user, q->limits, t->limit_turn, on_limit_verdict, t);
     if (t->limit)
         return 0;
@@ -873,12 +1016,15 @@ static void turns_pump(cg_turns *q)
 
 /* ---- the connection's side ------------------------------------------------------------ */
 
-void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, void *conn, const char *user,
-                   const char *name)
+void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, const cg_turn_forwarding *fw,
+                   void *conn, const char *user, const char *name)
 {
     memset(q, 0, sizeof(*q));
     q->env = env;
     q->sink = sink;
+    q->backend = fw ? &forward_backend : &upstream_backend;
+    if (fw)
+        q->fw = *fw;
     q->conn = conn;
     q->user = user;
     q->name = name;
@@ -906,7 +1052,7 @@ int cg_turns_admit(cg_turns *q, const char *id)
     /* waiting: the queue, and a request in flight still waiting for its dialog (its lock or
      * its load), which has nothing under way yet either */
     cg_turn *t = q->inflight;
-    long waiting = q->queued + (t && !t->has_dialog);
+    long waiting = q->queued + (t && turn_waiting(t));
     if (waiting >= cfg->queue_limit) {
         snprintf(err, sizeof(err), "%ld messages wait already for the reply in flight or their dialog", waiting);
         say_error(q, id, CG_E_RATE_LIMITED, err, NULL);
@@ -986,7 +1132,7 @@ static cg_turn *room_turn(cg_turns *q, const char *room)
 static void cancel_dialog(cg_turns *q, const char *room, int own)
 {
     cg_turn *t = room_turn(q, room);
-    int remote = !t || !t->has_dialog;
+    int remote = !t || turn_waiting(t);
     if (t && (own || t->q != q)) {
         cg_info("session %s: message %s stopped by a cancel %s", t->q->name, id_of(t),
                 t->q == q ? "phrase" : "from another connection");
@@ -1031,8 +1177,8 @@ int cg_turns_submit(cg_turns *q, cg_turn_request *r)
         cancel_on_arrival(q, r->room, r->text);
     else if (r->kind == CG_TURN_CONTEXT_CLEAR)
         cancel_dialog(q, r->room, 0); /* another tab's or gateway's reply; this one's comes first */
-    if (chat && q->supersede && q->inflight && q->inflight->forwarded)
-        cg_turn_end(q->inflight, 0); /* the next message: the forwarded turn is over */
+    if (chat && q->backend->arrived)
+        q->backend->arrived(q);
     cg_turn *t = calloc(1, sizeof(*t));
     if (!t)
         abort();
@@ -1100,7 +1246,7 @@ void cg_turns_pause(cg_turns *q, int paused)
 
 cg_turn *cg_turns_forwarded(cg_turns *q)
 {
-    return q->inflight && q->inflight->forwarded ? q->inflight : NULL;
+    return q->inflight && q->inflight->state == TURN_FORWARDED ? q->inflight : NULL;
 }
 
 static void on_timer_closed(uv_handle_t *h)

@@ -126,6 +126,18 @@ typedef struct cg_turn_sink {
     void (*unsent)(void *conn, void *opaque);
 } cg_turn_sink;
 
+/* A forwarding adapter's (drop-in's) turns: how a forwarded reply ends besides the app's
+ * own end marker. */
+typedef struct cg_turn_forwarding {
+    int supersede;             /* the next chat message ends a forwarded turn in flight */
+    uint64_t reply_timeout_ms; /* a forwarded turn whose app says nothing this long ends */
+    uint64_t reply_gap_ms;     /* 0, or: a reply that has begun ends after this much silence */
+} cg_turn_forwarding;
+
+/* Where a connection's messages go after the pipeline (turn.c): an upstream call, or the
+ * adapter's own connection. Chosen once, by cg_turns_init. */
+typedef struct cg_turn_backend cg_turn_backend;
+
 /* A connection's turns; embedded in the adapter's connection struct. */
 typedef struct cg_turns {
     cg_turn_env *env;
@@ -138,18 +150,22 @@ typedef struct cg_turns {
     cg_turn *inflight, *head, *tail;
     long queued;
     int paused;        /* the client reads slowly: the upstream call is paused */
-    int supersede;     /* drop-in: the next chat message ends a forwarded turn in flight */
-    uint64_t reply_timeout_ms; /* a forwarded turn whose app says nothing this long ends */
-    uint64_t reply_gap_ms;     /* 0, or: a reply that has begun ends after this much silence */
-    uv_timer_t *timer; /* for reply_timeout_ms; malloc'd, freed when closed */
-    uint64_t timer_ms; /* what it was last armed with */
-    uint64_t quiet_until; /* loop time the silence bound ends: later than the timer after a
-                           * frame came, which moves this alone (turn_timer_arm) */
+    const cg_turn_backend *backend; /* upstream calls, or forwarding (cg_turns_init) */
+    cg_turn_forwarding fw;          /* forwarding's settings; zero for upstream calls */
+    /* the backend's timer for the turn in flight (upstream calls: a blocked reply's end from
+     * the loop; forwarding: the reply's silence bound); malloc'd at its first use, freed
+     * when closed */
+    uv_timer_t *timer;
+    uint64_t timer_ms;    /* what it was last armed with */
+    uint64_t quiet_until; /* forwarding: loop time the silence bound ends, later than the
+                           * timer after a frame came, which moves this alone (forward_arm) */
     void *up_conns[CG_MAX_UPSTREAMS]; /* per-connection upstream connections (ws kind) */
 } cg_turns;
 
-void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, void *conn, const char *user,
-                   const char *name);
+/* fw: NULL for an adapter whose messages go to upstreams; a forwarding adapter's settings
+ * (its sink then has forward, stop_forward and unsent). */
+void cg_turns_init(cg_turns *q, cg_turn_env *env, const cg_turn_sink *sink, const cg_turn_forwarding *fw,
+                   void *conn, const char *user, const char *name);
 /* Holds the connection's chat messages to the limits of its user's plan (limits_config.h):
  * the one the config's limits.users gives the user, else plan (its token's; "" or NULL:
  * the default plan). Each message is counted in the store before its dialog is loaded and

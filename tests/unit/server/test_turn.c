@@ -393,7 +393,7 @@ static void world_open(world *w, const char *extra_config)
     w->env.locks = json_object();
     cg_turn_env_services(&w->env);
     w->cl.terminals = json_object();
-    cg_turns_init(&w->q, &w->env, &sink, &w->cl, "alice", "s_test");
+    cg_turns_init(&w->q, &w->env, &sink, NULL, &w->cl, "alice", "s_test");
 }
 
 /* Closes the connection and checks what every path must leave: no request of the store still
@@ -531,7 +531,7 @@ static void test_cancel_each_stage(void)
     world_open(&w, NULL);
     client other_cl = {.terminals = json_object()};
     cg_turns other;
-    cg_turns_init(&other, &w.env, &sink, &other_cl, "alice", "s_other");
+    cg_turns_init(&other, &w.env, &sink, NULL, &other_cl, "alice", "s_other");
     cg_turn_request r = {.kind = CG_TURN_CHAT, .id = strdup("o1"), .room = strdup("r1"), .text = strdup("mine")};
     cg_turns_submit(&other, &r);
     answer_load(&w.fs); /* the other tab's turn holds the lock, its call in flight */
@@ -834,7 +834,8 @@ static void forwarding(world *w)
 {
     memset(&the_app, 0, sizeof(the_app));
     cg_turns_close(&w->q);
-    cg_turns_init(&w->q, &w->env, &fw_sink, &w->cl, "alice", "s_dropin");
+    static const cg_turn_forwarding fw = {0}; /* each case sets what it tests */
+    cg_turns_init(&w->q, &w->env, &fw_sink, &fw, &w->cl, "alice", "s_dropin");
 }
 
 static int send_frame(world *w, const char *id, const char *text, const char *opaque)
@@ -884,7 +885,7 @@ static void test_forward(void)
     CHECK(w.fs.saves == 4);
 
     /* the app says nothing: the turn ends after reply_timeout_ms, its dialog free */
-    w.q.reply_timeout_ms = 1;
+    w.q.fw.reply_timeout_ms = 1;
     send_frame(&w, "a6", "anyone?", "6");
     answer_load(&w.fs);
     CHECK(the_app.forwarded == 5);
@@ -892,8 +893,8 @@ static void test_forward(void)
     CHECK(w.fs.saves == 5 && w.q.inflight == NULL);
 
     /* supersede: the next message ends the forwarded turn in flight */
-    w.q.reply_timeout_ms = 0;
-    w.q.supersede = 1;
+    w.q.fw.reply_timeout_ms = 0;
+    w.q.fw.supersede = 1;
     send_frame(&w, "a7", "one", "7");
     answer_load(&w.fs);
     send_frame(&w, "a8", "two", "8");
