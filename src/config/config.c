@@ -806,6 +806,13 @@ static int load_file(cg_config *cfg, const char *file, char *err, size_t errlen)
     return rc;
 }
 
+const char *cg_config_store_name(const cg_config *cfg)
+{
+    static const char *const names[2][4] = {{"memory", "redis", "redis-sentinel", "redis-cluster"},
+                                            {"memory", "rediss", "rediss-sentinel", "rediss-cluster"}};
+    return names[cfg->store_tls ? 1 : 0][cfg->store_kind];
+}
+
 json_t *cg_config_service_defaults(const cg_config *cfg, const char *service)
 {
     return service ? json_object_get(json_object_get(cfg->services, service), "defaults") : NULL;
@@ -1051,11 +1058,24 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
 
     origin_of("store", "store", flag_given(argc, argv, "store"), file, where, sizeof(where));
     /* the store checks the rest of a Redis URL when it opens (exit 2 too, "store: ...") */
-    static const char *const schemes[] = {"redis://",         "rediss://",         "redis-sentinel://",
-                                          "rediss-sentinel://", "redis-cluster://", "rediss-cluster://"};
+    static const struct {
+        const char *scheme;
+        cg_store_kind kind;
+        int tls;
+    } schemes[] = {
+        {"redis://", CG_STORE_REDIS, 0},       {"rediss://", CG_STORE_REDIS, 1},
+        {"redis-sentinel://", CG_STORE_SENTINEL, 0}, {"rediss-sentinel://", CG_STORE_SENTINEL, 1},
+        {"redis-cluster://", CG_STORE_CLUSTER, 0},   {"rediss-cluster://", CG_STORE_CLUSTER, 1},
+    };
     int known = strcmp(cfg->store, "memory") == 0;
-    for (size_t i = 0; i < sizeof(schemes) / sizeof(schemes[0]); i++)
-        known |= strncmp(cfg->store, schemes[i], strlen(schemes[i])) == 0;
+    cfg->store_kind = CG_STORE_MEMORY;
+    cfg->store_tls = 0;
+    for (size_t i = 0; i < sizeof(schemes) / sizeof(schemes[0]) && !known; i++)
+        if (strncmp(cfg->store, schemes[i].scheme, strlen(schemes[i].scheme)) == 0) {
+            known = 1;
+            cfg->store_kind = schemes[i].kind;
+            cfg->store_tls = schemes[i].tls;
+        }
     if (!known) {
         set_err(err, errlen,
                 "%s: must be memory, redis[s]://HOST:PORT[/DB], "
@@ -1066,9 +1086,9 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
     }
     if (cfg->workers == 0) { /* auto */
         cfg->workers_auto = 1;
-        cfg->workers = strcmp(cfg->store, "memory") == 0 ? 1 : cpus_usable();
+        cfg->workers = cfg->store_kind == CG_STORE_MEMORY ? 1 : cpus_usable();
     }
-    if (cfg->workers > 1 && strcmp(cfg->store, "memory") == 0) {
+    if (cfg->workers > 1 && cfg->store_kind == CG_STORE_MEMORY) {
         /* each worker would keep its own dialogs: a user's next message, on another
          * worker, would find none (and the dialog lock would not hold across them) */
         origin_of("workers", "workers", flag_given(argc, argv, "workers"), file, where, sizeof(where));
@@ -1105,7 +1125,10 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
                 file ? ": " : "", cfg->ping_interval_s);
         return -1;
     }
-    if (strcmp(cfg->auth, "jwt") == 0 && !(getenv("CHATGATE_JWT_SECRET") && *getenv("CHATGATE_JWT_SECRET"))) {
+    /* auth_choices' order: none, jwt, header (the enum's) */
+    cfg->auth_kind = strcmp(cfg->auth, "jwt") == 0 ? CG_AUTH_JWT : strcmp(cfg->auth, "header") == 0 ? CG_AUTH_HEADER
+                                                                                                   : CG_AUTH_NONE;
+    if (cfg->auth_kind == CG_AUTH_JWT && !(getenv("CHATGATE_JWT_SECRET") && *getenv("CHATGATE_JWT_SECRET"))) {
         origin_of("auth", "auth", flag_given(argc, argv, "auth"), file, where, sizeof(where));
         set_err(err, errlen, "%s: jwt needs the secret in the environment variable CHATGATE_JWT_SECRET", where);
         return -1;

@@ -912,7 +912,7 @@ int cg_dropin_identify(cg_server *srv, struct lws *client, char *user, size_t us
                        size_t errlen)
 {
     plan[0] = 0;
-    if (strcmp(srv->cfg->auth, "none") == 0 && cg_handshake_dropin_user(srv, client, user, userlen) == 0)
+    if (srv->cfg->auth_kind == CG_AUTH_NONE && cg_handshake_dropin_user(srv, client, user, userlen) == 0)
         return 0; /* the cookie's user */
     int64_t now = srv->turn.store->now(srv->turn.store->clock_ctx);
     return cg_handshake_identify(srv, client, now, user, userlen, plan, err, errlen);

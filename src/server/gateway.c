@@ -216,7 +216,7 @@ static void log_headers(const char *what, const char *name, const cg_headers *h)
 static void warn_limits_without_users(const cg_config *cfg)
 {
     const cg_limits *l = &cfg->limits.base;
-    if (strcmp(cfg->auth, "none") != 0 || (!cg_limits_any(l) && cfg->limits.n_plans == 0))
+    if (cfg->auth_kind != CG_AUTH_NONE || (!cg_limits_any(l) && cfg->limits.n_plans == 0))
         return;
     char keys[160] = "";
     static const char *const names[] = {"messages_per_minute", "turns_at_once", "tokens_per_minute",
@@ -345,7 +345,7 @@ static void load_secrets(cg_gateway *gw, const cg_config *cfg)
             abort();
     }
     const char *jwt = getenv("CHATGATE_JWT_SECRET");
-    if (strcmp(cfg->auth, "jwt") == 0 && jwt) {
+    if (cfg->auth_kind == CG_AUTH_JWT && jwt) {
         gw->srv.jwt_secret_len = strlen(jwt);
         gw->srv.jwt_secret = (unsigned char *)strdup(jwt);
     } else {
@@ -551,10 +551,10 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     if (cg_worker_self())
         cg_info("worker %d (pid %d) of %ld", cg_worker_index(), (int)uv_os_getpid(), cfg->workers);
     else if (cfg->workers_auto) /* auto gave one process: say why there is no master */
-        cg_info("workers auto: 1 (%s)", strcmp(cfg->store, "memory") == 0 ? "the memory store is one process's"
+        cg_info("workers auto: 1 (%s)", cfg->store_kind == CG_STORE_MEMORY ? "the memory store is one process's"
                                                                            : "this process may run on one CPU");
     cg_info("chatgate %s listening on http://%s/ (WebSocket /ws), web %s, store %s, auth %s", CG_VERSION,
-            cfg->listen, cfg->web_dir, strcmp(cfg->store, "memory") == 0 ? "memory" : "redis", cfg->auth);
+            cfg->listen, cfg->web_dir, cg_config_store_name(cfg), cfg->auth);
     cg_info("rules: %zu from %s", cg_ruleset_count(gw->srv.turn.rules), cfg->rules_dir);
     if (gw->srv.turn.shadow)
         cg_info("shadow rules: %zu from %s, evaluated beside the live set on every message, never acting",

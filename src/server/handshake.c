@@ -103,10 +103,10 @@ int cg_ws_close_payload_check(const void *payload, size_t len)
 int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, char *user, size_t userlen, char *plan,
                           char *err, size_t errlen)
 {
-    const char *auth = srv->cfg->auth;
+    cg_auth_kind auth = srv->cfg->auth_kind;
     plan[0] = 0;
     char buf[4096];
-    if (strcmp(auth, "jwt") == 0) {
+    if (auth == CG_AUTH_JWT) {
         /* copied whole: a long JWT fits the header space (max_header_bytes), not buf */
         int cap = lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_AUTHORIZATION) +
                   lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_URI_ARGS) + 1;
@@ -128,7 +128,7 @@ int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, ch
         free(tbuf);
         return rc;
     }
-    if (strcmp(auth, "header") == 0) {
+    if (auth == CG_AUTH_HEADER) {
         char name[128];
         snprintf(name, sizeof(name), "%s:", srv->cfg->user_header);
         for (char *p = name; *p; p++)

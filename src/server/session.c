@@ -465,7 +465,7 @@ static void session_open(cg_session *s, struct lws *wsi)
     }
     cg_info("session %s: open (%ld connected)", s->session_id, srv->n_sessions);
     cg_turns_set_plan(&s->turns, plan);
-    char *resume = strcmp(srv->cfg->auth, "none") == 0
+    char *resume = srv->cfg->auth_kind == CG_AUTH_NONE
                        ? cg_identity_resume_token(srv->resume_secret, srv->resume_secret_len, s->user)
                        : NULL;
     session_send(s, cg_protocol_hello(s->user, s->session_id, resume));

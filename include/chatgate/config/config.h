@@ -73,6 +73,11 @@ typedef struct cg_upstream_config {
     int fallback_index; /* its index, -1 for none (set by the config's check) */
 } cg_upstream_config;
 
+/* --auth, parsed once (cg_config.auth keeps the word, for messages). */
+typedef enum { CG_AUTH_NONE, CG_AUTH_JWT, CG_AUTH_HEADER } cg_auth_kind;
+/* --store's scheme, parsed once (the store reads the rest of the URL when it opens). */
+typedef enum { CG_STORE_MEMORY, CG_STORE_REDIS, CG_STORE_SENTINEL, CG_STORE_CLUSTER } cg_store_kind;
+
 typedef struct cg_config {
     char *listen;      /* "HOST:PORT" as given */
     char *listen_host; /* parsed from listen */
@@ -82,10 +87,13 @@ typedef struct cg_config {
     char *default_upstream;
     int default_index; /* index of default_upstream in upstreams */
     char *store;
+    cg_store_kind store_kind; /* store's scheme */
+    int store_tls;            /* rediss: TLS to Redis */
     char *rules_dir;
     char *shadow_rules; /* --shadow-rules DIR, or NULL */
     char *web_dir;
     char *auth;
+    cg_auth_kind auth_kind;   /* auth, parsed */
     char *log_level;
     char *log_format;
     char *timezone; /* IANA name ("Africa/Nairobi"); dates are this zone's */
@@ -155,6 +163,9 @@ int cg_config_load_text(cg_config *cfg, const char *name, const char *text, size
 int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *err, size_t errlen);
 /* Frees what u holds (its strings and headers) and zeroes it. */
 void cg_upstream_config_free(cg_upstream_config *u);
+
+/* The store's kind as a word for logs ("memory", "redis", "rediss-sentinel", ...). */
+const char *cg_config_store_name(const cg_config *cfg);
 
 /* services.NAME.defaults (borrowed), or NULL: the params every dialog of that service starts from. */
 json_t *cg_config_service_defaults(const cg_config *cfg, const char *service);

@@ -495,6 +495,37 @@ static void test_limits(void)
     unlink(path);
 }
 
+/* --store and --auth are parsed once into kinds (the rest of a Redis URL is the store's). */
+static void test_kinds(void)
+{
+    static const struct {
+        const char *store;
+        cg_store_kind kind;
+        int tls;
+        const char *name;
+    } stores[] = {
+        {"memory", CG_STORE_MEMORY, 0, "memory"},
+        {"redis://127.0.0.1:6379", CG_STORE_REDIS, 0, "redis"},
+        {"rediss://127.0.0.1:6379", CG_STORE_REDIS, 1, "rediss"},
+        {"redis-sentinel://127.0.0.1:26379/mymaster", CG_STORE_SENTINEL, 0, "redis-sentinel"},
+        {"rediss-cluster://127.0.0.1:7000", CG_STORE_CLUSTER, 1, "rediss-cluster"},
+    };
+    char text[256], err[256];
+    for (size_t i = 0; i < sizeof(stores) / sizeof(stores[0]); i++) {
+        cg_config c;
+        snprintf(text, sizeof(text), "{\"store\": \"%s\", \"auth\": \"header\"}", stores[i].store);
+        CHECK(cg_config_load_text(&c, "t.json", text, strlen(text), err, sizeof(err)) == 0);
+        CHECK(c.store_kind == stores[i].kind && c.store_tls == stores[i].tls);
+        CHECK_STR(cg_config_store_name(&c), stores[i].name);
+        CHECK(c.auth_kind == CG_AUTH_HEADER);
+        cg_config_free(&c);
+    }
+    cg_config c;
+    CHECK(cg_config_load_text(&c, "t.json", "{}", 2, err, sizeof(err)) == 0);
+    CHECK(c.auth_kind == CG_AUTH_NONE && c.store_kind == CG_STORE_MEMORY);
+    cg_config_free(&c);
+}
+
 int main(void)
 {
     unsetenv("REDIS_URL");
@@ -508,5 +539,6 @@ int main(void)
     test_hardening_settings();
     test_upstream_headers();
     test_limits();
+    test_kinds();
     return unit_done("test_config");
 }
