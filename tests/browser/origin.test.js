@@ -137,7 +137,7 @@ class Gateway extends GatewayProcess {
   }
 }
 
-// The drop-in config of this test (docs: /work/spec13.md, "Drop-in").
+// The drop-in config of this test (docs/configuration.md, "Drop-in"; docs/dropin.md).
 function gatewayConfig(app) {
   return {
     upstreams: { demo: "demo" },

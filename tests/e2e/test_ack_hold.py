@@ -1,4 +1,4 @@
-"""End-to-end test of the ack's hold (issue 12; README, `ack_hold_ms`; docs/protocol.md).
+"""End-to-end test of the ack's hold (issue 12; docs/configuration.md, `ack_hold_ms`; docs/protocol.md).
 
 An ack that finds the client's queue empty waits up to `ack_hold_ms` for the reply's first
 frames and goes out in the same write, so that a quick upstream's turn costs the client one

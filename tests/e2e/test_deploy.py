@@ -40,7 +40,7 @@ EXAMPLE_SERVERS = ("10.0.0.11:8080", "10.0.0.12:8080")
 
 
 def example_body():
-    """examples/haproxy.cfg without its leading comment: the text the README shows."""
+    """examples/haproxy.cfg without its leading comment: the text docs/deployment.md shows."""
     lines = EXAMPLE.read_text().splitlines(keepends=True)
     while lines and lines[0].startswith("#"):
         lines.pop(0)

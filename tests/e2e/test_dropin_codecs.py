@@ -1,5 +1,5 @@
 """End-to-end tests of issue 13: drop-in in front of apps whose protocol is not ours, and
-upstreams that need their own headers (README, "Put chatgate in front of your chat app").
+upstreams that need their own headers (docs/dropin.md; docs/upstreams.md, "Upstream headers").
 
 The app is `RawApp` below, a WebSocket server of this process that speaks one of three
 protocols, chosen per test, each as an app someone else wrote would:

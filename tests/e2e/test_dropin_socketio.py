@@ -93,7 +93,7 @@ def config(app_port, cancel_frame=None):
         "client": {"chat": {"pointer": "/0", "equals": "chat message"}, "text": "/1"},
         "app_frames": app_frames,
         "reply_gap_ms": REPLY_GAP_MS,
-        "host": "client",  # nginx serves the page and proxies chatgate under one host (README)
+        "host": "client",  # nginx serves the page and proxies chatgate under one host (docs/dropin.md)
     }
     return {"upstreams": {"demo": "demo"}, "log_level": "info",
             "rate_limit": {"messages_per_second": 1000, "burst": 1000}, "dropin": dropin}

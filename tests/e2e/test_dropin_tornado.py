@@ -1,5 +1,5 @@
-"""Drop-in mode in front of Tornado's WebSocket chat demo, configured from the README alone, as
-a new user would.
+"""Drop-in mode in front of Tornado's WebSocket chat demo, configured from the README and
+docs/dropin.md alone, as a new user would.
 
 The app is tests/e2e/tornado_chat.py (a small copy of Tornado's demos/websocket/chatdemo.py,
 run as its own process with Debian's python3-tornado): a page at `/`, a WebSocketHandler at
@@ -18,12 +18,12 @@ README when the test runs (`readme_config`):
   app's internal address"); the example app's `subprotocols` (`chat.v2`) and `user_cookie`
   (`sid`) go, since Tornado's demo has neither; the top-level `listen` goes (the harness gives
   `--listen`);
-- the mapping for this app's frames, from "Apps someone else wrote": `client.chat`
+- the mapping for this app's frames, from docs/dropin.md's "Apps someone else wrote": `client.chat`
   `{"pointer": "/body", "exists": true}` ("Tornado's chat demo sends {"body", "_xsrf"} with
   no type field"), `client.text` `/body`; `app_frames.text` `/body` (the broadcast's text);
   no ids, end or cancelled marker, or cancel_frame: the demo has none of them (and
   `app_frames.id` without `client.id` is refused at start);
-- `allow_origin: ["http://127.0.0.1:APPPORT"]`: "A browser page served from another origin
+- `allow_origin: ["http://127.0.0.1:APPPORT"]`, from docs/dropin.md's "The one change": "A browser page served from another origin
   than chatgate's needs that origin in `allow_origin` ..., or the handshake gets 403; the
   browser's Origin is passed on to the app, so the app's own check still works";
 - `CHATGATE_NOW=2026-02-03T10:00:00Z` as in the README's command; the shipped rules.

@@ -1,4 +1,4 @@
-"""End-to-end test of the operations side (issue 5, items 3 to 6; README "Operations").
+"""End-to-end test of the operations side (issue 5, items 3 to 6; docs/operations.md).
 
 - /healthz: 200 {"status":"ok"}; 200 {"status":"degraded",...} with a Redis that is not there
   (never started, or killed under a running gateway), ok again once it is back; 503
@@ -17,7 +17,7 @@
   422 {"error":"file:line: ..."} for a broken set, which stays out); 401 without or with a
   wrong token; 404 everywhere under /admin when no token is configured; --admin-listen puts
   it on its own port only; one POST /admin/reload is one reload (metrics). Ids with "/", "%",
-  "+" address exactly their own dialog (a user id with "/" through the README's query form
+  "+" address exactly their own dialog (a user id with "/" through the query form of docs/operations.md
   /admin/dialogs?user=..&room=..). With Redis: no key of a forgotten user is left, through
   the user's rooms set and without SCAN/KEYS; a delete while Redis is away answers 503.
 - Logs also carry an sk- key, a bearer token and an access_token= URL parameter quoted by
@@ -454,7 +454,7 @@ async def part_admin_memory():
 
 
 def dialog_path(user, room):
-    """The admin path of a dialog: /admin/dialogs/{user}/{room}, or the query form README
+    """The admin path of a dialog: /admin/dialogs/{user}/{room}, or the query form docs/operations.md
     gives for an id holding a "/" (libwebsockets decodes the path before the split, so the
     path form refuses a "/" inside an id rather than guess)."""
     if "/" in user or "/" in room:

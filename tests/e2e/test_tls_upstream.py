@@ -1,4 +1,4 @@
-"""End-to-end test of upstreams over TLS signed by a private CA: tls_ca_file (README, "Upstreams
+"""End-to-end test of upstreams over TLS signed by a private CA: tls_ca_file (docs/upstreams.md, "Upstreams
 over TLS"; issue 12, item 3: TLS session reuse).
 
 Debian's openssl makes a CA and a certificate it signed for 127.0.0.1 (harness.tls_server);

@@ -1,5 +1,5 @@
 """End-to-end test of the OpenAI-compatible upstream's kept-alive connections (issue 12,
-item 3; README, "Upstreams": max_idle_connections, idle_keepalive_ms).
+item 3; docs/configuration.md, "Per upstream": max_idle_connections, idle_keepalive_ms).
 
 A real HTTP/1.1 server in this process (PoolServer, asyncio streams) counts the TCP
 connections it accepts and sees close; it answers each POST .../chat/completions with a

@@ -1,4 +1,4 @@
-"""End-to-end test of the README's self-hosted Portkey example (docs/configuration.md, Upstream headers):
+"""End-to-end test of the self-hosted Portkey example of docs/upstreams.md, "Upstream headers":
 chatgate -> the self-hosted Portkey gateway (npm @portkey-ai/gateway 1.15.2, pinned in
 tests/e2e/portkey/package-lock.json) -> an OpenAI-compatible provider at the address in
 `x-portkey-custom-host`, here mock-llm (npm @dwmkerr/mock-llm, as in
@@ -7,7 +7,7 @@ by tests/e2e/portkey/mock-llm.yaml to answer 401 unless the request carries
 `Authorization: Bearer <key>`, and with it to stream a reply that echoes the last user
 message, the model and the request's user-agent.
 
-The gateway's upstream is the README's, with the ports the test picked:
+The gateway's upstream is that example's, with the ports the test picked:
     "portkey-local": {"url": "http://127.0.0.1:PKPORT/v1", "model": "llama3.1",
                       "api_key_env": "PROVIDER_API_KEY",
                       "headers": {"x-portkey-provider": "openai",
@@ -15,7 +15,7 @@ The gateway's upstream is the README's, with the ports the test picked:
 with PROVIDER_API_KEY set for the gateway (a fresh random secret each run): the self-hosted
 Portkey keeps no keys of its own and passes the bearer token on to the provider.
 
-- Portkey on its own, without chatgate: a streaming chat completion with the README's headers
+- Portkey on its own, without chatgate: a streaming chat completion with the example's headers
   streams mock-llm's reply (the fixture works, so a failure below is chatgate's);
 - through chatgate (chatgate.v1 on /ws): a message gets done with mock-llm's reply, streamed
   (several deltas) through Portkey, and mock-llm saw Portkey's user-agent, not chatgate's;
@@ -54,8 +54,8 @@ from test_upstream_mockllm import MockLLM, NodeProcess, http, mockllm_modules, s
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE / "portkey"
-ENV_NAME = "PROVIDER_API_KEY"  # the README's api_key_env
-MODEL = "llama3.1"  # the README's model
+ENV_NAME = "PROVIDER_API_KEY"  # the example's api_key_env (docs/upstreams.md)
+MODEL = "llama3.1"  # the example's model (docs/upstreams.md)
 GATEWAY_PKG = Path("@portkey-ai") / "gateway"
 
 

@@ -9,7 +9,7 @@ Covers, each with a gateway whose default upstream is the one under test:
   is long non-ASCII text, which the gateway must cut on a character boundary if it cuts it),
   401 -> upstream_error carrying "invalid api key", an error event mid-stream -> upstream_error
   carrying its message (after the deltas so far, and no done), the connection reset mid-reply
-  -> upstream_unavailable (not a done that passes a partial reply as whole; the README's code
+  -> upstream_unavailable (not a done that passes a partial reply as whole; docs/protocol.md's code
   for a closed upstream), a stream of non-JSON data lines -> upstream_error, no answer ->
   upstream_timeout after first_byte_timeout_ms (500) with the request then closed, a closed
   port -> upstream_unavailable;

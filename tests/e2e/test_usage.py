@@ -1,4 +1,4 @@
-"""End-to-end tests of usage accounting (issue 14, item 4; README, "Usage").
+"""End-to-end tests of usage accounting (issue 14, item 4; docs/configuration.md, "Usage").
 
 A fake OpenAI-compatible server (harness.FakeOpenAI) reports each reply's usage
 (prompt_tokens: the words of the request's messages; completion_tokens: the reply's words).
