@@ -217,6 +217,59 @@ done:
     cg_rules_result_free(&rr);
 }
 
+void cg_pipeline_begin(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, const char *text, int64_t now,
+                       const cg_lifetimes *lt, cg_pipeline_result *out)
+{
+    d->message_count++;
+    d->last_activity = now;
+    cg_pipeline_run(cfg, rs, d, text, now, lt, out);
+}
+
+void cg_pipeline_keep_user(cg_dialog *d, const char *text, const char *enriched, int64_t at, const cg_lifetimes *lt)
+{
+    /* a NULL extra (the pack failed) only leaves out the mark */
+    json_t *extra = enriched ? json_pack("{s:s}", "enriched", enriched) : NULL;
+    cg_dialog_push_history(d, "user", text, at, lt, extra);
+    json_decref(extra);
+}
+
+const char *const cg_outcome_names[CG_OUTCOME_FIELDS] = {
+    "rules", "params", "resolution", "route", "enriched", "annotations", "error",
+};
+
+json_t *cg_pipeline_outcome(const cg_config *cfg, const cg_dialog *d, const cg_pipeline_result *res)
+{
+    /* an absorbed or refused message goes nowhere: its route says so rather than a name */
+    const char *route = res->error ? "(refused)" : res->absorb ? "(absorbed)" : cfg->upstreams[res->route].name;
+    json_t *o = json_object();
+    json_t *v[CG_OUTCOME_FIELDS] = {
+        [CG_OUTCOME_RULES] = res->rules ? json_incref(res->rules) : json_array(),
+        [CG_OUTCOME_PARAMS] = json_deep_copy(d->params),
+        [CG_OUTCOME_RESOLUTION] = res->resolution ? json_incref(res->resolution) : json_null(),
+        [CG_OUTCOME_ROUTE] = json_string(route),
+        [CG_OUTCOME_ENRICHED] = res->enriched ? json_string(res->enriched) : json_null(),
+        [CG_OUTCOME_ANNOTATIONS] = res->annotations ? json_incref(res->annotations) : json_null(),
+        [CG_OUTCOME_ERROR] = res->error ? json_string(res->error_message) : json_null(),
+    };
+    int ok = o != NULL;
+    for (int i = 0; i < CG_OUTCOME_FIELDS; i++)
+        ok &= v[i] && json_object_set_new(o, cg_outcome_names[i], v[i]) == 0; /* set_new takes v[i] either way */
+    if (!ok) {
+        json_decref(o);
+        return NULL;
+    }
+    return o;
+}
+
+unsigned cg_pipeline_outcome_diff(const json_t *a, const json_t *b)
+{
+    unsigned differs = 0;
+    for (int i = 0; i < CG_OUTCOME_FIELDS; i++)
+        if (!json_equal(json_object_get(a, cg_outcome_names[i]), json_object_get(b, cg_outcome_names[i])))
+            differs |= 1u << i;
+    return differs;
+}
+
 void cg_pipeline_result_free(cg_pipeline_result *r)
 {
     json_decref(r->resolution);

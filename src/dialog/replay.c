@@ -472,31 +472,16 @@ static void note_route(replay_ctx *c, const cg_ruleset *rs, const cg_dialog *d, 
     cg_rules_result_free(&rr);
 }
 
-/* What one turn decided, as one JSON object (the fields a difference lists); NULL out of memory. */
-static json_t *outcome_of(const replay_ctx *c, const cg_dialog *d, const cg_pipeline_result *res)
-{
-    /* an absorbed or refused message goes nowhere: its route says so rather than a name */
-    const char *route = res->error ? "(refused)" : res->absorb ? "(absorbed)" : c->cfg->upstreams[res->route].name;
-    return json_pack("{s:O, s:o, s:o, s:s, s:o, s:O, s:o}", "rules", res->rules, "params", json_deep_copy(d->params),
-                     "resolution", res->resolution ? json_incref(res->resolution) : json_null(), "route", route,
-                     "enriched", res->enriched ? json_string(res->enriched) : json_null(), "annotations",
-                     res->annotations, "error", res->error ? json_string(res->error_message) : json_null());
-}
-
-/* One user message through one rule set, as turn_start and turn_save do it live: counted,
- * decided, kept in the history with its rewrite. Its outcome, or NULL out of memory. */
+/* One user message through one rule set, as the gateway's turn does it live (the same
+ * cg_pipeline_begin and cg_pipeline_keep_user): counted, decided, kept in the history with
+ * its rewrite. Its outcome (cg_pipeline_outcome), or NULL out of memory. */
 static json_t *run_turn(replay_ctx *c, const cg_ruleset *rs, cg_dialog *d, const char *text, int64_t now)
 {
     note_route(c, rs, d, text, now);
-    d->message_count++;
-    d->last_activity = now;
     cg_pipeline_result res;
-    cg_pipeline_run(c->cfg, rs, d, text, now, &c->lt, &res);
-    json_t *outcome = outcome_of(c, d, &res);
-    /* a NULL extra (the pack failed) only leaves out the mark, as turn_save does */
-    json_t *extra = res.enriched ? json_pack("{s:s}", "enriched", res.enriched) : NULL;
-    cg_dialog_push_history(d, "user", text, now, &c->lt, extra);
-    json_decref(extra);
+    cg_pipeline_begin(c->cfg, rs, d, text, now, &c->lt, &res);
+    json_t *outcome = cg_pipeline_outcome(c->cfg, d, &res);
+    cg_pipeline_keep_user(d, text, res.enriched, now, &c->lt);
     if (!res.error)
         d->turn_count++;
     cg_pipeline_result_free(&res);
@@ -563,21 +548,21 @@ static void print_value(FILE *out, const char *field, json_t *v)
 static void print_difference(FILE *out, const replay_transcript *t, const replay_line *l, const replay_dialog *rd,
                              json_t *outcome[2])
 {
-    static const char *const fields[] = {"rules", "params", "resolution", "route", "enriched", "annotations", "error"};
     print_where(out, t, l);
     fputs(" dialog ", out);
     print_id(out, json_string_value(json_array_get(t->ids, l->dialog)));
     fprintf(out, " turn %ld ", rd->turns);
     print_text(out, l->text);
     fputc('\n', out);
-    for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
-        json_t *old = json_object_get(outcome[0], fields[i]), *new = json_object_get(outcome[1], fields[i]);
-        if (json_equal(old, new))
+    unsigned differs = cg_pipeline_outcome_diff(outcome[0], outcome[1]);
+    for (int i = 0; i < CG_OUTCOME_FIELDS; i++) {
+        if (!(differs & (1u << i)))
             continue;
-        fprintf(out, "  %s:%*s old ", fields[i], (int)(12 - strlen(fields[i])), "");
-        print_value(out, fields[i], old);
+        const char *field = cg_outcome_names[i];
+        fprintf(out, "  %s:%*s old ", field, (int)(12 - strlen(field)), "");
+        print_value(out, field, json_object_get(outcome[0], field));
         fputs(" new ", out);
-        print_value(out, fields[i], new);
+        print_value(out, field, json_object_get(outcome[1], field));
         fputc('\n', out);
     }
 }
@@ -592,7 +577,7 @@ static int user_line(replay_ctx *c, const replay_transcript *t, const replay_lin
     for (int k = 0; k < 2; k++)
         if (!(outcome[k] = run_turn(c, c->rules[k], &rd->side[k], l->text, now)))
             goto done;
-    if (!json_equal(outcome[0], outcome[1])) {
+    if (cg_pipeline_outcome_diff(outcome[0], outcome[1])) {
         c->totals.differing++;
         print_difference(c->opt->out, t, l, rd, outcome);
     }

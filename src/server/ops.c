@@ -203,9 +203,8 @@ static int rule_lines(const cg_server *srv, const cg_metrics *m, char *buf, size
             "# TYPE chatgate_shadow_rules_differences_total counter\n",
             m->shadow_same, m->shadow_different) < 0)
         return -1;
-    static const char *const fields[6] = {"rules", "params", "resolution", "route", "enriched", "cancel"};
-    for (int i = 0; i < 6; i++)
-        if (put(buf, len, used, "chatgate_shadow_rules_differences_total{field=\"%s\"} %lu\n", fields[i],
+    for (int i = 0; i < CG_OUTCOME_FIELDS; i++)
+        if (put(buf, len, used, "chatgate_shadow_rules_differences_total{field=\"%s\"} %lu\n", cg_outcome_names[i],
                 m->shadow_field[i]) < 0)
             return -1;
     return 0;

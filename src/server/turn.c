@@ -302,10 +302,7 @@ static void turn_save(cg_turn *t, turn_end_kind end)
     cg_metrics *m = q->env->metrics;
     int64_t now = turn_now(q);
     cg_dialog *d = &t->dialog;
-    /* a NULL extra (the pack failed) only leaves out the mark */
-    json_t *user_extra = t->enriched ? json_pack("{s:s}", "enriched", t->enriched) : NULL;
-    cg_dialog_push_history(d, "user", t->text, t->arrived, lt, user_extra);
-    json_decref(user_extra);
+    cg_pipeline_keep_user(d, t->text, t->enriched, t->arrived, lt);
     if (end == END_DONE || ((end == END_CANCELLED || end == END_ENDED) && t->reply_len > 0)) {
         json_t *extra = end == END_CANCELLED ? json_pack("{s:b}", "cancelled", 1) : NULL;
         cg_dialog_push_history(d, "assistant", t->reply ? t->reply : "", now, lt, extra);
@@ -779,21 +776,14 @@ static const cg_turn_backend forward_backend = {
 
 /* ---- the shadow rule set ---------------------------------------------------------------- */
 
-static int same_json(json_t *a, json_t *b)
-{
-    return (!a && !b) || (a && b && json_equal(a, b));
-}
-
-static int same_text(const char *a, const char *b)
-{
-    return (!a && !b) || (a && b && strcmp(a, b) == 0);
-}
+_Static_assert(CG_METRIC_SHADOW_FIELDS == CG_OUTCOME_FIELDS, "metrics.h counts the outcome's fields");
 
 /*
  * The shadow set (--shadow-rules) on copy, the dialog as it was before this message: what
- * it would have decided, beside what the live set did (res, d after), counted and logged by
+ * it would have decided, beside what the live set did (res, d after), compared field by
+ * field (cg_pipeline_outcome, the comparison `rules replay` makes too), counted and logged by
  * what differs. Never acts: the caller drops the copy. The log names the rules and the
- * fields, not the values (the message's words stay out of it).
+ * fields, not the values (the message's words stay out of it), and the routes.
  */
 static void shadow_compare(cg_turn *t, cg_dialog *copy, const cg_pipeline_result *res, const cg_dialog *d)
 {
@@ -801,30 +791,30 @@ static void shadow_compare(cg_turn *t, cg_dialog *copy, const cg_pipeline_result
     cg_turn_env *env = q->env;
     cg_pipeline_result sres;
     cg_pipeline_run(env->cfg, env->shadow, copy, t->text, turn_now(q), &env->cfg->lifetimes, &sres);
-    int differs[6] = {
-        !same_json(res->rules, sres.rules),           !same_json(d->params, copy->params),
-        !same_json(res->resolution, sres.resolution), res->route != sres.route,
-        !same_text(res->enriched, sres.enriched),     res->cancel != sres.cancel || res->absorb != sres.absorb,
-    };
-    static const char *const names[6] = {"rules", "params", "resolution", "route", "enriched", "cancel"};
-    char fields[96] = "";
-    for (int i = 0; i < 6; i++)
-        if (differs[i]) {
+    json_t *live = cg_pipeline_outcome(env->cfg, d, res), *shadow = cg_pipeline_outcome(env->cfg, copy, &sres);
+    unsigned differs = live && shadow ? cg_pipeline_outcome_diff(live, shadow) : 0;
+    char fields[128] = "";
+    for (int i = 0; i < CG_OUTCOME_FIELDS; i++)
+        if (differs & (1u << i)) {
             env->metrics->shadow_field[i]++;
-            snprintf(fields + strlen(fields), sizeof(fields) - strlen(fields), "%s%s", fields[0] ? ", " : "", names[i]);
+            snprintf(fields + strlen(fields), sizeof(fields) - strlen(fields), "%s%s", fields[0] ? ", " : "",
+                     cg_outcome_names[i]);
         }
-    if (fields[0]) {
+    if (differs) {
         env->metrics->shadow_different++;
-        char *live = json_dumps(res->rules, JSON_COMPACT), *shadow = json_dumps(sres.rules, JSON_COMPACT);
+        char *lr = json_dumps(res->rules, JSON_COMPACT), *sr = json_dumps(sres.rules, JSON_COMPACT);
+        int route = (differs >> CG_OUTCOME_ROUTE) & 1;
         cg_info("shadow rules: session %s message %s: the shadow set differs in %s; rules live %s, shadow %s%s%s%s%s",
-                q->name, id_of(t), fields, live ? live : "?", shadow ? shadow : "?",
-                differs[3] ? "; route live " : "", differs[3] ? env->upstreams[res->route].cfg->name : "",
-                differs[3] ? ", shadow " : "", differs[3] ? env->upstreams[sres.route].cfg->name : "");
-        free(live);
-        free(shadow);
-    } else {
+                q->name, id_of(t), fields, lr ? lr : "?", sr ? sr : "?", route ? "; route live " : "",
+                route ? json_string_value(json_object_get(live, "route")) : "", route ? ", shadow " : "",
+                route ? json_string_value(json_object_get(shadow, "route")) : "");
+        free(lr);
+        free(sr);
+    } else if (live && shadow) {
         env->metrics->shadow_same++;
     }
+    json_decref(live);
+    json_decref(shadow);
     cg_pipeline_result_free(&sres);
 }
 
@@ -834,15 +824,12 @@ static void turn_start(cg_turn *t)
     cg_turns *q = t->q;
     cg_turn_env *env = q->env;
     cg_dialog *d = &t->dialog;
-    d->message_count++;
-    d->last_activity = turn_now(q);
-
     json_t *awaiting_before = json_incref(d->awaiting); /* forwarded as it was */
     cg_dialog before; /* the shadow set's starting point */
     int shadow = env->shadow && cg_dialog_copy(&before, d) == 0;
     cg_pipeline_result res;
     uint64_t t0 = uv_hrtime();
-    cg_pipeline_run(env->cfg, t->rules, d, t->text, turn_now(q), &env->cfg->lifetimes, &res);
+    cg_pipeline_begin(env->cfg, t->rules, d, t->text, turn_now(q), &env->cfg->lifetimes, &res);
     cg_histogram_observe(&env->metrics->rules, (double)(uv_hrtime() - t0) / 1e9);
     count_pipeline(env->metrics, &res);
     if (shadow) {

@@ -187,7 +187,7 @@ def check_shadow_metrics(m, same, different, fields=None):
     got = {o: m.value("chatgate_shadow_rules_total", outcome=o) for o in ("same", "different")}
     check(got == {"same": same, "different": different},
           f"chatgate_shadow_rules_total: {got}, expected same {same}, different {different}")
-    names = ("rules", "params", "resolution", "route", "enriched", "cancel")
+    names = ("rules", "params", "resolution", "route", "enriched", "annotations", "error")
     got = {f: m.value("chatgate_shadow_rules_differences_total", field=f) for f in names}
     want = {f: fields.get(f, 0) for f in names}
     check(got == want, f"chatgate_shadow_rules_differences_total by field: {got}, expected {want}")
@@ -381,7 +381,7 @@ async def part_shadow_cancel(baseline):
                 with step("shadow (cancel without \"stop\"): the conversation is 8 same, 1 different (rules, resolution, cancel)"):
                     seen = await converse(gw, app)
                     m = await metrics(gw)
-                    check_shadow_metrics(m, 8, 1, {"rules": 1, "resolution": 1, "cancel": 1})
+                    check_shadow_metrics(m, 8, 1, {"rules": 1, "resolution": 1})
                     status, body = await admin_rules(gw)
                     check(status == 200, f"GET /admin/rules: {status} {harness.brief(body)}")
                     check_admin(body, rules, SHIPPED, tally(), shadow=(8, 1))
@@ -390,8 +390,8 @@ async def part_shadow_cancel(baseline):
                 with step("shadow: one info line names the session, message t4, the fields and both rule lists, not the words"):
                     lines = shadow_lines(gw)
                     check(len(lines) == 1, f"one shadow log line expected, got {len(lines)}: {lines}")
-                    pat = (r" info shadow rules: session (\S+) message t4: the shadow set differs in rules, resolution, "
-                           r'cancel; rules live \["cancel"\], shadow \[\]$')
+                    pat = (r" info shadow rules: session (\S+) message t4: the shadow set differs in rules, resolution; "
+                           r'rules live \["cancel"\], shadow \[\]$')
                     check(re.search(pat, lines[0]), f"the shadow log line {lines[0]!r} should match {pat!r}")
                 with step("shadow: nothing the client or the app sees differs from the gateway without it"):
                     if not baseline:
@@ -413,7 +413,7 @@ async def part_shadow_cancel(baseline):
                     harness.check_turn_done(t)
                     check(t.ack.get("rules") == ["cancel"], f"s1 (live set kept): {harness.brief(t.ack)}")
                     m = await metrics(gw)
-                    check_shadow_metrics(m, 8, 2, {"rules": 2, "resolution": 2, "cancel": 2})  # shadow set kept
+                    check_shadow_metrics(m, 8, 2, {"rules": 2, "resolution": 2})  # shadow set kept
                 with step("the shadow fixed (= rules/) and SIGHUP: reloaded with the live set; \"stop\" is now the same"):
                     for f in SHIPPED.glob("*.rules"):
                         shutil.copy(f, shadow / f.name)
@@ -426,7 +426,7 @@ async def part_shadow_cancel(baseline):
                     t = await c.message("stop", mid="s2", room="again")
                     harness.check_turn_done(t)
                     m = await metrics(gw)
-                    check_shadow_metrics(m, 9, 2, {"rules": 2, "resolution": 2, "cancel": 2})
+                    check_shadow_metrics(m, 9, 2, {"rules": 2, "resolution": 2})
                     check_rule_metrics(m, rules, {"cancel": 1}, 1)
                     status, body = await admin_rules(gw)
                     check_admin(body, rules, SHIPPED, {"cancel": 1}, shadow=(9, 2))
@@ -445,17 +445,17 @@ async def part_shadow_config(baseline):
         async with harness.FakeApp() as app:
             cfg = config(app, rules=str(SHIPPED), shadow_rules=str(shadow))
             async with harness.Gateway([], cfg, env=ENV, name="rules-shadow-config") as gw:
-                with step("config key shadow_rules: return_date as written, vibe_word routed: 7 same, 2 different (params, route)"):
+                with step("config key shadow_rules: return_date as written, vibe_word routed: 7 same, 2 different (params; route and annotations)"):
                     seen = await converse(gw, app)
                     m = await metrics(gw)
-                    check_shadow_metrics(m, 7, 2, {"params": 1, "route": 1})
+                    check_shadow_metrics(m, 7, 2, {"params": 1, "route": 1, "annotations": 1})
                     check_rule_metrics(m, rule_set(SHIPPED), tally(), len(CONVO))
                     lines = shadow_lines(gw)
                     check(len(lines) == 2, f"two shadow log lines expected: {lines}")
                     check(re.search(r"message t2: the shadow set differs in params; "
                                     r'rules live \["return_date"\], shadow \["return_date"\]$', lines[0]),
                           f"the params line: {lines[0]!r}")
-                    check(re.search(r"message f1: the shadow set differs in route; rules live \[\"vibe_word\"\], "
+                    check(re.search(r"message f1: the shadow set differs in route, annotations; rules live \[\"vibe_word\"\], "
                                     r'shadow \["vibe_word"\]; route live app, shadow demo$', lines[1]),
                           f"the route line: {lines[1]!r}")
                     for line in lines:

@@ -33,6 +33,9 @@ size_t cg_histogram_format(const cg_histogram *h, const char *name, const char *
  * timed one by one: a set's rules and files past these are not. */
 #define CG_METRIC_RULES 1024
 #define CG_METRIC_RULE_FILES 32
+/* The fields a shadow rule set's decision is compared in: dialog/pipeline.h's
+ * CG_OUTCOME_FIELDS (core cannot see it; server/turn.c checks they agree). */
+#define CG_METRIC_SHADOW_FIELDS 7
 
 typedef struct cg_metrics {
     unsigned long messages;     /* chat messages accepted into a queue */
@@ -78,7 +81,8 @@ typedef struct cg_metrics {
     /* the shadow rule set (--shadow-rules): messages it decided the same as the live set,
      * and differently, and by what differed (0 rules, 1 params, 2 resolution, 3 route,
      * 4 enriched, 5 cancel) */
-    unsigned long shadow_same, shadow_different, shadow_field[6];
+    unsigned long shadow_same, shadow_different;
+    unsigned long shadow_field[CG_METRIC_SHADOW_FIELDS]; /* by cg_outcome_field (dialog/pipeline.h) */
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
     cg_histogram rule_file_time[CG_METRIC_RULE_FILES]; /* seconds per message in each file's rules */
 } cg_metrics;

@@ -44,6 +44,37 @@ void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, c
                      const cg_lifetimes *lt, cg_pipeline_result *out);
 void cg_pipeline_result_free(cg_pipeline_result *r);
 
+/* One message's turn on d, as the gateway runs it and `rules replay` replays it: counted
+ * (message_count, last_activity), then decided (cg_pipeline_run). */
+void cg_pipeline_begin(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, const char *text, int64_t now,
+                       const cg_lifetimes *lt, cg_pipeline_result *out);
+/* The user's message into d's history at `at`, marked with its rewrite (enriched, or NULL). */
+void cg_pipeline_keep_user(cg_dialog *d, const char *text, const char *enriched, int64_t at, const cg_lifetimes *lt);
+
+/*
+ * What one message decided, field by field: the one list both comparisons of two rule sets
+ * use (the shadow set beside the live one, server/turn.c; `rules replay`, replay.c), and
+ * the names the metrics and the replay's report give them.
+ */
+typedef enum {
+    CG_OUTCOME_RULES,       /* the rules that fired */
+    CG_OUTCOME_PARAMS,      /* the dialog's params after the message */
+    CG_OUTCOME_RESOLUTION,  /* what it resolved, or null */
+    CG_OUTCOME_ROUTE,       /* the upstream's name, "(absorbed)" or "(refused)" */
+    CG_OUTCOME_ENRICHED,    /* the rewrite, or null */
+    CG_OUTCOME_ANNOTATIONS, /* the metadata it carries */
+    CG_OUTCOME_ERROR,       /* the refusal's message, or null */
+    CG_OUTCOME_FIELDS       /* (a cancel rule shows in the resolution, {"type": "cancel"}, and an
+                             * absorbed message in the route) */
+} cg_outcome_field;
+extern const char *const cg_outcome_names[CG_OUTCOME_FIELDS];
+
+/* The outcome of res on d (after the run) as one JSON object of those fields, by name; NULL
+ * out of memory. */
+json_t *cg_pipeline_outcome(const cg_config *cfg, const cg_dialog *d, const cg_pipeline_result *res);
+/* The fields in which two outcomes differ: bit (1 << field) each. */
+unsigned cg_pipeline_outcome_diff(const json_t *a, const json_t *b);
+
 /* Resolves text against awaiting selection options (array): the 1-based index or 0. */
 int cg_pipeline_select(json_t *options, const char *text);
 
