@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/package.sh: builds the Debian package (README, "Install from the package").
+# scripts/package.sh: builds the Debian package (docs/operations.md, "Install from the package").
 #   scripts/package.sh [BUILD_DIR]   -> BUILD_DIR/chatgate_VERSION_ARCH.deb (BUILD_DIR: build-pkg)
 # A release build with CMake's CPack DEB generator: Depends from the binary's shared
 # libraries (dpkg-shlibdeps, from dpkg-dev), the unit, the conffiles under /etc/chatgate,

@@ -223,7 +223,7 @@ static int parse_long(const char *s, long min, long max, long *out)
 /*
  * redis.prefix starts every Redis key, outside the dialog's {hash tag}: a '{' or '}' in it
  * would make the prefix (or part of it) the tag, so every dialog would land on one shard,
- * or keys of different dialogs share a slot (README: Stores).
+ * or keys of different dialogs share a slot (docs/state.md, "Redis layout").
  */
 static int check_redis_prefix(const char *value, char *err, size_t errlen)
 {
@@ -839,7 +839,7 @@ void cg_config_usage(const char *prog)
                 *p = '-';
         printf("  --%-18s %s\n", flag, settings[i].help);
     }
-    printf("  --%-18s %s\n", "config FILE", "a JSON file with these settings and more (README.md); flags win");
+    printf("  --%-18s %s\n", "config FILE", "a JSON file with these settings and more (docs/configuration.md); flags win");
     printf("  --%-18s %s\n", "help", "this text");
     printf("  --%-18s %s\n", "help-config", "every key of the config file, one a line: KEY, TYPE, default, meaning");
     printf("  --%-18s %s\n", "version", "the version");
@@ -1232,8 +1232,8 @@ static const key_doc structured_keys[] = {
     {"dropin.subprotocols", "list", "-", "subprotocols accepted from clients and passed on (at most 8)"},
     {"dropin.forward_headers", "list", "Cookie,Authorization", "the client's headers passed on to the app (at most 8)"},
     {"dropin.user_cookie", "string", "-", "the cookie whose hash is the dialog's user"},
-    {"dropin.host", "string", "-",
-     "the Host of the app's handshake: client (the default for ws://), app (for wss://) or HOST[:PORT]"},
+    {"dropin.host", "string", "app",
+     "the Host of the app's handshake: app (the app URL's host:port), client (the client's) or HOST[:PORT]"},
     {"dropin.headers", "object", "-", "extra handshake headers, as upstreams.NAME.headers"},
     {"dropin.client.chat", "marker", "-", "what marks a client frame as a chat message"},
     {"dropin.client.text", "pointer", "-", "the message's text in a chat message"},
@@ -1241,6 +1241,8 @@ static const key_doc structured_keys[] = {
     {"dropin.client.id", "pointer", "-", "the message's id"},
     {"dropin.client.cancel", "marker", "-", "what marks a client frame as a cancel"},
     {"dropin.client.cancel_id", "pointer", "-", "the id of the message a cancel stops"},
+    {"dropin.client.arguments", "integer 1..16", "-",
+     "socket.io codec: the chat event's argument count (default: the highest the client pointers name)"},
     {"dropin.app_frames.text", "pointer", "-", "the reply's text in an app frame"},
     {"dropin.app_frames.id", "pointer", "-", "the id of the message an app frame answers"},
     {"dropin.app_frames.end", "marker", "-", "what marks the end of a reply"},

@@ -196,7 +196,7 @@ int cg_refuse_plain_http_on_ws(struct lws *wsi)
         why = "/ws takes WebSocket connections only (the chatgate.v1 protocol; docs/protocol.md)\n";
     else if (strcmp(uri, "/") != 0 && under_dropin_path(cg_server_of(wsi), uri))
         why = "this path takes the chat app's WebSocket only: send its other requests (Socket.IO's "
-              "long-polling among them) to the app itself (README.md, drop-in)\n";
+              "long-polling among them) to the app itself (docs/dropin.md)\n";
     return why ? http_answer(wsi, 426, "Upgrade Required", "upgrade: websocket\r\n", why) : 0;
 }
 

@@ -18,7 +18,7 @@
  * generating), an error, a cut, a timeout. A response with `Connection: close` or HTTP/1.0
  * is not kept either (libcurl's rule).
  *
- * Failures say what happened (README, "Error codes"): not reached, or no HTTP answer ->
+ * Failures say what happened (docs/upstreams.md, "When an upstream fails"): not reached, or no HTTP answer ->
  * upstream_unavailable; a stream that ends without [DONE] or a finish_reason (cut) ->
  * upstream_unavailable, "mid-reply" only when reply text had come; a 4xx/5xx answer, an
  * error event, or a body that is not the protocol -> upstream_error. The error carries the

@@ -342,7 +342,7 @@ def full_configs(keys):
     second = {
         "upstreams": {"s": "demo"},
         "dropin": {"path": "/socket.io/", "app": "ws://127.0.0.1:9", "codec": "socket.io", "namespace": "/chat",
-                   "client": {"chat": {"pointer": "/0", "equals": "chat message"}, "text": "/1"},
+                   "client": {"chat": {"pointer": "/0", "equals": "chat message"}, "text": "/1", "arguments": 1},
                    "app_frames": {"reply": {"pointer": "/0", "equals": "bot message"}, "text": "/1",
                                   "cancel_frame": ["cancel", "{id}"]},
                    "object_at": "/-"},
@@ -355,6 +355,10 @@ def full_configs(keys):
 
 MIN_DROPIN = {"path": "/socket", "app": "ws://127.0.0.1:9",
               "client": {"chat": {"every_text_frame": True}, "text": "/body"}}
+# the keys only the socket.io codec takes, and a minimal mapping of that codec
+SOCKETIO_KEYS = {"dropin.client.arguments"}
+MIN_DROPIN_SOCKETIO = {"path": "/socket.io/", "app": "ws://127.0.0.1:9", "codec": "socket.io",
+                       "client": {"chat": {"pointer": "/0", "equals": "chat message"}, "text": "/1"}}
 
 
 def run_config(config):
@@ -394,6 +398,9 @@ def with_key(config, key, value):
     if key.startswith("upstreams.NAME."):
         key = "upstreams.u." + key.split(".", 2)[2]
         config.setdefault("upstreams", {}).setdefault("u", {"url": "demo"})
+    if key in SOCKETIO_KEYS and config.get("dropin", {}).get("codec") != "socket.io":
+        config["dropin"] = {**json.loads(json.dumps(MIN_DROPIN_SOCKETIO)), **{
+            k: v for k, v in config.get("dropin", {}).items() if k not in MIN_DROPIN}}
     if key.startswith("dropin."):
         config.setdefault("dropin", json.loads(json.dumps(MIN_DROPIN)))
     set_path(config, key, value)

@@ -60,7 +60,7 @@ typedef struct cg_upstream_config {
     int idle_keepalive_ms;    /* OpenAI: an idle kept connection is closed after this (30 s) */
     int delay_ms; /* demo: pause between words */
     cg_headers headers; /* openai, ws: sent on each request or handshake (headers.h) */
-    /* replicas and failing over (README, "Replicas, retries and fallback"): the URLs of one
+    /* replicas and failing over (docs/upstreams.md, "Replicas, retries and fallback"): the URLs of one
      * OpenAI-compatible upstream (url is the first), how a message picks one, how long one
      * that failed stays out, how many attempts a message gets, and the upstream it falls
      * back to when they are spent */

@@ -1,5 +1,5 @@
 /*
- * headers.h: the "headers" map of an upstream or of drop-in mode's app (README, "Upstream
+ * headers.h: the "headers" map of an upstream or of drop-in mode's app (docs/upstreams.md, "Upstream
  * headers"): extra request headers chatgate sends, each value given in the file or read from
  * an environment variable at start ({"env": "NAME"}), so secrets stay out of config files.
  *

@@ -1,5 +1,5 @@
 /*
- * limits_config.h: the "limits" section of the config file (README, "Limits per user"):
+ * limits_config.h: the "limits" section of the config file (docs/configuration.md, "Limits per user"):
  * the default plan's limits, named plans that override some of them, and how a
  * connection's plan is found: the operator's own list of users first, then a JWT claim.
  *

@@ -68,11 +68,11 @@ typedef struct cg_metrics {
     /* replicas (upstreams.NAME.urls): attempts retried on another replica, replicas marked
      * out after a failure, and messages that went on to the upstream's fallback, by index */
     unsigned long upstream_retries[32], upstream_replica_outs[32], upstream_fallbacks[32];
-    /* tokens spent (README, "Usage"), by upstream index, service slot (cg_metrics_service:
+    /* tokens spent (docs/configuration.md, "Usage"), by upstream index, service slot (cg_metrics_service:
      * 0 none, then the config's services in order, the last one every other) and direction
      * (0 in, 1 out) */
     unsigned long tokens[32][CG_METRIC_SERVICES][2];
-    /* messages refused by a limit per user (README, "Limits per user"), by the limit met:
+    /* messages refused by a limit per user (docs/configuration.md, "Limits per user"), by the limit met:
      * limits.h's cg_limit_hit, slot 0 unused */
     unsigned long limited[5];
     /* the running rule set's rules (rules.h, cg_rules_counts), by index: hits, and match-limit

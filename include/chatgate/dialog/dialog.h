@@ -39,7 +39,7 @@ typedef struct cg_dialog {
     int64_t created_at, last_activity;
     long turn_count, message_count;
     json_t *usage; /* NULL, or the tokens this dialog spent, by upstream:
-                    * {"llm": {"in": N, "out": N, "turns": N}} (README, "Usage") */
+                    * {"llm": {"in": N, "out": N, "turns": N}} (docs/configuration.md, "Usage") */
     /* cg_dialog_history_text's count, valid while history is text_of with text_n messages:
      * kept up to date by cg_dialog_push_history and cg_dialog_copy, counted again after
      * any other change */

@@ -66,7 +66,7 @@ cg_frame_text cg_protocol_warning(const char *id, const char *code, const char *
 cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len);
 /* usage is borrowed and may be NULL; truncated says the text holds only the reply's start. */
 /* Who answered a message: the done frame's "upstream", "replica", "attempts" and
- * "fallback_from" (README, "Replicas, retries and fallback"). */
+ * "fallback_from" (docs/upstreams.md, "Replicas, retries and fallback"). */
 typedef struct cg_answer {
     const char *upstream;      /* the upstream's name; NULL: not said */
     int replica;               /* its replica that answered; -1 when it has one URL */

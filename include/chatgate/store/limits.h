@@ -1,5 +1,5 @@
 /*
- * limits.h: limits per user, across connections (README, "Limits per user"): messages a
+ * limits.h: limits per user, across connections (docs/configuration.md, "Limits per user"): messages a
  * minute, turns at once, tokens a minute and a day. The store keeps the counts, so with
  * Redis they hold across workers and gateways (store.h, limit and limit_end); this is the
  * part both stores share: the limits, the windows, and the in-memory counter the memory
