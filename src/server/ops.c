@@ -232,6 +232,180 @@ const cg_metrics *cg_ops_metrics(const cg_server *srv, const cg_store_stats **st
     return &sum;
 }
 
+/*
+ * The gateway's and the store's single figures, one row each, in the order written. A row
+ * whose name differs from the row before opens its family: "# HELP" (when help is given)
+ * and "# TYPE" lines first. A value is a member of cg_metrics or cg_store_stats (by its
+ * offset and C type), or one worked out when written.
+ */
+typedef enum { FROM_GATEWAY, FROM_STORE, FROM_WORKED_OUT } figure_source;
+typedef enum { AS_ULONG, AS_LONG, AS_INT, AS_SIZE } figure_ctype;
+typedef enum { WORKED_DEGRADED_SECONDS, WORKED_RULES_LOADED } worked_out;
+
+typedef struct figure_row {
+    const char *name;
+    const char *labels; /* "end=\"done\"", or NULL */
+    const char *type;   /* "counter" or "gauge" */
+    const char *help;   /* NULL: none */
+    figure_source from;
+    size_t offset;      /* FROM_WORKED_OUT: a worked_out */
+    figure_ctype ctype;
+} figure_row;
+
+#define GW(field) FROM_GATEWAY, offsetof(cg_metrics, field), AS_ULONG
+#define ST(field, ctype) FROM_STORE, offsetof(cg_store_stats, field), ctype
+#define WORKED(what) FROM_WORKED_OUT, what, AS_ULONG
+
+static const figure_row figures[] = {
+    {"chatgate_messages_total", NULL, "counter", NULL, GW(messages)},
+    {"chatgate_turns_total", "end=\"done\"", "counter", NULL, GW(turns_done)},
+    {"chatgate_turns_total", "end=\"error\"", "counter", NULL, GW(turns_error)},
+    {"chatgate_turns_total", "end=\"cancelled\"", "counter", NULL, GW(turns_cancelled)},
+    {"chatgate_turns_total", "end=\"blocked\"", "counter", NULL, GW(turns_blocked)},
+    {"chatgate_frames_in_total", NULL, "counter", NULL, GW(frames_in)},
+    {"chatgate_frames_out_total", NULL, "counter", NULL, GW(frames_out)},
+    {"chatgate_bad_frames_total", NULL, "counter", NULL, GW(bad_frames)},
+    {"chatgate_rate_limited_total", NULL, "counter", NULL, GW(rate_limited)},
+    {"chatgate_refused_connections_total", NULL, "counter", NULL, GW(refused_connections)},
+    {"chatgate_unauthorized_total", NULL, "counter", NULL, GW(unauthorized)},
+    {"chatgate_store_degraded", NULL, "gauge", "1 while Redis is away and dialogs are served from memory.",
+     ST(degraded, AS_INT)},
+    {"chatgate_store_degraded_seconds_total", NULL, "counter", NULL, WORKED(WORKED_DEGRADED_SECONDS)},
+    {"chatgate_store_degraded_warnings_total", NULL, "counter", NULL, GW(degraded_warnings)},
+    {"chatgate_store_operations_total", "op=\"load\"", "counter", NULL, ST(loads, AS_ULONG)},
+    {"chatgate_store_operations_total", "op=\"save\"", "counter", NULL, ST(saves, AS_ULONG)},
+    {"chatgate_store_operations_total", "op=\"delete\"", "counter", NULL, ST(deletes, AS_ULONG)},
+    {"chatgate_store_errors_total", NULL, "counter", NULL, ST(errors, AS_ULONG)},
+    {"chatgate_store_memory_answers_total", NULL, "counter", NULL, ST(degraded_answers, AS_ULONG)},
+    {"chatgate_store_reconnects_total", NULL, "counter", NULL, ST(reconnects, AS_ULONG)},
+    {"chatgate_store_written_back_total", NULL, "counter", NULL, ST(flushed, AS_ULONG)},
+    {"chatgate_store_evictions_total", "reason=\"count\"", "counter",
+     "Dialogs dropped by max_dialogs (count), max_store_bytes (bytes) or max_rooms_per_user (rooms).",
+     ST(evictions, AS_ULONG)},
+    {"chatgate_store_evictions_total", "reason=\"bytes\"", "counter", NULL, ST(evictions_bytes, AS_ULONG)},
+    {"chatgate_store_evictions_total", "reason=\"rooms\"", "counter", NULL, ST(evictions_rooms, AS_ULONG)},
+    {"chatgate_store_memory_bytes", NULL, "gauge", "Dialog state held in memory (its keys and compact JSON).",
+     ST(memory_bytes, AS_SIZE)},
+    {"chatgate_store_writeback_pending", NULL, "gauge", "Dialogs (and bytes) held in memory for Redis's write-back.",
+     ST(writeback_pending, AS_LONG)},
+    {"chatgate_store_writeback_pending_bytes", NULL, "gauge", NULL, ST(writeback_pending_bytes, AS_LONG)},
+    {"chatgate_store_writeback_dropped_total", "reason=\"bound\"", "counter",
+     "Dialogs never written back: over the bound, or gone from memory.", ST(writeback_dropped_bound, AS_ULONG)},
+    {"chatgate_store_writeback_dropped_total", "reason=\"gone\"", "counter", NULL,
+     ST(writeback_dropped_gone, AS_ULONG)},
+    {"chatgate_store_save_conflicts_total", NULL, "counter", "Saves refused: Redis held another or a newer copy.",
+     ST(save_conflicts, AS_ULONG)},
+    {"chatgate_store_primary_switches_total", NULL, "counter", "Redis Sentinel: failovers followed to a new primary.",
+     ST(primary_switches, AS_ULONG)},
+    {"chatgate_store_not_primary_total", "seen=\"readonly\"", "counter",
+     "Redis Sentinel: -READONLY answers, and connects whose ROLE was not master; each time the connection is "
+     "dropped to ask the Sentinels again.",
+     ST(readonly_replies, AS_ULONG)},
+    {"chatgate_store_not_primary_total", "seen=\"role\"", "counter", NULL, ST(replica_refused, AS_ULONG)},
+    {"chatgate_store_lease_waits_total", NULL, "counter",
+     "Turns that found their dialog's lease held by another gateway and waited for it.", ST(lease_waits, AS_ULONG)},
+    {"chatgate_store_lease_lost_total", NULL, "counter",
+     "Turns whose save found their dialog's lease passed to another gateway (this one was away past "
+     "redis.lease_ms); merged with that gateway's copy.",
+     ST(lease_lost, AS_ULONG)},
+    {"chatgate_store_remote_cancels_total", NULL, "counter",
+     "Turns stopped because another gateway asked (a cancel phrase or context.clear that arrived there).",
+     ST(remote_cancels, AS_ULONG)},
+    {"chatgate_store_loads_cached_total", NULL, "counter",
+     "Redis loads that Redis answered \"unchanged\": the dialog was read from this gateway's copy.",
+     ST(loads_cached, AS_ULONG)},
+    {"chatgate_store_saves_appended_total", NULL, "counter", "Redis saves that sent only the history's new messages.",
+     ST(saves_appended, AS_ULONG)},
+    {"chatgate_store_merges_total", NULL, "counter",
+     "Saves that met another copy of their dialog in Redis (two gateways served it while the store switched, or a "
+     "write-back met a newer copy) and merged with it; messages: what the merges added to Redis's copy.",
+     ST(merges, AS_ULONG)},
+    {"chatgate_store_merged_messages_total", NULL, "counter", NULL, ST(merged_messages, AS_ULONG)},
+    {"chatgate_store_cluster_redirects_total", "kind=\"moved\"", "counter",
+     "Redis Cluster: answers that sent a command elsewhere (moved, ask) or asked it again later (tryagain, "
+     "clusterdown), each followed.",
+     ST(cluster.moved, AS_ULONG)},
+    {"chatgate_store_cluster_redirects_total", "kind=\"ask\"", "counter", NULL, ST(cluster.ask, AS_ULONG)},
+    {"chatgate_store_cluster_redirects_total", "kind=\"tryagain\"", "counter", NULL, ST(cluster.tryagain, AS_ULONG)},
+    {"chatgate_store_cluster_redirects_total", "kind=\"clusterdown\"", "counter", NULL,
+     ST(cluster.clusterdown, AS_ULONG)},
+    {"chatgate_store_cluster_map_reads_total", NULL, "counter",
+     "Redis Cluster: slot maps read (at each connect, and after a MOVED).", ST(cluster.map_reads, AS_ULONG)},
+    {"chatgate_awaiting_resolutions_total", NULL, "counter", "Messages that resolved an awaiting state.",
+     GW(awaiting_resolutions)},
+    {"chatgate_cancels_total", NULL, "counter", NULL, GW(cancels)},
+    {"chatgate_soft_context_hits_total", NULL, "counter", NULL, GW(soft_context_hits)},
+    {"chatgate_enrichments_total", NULL, "counter", NULL, GW(enrichments)},
+    {"chatgate_rules_fired_total", NULL, "counter", NULL, GW(rules_fired)},
+    {"chatgate_rules_limited_total", NULL, "counter", "Rules cut off by a match limit (counted as no match).",
+     GW(rules_limited)},
+    {"chatgate_rules_loaded", NULL, "gauge", NULL, WORKED(WORKED_RULES_LOADED)},
+    {"chatgate_rules_reloads_total", "result=\"ok\"", "counter", NULL, GW(reloads)},
+    {"chatgate_rules_reloads_total", "result=\"refused\"", "counter", NULL, GW(reload_failures)},
+};
+
+static const figure_row cache_figures[] = {
+    {"chatgate_cache_total", "result=\"hit\"", "counter", NULL, GW(cache_hits)},
+    {"chatgate_cache_total", "result=\"miss\"", "counter", NULL, GW(cache_misses)},
+};
+
+#undef GW
+#undef ST
+#undef WORKED
+
+/* What the rows are read from, at one moment. */
+typedef struct figure_sources {
+    const cg_metrics *m;
+    const cg_store_stats *st;
+    double degraded_seconds;
+    size_t rules_loaded;
+} figure_sources;
+
+static int put_row(const figure_row *r, const figure_row *prev, const figure_sources *src, char *buf, size_t len,
+                   size_t *used)
+{
+    if (!prev || strcmp(prev->name, r->name) != 0) {
+        if (r->help && put(buf, len, used, "# HELP %s %s\n", r->name, r->help) < 0)
+            return -1;
+        if (put(buf, len, used, "# TYPE %s %s\n", r->name, r->type) < 0)
+            return -1;
+    }
+    char value[48];
+    if (r->from == FROM_WORKED_OUT) {
+        if (r->offset == WORKED_DEGRADED_SECONDS)
+            snprintf(value, sizeof(value), "%.3f", src->degraded_seconds);
+        else
+            snprintf(value, sizeof(value), "%zu", src->rules_loaded);
+    } else {
+        const char *base = r->from == FROM_GATEWAY ? (const char *)src->m : (const char *)src->st;
+        const void *at = base + r->offset;
+        switch (r->ctype) {
+        case AS_ULONG:
+            snprintf(value, sizeof(value), "%lu", *(const unsigned long *)at);
+            break;
+        case AS_LONG:
+            snprintf(value, sizeof(value), "%ld", *(const long *)at);
+            break;
+        case AS_INT:
+            snprintf(value, sizeof(value), "%d", *(const int *)at);
+            break;
+        case AS_SIZE:
+            snprintf(value, sizeof(value), "%zu", *(const size_t *)at);
+            break;
+        }
+    }
+    return r->labels ? put(buf, len, used, "%s{%s} %s\n", r->name, r->labels, value)
+                     : put(buf, len, used, "%s %s\n", r->name, value);
+}
+
+static int put_rows(const figure_row *rows, size_t n, const figure_sources *src, char *buf, size_t len, size_t *used)
+{
+    for (size_t i = 0; i < n; i++)
+        if (put_row(&rows[i], i ? &rows[i - 1] : NULL, src, buf, len, used) < 0)
+            return -1;
+    return 0;
+}
+
 /* The whole text into buf; its length (cut at the last piece that fit when buf is short). */
 static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
 {
@@ -239,8 +413,13 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
     long connections;
     const cg_metrics *m = cg_ops_metrics(srv, &st, &connections);
     const cg_workers *w = cg_workers_shared();
-    /* --workers: each worker's includes its outage going on */
-    double degraded = w ? st->degraded_seconds : cg_store_degraded_seconds(st, uv_now(srv->net.loop));
+    figure_sources src = {
+        .m = m,
+        .st = st,
+        /* --workers: each worker's includes its outage going on */
+        .degraded_seconds = w ? st->degraded_seconds : cg_store_degraded_seconds(st, uv_now(srv->net.loop)),
+        .rules_loaded = cg_ruleset_count(srv->turn.rules),
+    };
     size_t used = 0;
     if (put(buf, len, &used,
             "# HELP chatgate_connections WebSocket clients connected now%s.\n"
@@ -250,106 +429,11 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
         return used;
     if (put(buf, len, &used,
             "# HELP chatgate_build_info The running version (always 1).\n# TYPE chatgate_build_info gauge\n"
-            "chatgate_build_info{version=\"%s\"} 1\n"
-            "# TYPE chatgate_messages_total counter\nchatgate_messages_total %lu\n"
-            "# TYPE chatgate_turns_total counter\n"
-            "chatgate_turns_total{end=\"done\"} %lu\nchatgate_turns_total{end=\"error\"} %lu\n"
-            "chatgate_turns_total{end=\"cancelled\"} %lu\nchatgate_turns_total{end=\"blocked\"} %lu\n"
-            "# TYPE chatgate_frames_in_total counter\nchatgate_frames_in_total %lu\n"
-            "# TYPE chatgate_frames_out_total counter\nchatgate_frames_out_total %lu\n"
-            "# TYPE chatgate_bad_frames_total counter\nchatgate_bad_frames_total %lu\n"
-            "# TYPE chatgate_rate_limited_total counter\nchatgate_rate_limited_total %lu\n"
-            "# TYPE chatgate_refused_connections_total counter\nchatgate_refused_connections_total %lu\n"
-            "# TYPE chatgate_unauthorized_total counter\nchatgate_unauthorized_total %lu\n"
-            "# HELP chatgate_store_degraded 1 while Redis is away and dialogs are served from memory.\n"
-            "# TYPE chatgate_store_degraded gauge\nchatgate_store_degraded %d\n"
-            "# TYPE chatgate_store_degraded_seconds_total counter\nchatgate_store_degraded_seconds_total %.3f\n"
-            "# TYPE chatgate_store_degraded_warnings_total counter\nchatgate_store_degraded_warnings_total %lu\n"
-            "# TYPE chatgate_store_operations_total counter\n"
-            "chatgate_store_operations_total{op=\"load\"} %lu\nchatgate_store_operations_total{op=\"save\"} %lu\n"
-            "chatgate_store_operations_total{op=\"delete\"} %lu\n"
-            "# TYPE chatgate_store_errors_total counter\nchatgate_store_errors_total %lu\n"
-            "# TYPE chatgate_store_memory_answers_total counter\nchatgate_store_memory_answers_total %lu\n"
-            "# TYPE chatgate_store_reconnects_total counter\nchatgate_store_reconnects_total %lu\n"
-            "# TYPE chatgate_store_written_back_total counter\nchatgate_store_written_back_total %lu\n"
-            "# HELP chatgate_store_evictions_total Dialogs dropped by max_dialogs (count), max_store_bytes (bytes) "
-            "or max_rooms_per_user (rooms).\n"
-            "# TYPE chatgate_store_evictions_total counter\nchatgate_store_evictions_total{reason=\"count\"} %lu\n"
-            "chatgate_store_evictions_total{reason=\"bytes\"} %lu\nchatgate_store_evictions_total{reason=\"rooms\"} %lu\n"
-            "# HELP chatgate_store_memory_bytes Dialog state held in memory (its keys and compact JSON).\n"
-            "# TYPE chatgate_store_memory_bytes gauge\nchatgate_store_memory_bytes %zu\n",
-            CG_VERSION, m->messages, m->turns_done, m->turns_error, m->turns_cancelled, m->turns_blocked, m->frames_in, m->frames_out,
-            m->bad_frames, m->rate_limited, m->refused_connections, m->unauthorized, st->degraded, degraded,
-            m->degraded_warnings, st->loads, st->saves, st->deletes, st->errors, st->degraded_answers,
-            st->reconnects, st->flushed, st->evictions, st->evictions_bytes, st->evictions_rooms, st->memory_bytes) < 0 ||
-        put(buf, len, &used,
-            "# HELP chatgate_store_writeback_pending Dialogs (and bytes) held in memory for Redis's write-back.\n"
-            "# TYPE chatgate_store_writeback_pending gauge\nchatgate_store_writeback_pending %ld\n"
-            "# TYPE chatgate_store_writeback_pending_bytes gauge\nchatgate_store_writeback_pending_bytes %ld\n"
-            "# HELP chatgate_store_writeback_dropped_total Dialogs never written back: over the bound, or gone "
-            "from memory.\n# TYPE chatgate_store_writeback_dropped_total counter\n"
-            "chatgate_store_writeback_dropped_total{reason=\"bound\"} %lu\n"
-            "chatgate_store_writeback_dropped_total{reason=\"gone\"} %lu\n"
-            "# HELP chatgate_store_save_conflicts_total Saves refused: Redis held another or a newer copy.\n"
-            "# TYPE chatgate_store_save_conflicts_total counter\nchatgate_store_save_conflicts_total %lu\n"
-            "# HELP chatgate_store_primary_switches_total Redis Sentinel: failovers followed to a new primary.\n"
-            "# TYPE chatgate_store_primary_switches_total counter\nchatgate_store_primary_switches_total %lu\n"
-            "# HELP chatgate_store_not_primary_total Redis Sentinel: -READONLY answers, and connects whose ROLE "
-            "was not master; each time the connection is dropped to ask the Sentinels again.\n"
-            "# TYPE chatgate_store_not_primary_total counter\n"
-            "chatgate_store_not_primary_total{seen=\"readonly\"} %lu\n"
-            "chatgate_store_not_primary_total{seen=\"role\"} %lu\n"
-            "# HELP chatgate_store_lease_waits_total Turns that found their dialog's lease held by another "
-            "gateway and waited for it.\n# TYPE chatgate_store_lease_waits_total counter\n"
-            "chatgate_store_lease_waits_total %lu\n"
-            "# HELP chatgate_store_lease_lost_total Turns whose save was refused: their dialog's lease had "
-            "passed to another gateway (this one was away past redis.lease_ms).\n"
-            "# TYPE chatgate_store_lease_lost_total counter\nchatgate_store_lease_lost_total %lu\n"
-            "# HELP chatgate_store_remote_cancels_total Turns stopped because another gateway asked (a cancel "
-            "phrase or context.clear that arrived there).\n"
-            "# TYPE chatgate_store_remote_cancels_total counter\nchatgate_store_remote_cancels_total %lu\n"
-            "# HELP chatgate_store_loads_cached_total Redis loads that Redis answered \"unchanged\": the "
-            "dialog was read from this gateway's copy.\n"
-            "# TYPE chatgate_store_loads_cached_total counter\nchatgate_store_loads_cached_total %lu\n"
-            "# HELP chatgate_store_saves_appended_total Redis saves that sent only the history's new messages.\n"
-            "# TYPE chatgate_store_saves_appended_total counter\nchatgate_store_saves_appended_total %lu\n"
-            "# HELP chatgate_store_merges_total Saves that met another copy of their dialog in Redis (two "
-            "gateways served it while the store switched, or a write-back met a newer copy) and merged with it; "
-            "messages: what the merges added to Redis's copy.\n"
-            "# TYPE chatgate_store_merges_total counter\nchatgate_store_merges_total %lu\n"
-            "# TYPE chatgate_store_merged_messages_total counter\nchatgate_store_merged_messages_total %lu\n"
-            "# HELP chatgate_store_cluster_redirects_total Redis Cluster: answers that sent a command elsewhere "
-            "(moved, ask) or asked it again later (tryagain, clusterdown), each followed.\n"
-            "# TYPE chatgate_store_cluster_redirects_total counter\n"
-            "chatgate_store_cluster_redirects_total{kind=\"moved\"} %lu\n"
-            "chatgate_store_cluster_redirects_total{kind=\"ask\"} %lu\n"
-            "chatgate_store_cluster_redirects_total{kind=\"tryagain\"} %lu\n"
-            "chatgate_store_cluster_redirects_total{kind=\"clusterdown\"} %lu\n"
-            "# HELP chatgate_store_cluster_map_reads_total Redis Cluster: slot maps read (at each connect, and "
-            "after a MOVED).\n# TYPE chatgate_store_cluster_map_reads_total counter\n"
-            "chatgate_store_cluster_map_reads_total %lu\n",
-            st->writeback_pending, st->writeback_pending_bytes, st->writeback_dropped_bound,
-            st->writeback_dropped_gone, st->save_conflicts, st->primary_switches, st->readonly_replies,
-            st->replica_refused, st->lease_waits, st->lease_lost, st->remote_cancels, st->loads_cached,
-            st->saves_appended, st->merges, st->merged_messages, st->cluster.moved, st->cluster.ask, st->cluster.tryagain, st->cluster.clusterdown,
-            st->cluster.map_reads) < 0 ||
-        put(buf, len, &used,
-            "# HELP chatgate_awaiting_resolutions_total Messages that resolved an awaiting state.\n"
-            "# TYPE chatgate_awaiting_resolutions_total counter\nchatgate_awaiting_resolutions_total %lu\n"
-            "# TYPE chatgate_cancels_total counter\nchatgate_cancels_total %lu\n"
-            "# TYPE chatgate_soft_context_hits_total counter\nchatgate_soft_context_hits_total %lu\n"
-            "# TYPE chatgate_enrichments_total counter\nchatgate_enrichments_total %lu\n"
-            "# TYPE chatgate_rules_fired_total counter\nchatgate_rules_fired_total %lu\n"
-            "# HELP chatgate_rules_limited_total Rules cut off by a match limit (counted as no match).\n"
-            "# TYPE chatgate_rules_limited_total counter\nchatgate_rules_limited_total %lu\n"
-            "# TYPE chatgate_rules_loaded gauge\nchatgate_rules_loaded %zu\n"
-            "# TYPE chatgate_rules_reloads_total counter\nchatgate_rules_reloads_total{result=\"ok\"} %lu\n"
-            "chatgate_rules_reloads_total{result=\"refused\"} %lu\n",
-            m->awaiting_resolutions, m->cancels, m->soft_context_hits, m->enrichments, m->rules_fired,
-            m->rules_limited, cg_ruleset_count(srv->turn.rules), m->reloads, m->reload_failures) < 0 ||
-        per_upstream(srv, m, buf, len, &used) < 0 ||
-        token_lines(srv, m, buf, len, &used) < 0 || limited_lines(m, buf, len, &used) < 0 ||
-        rule_lines(srv, m, buf, len, &used) < 0)
+            "chatgate_build_info{version=\"%s\"} 1\n",
+            CG_VERSION) < 0 ||
+        put_rows(figures, sizeof(figures) / sizeof(figures[0]), &src, buf, len, &used) < 0 ||
+        per_upstream(srv, m, buf, len, &used) < 0 || token_lines(srv, m, buf, len, &used) < 0 ||
+        limited_lines(m, buf, len, &used) < 0 || rule_lines(srv, m, buf, len, &used) < 0)
         return used;
     if (put(buf, len, &used,
             "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n") < 0)
@@ -361,13 +445,11 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
                 m->errors[code - CG__ERR_FIRST - 1]) < 0)
             return used;
     }
-    if (put(buf, len, &used,
-            "# TYPE chatgate_cache_total counter\nchatgate_cache_total{result=\"hit\"} %lu\n"
-            "chatgate_cache_total{result=\"miss\"} %lu\n"
+    if (put_rows(cache_figures, sizeof(cache_figures) / sizeof(cache_figures[0]), &src, buf, len, &used) < 0 ||
+        put(buf, len, &used,
             "# HELP chatgate_stage_seconds Latency per stage: store load, rules (the pipeline), first "
             "token (upstream start to first delta), turn (arrival to the terminal frame).\n"
-            "# TYPE chatgate_stage_seconds histogram\n",
-            m->cache_hits, m->cache_misses) < 0)
+            "# TYPE chatgate_stage_seconds histogram\n") < 0)
         return used;
     static const struct { const char *label; size_t offset; } stages[] = {
         {"stage=\"store_load\"", offsetof(cg_metrics, store_load)},
