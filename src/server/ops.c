@@ -37,6 +37,8 @@ static int put(char *buf, size_t len, size_t *used, const char *fmt, ...)
     return 0;
 }
 
+_Static_assert(CG_METRIC_UPSTREAMS == CG_MAX_UPSTREAMS, "metrics.h counts every upstream");
+
 /* The families counted by upstream index (cg_metrics arrays of 32), in the order written:
  * the line per upstream of every upstream, or only those of one kind (kind >= 0). */
 static const struct upstream_family {
@@ -438,9 +440,7 @@ static size_t metrics_text(const cg_server *srv, char *buf, size_t len)
     if (put(buf, len, &used,
             "# HELP chatgate_errors_total Error frames sent, by code.\n# TYPE chatgate_errors_total counter\n") < 0)
         return used;
-    for (int code = CG__ERR_FIRST + 1; code < CG__ERR_FIRST + 1 + 16 && code < 0; code++) {
-        if (strcmp(cg_strerror(code), "unknown error") == 0)
-            break;
+    for (int code = CG__ERR_FIRST + 1; code < CG__ERR_END; code++) {
         if (put(buf, len, &used, "chatgate_errors_total{code=\"%s\"} %lu\n", cg_err_code(code),
                 m->errors[code - CG__ERR_FIRST - 1]) < 0)
             return used;

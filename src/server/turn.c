@@ -167,7 +167,7 @@ static int64_t turn_now(const cg_turns *q)
 void cg_turn_count_error(cg_metrics *m, int err)
 {
     int slot = err - CG__ERR_FIRST - 1;
-    if (slot >= 0 && slot < 16)
+    if (slot >= 0 && slot < CG_ERR_COUNT)
         m->errors[slot]++;
     if (err == CG_E_BAD_FRAME || err == CG_E_TOO_LARGE)
         m->bad_frames++;
@@ -777,6 +777,7 @@ static const cg_turn_backend forward_backend = {
 /* ---- the shadow rule set ---------------------------------------------------------------- */
 
 _Static_assert(CG_METRIC_SHADOW_FIELDS == CG_OUTCOME_FIELDS, "metrics.h counts the outcome's fields");
+_Static_assert(CG_METRIC_LIMITS == CG_LIMIT_TURNS + 1, "metrics.h counts every limit (limits.h)");
 
 /*
  * The shadow set (--shadow-rules) on copy, the dialog as it was before this message: what

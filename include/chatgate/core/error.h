@@ -27,7 +27,11 @@ typedef enum cg_err {
     CG__ERR_FIRST = -100,
     CG_ERR_MAP(CG__ERR_ENUM)
 #undef CG__ERR_ENUM
+    CG__ERR_END /* one past the last code */
 } cg_err;
+
+/* How many codes there are; code err's slot among them is err - CG__ERR_FIRST - 1. */
+#define CG_ERR_COUNT (CG__ERR_END - CG__ERR_FIRST - 1)
 
 /* The protocol's code for err ("bad_frame"); "internal" for anything unknown. */
 const char *cg_err_code(int err);

@@ -8,6 +8,8 @@
 
 #include <stddef.h>
 
+#include "chatgate/core/error.h"
+
 #define CG_HISTOGRAM_BUCKETS 15
 
 typedef struct cg_histogram {
@@ -36,6 +38,11 @@ size_t cg_histogram_format(const cg_histogram *h, const char *name, const char *
 /* The fields a shadow rule set's decision is compared in: dialog/pipeline.h's
  * CG_OUTCOME_FIELDS (core cannot see it; server/turn.c checks they agree). */
 #define CG_METRIC_SHADOW_FIELDS 7
+/* Upstreams counted by index: config.h's CG_MAX_UPSTREAMS (server/ops.c checks they agree). */
+#define CG_METRIC_UPSTREAMS 32
+/* The limits a message can meet, by store/limits.h's cg_limit_hit (slot 0, none, unused;
+ * server/turn.c checks they agree). */
+#define CG_METRIC_LIMITS 5
 
 typedef struct cg_metrics {
     unsigned long messages;     /* chat messages accepted into a queue */
@@ -55,32 +62,31 @@ typedef struct cg_metrics {
     unsigned long soft_context_hits;
     unsigned long enrichments;
     unsigned long rules_fired, rules_limited;
-    unsigned long routed[32]; /* per upstream, by index (at most CG_MAX_UPSTREAMS, 32) */
+    unsigned long routed[CG_METRIC_UPSTREAMS]; /* per upstream, by index */
     unsigned long reloads, reload_failures;
     unsigned long cache_hits, cache_misses; /* dialog loads that found a dialog, or not */
-    unsigned long errors[16];               /* error frames by code, index -code - CG__ERR_FIRST - 1 */
-    unsigned long upstream_errors[32];      /* by upstream index */
+    unsigned long errors[CG_ERR_COUNT];     /* error frames by code, slot code - CG__ERR_FIRST - 1 */
+    unsigned long upstream_errors[CG_METRIC_UPSTREAMS];      /* by upstream index */
     /* an OpenAI-compatible upstream's kept-alive connections, by upstream index: TCP
      * connections opened, requests sent on a kept one, new TLS connections that resumed a
      * session, and held idle now (a gauge; summed over the workers it is the group's) */
-    unsigned long upstream_conns_opened[32], upstream_conns_reused[32], upstream_tls_resumed[32];
-    unsigned long upstream_conns_idle[32];
+    unsigned long upstream_conns_opened[CG_METRIC_UPSTREAMS], upstream_conns_reused[CG_METRIC_UPSTREAMS], upstream_tls_resumed[CG_METRIC_UPSTREAMS];
+    unsigned long upstream_conns_idle[CG_METRIC_UPSTREAMS];
     /* replicas (upstreams.NAME.urls): attempts retried on another replica, replicas marked
      * out after a failure, and messages that went on to the upstream's fallback, by index */
-    unsigned long upstream_retries[32], upstream_replica_outs[32], upstream_fallbacks[32];
+    unsigned long upstream_retries[CG_METRIC_UPSTREAMS], upstream_replica_outs[CG_METRIC_UPSTREAMS], upstream_fallbacks[CG_METRIC_UPSTREAMS];
     /* tokens spent (docs/configuration.md, "Usage"), by upstream index, service slot (cg_metrics_service:
      * 0 none, then the config's services in order, the last one every other) and direction
      * (0 in, 1 out) */
-    unsigned long tokens[32][CG_METRIC_SERVICES][2];
+    unsigned long tokens[CG_METRIC_UPSTREAMS][CG_METRIC_SERVICES][2];
     /* messages refused by a limit per user (docs/configuration.md, "Limits per user"), by the limit met:
      * limits.h's cg_limit_hit, slot 0 unused */
-    unsigned long limited[5];
+    unsigned long limited[CG_METRIC_LIMITS];
     /* the running rule set's rules (rules.h, cg_rules_counts), by index: hits, and match-limit
      * cut-offs; started again at each reload, as the indices change */
     unsigned long rule_hits[CG_METRIC_RULES], rule_limited[CG_METRIC_RULES];
     /* the shadow rule set (--shadow-rules): messages it decided the same as the live set,
-     * and differently, and by what differed (0 rules, 1 params, 2 resolution, 3 route,
-     * 4 enriched, 5 cancel) */
+     * and differently, and by what differed */
     unsigned long shadow_same, shadow_different;
     unsigned long shadow_field[CG_METRIC_SHADOW_FIELDS]; /* by cg_outcome_field (dialog/pipeline.h) */
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
