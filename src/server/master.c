@@ -184,32 +184,43 @@ static void unmap_shared(void)
     shared = NULL;
 }
 
-int cg_master_run(const cg_config *cfg, int *exit_status)
+/* The master's loop, and what it decides from: its file descriptors, its workers' life. */
+typedef struct master {
+    const cg_config *cfg;
+    int n;           /* workers */
+    int sfd;         /* signalfd: SIGCHLD, SIGTERM, SIGINT, SIGHUP */
+    int ready[2];    /* the pipe each worker writes its index to once it listens */
+    pid_t pid;
+    int starting;    /* until every worker of the first start has said it listens */
+    int stopping;    /* a SIGTERM or SIGINT came, or a worker could not start */
+    uint64_t kill_at; /* ms: the stragglers of a drain get SIGKILL */
+    int status;      /* the exit status */
+} master;
+
+/* The shared memory, the resume secret, the ready pipe and the signalfd; 0, or -1 (said,
+ * and undone). */
+static int master_open(master *m)
 {
-    int n = (int)cfg->workers;
-    *exit_status = 1;
-    shared_size = sizeof(cg_workers) + (size_t)n * sizeof(cg_worker_slot);
+    shared_size = sizeof(cg_workers) + (size_t)m->n * sizeof(cg_worker_slot);
     void *area = mmap(NULL, shared_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (area == MAP_FAILED) {
         cg_error("workers: could not map the shared memory: %s", strerror(errno));
-        return 0;
+        return -1;
     }
     shared = area; /* zeroed by mmap */
-    shared->n = n;
+    shared->n = m->n;
     if (getrandom(shared->resume_secret, sizeof(shared->resume_secret), 0) != (ssize_t)sizeof(shared->resume_secret)) {
         cg_error("workers: no random bytes for the resume secret: %s", strerror(errno));
         unmap_shared();
-        return 0;
+        return -1;
     }
     memset(workers, 0, sizeof(workers));
-
-    int ready[2];
-    if (pipe2(ready, O_CLOEXEC) < 0) {
+    if (pipe2(m->ready, O_CLOEXEC) < 0) {
         cg_error("workers: pipe: %s", strerror(errno));
         unmap_shared();
-        return 0;
+        return -1;
     }
-    fcntl(ready[0], F_SETFL, O_NONBLOCK);
+    fcntl(m->ready[0], F_SETFL, O_NONBLOCK);
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
@@ -217,152 +228,199 @@ int cg_master_run(const cg_config *cfg, int *exit_status)
     sigaddset(&mask, SIGINT);
     sigaddset(&mask, SIGHUP);
     sigprocmask(SIG_BLOCK, &mask, &saved_mask);
-    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-    if (sfd < 0) {
+    m->sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (m->sfd < 0) {
         cg_error("workers: signalfd: %s", strerror(errno));
         sigprocmask(SIG_SETMASK, &saved_mask, NULL);
-        close(ready[0]);
-        close(ready[1]);
+        close(m->ready[0]);
+        close(m->ready[1]);
         unmap_shared();
-        return 0;
+        return -1;
     }
-    pid_t master = getpid();
-    cg_info("workers: master (pid %d) starting %d workers%s", (int)master, n,
-            cfg->workers_auto ? " (auto: one per CPU this process may run on)" : "");
-    for (int i = 0; i < n; i++)
-        if (spawn(i, sfd, ready[0], ready[1], master))
-            return 1;
+    return 0;
+}
 
-    int starting = 1;        /* until every worker of the first start has said it listens */
-    int stopping = 0;        /* a SIGTERM or SIGINT came */
-    uint64_t kill_at = 0;    /* ms: the stragglers of a drain get SIGKILL */
-    int status = 0;
-    for (;;) {
-        if (stopping && live_count() == 0)
-            break;
-        uint64_t now = now_ms(), next = UINT64_MAX;
-        if (!stopping)
-            for (int i = 0; i < n; i++) {
-                if (workers[i].pid > 0 || !workers[i].respawn_at)
-                    continue;
-                if (workers[i].respawn_at <= now) {
-                    shared->restarts++;
-                    if (spawn(i, sfd, ready[0], ready[1], master))
-                        return 1;
-                } else if (workers[i].respawn_at < next) {
-                    next = workers[i].respawn_at;
-                }
-            }
-        if (stopping && kill_at) {
-            if (now >= kill_at) {
-                cg_warn("workers: %d still running %ld s after the signal: killed", live_count(),
-                        cfg->shutdown_timeout_s + CG_KILL_GRACE_MS / 1000);
-                signal_all(SIGKILL);
-                kill_at = 0;
-            } else if (kill_at < next) {
-                next = kill_at;
-            }
+static void master_close(master *m)
+{
+    close(m->sfd);
+    close(m->ready[0]);
+    close(m->ready[1]);
+    sigprocmask(SIG_SETMASK, &saved_mask, NULL);
+    unmap_shared();
+}
+
+/* Starts worker i; 1 in the new worker (it returns to run the gateway), else 0. */
+static int master_spawn(master *m, int i)
+{
+    return spawn(i, m->sfd, m->ready[0], m->ready[1], m->pid);
+}
+
+/* Stops every worker: they drain within shutdown_timeout_s, then get SIGKILL. */
+static void master_stop(master *m, int signo)
+{
+    if (!m->stopping)
+        m->kill_at = now_ms() + (uint64_t)m->cfg->shutdown_timeout_s * 1000 + CG_KILL_GRACE_MS;
+    m->stopping = 1;
+    signal_all(signo);
+}
+
+/* Workers due to start again are started; the stragglers of a drain are killed when due.
+ * The next moment something is due (UINT64_MAX: none) into *next. 1 in a new worker. */
+static int master_timers(master *m, uint64_t now, uint64_t *next)
+{
+    *next = UINT64_MAX;
+    for (int i = 0; i < m->n && !m->stopping; i++) {
+        if (workers[i].pid > 0 || !workers[i].respawn_at)
+            continue;
+        if (workers[i].respawn_at <= now) {
+            shared->restarts++;
+            if (master_spawn(m, i))
+                return 1;
+        } else if (workers[i].respawn_at < *next) {
+            *next = workers[i].respawn_at;
         }
-        struct pollfd fds[2] = {{.fd = sfd, .events = POLLIN}, {.fd = ready[0], .events = POLLIN}};
+    }
+    if (m->stopping && m->kill_at) {
+        if (now >= m->kill_at) {
+            cg_warn("workers: %d still running %ld s after the signal: killed", live_count(),
+                    m->cfg->shutdown_timeout_s + CG_KILL_GRACE_MS / 1000);
+            signal_all(SIGKILL);
+            m->kill_at = 0;
+        } else if (m->kill_at < *next) {
+            *next = m->kill_at;
+        }
+    }
+    return 0;
+}
+
+/* The workers that said they listen; the first start ends when all have. */
+static void master_read_ready(master *m)
+{
+    unsigned char b;
+    while (read(m->ready[0], &b, 1) == 1) {
+        if (b >= m->n || workers[b].pid <= 0)
+            continue;
+        workers[b].ready = 1;
+        int all = 1;
+        for (int i = 0; i < m->n; i++)
+            all &= workers[i].ready;
+        if (m->starting && all) {
+            m->starting = 0;
+            cg_info("workers: all %d workers listen", m->n);
+        }
+    }
+}
+
+/* A SIGHUP (the operator's, or a worker's after its POST /admin/reload) goes to the others;
+ * SIGTERM and SIGINT stop them all. */
+static void master_read_signals(master *m)
+{
+    struct signalfd_siginfo si;
+    while (read(m->sfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+        int signo = (int)si.ssi_signo;
+        if (signo == SIGHUP) {
+            pid_t from = 0; /* a worker's: done there already */
+            for (int i = 0; i < m->n; i++)
+                if (workers[i].pid > 0 && (pid_t)si.ssi_pid == workers[i].pid)
+                    from = workers[i].pid;
+            if (from)
+                cg_info("workers: worker pid %d reloaded its rules: passed on to the others", (int)from);
+            else
+                cg_info("workers: SIGHUP: passed on to the workers (rules reload)");
+            signal_others(SIGHUP, from);
+            /* the new set's rules are counted from 0 (gateway.c, count_rules): so are
+             * those of workers gone before it */
+            memset(shared->retired.rule_hits, 0, sizeof(shared->retired.rule_hits));
+            memset(shared->retired.rule_limited, 0, sizeof(shared->retired.rule_limited));
+            memset(shared->retired.rule_file_time, 0, sizeof(shared->retired.rule_file_time));
+        } else if (signo == SIGTERM || signo == SIGINT) {
+            cg_info("workers: signal %d: passed on to %d workers%s", signo, live_count(),
+                    m->stopping ? " (again: they stop now)" : ", which drain");
+            master_stop(m, signo);
+        }
+    }
+}
+
+/* Worker i (pid) ended: stopping, it is counted out; one that could not start stops them
+ * all; else it starts again, after a pause when it died soon after its start. */
+static void master_worker_ended(master *m, int i, pid_t pid, int wstatus)
+{
+    char how[96];
+    describe_status(wstatus, how, sizeof(how));
+    uint64_t lived = now_ms() - workers[i].started;
+    int was_ready = workers[i].ready;
+    workers[i].pid = 0;
+    workers[i].ready = 0;
+    retire(i);
+    if (m->stopping) {
+        cg_info("workers: worker %d (pid %d) %s; %d left", i, (int)pid, how, live_count());
+        return;
+    }
+    if (m->starting && !was_ready) {
+        /* it could not start: neither can the others; exit as one process would */
+        cg_error("workers: worker %d (pid %d) %s before it listened: stopping", i, (int)pid, how);
+        m->status = WIFEXITED(wstatus) && WEXITSTATUS(wstatus) ? WEXITSTATUS(wstatus) : 1;
+        master_stop(m, SIGTERM);
+        return;
+    }
+    uint64_t wait_ms = 0;
+    if (lived < CG_RESTART_QUICK_MS) {
+        wait_ms = workers[i].backoff_ms ? workers[i].backoff_ms : CG_RESTART_BACKOFF_MS;
+        workers[i].backoff_ms = wait_ms * 2 > CG_RESTART_BACKOFF_MAX_MS ? CG_RESTART_BACKOFF_MAX_MS : wait_ms * 2;
+    } else {
+        workers[i].backoff_ms = 0;
+    }
+    cg_warn("workers: worker %d (pid %d) %s after %.1f s; starting it again%s", i, (int)pid, how,
+            (double)lived / 1000.0, wait_ms ? " after a pause (it died soon after its start)" : "");
+    if (wait_ms)
+        cg_warn("workers: worker %d starts again in %.1f s", i, (double)wait_ms / 1000.0);
+    workers[i].respawn_at = now_ms() + wait_ms;
+    if (!workers[i].respawn_at)
+        workers[i].respawn_at = 1;
+}
+
+/* SIGCHLD, or anything else: every worker that ended is collected. */
+static void master_reap(master *m)
+{
+    int wstatus;
+    pid_t pid;
+    while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
+        int i = 0;
+        while (i < m->n && workers[i].pid != pid)
+            i++;
+        if (i < m->n)
+            master_worker_ended(m, i, pid, wstatus);
+    }
+}
+
+int cg_master_run(const cg_config *cfg, int *exit_status)
+{
+    master m = {.cfg = cfg, .n = (int)cfg->workers, .pid = getpid(), .starting = 1};
+    *exit_status = 1;
+    if (master_open(&m) < 0)
+        return 0;
+    cg_info("workers: master (pid %d) starting %d workers%s", (int)m.pid, m.n,
+            cfg->workers_auto ? " (auto: one per CPU this process may run on)" : "");
+    for (int i = 0; i < m.n; i++)
+        if (master_spawn(&m, i))
+            return 1;
+    while (!m.stopping || live_count() > 0) {
+        uint64_t now = now_ms(), next;
+        if (master_timers(&m, now, &next))
+            return 1;
+        struct pollfd fds[2] = {{.fd = m.sfd, .events = POLLIN}, {.fd = m.ready[0], .events = POLLIN}};
         int timeout = next == UINT64_MAX ? -1 : (int)(next > now ? next - now : 0);
         if (poll(fds, 2, timeout) < 0 && errno != EINTR) {
             cg_error("workers: poll: %s", strerror(errno));
             break;
         }
-        unsigned char b;
-        while (read(ready[0], &b, 1) == 1)
-            if (b < n && workers[b].pid > 0) {
-                workers[b].ready = 1;
-                if (starting) {
-                    int all = 1;
-                    for (int i = 0; i < n; i++)
-                        all &= workers[i].ready;
-                    if (all) {
-                        starting = 0;
-                        cg_info("workers: all %d workers listen", n);
-                    }
-                }
-            }
-        struct signalfd_siginfo si;
-        while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
-            int signo = (int)si.ssi_signo;
-            if (signo == SIGHUP) {
-                /* from a worker: its POST /admin/reload, done there already */
-                pid_t from = 0;
-                for (int i = 0; i < n; i++)
-                    if (workers[i].pid > 0 && (pid_t)si.ssi_pid == workers[i].pid)
-                        from = workers[i].pid;
-                if (from)
-                    cg_info("workers: worker pid %d reloaded its rules: passed on to the others", (int)from);
-                else
-                    cg_info("workers: SIGHUP: passed on to the workers (rules reload)");
-                signal_others(SIGHUP, from);
-                /* the new set's rules are counted from 0 (gateway.c, count_rules): so are
-                 * those of workers gone before it */
-                memset(shared->retired.rule_hits, 0, sizeof(shared->retired.rule_hits));
-                memset(shared->retired.rule_limited, 0, sizeof(shared->retired.rule_limited));
-                memset(shared->retired.rule_file_time, 0, sizeof(shared->retired.rule_file_time));
-            } else if (signo == SIGTERM || signo == SIGINT) {
-                cg_info("workers: signal %d: passed on to %d workers%s", signo, live_count(),
-                        stopping ? " (again: they stop now)" : ", which drain");
-                if (!stopping)
-                    kill_at = now_ms() + (uint64_t)cfg->shutdown_timeout_s * 1000 + CG_KILL_GRACE_MS;
-                stopping = 1;
-                signal_all(signo);
-            }
-        }
-        /* SIGCHLD, or anything else: collect every worker that ended */
-        int wstatus;
-        pid_t pid;
-        while ((pid = waitpid(-1, &wstatus, WNOHANG)) > 0) {
-            int i = 0;
-            while (i < n && workers[i].pid != pid)
-                i++;
-            if (i == n)
-                continue;
-            char how[96];
-            describe_status(wstatus, how, sizeof(how));
-            uint64_t lived = now_ms() - workers[i].started;
-            int was_ready = workers[i].ready;
-            workers[i].pid = 0;
-            workers[i].ready = 0;
-            retire(i);
-            if (stopping) {
-                cg_info("workers: worker %d (pid %d) %s; %d left", i, (int)pid, how, live_count());
-                continue;
-            }
-            if (starting && !was_ready) {
-                /* it could not start: neither can the others; exit as one process would */
-                cg_error("workers: worker %d (pid %d) %s before it listened: stopping", i, (int)pid, how);
-                status = WIFEXITED(wstatus) && WEXITSTATUS(wstatus) ? WEXITSTATUS(wstatus) : 1;
-                stopping = 1;
-                kill_at = now_ms() + (uint64_t)cfg->shutdown_timeout_s * 1000 + CG_KILL_GRACE_MS;
-                signal_all(SIGTERM);
-                continue;
-            }
-            uint64_t wait_ms = 0;
-            if (lived < CG_RESTART_QUICK_MS) {
-                wait_ms = workers[i].backoff_ms ? workers[i].backoff_ms : CG_RESTART_BACKOFF_MS;
-                workers[i].backoff_ms = wait_ms * 2 > CG_RESTART_BACKOFF_MAX_MS ? CG_RESTART_BACKOFF_MAX_MS : wait_ms * 2;
-            } else {
-                workers[i].backoff_ms = 0;
-            }
-            cg_warn("workers: worker %d (pid %d) %s after %.1f s; starting it again%s", i, (int)pid, how,
-                    (double)lived / 1000.0, wait_ms ? " after a pause (it died soon after its start)" : "");
-            if (wait_ms)
-                cg_warn("workers: worker %d starts again in %.1f s", i, (double)wait_ms / 1000.0);
-            workers[i].respawn_at = now_ms() + wait_ms;
-            if (!workers[i].respawn_at)
-                workers[i].respawn_at = 1;
-        }
+        master_read_ready(&m);
+        master_read_signals(&m);
+        master_reap(&m);
     }
-    close(sfd);
-    close(ready[0]);
-    close(ready[1]);
-    sigprocmask(SIG_SETMASK, &saved_mask, NULL);
-    unmap_shared();
-    if (status == 0)
+    master_close(&m);
+    if (m.status == 0)
         cg_info("workers: every worker has stopped; master exits");
-    *exit_status = status;
+    *exit_status = m.status;
     return 0;
 }
