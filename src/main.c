@@ -14,6 +14,7 @@
 #include <mimalloc.h>
 #endif
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/config/config.h"
 #include "chatgate/server/gateway.h"
 #include "chatgate/server/master.h"
@@ -134,7 +135,7 @@ static int rules_replay(int argc, char **argv)
 {
     const char *dirs[2] = {NULL, NULL}; /* --old, --new */
     cg_ruleset *rs[2] = {NULL, NULL};
-    char **paths = calloc((size_t)argc, sizeof(*paths)); /* the transcripts, in order */
+    char **paths = cg_calloc((size_t)argc, sizeof(*paths)); /* the transcripts, in order */
     char err[1024];
     int n_paths = 0, flags = 1, rc = 2;
     if (!paths)
@@ -185,7 +186,7 @@ done:
 static void log_malloc(void)
 {
 #ifdef CG_MIMALLOC
-    void *probe = malloc(16);
+    void *probe = cg_malloc(16);
     int ours = probe && mi_is_in_heap_region(probe);
     free(probe);
     int v = mi_version(); /* 209 for 2.0.9 */
@@ -212,6 +213,7 @@ static int rules_command(int argc, char **argv)
 
 int main(int argc, char **argv)
 {
+    cg_alloc_init(); /* before any json_*: one out-of-memory policy (core/alloc.h) */
     setenv("TZ", "UTC", 1); /* the rules' dates: UTC unless --timezone says otherwise */
     tzset();
     if (argc >= 2 && strcmp(argv[1], "rules") == 0)

@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/config/config.h"
 #include "chatgate/config/dropin_config.h"
 #include "chatgate/core/file.h"
@@ -184,7 +185,7 @@ static void set_err(char *err, size_t errlen, const char *fmt, ...)
 static void replace_str(char **slot, const char *value)
 {
     free(*slot);
-    *slot = value ? strdup(value) : NULL;
+    *slot = value ? cg_strdup(value) : NULL;
 }
 
 
@@ -375,8 +376,8 @@ int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *e
             h++;
             he--;
         }
-        u->host = strndup(h, (size_t)(he - h));
-        u->authority = strndup(host, (size_t)(path - host));
+        u->host = cg_strndup(h, (size_t)(he - h));
+        u->authority = cg_strndup(host, (size_t)(path - host));
         u->port = (int)port;
         u->kind = schemes[i].kind;
         u->tls = schemes[i].tls;
@@ -385,13 +386,13 @@ int cg_config_parse_upstream_url(cg_upstream_config *u, const char *url, char *e
             size_t plen2 = strlen(path);
             while (plen2 > 0 && path[plen2 - 1] == '/')
                 plen2--;
-            u->path = strndup(path, plen2);
+            u->path = cg_strndup(path, plen2);
         } else {
-            u->path = strdup(*path == '/' ? path : "/");
+            u->path = cg_strdup(*path == '/' ? path : "/");
             if (*path == '?') { /* "ws://h:1?x" means path "/?x" */
                 free(u->path);
                 size_t n = strlen(path) + 2;
-                u->path = malloc(n);
+                u->path = cg_malloc(n);
                 snprintf(u->path, n, "/%s", path);
             }
         }
@@ -417,15 +418,15 @@ static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, cha
     }
     cg_upstream_config *u = &cfg->upstreams[cfg->n_upstreams++];
     memset(u, 0, sizeof(*u));
-    u->name = strdup(name);
+    u->name = cg_strdup(name);
     u->connect_timeout_ms = 5000;
     u->first_byte_timeout_ms = 60000;
     u->idle_timeout_ms = 60000;
     u->max_idle_connections = 16;
     u->idle_keepalive_ms = 30000;
     u->delay_ms = 30;
-    u->api_key_env = strdup("CHATGATE_UPSTREAM_API_KEY");
-    u->system_prompt = strdup("You are a helpful assistant.");
+    u->api_key_env = cg_strdup("CHATGATE_UPSTREAM_API_KEY");
+    u->system_prompt = cg_strdup("You are a helpful assistant.");
     u->out_ms = 10000;
     u->max_attempts = 3;
     u->fallback_index = -1;
@@ -459,7 +460,7 @@ static int load_replicas(cg_upstream_config *u, json_t *urls, char *err, size_t 
                         i);
             return -1;
         }
-        u->replicas[u->n_replicas++] = strdup(s);
+        u->replicas[u->n_replicas++] = cg_strdup(s);
     }
     return cg_config_parse_upstream_url(u, u->replicas[0], err, errlen);
 }
@@ -599,9 +600,7 @@ static int add_origin(cg_config *cfg, const char *origin)
     if (!*origin || strchr(origin, ','))
         return -1;
     size_t n = (cfg->allow_origin ? strlen(cfg->allow_origin) + 1 : 0) + strlen(origin) + 1;
-    char *list = malloc(n);
-    if (!list)
-        abort();
+    char *list = cg_malloc(n);
     snprintf(list, n, "%s%s%s", cfg->allow_origin ? cfg->allow_origin : "", cfg->allow_origin ? "," : "", origin);
     free(cfg->allow_origin);
     cfg->allow_origin = list;
@@ -682,9 +681,7 @@ static void add_position(const char *file, const char *text, char *err, size_t e
             col++;
         }
     }
-    char *rest = strdup(path);
-    if (!rest)
-        return;
+    char *rest = cg_strdup(path);
     snprintf(err, errlen, "%s:%d:%d: %s", file, line, col, rest);
     free(rest);
 }
@@ -785,7 +782,7 @@ static int load_text(cg_config *cfg, const char *file, const char *text, size_t 
     int rc = load_root(cfg, file, root, err, errlen);
     json_decref(root);
     if (rc < 0) {
-        char *copy = strndup(text, len); /* the text holds no NUL: jansson parsed it */
+        char *copy = cg_strndup(text, len); /* the text holds no NUL: jansson parsed it */
         if (copy)
             add_position(file, copy, err, errlen);
         free(copy);
@@ -898,9 +895,7 @@ static int apply_flag(cg_config *cfg, const char *name, const char *value, char 
             set_err(err, errlen, "--upstream: '%s' must be NAME=URL", value);
             return -1;
         }
-        char *upname = strndup(value, (size_t)(eq - value)); /* the whole name, checked by upsert */
-        if (!upname)
-            abort();
+        char *upname = cg_strndup(value, (size_t)(eq - value)); /* the whole name, checked by upsert */
         cg_upstream_config *u = upstream_upsert(cfg, upname, msg, sizeof(msg));
         free(upname);
         if (!u || cg_config_parse_upstream_url(u, eq + 1, msg, sizeof(msg)) < 0) {
@@ -956,9 +951,9 @@ static char *default_data_dir(const char *name)
     }
     snprintf(path, sizeof(path), "%s/%s", CG_DATADIR, name);
     if (is_dir(path))
-        return strdup(path);
+        return cg_strdup(path);
     snprintf(path, sizeof(path), "%s/%s", CG_SOURCE_DIR, name);
-    return strdup(path);
+    return cg_strdup(path);
 }
 
 /* HOST:PORT (or [v6]:PORT) into host and port; 0, or -1 with err. */
@@ -976,7 +971,7 @@ static int parse_host_port(const char *s, char **host, int *port, const char *wh
         he--;
     }
     free(*host);
-    *host = strndup(h, (size_t)(he - h));
+    *host = cg_strndup(h, (size_t)(he - h));
     *port = (int)p;
     return 0;
 }
@@ -1051,7 +1046,7 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
             return -1;
         }
     } else {
-        cfg->default_upstream = strdup(cfg->upstreams[0].name);
+        cfg->default_upstream = cg_strdup(cfg->upstreams[0].name);
     }
     if (check_fallbacks(cfg, file, err, errlen) < 0)
         return -1;
@@ -1158,12 +1153,12 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
 static void set_defaults(cg_config *cfg)
 {
     memset(cfg, 0, sizeof(*cfg));
-    cfg->listen = strdup("127.0.0.1:8080");
-    cfg->store = strdup("memory");
-    cfg->auth = strdup("none");
-    cfg->log_level = strdup("info");
-    cfg->log_format = strdup("text");
-    cfg->timezone = strdup("UTC");
+    cfg->listen = cg_strdup("127.0.0.1:8080");
+    cfg->store = cg_strdup("memory");
+    cfg->auth = cg_strdup("none");
+    cfg->log_level = cg_strdup("info");
+    cfg->log_format = cg_strdup("text");
+    cfg->timezone = cg_strdup("UTC");
     cfg->max_frame = 65536;
     cfg->max_connections = 1024;
     cfg->max_header_bytes = 16384;
@@ -1178,13 +1173,13 @@ static void set_defaults(cg_config *cfg)
     cfg->max_dialogs = 100000;
     cfg->max_rooms_per_user = 1000;
     cfg->max_store_bytes = (long)CG_MEMSTORE_DEFAULT_MAX_BYTES;
-    cfg->redis_prefix = strdup("chatgate");
+    cfg->redis_prefix = cg_strdup("chatgate");
     cfg->redis_command_timeout_ms = 1000;
     cfg->redis_connect_timeout_ms = 1000;
     cfg->redis_writeback_max_bytes = 64L << 20;
     cfg->redis_lease_ms = 15000;
     cfg->redis_tls_verify = 1;
-    cfg->user_header = strdup("X-User-Id");
+    cfg->user_header = cg_strdup("X-User-Id");
     cfg->ping_interval_s = 30;
     cfg->idle_timeout_s = 300;
     cfg->shutdown_timeout_s = 10;

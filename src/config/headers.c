@@ -7,6 +7,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/config/headers.h"
 
 /* Headers the gateway writes itself: set from a config they would break or double the
@@ -92,10 +93,8 @@ int cg_headers_load(json_t *obj, const char *where, cg_headers *out, char *err, 
             goto fail;
         }
         cg_header *h = &out->items[out->n++];
-        h->name = strdup(name);
-        h->value = strndup(value, len);
-        if (!h->name || !h->value)
-            abort();
+        h->name = cg_strdup(name);
+        h->value = cg_strndup(value, len);
     }
     return 0;
 fail:

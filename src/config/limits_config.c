@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/config/limits_config.h"
 
 /* One key of a plan: its place in cg_limits. */
@@ -88,8 +89,7 @@ static int load_plans(cg_limits_config *lc, const char *file, json_t *plans, cha
                 return -1;
             }
         }
-        if (!(p->name = strdup(name)))
-            abort();
+        p->name = cg_strdup(name);
         lc->n_plans++;
     }
     return 0;
@@ -138,8 +138,7 @@ int cg_limits_config_load(cg_limits_config *lc, const char *file, json_t *val, c
         if (rc == 1 || strcmp(key, "plans") == 0 || strcmp(key, "users") == 0)
             continue;
         if (strcmp(key, "plan_claim") == 0 && json_is_string(v) && json_string_length(v) > 0) {
-            if (!(lc->plan_claim = strdup(json_string_value(v))))
-                abort();
+            lc->plan_claim = cg_strdup(json_string_value(v));
             continue;
         }
         snprintf(err, errlen,

@@ -1,6 +1,7 @@
 /*
  * buf.c: the growing byte buffer of buf.h.
  */
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/buf.h"
 
 #include <stdlib.h>
@@ -12,9 +13,7 @@ void cg_buf_append(char **buf, size_t *len, size_t *cap, const void *data, size_
         size_t ncap = *cap ? *cap : first;
         while (ncap < *len + n + 1)
             ncap *= 2;
-        char *nb = realloc(*buf, ncap);
-        if (!nb)
-            abort();
+        char *nb = cg_realloc(*buf, ncap);
         *buf = nb;
         *cap = ncap;
     }

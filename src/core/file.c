@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/file.h"
 
 char *cg_file_read(const char *path, size_t max, size_t *len, char *err, size_t errlen)
@@ -23,12 +24,12 @@ char *cg_file_read(const char *path, size_t max, size_t *len, char *err, size_t 
     if (flags >= 0)
         (void)fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
     size_t cap = max < 4096 ? max + 1 : 4096, n = 0; /* room for max + 1: one more says too big */
-    char *buf = malloc(cap + 1);
+    char *buf = cg_malloc(cap + 1);
     int failed = buf ? 0 : ENOMEM;
     while (!failed && n <= max) {
         if (n == cap) {
             size_t bigger = cap * 2 > max + 1 ? max + 1 : cap * 2;
-            char *grown = realloc(buf, bigger + 1);
+            char *grown = cg_realloc(buf, bigger + 1);
             if (!grown) {
                 failed = ENOMEM;
                 break;

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <yajl/yajl_parse.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/jsonflat.h"
 #include "chatgate/core/swar.h"
 #include "chatgate/core/utf8.h"
@@ -20,8 +21,8 @@ static const char *keep(cg_jsonflat *f, const unsigned char *s, size_t len)
     const char *p = (const char *)s;
     if (p >= f->frame && p + len <= f->frame + f->frame_len)
         return p;
-    if (!f->copies && !(f->copies = malloc(f->frame_len + 1)))
-        return NULL;
+    if (!f->copies)
+        f->copies = cg_malloc(f->frame_len + 1);
     if (f->copied + len > f->frame_len)
         return NULL;
     char *dst = f->copies + f->copied;
@@ -160,7 +161,7 @@ static void *arena_malloc(void *ctx, size_t n)
     cg_jsonflat *f = ctx;
     size_t need = (sizeof(size_t) + n + 15) & ~(size_t)15;
     if (need > sizeof(f->arena) - f->arena_used)
-        return malloc(n);
+        return cg_malloc(n);
     char *p = (char *)f->arena + f->arena_used;
     f->arena_used += need;
     memcpy(p, &n, sizeof(n)); /* the size, for a realloc */
@@ -181,7 +182,7 @@ static void arena_free(void *ctx, void *p)
 static void *arena_realloc(void *ctx, void *p, size_t n)
 {
     if (!p || !in_arena(ctx, p))
-        return p ? realloc(p, n) : arena_malloc(ctx, n);
+        return p ? cg_realloc(p, n) : arena_malloc(ctx, n);
     size_t had;
     memcpy(&had, (char *)p - sizeof(size_t), sizeof(had));
     void *q = arena_malloc(ctx, n);

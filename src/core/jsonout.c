@@ -2,6 +2,7 @@
  * jsonout.c: compact JSON dumped, or written as text, into a buffer with headroom (see
  * jsonout.h).
  */
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/jsonout.h"
 
 #include <stdlib.h>
@@ -27,9 +28,7 @@ void cg_jsonw_init(cg_jsonw *w, size_t pre, size_t hint)
     w->pre = w->used = pre;
     w->cap = pre + (hint < 64 ? 64 : hint) + 1;
     w->failed = 0;
-    w->buf = malloc(w->cap);
-    if (!w->buf)
-        abort();
+    w->buf = cg_malloc(w->cap);
 }
 
 void cg_jsonw_init_in(cg_jsonw *w, size_t pre, size_t hint, char *buf, size_t cap)
@@ -50,9 +49,7 @@ void cg_jsonw_grow(cg_jsonw *w, size_t len)
     size_t cap = w->cap;
     while (w->used + len >= cap)
         cap *= 2;
-    char *nb = realloc(w->buf, cap);
-    if (!nb)
-        abort();
+    char *nb = cg_realloc(w->buf, cap);
     w->buf = nb;
     w->cap = cap;
 }

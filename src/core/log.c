@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/utf8.h"
 
@@ -101,9 +102,7 @@ static char *substitute(size_t i, const char *text)
 {
     PCRE2_SIZE n = strlen(text) + 64;
     for (int attempt = 0; attempt < 2; attempt++) {
-        char *out = malloc(n);
-        if (!out)
-            return NULL;
+        char *out = cg_malloc(n);
         int rc = pcre2_substitute(mask_re[i], (PCRE2_SPTR)text, PCRE2_ZERO_TERMINATED, 0,
                                   PCRE2_SUBSTITUTE_GLOBAL | PCRE2_SUBSTITUTE_OVERFLOW_LENGTH, NULL, mask_mctx,
                                   (PCRE2_SPTR)masks[i].replacement, PCRE2_ZERO_TERMINATED, (PCRE2_UCHAR *)out, &n);
@@ -121,9 +120,7 @@ char *cg_log_mask_dup(const char *text)
 {
     masks_compile();
     size_t len = strlen(text);
-    char *cur = malloc(len + 1);
-    if (!cur)
-        return NULL;
+    char *cur = cg_malloc(len + 1);
     memcpy(cur, text, len + 1);
     cg_utf8_clean(cur, len);
     for (size_t i = 0; i < N_MASKS; i++) {
@@ -165,7 +162,7 @@ static char *format_masked(const char *fmt, va_list ap)
         return NULL;
     }
     size_t cap = (size_t)n < CG_LOG_MAX_FORMAT ? (size_t)n : CG_LOG_MAX_FORMAT;
-    char *raw = malloc(cap + 1);
+    char *raw = cg_malloc(cap + 1);
     if (!raw) {
         va_end(again);
         return NULL;
@@ -189,7 +186,7 @@ static char *format_masked(const char *fmt, va_list ap)
     if (keep == ml)
         return masked;
     static const char mark[] = " [cut]";
-    char *cut = realloc(masked, keep + sizeof(mark));
+    char *cut = cg_realloc(masked, keep + sizeof(mark));
     if (!cut) {
         free(masked);
         return NULL;
@@ -222,9 +219,7 @@ int cg_log_enabled(cg_log_level level)
 static void write_line(const char *text)
 {
     size_t n = strlen(text);
-    char *line = malloc(n + 1);
-    if (!line)
-        return;
+    char *line = cg_malloc(n + 1);
     memcpy(line, text, n);
     line[n] = '\n';
     ssize_t w = write(STDERR_FILENO, line, n + 1);

@@ -16,6 +16,7 @@
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/net.h"
 #include "chatgate/core/buf.h"
 #include "chatgate/core/utf8.h"
@@ -78,9 +79,7 @@ static void resolve_done(uv_getaddrinfo_t *req, int status, struct addrinfo *res
 
 cg_resolve *cg_resolve_start(uv_loop_t *loop, const char *host, cg_resolve_fn done, void *data)
 {
-    cg_resolve *r = calloc(1, sizeof(*r));
-    if (!r)
-        return NULL;
+    cg_resolve *r = cg_calloc(1, sizeof(*r));
     r->done = done;
     r->data = data;
     unsigned char buf[sizeof(struct in6_addr)];

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/sse.h"
 
 void cg_sse_init(cg_sse *p, size_t max_event, cg_sse_event_fn on_event, void *ctx)
@@ -35,9 +36,7 @@ static int append(char **buf, size_t *len, size_t *cap, const char *s, size_t n,
             ncap *= 2;
         if (ncap > max)
             ncap = max;
-        char *nb = realloc(*buf, ncap);
-        if (!nb)
-            return -1;
+        char *nb = cg_realloc(*buf, ncap);
         *buf = nb;
         *cap = ncap;
     }

@@ -11,6 +11,7 @@
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/file.h"
 #include "chatgate/core/tls_ca.h"
 
@@ -37,7 +38,7 @@ static const char *openssl_reason(char *buf, size_t len)
 cg_tls_ca *cg_tls_ca_load(const char *path, char *err, size_t errlen)
 {
     char why[256];
-    cg_tls_ca *ca = calloc(1, sizeof(*ca));
+    cg_tls_ca *ca = cg_calloc(1, sizeof(*ca));
     BIO *in = NULL;
     char *text = NULL; /* the file's bytes: the BIO reads them in place */
     if (!ca || !(ca->certs = sk_X509_new_null())) {

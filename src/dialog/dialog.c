@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/num.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/dialog/dialog.h"
@@ -208,7 +209,7 @@ int cg_dialog_copy(cg_dialog *dst, const cg_dialog *src)
 int cg_dialog_share(cg_dialog *dst, const cg_dialog *src)
 {
     *dst = *src;
-    dst->service = src->service ? strdup(src->service) : NULL;
+    dst->service = src->service ? cg_strdup(src->service) : NULL;
     if (src->service && !dst->service) {
         *dst = (cg_dialog){0};
         return -1;
@@ -388,7 +389,7 @@ int cg_dialog_forget(cg_dialog *d, json_t *keys)
         const char *key = json_string_value(k);
         const char *dot = strchr(key, '.');
         /* "service.name" of any length, or a name of the active service */
-        char *service = dot ? strndup(key, (size_t)(dot - key)) : d->service ? strdup(d->service) : NULL;
+        char *service = dot ? cg_strndup(key, (size_t)(dot - key)) : d->service ? cg_strdup(d->service) : NULL;
         const char *name = dot ? dot + 1 : key;
         if (!service)
             continue;
@@ -405,7 +406,7 @@ int cg_dialog_forget(cg_dialog *d, json_t *keys)
 static void set_service(cg_dialog *d, const char *service)
 {
     free(d->service);
-    d->service = service ? strdup(service) : NULL;
+    d->service = service ? cg_strdup(service) : NULL;
 }
 
 /* The awaiting state a directive's awaiting object asks for, as kept; NULL out of memory. */
@@ -472,7 +473,7 @@ int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, i
 
     int rc = 0;
     json_t *new_params = NULL, *new_awaiting = NULL, *new_soft = NULL, *new_tool = NULL, *one = NULL;
-    char *new_service = svc && svc != d->service ? strdup(svc) : NULL;
+    char *new_service = svc && svc != d->service ? cg_strdup(svc) : NULL;
     if (svc && svc != d->service && !new_service)
         goto oom;
     if (params) {
@@ -709,13 +710,13 @@ char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resol
     if (s) {
         static const char lead[] = "What the conversation has established so far: ";
         size_t n = sizeof(lead) + strlen(s);
-        out = malloc(n);
+        out = cg_malloc(n);
         if (out)
             snprintf(out, n, "%s%s", lead, s);
         free(s);
     }
     json_decref(parts);
-    return out ? out : strdup(""); /* nothing established, or no memory to say it */
+    return out ? out : cg_strdup(""); /* nothing established, or no memory to say it */
 }
 
 /* ---- merging two copies ------------------------------------------------------------------- */
@@ -832,9 +833,7 @@ long cg_dialog_merge(cg_dialog *into, const cg_dialog *other, const cg_lifetimes
     /* each part from the copy active last; a part only one copy has, from that one (a copy
      * begun from nothing has none: that is no decision to drop the other's) */
     if (other->service && (other_last || !into->service)) {
-        char *service = strdup(other->service);
-        if (!service)
-            return -1; /* the history and params are merged already: still a valid dialog */
+        char *service = cg_strdup(other->service);
         free(into->service);
         into->service = service;
     }

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
 #include "chatgate/dialog/pipeline.h"
@@ -189,7 +190,7 @@ void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, c
         d->awaiting = NULL;
     }
     if (rr.service[0] && (!d->service || strcmp(d->service, rr.service) != 0)) {
-        char *service = strdup(rr.service);
+        char *service = cg_strdup(rr.service);
         if (service) {
             free(d->service);
             d->service = service;

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/utf8.h"
 #include "chatgate/dialog/pipeline.h"
 #include "chatgate/dialog/replay.h"
@@ -154,7 +155,7 @@ static int read_whole(const char *path, char **buf, size_t *len, char *err, size
     errno = 0;
     do {
         if (cap - n < 2) { /* room for a byte more and the NUL */
-            char *grown = cap < REPLAY_MAX_FILE ? realloc(b, cap ? cap * 2 : 65536) : NULL;
+            char *grown = cap < REPLAY_MAX_FILE ? cg_realloc(b, cap ? cap * 2 : 65536) : NULL;
             if (!grown) {
                 if (cap < REPLAY_MAX_FILE)
                     snprintf(err, errlen, "out of memory");
@@ -201,9 +202,7 @@ static replay_line *new_line(replay_transcript *t)
 {
     if (t->n_lines == t->cap) {
         size_t cap = t->cap ? t->cap * 2 : 64;
-        replay_line *grown = realloc(t->lines, cap * sizeof(*grown));
-        if (!grown)
-            return NULL;
+        replay_line *grown = cg_realloc(t->lines, cap * sizeof(*grown));
         t->lines = grown;
         t->cap = cap;
     }
@@ -444,8 +443,9 @@ static int upstream_named(replay_ctx *c, const char *name)
     for (int i = 0; i < cfg->n_upstreams; i++)
         if (strcmp(cfg->upstreams[i].name, name) == 0)
             return i;
-    if (cfg->n_upstreams == CG_MAX_UPSTREAMS || !(cfg->upstreams[cfg->n_upstreams].name = strdup(name)))
+    if (cfg->n_upstreams == CG_MAX_UPSTREAMS)
         return cfg->default_index;
+    cfg->upstreams[cfg->n_upstreams].name = cg_strdup(name);
     return cfg->n_upstreams++;
 }
 
@@ -617,10 +617,8 @@ static void assistant_line(replay_ctx *c, const replay_transcript *t, const repl
 static int replay_transcript_run(replay_ctx *c, const replay_transcript *t)
 {
     size_t n = json_array_size(t->ids);
-    replay_dialog *dialogs = calloc(n ? n : 1, sizeof(*dialogs));
+    replay_dialog *dialogs = cg_calloc(n ? n : 1, sizeof(*dialogs));
     int rc = -1;
-    if (!dialogs)
-        return -1;
     for (size_t i = 0; i < t->n_lines; i++) {
         const replay_line *l = &t->lines[i];
         replay_dialog *rd = &dialogs[l->dialog];
@@ -659,14 +657,11 @@ static const char *plural(long n)
 int cg_replay_run(const cg_replay_options *opt, char *const *paths, int n_paths, cg_replay_totals *totals)
 {
     replay_ctx c = {.opt = opt, .rules = {opt->old_rules, opt->new_rules}};
-    replay_transcript *ts = calloc(n_paths > 0 ? (size_t)n_paths : 1, sizeof(*ts));
+    replay_transcript *ts = cg_calloc(n_paths > 0 ? (size_t)n_paths : 1, sizeof(*ts));
     int loaded = 0, rc = CG_REPLAY_BAD_INPUT;
     cg_lifetimes_default(&c.lt);
-    c.cfg = calloc(1, sizeof(*c.cfg));
-    if (!ts || !c.cfg || !(c.cfg->upstreams[0].name = strdup(REPLAY_DEFAULT))) {
-        fprintf(opt->err, "out of memory\n");
-        goto done;
-    }
+    c.cfg = cg_calloc(1, sizeof(*c.cfg));
+    c.cfg->upstreams[0].name = cg_strdup(REPLAY_DEFAULT);
     c.cfg->n_upstreams = 1; /* the default upstream, index 0 */
     /* all read and checked first: a bad line anywhere stops the replay before it prints */
     for (; loaded < n_paths; loaded++)

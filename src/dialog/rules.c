@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/file.h"
 #include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
@@ -180,14 +181,14 @@ int cg_rules_load(const char *dir, cg_ruleset **out, char *err, size_t errlen)
         snprintf(err, errlen, "%s: %s", dir, strerror(errno));
         return -1;
     }
-    cg_ruleset *rs = calloc(1, sizeof(*rs));
+    cg_ruleset *rs = cg_calloc(1, sizeof(*rs));
     rs->refs = 1;
-    rs->files = calloc((size_t)n + 1, sizeof(char *));
+    rs->files = cg_calloc((size_t)n + 1, sizeof(char *));
     int rc = 0;
     for (int i = 0; i < n; i++) {
         char path[4096];
         snprintf(path, sizeof(path), "%s/%s", dir, names[i]->d_name);
-        rs->files[rs->n_files++] = strdup(path);
+        rs->files[rs->n_files++] = cg_strdup(path);
         if (rc == 0)
             rc = load_file(rs, rs->files[rs->n_files - 1], err, errlen);
     }
@@ -204,10 +205,10 @@ int cg_rules_load(const char *dir, cg_ruleset **out, char *err, size_t errlen)
 
 int cg_rules_load_text(const char *name, const char *text, size_t len, cg_ruleset **out, char *err, size_t errlen)
 {
-    cg_ruleset *rs = calloc(1, sizeof(*rs));
+    cg_ruleset *rs = cg_calloc(1, sizeof(*rs));
     rs->refs = 1;
-    rs->files = calloc(1, sizeof(char *));
-    rs->files[rs->n_files++] = strdup(name);
+    rs->files = cg_calloc(1, sizeof(char *));
+    rs->files[rs->n_files++] = cg_strdup(name);
     if (parse_text(rs, rs->files[0], text, len, err, errlen) < 0) {
         ruleset_free(rs);
         return -1;

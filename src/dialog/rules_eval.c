@@ -16,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/utf8.h"
@@ -67,7 +68,7 @@ static char *group_text(const cg_ruleset *rs, const char *subject, uint32_t g)
     PCRE2_SIZE *ov = pcre2_get_ovector_pointer(rs->md);
     if (g >= pcre2_get_ovector_count(rs->md) || ov[2 * g] == PCRE2_UNSET)
         return NULL;
-    return strndup(subject + ov[2 * g], ov[2 * g + 1] - ov[2 * g]);
+    return cg_strndup(subject + ov[2 * g], ov[2 * g + 1] - ov[2 * g]);
 }
 
 /* The text of named group name (with DUPNAMES, the first of that name that took part). */
@@ -100,7 +101,7 @@ static json_t *normalised(const rule *r, const char *name, const char *text, int
         case N_INT:
             return cg_normalise_int(text, &v) == 0 ? json_integer(v) : NULL;
         case N_LOWER: { /* ASCII letters only: other scripts are left as written */
-            char *low = strdup(text);
+            char *low = cg_strdup(text);
             for (char *c = low; *c; c++)
                 *c = (char)tolower((unsigned char)*c);
             json_t *v = cg_json_string(low);
@@ -158,9 +159,7 @@ static char *expand_template(const cg_ruleset *rs, const rule *r, const char *su
                              const char *previous)
 {
     size_t cap = strlen(r->arg) + strlen(text) + strlen(previous) + 256, len = 0;
-    char *out = malloc(cap);
-    if (!out)
-        abort(); /* out of memory: as everywhere a message is built */
+    char *out = cg_malloc(cap);
     for (const char *p = r->arg; *p;) {
         const char *piece = NULL;
         char *owned = NULL;
@@ -188,9 +187,7 @@ static char *expand_template(const cg_ruleset *rs, const rule *r, const char *su
         }
         if (len + plen + 1 > cap) {
             cap = (len + plen + 1) * 2;
-            char *grown = realloc(out, cap);
-            if (!grown)
-                abort();
+            char *grown = cg_realloc(out, cap);
             out = grown;
         }
         if (piece)

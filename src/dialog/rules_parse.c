@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
@@ -69,7 +70,7 @@ static char *read_quoted(char **s)
     if (*p != '"')
         return NULL;
     p++;
-    char *out = malloc(strlen(p) + 1), *o = out;
+    char *out = cg_malloc(strlen(p) + 1), *o = out;
     while (*p && *p != '"') {
         if (*p == '\\' && (p[1] == '"' || p[1] == '\\'))
             p++;
@@ -115,7 +116,7 @@ static int parse_test(parse_ctx *p, rule *r, char *rest, int reject)
                 return perr(p, "unterminated quoted value of '%s'", name);
         } else {
             size_t n = strcspn(s, " \t");
-            value = strndup(s, n);
+            value = cg_strndup(s, n);
             s += n;
         }
         json_object_set_new(t->want, name, json_string(value));
@@ -357,9 +358,7 @@ static rule *new_rule(parse_ctx *p, const char *name)
         }
     if (rs->n == rs->cap) {
         size_t ncap = rs->cap ? rs->cap * 2 : 64;
-        rule *nr = realloc(rs->rules, ncap * sizeof(rule));
-        if (!nr)
-            abort();
+        rule *nr = cg_realloc(rs->rules, ncap * sizeof(rule));
         rs->rules = nr;
         rs->cap = ncap;
     }
@@ -404,7 +403,7 @@ static int parse_file(parse_ctx *p, FILE *f)
                             r->name);
             if (!*rest)
                 return perr(p, "'match' needs a pattern");
-            r->pattern = strdup(rest);
+            r->pattern = cg_strdup(rest);
             r->pattern_line = p->line;
         } else if (strcmp(kw, "do") == 0) {
             rc = parse_do(p, r, rest);

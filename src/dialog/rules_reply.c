@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/buf.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/utf8.h"
@@ -51,9 +52,7 @@ cg_reply_filter *cg_reply_filter_new(const cg_ruleset *rs, size_t window)
 {
     if (!cg_ruleset_has_reply_rules(rs))
         return NULL;
-    cg_reply_filter *f = calloc(1, sizeof(*f));
-    if (!f)
-        abort();
+    cg_reply_filter *f = cg_calloc(1, sizeof(*f));
     f->rs = rs;
     f->window = window;
     f->acted = json_object();

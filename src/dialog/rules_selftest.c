@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/dialog/rules.h"
 #include "chatgate/dialog/rules_internal.h"
 
@@ -24,11 +25,11 @@ static char *actual_value(const rule *r, const cg_rules_result *res, const char 
     else if (r->action == A_METADATA && strcmp(name, "content") == 0)
         v = json_object_get(res->metadata, r->arg);
     else if (r->action == A_ENRICH && strcmp(name, "enriched") == 0 && res->enriched)
-        return strdup(res->enriched);
+        return cg_strdup(res->enriched);
     if (!v)
         return NULL;
     if (json_is_string(v))
-        return strdup(json_string_value(v));
+        return cg_strdup(json_string_value(v));
     return json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
 }
 

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/proto/dropin_map.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/jsonptr.h"
@@ -226,8 +227,7 @@ static int decode_client(json_t *cfg, const char *buf, size_t len, int binary, j
             return 0;
         *attachments = ev.attachments;
         *v = ev.args;
-        if (!(*prefix = strndup(buf, ev.prefix_len)))
-            abort();
+        *prefix = cg_strndup(buf, ev.prefix_len);
         return 0;
     }
     default:
@@ -282,9 +282,7 @@ static int matches(json_t *frame, json_t *marker)
 
 static char *dup_bytes(const char *s, size_t n)
 {
-    char *out = malloc(n + 1);
-    if (!out)
-        abort();
+    char *out = cg_malloc(n + 1);
     memcpy(out, s, n);
     out[n] = 0;
     return out;
@@ -459,9 +457,7 @@ static int place_object(json_t *cfg, json_t *copy, json_t *object)
 static cg_frame_text text_frame(const char *text, size_t len)
 {
     cg_frame_text f = {0};
-    f.buf = malloc(CG_FRAME_PRE + len + 1);
-    if (!f.buf)
-        abort();
+    f.buf = cg_malloc(CG_FRAME_PRE + len + 1);
     f.json = f.buf + CG_FRAME_PRE;
     memcpy(f.json, text, len);
     f.len = len;
@@ -588,7 +584,7 @@ char *cg_dropin_map_cancel_frame(json_t *cfg, const char *id, size_t *len)
     if (!tmpl)
         return NULL;
     /* the template's text, and the id as it goes in: JSON-escaped (no quotes), or as it is */
-    char *s = c == CODEC_TEXT ? strdup(json_string_value(tmpl) ? json_string_value(tmpl) : "")
+    char *s = c == CODEC_TEXT ? cg_strdup(json_string_value(tmpl) ? json_string_value(tmpl) : "")
                               : json_dumps(tmpl, JSON_COMPACT);
     json_t *id_str = c == CODEC_TEXT ? NULL : json_string(id);
     char *id_json = id_str ? json_dumps(id_str, JSON_ENCODE_ANY) : NULL;
@@ -604,9 +600,7 @@ char *cg_dropin_map_cancel_frame(json_t *cfg, const char *id, size_t *len)
     if (c == CODEC_SOCKETIO)
         snprintf(head, sizeof(head), "42%s%s", ns && strcmp(ns, "/") ? ns : "", ns && strcmp(ns, "/") ? "," : "");
     size_t hl = strlen(head), cap = hl + strlen(s) * (idl + 1) + 1, n = hl;
-    out = malloc(cap);
-    if (!out)
-        abort();
+    out = cg_malloc(cap);
     memcpy(out, head, hl);
     for (const char *p = s; *p;) {
         if (strncmp(p, "{id}", 4) == 0) {

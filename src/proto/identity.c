@@ -13,14 +13,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/proto/identity.h"
 
 char *cg_base64url_encode(const unsigned char *in, size_t len)
 {
     size_t n = 4 * ((len + 2) / 3) + 1;
-    char *out = malloc(n);
-    if (!out)
-        abort();
+    char *out = cg_malloc(n);
     int m = EVP_EncodeBlock((unsigned char *)out, in, (int)len);
     while (m > 0 && out[m - 1] == '=')
         m--;
@@ -86,9 +85,7 @@ char *cg_identity_resume_token(const unsigned char *secret, size_t secret_len, c
     hmac256(secret, secret_len, user, strlen(user), mac);
     char *sig = cg_base64url_encode(mac, sizeof(mac));
     size_t n = strlen(user) + strlen(sig) + 2;
-    char *token = malloc(n);
-    if (!token)
-        abort();
+    char *token = cg_malloc(n);
     snprintf(token, n, "%s.%s", user, sig);
     free(sig);
     return token;
@@ -115,9 +112,7 @@ static json_t *jwt_part(const char *s, size_t len)
     if (len > CG_JWT_MAX_PART)
         return NULL;
     size_t cap = len / 4 * 3 + 3;
-    unsigned char *buf = malloc(cap);
-    if (!buf)
-        return NULL;
+    unsigned char *buf = cg_malloc(cap);
     long n = cg_base64url_decode(s, len, buf, cap);
     json_t *j = n < 0 ? NULL : json_loadb((const char *)buf, (size_t)n, JSON_REJECT_DUPLICATES, NULL);
     free(buf);

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/utf8.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/jsonflat.h"
@@ -110,8 +111,7 @@ static int parse_members(const frame *f, cg_client_frame *out, char *err, size_t
         if (text.len == 0)
             return fail(err, errlen, "field 'text' is empty");
         /* a client's text holds no NUL: jansson refuses "\u0000" here, the flat reader any \u */
-        if (!(out->text = malloc(text.len + 1)))
-            abort(); /* as cg_protocol_dump: no memory is not an input error */
+        out->text = cg_malloc(text.len + 1);
         memcpy(out->text, text.s, text.len);
         out->text[text.len] = '\0';
     } else if (type.len > 8 && memcmp(type.s, "context.", 8) == 0) {
@@ -197,9 +197,7 @@ static char *fallback_frame(size_t pre, size_t *len)
 {
     static const char fallback[] = "{\"type\":\"error\",\"id\":null,\"code\":\"internal\","
                                    "\"message\":\"a frame could not be encoded\"}";
-    char *s = malloc(pre + sizeof(fallback));
-    if (!s)
-        abort();
+    char *s = cg_malloc(pre + sizeof(fallback));
     memcpy(s + pre, fallback, sizeof(fallback));
     *len = sizeof(fallback) - 1;
     return s;
@@ -339,9 +337,7 @@ static json_t *error_object(const char *id, const char *code, const char *messag
 {
     /* Messages quote what upstreams sent, cut to a length: make them valid UTF-8, every
      * bad or cut-off byte shown as '?', so the frame can always be built. */
-    char *clean = strdup(message);
-    if (!clean)
-        abort();
+    char *clean = cg_strdup(message);
     cg_utf8_clean(clean, strlen(clean));
     json_t *o = json_pack("{s:s, s:o, s:s, s:s}", "type", "error", "id", id_or_null(id), "code", code, "message",
                           clean);

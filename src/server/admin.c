@@ -27,6 +27,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/server/admin.h"
 #include "chatgate/server/handshake.h"
 #include "chatgate/server/ops.h"
@@ -183,7 +184,7 @@ static char *header_copy(struct lws *wsi, enum lws_token_indexes tok)
     int len = lws_hdr_total_length(wsi, tok);
     if (len <= 0)
         return NULL;
-    char *s = malloc((size_t)len + 1);
+    char *s = cg_malloc((size_t)len + 1);
     if (s && lws_hdr_copy(wsi, s, len + 1, tok) < 0) {
         free(s);
         s = NULL;
@@ -342,9 +343,7 @@ static int write_answer(admin_req *a, struct lws *wsi)
                                      end) ||
         lws_finalize_write_http_header(wsi, start, &p, end))
         return -1;
-    unsigned char *buf = malloc(LWS_PRE + len);
-    if (!buf)
-        return -1;
+    unsigned char *buf = cg_malloc(LWS_PRE + len);
     memcpy(buf + LWS_PRE, a->body, len);
     int n = lws_write(wsi, buf + LWS_PRE, len, LWS_WRITE_HTTP_FINAL);
     free(buf);

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/config/dropin_config.h"
 #include "chatgate/core/error.h"
@@ -122,9 +123,8 @@ struct cg_dropin {
 
 static frame *frame_new(const void *data, size_t len, int binary)
 {
-    frame *f = calloc(1, sizeof(*f));
-    if (!f || !(f->data = malloc(FRAME_PRE + len + 1)))
-        abort();
+    frame *f = cg_calloc(1, sizeof(*f));
+    f->data = cg_malloc(FRAME_PRE + len + 1);
     if (len)
         memcpy(f->data + FRAME_PRE, data, len);
     f->data[FRAME_PRE + len] = 0; /* a close frame's reason is a C string */
@@ -305,8 +305,7 @@ static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
     }
     if (!has_cancel_frame(d)) {
         free(d->suppress.id);
-        if (!(d->suppress.id = strdup(cg_turn_id(t))))
-            abort();
+        d->suppress.id = cg_strdup(cg_turn_id(t));
         d->suppress.since = uv_now(d->srv->net.loop);
         d->suppress.last = 0;
         d->suppress.gap_ms = d->turns.fw.reply_gap_ms ? d->turns.fw.reply_gap_ms : d->turns.fw.reply_timeout_ms;
@@ -432,9 +431,7 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
 {
     d->srv->metrics.frames_in++;
     char why[160];
-    pending_chat *c = calloc(1, sizeof(*c));
-    if (!c)
-        abort();
+    pending_chat *c = cg_calloc(1, sizeof(*c));
     if (binary && d->drop_binary > 0) { /* an attachment of a refused socket.io binary event */
         d->drop_binary--;
         pending_free(c);
@@ -849,9 +846,7 @@ static void hold_app_cookies(cg_dropin *d, struct lws *app)
 {
     json_decref(d->app_cookies);
     d->app_cookies = json_array();
-    char *value = malloc((size_t)d->srv->cfg->max_header_bytes + 1);
-    if (!value || !d->app_cookies)
-        abort();
+    char *value = cg_malloc((size_t)d->srv->cfg->max_header_bytes + 1);
     for (int i = 0;; i++) {
         int n = lws_hdr_copy_fragment(app, value, (int)d->srv->cfg->max_header_bytes + 1, WSI_TOKEN_HTTP_SET_COOKIE, i);
         if (n <= 0)
@@ -1039,7 +1034,7 @@ static char *app_path(const cg_server *srv, struct lws *client)
     if (!f)
         return NULL;
     int ulen = lws_hdr_total_length(client, WSI_TOKEN_GET_URI);
-    scratch = malloc((size_t)(ulen > 0 ? ulen : 0) + 1);
+    scratch = cg_malloc((size_t)(ulen > 0 ? ulen : 0) + 1);
     const char *app = srv->cfg->dropin_app.path;
     const char *base = app && strcmp(app, "/") ? app : "";
     if (scratch && lws_hdr_copy(client, scratch, ulen + 1, WSI_TOKEN_GET_URI) >= 0) {
@@ -1056,7 +1051,7 @@ static char *app_path(const cg_server *srv, struct lws *client)
     }
     for (int idx = 0;; idx++) {
         int flen = lws_hdr_fragment_length(client, WSI_TOKEN_HTTP_URI_ARGS, idx);
-        char *grown = flen > 0 ? realloc(scratch, (size_t)flen + 1) : NULL;
+        char *grown = flen > 0 ? cg_realloc(scratch, (size_t)flen + 1) : NULL;
         if (!grown)
             break;
         scratch = grown;
@@ -1091,7 +1086,7 @@ _Static_assert(CG_DROPIN_MAX_FORWARD_HEADERS + 1 <= CG_HEADERS_MAX, "the Origin 
 static char *client_subprotocol(const cg_dropin *d, struct lws *client)
 {
     int total = lws_hdr_total_length(client, WSI_TOKEN_PROTOCOL);
-    char *offered = total > 0 ? malloc((size_t)total + 1) : NULL;
+    char *offered = total > 0 ? cg_malloc((size_t)total + 1) : NULL;
     char *chosen = NULL;
     if (!offered || lws_hdr_copy(client, offered, total + 1, WSI_TOKEN_PROTOCOL) <= 0) {
         free(offered);
@@ -1103,8 +1098,8 @@ static char *client_subprotocol(const cg_dropin *d, struct lws *client)
         if (strcmp(name, CG_PROTOCOL_NAME) == 0)
             break; /* lws takes chatgate.v1: the app is offered none */
         for (size_t i = 0; i < json_array_size(subs) && !chosen; i++)
-            if (strcmp(name, json_string_value(json_array_get(subs, i))) == 0 && !(chosen = strdup(name)))
-                abort();
+            if (strcmp(name, json_string_value(json_array_get(subs, i))) == 0)
+                chosen = cg_strdup(name);
     }
     free(offered);
     return chosen;
@@ -1114,8 +1109,8 @@ static char *client_subprotocol(const cg_dropin *d, struct lws *client)
 static void forward_header(cg_dropin *d, const char *name, const char *value)
 {
     cg_header *h = &d->forwarded.items[d->forwarded.n++];
-    if (!(h->name = strdup(name)) || !(h->value = strdup(value)))
-        abort();
+    h->name = cg_strdup(name);
+    h->value = cg_strdup(value);
 }
 
 /*
@@ -1132,9 +1127,7 @@ static void copy_headers(cg_dropin *d, struct lws *client)
     if (!names)
         names = defaults = json_pack("[s, s]", "Cookie", "Authorization");
     size_t cap = (size_t)d->srv->cfg->max_header_bytes * 4 + 1;
-    char *value = malloc(cap);
-    if (!value)
-        abort();
+    char *value = cg_malloc(cap);
     if (lws_hdr_copy(client, value, (int)cap, WSI_TOKEN_ORIGIN) > 0)
         forward_header(d, "origin", value);
     size_t i;
@@ -1187,9 +1180,7 @@ static void app_host(cg_dropin *d, struct lws *client)
 
 cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *plan, const char *name)
 {
-    cg_dropin *d = calloc(1, sizeof(*d));
-    if (!d)
-        return NULL;
+    cg_dropin *d = cg_calloc(1, sizeof(*d));
     d->srv = srv;
     d->cfg = srv->cfg->dropin;
     d->client = client;

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/server/admin.h"
 #include "chatgate/server/dropin.h"
 #include "chatgate/proto/protocol.h"
@@ -105,9 +106,7 @@ static struct lws_protocols *build_protocols(const cg_config *cfg)
     };
     json_t *subs = json_object_get(cfg->dropin, "subprotocols");
     size_t n_fixed = sizeof(fixed) / sizeof(fixed[0]), n_subs = json_array_size(subs);
-    struct lws_protocols *p = calloc(1 + n_subs + n_fixed + 1, sizeof(*p)); /* zeroed: the list's end */
-    if (!p)
-        abort();
+    struct lws_protocols *p = cg_calloc(1 + n_subs + n_fixed + 1, sizeof(*p)); /* zeroed: the list's end */
     size_t n = 0;
     p[n++] = (struct lws_protocols){CG_PROTOCOL_NAME, front_callback, cg_session_size(), 4096, 0, NULL, 0};
     for (size_t i = 0; i < n_subs; i++)
@@ -331,25 +330,25 @@ static void load_secrets(cg_gateway *gw, const cg_config *cfg)
     const char *resume = getenv("CHATGATE_RESUME_SECRET");
     if (resume && *resume) {
         gw->srv.resume_secret_len = strlen(resume);
-        gw->srv.resume_secret = (unsigned char *)strdup(resume);
+        gw->srv.resume_secret = (unsigned char *)cg_strdup(resume);
     } else if (cg_workers_shared()) {
         /* --workers: the master's random one, the same in every worker */
         gw->srv.resume_secret_len = sizeof(cg_workers_shared()->resume_secret);
-        gw->srv.resume_secret = malloc(gw->srv.resume_secret_len);
+        gw->srv.resume_secret = cg_malloc(gw->srv.resume_secret_len);
         if (gw->srv.resume_secret)
             memcpy(gw->srv.resume_secret, cg_workers_shared()->resume_secret, gw->srv.resume_secret_len);
     } else {
         gw->srv.resume_secret_len = 32;
-        gw->srv.resume_secret = malloc(32);
+        gw->srv.resume_secret = cg_malloc(32);
         if (gw->srv.resume_secret && RAND_bytes(gw->srv.resume_secret, 32) != 1)
             abort();
     }
     const char *jwt = getenv("CHATGATE_JWT_SECRET");
     if (cfg->auth_kind == CG_AUTH_JWT && jwt) {
         gw->srv.jwt_secret_len = strlen(jwt);
-        gw->srv.jwt_secret = (unsigned char *)strdup(jwt);
+        gw->srv.jwt_secret = (unsigned char *)cg_strdup(jwt);
     } else {
-        gw->srv.jwt_secret = (unsigned char *)strdup("");
+        gw->srv.jwt_secret = (unsigned char *)cg_strdup("");
     }
     if (!gw->srv.resume_secret || !gw->srv.jwt_secret)
         abort();

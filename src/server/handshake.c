@@ -10,6 +10,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/log.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/proto/protocol.h"
@@ -110,9 +111,7 @@ int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, ch
         /* copied whole: a long JWT fits the header space (max_header_bytes), not buf */
         int cap = lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_AUTHORIZATION) +
                   lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_URI_ARGS) + 1;
-        char *tbuf = malloc((size_t)cap);
-        if (!tbuf)
-            abort();
+        char *tbuf = cg_malloc((size_t)cap);
         const char *token = NULL;
         if (lws_hdr_copy(wsi, tbuf, cap, WSI_TOKEN_HTTP_AUTHORIZATION) > 7 && strncasecmp(tbuf, "Bearer ", 7) == 0)
             token = tbuf + 7;
@@ -392,8 +391,8 @@ int cg_handshake_dropin_user(const cg_server *srv, struct lws *client, char *out
     if (!name || total <= 0)
         return -1;
     /* copied at its real length: big cookie headers (up to max_header_bytes) are common */
-    char *cookies = malloc((size_t)total + 1);
-    if (!cookies || lws_hdr_copy(client, cookies, total + 1, WSI_TOKEN_HTTP_COOKIE) <= 0) {
+    char *cookies = cg_malloc((size_t)total + 1);
+    if (lws_hdr_copy(client, cookies, total + 1, WSI_TOKEN_HTTP_COOKIE) <= 0) {
         free(cookies);
         return -1;
     }

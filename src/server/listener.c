@@ -31,6 +31,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/log.h"
 #include "chatgate/server/dropin.h"
 #include "chatgate/server/handshake.h"
@@ -266,9 +267,7 @@ static void head_start(listener *l, int fd)
         return;
     }
     size_t cap = (size_t)cfg->max_header_bytes * 4 + 2048; /* within lws's pt_serv_buf_size (gateway.c) */
-    head_conn *h = calloc(1, sizeof(*h) + cap);
-    if (!h)
-        abort();
+    head_conn *h = cg_calloc(1, sizeof(*h) + cap);
     h->l = l;
     h->fd = fd;
     h->cap = cap;

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
@@ -132,9 +133,7 @@ static void out_push(cg_session *s, cg_out *o)
 /* Queues a finished frame; takes ownership of it. */
 static void session_send(cg_session *s, cg_frame_text frame)
 {
-    cg_out *o = calloc(1, sizeof(*o));
-    if (!o)
-        abort();
+    cg_out *o = cg_calloc(1, sizeof(*o));
     o->frame = frame;
     o->len = frame.len;
     s->out_bytes += o->len;
@@ -154,9 +153,8 @@ static void session_send_delta(void *conn, const char *id, const char *text, siz
     cg_session *s = conn;
     cg_out *o = s->out_tail;
     if (!o || o->frame.buf || strcmp(o->delta_id, id) != 0 || o->len + len > CG_DELTA_CHUNK) {
-        o = calloc(1, sizeof(*o));
-        if (!o || !(o->delta_id = strdup(id)))
-            abort();
+        o = cg_calloc(1, sizeof(*o));
+        o->delta_id = cg_strdup(id);
         cg_buf_append(&o->text, &o->len, &o->cap, text, len, len + 64);
         s->out_bytes += len;
         out_push(s, o);
@@ -356,9 +354,7 @@ static const cg_turn_sink session_sink = {
 
 static char *dup_or_die(const char *s)
 {
-    char *d = strdup(s);
-    if (!d)
-        abort();
+    char *d = cg_strdup(s);
     return d;
 }
 

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
@@ -412,9 +413,7 @@ static void on_turns_timer(uv_timer_t *timer)
 static void turns_timer_start(cg_turns *q, uint64_t ms)
 {
     if (!q->timer) {
-        q->timer = malloc(sizeof(*q->timer));
-        if (!q->timer)
-            abort();
+        q->timer = cg_malloc(sizeof(*q->timer));
         uv_timer_init(q->env->loop, q->timer);
         q->timer->data = q;
     }
@@ -844,8 +843,8 @@ static void turn_start(cg_turn *t)
         return;
     }
     t->route = res.route;
-    if (res.enriched && !(t->enriched = strdup(res.enriched)))
-        abort();
+    if (res.enriched)
+        t->enriched = cg_strdup(res.enriched);
     json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(env->cfg, d->service));
     q->backend->go(t, &res, params, awaiting_before);
     json_decref(params);
@@ -1167,9 +1166,7 @@ int cg_turns_submit(cg_turns *q, cg_turn_request *r)
         cancel_dialog(q, r->room, 0); /* another tab's or gateway's reply; this one's comes first */
     if (chat && q->backend->arrived)
         q->backend->arrived(q);
-    cg_turn *t = calloc(1, sizeof(*t));
-    if (!t)
-        abort();
+    cg_turn *t = cg_calloc(1, sizeof(*t));
     t->first_route = -1;
     t->tokens_in = t->tokens_out = -1;
     t->q = q;

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/fallback.h"
 
@@ -69,9 +70,7 @@ static int64_t now_s(const cg_fallback *fb)
 
 cg_fallback *cg_fallback_new(cg_store *st, const char *name, const cg_fallback_backend_ops *ops, void *backend)
 {
-    cg_fallback *fb = calloc(1, sizeof(*fb));
-    if (!fb)
-        abort(); /* out of memory at startup */
+    cg_fallback *fb = cg_calloc(1, sizeof(*fb));
     const cg_store_config *cfg = &st->cfg;
     fb->st = st;
     snprintf(fb->name, sizeof(fb->name), "%s", name);

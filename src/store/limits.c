@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/queue.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/num.h"
 #include "chatgate/store/limits.h"
 
@@ -60,9 +61,7 @@ static int by_key(const void *a, const void *b)
 
 cg_limiter *cg_limiter_new(long max_users)
 {
-    cg_limiter *l = calloc(1, sizeof(*l));
-    if (!l)
-        abort();
+    cg_limiter *l = cg_calloc(1, sizeof(*l));
     TAILQ_INIT(&l->order);
     l->max_users = max_users > 0 ? max_users : 1;
     return l;
@@ -119,9 +118,7 @@ static lim_entry *entry_get(cg_limiter *l, const char *user, int create)
         TAILQ_REMOVE(&l->order, e, order);
     } else {
         size_t n = strlen(user) + 1;
-        e = calloc(1, sizeof(*e) + n);
-        if (!e)
-            abort();
+        e = cg_calloc(1, sizeof(*e) + n);
         memcpy((char *)(e + 1), user, n);
         e->key = (const char *)(e + 1);
         if (!tsearch(e, &l->tree, by_key))

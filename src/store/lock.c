@@ -9,6 +9,7 @@
  */
 #include <stdlib.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/addrmap.h"
 #include "chatgate/store/lock.h"
 #include "chatgate/store/store.h"
@@ -29,9 +30,9 @@ int cg_dialog_lock_acquire(json_t *locks, cg_dialog_lock_waiter *w, const char *
     w->next = NULL;
     dialog_lock *l = lock_of(locks, w->key);
     if (!l) {
-        l = calloc(1, sizeof(*l));
-        if (!l || cg_addrmap_set(locks, w->key, l) < 0)
-            abort(); /* out of memory */
+        l = cg_calloc(1, sizeof(*l));
+        if (cg_addrmap_set(locks, w->key, l) < 0)
+            cg_out_of_memory(sizeof(*l)); /* jansson's object could not grow */
         l->holder = w;
         w->state = CG_LOCK_HELD;
         return 1;

@@ -17,6 +17,7 @@
  * map now says.
  */
 #define _GNU_SOURCE /* asprintf */
+#include "chatgate/core/alloc.h"
 #include "chatgate/store/redis_client.h"
 #include <hiredis/hiredis.h>
 
@@ -173,9 +174,7 @@ static void sharded_subscribe(cg_redis_bus *b)
         port = atoi(colon + 1);
     }
     free(b->host);
-    b->host = strdup(address);
-    if (!b->host)
-        abort();
+    b->host = cg_strdup(address);
     b->port = port;
     char why[160];
     b->sub = cg_redis_async_open(b->rs, address, port, address, b, on_bus_event, why, sizeof(why));
@@ -207,9 +206,7 @@ static void bus_connect(cg_redis_bus *b)
  * not matter to pub/sub. */
 cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_cancel_fn *on_cancel)
 {
-    cg_redis_bus *b = calloc(1, sizeof(*b));
-    if (!b)
-        abort();
+    cg_redis_bus *b = cg_calloc(1, sizeof(*b));
     b->rs = rs;
     b->on_cancel = on_cancel;
     b->host = url->host;
@@ -227,9 +224,7 @@ cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus
 
 cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn *on_cancel)
 {
-    cg_redis_bus *b = calloc(1, sizeof(*b));
-    if (!b)
-        abort();
+    cg_redis_bus *b = cg_calloc(1, sizeof(*b));
     b->rs = rs;
     b->on_cancel = on_cancel;
     b->sharded = 1;

@@ -9,6 +9,7 @@
  * inside one of the connection's callbacks only marks it, and the dispatch that called the
  * callback finishes the job when it returns (`depth`).
  */
+#include "chatgate/core/alloc.h"
 #include "chatgate/store/redis_client.h"
 
 #include <hiredis/hiredis.h>
@@ -88,9 +89,9 @@ static void tls_error(char *err, size_t errlen, const char *what, const char *fi
 
 cg_redis_tls *cg_redis_tls_new(const cg_redis_tls_config *cfg, char *err, size_t errlen)
 {
-    cg_redis_tls *t = calloc(1, sizeof(*t));
-    if (!t || !(t->ctx = SSL_CTX_new(TLS_client_method()))) {
-        snprintf(err, errlen, "redis TLS: out of memory");
+    cg_redis_tls *t = cg_calloc(1, sizeof(*t));
+    if (!(t->ctx = SSL_CTX_new(TLS_client_method()))) {
+        snprintf(err, errlen, "redis TLS: OpenSSL could not make a context");
         free(t);
         return NULL;
     }
@@ -124,10 +125,8 @@ cg_redis_tls *cg_redis_tls_new(const cg_redis_tls_config *cfg, char *err, size_t
         goto fail;
     }
     SSL_CTX_set_verify(t->ctx, t->verify ? SSL_VERIFY_PEER : SSL_VERIFY_NONE, NULL);
-    if (cfg->server_name && !(t->server_name = strdup(cfg->server_name))) {
-        snprintf(err, errlen, "redis TLS: out of memory");
-        goto fail;
-    }
+    if (cfg->server_name)
+        t->server_name = cg_strdup(cfg->server_name);
     return t;
 fail:
     cg_redis_tls_free(t);
@@ -301,11 +300,7 @@ static void send_bytes(cg_redis_conn *c, const char *buf, size_t len)
     }
     if ((size_t)n == len)
         return;
-    write_req *w = malloc(sizeof(*w) + len - (size_t)n);
-    if (!w) {
-        fail(c, "out of memory");
-        return;
-    }
+    write_req *w = cg_malloc(sizeof(*w) + len - (size_t)n);
     memcpy(w->data, buf + n, len - (size_t)n);
     w->req.data = c;
     uv_buf_t rest = uv_buf_init(w->data, (unsigned)(len - (size_t)n));
@@ -393,9 +388,7 @@ int cg_redis_conn_formatted(cg_redis_conn *c, cg_redis_reply_fn *cb, void *priv,
         size_t cap = c->out_cap ? c->out_cap : 4096;
         while (cap < c->out_len + len)
             cap *= 2;
-        char *out = realloc(c->out, cap);
-        if (!out)
-            return -1;
+        char *out = cg_realloc(c->out, cap);
         c->out = out;
         c->out_cap = cap;
     }
@@ -403,9 +396,7 @@ int cg_redis_conn_formatted(cg_redis_conn *c, cg_redis_reply_fn *cb, void *priv,
         c->push_cb = cb;
         c->push_priv = priv;
     } else {
-        pending *p = malloc(sizeof(*p));
-        if (!p)
-            return -1;
+        pending *p = cg_malloc(sizeof(*p));
         p->cb = cb;
         p->priv = priv;
         p->next = NULL;
@@ -639,12 +630,9 @@ cg_redis_conn *cg_redis_conn_open(uv_loop_t *loop, const char *address, int port
         snprintf(why, whylen, "'%s' is not an IP address", address);
         return NULL;
     }
-    cg_redis_conn *c = calloc(1, sizeof(*c));
-    if (!c || !(c->reader = redisReaderCreate())) {
-        free(c);
-        snprintf(why, whylen, "out of memory");
-        return NULL;
-    }
+    cg_redis_conn *c = cg_calloc(1, sizeof(*c));
+    if (!(c->reader = redisReaderCreate())) /* hiredis's own allocation */
+        cg_out_of_memory(sizeof(redisReader));
     c->reader->maxbuf = 0; /* keep its buffer: answers come all the time */
     if (uv_tcp_init(loop, &c->tcp) != 0) {
         redisReaderFree(c->reader);

@@ -24,6 +24,7 @@
  * connections has run.
  */
 #define _GNU_SOURCE
+#include "chatgate/core/alloc.h"
 #include "chatgate/store/redis_cluster.h"
 
 #include <stdio.h>
@@ -312,7 +313,7 @@ static void on_seed_slots(cg_redis_conn *c, void *reply, void *priv)
         seed_failed(cl, cg_redis_conn_error(c));
         return;
     }
-    cg_redis_slot_map *m = malloc(sizeof(*m));
+    cg_redis_slot_map *m = cg_malloc(sizeof(*m));
     char err[200];
     if (!m || cg_redis_slot_map_read(reply, cl->seed_address, m, err, sizeof(err)) < 0) {
         if (!m)
@@ -375,7 +376,7 @@ static void on_map_reread(cg_redis_conn *c, void *reply, void *priv)
     cl->map_reading = 0;
     if (!reply || n->conn != c)
         return; /* the node's event deals with it */
-    cg_redis_slot_map *m = malloc(sizeof(*m));
+    cg_redis_slot_map *m = cg_malloc(sizeof(*m));
     char err[200];
     if (!m || cg_redis_slot_map_read(reply, n->addr.host, m, err, sizeof(err)) < 0) {
         cg_warn("redis cluster: reading the slot map again from %s:%d: %s", n->addr.host, n->addr.port,
@@ -546,11 +547,8 @@ int cg_redis_cluster_send(cg_redis_cluster *cl, unsigned slot, const char *cmd, 
     cl_node *n = slot_node(cl, slot);
     if (!n || !n->conn)
         return -1;
-    cl_cmd *k = calloc(1, sizeof(*k));
-    if (!k || !(k->text = malloc(len))) {
-        free(k);
-        return -1;
-    }
+    cl_cmd *k = cg_calloc(1, sizeof(*k));
+    k->text = cg_malloc(len);
     memcpy(k->text, cmd, len);
     k->len = len;
     k->cl = cl;
@@ -580,21 +578,16 @@ static void on_start(uv_timer_t *t)
 
 cg_redis_cluster *cg_redis_cluster_open(const cg_redis_cluster_config *cfg)
 {
-    cg_redis_cluster *cl = calloc(1, sizeof(*cl));
-    if (!cl)
-        return NULL;
+    cg_redis_cluster *cl = cg_calloc(1, sizeof(*cl));
     cl->cfg = *cfg;
-    cl->seed_hosts = calloc((size_t)cfg->n_seeds, sizeof(char *));
-    cl->seed_ports = calloc((size_t)cfg->n_seeds, sizeof(int));
-    if (!cl->seed_hosts || !cl->seed_ports)
-        abort(); /* a few bytes, at startup or a reconnect */
+    cl->seed_hosts = cg_calloc((size_t)cfg->n_seeds, sizeof(char *));
+    cl->seed_ports = cg_calloc((size_t)cfg->n_seeds, sizeof(int));
     for (int i = 0; i < cfg->n_seeds; i++) {
-        if (!(cl->seed_hosts[i] = strdup(cfg->seed_hosts[i])))
-            abort();
+        cl->seed_hosts[i] = cg_strdup(cfg->seed_hosts[i]);
         cl->seed_ports[i] = cfg->seed_ports[i];
     }
-    if ((cfg->user && !(cl->user = strdup(cfg->user))) || (cfg->password && !(cl->password = strdup(cfg->password))))
-        abort();
+    cl->user = cfg->user ? cg_strdup(cfg->user) : NULL;
+    cl->password = cfg->password ? cg_strdup(cfg->password) : NULL;
     uv_timer_init(cfg->loop, &cl->timer);
     cl->timer.data = cl;
     uv_timer_init(cfg->loop, &cl->refresh);

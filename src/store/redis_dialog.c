@@ -48,6 +48,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
@@ -907,9 +908,7 @@ void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease)
 {
     if (!lease_current(rs, key_and_lease))
         return;
-    char *key = strndup(key_and_lease, strcspn(key_and_lease, " "));
-    if (!key)
-        abort();
+    char *key = cg_strndup(key_and_lease, strcspn(key_and_lease, " "));
     rs->base.stats.remote_cancels++;
     if (rs->base.on_cancel)
         rs->base.on_cancel(rs->base.cancel_ctx, key);
@@ -926,9 +925,7 @@ typedef struct store_note {
 static store_note *note_new(redis_store *rs, const char *a, const char *b)
 {
     size_t na = strlen(a), nb = b ? strlen(b) + 1 : 0;
-    store_note *n = malloc(sizeof(*n) + na + nb + 1);
-    if (!n)
-        abort();
+    store_note *n = cg_malloc(sizeof(*n) + na + nb + 1);
     n->rs = rs;
     memcpy(n->text, a, na);
     if (b) {
@@ -976,10 +973,8 @@ static int key_split(const char *key, char **eu, char **er)
     const char *colon = strchr(key, ':');
     if (!colon)
         return -1;
-    *eu = strndup(key, (size_t)(colon - key));
-    *er = strdup(colon + 1);
-    if (!*eu || !*er)
-        abort();
+    *eu = cg_strndup(key, (size_t)(colon - key));
+    *er = cg_strdup(colon + 1);
     return 0;
 }
 
@@ -1018,9 +1013,7 @@ static void on_cancel_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *reply = reply_;
     redis_store *rs = note->rs;
     if (reply && reply->type == REDIS_REPLY_STRING && reply->len > 0) {
-        char *holder = strndup(reply->str, strcspn(reply->str, " "));
-        if (!holder)
-            abort();
+        char *holder = cg_strndup(reply->str, strcspn(reply->str, " "));
         char *kl = NULL;
         if (asprintf(&kl, "%s %.*s", key, (int)reply->len, reply->str) < 0)
             abort();
@@ -1447,8 +1440,8 @@ static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *rep
         redisReply *room = reply->element[i];
         if (room->type != REDIS_REPLY_STRING)
             continue;
-        char *er = strndup(room->str, room->len); /* stored escaped, as the keys use it */
-        char *key = er ? malloc(strlen(r->eu) + room->len + 2) : NULL;
+        char *er = cg_strndup(room->str, room->len); /* stored escaped, as the keys use it */
+        char *key = er ? cg_malloc(strlen(r->eu) + room->len + 2) : NULL;
         if (!key)
             abort();
         sprintf(key, "%s:%s", r->eu, er); /* the gateway's key of that dialog (cg_store_dialog_key) */
@@ -1503,7 +1496,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
             r->snapshot->last_activity = d->last_activity;
         added = cg_dialog_merge(d, r->snapshot, &rs->base.cfg.lifetimes);
     }
-    cg_dialog *merged = added >= 0 ? malloc(sizeof(*merged)) : NULL;
+    cg_dialog *merged = added >= 0 ? cg_malloc(sizeof(*merged)) : NULL;
     if (!merged) {
         cg_dialog_free(d);
         cg_error("redis: out of memory merging two copies of a dialog: this gateway's is kept for the write-back");
@@ -1952,9 +1945,7 @@ static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
         redisReply *room = reply->element[i];
         if (room->type != REDIS_REPLY_STRING)
             continue;
-        char *er = strndup(room->str, room->len); /* stored escaped, as the keys use it */
-        if (!er)
-            abort();
+        char *er = cg_strndup(room->str, room->len); /* stored escaped, as the keys use it */
         arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);
         free(er);
     }

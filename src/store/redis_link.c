@@ -18,6 +18,7 @@
  * the commands in flight; it is freed once its timers' handles have closed.
  */
 #define _GNU_SOURCE /* asprintf */
+#include "chatgate/core/alloc.h"
 #include "chatgate/store/redis_link.h"
 
 #include <hiredis/hiredis.h>
@@ -130,9 +131,7 @@ static char *as_eval(const link_cmd *k, size_t *len)
     if (!count_end || p >= end)
         return NULL;
     size_t tl = strlen(k->script), head = (size_t)(count_end + 1 - k->cmd);
-    char *out = malloc(head + 32 + tl + (size_t)(end - p));
-    if (!out)
-        return NULL;
+    char *out = cg_malloc(head + 32 + tl + (size_t)(end - p));
     memcpy(out, k->cmd, head);
     int n = sprintf(out + head, "$4\r\nEVAL\r\n$%zu\r\n", tl);
     memcpy(out + head + (size_t)n, k->script, tl);
@@ -189,9 +188,7 @@ static int send_on_wire(cg_redis_link *ln, link_cmd *k, const char *cmd, size_t 
 static int link_send(cg_redis_link *ln, unsigned slot, const char *cmd, size_t len, const char *script,
                      cg_redis_reply_fn *cb, void *priv)
 {
-    link_cmd *k = calloc(1, sizeof(*k) + (script ? len : 0)); /* a script's command kept in one piece */
-    if (!k)
-        return -1;
+    link_cmd *k = cg_calloc(1, sizeof(*k) + (script ? len : 0)); /* a script's command kept in one piece */
     k->ln = ln;
     k->cb = cb;
     k->priv = priv;
@@ -293,8 +290,7 @@ static void link_trusted(cg_redis_link *ln)
             moved = 1;
         }
         free(ln->primary);
-        if (!(ln->primary = strdup(ln->name)))
-            abort();
+        ln->primary = cg_strdup(ln->name);
     }
     ln->cfg.on_up(ln->cfg.data, moved);
 }
@@ -388,8 +384,7 @@ static void connect_to(cg_redis_link *ln, const char *address)
     if (!ln->address || strcmp(ln->address, address) != 0 || ln->address_port != ln->port) {
         cg_info("redis %s: connecting to %s", ln->name, address);
         free(ln->address);
-        if (!(ln->address = strdup(address)))
-            abort();
+        ln->address = cg_strdup(address);
         ln->address_port = ln->port;
     }
     char why[160];
@@ -449,8 +444,7 @@ static void on_sentinel_answer(void *data, const char *host, int port, const cha
     if (strcmp(ln->host, host) != 0 || ln->port != port)
         cg_info("redis sentinel: the primary of '%s' is %s:%d", ln->cfg.master, host, port);
     free(ln->host);
-    if (!(ln->host = strdup(host)))
-        abort();
+    ln->host = cg_strdup(host);
     ln->port = port;
     set_name(ln);
     resolve_and_connect(ln); /* as a redis:// address from here; the probe adds ROLE */
@@ -555,14 +549,9 @@ static void on_start(uv_timer_t *t)
 
 cg_redis_link *cg_redis_link_open(const cg_redis_link_config *cfg)
 {
-    cg_redis_link *ln = calloc(1, sizeof(*ln));
-    if (!ln)
-        return NULL;
+    cg_redis_link *ln = cg_calloc(1, sizeof(*ln));
     ln->cfg = *cfg;
-    if (!(ln->host = strdup(cfg->host ? cfg->host : cfg->master ? cfg->master : "?"))) {
-        free(ln);
-        return NULL;
-    }
+    ln->host = cg_strdup(cfg->host ? cfg->host : cfg->master ? cfg->master : "?");
     ln->port = cfg->port;
     set_name(ln);
     uv_timer_init(cfg->loop, &ln->timer);

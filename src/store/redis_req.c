@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/store/redis_internal.h"
 
 static void req_closed(uv_handle_t *h)
@@ -36,17 +37,13 @@ void cg_redis_req_finish(redis_req *r)
 
 static redis_req *req_alloc(redis_store *rs, cg_store_op kind, char *eu, char *er, void *ctx)
 {
-    redis_req *r = calloc(1, sizeof(*r));
-    if (!r)
-        abort();
+    redis_req *r = cg_calloc(1, sizeof(*r));
     r->rs = rs;
     r->kind = kind;
     r->eu = eu;
     r->er = er;
     size_t nu = strlen(eu), nr = strlen(er); /* "<eu>:<er>", twice a turn: no asprintf */
-    r->key = malloc(nu + nr + 2);
-    if (!r->key)
-        abort();
+    r->key = cg_malloc(nu + nr + 2);
     memcpy(r->key, eu, nu);
     r->key[nu] = ':';
     memcpy(r->key + nu + 1, er, nr + 1);
@@ -73,7 +70,7 @@ redis_req *cg_redis_req_new(redis_store *rs, cg_store_op kind, const char *user,
 
 cg_dialog *cg_redis_snapshot(const cg_dialog *d)
 {
-    cg_dialog *s = malloc(sizeof(*s));
+    cg_dialog *s = cg_malloc(sizeof(*s));
     if (s && cg_dialog_share(s, d) < 0) {
         free(s);
         s = NULL;

@@ -14,6 +14,7 @@
  * the module when the two timers' handles have closed.
  */
 #define _GNU_SOURCE /* asprintf */
+#include "chatgate/core/alloc.h"
 #include "chatgate/store/redis_sentinel.h"
 
 #include <hiredis/hiredis.h>
@@ -131,9 +132,7 @@ static void on_ask_reply(cg_redis_conn *c, void *reply_, void *priv)
         ask_failed(sn, "SENTINEL get-master-addr-by-name: unexpected answer");
         return;
     }
-    char *host = strdup(reply->element[0]->str);
-    if (!host)
-        abort();
+    char *host = cg_strdup(reply->element[0]->str);
     cg_redis_sentinel_abort(sn); /* the connection closes after this callback */
     sn->cfg.on_answer(sn->cfg.data, host, (int)port, NULL);
     free(host);
@@ -293,14 +292,9 @@ static void sub_start(cg_redis_sentinel *sn)
 
 cg_redis_sentinel *cg_redis_sentinel_open(const cg_redis_sentinel_config *cfg)
 {
-    cg_redis_sentinel *sn = calloc(1, sizeof(*sn));
-    if (!sn)
-        return NULL;
+    cg_redis_sentinel *sn = cg_calloc(1, sizeof(*sn));
     sn->cfg = *cfg;
-    if (!(sn->cfg.master = strdup(cfg->master))) {
-        free(sn);
-        return NULL;
-    }
+    sn->cfg.master = cg_strdup(cfg->master);
     uv_timer_init(cfg->loop, &sn->ask_timer);
     uv_timer_init(cfg->loop, &sn->sub_timer);
     sn->ask_timer.data = sn->sub_timer.data = sn;

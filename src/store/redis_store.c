@@ -20,6 +20,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
 #include "chatgate/core/net.h"
@@ -33,12 +34,7 @@ static int writeback(void *backend, const cg_fallback_dirty *item, cg_dialog *d)
 {
     redis_store *rs = backend;
     redis_req *r = cg_redis_req_new_escaped(rs, CG_STORE_SAVE, item->eu, item->er, NULL);
-    r->snapshot = malloc(sizeof(*r->snapshot));
-    if (!r->snapshot) {
-        cg_dialog_free(d);
-        cg_redis_req_finish(r);
-        return -1;
-    }
+    r->snapshot = cg_malloc(sizeof(*r->snapshot));
     *r->snapshot = *d; /* moved: the request owns it now */
     r->version = item->version;
     r->base_unknown = item->base_unknown;
@@ -121,9 +117,7 @@ static const cg_store_ops redis_ops = {
 /* The percent-decoded copy of [s, end) ("%40" for '@'), malloc'd; *len its length. */
 static char *url_decode(const char *s, const char *end, size_t *len)
 {
-    char *out = malloc((size_t)(end - s) + 1), *p = out;
-    if (!out)
-        abort();
+    char *out = cg_malloc((size_t)(end - s) + 1), *p = out;
     for (const char *c = s; c < end; c++) {
         unsigned int byte;
         if (*c == '%' && end - c > 2 && sscanf(c + 1, "%2x", &byte) == 1) {
@@ -197,10 +191,8 @@ static int parse_db(int *db_out, const char *s, const char *shown, char *err, si
 static int parse_hosts(const char *p, const char *end_all, char ***hosts, int **ports, int *n_out, int default_port,
                        const char *what, const char *usage, const char *shown, char *err, size_t errlen)
 {
-    *hosts = calloc(SENTINELS_MAX, sizeof(char *));
-    *ports = calloc(SENTINELS_MAX, sizeof(int));
-    if (!*hosts || !*ports)
-        abort();
+    *hosts = cg_calloc(SENTINELS_MAX, sizeof(char *));
+    *ports = cg_calloc(SENTINELS_MAX, sizeof(int));
     for (const char *h = p; h < end_all;) {
         const char *comma = memchr(h, ',', (size_t)(end_all - h));
         const char *end = comma ? comma : end_all;
@@ -380,9 +372,7 @@ static void lease_holder_id(redis_store *rs)
 
 cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, size_t errlen)
 {
-    redis_store *rs = calloc(1, sizeof(*rs));
-    if (!rs)
-        return NULL;
+    redis_store *rs = cg_calloc(1, sizeof(*rs));
     /* the bus: redis.bus, else the store's own URL when it is a Redis (not Sentinel's) */
     const char *bus_url = cfg->bus_url && *cfg->bus_url                                          ? cfg->bus_url
                           : strncmp(cfg->url, "redis://", 8) == 0 || strncmp(cfg->url, "rediss://", 9) == 0 ? cfg->url

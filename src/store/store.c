@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
 
@@ -47,18 +48,14 @@ static char *escape_into(char *out, const char *id)
 
 char *cg_store_escape(const char *id)
 {
-    char *out = malloc(strlen(id) * 3 + 1);
-    if (!out)
-        abort();
+    char *out = cg_malloc(strlen(id) * 3 + 1);
     *escape_into(out, id) = 0;
     return out;
 }
 
 char *cg_store_unescape(const char *s, size_t n)
 {
-    char *out = malloc(n + 1), *p = out;
-    if (!out)
-        abort();
+    char *out = cg_malloc(n + 1), *p = out;
     for (size_t i = 0; i < n; i++) {
         int hi, lo;
         if (s[i] == '%' && i + 2 < n && (hi = hexval(s[i + 1])) >= 0 && (lo = hexval(s[i + 2])) >= 0) {
@@ -75,9 +72,7 @@ char *cg_store_unescape(const char *s, size_t n)
 char *cg_store_dialog_key(const char *user, const char *room)
 {
     /* a few times a turn (its lock, the store's load and save): escaped in place, one malloc */
-    char *key = malloc((strlen(user) + strlen(room)) * 3 + 2);
-    if (!key)
-        abort();
+    char *key = cg_malloc((strlen(user) + strlen(room)) * 3 + 2);
     char *p = escape_into(key, user);
     *p++ = ':';
     *escape_into(p, room) = 0;

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/addrmap.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
@@ -56,11 +57,8 @@ struct cg_memstore {
 
 cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_stats *stats)
 {
-    cg_memstore *m = calloc(1, sizeof(*m));
-    if (!m || !(m->index = json_object())) {
-        free(m);
-        return NULL;
-    }
+    cg_memstore *m = cg_calloc(1, sizeof(*m));
+    m->index = json_object();
     TAILQ_INIT(&m->order);
     m->max_dialogs = max_dialogs;
     m->max_bytes = CG_MEMSTORE_DEFAULT_MAX_BYTES;
@@ -248,11 +246,9 @@ static int entry_set(cg_memstore *m, mem_entry *e, int had, const cg_dialog *d, 
                      int64_t renewed, int shared)
 {
     cg_dialog fresh;
-    char *fresh_rev = NULL;
-    if ((rev && !(fresh_rev = strdup(rev))) || (shared ? cg_dialog_share(&fresh, d) : cg_dialog_copy(&fresh, d)) < 0) {
-        free(fresh_rev);
+    if ((shared ? cg_dialog_share(&fresh, d) : cg_dialog_copy(&fresh, d)) < 0)
         return -1;
-    }
+    char *fresh_rev = rev ? cg_strdup(rev) : NULL;
     size_t hist_w = history_weight(had ? e : NULL, d), part_w[CG_DIALOG_PARTS];
     size_t rest = cg_dialog_weight_parts(d, had ? &e->d : NULL, had ? e->part_w : NULL, part_w);
     cg_dialog_free(&e->d);
@@ -274,9 +270,7 @@ static int entry_set(cg_memstore *m, mem_entry *e, int had, const cg_dialog *d, 
 static mem_entry *entry_new(cg_memstore *m, const char *key)
 {
     size_t n = strlen(key);
-    mem_entry *e = calloc(1, sizeof(*e) + n + 1);
-    if (!e)
-        return NULL;
+    mem_entry *e = cg_calloc(1, sizeof(*e) + n + 1);
     memcpy(e + 1, key, n + 1);
     e->key = (const char *)(e + 1);
     if (cg_addrmap_set(m->index, e->key, e) < 0) {
@@ -499,9 +493,7 @@ static void schedule(memory_store *ms)
 
 static memory_req *req_new(memory_store *ms, cg_store_op kind, const char *user, const char *room, void *ctx)
 {
-    memory_req *r = calloc(1, sizeof(*r));
-    if (!r)
-        return NULL;
+    memory_req *r = cg_calloc(1, sizeof(*r));
     r->ms = ms;
     r->kind = kind;
     r->key = cg_store_dialog_key(user, room);
@@ -641,9 +633,7 @@ static const cg_store_ops memory_ops = {
 
 cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg)
 {
-    memory_store *ms = calloc(1, sizeof(*ms));
-    if (!ms)
-        return NULL;
+    memory_store *ms = cg_calloc(1, sizeof(*ms));
     ms->base.ops = &memory_ops;
     ms->base.loop = loop;
     ms->base.cfg = *cfg;

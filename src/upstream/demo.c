@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/upstream/upstream.h"
 
 struct cg_upstream_call {
@@ -64,9 +65,7 @@ static int demo_start(cg_upstream *up, void **conn_slot, const cg_upstream_messa
                       const cg_upstream_events *ev, void *ctx, cg_upstream_call **out)
 {
     (void)conn_slot;
-    cg_upstream_call *c = calloc(1, sizeof(*c));
-    if (!c)
-        return -1;
+    cg_upstream_call *c = cg_calloc(1, sizeof(*c));
     char *params = m->params ? json_dumps(m->params, JSON_COMPACT) : NULL;
     char *resolution = m->resolution ? json_dumps(m->resolution, JSON_COMPACT) : NULL;
     const char *fmt = "This is chatgate's demo upstream '%s'. Route: %s. Room: %s. Service: %s. Params: %s. "
@@ -75,13 +74,7 @@ static int demo_start(cg_upstream *up, void **conn_slot, const cg_upstream_messa
     up->cfg->name, m->route, m->room, m->service ? m->service : "none", params ? params : "{}",                 \
         resolution ? resolution : "none", m->enriched ? m->enriched : "none", json_array_size(m->history), m->text
     int n = snprintf(NULL, 0, fmt, DEMO_ARGS);
-    c->reply = malloc((size_t)n + 1);
-    if (!c->reply) {
-        free(params);
-        free(resolution);
-        free(c);
-        return -1;
-    }
+    c->reply = cg_malloc((size_t)n + 1);
     snprintf(c->reply, (size_t)n + 1, fmt, DEMO_ARGS);
 #undef DEMO_ARGS
     free(params);

@@ -29,6 +29,7 @@
 
 #include <openssl/ssl.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/tls_ca.h"
 #include "chatgate/upstream/http_pool.h"
@@ -104,8 +105,8 @@ static int on_socket(CURL *easy, curl_socket_t fd, int what, void *userp, void *
         return 0;
     }
     if (!w) {
-        w = calloc(1, sizeof(*w));
-        if (!w || uv_poll_init_socket(p->loop, &w->poll, fd) < 0) {
+        w = cg_calloc(1, sizeof(*w));
+        if (uv_poll_init_socket(p->loop, &w->poll, fd) < 0) {
             free(w);
             return -1;
         }
@@ -325,9 +326,7 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
             return NULL;
         curl_ready = 1;
     }
-    cg_http_pool *p = calloc(1, sizeof(*p));
-    if (!p)
-        return NULL;
+    cg_http_pool *p = cg_calloc(1, sizeof(*p));
     LIST_INIT(&p->transfers);
     p->loop = loop;
     p->cfg = cfg;
@@ -386,9 +385,7 @@ int cg_http_pool_start(cg_http_pool *p, CURL *easy, cg_http_done_fn done, void *
 {
     if (p->freeing || multi_open(p) < 0)
         return -1;
-    transfer *t = calloc(1, sizeof(*t));
-    if (!t)
-        return -1;
+    transfer *t = cg_calloc(1, sizeof(*t));
     t->easy = easy;
     t->done = done;
     t->data = data;

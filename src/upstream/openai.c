@@ -35,6 +35,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/num.h"
@@ -488,7 +489,7 @@ fail:
 static int request_start(cg_upstream_call *c, openai_state *st, int r)
 {
     CURL *e = cg_http_pool_easy(st->pool);
-    attempt *a = e ? calloc(1, sizeof(*a)) : NULL;
+    attempt *a = e ? cg_calloc(1, sizeof(*a)) : NULL;
     if (!a) {
         if (e)
             curl_easy_cleanup(e);
@@ -668,7 +669,7 @@ static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message
     int failed = 0;
     if (*prompt || *summary) {
         size_t n = strlen(prompt) + strlen(summary) + 2;
-        char *system = malloc(n);
+        char *system = cg_malloc(n);
         if (system) {
             snprintf(system, n, "%s%s%s", prompt, *prompt && *summary ? "\n" : "", summary);
             failed |= append_message(messages, "system", json_string(system)) < 0;
@@ -719,9 +720,7 @@ static openai_state *state_of(cg_upstream *up)
 {
     if (up->state)
         return up->state;
-    openai_state *st = calloc(1, sizeof(*st));
-    if (!st)
-        return NULL;
+    openai_state *st = cg_calloc(1, sizeof(*st));
     up->state = st;
     int ok = 1;
     st->n = up->cfg->n_replicas ? up->cfg->n_replicas : 1;
@@ -744,9 +743,7 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
     openai_state *st = state_of(up);
     if (!st)
         return -1;
-    cg_upstream_call *c = calloc(1, sizeof(*c));
-    if (!c)
-        return -1;
+    cg_upstream_call *c = cg_calloc(1, sizeof(*c));
     c->up = up;
     c->pool = st->pool;
     c->body = build_body(up->cfg, m, &c->body_len);

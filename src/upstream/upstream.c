@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/utf8.h"
 #include "chatgate/upstream/upstream.h"
 
@@ -74,9 +75,7 @@ void cg_upstream_fail(const cg_upstream_events *ev, void *ctx, const cg_upstream
     int n = vsnprintf(NULL, 0, fmt, ap);
     size_t prefix = strlen("upstream '' ") + strlen(cfg->name);
     size_t size = prefix + (n > 0 ? (size_t)n : 0) + 1;
-    char *message = malloc(size);
-    if (!message)
-        abort();
+    char *message = cg_malloc(size);
     snprintf(message, size, "upstream '%s' ", cfg->name);
     if (n > 0)
         vsnprintf(message + prefix, size - prefix, fmt, again);

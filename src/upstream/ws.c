@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chatgate/core/alloc.h"
 #include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
@@ -242,11 +243,7 @@ static int queue_frame(ws_conn *k, char *frame, size_t len, size_t cap)
         free(frame);
         return -1;
     }
-    pending *p = calloc(1, sizeof(*p));
-    if (!p) {
-        free(frame);
-        return -1;
-    }
+    pending *p = cg_calloc(1, sizeof(*p));
     p->frame = frame;
     p->len = len;
     p->cap = cap;
@@ -566,9 +563,7 @@ static void on_resolved(void *data, const char *address, const char *err)
 
 static ws_conn *conn_new(cg_upstream *up, void **slot)
 {
-    ws_conn *k = calloc(1, sizeof(*k));
-    if (!k)
-        return NULL;
+    ws_conn *k = cg_calloc(1, sizeof(*k));
     k->up = up;
     k->slot = slot;
     k->refs = 1; /* the timer's */
@@ -596,7 +591,7 @@ static ws_conn *conn_new(cg_upstream *up, void **slot)
 static int hist_refresh(ws_conn *k, json_t *history)
 {
     size_t n = json_array_size(history), from = 0;
-    hist_text *next = n ? calloc(n, sizeof(*next)) : NULL;
+    hist_text *next = n ? cg_calloc(n, sizeof(*next)) : NULL;
     if (n && !next)
         return -1;
     for (size_t i = 0; i < n; i++) {
@@ -670,13 +665,11 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
     ws_conn *k = *conn_slot;
     if (!k && !(k = conn_new(up, conn_slot)))
         return -1;
-    cg_upstream_call *c = calloc(1, sizeof(*c));
-    if (!c)
-        return -1;
+    cg_upstream_call *c = cg_calloc(1, sizeof(*c));
     c->conn = k;
     c->ev = ev;
     c->ctx = ctx;
-    c->id = strdup(m->id);
+    c->id = cg_strdup(m->id);
     size_t len = 0;
     size_t cap = 0;
     char *frame = c->id ? message_frame(k, m, &len, &cap) : NULL;
