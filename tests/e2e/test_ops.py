@@ -688,7 +688,7 @@ async def part_admin_redis():
             with step("admin+redis: Redis away: DELETE answers 503 (retry), GET says degraded"):
                 redis.kill()
                 status, body, _ = await http(f"{base}/admin/users/{esc('auth0|abcd')}", "DELETE", AUTH)
-                check(status == 503, f"DELETE user while Redis is away should be 503 (README), got {status} {brief(body)}")
+                check(status == 503, f"DELETE user while Redis is away should be 503 (docs/state.md, When Redis fails), got {status} {brief(body)}")
                 status, body, _ = await http(f"{base}/admin/dialogs/{esc('a:b')}/trip", "DELETE", AUTH)
                 check(status == 503, f"DELETE dialog while Redis is away should be 503, got {status} {brief(body)}")
                 status, body, _ = await admin_get(base, "auth0|abcd", "trip")

@@ -144,7 +144,7 @@ async def main(args):
         with step(f"start mock-llm and the self-hosted Portkey gateway ({PK_MODULES}/{GATEWAY_PKG})"):
             await asyncio.gather(mock.start(), pk.start())
 
-        with step("Portkey on its own: a streaming chat completion with the README's headers streams "
+        with step("Portkey on its own: a streaming chat completion with the headers docs/upstreams.md gives streams "
                   "mock-llm's reply"):
             url = pk.base + "/v1/chat/completions"
             req = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "ping"}]}
@@ -168,7 +168,7 @@ async def main(args):
                      name="gateway:portkey-local")
         async with gw:
             client = await Client.connect(gw)
-            with step("chatgate with the README's upstream: a message gets done with mock-llm's reply, "
+            with step("chatgate with the upstream docs/upstreams.md gives: a message gets done with mock-llm's reply, "
                       "streamed through Portkey"):
                 text = "Hello Portkey, are you there?"
                 turn = await client.message(text, mid="m1", room="r1")
