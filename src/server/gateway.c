@@ -430,23 +430,10 @@ static int open_store(cg_gateway *gw, const cg_config *cfg, char *err, size_t er
     return 0;
 }
 
-int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen)
+/* The HTTP mounts of the main listener: the web page, /metrics, /healthz, and /admin unless
+ * it has a listener of its own (--admin-listen). */
+static void set_mounts(cg_gateway *gw, const cg_config *cfg)
 {
-    memset(gw, 0, sizeof(*gw));
-    gw->srv.cfg = cfg;
-    gw->loop = loop;
-    gw->srv.reload_rules = gateway_reload_rules_admin;
-    /* what every turn gets: the members below, as they are filled */
-    gw->srv.turn = (cg_turn_env){.cfg = cfg, .loop = loop, .upstreams = gw->srv.upstreams, .metrics = &gw->srv.metrics};
-    cg_turn_env_services(&gw->srv.turn);
-    load_secrets(gw, cfg);
-    gw->srv.turn.locks = json_object();
-    if (load_rule_sets(cfg, &gw->srv.turn.rules, &gw->srv.turn.shadow, err, errlen) < 0)
-        return CG_GATEWAY_BAD_CONFIG;
-    count_rules(&gw->srv.metrics, gw->srv.turn.rules);
-    /* Client frames arrive in pieces of 4096 bytes; a frame over it is reassembled. */
-    gw->protocols = build_protocols(cfg);
-
     gw->mount.mountpoint = "/";
     gw->mount.mountpoint_len = 1;
     gw->mount.origin = cfg->web_dir;
@@ -462,21 +449,18 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         ops_mounts[i]->origin_protocol = LWSMPRO_CALLBACK;
     }
     gw->mount_metrics.mount_next = &gw->mount_healthz;
-    /* the admin API: on the main listener, or only on its own (--admin-listen) */
     gw->mount_admin.mountpoint = "/admin";
     gw->mount_admin.mountpoint_len = 6;
     gw->mount_admin.protocol = CG_LWS_PROTOCOL_ADMIN;
     gw->mount_admin.origin_protocol = LWSMPRO_CALLBACK;
     if (!cfg->admin_listen)
         gw->mount_healthz.mount_next = &gw->mount_admin;
+}
 
-    /* the store first: a wrong store URL exits before lws has put handles on the loop */
-    if (open_store(gw, cfg, err, errlen) < 0)
-        return CG_GATEWAY_BAD_CONFIG;
-    gw->srv.turn.store->on_cancel = on_store_cancel;
-    gw->srv.turn.store->cancel_ctx = &gw->srv.turn;
-
-    gw->srv.net.loop = loop; /* the listeners' (listener.h), before the rest of net is set */
+/* The lws context on the gateway's loop, its vhost, and the admin listener when it has its
+ * own; 0, or -1 (said). */
+static int start_lws(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
+{
     void *foreign_loops[1] = {loop};
     struct lws_context_creation_info info;
     memset(&info, 0, sizeof(info));
@@ -523,17 +507,12 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
         return -1;
     }
-    cg_flusher_init(&gw->srv.flusher, loop); /* before the loop runs: the store's first write comes after its connect */
-    gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher,
-                           .tls_ca = cfg->tls_ca};
-    int flags = CG_LISTEN_DROPIN | (cg_worker_self() ? CG_LISTEN_SHARED : 0);
-    if (cg_listener_open(&gw->srv, gw->vhost, cfg->listen_host, cfg->listen_port, flags, "listener") < 0)
-        return -1;
-    gw->srv.turn.n_upstreams = cfg->n_upstreams;
-    for (int i = 0; i < cfg->n_upstreams; i++) {
-        cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i], &gw->srv.metrics, i);
-    }
+    return 0;
+}
 
+/* SIGTERM and SIGINT drain, SIGHUP reloads the rules; SIGPIPE is ignored. */
+static void start_signals(cg_gateway *gw, uv_loop_t *loop)
+{
     uv_signal_init(loop, &gw->sig_term);
     uv_signal_init(loop, &gw->sig_int);
     gw->sig_term.data = gw->sig_int.data = gw;
@@ -545,8 +524,11 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->sig_hup.data = gw;
     uv_signal_start(&gw->sig_hup, on_reload, SIGHUP);
     signal(SIGPIPE, SIG_IGN);
-    cg_worker_publish_start(&gw->srv);
+}
 
+/* What the gateway started with, said once in the log. */
+static void log_start(const cg_gateway *gw, const cg_config *cfg)
+{
     if (cg_worker_self())
         cg_info("worker %d (pid %d) of %ld", cg_worker_index(), (int)uv_os_getpid(), cfg->workers);
     else if (cfg->workers_auto) /* auto gave one process: say why there is no master */
@@ -571,6 +553,47 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     if (cfg->tls_ca)
         cg_info("tls_ca_file %s: %d CA certificate%s trusted besides the system's", cfg->tls_ca_file,
                 cg_tls_ca_count(cfg->tls_ca), cg_tls_ca_count(cfg->tls_ca) > 1 ? "s" : "");
+}
+
+int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen)
+{
+    memset(gw, 0, sizeof(*gw));
+    gw->srv.cfg = cfg;
+    gw->loop = loop;
+    gw->srv.reload_rules = gateway_reload_rules_admin;
+    /* what every turn gets: the members below, as they are filled */
+    gw->srv.turn = (cg_turn_env){.cfg = cfg, .loop = loop, .upstreams = gw->srv.upstreams, .metrics = &gw->srv.metrics};
+    cg_turn_env_services(&gw->srv.turn);
+    load_secrets(gw, cfg);
+    gw->srv.turn.locks = json_object();
+    if (load_rule_sets(cfg, &gw->srv.turn.rules, &gw->srv.turn.shadow, err, errlen) < 0)
+        return CG_GATEWAY_BAD_CONFIG;
+    count_rules(&gw->srv.metrics, gw->srv.turn.rules);
+    /* Client frames arrive in pieces of 4096 bytes; a frame over it is reassembled. */
+    gw->protocols = build_protocols(cfg);
+    set_mounts(gw, cfg);
+
+    /* the store first: a wrong store URL exits before lws has put handles on the loop */
+    if (open_store(gw, cfg, err, errlen) < 0)
+        return CG_GATEWAY_BAD_CONFIG;
+    gw->srv.turn.store->on_cancel = on_store_cancel;
+    gw->srv.turn.store->cancel_ctx = &gw->srv.turn;
+
+    gw->srv.net.loop = loop; /* the listeners' (listener.h), before the rest of net is set */
+    if (start_lws(gw, cfg, loop) < 0)
+        return -1;
+    cg_flusher_init(&gw->srv.flusher, loop); /* before the loop runs: the store's first write comes after its connect */
+    gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher,
+                           .tls_ca = cfg->tls_ca};
+    int flags = CG_LISTEN_DROPIN | (cg_worker_self() ? CG_LISTEN_SHARED : 0);
+    if (cg_listener_open(&gw->srv, gw->vhost, cfg->listen_host, cfg->listen_port, flags, "listener") < 0)
+        return -1;
+    gw->srv.turn.n_upstreams = cfg->n_upstreams;
+    for (int i = 0; i < cfg->n_upstreams; i++)
+        cg_upstream_init(&gw->srv.upstreams[i], &gw->srv.net, &cfg->upstreams[i], &gw->srv.metrics, i);
+    start_signals(gw, loop);
+    cg_worker_publish_start(&gw->srv);
+    log_start(gw, cfg);
     return 0;
 }
 
