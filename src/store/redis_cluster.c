@@ -430,10 +430,18 @@ static void deliver(cl_cmd *k, cg_redis_conn *c, void *reply)
 
 static void on_cmd_reply(cg_redis_conn *c, void *reply_, void *priv);
 
-/* Sends k to node n (after ASKING when asking); -1 when n's connection refused it. */
+/* Can n take commands? Connected, and not a master lost and not answering again yet (a
+ * stopped one accepts a connection and says nothing): its slots fail at once instead. */
+static int node_usable(const cl_node *n)
+{
+    return n && n->conn && !(n->lost && !n->answered);
+}
+
+/* Sends k to node n (after ASKING when asking); -1 when n cannot take it (node_usable) or its
+ * connection refused it. */
 static int send_to(cl_node *n, cl_cmd *k, int asking)
 {
-    if (!n || !n->conn)
+    if (!node_usable(n))
         return -1;
     if (asking && cg_redis_conn_cmd(n->conn, NULL, NULL, "ASKING") < 0)
         return -1;
@@ -545,7 +553,7 @@ int cg_redis_cluster_send(cg_redis_cluster *cl, unsigned slot, const char *cmd, 
     if (!cl || cl->state != CL_UP)
         return -1;
     cl_node *n = slot_node(cl, slot);
-    if (!n || !n->conn)
+    if (!node_usable(n))
         return -1;
     cl_cmd *k = cg_calloc(1, sizeof(*k));
     k->text = cg_malloc(len);
@@ -569,6 +577,20 @@ cg_redis_conn *cg_redis_cluster_conn(cg_redis_cluster *cl, unsigned slot)
         return NULL;
     cl_node *n = slot_node(cl, slot);
     return n ? n->conn : NULL;
+}
+
+int cg_redis_cluster_stalled(cg_redis_cluster *cl, unsigned slot, const char *why)
+{
+    if (!cl || cl->state != CL_UP)
+        return -1;
+    cl_node *n = slot_node(cl, slot);
+    if (!n || !n->conn)
+        return -1;
+    cg_redis_conn *c = n->conn;
+    n->conn = NULL; /* its close event is then no news */
+    cg_redis_conn_close(c);
+    node_lost(n, why);
+    return 0;
 }
 
 static void on_start(uv_timer_t *t)

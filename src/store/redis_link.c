@@ -536,6 +536,11 @@ static void on_tick(uv_timer_t *t)
         ln->cfg.stats->errors++;
         char why[96];
         snprintf(why, sizeof(why), "no answer for %ld ms", ln->cfg.command_timeout_ms);
+        /* a cluster: that command's master alone is lost (a master stopped is its slots'
+         * outage, as a killed one is), unless it was lost already and still holds the line */
+        link_cmd *oldest = ln->head;
+        if (ln->cluster && cg_redis_cluster_stalled(ln->cluster, oldest->slot, why) == 0)
+            return; /* its commands were answered NULL; the router may have ended (link down) */
         link_down(ln, why);
     }
 }

@@ -654,6 +654,17 @@ class RedisCluster:
         self._killed_at[master.node_id] = time.monotonic()
         return master
 
+    def pause_master(self, master):
+        """SIGSTOP a master: its connections stay open and nothing is answered, until the
+        cluster fails it over (resume() it after: it comes back as a replica)."""
+        master = self.node(master)
+        check(master.role() == "master", f"node {master.port} is not a master (ROLE {master.role()})")
+        self.orphans[master.node_id] = self.replicas_of(master)
+        check(self.orphans[master.node_id], f"master {master.port} has no replica to fail over to")
+        master.pause()
+        self._killed_at[master.node_id] = time.monotonic()
+        return master
+
     def wait_failover(self, old, timeout=20.0):
         """Until a former replica of the killed master `old` is a master owning slots, every
         live node flags `old` as failed and says cluster_state:ok. The new master."""

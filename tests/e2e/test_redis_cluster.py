@@ -42,9 +42,12 @@ redis_topo.RedisCluster from Debian's redis-server 7.0), users u0..u49 spread ov
 9. Commands parked on TRYAGAIN (a slot MIGRATING by hand, its keys moved) when the cluster
    router closes (CLIENT KILL of the gateways' connections on the masters): the gateway
    survives, the message is answered, the dialog is written back once the slot has moved.
+10. The failover of 2 once more, the last master with a replica stopped (SIGSTOP: its
+   connections open, nothing answered) instead of killed, cluster-require-full-coverage no:
+   the command timeout drops that master alone; the same checks as 8.
 
 Every client frame goes through harness.FrameTracker (ack first, one terminal frame, done.text
-the deltas). Run: python3 tests/e2e/test_redis_cluster.py --gateway build/chatgate (about 30 s);
+the deltas). Run: python3 tests/e2e/test_redis_cluster.py --gateway build/chatgate (about 45 s);
 CG_E2E_PARTS=0,1 runs parts 1 and 2 only (numbered from 0).
 """
 
@@ -474,14 +477,19 @@ async def part_failover_partial(w):
     await failover_round(w, full_coverage=False)
 
 
-async def failover_round(w, full_coverage):
-    """One master killed under traffic. full_coverage: Redis's default
-    cluster-require-full-coverage yes, with which every master refuses (CLUSTERDOWN) from
-    the moment the cluster marks the master failed until its replica is promoted; with no,
-    the other masters go on, and so must their users' dialogs."""
+async def part_failover_stopped(w):
+    await failover_round(w, full_coverage=False, pause=True)
+
+
+async def failover_round(w, full_coverage, pause=False):
+    """One master killed (or stopped: SIGSTOP, its connections open and silent) under traffic.
+    full_coverage: Redis's default cluster-require-full-coverage yes, with which every master
+    refuses (CLUSTERDOWN) from the moment the cluster marks the master failed until its
+    replica is promoted; with no, the other masters go on, and so must their users' dialogs."""
     cluster = w.cluster
     setting = "yes" if full_coverage else "no"
-    with step(f"failover (cluster-require-full-coverage {setting}): kill -9 of a master while {N_USERS} clients "
+    how = "SIGSTOP" if pause else "kill -9"
+    with step(f"failover (cluster-require-full-coverage {setting}): {how} of a master while {N_USERS} clients "
               "send; every message answered once; history complete but for replication's window before the kill; "
               "no gateway degraded as a whole" + ("" if full_coverage else
                                                   "; the other masters' users never told store_degraded")):
@@ -506,11 +514,11 @@ async def failover_round(w, full_coverage):
         stop, watch_stop = asyncio.Event(), asyncio.Event()
         seen = {}
         watcher = asyncio.create_task(watch_degraded(w.gws, watch_stop, seen))
-        tag = "fo" if full_coverage else "fp"  # message ids of their own
+        tag = "fs" if pause else "fo" if full_coverage else "fp"  # message ids of their own
         loader = asyncio.create_task(load(w.tabs, tag, stop))
         try:
             await asyncio.sleep(1.5)
-            await asyncio.to_thread(cluster.kill_master, victim)
+            await asyncio.to_thread(cluster.pause_master if pause else cluster.kill_master, victim)
             killed_at = time.time()
             new = await cluster.await_failover(victim, timeout=20)
             failed_over_at = time.time()
@@ -586,6 +594,8 @@ async def failover_round(w, full_coverage):
         check(all(n == 1 for n in per_dialog.values()),
               f"more than one turn of a dialog lost with the master: {per_dialog}")
         await asyncio.to_thread(check_no_crossslot, cluster, w.gws)
+        if pause:  # SIGCONT: it comes back as a replica of the promoted one
+            victim.resume()
 
 
 async def part_reshard(w):
@@ -967,7 +977,8 @@ async def main(args):
                 tabs = [await Tab.open(ga if i % 2 == 0 else gb, f"u{i}") for i in range(N_USERS)]
                 w = World(cluster, upstream, ga, gb, tabs, cfg, gw_args)
                 parts = (part_routing, part_failover, part_reshard, part_cancel, part_one_turn,
-                         part_cancel_fallback, part_bus_slot_moved, part_failover_partial, part_parked_at_close)
+                         part_cancel_fallback, part_bus_slot_moved, part_failover_partial, part_parked_at_close,
+                         part_failover_stopped)
                 only = os.environ.get("CG_E2E_PARTS")  # e.g. "1,3": those parts only (0 is routing)
                 for n, part in enumerate(parts):
                     if not only or str(n) in only.split(","):

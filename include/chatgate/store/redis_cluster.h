@@ -106,6 +106,11 @@ int cg_redis_cluster_send(cg_redis_cluster *cl, unsigned slot, const char *cmd, 
                           void *priv);
 /* The connection to the master of slot now (pub/sub asks it), or NULL. */
 cg_redis_conn *cg_redis_cluster_conn(cg_redis_cluster *cl, unsigned slot);
+/* The master of slot left a command unanswered too long (why): stopped, or cut off. Its
+ * connection is dropped (its commands get NULL now) and it is lost as a closed one is: its
+ * slots' outage, the map read again, or the router's end when no master answers. 0, or -1
+ * when the slot has no connected master (nothing done). */
+int cg_redis_cluster_stalled(cg_redis_cluster *cl, unsigned slot, const char *why);
 /* Closes every connection: commands waiting get NULL; on_state is not called. */
 void cg_redis_cluster_close(cg_redis_cluster *cl);
 
