@@ -772,7 +772,8 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
     }
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
         /* the client gets the app's code and reason, when they may be sent on (RFC 6455 7.4);
-         * a bad close frame from the app is the app's failure: 1011 */
+         * a bad close frame from the app is the app's failure: 1011; an empty one (no status,
+         * 1005, which may not be sent on) is a normal closure: 1000 */
         if (cg_ws_close_payload_check(in, len) != 0) {
             cg_warn("dropin: the app's close frame is not valid (RFC 6455 7.4): closing the client with 1011");
             d->close_code = 1011;
@@ -781,6 +782,9 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
             const unsigned char *b = in;
             d->close_code = b[0] << 8 | b[1];
             snprintf(d->close_reason, sizeof(d->close_reason), "%.*s", (int)(len - 2), (const char *)in + 2);
+        } else {
+            d->close_code = 1000;
+            d->close_reason[0] = 0;
         }
         return 0;
     case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {

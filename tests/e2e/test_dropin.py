@@ -51,6 +51,7 @@ import re
 import time
 
 import websockets
+import websockets.frames
 
 import harness
 from harness import Client, Gateway, check, independent, step
@@ -649,6 +650,15 @@ async def part_failure():
                 await app.sessions[-1].close(4002, "bye")
                 code, reason, frames = await client.wait_closed(3)
                 check((code, reason) == (4002, "bye"), f"expected close 4002 'bye', got {code} {reason!r}")
+            with step("the app closes with an empty close frame (no status: 1005, which may not be sent on): "
+                      "the client gets 1000, a normal closure, not the 1011 of an app gone"):
+                client = await connect(url, sid)
+                await client.say("hi", "c2")
+                await reply(client, "c2")
+                sess = app.sessions[-1]
+                await sess.ws.write_close_frame(websockets.frames.Close(1005, ""), b"")
+                code, reason, frames = await client.wait_closed(3)
+                check(code == 1000, f"expected close 1000, got {code} {reason!r}")
             with step("the app drops the TCP connection (no close frame): the client gets 1011"):
                 client = await connect(url, sid)
                 await client.say("Tell me a long story", "L2")
