@@ -40,11 +40,11 @@ typedef struct cg_fallback_dirty {
 
 typedef struct cg_fallback_backend_ops {
     /*
-     * Writes d (item's dialog as memory holds it; the backend's to free, cg_dialog_free) to
-     * the store, merged with the store's own copy (another gateway may have written it
-     * meanwhile). The answer comes later through cg_fallback_written(item->key,
-     * item->version, ...). Returns 0, or -1 when it could not start: the dialog stays dirty
-     * and is tried again.
+     * Writes d (item's dialog as memory holds it) to the store, merged with the store's own
+     * copy (another gateway may have written it meanwhile). d is the backend's either way:
+     * it frees it (cg_dialog_free) when done, or at once when it returns -1. The answer comes
+     * later through cg_fallback_written(item->key, item->version, ...). Returns 0, or -1 when
+     * it could not start: the dialog stays dirty and is tried again.
      */
     int (*writeback)(void *backend, const cg_fallback_dirty *item, cg_dialog *d);
 } cg_fallback_backend_ops;
