@@ -5,7 +5,7 @@ Reads every .md file git knows of (`git ls-files`, and new files git does not ig
 whole tree but build*/ and node_modules/ outside a git checkout) and checks each relative
 link in it, `[text](path)`, `[text](path#anchor)`, `[text](#anchor)`, `![alt](path)` and the
 reference form `[name]: path`, outside code blocks and code spans:
-- the path must name a file or folder of the repository (nothing outside it: no `../shared/`);
+- the path must name a file or folder of the repository (nothing outside it, such as a sibling folder of the checkout);
 - an anchor into a Markdown page must be one of its headings as GitHub writes its id
   (lower case, spaces to '-', punctuation but '-' and '_' dropped, a repeated heading
   getting -1, -2, ...), or an explicit `<a name="...">` / `id="..."` in it.
