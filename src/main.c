@@ -138,8 +138,6 @@ static int rules_replay(int argc, char **argv)
     char **paths = cg_calloc((size_t)argc, sizeof(*paths)); /* the transcripts, in order */
     char err[1024];
     int n_paths = 0, flags = 1, rc = 2;
-    if (!paths)
-        return 2;
     for (int i = 3; i < argc; i++) {
         int which = strcmp(argv[i], "--old") == 0 ? 0 : strcmp(argv[i], "--new") == 0 ? 1 : -1;
         if (flags && strcmp(argv[i], "--") == 0) {

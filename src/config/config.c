@@ -783,8 +783,7 @@ static int load_text(cg_config *cfg, const char *file, const char *text, size_t 
     json_decref(root);
     if (rc < 0) {
         char *copy = cg_strndup(text, len); /* the text holds no NUL: jansson parsed it */
-        if (copy)
-            add_position(file, copy, err, errlen);
+        add_position(file, copy, err, errlen);
         free(copy);
     }
     return rc;

@@ -25,16 +25,11 @@ char *cg_file_read(const char *path, size_t max, size_t *len, char *err, size_t 
         (void)fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
     size_t cap = max < 4096 ? max + 1 : 4096, n = 0; /* room for max + 1: one more says too big */
     char *buf = cg_malloc(cap + 1);
-    int failed = buf ? 0 : ENOMEM;
+    int failed = 0;
     while (!failed && n <= max) {
         if (n == cap) {
             size_t bigger = cap * 2 > max + 1 ? max + 1 : cap * 2;
-            char *grown = cg_realloc(buf, bigger + 1);
-            if (!grown) {
-                failed = ENOMEM;
-                break;
-            }
-            buf = grown;
+            buf = cg_realloc(buf, bigger + 1);
             cap = bigger;
         }
         ssize_t got = read(fd, buf + n, cap - n);

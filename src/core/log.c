@@ -163,10 +163,6 @@ static char *format_masked(const char *fmt, va_list ap)
     }
     size_t cap = (size_t)n < CG_LOG_MAX_FORMAT ? (size_t)n : CG_LOG_MAX_FORMAT;
     char *raw = cg_malloc(cap + 1);
-    if (!raw) {
-        va_end(again);
-        return NULL;
-    }
     vsnprintf(raw, cap + 1, fmt, again);
     va_end(again);
     int over = (size_t)n > cap;
@@ -187,10 +183,6 @@ static char *format_masked(const char *fmt, va_list ap)
         return masked;
     static const char mark[] = " [cut]";
     char *cut = cg_realloc(masked, keep + sizeof(mark));
-    if (!cut) {
-        free(masked);
-        return NULL;
-    }
     memcpy(cut + keep, mark, sizeof(mark));
     return cut;
 }

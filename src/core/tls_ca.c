@@ -41,7 +41,7 @@ cg_tls_ca *cg_tls_ca_load(const char *path, char *err, size_t errlen)
     cg_tls_ca *ca = cg_calloc(1, sizeof(*ca));
     BIO *in = NULL;
     char *text = NULL; /* the file's bytes: the BIO reads them in place */
-    if (!ca || !(ca->certs = sk_X509_new_null())) {
+    if (!(ca->certs = sk_X509_new_null())) { /* OpenSSL's own allocation */
         snprintf(err, errlen, "out of memory");
         goto fail;
     }

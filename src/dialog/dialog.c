@@ -711,12 +711,11 @@ char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resol
         static const char lead[] = "What the conversation has established so far: ";
         size_t n = sizeof(lead) + strlen(s);
         out = cg_malloc(n);
-        if (out)
-            snprintf(out, n, "%s%s", lead, s);
+        snprintf(out, n, "%s%s", lead, s);
         free(s);
     }
     json_decref(parts);
-    return out ? out : cg_strdup(""); /* nothing established, or no memory to say it */
+    return out ? out : cg_strdup(""); /* nothing established */
 }
 
 /* ---- merging two copies ------------------------------------------------------------------- */

@@ -190,11 +190,8 @@ void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, c
         d->awaiting = NULL;
     }
     if (rr.service[0] && (!d->service || strcmp(d->service, rr.service) != 0)) {
-        char *service = cg_strdup(rr.service);
-        if (service) {
-            free(d->service);
-            d->service = service;
-        }
+        free(d->service);
+        d->service = cg_strdup(rr.service);
     }
     cg_dialog_forget(d, rr.forget);
     if (json_object_size(rr.metadata))

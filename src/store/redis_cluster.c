@@ -315,9 +315,7 @@ static void on_seed_slots(cg_redis_conn *c, void *reply, void *priv)
     }
     cg_redis_slot_map *m = cg_malloc(sizeof(*m));
     char err[200];
-    if (!m || cg_redis_slot_map_read(reply, cl->seed_address, m, err, sizeof(err)) < 0) {
-        if (!m)
-            snprintf(err, sizeof(err), "out of memory");
+    if (cg_redis_slot_map_read(reply, cl->seed_address, m, err, sizeof(err)) < 0) {
         free(m);
         seed_failed(cl, err);
         return;
@@ -378,9 +376,8 @@ static void on_map_reread(cg_redis_conn *c, void *reply, void *priv)
         return; /* the node's event deals with it */
     cg_redis_slot_map *m = cg_malloc(sizeof(*m));
     char err[200];
-    if (!m || cg_redis_slot_map_read(reply, n->addr.host, m, err, sizeof(err)) < 0) {
-        cg_warn("redis cluster: reading the slot map again from %s:%d: %s", n->addr.host, n->addr.port,
-                m ? err : "out of memory");
+    if (cg_redis_slot_map_read(reply, n->addr.host, m, err, sizeof(err)) < 0) {
+        cg_warn("redis cluster: reading the slot map again from %s:%d: %s", n->addr.host, n->addr.port, err);
         free(m);
         return; /* the MOVED answers still lead each command */
     }

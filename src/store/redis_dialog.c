@@ -1441,9 +1441,7 @@ static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *rep
         if (room->type != REDIS_REPLY_STRING)
             continue;
         char *er = cg_strndup(room->str, room->len); /* stored escaped, as the keys use it */
-        char *key = er ? cg_malloc(strlen(r->eu) + room->len + 2) : NULL;
-        if (!key)
-            abort();
+        char *key = cg_malloc(strlen(r->eu) + room->len + 2);
         sprintf(key, "%s:%s", r->eu, er); /* the gateway's key of that dialog (cg_store_dialog_key) */
         cg_fallback_remove(rs->fb, key);
         arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);

@@ -670,13 +670,9 @@ static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message
     if (*prompt || *summary) {
         size_t n = strlen(prompt) + strlen(summary) + 2;
         char *system = cg_malloc(n);
-        if (system) {
-            snprintf(system, n, "%s%s%s", prompt, *prompt && *summary ? "\n" : "", summary);
-            failed |= append_message(messages, "system", json_string(system)) < 0;
-            free(system);
-        } else {
-            failed = 1;
-        }
+        snprintf(system, n, "%s%s%s", prompt, *prompt && *summary ? "\n" : "", summary);
+        failed |= append_message(messages, "system", json_string(system)) < 0;
+        free(system);
     }
     size_t i;
     json_t *h;

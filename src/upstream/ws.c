@@ -672,7 +672,7 @@ static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message
     c->id = cg_strdup(m->id);
     size_t len = 0;
     size_t cap = 0;
-    char *frame = c->id ? message_frame(k, m, &len, &cap) : NULL;
+    char *frame = message_frame(k, m, &len, &cap);
     if (queue_frame(k, frame, len, cap) < 0) {
         call_free(c);
         return -1;
