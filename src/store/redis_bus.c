@@ -228,7 +228,7 @@ cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn 
     b->rs = rs;
     b->on_cancel = on_cancel;
     b->sharded = 1;
-    b->host = cg_redis_xstrdup(rs->host);
+    b->host = cg_strdup(rs->host);
     b->port = rs->port;
     if (asprintf(&b->channel, "%s:bus:%s", rs->base.cfg.prefix, rs->holder) < 0)
         abort(); /* out of memory at startup */

@@ -802,7 +802,7 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
          * copy is left as it is (it may hold turns of this gateway that Redis's lacks) */
         redis_req *save = r->ctx;
         free(save->merge_rev);
-        save->merge_rev = cg_redis_xstrdup(rev ? rev : "");
+        save->merge_rev = cg_strdup(rev ? rev : "");
         return 0;
     }
     cg_memstore_put_rev(cg_fallback_copy(rs->fb), r->key, d, now, rev, 0); /* the copy that survives an outage */
@@ -860,7 +860,7 @@ static void send_load(redis_store *rs, redis_req *r)
     if (r->lease && !r->full)
         (void)cg_memstore_view_of(cg_fallback_copy(rs->fb), r->key, rs->base.now(rs->base.clock_ctx), &v);
     free(r->rev);
-    r->rev = v.rev ? cg_redis_xstrdup(v.rev) : NULL;
+    r->rev = v.rev ? cg_strdup(v.rev) : NULL;
     r->copy_params = params_count(v.params);
     r->copy_history = json_array_size(v.history);
     argv_buf a = {0};
@@ -882,7 +882,7 @@ static void send_load(redis_store *rs, redis_req *r)
         if (!r->ticket) {
             char ticket[80];
             snprintf(ticket, sizeof(ticket), "%s#%llu", rs->holder, ++rs->ticket_seq);
-            r->ticket = cg_redis_xstrdup(ticket);
+            r->ticket = cg_strdup(ticket);
         }
         arg_str(&a, r->ticket);
         arg_int(&a, wall_ms());
@@ -1482,7 +1482,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
         return;
     }
     if (!r->merge_rev) /* the load's answer names Redis's rev (load_answer) */
-        r->merge_rev = cg_redis_xstrdup("");
+        r->merge_rev = cg_strdup("");
     long added;
     if (!st->found) { /* Redis has no copy (restarted empty, expired): this one goes as it is */
         cg_dialog_free(d);
@@ -1520,7 +1520,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     free(r->lease_value); /* a merge keeps every turn: it writes over Redis's copy only as it read it */
     r->lease_value = NULL;
     r->full = 1;
-    char *key = cg_redis_xstrdup(r->key);
+    char *key = cg_strdup(r->key);
     cg_redis_send_save(rs, r); /* holds the gate in its turn */
     gate_leave(rs, key);
     free(key);
@@ -1538,13 +1538,7 @@ static void merge_start(redis_store *rs, redis_req *r)
 {
     gate_enter(rs, r->key); /* later loads of the dialog wait for the merge's save */
     r->merges++;
-    redis_req *l = cg_redis_req_new(rs, CG_STORE_LOAD, "", "", r);
-    free(l->eu);
-    free(l->er);
-    free(l->key);
-    l->eu = cg_redis_xstrdup(r->eu);
-    l->er = cg_redis_xstrdup(r->er);
-    l->key = cg_redis_xstrdup(r->key);
+    redis_req *l = cg_redis_req_new_escaped(rs, CG_STORE_LOAD, r->eu, r->er, r);
     l->cb.load = on_merge_loaded;
     l->full = 1;
     send_load(rs, l);
@@ -1557,7 +1551,7 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
     reply = save_evictions(rs, r, reply);
-    char *key = cg_redis_xstrdup(r->key); /* r may be finished below; the gate opens last */
+    char *key = cg_strdup(r->key); /* r may be finished below; the gate opens last */
     if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot && r->merges < MERGE_TRIES) {
         /* Redis holds a copy other than the one this save began from (-3: appending found
          * another rev; 0, -1: another incarnation, or a newer copy; -4: the copy merged with
@@ -1889,7 +1883,7 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
         cg_error("redis %s:%d: out of memory: a dialog was not saved", rs->host, rs->port);
     json_t *held = json_object_get(rs->leases, r->key);
     if (held) { /* the turn's lease: the save writes only while it holds, and lets go of it */
-        r->lease_value = cg_redis_xstrdup(json_string_value(json_object_get(held, "v")));
+        r->lease_value = cg_strdup(json_string_value(json_object_get(held, "v")));
         json_object_del(rs->leases, r->key);
     }
     start_or_wait(rs, r);

@@ -56,7 +56,7 @@ static redis_req *req_alloc(redis_store *rs, cg_store_op kind, char *eu, char *e
 
 redis_req *cg_redis_req_new_escaped(redis_store *rs, cg_store_op kind, const char *eu, const char *er, void *ctx)
 {
-    return req_alloc(rs, kind, cg_redis_xstrdup(eu), cg_redis_xstrdup(er), ctx);
+    return req_alloc(rs, kind, cg_strdup(eu), cg_strdup(er), ctx);
 }
 
 redis_req *cg_redis_req_new(redis_store *rs, cg_store_op kind, const char *user, const char *room, void *ctx)
@@ -64,14 +64,14 @@ redis_req *cg_redis_req_new(redis_store *rs, cg_store_op kind, const char *user,
     user = user ? user : "";
     redis_req *r = req_alloc(rs, kind, cg_store_escape(user), cg_store_escape(room ? room : ""), ctx);
     if (kind == CG_STORE_REMOVE_USER) /* its memory delete is by the user as given */
-        r->user = cg_redis_xstrdup(user);
+        r->user = cg_strdup(user);
     return r;
 }
 
 cg_dialog *cg_redis_snapshot(const cg_dialog *d)
 {
     cg_dialog *s = cg_malloc(sizeof(*s));
-    if (s && cg_dialog_share(s, d) < 0) {
+    if (cg_dialog_share(s, d) < 0) {
         free(s);
         s = NULL;
     }

@@ -254,7 +254,7 @@ static int parse_cluster_url(redis_store *rs, const char *url, char *err, size_t
     if (parse_hosts(p, end, &rs->seed_hosts, &rs->seed_ports, &rs->n_seeds, 6379, "seed", CLUSTER_USAGE, shown, err,
                     errlen) < 0)
         return -1;
-    rs->host = cg_redis_xstrdup(rs->seed_hosts[0]); /* in the log: the first seed */
+    rs->host = cg_strdup(rs->seed_hosts[0]); /* in the log: the first seed */
     rs->port = rs->seed_ports[0];
     return 0;
 }
@@ -295,7 +295,7 @@ static int parse_sentinel_url(redis_store *rs, const char *url, char *err, size_
         abort();
     if (parse_db(&rs->db, *name_end ? name_end + 1 : "", shown, err, errlen) < 0)
         return -1;
-    rs->host = cg_redis_xstrdup(rs->master); /* in the log until a Sentinel names the primary */
+    rs->host = cg_strdup(rs->master); /* in the log until a Sentinel names the primary */
     rs->port = 0;
     return 0;
 }

@@ -112,14 +112,6 @@ struct redis_store {
     int closing;
 };
 
-static inline char *cg_redis_xstrdup(const char *s)
-{
-    char *d = strdup(s);
-    if (!d)
-        abort();
-    return d;
-}
-
 /* The store can send commands: its link is up. */
 static inline int cg_redis_linked(const redis_store *rs)
 {
