@@ -251,7 +251,8 @@ int main(int argc, char **argv)
             fprintf(stderr, "chatgate: %s\n", err);
         cg_gateway_abort(&gw);
         cg_config_free(&cfg);
-        uv_loop_close(&loop); /* frees what uv_loop_init took, when no handle was opened yet */
+        if (uv_loop_close(&loop) != 0) /* abort has closed every handle start opened */
+            cg_warn("the event loop still had handles after a failed start");
         return rc == CG_GATEWAY_BAD_CONFIG ? 2 : 1;
     }
     cg_worker_ready(); /* --workers: tells the master; nothing without */

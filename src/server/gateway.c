@@ -230,9 +230,28 @@ static void warn_limits_without_users(const cg_config *cfg)
             keys[0] ? keys : "limits.plans", keys[0] && cfg->limits.n_plans ? " and limits.plans" : "");
 }
 
+/* After a failed start, inside one run of the loop: lws is destroyed while the loop runs
+ * (its libuv plugin closes handles of its own), the store and the flusher close theirs. */
+static void on_abort_tick(uv_timer_t *t)
+{
+    cg_gateway *gw = t->data;
+    uv_close((uv_handle_t *)t, NULL);
+    cg_listener_close_all();
+    if (gw->lws)
+        lws_context_destroy(gw->lws);
+    gw->lws = NULL;
+    if (gw->srv.turn.store)
+        gw->srv.turn.store->ops->close(gw->srv.turn.store);
+    gw->srv.turn.store = NULL;
+    cg_flusher_close(&gw->srv.flusher);
+}
+
 void cg_gateway_abort(cg_gateway *gw)
 {
-    /* the lws context, when there is one, is left to the exit (see cg_gateway_start) */
+    uv_timer_init(gw->loop, &gw->drain);
+    gw->drain.data = gw;
+    uv_timer_start(&gw->drain, on_abort_tick, 0, 0);
+    uv_run(gw->loop, UV_RUN_DEFAULT); /* until every handle start opened has closed */
     cg_ruleset_unref(gw->srv.turn.rules);
     gw->srv.turn.rules = NULL;
     cg_ruleset_unref(gw->srv.turn.shadow);
@@ -501,9 +520,9 @@ static int start_lws(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
     if (gw->vhost && cfg->admin_listen && start_admin_listener(gw, cfg, &info) < 0)
         return -1;
     if (!gw->vhost) {
-        /* lws keeps the context when only the listener failed. It is not destroyed here:
-         * outside uv_run, lws would unload its libuv plugin while the plugin's handles are
-         * still closing. The caller exits. */
+        /* lws keeps the context when only the listener failed: cg_gateway_abort destroys
+         * it inside uv_run (outside, lws would unload its libuv plugin while the plugin's
+         * handles are still closing). */
         cg_error("could not start listening on %s (in use, or not an address of this machine?)", cfg->listen);
         return -1;
     }
@@ -560,6 +579,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     memset(gw, 0, sizeof(*gw));
     gw->srv.cfg = cfg;
     gw->loop = loop;
+    /* first: the store's first write comes after its connect, and a failed start closes it */
+    cg_flusher_init(&gw->srv.flusher, loop);
     gw->srv.reload_rules = gateway_reload_rules_admin;
     /* what every turn gets: the members below, as they are filled */
     gw->srv.turn = (cg_turn_env){.cfg = cfg, .loop = loop, .upstreams = gw->srv.upstreams, .metrics = &gw->srv.metrics};
@@ -582,7 +603,6 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     gw->srv.net.loop = loop; /* the listeners' (listener.h), before the rest of net is set */
     if (start_lws(gw, cfg, loop) < 0)
         return -1;
-    cg_flusher_init(&gw->srv.flusher, loop); /* before the loop runs: the store's first write comes after its connect */
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher,
                            .tls_ca = cfg->tls_ca};
     int flags = CG_LISTEN_DROPIN | (cg_worker_self() ? CG_LISTEN_SHARED : 0);

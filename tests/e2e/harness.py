@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -107,8 +108,39 @@ def is_terminal(frame):
     return kind in TERMINAL_TYPES
 
 
+_ports_given = set()
+_port_random = random.Random(os.getpid() ^ time.monotonic_ns())
+
+
+def _ephemeral_range():
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on (at the time of the call)."""
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of the call).
+
+    Not one the kernel would pick for a bind to port 0 or for a connection's own end: those
+    come from the ephemeral range, where the tests running beside this one (ctest -j) take
+    ports all the time, so a port found free there is often taken before our child binds it.
+    A random port below that range, never the same twice in one test, rarely is.
+    """
+    low, _ = _ephemeral_range()
+    top = low - 1 if low > 12000 else 65535
+    for _ in range(200):
+        port = _port_random.randrange(10000, top)
+        if port in _ports_given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -221,6 +253,7 @@ class Gateway:
         self.args = [str(a) for a in args]
         self.config = config
         self.port = port or free_port()
+        self.port_retries = 0 if port else 2  # a port we chose and another process took
         self.name = name or f"gateway:{self.port}"
         self.extra_env = dict(env or {})
         self.proc = None
@@ -278,12 +311,57 @@ class Gateway:
     def _port_accepts(self):
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                return True
+                pass
         except OSError:
             return False
+        return self._listener_is_ours()
+
+    def _listener_is_ours(self):
+        """Whether the socket listening on our port is this gateway's (or one of its
+        workers'), not another process's that took the port first: /proc/net/tcp names the
+        listening sockets' inodes, /proc/PID/fd the process's sockets."""
+        port_hex = f":{self.port:04X}"
+        try:
+            inodes = set()
+            for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[1].endswith(port_hex) and fields[3] == "0A":
+                    inodes.add(f"socket:[{fields[9]}]")
+            pids, seen = [self.proc.pid], set()
+            while pids:
+                pid = pids.pop()
+                seen.add(pid)
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    pids += [int(c) for c in (task / "children").read_text().split() if int(c) not in seen]
+                for fd in Path(f"/proc/{pid}/fd").iterdir():
+                    with contextlib.suppress(OSError):
+                        if os.readlink(fd) in inodes:
+                            return True
+        except (OSError, ValueError, IndexError):
+            return True  # no /proc to ask: the port accepting is all we know
+        return False
+
+    def _port_was_taken(self):
+        """The gateway exited because another process took the port we chose for it: it is
+        started again on another one (free_port's check and the gateway's bind race)."""
+        if self.port_retries == 0:
+            return False
+        self._log.close()
+        if b"Address already in use" not in self.log_path.read_bytes():
+            self._log = open(self.log_path, "ab")
+            return False
+        self.port_retries -= 1
+        _gateways.remove(self)
+        print(f"   note: {self.name}'s port {self.port} was taken by another process; started again on another",
+              flush=True)
+        self.port = free_port()
+        self._spawn()
+        return True
 
     def _check_startup(self, deadline, timeout):
         code = self.proc.poll()
+        if code is not None and self._port_was_taken():
+            return
         if code is not None:
             self.returncode = code
             self.stopped = True

@@ -37,7 +37,8 @@ struct cg_gateway {
  */
 #define CG_GATEWAY_BAD_CONFIG (-2)
 int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen);
-/* After a failed start: frees what start made (the process is about to exit). */
+/* After a failed start: closes and frees what start made, running the loop until its
+ * handles are gone, so that the caller can close the loop. */
 void cg_gateway_abort(cg_gateway *gw);
 /* Runs until SIGTERM or SIGINT, then tears down; returns the exit status. */
 int cg_gateway_run(cg_gateway *gw);
