@@ -225,14 +225,16 @@ async def part_refused():
             code, out, _ = await harness.gateway_exit(config={"workers": value, "store": "redis://127.0.0.1:1"})
             check(code == 2 and 'workers: must be a whole number or "auto"' in out,
                   f"workers {value!r}: status {code}, output {out!r}")
-    with step("--workers 2 on a port another process holds exits 1"):
+    with step("on a port another process holds, one process or --workers 2 exits 1, having closed "
+              "what it opened (under ASan: no leak report)"):
         with socket.socket() as held:
             held.bind(("127.0.0.1", 0))
             held.listen()
             port = held.getsockname()[1]
-            code, out, _ = await harness.gateway_exit(
-                args=["--workers", "2", "--store", "redis://127.0.0.1:1", "--listen", f"127.0.0.1:{port}"])
-            check(code == 1 and "could not start listening" in out, f"status {code}, output {out[-2000:]!r}")
+            for args in ([], ["--store", "redis://127.0.0.1:1"], ["--workers", "2", "--store", "redis://127.0.0.1:1"]):
+                code, out, _ = await harness.gateway_exit(args=args + ["--listen", f"127.0.0.1:{port}"])
+                check(code == 1 and "could not start listening" in out and "Sanitizer" not in out,
+                      f"{args}: status {code}, output {out[-2000:]!r}")
 
 
 @contextlib.asynccontextmanager
