@@ -1,16 +1,16 @@
 /*
  * dropin.c: drop-in mode (see dropin.h).
  *
- * Each client connection has a cg_dropin with two bounded frame queues:
- *   to_app:    client frames in arrival order. A chat frame enters "not ready" and waits
- *              for its dialog to load and the pipeline to run; the frames behind it wait
- *              too, so the app sees them in the order the client sent them.
- *   to_client: app frames in arrival order (and a close frame at the end, when the app
- *              closed).
- * Each queue is written at the end of the loop iteration (core/flush.h, one flush item per
- * side), as many frames as the socket takes; only a full socket waits for the writable
- * callback, as do close frames (the client's, and the app's 1001 when the client left).
- * Past CG_DROPIN_HIGH bytes a queue pauses the side that fills it (lws rx flow control).
+ * Each client connection has a cg_dropin with its two connections' plumbing (core/wsconn.h),
+ * each with a bounded frame queue:
+ *   to_app:    the app connection's; client frames in arrival order. A chat frame enters
+ *              held and waits for its dialog to load and the pipeline to run; the frames
+ *              behind it wait too, so the app sees them in the order the client sent them.
+ *   to_client: the client connection's; app frames in arrival order (and a close frame at
+ *              the end, when the app closed).
+ * Each is written as wsconn writes (at the end of the loop iteration, as many frames as the
+ * socket takes; close frames from the writable callback: the client's, and the app's 1001
+ * when the client left). Past CG_DROPIN_HIGH bytes a queue pauses the side that fills it.
  *
  * A chat frame is a turn request (turn.c owns its life: arrival checks, queue, the dialog's lock,
  * load, pipeline, history, save): the turn hands it back through the sink's forward once the
@@ -34,7 +34,7 @@
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
-#include "chatgate/core/wsrx.h"
+#include "chatgate/core/wsconn.h"
 #include "chatgate/core/net.h"
 #include "chatgate/proto/dropin_map.h"
 #include "chatgate/proto/protocol.h"
@@ -46,28 +46,13 @@
 #define CG_DROPIN_HOLD_S 40 /* a held client's wait for the app's handshake (its connect bound is 30 s) */
 
 /* Frames keep the headroom of the ones dumped for us (protocol.h), so those are adopted as
- * they are; lws writes its header there. */
-#define FRAME_PRE CG_FRAME_PRE
-_Static_assert(FRAME_PRE >= LWS_PRE && FRAME_PRE >= CG_NET_CLIENT_HEAD, "a frame's headroom must hold lws's LWS_PRE, and a client frame's header");
-
-typedef struct frame {
-    struct frame *next;
-    unsigned char *data; /* FRAME_PRE headroom, then len bytes */
-    size_t len;
-    int binary;
-    int ready; /* a chat frame is ready once the pipeline has run */
-    int close; /* to_client: a close frame with this code; the reason is the data */
-} frame;
-
-typedef struct frame_queue {
-    frame *head, *tail;
-    size_t bytes;
-} frame_queue;
+ * they are. */
+_Static_assert(CG_FRAME_PRE == CG_WS_PRE, "protocol.h's frames carry core/wsconn.h's headroom");
 
 /* A chat frame on its way through its turn: its place in to_app, and the parsed frame the
  * chatgate object is added to. The turn's opaque; back to us through forward or unsent. */
 typedef struct pending_chat {
-    frame *slot;
+    cg_wsframe *slot; /* NULL once it could not be queued (the app connection is gone) */
     cg_dropin_chat chat; /* frame only: id, room and text went to the turn */
 } pending_chat;
 
@@ -77,7 +62,6 @@ struct cg_dropin {
     struct lws *client;
     struct lws *app;
     int refs;
-    int app_open;
     int client_gone;
     char user[CG_MAX_USER + 1];
     char name[24];     /* the session id, for the log */
@@ -85,9 +69,7 @@ struct cg_dropin {
     char *subprotocol; /* the client's, forwarded */
     cg_headers forwarded; /* the client's Origin and forward_headers, passed on as they came */
     cg_resolve *resolve;
-    frame_queue to_app, to_client;
-    int client_paused, app_paused;
-    int closing; /* the close frame was written; the connection goes at the next writable */
+    cg_wsconn to_app, to_client;
     int refusing;       /* chat messages over a limit are being refused (logged once) */
     long drop_binary;   /* binary frames still to drop: a refused socket.io binary event's attachments */
     void *submitting;   /* the pending chat being submitted (cg_dropin_client_frame), or NULL */
@@ -96,7 +78,6 @@ struct cg_dropin {
     char close_reason[124];
     int close_code;
     int app_failed; /* the app connection ended (app_gone) */
-    int app_close_sent;
     char host[128];   /* the Host header of the app's handshake (dropin.host) */
     /* a cancelled reply the app could not be told to stop (no cancel_frame) is not relayed
      * for a while (see suppressed()) */
@@ -109,117 +90,47 @@ struct cg_dropin {
         unsigned long frames;
     } suppress;
     unsigned long forwards; /* chat messages handed to the app so far */
-    cg_wsrx app_rx; /* the app frame being reassembled */
     /* the client's handshake held until the app has answered its own (cg_dropin_hold) */
     enum { HOLD_NONE, HOLD_WAITING, HOLD_APP_OPEN, HOLD_APP_REFUSED } hold;
     unsigned int app_status; /* HOLD_APP_REFUSED: the app's HTTP status, 0 when it gave none */
     json_t *app_cookies;     /* HOLD_APP_OPEN: the app's Set-Cookie values, for the client's 101 */
     struct cg_dropin *held_next; /* the list of held clients (held_head) */
     cg_flush_item release_flush; /* the held client's flow goes on at the iteration's end */
-    cg_flush_item client_flush, app_flush; /* registered while a queue waits for the iteration's end */
 };
 
 /* ---- queues ---------------------------------------------------------------------------- */
 
-static frame *frame_new(const void *data, size_t len, int binary)
+/* A queue past CG_DROPIN_HIGH pauses the side that fills it (wsconn.h's marks). */
+static void to_client_flow(cg_wsconn *c, int full, int overfull)
 {
-    frame *f = cg_calloc(1, sizeof(*f));
-    f->data = cg_malloc(FRAME_PRE + len + 1);
-    if (len)
-        memcpy(f->data + FRAME_PRE, data, len);
-    f->data[FRAME_PRE + len] = 0; /* a close frame's reason is a C string */
-    f->len = len;
-    f->binary = binary;
-    f->ready = 1;
-    return f;
+    cg_dropin *d = c->owner;
+    (void)overfull;
+    cg_wsconn_pause_rx(&d->to_app, full);
 }
 
-static void frame_free(frame *f)
+static void to_app_flow(cg_wsconn *c, int full, int overfull)
 {
-    free(f->data);
-    free(f);
+    cg_dropin *d = c->owner;
+    (void)overfull;
+    cg_wsconn_pause_rx(&d->to_client, full);
 }
 
-static void queue_push(frame_queue *q, frame *f)
-{
-    if (q->tail)
-        q->tail->next = f;
-    else
-        q->head = f;
-    q->tail = f;
-    q->bytes += f->len;
-}
+static const cg_wsconn_ops to_client_ops = {.flow = to_client_flow};
+static const cg_wsconn_ops to_app_ops = {.flow = to_app_flow};
 
-static frame *queue_pop(frame_queue *q)
+/* Relays a frame to the client (nothing once it is gone). */
+static void to_client(cg_dropin *d, const void *data, size_t len, int binary)
 {
-    frame *f = q->head;
-    if (!f)
-        return NULL;
-    q->head = f->next;
-    if (!q->head)
-        q->tail = NULL;
-    q->bytes -= f->len;
-    f->next = NULL;
-    return f;
-}
-
-static void queue_clear(frame_queue *q)
-{
-    frame *f;
-    while ((f = queue_pop(q)))
-        frame_free(f);
-}
-
-/* Pauses the side that fills a queue past the mark; resumes under a quarter of it. */
-static void dropin_flow(cg_dropin *d)
-{
-    int pause_app = d->app_paused ? d->to_client.bytes > CG_DROPIN_HIGH / 4 : d->to_client.bytes > CG_DROPIN_HIGH;
-    if (pause_app != d->app_paused && d->app && d->app_open) {
-        d->app_paused = pause_app;
-        lws_rx_flow_control(d->app, !pause_app);
-    }
-    int pause_client = d->client_paused ? d->to_app.bytes > CG_DROPIN_HIGH / 4 : d->to_app.bytes > CG_DROPIN_HIGH;
-    if (pause_client != d->client_paused && !d->client_gone) {
-        d->client_paused = pause_client;
-        lws_rx_flow_control(d->client, !pause_client);
-    }
-}
-
-static void client_flush(cg_flush_item *item);
-static void app_flush(cg_flush_item *item);
-
-static void to_client(cg_dropin *d, frame *f)
-{
-    if (d->client_gone) {
-        frame_free(f);
-        return;
-    }
-    queue_push(&d->to_client, f);
-    cg_flush_request(d->srv->net.flush, &d->client_flush, client_flush);
-    dropin_flow(d);
-}
-
-/* Has the ready frames at the head of to_app written at the end of the iteration. */
-static void flush_to_app(cg_dropin *d)
-{
-    if (d->app && d->app_open && !d->client_gone && d->to_app.head && d->to_app.head->ready)
-        cg_flush_request(d->srv->net.flush, &d->app_flush, app_flush);
-}
-
-static void to_app(cg_dropin *d, frame *f)
-{
-    queue_push(&d->to_app, f);
-    flush_to_app(d);
-    dropin_flow(d);
+    if (!d->client_gone)
+        cg_wsconn_send(&d->to_client, data, len, binary);
 }
 
 /* Closes the client with code and reason once what is queued for it is written; the reason
  * is cut to what a close frame holds when it is written (cg_net_write_close). */
 static void close_client(cg_dropin *d, int code, const char *reason)
 {
-    frame *f = frame_new(reason, strlen(reason), 0);
-    f->close = code;
-    to_client(d, f);
+    if (!d->client_gone)
+        cg_wsconn_close(&d->to_client, code, reason);
 }
 
 void cg_dropin_client_refuse(cg_dropin *d, int code, const char *reason)
@@ -239,15 +150,12 @@ static void dropin_unref(cg_dropin *d)
 {
     if (--d->refs > 0)
         return;
-    cg_flush_cancel(&d->client_flush);
-    cg_flush_cancel(&d->app_flush);
     cg_flush_cancel(&d->release_flush);
-    queue_clear(&d->to_app);
-    queue_clear(&d->to_client);
+    cg_wsconn_clear(&d->to_app);
+    cg_wsconn_clear(&d->to_client);
     cg_headers_free(&d->forwarded);
     free(d->path);
     free(d->subprotocol);
-    cg_wsrx_done(&d->app_rx);
     free(d->suppress.id);
     json_decref(d->app_cookies);
     free(d);
@@ -256,19 +164,19 @@ static void dropin_unref(cg_dropin *d)
 void cg_dropin_close(cg_dropin *d)
 {
     d->client_gone = 1;
-    /* nothing more is written to the client, nor to the app but its close frame */
-    cg_flush_cancel(&d->client_flush);
-    cg_flush_cancel(&d->app_flush);
-    /* the turn in flight is saved as cancelled, the waiting ones go, their dialogs' locks too */
+    cg_wsconn_gone(&d->to_client);
+    /* the turn in flight is saved as cancelled, the waiting ones go, their dialogs' locks too
+     * (their chat frames leave to_app) */
     cg_turns_close(&d->turns);
     if (d->resolve) {
         cg_resolve_abandon(d->resolve);
         d->resolve = NULL;
         d->refs--; /* the app connection that will not be */
     }
-    if (d->app && d->app_open) /* a close frame (1001, going away), then the connection */
-        lws_callback_on_writable(d->app);
-    /* still connecting: the close frame goes once the handshake is done (ESTABLISHED) */
+    /* nothing more is written to the app but its close frame (1001), once its handshake is
+     * done if it is not yet */
+    cg_wsconn_clear(&d->to_app);
+    cg_wsconn_close(&d->to_app, 1001, "client left");
     dropin_unref(d); /* the client's reference */
 }
 
@@ -328,7 +236,7 @@ static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
         cg_warn("dropin: the cancel frame could not be built: the reply in flight goes on");
         return;
     }
-    to_app(d, frame_new(s, len, 0));
+    cg_wsconn_send(&d->to_app, s, len, 0);
     free(s);
 }
 
@@ -348,25 +256,11 @@ static json_t *chatgate_object(const cg_turn_forward *f)
  * not queued yet (its turn ended inside cg_turns_submit) is freed, and the submitter told. */
 static void drop_slot(cg_dropin *d, pending_chat *c)
 {
-    if (c == d->submitting) {
+    if (c == d->submitting)
         d->submit_dropped = 1;
-        frame_free(c->slot);
-        pending_free(c);
-        return;
-    }
-    frame **pp = &d->to_app.head, *prev = NULL;
-    while (*pp && *pp != c->slot)
-        prev = *pp, pp = &(*pp)->next;
-    if (*pp) {
-        *pp = c->slot->next;
-        if (d->to_app.tail == c->slot)
-            d->to_app.tail = prev;
-        d->to_app.bytes -= c->slot->len;
-    }
-    frame_free(c->slot);
+    if (c->slot)
+        cg_wsconn_remove(&d->to_app, c->slot);
     pending_free(c);
-    flush_to_app(d);
-    dropin_flow(d);
 }
 
 /* The pipeline ran: the chat frame, with the chatgate object added, takes its place. When
@@ -377,8 +271,11 @@ static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
     cg_dropin *d = conn;
     pending_chat *c = f->opaque;
     (void)t;
+    if (!c->slot) { /* the app connection was gone when it was to be queued */
+        pending_free(c);
+        return -1;
+    }
     cg_frame_text built = cg_dropin_map_forward(d->cfg, &c->chat, chatgate_object(f));
-    frame *slot = c->slot;
     if (!built.buf) {
         cg_warn("dropin: session %s: the chatgate object could not be added to a chat message: not forwarded",
                 d->name);
@@ -386,13 +283,8 @@ static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
         return -1;
     }
     d->forwards++;
-    free(slot->data); /* the slot adopts the buffer: same headroom */
-    slot->data = (unsigned char *)built.buf;
-    d->to_app.bytes += built.len - slot->len;
-    slot->len = built.len;
-    slot->ready = 1;
+    cg_wsconn_release(&d->to_app, c->slot, built.buf, built.len); /* same headroom */
     pending_free(c);
-    flush_to_app(d);
     return 0;
 }
 
@@ -458,23 +350,19 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
                     d->name);
             return;
         }
-        frame *fr = frame_new(NULL, 0, binary); /* sent as it came, text or binary */
-        free(fr->data);
-        fr->data = (unsigned char *)f.buf;
-        fr->len = f.len;
-        to_app(d, fr);
+        cg_wsconn_push(&d->to_app, cg_wsframe_adopt(f.buf, f.len, 0, binary)); /* text or binary, as it came */
         return;
     }
     if (kind != CG_DROPIN_CHAT) {
         pending_free(c);
-        to_app(d, frame_new(buf, len, binary)); /* untouched */
+        cg_wsconn_send(&d->to_app, buf, len, binary); /* untouched */
         return;
     }
     /* the frame joins to_app after cg_turns_submit, so that a cancel frame the submission
      * sends (the message is a cancel phrase) goes before it; c may come back from the turn
      * (forward or unsent) before submit returns, which `submitting` notes */
-    frame *slot = c->slot = frame_new(buf, len, 0);
-    slot->ready = 0;
+    cg_wsframe *slot = c->slot = cg_wsframe_new(buf, len, 0);
+    slot->held = 1;
     cg_turn_request r = {
         .kind = CG_TURN_CHAT, .id = c->chat.id, .room = c->chat.room, .text = c->chat.text, .opaque = c,
     };
@@ -484,135 +372,26 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
     int rc = cg_turns_submit(&d->turns, &r);
     d->submitting = NULL;
     if (rc != 0) { /* refused on arrival: not forwarded; c is still ours */
-        frame_free(slot);
+        cg_wsframe_free(slot);
         pending_free(c);
         return;
     }
     d->refusing = 0; /* c is the turn's now, or already back */
     if (d->submit_dropped) /* refused before submit returned: slot and c are gone */
         return;
-    queue_push(&d->to_app, slot);
-    dropin_flow(d);
-    flush_to_app(d);
+    if (cg_wsconn_push(&d->to_app, slot) < 0) /* the app connection is gone: freed */
+        c->slot = NULL;
 }
 
-int cg_dropin_client_idle(cg_dropin *d)
-{
-    return d->to_client.head == NULL;
-}
-
-/* 1 when the frame at the head of the client's queue goes in a batch holding `held` bytes:
- * not a close frame, and room for it. */
-static int batch_takes(const cg_dropin *d, size_t held)
-{
-    const frame *f = d->to_client.head;
-    return f && !f->close && held + f->len <= CG_NET_BATCH_BYTES;
-}
-
-/*
- * Writes the frame at the head of the client's queue (not a close frame), or, when more
- * wait behind it, as many as fit in CG_NET_BATCH_BYTES with one send (core/net.h,
- * cg_net_batch): an app's frames read in one packet leave in one, as a relay's would.
- * Returns -1 when the socket failed.
- */
-static int client_write_some(cg_dropin *d)
-{
-    frame *f = queue_pop(&d->to_client);
-    d->srv->metrics.frames_out++;
-    cg_net_batch *b = &d->srv->batch;
-    if (!batch_takes(d, f->len)) {
-        int n = lws_write(d->client, f->data + FRAME_PRE, f->len, f->binary ? LWS_WRITE_BINARY : LWS_WRITE_TEXT);
-        int rc = n < (int)f->len ? -1 : 0;
-        frame_free(f);
-        return rc;
-    }
-    for (;;) {
-        cg_net_batch_add(b, (const char *)f->data + FRAME_PRE, f->len, f->binary);
-        frame_free(f);
-        if (!batch_takes(d, b->len))
-            return cg_net_batch_write(d->client, b);
-        f = queue_pop(&d->to_client);
-        d->srv->metrics.frames_out++;
-    }
-}
-
-/*
- * Writes the client's queue while the socket takes it, up to a close frame, which is written
- * only from the writable callback (from_writable): the connection goes at the writable after
- * it. What is left, and the close frame, wait for the writable callback. Returns -1 when the
- * socket failed or the close frame is out.
- */
-static int client_write_queue(cg_dropin *d, int from_writable)
-{
-    if (d->closing)
-        return -1;
-    int rc = 0;
-    frame *f;
-    while ((f = d->to_client.head) && !lws_partial_buffered(d->client)) {
-        if (f->close) {
-            if (!from_writable)
-                break;
-            queue_pop(&d->to_client);
-            cg_net_write_close(d->client, f->close, (const char *)f->data + FRAME_PRE);
-            d->closing = 1;
-            frame_free(f);
-            break;
-        }
-        if ((rc = client_write_some(d)) < 0)
-            break;
-    }
-    if (rc == 0 && (d->closing || d->to_client.head || d->srv->closing_all))
-        lws_callback_on_writable(d->client);
-    dropin_flow(d);
-    return rc;
-}
-
-static void client_flush(cg_flush_item *item)
-{
-    cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, client_flush));
-    if (d->hold != HOLD_NONE) /* the client's handshake is not done: its session flushes */
-        return;
-    /* closing: the close frame is out, and the writable callback that ends it is asked for */
-    if (!d->client_gone && !d->closing && client_write_queue(d, 0) < 0) /* not inside the wsi's callback */
-        cg_net_kill_async(&d->srv->net, d->client, PENDING_TIMEOUT_CLOSE_SEND);
-}
-
+/* The client's writable callback: at shutdown, what is queued, then a close frame (1001). */
 int cg_dropin_client_writable(cg_dropin *d)
 {
-    return client_write_queue(d, 1);
+    if (d->srv->closing_all)
+        cg_wsconn_close(&d->to_client, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
+    return cg_wsconn_writable(&d->to_client);
 }
 
 /* ---- frames to and from the app -------------------------------------------------------- */
-
-/* Writes the ready frames at the head of to_app while the socket takes them; the rest waits
- * for the writable callback. Returns -1 when the socket failed. */
-static int app_write_queue(cg_dropin *d)
-{
-    frame *f;
-    while ((f = d->to_app.head) && f->ready && !lws_partial_buffered(d->app)) {
-        queue_pop(&d->to_app);
-        /* made here, written as bytes (net.h: no read() of a masking key per frame) */
-        size_t head = cg_net_client_frame(f->data + FRAME_PRE, f->len, f->binary), len = head + f->len;
-        int n = head ? lws_write(d->app, f->data + FRAME_PRE - head, len, LWS_WRITE_HTTP) : -1;
-        int short_write = n < (int)len;
-        frame_free(f);
-        if (short_write) {
-            dropin_flow(d);
-            return -1;
-        }
-    }
-    if (f && f->ready)
-        lws_callback_on_writable(d->app);
-    dropin_flow(d);
-    return 0;
-}
-
-static void app_flush(cg_flush_item *item)
-{
-    cg_dropin *d = (cg_dropin *)((char *)item - offsetof(cg_dropin, app_flush));
-    if (d->app && d->app_open && !d->client_gone && app_write_queue(d) < 0) /* not inside the wsi's callback */
-        cg_net_kill_async(&d->srv->net, d->app, PENDING_TIMEOUT_CLOSE_SEND);
-}
 
 /*
  * Is this app frame part of a cancelled reply that is not relayed? Frames of its id, or,
@@ -658,7 +437,7 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     cg_dropin_app_frame a;
     int rc = cg_dropin_map_app(d->cfg, buf, len, binary, &a);
     if (!a.frame) { /* nothing the codec reads (not JSON, a socket.io ping, binary): relayed as it is */
-        to_client(d, frame_new(buf, len, binary));
+        to_client(d, buf, len, binary);
         return;
     }
     cg_turn *t = cg_turns_forwarded(&d->turns);
@@ -669,7 +448,7 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
         /* the rest of a cancelled reply the app could not be told to stop: not relayed; its
          * end marker is, so the client's view of the reply completes, and its turn ends */
         if (a.end || a.cancelled) {
-            to_client(d, frame_new(a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0));
+            to_client(d, a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0);
             if (ends)
                 cg_turn_end(t, 1);
         }
@@ -683,7 +462,7 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
     if (rc < 0) /* never relay the directive: the client must not see it */
         cg_warn("dropin: an app frame without its state directive could not be written: not relayed");
     else
-        to_client(d, frame_new(a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0));
+        to_client(d, a.rewritten ? a.rewritten : buf, a.rewritten ? a.rewritten_len : len, 0);
     if (ends)
         cg_turn_end(t, a.cancelled);
     cg_dropin_app_frame_clear(&a);
@@ -698,11 +477,10 @@ static void app_unreachable(cg_dropin *d);
  * (app_failed: a connect that failed before it returned must not drop it again). */
 static void app_gone(cg_dropin *d, struct lws *wsi)
 {
-    cg_flush_cancel(&d->app_flush);
+    cg_wsconn_gone(&d->to_app);
     d->app_failed = 1;
     lws_set_opaque_user_data(wsi, NULL);
     d->app = NULL;
-    d->app_open = 0;
     dropin_unref(d);
 }
 
@@ -735,46 +513,32 @@ int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, vo
             hold_app_cookies(d, wsi);
         return 0;
     case LWS_CALLBACK_CLIENT_ESTABLISHED:
-        d->app_open = 1;
         if (d->hold == HOLD_WAITING)
             hold_app_open(d);
-        if (d->client_gone) { /* the client left during the handshake: a close frame (1001) */
-            lws_callback_on_writable(wsi);
-            return 0;
-        }
-        flush_to_app(d);
+        /* what waits goes; the client left during the handshake: its close frame (1001) */
+        cg_wsconn_open(&d->to_app, wsi);
         return 0;
-    case LWS_CALLBACK_CLIENT_WRITEABLE: {
-        if (d->client_gone) {
-            if (d->app_close_sent)
-                return -1;
-            cg_net_write_close(wsi, 1001, "client left");
-            d->app_close_sent = 1;
-            lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, 1); /* the app's answer, or not */
-            lws_callback_on_writable(wsi);
-            return 0;
-        }
-        return app_write_queue(d);
-    }
+    case LWS_CALLBACK_CLIENT_WRITEABLE:
+        return cg_wsconn_writable(&d->to_app);
     case LWS_CALLBACK_CLIENT_RECEIVE: { /* reassembled up to 16 x --max-frame */
         const char *msg;
         size_t msg_len;
-        if (!cg_wsrx_feed(&d->app_rx, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len,
-                          (size_t)d->srv->cfg->max_frame * 16, &msg, &msg_len))
+        if (!cg_wsconn_receive(&d->to_app, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len,
+                               (size_t)d->srv->cfg->max_frame * 16, &msg, &msg_len))
             return 0;
         if (!msg) { /* never dropped silently: the client is told, with 1009 */
             cg_warn("dropin: the app sent a frame over the limit (16 x max_frame): closing the client with 1009");
             close_client(d, 1009, "the app sent a frame over the gateway's limit");
         } else
             on_app_frame(d, msg, msg_len, lws_frame_is_binary(wsi));
-        cg_wsrx_done(&d->app_rx);
+        cg_wsconn_received(&d->to_app);
         return 0;
     }
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
         /* the client gets the app's code and reason, when they may be sent on (RFC 6455 7.4);
          * a bad close frame from the app is the app's failure: 1011; an empty one (no status,
          * 1005, which may not be sent on) is a normal closure: 1000 */
-        if (cg_ws_close_payload_check(in, len) != 0) {
+        if (cg_ws_close_check(in, len) != 0) {
             cg_warn("dropin: the app's close frame is not valid (RFC 6455 7.4): closing the client with 1011");
             d->close_code = 1011;
             snprintf(d->close_reason, sizeof(d->close_reason), "the app sent an invalid close frame");
@@ -917,13 +681,16 @@ int cg_dropin_identify(cg_server *srv, struct lws *client, char *user, size_t us
     return cg_handshake_identify(srv, client, now, user, userlen, plan, err, errlen);
 }
 
+static cg_dropin *dropin_new(cg_server *srv, struct lws *client, const char *user, const char *plan,
+                             const char *name);
+
 int cg_dropin_hold(cg_server *srv, struct lws *client)
 {
     char user[CG_MAX_USER + 1], plan[CG_MAX_PLAN_NAME + 1], err[256];
     if (!cg_handshake_upgrade_acceptable(client) ||
         cg_dropin_identify(srv, client, user, sizeof(user), plan, err, sizeof(err)) < 0)
         return -1; /* refused as it would be unheld, without an app connection */
-    cg_dropin *d = cg_dropin_open(srv, client, user, plan, "(handshake)");
+    cg_dropin *d = dropin_new(srv, client, user, plan, "(handshake)");
     if (!d)
         return -1;
     d->hold = HOLD_WAITING;
@@ -981,9 +748,7 @@ cg_dropin *cg_dropin_take_held(struct lws *client, char *user, size_t userlen, c
     lws_set_timeout(client, NO_PENDING_TIMEOUT, 0);
     snprintf(user, userlen, "%s", d->user);
     snprintf(d->name, sizeof(d->name), "%s", name); /* the session's id from now on */
-    flush_to_app(d);
-    if (d->to_client.head) /* what the app said before the client's handshake was done */
-        cg_flush_request(d->srv->net.flush, &d->client_flush, client_flush);
+    cg_wsconn_open(&d->to_client, client); /* what the app said before the client's handshake was done */
     return d;
 }
 
@@ -1182,13 +947,22 @@ static void app_host(cg_dropin *d, struct lws *client)
     snprintf(d->host, sizeof(d->host), "%s", u->authority);
 }
 
-cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *plan, const char *name)
+/* The client's connection is not written to until it is open: at once (cg_dropin_open), or
+ * once its handshake, held for the app's, is done (cg_dropin_hold, cg_dropin_take_held). */
+static cg_dropin *dropin_new(cg_server *srv, struct lws *client, const char *user, const char *plan,
+                             const char *name)
 {
     cg_dropin *d = cg_calloc(1, sizeof(*d));
     d->srv = srv;
     d->cfg = srv->cfg->dropin;
     d->client = client;
     d->refs = 2; /* the client's and the app connection's */
+    cg_wsconn_init(&d->to_client, CG_WS_SERVER, &srv->net, &to_client_ops, d);
+    d->to_client.batch = &srv->batch;
+    d->to_client.frames_out = &srv->metrics.frames_out;
+    d->to_client.high = CG_DROPIN_HIGH;
+    cg_wsconn_init(&d->to_app, CG_WS_CLIENT, &srv->net, &to_app_ops, d);
+    d->to_app.high = CG_DROPIN_HIGH;
     snprintf(d->user, sizeof(d->user), "%s", user);
     snprintf(d->name, sizeof(d->name), "%s", name); /* d outlives the session that named it */
     json_t *tt = json_object_get(d->cfg, "turn_timeout_ms");
@@ -1216,5 +990,13 @@ cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, 
         return NULL;
     }
     cg_info("dropin: a client connected; opening the app connection");
+    return d;
+}
+
+cg_dropin *cg_dropin_open(cg_server *srv, struct lws *client, const char *user, const char *plan, const char *name)
+{
+    cg_dropin *d = dropin_new(srv, client, user, plan, name);
+    if (d)
+        cg_wsconn_open(&d->to_client, client);
     return d;
 }

@@ -78,24 +78,6 @@ int cg_refuse_large_headers(struct lws *wsi)
     return 1;
 }
 
-int cg_ws_close_payload_check(const void *payload, size_t len)
-{
-    const unsigned char *p = payload;
-    if (len == 0)
-        return 0;
-    if (len == 1)
-        return LWS_CLOSE_STATUS_PROTOCOL_ERR;
-    int code = p[0] << 8 | p[1];
-    if (code < 1000 || code > 4999 || code == 1004 || code == 1005 || code == 1006 || code == 1015 ||
-        (code >= 1016 && code <= 2999))
-        return LWS_CLOSE_STATUS_PROTOCOL_ERR;
-    json_t *reason = json_stringn((const char *)p + 2, len - 2); /* NULL when not UTF-8 */
-    if (!reason)
-        return LWS_CLOSE_STATUS_INVALID_PAYLOAD;
-    json_decref(reason);
-    return 0;
-}
-
 /*
  * Who this connection is (docs/protocol.md, "Identity"), from the handshake: a resume token or a
  * fresh id (auth none), a JWT (auth jwt), or a proxy's header (auth header). 0, or -1 with

@@ -27,7 +27,7 @@
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/net.h"
-#include "chatgate/core/wsrx.h"
+#include "chatgate/core/wsconn.h"
 #include "chatgate/proto/identity.h"
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/dropin.h"
@@ -39,37 +39,28 @@
 /* Text of one pending delta frame is cut here, so no single frame grows large. */
 #define CG_DELTA_CHUNK 16384
 
-/* Built frames are written from where they were dumped: lws's header goes in front. */
-_Static_assert(CG_FRAME_PRE >= LWS_PRE, "CG_FRAME_PRE must leave lws its LWS_PRE bytes");
+/* Built frames are written from where they were dumped: the connection's headroom. */
+_Static_assert(CG_FRAME_PRE == CG_WS_PRE, "protocol.h's frames carry core/wsconn.h's headroom");
 
-/* One frame waiting to be written: a finished JSON frame, or delta text still growing. */
+/* One frame waiting to be written (core/wsconn.h): a finished JSON frame, or a delta's
+ * text still growing (lazy: made into its frame as it is written, session_finish). */
 typedef struct cg_out {
-    struct cg_out *next;
-    cg_frame_text frame; /* finished frame; frame.buf NULL for a delta */
-    char *delta_id;  /* delta: the message id */
-    char *text;      /* delta: text so far */
-    size_t len, cap; /* json or text length; text capacity */
+    cg_wsframe f;   /* first: the connection's queue holds &f */
+    char *delta_id; /* delta: the message id; NULL for a finished frame */
+    char *text;     /* delta: text so far, f.len bytes */
+    size_t cap;     /* text capacity */
 } cg_out;
 
 struct cg_session {
     struct lws *wsi;
     cg_server *srv;
     int established;
-    int unauthorized; /* close with 1008 once the error frame is out */
-    int close_sent;   /* a close frame went out: the connection goes at the next writable */
+    int unauthorized; /* nothing it sends is read; closed with 1008 once the error frame is out */
     char user[CG_MAX_USER + 1];
     char session_id[24];
     unsigned long auto_id;
 
-    cg_wsrx rx; /* the frame being reassembled */
-
-    cg_out *out_head, *out_tail;
-    size_t out_bytes;
-    int client_paused;
-    cg_flush_item flush; /* registered while frames wait for the end of the iteration */
-    cg_out *held_ack;       /* an ack alone in the queue, waiting for company (sink_ack) */
-    cg_flush_item ack_item; /* ... until this is due (cg_flush_later) */
-
+    cg_wsconn ws;      /* the frames to the client, and the one from it being reassembled */
     cg_turns turns;    /* the messages of this connection (turn.h) */
     cg_dropin *dropin; /* drop-in mode: this connection speaks the app's protocol (dropin.h) */
 };
@@ -81,63 +72,51 @@ size_t cg_session_size(void)
 
 /* ---- the send queue ------------------------------------------------------------------- */
 
-static void out_free(cg_out *o)
+static void session_free_frame(cg_wsframe *f)
 {
-    free(o->frame.buf);
+    cg_out *o = (cg_out *)f;
+    free(f->buf);
     free(o->delta_id);
     free(o->text);
     free(o);
 }
 
+/* A delta's frame is made as it is written, from all the text that came while it waited. */
+static void session_finish(cg_wsconn *c, cg_wsframe *f)
+{
+    (void)c;
+    cg_out *o = (cg_out *)f;
+    cg_frame_text built = cg_protocol_delta(o->delta_id, o->text, f->len);
+    f->buf = built.buf;
+    f->len = built.len;
+}
+
 /*
- * Pauses the upstream in flight while the send queue is over its high-water mark and
- * resumes it under a quarter of it. The client's own reading is paused only at twice the
- * mark: deltas stop at the mark, so what grows past it is answers to a client that sends
- * without reading.
+ * The queue's marks (send_buffer): full, the upstream in flight is paused; overfull (twice
+ * the mark), the client's own reading is too. Deltas stop at the mark, so what grows past it
+ * is answers to a client that sends without reading. Both resume under a quarter of it.
  */
-static void session_flow(cg_session *s)
+static void session_flow(cg_wsconn *c, int full, int overfull)
 {
-    size_t high = (size_t)s->srv->cfg->send_buffer;
-    int want_upstream_paused = s->turns.paused ? s->out_bytes > high / 4 : s->out_bytes > high;
-    int want_client_paused = s->client_paused ? s->out_bytes > high / 4 : s->out_bytes > 2 * high;
-    if (want_upstream_paused != s->turns.paused)
-        cg_turns_pause(&s->turns, want_upstream_paused);
-    if (want_client_paused != s->client_paused) {
-        s->client_paused = want_client_paused;
-        lws_rx_flow_control(s->wsi, !want_client_paused);
-    }
+    cg_session *s = c->owner;
+    if (full != s->turns.paused)
+        cg_turns_pause(&s->turns, full);
+    cg_wsconn_pause_rx(c, overfull);
 }
 
-static void session_flush(cg_flush_item *item);
-
-/* The held ack goes with the next write (sink_ack). */
-static void ack_release(cg_session *s)
-{
-    s->held_ack = NULL;
-    cg_flush_cancel(&s->ack_item);
-}
-
-static void out_push(cg_session *s, cg_out *o)
-{
-    if (s->held_ack) /* company for the ack: both go now */
-        ack_release(s);
-    if (s->out_tail)
-        s->out_tail->next = o;
-    else
-        s->out_head = o;
-    s->out_tail = o;
-    cg_flush_request(s->srv->net.flush, &s->flush, session_flush);
-    session_flow(s);
-}
+static const cg_wsconn_ops session_ws_ops = {
+    .flow = session_flow,
+    .finish = session_finish,
+};
 
 /* Queues a finished frame; takes ownership of it. */
 static void session_send(cg_session *s, cg_frame_text frame)
 {
     cg_out *o = cg_calloc(1, sizeof(*o));
-    o->frame = frame;
-    o->len = frame.len;
-    s->out_bytes += o->len;
-    out_push(s, o);
+    o->f.buf = frame.buf;
+    o->f.len = frame.len;
+    o->f.destroy = session_free_frame;
+    cg_wsconn_push(&s->ws, &o->f);
 }
 
 /* An error of the session's own (a bad frame, a refused client): counted, then sent. */
@@ -151,29 +130,18 @@ static void session_send_error(cg_session *s, const char *id, int err, const cha
 static void session_send_delta(void *conn, const char *id, const char *text, size_t len)
 {
     cg_session *s = conn;
-    cg_out *o = s->out_tail;
-    if (!o || o->frame.buf || strcmp(o->delta_id, id) != 0 || o->len + len > CG_DELTA_CHUNK) {
-        o = cg_calloc(1, sizeof(*o));
-        o->delta_id = cg_strdup(id);
-        cg_buf_append(&o->text, &o->len, &o->cap, text, len, len + 64);
-        s->out_bytes += len;
-        out_push(s, o);
+    cg_out *o = (cg_out *)s->ws.tail;
+    if (o && !o->f.buf && strcmp(o->delta_id, id) == 0 && o->f.len + len <= CG_DELTA_CHUNK) { /* lazy: a delta */
+        size_t have = o->f.len;
+        cg_buf_append(&o->text, &have, &o->cap, text, len, len + 64);
+        cg_wsconn_grew(&s->ws, len);
         return;
     }
-    cg_buf_append(&o->text, &o->len, &o->cap, text, len, len + 64);
-    s->out_bytes += len;
-    session_flow(s);
-}
-
-/* Writes a close frame with code and reason (core/net.h), then closes at the next writable. */
-static int session_write_close(cg_session *s, int code, const char *reason)
-{
-    if (s->close_sent)
-        return -1;
-    cg_net_write_close(s->wsi, code, reason);
-    s->close_sent = 1;
-    lws_callback_on_writable(s->wsi);
-    return 0;
+    o = cg_calloc(1, sizeof(*o));
+    o->f.destroy = session_free_frame;
+    o->delta_id = cg_strdup(id);
+    cg_buf_append(&o->text, &o->f.len, &o->cap, text, len, len + 64);
+    cg_wsconn_push(&s->ws, &o->f);
 }
 
 /*
@@ -183,104 +151,25 @@ static int session_write_close(cg_session *s, int code, const char *reason)
  */
 static int session_peer_close(cg_session *s, const void *in, size_t len)
 {
-    int answer = cg_ws_close_payload_check(in, len);
+    int answer = cg_ws_close_check(in, len);
     if (!answer)
         return 0;
     cg_info("session %s: the client's close frame is not valid (RFC 6455 7.4): answered with %d", s->session_id,
             answer);
-    s->close_sent = 0; /* this answer is the close frame that counts */
-    session_write_close(s, answer, answer == LWS_CLOSE_STATUS_PROTOCOL_ERR ? "invalid close frame"
-                                                                           : "close reason not UTF-8");
+    cg_wsconn_close_now(&s->ws, answer, answer == LWS_CLOSE_STATUS_PROTOCOL_ERR ? "invalid close frame"
+                                                                              : "close reason not UTF-8");
     return -1;
 }
 
-/* Takes the frame at the head of the send queue off it; the caller frees frame.buf. */
-static cg_frame_text session_pop(cg_session *s)
-{
-    cg_out *o = s->out_head;
-    s->out_head = o->next;
-    if (!s->out_head)
-        s->out_tail = NULL;
-    s->out_bytes -= o->len;
-    if (o == s->held_ack) /* written another way (a writable callback) */
-        ack_release(s);
-
-    /* a delta's frame is built now, from all the text that came while it waited */
-    cg_frame_text f = o->frame.buf ? o->frame : cg_protocol_delta(o->delta_id, o->text, o->len);
-    o->frame.buf = NULL;
-    out_free(o);
-    s->srv->metrics.frames_out++;
-    return f;
-}
-
-/*
- * Writes the frames at the head of the send queue: one through lws_write(), or, when more
- * are waiting, as many as fit in CG_NET_BATCH_BYTES with one send (core/net.h, cg_net_batch;
- * a delta's text counts for its frame: escaping may add to it, within one chunk).
- * Returns -1 when the socket failed.
- */
-static int session_write_some(cg_session *s)
-{
-    cg_frame_text f = session_pop(s);
-    if (!s->out_head || f.len + s->out_head->len > CG_NET_BATCH_BYTES) {
-        int n = lws_write(s->wsi, (unsigned char *)f.json, f.len, LWS_WRITE_TEXT);
-        free(f.buf);
-        return n < (int)f.len ? -1 : 0;
-    }
-    cg_net_batch *b = &s->srv->batch;
-    for (;;) {
-        cg_net_batch_add(b, f.json, f.len, 0);
-        free(f.buf);
-        if (!s->out_head || b->len + s->out_head->len > CG_NET_BATCH_BYTES)
-            return cg_net_batch_write(s->wsi, b);
-        f = session_pop(s);
-    }
-}
-
-/*
- * Writes queued frames while the socket takes them (lws keeps the part of a write the
- * kernel did not take and sends it before anything else). What is left waits for the
- * writable callback, as does a close frame that is due. Returns -1 when the socket failed.
- */
-static int session_write_queue(cg_session *s)
-{
-    while (s->out_head && !lws_partial_buffered(s->wsi))
-        if (session_write_some(s) < 0)
-            return -1;
-    if (s->out_head || s->unauthorized || s->srv->closing_all)
-        lws_callback_on_writable(s->wsi);
-    session_flow(s);
-    return 0;
-}
-
-static void session_flush(cg_flush_item *item)
-{
-    cg_session *s = (cg_session *)((char *)item - offsetof(cg_session, flush));
-    if (s->held_ack && s->out_head == s->held_ack && s->out_tail == s->held_ack)
-        return; /* the ack waits (sink_ack); ack_due or the next frame registers again */
-    if (session_write_queue(s) < 0) /* not inside this wsi's callback: lws closes it soon */
-        cg_net_kill_async(&s->srv->net, s->wsi, PENDING_TIMEOUT_CLOSE_SEND);
-}
-
+/* The writable callback: at shutdown, what is queued, then a close frame (1001). */
 static int session_writable(cg_session *s)
 {
-    if (s->out_head)
-        return session_write_queue(s);
-    if (s->srv->closing_all) /* shutdown: what was queued is out; a close frame, then the end */
-        return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
-    if (s->unauthorized) /* the error frame is out: now the close frame */
-        return session_write_close(s, LWS_CLOSE_STATUS_POLICY_VIOLATION, "unauthorized");
-    return 0;
+    if (s->srv->closing_all)
+        cg_wsconn_close(&s->ws, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
+    return cg_wsconn_writable(&s->ws);
 }
 
 /* ---- the turn's events as frames ------------------------------------------------------ */
-
-static void ack_due(cg_flush_item *item)
-{
-    cg_session *s = (cg_session *)((char *)item - offsetof(cg_session, ack_item));
-    s->held_ack = NULL;
-    cg_flush_request(s->srv->net.flush, &s->flush, session_flush);
-}
 
 /*
  * An ack that finds the queue empty waits up to ack_hold_ms (5) for the reply's first frames
@@ -295,12 +184,9 @@ static void ack_due(cg_flush_item *item)
 static void sink_ack(void *conn, const cg_ack *ack)
 {
     cg_session *s = conn;
-    int alone = !s->out_head;
     session_send(s, cg_protocol_ack(ack));
-    if (alone && s->srv->cfg->ack_hold_ms > 0) {
-        s->held_ack = s->out_tail;
-        cg_flush_later(s->srv->net.flush, &s->ack_item, ack_due, (unsigned)s->srv->cfg->ack_hold_ms);
-    }
+    if (s->srv->cfg->ack_hold_ms > 0)
+        cg_wsconn_wait(&s->ws, (unsigned)s->srv->cfg->ack_hold_ms); /* when alone in the queue */
 }
 
 /* A turn's last frame: the client's queue goes when the event that ended the turn does
@@ -309,8 +195,7 @@ static void sink_ack(void *conn, const cg_ack *ack)
 static void session_send_last(cg_session *s, cg_frame_text frame)
 {
     session_send(s, frame);
-    if (s->flush.pprev)
-        cg_flush_request_event(s->srv->net.flush, &s->flush, session_flush, s->wsi, 1);
+    cg_wsconn_soon(&s->ws, 1);
 }
 
 static void sink_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,
@@ -403,8 +288,8 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
     size_t max = (size_t)s->srv->cfg->max_frame;
     const char *msg;
     size_t msg_len;
-    if (s->unauthorized ||
-        !cg_wsrx_feed(&s->rx, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len, max, &msg, &msg_len))
+    if (s->unauthorized || !cg_wsconn_receive(&s->ws, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in,
+                                              len, max, &msg, &msg_len))
         return;
     if (s->dropin) { /* the app's protocol: frames of any kind go to drop-in */
         if (!msg) {
@@ -424,7 +309,7 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
             session_on_frame(s, msg, msg_len);
         }
     }
-    cg_wsrx_done(&s->rx);
+    cg_wsconn_received(&s->ws);
 }
 
 /* ---- the connection ------------------------------------------------------------------- */
@@ -442,6 +327,11 @@ static void session_open(cg_session *s, struct lws *wsi)
     s->wsi = wsi;
     s->srv = srv;
     s->established = 1;
+    cg_wsconn_init(&s->ws, CG_WS_SERVER, &srv->net, &session_ws_ops, s);
+    s->ws.batch = &srv->batch;
+    s->ws.frames_out = &srv->metrics.frames_out;
+    s->ws.high = (size_t)srv->cfg->send_buffer;
+    cg_wsconn_open(&s->ws, wsi);
     snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++srv->session_seq);
     cg_turns_init(&s->turns, &srv->turn, &session_sink, NULL, s, s->user, s->session_id);
     srv->n_sessions++;
@@ -457,6 +347,7 @@ static void session_open(cg_session *s, struct lws *wsi)
         s->user[0] = 0;
         srv->metrics.unauthorized++;
         session_send_error(s, NULL, CG_E_UNAUTHORIZED, err);
+        cg_wsconn_close(&s->ws, LWS_CLOSE_STATUS_POLICY_VIOLATION, "unauthorized"); /* after the error */
         return;
     }
     cg_info("session %s: open (%ld connected)", s->session_id, srv->n_sessions);
@@ -479,14 +370,7 @@ static void session_close(cg_session *s)
         s->dropin = NULL;
     }
     cg_turns_close(&s->turns);
-    cg_flush_cancel(&s->flush);
-    ack_release(s);
-    while (s->out_head) {
-        cg_out *o = s->out_head;
-        s->out_head = o->next;
-        out_free(o);
-    }
-    cg_wsrx_done(&s->rx);
+    cg_wsconn_clear(&s->ws);
     s->established = 0;
     srv->n_sessions--;
     cg_info("session %s: closed (%ld connected)", s->session_id, srv->n_sessions);
@@ -514,7 +398,7 @@ static void dropin_open(cg_session *s, struct lws *wsi)
         s->unauthorized = 1;
         s->user[0] = 0;
         srv->metrics.unauthorized++;
-        lws_callback_on_writable(wsi);
+        cg_wsconn_close(&s->ws, LWS_CLOSE_STATUS_POLICY_VIOLATION, "unauthorized");
         return;
     }
     s->dropin = cg_dropin_open(srv, wsi, s->user, plan, s->session_id);
@@ -544,8 +428,6 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
         return 0;
     }
     case LWS_CALLBACK_SERVER_WRITEABLE:
-        if (s->dropin && s->srv->closing_all && cg_dropin_client_idle(s->dropin))
-            return session_write_close(s, LWS_CLOSE_STATUS_GOINGAWAY, "going away");
         return s->dropin ? cg_dropin_client_writable(s->dropin) : session_writable(s);
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
         return session_peer_close(s, in, len);

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "chatgate/core/jsonptr.h"
+#include "chatgate/core/wsconn.h"
 #include "chatgate/proto/dropin_map.h"
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/handshake.h"
@@ -174,6 +175,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     client_side(cfg, rest, clen, binary);
     if (sep)
         app_side(cfg, sep + 1, n - clen - 1, binary);
-    (void)cg_ws_close_payload_check(rest, clen);
+    (void)cg_ws_close_check(rest, clen);
     return 0;
 }

@@ -41,9 +41,8 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
 /* Closes the client with code and reason (1009 for a frame over --max-frame: the app's
  * protocol has no error frame of ours to say it with). */
 void cg_dropin_client_refuse(cg_dropin *d, int code, const char *reason);
-/* Nothing is queued for the client (shutdown closes it then). */
-int cg_dropin_client_idle(cg_dropin *d);
-/* The client connection is writable: writes one frame; -1 closes the connection. */
+/* The client connection is writable: writes what it takes (at shutdown, then a close frame);
+ * -1 closes the connection. */
 int cg_dropin_client_writable(cg_dropin *d);
 /* The client is gone: the app connection goes too; d is freed when that is done. */
 void cg_dropin_close(cg_dropin *d);

@@ -49,12 +49,5 @@ int cg_handshake_identify(const cg_server *srv, struct lws *wsi, int64_t now, ch
  * so the cookie itself never reaches a key), into out; 0, or -1 when there is no such cookie. */
 int cg_handshake_dropin_user(const cg_server *srv, struct lws *wsi, char *out, size_t outlen);
 
-/*
- * Checks a close frame's payload from a peer (RFC 6455 5.5.1, 7.4): empty, or a status code
- * of 1000-4999 that may be sent (not 1004, 1005, 1006, 1015, nor 1016-2999) followed by a
- * UTF-8 reason. 0 when valid, else the code to answer with: 1002 (protocol error) or 1007 (a
- * reason not UTF-8).
- */
-int cg_ws_close_payload_check(const void *payload, size_t len);
 
 #endif
