@@ -34,6 +34,7 @@
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/wsclient.h"
 #include "chatgate/core/wsconn.h"
 #include "chatgate/core/net.h"
 #include "chatgate/proto/dropin_map.h"
@@ -60,7 +61,7 @@ struct cg_dropin {
     cg_server *srv;
     json_t *cfg; /* the "dropin" object (borrowed from the config) */
     struct lws *client;
-    struct lws *app;
+    cg_wsclient app; /* the app connection (core/wsclient.h), its queue to_app: app.conn */
     int refs;
     int client_gone;
     char user[CG_MAX_USER + 1];
@@ -68,16 +69,12 @@ struct cg_dropin {
     char *path;        /* app base path + the client's path and query */
     char *subprotocol; /* the client's, forwarded */
     cg_headers forwarded; /* the client's Origin and forward_headers, passed on as they came */
-    cg_resolve *resolve;
-    cg_wsconn to_app, to_client;
+    cg_wsconn to_client;
     int refusing;       /* chat messages over a limit are being refused (logged once) */
     long drop_binary;   /* binary frames still to drop: a refused socket.io binary event's attachments */
     void *submitting;   /* the pending chat being submitted (cg_dropin_client_frame), or NULL */
     int submit_dropped; /* ... which its turn dropped before the submission returned */
     cg_turns turns;     /* the chat messages of this client (turn.h) */
-    char close_reason[124];
-    int close_code;
-    int app_failed; /* the app connection ended (app_gone) */
     char host[128];   /* the Host header of the app's handshake (dropin.host) */
     /* a cancelled reply the app could not be told to stop (no cancel_frame) is not relayed
      * for a while (see suppressed()) */
@@ -105,7 +102,7 @@ static void to_client_flow(cg_wsconn *c, int full, int overfull)
 {
     cg_dropin *d = c->owner;
     (void)overfull;
-    cg_wsconn_pause_rx(&d->to_app, full);
+    cg_wsconn_pause_rx(&d->app.conn, full);
 }
 
 static void to_app_flow(cg_wsconn *c, int full, int overfull)
@@ -151,7 +148,7 @@ static void dropin_unref(cg_dropin *d)
     if (--d->refs > 0)
         return;
     cg_flush_cancel(&d->release_flush);
-    cg_wsconn_clear(&d->to_app);
+    cg_wsconn_clear(&d->app.conn);
     cg_wsconn_clear(&d->to_client);
     cg_headers_free(&d->forwarded);
     free(d->path);
@@ -168,15 +165,9 @@ void cg_dropin_close(cg_dropin *d)
     /* the turn in flight is saved as cancelled, the waiting ones go, their dialogs' locks too
      * (their chat frames leave to_app) */
     cg_turns_close(&d->turns);
-    if (d->resolve) {
-        cg_resolve_abandon(d->resolve);
-        d->resolve = NULL;
-        d->refs--; /* the app connection that will not be */
-    }
     /* nothing more is written to the app but its close frame (1001), once its handshake is
-     * done if it is not yet */
-    cg_wsconn_clear(&d->to_app);
-    cg_wsconn_close(&d->to_app, 1001, "client left");
+     * done if it is not yet (still resolving: the app connection ends now, app_ended) */
+    cg_wsclient_close(&d->app, 1001, "client left");
     dropin_unref(d); /* the client's reference */
 }
 
@@ -236,7 +227,7 @@ static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
         cg_warn("dropin: the cancel frame could not be built: the reply in flight goes on");
         return;
     }
-    cg_wsconn_send(&d->to_app, s, len, 0);
+    cg_wsconn_send(&d->app.conn, s, len, 0);
     free(s);
 }
 
@@ -259,7 +250,7 @@ static void drop_slot(cg_dropin *d, pending_chat *c)
     if (c == d->submitting)
         d->submit_dropped = 1;
     if (c->slot)
-        cg_wsconn_remove(&d->to_app, c->slot);
+        cg_wsconn_remove(&d->app.conn, c->slot);
     pending_free(c);
 }
 
@@ -283,7 +274,7 @@ static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
         return -1;
     }
     d->forwards++;
-    cg_wsconn_release(&d->to_app, c->slot, built.buf, built.len); /* same headroom */
+    cg_wsconn_release(&d->app.conn, c->slot, built.buf, built.len); /* same headroom */
     pending_free(c);
     return 0;
 }
@@ -350,12 +341,12 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
                     d->name);
             return;
         }
-        cg_wsconn_push(&d->to_app, cg_wsframe_adopt(f.buf, f.len, 0, binary)); /* text or binary, as it came */
+        cg_wsconn_push(&d->app.conn, cg_wsframe_adopt(f.buf, f.len, 0, binary)); /* text or binary, as it came */
         return;
     }
     if (kind != CG_DROPIN_CHAT) {
         pending_free(c);
-        cg_wsconn_send(&d->to_app, buf, len, binary); /* untouched */
+        cg_wsconn_send(&d->app.conn, buf, len, binary); /* untouched */
         return;
     }
     /* the frame joins to_app after cg_turns_submit, so that a cancel frame the submission
@@ -379,7 +370,7 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
     d->refusing = 0; /* c is the turn's now, or already back */
     if (d->submit_dropped) /* refused before submit returned: slot and c are gone */
         return;
-    if (cg_wsconn_push(&d->to_app, slot) < 0) /* the app connection is gone: freed */
+    if (cg_wsconn_push(&d->app.conn, slot) < 0) /* the app connection is gone: freed */
         c->slot = NULL;
 }
 
@@ -471,18 +462,6 @@ static void on_app_frame(cg_dropin *d, const char *buf, size_t len, int binary)
 static void hold_app_cookies(cg_dropin *d, struct lws *app);
 static void hold_app_open(cg_dropin *d);
 static void hold_refused(cg_dropin *d, unsigned int status);
-static void app_unreachable(cg_dropin *d);
-
-/* The app connection is gone: nothing more is written to it, and its reference goes
- * (app_failed: a connect that failed before it returned must not drop it again). */
-static void app_gone(cg_dropin *d, struct lws *wsi)
-{
-    cg_wsconn_gone(&d->to_app);
-    d->app_failed = 1;
-    lws_set_opaque_user_data(wsi, NULL);
-    d->app = NULL;
-    dropin_unref(d);
-}
 
 /*
  * The app's handshake: the client's Origin and forwarded headers as they came (lws would
@@ -490,106 +469,85 @@ static void app_gone(cg_dropin *d, struct lws *wsi)
  * ours), then dropin.headers, which replace the client's of the same name. -1 (the
  * connection fails, the client is closed with 1014) when they do not fit.
  */
-static int append_headers(cg_dropin *d, struct lws *wsi, unsigned char **p, unsigned char *end)
+static int app_headers(cg_wsclient *w, unsigned char **p, unsigned char *end)
 {
+    cg_dropin *d = w->owner;
     const cg_headers *conf = &d->srv->cfg->dropin_app.headers;
-    int rc = cg_upstream_append_headers(wsi, &d->forwarded, conf, p, end) |
-             cg_upstream_append_headers(wsi, conf, NULL, p, end);
+    int rc = cg_upstream_append_headers(w->conn.wsi, &d->forwarded, conf, p, end) |
+             cg_upstream_append_headers(w->conn.wsi, conf, NULL, p, end);
     if (rc)
         cg_warn("dropin: session %s: the app's handshake headers do not fit lws's buffer: not connecting", d->name);
     return rc ? -1 : 0;
 }
 
-int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
+static void app_accepted(cg_wsclient *w, struct lws *wsi)
 {
-    cg_dropin *d = lws_get_opaque_user_data(wsi);
-    if (!d)
-        return lws_callback_http_dummy(wsi, reason, user, in, len);
-    switch (reason) {
-    case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER:
-        return append_headers(d, wsi, (unsigned char **)in, *(unsigned char **)in + len);
-    case LWS_CALLBACK_CLIENT_FILTER_PRE_ESTABLISH:
-        if (d->hold == HOLD_WAITING)
-            hold_app_cookies(d, wsi);
-        return 0;
-    case LWS_CALLBACK_CLIENT_ESTABLISHED:
-        if (d->hold == HOLD_WAITING)
-            hold_app_open(d);
-        /* what waits goes; the client left during the handshake: its close frame (1001) */
-        cg_wsconn_open(&d->to_app, wsi);
-        return 0;
-    case LWS_CALLBACK_CLIENT_WRITEABLE:
-        return cg_wsconn_writable(&d->to_app);
-    case LWS_CALLBACK_CLIENT_RECEIVE: { /* reassembled up to 16 x --max-frame */
-        const char *msg;
-        size_t msg_len;
-        if (!cg_wsconn_receive(&d->to_app, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len,
-                               (size_t)d->srv->cfg->max_frame * 16, &msg, &msg_len))
-            return 0;
-        if (!msg) { /* never dropped silently: the client is told, with 1009 */
-            cg_warn("dropin: the app sent a frame over the limit (16 x max_frame): closing the client with 1009");
-            close_client(d, 1009, "the app sent a frame over the gateway's limit");
-        } else
-            on_app_frame(d, msg, msg_len, lws_frame_is_binary(wsi));
-        cg_wsconn_received(&d->to_app);
-        return 0;
-    }
-    case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
-        /* the client gets the app's code and reason, when they may be sent on (RFC 6455 7.4);
-         * a bad close frame from the app is the app's failure: 1011; an empty one (no status,
-         * 1005, which may not be sent on) is a normal closure: 1000 */
-        if (cg_ws_close_check(in, len) != 0) {
-            cg_warn("dropin: the app's close frame is not valid (RFC 6455 7.4): closing the client with 1011");
-            d->close_code = 1011;
-            snprintf(d->close_reason, sizeof(d->close_reason), "the app sent an invalid close frame");
-        } else if (len >= 2) {
-            const unsigned char *b = in;
-            d->close_code = b[0] << 8 | b[1];
-            snprintf(d->close_reason, sizeof(d->close_reason), "%.*s", (int)(len - 2), (const char *)in + 2);
-        } else {
-            d->close_code = 1000;
-            d->close_reason[0] = 0;
-        }
-        return 0;
-    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {
-        /* refused at the TCP level, or the app answered the handshake with an HTTP error:
-         * its own refusal (401, 403: an Origin or a session it does not accept) is the app's
-         * policy, 1008, with its status; anything else is a bad gateway, 1014 */
-        char reason[256]; /* close_client cuts it to what a close frame holds */
-        unsigned int status = lws_http_client_http_response(wsi);
-        const char *tls = cg_net_tls_refusal(wsi);
-        if (status)
-            snprintf(reason, sizeof(reason), "the app refused the connection with HTTP %u", status);
-        else if (tls)
-            snprintf(reason, sizeof(reason), "the app's TLS certificate was refused: %s", tls);
-        else
-            snprintf(reason, sizeof(reason), "the app could not be reached: %s",
-                     in ? (const char *)in : "connection failed");
-        cg_warn("dropin: session %s: %s", d->name, reason);
-        if (d->hold == HOLD_WAITING) /* the client's handshake gets the refusal instead */
-            hold_refused(d, status);
-        else
-            close_client(d, status == 401 || status == 403 ? 1008 : 1014, reason);
-        app_gone(d, wsi);
-        return 0;
-    }
-    case LWS_CALLBACK_CLIENT_CLOSED:
-        if (d->client_gone)
-            cg_debug("dropin: session %s: the app connection closed after the client left", d->name);
-        else
-            cg_info("dropin: session %s: the app closed the connection (%d)", d->name, d->close_code);
-        close_client(d, d->close_code ? d->close_code : 1011, d->close_code ? d->close_reason : "the app went away");
-        app_gone(d, wsi);
-        return 0;
-    case LWS_CALLBACK_WSI_DESTROY: /* gone without CLIENT_CLOSED (session.c passes this on) */
-        cg_info("dropin: the app connection was lost");
-        close_client(d, 1011, "the app went away");
-        app_gone(d, wsi);
-        return 0;
-    default:
-        return lws_callback_http_dummy(wsi, reason, user, in, len);
-    }
+    cg_dropin *d = w->owner;
+    if (d->hold == HOLD_WAITING)
+        hold_app_cookies(d, wsi);
 }
+
+static void app_opened(cg_wsclient *w)
+{
+    cg_dropin *d = w->owner;
+    if (d->hold == HOLD_WAITING)
+        hold_app_open(d);
+}
+
+/* One app frame, reassembled up to 16 x --max-frame (app.max_message). */
+static void app_message(cg_wsclient *w, const char *msg, size_t len, int binary)
+{
+    cg_dropin *d = w->owner;
+    if (msg) {
+        on_app_frame(d, msg, len, binary);
+        return;
+    }
+    /* never dropped silently: the client is told, with 1009 */
+    cg_warn("dropin: the app sent a frame over the limit (16 x max_frame): closing the client with 1009");
+    close_client(d, 1009, "the app sent a frame over the gateway's limit");
+}
+
+/*
+ * The app connection is over, and its reference goes. Never open: the app's own refusal
+ * (401, 403: an Origin or a session it does not accept) is the app's policy, 1008, with its
+ * status; anything else is a bad gateway, 1014; a held client's handshake gets the refusal
+ * instead. Closed: the client gets the app's code and reason, when they may be sent on (RFC
+ * 6455 7.4); a bad close frame from the app is the app's failure, 1011, as is none at all;
+ * an empty one (no status, 1005, which may not be sent on) is a normal closure, 1000.
+ */
+static void app_ended(cg_wsclient *w, const cg_wsclient_end *e)
+{
+    cg_dropin *d = w->owner;
+    char reason[320]; /* close_client cuts it to what a close frame holds */
+    if (d->client_gone) {
+        cg_debug("dropin: session %s: the app connection ended after the client left", d->name);
+    } else if (!e->opened) {
+        snprintf(reason, sizeof(reason), "the app %s", e->why);
+        cg_warn("dropin: session %s: %s", d->name, reason);
+        if (d->hold == HOLD_WAITING)
+            hold_refused(d, e->status);
+        else
+            close_client(d, e->status == 401 || e->status == 403 ? 1008 : 1014, reason);
+    } else if (e->invalid) {
+        cg_warn("dropin: the app's close frame is not valid (RFC 6455 7.4): closing the client with 1011");
+        close_client(d, 1011, "the app sent an invalid close frame");
+    } else if (!e->code) {
+        cg_info("dropin: session %s: the app connection was lost", d->name);
+        close_client(d, 1011, "the app went away");
+    } else {
+        cg_info("dropin: session %s: the app closed the connection (%d)", d->name, e->code);
+        close_client(d, e->code == 1005 ? 1000 : e->code, e->reason);
+    }
+    dropin_unref(d);
+}
+
+static const cg_wsclient_ops app_ops = {
+    .headers = app_headers,
+    .accepted = app_accepted,
+    .opened = app_opened,
+    .message = app_message,
+    .ended = app_ended,
+};
 
 /* ---- the client's handshake, held for the app's ------------------------------------------ */
 
@@ -637,14 +595,6 @@ static void hold_refused(cg_dropin *d, unsigned int status)
     d->hold = HOLD_APP_REFUSED;
     d->app_status = status;
     hold_release(d);
-}
-
-static void app_unreachable(cg_dropin *d)
-{
-    if (d->hold == HOLD_WAITING)
-        hold_refused(d, 0);
-    else
-        close_client(d, 1014, "the app could not be reached");
 }
 
 /* The clients held now: a few at a time, found by their wsi (a wsi's opaque data is not
@@ -762,33 +712,6 @@ void cg_dropin_client_gone(struct lws *client)
 }
 
 /* ---- opening --------------------------------------------------------------------------- */
-
-static void on_app_resolved(void *data, const char *address, const char *err)
-{
-    cg_dropin *d = data;
-    d->resolve = NULL;
-    const cg_upstream_config *u = &d->srv->cfg->dropin_app;
-    if (!address) {
-        cg_warn("dropin: %s ('%s')", err, u->host);
-        app_unreachable(d);
-        dropin_unref(d);
-        return;
-    }
-    cg_connect_spec spec = {
-        .host = d->host,
-        .port = u->port,
-        .tls = u->tls,
-        .address = address,
-        .path = d->path,
-        .subprotocol = d->subprotocol,
-        .local_protocol = CG_LWS_PROTOCOL_DROPIN_APP,
-    };
-    if (!cg_net_connect(&d->srv->net, &spec, d, &d->app) && !d->app_failed) { /* refused before any callback said so */
-        d->app = NULL;
-        app_unreachable(d);
-        dropin_unref(d);
-    }
-}
 
 /*
  * The app's path: its base path, the client's path and the client's query ("a=1&b=two
@@ -961,8 +884,9 @@ static cg_dropin *dropin_new(cg_server *srv, struct lws *client, const char *use
     d->to_client.batch = &srv->batch;
     d->to_client.frames_out = &srv->metrics.frames_out;
     d->to_client.high = CG_DROPIN_HIGH;
-    cg_wsconn_init(&d->to_app, CG_WS_CLIENT, &srv->net, &to_app_ops, d);
-    d->to_app.high = CG_DROPIN_HIGH;
+    cg_wsclient_init(&d->app, &srv->net, &to_app_ops, &app_ops, d);
+    d->app.conn.high = CG_DROPIN_HIGH;
+    d->app.max_message = (size_t)srv->cfg->max_frame * 16;
     snprintf(d->user, sizeof(d->user), "%s", user);
     snprintf(d->name, sizeof(d->name), "%s", name); /* d outlives the session that named it */
     json_t *tt = json_object_get(d->cfg, "turn_timeout_ms");
@@ -983,8 +907,10 @@ static cg_dropin *dropin_new(cg_server *srv, struct lws *client, const char *use
     d->subprotocol = client_subprotocol(d, client);
     copy_headers(d, client);
     app_host(d, client);
-    d->resolve = cg_resolve_start(srv->net.loop, srv->cfg->dropin_app.host, on_app_resolved, d);
-    if (!d->resolve) {
+    const cg_upstream_config *u = &srv->cfg->dropin_app;
+    cg_connect_spec spec = {.host = d->host, .port = u->port, .tls = u->tls, .path = d->path,
+                            .subprotocol = d->subprotocol, .local_protocol = CG_LWS_PROTOCOL_DROPIN_APP};
+    if (cg_wsclient_connect(&d->app, u->host, &spec) < 0) {
         d->refs = 1;
         dropin_unref(d); /* frees what was copied: path, subprotocol, headers */
         return NULL;

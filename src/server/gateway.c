@@ -35,6 +35,7 @@
 #include "chatgate/server/listener.h"
 #include "chatgate/server/ops.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/wsclient.h"
 #include "chatgate/core/tls_ca.h"
 #include "chatgate/server/master.h"
 #include "chatgate/server/session.h"
@@ -102,7 +103,7 @@ static struct lws_protocols *build_protocols(const cg_config *cfg)
         {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
         {CG_LWS_PROTOCOL_OPS, cg_ops_callback, 0, 0, 0, NULL, 0},
         {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
-        {CG_LWS_PROTOCOL_DROPIN_APP, cg_dropin_app_callback, 0, 4096, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_DROPIN_APP, cg_wsclient_callback, 0, 4096, 0, NULL, 0},
     };
     json_t *subs = json_object_get(cfg->dropin, "subprotocols");
     size_t n_fixed = sizeof(fixed) / sizeof(fixed[0]), n_subs = json_array_size(subs);

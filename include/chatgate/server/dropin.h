@@ -72,7 +72,4 @@ int cg_dropin_add_headers(struct lws *client, void *in);
 cg_dropin *cg_dropin_take_held(struct lws *client, char *user, size_t userlen, const char *name);
 void cg_dropin_client_gone(struct lws *client);
 
-/* The lws callback of the upstream (app) connections. */
-int cg_dropin_app_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);
-
 #endif
