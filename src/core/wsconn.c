@@ -424,7 +424,8 @@ void cg_wsconn_clear(cg_wsconn *c)
 
 void cg_wsconn_gone(cg_wsconn *c)
 {
-    cg_wsconn_clear(c);
+    cg_flush_cancel(&c->flush);
+    lone_release(c);
     c->wsi = NULL;
     c->state = CG_WSCONN_CLOSE_SENT;
 }

@@ -120,7 +120,8 @@ void cg_wsconn_open(cg_wsconn *c, struct lws *wsi);
 /* Frees every frame, the spare and the receive buffer, and cancels the flushes; c may be
  * set up again. The socket is left as it is. */
 void cg_wsconn_clear(cg_wsconn *c);
-/* The socket is gone: c is cleared and takes no more frames (as after a close frame). */
+/* The socket is gone: nothing more is written or taken (as after a close frame). The frames
+ * queued stay until cg_wsconn_clear: a held one may still be referred to by its owner. */
 void cg_wsconn_gone(cg_wsconn *c);
 
 /* A frame of len bytes copied from data (len may be 0; a NUL follows the bytes). */

@@ -4,7 +4,7 @@
  * several in one send on the server side and masked on the client side; a full socket waits
  * for the writable callback; a held frame holds the ones behind it until released, and can
  * be taken out; a close frame ends the queue, goes only from the writable callback, and the
- * connection goes at the writable after it; a close asked before the socket opens waits for
+ * connection goes at the writable after it; a gone socket takes nothing, its frames kept; a close asked before the socket opens waits for
  * it; the water marks tell the owner once per change; max_frames bounds the queue; a lazy
  * frame is made as it is written; a lone frame waits for company, or for its time; a failed
  * write outside the callbacks reaches the owner; reading is paused, kept while not open;
@@ -275,6 +275,23 @@ static void test_close(void)
     CHECK(close_secs == CG_WSCONN_CLOSE_WAIT_S && writable_asked > 0);
     CHECK(cg_wsconn_writable(&c) == 0);
     CHECK_STR(log_, "T:q|S:1|C:1001:client left|");
+    cg_wsconn_clear(&c);
+
+    /* the socket gone: nothing more is written or taken; a held frame stays its owner's
+     * to release or remove until the queue is cleared */
+    reset(&c, CG_WS_CLIENT);
+    cg_wsconn_open(&c, fake_wsi);
+    cg_wsframe *h = cg_wsframe_new("held", 4, 0);
+    h->held = 1;
+    cg_wsconn_push(&c, h);
+    cg_wsconn_gone(&c);
+    CHECK(cg_wsconn_send(&c, "late", 4, 0) < 0);
+    cg_wsconn_release(&c, h, NULL, 0);
+    turn_loop();
+    CHECK_STR(log_, "");
+    CHECK(c.n == 1);
+    cg_wsconn_remove(&c, h);
+    CHECK(c.n == 0 && c.bytes == 0);
     cg_wsconn_clear(&c);
 
     /* an answer to a bad close frame: now */
