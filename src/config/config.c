@@ -166,8 +166,8 @@ static const up_setting upstream_settings[] = {
     {"idle_keepalive_ms", T_INT, UOFF(idle_keepalive_ms), 1000, 3600000,
      "OpenAI: MILLISECONDS before an idle kept connection is closed"},
     {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000, "demo: MILLISECONDS between words (0: all at once)"},
-    {"out_ms", T_INT, UOFF(out_ms), 100, 3600000, "OpenAI: MILLISECONDS a replica that failed is not picked"},
-    {"max_attempts", T_INT, UOFF(max_attempts), 1, CG_MAX_REPLICAS, "OpenAI: N replicas one message may be sent to"},
+    {"out_ms", T_INT, UOFF(out_ms), 100, 3600000, "MILLISECONDS a replica that failed is not picked"},
+    {"max_attempts", T_INT, UOFF(max_attempts), 1, CG_MAX_REPLICAS, "N replicas one message may be sent to"},
     {"fallback", T_STR, UOFF(fallback), 0, 0,
      "NAME of the upstream a message goes to when this one fails before any reply text"},
 };
@@ -435,8 +435,9 @@ static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, cha
 
 /* ---- the JSON file ---------------------------------------------------------------- */
 
-/* upstreams.NAME.urls: 1 to CG_MAX_REPLICAS http:// or https:// URLs of one upstream's
- * replicas; the first is its url. */
+/* upstreams.NAME.urls: 1 to CG_MAX_REPLICAS URLs of one upstream's replicas, all of one
+ * kind (http:// or https:// of an OpenAI-compatible server, ws:// or wss:// of a chat
+ * app); the first is its url. */
 static int load_replicas(cg_upstream_config *u, json_t *urls, char *err, size_t errlen)
 {
     size_t i;
@@ -448,16 +449,19 @@ static int load_replicas(cg_upstream_config *u, json_t *urls, char *err, size_t 
     for (int r = 0; r < u->n_replicas; r++)
         free(u->replicas[r]);
     u->n_replicas = 0;
+    int first_kind = -1;
     json_array_foreach(urls, i, one) {
         cg_upstream_config probe = {0};
         const char *s = json_string_value(one);
         int rc = s ? cg_config_parse_upstream_url(&probe, s, err, errlen) : -1;
         int kind = probe.kind;
         cg_upstream_config_free(&probe);
-        if (rc < 0 || kind != CG_UPSTREAM_OPENAI) {
+        if (first_kind < 0)
+            first_kind = kind;
+        if (rc < 0 || kind == CG_UPSTREAM_DEMO || kind != first_kind) {
             if (rc == 0 || !s)
-                set_err(err, errlen, "[%zu]: replicas are of OpenAI-compatible upstreams: http:// or https:// URLs",
-                        i);
+                set_err(err, errlen, "[%zu]: replicas are all of one kind: http:// or https:// URLs of an "
+                        "OpenAI-compatible upstream, or ws:// or wss:// URLs of a chat app", i);
             return -1;
         }
         u->replicas[u->n_replicas++] = cg_strdup(s);
@@ -1203,9 +1207,9 @@ static const key_doc upstream_keys[] = {
     {"url", "url", "-",
      "demo, http(s)://BASE (OpenAI-compatible) or ws(s)://HOST/PATH (a chat app), as --upstream; "
      "upstreams.NAME may also be the URL alone"},
-    {"urls", "list", "-", "OpenAI: 1 to 16 replicas' base URLs, instead of url"},
+    {"urls", "list", "-", "1 to 16 replicas' URLs (all http(s) or all ws(s)), instead of url"},
     {"balance", "enum dialog|least_busy", "dialog",
-     "OpenAI: a dialog keeps its replica, or the replica with the fewest requests in flight"},
+     "a dialog keeps its replica, or the replica with the fewest requests in flight"},
     {"headers", "object", "-",
      "extra headers on each request or handshake: {\"Name\": \"value\"} or {\"Name\": {\"env\": \"VARIABLE\"}}"},
 };

@@ -40,34 +40,36 @@ static int put(char *buf, size_t len, size_t *used, const char *fmt, ...)
 _Static_assert(CG_METRIC_UPSTREAMS == CG_MAX_UPSTREAMS, "metrics.h counts every upstream");
 
 /* The families counted by upstream index (cg_metrics arrays of 32), in the order written:
- * the line per upstream of every upstream, or only those of one kind (kind >= 0). */
+ * the line per upstream of every upstream (kinds ALL_KINDS), or only of those kinds. */
+#define KIND(k) (1u << (k))
+#define ALL_KINDS (~0u)
 static const struct upstream_family {
     const char *name, *type, *help; /* help NULL: none */
     size_t offset;                  /* of the array in cg_metrics */
-    int kind;
+    unsigned kinds;                 /* KIND(cg_upstream_kind) of the upstreams with a line */
 } upstream_families[] = {
-    {"chatgate_routed_total", "counter", NULL, offsetof(cg_metrics, routed), -1},
-    {"chatgate_upstream_errors_total", "counter", NULL, offsetof(cg_metrics, upstream_errors), -1},
+    {"chatgate_routed_total", "counter", NULL, offsetof(cg_metrics, routed), ALL_KINDS},
+    {"chatgate_upstream_errors_total", "counter", NULL, offsetof(cg_metrics, upstream_errors), ALL_KINDS},
     /* the connection pools of the OpenAI-compatible upstreams (upstream/http_pool.h) */
     {"chatgate_upstream_connections_opened_total", "counter",
      "TCP connections opened to an OpenAI-compatible upstream.", offsetof(cg_metrics, upstream_conns_opened),
-     CG_UPSTREAM_OPENAI},
+     KIND(CG_UPSTREAM_OPENAI)},
     {"chatgate_upstream_connections_reused_total", "counter",
      "Requests sent on a kept-alive connection instead of a new one.", offsetof(cg_metrics, upstream_conns_reused),
-     CG_UPSTREAM_OPENAI},
+     KIND(CG_UPSTREAM_OPENAI)},
     {"chatgate_upstream_tls_resumed_total", "counter",
      "New TLS connections to an OpenAI-compatible upstream that resumed an earlier TLS session (no full handshake).",
-     offsetof(cg_metrics, upstream_tls_resumed), CG_UPSTREAM_OPENAI},
+     offsetof(cg_metrics, upstream_tls_resumed), KIND(CG_UPSTREAM_OPENAI)},
     {"chatgate_upstream_connections_idle", "gauge", "Kept-alive connections idle now, waiting for the next request.",
-     offsetof(cg_metrics, upstream_conns_idle), CG_UPSTREAM_OPENAI},
+     offsetof(cg_metrics, upstream_conns_idle), KIND(CG_UPSTREAM_OPENAI)},
     /* replicas and fallback (docs/configuration.md, "Replicas, retries and fallback") */
     {"chatgate_upstream_retries_total", "counter",
      "Messages sent again to another replica after one failed before any reply text.",
-     offsetof(cg_metrics, upstream_retries), CG_UPSTREAM_OPENAI},
+     offsetof(cg_metrics, upstream_retries), KIND(CG_UPSTREAM_OPENAI) | KIND(CG_UPSTREAM_WS)},
     {"chatgate_upstream_replica_outs_total", "counter", "Times a replica was marked out after a failure.",
-     offsetof(cg_metrics, upstream_replica_outs), CG_UPSTREAM_OPENAI},
+     offsetof(cg_metrics, upstream_replica_outs), KIND(CG_UPSTREAM_OPENAI) | KIND(CG_UPSTREAM_WS)},
     {"chatgate_upstream_fallbacks_total", "counter", "Messages that went on to the upstream's fallback.",
-     offsetof(cg_metrics, upstream_fallbacks), -1},
+     offsetof(cg_metrics, upstream_fallbacks), ALL_KINDS},
 };
 
 /* Every family of upstream_families: its HELP and TYPE, then a line per upstream. */
@@ -80,7 +82,7 @@ static int per_upstream(const cg_server *srv, const cg_metrics *m, char *buf, si
             put(buf, len, used, "# TYPE %s %s\n", fam->name, fam->type) < 0)
             return -1;
         for (int i = 0; i < srv->turn.n_upstreams; i++)
-            if ((fam->kind < 0 || (int)srv->upstreams[i].cfg->kind == fam->kind) &&
+            if ((fam->kinds & KIND(srv->upstreams[i].cfg->kind)) &&
                 put(buf, len, used, "%s{upstream=\"%s\"} %lu\n", fam->name, srv->upstreams[i].cfg->name,
                     values[i]) < 0)
                 return -1;

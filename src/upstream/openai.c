@@ -5,14 +5,13 @@
  * A call goes: a transfer on the upstream's connection pool (http_pool.c: libcurl on our
  * loop; a kept-alive HTTP/1.1 connection when one is idle, else a new one, resolved and TLS
  * resumed by libcurl) -> the JSON body -> server-sent events, each a chunk with
- * choices[0].delta.content, until `data: [DONE]`. One uv timer enforces the phase's
- * deadline: connect_timeout_ms until the request goes out, first_byte_timeout_ms until the
- * response's first bytes, idle_timeout_ms between reads; the last two do not run while the
- * call is paused (we are not reading, so the upstream's silence means nothing) and start
- * afresh on resume.
+ * choices[0].delta.content, until `data: [DONE]`. The call core (call.c) keeps the phase's
+ * deadline (connect_timeout_ms until the request goes out, first_byte_timeout_ms until the
+ * response's first bytes, idle_timeout_ms between reads), the replicas and the retries;
+ * this file builds the request, reads the response and stops the transfer.
  *
  * The connection: after [DONE] the rest of the response (the chunked ending) is still read
- * (PHASE_DRAIN, at most idle_timeout_ms), so that the connection goes back to the pool;
+ * (CG_CALL_DRAIN, at most idle_timeout_ms), so that the connection goes back to the pool;
  * the session has already heard done. Every other end takes the transfer out unfinished, and
  * libcurl closes that connection: a cancel (which is how the backend learns to stop
  * generating), an error, a cut, a timeout. A response with `Connection: close` or HTTP/1.0
@@ -26,8 +25,9 @@
  *
  * Ownership: the upstream owns its openai_state (cg_upstream.state: the pool, and the URL and
  * headers every request shares), made at the first call and freed by cg_upstream_close at
- * the gateway's stop; the pool owns the easy handle; the call holds a reference for its timer and one for its transfer,
- * and is freed when both are gone, whatever ended it (done, error, cancel, timeout).
+ * the gateway's stop; the pool owns the easy handle; the call holds a reference for its
+ * clock's timer and one for its transfer, and is freed when both are gone, whatever ended
+ * it (done, error, cancel, timeout).
  */
 #define _GNU_SOURCE /* asprintf */
 #include <stdio.h>
@@ -40,27 +40,19 @@
 #include "chatgate/core/log.h"
 #include "chatgate/core/num.h"
 #include "chatgate/core/sse.h"
+#include "chatgate/upstream/call.h"
 #include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
 
 #define MAX_EVENT_BYTES (1 << 20) /* one server-sent event */
 #define MAX_ERROR_BODY 4096       /* kept of a 4xx/5xx body */
 
-typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE, PHASE_DRAIN } call_phase;
-
-/* One of the upstream's URLs (upstreams.NAME.urls; a single url is one replica). */
-typedef struct replica {
-    char *url;          /* {base}/chat/completions */
-    uint64_t out_until; /* uv_now() before which it is not picked: it failed (passive health) */
-    int busy;           /* transfers on it now (balance least_busy) */
-} replica;
-
 /* What one upstream keeps between calls (cg_upstream.state). */
 typedef struct openai_state {
     cg_http_pool *pool;         /* one for every replica: libcurl keeps connections per host */
     struct curl_slist *headers; /* JSON in, events out, the bearer token */
-    replica replicas[CG_MAX_REPLICAS];
-    int n;
+    char *urls[CG_MAX_REPLICAS]; /* {base}/chat/completions of each replica (upstreams.NAME.urls) */
+    cg_replicas replicas;
 } openai_state;
 
 /* One transfer of a call, to one replica. A retry stops the transfer and starts another:
@@ -73,36 +65,30 @@ typedef struct attempt {
 } attempt;
 
 struct cg_upstream_call {
-    cg_upstream *up;
-    const cg_upstream_events *ev; /* NULL once the call has ended */
-    void *ctx;
+    cg_call core;       /* first: the core's cg_call is this call */
     int refs;
-    int ended; /* after a done, phase is PHASE_DRAIN: the rest of the response is read, to
-                * keep the connection */
-    CURL *easy;   /* while the current transfer runs (the pool's) */
+    CURL *easy;         /* while the current transfer runs (the pool's) */
     cg_http_pool *pool; /* the upstream's */
     attempt *cur;       /* the current transfer's attempt, NULL when none runs */
-    uint64_t key;       /* the dialog's hash (user, room): which replica it prefers */
-    unsigned tried;     /* replicas tried, one bit each */
-    int attempts;
-    int replica;        /* the latest attempt's (the one that answered, after a done) */
-    long retry_after_ms; /* a 429's Retry-After, 0 when none */
-    uv_timer_t timer;
-    call_phase phase;
+    cg_call_clock clock;
     char *body;
     size_t body_len;
-    int status;       /* the HTTP status, 0 until the response headers came */
     int request_sent; /* the request went out: a connection error now is no answer */
     int event_stream; /* the answer's Content-Type is text/event-stream */
-    size_t reply_bytes; /* of delta text relayed */
     int events_seen;
     int finish_seen; /* a chunk with a finish_reason: the reply is complete */
-    int paused;
     cg_sse sse;
     json_t *usage;
     char error_body[MAX_ERROR_BODY + 1];
     size_t error_body_len;
 };
+
+/* The call has ended (c->core.ev is NULL from then on); after a done the response is still
+ * read to its end, in CG_CALL_DRAIN, to keep the connection. */
+static int ended(const cg_upstream_call *c)
+{
+    return !c->core.ev;
+}
 
 static void call_unref(cg_upstream_call *c)
 {
@@ -116,105 +102,21 @@ static void call_unref(cg_upstream_call *c)
 
 static void timer_closed(uv_handle_t *h)
 {
-    call_unref(h->data);
+    call_unref((cg_upstream_call *)((char *)h->data - offsetof(cg_upstream_call, clock)));
 }
-
-static void on_timeout(uv_timer_t *t);
 
 /* The call has ended and its transfer is gone: the timer goes. */
 static void call_finish(cg_upstream_call *c)
 {
-    if (c->ended && !c->easy && !uv_is_closing((uv_handle_t *)&c->timer))
-        uv_close((uv_handle_t *)&c->timer, timer_closed);
-}
-
-/* Ends the call: no more callbacks. After a done the response is read to its end, for the
- * connection's sake (drain); any other end takes the transfer out, closing its connection. */
-static void call_end(cg_upstream_call *c, int drain)
-{
-    if (c->ended)
-        return;
-    c->ended = 1;
-    c->ev = NULL;
-    if (c->easy && drain) {
-        c->phase = PHASE_DRAIN;
-        uv_timer_start(&c->timer, on_timeout, (uint64_t)c->up->cfg->idle_timeout_ms, 0);
-        if (c->paused)
-            cg_http_pool_pause(c->pool, c->easy, 0);
-        return;
-    }
-    if (c->easy)
-        cg_http_pool_stop(c->pool, c->easy); /* done comes (maybe at once): call_finish */
-    call_finish(c);
-}
-
-/* Ends the call with an error; error is the server's own error object (borrowed) or NULL. */
-static void call_fail(cg_upstream_call *c, int err, json_t *error, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void call_fail(cg_upstream_call *c, int err, json_t *error, const char *fmt, ...)
-{
-    if (!c->ev)
-        return;
-    const cg_upstream_events *ev = c->ev;
-    void *ctx = c->ctx;
-    call_end(c, 0);
-    va_list ap;
-    va_start(ap, fmt);
-    cg_upstream_fail(ev, ctx, c->up->cfg, err, c->status, error, fmt, ap);
-    va_end(ap);
+    if (ended(c) && !c->easy && !uv_is_closing((uv_handle_t *)&c->clock.timer))
+        uv_close((uv_handle_t *)&c->clock.timer, timer_closed);
 }
 
 static void call_done(cg_upstream_call *c)
 {
-    if (!c->ev)
-        return;
-    const cg_upstream_events *ev = c->ev;
-    void *ctx = c->ctx;
     json_t *usage = json_incref(c->usage);
-    call_end(c, 1);
-    ev->on_done(ctx, usage, NULL);
+    cg_call_done(&c->core, usage, NULL);
     json_decref(usage);
-}
-
-/* The deadline of a phase (the drain reads for at most idle_timeout_ms). */
-static int phase_ms(const cg_upstream_call *c, call_phase phase)
-{
-    const cg_upstream_config *cfg = c->up->cfg;
-    return phase == PHASE_CONNECT ? cfg->connect_timeout_ms
-           : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms : cfg->idle_timeout_ms;
-}
-
-static int retry(cg_upstream_call *c, const char *why);
-static const char *tried_note(const cg_upstream_call *c);
-
-static void on_timeout(uv_timer_t *t)
-{
-    cg_upstream_call *c = t->data;
-    if (c->phase == PHASE_DRAIN) { /* done, but the response does not end: not kept */
-        if (c->easy)
-            cg_http_pool_stop(c->pool, c->easy);
-        return;
-    }
-    static const char *const what[] = {"did not connect", "sent nothing", "went quiet"};
-    static const char *const key[] = {"connect_timeout_ms", "first_byte_timeout_ms", "idle_timeout_ms"};
-    if (c->phase != PHASE_IDLE && retry(c, what[c->phase]))
-        return;
-    call_fail(c, CG_E_UPSTREAM_TIMEOUT, NULL, "%s within %d ms (%s)%s", what[c->phase], phase_ms(c, c->phase),
-              key[c->phase], tried_note(c));
-}
-
-/* Starts the phase's deadline afresh; a paused call waits for no first byte and no read
- * (the connect still runs, paused or not). */
-static void arm(cg_upstream_call *c, call_phase phase)
-{
-    int ms = phase_ms(c, phase);
-    c->phase = phase;
-    if (!c->ev)
-        return;
-    if (c->paused && phase != PHASE_CONNECT)
-        uv_timer_stop(&c->timer);
-    else
-        uv_timer_start(&c->timer, on_timeout, (uint64_t)ms, 0);
 }
 
 /* ---- the reply ------------------------------------------------------------------------ */
@@ -233,19 +135,20 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
     json_t *o = json_loadb(data, len, 0, &jerr);
     if (!json_is_object(o)) {
         json_decref(o);
-        call_fail(c, CG_E_UPSTREAM_ERROR, NULL, "sent an event that is not a JSON object: %.80s", data);
+        cg_call_fail(&c->core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL,
+                     "sent an event that is not a JSON object: %.80s", data);
         return 1;
     }
     json_t *err = json_object_get(o, "error");
     if (err) {
         json_t *m = json_is_object(err) ? json_object_get(err, "message") : err;
         const char *text = json_is_string(m) ? json_string_value(m) : "(no message)";
-        if (c->reply_bytes)
-            call_fail(c, CG_E_UPSTREAM_ERROR, err, "failed mid-reply, after %zu bytes of reply text: %.300s",
-                      c->reply_bytes, text);
+        if (c->core.reply_bytes)
+            cg_call_fail(&c->core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, err,
+                         "failed mid-reply, after %zu bytes of reply text: %.300s", c->core.reply_bytes, text);
         else
-            call_fail(c, CG_E_UPSTREAM_ERROR, err, "answered with an error event before any reply text: %.300s",
-                      text);
+            cg_call_fail(&c->core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, err,
+                         "answered with an error event before any reply text: %.300s", text);
         json_decref(o);
         return 1;
     }
@@ -259,21 +162,19 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
     if (finish && !json_is_null(finish))
         c->finish_seen = 1;
     json_t *content = json_object_get(json_object_get(choice, "delta"), "content");
-    if (json_is_string(content) && json_string_length(content) > 0) {
-        c->reply_bytes += json_string_length(content);
-        c->ev->on_delta(c->ctx, json_string_value(content), json_string_length(content));
-    }
+    if (json_is_string(content) && json_string_length(content) > 0)
+        cg_call_delta(&c->core, json_string_value(content), json_string_length(content));
     json_decref(o);
-    return c->ev ? 0 : 1;
+    return ended(c) ? 1 : 0;
 }
 
-/* The server's own words from a 4xx/5xx body: error.message, or the start of the text. */
+/* The server's own words from a 4xx/5xx body: error.message, or the start of the text. A
+ * 5xx or 429 is the replica's trouble, not the request's: retried on another. */
 static void fail_with_status(cg_upstream_call *c)
 {
     char why[32];
-    snprintf(why, sizeof(why), "answered HTTP %d", c->status);
-    if ((c->status >= 500 || c->status == 429) && retry(c, why))
-        return;
+    int status = c->core.status;
+    snprintf(why, sizeof(why), "answered HTTP %d", status);
     c->error_body[c->error_body_len] = 0;
     json_t *o = json_loads(c->error_body, 0, NULL);
     json_t *err = json_object_get(o, "error");
@@ -281,15 +182,15 @@ static void fail_with_status(cg_upstream_call *c)
     if (!json_is_string(m))
         m = json_object_get(o, "message");
     const char *text = json_is_string(m) ? json_string_value(m) : c->error_body;
-    call_fail(c, CG_E_UPSTREAM_ERROR, err, "answered HTTP %d: %.300s%s", c->status, *text ? text : "(empty body)",
-              tried_note(c));
+    cg_call_fail(&c->core, status >= 500 || status == 429 ? CG_CALL_RETRY : CG_CALL_COUNTED, why, CG_E_UPSTREAM_ERROR,
+                 err, "answered HTTP %d: %.300s", status, *text ? text : "(empty body)");
     json_decref(o);
 }
 
 static void on_body(cg_upstream_call *c, const char *in, size_t len)
 {
-    arm(c, PHASE_IDLE);
-    if (c->status >= 300) {
+    cg_call_progress(&c->core);
+    if (c->core.status >= 300) {
         size_t room = MAX_ERROR_BODY - c->error_body_len;
         size_t n = len < room ? len : room;
         memcpy(c->error_body + c->error_body_len, in, n);
@@ -297,7 +198,8 @@ static void on_body(cg_upstream_call *c, const char *in, size_t len)
         return;
     }
     if (cg_sse_feed(&c->sse, in, len) < 0)
-        call_fail(c, CG_E_UPSTREAM_ERROR, NULL, "sent an event over %d bytes", MAX_EVENT_BYTES);
+        cg_call_fail(&c->core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL, "sent an event over %d bytes",
+                     MAX_EVENT_BYTES);
 }
 
 /*
@@ -306,18 +208,20 @@ static void on_body(cg_upstream_call *c, const char *in, size_t len)
  */
 static void on_end(cg_upstream_call *c)
 {
-    if (c->status >= 300)
+    cg_call *core = &c->core;
+    if (core->status >= 300)
         fail_with_status(c);
     else if (c->finish_seen)
         call_done(c); /* no [DONE], but the last chunk said why it finished */
-    else if (c->reply_bytes)
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL,
-                  "cut the stream mid-reply, after %zu bytes of reply text (no [DONE])", c->reply_bytes);
+    else if (core->reply_bytes)
+        cg_call_fail(core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                     "cut the stream mid-reply, after %zu bytes of reply text (no [DONE])", core->reply_bytes);
     else if (c->events_seen || c->event_stream)
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "cut the stream before any reply text (no [DONE])");
+        cg_call_fail(core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                     "cut the stream before any reply text (no [DONE])");
     else
-        call_fail(c, CG_E_UPSTREAM_ERROR, NULL,
-                  "answered HTTP %d without any server-sent event (is it OpenAI-compatible?)", c->status);
+        cg_call_fail(core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL,
+                     "answered HTTP %d without any server-sent event (is it OpenAI-compatible?)", core->status);
 }
 
 /* ---- the transfer's callbacks (from inside libcurl) ------------------------------------ */
@@ -333,15 +237,15 @@ static int on_sending(void *data, char *ip, char *local_ip, int port, int local_
     if (c->easy)
         cg_http_pool_sending(c->pool, c->easy);
     c->request_sent = 1;
-    arm(c, PHASE_FIRST_BYTE);
-    return c->ended ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
+    cg_call_arm(&c->core, CG_CALL_FIRST_BYTE);
+    return ended(c) ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
 }
 
 /* What an ended call answers libcurl for len more bytes: takes them while it drains after
  * a done, else refuses them, which ends the transfer. */
 static size_t ended_take(const cg_upstream_call *c, size_t len)
 {
-    return c->phase == PHASE_DRAIN ? len : 0;
+    return c->core.phase == CG_CALL_DRAIN ? len : 0;
 }
 
 /* One header line; at the blank line ending a final (not 1xx) header block, notes the
@@ -354,19 +258,19 @@ static size_t on_header(char *line, size_t size, size_t n, void *data)
     if (c->cur != a) /* a stopped attempt: refused, which ends it */
         return 0;
     cg_http_pool_header(c->pool, line, len);
-    if (c->ended)
+    if (ended(c))
         return ended_take(c, len);
-    arm(c, PHASE_IDLE); /* the first bytes came */
+    cg_call_progress(&c->core); /* the first bytes came */
     if (len > 12 && strncasecmp(line, "Retry-After:", 12) == 0) { /* seconds (a date is not read) */
         long long s = cg_parse_decimal_sat(line + 12, 3600); /* a replica is marked out an hour at most */
-        c->retry_after_ms = s > 0 ? (long)s * 1000 : 0;
+        c->core.retry_after_ms = s > 0 ? (long)s * 1000 : 0;
     }
     if (len <= 2 && (line[0] == '\r' || line[0] == '\n')) {
         long code = 0;
         char *type = NULL;
         curl_easy_getinfo(c->easy, CURLINFO_RESPONSE_CODE, &code);
         if (code >= 200) {
-            c->status = (int)code;
+            c->core.status = (int)code;
             curl_easy_getinfo(c->easy, CURLINFO_CONTENT_TYPE, &type);
             c->event_stream = type && strncasecmp(type, "text/event-stream", 17) == 0;
         }
@@ -383,12 +287,12 @@ static size_t on_data(char *in, size_t size, size_t n, void *data)
     size_t len = size * n;
     if (c->cur != a)
         return 0;
-    if (c->ended)
+    if (ended(c))
         return ended_take(c, len);
-    if (c->paused)
+    if (c->core.paused)
         return CURL_WRITEFUNC_PAUSE;
     on_body(c, in, len);
-    if (c->ended)
+    if (ended(c))
         return ended_take(c, len);
     return len;
 }
@@ -399,12 +303,12 @@ static void on_transfer_done(void *data, CURLcode rc)
 {
     attempt *a = data;
     cg_upstream_call *c = a->c;
-    openai_state *st = c->up->state; /* NULL while the upstream closes */
+    openai_state *st = c->core.up->state; /* NULL while the upstream closes */
     int current = c->cur == a;
     char why[CURL_ERROR_SIZE];
     snprintf(why, sizeof(why), "%s", a->curl_error[0] ? a->curl_error : curl_easy_strerror(rc));
     if (st)
-        st->replicas[a->replica].busy--;
+        st->replicas.r[a->replica].busy--;
     free(a);
     if (!current) { /* an attempt a retry stopped */
         call_unref(c);
@@ -412,19 +316,18 @@ static void on_transfer_done(void *data, CURLcode rc)
     }
     c->cur = NULL;
     c->easy = NULL;
-    if (c->ended)
+    cg_call *core = &c->core;
+    if (ended(c))
         ;
-    else if (rc == CURLE_OK || c->status)
+    else if (rc == CURLE_OK || core->status)
         on_end(c); /* complete, or cut after the headers: on_end tells which */
-    else if (retry(c, why))
-        ;
     else if (rc == CURLE_COULDNT_RESOLVE_HOST)
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not resolve the host: %s%s", why, tried_note(c));
+        cg_call_fail(core, CG_CALL_RETRY, why, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not resolve the host: %s", why);
     else if (!c->request_sent)
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s%s", why, tried_note(c));
+        cg_call_fail(core, CG_CALL_RETRY, why, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s", why);
     else
-        call_fail(c, CG_E_UPSTREAM_UNAVAILABLE, NULL, "sent no HTTP answer to the request: %s%s", why,
-                  tried_note(c));
+        cg_call_fail(core, CG_CALL_RETRY, why, CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                     "sent no HTTP answer to the request: %s", why);
     call_finish(c);
     call_unref(c); /* the transfer's */
 }
@@ -497,7 +400,7 @@ static int request_start(cg_upstream_call *c, openai_state *st, int r)
     }
     a->c = c;
     a->replica = r;
-    curl_easy_setopt(e, CURLOPT_URL, st->replicas[r].url);
+    curl_easy_setopt(e, CURLOPT_URL, st->urls[r]);
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, st->headers);
     curl_easy_setopt(e, CURLOPT_POSTFIELDS, c->body);
     curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)c->body_len);
@@ -519,118 +422,71 @@ static int request_start(cg_upstream_call *c, openai_state *st, int r)
         free(a);
         return -1;
     }
-    c->tried |= 1u << r;
-    c->attempts++;
-    c->replica = r;
-    st->replicas[r].busy++;
+    st->replicas.r[r].busy++;
     return 0;
 }
 
-/* ---- replicas -------------------------------------------------------------------------- */
+/* ---- the call's side of the core (cg_call_kind) ------------------------------------------ */
 
-/* splitmix64's finaliser: a well-spread 64-bit hash of x. */
-static uint64_t mix(uint64_t x)
+/* The request to replica r; whatever an earlier attempt read is forgotten. */
+static int openai_attempt(cg_call *core, int r)
 {
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
-
-/* FNV-1a of the dialog (user, room): the same for every turn of it, on every gateway. */
-static uint64_t dialog_key(const char *user, const char *room)
-{
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (const char *p = user ? user : ""; *p; p++)
-        h = (h ^ (unsigned char)*p) * 0x100000001b3ULL;
-    h = (h ^ 0x1f) * 0x100000001b3ULL; /* the unit separator: ("ab","c") is not ("a","bc") */
-    for (const char *p = room ? room : ""; *p; p++)
-        h = (h ^ (unsigned char)*p) * 0x100000001b3ULL;
-    return h;
-}
-
-/*
- * The replica for the call's next attempt: among those it has not tried and that are not
- * out, by dialog the one whose hash with the dialog's key is highest (rendezvous hashing: a
- * dialog stays on its replica, and moves only when that one is out, to the one next in its
- * own order), or the least busy (ties by the same order). When every replica is out, the
- * first attempt still goes to the dialog's own (it may be back; failing at once would not
- * help the user), a retry goes nowhere. -1: none.
- */
-static int pick(const openai_state *st, const cg_upstream_call *c, uint64_t now)
-{
-    int best = -1, any = -1;
-    uint64_t best_score = 0, any_score = 0;
-    for (int i = 0; i < st->n; i++) {
-        if (c->tried & (1u << i))
-            continue;
-        uint64_t score = mix(c->key ^ mix((uint64_t)i + 1));
-        if (any < 0 || score > any_score) {
-            any = i;
-            any_score = score;
-        }
-        if (st->replicas[i].out_until > now)
-            continue;
-        int better = best < 0 || (c->up->cfg->least_busy && st->replicas[i].busy != st->replicas[best].busy
-                                      ? st->replicas[i].busy < st->replicas[best].busy
-                                      : score > best_score);
-        if (better) {
-            best = i;
-            best_score = score;
-        }
-    }
-    return best >= 0 ? best : c->attempts == 0 ? any : -1;
-}
-
-/* ", after N attempts" for a failure that was retried, else "". */
-static const char *tried_note(const cg_upstream_call *c)
-{
-    static char note[48];
-    if (c->attempts <= 1)
-        return "";
-    snprintf(note, sizeof(note), " (after %d attempts)", c->attempts);
-    return note;
-}
-
-/*
- * The current attempt failed before anything reached the client (it refused, timed out
- * before its first byte, or answered 5xx or 429): its replica is out for out_ms (or the
- * 429's Retry-After, up to an hour), and the message goes to the next replica while the
- * call has attempts left. 1 when it was retried; 0: the caller fails the call.
- */
-static int retry(cg_upstream_call *c, const char *why)
-{
-    openai_state *st = c->up->state;
-    const cg_upstream_config *cfg = c->up->cfg;
-    uint64_t now = uv_now(c->up->net->loop);
-    int failed = c->replica;
-    long out = c->retry_after_ms > 0 ? (c->retry_after_ms < 3600000 ? c->retry_after_ms : 3600000) : cfg->out_ms;
-    if (st->n > 1) {
-        st->replicas[failed].out_until = now + (uint64_t)out;
-        cg_warn("upstream '%s': replica %d %s: out for %ld ms", cfg->name, failed, why, out);
-        if (c->up->metrics)
-            c->up->metrics->upstream_replica_outs[c->up->index]++;
-    }
-    int next = c->reply_bytes || c->attempts >= cfg->max_attempts ? -1 : pick(st, c, now);
-    if (next < 0)
-        return 0;
-    if (c->easy) /* its done comes to a stopped attempt (on_transfer_done) */
-        cg_http_pool_stop(c->pool, c->easy);
-    c->easy = NULL;
-    c->cur = NULL;
-    c->status = c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
+    cg_upstream_call *c = (cg_upstream_call *)core;
+    c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
     c->error_body_len = 0;
-    c->retry_after_ms = 0;
     json_decref(c->usage);
     c->usage = NULL;
-    cg_sse_free(&c->sse); /* whatever the failed attempt sent is forgotten */
-    cg_sse_init(&c->sse, MAX_EVENT_BYTES, on_event, c);
-    if (request_start(c, st, next) < 0)
-        return 0;
-    if (c->up->metrics)
-        c->up->metrics->upstream_retries[c->up->index]++;
-    arm(c, PHASE_CONNECT);
-    return 1;
+    if (core->attempts) {
+        cg_sse_free(&c->sse);
+        cg_sse_init(&c->sse, MAX_EVENT_BYTES, on_event, c);
+    }
+    cg_call_arm(core, CG_CALL_CONNECT);
+    return request_start(c, core->up->state, r);
 }
+
+/*
+ * After a done the rest of the response is read (drain), for the connection's sake; any
+ * other stop takes the transfer out, and libcurl closes its connection, which is how the
+ * backend learns to stop generating. A retry forgets the stopped transfer at once: its done
+ * comes to a stopped attempt (on_transfer_done).
+ */
+static void openai_stop(cg_call *core, cg_call_stop why)
+{
+    cg_upstream_call *c = (cg_upstream_call *)core;
+    if (!c->easy)
+        return;
+    if (why == CG_CALL_STOP_DONE) {
+        cg_call_arm(core, CG_CALL_DRAIN);
+        if (core->paused)
+            cg_http_pool_pause(c->pool, c->easy, 0);
+        return;
+    }
+    cg_http_pool_stop(c->pool, c->easy); /* done comes (maybe at once): call_finish */
+    if (why == CG_CALL_STOP_RETRY) {
+        c->easy = NULL;
+        c->cur = NULL;
+    }
+}
+
+static void openai_pause_reading(cg_call *core, int paused)
+{
+    cg_upstream_call *c = (cg_upstream_call *)core;
+    if (c->easy)
+        cg_http_pool_pause(c->pool, c->easy, paused);
+}
+
+static void openai_release(cg_call *core)
+{
+    call_finish((cg_upstream_call *)core);
+}
+
+static const cg_call_kind openai_kind = {
+    .attempt = openai_attempt,
+    .stop = openai_stop,
+    .pause = openai_pause_reading,
+    .release = openai_release,
+    .idle_words = "went quiet within",
+};
 
 /* {scheme}://{host}:{port}{path}/chat/completions of a base URL (checked by the config);
  * an IPv6 address in brackets. NULL when it cannot be made. */
@@ -705,8 +561,8 @@ static void openai_close(cg_upstream *up)
     up->state = NULL; /* a stopped transfer's done may still come while the pool closes */
     cg_http_pool_free(st->pool); /* its idle connections close */
     curl_slist_free_all(st->headers);
-    for (int i = 0; i < st->n; i++)
-        free(st->replicas[i].url);
+    for (int i = 0; i < st->replicas.n; i++)
+        free(st->urls[i]);
     free(st);
 }
 
@@ -719,9 +575,9 @@ static openai_state *state_of(cg_upstream *up)
     openai_state *st = cg_calloc(1, sizeof(*st));
     up->state = st;
     int ok = 1;
-    st->n = up->cfg->n_replicas ? up->cfg->n_replicas : 1;
-    for (int i = 0; i < st->n; i++)
-        ok &= (st->replicas[i].url = request_url(up->cfg->n_replicas ? up->cfg->replicas[i] : up->cfg->url)) != NULL;
+    st->replicas.n = up->cfg->n_replicas ? up->cfg->n_replicas : 1;
+    for (int i = 0; i < st->replicas.n; i++)
+        ok &= (st->urls[i] = request_url(up->cfg->n_replicas ? up->cfg->replicas[i] : up->cfg->url)) != NULL;
     st->headers = request_headers(up->cfg);
     st->pool = cg_http_pool_new(up->net->loop, up->cfg, up->net->tls_ca, up->metrics, up->index);
     if (!ok || !st->headers || !st->pool) {
@@ -740,7 +596,6 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
     if (!st)
         return -1;
     cg_upstream_call *c = cg_calloc(1, sizeof(*c));
-    c->up = up;
     c->pool = st->pool;
     c->body = build_body(up->cfg, m, &c->body_len);
     if (!c->body) {
@@ -748,16 +603,12 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
         return -1;
     }
     cg_sse_init(&c->sse, MAX_EVENT_BYTES, on_event, c);
-    c->ev = ev;
-    c->ctx = ctx;
+    cg_call_init(&c->core, up, &openai_kind, &st->replicas, ev, ctx, m->user, m->room);
     c->refs = 1; /* the timer's */
-    uv_timer_init(up->net->loop, &c->timer);
-    c->timer.data = c;
-    arm(c, PHASE_CONNECT);
-    c->key = dialog_key(m->user, m->room);
-    int r = pick(st, c, uv_now(up->net->loop));
-    if (r < 0 || request_start(c, st, r) < 0) {
-        call_end(c, 0); /* no transfer: the timer goes */
+    cg_call_clock_init(&c->clock, up->net->loop);
+    c->core.clock = &c->clock;
+    if (cg_call_start(&c->core, -1) < 0) {
+        call_finish(c); /* no transfer: the timer goes */
         return -1;
     }
     *out = c;
@@ -766,25 +617,17 @@ static int openai_start(cg_upstream *up, void **conn_slot, const cg_upstream_mes
 
 static void openai_answered(const cg_upstream_call *c, int *replica, int *attempts)
 {
-    const openai_state *st = c->up->state;
-    *replica = st->n > 1 ? c->replica : -1;
-    *attempts = c->attempts;
+    cg_call_answered(&c->core, replica, attempts);
 }
 
 static void openai_cancel(cg_upstream_call *c)
 {
-    call_end(c, 0);
+    cg_call_cancel(&c->core);
 }
 
 static void openai_pause(cg_upstream_call *c, int paused)
 {
-    if (c->ended || c->paused == !!paused)
-        return;
-    c->paused = !!paused;
-    if (c->easy)
-        cg_http_pool_pause(c->pool, c->easy, c->paused);
-    if (c->phase != PHASE_CONNECT) /* connecting goes on, paused or not: its deadline stays */
-        arm(c, c->phase);          /* stops the first-byte or idle deadline, or starts it afresh */
+    cg_call_pause(&c->core, paused);
 }
 
 const cg_upstream_ops cg_upstream_openai_ops = {

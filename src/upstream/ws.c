@@ -2,7 +2,11 @@
  * ws.c: a chat app's own WebSocket server (docs/protocol.md, "Upstreams").
  *
  * One upstream connection per client connection, opened on that client's first message to
- * this upstream and closed with the client. Each message is sent as a chatgate message
+ * this upstream and closed with the client. With replicas (upstreams.NAME.urls) the call
+ * core (call.c) picks the replica when the connection is opened, by the dialog of the
+ * message that opens it; a connection that cannot be made, or that closes or stays silent
+ * before the first frame of the reply, is closed and the message goes again, on a new
+ * connection, to the next replica. After the first delta nothing is retried. Each message is sent as a chatgate message
  * frame; the app answers with delta/done/error frames carrying the same id, and frames of
  * any other id (a cancelled message's tail, say) are dropped. Cancel sends the app
  * {"type":"cancel","id":...}. If the app closes or cannot be reached, the message in flight
@@ -10,11 +14,12 @@
  * frame gives upstream_error with its message, and its "code" as upstream_code.
  *
  * Pausing (the client reads slowly) stops reading from the app; it belongs to the call in
- * flight, and the first-byte and idle deadlines do not run while it lasts.
+ * flight, and the first-byte and idle deadlines (the core's) do not run while it lasts.
  *
- * A connection (ws_conn) holds a reference for its timer and one for its wsi, and is freed
- * when both are gone. The session's slot points at the live connection; a connection that
- * dies on its own clears the slot.
+ * A connection (ws_conn) holds a reference for its clock's timer and one for its wsi, and
+ * is freed when both are gone; its clock is lent to the call in flight. The session's slot
+ * points at the live connection; a connection that dies on its own clears the slot. The
+ * upstream keeps its replicas' addresses and health in its ws_state (cg_upstream.state).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,13 +33,19 @@
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/wsrx.h"
+#include "chatgate/upstream/call.h"
 #include "chatgate/upstream/upstream.h"
 
 #define MAX_APP_FRAME (1 << 20) /* one frame from the app */
 _Static_assert(LWS_PRE >= CG_NET_CLIENT_HEAD, "a frame's header is written into its LWS_PRE headroom");
 #define MAX_PENDING 16          /* frames waiting to go to the app */
 
-typedef enum { PHASE_CONNECT, PHASE_FIRST_BYTE, PHASE_IDLE, PHASE_NONE } conn_phase;
+/* What one upstream keeps between calls (cg_upstream.state): where each replica is (the
+ * parsed URL: host, port, tls, authority, path) and how it fares. */
+typedef struct ws_state {
+    cg_upstream_config at[CG_MAX_REPLICAS];
+    cg_replicas replicas;
+} ws_state;
 
 typedef struct pending {
     struct pending *next;
@@ -52,15 +63,15 @@ typedef struct hist_text {
 
 typedef struct ws_conn {
     cg_upstream *up;
+    const cg_upstream_config *at; /* its replica's address (ws_state.at) */
+    int replica;
     void **slot; /* the session's pointer to this connection; NULL once detached */
     int refs;
     int dead; /* closed, failed or detached: takes no more calls */
     cg_resolve *resolve;
     struct lws *wsi;
     int open;
-    uv_timer_t timer;
-    uint64_t deadline; /* uv_now() by which the phase's deadline is due; 0: none runs */
-    conn_phase phase;
+    cg_call_clock clock;    /* lent to the call in flight (call.h) */
     cg_upstream_call *call; /* the message in flight */
     pending *out_head, *out_tail;
     int n_out;
@@ -77,15 +88,20 @@ typedef struct ws_conn {
 } ws_conn;
 
 struct cg_upstream_call {
-    ws_conn *conn;
-    const cg_upstream_events *ev;
-    void *ctx;
-    char *id;           /* the message's, whole: frames are matched on it */
-    size_t reply_bytes; /* of delta text relayed */
+    cg_call core;  /* first: the core's cg_call is this call */
+    ws_conn *conn; /* the connection the current attempt is on; NULL between attempts */
+    void **slot;   /* the session's: a retry opens its next connection there */
+    char *id;      /* the message's, whole: frames are matched on it */
+    const cg_upstream_message *m; /* during start() only: the first attempt writes the frame */
+    /* the message frame as sent (LWS_PRE headroom, then frame_len bytes), for a retry on
+     * another replica; NULL when the upstream cannot retry (one replica, or max_attempts 1) */
+    char *frame;
+    size_t frame_len;
 };
 
 static void call_free(cg_upstream_call *c)
 {
+    free(c->frame);
     free(c->id);
     free(c);
 }
@@ -117,37 +133,10 @@ static void conn_unref(ws_conn *k)
 
 static void timer_closed(uv_handle_t *h)
 {
-    conn_unref(h->data);
+    conn_unref((ws_conn *)((char *)h->data - offsetof(ws_conn, clock)));
 }
 
-static void on_timeout(uv_timer_t *t);
-
-/*
- * Starts the phase's deadline afresh; while paused only the connect deadline runs. Only
- * the deadline moves: the timer is set again only when it would fire after it, and
- * on_timeout sets it again for the rest of a deadline that moved on meanwhile (the way
- * nginx keeps its timers). Moving the timer in libuv's heap at every frame of every reply,
- * and stopping it at every reply's end, was a fiftieth of a turn with no rules (issue 12).
- */
-static void arm(ws_conn *k, conn_phase phase)
-{
-    const cg_upstream_config *cfg = k->up->cfg;
-    k->phase = phase;
-    if (k->dead)
-        return;
-    if (phase == PHASE_NONE || (k->paused && phase != PHASE_CONNECT)) {
-        k->deadline = 0; /* the timer may still run: when it fires, nothing is due */
-        return;
-    }
-    uint64_t ms = (uint64_t)(phase == PHASE_CONNECT      ? cfg->connect_timeout_ms
-                             : phase == PHASE_FIRST_BYTE ? cfg->first_byte_timeout_ms
-                                                         : cfg->idle_timeout_ms);
-    k->deadline = uv_now(k->timer.loop) + ms;
-    if (!uv_is_active((uv_handle_t *)&k->timer) || uv_timer_get_due_in(&k->timer) > ms)
-        uv_timer_start(&k->timer, on_timeout, ms, 0);
-}
-
-/* Reading from the app stops while paused; the first-byte and idle deadlines with it. */
+/* Reading from the app stops while paused (the core stops the deadlines). */
 static void conn_pause(ws_conn *k, int paused)
 {
     if (k->paused == paused)
@@ -155,34 +144,37 @@ static void conn_pause(ws_conn *k, int paused)
     k->paused = paused;
     if (k->wsi && k->open)
         lws_rx_flow_control(k->wsi, !paused);
-    if (k->phase != PHASE_CONNECT)
-        arm(k, k->phase);
 }
 
-/* The call in flight is over: the connection waits for the next, unpaused (the pause was
- * the call's; a cancelled reply's tail is read and dropped). */
-static void call_detach(ws_conn *k)
+/* The call's attempt leaves its connection, which waits for the next call, unpaused (the
+ * pause was the call's; a cancelled reply's tail is read and dropped). */
+static void call_detach(cg_upstream_call *c)
 {
-    k->call = NULL;
-    arm(k, PHASE_NONE);
+    ws_conn *k = c->conn;
+    ws_state *st = c->core.up->state; /* NULL once the upstream has closed */
+    if (!k)
+        return;
+    if (k->call == c)
+        k->call = NULL;
+    c->conn = NULL;
+    cg_call_clock_drop(&c->core);
+    if (st)
+        st->replicas.r[k->replica].busy--;
     conn_pause(k, 0);
 }
 
-/* Ends the call in flight with an error; the connection itself is left as it is. error is
+/* Reports the failure of the call in flight on k, if any, to the core (call.h: how, why):
+ * it retries it on another replica or ends it; the connection is left as it is. error is
  * the app's own error detail ({"code": ...}, borrowed) or NULL. */
-static void call_fail(ws_conn *k, int err, json_t *error, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void call_fail(ws_conn *k, int err, json_t *error, const char *fmt, ...)
+static void call_fail(ws_conn *k, cg_call_failure how, const char *why, int err, json_t *error, const char *fmt,
+                      ...) __attribute__((format(printf, 6, 7)));
+static void call_fail(ws_conn *k, cg_call_failure how, const char *why, int err, json_t *error, const char *fmt, ...)
 {
-    cg_upstream_call *c = k->call;
-    if (!c)
+    if (!k->call)
         return;
-    call_detach(k);
-    const cg_upstream_events *ev = c->ev;
-    void *ctx = c->ctx;
-    call_free(c);
     va_list ap;
     va_start(ap, fmt);
-    cg_upstream_fail(ev, ctx, k->up->cfg, err, 0, error, fmt, ap);
+    cg_call_vfail(&k->call->core, how, why, err, error, fmt, ap);
     va_end(ap);
 }
 
@@ -205,6 +197,8 @@ static void conn_kill(ws_conn *k)
     if (k->dead)
         return;
     k->dead = 1;
+    if (k->call)
+        call_detach(k->call);
     if (k->slot) {
         *k->slot = NULL;
         k->slot = NULL;
@@ -214,7 +208,7 @@ static void conn_kill(ws_conn *k)
         k->resolve = NULL;
     }
     cg_flush_cancel(&k->flush);
-    uv_close((uv_handle_t *)&k->timer, timer_closed);
+    uv_close((uv_handle_t *)&k->clock.timer, timer_closed);
     if (k->wsi && k->open) /* a close frame (1001) first, at the next writable */
         lws_callback_on_writable(k->wsi);
     else if (k->wsi)
@@ -266,57 +260,23 @@ static void queue_cancel(ws_conn *k, const char *id)
     queue_frame(k, frame, len, 0);
 }
 
-static void on_timeout(uv_timer_t *t)
-{
-    ws_conn *k = t->data;
-    const cg_upstream_config *cfg = k->up->cfg;
-    uint64_t now = uv_now(t->loop);
-    if (!k->deadline)
-        return; /* none runs now (arm) */
-    if (now < k->deadline) { /* it moved on since the timer was set */
-        uv_timer_start(t, on_timeout, k->deadline - now, 0);
-        return;
-    }
-    k->deadline = 0;
-    if (k->phase == PHASE_CONNECT) {
-        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "did not connect within %d ms (connect_timeout_ms)",
-                  cfg->connect_timeout_ms);
-        conn_kill(k);
-        return;
-    }
-    /* The app is alive but slow: tell it to stop this message, keep the connection. */
-    if (k->call)
-        queue_cancel(k, k->call->id);
-    if (k->phase == PHASE_FIRST_BYTE)
-        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "sent nothing within %d ms (first_byte_timeout_ms)",
-                  cfg->first_byte_timeout_ms);
-    else
-        call_fail(k, CG_E_UPSTREAM_TIMEOUT, NULL, "went quiet for %d ms (idle_timeout_ms)", cfg->idle_timeout_ms);
-}
-
 /* ---- frames from the app -------------------------------------------------------------- */
 
 /* A delta's text (len 0: none) for the message in flight. */
-static void app_delta(ws_conn *k, cg_upstream_call *c, const char *text, size_t len)
+static void app_delta(cg_upstream_call *c, const char *text, size_t len)
 {
-    arm(k, PHASE_IDLE);
-    if (len) {
-        c->reply_bytes += len;
-        c->ev->on_delta(c->ctx, text, len);
-    }
+    cg_call_progress(&c->core);
+    if (len)
+        cg_call_delta(&c->core, text, len);
 }
 
 /* The message in flight is done; usage and state are borrowed (NULL: none). */
-static void app_done(ws_conn *k, cg_upstream_call *c, const char *text, size_t len, json_t *usage, json_t *state)
+static void app_done(cg_upstream_call *c, const char *text, size_t len, json_t *usage, json_t *state)
 {
-    call_detach(k);
-    const cg_upstream_events *ev = c->ev;
-    void *ctx = c->ctx;
     /* A done with text but no deltas before it: the text is the reply. */
-    if (!c->reply_bytes && len)
-        ev->on_delta(ctx, text, len);
-    call_free(c);
-    ev->on_done(ctx, usage, state);
+    if (!c->core.reply_bytes && len)
+        cg_call_delta(&c->core, text, len);
+    cg_call_done(&c->core, usage, state);
 }
 
 /*
@@ -324,7 +284,7 @@ static void app_done(ws_conn *k, cg_upstream_call *c, const char *text, size_t l
  * a tree (core/jsonflat.h). Returns 1 when the frame was one and has been dealt with, 0 when
  * it is left to jansson (any other frame, and any frame the flat reader does not read).
  */
-static int on_plain_frame(ws_conn *k, cg_upstream_call *c, const char *buf, size_t len)
+static int on_plain_frame(cg_upstream_call *c, const char *buf, size_t len)
 {
     cg_jsonflat f;
     int done = 0;
@@ -342,9 +302,9 @@ static int on_plain_frame(ws_conn *k, cg_upstream_call *c, const char *buf, size
         goto out; /* about another message */
     size_t text_len = text && text->kind == CG_JSONFLAT_STRING ? text->len : 0;
     if (delta)
-        app_delta(k, c, text_len ? text->str : NULL, text_len);
+        app_delta(c, text_len ? text->str : NULL, text_len);
     else
-        app_done(k, c, text_len ? text->str : NULL, text_len, NULL, NULL);
+        app_done(c, text_len ? text->str : NULL, text_len, NULL, NULL);
 out:
     cg_jsonflat_free(&f);
     return done;
@@ -355,7 +315,7 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     cg_upstream_call *c = k->call;
     if (!c)
         return; /* nothing in flight: a cancelled message's tail */
-    if (on_plain_frame(k, c, buf, len))
+    if (on_plain_frame(c, buf, len))
         return;
     json_error_t jerr;
     json_t *o = json_loadb(buf, len, JSON_ALLOW_NUL, &jerr); /* "\u0000" is valid JSON */
@@ -363,7 +323,7 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     json_t *type = json_object_get(o, "type");
     if (!json_is_object(o) || !json_is_string(type)) {
         json_decref(o);
-        call_fail(k, CG_E_UPSTREAM_ERROR, NULL, "sent a frame that is not a chatgate JSON frame: %.*s",
+        call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL, "sent a frame that is not a chatgate JSON frame: %.*s",
                   (int)(len < 80 ? len : 80), buf);
         return;
     }
@@ -375,10 +335,10 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     json_t *text = json_object_get(o, "text");
     size_t text_len = json_is_string(text) ? json_string_length(text) : 0;
     if (strcmp(t, "delta") == 0) {
-        app_delta(k, c, json_string_value(text), text_len);
+        app_delta(c, json_string_value(text), text_len);
     } else if (strcmp(t, "done") == 0) {
         json_t *usage = json_object_get(o, "usage");
-        app_done(k, c, json_string_value(text), text_len, json_is_object(usage) ? usage : NULL,
+        app_done(c, json_string_value(text), text_len, json_is_object(usage) ? usage : NULL,
                  json_object_get(o, "state"));
     } else if (strcmp(t, "error") == 0) {
         json_t *m = json_object_get(o, "message");
@@ -389,11 +349,11 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
             json_decref(error);
             error = NULL; /* the error still goes out, without the app's code */
         }
-        if (c->reply_bytes)
-            call_fail(k, CG_E_UPSTREAM_ERROR, error, "failed mid-reply, after %zu bytes of reply "
-                      "text: %.300s", c->reply_bytes, what);
+        if (c->core.reply_bytes)
+            call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, error,
+                      "failed mid-reply, after %zu bytes of reply text: %.300s", c->core.reply_bytes, what);
         else
-            call_fail(k, CG_E_UPSTREAM_ERROR, error, "answered with an error: %.300s", what);
+            call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, error, "answered with an error: %.300s", what);
         json_decref(error);
     }
     json_decref(o);
@@ -409,7 +369,7 @@ static void on_receive(ws_conn *k, struct lws *wsi, const char *in, size_t len)
     if (lws_frame_is_binary(wsi))
         ; /* not ours: ignored */
     else if (!msg)
-        call_fail(k, CG_E_UPSTREAM_ERROR, NULL, "sent a frame over %d bytes", MAX_APP_FRAME);
+        call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL, "sent a frame over %d bytes", MAX_APP_FRAME);
     else
         on_app_frame(k, msg, msg_len);
     cg_wsrx_done(&k->rx);
@@ -464,7 +424,8 @@ static void conn_flush(cg_flush_item *item)
 {
     ws_conn *k = (ws_conn *)((char *)item - offsetof(ws_conn, flush));
     if (!k->dead && k->open && k->wsi && write_queue(k, k->wsi) < 0) {
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost while sending");
+        call_fail(k, CG_CALL_RETRY, "lost the connection", CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                  "connection was lost while sending");
         conn_kill(k);
     }
 }
@@ -485,7 +446,8 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
         if (k->dead)
             return -1;
         k->open = 1;
-        arm(k, k->call ? PHASE_FIRST_BYTE : PHASE_NONE);
+        if (k->call)
+            cg_call_arm(&k->call->core, CG_CALL_FIRST_BYTE);
         if (k->paused)
             lws_rx_flow_control(wsi, 0);
         lws_callback_on_writable(wsi);
@@ -512,27 +474,28 @@ int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, v
     case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {
         const char *tls = cg_net_tls_refusal(wsi);
         if (tls)
-            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: its TLS certificate was refused: %s",
-                      tls);
+            call_fail(k, CG_CALL_RETRY, "could not be reached", CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                      "could not be reached: its TLS certificate was refused: %s", tls);
         else
-            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached: %s",
-                      in ? (const char *)in : "connection failed");
+            call_fail(k, CG_CALL_RETRY, "could not be reached", CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                      "could not be reached: %s", in ? (const char *)in : "connection failed");
         conn_kill(k);
         wsi_gone(wsi, k);
         return 0;
     }
     case LWS_CALLBACK_CLIENT_CLOSED:
-        if (k->call && k->call->reply_bytes)
-            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection mid-reply, after %zu bytes of "
-                      "reply text%s", k->call->reply_bytes, k->close_reason);
-        else
-            call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "closed the connection before any reply text%s",
+        if (k->call && k->call->core.reply_bytes) /* the client saw the reply start: not retried */
+            call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                      "closed the connection mid-reply, after %zu bytes of reply text%s", k->call->core.reply_bytes,
                       k->close_reason);
+        else
+            call_fail(k, CG_CALL_RETRY, "closed the connection", CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                      "closed the connection before any reply text%s", k->close_reason);
         conn_kill(k);
         wsi_gone(wsi, k);
         return 0;
     case LWS_CALLBACK_WSI_DESTROY:
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost");
+        call_fail(k, CG_CALL_RETRY, "lost the connection", CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost");
         conn_kill(k);
         wsi_gone(wsi, k);
         return 0;
@@ -546,32 +509,37 @@ static void on_resolved(void *data, const char *address, const char *err)
     ws_conn *k = data;
     k->resolve = NULL;
     if (!address) {
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "%s ('%s')", err, k->up->cfg->host);
+        call_fail(k, CG_CALL_RETRY, "could not be resolved", CG_E_UPSTREAM_UNAVAILABLE, NULL, "%s ('%s')", err,
+                  k->at->host);
         conn_kill(k);
         return;
     }
-    const cg_upstream_config *cfg = k->up->cfg;
+    const cg_upstream_config *cfg = k->at;
     cg_connect_spec spec = {.host = cfg->authority, .port = cfg->port, .tls = cfg->tls, .address = address,
                             .path = cfg->path, .local_protocol = CG_LWS_PROTOCOL_WS};
     k->refs++; /* the wsi's; dropped by wsi_gone */
     if (!cg_net_connect(k->up->net, &spec, k, &k->wsi) && k->refs > 1) {
-        call_fail(k, CG_E_UPSTREAM_UNAVAILABLE, NULL, "could not be reached at %s:%d", address, k->up->cfg->port);
+        call_fail(k, CG_CALL_RETRY, "could not be reached", CG_E_UPSTREAM_UNAVAILABLE, NULL,
+                  "could not be reached at %s:%d", address, cfg->port);
         conn_kill(k);
         conn_unref(k);
     }
 }
 
-static ws_conn *conn_new(cg_upstream *up, void **slot)
+/* A connection to replica r of up, put in the session's slot; NULL when its address cannot
+ * even be looked up (nothing is left in the slot then). */
+static ws_conn *conn_new(cg_upstream *up, void **slot, int r)
 {
+    ws_state *st = up->state;
     ws_conn *k = cg_calloc(1, sizeof(*k));
     k->up = up;
+    k->at = &st->at[r];
+    k->replica = r;
     k->slot = slot;
     k->refs = 1; /* the timer's */
-    uv_timer_init(up->net->loop, &k->timer);
-    k->timer.data = k;
-    arm(k, PHASE_CONNECT);
+    cg_call_clock_init(&k->clock, up->net->loop);
     *slot = k;
-    k->resolve = cg_resolve_start(up->net->loop, up->cfg->host, on_resolved, k);
+    k->resolve = cg_resolve_start(up->net->loop, k->at->host, on_resolved, k);
     if (!k->resolve) {
         conn_kill(k);
         return NULL;
@@ -659,59 +627,172 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len
     return cg_jsonw_end(&w, len);
 }
 
-static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,
-                    void *ctx, cg_upstream_call **out)
+/* The message frame for the call's attempt on k: written from the message at the first
+ * attempt (kept for a retry when the upstream can retry), the kept one's copy after. */
+static int queue_message(ws_conn *k, cg_upstream_call *c)
 {
-    ws_conn *k = *conn_slot;
-    if (!k && !(k = conn_new(up, conn_slot)))
-        return -1;
-    cg_upstream_call *c = cg_calloc(1, sizeof(*c));
-    c->conn = k;
-    c->ev = ev;
-    c->ctx = ctx;
-    c->id = cg_strdup(m->id);
-    size_t len = 0;
-    size_t cap = 0;
-    char *frame = message_frame(k, m, &len, &cap);
-    if (queue_frame(k, frame, len, cap) < 0) {
-        call_free(c);
+    size_t len = 0, cap = 0;
+    char *frame;
+    if (c->m) {
+        frame = message_frame(k, c->m, &len, &cap);
+        const cg_upstream_config *cfg = c->core.up->cfg;
+        if (frame && c->core.replicas->n > 1 && cfg->max_attempts > 1) {
+            c->frame = cg_malloc(LWS_PRE + len);
+            memcpy(c->frame + LWS_PRE, frame + LWS_PRE, len);
+            c->frame_len = len;
+        }
+    } else if (c->frame) {
+        len = c->frame_len;
+        frame = cg_malloc(LWS_PRE + len);
+        memcpy(frame + LWS_PRE, c->frame + LWS_PRE, len);
+    } else {
         return -1;
     }
+    return queue_frame(k, frame, len, cap);
+}
+
+/* ---- the call's side of the core (cg_call_kind) ------------------------------------------ */
+
+/* The message on replica r: on the session's connection when it is there (on r: the core
+ * was given its replica), else on a new one. */
+static int ws_attempt(cg_call *core, int r)
+{
+    cg_upstream_call *c = (cg_upstream_call *)core;
+    ws_state *st = core->up->state;
+    ws_conn *k = *c->slot;
+    if (!k && !(k = conn_new(core->up, c->slot, r)))
+        return -1;
+    if (queue_message(k, c) < 0)
+        return -1;
     if (k->open && k->wsi) /* the message goes when the event that made it ends (core/flush.h) */
         cg_flush_request_event(k->up->net->flush, &k->flush, conn_flush, k->wsi, 0);
     k->call = c;
-    conn_pause(k, 0); /* a new call starts unpaused; the session pauses it if it must */
-    if (k->open)
-        arm(k, PHASE_FIRST_BYTE);
+    c->conn = k;
+    st->replicas.r[r].busy++;
+    core->clock = &k->clock;
+    conn_pause(k, core->paused);
+    cg_call_arm(core, k->open ? CG_CALL_FIRST_BYTE : CG_CALL_CONNECT);
+    return 0;
+}
+
+/*
+ * The attempt leaves its connection. A connection that failed the call before its first
+ * byte (a retry follows) or did not connect in time is closed; an app that is alive but
+ * slow, or a cancel, gets {"type":"cancel"} and keeps the connection.
+ */
+static void ws_stop(cg_call *core, cg_call_stop why)
+{
+    cg_upstream_call *c = (cg_upstream_call *)core;
+    ws_conn *k = c->conn;
+    if (!k)
+        return;
+    call_detach(c);
+    if (why == CG_CALL_STOP_RETRY || (why == CG_CALL_STOP_TIMEOUT && core->phase == CG_CALL_CONNECT))
+        conn_kill(k);
+    else if ((why == CG_CALL_STOP_TIMEOUT || why == CG_CALL_STOP_CANCEL) && !k->dead)
+        queue_cancel(k, c->id);
+}
+
+static void ws_pause_reading(cg_call *core, int paused)
+{
+    cg_upstream_call *c = (cg_upstream_call *)core;
+    if (c->conn)
+        conn_pause(c->conn, paused);
+}
+
+static void ws_release(cg_call *core)
+{
+    call_free((cg_upstream_call *)core);
+}
+
+static const cg_call_kind ws_kind = {
+    .attempt = ws_attempt,
+    .stop = ws_stop,
+    .pause = ws_pause_reading,
+    .release = ws_release,
+    .idle_words = "went quiet for",
+};
+
+/* ---- the upstream ------------------------------------------------------------------------ */
+
+static void ws_close(cg_upstream *up)
+{
+    ws_state *st = up->state;
+    if (!st)
+        return;
+    up->state = NULL;
+    for (int i = 0; i < st->replicas.n; i++)
+        cg_upstream_config_free(&st->at[i]);
+    free(st);
+}
+
+/* Where the replicas are (each URL parsed as the config did), made at the first call; NULL
+ * when a URL cannot be read again (the config checked them: out of memory). */
+static ws_state *state_of(cg_upstream *up)
+{
+    if (up->state)
+        return up->state;
+    const cg_upstream_config *cfg = up->cfg;
+    ws_state *st = cg_calloc(1, sizeof(*st));
+    up->state = st;
+    st->replicas.n = cfg->n_replicas ? cfg->n_replicas : 1;
+    for (int i = 0; i < st->replicas.n; i++) {
+        char err[256];
+        if (cg_config_parse_upstream_url(&st->at[i], cfg->n_replicas ? cfg->replicas[i] : cfg->url, err,
+                                         sizeof(err)) < 0) {
+            cg_warn("upstream '%s': replica %d: %s", cfg->name, i, err);
+            ws_close(up);
+            return NULL;
+        }
+    }
+    return st;
+}
+
+static int ws_start(cg_upstream *up, void **conn_slot, const cg_upstream_message *m, const cg_upstream_events *ev,
+                    void *ctx, cg_upstream_call **out)
+{
+    ws_state *st = state_of(up);
+    if (!st)
+        return -1;
+    ws_conn *k = *conn_slot;
+    cg_upstream_call *c = cg_calloc(1, sizeof(*c));
+    cg_call_init(&c->core, up, &ws_kind, &st->replicas, ev, ctx, m->user, m->room);
+    c->slot = conn_slot;
+    c->id = cg_strdup(m->id);
+    c->m = m;
+    int rc = cg_call_start(&c->core, k ? k->replica : -1); /* a kept connection keeps its replica */
+    c->m = NULL;
+    if (rc < 0) {
+        call_free(c);
+        return -1;
+    }
     *out = c;
     return 0;
 }
 
 static void ws_cancel(cg_upstream_call *c)
 {
-    ws_conn *k = c->conn;
-    if (k->call == c) {
-        call_detach(k);
-        if (!k->dead)
-            queue_cancel(k, c->id);
-    }
-    call_free(c);
+    cg_call_cancel(&c->core);
 }
 
 static void ws_pause(cg_upstream_call *c, int paused)
 {
-    ws_conn *k = c->conn;
-    if (k->call == c)
-        conn_pause(k, !!paused);
+    cg_call_pause(&c->core, paused);
+}
+
+static void ws_answered(const cg_upstream_call *c, int *replica, int *attempts)
+{
+    cg_call_answered(&c->core, replica, attempts);
 }
 
 static void ws_close_conn(void *conn)
 {
     ws_conn *k = conn;
     k->slot = NULL; /* the session is going away with its slot */
-    if (k->call) {
-        call_free(k->call);
-        k->call = NULL;
+    if (k->call) { /* no callback comes: the session is gone */
+        cg_upstream_call *c = k->call;
+        call_detach(c);
+        call_free(c);
     }
     conn_kill(k);
 }
@@ -721,5 +802,7 @@ const cg_upstream_ops cg_upstream_ws_ops = {
     .start = ws_start,
     .cancel = ws_cancel,
     .pause = ws_pause,
+    .answered = ws_answered,
     .close_conn = ws_close_conn,
+    .close = ws_close,
 };

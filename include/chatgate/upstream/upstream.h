@@ -16,6 +16,9 @@
  *     in full. A pause belongs to the call: the next call on a kept connection starts
  *     unpaused.
  *
+ * The network kinds keep this contract through one call core (call.h): deadlines, replicas,
+ * retries and the guards on these callbacks are the core's, the protocol the kind's.
+ *
  * The call is owned by the upstream module; the caller forgets it after on_done, on_error or
  * cancel. Kinds that keep one upstream connection per client connection (ws) keep it in the
  * slot the session passes to start(), and close it in close_conn() when the client goes.
