@@ -82,7 +82,11 @@ void cg_wsclient_close(cg_wsclient *w, int code, const char *reason)
     case CG_WSCLIENT_RESOLVING:
         end_failed(w, 0, "closed before it connected");
         return;
-    case CG_WSCLIENT_CONNECTING: /* the close frame goes once the handshake is done */
+    case CG_WSCLIENT_CONNECTING: /* nothing to say goodbye with yet: the connection goes */
+        cg_wsconn_clear(&w->conn);
+        if (w->conn.wsi)
+            cg_net_kill_async(w->conn.net, w->conn.wsi, PENDING_TIMEOUT_KILLED_BY_PARENT);
+        return;
     case CG_WSCLIENT_OPEN:
         cg_wsconn_clear(&w->conn);
         cg_wsconn_close(&w->conn, code, reason);

@@ -100,7 +100,7 @@ static int is_session_callback(lws_callback_function *cb)
 static struct lws_protocols *build_protocols(const cg_config *cfg)
 {
     static const struct lws_protocols fixed[] = {
-        {CG_LWS_PROTOCOL_WS, cg_upstream_ws_callback, 0, 4096, 0, NULL, 0},
+        {CG_LWS_PROTOCOL_WS, cg_wsclient_callback, 0, 4096, 0, NULL, 0},
         {CG_LWS_PROTOCOL_OPS, cg_ops_callback, 0, 0, 0, NULL, 0},
         {CG_LWS_PROTOCOL_ADMIN, cg_admin_callback, 0, 0, 0, NULL, 0},
         {CG_LWS_PROTOCOL_DROPIN_APP, cg_wsclient_callback, 0, 4096, 0, NULL, 0},

@@ -16,8 +16,10 @@
  * Pausing (the client reads slowly) stops reading from the app; it belongs to the call in
  * flight, and the first-byte and idle deadlines (the core's) do not run while it lasts.
  *
- * A connection (ws_conn) holds a reference for its clock's timer and one for its wsi, and
- * is freed when both are gone; its clock is lent to the call in flight. The session's slot
+ * A connection (ws_conn) is a WebSocket client (core/wsclient.h: connecting, the frame queue,
+ * the close); it holds a reference for its clock's timer and one for its client, dropped when
+ * the client has ended, and is freed when both are gone; its clock is lent to the call in
+ * flight. The session's slot
  * points at the live connection; a connection that dies on its own clears the slot. The
  * upstream keeps its replicas' addresses and health in its ws_state (cg_upstream.state).
  */
@@ -32,13 +34,13 @@
 #include "chatgate/core/jsonflat.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
-#include "chatgate/core/wsrx.h"
+#include "chatgate/core/wsclient.h"
+#include "chatgate/core/wsconn.h"
 #include "chatgate/upstream/call.h"
 #include "chatgate/upstream/upstream.h"
 
 #define MAX_APP_FRAME (1 << 20) /* one frame from the app */
-_Static_assert(LWS_PRE >= CG_NET_CLIENT_HEAD, "a frame's header is written into its LWS_PRE headroom");
-#define MAX_PENDING 16          /* frames waiting to go to the app */
+#define MAX_PENDING 16          /* frames waiting to go to the app: a message and cancels */
 
 /* What one upstream keeps between calls (cg_upstream.state): where each replica is (the
  * parsed URL: host, port, tls, authority, path) and how it fares. */
@@ -46,13 +48,6 @@ typedef struct ws_state {
     cg_upstream_config at[CG_MAX_REPLICAS];
     cg_replicas replicas;
 } ws_state;
-
-typedef struct pending {
-    struct pending *next;
-    char *frame; /* LWS_PRE bytes of headroom, then the JSON text (core/jsonout.h) */
-    size_t len;
-    size_t cap; /* the buffer's size, for the connection's spare (0: not to be kept) */
-} pending;
 
 /* One history item as JSON text, kept for the next message (see hist_refresh). */
 typedef struct hist_text {
@@ -68,23 +63,12 @@ typedef struct ws_conn {
     void **slot; /* the session's pointer to this connection; NULL once detached */
     int refs;
     int dead; /* closed, failed or detached: takes no more calls */
-    cg_resolve *resolve;
-    struct lws *wsi;
-    int open;
+    cg_wsclient client;     /* the connection; its queue keeps the last frame's buffer as a spare */
     cg_call_clock clock;    /* lent to the call in flight (call.h) */
     cg_upstream_call *call; /* the message in flight */
-    pending *out_head, *out_tail;
-    int n_out;
-    cg_flush_item flush; /* registered while frames wait for the end of the iteration */
     size_t last_head;    /* of the last message frame without its history: the next one's estimate */
-    cg_wsrx rx; /* an app frame in pieces (core/wsrx.h) */
     hist_text *hist; /* the last message's history as text, n_hist items (at most history_n) */
     size_t n_hist;
-    char *spare; /* the last message frame's buffer, written: the next one's (cg_jsonw_init_in) */
-    size_t spare_cap;
-    int paused;
-    char close_reason[128];
-    int close_sent;
 } ws_conn;
 
 struct cg_upstream_call {
@@ -93,7 +77,7 @@ struct cg_upstream_call {
     void **slot;   /* the session's: a retry opens its next connection there */
     char *id;      /* the message's, whole: frames are matched on it */
     const cg_upstream_message *m; /* during start() only: the first attempt writes the frame */
-    /* the message frame as sent (LWS_PRE headroom, then frame_len bytes), for a retry on
+    /* the message frame as sent (CG_WS_PRE headroom, then frame_len bytes), for a retry on
      * another replica; NULL when the upstream cannot retry (one replica, or max_attempts 1) */
     char *frame;
     size_t frame_len;
@@ -120,14 +104,7 @@ static void conn_unref(ws_conn *k)
     if (--k->refs > 0)
         return;
     hist_free(k->hist, k->n_hist);
-    while (k->out_head) {
-        pending *p = k->out_head;
-        k->out_head = p->next;
-        free(p->frame);
-        free(p);
-    }
-    free(k->spare);
-    cg_wsrx_done(&k->rx);
+    cg_wsconn_clear(&k->client.conn);
     free(k);
 }
 
@@ -139,11 +116,12 @@ static void timer_closed(uv_handle_t *h)
 /* Reading from the app stops while paused (the core stops the deadlines). */
 static void conn_pause(ws_conn *k, int paused)
 {
-    if (k->paused == paused)
-        return;
-    k->paused = paused;
-    if (k->wsi && k->open)
-        lws_rx_flow_control(k->wsi, !paused);
+    cg_wsconn_pause_rx(&k->client.conn, paused);
+}
+
+static int conn_open(const ws_conn *k)
+{
+    return k->client.state == CG_WSCLIENT_OPEN;
 }
 
 /* The call's attempt leaves its connection, which waits for the next call, unpaused (the
@@ -178,12 +156,12 @@ static void call_fail(ws_conn *k, cg_call_failure how, const char *why, int err,
     va_end(ap);
 }
 
-/* {"type":"cancel","id":id} behind lws's headroom, written as the message frame is; NULL
- * when it cannot be built */
+/* {"type":"cancel","id":id} behind a frame's headroom, written as the message frame is;
+ * NULL when it cannot be built */
 static char *cancel_frame(const char *id, size_t *len)
 {
     cg_jsonw w;
-    cg_jsonw_init(&w, LWS_PRE, 64);
+    cg_jsonw_init(&w, CG_WS_PRE, 64);
     CG_JSONW_LIT(&w, "{\"type\":\"cancel\"");
     cg_jsonw_member_str(&w, "id", id);
     CG_JSONW_LIT(&w, "}");
@@ -203,61 +181,30 @@ static void conn_kill(ws_conn *k)
         *k->slot = NULL;
         k->slot = NULL;
     }
-    if (k->resolve) {
-        cg_resolve_abandon(k->resolve);
-        k->resolve = NULL;
-    }
-    cg_flush_cancel(&k->flush);
     uv_close((uv_handle_t *)&k->clock.timer, timer_closed);
-    if (k->wsi && k->open) /* a close frame (1001) first, at the next writable */
-        lws_callback_on_writable(k->wsi);
-    else if (k->wsi)
-        cg_net_kill_async(k->up->net, k->wsi, PENDING_TIMEOUT_KILLED_BY_PARENT);
+    /* a close frame (1001) when open; its end may come from inside (client_ended) */
+    cg_wsclient_close(&k->client, 1001, "going away");
 }
 
-/* The connection is dead: says goodbye with a close frame, then goes. */
-static int write_close(ws_conn *k, struct lws *wsi)
-{
-    if (k->close_sent)
-        return -1;
-    cg_net_write_close(wsi, 1001, "going away");
-    k->close_sent = 1;
-    lws_set_timeout(wsi, PENDING_TIMEOUT_CLOSE_SEND, 1);
-    lws_callback_on_writable(wsi);
-    return 0;
-}
-
-static void conn_flush(cg_flush_item *item);
-
-/* Queues frame (len bytes after LWS_PRE, in a buffer of cap bytes: 0 when it is not to be
- * kept as the connection's spare); takes it. NULL (it could not be built): -1. */
+/* Queues frame (len bytes after CG_WS_PRE, in a buffer of cap bytes: 0 when it is not to be
+ * kept as the connection's spare); takes it. NULL (it could not be built), or the queue's
+ * bound reached: -1. */
 static int queue_frame(ws_conn *k, char *frame, size_t len, size_t cap)
 {
-    if (!frame || k->n_out >= MAX_PENDING) {
-        free(frame);
+    if (!frame)
         return -1;
-    }
-    pending *p = cg_calloc(1, sizeof(*p));
-    p->frame = frame;
-    p->len = len;
-    p->cap = cap;
-    if (k->out_tail)
-        k->out_tail->next = p;
-    else
-        k->out_head = p;
-    k->out_tail = p;
-    k->n_out++;
-    if (k->open && k->wsi)
-        cg_flush_request(k->up->net->flush, &k->flush, conn_flush);
-    return 0;
+    return cg_wsconn_push(&k->client.conn, cg_wsframe_adopt(frame, len, cap <= CG_JSONW_KEEP_MAX ? cap : 0, 0));
 }
 
-/* Queues {"type":"cancel","id":id} for the app. */
+/* Queues {"type":"cancel","id":id} for the app; when MAX_PENDING frames wait already (an app
+ * that reads nothing), the app is not told, and the log says so. */
 static void queue_cancel(ws_conn *k, const char *id)
 {
     size_t len = 0;
     char *frame = cancel_frame(id, &len);
-    queue_frame(k, frame, len, 0);
+    if (queue_frame(k, frame, len, 0) < 0)
+        cg_warn("upstream '%s': the cancel of a message could not be queued (%d frames wait for the app): it is "
+                "not told to stop", k->up->cfg->name, k->client.conn.n);
 }
 
 /* ---- frames from the app -------------------------------------------------------------- */
@@ -359,172 +306,79 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     json_decref(o);
 }
 
-static void on_receive(ws_conn *k, struct lws *wsi, const char *in, size_t len)
+/* ---- the connection (core/wsclient.h) --------------------------------------------------- */
+
+/* upstreams.NAME.headers */
+static int client_headers(cg_wsclient *w, unsigned char **p, unsigned char *end)
 {
-    const char *msg;
-    size_t msg_len;
-    if (!cg_wsrx_feed(&k->rx, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len, MAX_APP_FRAME, &msg,
-                      &msg_len))
-        return;
-    if (lws_frame_is_binary(wsi))
-        ; /* not ours: ignored */
-    else if (!msg)
+    ws_conn *k = w->owner;
+    if (cg_upstream_append_headers(w->conn.wsi, &k->up->cfg->headers, NULL, p, end) == 0)
+        return 0;
+    cg_warn("upstream '%s': its configured headers do not fit lws's handshake buffer", k->up->cfg->name);
+    return -1;
+}
+
+static void client_opened(cg_wsclient *w)
+{
+    ws_conn *k = w->owner;
+    if (k->call)
+        cg_call_arm(&k->call->core, CG_CALL_FIRST_BYTE);
+}
+
+static void client_message(cg_wsclient *w, const char *msg, size_t len, int binary)
+{
+    ws_conn *k = w->owner;
+    if (binary)
+        return; /* not ours: ignored */
+    if (!msg)
         call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL, "sent a frame over %d bytes", MAX_APP_FRAME);
     else
-        on_app_frame(k, msg, msg_len);
-    cg_wsrx_done(&k->rx);
+        on_app_frame(k, msg, len);
 }
 
-/* ---- the connection ------------------------------------------------------------------- */
-
-static void wsi_gone(struct lws *wsi, ws_conn *k)
+/* The connection ended: the message in flight fails (retried on another replica when no
+ * reply text reached the client), and the connection's reference goes. */
+static void client_ended(cg_wsclient *w, const cg_wsclient_end *e)
 {
-    lws_set_opaque_user_data(wsi, NULL);
-    k->wsi = NULL;
-    k->open = 0;
-    conn_unref(k);
-}
-
-static int write_one(ws_conn *k, struct lws *wsi)
-{
-    pending *p = k->out_head;
-    if (!p)
-        return 0;
-    k->out_head = p->next;
-    if (!k->out_head)
-        k->out_tail = NULL;
-    k->n_out--;
-    /* the frame is made here, written as bytes (net.h: no read() of a key per frame) */
-    unsigned char *payload = (unsigned char *)p->frame + LWS_PRE;
-    size_t head = cg_net_client_frame(payload, p->len, 0), len = head + p->len;
-    int n = head ? lws_write(wsi, payload - head, len, LWS_WRITE_HTTP) : -1;
-    if (!k->spare && p->cap && p->cap <= CG_JSONW_KEEP_MAX) { /* lws has the bytes (or buffered them) */
-        k->spare = p->frame;
-        k->spare_cap = p->cap;
+    ws_conn *k = w->owner;
+    if (!e->opened) {
+        call_fail(k, CG_CALL_RETRY, "could not be reached", CG_E_UPSTREAM_UNAVAILABLE, NULL, "%s", e->why);
     } else {
-        free(p->frame);
-    }
-    free(p);
-    return n < (int)len ? -1 : 0;
-}
-
-/* Writes queued frames while the socket takes them; the rest waits for the writable
- * callback (core/flush.h). Returns -1 when the socket failed. */
-static int write_queue(ws_conn *k, struct lws *wsi)
-{
-    while (k->out_head && !lws_partial_buffered(wsi))
-        if (write_one(k, wsi) < 0)
-            return -1;
-    if (k->out_head)
-        lws_callback_on_writable(wsi);
-    return 0;
-}
-
-static void conn_flush(cg_flush_item *item)
-{
-    ws_conn *k = (ws_conn *)((char *)item - offsetof(ws_conn, flush));
-    if (!k->dead && k->open && k->wsi && write_queue(k, k->wsi) < 0) {
-        call_fail(k, CG_CALL_RETRY, "lost the connection", CG_E_UPSTREAM_UNAVAILABLE, NULL,
-                  "connection was lost while sending");
-        conn_kill(k);
-    }
-}
-
-int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len)
-{
-    ws_conn *k = lws_get_opaque_user_data(wsi);
-    if (!k)
-        return lws_callback_http_dummy(wsi, reason, user, in, len);
-    switch (reason) {
-    case LWS_CALLBACK_CLIENT_APPEND_HANDSHAKE_HEADER: /* upstreams.NAME.headers */
-        if (cg_upstream_append_headers(wsi, &k->up->cfg->headers, NULL, (unsigned char **)in,
-                                       *(unsigned char **)in + len) == 0)
-            return 0;
-        cg_warn("upstream '%s': its configured headers do not fit lws's handshake buffer", k->up->cfg->name);
-        return -1;
-    case LWS_CALLBACK_CLIENT_ESTABLISHED:
-        if (k->dead)
-            return -1;
-        k->open = 1;
-        if (k->call)
-            cg_call_arm(&k->call->core, CG_CALL_FIRST_BYTE);
-        if (k->paused)
-            lws_rx_flow_control(wsi, 0);
-        lws_callback_on_writable(wsi);
-        return 0;
-    case LWS_CALLBACK_CLIENT_WRITEABLE:
-        if (k->dead)
-            return write_close(k, wsi);
-        return write_queue(k, wsi);
-    case LWS_CALLBACK_CLIENT_RECEIVE: {
-        if (k->dead)
-            return -1;
-        cg_flusher *f = k->up->net->flush;
-        on_receive(k, wsi, in, len);
-        cg_flush_event_end(f, wsi); /* a reply that is done goes to its client now */
-        return 0;
-    }
-    case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
-        if (len >= 2) {
-            const unsigned char *b = in;
-            snprintf(k->close_reason, sizeof(k->close_reason), " (close code %d%s%.*s)", b[0] << 8 | b[1],
-                     len > 2 ? ": " : "", (int)(len > 100 ? 98 : len - 2), (const char *)in + 2);
-        }
-        return 0;
-    case LWS_CALLBACK_CLIENT_CONNECTION_ERROR: {
-        const char *tls = cg_net_tls_refusal(wsi);
-        if (tls)
-            call_fail(k, CG_CALL_RETRY, "could not be reached", CG_E_UPSTREAM_UNAVAILABLE, NULL,
-                      "could not be reached: its TLS certificate was refused: %s", tls);
-        else
-            call_fail(k, CG_CALL_RETRY, "could not be reached", CG_E_UPSTREAM_UNAVAILABLE, NULL,
-                      "could not be reached: %s", in ? (const char *)in : "connection failed");
-        conn_kill(k);
-        wsi_gone(wsi, k);
-        return 0;
-    }
-    case LWS_CALLBACK_CLIENT_CLOSED:
+        char reason[160] = ""; /* the app's close frame, when it sent a valid one with a code */
+        if (e->invalid)
+            snprintf(reason, sizeof(reason), " (an invalid close frame)");
+        else if (e->code && e->code != 1005)
+            snprintf(reason, sizeof(reason), " (close code %d%s%.100s)", e->code, e->reason[0] ? ": " : "",
+                     e->reason);
         if (k->call && k->call->core.reply_bytes) /* the client saw the reply start: not retried */
             call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_UNAVAILABLE, NULL,
                       "closed the connection mid-reply, after %zu bytes of reply text%s", k->call->core.reply_bytes,
-                      k->close_reason);
+                      reason);
         else
             call_fail(k, CG_CALL_RETRY, "closed the connection", CG_E_UPSTREAM_UNAVAILABLE, NULL,
-                      "closed the connection before any reply text%s", k->close_reason);
-        conn_kill(k);
-        wsi_gone(wsi, k);
-        return 0;
-    case LWS_CALLBACK_WSI_DESTROY:
-        call_fail(k, CG_CALL_RETRY, "lost the connection", CG_E_UPSTREAM_UNAVAILABLE, NULL, "connection was lost");
-        conn_kill(k);
-        wsi_gone(wsi, k);
-        return 0;
-    default:
-        return lws_callback_http_dummy(wsi, reason, user, in, len);
+                      "closed the connection before any reply text%s", reason);
     }
+    conn_kill(k);
+    conn_unref(k);
 }
 
-static void on_resolved(void *data, const char *address, const char *err)
+static const cg_wsclient_ops client_ops = {
+    .headers = client_headers,
+    .opened = client_opened,
+    .message = client_message,
+    .ended = client_ended,
+};
+
+/* A write failed outside the connection's callbacks. */
+static void conn_lost(cg_wsconn *c)
 {
-    ws_conn *k = data;
-    k->resolve = NULL;
-    if (!address) {
-        call_fail(k, CG_CALL_RETRY, "could not be resolved", CG_E_UPSTREAM_UNAVAILABLE, NULL, "%s ('%s')", err,
-                  k->at->host);
-        conn_kill(k);
-        return;
-    }
-    const cg_upstream_config *cfg = k->at;
-    cg_connect_spec spec = {.host = cfg->authority, .port = cfg->port, .tls = cfg->tls, .address = address,
-                            .path = cfg->path, .local_protocol = CG_LWS_PROTOCOL_WS};
-    k->refs++; /* the wsi's; dropped by wsi_gone */
-    if (!cg_net_connect(k->up->net, &spec, k, &k->wsi) && k->refs > 1) {
-        call_fail(k, CG_CALL_RETRY, "could not be reached", CG_E_UPSTREAM_UNAVAILABLE, NULL,
-                  "could not be reached at %s:%d", address, cfg->port);
-        conn_kill(k);
-        conn_unref(k);
-    }
+    ws_conn *k = c->owner;
+    call_fail(k, CG_CALL_RETRY, "lost the connection", CG_E_UPSTREAM_UNAVAILABLE, NULL,
+              "connection was lost while sending");
+    conn_kill(k);
 }
+
+static const cg_wsconn_ops conn_ops = {.lost = conn_lost};
 
 /* A connection to replica r of up, put in the session's slot; NULL when its address cannot
  * even be looked up (nothing is left in the slot then). */
@@ -536,12 +390,17 @@ static ws_conn *conn_new(cg_upstream *up, void **slot, int r)
     k->at = &st->at[r];
     k->replica = r;
     k->slot = slot;
-    k->refs = 1; /* the timer's */
+    k->refs = 2; /* the timer's, and the client's until it has ended */
     cg_call_clock_init(&k->clock, up->net->loop);
+    cg_wsclient_init(&k->client, up->net, &conn_ops, &client_ops, k);
+    k->client.max_message = MAX_APP_FRAME;
+    k->client.conn.max_frames = MAX_PENDING;
     *slot = k;
-    k->resolve = cg_resolve_start(up->net->loop, k->at->host, on_resolved, k);
-    if (!k->resolve) {
-        conn_kill(k);
+    const cg_upstream_config *at = k->at;
+    cg_connect_spec spec = {.host = at->authority, .port = at->port, .tls = at->tls, .path = at->path,
+                            .local_protocol = CG_LWS_PROTOCOL_WS};
+    if (cg_wsclient_connect(&k->client, at->host, &spec) < 0) {
+        conn_kill(k); /* the client ends at once: its reference goes */
         return NULL;
     }
     return k;
@@ -598,8 +457,9 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len
     for (size_t i = 0; i < k->n_hist; i++)
         hist += k->hist[i].len;
     cg_jsonw w;
-    cg_jsonw_init_in(&w, LWS_PRE, k->last_head + k->last_head / 4 + hist, k->spare, k->spare_cap);
-    k->spare = NULL;
+    size_t spare_cap;
+    char *spare = cg_wsconn_spare(&k->client.conn, &spare_cap);
+    cg_jsonw_init_in(&w, CG_WS_PRE, k->last_head + k->last_head / 4 + hist, spare, spare_cap);
     CG_JSONW_LIT(&w, "{\"type\":\"message\"");
     cg_jsonw_member_str(&w, "id", m->id);
     cg_jsonw_member_str(&w, "user", m->user);
@@ -614,7 +474,7 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len
     cg_jsonw_member_json(&w, "soft_context", m->soft, "null");
     cg_jsonw_member_json(&w, "rules", m->rules, "[]");
     cg_jsonw_member_json(&w, "annotations", m->annotations, "{}");
-    k->last_head = w.used - LWS_PRE;
+    k->last_head = w.used - CG_WS_PRE;
     CG_JSONW_LIT(&w, ",\"history\":[");
     for (size_t i = 0; i < k->n_hist; i++) {
         if (i)
@@ -637,14 +497,14 @@ static int queue_message(ws_conn *k, cg_upstream_call *c)
         frame = message_frame(k, c->m, &len, &cap);
         const cg_upstream_config *cfg = c->core.up->cfg;
         if (frame && c->core.replicas->n > 1 && cfg->max_attempts > 1) {
-            c->frame = cg_malloc(LWS_PRE + len);
-            memcpy(c->frame + LWS_PRE, frame + LWS_PRE, len);
+            c->frame = cg_malloc(CG_WS_PRE + len);
+            memcpy(c->frame + CG_WS_PRE, frame + CG_WS_PRE, len);
             c->frame_len = len;
         }
     } else if (c->frame) {
         len = c->frame_len;
-        frame = cg_malloc(LWS_PRE + len);
-        memcpy(frame + LWS_PRE, c->frame + LWS_PRE, len);
+        frame = cg_malloc(CG_WS_PRE + len);
+        memcpy(frame + CG_WS_PRE, c->frame + CG_WS_PRE, len);
     } else {
         return -1;
     }
@@ -664,14 +524,13 @@ static int ws_attempt(cg_call *core, int r)
         return -1;
     if (queue_message(k, c) < 0)
         return -1;
-    if (k->open && k->wsi) /* the message goes when the event that made it ends (core/flush.h) */
-        cg_flush_request_event(k->up->net->flush, &k->flush, conn_flush, k->wsi, 0);
+    cg_wsconn_soon(&k->client.conn, 0); /* the message goes when the event that made it ends (core/flush.h) */
     k->call = c;
     c->conn = k;
     st->replicas.r[r].busy++;
     core->clock = &k->clock;
     conn_pause(k, core->paused);
-    cg_call_arm(core, k->open ? CG_CALL_FIRST_BYTE : CG_CALL_CONNECT);
+    cg_call_arm(core, conn_open(k) ? CG_CALL_FIRST_BYTE : CG_CALL_CONNECT);
     return 0;
 }
 

@@ -81,9 +81,9 @@ void cg_wsclient_init(cg_wsclient *w, const cg_net *net, const cg_wsconn_ops *co
  * when that fails. -1 when the lookup could not even start (nothing will come). */
 int cg_wsclient_connect(cg_wsclient *w, const char *host, const cg_connect_spec *spec);
 
-/* The owner is done with it: resolving stops, a close frame (code, reason) goes once the
- * connection is open, after nothing else (what was queued is dropped), and the connection
- * goes. ended still comes, possibly from inside this call (when there was no socket). */
+/* The owner is done with it: what was queued is dropped; an open connection gets a close
+ * frame (code, reason) and goes, one still connecting goes at once, and resolving stops.
+ * ended still comes, possibly from inside this call (when there was no socket). */
 void cg_wsclient_close(cg_wsclient *w, int code, const char *reason);
 
 /* The lws protocol callback of every such connection. */

@@ -104,9 +104,8 @@ extern const cg_upstream_ops cg_upstream_openai_ops;
 extern const cg_upstream_ops cg_upstream_ws_ops;
 
 /* The lws protocol of the ws upstream's client connections, registered by the gateway's
- * vhost (the OpenAI-compatible upstream's connections are libcurl's, http_pool.h). */
-int cg_upstream_ws_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in,
-                            size_t len);
+ * vhost with core/wsclient.h's callback (the OpenAI-compatible upstream's connections are
+ * libcurl's, http_pool.h). */
 #define CG_LWS_PROTOCOL_WS "cg-upstream-ws"
 
 /* Picks the ops for cfg->kind and fills up; metrics (may be NULL) gets its connection
