@@ -74,7 +74,7 @@ class CountingApp(harness.WsServer):
         self.inflight[key] = self.inflight.get(key, 0) + 1
         self.max_inflight[key] = max(self.max_inflight.get(key, 0), self.inflight[key])
         try:
-            await asyncio.sleep(self.slow.pop(mid, self.delay))
+            await asyncio.sleep(self.slow.pop(mid, self.delay))  # the fake app's reply time (the scenario's)
             done = {"type": "done", "id": mid, "text": f"ok {mid}",
                     "state": {"service": "count", "params": {f"p_{mid}": 1, "last": mid}}}
             await ws.send(json.dumps(done))
@@ -227,7 +227,7 @@ async def settled(redis, quiet=0.3, timeout=5.0):
     deadline = time.monotonic() + timeout
     last = commands_total(redis)
     while time.monotonic() < deadline:
-        await asyncio.sleep(quiet)
+        await asyncio.sleep(quiet)  # a silence: the command counts stop changing
         now = commands_total(redis)
         if now == last:
             return now
