@@ -156,6 +156,59 @@ async def wait_until(predicate, timeout):
     return True
 
 
+async def wait_condition(predicate, timeout, what, interval=0.01):
+    """Poll `predicate` (a function, or an async one) every `interval` s until its value is
+    truthy and return that value; fail with `what` (a string, or a function giving one, for
+    the state at the time) when `timeout` passes first. The predicate is tried once more
+    at the deadline, so a slow poll does not make it fail early."""
+    deadline = time.monotonic() + timeout
+    while True:
+        late = time.monotonic() >= deadline
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if late:
+            fail(f"not within {timeout:.1f}s: {what() if callable(what) else what}")
+        await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+async def metrics_of(gw):
+    """The gateway's /metrics, parsed."""
+    status, _, body = await asyncio.to_thread(http_get, gw.http_url + "/metrics")
+    check(status == 200, f"/metrics of {gw.name}: HTTP {status}")
+    return parse_metrics(body.decode())
+
+
+async def wait_metric(gw, name, predicate, timeout, what=None, **labels):
+    """Poll /metrics until `predicate(value of name{labels})` holds (a missing series is
+    None); return the Metrics. Fails with the last value when `timeout` passes."""
+    last = {}
+
+    async def probe():
+        m = await metrics_of(gw)
+        last["v"] = m.value(name, **labels) if m.has(name, **labels) else None
+        return m if predicate(last["v"]) else None
+    return await wait_condition(probe, timeout, lambda: f"{what or 'the metric'}: {name}{labels or ''} "
+                                                        f"is {last.get('v')}", interval=0.05)
+
+
+async def wait_log(gw, pattern, timeout, start=0):
+    """Wait until the gateway's log, from character `start` on, has a line matching the
+    regular expression `pattern`; return the match. Fails (with the log's tail) on timeout
+    or when the gateway exits first."""
+    rx = re.compile(pattern, re.MULTILINE)
+
+    def probe():
+        m = rx.search(gw.log_text(), start)
+        if not m:
+            gw.assert_alive()
+        return m
+    return await wait_condition(probe, timeout, lambda: f"{gw.name}: no log line matching {pattern!r}\n"
+                                                        f"{gw.log_tail(15)}", interval=0.02)
+
+
 def words_of(text):
     """Split a reply into the pieces a fake streams: each word with its trailing space."""
     return re.findall(r"\S+\s*", text)

@@ -260,8 +260,11 @@ async def part_haproxy(rules):
                 turn.expect_done()
                 code = await gws[x].await_exit(12)
                 check(code == 0, f"{names[x]} exit status after SIGTERM: {code}")
-                await asyncio.sleep(1.5)  # a check or two against the closed port
-                gone = (await proxy.servers())[names[x]]
+                async def checked_closed():  # a check against the closed port: a layer-4 failure
+                    row = (await proxy.servers())[names[x]]
+                    return row if (row[1] or "").startswith("L4") else None
+                gone = await harness.wait_condition(checked_closed, 6, f"no HAProxy check of {names[x]} "
+                                                    "met its closed port")
                 check(gone[0].startswith("DOWN"), f"HAProxy after the gateway exited: {gone}")
                 check((await proxy.servers())[names[other]][0] == "UP", "the other gateway should stay UP")
                 print(f"   {names[x]} marked DOWN {down_after:.1f} s after SIGTERM ({down[1]}) while draining; "

@@ -550,7 +550,10 @@ async def part_cancel_relay(scenario):
                     await client.say("Tell me a long story", "L1", "trip")
                     await wait_chunks(client, "L1", 3)
                     await client.halt("L1")
-                    await asyncio.sleep(0.15)
+                    # the binary goes once the halt has reached the app (the reply's tail is held back then)
+                    ok = await harness.wait_until(lambda: any(isinstance(f, dict) and f.get("kind") == "halt"
+                                                              for f in sess.frames), 5)
+                    check(ok, f"the client's halt frame never reached the app: {sess.describe()}")
                     blob = b"\x00image-bytes\xff" * 10
                     await client.send_binary(blob)
                     ok = await harness.wait_until(lambda: sess.sent_about("L1", "end"), 5)

@@ -123,7 +123,7 @@ class RawApp(harness.WsServer):
             if stop.is_set():
                 return
             await ws.send(self.reply_frame(n))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the fake app's pace between reply frames
 
     def chat_frames(self):
         return [f for f in self.frames if isinstance(f, str) and self.message_text(f) is not None]
@@ -247,7 +247,7 @@ async def part_tornado():
                       f"the second turn should carry service travel and {WANT2}: {cg}")
                 user = cg["user"]
             with step("the quiet gap ended each reply for the history (admin export)"):
-                await asyncio.sleep(0.6)
+                await asyncio.sleep(0.6)  # the subject: the quiet gap (reply_gap_ms) ends each reply
                 status, _, body = await asyncio.to_thread(
                     harness.http_request, f"{gw.http_url}/admin/dialogs/{user}/default",
                     headers={"Authorization": f"Bearer {ADMIN}"})

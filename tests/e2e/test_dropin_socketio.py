@@ -621,11 +621,13 @@ async def part_main(modules):
                                       x[1]["args"][0].startswith(f"[{long_text}] part {LONG_PARTS}/"),
                                       T, "the app's last part of the long reply (it cannot stop it)")
             # past the reply gap, then the app's answer to "stop" if it got it
-            await asyncio.sleep((REPLY_GAP_MS + 300) / 1000)
+            await asyncio.sleep((REPLY_GAP_MS + 300) / 1000)  # the subject: the reply gap ends the held reply
             if app.chat(sid, "stop"):
                 await app.wait_for(lambda x: x[0] == "SENT" and x[1]["args"][:1] == ["[stop] part 3/3 "],
                                    T, "the app's answer to 'stop'")
-                await asyncio.sleep(0.3)
+                # until the app's echo of 'stop' (sent before its answer) is at the client; checked below
+                await harness.wait_until(lambda: any(x["event"] == "chat message" and x["args"] == ["stop"]
+                                                     for x in client.events()), 3)
             got = client.parts(long_text)
             sent = app.parts_sent(sid, long_text)
             late = [p for p in sent if p["t"] > t_stop + 200]
@@ -701,7 +703,7 @@ async def part_cancel_frame(modules):
             check(recv and recv[0]["args"] == [],
                   f"the app should get the cancel_frame as the event ['cancel'] with no argument: {shorts(recv)}")
             check(cancel[1]["stopped"], "the 'cancel' came when no reply was streaming at the app")
-            await asyncio.sleep((REPLY_GAP_MS + 300) / 1000)
+            await asyncio.sleep((REPLY_GAP_MS + 300) / 1000)  # the subject: past the reply gap, nothing late
             sent = app.parts_sent(sid, long_text)
             got = client.parts(long_text)
             check(len(sent) < LONG_PARTS, f"the app sent all {len(sent)} parts anyway")
@@ -710,7 +712,7 @@ async def part_cancel_frame(modules):
             if stop:
                 await app.wait_for(lambda x: x[0] == "SENT" and x[1]["args"][:1] == ["[stop] part 3/3 "],
                                    T, "the app's answer to 'stop'")
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.3)  # for the note below: the parts answering 'stop' the client gets
             order = [d["event"] for d in app.received(sid) if d["event"] == "cancel" or d["args"][:1] == ["stop"]]
             print(f"   note: the app stopped after {len(sent)} parts ({cancel[1]['t'] - client.sent_at('chat message', 'stop')} "
                   f"ms after the client's 'stop'); the client got {len(got)}; 'stop' "

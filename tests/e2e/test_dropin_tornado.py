@@ -265,7 +265,7 @@ async def part_origin():
             with step(f"through the gateway, with the README's config: the app page's Origin ({app.origin}) "
                       f"gets 101 at {url} and the connection stays open"):
                 client = await Chatter.open("the gateway's client", url, app.origin)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # a silence: a close after the 101 would come now
                 if client.closed:
                     harness.fail(f"the gateway answered 101, then closed the connection with {client.closed[0]} "
                                  f"{client.closed[1]!r} before anything was sent (the app's handshake failed); "
@@ -339,20 +339,20 @@ async def part_group_cancel():
                     a, b = await chatter("A"), await chatter("B")
                     await asyncio.sleep(0.2)  # both in the app's waiters
                     sent = {"stop": await a.say("stop")}
-                    await asyncio.sleep(0.3)
+                    await asyncio.sleep(0.3)  # the scenario: B's line 0.3 s after A's stop
                     sent["B: are we still on for lunch?"] = await b.say("B: are we still on for lunch?")
                     await lines_reach_everyone(sent, [a, b], direct)
                 with step("users A2 and B2: A2's \"stop\" 0.2 s after A2's own line came back (that broadcast is "
                           "A2's reply, still in flight for the gateway: no end marker), B2's line 0.3 s later: all "
                           f"three reach A2 and B2 within {SLOW_S} s"):
                     a, b = await chatter("A2"), await chatter("B2")
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2)  # both in the app's waiters
                     line = "A: tell me about the trains to Mombasa"
                     sent = {line: await a.say(line)}
                     await a.wait_body(line, 2)
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2)  # the scenario: A2's stop 0.2 s after its line came back
                     sent["stop"] = await a.say("stop")
-                    await asyncio.sleep(0.3)
+                    await asyncio.sleep(0.3)  # the scenario: B2's line 0.3 s after the stop
                     sent["B: the 9:00 one"] = await b.say("B: the 9:00 one")
                     await lines_reach_everyone(sent, [a, b], direct)
             finally:

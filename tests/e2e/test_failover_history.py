@@ -117,19 +117,19 @@ async def sentinel_failover(rules):
                             problems.append(f"{user} {text}: {harness.brief(t.terminal)}")
                         else:
                             answered[(user, text)] = answered.get((user, text), 0) + 1
-                        await asyncio.sleep(0.05)
+                        await asyncio.sleep(0.05)  # the tabs' pace
                     await c.close()
 
                 users = [f"fo{u}" for u in range(TABS_DIALOGS)]
                 tasks = [asyncio.create_task(tab(gw, u, tag)) for u in users for gw, tag in ((g1, "one-"), (g2, "two-"))]
-                await asyncio.sleep(1.5)
+                await asyncio.sleep(1.5)  # the scenario: traffic for a while before the kill
                 before = len(answered)
                 primary.kill()
                 killed = time.monotonic()
                 await wait_for("the replica promoted", lambda: harness.RedisServer.command(
                     replica, "ROLE", timeout=1.0)[0] == "master", 20)
                 promoted = time.monotonic() - killed
-                await asyncio.sleep(2.5)
+                await asyncio.sleep(2.5)  # the scenario: traffic for a while on the promoted replica
                 stop.set()
                 await asyncio.gather(*tasks)
                 check(not problems, f"{len(problems)} messages not answered with done: {problems[:5]}")

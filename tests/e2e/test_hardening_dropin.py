@@ -151,7 +151,7 @@ async def part_rate_limit():
                 ok = await harness.wait_until(lambda: any(isinstance(f, dict) and f.get("kind") == "typing"
                                                           for f in sess.frames), 5)
                 check(ok, "the typing frame after the says did not reach the app")
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.3)  # a silence: a say forwarded past the limit would come now
                 n = len(sess.says)
                 check(1 <= n <= 4, f"the app got {n} says of 10 (rate 1/s, burst 3)")
                 m = await metrics(gw)
@@ -159,7 +159,7 @@ async def part_rate_limit():
                       f"chatgate_rate_limited_total is {m.value('chatgate_rate_limited_total')}")
                 gw.assert_alive()
             with step("after a pause the client's says are forwarded again"):
-                await asyncio.sleep(1.2)
+                await asyncio.sleep(1.2)  # the subject: the rate limit's window (rate 1/s) refills
                 await client.say("hello again", "r10", "trip")
                 r = await reply(client, "r10")
                 check(r.kind == "end", f"reply {shorts(r.frames)}")
@@ -177,7 +177,7 @@ async def part_queue_bound():
                 for i in range(5):
                     await b.say(f"hi {i}", f"q{i}", "trip")
                 await reply(a, "a1")
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)  # a silence: a third say of B's would come now
                 got = [s.get("msg_id") for s in sb.says]
                 check(got == ["q0", "q1"], f"the app got B's says {got}, expected ['q0', 'q1']")
                 m = await metrics(gw)
@@ -442,7 +442,7 @@ async def part_client_leaves_during_hold():
                            f"Sec-WebSocket-Protocol: chat.v2\r\nCookie: sid=x\r\n\r\n").encode())
                 ok = await harness.wait_until(lambda: events, 5)
                 check(ok, "the app got no handshake while the client waited")
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.3)  # the scenario: the client leaves while the app's handshake waits
                 s.close()
                 ok = await harness.wait_until(lambda: any(e == "closed" for e, _ in events), 4)
                 check(ok, f"the app's connection was not closed after the client left: {events}")

@@ -406,7 +406,7 @@ async def part_retry_after():
                 (await client.message("and now?", mid="next", room=room)).expect_done()
             with step(f"after out_ms ({OUT_MS} ms) the 429 replica is still out (Retry-After, up to an hour): "
                       f"the dialog's message is answered, not sent to it again"):
-                await asyncio.sleep(OUT_MS / 1000 + 0.3)
+                await asyncio.sleep(OUT_MS / 1000 + 0.3)  # the subject: past out_ms
                 before = len(fake.requests_for("err429huge"))
                 turn = await client.message("still there?", mid="later", room=room)
                 again = len(fake.requests_for("err429huge")) - before

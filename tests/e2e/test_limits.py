@@ -105,7 +105,7 @@ async def test_rate_limit(config):
                     t.expect_done()
             check(len(limited) <= 4, f"the burst of 2 was not honoured: {limited} rate limited")
         with step("after a pause the rate limit lets messages through again"):
-            await asyncio.sleep(1.2)
+            await asyncio.sleep(1.2)  # the subject: the rate limit's window refills
             (await client.message("after the pause", mid="later")).expect_done()
         await client.close()
 

@@ -826,8 +826,11 @@ async def drain_once(gw, client, mid, text, room, shutdown_s):
     await client.recv_type("delta", mid)
     t0 = time.monotonic()
     gw.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.1)
-    status, body, _ = await healthz(gw)
+
+    async def not_ok():  # the signal is handled on the gateway's loop, soon after
+        got = await healthz(gw)
+        return None if got[:2] == (200, {"status": "ok"}) else got
+    status, body, _ = await harness.wait_condition(not_ok, 3, "/healthz still says ok after SIGTERM")
     check(status == 503 and body == {"status": "stopping"},
           f"/healthz right after SIGTERM: expected 503 {{\"status\":\"stopping\"}}, got {status} {brief(body)}")
     hs = await harness.handshake_status(gw.url)
@@ -924,7 +927,7 @@ async def part_second_signal():
         await c.send_message(long_text(60), "m1")
         await c.recv_type("delta", "m1")
         gw.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.4)  # the subject: still draining a while after the first SIGTERM
         check(gw.alive(), "the gateway should still be draining 0.4 s after the first SIGTERM (10 s deadline)")
         t0 = time.monotonic()
         gw.send_signal(signal.SIGTERM)
@@ -979,7 +982,7 @@ async def part_pings():
         with step("pings (interval 1 s, idle 3 s): a client answering pings stays; a raw one is dropped"):
             async def good_client():
                 c = await Client.connect(gw, ping_interval=None)  # only the library's pong answers
-                await asyncio.sleep(5.0)
+                await asyncio.sleep(5.0)  # the subject: idle past idle_timeout_s, answering pings
                 check(c.open, "a client that answers pings was dropped while idle for 5 s")
                 await c.check_alive()
                 t = await c.message("still here?", mid="k1")

@@ -233,7 +233,7 @@ async def load(tabs, tag, stop, pause=0.02, until_n=None, rooms=4):
             s = await tab.ask(f"msg {tab.user}/{room} {n}", f"{tag}-{tab.user}-{n}", room)
             sents.append(s)
             n += 1
-            await asyncio.sleep(pause)
+            await asyncio.sleep(pause)  # the load's pace
     await asyncio.gather(*[one(t) for t in tabs])
     return sents
 
@@ -334,6 +334,16 @@ async def settled(gws, timeout=25.0):
         check(time.monotonic() < deadline, f"the gateways did not settle within {timeout:.0f} s "
                                            f"(degraded, writeback pending): {state}")
         await asyncio.sleep(0.1)
+
+
+async def saved(node, user, room, what):
+    """Until `node` holds the dialog's history and no lease: the turn's save, one script that
+    deletes the lease last, has landed (it lands after done)."""
+    def landed():
+        return node.find_key(harness.dialog_key(user, room, "history")) and \
+            not node.find_key(harness.dialog_key(user, room, "lease"))
+    await harness.wait_condition(lambda: asyncio.to_thread(landed), 5,
+                                 f"{what}: the save of {user}/{room} on {node.port} (its history, no lease)")
 
 
 def user_slot(cluster, user):
@@ -517,14 +527,14 @@ async def failover_round(w, full_coverage, pause=False):
         tag = "fs" if pause else "fo" if full_coverage else "fp"  # message ids of their own
         loader = asyncio.create_task(load(w.tabs, tag, stop))
         try:
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(1.5)  # the scenario: traffic for a while before the master goes
             await asyncio.to_thread(cluster.pause_master if pause else cluster.kill_master, victim)
             killed_at = time.time()
             new = await cluster.await_failover(victim, timeout=20)
             failed_over_at = time.time()
             print(f"   replica {new.port} promoted {failed_over_at - killed_at:.2f} s after the kill "
                   f"(redis_topo: {cluster.timings['failover']:.2f} s)", flush=True)
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(3.0)  # the scenario: traffic for a while on the promoted replica
         finally:
             stop.set()
             sents = await loader
@@ -627,16 +637,16 @@ async def part_reshard(w):
         stop = asyncio.Event()
         loader = asyncio.create_task(load(w.tabs, "rs", stop))
         try:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the scenario: traffic before the reshard starts
             run = cluster.reshard(src, dst, RESHARD_SLOTS, pipeline=20)
             await run.ajoin(timeout=60)
             print(f"   reshard took {run.elapsed:.2f} s", flush=True)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the scenario: traffic after the slots have moved
         finally:
             stop.set()
             sents = await loader
         await settled(w.gws)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a silence: a duplicate would come now
         t = tally(sents, w.tabs, "rs-")
         after = await counters(w.gws)
         d = delta(after, before)
@@ -669,7 +679,7 @@ async def part_reshard(w):
         slot = await asyncio.to_thread(user_slot, cluster, user)
         src = await asyncio.to_thread(cluster.master_of_slot, slot)
         dst = next(m for m in cluster.masters() if m.port != src.port)
-        await asyncio.sleep(0.3)  # the save lands after done
+        await saved(src, user, "a", "the first message")
         keys = src.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
         check(keys, f"no keys of {user} in slot {slot} on {src.port}")
         before = await counters(w.gws)
@@ -770,7 +780,9 @@ async def cross_cancel(w, ga, gb, user):
     while not w.upstream.requests_with(f"SLOW {user}/c 0"):
         check(time.monotonic() < deadline, "the upstream never got the slow message")
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # a few words streamed
+    mid = f"{user}-0"  # a few words streamed to A
+    await harness.wait_condition(lambda: len(a.tracker.state.get(mid, {}).get("deltas", ())) >= 2, 5,
+                                 f"two deltas of {mid} at A")
     return a, b, long
 
 
@@ -877,19 +889,21 @@ async def part_parked_at_close(w):
             tab = await Tab.open(ge, user)
             first = await tab.ask(f"msg {user}/r 0", "park-0", "r")
             check(first.kind == "done", f"the first message: {first.terminals}")
-            await asyncio.sleep(0.3)
             slot = await asyncio.to_thread(user_slot, cluster, user)
             src = await asyncio.to_thread(cluster.master_of_slot, slot)
+            await saved(src, user, "r", "the first message")
             dst = next(m for m in cluster.masters() if m.port != src.port)
             keys = src.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
             check(dst.command("CLUSTER", "SETSLOT", slot, "IMPORTING", src.node_id) == "OK", "SETSLOT IMPORTING")
             check(src.command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst.node_id) == "OK", "SETSLOT MIGRATING")
             check(src.command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys) == "OK", "MIGRATE")
             # the phrase's cancel script and its load meet ASK then TRYAGAIN: parked, 80 ms and more
+            tryagain = (await metrics(ge)).value("chatgate_store_cluster_redirects_total", kind="tryagain")
             pending = asyncio.create_task(tab.ask("stop", "park-1", "r"))
-            await asyncio.sleep(0.15)
+            await harness.wait_metric(ge, "chatgate_store_cluster_redirects_total", lambda v: v > tryagain, 5,
+                                      "a command parked on TRYAGAIN", kind="tryagain")
             killed = sum(m.command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes") for m in cluster.masters())
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the subject: a crash on the router's close would come now
             alive = ge.alive()
             for n in [dst, src] + [m for m in cluster.masters() if m.port not in (src.port, dst.port)]:
                 n.command("CLUSTER", "SETSLOT", slot, "NODE", dst.node_id)
@@ -922,7 +936,7 @@ async def part_one_turn(w):
         started = time.monotonic()
         await asyncio.gather(*[tab_run(i, t) for i, t in enumerate(tabs)])
         took = time.monotonic() - started
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a silence: a duplicate would come now
         t = tally(sents, tabs)
         after = await counters(w.gws)
         d = delta(after, before)

@@ -502,7 +502,8 @@ async def part_reload_queued():
                     await c.send_message("hold on [delay=1.5]", "q1", "trip")
                     await app.wait_message("q1")  # (a reply rule may hold its deltas back)
                     await c.send_message("Find me flights from Nairobi to London next week", "q2", "trip")
-                    await c.expect_silence(0.2, lambda f: f.get("id") == "q2" or f.get("id") == "q1" and f.get("type") == "done",
+                    await c.check_alive()  # a marker: answered once the gateway has read q2
+                    await c.expect_silence(0, lambda f: f.get("id") == "q2" or f.get("id") == "q1" and f.get("type") == "done",
                                            "frame before the reload (test setup: q1 should still run, q2 wait)")
                     # a new first file: every rule's index moves by one
                     (live / "05-first.rules").write_text("rule zzz_first\n  match   ^zzzz$\n  do      route app\n")
@@ -602,8 +603,8 @@ async def part_workers():
                 await harness.wait_until(lambda: gw.log_text()[mark:].count("rules: reloaded") >= 2, 5)
                 m = await metrics_until(gw, lambda m: m.value("chatgate_rules_reloads_total", result="ok") == 2,
                                         "one reload in each worker")
-                await asyncio.sleep(0.5)  # both published
-                m = await metrics(gw)
+                # until both workers have published their figures since the reload (every 200 ms)
+                m = await metrics_until(gw, lambda m: not hits_of(m), "the group's rule hits back at 0 after the reload")
                 check(not hits_of(m), f"after the reload of every worker the group's rule hits should start again "
                       f"at 0, got {hits_of(m)} (the dead workers' figures, kept in the master's retired sums)")
                 status, body = await admin_rules(gw)

@@ -263,7 +263,7 @@ async def part_expiry(app):
             check_fwd(f, "ex2", "Business class please", params=ack["params"])
             written = time.monotonic()
         with step("after the 2 s lifetime: 'Return date Feb 20' has only return_date"):
-            await asyncio.sleep(max(0.0, 2.6 - (time.monotonic() - written)))
+            await asyncio.sleep(max(0.0, 2.6 - (time.monotonic() - written)))  # the subject: the 2 s lifetime
             t, f = await app_turn(client, app, "ex3", "Return date Feb 20", room)
             check_ack(t, "ex3", room, "app", service="travel", params={"return_date": "2026-02-20"},
                       fired=("return_date",))
@@ -607,7 +607,7 @@ async def part_reload(app):
             check_ack(t, "h2", room, "app", resolution={"type": "cancel"}, fired=("hush",))
             check(t.terminal.get("text") == "" and not t.deltas,
                   f"an absorbed message gets an empty done and no delta: {t.describe()}")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # a silence: a forward to the app would come now
             not_forwarded_to_app(app, "h2")
         with step("an absorbed cancel stops a streaming reply at once"):
             await client.send_message("a long one [delay=5]", "h3", room)

@@ -74,7 +74,7 @@ class CountingApp(harness.WsServer):
         self.inflight[key] = self.inflight.get(key, 0) + 1
         self.max_inflight[key] = max(self.max_inflight.get(key, 0), self.inflight[key])
         try:
-            await asyncio.sleep(self.slow.pop(mid, self.delay))
+            await asyncio.sleep(self.slow.pop(mid, self.delay))  # the fake app's reply time (the scenario's)
             done = {"type": "done", "id": mid, "text": f"ok {mid}",
                     "state": {"service": "count", "params": {f"p_{mid}": 1, "last": mid}}}
             await ws.send(json.dumps(done))
@@ -227,7 +227,7 @@ async def settled(redis, quiet=0.3, timeout=5.0):
     deadline = time.monotonic() + timeout
     last = commands_total(redis)
     while time.monotonic() < deadline:
-        await asyncio.sleep(quiet)
+        await asyncio.sleep(quiet)  # a silence: the command counts stop changing
         now = commands_total(redis)
         if now == last:
             return now
@@ -328,7 +328,15 @@ async def part_stopped_holder(rules):
                         os.kill(ga.pid, signal.SIGCONT)
                     turn = await ca.collect_turn("s1", 10)
                     turn.expect_done()
-                    await asyncio.sleep(0.5)
+                    hist = harness.dialog_key("stop|user", "trip", "history")
+
+                    def users_in_history():
+                        key = redis.find_key(hist)
+                        return [m.get("content") for m in map(json.loads, redis.lrange(key) if key else [])
+                                if m.get("role") == "user"]
+                    # the stopped gateway's save finds the lease lost, merges, and writes the merge:
+                    # until both turns are in Redis's history (the checks below say what is wrong)
+                    await harness.wait_until(lambda: len(users_in_history()) >= 2, 5)
                     m = await metrics(ga)
                     check(m.value("chatgate_store_lease_lost_total") == 1,
                           f"lease_lost on the stopped gateway: {m.value('chatgate_store_lease_lost_total')}")
@@ -339,9 +347,7 @@ async def part_stopped_holder(rules):
                     # the stopped turn began first: where both set a param, the later turn's wins,
                     # though the stopped one saved last
                     check(kept.get("count.last") == "s2", f"the later turn's param should win: {kept}")
-                    key = redis.find_key(harness.dialog_key("stop|user", "trip", "history"))
-                    users = [m.get("content") for m in map(json.loads, redis.lrange(key) if key else [])
-                             if m.get("role") == "user"]
+                    users = users_in_history()
                     check(users == ["slow one", "my turn"],
                           f"both answered turns in the history, the stopped one's first: {users}")
                     check(m.value("chatgate_store_merges_total") == 1, "the merge was not counted")
@@ -359,9 +365,10 @@ async def wait_inflight(app, user, room):
         await asyncio.sleep(0.01)
 
 
-async def cross_cancel(app, ga, gb, user, mid, how, within):
+async def cross_cancel(app, ga, gb, user, mid, how, within, redis=None):
     """A slow reply of `user` streams through gateway A; `how` ("phrase" or "clear") arrives on
-    gateway B: A's client gets cancelled, and the app A's cancel frame, within `within` s."""
+    gateway B: A's client gets cancelled, and the app A's cancel frame, within `within` s.
+    ("behind": B's own message first waits in the dialog's line in `redis`.)"""
     app.slow[mid] = 30
     ca = await connect_as(ga, user)
     await ca.send_message("a slow one", mid, "trip")
@@ -369,7 +376,12 @@ async def cross_cancel(app, ga, gb, user, mid, how, within):
     cb = await connect_as(gb, user)
     if how == "behind":  # B's own message of the dialog waits for A's lease first
         await cb.send_message("me too", f"{mid}w", "trip")
-        await asyncio.sleep(0.2)
+        line = harness.dialog_key(user, "trip", "line")  # B's ticket: "<holder>#<n>" beside "#"
+
+        def waiting():
+            key = redis.find_key(line)
+            return key and any(f != "#" for f in redis.hgetall(key))
+        await harness.wait_condition(waiting, 5, f"B's message in the dialog's line ({line})")
     sent = time.monotonic()
     if how in ("phrase", "behind"):
         await cb.send_message("stop", f"{mid}b", "trip")
@@ -413,7 +425,7 @@ async def part_cross_cancel(rules):
                     print(f"   A's cancelled after {s * 1000:.1f} ms, the app's cancel frame after {c * 1000:.1f} ms")
                 with step("a cancel phrase on gateway B while B's own message waits for A's lease: A's reply "
                           "stops too, within 100 ms"):
-                    s, c = await cross_cancel(app, ga, gb, "cc4|user", "x4", "behind", 0.1)
+                    s, c = await cross_cancel(app, ga, gb, "cc4|user", "x4", "behind", 0.1, redis)
                     print(f"   A's cancelled after {s * 1000:.1f} ms, the app's cancel frame after {c * 1000:.1f} ms")
                     m = await metrics(ga)
                     check(m.value("chatgate_store_remote_cancels_total") == 3,

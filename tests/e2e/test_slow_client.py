@@ -54,7 +54,7 @@ async def main(args):
             sock = await small_socket(gw.port)
             client = await Client.connect(gw, sock=sock, max_queue=1, read_limit=2**16, max_size=2**26)
             tracker = client.track()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # the RSS baseline once the connection has settled
             baseline = gw.rss_kb()
 
             with step(f"client stops reading for {PAUSE:.0f}s while /huge streams {TOTAL >> 20} MB"):
@@ -67,7 +67,7 @@ async def main(args):
                 peak = baseline
                 samples = []
                 while time.monotonic() - paused_at < PAUSE:
-                    await asyncio.sleep(SAMPLE)
+                    await asyncio.sleep(SAMPLE)  # the RSS sampling period
                     rss = gw.rss_kb()
                     peak = max(peak, rss)
                     samples.append((round(time.monotonic() - paused_at, 2), rss, req.bytes_written))

@@ -268,6 +268,7 @@ async def part_awaiting_soft(cx):
             ttl_between(cx.redis, harness.dialog_key(user, "pick4", "awaiting"), 25, 30, "awaiting (ttl 30)")
             raw = cx.redis.get(harness.dialog_key(user, "pick4", "awaiting"))
             check(json.loads(raw).get("options") == options, f"awaiting key should hold the JSON: {raw!r}")
+        # the subject: the short lifetimes (awaiting ttl 1 s) lapse
         await asyncio.sleep(max(0.0, 3.2 - (time.monotonic() - set_at)))
         _, fb = await turn(client, app, "b2", "The first one", "pick2")
         check_forwarded(fb, awaiting=None, what="b2 (awaiting ttl 1 s, 3 s later)")
@@ -554,7 +555,7 @@ async def part_two_tabs(cx):
         app.directives["tab1"] = {"service": "travel", "params": {"from": "Nairobi"}}
         app.directives["tab2"] = {"service": "travel", "params": {"to": "London"}}
         await c1.send_message("From Nairobi [delay=0.4]", "tab1", "tabs")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the scenario: tab1's turn starts first, tab2's during it
         await c2.send_message("To London [delay=0.4]", "tab2", "tabs")
         check_turn_done(await c1.collect_turn("tab1"))
         check_turn_done(await c2.collect_turn("tab2"))

@@ -141,7 +141,7 @@ async def fifty_dialogs(app, rules):
                 latencies = []
 
                 async def killer():
-                    await asyncio.sleep(0.15)
+                    await asyncio.sleep(0.15)  # the subject: kill -9 of Redis with replies in flight
                     redis.kill()
 
                 async def down(d):
@@ -205,7 +205,7 @@ async def fifty_dialogs(app, rules):
                               f"(command_timeout {COMMAND_TIMEOUT}s + {MARGIN}s)")
 
                 async def others():
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2)  # the scenario: a probe while Redis is away
                     started = time.monotonic()
                     await probe.check_alive()
                     t1 = time.monotonic() - started

@@ -274,7 +274,7 @@ async def part_lifetimes(app, redis, rules):
             for part in ("params", "dialog", "history", "fence"):
                 redis.command("EXPIRE", harness.dialog_key("lifec", "r", part), "30")
             redis.command("EXPIRE", harness.rooms_key("lifec"), "30")
-            await asyncio.sleep(2.1)
+            await asyncio.sleep(2.1)  # the subject: the renewal of a lifetime over two seconds old
             await turn(c, app, "lifec3", "lifec 3", "r")
             got = ttls(redis, "lifec")
             want = {"params": 120, "dialog": 120, "history": 60, "fence": 120, "rooms": 120}

@@ -246,12 +246,13 @@ async def part_redis():
                             redis.pause()  # the limit script's answer waits (under command_timeout_ms)
                             try:
                                 await abe.send_message("hello", "gone", "r")
+                                # the scenario: the message is at the gateway, its limit script waits on the paused Redis
                                 await asyncio.sleep(0.2)
                                 await abe.close()
-                                await asyncio.sleep(0.1)
+                                await asyncio.sleep(0.1)  # the scenario: the close reaches the gateway before Redis answers
                             finally:
                                 redis.resume()
-                            await asyncio.sleep(0.3)
+                            await asyncio.sleep(0.3)  # the limit script's answer (after resume) lands and frees the place
                             again = await connect(g4, "abe")
                             (await again.message("hello again", mid="back", room="r")).expect_done()
                         with step("Redis away: each gateway counts in its own memory, and still refuses"):

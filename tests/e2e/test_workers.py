@@ -146,7 +146,7 @@ async def part_group(redis):
             os.kill(gw.pid, signal.SIGHUP)
             await metrics_until(gw, lambda m: m.value("chatgate_rules_reloads_total", result="ok") == before + 2,
                                 f"chatgate_rules_reloads_total{{result=ok}} should go from {before} to {before + 2}")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a silence: a third reload would come now
             m = await metrics(gw)
             check(m.value("chatgate_rules_reloads_total", result="ok") == before + 2,
                   "one SIGHUP should be one reload per worker, no more")
@@ -158,7 +158,7 @@ async def part_group(redis):
             check(status == 200, f"POST /admin/reload: {status} {body!r}")
             await metrics_until(gw, lambda m: m.value("chatgate_rules_reloads_total", result="ok") == before + 4,
                                 f"chatgate_rules_reloads_total{{result=ok}} should be {before + 4}")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a silence: a fifth reload would come now
             check((await metrics(gw)).value("chatgate_rules_reloads_total", result="ok") == before + 4,
                   "one POST /admin/reload should be one reload per worker, no more")
 
