@@ -142,24 +142,48 @@ static int pick(const cg_call *c, uint64_t now)
     return best >= 0 ? best : c->attempts == 0 ? any : -1;
 }
 
-/* Sends the call to replica r: 0, or -1 when the kind could not start it. */
+/* Sends the call to replica r: 0, or -1 when the kind could not start it (r counts as
+ * tried either way). */
 static int attempt_on(cg_call *c, int r)
 {
     c->status = 0;
     c->retry_after_ms = 0;
+    c->tried |= 1u << r;
     if (c->kind->attempt(c, r) < 0)
         return -1;
-    c->tried |= 1u << r;
     c->attempts++;
     c->replica = r;
+    c->attempting = 1;
     return 0;
 }
 
+/* Sends the call to r, or, when r cannot start it, to the next replica the dialog would
+ * go to (pick), within max_attempts: 0, or -1 when none started. */
+static int attempt_from(cg_call *c, int r)
+{
+    while (r >= 0 && c->attempts < c->up->cfg->max_attempts) {
+        if (attempt_on(c, r) == 0)
+            return 0;
+        r = pick(c, uv_now(c->up->net->loop));
+    }
+    return -1;
+}
+
+/* The kind stops the attempt running, if one is (each attempt is stopped once). */
+static void stop_attempt(cg_call *c, cg_call_stop why)
+{
+    if (!c->attempting)
+        return;
+    c->attempting = 0;
+    c->kind->stop(c, why);
+}
+
 /*
- * The current attempt failed before anything reached the client (it refused, closed, timed
- * out before its first byte, or answered 5xx or 429): its replica is out for out_ms (or
- * the 429's Retry-After, up to an hour), and the message goes to the next replica while the
- * call has attempts left. 1 when it was retried; 0: the caller fails the call.
+ * The current attempt failed for want of an answer (it refused, closed, timed out before
+ * its first byte, or answered 5xx or 429): its replica is out for out_ms (or the 429's
+ * Retry-After, up to an hour), mid-reply too. The message goes to the next replica while
+ * nothing reached the client and the call has attempts left. 1 when it was retried; 0: the
+ * caller fails the call.
  */
 static int retry(cg_call *c, const char *why)
 {
@@ -176,8 +200,8 @@ static int retry(cg_call *c, const char *why)
     int next = c->reply_bytes || c->attempts >= cfg->max_attempts ? -1 : pick(c, now);
     if (next < 0)
         return 0;
-    c->kind->stop(c, CG_CALL_STOP_RETRY);
-    if (attempt_on(c, next) < 0)
+    stop_attempt(c, CG_CALL_STOP_RETRY);
+    if (attempt_from(c, next) < 0)
         return 0;
     if (up->metrics)
         up->metrics->upstream_retries[up->index]++;
@@ -197,7 +221,7 @@ int cg_call_start(cg_call *c, int r)
 {
     if (r < 0)
         r = pick(c, uv_now(c->up->net->loop));
-    if (r < 0 || attempt_on(c, r) < 0) {
+    if (attempt_from(c, r) < 0) {
         c->ev = NULL; /* the caller hears nothing: start() failed */
         return -1;
     }
@@ -218,7 +242,7 @@ void cg_call_done(cg_call *c, json_t *usage, json_t *state)
     if (!ev)
         return;
     c->ev = NULL;
-    c->kind->stop(c, CG_CALL_STOP_DONE);
+    stop_attempt(c, CG_CALL_STOP_DONE);
     ev->on_done(c->ctx, usage, state); /* may ask answered(): the call lives until release */
     c->kind->release(c);
 }
@@ -248,7 +272,7 @@ static void end_failed(cg_call *c, cg_call_failure how, cg_call_stop stop, int e
     if (vasprintf(&what, fmt, ap) < 0)
         what = NULL;
     c->ev = NULL;
-    c->kind->stop(c, stop);
+    stop_attempt(c, stop);
     tell_error(ev, c->ctx, c->up->cfg, err, c->status, error, "%s%s", what ? what : "failed", note);
     free(what);
     c->kind->release(c);
@@ -303,10 +327,10 @@ static void on_deadline(cg_call *c)
 
 void cg_call_cancel(cg_call *c)
 {
-    if (c->ev) {
-        c->ev = NULL;
-        c->kind->stop(c, CG_CALL_STOP_CANCEL);
-    }
+    if (!c->ev)
+        return; /* it has ended, and been released, already */
+    c->ev = NULL;
+    stop_attempt(c, CG_CALL_STOP_CANCEL);
     c->kind->release(c);
 }
 

@@ -90,6 +90,7 @@ struct cg_call {
     unsigned tried;       /* replicas tried, one bit each */
     int attempts;
     int replica;          /* the latest attempt's (the one that answered, after a done) */
+    int attempting;       /* an attempt runs: the kind has not been told to stop it */
     long retry_after_ms;  /* a 429's Retry-After for the replica that failed, 0 when none */
     int status;           /* the current attempt's HTTP status, 0: none (an error's "status") */
     size_t reply_bytes;   /* of delta text relayed: none, and a failure may be retried */
