@@ -119,6 +119,8 @@ static uint64_t dialog_key(const char *user, const char *room)
 static int pick(const cg_call *c, uint64_t now)
 {
     const cg_replicas *rs = c->replicas;
+    if (rs->n == 1) /* one URL: nothing to choose (and no dialog key was made) */
+        return c->tried & 1u ? -1 : 0;
     int best = -1, any = -1;
     uint64_t best_score = 0, any_score = 0;
     for (int i = 0; i < rs->n; i++) {
@@ -214,7 +216,7 @@ void cg_call_init(cg_call *c, cg_upstream *up, const cg_call_kind *kind, cg_repl
                   const cg_upstream_events *ev, void *ctx, const char *user, const char *room)
 {
     *c = (cg_call){.up = up, .kind = kind, .replicas = replicas, .ev = ev, .ctx = ctx, .phase = CG_CALL_NONE,
-                   .key = dialog_key(user, room), .replica = -1};
+                   .key = replicas->n > 1 ? dialog_key(user, room) : 0, .replica = -1};
 }
 
 int cg_call_start(cg_call *c, int r)
