@@ -85,6 +85,10 @@ static const setting settings[] = {
      "BYTES waiting for a client before its upstream is paused"},
     {"ack_hold_ms", T_INT, OFF(ack_hold_ms), 0, 100, NULL, 0,
      "MS an ack waits for the reply's first frames to go out with them; 0 sends it alone at once"},
+    {"resume.grace_ms", T_INT, OFF(resume_grace_ms), 0, 3600000, NULL, 0,
+     "MS a reply goes on after its client left mid-reply, for a resume; 0 cancels it at the disconnect"},
+    {"resume.max_parked", T_INT, OFF(resume_max_parked), 1, 1000000, NULL, 0,
+     "N replies of gone clients kept at once; past it a disconnect cancels, as with resume off"},
     {"user_header", T_STR, OFF(user_header), 0, 0, NULL, 1,
      "NAME of the header a trusted proxy sets to the user id, with --auth header (default X-User-Id)"},
     {"allow_origin", T_STR, OFF(allow_origin), 0, 0, NULL, 1,
@@ -1172,6 +1176,8 @@ static void set_defaults(cg_config *cfg)
     cfg->reply_window = 64;
     cfg->send_buffer = 64 * 1024;
     cfg->ack_hold_ms = 5;
+    cfg->resume_grace_ms = 30000;
+    cfg->resume_max_parked = 10000;
     cg_lifetimes_default(&cfg->lifetimes);
     cfg->max_dialogs = 100000;
     cfg->max_rooms_per_user = 1000;

@@ -89,6 +89,21 @@ static int string_field(const frame *f, const char *key, char *out, size_t max, 
     return 0;
 }
 
+/* resume's "after": the seq of the last delta the client has (0 or absent: none), a whole
+ * number; only in jansson's tree (the flat reader reads no numbers). */
+static int after_field(const frame *f, uint64_t *after, char *err, size_t errlen)
+{
+    member m = get(f, "after");
+    *after = 0;
+    if (m.kind == M_ABSENT || m.kind == M_NULL)
+        return 0;
+    json_t *v = f->root ? json_object_get(f->root, "after") : NULL; /* a string or a bool: read flat */
+    if (!json_is_integer(v) || json_integer_value(v) < 0)
+        return fail(err, errlen, "field 'after' must be a whole number from 0 (the 'seq' of the last delta kept)");
+    *after = (uint64_t)json_integer_value(v);
+    return 0;
+}
+
 /* The frame's members into out, whichever reader read them. */
 static int parse_members(const frame *f, cg_client_frame *out, char *err, size_t errlen)
 {
@@ -147,6 +162,11 @@ static int parse_members(const frame *f, cg_client_frame *out, char *err, size_t
         out->type = CG_FRAME_CANCEL;
         if (!out->id[0])
             return fail(err, errlen, "cancel needs the 'id' of the message to cancel");
+    } else if (is(type, "resume")) {
+        out->type = CG_FRAME_RESUME;
+        if (!out->id[0])
+            return fail(err, errlen, "resume needs the 'id' of the message whose reply to resume");
+        return after_field(f, &out->after, err, errlen);
     } else {
         snprintf(err, errlen, "unknown type '%.*s'", (int)(type.len < 64 ? type.len : 64), type.s);
         return CG_E_BAD_FRAME;
@@ -291,10 +311,12 @@ static void reply_frame_start(cg_jsonw *w, const char *type, const char *id, con
     w->failed |= !id || !text; /* a frame without them would mislead: the internal error instead */
 }
 
-cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len)
+cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len, uint64_t seq)
 {
     cg_jsonw w;
     reply_frame_start(&w, "delta", id, text, len);
+    CG_JSONW_LIT(&w, ",\"seq\":");
+    cg_jsonw_int(&w, (long long)seq);
     CG_JSONW_LIT(&w, "}");
     return frame_written(&w);
 }

@@ -300,6 +300,7 @@ static void gateway_stop(cg_gateway *gw)
      * until they are gone (docs/architecture.md, "Threading"). */
     lws_context_destroy(gw->lws);
     gw->lws = NULL;
+    cg_resume_close(&gw->srv.resume); /* replies of gone clients: cancelled, saved as such */
     for (int i = 0; i < gw->srv.turn.n_upstreams; i++)
         cg_upstream_close(&gw->srv.upstreams[i]); /* kept-alive upstream connections */
     if (gw->srv.turn.store) {
@@ -586,6 +587,7 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     /* what every turn gets: the members below, as they are filled */
     gw->srv.turn = (cg_turn_env){.cfg = cfg, .loop = loop, .upstreams = gw->srv.upstreams, .metrics = &gw->srv.metrics};
     cg_turn_env_services(&gw->srv.turn);
+    cg_resume_init(&gw->srv.resume, &gw->srv.turn, (uint64_t)cfg->resume_grace_ms, cfg->resume_max_parked);
     load_secrets(gw, cfg);
     gw->srv.turn.locks = json_object();
     if (load_rule_sets(cfg, &gw->srv.turn.rules, &gw->srv.turn.shadow, err, errlen) < 0)

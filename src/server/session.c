@@ -32,6 +32,7 @@
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/dropin.h"
 #include "chatgate/server/handshake.h"
+#include "chatgate/server/resume.h"
 #include "chatgate/server/server.h"
 #include "chatgate/server/session.h"
 #include "chatgate/server/turn.h"
@@ -49,6 +50,7 @@ typedef struct cg_out {
     char *delta_id; /* delta: the message id; NULL for a finished frame */
     char *text;     /* delta: text so far, f.len bytes */
     size_t cap;     /* text capacity */
+    uint64_t seq;   /* delta: the seq of its last text (turn.h) */
 } cg_out;
 
 struct cg_session {
@@ -56,12 +58,14 @@ struct cg_session {
     cg_server *srv;
     int established;
     int unauthorized; /* nothing it sends is read; closed with 1008 once the error frame is out */
+    int closed_normally; /* the client's close frame said 1000: it is done, its reply with it */
     char user[CG_MAX_USER + 1];
     char session_id[24];
     unsigned long auto_id;
 
     cg_wsconn ws;      /* the frames to the client, and the one from it being reassembled */
-    cg_turns turns;    /* the messages of this connection (turn.h) */
+    cg_turns *turns;   /* the messages of this connection (turn.h); heap: a reply may outlive it (resume.h) */
+    cg_parked *listening; /* the replies of gone connections this one resumed (resume.h) */
     cg_dropin *dropin; /* drop-in mode: this connection speaks the app's protocol (dropin.h) */
 };
 
@@ -86,7 +90,7 @@ static void session_finish(cg_wsconn *c, cg_wsframe *f)
 {
     (void)c;
     cg_out *o = (cg_out *)f;
-    cg_frame_text built = cg_protocol_delta(o->delta_id, o->text, f->len);
+    cg_frame_text built = cg_protocol_delta(o->delta_id, o->text, f->len, o->seq);
     f->buf = built.buf;
     f->len = built.len;
 }
@@ -99,8 +103,8 @@ static void session_finish(cg_wsconn *c, cg_wsframe *f)
 static void session_flow(cg_wsconn *c, int full, int overfull)
 {
     cg_session *s = c->owner;
-    if (full != s->turns.paused)
-        cg_turns_pause(&s->turns, full);
+    if (full != s->turns->paused)
+        cg_turns_pause(s->turns, full);
     cg_wsconn_pause_rx(c, overfull);
 }
 
@@ -127,18 +131,20 @@ static void session_send_error(cg_session *s, const char *id, int err, const cha
 }
 
 /* Appends delta text, to the pending delta of the same message when there is one. */
-static void session_send_delta(void *conn, const char *id, const char *text, size_t len)
+static void session_send_delta(void *conn, const char *id, const char *text, size_t len, uint64_t seq)
 {
     cg_session *s = conn;
     cg_out *o = (cg_out *)s->ws.tail;
     if (o && !o->f.buf && strcmp(o->delta_id, id) == 0 && o->f.len + len <= CG_DELTA_CHUNK) { /* lazy: a delta */
         size_t have = o->f.len;
         cg_buf_append(&o->text, &have, &o->cap, text, len, len + 64);
+        o->seq = seq;
         cg_wsconn_grew(&s->ws, len);
         return;
     }
     o = cg_calloc(1, sizeof(*o));
     o->f.destroy = session_free_frame;
+    o->seq = seq;
     o->delta_id = cg_strdup(id);
     cg_buf_append(&o->text, &o->f.len, &o->cap, text, len, len + 64);
     cg_wsconn_push(&s->ws, &o->f);
@@ -152,6 +158,8 @@ static void session_send_delta(void *conn, const char *id, const char *text, siz
 static int session_peer_close(cg_session *s, const void *in, size_t len)
 {
     int answer = cg_ws_close_check(in, len);
+    const unsigned char *code = in;
+    s->closed_normally = !answer && len >= 2 && (code[0] << 8 | code[1]) == LWS_CLOSE_STATUS_NORMAL;
     if (!answer)
         return 0;
     cg_info("session %s: the client's close frame is not valid (RFC 6455 7.4): answered with %d", s->session_id,
@@ -243,6 +251,24 @@ static char *dup_or_die(const char *s)
     return d;
 }
 
+/* A parked reply's frames (resume.h) go out as this connection's own. */
+static void listen_frame(void *conn, cg_frame_text frame, int last)
+{
+    if (last)
+        session_send_last(conn, frame);
+    else
+        session_send(conn, frame);
+}
+
+/* {"type":"resume"}: the reply of a connection of this user that went away mid-reply. */
+static void session_resume(cg_session *s, const char *id, uint64_t after)
+{
+    cg_resume_listener l = {.delta = session_send_delta, .frame = listen_frame, .conn = s, .listening = &s->listening};
+    if (cg_resume_attach(&s->srv->resume, s->user, id, after, &l) < 0)
+        session_send_error(s, id, CG_E_NOT_FOUND, "no reply of this id to resume: it was never here, or it ended "
+                                                  "or was cancelled more than resume.grace_ms ago");
+}
+
 /* A message or context command becomes a turn request. */
 static void session_on_request(cg_session *s, cg_client_frame *f)
 {
@@ -261,7 +287,7 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
     };
     f->text = NULL;
     f->keys = NULL;
-    cg_turns_submit(&s->turns, &r);
+    cg_turns_submit(s->turns, &r);
 }
 
 static void session_on_frame(cg_session *s, const char *buf, size_t len)
@@ -274,9 +300,11 @@ static void session_on_frame(cg_session *s, const char *buf, size_t len)
         cg_client_frame_clear(&f);
         return;
     }
-    if (f.type != CG_FRAME_CANCEL)
+    if (f.type == CG_FRAME_RESUME)
+        session_resume(s, f.id, f.after);
+    else if (f.type != CG_FRAME_CANCEL)
         session_on_request(s, &f);
-    else if (cg_turns_cancel(&s->turns, f.id) < 0)
+    else if (cg_turns_cancel(s->turns, f.id) < 0 && cg_resume_cancel(&s->srv->resume, s->user, f.id) < 0)
         session_send_error(s, f.id, CG_E_NOT_FOUND, "no message with this id is waiting or in flight");
     cg_client_frame_clear(&f);
 }
@@ -333,7 +361,8 @@ static void session_open(cg_session *s, struct lws *wsi)
     s->ws.high = (size_t)srv->cfg->send_buffer;
     cg_wsconn_open(&s->ws, wsi);
     snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++srv->session_seq);
-    cg_turns_init(&s->turns, &srv->turn, &session_sink, NULL, s, s->user, s->session_id);
+    s->turns = cg_calloc(1, sizeof(*s->turns));
+    cg_turns_init(s->turns, &srv->turn, &session_sink, NULL, s, s->user, s->session_id);
     srv->n_sessions++;
     char err[256];
     if (cg_handshake_is_dropin(srv, wsi)) {
@@ -351,7 +380,7 @@ static void session_open(cg_session *s, struct lws *wsi)
         return;
     }
     cg_info("session %s: open (%ld connected)", s->session_id, srv->n_sessions);
-    cg_turns_set_plan(&s->turns, plan);
+    cg_turns_set_plan(s->turns, plan);
     char *resume = srv->cfg->auth_kind == CG_AUTH_NONE
                        ? cg_identity_resume_token(srv->resume_secret, srv->resume_secret_len, s->user)
                        : NULL;
@@ -369,7 +398,15 @@ static void session_close(cg_session *s)
         cg_dropin_close(s->dropin);
         s->dropin = NULL;
     }
-    cg_turns_close(&s->turns);
+    /* a reply in flight goes on for a resume (resume.h), or stops as the turns close: a client
+     * that said it is done (1000) is; a lost connection, or one going away (1001: a tab put
+     * to sleep, a page left), may come back */
+    cg_resume_detach_all(&s->listening);
+    if (s->dropin || !s->user[0] || s->closed_normally || cg_resume_park(&srv->resume, s->turns, s->user) < 0) {
+        cg_turns_close(s->turns);
+        free(s->turns);
+    }
+    s->turns = NULL;
     cg_wsconn_clear(&s->ws);
     s->established = 0;
     srv->n_sessions--;

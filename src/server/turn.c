@@ -88,6 +88,7 @@ struct cg_turn {
     char *reply;               /* the reply as the client got it, up to max_reply_bytes */
     size_t reply_len, reply_cap;
     int truncated;
+    uint64_t sent;             /* bytes of reply text relayed: the seq of the last delta */
 };
 
 /* The most tokens one turn is counted for, whatever its upstream reports (a billion: no
@@ -442,8 +443,9 @@ static void turn_pass(cg_turn *t, const char *text, size_t len)
     if (!len)
         return;
     turn_keep_reply(t, text, len);
+    t->sent += len;
     if (t->q->sink->delta)
-        t->q->sink->delta(t->q->conn, t->id, text, len);
+        t->q->sink->delta(t->q->conn, t->id, text, len, t->sent);
 }
 
 /* The reply rules' filter: what may go now (all of it when final); 1 when a stop rule
@@ -1227,6 +1229,37 @@ void cg_turns_pause(cg_turns *q, int paused)
     cg_turn *t = q->inflight;
     if (t && t->call)
         q->env->upstreams[t->route].ops->pause(t->call, paused);
+}
+
+int cg_turns_reply(const cg_turns *q, const char **id, const char **room, const char **text, size_t *len,
+                   uint64_t *seq)
+{
+    const cg_turn *t = q->inflight;
+    if (!t || t->kind != CG_TURN_CHAT || q->backend != &upstream_backend || t->state == TURN_BLOCKED ||
+        t->state == TURN_ENDED)
+        return -1;
+    *id = t->id;
+    *room = t->room;
+    *text = t->reply ? t->reply : "";
+    *len = t->reply_len;
+    *seq = t->sent;
+    return 0;
+}
+
+void cg_turns_hand_over(cg_turns *q, const cg_turn_sink *sink, void *conn, const char *user, const char *name)
+{
+    while (q->head) { /* what waited was the connection's: it goes with it */
+        cg_turn *t = q->head;
+        q->head = t->next;
+        turn_free(t);
+    }
+    q->tail = NULL;
+    q->queued = 0;
+    q->sink = sink;
+    q->conn = conn;
+    q->user = user;
+    q->name = name;
+    cg_turns_pause(q, 0); /* nobody reads slowly now: the reply is kept, not sent */
 }
 
 cg_turn *cg_turns_forwarded(cg_turns *q)

@@ -1791,6 +1791,10 @@ class FrameTracker:
             check(st["ack"] is not None, f"delta before the ack of {mid!r}: {brief(frame)}")
             check(isinstance(frame.get("text"), str), f"delta text is not a string: {brief(frame)}")
             st["deltas"].append(frame["text"])
+            relayed = len("".join(st["deltas"]).encode("utf-8"))
+            check(frame.get("seq") == relayed,
+                  f"delta seq of {mid!r} is {frame.get('seq')!r}, not the reply's bytes so far ({relayed}): "
+                  f"{brief(frame)}")
         else:
             st["terminal"] = frame
             self.order.append(("terminal", mid))

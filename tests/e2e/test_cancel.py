@@ -185,7 +185,8 @@ async def main(args):
             {"slow": harness.openai_upstream(fake, "slow"),
              "quick": harness.openai_upstream(fake, "quick"),
              "app_slow": harness.app_upstream(app, "/slow")},
-            "slow", queue_limit=QUEUE_LIMIT)
+            "slow", queue_limit=QUEUE_LIMIT,
+            resume={"grace_ms": 0})  # a lost connection stops its reply at once (test_resume: kept)
         async with harness.Gateway([], config) as gw:
             await independent(test_openai_cancel(fake, gw))
         async with harness.Gateway(["--default-upstream", "app_slow"], config) as gw:

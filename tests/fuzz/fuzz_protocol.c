@@ -54,7 +54,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size_t cut = cg_utf8_boundary(f.text, len / 2);
         if (cut > len / 2)
             __builtin_trap();
-        check_built(cg_protocol_delta(a.id, f.text, cut));
+        check_built(cg_protocol_delta(a.id, f.text, cut, cut));
         check_built(cg_protocol_done(a.id, f.text, len, NULL, 1, NULL));
         break;
     }

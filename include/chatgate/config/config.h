@@ -109,6 +109,8 @@ typedef struct cg_config {
     long reply_window; /* bytes of a reply held back for rules on replies (rules.h, cg_reply_filter) */
     long send_buffer;
     long ack_hold_ms; /* how long an ack waits for company (session.c, sink_ack) */
+    long resume_grace_ms;   /* a gone client's reply goes on this long (server/resume.h); 0: off */
+    long resume_max_parked; /* such replies at once */
     /* dialog state (docs/state.md) */
     cg_lifetimes lifetimes; /* lifetimes.*, history_n, params_cap */
     long max_dialogs;

@@ -12,6 +12,7 @@
 
 #include <jansson.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #define CG_PROTOCOL_NAME "chatgate.v1"
 #define CG_MAX_ID 128    /* bytes of a client message id */
@@ -23,6 +24,7 @@ typedef enum cg_frame_type {
     CG_FRAME_CONTEXT_GET,
     CG_FRAME_CONTEXT_FORGET,
     CG_FRAME_CONTEXT_CLEAR,
+    CG_FRAME_RESUME,
 } cg_frame_type;
 
 typedef struct cg_client_frame {
@@ -31,6 +33,7 @@ typedef struct cg_client_frame {
     char room[CG_MAX_ROOM + 1];
     char *text;             /* message: owned, freed by cg_client_frame_clear() */
     json_t *keys;           /* context.forget: array of strings, owned */
+    uint64_t after;         /* resume: the seq of the last delta the client has */
 } cg_client_frame;
 
 /*
@@ -63,7 +66,8 @@ cg_frame_text cg_protocol_ack(const cg_ack *a);
 /* state is borrowed. */
 cg_frame_text cg_protocol_context(const char *room, json_t *state);
 cg_frame_text cg_protocol_warning(const char *id, const char *code, const char *message);
-cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len);
+/* seq: the reply's bytes relayed up to the end of this text, for a resume's "after" */
+cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len, uint64_t seq);
 /* usage is borrowed and may be NULL; truncated says the text holds only the reply's start. */
 /* Who answered a message: the done frame's "upstream", "replica", "attempts" and
  * "fallback_from" (docs/upstreams.md, "Replicas, retries and fallback"). */

@@ -18,6 +18,7 @@
 #include "chatgate/core/flush.h"
 #include "chatgate/core/metrics.h"
 #include "chatgate/core/net.h"
+#include "chatgate/server/resume.h"
 #include "chatgate/server/turn.h"
 #include "chatgate/upstream/upstream.h"
 
@@ -27,6 +28,7 @@ typedef struct cg_server {
     cg_flusher flusher;        /* net.flush */
     cg_net_batch batch;        /* frames written together (session.c); one loop, one at a time */
     cg_turn_env turn;          /* what every turn gets; points into the members below */
+    cg_resume resume;          /* replies of clients gone mid-reply (resume.h) */
     cg_metrics metrics;
     cg_upstream upstreams[CG_MAX_UPSTREAMS];
     long n_sessions;           /* WebSocket clients connected now */

@@ -103,7 +103,8 @@ typedef struct cg_turn_forward {
 /* How the adapter's protocol says what happens; NULL members are not said (drop-in). */
 typedef struct cg_turn_sink {
     void (*ack)(void *conn, const cg_ack *ack);
-    void (*delta)(void *conn, const char *id, const char *text, size_t len);
+    /* seq: the reply's bytes relayed so far, this text's included (a resume's "after") */
+    void (*delta)(void *conn, const char *id, const char *text, size_t len, uint64_t seq);
     void (*done)(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,
                  const cg_answer *who);
     void (*cancelled)(void *conn, const char *id);
@@ -201,6 +202,15 @@ void cg_turns_pause(cg_turns *q, int paused);
 /* The connection is gone: the request in flight stops (a chat turn is saved as cancelled),
  * the waiting ones are dropped, the per-connection upstream connections closed. */
 void cg_turns_close(cg_turns *q);
+
+/* The chat turn in flight on an upstream, still running: its id, room, the reply the client
+ * got so far (up to max_reply_bytes; borrowed) and its seq (bytes relayed). -1: none. */
+int cg_turns_reply(const cg_turns *q, const char **id, const char **room, const char **text, size_t *len,
+                   uint64_t *seq);
+/* The connection is gone but its reply in flight goes on (server/resume.h): the waiting
+ * requests are dropped, the turn in flight reports to sink and conn from now on, for user
+ * and name (which must outlive q), unpaused. */
+void cg_turns_hand_over(cg_turns *q, const cg_turn_sink *sink, void *conn, const char *user, const char *name);
 
 /* A forwarded turn in flight (drop-in), or NULL. */
 cg_turn *cg_turns_forwarded(cg_turns *q);

@@ -63,6 +63,30 @@ static void test_good(void)
     CHECK(f.type == CG_FRAME_CANCEL);
     CHECK_STR(f.id, "m1");
     cg_client_frame_clear(&f);
+
+    /* resume: after the last seq kept; none (absent, null) is 0 */
+    CHECK(parse("{\"type\":\"resume\",\"id\":\"m1\",\"after\":1234567890123}", &f, err, sizeof(err)) == 0);
+    CHECK(f.type == CG_FRAME_RESUME && f.after == 1234567890123ULL);
+    CHECK_STR(f.id, "m1");
+    cg_client_frame_clear(&f);
+    CHECK(parse("{\"type\":\"resume\",\"id\":\"m1\"}", &f, err, sizeof(err)) == 0);
+    CHECK(f.type == CG_FRAME_RESUME && f.after == 0);
+    cg_client_frame_clear(&f);
+    CHECK(parse("{\"type\":\"resume\",\"id\":\"m1\",\"after\":null}", &f, err, sizeof(err)) == 0);
+    CHECK(f.after == 0);
+    cg_client_frame_clear(&f);
+    static const char *const bad[] = {
+        "{\"type\":\"resume\",\"after\":3}",                  /* no id */
+        "{\"type\":\"resume\",\"id\":\"m1\",\"after\":-1}",   /* negative */
+        "{\"type\":\"resume\",\"id\":\"m1\",\"after\":1.5}",  /* not whole */
+        "{\"type\":\"resume\",\"id\":\"m1\",\"after\":\"3\"}", /* a string */
+        "{\"type\":\"resume\",\"id\":\"m1\",\"after\":1e400}", /* out of range */
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        CHECK(parse(bad[i], &f, err, sizeof(err)) == CG_E_BAD_FRAME);
+        CHECK(strstr(err, "'after'") != NULL || strstr(err, "'id'") != NULL || strstr(err, "JSON") != NULL);
+        cg_client_frame_clear(&f);
+    }
 }
 
 static void test_bad(void)
@@ -153,11 +177,11 @@ static void test_build(void)
     free(want);
     json_decref(o);
     free(f.buf);
-    s = (f = cg_protocol_delta("m1", "a\"b\\c\x01\x1f\t\xe2\x82\xac/", 12)).json;
-    CHECK_STR(s, "{\"type\":\"delta\",\"id\":\"m1\",\"text\":\"a\\\"b\\\\c\\u0001\\u001F\\t\xe2\x82\xac/\"}");
+    s = (f = cg_protocol_delta("m1", "a\"b\\c\x01\x1f\t\xe2\x82\xac/", 12, 40)).json;
+    CHECK_STR(s, "{\"type\":\"delta\",\"id\":\"m1\",\"text\":\"a\\\"b\\\\c\\u0001\\u001F\\t\xe2\x82\xac/\",\"seq\":40}");
     free(f.buf);
     /* text that is not UTF-8 (a bug upstream of here) gives the internal error, not a bad frame */
-    s = (f = cg_protocol_delta("m1", "ab\xc3", 3)).json;
+    s = (f = cg_protocol_delta("m1", "ab\xc3", 3, 3)).json;
     CHECK(strstr(s, "\"code\":\"internal\"") != NULL);
     free(f.buf);
     s = (f = cg_protocol_done(NULL, "ab", 2, NULL, 0, NULL)).json;
@@ -182,7 +206,7 @@ static void test_utf8_boundary(void)
     CHECK(cg_utf8_boundary(thumb, 1) == 0);
     CHECK(cg_utf8_boundary("abc", 2) == 2);
     /* a cut text always builds a valid frame */
-    cg_frame_text f = cg_protocol_delta("m", thumb, cg_utf8_boundary(thumb, 2));
+    cg_frame_text f = cg_protocol_delta("m", thumb, cg_utf8_boundary(thumb, 2), 0);
     char *d = f.json;
     CHECK(strstr(d, "\"type\":\"delta\"") != NULL);
     free(f.buf);

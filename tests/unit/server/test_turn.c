@@ -270,6 +270,8 @@ typedef struct client {
     json_t *last_context;
     void *unsent[8];
     int n_unsent;
+    uint64_t said_of_turn; /* the last delta's seq, 0 at each ack */
+    int seq_bad;           /* deltas whose seq was not the bytes relayed so far */
 } client;
 
 static void note(client *c, const char *what, const char *id)
@@ -286,14 +288,18 @@ static void terminal(client *c, const char *id)
 
 static void sk_ack(void *conn, const cg_ack *ack)
 {
-    note(conn, "ack", ack->id);
+    client *c = conn;
+    note(c, "ack", ack->id);
+    c->said_of_turn = 0;
 }
 
-static void sk_delta(void *conn, const char *id, const char *text, size_t len)
+static void sk_delta(void *conn, const char *id, const char *text, size_t len, uint64_t seq)
 {
     client *c = conn;
     note(c, "delta", id);
     snprintf(c->said + strlen(c->said), sizeof(c->said) - strlen(c->said), "%.*s", (int)len, text);
+    c->seq_bad += seq != c->said_of_turn + len; /* seq: the reply's bytes relayed so far */
+    c->said_of_turn = seq;
 }
 
 static void sk_done(void *conn, const char *id, const char *reply, size_t len, json_t *usage, int truncated,
@@ -412,6 +418,7 @@ static void world_close(world *w)
     }
     CHECK(w->fs.limit_takes == w->fs.limit_ends);
     CHECK(w->env.inflight == 0);
+    CHECK(w->cl.seq_bad == 0);
     uv_run(&w->loop, UV_RUN_NOWAIT); /* the turns' timer, if one was made, closes */
     for (int i = 0; i < ups.n_calls; i++)
         free(ups.calls[i]);

@@ -1,0 +1,221 @@
+"""End-to-end test of resuming a reply after the client's connection went away (docs/protocol.md,
+"Resuming a reply").
+
+A client (auth none: it comes back with its hello's resume token) sends a message whose reply
+streams word by word from the demo upstream, reads a few deltas, and loses its connection
+(an abrupt TCP close, as a phone changing network does). It reconnects and sends
+{"type":"resume","id":ID,"after":SEQ} with the seq of the last delta it kept:
+- on the same gateway: the rest of the reply comes (what was kept as one delta, then live),
+  then one done; the text it had plus what came equals the done's text, byte for byte (a
+  reply with non-ASCII text: seq counts bytes), with no gap and no repeat; no second ack;
+- a reply that finished while nobody listened: the rest and the done;
+- resume after resume.grace_ms: the reply was cancelled at the grace, a resume gets
+  not_found, and the history holds the reply marked cancelled;
+- another user's resume of the same id: not_found, none of the text;
+- a cancel after a resume: cancelled, no more deltas;
+- a client that closes with 1000 (it is done) stops its reply as before; one that closes with
+  1001 (going away: a tab put to sleep) keeps it;
+- resume.grace_ms 0: the reply stops at the disconnect, as before resume existed;
+- 100 clients dropping at random points of their replies and coming back: every reply
+  complete, once.
+"""
+
+import asyncio
+import random
+
+import harness
+from harness import Client, check, independent, step
+
+WORDS_MS = 20  # the demo upstream's pace: a reply of ~30 words takes ~0.6 s
+
+
+def config(grace_ms=None, delay_ms=WORDS_MS, **extra):
+    cfg = harness.make_config({"demo": harness.demo_upstream(delay_ms)}, "demo", **extra)
+    if grace_ms is not None:
+        cfg["resume"] = {"grace_ms": grace_ms}
+    return cfg
+
+
+def utf8_len(text):
+    return len(text.encode("utf-8"))
+
+
+async def start_reply(gw, text, mid, deltas):
+    """A client that sends `text` as `mid` and reads `deltas` deltas: (client, token, text so
+    far, seq of the last delta)."""
+    client = await Client.connect(gw)
+    token = client.hello["resume"]
+    await client.send_message(text, mid)
+    await client.recv_type("ack", mid)
+    got, seq = "", 0
+    for _ in range(deltas):
+        d = await client.recv_type("delta", mid)
+        check(isinstance(d.get("seq"), int), f"a delta without an integer seq: {d}")
+        got += d["text"]
+        check(d["seq"] == utf8_len(got), f"seq {d['seq']} is not the bytes relayed so far ({utf8_len(got)})")
+        seq = d["seq"]
+    return client, token, got, seq
+
+
+async def drop(client):
+    """The connection is lost, not closed: the TCP socket goes without a close frame."""
+    client.ws.transport.abort()
+    await asyncio.sleep(0)
+
+
+async def resume(gw, token, mid, after):
+    """A new connection of the same user that resumes `mid` after `after`."""
+    client = await Client.connect(f"{gw.url}?resume={token}", expect_user=token.split(".")[0])
+    await client.send({"type": "resume", "id": mid, "after": after})
+    return client
+
+
+async def rest_of(client, mid, got, seq):
+    """Reads the resumed reply to its terminal frame; checks seq, no gap, no repeat, no ack."""
+    turn = await client.collect_turn(mid)
+    check(not turn.of_type("ack"), f"a resume got an ack again: {turn.describe()}")
+    for d in turn.deltas:
+        got += d["text"]
+        check(d.get("seq") == utf8_len(got), f"seq {d.get('seq')} after a resume is not {utf8_len(got)}: "
+                                             f"{turn.describe()}")
+    return turn, got
+
+
+async def same_gateway():
+    async with harness.Gateway(config=config()) as gw:
+        with step("resume on the same gateway, mid-reply: the rest, then one done; no gap, no repeat"):
+            client, token, got, seq = await start_reply(gw, "héllo wörld, naïve ✓ café", "m1", 3)
+            await drop(client)
+            again = await resume(gw, token, "m1", seq)
+            turn, got = await rest_of(again, "m1", got, seq)
+            check(turn.kind == "done", f"expected done: {turn.describe()}")
+            done = turn.terminal
+            check(done["text"] == got, f"the text before and after the resume is not the done's:\n"
+                                       f"{got!r}\n{done['text']!r}")
+            check("You said" in got, f"not the demo's reply: {got!r}")
+            await again.check_alive()
+            await again.close()
+
+        with step("a reply that finished while nobody listened: the rest and the done"):
+            client, token, got, seq = await start_reply(gw, "finish without me", "m2", 1)
+            await drop(client)
+            await harness.wait_metric(gw, "chatgate_turns_total", lambda v: v is not None and v >= 2, 5,
+                                      "the reply's end", end="done")
+            again = await resume(gw, token, "m2", seq)
+            turn, got = await rest_of(again, "m2", got, seq)
+            check(turn.kind == "done" and turn.terminal["text"] == got,
+                  f"the finished reply's rest does not complete it: {turn.describe()}")
+            await again.close()
+
+        with step("another user resuming the same id: not_found, none of the text"):
+            client, token, got, seq = await start_reply(gw, "mine alone", "m3", 1)
+            await drop(client)
+            other = await Client.connect(gw)
+            await other.send({"type": "resume", "id": "m3", "after": 0})
+            await other.expect_error("not_found", "m3")
+            check(not [f for f in other.received if f.get("type") == "delta"], "another user got deltas")
+            again = await resume(gw, token, "m3", seq)
+            await rest_of(again, "m3", got, seq)
+            await other.close()
+            await again.close()
+
+        with step("a cancel after a resume: cancelled, and no delta after it"):
+            client, token, got, seq = await start_reply(gw, "stop me after I come back " * 4, "m4", 1)
+            await drop(client)
+            again = await resume(gw, token, "m4", seq)
+            await again.recv_type("delta", "m4")
+            await again.cancel("m4")
+            turn = await again.collect_turn("m4")
+            check(turn.kind == "cancelled", f"expected cancelled after the resumed cancel: {turn.describe()}")
+            await again.check_alive()  # a marker: nothing about m4 came before its answer
+            check(not [f for f in again.pending if f.get("id") == "m4"], "a frame of m4 after cancelled")
+            await again.close()
+
+        with step("bad resume frames: bad_frame naming the field"):
+            c = await Client.connect(gw)
+            await c.send({"type": "resume", "after": 3})
+            await c.expect_error("bad_frame")
+            await c.send({"type": "resume", "id": "x", "after": -1})
+            err = await c.expect_error("bad_frame", "x")
+            check("'after'" in err["message"], f"the error does not name 'after': {err}")
+            await c.send({"type": "resume", "id": "never", "after": 0})
+            await c.expect_error("not_found", "never")
+            await c.close()
+
+
+async def after_grace():
+    async with harness.Gateway(config=config(grace_ms=300, delay_ms=100)) as gw:
+        with step("resume after resume.grace_ms: cancelled at the grace, not_found, history says cancelled"):
+            client, token, got, seq = await start_reply(gw, "a slow reply nobody comes back for " * 3, "g1", 1)
+            room_user = client.hello["user"]
+            await drop(client)
+            await harness.wait_log(gw, r"nobody resumed it within 300 ms", 5)
+            await harness.wait_log(gw, r"message g1: cancelled|g1.*cancel", 5)
+            await asyncio.sleep(0.6)  # the subject: the kept record's own lifetime (the grace) passes
+            again = await resume(gw, token, "g1", seq)
+            await again.expect_error("not_found", "g1")
+            state = await harness.context_command(again, "context.get", "default")
+            history = state.get("history", [])
+            check(any(h.get("role") == "assistant" and h.get("cancelled") for h in history),
+                  f"the history of {room_user} has no cancelled reply: {history}")
+            await again.close()
+
+
+async def closed_normally():
+    async with harness.Gateway(config=config(delay_ms=100)) as gw:
+        with step("a client that closes with 1000 (it is done) stops its reply, as before; 1001 keeps it"):
+            client, token, got, seq = await start_reply(gw, "closing on purpose " * 5, "n1", 1)
+            await client.ws.close(1000)
+            await harness.wait_log(gw, r"closed \(0 connected\)", 5)
+            again = await resume(gw, token, "n1", seq)
+            await again.expect_error("not_found", "n1")
+            await again.close()
+            client, token, got, seq = await start_reply(gw, "a tab put to sleep " * 5, "n2", 1)
+            await client.ws.close(1001)
+            again = await resume(gw, token, "n2", seq)
+            turn, got = await rest_of(again, "n2", got, seq)
+            check(turn.kind == "done" and turn.terminal["text"] == got, f"1001 did not keep it: {turn.describe()}")
+            await again.close()
+
+
+async def grace_off():
+    async with harness.Gateway(config=config(grace_ms=0, delay_ms=100)) as gw:
+        with step("resume.grace_ms 0: a disconnect stops the reply, as before; a resume gets not_found"):
+            client, token, got, seq = await start_reply(gw, "cut me off " * 5, "z1", 1)
+            await drop(client)
+            again = await resume(gw, token, "z1", seq)
+            await again.expect_error("not_found", "z1")
+            await again.close()
+
+
+async def many_drops():
+    async with harness.Gateway(config=config(delay_ms=5), env={}) as gw:
+        with step("100 clients drop at random points of their replies and come back: every reply complete, once"):
+            rng = random.Random(38)
+
+            async def one(i):
+                mid = f"r{i}"
+                client, token, got, seq = await start_reply(gw, f"client {i} says ünïcode {i}", mid,
+                                                            rng.randrange(0, 6))
+                await asyncio.sleep(rng.random() * 0.05)
+                await drop(client)
+                await asyncio.sleep(rng.random() * 0.3)
+                again = await resume(gw, token, mid, seq)
+                turn, got = await rest_of(again, mid, got, seq)
+                check(turn.kind == "done" and turn.terminal["text"] == got,
+                      f"{mid}: the reply is not whole once: {turn.describe()}")
+                await again.close()
+
+            await asyncio.gather(*(one(i) for i in range(100)))
+
+
+async def main(_options):
+    await independent(same_gateway())
+    await independent(after_grace())
+    await independent(closed_normally())
+    await independent(grace_off())
+    await independent(many_drops())
+
+
+if __name__ == "__main__":
+    harness.run(main, timeout=120)
