@@ -52,191 +52,11 @@
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/store.h"
+#include "chatgate/store/redis_argv.h"
 #include "chatgate/store/redis_internal.h"
 
 static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv);
 static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv);
-
-/* ---- building commands ----------------------------------------------------------------- */
-
-/*
- * One command, written as RESP as its arguments come: an argument whose length is known
- * (a string, a key, a number) gets its "$<length>\r\n" first; one known only once written (a
- * JSON value) moves up by those few bytes, which then go in front. The "*<count>\r\n" goes
- * into the headroom before the first when the command is sent, so the connection is handed
- * the buffer as it is (cg_redis_send, which copies it). Building each
- * argument in its own malloc'd string (asprintf for keys and numbers, json_dumps for values)
- * and letting hiredis format them (sdscatfmt per argument) was a quarter of a Redis turn's
- * instructions; writing the arguments into a list and framing them as RESP in a second pass,
- * 4,000 instructions of a Redis turn's 177,000 (tests/bench/instructions.sh, issue 12).
- */
-#define ARGV_HEAD 16 /* headroom for "*<count>\r\n" */
-typedef struct argv_buf {
-    cg_jsonw w;   /* the arguments as RESP bulk strings, after ARGV_HEAD bytes of headroom */
-    int argc;
-    unsigned slot; /* Redis Cluster: the slot of its keys (their hash tag, the user's) */
-} argv_buf;
-
-static size_t digits(size_t n)
-{
-    size_t d = 1;
-    while (n >= 10) {
-        n /= 10;
-        d++;
-    }
-    return d;
-}
-
-/* "<kind><n>\r\n", a RESP line of a count or a length, at out (d + 3 bytes, d = digits(n)). */
-static void resp_line(char *out, char kind, size_t n, size_t d)
-{
-    out[0] = kind;
-    cg_int_text(out + 1 + d, (long long)n);
-    out[d + 1] = '\r';
-    out[d + 2] = '\n';
-}
-
-/* Its CRLF after the argument just written. */
-static void arg_done(argv_buf *a)
-{
-    CG_JSONW_LIT(&a->w, "\r\n");
-    a->argc++;
-}
-
-/* Starts an argument: where its bytes begin. */
-static size_t arg_begin(argv_buf *a)
-{
-    if (!a->w.buf)
-        cg_jsonw_init(&a->w, ARGV_HEAD, 1024);
-    return a->w.used;
-}
-
-/* The length line "$<n>\r\n" of the argument that begins at start, written there; what is
- * written of the argument already moves up behind it. */
-static void length_line(argv_buf *a, size_t start, size_t n)
-{
-    size_t d = digits(n);
-    if (a->w.used + d + 3 >= a->w.cap)
-        cg_jsonw_grow(&a->w, d + 3);
-    if (a->w.used > start)
-        memmove(a->w.buf + start + d + 3, a->w.buf + start, a->w.used - start);
-    resp_line(a->w.buf + start, '$', n, d);
-    a->w.used += d + 3;
-}
-
-/* Starts an argument of n bytes, which the caller writes, then calls arg_done. */
-static void arg_known(argv_buf *a, size_t n)
-{
-    length_line(a, arg_begin(a), n);
-}
-
-/* Ends the argument begun at start (its length known only once written). */
-static void arg_end(argv_buf *a, size_t start)
-{
-    length_line(a, start, a->w.used - start);
-    arg_done(a);
-}
-
-/* Every argument is the buffer's own copy: a script command may be sent again (NOSCRIPT)
- * after the strings it was built from are gone. */
-static void arg(argv_buf *a, const char *s, size_t n)
-{
-    arg_known(a, n);
-    cg_jsonw_raw(&a->w, s, n);
-    arg_done(a);
-}
-
-static void arg_str(argv_buf *a, const char *s)
-{
-    arg(a, s, strlen(s));
-}
-
-static void arg_int(argv_buf *a, long long n)
-{
-    char num[24];
-    size_t len = cg_int_text(num + sizeof(num), n);
-    arg(a, num + sizeof(num) - len, len);
-}
-
-/* A JSON value as an argument; one it cannot encode, which the dialog never holds (text
- * that is not UTF-8), is "null", not a crash. */
-static void arg_json(argv_buf *a, json_t *v)
-{
-    size_t start = arg_begin(a);
-    cg_jsonw_json(&a->w, v);
-    if (a->w.failed) {
-        a->w.failed = 0;
-        a->w.used = start;
-        CG_JSONW_LIT(&a->w, "null");
-    }
-    arg_end(a, start);
-}
-
-/* "<prefix>:{<eu>}:<er>:<part>", or "<prefix>:{<eu>}:<part>" when er is NULL, into the
- * argument begun: a dialog's key, or a user's (the hash tag is the user's: a user's keys
- * live on one shard). */
-static void put_key(argv_buf *a, const char *prefix, const char *eu, const char *er, const char *part)
-{
-    a->slot = cg_redis_key_slot(eu, strlen(eu)); /* every key of a command has this tag */
-    cg_jsonw_raw(&a->w, prefix, strlen(prefix));
-    CG_JSONW_LIT(&a->w, ":{");
-    cg_jsonw_raw(&a->w, eu, strlen(eu));
-    CG_JSONW_LIT(&a->w, "}:");
-    if (er) {
-        cg_jsonw_raw(&a->w, er, strlen(er));
-        CG_JSONW_LIT(&a->w, ":");
-    }
-    cg_jsonw_raw(&a->w, part, strlen(part));
-}
-
-/* The length of put_key's key but its part: "<prefix>:{<eu>}:<er>:" or "<prefix>:{<eu>}:". */
-static size_t key_stem_len(const char *prefix, const char *eu, const char *er)
-{
-    return strlen(prefix) + 4 + strlen(eu) + (er ? strlen(er) + 1 : 0);
-}
-
-static void arg_key(argv_buf *a, const char *prefix, const char *eu, const char *er, const char *part)
-{
-    arg_known(a, key_stem_len(prefix, eu, er) + strlen(part));
-    put_key(a, prefix, eu, er, part);
-    arg_done(a);
-}
-
-static void argv_clear(argv_buf *a)
-{
-    a->argc = 0;
-    a->slot = 0;
-    a->w.used = a->w.pre;
-}
-
-static void argv_free(argv_buf *a)
-{
-    free(a->w.buf);
-    *a = (argv_buf){0};
-}
-
-/* a's command, framed: its "*<count>" line written into the headroom before the first
- * argument; its bytes at the pointer returned, *len of them. NULL when a is empty. */
-static const char *framed(argv_buf *a, size_t *len)
-{
-    if (!a->w.buf)
-        return NULL;
-    size_t hl = digits((size_t)a->argc) + 3;
-    char *at = a->w.buf + a->w.pre - hl; /* hl < ARGV_HEAD: argc is an int */
-    resp_line(at, '*', (size_t)a->argc, hl - 3);
-    *len = a->w.used - a->w.pre + hl;
-    return at;
-}
-
-/* Sends a's command; 0, or -1 when the link refused it (it is down). */
-static int send_argv(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, void *priv)
-{
-    size_t len;
-    const char *cmd = framed(a, &len);
-    int rc = cmd ? cg_redis_link_send(rs->link, a->slot, cmd, len, fn, priv) : -1;
-    argv_clear(a);
-    return rc == REDIS_OK ? 0 : -1;
-}
 
 /* A command before r's last: its reply only says whether it failed. */
 static void on_step_reply(cg_redis_conn *ac, void *reply_, void *priv)
@@ -254,18 +74,18 @@ static void on_step_reply(cg_redis_conn *ac, void *reply_, void *priv)
         cg_redis_req_finish(r);
 }
 
-static void send_step(redis_store *rs, argv_buf *a, redis_req *r)
+static void send_step(redis_store *rs, cg_argv *a, redis_req *r)
 {
-    if (send_argv(rs, a, on_step_reply, r) == 0)
+    if (cg_redis_send_argv(rs, a, on_step_reply, r) == 0)
         r->steps++;
     else
         r->step_failed = 1;
 }
 
 /* Sends r's last command; r is answered from memory if that fails. */
-static void send_last(redis_store *rs, argv_buf *a, cg_redis_reply_fn *fn, redis_req *r)
+static void send_last(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_req *r)
 {
-    if (send_argv(rs, a, fn, r) < 0) {
+    if (cg_redis_send_argv(rs, a, fn, r) < 0) {
         rs->base.stats.errors++;
         cg_redis_answer_later_from_memory(r);
         return;
@@ -284,22 +104,22 @@ static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "his
  * meanwhile keeps its entry in rs->leases, so its save still refuses to write over another
  * holder's lease).
  */
-static void arg_dialog_keys(redis_store *rs, argv_buf *a, const char *eu, const char *er, int n)
+static void arg_dialog_keys(redis_store *rs, cg_argv *a, const char *eu, const char *er, int n)
 {
     /* the first whole; the others copy its stem, "<prefix>:{<eu>}:<er>:" (two scripts a turn:
      * measuring and copying the pieces again for every key was 3,700 instructions) */
-    arg_key(a, rs->base.cfg.prefix, eu, er, parts[0]);
-    size_t stem = key_stem_len(rs->base.cfg.prefix, eu, er);
+    cg_argv_key(a, rs->base.cfg.prefix, eu, er, parts[0]);
+    size_t stem = cg_argv_key_stem_len(rs->base.cfg.prefix, eu, er);
     size_t from = a->w.used - 2 - strlen(parts[0]) - stem; /* the first's bytes end at its CRLF */
     for (int i = 1; i < n; i++) {
         size_t pl = strlen(parts[i]);
-        arg_known(a, stem + pl);
+        cg_argv_known(a, stem + pl);
         if (a->w.used + stem >= a->w.cap)
             cg_jsonw_grow(&a->w, stem);
         memcpy(a->w.buf + a->w.used, a->w.buf + from, stem); /* from lies before: no overlap */
         a->w.used += stem;
         cg_jsonw_raw(&a->w, parts[i], pl);
-        arg_done(a);
+        cg_argv_done(a);
     }
 }
 
@@ -335,32 +155,32 @@ void cg_redis_scripts_init(void)
 static const int script_keys[S_COUNT] = {[S_LOAD] = 7, [S_SAVE] = 9, [S_RENEW] = 8, [S_RELEASE] = 6, [S_CANCEL] = 8};
 
 /* EVALSHA <sha> <n> <the dialog's first keys> [<the rooms set>] */
-static void arg_script(redis_store *rs, argv_buf *a, script_id id, const char *eu, const char *er)
+static void arg_script(redis_store *rs, cg_argv *a, script_id id, const char *eu, const char *er)
 {
     int n = script_keys[id];
-    arg_str(a, "EVALSHA");
-    arg_str(a, script_sha[id]);
-    arg_int(a, n);
+    cg_argv_str(a, "EVALSHA");
+    cg_argv_str(a, script_sha[id]);
+    cg_argv_int(a, n);
     arg_dialog_keys(rs, a, eu, er, n < N_PARTS ? n : N_PARTS);
     if (n > N_PARTS)
-        arg_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
+        cg_argv_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
 }
 
 /* Sends a script command built in a (taken): by SHA, and once more as EVAL with its text
  * when the node answers NOSCRIPT (redis_link.c); 0, or -1 when the link refused it. */
-static int send_script(redis_store *rs, script_id id, argv_buf *a, cg_redis_reply_fn *fn, void *priv)
+static int send_script(redis_store *rs, script_id id, cg_argv *a, cg_redis_reply_fn *fn, void *priv)
 {
     size_t len;
-    const char *cmd = framed(a, &len);
+    const char *cmd = cg_argv_framed(a, &len);
     int rc = cmd ? cg_redis_link_script(rs->link, a->slot, cmd, len, script_text(id), fn, priv) : -1;
-    argv_free(a);
+    cg_argv_free(a);
     return rc;
 }
 
 /* Sends r's script; r is answered from memory if that fails. */
 static void dispatch(redis_store *rs, redis_req *r);
 
-static int send_last_script(redis_store *rs, script_id id, argv_buf *a, cg_redis_reply_fn *fn, redis_req *r)
+static int send_last_script(redis_store *rs, script_id id, cg_argv *a, cg_redis_reply_fn *fn, redis_req *r)
 {
     if (send_script(rs, id, a, fn, r) < 0) {
         rs->base.stats.errors++;
@@ -695,12 +515,12 @@ static void leave_line(redis_store *rs, redis_req *r)
 {
     if (!r->ticket || !r->lease_waits || !cg_redis_linked(rs))
         return;
-    argv_buf a = {0};
-    arg_str(&a, "HDEL");
-    arg_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
-    arg_str(&a, r->ticket);
-    send_argv(rs, &a, NULL, NULL);
-    argv_free(&a);
+    cg_argv a = {0};
+    cg_argv_str(&a, "HDEL");
+    cg_argv_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
+    cg_argv_str(&a, r->ticket);
+    cg_redis_send_argv(rs, &a, NULL, NULL);
+    cg_argv_free(&a);
 }
 
 static void lease_wait(redis_store *rs, redis_req *r, redisReply *busy)
@@ -863,32 +683,32 @@ static void send_load(redis_store *rs, redis_req *r)
     r->rev = v.rev ? cg_strdup(v.rev) : NULL;
     r->copy_params = params_count(v.params);
     r->copy_history = json_array_size(v.history);
-    argv_buf a = {0};
+    cg_argv a = {0};
     if (r->lease) { /* a turn's load takes the lease: the line of waiters is its KEYS[8] */
-        arg_str(&a, "EVALSHA");
-        arg_str(&a, script_sha[S_LOAD]);
-        arg_int(&a, 8);
+        cg_argv_str(&a, "EVALSHA");
+        cg_argv_str(&a, script_sha[S_LOAD]);
+        cg_argv_int(&a, 8);
         arg_dialog_keys(rs, &a, r->eu, r->er, 7);
-        arg_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
+        cg_argv_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
     } else {
         arg_script(rs, &a, S_LOAD, r->eu, r->er);
     }
-    arg_str(&a, r->lease ? rs->holder : "");
-    arg_int(&a, (long long)rs->base.cfg.lease_ms);
-    arg_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s);
-    arg_str(&a, r->rev ? r->rev : "");
-    arg_str(&a, r->copy_history ? "1" : "0");
+    cg_argv_str(&a, r->lease ? rs->holder : "");
+    cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
+    cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s);
+    cg_argv_str(&a, r->rev ? r->rev : "");
+    cg_argv_str(&a, r->copy_history ? "1" : "0");
     if (r->lease) { /* its place in the line of turns waiting for the lease (docs/state.md) */
         if (!r->ticket) {
             char ticket[80];
             snprintf(ticket, sizeof(ticket), "%s#%llu", rs->holder, ++rs->ticket_seq);
             r->ticket = cg_strdup(ticket);
         }
-        arg_str(&a, r->ticket);
-        arg_int(&a, wall_ms());
+        cg_argv_str(&a, r->ticket);
+        cg_argv_int(&a, wall_ms());
     }
     send_last_script(rs, S_LOAD, &a, on_load_reply, r);
-    argv_free(&a);
+    cg_argv_free(&a);
 }
 
 /* ---- leases ---------------------------------------------------------------------------- */
@@ -960,11 +780,11 @@ static void on_lease_reply(cg_redis_conn *ac, void *reply_, void *priv)
 
 static void lease_release(redis_store *rs, const char *eu, const char *er, const char *value)
 {
-    argv_buf a = {0};
+    cg_argv a = {0};
     arg_script(rs, &a, S_RELEASE, eu, er);
-    arg_str(&a, value);
+    cg_argv_str(&a, value);
     send_script(rs, S_RELEASE, &a, on_lease_reply, NULL);
-    argv_free(&a);
+    cg_argv_free(&a);
 }
 
 /* Splits a dialog key "<eu>:<er>" (escaped ids hold no ':'). */
@@ -991,14 +811,14 @@ void cg_redis_renew_leases(redis_store *rs)
         char *eu, *er;
         if (key_split(key, &eu, &er) < 0)
             continue;
-        argv_buf a = {0};
+        cg_argv a = {0};
         arg_script(rs, &a, S_RENEW, eu, er);
-        arg_str(&a, json_string_value(json_object_get(held, "v")));
-        arg_int(&a, (long long)rs->base.cfg.lease_ms);
+        cg_argv_str(&a, json_string_value(json_object_get(held, "v")));
+        cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
         store_note *k = note_new(rs, key, json_string_value(json_object_get(held, "v")));
         if (send_script(rs, S_RENEW, &a, on_lease_reply, k) < 0)
             free(k);
-        argv_free(&a);
+        cg_argv_free(&a);
         free(eu);
         free(er);
         json_object_set_new(held, "t", json_integer((json_int_t)now));
@@ -1037,14 +857,14 @@ static void rs_cancel_remote(cg_store *st, const char *user, const char *room)
         free(key);
         return;
     }
-    argv_buf a = {0};
+    cg_argv a = {0};
     arg_script(rs, &a, S_CANCEL, eu, er);
-    arg_int(&a, (long long)rs->base.cfg.lease_ms);
+    cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
     store_note *note = note_new(rs, key, NULL);
     if (send_script(rs, S_CANCEL, &a, on_cancel_reply, note) < 0)
         free(note);
     free(key);
-    argv_free(&a);
+    cg_argv_free(&a);
     free(eu);
     free(er);
 }
@@ -1247,23 +1067,23 @@ static const char save_script[] =
 #define LIMIT_SLOT_MS 300000
 
 /* P:{U}:limit:<what><n>, n left out when negative ("turns:now"). */
-static void arg_limit_key(argv_buf *a, redis_store *rs, const char *eu, const char *what, long long n)
+static void arg_limit_key(cg_argv *a, redis_store *rs, const char *eu, const char *what, long long n)
 {
-    size_t start = arg_begin(a);
-    put_key(a, rs->base.cfg.prefix, eu, "limit", what);
+    size_t start = cg_argv_begin(a);
+    cg_argv_put_key(a, rs->base.cfg.prefix, eu, "limit", what);
     if (n >= 0)
         cg_jsonw_int(&a->w, n);
-    arg_end(a, start);
+    cg_argv_end(a, start);
 }
 
 /* "<holder>:<turn>": a turn's member of the user's set of turns running. */
-static void arg_turn_member(argv_buf *a, redis_store *rs, uint64_t turn)
+static void arg_turn_member(cg_argv *a, redis_store *rs, uint64_t turn)
 {
-    size_t start = arg_begin(a);
+    size_t start = cg_argv_begin(a);
     cg_jsonw_raw(&a->w, rs->holder, strlen(rs->holder));
     CG_JSONW_LIT(&a->w, ":");
     cg_jsonw_int(&a->w, (long long)turn); /* a count from 1: far below 2^63 */
-    arg_end(a, start);
+    cg_argv_end(a, start);
 }
 
 /*
@@ -1344,25 +1164,25 @@ static void send_limit(redis_store *rs, redis_req *r)
     int64_t now = cg_store_now_ms(&rs->base);
     cg_limit_clock c;
     cg_limit_clock_at(now, &c);
-    argv_buf a = {0};
-    arg_str(&a, "EVALSHA");
-    arg_str(&a, script_sha[S_LIMIT]);
-    arg_str(&a, "4");
+    cg_argv a = {0};
+    cg_argv_str(&a, "EVALSHA");
+    cg_argv_str(&a, script_sha[S_LIMIT]);
+    cg_argv_str(&a, "4");
     arg_limit_key(&a, rs, r->eu, "messages:", c.minute);
     arg_limit_key(&a, rs, r->eu, "turns:now", -1);
     arg_limit_key(&a, rs, r->eu, "tokens:m", c.minute);
     arg_limit_key(&a, rs, r->eu, "tokens:d", c.day);
-    arg_int(&a, (long long)now);
-    arg_int(&a, (long long)r->limits.messages_per_minute);
-    arg_int(&a, (long long)r->limits.turns_at_once);
-    arg_int(&a, (long long)r->limits.tokens_per_minute);
-    arg_int(&a, (long long)r->limits.tokens_per_day);
+    cg_argv_int(&a, (long long)now);
+    cg_argv_int(&a, (long long)r->limits.messages_per_minute);
+    cg_argv_int(&a, (long long)r->limits.turns_at_once);
+    cg_argv_int(&a, (long long)r->limits.tokens_per_minute);
+    cg_argv_int(&a, (long long)r->limits.tokens_per_day);
     arg_turn_member(&a, rs, r->turn);
-    arg_int(&a, (long long)LIMIT_SLOT_MS);
-    arg_int(&a, (long long)c.to_minute_ms);
-    arg_int(&a, (long long)c.to_day_ms);
+    cg_argv_int(&a, (long long)LIMIT_SLOT_MS);
+    cg_argv_int(&a, (long long)c.to_minute_ms);
+    cg_argv_int(&a, (long long)c.to_day_ms);
     send_last_script(rs, S_LIMIT, &a, on_limit_reply, r);
-    argv_free(&a);
+    cg_argv_free(&a);
 }
 
 /*
@@ -1382,13 +1202,13 @@ static const char rooms_script[] =
     "return 0\n";
 
 /* EVALSHA <rooms script> 1 <the user's rooms set> <room or ""> */
-static void arg_rooms_script(redis_store *rs, argv_buf *a, const char *eu, const char *er)
+static void arg_rooms_script(redis_store *rs, cg_argv *a, const char *eu, const char *er)
 {
-    arg_str(a, "EVALSHA");
-    arg_str(a, script_sha[S_ROOMS]);
-    arg_str(a, "1");
-    arg_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
-    arg_str(a, er);
+    cg_argv_str(a, "EVALSHA");
+    cg_argv_str(a, script_sha[S_ROOMS]);
+    cg_argv_str(a, "1");
+    cg_argv_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
+    cg_argv_str(a, er);
 }
 
 static const char *script_text(script_id id)
@@ -1433,8 +1253,8 @@ static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *rep
     if (!reply || reply->type != REDIS_REPLY_ARRAY || reply->elements < 2 ||
         reply->element[0]->type != REDIS_REPLY_INTEGER)
         return reply;
-    argv_buf a = {0};
-    arg_str(&a, "DEL");
+    cg_argv a = {0};
+    cg_argv_str(&a, "DEL");
     size_t n = 0;
     for (size_t i = 1; i < reply->elements; i++) {
         redisReply *room = reply->element[i];
@@ -1452,9 +1272,9 @@ static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *rep
     rs->base.stats.evictions_rooms += n;
     cg_info("redis: a user's new room passed max_rooms_per_user (%ld): %zu least recently used forgotten",
             rs->base.cfg.max_rooms_per_user, n);
-    if (n && send_argv(rs, &a, on_rooms_del_reply, NULL) < 0)
+    if (n && cg_redis_send_argv(rs, &a, on_rooms_del_reply, NULL) < 0)
         cg_warn("redis: the dialogs of rooms over max_rooms_per_user could not be deleted now (they lapse)");
-    argv_free(&a);
+    cg_argv_free(&a);
     return reply->element[0];
 }
 
@@ -1597,19 +1417,19 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
 }
 
 /* An expiring part and its EX: "0" when it is absent or already expired. */
-static void arg_expiring(argv_buf *a, json_t *value, int64_t expires, int64_t now, int64_t *longest)
+static void arg_expiring(cg_argv *a, json_t *value, int64_t expires, int64_t now, int64_t *longest)
 {
     if (!value || expires <= now) {
-        arg_str(a, "");
-        arg_str(a, "0");
+        cg_argv_str(a, "");
+        cg_argv_str(a, "0");
         return;
     }
     json_t *copy = json_deep_copy(value);
     if (!copy || json_object_set_new(copy, "expires_at", json_integer(expires)) < 0)
         abort(); /* out of memory */
-    arg_json(a, copy);
+    cg_argv_json(a, copy);
     json_decref(copy);
-    arg_int(a, (long long)(expires - now));
+    cg_argv_int(a, (long long)(expires - now));
     if (expires - now > *longest)
         *longest = expires - now;
 }
@@ -1661,7 +1481,7 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     const cg_lifetimes *lt = &rs->base.cfg.lifetimes;
     int64_t now = rs->base.now(rs->base.clock_ctx);
     const cg_dialog *d = r->snapshot; /* only read, into the arguments */
-    argv_buf a = {0};
+    cg_argv a = {0};
     int64_t longest = lt->dialog_s; /* how long the rooms set must outlive this save */
     if (lt->params_s > longest)
         longest = lt->params_s;
@@ -1685,29 +1505,29 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     int params_same = from >= 0 && copy.params && json_equal(copy.params, d->params);
 
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
-    arg_int(&a, (long long)d->created_at);
-    arg_int(&a, (long long)d->last_activity);
-    arg_str(&a, r->merge_rev                                                    ? "3"
+    cg_argv_int(&a, (long long)d->created_at);
+    cg_argv_int(&a, (long long)d->last_activity);
+    cg_argv_str(&a, r->merge_rev                                                    ? "3"
                 : r->base_unknown || cg_fallback_base_unknown(rs->fb, r->key) ? "2"
                 : r->version                                                  ? "1"
                                                                               : "0");
-    arg_int(&a, (long long)lt->params_s);
-    arg_int(&a, (long long)lt->dialog_s);
-    arg_int(&a, (long long)lt->history_s);
-    arg_int(&a, (long long)d->turn_count);
-    arg_int(&a, (long long)d->message_count);
-    arg_str(&a, d->service ? d->service : "");
-    arg_str(&a, d->service ? "1" : "0");
-    arg_json(&a, d->last_tool_result);
+    cg_argv_int(&a, (long long)lt->params_s);
+    cg_argv_int(&a, (long long)lt->dialog_s);
+    cg_argv_int(&a, (long long)lt->history_s);
+    cg_argv_int(&a, (long long)d->turn_count);
+    cg_argv_int(&a, (long long)d->message_count);
+    cg_argv_str(&a, d->service ? d->service : "");
+    cg_argv_str(&a, d->service ? "1" : "0");
+    cg_argv_json(&a, d->last_tool_result);
     arg_expiring(&a, d->awaiting, d->awaiting_expires, now, &longest);
     arg_expiring(&a, d->soft, d->soft_expires, now, &longest);
     const char *service, *name;
     json_t *names, *value;
-    arg_int(&a, params_same ? -1 : (long long)params_count(d->params));
-    arg_str(&a, r->lease_value ? r->lease_value : "");
-    arg_str(&a, r->er);
-    arg_int(&a, (long long)longest);
-    arg_json(&a, d->usage);
+    cg_argv_int(&a, params_same ? -1 : (long long)params_count(d->params));
+    cg_argv_str(&a, r->lease_value ? r->lease_value : "");
+    cg_argv_str(&a, r->er);
+    cg_argv_int(&a, (long long)longest);
+    cg_argv_json(&a, d->usage);
     /* a new rev for every write, write-backs too: a copy another gateway holds of an older one
      * must never pass for this one */
     free(r->rev);
@@ -1719,30 +1539,30 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     size_t rev_len;
     if (!(r->rev = cg_jsonw_end(&rev, &rev_len)))
         abort();
-    arg_str(&a, r->rev);
-    arg_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : ""); /* the rev it must find */
-    arg_int(&a, (long long)(json_array_size(d->history)));
-    arg_int(&a, (long long)n_had);
+    cg_argv_str(&a, r->rev);
+    cg_argv_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : ""); /* the rev it must find */
+    cg_argv_int(&a, (long long)(json_array_size(d->history)));
+    cg_argv_int(&a, (long long)n_had);
     /* a rewrite makes its keys anew, and an awaiting or soft context that outlives the three
      * lifetimes needs the rooms set's renewed: those renew at once */
     int renew = from < 0 || longest > longest_lifetime || lifetimes_due(lt, copy.renewed, now);
     r->renewed = renew ? now : copy.renewed;
-    arg_str(&a, renew ? "1" : "0");
-    arg_str(&a, from >= 0 && !copy.awaiting && !copy.soft ? "1" : "0");
-    arg_int(&a, (long long)rs->base.cfg.max_rooms_per_user);
-    arg_int(&a, room_score(rs)); /* the room's last use, its score */
+    cg_argv_str(&a, renew ? "1" : "0");
+    cg_argv_str(&a, from >= 0 && !copy.awaiting && !copy.soft ? "1" : "0");
+    cg_argv_int(&a, (long long)rs->base.cfg.max_rooms_per_user);
+    cg_argv_int(&a, room_score(rs)); /* the room's last use, its score */
     json_object_foreach(params_same ? NULL : d->params, service, names) {
         json_object_foreach(names, name, value) {
-            size_t start = arg_begin(&a); /* "<service>.<name>" */
+            size_t start = cg_argv_begin(&a); /* "<service>.<name>" */
             cg_jsonw_raw(&a.w, service, strlen(service));
             CG_JSONW_LIT(&a.w, ".");
             cg_jsonw_raw(&a.w, name, strlen(name));
-            arg_end(&a, start);
-            arg_json(&a, value);
+            cg_argv_end(&a, start);
+            cg_argv_json(&a, value);
         }
     }
     for (size_t i = from >= 0 ? (size_t)from : 0; i < json_array_size(d->history); i++)
-        arg_json(&a, json_array_get(d->history, i));
+        cg_argv_json(&a, json_array_get(d->history, i));
     r->appended = from >= 0;
 
     gate_enter(rs, r->key);
@@ -1750,7 +1570,7 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
         gate_leave(rs, r->key);
     else if (rs->master)
         cg_fallback_note_saved(rs->fb, r->key, r->eu, r->er);
-    argv_free(&a);
+    cg_argv_free(&a);
 }
 
 /* ---- remove ---------------------------------------------------------------------------- */
@@ -1775,14 +1595,14 @@ static void on_remove_reply(cg_redis_conn *ac, void *reply_, void *priv)
 
 static void send_remove(redis_store *rs, redis_req *r)
 {
-    argv_buf a = {0};
-    arg_str(&a, "DEL");
+    cg_argv a = {0};
+    cg_argv_str(&a, "DEL");
     arg_dialog_keys(rs, &a, r->eu, r->er, N_PARTS);
-    arg_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
+    cg_argv_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
     send_step(rs, &a, r);
     arg_rooms_script(rs, &a, r->eu, r->er); /* after the data: forget-user must find a room as long as it has data */
     send_last_script(rs, S_ROOMS, &a, on_remove_reply, r);
-    argv_free(&a);
+    cg_argv_free(&a);
 }
 
 /* ---- the ops --------------------------------------------------------------------------- */
@@ -1811,10 +1631,10 @@ static void dispatch(redis_store *rs, redis_req *r)
         send_limit(rs, r);
     } else if ((r->kind == CG_STORE_ROOMS || r->kind == CG_STORE_REMOVE_USER) && connected) {
         /* both start from the user's rooms set */
-        argv_buf a = {0};
+        cg_argv a = {0};
         arg_rooms_script(rs, &a, r->eu, "");
         send_last_script(rs, S_ROOMS, &a, r->kind == CG_STORE_ROOMS ? on_room_list : on_rooms_reply, r);
-        argv_free(&a);
+        cg_argv_free(&a);
     } else {
         cg_redis_answer_later_from_memory(r); /* a delete while degraded: the caller is told (503 at the admin API) */
     }
@@ -1901,11 +1721,11 @@ static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room,
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
-static void arg_limit_key(argv_buf *a, redis_store *rs, const char *eu, const char *what, long long n);
+static void arg_limit_key(cg_argv *a, redis_store *rs, const char *eu, const char *what, long long n);
 
 /* A user's limit counts that may still live: this and the last minute's, today's and
  * yesterday's (a count outlives its window a little), and the turns running. */
-static void arg_limit_keys(argv_buf *a, redis_store *rs, const char *eu)
+static void arg_limit_keys(cg_argv *a, redis_store *rs, const char *eu)
 {
     cg_limit_clock c;
     cg_limit_clock_at(cg_store_now_ms(&rs->base), &c);
@@ -1931,8 +1751,8 @@ static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
         cg_redis_answer_from_memory(r);
         return;
     }
-    argv_buf a = {0};
-    arg_str(&a, "DEL");
+    cg_argv a = {0};
+    cg_argv_str(&a, "DEL");
     for (size_t i = 0; i < reply->elements; i++) {
         redisReply *room = reply->element[i];
         if (room->type != REDIS_REPLY_STRING)
@@ -1941,10 +1761,10 @@ static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
         arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);
         free(er);
     }
-    arg_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
+    cg_argv_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
     arg_limit_keys(&a, rs, r->eu);
     send_last(rs, &a, on_remove_reply, r);
-    argv_free(&a);
+    cg_argv_free(&a);
 }
 
 /* The rooms set, as names: the rooms are stored escaped, as the keys use them. */
@@ -2029,20 +1849,20 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
     } else {
         cg_limit_clock c;
         cg_limit_clock_at(now, &c);
-        argv_buf a = {0};
-        arg_str(&a, "EVALSHA");
-        arg_str(&a, script_sha[S_LIMIT_END]);
-        arg_str(&a, "3");
+        cg_argv a = {0};
+        cg_argv_str(&a, "EVALSHA");
+        cg_argv_str(&a, script_sha[S_LIMIT_END]);
+        cg_argv_str(&a, "3");
         arg_limit_key(&a, rs, eu, "turns:now", -1);
         arg_limit_key(&a, rs, eu, "tokens:m", c.minute);
         arg_limit_key(&a, rs, eu, "tokens:d", c.day);
         arg_turn_member(&a, rs, turn);
-        arg_int(&a, (long long)tokens);
-        arg_int(&a, (long long)(c.to_minute_ms + 1000));
-        arg_int(&a, (long long)(c.to_day_ms + 1000));
+        cg_argv_int(&a, (long long)tokens);
+        cg_argv_int(&a, (long long)(c.to_minute_ms + 1000));
+        cg_argv_int(&a, (long long)(c.to_day_ms + 1000));
         if (send_script(rs, S_LIMIT_END, &a, on_limit_end_reply, NULL) < 0)
             cg_fallback_limit_end(rs->fb, eu, lim, tokens, now);
-        argv_free(&a);
+        cg_argv_free(&a);
     }
 }
 
