@@ -337,6 +337,7 @@ static void on_signal(uv_signal_t *sig, int signum)
         return;
     }
     gw->srv.turn.stopping = 1;
+    cg_resume_draining(&gw->srv.resume);
     gw->drain_deadline = uv_now(gw->loop) + (uint64_t)gw->srv.cfg->shutdown_timeout_s * 1000;
     cg_info("signal %d: stopping; %ld replies in flight may finish within %ld s", signum, gw->srv.turn.inflight,
             gw->srv.cfg->shutdown_timeout_s);

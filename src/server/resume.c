@@ -6,6 +6,14 @@
  * loop (ENDED: never closed inside the turn's own callback), or only the record is kept
  * (KEPT: the text and the terminal frame, for a resume that comes late). One timer per
  * parked reply serves all three: the grace while nobody listens, and the close after the end.
+ *
+ * Across gateways (a Redis store: cg_store_reply_ops). A parked reply is also published, a
+ * piece at most every PUBLISH_MS, to a Redis Stream (what was kept, then the text as it comes,
+ * then the terminal frame): only once its client is gone, so a client that stays costs no
+ * command per delta. A resume this gateway does not hold reads that stream (REMOTE: a reader,
+ * not a holder): what it has after `after`, then every POLL_MS what came since, to the
+ * terminal frame; while it reads it says so in Redis, and the holder, at its grace, goes on
+ * instead of cancelling. A cancel it gets goes to the holder over the store's cancel bus.
  */
 #include "chatgate/server/resume.h"
 
@@ -19,7 +27,12 @@
 #include "chatgate/core/log.h"
 #include "chatgate/core/utf8.h"
 
-typedef enum { PARKED_RUNNING, PARKED_ENDED, PARKED_KEPT } parked_state;
+typedef enum { PARKED_RUNNING, PARKED_ENDED, PARKED_KEPT, PARKED_REMOTE } parked_state;
+
+#define PUBLISH_MS 50     /* a published reply's pieces: at most one XADD this often */
+#define POLL_MS 100       /* a remote reader reads what came this often */
+#define LISTEN_MS 3000    /* ... and says it listens, for this long, every second */
+#define HOLD_ON_MS 1000   /* a holder whose reply is read elsewhere looks again this much later */
 
 struct cg_parked {
     cg_parked *next; /* in the registry */
@@ -36,6 +49,18 @@ struct cg_parked {
     uv_timer_t *timer; /* malloc'd: it closes after the record is freed */
     cg_resume_listener l; /* l.conn NULL: nobody listens */
     cg_parked *lnext, **lpprev; /* in the listener's list */
+    char *room;        /* the dialog's (a holder's; a reader's once read), for a cancel */
+    int pending;       /* store calls out: their callbacks come (also at the store's close) */
+    int dead;          /* freed when the last of them comes */
+    /* a holder, publishing (a store with replies) */
+    int published;
+    char *pub;         /* text not yet appended */
+    size_t pub_len, pub_cap;
+    uv_timer_t *pub_timer;
+    /* a reader (REMOTE) */
+    uint64_t after;    /* the bytes the listener has */
+    char *last_entry;  /* the stream's last entry read */
+    uint64_t last_listen, last_news; /* uv_now() of the last listen said, of the last entry read */
 };
 
 /* ---- the record ------------------------------------------------------------------------- */
@@ -57,6 +82,21 @@ static void listener_unlink(cg_parked *p)
     p->l = (cg_resume_listener){0};
 }
 
+static void parked_release(cg_parked *p)
+{
+    free(p->user);
+    free(p->id);
+    free(p->name);
+    free(p->text);
+    free(p->terminal);
+    free(p->room);
+    free(p->pub);
+    free(p->last_entry);
+    free(p);
+}
+
+/* Out of the registry and the listener's list, its timers closed; its memory goes now, or
+ * when the store's last callback about it comes. */
 static void parked_free(cg_parked *p)
 {
     cg_resume *r = p->r;
@@ -68,12 +108,79 @@ static void parked_free(cg_parked *p)
         }
     listener_unlink(p);
     uv_close((uv_handle_t *)p->timer, timer_closed);
-    free(p->user);
-    free(p->id);
-    free(p->name);
-    free(p->text);
-    free(p->terminal);
-    free(p);
+    if (p->pub_timer)
+        uv_close((uv_handle_t *)p->pub_timer, timer_closed);
+    p->dead = 1;
+    if (!p->pending)
+        parked_release(p);
+}
+
+/* A store callback came: 1 when p is gone meanwhile (and now freed). */
+static int came_back(cg_parked *p)
+{
+    p->pending--;
+    if (!p->dead)
+        return 0;
+    if (!p->pending)
+        parked_release(p);
+    return 1;
+}
+
+static cg_store *store_of(const cg_parked *p)
+{
+    return p->r->env->store;
+}
+
+static const cg_store_reply_ops *replies_of(const cg_parked *p)
+{
+    cg_store *st = store_of(p);
+    return st ? st->ops->replies : NULL;
+}
+
+/* ---- publishing (a holder, with a store that has replies) --------------------------------- */
+
+/* The stream lives past the grace: a reader that comes late still finds the end. */
+static long stream_ttl(const cg_parked *p)
+{
+    return (long)p->r->grace_ms * 2 + 10000;
+}
+
+/* Appends what waits (and end, the terminal frame's JSON, or NULL). */
+static void publish(cg_parked *p, const char *end, size_t end_len)
+{
+    if (!p->published || (!p->pub_len && !end))
+        return;
+    cg_reply_entry e = {.seq = p->seq, .text = p->pub ? p->pub : "", .len = p->pub_len, .end = end,
+                        .end_len = end_len};
+    replies_of(p)->append(store_of(p), p->user, p->id, &e, stream_ttl(p));
+    p->pub_len = 0;
+}
+
+static void on_publish_timer(uv_timer_t *t)
+{
+    publish(t->data, NULL, 0);
+}
+
+/* The first entry: what was kept, and the room. */
+static void publish_start(cg_parked *p)
+{
+    if (!replies_of(p))
+        return;
+    p->published = 1;
+    p->pub_timer = cg_malloc(sizeof(*p->pub_timer));
+    uv_timer_init(p->r->env->loop, p->pub_timer);
+    p->pub_timer->data = p;
+    cg_reply_entry e = {.seq = p->len, .text = p->text ? p->text : "", .len = p->len, .room = p->room};
+    replies_of(p)->append(store_of(p), p->user, p->id, &e, stream_ttl(p));
+}
+
+static void publish_text(cg_parked *p, const char *text, size_t len)
+{
+    if (!p->published)
+        return;
+    cg_buf_append(&p->pub, &p->pub_len, &p->pub_cap, text, len, 256);
+    if (!uv_is_active((uv_handle_t *)p->pub_timer))
+        uv_timer_start(p->pub_timer, on_publish_timer, PUBLISH_MS, 0);
 }
 
 /* The text kept, up to max_reply_bytes cut on a character boundary, as the turn keeps it. */
@@ -112,12 +219,35 @@ static void ended(cg_parked *p, cg_frame_text frame)
     p->terminal = cg_malloc(frame.len + 1);
     memcpy(p->terminal, frame.json, frame.len + 1);
     p->terminal_len = frame.len;
+    publish(p, p->terminal, p->terminal_len);
     if (p->l.conn)
         p->l.frame(p->l.conn, frame, 1);
     else
         free(frame.buf);
     arm(p, 0);
 }
+
+/* Nobody came back within the grace: the reply stops, as it would have at the disconnect. */
+static void grace_over(cg_parked *p)
+{
+    cg_info("resume: message %s of a gone client: nobody resumed it within %llu ms (resume.grace_ms): cancelled",
+            p->id, (unsigned long long)p->r->grace_ms);
+    cg_turns_cancel(p->q, p->id); /* its cancelled comes back here: ENDED */
+}
+
+/* Whether another gateway reads the reply: then it goes on, and the question comes again. */
+static void on_listened(void *ctx, int listened)
+{
+    cg_parked *p = ctx;
+    if (came_back(p) || p->state != PARKED_RUNNING || p->l.conn)
+        return;
+    if (listened)
+        arm(p, HOLD_ON_MS);
+    else
+        grace_over(p);
+}
+
+static void remote_poll(cg_parked *p);
 
 static void on_timer(uv_timer_t *t)
 {
@@ -126,10 +256,12 @@ static void on_timer(uv_timer_t *t)
     switch (p->state) {
     case PARKED_RUNNING: /* the grace passed */
         if (p->l.conn)
-            return; /* someone listens: it goes on */
-        cg_info("resume: message %s of a gone client: nobody resumed it within %llu ms (resume.grace_ms): cancelled",
-                p->id, (unsigned long long)p->r->grace_ms);
-        cg_turns_cancel(p->q, p->id); /* its cancelled comes back here: ENDED */
+            return; /* someone listens here: it goes on */
+        if (p->published && replies_of(p)->listened(store_of(p), p->user, p->id, on_listened, p) == 0) {
+            p->pending++; /* another gateway may serve it: asked first */
+            return;
+        }
+        grace_over(p);
         return;
     case PARKED_ENDED:
         cg_turns_close(p->q);
@@ -140,6 +272,9 @@ static void on_timer(uv_timer_t *t)
         return;
     case PARKED_KEPT: /* kept for a late resume as long as the grace, no longer */
         parked_free(p);
+        return;
+    case PARKED_REMOTE:
+        remote_poll(p);
         return;
     }
 }
@@ -158,6 +293,7 @@ static void pk_delta(void *conn, const char *id, const char *text, size_t len, u
     cg_parked *p = conn;
     keep_text(p, text, len);
     p->seq = seq;
+    publish_text(p, text, len);
     if (p->l.conn)
         p->l.delta(p->l.conn, id, text, len, seq);
 }
@@ -209,12 +345,144 @@ void cg_resume_init(cg_resume *r, cg_turn_env *env, uint64_t grace_ms, long max_
     *r = (cg_resume){.env = env, .grace_ms = grace_ms, .max_parked = max_parked};
 }
 
-static cg_parked *find(cg_resume *r, const char *user, const char *id)
+/* The user's reply of id this gateway holds (remote 0), or a resume of it it serves from
+ * another's (remote 1). */
+static cg_parked *find(cg_resume *r, const char *user, const char *id, int remote)
 {
     for (cg_parked *p = r->head; p; p = p->next)
-        if (strcmp(p->id, id) == 0 && strcmp(p->user, user) == 0)
+        if ((p->state == PARKED_REMOTE) == remote && strcmp(p->id, id) == 0 && strcmp(p->user, user) == 0)
             return p;
     return NULL;
+}
+
+/* ---- a resume of another gateway's reply (REMOTE) ----------------------------------------- */
+
+static void listen_link(cg_parked *p, const cg_resume_listener *l)
+{
+    listener_unlink(p); /* a listener before (another tab): this one takes over */
+    p->l = *l;
+    p->lnext = *l->listening;
+    if (p->lnext)
+        p->lnext->lpprev = &p->lnext;
+    p->lpprev = l->listening;
+    *l->listening = p;
+}
+
+/* The reader is done: what it says last went out. */
+static void remote_end(cg_parked *p, cg_frame_text last)
+{
+    if (p->l.conn)
+        p->l.frame(p->l.conn, last, 1);
+    else
+        free(last.buf);
+    parked_free(p);
+}
+
+/* The holder's terminal frame, as it came from the store: sent on only when it is one, about
+ * this message (a store's answer is not trusted blindly). */
+static cg_frame_text remote_terminal(const cg_parked *p, const char *json, size_t len)
+{
+    json_t *o = json_loadb(json, len, 0, NULL);
+    const char *type = json_string_value(json_object_get(o, "type"));
+    const char *id = json_string_value(json_object_get(o, "id"));
+    int ok = type && id && strcmp(id, p->id) == 0 &&
+             (strcmp(type, "done") == 0 || strcmp(type, "cancelled") == 0 || strcmp(type, "error") == 0);
+    json_decref(o);
+    if (!ok) {
+        cg_warn("resume: message %s: the end of its reply read from the store is not a terminal frame of it", p->id);
+        return cg_protocol_error_detail(p->id, cg_err_code(CG_E_INTERNAL), "the reply's end could not be read back", NULL);
+    }
+    char *buf = cg_malloc(CG_FRAME_PRE + len + 1);
+    memcpy(buf + CG_FRAME_PRE, json, len);
+    buf[CG_FRAME_PRE + len] = 0;
+    return (cg_frame_text){.buf = buf, .json = buf + CG_FRAME_PRE, .len = len};
+}
+
+/* One piece: the bytes (seq - len, seq]; the listener gets those after what it has. */
+static void remote_piece(cg_parked *p, const cg_reply_entry *e)
+{
+    uint64_t begin = e->seq - e->len;
+    if (e->seq <= p->after || !p->l.conn)
+        return;
+    size_t from = p->after > begin ? (size_t)(p->after - begin) : 0;
+    while (from < e->len && ((unsigned char)e->text[from] & 0xC0) == 0x80)
+        from++;
+    if (from < e->len && cg_utf8_valid(e->text + from, e->len - from))
+        p->l.delta(p->l.conn, p->id, e->text + from, e->len - from, e->seq);
+    p->after = e->seq;
+}
+
+static void on_entries(void *ctx, const cg_reply_entry *e, size_t n, int failed)
+{
+    cg_parked *p = ctx;
+    if (came_back(p))
+        return;
+    uint64_t now = uv_now(p->timer->loop);
+    if (failed || (!p->last_entry && n == 0)) { /* the store is away, or holds no such reply */
+        remote_end(p, cg_protocol_error_detail(p->id, cg_err_code(CG_E_NOT_FOUND), "no reply of this id to resume: it was never "
+                                               "here, or it ended or was cancelled more than resume.grace_ms ago",
+                                               NULL));
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (e[i].room && !p->room)
+            p->room = cg_strdup(e[i].room);
+        remote_piece(p, &e[i]);
+        free(p->last_entry);
+        p->last_entry = cg_strdup(e[i].entry);
+        p->last_news = now;
+        if (e[i].end) {
+            cg_info("resume: message %s: its reply, read from another gateway's, has ended", p->id);
+            remote_end(p, remote_terminal(p, e[i].end, e[i].end_len));
+            return;
+        }
+    }
+    if (now - p->last_news > p->r->grace_ms * 2 + 10000) { /* its holder went away (killed, say) */
+        remote_end(p, cg_protocol_error_detail(p->id, cg_err_code(CG_E_UPSTREAM_UNAVAILABLE), "the reply stopped coming: the "
+                                               "gateway that held it went away", NULL));
+        return;
+    }
+    if (now - p->last_listen >= HOLD_ON_MS) {
+        replies_of(p)->listen(store_of(p), p->user, p->id, LISTEN_MS);
+        p->last_listen = now;
+    }
+    arm(p, n ? 0 : POLL_MS); /* a full read may have more behind it */
+}
+
+static void remote_poll(cg_parked *p)
+{
+    if (replies_of(p)->read(store_of(p), p->user, p->id, p->last_entry, on_entries, p) == 0) {
+        p->pending++;
+        return;
+    }
+    remote_end(p, cg_protocol_error_detail(p->id, cg_err_code(CG_E_NOT_FOUND),
+                                           "no reply of this id to resume: the store that holds it is away", NULL));
+}
+
+/* A resume of a reply this gateway does not hold: read from the store, if it has replies. */
+static int remote_attach(cg_resume *r, const char *user, const char *id, uint64_t after, const cg_resume_listener *l)
+{
+    cg_store *st = r->env->store;
+    if (!st || !st->ops->replies || r->n >= r->max_parked)
+        return -1;
+    cg_parked *p = cg_calloc(1, sizeof(*p));
+    p->r = r;
+    p->state = PARKED_REMOTE;
+    p->user = cg_strdup(user);
+    p->id = cg_strdup(id);
+    p->name = cg_strdup("(a resume)");
+    p->after = after;
+    p->timer = cg_malloc(sizeof(*p->timer));
+    uv_timer_init(r->env->loop, p->timer);
+    p->timer->data = p;
+    p->last_news = p->last_listen = uv_now(r->env->loop);
+    p->next = r->head;
+    r->head = p;
+    r->n++;
+    listen_link(p, l);
+    st->ops->replies->listen(st, user, id, LISTEN_MS); /* first: its holder's grace may be ending */
+    remote_poll(p);
+    return 1;
 }
 
 int cg_resume_park(cg_resume *r, cg_turns *q, const char *user)
@@ -237,6 +505,7 @@ int cg_resume_park(cg_resume *r, cg_turns *q, const char *user)
     p->q = q;
     p->user = cg_strdup(user);
     p->id = cg_strdup(id);
+    p->room = cg_strdup(room);
     char name[64];
     snprintf(name, sizeof(name), "%s (gone)", q->name ? q->name : "?");
     p->name = cg_strdup(name);
@@ -250,6 +519,7 @@ int cg_resume_park(cg_resume *r, cg_turns *q, const char *user)
     r->n++;
     cg_turns_hand_over(q, &parked_sink, p, p->user, p->name);
     grace_restart(p);
+    publish_start(p);
     cg_info("resume: %s: the client left mid-reply: message %s goes on, kept %llu ms for a resume", name, p->id,
             (unsigned long long)r->grace_ms);
     return 0;
@@ -257,16 +527,10 @@ int cg_resume_park(cg_resume *r, cg_turns *q, const char *user)
 
 int cg_resume_attach(cg_resume *r, const char *user, const char *id, uint64_t after, const cg_resume_listener *l)
 {
-    cg_parked *p = find(r, user, id);
+    cg_parked *p = find(r, user, id, 0);
     if (!p)
-        return -1;
-    listener_unlink(p); /* a listener before (another tab): this one takes over */
-    p->l = *l;
-    p->lnext = *l->listening;
-    if (p->lnext)
-        p->lnext->lpprev = &p->lnext;
-    p->lpprev = l->listening;
-    *l->listening = p;
+        return remote_attach(r, user, id, after, l);
+    listen_link(p, l);
     /* what was kept after `after` (a seq of ours: a character boundary; else the next one) */
     size_t from = after < p->len ? (size_t)after : p->len;
     while (from < p->len && ((unsigned char)p->text[from] & 0xC0) == 0x80)
@@ -288,16 +552,35 @@ void cg_resume_detach_all(cg_parked **listening)
     while (*listening) {
         cg_parked *p = *listening;
         listener_unlink(p);
-        grace_restart(p);
+        if (p->state == PARKED_REMOTE)
+            parked_free(p); /* a reader with nobody to read for */
+        else
+            grace_restart(p);
     }
 }
 
 int cg_resume_cancel(cg_resume *r, const char *user, const char *id)
 {
-    cg_parked *p = find(r, user, id);
-    if (!p || p->state != PARKED_RUNNING)
+    cg_parked *p = find(r, user, id, 0);
+    if (p && p->state == PARKED_RUNNING)
+        return cg_turns_cancel(p->q, p->id);
+    cg_store *st = r->env->store;
+    p = find(r, user, id, 1);
+    if (!p || !p->room || !st->ops->bus)
         return -1;
-    return cg_turns_cancel(p->q, p->id);
+    /* its holder is another gateway: the cancel goes there, its cancelled comes back here */
+    st->ops->bus->cancel_remote(st, user, p->room);
+    return 0;
+}
+
+void cg_resume_draining(cg_resume *r)
+{
+    cg_store *st = r->env->store;
+    if (st && st->ops->replies)
+        return;
+    for (cg_parked *p = r->head; p; p = p->next)
+        if (p->state == PARKED_RUNNING && !p->l.conn)
+            cg_turns_cancel(p->q, p->id); /* ENDED: closed from the loop, kept no longer than the drain */
 }
 
 void cg_resume_close(cg_resume *r)

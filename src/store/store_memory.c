@@ -627,7 +627,8 @@ static const cg_store_ops memory_ops = {
     .dialogs = &memory_dialogs,
     .lease = &memory_lease,
     .limits = &memory_limits,
-    .bus = NULL, /* no other gateway */
+    .bus = NULL,     /* no other gateway */
+    .replies = NULL, /* no other gateway */
     .close = mem_close,
 };
 

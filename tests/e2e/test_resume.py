@@ -18,12 +18,23 @@ streams word by word from the demo upstream, reads a few deltas, and loses its c
 - resume.grace_ms 0: the reply stops at the disconnect, as before resume existed;
 - 100 clients dropping at random points of their replies and coming back: every reply
   complete, once.
+Across gateways sharing a Redis store (one redis-server, then a Redis Cluster made with
+redis-cli --cluster create), the client comes back through the other gateway:
+- the rest of the reply comes from the first gateway's stream in Redis, then its done, the
+  text whole once; the holder published only once its client was gone (no XADD while the
+  client stayed, counted in INFO commandstats), and the Redis commands and bytes of one
+  resumed reply are printed;
+- the holder's grace passes while the other gateway serves the resume: the reply is not
+  cancelled;
+- a cancel sent to the other gateway stops the reply on the holder (cancelled comes back);
+- 30 clients of each gateway moving to the other at random points: every reply whole, once.
 """
 
 import asyncio
 import random
 
 import harness
+import redis_topo
 from harness import Client, check, independent, step
 
 WORDS_MS = 20  # the demo upstream's pace: a reply of ~30 words takes ~0.6 s
@@ -209,12 +220,102 @@ async def many_drops():
             await asyncio.gather(*(one(i) for i in range(100)))
 
 
+SECRET = {"CHATGATE_RESUME_SECRET": "one secret for both gateways"}
+
+
+def xadds(redis):
+    return redis.info_commandstats().get("xadd", {}).get("calls", 0)
+
+
+async def across(store_url, what, redis=None):
+    cfg = config(grace_ms=1500, delay_ms=30, store=store_url,
+                 redis={"command_timeout_ms": 1000, "connect_timeout_ms": 1000})
+    async with harness.Gateway(config=cfg, env=SECRET, name=f"{what}-a") as ga, \
+            harness.Gateway(config=cfg, env=SECRET, name=f"{what}-b") as gb:
+        with step(f"{what}: a client that stays costs no Redis command per delta"):
+            if redis:
+                before = xadds(redis)
+                c = await Client.connect(ga)
+                turn = await c.message("stay with me to the end", "s1")
+                check(turn.kind == "done", turn.describe())
+                check(xadds(redis) == before, f"XADD while the client stayed: {xadds(redis) - before}")
+                await c.close()
+
+        with step(f"{what}: the client comes back through the other gateway: the rest, then done, once"):
+            if redis:
+                redis.config_resetstat()
+            client, token, got, seq = await start_reply(ga, "héllo from A, going to B " * 2, "x1", 3)
+            await drop(client)
+            again = await resume(gb, token, "x1", seq)
+            turn, got = await rest_of(again, "x1", got, seq)
+            check(turn.kind == "done" and turn.terminal["text"] == got,
+                  f"not whole once through the other gateway:\n{got!r}\n{turn.describe()}")
+            if redis:
+                stats = redis.info_commandstats()
+                used = {k: v["calls"] for k, v in stats.items() if k in ("xadd", "xrange", "pexpire", "set", "exists")}
+                print(f"   one resumed reply: {used} ({len(turn.terminal['text'])} bytes of reply)", flush=True)
+            await again.close()
+
+        with step(f"{what}: the holder's grace passes while the other gateway serves the resume: not cancelled"):
+            client, token, got, seq = await start_reply(ga, "a long one " * 30, "x2", 1)
+            await drop(client)
+            again = await resume(gb, token, "x2", seq)
+            turn, got = await rest_of(again, "x2", got, seq)  # ~2.7 s of reply, past the 1.5 s grace
+            check(turn.kind == "done" and turn.terminal["text"] == got, f"cut at the grace: {turn.describe()}")
+            await again.close()
+
+        with step(f"{what}: a cancel sent to the other gateway stops the reply on its holder"):
+            client, token, got, seq = await start_reply(ga, "cancel me from B " * 20, "x3", 1)
+            await drop(client)
+            again = await resume(gb, token, "x3", seq)
+            await again.recv_type("delta", "x3")
+            await again.cancel("x3")
+            turn = await again.collect_turn("x3")
+            check(turn.kind == "cancelled", f"expected cancelled through the other gateway: {turn.describe()}")
+            await harness.wait_metric(ga, "chatgate_turns_total", lambda v: v is not None and v >= 1, 5,
+                                      "the holder's cancelled turn", end="cancelled")
+            await again.close()
+
+        with step(f"{what}: 30 clients of each gateway move to the other at random points: every reply whole, once"):
+            rng = random.Random(7)
+
+            async def one(i):
+                src, dst = (ga, gb) if i % 2 else (gb, ga)
+                mid = f"y{i}"
+                client, token, got, seq = await start_reply(src, f"mover {i} ✓", mid, rng.randrange(0, 5))
+                await drop(client)
+                await asyncio.sleep(rng.random() * 0.5)
+                again = await resume(dst, token, mid, seq)
+                turn, got = await rest_of(again, mid, got, seq)
+                check(turn.kind == "done" and turn.terminal["text"] == got,
+                      f"{mid}: not whole once: {turn.describe()}")
+                await again.close()
+
+            await asyncio.gather(*(one(i) for i in range(60)))
+
+
+async def across_one_redis():
+    async with harness.RedisServer() as redis:
+        await across(redis.url, "one redis", redis)
+
+
+async def across_cluster():
+    cluster = redis_topo.RedisCluster(n_masters=3, replicas_per_master=0)
+    await cluster.astart()
+    try:
+        await across(cluster.seeds_url(scheme="redis-cluster"), "cluster")
+    finally:
+        cluster.stop()
+
+
 async def main(_options):
     await independent(same_gateway())
     await independent(after_grace())
     await independent(closed_normally())
     await independent(grace_off())
     await independent(many_drops())
+    await independent(across_one_redis())
+    await independent(across_cluster())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@
  * nobody listening, a reply still running is cancelled as it would have been at the
  * disconnect, and a finished one is forgotten: a later resume gets not_found.
  *
+ * With a Redis store, a parked reply is also published to Redis once its client is gone, and
+ * a resume through another gateway reads it there (resume.c says how).
+ *
  * Ownership: a parked reply owns the connection's cg_turns (heap: the connection's memory
  * goes with it) until its turn has ended; the registry owns the parked replies. A listener
  * (the connection that resumed) is borrowed: it detaches before it goes.
@@ -55,7 +58,9 @@ int cg_resume_park(cg_resume *r, cg_turns *q, const char *user);
 /*
  * {"type":"resume"} from user: the reply of message id, parked here, goes to the listener
  * from after on (what was kept after it now, as one delta; the terminal frame if it has
- * ended; the rest live). 0; -1 when no reply of this user has this id here.
+ * ended; the rest live): 0. Held by another gateway sharing a Redis store: 1, and it comes
+ * the same way as it is read from the store, or a not_found error frame. -1: no reply of
+ * this user has this id (the caller says not_found).
  */
 int cg_resume_attach(cg_resume *r, const char *user, const char *id, uint64_t after, const cg_resume_listener *l);
 
@@ -65,6 +70,12 @@ void cg_resume_detach_all(cg_parked **listening);
 
 /* The user's cancel of a parked reply: 0, -1 when there is none of this id. */
 int cg_resume_cancel(cg_resume *r, const char *user, const char *id);
+
+/* The gateway begins to drain. Without a store that shares replies (memory), nobody can
+ * resume one from here on: the replies nobody listens to stop now, not at the drain's end.
+ * With Redis they go on (published: a resume through another gateway reads them, as in a
+ * rolling restart), within the drain's time. */
+void cg_resume_draining(cg_resume *r);
 
 /* The gateway stops: every parked reply still running is cancelled (saved as such). */
 void cg_resume_close(cg_resume *r);

@@ -173,6 +173,7 @@ extern const cg_store_dialog_ops cg_redis_dialog_ops;
 extern const cg_store_lease_ops cg_redis_lease_ops;
 extern const cg_store_limit_ops cg_redis_limit_ops;
 extern const cg_store_bus_ops cg_redis_bus_ops;
+extern const cg_store_reply_ops cg_redis_reply_ops; /* redis_reply.c */
 /* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
  * the rooms set. */
 void cg_redis_send_save(redis_store *rs, redis_req *r);

@@ -111,11 +111,11 @@ typedef struct cg_store_stats {
 } cg_store_stats;
 
 /*
- * A store is four narrow interfaces, one a job, each with a memory and a Redis
+ * A store is five narrow interfaces, one a job, each with a memory and a Redis
  * implementation, and what every request shares (abandon) and the store's end (close).
  * Callers call through the table of the job they need: the dialogs (an admin's read or
  * delete), the lease (a turn), the limiter (a chat message with limits), the bus (a cancel
- * for another gateway).
+ * for another gateway), the replies (a resume through another gateway).
  */
 
 /* Dialogs: where a dialog's state lives between messages. */
@@ -165,12 +165,45 @@ typedef struct cg_store_bus_ops {
     void (*cancel_remote)(cg_store *st, const char *user, const char *room);
 } cg_store_bus_ops;
 
+/* One piece of a reply published for another gateway (server/resume.h): text, the reply's
+ * bytes up to its end (seq), and on the first the dialog's room, on the last the terminal
+ * frame. Borrowed for the call. */
+typedef struct cg_reply_entry {
+    const char *entry;       /* read: the stream's id of the entry ("1700000000000-0") */
+    uint64_t seq;
+    const char *text;
+    size_t len;
+    const char *room;        /* or NULL */
+    const char *end;         /* the terminal frame's JSON, or NULL */
+    size_t end_len;
+} cg_reply_entry;
+
+/* The entries read (n of them, after the one asked for); failed: the store did not answer. */
+typedef void (*cg_store_entries_fn)(void *ctx, const cg_reply_entry *e, size_t n, int failed);
+/* Whether another gateway listens to the reply (cg_store_reply_ops.listen). */
+typedef void (*cg_store_listened_fn)(void *ctx, int listened);
+
+/* Replies of gone clients, for a resume through another gateway; a store with no other
+ * gateways has none (NULL table). The callbacks come once, from the loop, never from inside
+ * the call; a call that returns -1 (the store is away) calls nothing. */
+typedef struct cg_store_reply_ops {
+    /* Appends e to the reply of (user, id), which lives ttl_ms from now. No answer. */
+    void (*append)(cg_store *st, const char *user, const char *id, const cg_reply_entry *e, long ttl_ms);
+    /* The entries after entry `after` (NULL: from the first), at most a few hundred. */
+    int (*read)(cg_store *st, const char *user, const char *id, const char *after, cg_store_entries_fn cb,
+                void *ctx);
+    /* A gateway serves a resume of the reply, for ms from now: its holder goes on past its grace. */
+    void (*listen)(cg_store *st, const char *user, const char *id, long ms);
+    int (*listened)(cg_store *st, const char *user, const char *id, cg_store_listened_fn cb, void *ctx);
+} cg_store_reply_ops;
+
 typedef struct cg_store_ops {
     const char *name;
     const cg_store_dialog_ops *dialogs;
     const cg_store_lease_ops *lease;
     const cg_store_limit_ops *limits;
     const cg_store_bus_ops *bus; /* NULL: no other gateways to tell */
+    const cg_store_reply_ops *replies; /* NULL: no other gateway resumes a reply */
     /* Stops timers and connections; frees the store once its handles have closed. */
     void (*close)(cg_store *st);
 } cg_store_ops;
