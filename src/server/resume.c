@@ -587,8 +587,7 @@ void cg_resume_close(cg_resume *r)
 {
     while (r->head) {
         cg_parked *p = r->head;
-        if (p->q) {
-            p->state = PARKED_KEPT; /* what the turn says as it stops goes nowhere */
+        if (p->q) { /* its cancelled ends it as any end does: a reader elsewhere hears of it */
             cg_turns_close(p->q);
             free(p->q);
             p->q = NULL;

@@ -16,6 +16,8 @@ streams word by word from the demo upstream, reads a few deltas, and loses its c
 - a client that closes with 1000 (it is done) stops its reply as before; one that closes with
   1001 (going away: a tab put to sleep) keeps it;
 - resume.grace_ms 0: the reply stops at the disconnect, as before resume existed;
+- a gateway that drains with the memory store stops the replies it keeps at once (nobody could
+  resume them), instead of waiting for them;
 - 100 clients dropping at random points of their replies and coming back: every reply
   complete, once.
 Across gateways sharing a Redis store (one redis-server, then a Redis Cluster made with
@@ -189,6 +191,20 @@ async def closed_normally():
             await again.close()
 
 
+async def drain():
+    gw = await harness.Gateway(config=config(delay_ms=200)).astart()
+    with step("SIGTERM with a reply kept for a resume (memory store): it stops at once, not after the reply"):
+        client, token, got, seq = await start_reply(gw, "a reply of several seconds " * 4, "s1", 1)
+        await drop(client)
+        await harness.wait_log(gw, r"message s1 goes on", 5)
+        started = asyncio.get_running_loop().time()
+        gw.send_signal()
+        code = await gw.await_exit(3)
+        took = asyncio.get_running_loop().time() - started
+        check(code == 0, f"the gateway did not stop within 3 s (status {code}): the kept reply held the drain")
+        print(f"   stopped {took:.2f} s after SIGTERM (the reply had ~4 s to go)", flush=True)
+
+
 async def grace_off():
     async with harness.Gateway(config=config(grace_ms=0, delay_ms=100)) as gw:
         with step("resume.grace_ms 0: a disconnect stops the reply, as before; a resume gets not_found"):
@@ -313,6 +329,7 @@ async def main(_options):
     await independent(after_grace())
     await independent(closed_normally())
     await independent(grace_off())
+    await independent(drain())
     await independent(many_drops())
     await independent(across_one_redis())
     await independent(across_cluster())
