@@ -109,6 +109,7 @@ static const cg_store_ops redis_ops = {
     .lease = &cg_redis_lease_ops,
     .limits = &cg_redis_limit_ops,
     .bus = &cg_redis_bus_ops,
+    .stream = &cg_redis_stream_ops,
     .close = cg_redis_close,
 };
 
