@@ -439,7 +439,7 @@ static json_t *record_json(cg_exporter *ex, const cg_export_record *r)
     json_object_set_new(o, "total_ms", json_real(r->total_ms));
     if (ex->cfg->export_texts) {
         json_object_set_new(o, "text", export_text(ex, r->text, r->text ? strlen(r->text) : 0));
-        json_object_set_new(o, "reply", export_text(ex, r->reply, r->reply_len));
+        json_object_set_new(o, "reply", export_text(ex, r->reply ? r->reply : "", r->reply_len));
     }
     return o;
 }
