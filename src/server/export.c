@@ -238,6 +238,7 @@ static void on_file_open(uv_fs_t *req)
 
 static void file_start_open(cg_exporter *ex)
 {
+    ex->reopen_wanted = 0; /* this open is the reopen asked for */
     ex->op = FILE_OPENING;
     uv_fs_open(ex->loop, &ex->req, ex->cfg->export_path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0640, on_file_open);
 }

@@ -280,11 +280,10 @@ static int service_slot(const cg_turn_env *env, const char *service)
 }
 
 /*
- * The tokens of a turn that reached an upstream, into its dialog (by upstream) and the
- * metrics (by upstream and service): as the upstream reported them, else estimated at four
- * bytes a token (the prompt from what was sent; the reply from what streamed, so a
- * cancelled reply counts what the user saw). A turn the upstream never answered spends
- * nothing.
+ * The tokens of a turn that reached an upstream (count_usage, the export's record): as the
+ * upstream reported them, else estimated at four bytes a token (the prompt from what was
+ * sent; the reply from what streamed, so a cancelled reply counts what the user saw). 0: a
+ * turn the upstream never answered spends nothing.
  */
 static int turn_tokens(const cg_turn *t, turn_end_kind end, long long *in, long long *out)
 {
@@ -297,6 +296,7 @@ static int turn_tokens(const cg_turn *t, turn_end_kind end, long long *in, long 
     return 1;
 }
 
+/* The turn's tokens into its dialog (by upstream) and the metrics (by upstream and service). */
 static void count_usage(cg_turn *t, turn_end_kind end)
 {
     cg_turns *q = t->q;
