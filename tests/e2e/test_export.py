@@ -11,6 +11,7 @@ reply, else an echo with its usage) behind the gateway.
 - file (export.to file): export.mask masks an e-mail address in the message and the reply;
   export.texts false leaves the texts out; SIGHUP reopens the file after the test renamed it;
   export.max_bytes renames it to FILE.1;
+- Redis Cluster: the record lands on the master of the stream key's slot;
 - a stopped Redis (SIGSTOP) does not slow turns: once the store has gone degraded, turns
   take about what they took before; the records past export.max_queue are dropped and
   counted in /metrics, and the ones held go to the stream once Redis is back.
@@ -245,12 +246,34 @@ async def part_redis_away():
             await client.close()
 
 
+async def part_cluster():
+    import redis_topo
+    cluster = redis_topo.RedisCluster(n_masters=3, replicas_per_master=0)
+    await cluster.astart()
+    try:
+        async with harness.FakeOpenAI() as fake:
+            cfg = config(fake, store=cluster.seeds_url(scheme="redis-cluster"), to="redis")
+            async with Gateway(config=cfg, name="export-cluster") as gw:
+                client = await Client.connect(gw)
+                with step("Redis Cluster: the record goes to the master of the stream key's slot"):
+                    turn = await client.message("hello cluster", mid="c1", room="r")
+                    turn.expect_done()
+                    owner = cluster.master_of_slot(cluster.key_slot("chatgate:export"))
+                    recs = await until(lambda: stream_records(owner), "the record on the slot's master")
+                    check([r["id"] for r in recs] == ["c1"], f"records: {recs}")
+                    check_done(recs[0], turn)
+                await client.close()
+    finally:
+        cluster.stop()
+
+
 async def main(args):
     work = harness.temp_dir("export")
     await independent(part_redis())
     await independent(part_file(work))
     await independent(part_redis_away())
+    await independent(part_cluster())
 
 
 if __name__ == "__main__":
-    harness.run(main, timeout=110)
+    harness.run(main, timeout=140)
