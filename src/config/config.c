@@ -43,6 +43,7 @@ static const char *const auth_choices[] = {"none", "jwt", "header", NULL};
 static const char *const log_choices[] = {"error", "warn", "info", "debug", NULL};
 static const char *const log_formats[] = {"text", "json", NULL};
 static const char *const auto_word[] = {"auto", NULL};
+static const char *const export_sinks[] = {"redis", "file", NULL};
 
 #define OFF(f) offsetof(cg_config, f)
 static const setting settings[] = {
@@ -145,6 +146,23 @@ static const setting settings[] = {
      "true | false: check Redis's certificate and name (default true; false only for tests)"},
     {"redis.lease_ms", T_INT, OFF(redis_lease_ms), 1000, 3600000, NULL, 0,
      "MILLISECONDS of a dialog's lease across gateways: a killed holder frees the dialog after it"},
+    {"export.to", T_ENUM, OFF(export_to), 0, 0, export_sinks, 0,
+     "redis | file: where each finished turn's record goes, a Redis Stream in the store's Redis or JSON lines "
+     "(default: no export)"},
+    {"export.path", T_STR, OFF(export_path), 0, 0, NULL, 0,
+     "FILE the records are appended to, with export.to file; reopened on SIGHUP"},
+    {"export.max_bytes", T_INT, OFF(export_max_bytes), 0, 1L << 40, NULL, 0,
+     "BYTES past which the file is renamed to FILE.1 and a new one started (0: only the operator rotates it)"},
+    {"export.stream", T_STR, OFF(export_stream), 0, 0, NULL, 0,
+     "NAME of the stream, with export.to redis: the key is redis.prefix:NAME"},
+    {"export.max_len", T_INT, OFF(export_max_len), 0, 1000000000, NULL, 0,
+     "N records the stream keeps, about (XADD MAXLEN ~; 0: never trimmed)"},
+    {"export.texts", T_BOOL, OFF(export_texts), 0, 1, NULL, 0,
+     "true | false: the message's and the reply's text go in the record"},
+    {"export.mask", T_BOOL, OFF(export_mask), 0, 1, NULL, 0,
+     "true | false: those texts are masked as log lines are (tokens, e-mail addresses, phone numbers)"},
+    {"export.max_queue", T_INT, OFF(export_max_queue), 1, 1000000, NULL, 0,
+     "N records held in memory while the export's sink is slow or away; more are dropped and counted"},
 };
 #undef OFF
 
@@ -1028,6 +1046,30 @@ static int check_fallbacks(cg_config *cfg, const char *file, char *err, size_t e
     return 0;
 }
 
+/* The export's keys together: a file needs its path, a stream the store's Redis, and a size
+ * bound one process (workers would each rename the file they all append to). */
+static int check_export(const cg_config *cfg, const char *file, char *err, size_t errlen)
+{
+    const char *where = file ? file : "the configuration";
+    if (!cfg->export_to)
+        return 0;
+    if (strcmp(cfg->export_to, "file") == 0 && !cfg->export_path) {
+        set_err(err, errlen, "%s: export.to file needs export.path", where);
+        return -1;
+    }
+    if (strcmp(cfg->export_to, "redis") == 0 && cfg->store_kind == CG_STORE_MEMORY) {
+        set_err(err, errlen, "%s: export.to redis needs a Redis store (--store redis://...): the memory store "
+                             "has no stream", where);
+        return -1;
+    }
+    if (strcmp(cfg->export_to, "file") == 0 && cfg->export_max_bytes > 0 && cfg->workers > 1) {
+        set_err(err, errlen, "%s: export.max_bytes with %ld workers: each would rotate the file the others "
+                             "append to; rotate it with SIGHUP (logrotate's postrotate) instead", where, cfg->workers);
+        return -1;
+    }
+    return 0;
+}
+
 static int check(cg_config *cfg, int argc, char **argv, const char *file, char *err, size_t errlen)
 {
     char where[PATH_MAX + 64];
@@ -1097,6 +1139,8 @@ static int check(cg_config *cfg, int argc, char **argv, const char *file, char *
         set_err(err, errlen, "%s: %ld workers need a shared store: --store redis://...", where, cfg->workers);
         return -1;
     }
+    if (check_export(cfg, file, err, errlen) < 0)
+        return -1;
     if (strcmp(cfg->timezone, "UTC") != 0) {
         char zone[PATH_MAX];
         snprintf(zone, sizeof(zone), "/usr/share/zoneinfo/%s", cfg->timezone);
@@ -1193,6 +1237,10 @@ static void set_defaults(cg_config *cfg)
     cfg->idle_timeout_s = 300;
     cfg->shutdown_timeout_s = 10;
     cfg->workers = 1;
+    cfg->export_stream = cg_strdup("export");
+    cfg->export_max_len = 100000;
+    cfg->export_texts = 1;
+    cfg->export_max_queue = 4096;
 }
 
 /* ---- --help-config ------------------------------------------------------------------ */

@@ -4,7 +4,8 @@
  *   GET    /admin/dialogs/{user}/{room}   view or export a dialog (the context frame's state)
  *   DELETE /admin/dialogs/{user}/{room}   delete one dialog
  *   DELETE /admin/users/{user}            delete every dialog of a user (through the user's
- *                                         room set: the right to be forgotten)
+ *                                         room set: the right to be forgotten; the answer
+ *                                         says what the turn export keeps of them)
  *   GET    /admin/rules                   each rule's hits and cut-offs since it was loaded, and
  *                                         the rules that never fired
  *   GET    /admin/users/{user}/usage      the tokens a user spent, by room and upstream, and
@@ -29,6 +30,7 @@
 
 #include "chatgate/core/alloc.h"
 #include "chatgate/server/admin.h"
+#include "chatgate/server/export.h"
 #include "chatgate/server/handshake.h"
 #include "chatgate/server/ops.h"
 #include "chatgate/server/server.h"
@@ -101,6 +103,17 @@ static void on_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     cg_dialog_free(d);
 }
 
+/* {"user", "deleted"}, and for a whole user what the turn export keeps of them (export.h):
+ * its records are copies already handed on, which this delete cannot reach. */
+static json_t *deleted_answer(const admin_req *a)
+{
+    json_t *o = json_pack("{s:s, s:s}", "user", a->user, "deleted", a->room[0] ? a->room : "*");
+    const char *kept = a->room[0] ? NULL : cg_export_kept_after_forget(a->srv->cfg);
+    if (o && kept)
+        json_object_set_new(o, "export_kept", json_string(kept));
+    return o;
+}
+
 static void on_deleted(void *ctx, const cg_store_status *st)
 {
     admin_req *a = ctx;
@@ -108,7 +121,7 @@ static void on_deleted(void *ctx, const cg_store_status *st)
     if (st->degraded) /* Redis is away: its copy is still there, so say it was not done */
         answer_error(a, 503, "the store is unreachable: deleted from memory only; try again");
     else
-        answer(a, 200, json_pack("{s:s, s:s}", "user", a->user, "deleted", a->room[0] ? a->room : "*"));
+        answer(a, 200, deleted_answer(a));
 }
 
 /* Adds a dialog's usage ({upstream: {in, out, turns}}) to total's, upstream by upstream. */

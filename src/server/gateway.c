@@ -29,6 +29,7 @@
 #include "chatgate/core/alloc.h"
 #include "chatgate/server/admin.h"
 #include "chatgate/server/dropin.h"
+#include "chatgate/server/export.h"
 #include "chatgate/proto/protocol.h"
 #include "chatgate/server/gateway.h"
 #include "chatgate/server/handshake.h"
@@ -188,12 +189,15 @@ static int gateway_reload_rules_admin(cg_server *srv, char *err, size_t errlen)
     return rc;
 }
 
-/* SIGHUP: load the rules again; a broken set is refused and the running one stays. */
+/* SIGHUP: load the rules again (a broken set is refused and the running one stays), and
+ * reopen the export's file (the operator moved it away: logrotate). */
 static void on_reload(uv_signal_t *sig, int signum)
 {
     (void)signum;
     char err[1024];
-    gateway_reload_rules(sig->data, err, sizeof(err));
+    cg_gateway *gw = sig->data;
+    gateway_reload_rules(&gw->srv, err, sizeof(err));
+    cg_export_reopen(gw->srv.turn.exporter);
 }
 
 static void free_secrets(cg_gateway *gw);
@@ -241,6 +245,8 @@ static void on_abort_tick(uv_timer_t *t)
     if (gw->lws)
         lws_context_destroy(gw->lws);
     gw->lws = NULL;
+    cg_export_close(gw->srv.turn.exporter);
+    gw->srv.turn.exporter = NULL;
     if (gw->srv.turn.store)
         gw->srv.turn.store->ops->close(gw->srv.turn.store);
     gw->srv.turn.store = NULL;
@@ -303,6 +309,9 @@ static void gateway_stop(cg_gateway *gw)
     cg_resume_close(&gw->srv.resume); /* replies of gone clients: cancelled, saved as such */
     for (int i = 0; i < gw->srv.turn.n_upstreams; i++)
         cg_upstream_close(&gw->srv.upstreams[i]); /* kept-alive upstream connections */
+    /* the sessions' last turns are queued: the export sends them before the store closes */
+    cg_export_close(gw->srv.turn.exporter);
+    gw->srv.turn.exporter = NULL;
     if (gw->srv.turn.store) {
         gw->srv.turn.store->ops->close(gw->srv.turn.store);
         gw->srv.turn.store = NULL;
@@ -603,6 +612,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
         return CG_GATEWAY_BAD_CONFIG;
     gw->srv.turn.store->on_cancel = on_store_cancel;
     gw->srv.turn.store->cancel_ctx = &gw->srv.turn;
+    if (cg_export_open(&gw->srv.turn.exporter, loop, cfg, gw->srv.turn.store, &gw->srv.metrics, err, errlen) < 0)
+        return CG_GATEWAY_BAD_CONFIG;
 
     gw->srv.net.loop = loop; /* the listeners' (listener.h), before the rest of net is set */
     if (start_lws(gw, cfg, loop) < 0)

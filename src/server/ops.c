@@ -346,6 +346,14 @@ static const figure_row figures[] = {
     {"chatgate_rules_loaded", NULL, "gauge", NULL, WORKED(WORKED_RULES_LOADED)},
     {"chatgate_rules_reloads_total", "result=\"ok\"", "counter", NULL, GW(reloads)},
     {"chatgate_rules_reloads_total", "result=\"refused\"", "counter", NULL, GW(reload_failures)},
+    {"chatgate_export_records_total", NULL, "counter",
+     "Turn records the export's sink (export.to) took: appended to the Redis stream or written to the file.",
+     GW(export_records)},
+    {"chatgate_export_dropped_total", NULL, "counter",
+     "Turn records dropped: export.max_queue were held already while the sink was slow or away.",
+     GW(export_dropped)},
+    {"chatgate_export_queued", NULL, "gauge", "Turn records held in memory for the export's sink.",
+     GW(export_queued)},
 };
 
 static const figure_row cache_figures[] = {

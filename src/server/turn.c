@@ -35,6 +35,7 @@
 #include "chatgate/core/utf8.h"
 #include "chatgate/dialog/dialog.h"
 #include "chatgate/dialog/pipeline.h"
+#include "chatgate/server/export.h"
 #include "chatgate/server/turn.h"
 
 /* A request's stage (the header comment draws the transitions; turn_enter checks them). */
@@ -89,6 +90,11 @@ struct cg_turn {
     size_t reply_len, reply_cap;
     int truncated;
     uint64_t sent;             /* bytes of reply text relayed: the seq of the last delta */
+    /* for the export's record (export.h): the error it ended with (turn_fail), who answered
+     * (on_upstream_done: attempts 0 when nobody did) and when its first text came */
+    int end_err;
+    int replica, attempts;
+    uint64_t t_first;
 };
 
 /* The most tokens one turn is counted for, whatever its upstream reports (a billion: no
@@ -275,26 +281,66 @@ static int service_slot(const cg_turn_env *env, const char *service)
 }
 
 /*
- * The tokens of a turn that reached an upstream, into its dialog (by upstream) and the
- * metrics (by upstream and service): as the upstream reported them, else estimated at four
- * bytes a token (the prompt from what was sent; the reply from what streamed, so a
- * cancelled reply counts what the user saw). A turn the upstream never answered spends
- * nothing.
+ * The tokens of a turn that reached an upstream (count_usage, the export's record): as the
+ * upstream reported them, else estimated at four bytes a token (the prompt from what was
+ * sent; the reply from what streamed, so a cancelled reply counts what the user saw). 0: a
+ * turn the upstream never answered spends nothing.
  */
-static void count_usage(cg_turn *t, turn_end_kind end)
+static int turn_tokens(const cg_turn *t, turn_end_kind end, long long *in, long long *out)
 {
-    cg_turns *q = t->q;
     /* a reply stopped by a rule before any text went on still cost its prompt */
     if (!t->t_upstream || t->state == TURN_FORWARDED || end == END_ABSORBED ||
         (t->tokens_in < 0 && !t->reply_len && t->state != TURN_BLOCKED))
+        return 0;
+    *in = t->tokens_in >= 0 ? t->tokens_in : (long long)(t->prompt_bytes + 3) / 4;
+    *out = t->tokens_out >= 0 ? t->tokens_out : (long long)(t->reply_len + 3) / 4;
+    return 1;
+}
+
+/* The turn's tokens into its dialog (by upstream) and the metrics (by upstream and service). */
+static void count_usage(cg_turn *t, turn_end_kind end)
+{
+    cg_turns *q = t->q;
+    long long in, out;
+    if (!turn_tokens(t, end, &in, &out))
         return;
-    long long in = t->tokens_in >= 0 ? t->tokens_in : (long long)(t->prompt_bytes + 3) / 4;
-    long long out = t->tokens_out >= 0 ? t->tokens_out : (long long)(t->reply_len + 3) / 4;
     t->spent = cg_sat_add(in, out); /* what the turn's end counts against the token limits */
     cg_dialog_add_usage(&t->dialog, q->env->upstreams[t->route].cfg->name, in, out);
     unsigned long *slot = q->env->metrics->tokens[t->route][service_slot(q->env, t->dialog.service)];
     slot[0] += (unsigned long)in;
     slot[1] += (unsigned long)out;
+}
+
+/* The export's record of a chat turn that ends (export.h): what its client was told. */
+static void export_turn(cg_turn *t, turn_end_kind end)
+{
+    static const char *const ends[] = {[END_DONE] = "done", [END_ERROR] = "error", [END_CANCELLED] = "cancelled",
+                                       [END_ABSORBED] = "done", [END_ENDED] = "ended"};
+    cg_turns *q = t->q;
+    cg_turn_env *env = q->env;
+    cg_dialog *d = &t->dialog;
+    /* the ack named a route: an upstream was called, or a rule absorbed the message */
+    int routed = q->backend == &upstream_backend && (t->t_upstream || end == END_ABSORBED);
+    int first = t->first_route >= 0 ? t->first_route : t->route;
+    json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(env->cfg, d->service));
+    json_t *acted = t->filter ? cg_reply_filter_acted(t->filter) : NULL;
+    cg_export_record r = {
+        .id = t->id, .user = q->user, .room = t->room, .service = d->service, .params = params, .rules = t->fired,
+        .reply_rules = json_array_size(acted) ? acted : NULL,
+        .route = routed ? env->upstreams[first].cfg->name : NULL,
+        .upstream = routed && end != END_ABSORBED ? env->upstreams[t->route].cfg->name : NULL,
+        .fallback_from = t->first_route >= 0 ? env->upstreams[t->first_route].cfg->name : NULL,
+        .replica = t->attempts > 0 ? t->replica : -1, .attempts = t->attempts,
+        .end = ends[end], .code = end == END_ERROR ? cg_err_code(t->end_err) : NULL, .absorbed = end == END_ABSORBED,
+        .truncated = t->truncated, .tokens_reported = t->tokens_in >= 0,
+        .first_byte_ms = t->t_first ? (double)(t->t_first - t->t_upstream) / 1e6 : -1,
+        .total_ms = (double)(uv_hrtime() - t->t_arrived) / 1e6,
+        .text = t->text, .reply = t->reply, .reply_len = t->reply_len,
+    };
+    r.has_usage = turn_tokens(t, end, &r.tokens_in, &r.tokens_out);
+    cg_export_turn(env->exporter, &r);
+    json_decref(params);
+    json_decref(acted);
 }
 
 static void turn_save(cg_turn *t, turn_end_kind end)
@@ -325,11 +371,14 @@ static void turn_save(cg_turn *t, turn_end_kind end)
     d->last_activity = now;
     q->env->store->ops->dialogs->save(q->env->store, q->user, t->room, d, NULL, NULL);
     t->saved = 1;
+    if (q->env->exporter)
+        export_turn(t, end);
 }
 
 /* A chat turn ends with an error: said, saved, finished. */
 static void turn_fail(cg_turn *t, int err, const char *message, json_t *detail)
 {
+    t->end_err = err;
     say_error(t->q, t->id, err, message, detail);
     turn_save(t, END_ERROR);
     turn_finish(t);
@@ -397,6 +446,7 @@ static void turn_first_text(cg_turn *t)
     if (t->got_first)
         return;
     t->got_first = 1;
+    t->t_first = uv_hrtime();
     if (t->state == TURN_CALLING)
         turn_enter(t, TURN_STREAMING);
     cg_histogram_observe(&t->q->env->metrics->first_token, (double)(uv_hrtime() - t->t_upstream) / 1e9);
@@ -520,6 +570,8 @@ static void on_upstream_done(void *ctx, json_t *usage, json_t *state)
                      .fallback_from = t->first_route >= 0 ? q->env->upstreams[t->first_route].cfg->name : NULL};
     if (up->ops->answered)
         up->ops->answered(t->call, &who.replica, &who.attempts);
+    t->replica = who.replica;
+    t->attempts = who.attempts;
     t->call = NULL;
     if (t->state == TURN_BLOCKED || (t->filter && turn_filter(t, "", 0, 1))) {
         turn_block_end(t);

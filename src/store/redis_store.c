@@ -110,6 +110,7 @@ static const cg_store_ops redis_ops = {
     .limits = &cg_redis_limit_ops,
     .bus = &cg_redis_bus_ops,
     .replies = &cg_redis_reply_ops,
+    .stream = &cg_redis_stream_ops,
     .close = cg_redis_close,
 };
 

@@ -305,6 +305,8 @@ def full_configs(keys):
         "redis.tls_cert_file": "/etc/chatgate/redis-client.pem",
         "redis.tls_key_file": "/etc/chatgate/redis-client.key",
         "redis.tls_server_name": "redis.example",
+        "export.to": "file",  # the memory store has no stream
+        "export.path": str(Path(harness.temp_dir("chatgate-e2e-manpage-export-")) / "turns.jsonl"),
         "upstreams.NAME.model": "test-model",
         "upstreams.NAME.api_key_env": "CG_MANPAGE_API_KEY",
         "upstreams.NAME.fallback": "d",

@@ -141,6 +141,15 @@ typedef struct cg_config {
     long shutdown_timeout_s;
     long workers; /* --workers: processes on the one port (server/master.c); 1: no master */
     int workers_auto; /* --workers auto: workers is the CPUs this process may run on */
+    /* the turn export (server/export.h; docs/operations.md, "The turn export") */
+    char *export_to;       /* "redis" (a stream in the store's Redis) | "file" (JSON lines), or NULL: off */
+    char *export_path;     /* file: where */
+    long export_max_bytes; /* file: renamed to PATH.1 past this size (0: only the operator's SIGHUP) */
+    char *export_stream;   /* redis: the stream's key under redis.prefix */
+    long export_max_len;   /* redis: MAXLEN ~ this (0: not trimmed) */
+    long export_texts;     /* the message's and the reply's text go in the record */
+    long export_mask;      /* ... masked as log lines are (core/log.h) */
+    long export_max_queue; /* records held while the sink is slow or away; more are dropped */
 } cg_config;
 
 /* Result of cg_config_load besides 0: print nothing more and exit with this status. */

@@ -89,6 +89,9 @@ typedef struct cg_metrics {
      * and differently, and by what differed */
     unsigned long shadow_same, shadow_different;
     unsigned long shadow_field[CG_METRIC_SHADOW_FIELDS]; /* by cg_outcome_field (dialog/pipeline.h) */
+    /* the turn export (server/export.h): records its sink took, records dropped (the queue
+     * was full, or the sink failed them at the end), and records held now (a gauge) */
+    unsigned long export_records, export_dropped, export_queued;
     cg_histogram store_load, rules, first_token, turn; /* seconds per stage */
     cg_histogram rule_file_time[CG_METRIC_RULE_FILES]; /* seconds per message in each file's rules */
 } cg_metrics;

@@ -67,6 +67,7 @@ typedef struct cg_turn_env {
     const char *services[CG_METRIC_SERVICES];
     int n_services;      /* slots named from the config: 1 (none) + its services, up to the last but one */
     uint64_t limit_seq;  /* numbers the turns counted against limits per user (store.h, limit) */
+    struct cg_exporter *exporter; /* each finished chat turn's record goes to it (export.h); NULL: none */
 } cg_turn_env;
 
 /* Names env's service slots from the config's "services" (at start; borrowed from cfg). */

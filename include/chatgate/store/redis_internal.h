@@ -16,7 +16,8 @@
  *                   line, merging two copies, reading the replies; the four jobs' tables;
  *   redis_bus.c     the pub/sub connections that carry cancels between gateways (sharded
  *                   in a cluster), handing each to the store's callback;
- *   redis_req.c     the requests, their answers from memory, and the store's end.
+ *   redis_req.c     the requests, their answers from memory, and the store's end;
+ *   redis_stream.c  the stream a record is appended to (XADD: the turn export).
  * Degraded mode (the gateway's copy of the dialogs, what was written while Redis was away,
  * the write-back) is no Redis code: fallback.c, which the store tells when the link goes
  * and comes, and hands what it cannot send.
@@ -174,6 +175,8 @@ extern const cg_store_lease_ops cg_redis_lease_ops;
 extern const cg_store_limit_ops cg_redis_limit_ops;
 extern const cg_store_bus_ops cg_redis_bus_ops;
 extern const cg_store_reply_ops cg_redis_reply_ops; /* redis_reply.c */
+/* redis_stream.c: the stream (the turn export's XADD). */
+extern const cg_store_stream_ops cg_redis_stream_ops;
 /* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
  * the rooms set. */
 void cg_redis_send_save(redis_store *rs, redis_req *r);

@@ -111,11 +111,12 @@ typedef struct cg_store_stats {
 } cg_store_stats;
 
 /*
- * A store is five narrow interfaces, one a job, each with a memory and a Redis
+ * A store is six narrow interfaces, one a job, each with a memory and a Redis
  * implementation, and what every request shares (abandon) and the store's end (close).
  * Callers call through the table of the job they need: the dialogs (an admin's read or
  * delete), the lease (a turn), the limiter (a chat message with limits), the bus (a cancel
- * for another gateway), the replies (a resume through another gateway).
+ * for another gateway), the replies (a resume through another gateway), and, Redis only, a
+ * stream (the turn export's records).
  */
 
 /* Dialogs: where a dialog's state lives between messages. */
@@ -197,6 +198,21 @@ typedef struct cg_store_reply_ops {
     int (*listened)(cg_store *st, const char *user, const char *id, cg_store_listened_fn cb, void *ctx);
 } cg_store_reply_ops;
 
+/* ok: 1 the store took the record; 0 it failed (an error answer, or Redis went away first). */
+typedef void (*cg_store_appended_fn)(void *ctx, int ok);
+
+/* An append-only stream of records that others read (the turn export, server/export.h);
+ * a store with nowhere to keep one has none (NULL table: the memory store). */
+typedef struct cg_store_stream_ops {
+    /* Appends one record, the pair (field, value: len bytes, copied), to the stream `name`
+     * (a key under the store's prefix), trimmed to about max_len records (0: never
+     * trimmed). 0: cb is called once, later; -1 at once when the store cannot send now
+     * (Redis away): cb is never called. Never queued in the store: the caller bounds what
+     * it keeps while Redis is away. */
+    int (*append)(cg_store *st, const char *name, const char *field, const char *value, size_t len, long max_len,
+                  cg_store_appended_fn cb, void *ctx);
+} cg_store_stream_ops;
+
 typedef struct cg_store_ops {
     const char *name;
     const cg_store_dialog_ops *dialogs;
@@ -204,6 +220,7 @@ typedef struct cg_store_ops {
     const cg_store_limit_ops *limits;
     const cg_store_bus_ops *bus; /* NULL: no other gateways to tell */
     const cg_store_reply_ops *replies; /* NULL: no other gateway resumes a reply */
+    const cg_store_stream_ops *stream; /* NULL: no streams (the export cannot go there) */
     /* Stops timers and connections; frees the store once its handles have closed. */
     void (*close)(cg_store *st);
 } cg_store_ops;
