@@ -7,6 +7,13 @@
 // frame we send `context.get` for that message's room; the gateway handles frames of one
 // connection in order, so the `context` answer shows the state the reply left behind.
 //
+// A lost connection (a network change, a laptop waking up) does not lose the reply in
+// flight: the page reconnects by itself (with a growing, jittered delay) and sends
+// {"type":"resume","id":ID,"after":SEQ}, SEQ being the `seq` of the last delta it showed;
+// the gateway answers with the rest of the reply (from right after SEQ), then the terminal
+// frame. The page never closes its socket with 1000 (which would stop the reply): when it
+// is left, the browser's own close (1001, going away) keeps the reply for a while too.
+//
 // No framework, no build step, no request anywhere but this gateway. The page never sets
 // inline styles (the gateway's Content-Security-Policy forbids them): it toggles classes
 // and data-* attributes, which style.css styles. The ids and data-* attributes are also
@@ -97,10 +104,12 @@
 
   let ws = null;               // the WebSocket, or null between attempts
   let ready = false;           // true once the gateway's hello arrived
-  let retryMs = 500;           // next reconnect delay (doubles up to 10 s)
+  let retryMs = 500;           // next reconnect delay (doubles up to 10 s, ±20 %)
   let retryTimer = null;
-  let seq = 0;                 // message ids: m1, m2, ...
-  const pending = [];          // ids without a terminal frame yet, in send order
+  // message ids: m1, m2, ... (not a delta's seq: that is turn.seq), counted on across a
+  // reload: the reply of the page before may still be kept for a resume under its id
+  let seq = Number(store.get("seq")) || 0;
+  const pending = [];          // ids without a terminal frame yet, in send order (kept across a lost connection)
   const turns = new Map();     // id -> turn (see addTurn)
   const transcripts = new Map(); // room -> element holding that room's turns
   const contexts = new Map();  // room -> last state the gateway sent
@@ -159,12 +168,50 @@
       if (ws !== sock) return;
       ws = null;
       ready = false;
-      // Replies in flight are lost with the connection: say so on each.
-      for (const id of pending.splice(0)) endTurn(id, "lost", "connection lost");
-      if (ev.code === 1008) store.set("resume", null); // refused credentials: start afresh
+      if (ev.code === 1008) {
+        // Refused credentials: start afresh, as a new user; what was in flight is lost.
+        store.set("resume", null);
+        for (const id of pending.splice(0)) endTurn(id, "lost", "connection lost");
+      } else {
+        // The gateway keeps the reply in flight for a while (resume.grace_ms): each reply
+        // without its terminal frame waits for the next connection, which resumes it.
+        for (const id of pending) waitResume(turns.get(id));
+      }
       scheduleReconnect(ev.code === 1008 ? "refused (" + (ev.reason || "unauthorized") + ")" : "disconnected");
     };
   }
+
+  // ---- resuming replies after a lost connection -------------------------------------
+
+  // The connection went mid-reply: the turn waits for the next one.
+  function waitResume(turn) {
+    if (!turn || turn.ended) return;
+    turn.resume = true;       // to resume on the next connection
+    turn.resumeSent = false;  // a resume went out on this connection, nothing came back yet
+    turn.reply.dataset.state = "resuming";
+    turn.replyStatus.textContent = "connection lost; resuming…";
+  }
+
+  // After the hello of a new connection: ask for the rest of each reply that was cut, in
+  // the order they were sent. The gateway kept the one in flight; the ones queued behind
+  // it went with the connection (they get not_found and are marked interrupted). A Stop
+  // pressed before the drop may not have arrived: it is sent again (if it had, the resume
+  // gets the `cancelled`, and the second cancel's not_found is ignored).
+  function resumeReplies() {
+    for (const id of pending.slice()) {
+      const turn = turns.get(id);
+      if (!turn || turn.ended || !turn.resume) continue;
+      turn.resume = false;
+      turn.resumeSent = true;
+      turn.resumes = (turn.resumes || 0) + 1;
+      turn.replyStatus.textContent = turn.cancelSent ? "stopping…" : "reconnected; resuming…";
+      sendFrame({ type: "resume", id, after: turn.seq });
+      if (turn.cancelSent) sendFrame({ type: "cancel", id });
+    }
+  }
+
+  // UTF-8 bytes: a delta's seq counts the reply's bytes, not its characters.
+  const utf8 = { enc: new TextEncoder(), dec: new TextDecoder() };
 
   function scheduleReconnect(why) {
     const delay = Math.round(retryMs * (0.8 + Math.random() * 0.4));
@@ -186,7 +233,7 @@
     switch (f.type) {
       case "hello": onHello(f); break;
       case "ack": if (turn) onAck(turn, f); break;
-      case "delta": if (turn) onDelta(turn, f.text); break;
+      case "delta": if (turn) onDelta(turn, f); break;
       case "done":
         if (!turn) break;
         // A truncated done holds only the first max_reply_bytes: keep what streamed.
@@ -219,6 +266,7 @@
     }
     setStatus("open", "connected", "user " + f.user + ", session " + f.session + ", protocol " + f.protocol);
     ui.status.dataset.user = f.user || "";
+    resumeReplies();
     requestContext(room);
   }
 
@@ -239,7 +287,12 @@
   function onError(turn, f) {
     const text = (f.code || "error") + (f.message ? ": " + f.message : "");
     showReplyRules(turn, f.reply_rules);
-    if (turn && !turn.ended) {
+    if (turn && !turn.ended && turn.resumeSent && f.code === "not_found") {
+      // The gateway no longer has the reply we asked to resume (it ended or was stopped
+      // more than resume.grace_ms ago, the gateway restarted, or it was only queued).
+      if (turn.cancelSent) endTurn(f.id, "stopped", "stopped");
+      else endTurn(f.id, "interrupted", "interrupted: the connection was lost and the gateway no longer has the rest of this reply");
+    } else if (turn && !turn.ended) {
       endTurn(f.id, "error", text);
     } else if (turn && f.code === "not_found") {
       // The answer to a Stop that arrived just after the reply finished: nothing to show.
@@ -293,7 +346,8 @@
       el("div", { class: "msg msg-user", "data-role": "user" }, userText),
       ack,
       reply);
-    const turn = { id, room: r, node, ack, reply, replyText, replyStatus, text: "", ended: false };
+    // seq: the bytes of the reply shown so far (the last delta's seq); what a resume asks after
+    const turn = { id, room: r, node, ack, reply, replyText, replyStatus, text: "", seq: 0, ended: false };
     turns.set(id, turn);
     append(r, node);
     return turn;
@@ -329,9 +383,27 @@
     }
   }
 
-  function onDelta(turn, text) {
+  // A delta's text ends at byte f.seq of the reply. After a resume the first delta starts
+  // right after the seq we sent; should a delta ever overlap what is shown, only its new
+  // bytes are added, so that no text shows twice.
+  function onDelta(turn, f) {
+    let text = f.text;
     if (turn.ended || typeof text !== "string") return;
-    if (turn.reply.dataset.state === "queued") turn.reply.dataset.state = "streaming";
+    if (typeof f.seq === "number") {
+      if (f.seq <= turn.seq) return; // shown already
+      const bytes = utf8.enc.encode(text);
+      const start = f.seq - bytes.length;
+      if (start < turn.seq) text = utf8.dec.decode(bytes.subarray(turn.seq - start));
+      turn.seq = f.seq;
+    } else {
+      turn.seq += utf8.enc.encode(text).length; // a gateway without seq: count the bytes ourselves
+    }
+    const state = turn.reply.dataset.state;
+    if (state === "queued" || state === "resuming") turn.reply.dataset.state = "streaming";
+    if (turn.resumeSent) {
+      turn.resumeSent = false; // the gateway had it: the rest streams
+      if (!turn.cancelSent) turn.replyStatus.textContent = "";
+    }
     setReplyText(turn, turn.text + text);
   }
 
@@ -342,7 +414,7 @@
     if (stick && turn.room === room) ui.log.scrollTop = ui.log.scrollHeight;
   }
 
-  // state: done | stopped | error | lost
+  // state: done | stopped | error | lost | interrupted
   function endTurn(id, state, note) {
     const turn = turns.get(id);
     const i = pending.indexOf(id);
@@ -350,6 +422,8 @@
     if (turn && !turn.ended) {
       turn.ended = true;
       turn.reply.dataset.state = state;
+      if (turn.resumes) turn.reply.dataset.resumed = String(turn.resumes);
+      if (!note && state === "done" && turn.resumes) note = "resumed after a lost connection";
       turn.replyStatus.textContent = note || "";
       if (turn.ack.dataset.ack === "pending") turn.ack.textContent = "";
       if (state !== "lost") requestContext(turn.room); // the panel follows every turn
@@ -371,6 +445,7 @@
     text = text.trim();
     if (!text) return false;
     const id = "m" + ++seq;
+    store.set("seq", String(seq));
     if (!sendFrame({ type: "message", id, room: r, text })) {
       flashStatus();
       return false;
@@ -660,6 +735,8 @@
 
   ui.status.addEventListener("click", () => { if (!ws) connect(); });
   window.addEventListener("online", () => { if (!ws) { retryMs = 500; connect(); } });
+  // No pagehide/beforeunload handler on purpose: closing with 1000 there would stop the
+  // reply in flight; the browser's own close when the page goes keeps it for a resume.
 
   // ---- start ------------------------------------------------------------------------
 
