@@ -13,6 +13,7 @@ streams word by word from the demo upstream, reads a few deltas, and loses its c
   not_found, and the history holds the reply marked cancelled;
 - another user's resume of the same id: not_found, none of the text;
 - a cancel after a resume: cancelled, no more deltas;
+- a cancel phrase ("stop") in a new message while the reply is kept ends the kept reply first;
 - a client that closes with 1000 (it is done) stops its reply as before; one that closes with
   1001 (going away: a tab put to sleep) keeps it;
 - resume.grace_ms 0: the reply stops at the disconnect, as before resume existed;
@@ -28,7 +29,8 @@ redis-cli --cluster create), the client comes back through the other gateway:
   resumed reply are printed;
 - the holder's grace passes while the other gateway serves the resume: the reply is not
   cancelled;
-- a cancel sent to the other gateway stops the reply on the holder (cancelled comes back);
+- a cancel sent to the other gateway stops the reply on the holder (cancelled comes back), and
+  so does a cancel phrase ("stop") in a new message there;
 - 30 clients of each gateway moving to the other at random points: every reply whole, once.
 """
 
@@ -144,6 +146,17 @@ async def same_gateway():
             check(not [f for f in again.pending if f.get("id") == "m4"], "a frame of m4 after cancelled")
             await again.close()
 
+        with step("a cancel phrase in a new message while the reply is kept ends the kept reply first"):
+            client, token, got, seq = await start_reply(gw, "a reply to be stopped by a phrase " * 4, "p1", 1)
+            await drop(client)
+            again = await Client.connect(f"{gw.url}?resume={token}", expect_user=token.split(".")[0])
+            turn = await again.message("stop", "p2")
+            check(turn.ack and turn.ack.get("resolution") == {"type": "cancel"}, f"not a cancel: {turn.describe()}")
+            await again.send({"type": "resume", "id": "p1", "after": seq})
+            kept, got = await rest_of(again, "p1", got, seq)
+            check(kept.kind == "cancelled", f"the kept reply was not stopped by the phrase: {kept.describe()}")
+            await again.close()
+
         with step("bad resume frames: bad_frame naming the field"):
             c = await Client.connect(gw)
             await c.send({"type": "resume", "after": 3})
@@ -239,6 +252,12 @@ async def many_drops():
 SECRET = {"CHATGATE_RESUME_SECRET": "one secret for both gateways"}
 
 
+def net_bytes(redis):
+    """Redis's total_net_input_bytes and total_net_output_bytes."""
+    info = dict(line.split(":", 1) for line in redis.command("INFO", "stats").splitlines() if ":" in line)
+    return int(info["total_net_input_bytes"]), int(info["total_net_output_bytes"])
+
+
 def xadds(redis):
     return redis.info_commandstats().get("xadd", {}).get("calls", 0)
 
@@ -260,6 +279,7 @@ async def across(store_url, what, redis=None):
         with step(f"{what}: the client comes back through the other gateway: the rest, then done, once"):
             if redis:
                 redis.config_resetstat()
+                net_before = net_bytes(redis)
             client, token, got, seq = await start_reply(ga, "héllo from A, going to B " * 2, "x1", 3)
             await drop(client)
             again = await resume(gb, token, "x1", seq)
@@ -269,7 +289,10 @@ async def across(store_url, what, redis=None):
             if redis:
                 stats = redis.info_commandstats()
                 used = {k: v["calls"] for k, v in stats.items() if k in ("xadd", "xrange", "pexpire", "set", "exists")}
-                print(f"   one resumed reply: {used} ({len(turn.terminal['text'])} bytes of reply)", flush=True)
+                net = net_bytes(redis)
+                print(f"   one resumed reply: {used}; Redis read {net[0] - net_before[0]} and wrote "
+                      f"{net[1] - net_before[1]} bytes (with the turn's own scripts); {utf8_len(got)} bytes of reply",
+                      flush=True)
             await again.close()
 
         with step(f"{what}: the holder's grace passes while the other gateway serves the resume: not cancelled"):
@@ -290,6 +313,17 @@ async def across(store_url, what, redis=None):
             check(turn.kind == "cancelled", f"expected cancelled through the other gateway: {turn.describe()}")
             await harness.wait_metric(ga, "chatgate_turns_total", lambda v: v is not None and v >= 1, 5,
                                       "the holder's cancelled turn", end="cancelled")
+            await again.close()
+
+        with step(f"{what}: a cancel phrase through the other gateway ends the kept reply on its holder"):
+            client, token, got, seq = await start_reply(ga, "stopped by a phrase at B " * 20, "x4", 1)
+            await drop(client)
+            again = await Client.connect(f"{gb.url}?resume={token}", expect_user=token.split(".")[0])
+            turn = await again.message("stop", "x5")
+            check(turn.ack and turn.ack.get("resolution") == {"type": "cancel"}, f"not a cancel: {turn.describe()}")
+            await again.send({"type": "resume", "id": "x4", "after": seq})
+            kept, got = await rest_of(again, "x4", got, seq)
+            check(kept.kind == "cancelled", f"the kept reply was not stopped through the bus: {kept.describe()}")
             await again.close()
 
         with step(f"{what}: 30 clients of each gateway move to the other at random points: every reply whole, once"):
