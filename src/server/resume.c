@@ -33,6 +33,8 @@ typedef enum { PARKED_RUNNING, PARKED_ENDED, PARKED_KEPT, PARKED_REMOTE } parked
 #define POLL_MS 100       /* a remote reader reads what came this often */
 #define LISTEN_MS 3000    /* ... and says it listens, for this long, every second */
 #define HOLD_ON_MS 1000   /* a holder whose reply is read elsewhere looks again this much later */
+#define MAX_READERS_PER_USER 8 /* resumes of replies held elsewhere, a user's at once */
+#define APPEAR_MS 3000    /* a reply not (yet) in the store is looked for this long before not_found */
 
 struct cg_parked {
     cg_parked *next; /* in the registry */
@@ -51,6 +53,8 @@ struct cg_parked {
     cg_parked *lnext, **lpprev; /* in the listener's list */
     char *room;        /* the dialog's (a holder's; a reader's once read), for a cancel */
     int pending;       /* store calls out: their callbacks come (also at the store's close) */
+    int paused;        /* the listener's queue is full: the reply waits (cg_resume_pause_all) */
+    int truncated;     /* text stopped at max_reply_bytes: nothing more is kept */
     int dead;          /* freed when the last of them comes */
     /* a holder, publishing (a store with replies) */
     int published;
@@ -59,6 +63,7 @@ struct cg_parked {
     uv_timer_t *pub_timer;
     /* a reader (REMOTE) */
     uint64_t after;    /* the bytes the listener has */
+    int failures;      /* reads in a row the store did not answer */
     char *last_entry;  /* the stream's last entry read */
     uint64_t last_listen, last_news; /* uv_now() of the last listen said, of the last entry read */
 };
@@ -72,6 +77,9 @@ static void timer_closed(uv_handle_t *h)
 
 static void listener_unlink(cg_parked *p)
 {
+    if (p->paused && p->state == PARKED_RUNNING)
+        cg_turns_pause(p->q, 0); /* nobody reads slowly now */
+    p->paused = 0;
     if (p->lpprev) {
         *p->lpprev = p->lnext;
         if (p->lnext)
@@ -146,19 +154,24 @@ static long stream_ttl(const cg_parked *p)
 }
 
 /* Appends what waits (and end, the terminal frame's JSON, or NULL). */
+static void on_publish_timer(uv_timer_t *t);
+
 static void publish(cg_parked *p, const char *end, size_t end_len)
 {
     if (!p->published || (!p->pub_len && !end))
         return;
     cg_reply_entry e = {.seq = p->seq, .text = p->pub ? p->pub : "", .len = p->pub_len, .end = end,
                         .end_len = end_len};
-    replies_of(p)->append(store_of(p), p->user, p->id, &e, stream_ttl(p));
-    p->pub_len = 0;
+    if (replies_of(p)->append(store_of(p), p->user, p->id, &e, stream_ttl(p)) == 0)
+        p->pub_len = 0;
+    else if (!uv_is_active((uv_handle_t *)p->pub_timer)) /* Redis away: kept, tried again */
+        uv_timer_start(p->pub_timer, on_publish_timer, PUBLISH_MS * 10, 0);
 }
 
 static void on_publish_timer(uv_timer_t *t)
 {
-    publish(t->data, NULL, 0);
+    cg_parked *p = t->data;
+    publish(p, p->state == PARKED_RUNNING ? NULL : p->terminal, p->state == PARKED_RUNNING ? 0 : p->terminal_len);
 }
 
 /* The first entry: what was kept, and the room. */
@@ -187,8 +200,12 @@ static void publish_text(cg_parked *p, const char *text, size_t len)
 static void keep_text(cg_parked *p, const char *text, size_t len)
 {
     size_t max = (size_t)p->r->env->cfg->max_reply_bytes;
-    if (p->len + len > max)
+    if (p->truncated)
+        return; /* the kept text is a prefix of what the client saw, or nothing is */
+    if (p->len + len > max) {
         len = cg_utf8_boundary(text, max > p->len ? max - p->len : 0);
+        p->truncated = 1;
+    }
     cg_buf_append(&p->text, &p->len, &p->cap, text, len, 256);
 }
 
@@ -359,7 +376,10 @@ static cg_parked *find(cg_resume *r, const char *user, const char *id, int remot
 
 static void listen_link(cg_parked *p, const cg_resume_listener *l)
 {
-    listener_unlink(p); /* a listener before (another tab): this one takes over */
+    if (p->l.conn && p->l.conn != l->conn) /* a listener before (another tab): its one terminal frame */
+        p->l.frame(p->l.conn, cg_protocol_error_detail(p->id, cg_err_code(CG_E_NOT_FOUND), "this reply was "
+                                                       "resumed on another connection", NULL), 1);
+    listener_unlink(p); /* this one takes over */
     p->l = *l;
     p->lnext = *l->listening;
     if (p->lnext)
@@ -398,12 +418,24 @@ static cg_frame_text remote_terminal(const cg_parked *p, const char *json, size_
     return (cg_frame_text){.buf = buf, .json = buf + CG_FRAME_PRE, .len = len};
 }
 
+/* Says in the store, every HOLD_ON_MS, that a resume reads the reply: its holder goes on. */
+static void listen_now(cg_parked *p, uint64_t now)
+{
+    if (now - p->last_listen < HOLD_ON_MS)
+        return;
+    replies_of(p)->listen(store_of(p), p->user, p->id, LISTEN_MS);
+    p->last_listen = now;
+}
+
 /* One piece: the bytes (seq - len, seq]; the listener gets those after what it has. */
 static void remote_piece(cg_parked *p, const cg_reply_entry *e)
 {
     uint64_t begin = e->seq - e->len;
     if (e->seq <= p->after || !p->l.conn)
         return;
+    if (begin > p->after) /* pieces lost in the store (trimmed, or not written): the seq jumps */
+        cg_warn("resume: message %s: bytes %llu to %llu of the reply were not in the store", p->id,
+                (unsigned long long)p->after, (unsigned long long)begin);
     size_t from = p->after > begin ? (size_t)(p->after - begin) : 0;
     while (from < e->len && ((unsigned char)e->text[from] & 0xC0) == 0x80)
         from++;
@@ -418,6 +450,15 @@ static void on_entries(void *ctx, const cg_reply_entry *e, size_t n, int failed)
     if (came_back(p))
         return;
     uint64_t now = uv_now(p->timer->loop);
+    if (failed && p->last_entry && ++p->failures < 50) { /* away a moment: read again */
+        arm(p, POLL_MS);
+        return;
+    }
+    p->failures = 0;
+    if (!failed && !p->last_entry && n == 0 && now - p->last_news < APPEAR_MS) {
+        arm(p, POLL_MS); /* its gateway may not have seen its client go yet (a reset on its way) */
+        return;
+    }
     if (failed || (!p->last_entry && n == 0)) { /* the store is away, or holds no such reply */
         remote_end(p, cg_protocol_error_detail(p->id, cg_err_code(CG_E_NOT_FOUND), "no reply of this id to resume: it was never "
                                                "here, or it ended or was cancelled more than resume.grace_ms ago",
@@ -442,15 +483,17 @@ static void on_entries(void *ctx, const cg_reply_entry *e, size_t n, int failed)
                                                "gateway that held it went away", NULL));
         return;
     }
-    if (now - p->last_listen >= HOLD_ON_MS) {
-        replies_of(p)->listen(store_of(p), p->user, p->id, LISTEN_MS);
-        p->last_listen = now;
-    }
-    arm(p, n ? 0 : POLL_MS); /* a full read may have more behind it */
+    listen_now(p, now);
+    arm(p, n && !p->paused ? 0 : POLL_MS); /* a full read may have more behind it */
 }
 
 static void remote_poll(cg_parked *p)
 {
+    if (p->paused) { /* the listener reads slowly: no more is read, but its holder is told it listens */
+        listen_now(p, uv_now(p->timer->loop));
+        arm(p, POLL_MS);
+        return;
+    }
     if (replies_of(p)->read(store_of(p), p->user, p->id, p->last_entry, on_entries, p) == 0) {
         p->pending++;
         return;
@@ -460,10 +503,22 @@ static void remote_poll(cg_parked *p)
 }
 
 /* A resume of a reply this gateway does not hold: read from the store, if it has replies. */
-static int remote_attach(cg_resume *r, const char *user, const char *id, uint64_t after, const cg_resume_listener *l)
+int cg_resume_attach_remote(cg_resume *r, const char *user, const char *id, uint64_t after, const cg_resume_listener *l)
 {
     cg_store *st = r->env->store;
     if (!st || !st->ops->replies || r->n >= r->max_parked)
+        return -1;
+    cg_parked *old = find(r, user, id, 1);
+    if (old) { /* one reader a reply: the one before ends (its listener told) */
+        if (old->l.conn && old->l.conn != l->conn)
+            old->l.frame(old->l.conn, cg_protocol_error_detail(id, cg_err_code(CG_E_NOT_FOUND), "this reply was "
+                                                               "resumed on another connection", NULL), 1);
+        parked_free(old);
+    }
+    int readers = 0;
+    for (cg_parked *q = r->head; q; q = q->next)
+        readers += q->state == PARKED_REMOTE && strcmp(q->user, user) == 0;
+    if (readers >= MAX_READERS_PER_USER)
         return -1;
     cg_parked *p = cg_calloc(1, sizeof(*p));
     p->r = r;
@@ -529,7 +584,7 @@ int cg_resume_attach(cg_resume *r, const char *user, const char *id, uint64_t af
 {
     cg_parked *p = find(r, user, id, 0);
     if (!p)
-        return remote_attach(r, user, id, after, l);
+        return -1;
     listen_link(p, l);
     /* what was kept after `after` (a seq of ours: a character boundary; else the next one) */
     size_t from = after < p->len ? (size_t)after : p->len;
@@ -545,6 +600,19 @@ int cg_resume_attach(cg_resume *r, const char *user, const char *id, uint64_t af
     cg_info("resume: message %s resumed after %llu of %llu bytes%s", p->id, (unsigned long long)after,
             (unsigned long long)p->seq, p->terminal ? " (it had ended)" : "");
     return 0;
+}
+
+void cg_resume_pause_all(cg_parked *listening, int paused)
+{
+    for (cg_parked *p = listening; p; p = p->lnext) {
+        if (p->paused == !!paused)
+            continue;
+        p->paused = !!paused;
+        if (p->state == PARKED_RUNNING)
+            cg_turns_pause(p->q, p->paused);
+        else if (p->state == PARKED_REMOTE && !p->paused && !p->pending)
+            arm(p, 0); /* read on now */
+    }
 }
 
 void cg_resume_detach_all(cg_parked **listening)

@@ -66,6 +66,7 @@ struct cg_session {
     cg_wsconn ws;      /* the frames to the client, and the one from it being reassembled */
     cg_turns *turns;   /* the messages of this connection (turn.h); heap: a reply may outlive it (resume.h) */
     cg_parked *listening; /* the replies of gone connections this one resumed (resume.h) */
+    cg_session *next, **pprev; /* in the process's open sessions (a resume finds a reply here) */
     cg_dropin *dropin; /* drop-in mode: this connection speaks the app's protocol (dropin.h) */
 };
 
@@ -105,6 +106,7 @@ static void session_flow(cg_wsconn *c, int full, int overfull)
     cg_session *s = c->owner;
     if (full != s->turns->paused)
         cg_turns_pause(s->turns, full);
+    cg_resume_pause_all(s->listening, full); /* a reply it resumed, as its own */
     cg_wsconn_pause_rx(c, overfull);
 }
 
@@ -260,13 +262,56 @@ static void listen_frame(void *conn, cg_frame_text frame, int last)
         session_send(conn, frame);
 }
 
-/* {"type":"resume"}: the reply of a connection of this user that went away mid-reply. */
+/* The open sessions of this process: a resume may come before the gateway has seen its old
+ * connection go (a phone that changed network: the old one looks open until its pings fail). */
+static cg_session *open_sessions;
+
+static void session_turns_new(cg_session *s)
+{
+    s->turns = cg_calloc(1, sizeof(*s->turns));
+    cg_turns_init(s->turns, &s->srv->turn, &session_sink, NULL, s, s->user, s->session_id);
+}
+
+/*
+ * Another open connection of this user has the reply of message id in flight: the reply is
+ * parked as if that connection had gone, and it is closed (4000: the reply goes on
+ * elsewhere), so that the resume finds it. 0 when one was taken over.
+ */
+static int session_take_over(cg_session *s, const char *id)
+{
+    for (cg_session *o = open_sessions; o; o = o->next) {
+        const char *tid, *room, *text;
+        size_t len;
+        uint64_t seq;
+        if (o == s || o->dropin || strcmp(o->user, s->user) != 0 ||
+            cg_turns_reply(o->turns, &tid, &room, &text, &len, &seq) < 0 || strcmp(tid, id) != 0)
+            continue;
+        if (cg_resume_park(&s->srv->resume, o->turns, o->user) < 0)
+            return -1;
+        cg_info("session %s: message %s resumed on session %s: this connection is closed", o->session_id, id,
+                s->session_id);
+        session_turns_new(o); /* what it still gets until it closes is nobody's */
+        cg_wsconn_close(&o->ws, 4000, "the reply was resumed on another connection");
+        return 0;
+    }
+    return -1;
+}
+
+/* {"type":"resume"}: the reply of a connection of this user that went away mid-reply, here
+ * (parked, or on a connection not yet seen gone) or at another gateway of the same store. */
 static void session_resume(cg_session *s, const char *id, uint64_t after)
 {
+    cg_resume *r = &s->srv->resume;
     cg_resume_listener l = {.delta = session_send_delta, .frame = listen_frame, .conn = s, .listening = &s->listening};
-    if (cg_resume_attach(&s->srv->resume, s->user, id, after, &l) < 0)
+    int rc = cg_resume_attach(r, s->user, id, after, &l);
+    if (rc < 0 && r->grace_ms && session_take_over(s, id) == 0) /* not parked: maybe still "open" here */
+        rc = cg_resume_attach(r, s->user, id, after, &l);
+    if (rc < 0)
+        rc = cg_resume_attach_remote(r, s->user, id, after, &l);
+    if (rc < 0)
         session_send_error(s, id, CG_E_NOT_FOUND, "no reply of this id to resume: it was never here, or it ended "
                                                   "or was cancelled more than resume.grace_ms ago");
+    cg_resume_pause_all(s->listening, s->ws.full); /* as this connection's own replies are */
 }
 
 /* A message or context command becomes a turn request. */
@@ -361,8 +406,12 @@ static void session_open(cg_session *s, struct lws *wsi)
     s->ws.high = (size_t)srv->cfg->send_buffer;
     cg_wsconn_open(&s->ws, wsi);
     snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++srv->session_seq);
-    s->turns = cg_calloc(1, sizeof(*s->turns));
-    cg_turns_init(s->turns, &srv->turn, &session_sink, NULL, s, s->user, s->session_id);
+    session_turns_new(s);
+    s->next = open_sessions;
+    if (s->next)
+        s->next->pprev = &s->next;
+    s->pprev = &open_sessions;
+    open_sessions = s;
     srv->n_sessions++;
     char err[256];
     if (cg_handshake_is_dropin(srv, wsi)) {
@@ -402,6 +451,9 @@ static void session_close(cg_session *s)
      * that said it is done (1000) is; a lost connection, or one going away (1001: a tab put
      * to sleep, a page left), may come back */
     cg_resume_detach_all(&s->listening);
+    *s->pprev = s->next;
+    if (s->next)
+        s->next->pprev = s->pprev;
     if (s->dropin || !s->user[0] || s->closed_normally || cg_resume_park(&srv->resume, s->turns, s->user) < 0) {
         cg_turns_close(s->turns);
         free(s->turns);

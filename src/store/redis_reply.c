@@ -22,7 +22,9 @@
 #include "chatgate/store/redis_internal.h"
 #include "chatgate/store/store.h"
 
-#define REPLY_MAXLEN "4096" /* entries a reply's stream keeps (approximately: ~) */
+#define REPLY_MAXLEN "16384" /* entries a reply's stream keeps (approximately: ~): 13 minutes of
+                              * pieces at one per 50 ms; a longer reply's start goes, and a reader
+                              * that comes that late sees the seq jump */
 #define READ_COUNT "256"    /* entries one read takes */
 
 /* The reply's key, or its listen key (part), as one argument. */
@@ -43,11 +45,11 @@ static void on_quiet_reply(cg_redis_conn *ac, void *reply_, void *priv)
         cg_warn("redis: a reply kept for a resume elsewhere: %s failed: %s", what, reply->str);
 }
 
-static void rr_append(cg_store *st, const char *user, const char *id, const cg_reply_entry *e, long ttl_ms)
+static int rr_append(cg_store *st, const char *user, const char *id, const cg_reply_entry *e, long ttl_ms)
 {
     redis_store *rs = (redis_store *)st;
     if (!cg_redis_linked(rs))
-        return; /* a resume elsewhere then finds less; this gateway's own resumes do not need it */
+        return -1; /* kept by the caller, sent when Redis is back */
     cg_argv a = {0};
     cg_argv_str(&a, "XADD");
     arg_reply_key(rs, &a, user, id, "reply");
@@ -67,12 +69,14 @@ static void rr_append(cg_store *st, const char *user, const char *id, const cg_r
         cg_argv_str(&a, "end");
         cg_argv_arg(&a, e->end, e->end_len);
     }
-    cg_redis_send_argv(rs, &a, on_quiet_reply, "XADD");
+    int rc = cg_redis_send_argv(rs, &a, on_quiet_reply, "XADD");
     cg_argv_str(&a, "PEXPIRE");
     arg_reply_key(rs, &a, user, id, "reply");
     cg_argv_int(&a, ttl_ms);
-    cg_redis_send_argv(rs, &a, on_quiet_reply, "PEXPIRE");
+    if (rc == 0)
+        cg_redis_send_argv(rs, &a, on_quiet_reply, "PEXPIRE");
     cg_argv_free(&a);
+    return rc;
 }
 
 typedef struct reply_read {

@@ -496,7 +496,7 @@ static int queue_message(ws_conn *k, cg_upstream_call *c)
     if (c->m) {
         frame = message_frame(k, c->m, &len, &cap);
         const cg_upstream_config *cfg = c->core.up->cfg;
-        if (frame && c->core.replicas->n > 1 && cfg->max_attempts > 1) {
+        if (frame && !c->frame && c->core.replicas->n > 1 && cfg->max_attempts > 1) {
             c->frame = cg_malloc(CG_WS_PRE + len);
             memcpy(c->frame + CG_WS_PRE, frame + CG_WS_PRE, len);
             c->frame_len = len;
@@ -522,8 +522,10 @@ static int ws_attempt(cg_call *core, int r)
     ws_conn *k = *c->slot;
     if (!k && !(k = conn_new(core->up, c->slot, r)))
         return -1;
-    if (queue_message(k, c) < 0)
+    if (queue_message(k, c) < 0) { /* an app that reads nothing (MAX_PENDING): a new connection next */
+        conn_kill(k);
         return -1;
+    }
     cg_wsconn_soon(&k->client.conn, 0); /* the message goes when the event that made it ends (core/flush.h) */
     k->call = c;
     c->conn = k;

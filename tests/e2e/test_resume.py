@@ -13,6 +13,9 @@ streams word by word from the demo upstream, reads a few deltas, and loses its c
   not_found, and the history holds the reply marked cancelled;
 - another user's resume of the same id: not_found, none of the text;
 - a cancel after a resume: cancelled, no more deltas;
+- a second tab resuming the same reply takes it over: the first gets its one terminal frame
+  (not_found); a resume that comes while the old connection still looks open (half-open TCP)
+  takes its reply over and closes it with 4000;
 - a cancel phrase ("stop") in a new message while the reply is kept ends the kept reply first;
 - a client that closes with 1000 (it is done) stops its reply as before; one that closes with
   1001 (going away: a tab put to sleep) keeps it;
@@ -155,6 +158,31 @@ async def same_gateway():
             await again.send({"type": "resume", "id": "p1", "after": seq})
             kept, got = await rest_of(again, "p1", got, seq)
             check(kept.kind == "cancelled", f"the kept reply was not stopped by the phrase: {kept.describe()}")
+            await again.close()
+
+        with step("a second tab resumes the same reply: the first gets its one terminal frame, not_found"):
+            client, token, got, seq = await start_reply(gw, "two tabs want it " * 6, "t1", 1)
+            await drop(client)
+            tab1 = await resume(gw, token, "t1", seq)
+            await tab1.recv_type("delta", "t1")
+            tab2 = await resume(gw, token, "t1", seq)
+            end1 = await tab1.expect_error("not_found", "t1")
+            check("another connection" in end1["message"], f"the displaced tab's end: {end1}")
+            turn2, got2 = await rest_of(tab2, "t1", got, seq)
+            check(turn2.kind == "done" and turn2.terminal["text"] == got2, f"tab 2: {turn2.describe()}")
+            await tab1.close()
+            await tab2.close()
+
+        with step("a resume before the gateway saw the old connection go (it still looks open): taken over"):
+            client, token, got, seq = await start_reply(gw, "my old connection is half open " * 4, "h1", 1)
+            again = await resume(gw, token, "h1", seq)  # the old one was never closed
+            turn, got = await rest_of(again, "h1", got, seq)
+            check(turn.kind == "done" and turn.terminal["text"] == got, f"not taken over: {turn.describe()}")
+            try:
+                await asyncio.wait_for(client.ws.wait_closed(), 5)
+            except asyncio.TimeoutError:
+                pass
+            check(client.ws.close_code == 4000, f"the old connection was not closed with 4000: {client.ws.close_code}")
             await again.close()
 
         with step("bad resume frames: bad_frame naming the field"):

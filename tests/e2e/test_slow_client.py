@@ -11,7 +11,9 @@ Covers (docs/architecture.md, Back-pressure and bounds: slow clients get a bound
 - the gateway's RSS grows by less than 32 MB over its baseline during the pause;
 - after the client resumes reading, the reply completes: done arrives, and the deltas add up
   to the whole 20 MB with nothing lost or reordered (done.text is the whole reply, or a prefix
-  of it marked "truncated": true when the gateway caps it with max_reply_bytes).
+  of it marked "truncated": true when the gateway caps it with max_reply_bytes);
+- the same for a reply resumed after a lost connection, read slowly by the connection that
+  resumed it: the upstream stalls, RSS stays bounded, then the reply comes whole.
 Prints "slow client: peak gateway RSS X kB (baseline Y kB), upstream bytes written while
 paused Z". ASan's quarantine is capped for this gateway (ASAN_OPTIONS) so that freed memory
 held by ASan is not mistaken for buffering.
@@ -109,6 +111,50 @@ async def main(args):
                       f"{time.monotonic() - resumed_at:.2f}s; RSS now {gw.rss_kb()} kB")
             await client.check_alive()
             await client.close()
+
+        async with harness.Gateway([], config, env=env, name="gateway:resumed") as gw:
+            await resumed_slow(fake, gw)
+
+
+async def resumed_slow(fake, gw):
+    """The same for a reply resumed on another connection (resume.h): the old connection
+    stops reading (a phone that lost its network: it still looks open), a new one resumes the
+    reply (taking it over) and reads slowly: the reply must pause for it as for its own."""
+    sock = await small_socket(gw.port)
+    first = await Client.connect(gw, sock=sock, max_queue=1, read_limit=2**16, max_size=2**26)
+    token = first.hello["resume"]
+    await first.send_message("flood me, then lose me", "r1")
+    await first.recv_type("ack", "r1")
+    d = await first.recv_type("delta", "r1")  # and nothing more is read on this connection
+    req = await fake.next_request("huge", after=len(fake.requests) - 1)
+    sock2 = await small_socket(gw.port)
+    client = await Client.connect(f"{gw.url}?resume={token}", expect_user=token.split(".")[0], sock=sock2,
+                                  max_queue=1, read_limit=2**16, max_size=2**26)
+    baseline = gw.rss_kb()
+    with step(f"a resumed reply whose new connection stops reading for {PAUSE:.0f}s: the upstream stalls too"):
+        await client.send({"type": "resume", "id": "r1", "after": d["seq"]})
+        await client.recv_type("delta", "r1")
+        paused_at = time.monotonic()
+        peak = baseline
+        while time.monotonic() - paused_at < PAUSE:
+            await asyncio.sleep(SAMPLE)  # the RSS sampling period
+            peak = max(peak, gw.rss_kb())
+        resumed_at = time.monotonic()
+        written_end = req.bytes_written
+        written_2s_before = req.bytes_written_at(resumed_at - 2.0)
+        print(f"   resumed slow client: peak RSS {peak} kB (baseline {baseline} kB), upstream wrote "
+              f"{written_end - written_2s_before} bytes in the pause's last 2 s ({written_end} in all)")
+        check(req.finished_at is None and not req.aborted, "the upstream reply ended during the pause")
+        check(written_end - written_2s_before < MAX_WRITTEN_LAST_2S,
+              f"the upstream kept writing for a resumed reply nobody read ({written_end - written_2s_before} "
+              f"bytes in the pause's last 2 s): backpressure did not reach it")
+        check(peak - baseline < MAX_RSS_GROWTH_KB, f"gateway RSS grew by {peak - baseline} kB")
+    with step("the resumed connection reads again: the rest comes, the reply whole once"):
+        turn = await client.collect_turn("r1", timeout=60)
+        check(turn.kind == "done", f"expected done, got {harness.brief(turn.terminal)}")
+        text = d["text"] + "".join(f["text"] for f in turn.deltas)
+        check(len(text) == TOTAL, f"the reply came back {len(text)} characters long, of {TOTAL}")
+    await client.close()
 
 
 if __name__ == "__main__":

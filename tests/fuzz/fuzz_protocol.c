@@ -63,6 +63,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             __builtin_trap();
         check_built(cg_protocol_cancelled(f.id));
         break;
+    case CG_FRAME_RESUME: /* a whole number from 0 */
+        if (id_len == 0 || f.after > (uint64_t)INT64_MAX)
+            __builtin_trap();
+        check_built(cg_protocol_delta(f.id, "x", 1, f.after));
+        break;
     case CG_FRAME_CONTEXT_FORGET:
         if (json_array_size(f.keys) < 1 || json_array_size(f.keys) > 100)
             __builtin_trap();

@@ -58,11 +58,19 @@ int cg_resume_park(cg_resume *r, cg_turns *q, const char *user);
 /*
  * {"type":"resume"} from user: the reply of message id, parked here, goes to the listener
  * from after on (what was kept after it now, as one delta; the terminal frame if it has
- * ended; the rest live): 0. Held by another gateway sharing a Redis store: 1, and it comes
- * the same way as it is read from the store, or a not_found error frame. -1: no reply of
- * this user has this id (the caller says not_found).
+ * ended; the rest live): 0; -1 when this gateway keeps no reply of this user with this id.
+ * A listener that had it before gets its one terminal frame (not_found: resumed elsewhere).
  */
 int cg_resume_attach(cg_resume *r, const char *user, const char *id, uint64_t after, const cg_resume_listener *l);
+/* The same for a reply another gateway sharing a Redis store may hold: 1, and it comes as it
+ * is read from the store (deltas as the holder published them, then its terminal frame), or
+ * a not_found error frame when the store has none; -1 when the store shares no replies. */
+int cg_resume_attach_remote(cg_resume *r, const char *user, const char *id, uint64_t after,
+                            const cg_resume_listener *l);
+
+/* The listening connection's queue is over its mark (1) or under it again (0): the replies
+ * it listens to pause (a turn here: its upstream; a reader: its reads), as its own do. */
+void cg_resume_pause_all(cg_parked *listening, int paused);
 
 /* The listening connection goes: the replies it listened to are unattended again, and their
  * grace starts afresh. */

@@ -188,8 +188,9 @@ typedef void (*cg_store_listened_fn)(void *ctx, int listened);
  * gateways has none (NULL table). The callbacks come once, from the loop, never from inside
  * the call; a call that returns -1 (the store is away) calls nothing. */
 typedef struct cg_store_reply_ops {
-    /* Appends e to the reply of (user, id), which lives ttl_ms from now. No answer. */
-    void (*append)(cg_store *st, const char *user, const char *id, const cg_reply_entry *e, long ttl_ms);
+    /* Appends e to the reply of (user, id), which lives ttl_ms from now. No answer; -1 when
+     * it could not be sent (the store is away: the caller keeps it for later). */
+    int (*append)(cg_store *st, const char *user, const char *id, const cg_reply_entry *e, long ttl_ms);
     /* The entries after entry `after` (NULL: from the first), at most a few hundred. */
     int (*read)(cg_store *st, const char *user, const char *id, const char *after, cg_store_entries_fn cb,
                 void *ctx);
