@@ -33,6 +33,8 @@
 #
 # Environment:
 #   CHATGATE_BIN      gateway binary (default BUILD_DIR/chatgate)
+#   CHATGATE_BIN_B    a second gateway binary: adds the paths chatgate-pass(B), chatgate-rules(B)
+#                     (before/after in one run)
 #   STREAM_DELTAS     deltas a reply (default 100)
 #   STREAM_PATHS      the paths to run, space-separated (default: all four)
 #   STREAM_KEEP=1     keep the temporary directory (configs, logs, every stream_bench output)
@@ -190,9 +192,9 @@ cat >"$tmp/chatgate.json" <<EOF
 {"upstreams":{"llm":{"url":"$server_url/v1","model":"m","max_idle_connections":1024}},"default_upstream":"llm","rate_limit":{"messages_per_second":1000000,"burst":1000000},"max_connections":$max_connections}
 EOF
 start_chatgate() {
-	local name=$1 rules=$2 desc=$3 port
+	local name=$1 rules=$2 desc=$3 bin=${4:-$gateway} port
 	port=$(pick_free_port) || return 1
-	if bench_start "$name" "$port" "$gateway" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" \
+	if bench_start "$name" "$port" "$bin" --listen "127.0.0.1:$port" --config "$tmp/chatgate.json" \
 		--rules "$rules" --store memory; then
 		add_path "$name" "ws://127.0.0.1:$port/ws" "$started_pid" "$desc"
 	else
@@ -201,6 +203,12 @@ start_chatgate() {
 }
 wants chatgate-pass && start_chatgate chatgate-pass "$tmp/norules" "chatgate, no rules, memory store; chatgate.v1 client"
 wants chatgate-rules && start_chatgate chatgate-rules "$repo/rules" "chatgate, shipped rules, memory store; chatgate.v1 client"
+if [ -n "${CHATGATE_BIN_B:-}" ]; then
+	wants chatgate-pass && start_chatgate "chatgate-pass(B)" "$tmp/norules" \
+		"chatgate (B), no rules, memory store; chatgate.v1 client" "$CHATGATE_BIN_B"
+	wants chatgate-rules && start_chatgate "chatgate-rules(B)" "$repo/rules" \
+		"chatgate (B), shipped rules, memory store; chatgate.v1 client" "$CHATGATE_BIN_B"
+fi
 
 if [ ${#path_names[@]} = 0 ]; then
 	echo "stream.sh: no path to run" >&2
@@ -318,6 +326,8 @@ echo "|---|---|---|---|"
 ratio_row "chatgate, no rules / nginx" chatgate-pass nginx
 ratio_row "chatgate, shipped rules / nginx" chatgate-rules nginx
 ratio_row "shipped rules / no rules" chatgate-rules chatgate-pass
+ratio_row "chatgate, no rules / (B)" chatgate-pass "chatgate-pass(B)"
+ratio_row "chatgate, shipped rules / (B)" chatgate-rules "chatgate-rules(B)"
 echo
 echo "(proxy CPU per delta: user + system time of the proxy's process over the window, from /proc/PID/stat, over the deltas the client read in it)"
 echo "(delay: from the server's write() of a delta to the client's read() of it, by the stamp in its text; added: the path's p50 and p99 less the direct path's)"
