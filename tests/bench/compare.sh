@@ -89,38 +89,15 @@ for f in "$gateway" "$bench" "$app" ${gateway_b:+"$gateway_b"}; do
 	fi
 done
 
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_compare.XXXXXX") || exit 1
-pids=()
-
-# shellcheck disable=SC2317  # called through the EXIT trap
-cleanup() {
-	local p
-	for p in "${pids[@]}"; do
-		kill -TERM "$p" 2>/dev/null
-	done
-	for p in "${pids[@]}"; do
-		for _ in $(seq 1 50); do
-			kill -0 "$p" 2>/dev/null || break
-			sleep 0.1
-		done
-		kill -KILL "$p" 2>/dev/null
-		wait "$p" 2>/dev/null
-	done
-	if [ "${CG_COMPARE_KEEP:-0}" = 1 ]; then
-		echo "compare.sh: kept $tmp" >&2
-	else
-		rm -rf "$tmp"
-	fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+# shellcheck source=tests/bench/ports.sh
+. "$(dirname "$0")/ports.sh"
+[ "${CG_COMPARE_KEEP:-0}" = 1 ] && bench_keep=1
+bench_workdir compare
 
 # Many connections need many descriptors: cg_bench, the proxies and the app inherit this.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 fd_limit=$(ulimit -n)
 
-# shellcheck source=tests/bench/ports.sh
-. "$(dirname "$0")/ports.sh"
 
 if [ $mode = idle ]; then
 	max_connections=$((idle_n + 100))

@@ -6,7 +6,8 @@
 #   ports, which an outgoing connection could take before the port is bound); 1 when 50
 #   tries found none.
 # bench_workdir NAME: makes $tmp, a new directory for NAME's files, and an empty $pids; at
-#   exit, every process in $pids is stopped and $tmp removed (kept when bench_keep is set).
+#   exit (or SIGINT, SIGTERM), every process in $pids gets SIGTERM, then SIGKILL after 5 s,
+#   and $tmp is removed (kept, and said, when bench_keep is set).
 # bench_config APP_PORT: prints a gateway config with app_backend on APP_PORT as its ws://
 #   upstream "app", and no rate limit a benchmark would meet.
 # bench_start NAME PORT COMMAND...: runs COMMAND in the background (its log in
@@ -33,13 +34,26 @@ bench_workdir() {
 	tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_$1.XXXXXX") || exit 1
 	pids=()
 	trap bench_cleanup EXIT
+	trap 'exit 130' INT TERM
 }
 
 # shellcheck disable=SC2317  # called through the EXIT trap
 bench_cleanup() {
+	local p
 	for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-	wait 2>/dev/null
-	[ -n "${bench_keep:-}" ] || rm -rf "$tmp"
+	for p in "${pids[@]}"; do
+		for _ in $(seq 1 50); do
+			kill -0 "$p" 2>/dev/null || break
+			sleep 0.1
+		done
+		kill -KILL "$p" 2>/dev/null
+		wait "$p" 2>/dev/null
+	done
+	if [ -n "${bench_keep:-}" ]; then
+		echo "${0##*/}: kept $tmp" >&2
+	else
+		rm -rf "$tmp"
+	fi
 }
 
 bench_config() {

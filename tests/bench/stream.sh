@@ -75,37 +75,14 @@ for f in "$gateway" "$bench" "$server"; do
 	fi
 done
 
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/cg_stream.XXXXXX") || exit 1
-pids=()
-
-# shellcheck disable=SC2317  # called through the EXIT trap
-cleanup() {
-	local p
-	for p in "${pids[@]}"; do
-		kill -TERM "$p" 2>/dev/null
-	done
-	for p in "${pids[@]}"; do
-		for _ in $(seq 1 50); do
-			kill -0 "$p" 2>/dev/null || break
-			sleep 0.1
-		done
-		kill -KILL "$p" 2>/dev/null
-		wait "$p" 2>/dev/null
-	done
-	if [ "${STREAM_KEEP:-0}" = 1 ]; then
-		echo "stream.sh: kept $tmp" >&2
-	else
-		rm -rf "$tmp"
-	fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+# shellcheck source=tests/bench/ports.sh
+. "$here/ports.sh"
+[ "${STREAM_KEEP:-0}" = 1 ] && bench_keep=1
+bench_workdir stream
 
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 fd_limit=$(ulimit -n)
 
-# shellcheck source=tests/bench/ports.sh
-. "$here/ports.sh"
 
 wanted=" ${STREAM_PATHS:-direct nginx chatgate-pass chatgate-rules} "
 wants() { case $wanted in *" $1 "*) return 0 ;; esac; return 1; }
