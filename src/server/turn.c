@@ -343,6 +343,24 @@ static void export_turn(cg_turn *t, turn_end_kind end)
     json_decref(acted);
 }
 
+/* The same for a chat turn that ends before it was saved (cancelled while it waited or
+ * loaded, refused by a limit, its load failed): it has no dialog, so no service, params or
+ * rules; refusals on arrival (rate, queue bound) are no turn and have no record. */
+static void export_early(cg_turn *t, turn_end_kind end, int err)
+{
+    if (!t->q->env->exporter || t->kind != CG_TURN_CHAT || t->saved)
+        return;
+    t->end_err = err;
+    export_turn(t, end);
+}
+
+/* An error that ends a chat turn before its dialog is loaded: said, and in the export. */
+static void say_early_error(cg_turn *t, int err, const char *message, json_t *detail)
+{
+    say_error(t->q, t->kind == CG_TURN_CHAT ? t->id : NULL, err, message, detail);
+    export_early(t, END_ERROR, err);
+}
+
 static void turn_save(cg_turn *t, turn_end_kind end)
 {
     cg_turns *q = t->q;
@@ -738,9 +756,10 @@ static void upstream_cancel(cg_turn *t, int client_said)
 {
     (void)client_said;
     cg_turns *q = t->q;
-    turn_stop(t);
+    turn_stop(t); /* saved as cancelled, and in the export, when its dialog was loaded */
     if (q->sink->cancelled)
         q->sink->cancelled(q->conn, t->id);
+    export_early(t, END_CANCELLED, 0);
     turn_finish(t);
 }
 
@@ -966,7 +985,7 @@ static int turn_load(cg_turn *t)
     t->load = st->ops->lease->acquire(st, q->user, t->room, on_dialog_loaded, t);
     if (t->load)
         return 0;
-    say_error(q, t->kind == CG_TURN_CHAT ? t->id : NULL, CG_E_INTERNAL, "the dialog could not be loaded", NULL);
+    say_early_error(t, CG_E_INTERNAL, "the dialog could not be loaded", NULL);
     return -1;
 }
 
@@ -1005,7 +1024,7 @@ static void on_limit_verdict(void *ctx, const cg_limit_verdict *v, const cg_stor
         q->env->metrics->limited[v->hit]++;
         json_t *detail = json_pack("{s:I,s:s}", "retry_after_ms", (json_int_t)v->retry_after_ms, "limit", name);
         t->refused = 1;
-        say_error(q, t->id, CG_E_RATE_LIMITED, msg, detail);
+        say_early_error(t, CG_E_RATE_LIMITED, msg, detail);
         json_decref(detail);
         turn_finish(t);
         return;
@@ -1027,7 +1046,7 @@ static int turn_limit(cg_turn *t)
     t->limit = st->ops->limits->take(st, q->user, q->limits, t->limit_turn, on_limit_verdict, t);
     if (t->limit)
         return 0;
-    say_error(q, t->id, CG_E_INTERNAL, "the user's limits could not be checked", NULL);
+    say_early_error(t, CG_E_INTERNAL, "the user's limits could not be checked", NULL);
     return -1;
 }
 
@@ -1263,6 +1282,7 @@ int cg_turns_cancel(cg_turns *q, const char *id)
         q->queued--;
         if (q->sink->cancelled)
             q->sink->cancelled(q->conn, id);
+        export_early(t, END_CANCELLED, 0);
         turn_free(t);
         return 0;
     }

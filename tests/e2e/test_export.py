@@ -192,6 +192,18 @@ async def part_file(work):
                 rec = (await until(lambda: file_records(path + ".notext"), "a line"))[0]
                 check("text" not in rec and "reply" not in rec and rec["id"] == "n1", f"{rec}")
                 check(EMAIL not in json.dumps(rec), f"{rec}")
+            with step("a message cancelled while it waited in the queue has its record too (end cancelled)"):
+                await client.send_message("SLOW please", "q1", room="r")
+                await client.recv_type("delta", "q1")
+                await client.send_message("the waiting one", "q2", room="r")
+                await client.cancel("q2")
+                turn = await client.collect_turn("q2")
+                check([f["type"] for f in turn.frames] == ["cancelled"], f"q2: {turn.describe()}")
+                recs = await until(lambda: [r for r in file_records(path + ".notext") if r["id"] == "q2"], "q2's record")
+                check(recs[0]["end"] == "cancelled" and recs[0]["service"] is None and recs[0]["route"] is None,
+                      f"q2's record: {recs[0]}")
+                await client.cancel("q1")
+                await client.collect_turn("q1")
             await client.close()
 
         rot = os.path.join(work, "rot.jsonl")
