@@ -447,14 +447,15 @@ static void session_close(cg_session *s)
         cg_dropin_close(s->dropin);
         s->dropin = NULL;
     }
-    /* a reply in flight goes on for a resume (resume.h), or stops as the turns close: a client
-     * that said it is done (1000) is; a lost connection, or one going away (1001: a tab put
-     * to sleep, a page left), may come back */
     cg_resume_detach_all(&s->listening);
     *s->pprev = s->next;
     if (s->next)
         s->next->pprev = s->pprev;
-    if (s->dropin || !s->user[0] || s->closed_normally || cg_resume_park(&srv->resume, s->turns, s->user) < 0) {
+    /* a reply in flight goes on for a resume (resume.h), or stops as the turns close: a client
+     * that said it is done (1000) is; a lost connection, or one going away (1001: a tab put
+     * to sleep, a page left), may come back. (A drop-in session's turns are dropin.c's: these
+     * hold none, and nothing is parked.) */
+    if (!s->user[0] || s->closed_normally || cg_resume_park(&srv->resume, s->turns, s->user) < 0) {
         cg_turns_close(s->turns);
         free(s->turns);
     }
