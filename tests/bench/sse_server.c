@@ -54,13 +54,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "stream_common.h"
+
 #define MAX_REQUEST_HEAD (64u * 1024u)
 #define MAX_REQUEST_BODY (16u * 1024u * 1024u)
 #define MAX_TEXT 256
-#define STAMP_LETTERS 12 /* 48 bits */
 #define MAX_EVENTS 256
 #define NS_PER_MS 1000000LL
-#define NS_PER_S 1000000000LL
 
 enum conn_state {
 	ST_HEAD,   /* reading a request's head */
@@ -104,23 +104,9 @@ static void on_signal(int sig)
 	stop_now = 1;
 }
 
-static int64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * NS_PER_S + ts.tv_nsec;
-}
-
 static void *xrealloc(void *p, size_t n)
 {
-	void *q = realloc(p, n);
-
-	if (!q) {
-		fprintf(stderr, "sse_server: out of memory\n");
-		exit(1);
-	}
-	return q;
+	return bench_realloc("sse_server", p, n);
 }
 
 /* ---- the schedule: a binary min-heap of streams by due time ---- */
@@ -289,12 +275,8 @@ static int stream_step(struct conn *c, int64_t now /* the pass's */)
 
 	if (c->sent < opt.deltas) {
 		char stamp[STAMP_LETTERS + 2];
-		uint64_t t = (uint64_t)now_ns();
 
-		stamp[0] = '~';
-		for (int i = 0; i < STAMP_LETTERS; i++)
-			stamp[1 + i] = (char)('a' + ((t >> (4 * (STAMP_LETTERS - 1 - i))) & 15u));
-		stamp[STAMP_LETTERS + 1] = '\0';
+		stamp_write(stamp, (uint64_t)now_ns());
 		len = snprintf(payload, sizeof(payload),
 			       "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\","
 			       "\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":"

@@ -60,15 +60,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#define NS_PER_S 1000000000LL
+#include "stream_common.h"
+
 #define NS_PER_MS 1000000.0
 #define MAX_FRAME (4u * 1024u * 1024u)
 #define MAX_HEAD (64u * 1024u)
 #define MAX_CONNECTING 256 /* connection attempts at once (the peer's listen backlog) */
 #define MAX_EVENTS 512
 #define STOP_GRACE_NS (2 * NS_PER_S)
-#define STAMP_LETTERS 12
-#define STAMP_MASK ((UINT64_C(1) << (4 * STAMP_LETTERS)) - 1u)
 #define MAX_LOGGED 10
 
 /* ---- histograms: values below 2 * SUB one bucket each, then SUB buckets a power of two ---- */
@@ -209,23 +208,9 @@ static void on_signal(int sig)
 	signal_seen = 1;
 }
 
-static int64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * NS_PER_S + ts.tv_nsec;
-}
-
 static void *xrealloc(void *p, size_t n)
 {
-	void *q = realloc(p, n);
-
-	if (!q) {
-		fprintf(stderr, "stream_bench: out of memory\n");
-		exit(1);
-	}
-	return q;
+	return bench_realloc("stream_bench", p, n);
 }
 
 /* ---- CPU time from /proc ---- */
