@@ -39,8 +39,8 @@ static const char *const messages[] = {
     "nevermind",
     "the Shinjuku one",
     "get the shroom burger",
-    "Tell me a long story about a cat who travels from Mombasa to Paris and back again, twice, "
-    "with many details about the food, the weather and the people it meets on the way.",
+    ("Tell me a long story about a cat who travels from Mombasa to Paris and back again, twice, "
+     "with many details about the food, the weather and the people it meets on the way."), /* one, on two lines */
 };
 #define N_MESSAGES (sizeof(messages) / sizeof(messages[0]))
 

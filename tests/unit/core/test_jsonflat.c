@@ -737,8 +737,8 @@ static void test_mutated(void)
 {
     enum { RUNS = 100000 };
     static const char *const frames[] = {
-        "{\"type\":\"message\",\"id\":\"m1\",\"room\":\"bench\",\"text\":\"Find flights from "
-        "Nairobi to London on Feb 10\"}",
+        ("{\"type\":\"message\",\"id\":\"m1\",\"room\":\"bench\",\"text\":\"Find flights from "
+         "Nairobi to London on Feb 10\"}"), /* one frame, on two lines */
         "{\"type\":\"delta\",\"id\":\"x\",\"text\":\"hi\"}",
         "{\"type\":\"done\",\"id\":\"x\"}",
         "{ \"a\" : \"b\\n\\\"c\\\"\" , \"t\" : true , \"f\" : false , \"n\" : null }",
