@@ -262,11 +262,6 @@ if [ ${#path_names[@]} = 0 ]; then
 	exit 1
 fi
 
-# result FILE KEY: a field of the RESULT line of a cg_bench output
-result() {
-	sed -n "s/^RESULT .*[ ]$2=\([^ ]*\).*/\1/p" "$1" | head -n 1
-}
-
 # ---- idle: memory per connection ----
 if [ $mode = idle ]; then
 	echo "compare.sh: $idle_n idle connections per path; fd limit $fd_limit"
@@ -343,17 +338,6 @@ for round in $(seq 1 "$rounds"); do
 		sleep 0.5 # the closing handshakes finish before the next path starts
 	done
 done
-
-# spread: numbers on stdin, one a line -> "LOWEST MEDIAN HIGHEST" ("- - -" for none)
-spread() {
-	sort -g | awk '{ v[NR] = $1 } END { if (!NR) { print "- - -"; exit }
-		print v[1], (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2), v[NR] }'
-}
-
-# median COLUMN NAME: the median of one column of a path's runs ("-" if none)
-median() {
-	awk -v n="$2" -v col="$1" '$1 == n && $col != "-" { print $col }' "$tmp/runs" | spread | awk '{ print $2 }'
-}
 
 # reference NAME: the path NAME's ratios are to (one process per CPU against its like)
 reference() {

@@ -10,6 +10,11 @@
 #   and $tmp is removed (kept, and said, when bench_keep is set).
 # bench_config APP_PORT: prints a gateway config with app_backend on APP_PORT as its ws://
 #   upstream "app", and no rate limit a benchmark would meet.
+# result FILE KEY: a field of the RESULT line of a load generator's output (cg_bench,
+#   stream_bench).
+# spread: numbers on stdin, one a line -> "LOWEST MEDIAN HIGHEST" ("- - -" for none).
+# median COLUMN NAME: the median of one column of a path's runs in $tmp/runs (lines
+#   "NAME ROUND ..."; "-" if none).
 # bench_start NAME PORT COMMAND...: runs COMMAND in the background (its log in
 #   $tmp/NAME.log), adds it to $pids, sets started_pid, and waits until PORT accepts; 1, with
 #   the log's end, when it exits first or does not listen within 10 s.
@@ -79,4 +84,17 @@ bench_start() {
 	echo "${0##*/}: $name did not listen on port $port within 10 s; its log ends:" >&2
 	tail -n 10 "$tmp/$name.log" >&2
 	return 1
+}
+
+result() {
+	sed -n "s/^RESULT .*[ ]$2=\([^ ]*\).*/\1/p" "$1" | head -n 1
+}
+
+spread() {
+	sort -g | awk '{ v[NR] = $1 } END { if (!NR) { print "- - -"; exit }
+		print v[1], (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2), v[NR] }'
+}
+
+median() {
+	awk -v n="$2" -v col="$1" '$1 == n && $col != "-" { print $col }' "$tmp/runs" | spread | awk '{ print $2 }'
 }

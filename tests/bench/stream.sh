@@ -192,11 +192,6 @@ if [ ${#path_names[@]} = 0 ]; then
 	exit 1
 fi
 
-# result FILE KEY: a field of the RESULT line of a stream_bench output
-result() {
-	sed -n "s/^RESULT .*[ ]$2=\([^ ]*\).*/\1/p" "$1" | head -n 1
-}
-
 # server_quiet: waits (at most 5 s) until the server has no stream in flight, so that a
 # path's run does not meet the end of the one before
 server_quiet() {
@@ -251,16 +246,6 @@ for round in $(seq 1 "$rounds"); do
 		sleep 0.5
 	done
 done
-
-# spread: numbers on stdin, one a line -> "LOWEST MEDIAN HIGHEST" ("- - -" for none)
-spread() {
-	sort -g | awk '{ v[NR] = $1 } END { if (!NR) { print "- - -"; exit }
-		print v[1], (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2), v[NR] }'
-}
-# median COLUMN NAME: the median of one column of a path's runs ("-" if none)
-median() {
-	awk -v n="$2" -v col="$1" '$1 == n && $col != "-" { print $col }' "$tmp/runs" | spread | awk '{ print $2 }'
-}
 
 nginx_cpu=$(median 4 nginx)
 direct_p50=$(median 5 direct)
