@@ -3,6 +3,7 @@
  */
 #include "chatgate/core/alloc.h"
 #include "chatgate/core/buf.h"
+#include "chatgate/core/utf8.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -20,4 +21,13 @@ void cg_buf_append(char **buf, size_t *len, size_t *cap, const void *data, size_
     memcpy(*buf + *len, data, n);
     *len += n;
     (*buf)[*len] = 0;
+}
+
+int cg_buf_append_upto(char **buf, size_t *len, size_t *cap, const char *text, size_t n, size_t max)
+{
+    int cut = *len + n > max;
+    if (cut)
+        n = cg_utf8_boundary(text, max > *len ? max - *len : 0);
+    cg_buf_append(buf, len, cap, text, n, 256);
+    return cut;
 }

@@ -199,14 +199,9 @@ static void publish_text(cg_parked *p, const char *text, size_t len)
 /* The text kept, up to max_reply_bytes cut on a character boundary, as the turn keeps it. */
 static void keep_text(cg_parked *p, const char *text, size_t len)
 {
-    size_t max = (size_t)p->r->env->cfg->max_reply_bytes;
-    if (p->truncated)
-        return; /* the kept text is a prefix of what the client saw, or nothing is */
-    if (p->len + len > max) {
-        len = cg_utf8_boundary(text, max > p->len ? max - p->len : 0);
-        p->truncated = 1;
-    }
-    cg_buf_append(&p->text, &p->len, &p->cap, text, len, 256);
+    if (!p->truncated) /* past the cut nothing: the kept text stays a prefix of what was sent */
+        p->truncated = cg_buf_append_upto(&p->text, &p->len, &p->cap, text, len,
+                                          (size_t)p->r->env->cfg->max_reply_bytes);
 }
 
 static void on_timer(uv_timer_t *t);
@@ -374,11 +369,17 @@ static cg_parked *find(cg_resume *r, const char *user, const char *id, int remot
 
 /* ---- a resume of another gateway's reply (REMOTE) ----------------------------------------- */
 
+/* p's listener, if another connection than l's, loses the reply to l: its one terminal frame. */
+static void displace(const cg_parked *p, const cg_resume_listener *l)
+{
+    if (p->l.conn && p->l.conn != l->conn)
+        p->l.frame(p->l.conn, cg_protocol_error_detail(p->id, cg_err_code(CG_E_NOT_FOUND), "this reply was resumed "
+                                                       "on another connection", NULL), 1);
+}
+
 static void listen_link(cg_parked *p, const cg_resume_listener *l)
 {
-    if (p->l.conn && p->l.conn != l->conn) /* a listener before (another tab): its one terminal frame */
-        p->l.frame(p->l.conn, cg_protocol_error_detail(p->id, cg_err_code(CG_E_NOT_FOUND), "this reply was "
-                                                       "resumed on another connection", NULL), 1);
+    displace(p, l); /* a listener before (another tab) */
     listener_unlink(p); /* this one takes over */
     p->l = *l;
     p->lnext = *l->listening;
@@ -510,9 +511,7 @@ int cg_resume_attach_remote(cg_resume *r, const char *user, const char *id, uint
         return -1;
     cg_parked *old = find(r, user, id, 1);
     if (old) { /* one reader a reply: the one before ends (its listener told) */
-        if (old->l.conn && old->l.conn != l->conn)
-            old->l.frame(old->l.conn, cg_protocol_error_detail(id, cg_err_code(CG_E_NOT_FOUND), "this reply was "
-                                                               "resumed on another connection", NULL), 1);
+        displace(old, l);
         parked_free(old);
     }
     int readers = 0;

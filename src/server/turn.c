@@ -449,14 +449,9 @@ static void turn_cancel(cg_turn *t, int client_said)
  * boundary. */
 static void turn_keep_reply(cg_turn *t, const char *text, size_t len)
 {
-    size_t max = (size_t)t->q->env->cfg->max_reply_bytes;
-    if (t->truncated)
-        return;
-    if (t->reply_len + len > max) {
-        len = cg_utf8_boundary(text, max - t->reply_len);
-        t->truncated = 1;
-    }
-    cg_buf_append(&t->reply, &t->reply_len, &t->reply_cap, text, len, 256);
+    if (!t->truncated)
+        t->truncated = cg_buf_append_upto(&t->reply, &t->reply_len, &t->reply_cap, text, len,
+                                          (size_t)t->q->env->cfg->max_reply_bytes);
 }
 
 static void turn_first_text(cg_turn *t)

@@ -11,4 +11,9 @@
 /* Appends n bytes of data to *buf (holding *len bytes in *cap; all 0/NULL at first). */
 void cg_buf_append(char **buf, size_t *len, size_t *cap, const void *data, size_t n, size_t first);
 
+/* Appends UTF-8 text as cg_buf_append does, but never past max bytes in all: what would pass
+ * it is cut on a character boundary and left out. 1 when it cut (the caller keeps no more),
+ * else 0. */
+int cg_buf_append_upto(char **buf, size_t *len, size_t *cap, const char *text, size_t n, size_t max);
+
 #endif
