@@ -61,14 +61,8 @@ def file_records(path):
 
 
 async def until(predicate, what, timeout=T):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await asyncio.to_thread(predicate)
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            harness.fail(f"{what}: not within {timeout}s")
-        await asyncio.sleep(0.05)
+    """harness.wait_condition, polling a file or Redis every 50 ms."""
+    return await harness.wait_condition(predicate, timeout, what, interval=0.05)
 
 
 async def cancelled_turn(client, text, mid, room):
