@@ -6,12 +6,10 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <yajl/yajl_parse.h>
 
 #include "chatgate/core/alloc.h"
 #include "chatgate/core/jsonflat.h"
-#include "chatgate/core/swar.h"
-#include "chatgate/core/utf8.h"
+#include "chatgate/core/yajlread.h"
 
 /* Text yajl handed over: a pointer into the frame when the text had no escape, else into
  * its own buffer, valid only during the callback, so then copied. NULL when there is no room
@@ -122,75 +120,6 @@ static const yajl_callbacks callbacks = {
     .yajl_start_array = on_start_array,
 };
 
-/*
- * 1 when buf[0..len) may be the plain case as far as its bytes go, in one pass: valid UTF-8
- * as jansson checks it (cg_utf8_char_len), no \u escape, and no \v or \f, which yajl also
- * takes for whitespace and jansson does not (both are control characters, so not in a valid
- * string either).
- */
-static int plain_bytes(const char *buf, size_t len)
-{
-    const unsigned char *u = (const unsigned char *)buf;
-    for (size_t i = 0; i < len;) {
-        if (i + 8 <= len) { /* eight bytes of ASCII at once, none of them '\\', \v or \f */
-            uint64_t v = cg_swar_load(u + i);
-            if (!(v & CG_SWAR_HIGHS) && !cg_swar_has(v, '\\') && !cg_swar_has(v, '\v') && !cg_swar_has(v, '\f')) {
-                i += 8;
-                continue;
-            }
-        }
-        unsigned char c = u[i];
-        if (c >= 0x80) {
-            size_t n = cg_utf8_char_len(u + i, len - i);
-            if (!n)
-                return 0;
-            i += n;
-            continue;
-        }
-        if ((c == '\\' && i + 1 < len && u[i + 1] == 'u') || c == '\v' || c == '\f')
-            return 0;
-        i += c == '\\' ? 2 : 1; /* an escape's second byte is not the start of one */
-    }
-    return 1;
-}
-
-/* yajl's few allocations for one read (its handle, lexer and stacks: five, some 400 bytes)
- * from the reader's own room, all let go together; past it, malloc's. */
-static void *arena_malloc(void *ctx, size_t n)
-{
-    cg_jsonflat *f = ctx;
-    size_t need = (sizeof(size_t) + n + 15) & ~(size_t)15;
-    if (need > sizeof(f->arena) - f->arena_used)
-        return cg_malloc(n);
-    char *p = (char *)f->arena + f->arena_used;
-    f->arena_used += need;
-    memcpy(p, &n, sizeof(n)); /* the size, for a realloc */
-    return p + sizeof(size_t);
-}
-
-static int in_arena(const cg_jsonflat *f, const void *p)
-{
-    return (const char *)p >= (const char *)f->arena && (const char *)p < (const char *)f->arena + sizeof(f->arena);
-}
-
-static void arena_free(void *ctx, void *p)
-{
-    if (!in_arena(ctx, p))
-        free(p);
-}
-
-static void *arena_realloc(void *ctx, void *p, size_t n)
-{
-    if (!p || !in_arena(ctx, p))
-        return p ? cg_realloc(p, n) : arena_malloc(ctx, n);
-    size_t had;
-    memcpy(&had, (char *)p - sizeof(size_t), sizeof(had));
-    void *q = arena_malloc(ctx, n);
-    if (q)
-        memcpy(q, p, had < n ? had : n);
-    return q;
-}
-
 int cg_jsonflat_read(cg_jsonflat *f, const char *buf, size_t len)
 {
     f->n = 0;
@@ -200,20 +129,13 @@ int cg_jsonflat_read(cg_jsonflat *f, const char *buf, size_t len)
     f->copied = 0;
     f->depth = 0;
     f->ok = 0;
-    f->arena_used = 0;
-    if (!plain_bytes(buf, len))
+    if (!cg_yajl_plain_bytes(buf, len))
         return 0;
-    yajl_alloc_funcs arena = {arena_malloc, arena_realloc, arena_free, f};
-    yajl_handle h = yajl_alloc(&callbacks, &arena, f);
+    yajl_handle h = cg_yajl_open(&f->room, &callbacks, f);
     if (!h)
         return 0;
-    /* yajl's defaults are strict JSON (no comments); its own UTF-8 check is turned off,
-     * plain_bytes having made a stricter one over the whole frame. The parse stops at the
-     * object's end (on_end_map), and only whitespace may follow it. */
-    yajl_config(h, yajl_dont_validate_strings, 1);
-    int read = yajl_parse(h, (const unsigned char *)buf, len) == yajl_status_client_canceled && f->ok;
-    for (size_t i = read ? yajl_get_bytes_consumed(h) : len; i < len && read; i++)
-        read = buf[i] == ' ' || buf[i] == '\t' || buf[i] == '\n' || buf[i] == '\r';
+    /* The parse stops at the object's end (on_end_map), and only whitespace may follow it. */
+    int read = cg_yajl_whole(h, buf, len, &f->ok);
     yajl_free(h);
     return read;
 }

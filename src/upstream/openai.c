@@ -41,6 +41,7 @@
 #include "chatgate/core/num.h"
 #include "chatgate/core/sse.h"
 #include "chatgate/upstream/call.h"
+#include "chatgate/upstream/chunk.h"
 #include "chatgate/upstream/http_pool.h"
 #include "chatgate/upstream/upstream.h"
 
@@ -131,6 +132,17 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
         call_done(c);
         return 1;
     }
+    cg_chunk k; /* the plain chunk without a tree; anything else is jansson's (chunk.h) */
+    int plain = cg_chunk_read(&k, data, len);
+    if (plain) {
+        if (k.finished)
+            c->finish_seen = 1;
+        if (k.content_len > 0)
+            cg_call_delta(&c->core, k.content, k.content_len);
+    }
+    cg_chunk_free(&k);
+    if (plain)
+        return ended(c) ? 1 : 0;
     json_error_t jerr;
     json_t *o = json_loadb(data, len, 0, &jerr);
     if (!json_is_object(o)) {

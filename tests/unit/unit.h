@@ -54,6 +54,31 @@ static inline uint32_t unit_rand(uint64_t *state)
     return (uint32_t)(*state >> 32);
 }
 
+/* One random edit of buf[0..*n) (room for cap bytes), as a fuzzer would make: a byte deleted,
+ * c inserted, or a byte replaced by c. The readers' tests hold mutated inputs to jansson. */
+static inline void unit_mutate(uint64_t *state, char *buf, size_t *n, size_t cap, char c)
+{
+    size_t at = unit_rand(state) % (*n + 1);
+    switch (unit_rand(state) % 3) {
+    case 0: /* delete */
+        if (at < *n) {
+            memmove(buf + at, buf + at + 1, *n - at - 1);
+            (*n)--;
+        }
+        break;
+    case 1: /* insert */
+        if (*n < cap) {
+            memmove(buf + at + 1, buf + at, *n - at);
+            buf[at] = c;
+            (*n)++;
+        }
+        break;
+    default: /* replace */
+        if (at < *n)
+            buf[at] = c;
+    }
+}
+
 static inline int unit_done(const char *name)
 {
     printf("%s: %d checks, %d passed, %d failed\n", name, unit_checks, unit_checks - unit_failures,

@@ -22,6 +22,8 @@
  */
 #include <stddef.h>
 
+#include "chatgate/core/yajlread.h"
+
 #define CG_JSONFLAT_MAX 16
 
 typedef enum cg_jsonflat_kind { CG_JSONFLAT_STRING, CG_JSONFLAT_NULL, CG_JSONFLAT_TRUE, CG_JSONFLAT_FALSE } cg_jsonflat_kind;
@@ -43,8 +45,7 @@ typedef struct cg_jsonflat {
     char *copies; /* texts that had escapes, decoded: malloc'd when the first one comes */
     size_t copied;
     int depth, ok;
-    _Alignas(16) unsigned char arena[1024]; /* yajl's allocations (jsonflat.c) */
-    size_t arena_used;
+    cg_yajl_room room; /* yajl's allocations */
 } cg_jsonflat;
 
 /* Reads buf[0..len) into f: 1 when it is the plain case above, 0 when not (read it with

@@ -761,28 +761,8 @@ static void test_mutated(void)
             n = g.n;
         }
         size_t edits = 1 + rnd() % 3;
-        for (size_t e = 0; e < edits; e++) {
-            size_t at = n ? rnd() % (n + 1) : 0;
-            switch (rnd() % 3) {
-            case 0: /* delete */
-                if (at < n) {
-                    memmove(buf + at, buf + at + 1, n - at - 1);
-                    n--;
-                }
-                break;
-            case 1: /* insert */
-                if (n < sizeof(buf)) {
-                    memmove(buf + at + 1, buf + at, n - at);
-                    buf[at] = (char)mut_byte();
-                    n++;
-                }
-                break;
-            default: /* replace */
-                if (at < n)
-                    buf[at] = (char)mut_byte();
-                break;
-            }
-        }
+        for (size_t e = 0; e < edits; e++)
+            unit_mutate(&rng_state, buf, &n, sizeof(buf), (char)mut_byte());
         check_read(&t, buf, n);
     }
     printf("mutated: %ld frames, %ld read\n", t.runs, t.read);

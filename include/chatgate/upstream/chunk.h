@@ -1,0 +1,59 @@
+#ifndef CHATGATE_UPSTREAM_CHUNK_H
+#define CHATGATE_UPSTREAM_CHUNK_H
+/*
+ * chunk.h: an OpenAI-compatible upstream's streamed chunk, read without building a tree.
+ *
+ * A streamed reply is a chunk an event, hundreds a reply, each a JSON object of which the
+ * gateway wants two things: choices[0].delta.content and whether choices[0].finish_reason is
+ * set. jansson's json_loadb built a tree of each (objects, their hash tables, a copy of every
+ * key and string): 19% of the gateway's CPU relaying 200 streams (perf, issue 39). Here
+ * yajl's callbacks read the chunk and keep the content as a pointer into it.
+ *
+ * Only the plain case is read here; everything else is left to jansson, whose answers and
+ * error messages stay the gateway's (cg_chunk_read says 0, and the caller reads the chunk
+ * with json_loadb as before). The plain case is
+ *   - bytes that jansson and yajl read the same (cg_yajl_plain_bytes: no \u escape);
+ *   - an object with no "error" member and a "usage" that is absent or null (an error or the
+ *     usage come once a reply, and are jansson's);
+ *   - "choices", when there, an array whose first element is an object; its "delta", when
+ *     there, an object; "content" a string or null; none of these keys twice where it counts
+ *     (jansson keeps the last of two, the reader here would see the first);
+ *   - numbers anywhere that jansson reads without a range error: an integer of at most 18
+ *     digits, or a decimal fraction of at most 24 characters with no exponent;
+ *   - at most CG_CHUNK_DEPTH levels of nesting.
+ * So a chunk read here gives what jansson's reading gives (unit_chunk and fuzz_chunk hold the
+ * two to each other).
+ */
+#include <stddef.h>
+
+#include "chatgate/core/yajlread.h"
+
+#define CG_CHUNK_DEPTH 16
+
+/* A container the reader is in (chunk.c's kinds and keys), and the key whose value is next. */
+typedef struct cg_chunk_level {
+    unsigned char kind, key;
+    unsigned elements;
+} cg_chunk_level;
+
+typedef struct cg_chunk {
+    const char *content; /* choices[0].delta.content[0..content_len), or NULL */
+    size_t content_len;
+    int finished; /* choices[0].finish_reason is there and not null */
+    /* the read's own state */
+    const char *data;
+    size_t data_len;
+    char *copy; /* the content when it had escapes, decoded: malloc'd */
+    int depth, ended;
+    unsigned seen; /* the keys met, by bit: one twice is not the plain case */
+    cg_chunk_level level[CG_CHUNK_DEPTH];
+    cg_yajl_room room;
+} cg_chunk;
+
+/* Reads data[0..len) into k: 1 when it is the plain case above, 0 when not (read it with
+ * jansson). Either way cg_chunk_free(k) afterwards; the content may point into data, which
+ * must outlive it. */
+int cg_chunk_read(cg_chunk *k, const char *data, size_t len);
+void cg_chunk_free(cg_chunk *k);
+
+#endif
