@@ -139,6 +139,7 @@ struct bench_options {
 	const char *room;
 	const char *subprotocol; /* NULL: offer none */
 	long pid;                /* gateway, 0 if not given */
+	long store_pid;          /* the store (redis-server), 0 if not given */
 	bool progress;
 	bool verbose;
 	bool raw;       /* a chat app, not chatgate: no hello, no room, done/error end a turn */
@@ -225,6 +226,8 @@ struct bench {
 	double cpu_at_measure_end_s;
 	double gateway_cpu_at_measure_start_s; /* < 0: unknown */
 	double gateway_cpu_at_measure_end_s;
+	double store_cpu_at_measure_start_s; /* the store's, < 0: unknown */
+	double store_cpu_at_measure_end_s;
 	struct machine_ticks machine_at_measure_start; /* the whole machine's, from /proc/stat */
 	struct machine_ticks machine_at_measure_end;
 
@@ -526,6 +529,7 @@ static void start_measure(struct bench *b)
 	b->measure_start_ns = now_ns();
 	b->cpu_at_measure_start_s = own_cpu_seconds();
 	b->gateway_cpu_at_measure_start_s = process_cpu_seconds(b->opt.pid);
+	b->store_cpu_at_measure_start_s = b->opt.store_pid ? process_cpu_seconds(b->opt.store_pid) : -1;
 	read_machine_ticks(&b->machine_at_measure_start);
 	schedule_phase_timer(b, b->opt.duration_s);
 }
@@ -549,11 +553,13 @@ static void start_stop(struct bench *b)
 	b->measure_end_ns = now_ns();
 	b->cpu_at_measure_end_s = own_cpu_seconds();
 	b->gateway_cpu_at_measure_end_s = process_cpu_seconds(b->opt.pid);
+	b->store_cpu_at_measure_end_s = b->opt.store_pid ? process_cpu_seconds(b->opt.store_pid) : -1;
 	read_machine_ticks(&b->machine_at_measure_end);
 	if (b->phase != PHASE_MEASURE) { /* empty window */
 		b->measure_start_ns = b->measure_end_ns;
 		b->cpu_at_measure_start_s = b->cpu_at_measure_end_s;
 		b->gateway_cpu_at_measure_start_s = b->gateway_cpu_at_measure_end_s;
+		b->store_cpu_at_measure_start_s = b->store_cpu_at_measure_end_s;
 		b->machine_at_measure_start = b->machine_at_measure_end;
 	}
 	if (b->opt.idle_s > 0 && b->opt.pid) {
@@ -1106,6 +1112,8 @@ static void usage(FILE *out)
 		"  --room ROOM            room of every message (default " DEFAULT_ROOM ")\n"
 		"  --pid PID              gateway process, for its RSS and CPU with its children's\n"
 		"                         (a master's workers; its own peak RSS)\n"
+		"  --store-pid PID        the store's process (redis-server), for its CPU over the\n"
+		"                         window (store_cpu_s)\n"
 		"  --connect-timeout S    give up waiting for connections after S (default 10)\n"
 		"  --subprotocol NAME     offer this Sec-WebSocket-Protocol (default none)\n"
 		"  --raw                  a chat app, not chatgate: send {type,id,text}, expect no\n"
@@ -1135,7 +1143,7 @@ static int parse_double(const char *s, const char *name, double min, double *out
 static int parse_options(int argc, char **argv, struct bench_options *o)
 {
 	enum { OPT_URL = 1000, OPT_CONNS, OPT_DURATION, OPT_WARMUP, OPT_TEXT, OPT_ROOM, OPT_PID,
-	       OPT_CONNECT_TIMEOUT, OPT_SUBPROTOCOL, OPT_PROGRESS, OPT_VERBOSE, OPT_RAW, OPT_IDLE,
+	       OPT_STORE_PID, OPT_CONNECT_TIMEOUT, OPT_SUBPROTOCOL, OPT_PROGRESS, OPT_VERBOSE, OPT_RAW, OPT_IDLE,
 	       OPT_HELP };
 	static const struct option longopts[] = {
 		{ "url", required_argument, NULL, OPT_URL },
@@ -1145,6 +1153,7 @@ static int parse_options(int argc, char **argv, struct bench_options *o)
 		{ "text", required_argument, NULL, OPT_TEXT },
 		{ "room", required_argument, NULL, OPT_ROOM },
 		{ "pid", required_argument, NULL, OPT_PID },
+		{ "store-pid", required_argument, NULL, OPT_STORE_PID },
 		{ "connect-timeout", required_argument, NULL, OPT_CONNECT_TIMEOUT },
 		{ "subprotocol", required_argument, NULL, OPT_SUBPROTOCOL },
 		{ "progress", no_argument, NULL, OPT_PROGRESS },
@@ -1208,6 +1217,15 @@ static int parse_options(int argc, char **argv, struct bench_options *o)
 			}
 			o->pid = v;
 			break;
+		case OPT_STORE_PID:
+			errno = 0;
+			v = strtol(optarg, &end, 10);
+			if (errno || end == optarg || *end || v < 1) {
+				fprintf(stderr, "cg_bench: bad --store-pid: %s\n", optarg);
+				return -1;
+			}
+			o->store_pid = v;
+			break;
 		case OPT_SUBPROTOCOL:
 			o->subprotocol = optarg;
 			break;
@@ -1257,6 +1275,9 @@ static void print_report(struct bench *b)
 	double idle_pct = machine_pct(&b->machine_at_measure_start, &b->machine_at_measure_end, 0);
 	double steal_pct = machine_pct(&b->machine_at_measure_start, &b->machine_at_measure_end, 1);
 	long peak_kb = -1;
+	double store_cpu_s = -1; /* the store's CPU over the window, < 0: not measured */
+	if (b->store_cpu_at_measure_start_s >= 0 && b->store_cpu_at_measure_end_s >= 0)
+		store_cpu_s = b->store_cpu_at_measure_end_s - b->store_cpu_at_measure_start_s;
 	if (window_s > 0 && b->gateway_cpu_at_measure_start_s >= 0 &&
 	    b->gateway_cpu_at_measure_end_s >= 0)
 		gateway_cpu_pct = 100.0 *
@@ -1311,6 +1332,9 @@ static void print_report(struct bench *b)
 	       client_cpu_pct >= 85 ? " (cg_bench itself may be the bottleneck)" : "");
 	if (gateway_cpu_pct >= 0)
 		printf("  gateway CPU        %.0f%% of one core\n", gateway_cpu_pct);
+	if (store_cpu_s >= 0 && b->done)
+		printf("  store CPU          %.0f%% of one core, %.1f µs a turn\n", 100.0 * store_cpu_s / window_s,
+		       store_cpu_s * 1e6 / (double)b->done);
 	if (idle_pct >= 0)
 		printf("  machine            %.1f%% of all CPUs' time idle, %.1f%% stolen by the hypervisor\n",
 		       idle_pct, steal_pct);
@@ -1324,12 +1348,12 @@ static void print_report(struct bench *b)
 		printf("  gateway RSS        not measured (no --pid)\n");
 	printf("RESULT conns=%u msgs_per_sec=%.1f p50_ms=%.3f p99_ms=%.3f p999_ms=%.3f peak_rss_kb=%ld"
 	       " msgs=%" PRIu64 " errors=%" PRIu64 " duration_s=%.3f client_cpu_pct=%.0f"
-	       " gateway_cpu_pct=%.0f gateway_cpu_s=%.3f machine_idle_pct=%.1f machine_steal_pct=%.1f\n",
+	       " gateway_cpu_pct=%.0f gateway_cpu_s=%.3f store_cpu_s=%.3f machine_idle_pct=%.1f machine_steal_pct=%.1f\n",
 	       b->established, rate, p50, p99, p999, peak_kb, b->done, b->errors, window_s,
 	       client_cpu_pct, gateway_cpu_pct,
 	       gateway_cpu_pct >= 0 ? b->gateway_cpu_at_measure_end_s - b->gateway_cpu_at_measure_start_s
 				    : -1.0,
-	       idle_pct, steal_pct);
+	       store_cpu_s, idle_pct, steal_pct);
 	fflush(stdout);
 }
 

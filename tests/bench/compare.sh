@@ -24,8 +24,9 @@
 # the p50 it adds over the direct path (run with CONNECTIONS=1 for the per-hop latency), and
 # the proxy's CPU per 1,000 turns (user + system time of the proxy process over the window,
 # from /proc/PID/stat: nginx runs as one process, master_process off; node is one process;
-# the -auto paths count the master's and its workers'), and how much of the machine's CPU
-# time was idle over the window (/proc/stat, every CPU).
+# the -auto paths count the master's and its workers'), the redis-server's CPU per turn on
+# the paths with Redis (the same over the window, divided by the turns), and how much of the
+# machine's CPU time was idle over the window (/proc/stat, every CPU).
 # A second table gives each path's ratio to the nginx run of its own round, lowest, median
 # and highest: nginx moves within one run, and those ratios are taken closest in time.
 #
@@ -217,7 +218,7 @@ mkdir -p "$tmp/norules"
 cat >"$tmp/chatgate.json" <<EOF
 {"upstreams":{"app":{"url":"$app_url"}},"rate_limit":{"messages_per_second":1000000,"burst":1000000},"max_connections":$max_connections}
 EOF
-redis_store=
+redis_store= redis_pid=
 if wants chatgate-full || wants chatgate-full-auto; then
 	if ! command -v redis-server >/dev/null; then
 		echo "compare.sh: no redis-server; leaving chatgate-full out" >&2
@@ -226,6 +227,7 @@ if wants chatgate-full || wants chatgate-full-auto; then
 		if bench_start redis "$redis_port" redis-server --port "$redis_port" --bind 127.0.0.1 --save "" \
 			--appendonly no --dir "$tmp"; then
 			redis_store="redis://127.0.0.1:$redis_port"
+			redis_pid=$started_pid
 		fi
 	fi
 fi
@@ -312,6 +314,12 @@ for round in $(seq 1 "$rounds"); do
 		if [ -n "${path_pid[$name]}" ]; then
 			pid_opt=(--pid "${path_pid[$name]}")
 		fi
+		case $name in
+		chatgate-full*)
+			pid_opt+=(--store-pid "$redis_pid")
+			redis-cli -p "$redis_port" CONFIG RESETSTAT >/dev/null 2>&1
+			;;
+		esac
 		# shellcheck disable=SC2086  # the path's options are a list
 		"$bench" --url "${path_url[$name]}" --connections "$conns" --duration "$secs" --warmup 1 \
 			"${pid_opt[@]}" ${path_opts[$name]} >"$out" 2>"$out.err"
@@ -328,12 +336,25 @@ for round in $(seq 1 "$rounds"); do
 		if [ -n "${path_pid[$name]}" ] && [ -n "$cpu_s" ] && [ "${cpu_s#-}" = "$cpu_s" ]; then
 			cpu_1k=$(awk -v c="$cpu_s" -v m="$msgs" 'BEGIN { printf "%.1f", c * 1e6 / m }')
 		fi
+		store_s=$(result "$out" store_cpu_s)
+		store_turn=-
+		if [ -n "$store_s" ] && [ "${store_s#-}" = "$store_s" ]; then
+			store_turn=$(awk -v c="$store_s" -v m="$msgs" 'BEGIN { printf "%.1f", c * 1e6 / m }')
+		fi
+		# Redis's own timing of the scripts (INFO commandstats, reset before the run): µs per EVALSHA
+		script_us=-
+		case $name in chatgate-full*)
+			script_us=$(redis-cli -p "$redis_port" INFO commandstats 2>/dev/null |
+				sed -n 's/^cmdstat_evalsha:.*usec_per_call=\([0-9.]*\).*/\1/p')
+			[ -n "$script_us" ] || script_us=-
+			;;
+		esac
 		idle=$(result "$out" machine_idle_pct)
 		[ -z "$idle" ] || [ "${idle#-}" != "$idle" ] && idle=-
-		printf '%s %s %s %s %s %s %s %s\n' "$name" "$round" "$rate" "$(result "$out" p50_ms)" \
-			"$(result "$out" p99_ms)" "$cpu_1k" "$(result "$out" errors)" "$idle" >>"$tmp/runs"
-		printf 'compare.sh: round %s %-18s %9.0f turns/s  p50 %s ms  p99 %s ms  CPU %s ms/1k turns  client CPU %s%%  CPUs idle %s%%  errors %s\n' \
-			"$round" "$name" "$rate" "$(result "$out" p50_ms)" "$(result "$out" p99_ms)" "$cpu_1k" \
+		printf '%s %s %s %s %s %s %s %s %s %s\n' "$name" "$round" "$rate" "$(result "$out" p50_ms)" \
+			"$(result "$out" p99_ms)" "$cpu_1k" "$(result "$out" errors)" "$idle" "$store_turn" "$script_us" >>"$tmp/runs"
+		printf 'compare.sh: round %s %-18s %9.0f turns/s  p50 %s ms  p99 %s ms  CPU %s ms/1k turns  Redis %s µs/turn (%s µs per EVALSHA)  client CPU %s%%  CPUs idle %s%%  errors %s\n' \
+			"$round" "$name" "$rate" "$(result "$out" p50_ms)" "$(result "$out" p99_ms)" "$cpu_1k" "$store_turn" "$script_us" \
 			"$(result "$out" client_cpu_pct)" "$idle" "$(result "$out" errors)" >&2
 		sleep 0.5 # the closing handshakes finish before the next path starts
 	done
@@ -352,24 +373,28 @@ direct_p50=$(median 4 direct)
 echo
 echo "$conns connections, $secs s x $rounds rounds, medians; cg_bench and app_backend on the same machine"
 echo
-echo "| path | turns/s | p50 | p99 | vs nginx | p50 over direct | proxy CPU per 1k turns | CPUs idle |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| path | turns/s | p50 | p99 | vs nginx | p50 over direct | proxy CPU per 1k turns | Redis CPU per turn (per EVALSHA) | CPUs idle |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for name in "${path_names[@]}"; do
 	rate=$(median 3 "$name")
 	p50=$(median 4 "$name")
 	p99=$(median 5 "$name")
 	cpu=$(median 6 "$name")
 	idle=$(median 8 "$name")
-	awk -v d="${path_desc[$name]}" -v r="$rate" -v p50="$p50" -v p99="$p99" -v cpu="$cpu" -v idle="$idle" \
+	store=$(median 9 "$name")
+	script=$(median 10 "$name")
+	awk -v d="${path_desc[$name]}" -v r="$rate" -v p50="$p50" -v p99="$p99" -v cpu="$cpu" -v idle="$idle" -v store="$store" -v script="$script" \
 		-v nr="$(median 3 "$(reference "$name")")" -v dp="$direct_p50" -v name="$name" '
 	function commas(n,   s) { s = sprintf("%d", n); while (s ~ /[0-9][0-9][0-9][0-9]/) sub(/[0-9][0-9][0-9]($|,)/, ",&", s); return s }
 	BEGIN {
-		if (r == "-") { printf "| %s | - | - | - | - | - | - | - |\n", d; exit }
+		if (r == "-") { printf "| %s | - | - | - | - | - | - | - | - |\n", d; exit }
 		vs = (nr == "-" || nr == 0) ? "-" : sprintf("x%.2f", r / nr)
 		over = (dp == "-" || name == "direct") ? "-" : sprintf("%+.3f ms", p50 - dp)
 		c = (cpu == "-") ? "-" : sprintf("%.0f ms", cpu)
 		i = (idle == "-") ? "-" : sprintf("%.0f%%", idle)
-		printf "| %s | %s | %.3f ms | %.3f ms | %s | %s | %s | %s |\n", d, commas(r + 0.5), p50, p99, vs, over, c, i
+		st = (store == "-") ? "-" : sprintf("%.1f µs", store)
+		if (st != "-" && script != "-") st = st sprintf(" (%.1f µs)", script)
+		printf "| %s | %s | %.3f ms | %.3f ms | %s | %s | %s | %s | %s |\n", d, commas(r + 0.5), p50, p99, vs, over, c, st, i
 	}'
 done
 # Each path against the nginx run of its own round: nginx moves by a tenth or more within
@@ -394,6 +419,7 @@ fi
 echo
 [ -n "$gateway_b" ] && echo "chatgate: $gateway; chatgate (B): $gateway_b"
 echo "(proxy CPU per 1k turns: user + system time of the proxy process, with its workers', over the window, per 1,000 turns; ms per 1k turns = µs per turn)"
+echo "(Redis CPU per turn: user + system time of the redis-server over the window, per turn; per EVALSHA: Redis's own timing of a script, usec_per_call of INFO commandstats, reset before each run; the paths with Redis share one redis-server and run one at a time)"
 echo "(CPUs idle: the share of every CPU's time over the window that was idle, from /proc/stat; a path that leaves CPUs idle while every connection has a turn in flight is waiting on one of its processes, not on the cores)"
 wants chatgate-full-auto && echo "(chatgate with --workers auto is compared with nginx with worker_processes auto, in both tables)"
 exit $status
