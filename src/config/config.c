@@ -107,6 +107,8 @@ static const setting settings[] = {
     {"history_n", T_INT, OFF(lifetimes.history_n), 0, 200, NULL, 0, "N messages of history kept per dialog"},
     {"params_cap", T_INT, OFF(lifetimes.params_cap), 64, 1 << 20, NULL, 0,
      "BYTES of a dialog's params, as compact JSON"},
+    {"tool_result_cap", T_INT, OFF(lifetimes.tool_result_cap), 64, 1 << 20, NULL, 0,
+     "BYTES of a dialog's last tool result, as compact JSON (it goes back to the backend every turn)"},
     {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0,
      "N dialogs the memory store (and Redis's in-memory copy) holds; least recently used go first"},
     {"max_rooms_per_user", T_INT, OFF(max_rooms_per_user), 1, 1000000, NULL, 0,
@@ -220,6 +222,7 @@ void cg_lifetimes_default(cg_lifetimes *lt)
     lt->history_s = 30 * 60;
     lt->history_n = 10;
     lt->params_cap = 10000;
+    lt->tool_result_cap = 16384;
 }
 
 /* The CPUs this process may run on (its affinity mask, as taskset or a container's cpuset

@@ -470,6 +470,14 @@ int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, i
     }
     json_t *soft = json_object_get(state, "soft_context");
     json_t *tool = json_object_get(state, "last_tool_result");
+    if (tool && !json_is_null(tool)) { /* it goes back to the backend every turn: bounded */
+        size_t size = json_size(tool);
+        if ((long)size > lt->tool_result_cap) {
+            snprintf(err, errlen, "state.last_tool_result takes %zu bytes, over the %ld-byte tool_result_cap; "
+                                  "nothing was changed", size, lt->tool_result_cap);
+            return CG_E_TOO_LARGE;
+        }
+    }
 
     int rc = 0;
     json_t *new_params = NULL, *new_awaiting = NULL, *new_soft = NULL, *new_tool = NULL, *one = NULL;
@@ -689,7 +697,16 @@ void cg_dialog_adopt_json(cg_dialog *d, json_t *j, int64_t now)
     from_json(d, j, now, share);
 }
 
-char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resolution, json_t *annotations)
+json_t *cg_dialog_tool_result(const cg_dialog *d, const cg_lifetimes *lt)
+{
+    json_t *tool = d->last_tool_result;
+    if (!tool || json_is_null(tool) || (long)json_size(tool) > lt->tool_result_cap)
+        return NULL;
+    return tool;
+}
+
+char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *tool_result, json_t *resolution,
+                        json_t *annotations)
 {
     json_t *parts = json_object();
     if (d->service)
@@ -701,6 +718,8 @@ char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *resol
                                                          "options", json_object_get(d->awaiting, "options")));
     if (d->soft)
         json_object_set(parts, "soft_context", d->soft);
+    if (tool_result)
+        json_object_set(parts, "last_tool_result", tool_result);
     if (resolution)
         json_object_set(parts, "this_message_resolves", resolution);
     if (json_object_size(annotations))

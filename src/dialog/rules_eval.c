@@ -31,6 +31,44 @@ static int param_present(const cg_dialog *d, const char *key)
     return d->service && json_object_get(json_object_get(d->params, d->service), key) != NULL;
 }
 
+/* What path ("a.b.0": object members, array indexes) names inside v, or NULL. */
+static json_t *at_path(json_t *v, const char *path)
+{
+    while (v && *path) {
+        size_t n = strcspn(path, ".");
+        char *end;
+        unsigned long i = strtoul(path, &end, 10);
+        if (json_is_object(v))
+            v = json_object_getn(v, path, n);
+        else if (json_is_array(v) && n > 0 && end == path + n && path[0] != '-' && path[0] != '+')
+            v = json_array_get(v, i);
+        else
+            v = NULL;
+        path += n + (path[n] == '.');
+    }
+    return v;
+}
+
+/* `when tool[.PATH] [VALUE]`, `when soft[.PATH] [VALUE]` on v (the last tool result, the
+ * soft context): what the path names is there and not null, and, with a value, a string of
+ * that text or a number or boolean written that way. */
+static int value_holds(json_t *v, const rule_cond *c)
+{
+    v = at_path(v, c->arg);
+    if (!v || json_is_null(v))
+        return 0;
+    if (!c->value[0])
+        return 1;
+    if (json_is_string(v))
+        return strcmp(json_string_value(v), c->value) == 0;
+    if (json_is_object(v) || json_is_array(v))
+        return 0;
+    char *text = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+    int same = text && strcmp(text, c->value) == 0;
+    free(text);
+    return same;
+}
+
 static int conditions_hold(const rule *r, const cg_dialog *d, const char *previous)
 {
     const char *type = d && d->awaiting ? json_string_value(json_object_get(d->awaiting, "type")) : NULL;
@@ -55,6 +93,11 @@ static int conditions_hold(const rule *r, const cg_dialog *d, const char *previo
             break;
         case C_HISTORY:
             if (!previous || !*previous)
+                return 0;
+            break;
+        case C_TOOL:
+        case C_SOFT:
+            if (!d || !value_holds(c->kind == C_TOOL ? d->last_tool_result : d->soft, c))
                 return 0;
             break;
         }

@@ -189,6 +189,23 @@ static int parse_do(parse_ctx *p, rule *r, char *rest)
     return 0;
 }
 
+/* `when tool[.PATH] [VALUE]` and `when soft[.PATH] [VALUE]`: path is what follows the word
+ * ("" or ".a.b"), value the rest of the line ("" when absent). */
+static int parse_when_value(parse_ctx *p, rule *r, rule_cond *c, cond_kind kind, const char *path, const char *value)
+{
+    const char *what = kind == C_TOOL ? "tool" : "soft";
+    if (*path && !valid_name(path + 1, 128))
+        return perr(p, "'when %s%s' needs a path of names after the dot (letters, digits, _ - .), at most 128 bytes",
+                    what, path);
+    if (strlen(value) > 128)
+        return perr(p, "'when %s%s' takes a value of at most 128 bytes", what, path);
+    c->kind = kind;
+    snprintf(c->arg, sizeof(c->arg), "%s", *path ? path + 1 : "");
+    snprintf(c->value, sizeof(c->value), "%s", value);
+    r->n_conds++;
+    return 0;
+}
+
 static int parse_when(parse_ctx *p, rule *r, char *rest)
 {
     if (r->n_conds == MAX_CONDS)
@@ -213,8 +230,14 @@ static int parse_when(parse_ctx *p, rule *r, char *rest)
         c->kind = C_HAS;
     } else if (strcmp(what, "history") == 0 && !*arg) {
         c->kind = C_HISTORY;
+    } else if (strncmp(what, "tool", 4) == 0 && (what[4] == 0 || what[4] == '.')) {
+        return parse_when_value(p, r, c, C_TOOL, what + 4, arg);
+    } else if (strncmp(what, "soft", 4) == 0 && (what[4] == 0 || what[4] == '.')) {
+        return parse_when_value(p, r, c, C_SOFT, what + 4, arg);
     } else {
-        return perr(p, "unknown condition 'when %s' (awaiting TYPE, no awaiting, service NAME, has PARAM, history)",
+        return perr(p,
+                    "unknown condition 'when %s' (awaiting TYPE, no awaiting, service NAME, has PARAM, history, "
+                    "tool[.PATH] [VALUE], soft[.PATH] [VALUE])",
                     what);
     }
     if ((c->kind == C_SERVICE || c->kind == C_HAS) && !valid_name(arg, 128))

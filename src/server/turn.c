@@ -672,7 +672,8 @@ static void turn_forward(cg_turn *t, const cg_pipeline_result *res, json_t *para
     cg_dialog *d = &t->dialog;
     cg_turn_forward f = {
         .id = t->id, .user = q->user, .room = t->room, .text = t->text, .service = d->service,
-        .params = params, .awaiting = awaiting_before, .soft = d->soft, .resolution = res->resolution,
+        .params = params, .awaiting = awaiting_before, .soft = d->soft,
+        .tool_result = cg_dialog_tool_result(d, &q->env->cfg->lifetimes), .resolution = res->resolution,
         .enriched = res->enriched, .rules = res->rules, .annotations = res->annotations, .opaque = t->opaque,
     };
     t->opaque = NULL; /* the adapter's again, whatever forward answers */
@@ -729,11 +730,12 @@ static int turn_call_upstream(cg_turn *t, json_t *params)
     cg_dialog *d = &t->dialog;
     cg_upstream *up = &q->env->upstreams[t->route];
     /* the state in a sentence, for an LLM's system message: built for a kind that reads it */
-    char *summary = up->ops->reads_summary ? cg_dialog_summary(d, params, t->resolution, t->annotations) : NULL;
+    json_t *tool = cg_dialog_tool_result(d, &q->env->cfg->lifetimes);
+    char *summary = up->ops->reads_summary ? cg_dialog_summary(d, params, tool, t->resolution, t->annotations) : NULL;
     cg_upstream_message um = {
         .id = t->id, .user = q->user, .room = t->room, .text = t->text, .route = up->cfg->name,
         .service = d->service, .params = params, .awaiting = t->awaiting_before, .soft = d->soft,
-        .history = d->history, .summary = summary ? summary : "", .enriched = t->enriched,
+        .tool_result = tool, .history = d->history, .summary = summary ? summary : "", .enriched = t->enriched,
         .resolution = t->resolution, .annotations = t->annotations, .rules = t->fired,
     };
     int rc = up->ops->start(up, &q->up_conns[t->route], &um, &upstream_events, t, &t->call);

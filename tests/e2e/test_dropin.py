@@ -63,6 +63,7 @@ FLIGHT1 = "Find me flights from Nairobi to London next week"
 FLIGHT2 = "What about returning on Feb 20?"
 WANT2 = {"from": "Nairobi", "to": "London", "departure_date": "2026-02-10", "return_date": "2026-02-20"}
 CHATGATE_KEYS = ("user", "room", "route", "service", "params", "resolution", "enriched", "soft_context",
+                 "last_tool_result",
                  "awaiting", "rules", "annotations")
 T = harness.DEFAULT_TIMEOUT
 
@@ -436,6 +437,17 @@ async def part_flights():
                 check(cg["room"] == "trip" and cg["route"] == "app" and cg["enriched"] is None,
                       f"room trip, route app, enriched null expected: {short(cg, 600)}")
                 check(cg["resolution"] is None, f"no resolution expected: {short(cg, 600)}")
+                check(cg["last_tool_result"] is None, f"no tool result yet: {short(cg, 600)}")
+            tool = {"type": "flights", "offers": [{"flight": "KQ100", "price": 180000}]}
+            with step("a tool result the app keeps (its end frame's state) goes back in the next chatgate object"):
+                await client.say("Here are two offers STATE:" + json.dumps({"last_tool_result": tool}), "f3", "trip")
+                r = await reply(client, "f3")
+                check(r.kind == "end", f"reply {shorts(r.frames)}")
+                await client.say("the cheaper one", "f4", "trip")
+                r = await reply(client, "f4")
+                check(r.kind == "end", f"reply {shorts(r.frames)}")
+                cg = chatgate_of(await wait_say(sess, "f4"), "f4")
+                check(cg["last_tool_result"] == tool, f"chatgate.last_tool_result should be {tool}: {short(cg, 600)}")
             await client.close()
 
 

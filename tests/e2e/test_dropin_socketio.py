@@ -74,6 +74,7 @@ FLIGHT2 = "What about returning on Feb 20?"
 WANT1 = {"from": "Nairobi", "to": "London", "departure_date": "2026-02-10"}
 WANT2 = {"from": "Nairobi", "to": "London", "departure_date": "2026-02-10", "return_date": "2026-02-20"}
 CHATGATE_KEYS = ("user", "room", "route", "service", "params", "resolution", "enriched", "soft_context",
+                 "last_tool_result",
                  "awaiting", "rules", "annotations")
 REPLY_GAP_MS = 700
 PART_MS = 100          # the bot's pace (app.js)

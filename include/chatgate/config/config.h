@@ -31,6 +31,7 @@ typedef struct cg_lifetimes {
     long history_s;  /* 30 min, renewed on activity */
     long history_n;  /* 10 messages */
     long params_cap; /* 10,000 bytes of params per dialog */
+    long tool_result_cap; /* 16,384 bytes of the last tool result, handed back to backends */
 } cg_lifetimes;
 
 void cg_lifetimes_default(cg_lifetimes *lt);

@@ -45,12 +45,13 @@ typedef enum {
     A_TAG,
 } rule_action;
 
-typedef enum { C_AWAITING, C_NO_AWAITING, C_SERVICE, C_HAS, C_HISTORY } cond_kind;
+typedef enum { C_AWAITING, C_NO_AWAITING, C_SERVICE, C_HAS, C_HISTORY, C_TOOL, C_SOFT } cond_kind;
 typedef enum { N_DATE, N_INT, N_AMOUNT, N_LOWER } normaliser;
 
 typedef struct rule_cond {
     cond_kind kind;
-    char arg[129];
+    char arg[129];   /* C_TOOL, C_SOFT: the path inside the value ("" for the value itself) */
+    char value[129]; /* C_TOOL, C_SOFT: what it must be ("" when only present) */
 } rule_cond;
 
 typedef struct rule_type {

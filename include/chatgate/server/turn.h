@@ -95,6 +95,7 @@ typedef struct cg_turn_forward {
     json_t *params;       /* merged with the service's defaults */
     json_t *awaiting;     /* as it was before this message, or NULL */
     json_t *soft;
+    json_t *tool_result; /* the last tool result (within tool_result_cap), or NULL */
     json_t *resolution;
     const char *enriched;
     json_t *rules, *annotations;

@@ -362,7 +362,7 @@ static void test_history_and_round_trip(void)
     CHECK(weight > compact / 2 && weight < compact * 2);
     cg_dialog_free(&copy);
 
-    char *summary = cg_dialog_summary(&d, json_object_get(d.params, "travel"), NULL, NULL);
+    char *summary = cg_dialog_summary(&d, json_object_get(d.params, "travel"), NULL, NULL, NULL);
     CHECK(strstr(summary, "\"from\":\"Nairobi\"") != NULL);
     CHECK(strstr(summary, "\"service\":\"travel\"") != NULL);
     free(summary);
@@ -549,6 +549,39 @@ static void test_merge_copies(void)
     cg_dialog_free(&c);
 }
 
+/* The last tool result: within tool_result_cap it is kept and handed back (and in the LLM's
+ * summary); a directive with a larger one is refused whole; one kept larger (before the cap
+ * was checked on write) is not handed back. */
+static void test_tool_result_cap(void)
+{
+    cg_lifetimes small = lt;
+    small.tool_result_cap = 64;
+    cg_dialog d;
+    cg_dialog_init(&d, 1000);
+    char err[256];
+    json_t *fits = json_loads("{\"last_tool_result\": {\"type\": \"transactions\", \"n\": 2}}", 0, NULL);
+    CHECK(cg_dialog_apply_directive(&d, fits, "app", 1000, &small, err, sizeof(err)) == 0);
+    CHECK(cg_dialog_tool_result(&d, &small) == d.last_tool_result && d.last_tool_result);
+    char *summary = cg_dialog_summary(&d, NULL, cg_dialog_tool_result(&d, &small), NULL, NULL);
+    CHECK(strstr(summary, "\"last_tool_result\":{\"type\":\"transactions\",\"n\":2}") != NULL);
+    free(summary);
+    json_t *big = json_pack("{s:{s:s, s:s}, s:{s:s}}", "last_tool_result", "type", "transactions", "items",
+                            "0123456789012345678901234567890123456789012345678901234567890123", "soft_context", "a", "b");
+    CHECK(cg_dialog_apply_directive(&d, big, "app", 1001, &small, err, sizeof(err)) == CG_E_TOO_LARGE);
+    CHECK(strstr(err, "over the 64-byte tool_result_cap") != NULL);
+    CHECK(json_integer_value(json_object_get(d.last_tool_result, "n")) == 2 && d.soft == NULL); /* unchanged */
+    CHECK(cg_dialog_apply_directive(&d, big, "app", 1001, &lt, err, sizeof(err)) == 0);
+    CHECK(cg_dialog_tool_result(&d, &lt) != NULL);
+    CHECK(cg_dialog_tool_result(&d, &small) == NULL); /* kept, but too large to hand back */
+    json_t *clear = json_loads("{\"last_tool_result\": null}", 0, NULL);
+    CHECK(cg_dialog_apply_directive(&d, clear, "app", 1002, &small, err, sizeof(err)) == 0);
+    CHECK(d.last_tool_result == NULL && cg_dialog_tool_result(&d, &lt) == NULL);
+    json_decref(fits);
+    json_decref(big);
+    json_decref(clear);
+    cg_dialog_free(&d);
+}
+
 int main(void)
 {
     cg_lifetimes_default(&lt);
@@ -562,5 +595,6 @@ int main(void)
     test_forget_long_service();
     test_directive_and_expiry();
     test_history_and_round_trip();
+    test_tool_result_cap();
     return unit_done("test_dialog");
 }

@@ -193,6 +193,86 @@ static void test_eval_and_check(void)
     cg_ruleset_unref(rs);
 }
 
+/* `when tool[.PATH] [VALUE]` and `when soft[.PATH] [VALUE]`: the third document's follow-up
+ * ("filter for food" only after a transactions result), paths into objects and arrays,
+ * values of each JSON type, and the load errors. */
+static void test_tool_and_soft_conditions(void)
+{
+    clear_dir();
+    write_rules("50-bank.rules",
+                "rule filter\n  match ^\\s*(?:filter|show only)\\s+(?:for\\s+)?(?<category>\\p{L}+)\n"
+                "  do params transactions\n  when tool.type transactions\n  expect \"filter for food\" category=food\n"
+                "rule any_tool\n  match ^again$\n  do enrich again with the tool\n  when tool\n"
+                "rule first_item\n  match ^first$\n  do enrich the first is food\n  when tool.items.0.category food\n"
+                "rule count\n  match ^count$\n  do enrich three\n  when tool.count 3\n"
+                "rule flag\n  match ^flag$\n  do enrich flagged\n  when tool.done true\n"
+                "rule soft_venue\n  match ^that one$\n  do enrich the venue\n  when soft.last_action added_venue\n"
+                "rule soft_any\n  match ^soft$\n  do enrich soft there\n  when soft\n");
+    cg_ruleset *rs;
+    char err[1024];
+    CHECK(cg_rules_load(dir, &rs, err, sizeof(err)) == 0);
+    cg_dialog d;
+    cg_dialog_init(&d, NOW);
+    cg_rules_result r;
+    /* no tool result, no soft context: none of them */
+    static const char *const texts[] = {"filter for food", "again", "first", "count", "flag", "that one", "soft"};
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
+        cg_rules_eval(rs, texts[i], &d, "before", NOW, &r);
+        CHECK(!r.service[0] && r.enriched == NULL);
+        cg_rules_result_free(&r);
+    }
+    /* another kind of result: the filter waits */
+    d.last_tool_result = json_pack("{s:s}", "type", "goals");
+    cg_rules_eval(rs, "filter for food", &d, "before", NOW, &r);
+    CHECK(!r.service[0]);
+    cg_rules_result_free(&r);
+    cg_rules_eval(rs, "again", &d, "before", NOW, &r);
+    CHECK_STR(r.enriched, "again with the tool");
+    cg_rules_result_free(&r);
+    json_decref(d.last_tool_result);
+    d.last_tool_result = json_pack("{s:s, s:[{s:s, s:i}, {s:s, s:i}], s:i, s:b}", "type", "transactions", "items",
+                                   "category", "food", "amount", 12, "category", "travel", "amount", 300, "count",
+                                   3, "done", 1);
+    cg_rules_eval(rs, "Filter for FOOD", &d, "before", NOW, &r);
+    CHECK_STR(r.service, "transactions");
+    CHECK_STR(json_string_value(json_object_get(json_object_get(r.params, "transactions"), "category")), "FOOD");
+    cg_rules_result_free(&r);
+    cg_rules_eval(rs, "first", &d, "before", NOW, &r);
+    CHECK_STR(r.enriched, "the first is food");
+    cg_rules_result_free(&r);
+    cg_rules_eval(rs, "count", &d, "before", NOW, &r);
+    CHECK_STR(r.enriched, "three");
+    cg_rules_result_free(&r);
+    cg_rules_eval(rs, "flag", &d, "before", NOW, &r);
+    CHECK_STR(r.enriched, "flagged");
+    cg_rules_result_free(&r);
+    json_object_set_new(d.last_tool_result, "count", json_string("3")); /* "3" is 3 too: the text */
+    json_object_set_new(d.last_tool_result, "items", json_array());     /* no item 0 */
+    cg_rules_eval(rs, "count", &d, "before", NOW, &r);
+    CHECK_STR(r.enriched, "three");
+    cg_rules_result_free(&r);
+    cg_rules_eval(rs, "first", &d, "before", NOW, &r);
+    CHECK(r.enriched == NULL);
+    cg_rules_result_free(&r);
+    json_object_set_new(d.last_tool_result, "done", json_null()); /* null is not there */
+    cg_rules_eval(rs, "flag", &d, "before", NOW, &r);
+    CHECK(r.enriched == NULL);
+    cg_rules_result_free(&r);
+    d.soft = json_pack("{s:s}", "last_action", "added_venue");
+    cg_rules_eval(rs, "that one", &d, "before", NOW, &r);
+    CHECK_STR(r.enriched, "the venue");
+    cg_rules_result_free(&r);
+    cg_rules_eval(rs, "soft", &d, "before", NOW, &r);
+    CHECK_STR(r.enriched, "soft there");
+    cg_rules_result_free(&r);
+    cg_dialog_free(&d);
+    cg_ruleset_unref(rs);
+
+    check_load_error("rule a\n match x\n do cancel\n when tool.\n", "'when tool.' needs a path of names");
+    check_load_error("rule a\n match x\n do cancel\n when soft.a b\n when tools\n", "unknown condition 'when tools'");
+    check_load_error("rule a\n match x\n do cancel\n when soft.a/b\n", "'when soft.a/b' needs a path");
+}
+
 static void test_match_limit(void)
 {
     clear_dir();
@@ -383,6 +463,7 @@ int main(void)
     test_load_errors();
     test_eval_and_check();
     test_match_limit();
+    test_tool_and_soft_conditions();
     test_dupnames();
     test_selection();
     test_timezone();
