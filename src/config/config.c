@@ -181,6 +181,8 @@ static const up_setting upstream_settings[] = {
     {"model", T_STR, UOFF(model), 0, 0, "OpenAI: the model of each request (default: \"default\")"},
     {"api_key_env", T_STR, UOFF(api_key_env), 0, 0, "OpenAI: the environment variable holding the bearer token"},
     {"system_prompt", T_STR, UOFF(system_prompt), 0, 0, "OpenAI: the system message"},
+    {"state_tool", T_BOOL, UOFF(state_tool), 0, 1,
+     "OpenAI: offer the model the function chatgate_state, whose call sets the dialog's state as a directive"},
     {"connect_timeout_ms", T_INT, UOFF(connect_timeout_ms), 1, 3600000, "MILLISECONDS until the request is sent"},
     {"first_byte_timeout_ms", T_INT, UOFF(first_byte_timeout_ms), 1, 3600000,
      "MILLISECONDS from the request until the answer starts"},
@@ -560,6 +562,12 @@ static int load_upstream_object(cg_config *cfg, const char *file, const char *na
                 return -1;
             }
             replace_str((char **)field, json_string_value(val));
+        } else if (st->type == T_BOOL) {
+            if (!json_is_boolean(val)) {
+                set_err(err, errlen, "%s: upstreams.%s.%s: must be true or false", file, name, key);
+                return -1;
+            }
+            *(int *)field = json_is_true(val);
         } else {
             json_int_t v = json_is_integer(val) ? json_integer_value(val) : LLONG_MIN;
             if (v < st->min || v > st->max) {
@@ -1372,6 +1380,8 @@ static void help_config(void)
         type_text(st->type, st->min, st->max, NULL, type, sizeof(type));
         if (st->type == T_INT)
             snprintf(def, sizeof(def), "%d", *(int *)field);
+        else if (st->type == T_BOOL)
+            value = *(int *)field ? "true" : "false";
         else
             value = *(char **)field;
         print_key("upstreams.NAME.", st->name, type, value, st->help);

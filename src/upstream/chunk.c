@@ -15,10 +15,10 @@
 enum { IN_TOP, IN_CHOICES, IN_CHOICE, IN_DELTA, IN_SKIPPED };
 
 /* The keys that matter, each in one kind of container; a bit each in k->seen. */
-enum { KEY_OTHER, KEY_CHOICES, KEY_USAGE, KEY_DELTA, KEY_FINISH, KEY_CONTENT };
+enum { KEY_OTHER, KEY_CHOICES, KEY_USAGE, KEY_DELTA, KEY_FINISH, KEY_CONTENT, KEY_TOOLS };
 
 /* What the next value is. */
-typedef enum { V_SKIPPED, V_TOP, V_CHOICES, V_USAGE, V_CHOICE, V_DELTA, V_FINISH, V_CONTENT } value_kind;
+typedef enum { V_SKIPPED, V_TOP, V_CHOICES, V_USAGE, V_CHOICE, V_DELTA, V_FINISH, V_CONTENT, V_TOOLS } value_kind;
 
 static value_kind next_value(cg_chunk *k)
 {
@@ -35,7 +35,7 @@ static value_kind next_value(cg_chunk *k)
     case IN_CHOICE:
         return key == KEY_DELTA ? V_DELTA : key == KEY_FINISH ? V_FINISH : V_SKIPPED;
     case IN_DELTA:
-        return key == KEY_CONTENT ? V_CONTENT : V_SKIPPED;
+        return key == KEY_CONTENT ? V_CONTENT : key == KEY_TOOLS ? V_TOOLS : V_SKIPPED;
     default:
         return V_SKIPPED;
     }
@@ -70,7 +70,8 @@ static int scalar(cg_chunk *k, int not_null)
         return 1;
     case V_USAGE:
     case V_CONTENT:
-        return !not_null; /* a string content comes through on_string */
+    case V_TOOLS:
+        return !not_null; /* a string content comes through on_string; tool calls are jansson's */
     case V_FINISH:
         k->finished |= not_null;
         return 1;
@@ -138,6 +139,7 @@ static int on_key(void *ctx, const unsigned char *key, size_t len)
     } keys[] = {
         {IN_TOP, KEY_CHOICES, "choices"}, {IN_TOP, KEY_USAGE, "usage"},       {IN_TOP, KEY_OTHER, "error"},
         {IN_CHOICE, KEY_DELTA, "delta"},  {IN_CHOICE, KEY_FINISH, "finish_reason"}, {IN_DELTA, KEY_CONTENT, "content"},
+        {IN_DELTA, KEY_TOOLS, "tool_calls"},
     };
     l->key = KEY_OTHER;
     for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {

@@ -36,6 +36,7 @@
 #include <strings.h>
 
 #include "chatgate/core/alloc.h"
+#include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/num.h"
@@ -47,6 +48,7 @@
 
 #define MAX_EVENT_BYTES (1 << 20) /* one server-sent event */
 #define MAX_ERROR_BODY 4096       /* kept of a 4xx/5xx body */
+#define MAX_TOOL_ARGS (64 << 10)  /* the arguments of the model's chatgate_state call */
 
 /* What one upstream keeps between calls (cg_upstream.state). */
 typedef struct openai_state {
@@ -80,6 +82,16 @@ struct cg_upstream_call {
     int finish_seen; /* a chunk with a finish_reason: the reply is complete */
     cg_sse sse;
     json_t *usage;
+    /* the model's call of chatgate_state (upstreams.NAME.state_tool): its index among the
+     * reply's tool calls (-1: none yet) and its arguments as they stream, bounded */
+    int tool_index;
+    char *tool_args;
+    size_t tool_args_len, tool_args_cap;
+    char tool_id[128];    /* the call's id, for the continuation's tool message */
+    json_t *tool_kept;    /* the directive of a call answered by a continuation (below) */
+    int continued;        /* the continuation was asked for */
+    int sse_fresh;        /* its stream starts: the parser starts again at its first bytes */
+    int replica;          /* of the last transfer started */
     char error_body[MAX_ERROR_BODY + 1];
     size_t error_body_len;
 };
@@ -97,6 +109,8 @@ static void call_unref(cg_upstream_call *c)
         return;
     cg_sse_free(&c->sse);
     json_decref(c->usage);
+    free(c->tool_args);
+    json_decref(c->tool_kept);
     free(c->body);
     free(c);
 }
@@ -113,11 +127,110 @@ static void call_finish(cg_upstream_call *c)
         uv_close((uv_handle_t *)&c->clock.timer, timer_closed);
 }
 
+/* The state directive the model's call of chatgate_state carries: its arguments, an object
+ * (a directive the gateway then checks as an app's); anything else is passed as the text it
+ * was, which the turn refuses and warns about (bad_frame). NULL when the model made no call. */
+static json_t *tool_state(cg_upstream_call *c)
+{
+    if (c->tool_index < 0)
+        return NULL;
+    json_error_t jerr;
+    json_t *state = json_loadb(c->tool_args ? c->tool_args : "", c->tool_args_len, 0, &jerr);
+    if (json_is_object(state))
+        return state;
+    json_decref(state);
+    cg_warn("upstream '%s': the model called chatgate_state with arguments that are not a JSON object (%s, at "
+            "byte %d): no state is set",
+            c->core.up->cfg->name, jerr.text, jerr.position);
+    return json_string("the model's chatgate_state arguments were not a JSON object");
+}
+
+static int request_start(cg_upstream_call *c, openai_state *st, int r);
+
+/*
+ * A model that called chatgate_state and wrote nothing to the user (many do: a tool call ends
+ * their turn) is asked once more, as function calling goes: the request again with the
+ * model's call and a tool message saying the state is kept, and tool_choice "none", so that
+ * it now writes its reply, which streams to the client. The call's directive waits in
+ * tool_kept for the continuation's done. -1 when it could not be started (the call then ends
+ * as it is: the state set, no text).
+ */
+static int continue_after_tool(cg_upstream_call *c)
+{
+    openai_state *st = c->core.up->state;
+    json_t *body = json_loadb(c->body, c->body_len, 0, NULL);
+    json_t *messages = json_object_get(body, "messages");
+    json_t *call = json_pack("{s:s, s:n, s:[{s:s, s:s, s:{s:s, s:s%}}]}", "role", "assistant", "content",
+                             "tool_calls", "id", c->tool_id, "type", "function", "function", "name",
+                             "chatgate_state", "arguments", c->tool_args ? c->tool_args : "", c->tool_args_len);
+    json_t *answer = json_pack("{s:s, s:s, s:s}", "role", "tool", "tool_call_id", c->tool_id, "content",
+                               "The state is kept. Now write your reply to the user.");
+    char *text = NULL;
+    if (st && json_is_array(messages) && json_array_append(messages, call) == 0 &&
+        json_array_append(messages, answer) == 0 && json_object_set_new(body, "tool_choice", json_string("none")) == 0)
+        text = json_dumps(body, JSON_COMPACT);
+    json_decref(call);
+    json_decref(answer);
+    json_decref(body);
+    if (!text)
+        return -1;
+    c->tool_kept = tool_state(c);
+    c->continued = 1;
+    free(c->body);
+    c->body = text;
+    c->body_len = strlen(text);
+    if (c->easy) /* the answered transfer goes (unless it ended): its done finds it stopped */
+        cg_http_pool_stop(c->pool, c->easy);
+    c->easy = NULL;
+    c->cur = NULL;
+    c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
+    c->tool_index = -1;
+    c->tool_args_len = 0;
+    c->sse_fresh = 1; /* not here: this runs inside the parser's own callback */
+    cg_call_arm(&c->core, CG_CALL_CONNECT);
+    return request_start(c, st, c->replica);
+}
+
 static void call_done(cg_upstream_call *c)
 {
+    if (c->tool_index >= 0 && c->core.reply_bytes == 0 && !c->continued && continue_after_tool(c) == 0)
+        return;
     json_t *usage = json_incref(c->usage);
-    cg_call_done(&c->core, usage, NULL);
+    json_t *state = c->tool_kept ? json_incref(c->tool_kept) : tool_state(c);
+    cg_call_done(&c->core, usage, state);
+    json_decref(state);
     json_decref(usage);
+}
+
+/* Follows the reply's tool calls (a chunk's choices[0].delta.tool_calls): the one named
+ * chatgate_state, offered when state_tool is on, has its arguments kept as they stream (at
+ * most MAX_TOOL_ARGS bytes); calls of other names, never offered, are ignored. -1 when the
+ * arguments pass the bound (the call has failed then). */
+static int follow_tool_calls(cg_upstream_call *c, json_t *calls)
+{
+    size_t i;
+    json_t *call;
+    json_array_foreach(calls, i, call) {
+        json_t *index = json_object_get(call, "index"), *fn = json_object_get(call, "function");
+        long at = json_is_integer(index) ? (long)cg_clamp(json_integer_value(index), 0, 1 << 20) : (long)i;
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        if (c->tool_index < 0 && name && strcmp(name, "chatgate_state") == 0 && c->core.up->cfg->state_tool) {
+            c->tool_index = (int)at;
+            const char *id = json_string_value(json_object_get(call, "id"));
+            snprintf(c->tool_id, sizeof(c->tool_id), "%s", id && *id ? id : "call_chatgate_state");
+        }
+        json_t *args = json_object_get(fn, "arguments");
+        if (at != c->tool_index || !json_is_string(args))
+            continue;
+        if (c->tool_args_len + json_string_length(args) > MAX_TOOL_ARGS) {
+            cg_call_fail(&c->core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL,
+                         "called chatgate_state with arguments over %d bytes", MAX_TOOL_ARGS);
+            return -1;
+        }
+        cg_buf_append(&c->tool_args, &c->tool_args_len, &c->tool_args_cap, json_string_value(args),
+                      json_string_length(args), 1024);
+    }
+    return 0;
 }
 
 /* ---- the reply ------------------------------------------------------------------------ */
@@ -176,6 +289,9 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
     json_t *content = json_object_get(json_object_get(choice, "delta"), "content");
     if (json_is_string(content) && json_string_length(content) > 0)
         cg_call_delta(&c->core, json_string_value(content), json_string_length(content));
+    json_t *calls = json_object_get(json_object_get(choice, "delta"), "tool_calls");
+    if (!ended(c) && json_is_array(calls))
+        follow_tool_calls(c, calls);
     json_decref(o);
     return ended(c) ? 1 : 0;
 }
@@ -208,6 +324,11 @@ static void on_body(cg_upstream_call *c, const char *in, size_t len)
         memcpy(c->error_body + c->error_body_len, in, n);
         c->error_body_len += n;
         return;
+    }
+    if (c->sse_fresh) {
+        c->sse_fresh = 0;
+        cg_sse_free(&c->sse);
+        cg_sse_init(&c->sse, MAX_EVENT_BYTES, on_event, c);
     }
     if (cg_sse_feed(&c->sse, in, len) < 0)
         cg_call_fail(&c->core, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL, "sent an event over %d bytes",
@@ -412,6 +533,7 @@ static int request_start(cg_upstream_call *c, openai_state *st, int r)
     }
     a->c = c;
     a->replica = r;
+    c->replica = r;
     curl_easy_setopt(e, CURLOPT_URL, st->urls[r]);
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, st->headers);
     curl_easy_setopt(e, CURLOPT_POSTFIELDS, c->body);
@@ -446,6 +568,8 @@ static int openai_attempt(cg_call *core, int r)
     cg_upstream_call *c = (cg_upstream_call *)core;
     c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
     c->error_body_len = 0;
+    c->tool_index = -1;
+    c->tool_args_len = 0;
     json_decref(c->usage);
     c->usage = NULL;
     if (core->attempts) {
@@ -526,7 +650,31 @@ static int append_message(json_t *messages, const char *role, json_t *content)
     return content ? json_array_append_new(messages, json_pack("{s:s, s:o}", "role", role, "content", content)) : -1;
 }
 
-/* system (prompt + state summary), the history, then the user's message; NULL on failure */
+/*
+ * The function offered to the model when state_tool is on: its call is a state directive
+ * (docs/state.md, "The state directive"; docs/upstreams.md, "State from the model"), applied
+ * as an app's is, and never shown to the client. The schema names the directive's parts; the
+ * gateway checks the call's arguments as it checks an app's directive.
+ */
+static const char state_tool_json[] =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"chatgate_state\",\"description\":"
+    "\"Keep state for this conversation. Call it together with your reply when you ask the user to confirm "
+    "something (awaiting type confirmation) or to pick one of several options (awaiting type selection, with the "
+    "options), to remember facts of the task (service and params), context for follow-ups (soft_context) or a "
+    "result the user may refer to next (last_tool_result). The user never sees the call; always also write your "
+    "reply to the user.\",\"parameters\":{\"type\":\"object\",\"properties\":{"
+    "\"service\":{\"type\":\"string\",\"description\":\"the task, e.g. payment, travel\"},"
+    "\"params\":{\"type\":\"object\",\"description\":\"facts of the task by name; null forgets one\"},"
+    "\"awaiting\":{\"type\":[\"object\",\"null\"],\"properties\":{"
+    "\"type\":{\"type\":\"string\",\"enum\":[\"confirmation\",\"selection\",\"metadata\",\"input\"]},"
+    "\"options\":{\"type\":\"array\",\"description\":\"for a selection: the options, in the order you listed them\"},"
+    "\"context\":{\"type\":\"object\"},\"ttl\":{\"type\":\"integer\",\"description\":\"seconds\"}},"
+    "\"required\":[\"type\"]},"
+    "\"soft_context\":{\"type\":[\"object\",\"null\"]},"
+    "\"last_tool_result\":{\"description\":\"any JSON\"}}}}}]";
+
+/* system (prompt + state summary), the history, then the user's message; with state_tool the
+ * function of state_tool_json; NULL on failure */
 static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message *m, size_t *len)
 {
     json_t *messages = json_array();
@@ -558,6 +706,12 @@ static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message
                           "stream_options", "include_usage", 1, "messages", messages);
     if (!o)
         return NULL;
+    if (cfg->state_tool &&
+        (json_object_set_new(o, "tools", json_loads(state_tool_json, 0, NULL)) < 0 ||
+         json_object_set_new(o, "tool_choice", json_string("auto")) < 0)) {
+        json_decref(o);
+        return NULL;
+    }
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     if (s)

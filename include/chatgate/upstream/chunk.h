@@ -16,7 +16,9 @@
  *   - an object with no "error" member and a "usage" that is absent or null (an error or the
  *     usage come once a reply, and are jansson's);
  *   - "choices", when there, an array whose first element is an object; its "delta", when
- *     there, an object; "content" a string or null; none of these keys twice where it counts
+ *     there, an object; "content" a string or null; "tool_calls" absent or null (a call of
+ *     the state function, upstreams.NAME.state_tool, is jansson's); none of these keys twice
+ *     where it counts
  *     (jansson keeps the last of two, the reader here would see the first);
  *   - numbers anywhere that jansson reads without a range error: an integer of at most 18
  *     digits, or a decimal fraction of at most 24 characters with no exponent;

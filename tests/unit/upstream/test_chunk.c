@@ -80,10 +80,8 @@ static void test_plain(void)
         {L("{\"id\":\"cmpl-1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" world\"},\"logprobs\":{\"content\":[{\"token\":"
            "\" world\",\"logprob\":-0.0312,\"bytes\":[32,119]}]},\"finish_reason\":null,\"stop_reason\":null}]}"),
          " world", 0},
-        /* a tool call in the delta: skipped, as the jansson path skips it */
-        {L("{\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"function\":{\"name\":\"f\","
-           "\"arguments\":\"{\\\"a\\\":1}\"}}]},\"finish_reason\":null}]}"),
-         NULL, 0},
+        /* tool_calls null (some servers send it with every delta) */
+        {L("{\"choices\":[{\"delta\":{\"content\":\"x\",\"tool_calls\":null},\"finish_reason\":null}]}"), "x", 0},
         /* the content in the second choice is not the first's */
         {L("{\"choices\":[{\"delta\":{\"content\":\"one\"}},{\"delta\":{\"content\":\"two\"}}]}"), "one", 0},
         /* the members in another order, whitespace around them, a null content */
@@ -151,6 +149,10 @@ static void test_not_plain(void)
         {L("{\"choices\":[\"x\"]}")},
         {L("{\"choices\":[{\"delta\":\"x\"}]}")},
         {L("{\"choices\":[{\"delta\":{\"content\":5}}]}")},
+        /* a tool call: the state function's arguments are read by jansson (openai.c) */
+        {L("{\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"function\":{\"name\":\"f\","
+           "\"arguments\":\"{\\\"a\\\":1}\"}}]},\"finish_reason\":null}]}")},
+        {L("{\"choices\":[{\"delta\":{\"tool_calls\":{}}}]}")},
         {L("{\"choices\":[{\"delta\":{\"content\":[\"x\"]}}]}")},
         {L("{\"a\":[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]],\"choices\":[]}")},
         {L("{\"choices\":[{\"delta\":{\"content\":\"\xC3\"}}]}")},
