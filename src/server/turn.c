@@ -22,6 +22,7 @@
  * the connection's timer (a blocked reply's end from the loop; a forwarded reply's silence
  * bound).
  */
+#define _GNU_SOURCE /* asprintf */
 #include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,6 +96,10 @@ struct cg_turn {
     int end_err;
     int replica, attempts;
     uint64_t t_first;
+    /* the debug trace (turn_trace): what the load found, and the rule and param names */
+    const char *store_found;
+    uint64_t t_loaded;
+    char *trace;
 };
 
 /* The most tokens one turn is counted for, whatever its upstream reports (a billion: no
@@ -234,6 +239,7 @@ static void turn_free(cg_turn *t)
     free(t->text);
     free(t->enriched);
     free(t->reply);
+    free(t->trace);
     cg_reply_filter_free(t->filter);
     free(t);
 }
@@ -361,6 +367,60 @@ static void say_early_error(cg_turn *t, int err, const char *message, json_t *de
     export_early(t, END_ERROR, err);
 }
 
+/* The names in a JSON array of strings (rules) or of an object's keys (params), comma
+ * separated, at most 32 of them; "-" for none. Names only: a param's value never goes to a
+ * log. malloc'd. */
+static char *names_of(json_t *v)
+{
+    char *out = NULL;
+    size_t len = 0, cap = 0, n = 0;
+    const char *key;
+    json_t *item;
+    size_t i;
+    if (json_is_array(v)) {
+        json_array_foreach(v, i, item) {
+            if (n++ == 32 || !json_is_string(item))
+                break;
+            if (len)
+                cg_buf_append(&out, &len, &cap, ",", 1, 128);
+            cg_buf_append(&out, &len, &cap, json_string_value(item), json_string_length(item), 128);
+        }
+    } else if (json_is_object(v)) {
+        json_object_foreach(v, key, item) {
+            if (n++ == 32)
+                break;
+            if (len)
+                cg_buf_append(&out, &len, &cap, ",", 1, 128);
+            cg_buf_append(&out, &len, &cap, key, strlen(key), 128);
+        }
+    }
+    if (!len)
+        cg_buf_append(&out, &len, &cap, "-", 1, 8);
+    cg_buf_append(&out, &len, &cap, "", 1, 8); /* its NUL */
+    return out;
+}
+
+/* One line a chat turn at debug level (--log-level debug), when it ends: which rules fired
+ * and which params it carried (names only), what the store's load found and took, the
+ * upstream that answered and the times. The line is masked as every line is; the dialog is
+ * a hash of its key, never the user's id. */
+static void turn_trace(cg_turn *t, turn_end_kind end)
+{
+    static const char *const ends[] = {[END_DONE] = "done", [END_ERROR] = "error", [END_CANCELLED] = "cancelled",
+                                       [END_ABSORBED] = "absorbed", [END_ENDED] = "ended"};
+    if (!cg_log_enabled(CG_LOG_DEBUG))
+        return;
+    uint64_t now = uv_hrtime();
+    const cg_upstream *up = t->route >= 0 ? &t->q->env->upstreams[t->route] : NULL;
+    cg_debug("turn %s: dialog #%08lx, %s, store %s in %.1f ms, upstream %s (replica %d, %d attempt(s)), first text "
+             "at %.1f ms, %.1f ms in all, %s",
+             t->id, t->lock.key ? cg_store_key_tag(t->lock.key) : 0ul, t->trace ? t->trace : "rules - params -",
+             t->store_found ? t->store_found : "-", t->t_loaded > t->t_load ? (double)(t->t_loaded - t->t_load) / 1e6 : 0.0,
+             up ? up->cfg->name : "-", t->replica, t->attempts,
+             t->t_first > t->t_arrived ? (double)(t->t_first - t->t_arrived) / 1e6 : 0.0,
+             (double)(now - t->t_arrived) / 1e6, ends[end]);
+}
+
 static void turn_save(cg_turn *t, turn_end_kind end)
 {
     cg_turns *q = t->q;
@@ -391,6 +451,7 @@ static void turn_save(cg_turn *t, turn_end_kind end)
     t->saved = 1;
     if (q->env->exporter)
         export_turn(t, end);
+    turn_trace(t, end);
 }
 
 /* A chat turn ends with an error: said, saved, finished. */
@@ -916,6 +977,13 @@ static void turn_start(cg_turn *t)
     if (res.enriched)
         t->enriched = cg_strdup(res.enriched);
     json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(env->cfg, d->service));
+    if (cg_log_enabled(CG_LOG_DEBUG)) { /* the trace's names, while the pipeline's result is here */
+        char *rules = names_of(res.rules), *names = names_of(params);
+        if (asprintf(&t->trace, "rules %s, service %s params %s", rules, d->service ? d->service : "-", names) < 0)
+            t->trace = NULL;
+        free(rules);
+        free(names);
+    }
     q->backend->go(t, &res, params, awaiting_before);
     json_decref(params);
     json_decref(awaiting_before);
@@ -954,6 +1022,8 @@ static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *sta
     t->load = NULL;
     t->dialog = *d; /* ours now */
     t->has_dialog = 1;
+    t->store_found = status->degraded ? "answered from memory (Redis away)" : status->found ? "found the dialog" : "began it";
+    t->t_loaded = uv_hrtime();
     cg_histogram_observe(&mt->store_load, (double)(uv_hrtime() - t->t_load) / 1e9);
     if (t->kind == CG_TURN_CHAT) {
         if (status->found)

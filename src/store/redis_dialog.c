@@ -1280,16 +1280,6 @@ static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *rep
 
 /* ---- merging two copies of a dialog ------------------------------------------------------ */
 
-/* What a log line may say of a dialog's key: a hash, never the user's id (an e-mail, a
- * phone number). */
-static unsigned long key_tag(const char *key)
-{
-    unsigned long h = 2166136261ul; /* FNV-1a, 32 bits */
-    for (const unsigned char *p = (const unsigned char *)key; *p; p++)
-        h = ((h ^ *p) * 16777619ul) & 0xfffffffful;
-    return h;
-}
-
 static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
 {
     redis_req *r = ctx;
@@ -1333,7 +1323,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
         rs->base.stats.merged_messages += (unsigned long)added;
         cg_warn("redis: dialog #%08lx had two copies (two gateways served it while the store switched, or a turn "
                 "met another's write): merged, %ld message(s) of this gateway's added to Redis's (%s)",
-                key_tag(r->key), added, r->version ? "write-back" : "save");
+                cg_store_key_tag(r->key), added, r->version ? "write-back" : "save");
     }
     cg_redis_snapshot_free(r->snapshot);
     r->snapshot = merged;

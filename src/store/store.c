@@ -143,6 +143,7 @@ void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gaug
     dst->degraded_seconds += src->degraded_seconds;
     if (gauges) {
         dst->memory_bytes += src->memory_bytes;
+        dst->memory_dialogs += src->memory_dialogs;
         dst->writeback_pending += src->writeback_pending;
         dst->writeback_pending_bytes += src->writeback_pending_bytes;
         dst->degraded |= src->degraded;
@@ -152,4 +153,12 @@ void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gaug
 int64_t cg_store_now_ms(cg_store *st)
 {
     return st->now(st->clock_ctx) * 1000;
+}
+
+unsigned long cg_store_key_tag(const char *key)
+{
+    unsigned long h = 2166136261ul; /* FNV-1a, 32 bits */
+    for (const unsigned char *p = (const unsigned char *)key; *p; p++)
+        h = ((h ^ *p) * 16777619ul) & 0xfffffffful;
+    return h;
 }

@@ -112,8 +112,10 @@ size_t cg_memstore_bytes(cg_memstore *m)
 
 static void publish_bytes(cg_memstore *m)
 {
-    if (m->stats)
+    if (m->stats) {
         m->stats->memory_bytes = m->bytes;
+        m->stats->memory_dialogs = m->count;
+    }
 }
 
 static mem_entry *entry_find(cg_memstore *m, const char *key)

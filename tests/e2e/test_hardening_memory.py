@@ -9,7 +9,7 @@ Covers:
   the older ones are gone and counted in chatgate_store_evictions_total{reason="count"};
 - a byte bound (defect 11): max_store_bytes 16384 and dialogs of 4 to 5 KB: three fit; one
   read again, then a fourth: the bytes held (chatgate_store_memory_bytes) stay under the
-  bound, the least recently used dialog goes, counted in
+  bound, and so do the dialogs held (chatgate_store_dialogs_held, 3), the least recently used dialog goes, counted in
   chatgate_store_evictions_total{reason="bytes"}, the others keep their history; a
   max_store_bytes under 16384 is refused at start;
 - params cap, all or nothing (defect 12): rules that extract params for two services from one
@@ -97,6 +97,8 @@ async def part_byte_bound():
             m = await metrics(gw)
             held = m.value("chatgate_store_memory_bytes")
             check(3 * 4096 < held <= 16384, f"three dialogs held {held} bytes, expected 12 to 16 KB")
+            check(m.value("chatgate_store_dialogs_held") == 3,
+                  f"chatgate_store_dialogs_held {m.value('chatgate_store_dialogs_held')}, expected 3")
             check(m.value("chatgate_store_evictions_total", reason="bytes") == 0,
                   f"evictions: {m.series('chatgate_store_evictions_total')}")
         with step("r0 read again, then a fourth dialog: r1, the least recently used, goes"):
@@ -105,6 +107,8 @@ async def part_byte_bound():
             m = await metrics(gw)
             held = m.value("chatgate_store_memory_bytes")
             check(0 < held <= 16384, f"{held} bytes held, over max_store_bytes 16384")
+            check(m.value("chatgate_store_dialogs_held") == 3,
+                  f"one in, one out: chatgate_store_dialogs_held {m.value('chatgate_store_dialogs_held')}, expected 3")
             check(m.value("chatgate_store_evictions_total", reason="bytes") == 1,
                   f"evictions by bytes: {m.series('chatgate_store_evictions_total')}")
             check(m.value("chatgate_store_evictions_total", reason="count") == 0,

@@ -15,11 +15,14 @@ memory store and with a real redis-server:
 - a directive whose tool result is over `tool_result_cap` is refused whole (warning
   too_large, the kept tool result unchanged);
 - an OpenAI-compatible upstream gets the tool result in its system message (a rule routes
-  "llm: ..." to it in the same room).
+  "llm: ..." to it in the same room);
+- at --log-level debug, one line a turn names its rules and params (never their values),
+  what the store's load found, the upstream and the times (issue 40, item 4).
 """
 
 import json
 import os
+import re
 import shutil
 
 import harness
@@ -104,7 +107,7 @@ async def part_tool_results(store, redis=None):
                          "llm": harness.openai_upstream(fake, "script")}
             config = harness.state_config(upstreams, "app", store=redis.url if redis else "memory",
                                           tool_result_cap=CAP)
-            async with harness.Gateway(["--rules", rdir], config, name=f"gateway:{store}") as gw:
+            async with harness.Gateway(["--rules", rdir, "--log-level", "debug"], config, name=f"gateway:{store}") as gw:
                 client = await Client.connect(gw)
                 with step(f"{tag} 'Show me my transactions': no tool result yet; the app keeps the list"):
                     t = await client.message("Show me my transactions", mid="b1", room="bank")
@@ -123,6 +126,14 @@ async def part_tool_results(store, redis=None):
                     food = [x for x in TRANSACTIONS if x["category"] == "food"]
                     check(t.terminal.get("text") == f"I have filtered your results: {json.dumps(food)}",
                           f"reply {t.terminal.get('text')!r}")
+                with step(f"{tag} --log-level debug: one line for the turn, rule and param names, no values"):
+                    line = await harness.wait_condition(
+                        lambda: next((l for l in gw.log_text().splitlines() if "debug turn b2:" in l), None),
+                        5, "the debug line of turn b2")
+                    check(re.search(r"turn b2: dialog #[0-9a-f]{8}, rules filter_transactions, service transactions "
+                                    r"params category, store found the dialog in [0-9.]+ ms, upstream app \(replica -1, "
+                                    r"1 attempt\(s\)\), first text at [0-9.]+ ms, [0-9.]+ ms in all, done$", line)
+                          and "food" not in line, f"the trace line: {line!r}")
                 with step(f"{tag} the filtered list is the tool result the next turn gets"):
                     t = await client.message("show only travel", mid="b3", room="bank")
                     t.expect_done()

@@ -88,6 +88,7 @@ typedef struct cg_store_stats {
     unsigned long evictions_bytes;   /* dialogs dropped by its byte bound */
     unsigned long evictions_rooms;   /* dialogs dropped by max_rooms_per_user (a user's oldest room) */
     size_t memory_bytes;             /* what the memory store holds now (its byte measure) */
+    long memory_dialogs;             /* ... and how many dialogs (a Redis store's: its copies) */
     /* Redis: the write-back after an outage */
     long writeback_pending, writeback_pending_bytes; /* dialogs written to memory only, now */
     unsigned long writeback_dropped_bound; /* dropped by the bound on those */
@@ -283,6 +284,9 @@ cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, 
  * Returns a malloc'd string.
  */
 char *cg_store_dialog_key(const char *user, const char *room);
+/* What a log line may say of a dialog's key: a hash, never the user's id (an e-mail, a
+ * phone number), printed "dialog #%08lx". */
+unsigned long cg_store_key_tag(const char *key);
 /* Percent-encodes one id; malloc'd. */
 char *cg_store_escape(const char *id);
 /* The id cg_store_escape made s (n bytes) from; malloc'd. */
