@@ -107,6 +107,10 @@ static const setting settings[] = {
     {"history_n", T_INT, OFF(lifetimes.history_n), 0, 200, NULL, 0, "N messages of history kept per dialog"},
     {"params_cap", T_INT, OFF(lifetimes.params_cap), 64, 1 << 20, NULL, 0,
      "BYTES of a dialog's params, as compact JSON"},
+    {"lifetimes.profile_s", T_INT, OFF(lifetimes.profile_s), 1, 366L * 86400, NULL, 0,
+     "SECONDS a user's profile lives after its last use (a turn reads it, a write renews it)"},
+    {"profile_cap", T_INT, OFF(lifetimes.profile_cap), 64, 1 << 20, NULL, 0,
+     "BYTES of a user's profile, as compact JSON; an update past it is refused whole"},
     {"tool_result_cap", T_INT, OFF(lifetimes.tool_result_cap), 64, 1 << 20, NULL, 0,
      "BYTES of a dialog's last tool result, as compact JSON (it goes back to the backend every turn)"},
     {"max_dialogs", T_INT, OFF(max_dialogs), 1, 100000000, NULL, 0,
@@ -225,6 +229,8 @@ void cg_lifetimes_default(cg_lifetimes *lt)
     lt->history_n = 10;
     lt->params_cap = 10000;
     lt->tool_result_cap = 16384;
+    lt->profile_s = 30L * 86400;
+    lt->profile_cap = 4096;
 }
 
 /* The CPUs this process may run on (its affinity mask, as taskset or a container's cpuset

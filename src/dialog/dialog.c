@@ -705,8 +705,8 @@ json_t *cg_dialog_tool_result(const cg_dialog *d, const cg_lifetimes *lt)
     return tool;
 }
 
-char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *tool_result, json_t *resolution,
-                        json_t *annotations)
+char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *tool_result, json_t *profile,
+                        json_t *resolution, json_t *annotations)
 {
     json_t *parts = json_object();
     if (d->service)
@@ -720,6 +720,8 @@ char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *tool_
         json_object_set(parts, "soft_context", d->soft);
     if (tool_result)
         json_object_set(parts, "last_tool_result", tool_result);
+    if (json_object_size(profile))
+        json_object_set(parts, "user_profile", profile);
     if (resolution)
         json_object_set(parts, "this_message_resolves", resolution);
     if (json_object_size(annotations))

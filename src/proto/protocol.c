@@ -158,6 +158,19 @@ static int parse_members(const frame *f, cg_client_frame *out, char *err, size_t
                 return fail(err, errlen, "context.forget needs 'keys': 1 to 100 strings like \"travel.from\"");
             out->keys = json_incref(keys);
         }
+    } else if (is(type, "profile.get") || is(type, "profile.forget")) {
+        out->type = is(type, "profile.get") ? CG_FRAME_PROFILE_GET : CG_FRAME_PROFILE_FORGET;
+        /* profile.forget's names, an array (jansson's tree only); none: every name */
+        json_t *keys = f->root ? json_object_get(f->root, "keys") : NULL;
+        size_t k;
+        json_t *key;
+        int ok = !keys || (json_is_array(keys) && json_array_size(keys) > 0 && json_array_size(keys) <= 100);
+        json_array_foreach(keys, k, key) ok &= json_is_string(key);
+        if (out->type == CG_FRAME_PROFILE_FORGET && !ok)
+            return fail(err, errlen, "profile.forget takes 'keys': 1 to 100 names like \"home_city\", or none to "
+                                     "forget the whole profile");
+        if (out->type == CG_FRAME_PROFILE_FORGET)
+            out->keys = json_incref(keys);
     } else if (is(type, "cancel")) {
         out->type = CG_FRAME_CANCEL;
         if (!out->id[0])
@@ -291,6 +304,11 @@ cg_frame_text cg_protocol_ack(const cg_ack *a)
 cg_frame_text cg_protocol_context(const char *room, json_t *state)
 {
     return cg_protocol_frame(json_pack("{s:s, s:s, s:O}", "type", "context", "room", room, "state", state));
+}
+
+cg_frame_text cg_protocol_profile(json_t *profile)
+{
+    return cg_protocol_frame(json_pack("{s:s, s:O}", "type", "profile", "profile", profile));
 }
 
 cg_frame_text cg_protocol_warning(const char *id, const char *code, const char *message)

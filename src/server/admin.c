@@ -10,13 +10,20 @@
  *                                         the rules that never fired
  *   GET    /admin/users/{user}/usage      the tokens a user spent, by room and upstream, and
  *                                         the totals (each room's dialog, loaded in turn)
+ *   GET    /admin/users/{user}/profile    the user's profile (what they said about themselves)
+ *   DELETE /admin/users/{user}/profile    forgets the whole profile
+ *   PUT    /admin/users/{user}/profile/{name}?value=JSON   sets one name of it
+ *   DELETE /admin/users/{user}/profile/{name}              forgets one name
  *   POST   /admin/reload                  load the rules again (as SIGHUP)
  *
  * Present only when CHATGATE_ADMIN_TOKEN is set (else every /admin path is 404), and then
  * only with "Authorization: Bearer <that token>" (else 401), compared in constant time.
  * Ids in paths are percent-decoded. With --admin-listen the API is on its own listener only.
  * Store calls answer later, so a request keeps its state in the connection's data until the
- * answer comes and its response is written on the next writable callback.
+ * answer comes and its response is written on the next writable callback. No request takes a
+ * body (a value travels in the query): lws 4.1 calls BODY_COMPLETION again and again, at
+ * 100% CPU, until the transaction completes, and an answer that comes later never could
+ * (cg_refuse_unread_body refuses every body before routing).
  * The admin API is plain HTTP: on its own listener a WebSocket upgrade is refused with 404
  * (on the main listener the session's check refuses it), and headers over max_header_bytes
  * get 431 there as on the main listener.
@@ -29,6 +36,8 @@
 #include <strings.h>
 
 #include "chatgate/core/alloc.h"
+#include "chatgate/core/error.h"
+#include "chatgate/store/profiles.h"
 #include "chatgate/server/admin.h"
 #include "chatgate/server/export.h"
 #include "chatgate/server/handshake.h"
@@ -51,6 +60,7 @@ typedef struct admin_req {
     /* GET .../usage: the user's rooms, the next one to load, and what they add up to */
     json_t *rooms, *usage;
     size_t next_room;
+    int profile_forget_all; /* DELETE .../profile: the names are read, then forgotten */
 } admin_req;
 
 size_t cg_admin_session_size(void)
@@ -112,6 +122,98 @@ static json_t *deleted_answer(const admin_req *a)
     if (o && kept)
         json_object_set_new(o, "export_kept", json_string(kept));
     return o;
+}
+
+/* The profile's answer: {"user", "profile"} (413 when an update would pass profile_cap). A
+ * DELETE reads the names first, then forgets them all. */
+static void on_profile(void *ctx, json_t *profile, int err, const cg_store_status *st)
+{
+    admin_req *a = ctx;
+    cg_store *store = a->srv->turn.store;
+    a->pending = NULL;
+    if (a->profile_forget_all) {
+        a->profile_forget_all = 0;
+        json_t *all = json_object();
+        const char *name;
+        json_t *v;
+        json_object_foreach(profile, name, v) json_object_set_new(all, name, json_null());
+        a->pending = store->ops->profiles->update(store, a->user, all, on_profile, a);
+        json_decref(all);
+        if (!a->pending)
+            answer_error(a, 500, "the store refused the request");
+        return;
+    }
+    if (err == CG_E_TOO_LARGE)
+        answer_error(a, 413, "the profile would pass profile_cap: nothing was changed");
+    else if (err)
+        answer_error(a, 500, "the profile could not be changed");
+    else if (st->degraded)
+        answer(a, 503, json_pack("{s:s, s:s, s:O}", "error", "the store is unreachable: this gateway's copy answered",
+                                 "user", a->user, "profile", profile));
+    else
+        answer(a, 200, json_pack("{s:s, s:O}", "user", a->user, "profile", profile));
+}
+
+/* The changes of PUT .../profile/{name}?value=JSON (set) or DELETE .../profile/{name}
+ * (forget): {name: value or null}, or NULL with the 400 answered. */
+static json_t *profile_change(admin_req *a, struct lws *wsi, const char *name, int is_put)
+{
+    json_t *value = json_null();
+    if (is_put) {
+        /* as long as the request line may be: a value past profile_cap is the store's 413 */
+        size_t cap = (size_t)a->srv->cfg->max_header_bytes + 16;
+        char *buf = cg_malloc(cap);
+        const char *v = lws_get_urlarg_by_name(wsi, "value=", buf, (int)cap);
+        value = v ? json_loads(v, JSON_DECODE_ANY, NULL) : NULL;
+        free(buf);
+        if (!value || json_is_null(value)) {
+            json_decref(value);
+            answer_error(a, 400, "PUT .../profile/{name} takes ?value= with the name's value as JSON "
+                                 "(percent-encoded; DELETE forgets a name)");
+            return NULL;
+        }
+    }
+    json_t *changes = json_object();
+    json_object_set_new(changes, name, value);
+    char err[200];
+    if (cg_profile_check(changes, err, sizeof(err)) < 0) {
+        json_decref(changes);
+        answer_error(a, 400, err);
+        return NULL;
+    }
+    return changes;
+}
+
+/*
+ * /admin/users/{user}/profile[/{name}] (rest: what follows "/admin/users/"): GET the profile,
+ * DELETE it whole; PUT one name (?value=JSON), DELETE one name.
+ */
+static void route_profile(admin_req *a, struct lws *wsi, const char *rest, int is_get, int is_put, int is_delete)
+{
+    cg_store *st = a->srv->turn.store;
+    const char *mark = strstr(rest, "/profile");
+    const char *name = mark && mark[8] == '/' ? mark + 9 : NULL;
+    if (!mark || copy_id(rest, (size_t)(mark - rest), a->user, sizeof(a->user)) < 0 || strchr(a->user, '/') ||
+        (name && (!*name || strchr(name, '/'))) || (is_put && !name) || (is_get && name)) {
+        answer_error(a, 400, "use GET or DELETE /admin/users/{user}/profile, PUT or DELETE "
+                             "/admin/users/{user}/profile/{name} (percent-encoded)");
+        return;
+    }
+    if (!st->ops->profiles) {
+        answer_error(a, 404, "this store keeps no profiles");
+        return;
+    }
+    cg_info("admin: %s the profile of one user", is_get ? "view" : is_put ? "change" : "forget");
+    if (name) {
+        json_t *changes = profile_change(a, wsi, name, is_put);
+        if (changes && !(a->pending = st->ops->profiles->update(st, a->user, changes, on_profile, a)))
+            answer_error(a, 500, "the store refused the request");
+        json_decref(changes);
+        return;
+    }
+    a->profile_forget_all = is_delete;
+    if (!(a->pending = st->ops->profiles->get(st, a->user, on_profile, a)))
+        answer_error(a, 500, "the store refused the request");
 }
 
 static void on_deleted(void *ctx, const cg_store_status *st)
@@ -218,7 +320,8 @@ static int authorized(struct lws *wsi, const char *token)
     return ok;
 }
 
-static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_delete);
+static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_put,
+                  int is_delete);
 
 /* GET /admin/rules: each rule of the running set with its hits and cut-offs since it was
  * loaded (the group's, with --workers), and the names of those that never fired: the
@@ -255,19 +358,23 @@ static void admin_request(admin_req *a, struct lws *wsi)
     a->handled = 1;
     int is_get = lws_hdr_total_length(wsi, WSI_TOKEN_GET_URI) > 0;
     int is_post = lws_hdr_total_length(wsi, WSI_TOKEN_POST_URI) > 0;
+    int is_put = lws_hdr_total_length(wsi, WSI_TOKEN_PUT_URI) > 0;
     int is_delete = lws_hdr_total_length(wsi, WSI_TOKEN_DELETE_URI) > 0;
-    enum lws_token_indexes tok = is_get ? WSI_TOKEN_GET_URI : is_post ? WSI_TOKEN_POST_URI : WSI_TOKEN_DELETE_URI;
-    char *uri = is_get || is_post || is_delete ? header_copy(wsi, tok) : NULL;
+    enum lws_token_indexes tok = is_get    ? WSI_TOKEN_GET_URI
+                                 : is_post ? WSI_TOKEN_POST_URI
+                                 : is_put  ? WSI_TOKEN_PUT_URI
+                                           : WSI_TOKEN_DELETE_URI;
+    char *uri = is_get || is_post || is_put || is_delete ? header_copy(wsi, tok) : NULL;
     if (!uri) {
-        answer_error(a, 405, "use GET, POST or DELETE");
+        answer_error(a, 405, "use GET, POST, PUT or DELETE");
         return;
     }
-    route(a, wsi, uri, is_get, is_post, is_delete);
+    route(a, wsi, uri, is_get, is_post, is_put, is_delete);
     free(uri);
 }
 
 /* Checks the token and routes a request for uri (lws has percent-decoded it). */
-static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_delete)
+static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, int is_post, int is_put, int is_delete)
 {
     cg_server *srv = a->srv;
     cg_store *st = srv->turn.store;
@@ -299,6 +406,14 @@ static void route(admin_req *a, struct lws *wsi, const char *uri, int is_get, in
      * with a '/' takes the query form (?user=...&room=...).
      */
     const char *p;
+    if (strncmp(uri, "/admin/users/", 13) == 0 && strstr(uri + 13, "/profile") && (is_get || is_put || is_delete)) {
+        route_profile(a, wsi, uri + 13, is_get, is_put, is_delete);
+        return;
+    }
+    if (is_put) {
+        answer_error(a, 405, "PUT is for /admin/users/{user}/profile/{name}");
+        return;
+    }
     if ((strncmp(uri, "/admin/dialogs/", 15) == 0 || strcmp(uri, "/admin/dialogs") == 0) && (is_get || is_delete)) {
         p = uri + 14;
         const char *slash = *p ? strchr(p + 1, '/') : NULL;
@@ -378,24 +493,15 @@ int cg_admin_callback(struct lws *wsi, enum lws_callback_reasons reason, void *u
         cg_warn("admin: refused a WebSocket upgrade on the admin listener");
         return cg_http_refuse(wsi, 404, "Not Found", "the admin API takes no WebSocket connections\n");
     case LWS_CALLBACK_FILTER_HTTP_CONNECTION:
-        return cg_refuse_large_headers(wsi) ? -1 : 0;
+        return cg_refuse_large_headers(wsi) || cg_refuse_unread_body(wsi) ? -1 : 0;
     case LWS_CALLBACK_HTTP:
         memset(a, 0, sizeof(*a));
         a->wsi = wsi;
         a->srv = cg_server_of(wsi);
-        /* a POST is answered once its body (ignored) has been read */
-        if (lws_hdr_total_length(wsi, WSI_TOKEN_POST_URI)) {
-            char cl[32];
-            if (lws_hdr_copy(wsi, cl, sizeof(cl), WSI_TOKEN_HTTP_CONTENT_LENGTH) > 0 && cg_parse_decimal_sat(cl, 1L << 30) > 0)
-                return 0;
-        }
-        admin_request(a, wsi);
+        admin_request(a, wsi); /* no body: a request with one was refused before (cg_refuse_unread_body) */
         return 0;
     case LWS_CALLBACK_HTTP_BODY:
-        return 0;
-    case LWS_CALLBACK_HTTP_BODY_COMPLETION:
-        if (!a->handled) /* lws may also say so for an empty body it did not wait for */
-            admin_request(a, wsi);
+    case LWS_CALLBACK_HTTP_BODY_COMPLETION: /* a POST's "Content-Length: 0": answered already */
         return 0;
     case LWS_CALLBACK_HTTP_WRITEABLE:
         return a && a->body ? write_answer(a, wsi) : 0;

@@ -236,11 +236,12 @@ static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
 static json_t *chatgate_object(const cg_turn_forward *f)
 {
     return json_pack(
-        "{s:s, s:s, s:s, s:o, s:O, s:O, s:o, s:O, s:O, s:O, s:O, s:O}", "user", f->user, "room", f->room, "route",
+        "{s:s, s:s, s:s, s:o, s:O, s:O, s:o, s:O, s:O, s:o, s:O, s:O, s:O}", "user", f->user, "room", f->room, "route",
         "app", "service", f->service ? json_string(f->service) : json_null(), "params", f->params, "resolution",
         f->resolution ? f->resolution : json_null(), "enriched", f->enriched ? json_string(f->enriched) : json_null(),
         "soft_context", f->soft ? f->soft : json_null(), "last_tool_result",
-        f->tool_result ? f->tool_result : json_null(), "awaiting", f->awaiting ? f->awaiting : json_null(), "rules",
+        f->tool_result ? f->tool_result : json_null(), "profile", f->profile ? json_incref(f->profile) : json_object(),
+        "awaiting", f->awaiting ? f->awaiting : json_null(), "rules",
         f->rules, "annotations", f->annotations);
 }
 

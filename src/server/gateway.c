@@ -55,7 +55,7 @@ static int front_callback(struct lws *wsi, enum lws_callback_reasons reason, voi
             return 1; /* answered */
         break;
     case LWS_CALLBACK_FILTER_HTTP_CONNECTION:
-        if (cg_refuse_large_headers(wsi) || cg_refuse_plain_http_on_ws(wsi))
+        if (cg_refuse_large_headers(wsi) || cg_refuse_plain_http_on_ws(wsi) || cg_refuse_unread_body(wsi))
             return -1; /* answered; lws closes the connection */
         break;
     case LWS_CALLBACK_OPENSSL_LOAD_EXTRA_CLIENT_VERIFY_CERTS: {

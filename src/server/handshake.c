@@ -181,6 +181,18 @@ int cg_refuse_plain_http_on_ws(struct lws *wsi)
     return why ? http_answer(wsi, 426, "Upgrade Required", "upgrade: websocket\r\n", why) : 0;
 }
 
+int cg_refuse_unread_body(struct lws *wsi)
+{
+    char cl[32] = "";
+    int chunked = lws_hdr_total_length(wsi, WSI_TOKEN_HTTP_TRANSFER_ENCODING) > 0;
+    int has_length = lws_hdr_copy(wsi, cl, sizeof(cl), WSI_TOKEN_HTTP_CONTENT_LENGTH) > 0;
+    if (!chunked && (!has_length || strspn(cl, "0") == strlen(cl)))
+        return 0; /* no body */
+    cg_warn("refused an HTTP request with a body: 413");
+    return http_answer(wsi, 413, "Payload Too Large", "",
+                       "no request takes a body here (the admin API takes its values in the query)\n");
+}
+
 /* Is host (no port, IPv6 in brackets) a name of this machine's loopback: localhost, a name
  * under .localhost (RFC 6761), 127.0.0.0/8 or [::1]? */
 static int loopback_host(const char *host, size_t n)

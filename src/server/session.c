@@ -235,6 +235,11 @@ static void sink_context(void *conn, const char *room, json_t *state)
     session_send(conn, cg_protocol_context(room, state));
 }
 
+static void sink_profile(void *conn, json_t *profile)
+{
+    session_send(conn, cg_protocol_profile(profile));
+}
+
 static const cg_turn_sink session_sink = {
     .ack = sink_ack,
     .delta = session_send_delta,
@@ -243,6 +248,7 @@ static const cg_turn_sink session_sink = {
     .error = sink_error,
     .warning = sink_warning,
     .context = sink_context,
+    .profile = sink_profile,
 };
 
 /* ---- frames from the client ------------------------------------------------------------ */
@@ -323,7 +329,9 @@ static void session_on_request(cg_session *s, cg_client_frame *f)
     cg_turn_request r = {
         .kind = chat ? CG_TURN_CHAT
                 : f->type == CG_FRAME_CONTEXT_GET ? CG_TURN_CONTEXT_GET
-                : f->type == CG_FRAME_CONTEXT_FORGET ? CG_TURN_CONTEXT_FORGET : CG_TURN_CONTEXT_CLEAR,
+                : f->type == CG_FRAME_CONTEXT_FORGET ? CG_TURN_CONTEXT_FORGET
+                : f->type == CG_FRAME_PROFILE_GET    ? CG_TURN_PROFILE_GET
+                : f->type == CG_FRAME_PROFILE_FORGET ? CG_TURN_PROFILE_FORGET : CG_TURN_CONTEXT_CLEAR,
         .id = dup_or_die(f->id),
         .room = dup_or_die(f->room),
         .text = f->text,

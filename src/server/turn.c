@@ -37,6 +37,7 @@
 #include "chatgate/dialog/dialog.h"
 #include "chatgate/dialog/pipeline.h"
 #include "chatgate/server/export.h"
+#include "chatgate/store/profiles.h"
 #include "chatgate/server/turn.h"
 
 /* A request's stage (the header comment draws the transitions; turn_enter checks them). */
@@ -69,6 +70,9 @@ struct cg_turn {
     int counted;               /* in env->inflight */
     char *enriched;            /* the pipeline's rewrite, kept for the history */
     cg_store_req *load;        /* while the dialog loads */
+    cg_store_req *profile_load; /* while the user's profile loads (beside the dialog) */
+    json_t *profile;           /* the user's profile, once loaded (a chat turn's) */
+    int loaded;                /* the dialog came; the turn goes on once the profile has too */
     cg_store_req *limit;       /* while the store counts it against its user's limits */
     int limit_held;            /* counted (a turn at once, its tokens to come): limit_end at its end */
     int limit_local;           /* ... in this process's memory (store.h, limit_end) */
@@ -229,6 +233,8 @@ static void turn_free(cg_turn *t)
     cg_ruleset_unref(t->rules);
     if (t->has_dialog)
         cg_dialog_free(&t->dialog);
+    cg_store_abandon(t->profile_load);
+    json_decref(t->profile);
     json_decref(t->keys);
     json_decref(t->awaiting_before);
     json_decref(t->resolution);
@@ -478,6 +484,8 @@ static void turn_stop(cg_turn *t)
     case TURN_LOADING:
         cg_store_abandon(t->load);
         t->load = NULL;
+        cg_store_abandon(t->profile_load);
+        t->profile_load = NULL;
         break;
     case TURN_CALLING:
     case TURN_STREAMING:
@@ -598,12 +606,59 @@ void cg_turn_reply(cg_turn *t, const char *text, size_t len)
     turn_keep_reply(t, text, len);
 }
 
+/* A profile update the store refused after the turn's own check let it through (another
+ * gateway wrote the profile meanwhile): said in the log, nobody waits for it. */
+static void on_profile_written(void *ctx, json_t *profile, int err, const cg_store_status *status)
+{
+    (void)ctx, (void)profile, (void)status;
+    if (err)
+        cg_warn("a profile update was refused by the store (%s): the profile grew meanwhile", cg_err_code(err));
+}
+
+/* The directive's "profile" (docs/state.md, "The user's profile"), checked: 0 with *next the
+ * profile it leaves (NULL: the directive has none), or a CG_E_* code with err. */
+static int profile_of_directive(cg_turn *t, json_t *state, json_t **next, char *err, size_t errlen)
+{
+    const cg_lifetimes *lt = &t->q->env->cfg->lifetimes;
+    json_t *changes = json_object_get(state, "profile");
+    *next = NULL;
+    if (!changes)
+        return 0;
+    if (cg_profile_check(changes, err, errlen) < 0)
+        return CG_E_BAD_FRAME;
+    if (!(*next = cg_profile_apply(t->profile, changes))) {
+        snprintf(err, errlen, "out of memory applying state.profile");
+        return CG_E_INTERNAL;
+    }
+    size_t size = cg_profile_size(*next);
+    if ((long)size > lt->profile_cap) {
+        snprintf(err, errlen, "state.profile would take %zu bytes, over the %ld-byte profile_cap; nothing was changed",
+                 size, lt->profile_cap);
+        json_decref(*next);
+        *next = NULL;
+        return CG_E_TOO_LARGE;
+    }
+    return 0;
+}
+
 void cg_turn_state(cg_turn *t, json_t *state, const char *source)
 {
     cg_turns *q = t->q;
+    cg_store *st = q->env->store;
     char err[256];
-    int rc = cg_dialog_apply_directive(&t->dialog, state, source, turn_now(q), &q->env->cfg->lifetimes, err,
+    json_t *profile = NULL; /* checked first: a directive is applied whole or not at all */
+    int rc = profile_of_directive(t, state, &profile, err, sizeof(err));
+    if (rc == 0)
+        rc = cg_dialog_apply_directive(&t->dialog, state, source, turn_now(q), &q->env->cfg->lifetimes, err,
                                        sizeof(err));
+    if (rc >= 0 && profile) {
+        if (st->ops->profiles)
+            st->ops->profiles->update(st, q->user, json_object_get(state, "profile"), on_profile_written, NULL);
+        json_decref(t->profile);
+        t->profile = profile;
+        profile = NULL;
+    }
+    json_decref(profile);
     if (rc >= 0)
         return;
     /* the reply itself is fine: a warning, and the reply goes on */
@@ -734,7 +789,8 @@ static void turn_forward(cg_turn *t, const cg_pipeline_result *res, json_t *para
     cg_turn_forward f = {
         .id = t->id, .user = q->user, .room = t->room, .text = t->text, .service = d->service,
         .params = params, .awaiting = awaiting_before, .soft = d->soft,
-        .tool_result = cg_dialog_tool_result(d, &q->env->cfg->lifetimes), .resolution = res->resolution,
+        .tool_result = cg_dialog_tool_result(d, &q->env->cfg->lifetimes), .profile = t->profile,
+        .resolution = res->resolution,
         .enriched = res->enriched, .rules = res->rules, .annotations = res->annotations, .opaque = t->opaque,
     };
     t->opaque = NULL; /* the adapter's again, whatever forward answers */
@@ -792,11 +848,12 @@ static int turn_call_upstream(cg_turn *t, json_t *params)
     cg_upstream *up = &q->env->upstreams[t->route];
     /* the state in a sentence, for an LLM's system message: built for a kind that reads it */
     json_t *tool = cg_dialog_tool_result(d, &q->env->cfg->lifetimes);
-    char *summary = up->ops->reads_summary ? cg_dialog_summary(d, params, tool, t->resolution, t->annotations) : NULL;
+    char *summary =
+        up->ops->reads_summary ? cg_dialog_summary(d, params, tool, t->profile, t->resolution, t->annotations) : NULL;
     cg_upstream_message um = {
         .id = t->id, .user = q->user, .room = t->room, .text = t->text, .route = up->cfg->name,
         .service = d->service, .params = params, .awaiting = t->awaiting_before, .soft = d->soft,
-        .tool_result = tool, .history = d->history, .summary = summary ? summary : "", .enriched = t->enriched,
+        .tool_result = tool, .profile = t->profile, .history = d->history, .summary = summary ? summary : "", .enriched = t->enriched,
         .resolution = t->resolution, .annotations = t->annotations, .rules = t->fired,
     };
     int rc = up->ops->start(up, &q->up_conns[t->route], &um, &upstream_events, t, &t->call);
@@ -1036,10 +1093,25 @@ static void on_dialog_loaded(void *ctx, cg_dialog *d, const cg_store_status *sta
         q->sink->warning(q->conn, t->kind == CG_TURN_CHAT ? t->id : NULL, "store_degraded",
                          "state kept in memory: Redis unreachable");
     }
+    t->loaded = 1;
+    if (t->profile_load) /* the profile's answer goes on with the turn */
+        return;
     if (t->kind == CG_TURN_CHAT)
         turn_start(t);
     else
         turn_context(t);
+}
+
+/* The user's profile came (a chat turn loads it beside its dialog); the turn goes on when
+ * both are there. */
+static void on_profile_loaded(void *ctx, json_t *profile, int err, const cg_store_status *status)
+{
+    (void)err, (void)status;
+    cg_turn *t = ctx;
+    t->profile_load = NULL;
+    t->profile = json_incref(profile);
+    if (t->loaded)
+        turn_start(t);
 }
 
 /* Starts loading t's dialog; -1 (said as an error) when the store refused. */
@@ -1050,6 +1122,8 @@ static int turn_load(cg_turn *t)
     turn_enter(t, TURN_LOADING);
     t->t_load = uv_hrtime();
     t->load = st->ops->lease->acquire(st, q->user, t->room, on_dialog_loaded, t);
+    if (t->load && t->kind == CG_TURN_CHAT && st->ops->profiles) /* pipelined with the load */
+        t->profile_load = st->ops->profiles->get(st, q->user, on_profile_loaded, t);
     if (t->load)
         return 0;
     say_early_error(t, CG_E_INTERNAL, "the dialog could not be loaded", NULL);
@@ -1119,6 +1193,65 @@ static int turn_limit(cg_turn *t)
 
 /* Runs the next waiting request, if none is in flight: a chat message's limits first (when
  * its user has any), then its dialog's lock, then its load. */
+/* profile.get, profile.forget: the user's profile, said with a profile frame. A forget of
+ * every name reads the names first. */
+static void on_profile_answer(void *ctx, json_t *profile, int err, const cg_store_status *status)
+{
+    (void)status;
+    cg_turn *t = ctx;
+    cg_turns *q = t->q;
+    cg_store *st = q->env->store;
+    t->load = NULL;
+    if (t->kind == CG_TURN_PROFILE_FORGET && !t->keys && json_object_size(profile)) {
+        json_t *all = json_object();
+        const char *name;
+        json_t *v;
+        json_object_foreach(profile, name, v) json_object_set_new(all, name, json_null());
+        t->keys = json_array(); /* not NULL now: the second answer is the last */
+        t->load = st->ops->profiles->update(st, q->user, all, on_profile_answer, t);
+        json_decref(all);
+        if (t->load)
+            return;
+    }
+    if (err)
+        say_error(q, t->id, err, "the profile could not be changed", NULL);
+    else if (q->sink->profile)
+        q->sink->profile(q->conn, profile);
+    turn_finish(t);
+}
+
+/* Starts a profile command: 0, or -1 (said) when the store has no profiles or refused. */
+static int turn_profile(cg_turn *t)
+{
+    cg_turns *q = t->q;
+    cg_store *st = q->env->store;
+    if (!st->ops->profiles) {
+        say_error(q, t->id, CG_E_INTERNAL, "this store keeps no profiles", NULL);
+        return -1;
+    }
+    turn_enter(t, TURN_LOADING);
+    if (t->kind == CG_TURN_PROFILE_FORGET && t->keys) {
+        json_t *names = json_object();
+        size_t i;
+        json_t *k;
+        json_array_foreach(t->keys, i, k) json_object_set_new(names, json_string_value(k), json_null());
+        char err[160];
+        if (cg_profile_check(names, err, sizeof(err)) < 0) {
+            json_decref(names);
+            say_error(q, t->id, CG_E_BAD_FRAME, err, NULL);
+            return -1;
+        }
+        t->load = st->ops->profiles->update(st, q->user, names, on_profile_answer, t);
+        json_decref(names);
+    } else {
+        t->load = st->ops->profiles->get(st, q->user, on_profile_answer, t);
+    }
+    if (t->load)
+        return 0;
+    say_error(q, t->id, CG_E_INTERNAL, "the profile could not be read", NULL);
+    return -1;
+}
+
 static void turns_pump(cg_turns *q)
 {
     while (!q->inflight && q->head) {
@@ -1134,7 +1267,8 @@ static void turns_pump(cg_turns *q)
             q->env->inflight++;
         }
         int limited = t->kind == CG_TURN_CHAT && q->limits;
-        if ((limited ? turn_limit(t) : turn_begin(t)) == 0)
+        int profile = t->kind == CG_TURN_PROFILE_GET || t->kind == CG_TURN_PROFILE_FORGET;
+        if ((profile ? turn_profile(t) : limited ? turn_limit(t) : turn_begin(t)) == 0)
             return;
         q->inflight = NULL;
         turn_free(t);

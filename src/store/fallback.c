@@ -455,6 +455,13 @@ void cg_fallback_answer_req(cg_fallback *fb, cg_store_req *req, const cg_fallbac
         json_decref(rooms);
         return;
     }
+    case CG_STORE_PROFILE:
+        if (wanted && req->cb.profile) {
+            json_t *p = s->profile ? json_incref(s->profile) : json_object();
+            req->cb.profile(req->ctx, p, s->profile_err, &st);
+            json_decref(p);
+        }
+        return;
     case CG_STORE_LIMIT:
         if (wanted) { /* a turn gone is not counted */
             cg_limit_verdict v;

@@ -1752,6 +1752,7 @@ static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
         free(er);
     }
     cg_argv_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");
+    cg_redis_profile_key(rs, &a, r->eu);
     arg_limit_keys(&a, rs, r->eu);
     send_last(rs, &a, on_remove_reply, r);
     cg_argv_free(&a);
@@ -1801,6 +1802,7 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
     redis_req *r = cg_redis_req_new(rs, CG_STORE_REMOVE_USER, user, "", ctx);
     r->cb.done = cb;
     cg_fallback_remove_user(rs->fb, user, r->eu); /* memory, write-back and the counts kept here */
+    cg_profiles_remove(rs->profiles, r->eu);
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }

@@ -19,6 +19,8 @@ static void req_closed(uv_handle_t *h)
     free(r->merge_rev);
     free(r->ticket);
     free(r->rev);
+    json_decref(r->changes);
+    json_decref(r->profile);
     free(r->user);
     free(r->eu);
     free(r->er);
@@ -97,6 +99,8 @@ void cg_redis_answer_from_memory(redis_req *r)
         .snapshot = r->snapshot,
         .version = r->version,
         .limits = &r->limits,
+        .profile = r->profile,
+        .profile_err = r->profile_err,
     };
     cg_fallback_answer_req(r->rs->fb, (cg_store_req *)r, &s, r->rs->closing);
     cg_redis_req_finish(r);
@@ -122,6 +126,7 @@ void cg_redis_handle_closed(uv_handle_t *h)
 void cg_redis_store_free(redis_store *rs)
 {
     cg_fallback_free(rs->fb);
+    cg_profiles_free(rs->profiles);
     for (int i = 0; i < rs->n_sentinels; i++)
         free(rs->sentinel_hosts[i]);
     free(rs->sentinel_hosts);

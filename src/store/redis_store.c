@@ -108,6 +108,7 @@ static const cg_store_ops redis_ops = {
     .dialogs = &cg_redis_dialog_ops,
     .lease = &cg_redis_lease_ops,
     .limits = &cg_redis_limit_ops,
+    .profiles = &cg_redis_profile_ops,
     .bus = &cg_redis_bus_ops,
     .replies = &cg_redis_reply_ops,
     .stream = &cg_redis_stream_ops,
@@ -411,6 +412,7 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->fb = cg_fallback_new(&rs->base, name, &redis_backend, rs);
     rs->leases = json_object();
     rs->saving = json_object();
+    rs->profiles = cg_profiles_new(cfg->max_dialogs);
     cg_redis_scripts_init();
     lease_holder_id(rs);
     if (!rs->leases || !rs->saving)

@@ -27,6 +27,8 @@
 #include "chatgate/core/addrmap.h"
 #include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/error.h"
+#include "chatgate/store/profiles.h"
 #include "chatgate/store/store.h"
 
 typedef struct mem_entry {
@@ -405,6 +407,7 @@ typedef struct memory_store {
     cg_store base;
     cg_memstore *mem;
     cg_limiter *limits; /* limits per user: the counts of this process, which is all of them */
+    cg_profiles *profiles;
     memory_req *queue, **queue_tail; /* to be answered, oldest first */
     cg_flush_item answer;              /* registered while the queue holds any (answer_all) */
     uv_timer_t timer;                  /* the same for a store without a flusher */
@@ -415,6 +418,7 @@ static void memory_store_free(memory_store *ms)
 {
     cg_memstore_free(ms->mem);
     cg_limiter_free(ms->limits);
+    cg_profiles_free(ms->profiles);
     free(ms);
 }
 
@@ -425,10 +429,13 @@ struct memory_req {
     char *key; /* rooms: "<escaped user>:", the prefix of the user's keys */
     cg_limit_verdict verdict; /* limit: decided at the call, told from the loop */
     cg_limits limits;         /* limit: what it was held to */
+    json_t *profile;          /* profile: what it is after the call (decided at the call) */
+    int err;                  /* profile: an update refused (CG_E_TOO_LARGE) */
 };
 
 static void req_free(memory_req *r)
 {
+    json_decref(r->profile);
     free(r->key);
     free(r);
 }
@@ -451,6 +458,9 @@ static void req_run(memory_req *r)
         cg_limiter_end(r->ms->limits, r->key, &r->limits, 0, cg_store_now_ms(&r->ms->base));
     } else if (!r->abandoned && r->kind == CG_STORE_LIMIT) {
         r->cb.limit(r->ctx, &r->verdict, &ok);
+    } else if (!r->abandoned && r->kind == CG_STORE_PROFILE) {
+        if (r->cb.profile)
+            r->cb.profile(r->ctx, r->profile, r->err, &ok);
     } else if (!r->abandoned && r->cb.done) {
         r->cb.done(r->ctx, &ok);
     }
@@ -553,6 +563,7 @@ static cg_store_req *mem_remove_user(cg_store *st, const char *user, cg_store_do
     r->cb.done = cb;
     cg_memstore_del_user(ms->mem, user);
     cg_limiter_forget(ms->limits, r->key); /* the key its limits are counted under (mem_limit) */
+    cg_profiles_remove(ms->profiles, r->key);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
@@ -587,6 +598,52 @@ static void mem_limit_end(cg_store *st, const char *user, const cg_limits *lim, 
     char *key = cg_store_dialog_key(user, "");
     cg_limiter_end(((memory_store *)st)->limits, key, lim, tokens, cg_store_now_ms(st));
     free(key);
+}
+
+/* The profile is read, or changed, at the call (in call order, as Redis runs them), and
+ * told from the loop. */
+static memory_req *profile_req(memory_store *ms, const char *user, cg_store_profile_fn cb, void *ctx)
+{
+    memory_req *r = req_new(ms, CG_STORE_PROFILE, user, "", ctx);
+    if (r)
+        r->cb.profile = cb;
+    return r;
+}
+
+static cg_store_req *mem_profile_get(cg_store *st, const char *user, cg_store_profile_fn cb, void *ctx)
+{
+    memory_store *ms = (memory_store *)st;
+    memory_req *r = profile_req(ms, user, cb, ctx);
+    if (!r)
+        return NULL;
+    json_t *p = cg_profiles_get(ms->profiles, r->key, st->now(st->clock_ctx), st->cfg.lifetimes.profile_s);
+    r->profile = p ? json_incref(p) : json_object();
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
+}
+
+static cg_store_req *mem_profile_update(cg_store *st, const char *user, json_t *changes, cg_store_profile_fn cb,
+                                        void *ctx)
+{
+    memory_store *ms = (memory_store *)st;
+    memory_req *r = profile_req(ms, user, cb, ctx);
+    if (!r)
+        return NULL;
+    int64_t now = st->now(st->clock_ctx);
+    const cg_lifetimes *lt = &st->cfg.lifetimes;
+    json_t *had = cg_profiles_get(ms->profiles, r->key, now, lt->profile_s);
+    json_t *next = cg_profile_apply(had, changes);
+    if (next && (long)cg_profile_size(next) > lt->profile_cap) {
+        r->err = CG_E_TOO_LARGE;
+        json_decref(next);
+        r->profile = had ? json_incref(had) : json_object();
+    } else if (next) {
+        cg_profiles_put(ms->profiles, r->key, next, now, lt->profile_s);
+        r->profile = next;
+    } else {
+        r->err = CG_E_INTERNAL;
+        r->profile = had ? json_incref(had) : json_object();
+    }
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 
 static void timer_closed(uv_handle_t *h)
@@ -624,11 +681,14 @@ static const cg_store_lease_ops memory_lease = {.acquire = mem_load};
 
 static const cg_store_limit_ops memory_limits = {.take = mem_limit, .end = mem_limit_end};
 
+static const cg_store_profile_ops memory_profiles = {.get = mem_profile_get, .update = mem_profile_update};
+
 static const cg_store_ops memory_ops = {
     .name = "memory",
     .dialogs = &memory_dialogs,
     .lease = &memory_lease,
     .limits = &memory_limits,
+    .profiles = &memory_profiles,
     .bus = NULL,     /* no other gateway */
     .replies = NULL, /* no other gateway */
     .close = mem_close,
@@ -650,6 +710,7 @@ cg_store *cg_store_memory_open(uv_loop_t *loop, const cg_store_config *cfg)
         cg_memstore_set_max_bytes(ms->mem, cfg->max_bytes);
     cg_memstore_set_max_rooms(ms->mem, cfg->max_rooms_per_user);
     ms->limits = cg_limiter_new(cfg->max_dialogs);
+    ms->profiles = cg_profiles_new(cfg->max_dialogs);
     ms->queue_tail = &ms->queue;
     return &ms->base;
 }

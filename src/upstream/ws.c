@@ -473,6 +473,7 @@ static char *message_frame(ws_conn *k, const cg_upstream_message *m, size_t *len
     cg_jsonw_member_json(&w, "resolution", m->resolution, "null");
     cg_jsonw_member_json(&w, "soft_context", m->soft, "null");
     cg_jsonw_member_json(&w, "last_tool_result", m->tool_result, "null");
+    cg_jsonw_member_json(&w, "profile", m->profile, "{}");
     cg_jsonw_member_json(&w, "rules", m->rules, "[]");
     cg_jsonw_member_json(&w, "annotations", m->annotations, "{}");
     k->last_head = w.used - CG_WS_PRE;

@@ -12,6 +12,10 @@ Covers:
   the pages' 404); the pages and the WebSocket on /ws are served as before;
 - the admin listener (--admin-listen) refuses a WebSocket upgrade with an HTTP error
   (no 101), on any path, and still answers its API;
+- a request with a body (POST, PUT, PATCH; Content-Length or chunked), on the pages,
+  /metrics or the admin API, of either listener, is answered 413 and the gateway keeps
+  answering at once (lws 4.1 spun at 100% CPU on such bodies); a POST without one still
+  reaches the admin API;
 - JWTs (--auth jwt): a long token (8 KB) is accepted, in the header and in the query; a
   token without exp is unauthorized (1008) unless
   jwt.allow_no_exp is true in the config; a signature with non-zero unused bits in its
@@ -256,8 +260,55 @@ async def test_plain_http_on_ws_paths():
             gw.assert_alive()
 
 
+async def test_request_bodies():
+    """A request with a body on any path gets 413 and the gateway stays responsive: lws 4.1
+    spun at 100% CPU on a body whose request was not answered inside BODY_COMPLETION (a PUT
+    to a page, a POST to /metrics, an admin POST answered later), unauthenticated ones too."""
+    admin_port = harness.free_port()
+    env = {"CHATGATE_ADMIN_TOKEN": "admin-secret"}
+    args = ["--admin-listen", f"127.0.0.1:{admin_port}"]
+    async with harness.Gateway(args, None, env=env, name="gateway-bodies") as gw:
+        await harness.wait_condition(lambda: _accepts(admin_port), 5, "the admin listener to accept")
+        with step("POST, PUT and PATCH with a body, on the pages, /metrics, /ws and the admin API: 413"):
+            for port in (gw.port, admin_port):
+                for method in ("POST", "PUT", "PATCH"):
+                    for path, headers in (("/", ""), ("/metrics", ""), ("/admin/reload", "Authorization: Bearer "
+                                                                        "admin-secret\r\n"),
+                                          ("/admin/users/u/profile/x?value=1", "")):
+                        for body in (b"Content-Length: 7\r\n\r\n{\"a\":1}",
+                                     b"Transfer-Encoding: chunked\r\n\r\n7\r\n{\"a\":1}\r\n0\r\n\r\n"):
+                            req = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}").encode() + body
+                            answer = await asyncio.to_thread(raw_request, port, req, 3)
+                            check(answer.startswith(b"HTTP/1.1 413"),
+                                  f"{method} {path} on port {port} with a body: {answer[:120]!r}")
+                            t0 = time.monotonic()
+                            status, _ = await asyncio.to_thread(http_get, gw.port, "/healthz", {}, 2)
+                            check(status == 200 and time.monotonic() - t0 < 1,
+                                  f"after {method} {path}: /healthz {status} in {time.monotonic() - t0:.2f} s")
+        with step("a POST without a body still reaches the admin API"):
+            status = await asyncio.to_thread(raw_post, admin_port, "/admin/reload")
+            check(status == 200, f"POST /admin/reload without a body: {status}")
+
+
+def _accepts(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def raw_post(port, path):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
+    conn.request("POST", path, headers={"Authorization": "Bearer admin-secret", "Content-Length": "0"})
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
 async def main(args):
     await independent(test_header_space())
+    await independent(test_request_bodies())
     await independent(test_plain_http_on_ws_paths())
     await independent(test_admin_listener_upgrade())
     await independent(test_jwt_policy())

@@ -84,6 +84,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         json_decref(state);
         break;
     }
+    case CG_FRAME_PROFILE_FORGET: /* keys: none (all), or 1 to 100 strings */
+        if (f.keys && (json_array_size(f.keys) < 1 || json_array_size(f.keys) > 100))
+            __builtin_trap();
+        /* fall through */
+    case CG_FRAME_PROFILE_GET: {
+        json_t *profile = json_object();
+        if (f.keys)
+            json_object_set(profile, "keys", f.keys);
+        check_built(cg_protocol_profile(profile));
+        json_decref(profile);
+        break;
+    }
     }
     cg_client_frame_clear(&f);
     return 0;

@@ -32,6 +32,8 @@ typedef struct cg_lifetimes {
     long history_n;  /* 10 messages */
     long params_cap; /* 10,000 bytes of params per dialog */
     long tool_result_cap; /* 16,384 bytes of the last tool result, handed back to backends */
+    long profile_s;       /* 30 days: a user's profile, renewed by use */
+    long profile_cap;     /* 4,096 bytes of a user's profile */
 } cg_lifetimes;
 
 void cg_lifetimes_default(cg_lifetimes *lt);

@@ -154,11 +154,12 @@ void cg_dialog_from_json(cg_dialog *d, json_t *j, int64_t now);
  * right after (a store's load), which nobody changes afterwards. */
 void cg_dialog_adopt_json(cg_dialog *d, json_t *j, int64_t now);
 
-/* A short text of the state (tool_result: cg_dialog_tool_result's), and of what this message
+/* A short text of the state (tool_result: cg_dialog_tool_result's; profile: the user's, what
+ * they said about themselves in any room), and of what this message
  * resolved and carries, for an LLM's system message; malloc'd, "" when there is nothing. JSON
  * arguments may be NULL. */
-char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *tool_result, json_t *resolution,
-                        json_t *annotations);
+char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *tool_result, json_t *profile,
+                        json_t *resolution, json_t *annotations);
 /* The last tool result as it goes back to a backend (borrowed), or NULL when there is none or
  * it takes more than lt->tool_result_cap bytes (kept before the cap was checked on write). */
 json_t *cg_dialog_tool_result(const cg_dialog *d, const cg_lifetimes *lt);

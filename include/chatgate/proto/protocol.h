@@ -25,6 +25,8 @@ typedef enum cg_frame_type {
     CG_FRAME_CONTEXT_FORGET,
     CG_FRAME_CONTEXT_CLEAR,
     CG_FRAME_RESUME,
+    CG_FRAME_PROFILE_GET,
+    CG_FRAME_PROFILE_FORGET,
 } cg_frame_type;
 
 typedef struct cg_client_frame {
@@ -32,7 +34,7 @@ typedef struct cg_client_frame {
     char id[CG_MAX_ID + 1]; /* "" when the frame had none */
     char room[CG_MAX_ROOM + 1];
     char *text;             /* message: owned, freed by cg_client_frame_clear() */
-    json_t *keys;           /* context.forget: array of strings, owned */
+    json_t *keys;           /* context.forget, profile.forget (NULL: every name): array of strings, owned */
     uint64_t after;         /* resume: the seq of the last delta the client has */
 } cg_client_frame;
 
@@ -65,6 +67,8 @@ typedef struct cg_ack {
 cg_frame_text cg_protocol_ack(const cg_ack *a);
 /* state is borrowed. */
 cg_frame_text cg_protocol_context(const char *room, json_t *state);
+/* {"type":"profile","profile":{...}}: the user's profile (docs/protocol.md). */
+cg_frame_text cg_protocol_profile(json_t *profile);
 cg_frame_text cg_protocol_warning(const char *id, const char *code, const char *message);
 /* seq: the reply's bytes relayed up to the end of this text, for a resume's "after" */
 cg_frame_text cg_protocol_delta(const char *id, const char *text, size_t len, uint64_t seq);

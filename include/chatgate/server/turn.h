@@ -73,7 +73,14 @@ typedef struct cg_turn_env {
 /* Names env's service slots from the config's "services" (at start; borrowed from cfg). */
 void cg_turn_env_services(cg_turn_env *env);
 
-typedef enum { CG_TURN_CHAT, CG_TURN_CONTEXT_GET, CG_TURN_CONTEXT_FORGET, CG_TURN_CONTEXT_CLEAR } cg_turn_kind;
+typedef enum {
+    CG_TURN_CHAT,
+    CG_TURN_CONTEXT_GET,
+    CG_TURN_CONTEXT_FORGET,
+    CG_TURN_CONTEXT_CLEAR,
+    CG_TURN_PROFILE_GET,    /* the user's profile, no dialog */
+    CG_TURN_PROFILE_FORGET, /* names of it (keys), or all of it (keys NULL) */
+} cg_turn_kind;
 
 typedef struct cg_turn cg_turn;
 
@@ -96,6 +103,7 @@ typedef struct cg_turn_forward {
     json_t *awaiting;     /* as it was before this message, or NULL */
     json_t *soft;
     json_t *tool_result; /* the last tool result (within tool_result_cap), or NULL */
+    json_t *profile;     /* the user's profile (name -> value), or NULL */
     json_t *resolution;
     const char *enriched;
     json_t *rules, *annotations;
@@ -115,6 +123,7 @@ typedef struct cg_turn_sink {
     void (*error)(void *conn, const char *id, int err, const char *message, json_t *detail);
     void (*warning)(void *conn, const char *id, const char *code, const char *message);
     void (*context)(void *conn, const char *room, json_t *state);
+    void (*profile)(void *conn, json_t *profile); /* profile.get, profile.forget's answer */
     /* Set by adapters that forward the message over their own connection instead of an
      * upstream call: the message, pipeline run; 0, or -1 to end the turn with an error. The
      * reply then comes through cg_turn_reply() and ends with cg_turn_end(). */

@@ -88,6 +88,8 @@ typedef struct cg_fallback_subject {
     const cg_dialog *snapshot; /* save: the dialog; NULL when cg_fallback_save kept it already */
     long version;              /* save: a write-back's version (cg_fallback_dirty), else 0 */
     const cg_limits *limits;   /* limit: what the message is held to */
+    json_t *profile;           /* profile: the answer (the store's copy decided it; NULL: none) */
+    int profile_err;           /* profile: an update refused */
 } cg_fallback_subject;
 
 /*

@@ -37,6 +37,8 @@
 
 #include "chatgate/core/net.h"
 #include "chatgate/store/fallback.h"
+#include "chatgate/store/profiles.h"
+#include "chatgate/store/redis_argv.h"
 #include "chatgate/store/store.h"
 
 
@@ -77,6 +79,9 @@ struct redis_req {
     char *ticket;      /* a turn's load: its place in the line for the lease, "<holder>#<n>" */
     int64_t renewed;   /* save: when the lifetimes of the keys it writes were last set, this
                         * save's time when it sets them (docs/state.md, "Lifetimes in Redis") */
+    json_t *changes;   /* profile: an update's (NULL: a read) */
+    json_t *profile;   /* profile: the answer, once there */
+    int profile_err;   /* profile: an update refused (CG_E_TOO_LARGE) */
     redis_req *wait_next; /* waiting for the first connection's verdict */
     uv_timer_t defer;          /* answers from memory come through this */
 };
@@ -101,6 +106,7 @@ struct redis_store {
     uv_timer_t tick;       /* lease renewals, the write-back of dialogs marked while connected */
     cg_fallback *fb; /* degraded mode (fallback.c): the gateway's copy of the dialogs, what
                       * it wrote while Redis was away, the limits counted meanwhile */
+    cg_profiles *profiles; /* the copies of the profiles Redis answered (redis_profile.c) */
     redis_req *waiting, *waiting_tail; /* before the first connection is decided */
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
@@ -175,6 +181,9 @@ extern const cg_store_lease_ops cg_redis_lease_ops;
 extern const cg_store_limit_ops cg_redis_limit_ops;
 extern const cg_store_bus_ops cg_redis_bus_ops;
 extern const cg_store_reply_ops cg_redis_reply_ops; /* redis_reply.c */
+extern const cg_store_profile_ops cg_redis_profile_ops; /* redis_profile.c */
+/* The user's profile key: "<prefix>:{<eu>}:profile" (redis_profile.c), for forget-user's DEL. */
+void cg_redis_profile_key(redis_store *rs, cg_argv *a, const char *eu);
 /* redis_stream.c: the stream (the turn export's XADD). */
 extern const cg_store_stream_ops cg_redis_stream_ops;
 /* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and

@@ -39,6 +39,10 @@ typedef void (*cg_store_done_fn)(void *ctx, const cg_store_status *status);
 typedef void (*cg_store_rooms_fn)(void *ctx, json_t *rooms, const cg_store_status *status);
 /* limit: may the message go (limits.h)? */
 typedef void (*cg_store_limit_fn)(void *ctx, const cg_limit_verdict *v, const cg_store_status *status);
+/* profile: the user's profile (borrowed for the call; an empty object when none); err 0, or
+ * a CG_E_* code when an update was refused (CG_E_TOO_LARGE: over profile_cap, nothing
+ * written) and profile is the one kept. */
+typedef void (*cg_store_profile_fn)(void *ctx, json_t *profile, int err, const cg_store_status *status);
 
 /* What a request asks of a store. */
 typedef enum {
@@ -48,6 +52,7 @@ typedef enum {
     CG_STORE_REMOVE_USER,
     CG_STORE_ROOMS,
     CG_STORE_LIMIT,
+    CG_STORE_PROFILE, /* a profile's read, or its update */
 } cg_store_op;
 
 /*
@@ -66,6 +71,7 @@ typedef enum {
         cg_store_done_fn done;   /* SAVE, REMOVE, REMOVE_USER; may be NULL */                 \
         cg_store_rooms_fn rooms; /* ROOMS */                                                  \
         cg_store_limit_fn limit; /* LIMIT */                                                  \
+        cg_store_profile_fn profile; /* PROFILE */                                            \
     } cb;
 
 struct cg_store_req {
@@ -215,11 +221,24 @@ typedef struct cg_store_stream_ops {
                   cg_store_appended_fn cb, void *ctx);
 } cg_store_stream_ops;
 
+/* Profiles: what a user said about themselves, shared by every room of theirs
+ * (profiles.h, docs/state.md "The user's profile"), living lifetimes.profile_s after its
+ * last use, at most lifetimes.profile_cap bytes. remove_user forgets it too. */
+typedef struct cg_store_profile_ops {
+    /* user's profile, its lifetime renewed. */
+    cg_store_req *(*get)(cg_store *st, const char *user, cg_store_profile_fn cb, void *ctx);
+    /* Applies changes (name -> value, null forgets; checked by the caller with
+     * cg_profile_check) as one step, within the cap; the profile it leaves comes to cb (may
+     * be NULL). */
+    cg_store_req *(*update)(cg_store *st, const char *user, json_t *changes, cg_store_profile_fn cb, void *ctx);
+} cg_store_profile_ops;
+
 typedef struct cg_store_ops {
     const char *name;
     const cg_store_dialog_ops *dialogs;
     const cg_store_lease_ops *lease;
     const cg_store_limit_ops *limits;
+    const cg_store_profile_ops *profiles;
     const cg_store_bus_ops *bus; /* NULL: no other gateways to tell */
     const cg_store_reply_ops *replies; /* NULL: no other gateway resumes a reply */
     const cg_store_stream_ops *stream; /* NULL: no streams (the export cannot go there) */

@@ -63,6 +63,7 @@ typedef struct cg_upstream_message {
     json_t *awaiting;    /* the awaiting state before this message, or NULL */
     json_t *soft;        /* soft context, or NULL */
     json_t *tool_result; /* the last tool result (within tool_result_cap), or NULL */
+    json_t *profile;     /* the user's profile (name -> value), or NULL */
     json_t *history;     /* the last messages before this one: [{role, content, ts}] */
     const char *summary; /* the state in a sentence, for an LLM's system message; "" but for
                             a kind whose ops say reads_summary */

@@ -362,7 +362,7 @@ static void test_history_and_round_trip(void)
     CHECK(weight > compact / 2 && weight < compact * 2);
     cg_dialog_free(&copy);
 
-    char *summary = cg_dialog_summary(&d, json_object_get(d.params, "travel"), NULL, NULL, NULL);
+    char *summary = cg_dialog_summary(&d, json_object_get(d.params, "travel"), NULL, NULL, NULL, NULL);
     CHECK(strstr(summary, "\"from\":\"Nairobi\"") != NULL);
     CHECK(strstr(summary, "\"service\":\"travel\"") != NULL);
     free(summary);
@@ -562,7 +562,7 @@ static void test_tool_result_cap(void)
     json_t *fits = json_loads("{\"last_tool_result\": {\"type\": \"transactions\", \"n\": 2}}", 0, NULL);
     CHECK(cg_dialog_apply_directive(&d, fits, "app", 1000, &small, err, sizeof(err)) == 0);
     CHECK(cg_dialog_tool_result(&d, &small) == d.last_tool_result && d.last_tool_result);
-    char *summary = cg_dialog_summary(&d, NULL, cg_dialog_tool_result(&d, &small), NULL, NULL);
+    char *summary = cg_dialog_summary(&d, NULL, cg_dialog_tool_result(&d, &small), NULL, NULL, NULL);
     CHECK(strstr(summary, "\"last_tool_result\":{\"type\":\"transactions\",\"n\":2}") != NULL);
     free(summary);
     json_t *big = json_pack("{s:{s:s, s:s}, s:{s:s}}", "last_tool_result", "type", "transactions", "items",

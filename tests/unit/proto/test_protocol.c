@@ -59,6 +59,21 @@ static void test_good(void)
     CHECK_STR(f.room, "default");
     cg_client_frame_clear(&f);
 
+    /* profile.get, profile.forget with names or none (all of it) */
+    CHECK(parse("{\"type\":\"profile.get\"}", &f, err, sizeof(err)) == 0 && f.type == CG_FRAME_PROFILE_GET);
+    cg_client_frame_clear(&f);
+    CHECK(parse("{\"type\":\"profile.forget\",\"keys\":[\"home_city\"]}", &f, err, sizeof(err)) == 0);
+    CHECK(f.type == CG_FRAME_PROFILE_FORGET && json_array_size(f.keys) == 1);
+    cg_client_frame_clear(&f);
+    CHECK(parse("{\"type\":\"profile.forget\"}", &f, err, sizeof(err)) == 0);
+    CHECK(f.type == CG_FRAME_PROFILE_FORGET && f.keys == NULL);
+    cg_client_frame_clear(&f);
+    CHECK(parse("{\"type\":\"profile.forget\",\"keys\":[]}", &f, err, sizeof(err)) < 0);
+    CHECK(strstr(err, "profile.forget takes 'keys'") != NULL);
+    cg_client_frame_clear(&f);
+    CHECK(parse("{\"type\":\"profile.forget\",\"keys\":[1]}", &f, err, sizeof(err)) < 0);
+    cg_client_frame_clear(&f);
+
     CHECK(parse("{\"type\":\"cancel\",\"id\":\"m1\"}", &f, err, sizeof(err)) == 0);
     CHECK(f.type == CG_FRAME_CANCEL);
     CHECK_STR(f.id, "m1");

@@ -1,0 +1,224 @@
+/*
+ * redis_profile.c: the Redis store's profiles (store.h, cg_store_profile_ops; docs/state.md,
+ * "The user's profile"). A user's profile is one HASH beside the user's rooms set, under the
+ * user's hash tag (so one shard, one cluster slot, twemproxy's hash_tag too):
+ *   <prefix>:{<user>}:profile   HASH  name -> the value as compact JSON, PX profile_s
+ * A read is one script (HGETALL, and PEXPIRE: a use renews it); an update is one script that
+ * applies the changes only when the profile stays within profile_cap bytes, as one step, so
+ * two gateways writing one user's profile cannot pass the bound together.
+ *
+ * What Redis answers is copied into rs->profiles, which answers while Redis is away (degraded:
+ * an update then changes that copy only, and is lost when Redis comes back: logged).
+ */
+#include <hiredis/hiredis.h>
+#include <openssl/evp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chatgate/core/alloc.h"
+#include "chatgate/core/error.h"
+#include "chatgate/core/log.h"
+#include "chatgate/store/redis_internal.h"
+
+/* KEYS[1] the profile; ARGV[1] its lifetime (ms). */
+static const char get_script[] = "local all = redis.call('HGETALL', KEYS[1])\n"
+                                 "if #all > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end\n"
+                                 "return all\n";
+
+/*
+ * KEYS[1] the profile; ARGV[1] its lifetime (ms), ARGV[2] the cap (bytes), then name, value
+ * pairs (value "" forgets the name: no JSON text is empty). The size is the profile's as
+ * compact JSON, {"name":value,...}: names need no escaping (profiles.h). Answers {1, the
+ * profile} when written, {0, the profile as it stays} when the cap refused it.
+ */
+static const char update_script[] =
+    "local cur = redis.call('HGETALL', KEYS[1])\n"
+    "local t = {}\n"
+    "for i = 1, #cur, 2 do t[cur[i]] = cur[i + 1] end\n"
+    "for i = 3, #ARGV, 2 do if ARGV[i + 1] == '' then t[ARGV[i]] = nil else t[ARGV[i]] = ARGV[i + 1] end end\n"
+    "local size, n = 2, 0\n"
+    "for k, v in pairs(t) do size = size + #k + #v + 3; n = n + 1 end\n"
+    "if n > 1 then size = size + n - 1 end\n"
+    "if size > tonumber(ARGV[2]) then return {0, cur} end\n"
+    "for i = 3, #ARGV, 2 do\n"
+    "  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i])\n"
+    "  else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end\n"
+    "end\n"
+    "if n > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end\n"
+    "return {1, redis.call('HGETALL', KEYS[1])}\n";
+
+static char get_sha[41], update_sha[41];
+
+static void sha_of(const char *text, char out[41])
+{
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    if (!EVP_Digest(text, strlen(text), md, &n, EVP_sha1(), NULL) || n != 20)
+        abort();
+    for (unsigned int k = 0; k < n; k++)
+        snprintf(out + 2 * k, 3, "%02x", md[k]);
+}
+
+void cg_redis_profile_key(redis_store *rs, cg_argv *a, const char *eu)
+{
+    cg_argv_key(a, rs->base.cfg.prefix, eu, NULL, "profile");
+}
+
+/* A HGETALL's answer as a profile: each value read as JSON; one that is not (written by
+ * something else) is left out, said once a read. NULL when the answer is not a hash's. */
+static json_t *profile_of(redisReply *rep)
+{
+    if (!rep || rep->type != REDIS_REPLY_ARRAY || rep->elements % 2)
+        return NULL;
+    json_t *p = json_object();
+    int left_out = 0;
+    for (size_t i = 0; p && i < rep->elements; i += 2) {
+        redisReply *k = rep->element[i], *v = rep->element[i + 1];
+        json_t *value = v->type == REDIS_REPLY_STRING ? json_loadb(v->str, v->len, JSON_DECODE_ANY, NULL) : NULL;
+        char *name = k->type == REDIS_REPLY_STRING ? cg_strndup(k->str, k->len) : NULL;
+        if (value && name && strlen(name) == k->len)
+            json_object_set_new(p, name, value);
+        else {
+            json_decref(value);
+            left_out++;
+        }
+        free(name);
+    }
+    if (left_out)
+        cg_warn("redis: a profile held %d field(s) chatgate does not write (not JSON): left out", left_out);
+    return p;
+}
+
+/* Answers r with r->profile (an empty one when none) and finishes it. */
+static void answer(redis_req *r, const cg_store_status *st)
+{
+    json_t *p = r->profile ? r->profile : json_object();
+    if (!r->abandoned && !r->rs->closing && r->cb.profile)
+        r->cb.profile(r->ctx, p, r->profile_err, st);
+    if (!r->profile)
+        json_decref(p);
+    cg_redis_req_finish(r);
+}
+
+/* Redis is away, or failed r: the copy answers (and an update changes it alone). */
+static void from_copy(redis_req *r)
+{
+    redis_store *rs = r->rs;
+    int64_t now = rs->base.now(rs->base.clock_ctx);
+    const cg_lifetimes *lt = &rs->base.cfg.lifetimes;
+    json_t *had = cg_profiles_get(rs->profiles, r->eu, now, lt->profile_s);
+    json_decref(r->profile);
+    r->profile = NULL;
+    if (r->changes) {
+        json_t *next = cg_profile_apply(had, r->changes);
+        if (next && (long)cg_profile_size(next) <= lt->profile_cap) {
+            cg_warn("redis %s:%d: away: a profile's update is kept in this gateway's memory only (lost when Redis "
+                    "is back)",
+                    rs->host, rs->port);
+            cg_profiles_put(rs->profiles, r->eu, next, now, lt->profile_s);
+            r->profile = next;
+            had = NULL;
+        } else {
+            json_decref(next);
+            r->profile_err = next ? CG_E_TOO_LARGE : CG_E_INTERNAL;
+        }
+    }
+    if (had)
+        r->profile = json_incref(had);
+    cg_redis_answer_later_from_memory(r); /* from the loop: the fallback says degraded */
+}
+
+static void on_reply(cg_redis_conn *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    redis_req *r = priv;
+    redis_store *rs = r->rs;
+    redisReply *reply = reply_;
+    redisReply *hash = reply;
+    int written = 1;
+    if (r->changes) { /* {1|0, the profile} */
+        if (!reply || reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
+            reply->element[0]->type != REDIS_REPLY_INTEGER) {
+            hash = NULL;
+        } else {
+            written = reply->element[0]->integer == 1;
+            hash = reply->element[1];
+        }
+    }
+    json_t *p = cg_redis_reply_failed(rs, reply, 0, "profile") ? NULL : profile_of(hash);
+    if (!p) {
+        rs->base.stats.errors++;
+        from_copy(r);
+        return;
+    }
+    int64_t now = rs->base.now(rs->base.clock_ctx);
+    cg_profiles_put(rs->profiles, r->eu, p, now, rs->base.cfg.lifetimes.profile_s);
+    r->profile = p;
+    r->profile_err = written ? 0 : CG_E_TOO_LARGE;
+    static const cg_store_status ok = {0, 0, 0};
+    answer(r, &ok);
+}
+
+/* Sends r's script, or answers it from the copy when Redis is away. */
+static void send_profile(redis_store *rs, redis_req *r)
+{
+    if (!get_sha[0]) {
+        sha_of(get_script, get_sha);
+        sha_of(update_script, update_sha);
+    }
+    if (!cg_redis_linked(rs) || rs->closing) {
+        from_copy(r);
+        return;
+    }
+    cg_argv a = {0};
+    cg_argv_str(&a, "EVALSHA");
+    cg_argv_str(&a, r->changes ? update_sha : get_sha);
+    cg_argv_str(&a, "1");
+    cg_redis_profile_key(rs, &a, r->eu);
+    cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.profile_s * 1000);
+    if (r->changes) {
+        cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.profile_cap);
+        const char *name;
+        json_t *v;
+        json_object_foreach(r->changes, name, v) {
+            cg_argv_str(&a, name);
+            if (json_is_null(v))
+                cg_argv_str(&a, "");
+            else
+                cg_argv_json(&a, v);
+        }
+    }
+    size_t len;
+    const char *cmd = cg_argv_framed(&a, &len);
+    int rc = cmd ? cg_redis_link_script(rs->link, a.slot, cmd, len, r->changes ? update_script : get_script, on_reply, r)
+                 : -1;
+    cg_argv_free(&a);
+    if (rc < 0) {
+        rs->base.stats.errors++;
+        from_copy(r);
+    }
+}
+
+static cg_store_req *rs_profile(cg_store *st, const char *user, json_t *changes, cg_store_profile_fn cb, void *ctx)
+{
+    redis_store *rs = (redis_store *)st;
+    redis_req *r = cg_redis_req_new(rs, CG_STORE_PROFILE, user, "", ctx);
+    r->cb.profile = cb;
+    r->changes = json_incref(changes);
+    send_profile(rs, r);
+    return (cg_store_req *)r; /* its first fields are cg_store_req's */
+}
+
+static cg_store_req *rs_profile_get(cg_store *st, const char *user, cg_store_profile_fn cb, void *ctx)
+{
+    return rs_profile(st, user, NULL, cb, ctx);
+}
+
+static cg_store_req *rs_profile_update(cg_store *st, const char *user, json_t *changes, cg_store_profile_fn cb,
+                                       void *ctx)
+{
+    return rs_profile(st, user, changes, cb, ctx);
+}
+
+const cg_store_profile_ops cg_redis_profile_ops = {.get = rs_profile_get, .update = rs_profile_update};
