@@ -660,8 +660,8 @@ static const char state_tool_json[] =
     "[{\"type\":\"function\",\"function\":{\"name\":\"chatgate_state\",\"description\":"
     "\"Keep state for this conversation. Call it together with your reply when you ask the user to confirm "
     "something (awaiting type confirmation) or to pick one of several options (awaiting type selection, with the "
-    "options), to remember facts of the task (service and params), context for follow-ups (soft_context) or a "
-    "result the user may refer to next (last_tool_result). The user never sees the call; always also write your "
+    "options), to remember facts of the task (service and params), what the user told about themselves "
+    "(profile), context for follow-ups (soft_context) or a result the user may refer to next (last_tool_result). The user never sees the call; always also write your "
     "reply to the user.\",\"parameters\":{\"type\":\"object\",\"properties\":{"
     "\"service\":{\"type\":\"string\",\"description\":\"the task, e.g. payment, travel\"},"
     "\"params\":{\"type\":\"object\",\"description\":\"facts of the task by name; null forgets one\"},"
@@ -671,6 +671,8 @@ static const char state_tool_json[] =
     "\"context\":{\"type\":\"object\"},\"ttl\":{\"type\":\"integer\",\"description\":\"seconds\"}},"
     "\"required\":[\"type\"]},"
     "\"soft_context\":{\"type\":[\"object\",\"null\"]},"
+    "\"profile\":{\"type\":\"object\",\"description\":\"what the user told about themselves (name, home_city, "
+    "currency, language), kept for all their conversations; null forgets one\"},"
     "\"last_tool_result\":{\"description\":\"any JSON\"}}}}}]";
 
 /* system (prompt + state summary), the history, then the user's message; with state_tool the

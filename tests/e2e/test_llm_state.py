@@ -15,6 +15,7 @@ arguments come in pieces, as OpenAI's API streams them. Checked, with the shippe
 - the hotel selection with a model that only calls the function (no text, finish_reason
   tool_calls): the gateway asks again with the call and a tool message, tool_choice none,
   and streams that reply; "the second one" resolves to the second option;
+- the model's call keeps what the user said about themselves in the user's profile;
 - arguments that are not a JSON object: a warning bad_frame, nothing kept, the reply done;
 - an upstream without state_tool: no `tools` in its request, and a call in its answer is
   ignored (nothing kept).
@@ -58,6 +59,8 @@ class ScriptedModel(harness.FakeOpenAI):
             call = {"service": "hotels", "awaiting": {"type": "selection", "options": HOTELS}}
         elif req.last_user_text == "the second one":
             text = "Booked the Aman."
+        elif req.last_user_text == "I live in Nairobi, call me Sam":
+            text, call = "Noted, Sam.", {"profile": {"name": "Sam", "home_city": "Nairobi"}}
         elif req.last_user_text == "broken call":
             text, call = "Oops.", "{not json"
         else:
@@ -153,6 +156,12 @@ async def part_model_state():
                 check(t.ack.get("resolution") == {"type": "selection", "index": 2, "option": HOTELS[1]},
                       f"ack.resolution {t.ack.get('resolution')}")
                 check(t.terminal.get("text") == "Booked the Aman.", f"{t.describe()}")
+            with step("the model keeps what the user said about themselves in the profile"):
+                t = await client.message("I live in Nairobi, call me Sam", mid="s1", room="self")
+                t.expect_done()
+                await client.send({"type": "profile.get"})
+                frame = await client.next_matching(lambda f: f.get("type") == "profile", 5, "the profile")
+                check(frame["profile"] == {"name": "Sam", "home_city": "Nairobi"}, f"{frame}")
             with step("arguments that are not a JSON object: warning bad_frame, nothing kept, done"):
                 t = await client.message("broken call", mid="b1", room="broken")
                 t.expect_done()
