@@ -650,7 +650,8 @@ static int add_origin(cg_config *cfg, const char *origin)
     return 0;
 }
 
-/* "services": {"travel": {"defaults": {"cabin_class": "economy"}}} */
+/* "services": {"travel": {"defaults": {"cabin_class": "economy"},
+ *                         "profile_defaults": {"from": "home_city"}}} */
 static int load_services(cg_config *cfg, const char *file, json_t *val, char *err, size_t errlen)
 {
     if (!json_is_object(val)) {
@@ -667,13 +668,23 @@ static int load_services(cg_config *cfg, const char *file, json_t *val, char *er
             return -1;
         }
         json_object_foreach(svc, key, v) {
-            if (strcmp(key, "defaults") != 0) {
-                set_err(err, errlen, "%s: services.%s.%s: unknown key", file, name, key);
+            if (strcmp(key, "defaults") != 0 && strcmp(key, "profile_defaults") != 0) {
+                set_err(err, errlen, "%s: services.%s.%s: unknown key (defaults, profile_defaults)", file, name, key);
                 return -1;
             }
             if (!json_is_object(v)) {
-                set_err(err, errlen, "%s: services.%s.defaults: must be an object of name -> value", file, name);
+                set_err(err, errlen, "%s: services.%s.%s: must be an object of name -> %s", file, name, key,
+                        key[0] == 'd' ? "value" : "the profile attribute it defaults to");
                 return -1;
+            }
+            const char *param;
+            json_t *attr;
+            json_object_foreach(v, param, attr) {
+                if (key[0] == 'p' && !json_is_string(attr)) {
+                    set_err(err, errlen, "%s: services.%s.profile_defaults.%s: must be the name of a profile attribute",
+                            file, name, param);
+                    return -1;
+                }
             }
         }
     }
@@ -855,6 +866,20 @@ const char *cg_config_store_name(const cg_config *cfg)
 json_t *cg_config_service_defaults(const cg_config *cfg, const char *service)
 {
     return service ? json_object_get(json_object_get(cfg->services, service), "defaults") : NULL;
+}
+
+/* Without a "services" section, the travel service's origin defaults to the user's home city
+ * (the shipped rules/15-profile.rules remembers it); a configured section says its own. */
+json_t *cg_config_profile_defaults(const cg_config *cfg, const char *service)
+{
+    static json_t *builtin;
+    if (!service)
+        return NULL;
+    if (cfg->services)
+        return json_object_get(json_object_get(cfg->services, service), "profile_defaults");
+    if (!builtin)
+        builtin = json_pack("{s:s}", "from", "home_city"); /* lives for the process */
+    return strcmp(service, "travel") == 0 ? builtin : NULL;
 }
 
 /* ---- flags -------------------------------------------------------------------------- */
@@ -1287,6 +1312,8 @@ static const key_doc upstream_keys[] = {
 
 static const key_doc structured_keys[] = {
     {"services.NAME.defaults", "object", "-", "params every dialog of service NAME starts from"},
+    {"services.NAME.profile_defaults", "object", "-",
+     "param -> the profile attribute it defaults to when the dialog has none (travel: from -> home_city)"},
     {"limits.messages_per_minute", "integer 0..1000000", "0", "chat messages a user may send a minute (0: no limit)"},
     {"limits.turns_at_once", "integer 0..100000", "0", "turns of a user running at once (0: no limit)"},
     {"limits.tokens_per_minute", "integer 0..1000000000000", "0", "tokens a user may spend a minute (0: no limit)"},

@@ -158,6 +158,7 @@ void cg_pipeline_run(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d, c
     cg_rules_eval(rs, text, d, cg_ruleset_reads_previous(rs) ? cg_pipeline_previous(d) : NULL, now, &rr);
     out->rules = json_incref(rr.fired);
     out->limited = json_incref(rr.limited);
+    out->remember = json_incref(rr.remember);
     out->annotations = json_object();
     int asked = -1; /* the upstream whose awaiting this message resolved */
 
@@ -274,6 +275,7 @@ void cg_pipeline_result_free(cg_pipeline_result *r)
     json_decref(r->annotations);
     json_decref(r->rules);
     json_decref(r->limited);
+    json_decref(r->remember);
     free(r->enriched);
     memset(r, 0, sizeof(*r));
 }

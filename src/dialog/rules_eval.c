@@ -97,7 +97,8 @@ static int conditions_hold(const rule *r, const cg_dialog *d, const char *previo
             break;
         case C_TOOL:
         case C_SOFT:
-            if (!d || !value_holds(c->kind == C_TOOL ? d->last_tool_result : d->soft, c))
+        case C_PROFILE:
+            if (!d || !value_holds(c->kind == C_TOOL ? d->last_tool_result : c->kind == C_SOFT ? d->soft : d->profile, c))
                 return 0;
             break;
         }
@@ -149,6 +150,15 @@ static json_t *normalised(const rule *r, const char *name, const char *text, int
                 *c = (char)tolower((unsigned char)*c);
             json_t *v = cg_json_string(low);
             free(low);
+            return v;
+        }
+        case N_CURRENCY:
+            return cg_normalise_currency(text, currency) == 0 ? cg_json_string(currency) : NULL;
+        case N_TITLE: {
+            char *t = cg_strdup(text);
+            cg_normalise_title(t);
+            json_t *v = cg_json_string(t);
+            free(t);
             return v;
         }
         case N_AMOUNT:
@@ -333,6 +343,24 @@ static void apply_rule(const cg_ruleset *rs, const rule *r, const char *subject,
         copy_name(out->service, sizeof(out->service), r->arg);
         break;
     }
+    case A_REMEMBER: /* the group of the attribute's name, else group 1, else the match */
+        if (!json_object_get(out->remember, r->arg)) {
+            char *text = named_text(rs, r, subject, r->arg);
+            if (!text)
+                text = group_text(rs, subject, 1);
+            if (!text)
+                text = group_text(rs, subject, 0);
+            char *t = text ? cg_rules_trim(text) : NULL;
+            json_t *scratch = json_object(); /* amount's currency goes nowhere here */
+            json_t *v = t && *t ? normalised(r, r->arg, t, now, scratch) : NULL;
+            json_decref(scratch);
+            if (v && !out->remember)
+                out->remember = json_object();
+            if (v)
+                json_object_set_new(out->remember, r->arg, v);
+            free(text);
+        }
+        break;
     case A_FORGET:
         if (!out->forget)
             out->forget = json_array();
@@ -365,6 +393,7 @@ void cg_rules_result_init(cg_rules_result *out)
 
 void cg_rules_result_free(cg_rules_result *r)
 {
+    json_decref(r->remember);
     json_decref(r->metadata);
     json_decref(r->params);
     json_decref(r->forget);

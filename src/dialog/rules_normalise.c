@@ -181,7 +181,9 @@ int cg_normalise_int(const char *in, long *out)
     return 0;
 }
 
-int cg_normalise_amount(const char *in, double *amount, char currency[4])
+/* The first currency named in s (lowercase): its ISO code into code ("" when none), and the
+ * words of it blanked out of s. */
+static void take_currency(char *s, char code[4])
 {
     static const struct { const char *token; const char *code; } currencies[] = {
         {"kes", "KES"}, {"ksh", "KES"}, {"kshs", "KES"}, {"shillings", "KES"}, {"shilling", "KES"}, {"bob", "KES"},
@@ -189,13 +191,7 @@ int cg_normalise_amount(const char *in, double *amount, char currency[4])
         {"euro", "EUR"}, {"\xe2\x82\xac", "EUR"}, {"gbp", "GBP"}, {"pounds", "GBP"}, {"pound", "GBP"},
         {"\xc2\xa3", "GBP"},
     };
-    char s[128];
-    size_t n = 0;
-    currency[0] = 0;
-    for (const char *p = in; *p && n < sizeof(s) - 1; p++)
-        s[n++] = (char)tolower((unsigned char)*p);
-    s[n] = 0;
-    /* take out the currency, wherever it stands */
+    code[0] = 0;
     for (size_t i = 0; i < sizeof(currencies) / sizeof(currencies[0]); i++) {
         char *hit = strstr(s, currencies[i].token);
         size_t len = strlen(currencies[i].token);
@@ -204,10 +200,42 @@ int cg_normalise_amount(const char *in, double *amount, char currency[4])
         int word = isalpha((unsigned char)currencies[i].token[0]);
         if (word && ((hit > s && isalpha((unsigned char)hit[-1])) || isalpha((unsigned char)hit[len])))
             continue;
-        snprintf(currency, 4, "%s", currencies[i].code);
+        snprintf(code, 4, "%s", currencies[i].code);
         memset(hit, ' ', len);
-        break;
+        return;
     }
+}
+
+int cg_normalise_currency(const char *in, char code[4])
+{
+    char s[128];
+    size_t n = 0;
+    for (const char *p = in; *p && n < sizeof(s) - 1; p++)
+        s[n++] = (char)tolower((unsigned char)*p);
+    s[n] = 0;
+    take_currency(s, code);
+    return code[0] ? 0 : -1;
+}
+
+void cg_normalise_title(char *s)
+{
+    int start = 1;
+    for (char *c = s; *c; c++) {
+        unsigned char u = (unsigned char)*c;
+        if (start && u < 0x80 && isalpha(u))
+            *c = (char)toupper(u);
+        start = u == ' ' || u == '-' || u == '\'';
+    }
+}
+
+int cg_normalise_amount(const char *in, double *amount, char currency[4])
+{
+    char s[128];
+    size_t n = 0;
+    for (const char *p = in; *p && n < sizeof(s) - 1; p++)
+        s[n++] = (char)tolower((unsigned char)*p);
+    s[n] = 0;
+    take_currency(s, currency); /* taken out, wherever it stands */
     /* the number: digits with ',' thousands and '.' decimals, then k or m */
     char digits[64];
     size_t d = 0;

@@ -133,14 +133,14 @@ static int parse_do(parse_ctx *p, rule *r, char *rest)
         {"cancel", A_CANCEL, 0}, {"confirm", A_CONFIRM_YES, 1}, {"metadata", A_METADATA, 1},
         {"params", A_PARAMS, 1}, {"forget", A_FORGET, 1},       {"enrich", A_ENRICH, 1},
         {"route", A_ROUTE, 1},   {"mask", A_MASK, 0},         {"stop", A_STOP, 0},
-        {"tag", A_TAG, 1},
+        {"tag", A_TAG, 1},       {"remember", A_REMEMBER, 1},
     };
     size_t i = 0;
     while (i < sizeof(verbs) / sizeof(verbs[0]) && strcmp(verbs[i].verb, verb) != 0)
         i++;
     if (i == sizeof(verbs) / sizeof(verbs[0]))
-        return perr(p, "unknown action '%s' (cancel, confirm, metadata, params, forget, enrich, route; on reply: "
-                       "mask, stop, tag)",
+        return perr(p, "unknown action '%s' (cancel, confirm, metadata, params, forget, enrich, route, remember; on "
+                       "reply: mask, stop, tag)",
                     verb);
     if (r->has_do)
         return perr(p, "rule '%s' has a second 'do' line; one action per rule", r->name);
@@ -176,6 +176,7 @@ static int parse_do(parse_ctx *p, rule *r, char *rest)
     case A_PARAMS:
     case A_ROUTE:
     case A_TAG:
+    case A_REMEMBER:
         if (!valid_name(arg, 64))
             return perr(p, "'%s' is not a name (letters, digits, _ . -; at most 64)", arg);
         break;
@@ -189,11 +190,11 @@ static int parse_do(parse_ctx *p, rule *r, char *rest)
     return 0;
 }
 
-/* `when tool[.PATH] [VALUE]` and `when soft[.PATH] [VALUE]`: path is what follows the word
- * ("" or ".a.b"), value the rest of the line ("" when absent). */
+/* `when tool[.PATH] [VALUE]`, `when soft[.PATH] [VALUE]` and `when profile[.NAME] [VALUE]`:
+ * path is what follows the word ("" or ".a.b"), value the rest of the line ("" when absent). */
 static int parse_when_value(parse_ctx *p, rule *r, rule_cond *c, cond_kind kind, const char *path, const char *value)
 {
-    const char *what = kind == C_TOOL ? "tool" : "soft";
+    const char *what = kind == C_TOOL ? "tool" : kind == C_SOFT ? "soft" : "profile";
     if (*path && !valid_name(path + 1, 128))
         return perr(p, "'when %s%s' needs a path of names after the dot (letters, digits, _ - .), at most 128 bytes",
                     what, path);
@@ -234,10 +235,12 @@ static int parse_when(parse_ctx *p, rule *r, char *rest)
         return parse_when_value(p, r, c, C_TOOL, what + 4, arg);
     } else if (strncmp(what, "soft", 4) == 0 && (what[4] == 0 || what[4] == '.')) {
         return parse_when_value(p, r, c, C_SOFT, what + 4, arg);
+    } else if (strncmp(what, "profile", 7) == 0 && (what[7] == 0 || what[7] == '.')) {
+        return parse_when_value(p, r, c, C_PROFILE, what + 7, arg);
     } else {
         return perr(p,
                     "unknown condition 'when %s' (awaiting TYPE, no awaiting, service NAME, has PARAM, history, "
-                    "tool[.PATH] [VALUE], soft[.PATH] [VALUE])",
+                    "tool[.PATH] [VALUE], soft[.PATH] [VALUE], profile[.NAME] [VALUE])",
                     what);
     }
     if ((c->kind == C_SERVICE || c->kind == C_HAS) && !valid_name(arg, 128))
@@ -254,7 +257,7 @@ static int parse_type(parse_ctx *p, rule *r, char *rest)
     if (r->n_types == MAX_TYPES)
         return perr(p, "more than %d 'type' lines in rule '%s'", MAX_TYPES, r->name);
     if (!valid_name(group, 63))
-        return perr(p, "'type' needs a group name, then date, int, amount or lower");
+        return perr(p, "'type' needs a group name, then date, int, amount, lower, currency or title");
     rule_type *t = &r->types[r->n_types];
     if (strcmp(norm, "date") == 0)
         t->norm = N_DATE;
@@ -264,8 +267,12 @@ static int parse_type(parse_ctx *p, rule *r, char *rest)
         t->norm = N_AMOUNT;
     else if (strcmp(norm, "lower") == 0)
         t->norm = N_LOWER;
+    else if (strcmp(norm, "currency") == 0)
+        t->norm = N_CURRENCY;
+    else if (strcmp(norm, "title") == 0)
+        t->norm = N_TITLE;
     else
-        return perr(p, "unknown normaliser '%s' (date, int, amount, lower)", norm);
+        return perr(p, "unknown normaliser '%s' (date, int, amount, lower, currency, title)", norm);
     snprintf(t->group, sizeof(t->group), "%s", group);
     r->n_types++;
     return 0;
@@ -357,8 +364,8 @@ static int finish_rule(parse_ctx *p, rule *r)
         return perr(p, "rule '%s' has no 'match' line", r->name);
     if (!r->has_do)
         return perr(p, "rule '%s' has no 'do' line", r->name);
-    if (r->n_types && r->action != A_PARAMS)
-        return perr(p, "rule '%s': 'type' lines are for 'do params' rules", r->name);
+    if (r->n_types && r->action != A_PARAMS && r->action != A_REMEMBER)
+        return perr(p, "rule '%s': 'type' lines are for 'do params' and 'do remember' rules", r->name);
     int reply_action = r->action == A_MASK || r->action == A_STOP || r->action == A_TAG;
     if (r->on_reply && !reply_action)
         return perr(p, "rule '%s' is 'on reply': its action must be mask, stop or tag", r->name);

@@ -24,6 +24,8 @@ static char *actual_value(const rule *r, const cg_rules_result *res, const char 
         v = json_object_get(json_object_get(res->params, r->arg), name);
     else if (r->action == A_METADATA && strcmp(name, "content") == 0)
         v = json_object_get(res->metadata, r->arg);
+    else if (r->action == A_REMEMBER)
+        v = json_object_get(res->remember, name);
     else if (r->action == A_ENRICH && strcmp(name, "enriched") == 0 && res->enriched)
         return cg_strdup(res->enriched);
     if (!v)

@@ -296,6 +296,8 @@ cg_frame_text cg_protocol_ack(const cg_ack *a)
     cg_jsonw_member_str(&w, "enriched", a->enriched);
     cg_jsonw_member_json(&w, "resolution", a->resolution, "null");
     cg_jsonw_member_json(&w, "rules", a->rules, "[]");
+    if (json_array_size(a->from_profile))
+        cg_jsonw_member_json(&w, "from_profile", a->from_profile, "[]");
     CG_JSONW_LIT(&w, "}");
     w.failed |= !a->id || !a->room || !a->route; /* as json_pack refuses a NULL "s" */
     return frame_written(&w);

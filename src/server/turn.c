@@ -72,6 +72,7 @@ struct cg_turn {
     cg_store_req *load;        /* while the dialog loads */
     cg_store_req *profile_load; /* while the user's profile loads (beside the dialog) */
     json_t *profile;           /* the user's profile, once loaded (a chat turn's) */
+    json_t *from_profile;      /* names of the params it gave (turn_params), for the ack */
     int loaded;                /* the dialog came; the turn goes on once the profile has too */
     cg_store_req *limit;       /* while the store counts it against its user's limits */
     int limit_held;            /* counted (a turn at once, its tokens to come): limit_end at its end */
@@ -235,6 +236,7 @@ static void turn_free(cg_turn *t)
         cg_dialog_free(&t->dialog);
     cg_store_abandon(t->profile_load);
     json_decref(t->profile);
+    json_decref(t->from_profile);
     json_decref(t->keys);
     json_decref(t->awaiting_before);
     json_decref(t->resolution);
@@ -324,6 +326,8 @@ static void count_usage(cg_turn *t, turn_end_kind end)
 }
 
 /* The export's record of a chat turn that ends (export.h): what its client was told. */
+static json_t *turn_params(cg_turn *t, json_t **from_profile);
+
 static void export_turn(cg_turn *t, turn_end_kind end)
 {
     static const char *const ends[] = {[END_DONE] = "done", [END_ERROR] = "error", [END_CANCELLED] = "cancelled",
@@ -334,7 +338,7 @@ static void export_turn(cg_turn *t, turn_end_kind end)
     /* the ack named a route: an upstream was called, or a rule absorbed the message */
     int routed = q->backend == &upstream_backend && (t->t_upstream || end == END_ABSORBED);
     int first = t->first_route >= 0 ? t->first_route : t->route;
-    json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(env->cfg, d->service));
+    json_t *params = turn_params(t, NULL);
     json_t *acted = t->filter ? cg_reply_filter_acted(t->filter) : NULL;
     cg_export_record r = {
         .id = t->id, .user = q->user, .room = t->room, .service = d->service, .params = params, .rules = t->fired,
@@ -371,6 +375,37 @@ static void say_early_error(cg_turn *t, int err, const char *message, json_t *de
 {
     say_error(t->q, t->kind == CG_TURN_CHAT ? t->id : NULL, err, message, detail);
     export_early(t, END_ERROR, err);
+}
+
+/*
+ * The params of the dialog's service as they go upstream: configured defaults, under the
+ * attributes of the user's profile the service defaults to (services.NAME.profile_defaults:
+ * travel's from to home_city), under the dialog's own. *from_profile (may be NULL) gets the
+ * names the profile gave, or NULL when none did. New reference.
+ */
+static json_t *turn_params(cg_turn *t, json_t **from_profile)
+{
+    const cg_config *cfg = t->q->env->cfg;
+    cg_dialog *d = &t->dialog;
+    json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(cfg, d->service));
+    json_t *kept = d->service ? json_object_get(d->params, d->service) : NULL;
+    json_t *names = NULL;
+    const char *param;
+    json_t *attr;
+    json_object_foreach(cg_config_profile_defaults(cfg, d->service), param, attr) {
+        json_t *v = json_object_get(t->profile, json_string_value(attr));
+        if (!v || json_object_get(kept, param))
+            continue; /* the dialog's own value wins */
+        json_object_set(params, param, v);
+        if (!names)
+            names = json_array();
+        json_array_append_new(names, json_string(param));
+    }
+    if (from_profile)
+        *from_profile = names;
+    else
+        json_decref(names);
+    return params;
 }
 
 /* The names in a JSON array of strings (rules) or of an object's keys (params), comma
@@ -615,12 +650,12 @@ static void on_profile_written(void *ctx, json_t *profile, int err, const cg_sto
         cg_warn("a profile update was refused by the store (%s): the profile grew meanwhile", cg_err_code(err));
 }
 
-/* The directive's "profile" (docs/state.md, "The user's profile"), checked: 0 with *next the
- * profile it leaves (NULL: the directive has none), or a CG_E_* code with err. */
-static int profile_of_directive(cg_turn *t, json_t *state, json_t **next, char *err, size_t errlen)
+/* Changes to the user's profile (docs/state.md, "The user's profile"; a directive's
+ * "profile", the rules' remember), checked: 0 with *next the profile they leave (NULL: no
+ * changes), or a CG_E_* code with err. */
+static int profile_check(cg_turn *t, json_t *changes, json_t **next, char *err, size_t errlen)
 {
     const cg_lifetimes *lt = &t->q->env->cfg->lifetimes;
-    json_t *changes = json_object_get(state, "profile");
     *next = NULL;
     if (!changes)
         return 0;
@@ -641,24 +676,31 @@ static int profile_of_directive(cg_turn *t, json_t *state, json_t **next, char *
     return 0;
 }
 
+/* The checked changes (profile_check) go to the store; next, the profile they leave, is the
+ * turn's now (taken). */
+static void profile_commit(cg_turn *t, json_t *changes, json_t *next)
+{
+    cg_store *st = t->q->env->store;
+    if (st->ops->profiles)
+        st->ops->profiles->update(st, t->q->user, changes, on_profile_written, NULL);
+    json_decref(t->profile);
+    t->profile = next;
+    t->dialog.profile = next;
+}
+
 void cg_turn_state(cg_turn *t, json_t *state, const char *source)
 {
     cg_turns *q = t->q;
-    cg_store *st = q->env->store;
     char err[256];
     json_t *profile = NULL; /* checked first: a directive is applied whole or not at all */
-    int rc = profile_of_directive(t, state, &profile, err, sizeof(err));
+    int rc = profile_check(t, json_object_get(state, "profile"), &profile, err, sizeof(err));
     if (rc == 0)
         rc = cg_dialog_apply_directive(&t->dialog, state, source, turn_now(q), &q->env->cfg->lifetimes, err,
                                        sizeof(err));
-    if (rc >= 0 && profile) {
-        if (st->ops->profiles)
-            st->ops->profiles->update(st, q->user, json_object_get(state, "profile"), on_profile_written, NULL);
-        json_decref(t->profile);
-        t->profile = profile;
-        profile = NULL;
-    }
-    json_decref(profile);
+    if (rc >= 0 && profile)
+        profile_commit(t, json_object_get(state, "profile"), profile);
+    else
+        json_decref(profile);
     if (rc >= 0)
         return;
     /* the reply itself is fine: a warning, and the reply goes on */
@@ -763,8 +805,7 @@ static void on_upstream_error(void *ctx, int err, const char *message, json_t *d
         t->first_route = t->route;
         t->route = to;
         turn_enter(t, TURN_CALLING); /* another call: its text may come now */
-        cg_dialog *d = &t->dialog;
-        json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(q->env->cfg, d->service));
+        json_t *params = turn_params(t, NULL);
         int rc = turn_call_upstream(t, params);
         json_decref(params);
         if (rc == 0)
@@ -815,7 +856,7 @@ static void turn_call(cg_turn *t, const cg_pipeline_result *res, json_t *params,
     cg_upstream *up = &env->upstreams[t->route];
     cg_ack ack = {
         .id = t->id, .room = t->room, .route = up->cfg->name, .service = d->service, .enriched = res->enriched,
-        .params = params, .resolution = res->resolution, .rules = res->rules,
+        .params = params, .resolution = res->resolution, .rules = res->rules, .from_profile = t->from_profile,
     };
     if (q->sink->ack)
         q->sink->ack(q->conn, &ack);
@@ -1017,6 +1058,7 @@ static void turn_start(cg_turn *t)
     int shadow = env->shadow && cg_dialog_copy(&before, d) == 0;
     cg_pipeline_result res;
     uint64_t t0 = uv_hrtime();
+    d->profile = t->profile; /* for the rules' `when profile` */
     cg_pipeline_begin(env->cfg, t->rules, d, t->text, turn_now(q), &env->cfg->lifetimes, &res);
     cg_histogram_observe(&env->metrics->rules, (double)(uv_hrtime() - t0) / 1e9);
     count_pipeline(env->metrics, &res);
@@ -1033,7 +1075,16 @@ static void turn_start(cg_turn *t)
     t->route = res.route;
     if (res.enriched)
         t->enriched = cg_strdup(res.enriched);
-    json_t *params = cg_dialog_params_merged(d, d->service, cg_config_service_defaults(env->cfg, d->service));
+    if (res.remember) { /* what the user said about themselves, before the params it may default */
+        char err[256];
+        json_t *next = NULL;
+        int rc = profile_check(t, res.remember, &next, err, sizeof(err));
+        if (rc == 0)
+            profile_commit(t, res.remember, next);
+        else if (q->sink->warning)
+            q->sink->warning(q->conn, t->id, cg_err_code(rc), err);
+    }
+    json_t *params = turn_params(t, &t->from_profile);
     if (cg_log_enabled(CG_LOG_DEBUG)) { /* the trace's names, while the pipeline's result is here */
         char *rules = names_of(res.rules), *names = names_of(params);
         if (asprintf(&t->trace, "rules %s, service %s params %s", rules, d->service ? d->service : "-", names) < 0)

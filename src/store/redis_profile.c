@@ -3,9 +3,11 @@
  * "The user's profile"). A user's profile is one HASH beside the user's rooms set, under the
  * user's hash tag (so one shard, one cluster slot, twemproxy's hash_tag too):
  *   <prefix>:{<user>}:profile   HASH  name -> the value as compact JSON, PX profile_s
- * A read is one script (HGETALL, and PEXPIRE: a use renews it); an update is one script that
- * applies the changes only when the profile stays within profile_cap bytes, as one step, so
- * two gateways writing one user's profile cannot pass the bound together.
+ * A read is a plain HGETALL, in the round trip of the turn's load (no script: every chat turn
+ * reads the profile, most users have none, and a script costs Redis several times a command);
+ * a profile it finds is renewed after the answer (PEXPIRE, nobody waits). An update is one
+ * script that applies the changes only when the profile stays within profile_cap bytes, as
+ * one step, so two gateways writing one user's profile cannot pass the bound together.
  *
  * What Redis answers is copied into rs->profiles, which answers while Redis is away (degraded:
  * an update then changes that copy only, and is lost when Redis comes back: logged).
@@ -20,11 +22,6 @@
 #include "chatgate/core/error.h"
 #include "chatgate/core/log.h"
 #include "chatgate/store/redis_internal.h"
-
-/* KEYS[1] the profile; ARGV[1] its lifetime (ms). */
-static const char get_script[] = "local all = redis.call('HGETALL', KEYS[1])\n"
-                                 "if #all > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end\n"
-                                 "return all\n";
 
 /*
  * KEYS[1] the profile; ARGV[1] its lifetime (ms), ARGV[2] the cap (bytes), then name, value
@@ -48,7 +45,7 @@ static const char update_script[] =
     "if n > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end\n"
     "return {1, redis.call('HGETALL', KEYS[1])}\n";
 
-static char get_sha[41], update_sha[41];
+static char update_sha[41];
 
 static void sha_of(const char *text, char out[41])
 {
@@ -129,6 +126,20 @@ static void from_copy(redis_req *r)
     cg_redis_answer_later_from_memory(r); /* from the loop: the fallback says degraded */
 }
 
+/* A profile found is used: its lifetime starts again (nobody waits for the answer). */
+static void renew(redis_store *rs, const char *eu)
+{
+    cg_argv a = {0};
+    cg_argv_str(&a, "PEXPIRE");
+    cg_redis_profile_key(rs, &a, eu);
+    cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.profile_s * 1000);
+    size_t len;
+    const char *cmd = cg_argv_framed(&a, &len);
+    if (cmd)
+        cg_redis_link_send(rs->link, a.slot, cmd, len, NULL, NULL);
+    cg_argv_free(&a);
+}
+
 static void on_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
@@ -154,6 +165,8 @@ static void on_reply(cg_redis_conn *ac, void *reply_, void *priv)
     }
     int64_t now = rs->base.now(rs->base.clock_ctx);
     cg_profiles_put(rs->profiles, r->eu, p, now, rs->base.cfg.lifetimes.profile_s);
+    if (!r->changes && json_object_size(p) && cg_redis_linked(rs))
+        renew(rs, r->eu);
     r->profile = p;
     r->profile_err = written ? 0 : CG_E_TOO_LARGE;
     static const cg_store_status ok = {0, 0, 0};
@@ -163,21 +176,22 @@ static void on_reply(cg_redis_conn *ac, void *reply_, void *priv)
 /* Sends r's script, or answers it from the copy when Redis is away. */
 static void send_profile(redis_store *rs, redis_req *r)
 {
-    if (!get_sha[0]) {
-        sha_of(get_script, get_sha);
+    if (!update_sha[0])
         sha_of(update_script, update_sha);
-    }
     if (!cg_redis_linked(rs) || rs->closing) {
         from_copy(r);
         return;
     }
     cg_argv a = {0};
-    cg_argv_str(&a, "EVALSHA");
-    cg_argv_str(&a, r->changes ? update_sha : get_sha);
-    cg_argv_str(&a, "1");
-    cg_redis_profile_key(rs, &a, r->eu);
-    cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.profile_s * 1000);
-    if (r->changes) {
+    if (!r->changes) {
+        cg_argv_str(&a, "HGETALL");
+        cg_redis_profile_key(rs, &a, r->eu);
+    } else {
+        cg_argv_str(&a, "EVALSHA");
+        cg_argv_str(&a, update_sha);
+        cg_argv_str(&a, "1");
+        cg_redis_profile_key(rs, &a, r->eu);
+        cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.profile_s * 1000);
         cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.profile_cap);
         const char *name;
         json_t *v;
@@ -191,8 +205,9 @@ static void send_profile(redis_store *rs, redis_req *r)
     }
     size_t len;
     const char *cmd = cg_argv_framed(&a, &len);
-    int rc = cmd ? cg_redis_link_script(rs->link, a.slot, cmd, len, r->changes ? update_script : get_script, on_reply, r)
-                 : -1;
+    int rc = !cmd ? -1
+             : r->changes ? cg_redis_link_script(rs->link, a.slot, cmd, len, update_script, on_reply, r)
+                          : cg_redis_link_send(rs->link, a.slot, cmd, len, on_reply, r);
     cg_argv_free(&a);
     if (rc < 0) {
         rs->base.stats.errors++;

@@ -322,7 +322,7 @@ def full_configs(keys):
         elif "NAME" not in key and "USER" not in key and not key.startswith(("limits.", "dropin.")):
             set_path(first, key, scalar_value(key, kind, default, samples))
     first["upstreams"] = {"d": {"url": "demo", "delay_ms": 0}, "llm": llm}
-    first["services"] = {"travel": {"defaults": {"cabin_class": "economy"}}}
+    first["services"] = {"travel": {"defaults": {"cabin_class": "economy"}, "profile_defaults": {"from": "home_city"}}}
     first["limits"] = {"messages_per_minute": 20, "turns_at_once": 2, "tokens_per_minute": 20000,
                        "tokens_per_day": 200000, "plan_claim": "plan",
                        "plans": {"pro": {"messages_per_minute": 120, "tokens_per_day": 0}},

@@ -16,7 +16,10 @@ header), checking:
   refused whole (a warning; nothing of it kept: not the profile, not its soft context);
 - another user can neither read nor change this user's profile; a profile lapses
   lifetimes.profile_s after its last use (memory), and Redis's key has that lifetime;
-- logs never show a profile's values.
+- logs never show a profile's values;
+- the shipped rules/15-profile.rules remember name, home city, currency and language, and a
+  travel search without an origin goes from the home city, marked in the ack (`from_profile`);
+  an origin said in the message wins.
 """
 
 import asyncio
@@ -93,7 +96,7 @@ async def part_profile(mode):
                     harness.Gateway(ARGS + ["--default-upstream", "llm"], cfg, env=env, name=f"gw2:{mode}") as gw_llm:
                 c = await connect_as(gw)
                 with step(f"{tag} said in room A (the app's directive), carried in room B's frame"):
-                    t, fwd = await turn(c, app, "a1", "A", "call me Sam, I live in Nairobi", {"profile": SAM})
+                    t, fwd = await turn(c, app, "a1", "A", "here is who I am", {"profile": SAM})
                     t.expect_done()
                     check(fwd["profile"] == {}, f"the first frame has no profile yet: {fwd.get('profile')}")
                     t, fwd = await turn(c, app, "b1", "B", "flights to London")
@@ -198,7 +201,39 @@ async def part_lifetime():
             await c.close()
 
 
+async def part_rules():
+    """The shipped rules/15-profile.rules remember what the user says; the travel service's
+    origin defaults to the home city, marked in the ack."""
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.dirname(
+        __import__("os").path.abspath(__file__))))
+    cfg = harness.make_config({"demo": harness.demo_upstream(0)}, "demo",
+                              rate_limit={"messages_per_second": 1000, "burst": 1000})
+    async with harness.Gateway(ARGS + ["--rules", root + "/rules"], cfg, name="gw:rules") as gw:
+        c = await connect_as(gw)
+        with step("'I live in Nairobi, call me Sam' is remembered by the shipped rules"):
+            t = await c.message("I live in Nairobi, call me sam", mid="r1", room="A")
+            t.expect_done()
+            check({"profile_home_city", "profile_name"} <= set(t.ack.get("rules", [])), f"ack {t.ack}")
+            check(await profile_command(c, "profile.get") == {"home_city": "Nairobi", "name": "Sam"}, "profile")
+        with step("'Find flights to London' in another room: from Nairobi, from the profile (ack from_profile)"):
+            t = await c.message("Find flights to London", mid="r2", room="B")
+            t.expect_done()
+            check(t.ack.get("params", {}).get("from") == "Nairobi" and t.ack["params"].get("to") == "London"
+                  and t.ack.get("from_profile") == ["from"], f"ack {t.ack}")
+        with step("a from said in the message wins over the profile, and the ack marks nothing"):
+            t = await c.message("Find flights from Mombasa to London", mid="r3", room="C")
+            t.expect_done()
+            check(t.ack["params"].get("from") == "Mombasa" and "from_profile" not in t.ack, f"ack {t.ack}")
+        with step("'prices in euros' and 'reply in French' join the profile"):
+            await c.message("prices in euros please", mid="r4", room="A")
+            await c.message("please reply in French", mid="r5", room="A")
+            check(await profile_command(c, "profile.get") == {"home_city": "Nairobi", "name": "Sam",
+                                                              "currency": "EUR", "language": "french"}, "profile")
+        await c.close()
+
+
 async def main(args):
+    await independent(part_rules())
     await independent(part_profile("memory"))
     await independent(part_profile("redis"))
     await independent(part_lifetime())

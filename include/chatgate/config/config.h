@@ -184,6 +184,9 @@ const char *cg_config_store_name(const cg_config *cfg);
 
 /* services.NAME.defaults (borrowed), or NULL: the params every dialog of that service starts from. */
 json_t *cg_config_service_defaults(const cg_config *cfg, const char *service);
+/* service's params that default to an attribute of the user's profile (param -> attribute),
+ * or NULL. Borrowed. */
+json_t *cg_config_profile_defaults(const cg_config *cfg, const char *service);
 
 /* Prints the flags' help text to stdout. */
 void cg_config_usage(const char *prog);

@@ -36,6 +36,8 @@ typedef struct cg_dialog {
     int64_t soft_expires;
     json_t *history;          /* array of {role, content, ts}, oldest first */
     json_t *last_tool_result; /* NULL or any JSON */
+    json_t *profile; /* the user's profile, for this turn's rules (`when profile`): borrowed from
+                      * the turn, never kept, copied or freed with the dialog */
     int64_t created_at, last_activity;
     long turn_count, message_count;
     json_t *usage; /* NULL, or the tokens this dialog spent, by upstream:

@@ -33,6 +33,7 @@ typedef struct cg_pipeline_result {
     json_t *rules;         /* names of the rules that fired */
     json_t *limited;       /* rules cut off by a match limit */
     int soft_context_hit;  /* a fresh soft context goes along */
+    json_t *remember;      /* attributes of the user's profile the rules took, or NULL */
     int error;             /* CG_E_TOO_LARGE: params over the cap; the dialog is as it was */
     char error_message[256];
 } cg_pipeline_result;

@@ -64,6 +64,7 @@ typedef struct cg_rules_result {
     char service[65];    /* the service of the last params rule that fired, or "" */
     json_t *params;      /* {"travel": {"from": "Nairobi"}}, normalised */
     json_t *forget;      /* ["travel.from", "from"], or NULL: none */
+    json_t *remember;    /* the user's profile: {"home_city": "Nairobi"}, or NULL: none */
     char *enriched;      /* the rewritten message, or NULL */
     char route[65];      /* a route rule's upstream, or "" */
     json_t *fired;       /* names of the rules that fired, in order */
@@ -119,5 +120,9 @@ int cg_normalise_date(const char *in, int64_t now, char out[11]);
 int cg_normalise_int(const char *in, long *out);
 /* "5000 shillings" -> 5000, "KES"; "3k" -> 3000, ""; currency is "" when none is said */
 int cg_normalise_amount(const char *in, double *amount, char currency[4]);
+/* The currency in ("euros", "KSh", "$") as its ISO code: 0, or -1 when it names none. */
+int cg_normalise_currency(const char *in, char code[4]);
+/* Each word's first ASCII letter in capitals ("new york" -> "New York"), in place. */
+void cg_normalise_title(char *s);
 
 #endif

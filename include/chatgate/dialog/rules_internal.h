@@ -39,19 +39,20 @@ typedef enum {
     A_FORGET,
     A_ENRICH,
     A_ROUTE,
+    A_REMEMBER, /* an attribute of the user's profile (docs/state.md, "The user's profile") */
     /* `on reply` rules: on the upstream's text as it streams (rules_reply.c) */
     A_MASK,
     A_STOP,
     A_TAG,
 } rule_action;
 
-typedef enum { C_AWAITING, C_NO_AWAITING, C_SERVICE, C_HAS, C_HISTORY, C_TOOL, C_SOFT } cond_kind;
-typedef enum { N_DATE, N_INT, N_AMOUNT, N_LOWER } normaliser;
+typedef enum { C_AWAITING, C_NO_AWAITING, C_SERVICE, C_HAS, C_HISTORY, C_TOOL, C_SOFT, C_PROFILE } cond_kind;
+typedef enum { N_DATE, N_INT, N_AMOUNT, N_LOWER, N_CURRENCY, N_TITLE } normaliser;
 
 typedef struct rule_cond {
     cond_kind kind;
-    char arg[129];   /* C_TOOL, C_SOFT: the path inside the value ("" for the value itself) */
-    char value[129]; /* C_TOOL, C_SOFT: what it must be ("" when only present) */
+    char arg[129];   /* C_TOOL, C_SOFT, C_PROFILE: the path inside the value ("" for the value itself) */
+    char value[129]; /* C_TOOL, C_SOFT, C_PROFILE: what it must be ("" when only present) */
 } rule_cond;
 
 typedef struct rule_type {

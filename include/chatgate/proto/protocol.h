@@ -63,6 +63,7 @@ cg_frame_text cg_protocol_hello(const char *user, const char *session, const cha
 typedef struct cg_ack {
     const char *id, *room, *route, *service, *enriched;
     json_t *params, *resolution, *rules;
+    json_t *from_profile; /* names of params the user's profile gave, or NULL (not said) */
 } cg_ack;
 cg_frame_text cg_protocol_ack(const cg_ack *a);
 /* state is borrowed. */

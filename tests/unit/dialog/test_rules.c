@@ -268,6 +268,45 @@ static void test_tool_and_soft_conditions(void)
     cg_dialog_free(&d);
     cg_ruleset_unref(rs);
 
+    /* `do remember NAME` and `when profile[.NAME] [VALUE]` */
+    clear_dir();
+    write_rules("15-profile.rules",
+                "rule home\n  match i\\s+live\\s+in\\s+(?<home_city>\\p{L}+)\n  do remember home_city\n  type home_city title\n"
+                "  expect \"I live in nairobi\" home_city=Nairobi\n"
+                "rule cur\n  match prices\\s+in\\s+(?<currency>\\p{L}+)\n  do remember currency\n  type currency currency\n"
+                "rule local\n  match ^home$\n  do enrich the home city\n  when profile.home_city Nairobi\n");
+    rs = NULL;
+    CHECK(cg_rules_load(dir, &rs, err, sizeof(err)) == 0);
+    if (!rs) {
+        fprintf(stderr, "  %s\n", err);
+        return;
+    }
+    char *buf;
+    size_t len;
+    FILE *out = open_memstream(&buf, &len);
+    int n_tests;
+    CHECK(cg_rules_check(rs, NOW, out, &n_tests) == 0 && n_tests == 1);
+    fclose(out);
+    free(buf);
+    cg_dialog_init(&d, NOW);
+    cg_rules_eval(rs, "I live in nairobi, prices in euros", &d, "before", NOW, &r);
+    CHECK_STR(json_string_value(json_object_get(r.remember, "home_city")), "Nairobi");
+    CHECK_STR(json_string_value(json_object_get(r.remember, "currency")), "EUR");
+    cg_rules_result_free(&r);
+    cg_rules_eval(rs, "home", &d, "before", NOW, &r); /* no profile */
+    CHECK(r.enriched == NULL && r.remember == NULL);
+    cg_rules_result_free(&r);
+    json_t *profile = json_pack("{s:s}", "home_city", "Nairobi");
+    d.profile = profile; /* borrowed, as a turn lends it */
+    cg_rules_eval(rs, "home", &d, "before", NOW, &r);
+    CHECK_STR(r.enriched, "the home city");
+    cg_rules_result_free(&r);
+    cg_dialog_free(&d); /* leaves the borrowed profile alone */
+    json_decref(profile);
+    cg_ruleset_unref(rs);
+    check_load_error("rule a\n match x\n do remember\n", "'do remember' needs an argument");
+    check_load_error("rule a\n match x\n do remember home city\n", "is not a name");
+    check_load_error("rule a\n match (?<x>y)\n do cancel\n type x title\n", "'type' lines are for");
     check_load_error("rule a\n match x\n do cancel\n when tool.\n", "'when tool.' needs a path of names");
     check_load_error("rule a\n match x\n do cancel\n when soft.a b\n when tools\n", "unknown condition 'when tools'");
     check_load_error("rule a\n match x\n do cancel\n when soft.a/b\n", "'when soft.a/b' needs a path");
