@@ -198,6 +198,8 @@ static const up_setting upstream_settings[] = {
     {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000, "demo: MILLISECONDS between words (0: all at once)"},
     {"out_ms", T_INT, UOFF(out_ms), 100, 3600000, "MILLISECONDS a replica that failed is not picked"},
     {"max_attempts", T_INT, UOFF(max_attempts), 1, CG_MAX_REPLICAS, "N replicas one message may be sent to"},
+    {"history_n", T_INT, UOFF(history_n), 0, 200,
+     "N of the dialog's last history messages this upstream gets (200: all the dialog keeps, history_n)"},
     {"fallback", T_STR, UOFF(fallback), 0, 0,
      "NAME of the upstream a message goes to when this one fails before any reply text"},
 };
@@ -453,6 +455,7 @@ static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, cha
     memset(u, 0, sizeof(*u));
     u->name = cg_strdup(name);
     u->connect_timeout_ms = 5000;
+    u->history_n = 200;
     u->first_byte_timeout_ms = 60000;
     u->idle_timeout_ms = 60000;
     u->max_idle_connections = 16;

@@ -522,8 +522,16 @@ int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, i
     if (json_is_null(soft)) {
         replace_json(&d->soft, NULL);
     } else if (new_soft) {
+        /* as awaiting's: its own ttl (seconds, a year at most), else soft_s; and its source,
+         * the upstream that set it (the gateway's word: an app's own "source" is replaced) */
+        json_t *ttl = json_object_get(new_soft, "ttl");
+        long seconds = json_is_integer(ttl) && json_integer_value(ttl) > 0
+                           ? (long)cg_clamp(json_integer_value(ttl), 1, 366L * 86400)
+                           : lt->soft_s;
+        json_object_del(new_soft, "ttl");
+        json_object_set_new(new_soft, "source", cg_json_string(source ? source : ""));
         replace_json(&d->soft, new_soft);
-        d->soft_expires = now + lt->soft_s;
+        d->soft_expires = now + seconds;
     }
     if (tool)
         replace_json(&d->last_tool_result, new_tool);

@@ -31,6 +31,7 @@
 #include "chatgate/core/alloc.h"
 #include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
+#include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/num.h"
 #include "chatgate/core/utf8.h"
@@ -462,6 +463,25 @@ static void turn_trace(cg_turn *t, turn_end_kind end)
              (double)(now - t->t_arrived) / 1e6, ends[end]);
 }
 
+/* The history's new user message (the last) keeps the rules that fired on it and what they
+ * annotated, bounded: 16 rule names, and annotations of at most 1 KiB as JSON. It is the
+ * turn's own until saved, so it may change (nobody changes a message once saved). */
+static void annotate_user_message(cg_turn *t)
+{
+    json_t *m = json_array_get(t->dialog.history, json_array_size(t->dialog.history) - 1);
+    const char *role = json_string_value(json_object_get(m, "role"));
+    if (!role || strcmp(role, "user") != 0)
+        return;
+    if (json_array_size(t->fired)) {
+        json_t *names = json_array();
+        for (size_t i = 0; i < json_array_size(t->fired) && i < 16; i++)
+            json_array_append(names, json_array_get(t->fired, i));
+        json_object_set_new(m, "rules", names);
+    }
+    if (json_object_size(t->annotations) && json_dumpb(t->annotations, NULL, 0, JSON_COMPACT) <= 1024)
+        json_object_set(m, "annotations", t->annotations);
+}
+
 static void turn_save(cg_turn *t, turn_end_kind end)
 {
     cg_turns *q = t->q;
@@ -470,8 +490,13 @@ static void turn_save(cg_turn *t, turn_end_kind end)
     int64_t now = turn_now(q);
     cg_dialog *d = &t->dialog;
     cg_pipeline_keep_user(d, t->text, t->enriched, t->arrived, lt);
+    annotate_user_message(t);
     if (end == END_DONE || ((end == END_CANCELLED || end == END_ENDED) && t->reply_len > 0)) {
-        json_t *extra = end == END_CANCELLED ? json_pack("{s:b}", "cancelled", 1) : NULL;
+        json_t *extra = json_object();
+        if (end == END_CANCELLED)
+            json_object_set_new(extra, "cancelled", json_true());
+        if (q->backend == &upstream_backend && t->t_upstream) /* who answered (docs/state.md, History) */
+            json_object_set_new(extra, "upstream", cg_json_string(q->env->upstreams[t->route].cfg->name));
         cg_dialog_push_history(d, "assistant", t->reply ? t->reply : "", now, lt, extra);
         json_decref(extra);
     }
@@ -889,16 +914,26 @@ static int turn_call_upstream(cg_turn *t, json_t *params)
     cg_upstream *up = &q->env->upstreams[t->route];
     /* the state in a sentence, for an LLM's system message: built for a kind that reads it */
     json_t *tool = cg_dialog_tool_result(d, &q->env->cfg->lifetimes);
+    /* an upstream may take fewer of the dialog's messages (a skill that wants the last 3) */
+    size_t n_hist = json_array_size(d->history), want = (size_t)up->cfg->history_n;
+    json_t *history = d->history;
+    if (want < n_hist) {
+        history = json_array();
+        for (size_t i = n_hist - want; i < n_hist; i++)
+            json_array_append(history, json_array_get(d->history, i));
+    }
     char *summary =
         up->ops->reads_summary ? cg_dialog_summary(d, params, tool, t->profile, t->resolution, t->annotations) : NULL;
     cg_upstream_message um = {
         .id = t->id, .user = q->user, .room = t->room, .text = t->text, .route = up->cfg->name,
         .service = d->service, .params = params, .awaiting = t->awaiting_before, .soft = d->soft,
-        .tool_result = tool, .profile = t->profile, .history = d->history, .summary = summary ? summary : "", .enriched = t->enriched,
+        .tool_result = tool, .profile = t->profile, .history = history, .summary = summary ? summary : "", .enriched = t->enriched,
         .resolution = t->resolution, .annotations = t->annotations, .rules = t->fired,
     };
     int rc = up->ops->start(up, &q->up_conns[t->route], &um, &upstream_events, t, &t->call);
     t->prompt_bytes = strlen(um.enriched ? um.enriched : t->text) + strlen(um.summary) + cg_dialog_history_text(d);
+    if (history != d->history)
+        json_decref(history);
     free(summary);
     if (rc == 0 && q->paused)
         up->ops->pause(t->call, 1);

@@ -14,7 +14,8 @@ and forwarding:
   person"), and travel and payment params kept apart in one room;
 - awaiting: forwarded with the next message, cleared by "awaiting": null, gone after its ttl
   (1 s) and after lifetimes.awaiting_s when the directive names no ttl; soft context
-  forwarded while fresh and gone after lifetimes.soft_s;
+  forwarded while fresh, with its source (the upstream that set it), gone after
+  lifetimes.soft_s, or kept for its own ttl when the directive gives one;
 - history: FIFO at history_n (12 turns with N = 10; each forwarded history is exactly the
   last N messages before it, user and assistant, with ts);
 - params over params_cap: warning too_large, the message still answered, params unchanged;
@@ -259,10 +260,11 @@ async def part_awaiting_soft(cx):
         await turn(client, app, "b1", "Pick one", "pick2", {"awaiting": dict(awaiting, ttl=1)})
         await turn(client, app, "c1", "Pick one", "pick3", {"awaiting": awaiting})  # no ttl
         await turn(client, app, "s1", "Added Shake Shack", "soft", {"soft_context": soft})
+        await turn(client, app, "t1", "Added Ichiran", "soft-ttl", {"soft_context": dict(soft, ttl=30)})
         await turn(client, app, "d1", "Pick one", "pick4", {"awaiting": dict(awaiting, ttl=30)})
         set_at = time.monotonic()
         t, fs = await turn(client, app, "s2", "What else is there?", "soft")
-        check_forwarded(fs, soft=soft, what="s2 (soft context fresh)")
+        check_forwarded(fs, soft=dict(soft, source="app"), what="s2 (soft context fresh, with its source)")
         if cx.redis:
             ttl_between(cx.redis, harness.dialog_key(user, "soft", "soft"), 1, 2, "soft context (soft_s 2)")
             ttl_between(cx.redis, harness.dialog_key(user, "pick4", "awaiting"), 25, 30, "awaiting (ttl 30)")
@@ -276,6 +278,8 @@ async def part_awaiting_soft(cx):
         check_forwarded(fc, awaiting=None, what="c2 (awaiting_s 1, 3 s later)")
         _, fs3 = await turn(client, app, "s3", "And now?", "soft")
         check_forwarded(fs3, soft=None, what="s3 (soft_s 2, 3 s later)")
+        _, ft = await turn(client, app, "t2", "And now?", "soft-ttl")
+        check_forwarded(ft, soft=dict(soft, source="app"), what="t2 (the directive's ttl 30 over soft_s 2)")
         _, fd = await turn(client, app, "d2", "The first one", "pick4")
         check(isinstance(fd.get("awaiting"), dict) and fd["awaiting"].get("options") == options,
               f"d2: awaiting with ttl 30 should still be there after 3 s: {harness.brief(fd)}")
@@ -382,7 +386,8 @@ async def part_context(cx):
             check(key in state, f"context state lacks {key!r}: {harness.brief(state)}")
         check(state["service"] == "travel" and state["params"] == {"travel": {"from": "Nairobi", "to": "London"}},
               f"context service/params: {harness.brief(state)}")
-        check(state["awaiting"] is None and state["soft_context"] == soft and state["last_tool_result"] == tool,
+        check(state["awaiting"] is None and state["soft_context"] == dict(soft, source="app")
+              and state["last_tool_result"] == tool,
               f"context awaiting/soft_context/last_tool_result: {harness.brief(state)}")
         check(history_pairs(state["history"]) == [("user", "Flights Nairobi to London"),
                                                   ("assistant", t1.terminal["text"])],

@@ -17,7 +17,9 @@ memory store and with a real redis-server:
 - an OpenAI-compatible upstream gets the tool result in its system message (a rule routes
   "llm: ..." to it in the same room);
 - at --log-level debug, one line a turn names its rules and params (never their values),
-  what the store's load found, the upstream and the times (issue 40, item 4).
+  what the store's load found, the upstream and the times (issue 40, item 4);
+- the history keeps the rules that fired on a user's message and the upstream that answered;
+  upstreams.NAME.history_n 2 gives the LLM two of the dialog's messages (issue 40, item 4).
 """
 
 import json
@@ -104,7 +106,7 @@ async def part_tool_results(store, redis=None):
     try:
         async with BankApp() as app, harness.FakeOpenAI() as fake:
             upstreams = {"app": {"url": app.url("/bank")},
-                         "llm": harness.openai_upstream(fake, "script")}
+                         "llm": dict(harness.openai_upstream(fake, "script"), history_n=2)}
             config = harness.state_config(upstreams, "app", store=redis.url if redis else "memory",
                                           tool_result_cap=CAP)
             async with harness.Gateway(["--rules", rdir, "--log-level", "debug"], config, name=f"gateway:{store}") as gw:
@@ -140,6 +142,10 @@ async def part_tool_results(store, redis=None):
                     check(app.frames["b3"]["last_tool_result"] == {"type": "transactions", "items": food},
                           f"the next turn should get the filtered list: {harness.brief(app.frames['b3'], 600)}")
                     check(t.terminal.get("text") == "I have filtered your results: []", f"{t.terminal}")
+                    hist = app.frames["b3"]["history"]
+                    check(hist[-2].get("rules") == ["filter_transactions"] and hist[-2].get("role") == "user"
+                          and hist[-1].get("upstream") == "app" and "rules" not in hist[0],
+                          f"history keeps the rules that fired and who answered: {harness.brief(hist, 800)}")
                 with step(f"{tag} the same words in another room (no tool result): no rule, null"):
                     t = await client.message("filter for food", mid="o1", room="other")
                     t.expect_done()
@@ -169,6 +175,10 @@ async def part_tool_results(store, redis=None):
                     system = msgs[0].get("content", "") if msgs and msgs[0].get("role") == "system" else ""
                     check('"last_tool_result":{"type":"transactions","items":[]}' in system,
                           f"the system message should hold the last tool result: {system!r}")
+                    roles = [m.get("role") for m in msgs]
+                    check(roles == ["system", "user", "assistant", "user"] and all(set(m) == {"role", "content"}
+                                                                                for m in msgs),
+                          f"history_n 2 on the LLM: two of the dialog's messages, role and content only: {roles}")
                 await client.close()
     finally:
         shutil.rmtree(rdir, ignore_errors=True)

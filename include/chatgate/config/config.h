@@ -57,6 +57,7 @@ typedef struct cg_upstream_config {
     char *api_key_env;   /* OpenAI: environment variable holding the bearer token */
     char *system_prompt; /* OpenAI: the first system message */
     int state_tool;      /* OpenAI: the model is offered chatgate_state, a call of which sets state */
+    int history_n;       /* the last N of the dialog's history messages it gets (200: all) */
     int connect_timeout_ms;
     int first_byte_timeout_ms;
     int idle_timeout_ms;

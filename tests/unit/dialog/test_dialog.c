@@ -582,6 +582,25 @@ static void test_tool_result_cap(void)
     cg_dialog_free(&d);
 }
 
+/* Soft context takes its directive's ttl (taken out of it) and keeps its source. */
+static void test_soft_ttl_source(void)
+{
+    cg_dialog d;
+    cg_dialog_init(&d, 1000);
+    char err[256];
+    json_t *own = json_loads("{\"soft_context\": {\"last_action\": \"added\", \"ttl\": 600, \"source\": \"me\"}}", 0, NULL);
+    CHECK(cg_dialog_apply_directive(&d, own, "app", 1000, &lt, err, sizeof(err)) == 0);
+    CHECK(d.soft_expires == 1600 && json_object_get(d.soft, "ttl") == NULL);
+    CHECK(strcmp(json_string_value(json_object_get(d.soft, "source")), "app") == 0); /* the gateway's word */
+    json_t *plain = json_loads("{\"soft_context\": {\"last_action\": \"listed\", \"ttl\": -5}}", 0, NULL);
+    CHECK(cg_dialog_apply_directive(&d, plain, "llm", 2000, &lt, err, sizeof(err)) == 0);
+    CHECK(d.soft_expires == 2000 + lt.soft_s); /* no usable ttl: soft_s */
+    CHECK(strcmp(json_string_value(json_object_get(d.soft, "source")), "llm") == 0);
+    json_decref(own);
+    json_decref(plain);
+    cg_dialog_free(&d);
+}
+
 int main(void)
 {
     cg_lifetimes_default(&lt);
@@ -596,5 +615,6 @@ int main(void)
     test_directive_and_expiry();
     test_history_and_round_trip();
     test_tool_result_cap();
+    test_soft_ttl_source();
     return unit_done("test_dialog");
 }
