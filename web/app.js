@@ -93,6 +93,7 @@
     ctxParams: $("ctx-params"),
     ctxAwaiting: $("ctx-awaiting"),
     ctxSoft: $("ctx-soft"),
+    ctxProfile: $("ctx-profile"),
     ctxHistory: $("ctx-history"),
     ctxHistoryCount: $("ctx-history-count"),
     ctxMeta: $("ctx-meta"),
@@ -113,6 +114,8 @@
   const turns = new Map();     // id -> turn (see addTurn)
   const transcripts = new Map(); // room -> element holding that room's turns
   const contexts = new Map();  // room -> last state the gateway sent
+  const fromProfile = new Map(); // room -> {name: value} of params the user's profile gave (the last ack)
+  let profile = null;            // the user's profile (profile frames), shared by every room
   const restored = new Set();  // rooms whose history was already shown after a reload
 
   let rooms = [];
@@ -249,6 +252,7 @@
         if (f.code === "store_degraded") ui.status.title = "store degraded: " + (f.message || "");
         break;
       case "context": onContext(f); break;
+      case "profile": onProfile(f); break;
       default: console.info("chatgate: unhandled frame", f);
     }
   }
@@ -354,6 +358,12 @@
   }
 
   function onAck(turn, f) {
+    // params the user's profile gave (ack.from_profile): shown in the panel beside the kept ones
+    const given = {};
+    for (const name of Array.isArray(f.from_profile) ? f.from_profile : []) {
+      if (f.params && f.params[name] !== undefined) given[name] = f.params[name];
+    }
+    fromProfile.set(f.room || room, { service: f.service || "", params: given });
     const a = turn.ack;
     a.textContent = "";
     a.dataset.ack = "ok";
@@ -477,6 +487,7 @@
 
   function requestContext(r) {
     sendFrame({ type: "context.get", room: r });
+    sendFrame({ type: "profile.get" });
   }
 
   function flashStatus() {
@@ -541,6 +552,24 @@
     if (f.room === room) renderContext(f.state, false);
   }
 
+  function onProfile(f) {
+    profile = f.profile && typeof f.profile === "object" ? f.profile : {};
+    renderProfile();
+  }
+
+  // The user's profile: each attribute with a forget button (profile.forget).
+  function renderProfile() {
+    const names = profile ? Object.keys(profile) : [];
+    section(ui.ctxProfile, names.length ? null : "none");
+    for (const name of names) {
+      ui.ctxProfile.appendChild(el("div", { class: "param", "data-profile": name },
+        el("span", { class: "param-name", text: name }),
+        el("span", { class: "param-value", "data-value": show(profile[name]), text: show(profile[name]) }),
+        el("button", { type: "button", class: "btn-forget", "data-profile-forget": name, title: "Forget " + name,
+          "aria-label": "Forget " + name, text: "×" })));
+    }
+  }
+
   function section(node, emptyText) {
     node.textContent = "";
     if (emptyText) node.appendChild(el("p", { class: "empty", text: emptyText }));
@@ -583,11 +612,13 @@
     const services = Object.keys(params).filter((k) => params[k] && Object.keys(params[k]).length);
     services.sort((a, b) => (a === s.service ? -1 : b === s.service ? 1 : a.localeCompare(b)));
     let count = 0;
+    const given = fromProfile.get(room) || { service: "", params: {} };
+    if (given.service && Object.keys(given.params).length && !services.includes(given.service)) services.unshift(given.service);
     section(ui.ctxParams, services.length ? null : "none");
     for (const svc of services) {
       const group = el("div", { class: "param-group" + (svc === s.service ? " active" : ""), "data-service": svc },
         el("div", { class: "param-service", text: svc + (svc === s.service ? " (active)" : "") }));
-      for (const [name, value] of Object.entries(params[svc])) {
+      for (const [name, value] of Object.entries(params[svc] || {})) {
         const key = svc + "." + name;
         count++;
         group.appendChild(el("div", { class: "param", "data-param": key },
@@ -595,6 +626,16 @@
           el("span", { class: "param-value", "data-value": show(value), text: show(value) }),
           el("button", { type: "button", class: "btn-forget", "data-forget": key, title: "Forget " + key,
             "aria-label": "Forget " + key, text: "×" })));
+      }
+      // what the profile gave this service's last message (not kept in the room: forget it
+      // in the profile)
+      for (const [name, value] of svc === given.service ? Object.entries(given.params) : []) {
+        if (params[svc] && params[svc][name] !== undefined) continue;
+        group.appendChild(el("div", { class: "param from-profile", "data-param": svc + "." + name, "data-from": "profile",
+          title: "from your profile" },
+          el("span", { class: "param-name", text: name }),
+          el("span", { class: "param-value", "data-value": show(value), text: show(value) }),
+          el("span", { class: "param-source", text: "profile" })));
       }
       ui.ctxParams.appendChild(group);
     }
@@ -710,7 +751,9 @@
   $("context").addEventListener("click", (e) => {
     const btn = e.target.closest("button");
     if (!btn) return;
-    if (btn.dataset.forget) {
+    if (btn.dataset.profileForget) {
+      if (!sendFrame({ type: "profile.forget", keys: [btn.dataset.profileForget] })) flashStatus();
+    } else if (btn.dataset.forget) {
       if (!sendFrame({ type: "context.forget", room, keys: [btn.dataset.forget] })) flashStatus();
     } else if (btn.dataset.option) {
       sendMessage(String(btn.dataset.option), room); // the gateway resolves "2" to the 2nd option

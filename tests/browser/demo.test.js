@@ -11,6 +11,8 @@
 //      stopped, stops growing, and is recorded as stopped in the gateway's history;
 //   3. saves screenshots: laptop (1280x800) and phone (390x844, chat and context views);
 //   4. forgets a param with its button, switches to another room (empty panel) and back;
+//      says "I live in Nairobi" there: the profile panel shows it, with a forget button, and
+//      "Find flights to London" shows travel.from Nairobi marked as from the profile;
 //   5. reloads the page (resume keeps the user and its dialog), then restarts the gateway
 //      and checks the page reconnects by itself as the same user;
 //   6. checks the page asked nothing of any host but the gateway and logged no error
@@ -247,6 +249,26 @@ async function main() {
       await page.selectOption("#room", "trip");
       await expectParams({ "travel.from": "Nairobi", "travel.to": "London" }, "back in room trip");
       check(await page.isVisible('#log .transcript[data-room="trip"] .turn >> nth=2'), "room trip's transcript is not shown again");
+    });
+
+    await step("the profile: said in one room, shown with a forget button; the param it gives is marked", async () => {
+      await page.selectOption("#room", "weather");
+      await page.waitForSelector('#context[data-room="weather"][data-state="ok"]');
+      await playTurn("I live in Nairobi");
+      await waitUntil(() => {
+        const v = document.querySelector('#ctx-profile [data-profile="home_city"] .param-value');
+        return !!v && v.textContent === "Nairobi";
+      }, null, 5000, "the profile panel should show home_city Nairobi");
+      await playTurn("Find flights to London");
+      await waitUntil(() => {
+        const v = document.querySelector('#ctx-params [data-param="travel.from"][data-from="profile"] .param-value');
+        return !!v && v.textContent === "Nairobi";
+      }, null, 5000, "travel.from should show Nairobi, marked as from the profile");
+      await page.click('#ctx-profile button[data-profile-forget="home_city"]');
+      await waitUntil(() => !document.querySelector('#ctx-profile [data-profile="home_city"]'), null, 5000,
+        "the profile's forget button did not remove home_city");
+      await page.selectOption("#room", "trip");
+      await expectParams({ "travel.from": "Nairobi", "travel.to": "London" }, "back in room trip");
     });
 
     await step("reload: resume keeps the user and the room's dialog", async () => {
