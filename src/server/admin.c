@@ -11,6 +11,7 @@
  *   GET    /admin/users/{user}/usage      the tokens a user spent, by room and upstream, and
  *                                         the totals (each room's dialog, loaded in turn)
  *   GET    /admin/users/{user}/profile    the user's profile (what they said about themselves)
+ *   PUT    /admin/users/{user}/profile?set={...}  sets names of it (null forgets one)
  *   DELETE /admin/users/{user}/profile    forgets the whole profile
  *   PUT    /admin/users/{user}/profile/{name}?value=JSON   sets one name of it
  *   DELETE /admin/users/{user}/profile/{name}              forgets one name
@@ -154,27 +155,43 @@ static void on_profile(void *ctx, json_t *profile, int err, const cg_store_statu
         answer(a, 200, json_pack("{s:s, s:O}", "user", a->user, "profile", profile));
 }
 
-/* The changes of PUT .../profile/{name}?value=JSON (set) or DELETE .../profile/{name}
- * (forget): {name: value or null}, or NULL with the 400 answered. */
+/* The query argument arg ("value=", "set=") read as JSON, or NULL. As long as the request
+ * line may be: a value past profile_cap is the store's 413. */
+static json_t *query_json(admin_req *a, struct lws *wsi, const char *arg)
+{
+    size_t cap = (size_t)a->srv->cfg->max_header_bytes + 16;
+    char *buf = cg_malloc(cap);
+    const char *v = lws_get_urlarg_by_name(wsi, arg, buf, (int)cap);
+    json_t *j = v ? json_loads(v, JSON_DECODE_ANY, NULL) : NULL;
+    free(buf);
+    return j;
+}
+
+/* The changes of PUT .../profile?set={...} (name -> value, null forgets), PUT
+ * .../profile/{name}?value=JSON (set one) or DELETE .../profile/{name} (forget one), or NULL
+ * with the 400 answered. */
 static json_t *profile_change(admin_req *a, struct lws *wsi, const char *name, int is_put)
 {
-    json_t *value = json_null();
-    if (is_put) {
-        /* as long as the request line may be: a value past profile_cap is the store's 413 */
-        size_t cap = (size_t)a->srv->cfg->max_header_bytes + 16;
-        char *buf = cg_malloc(cap);
-        const char *v = lws_get_urlarg_by_name(wsi, "value=", buf, (int)cap);
-        value = v ? json_loads(v, JSON_DECODE_ANY, NULL) : NULL;
-        free(buf);
-        if (!value || json_is_null(value)) {
+    json_t *changes = NULL;
+    if (is_put && !name) {
+        changes = query_json(a, wsi, "set=");
+        if (!json_is_object(changes)) {
+            json_decref(changes);
+            answer_error(a, 400, "PUT .../profile takes ?set= with a JSON object of name -> value (null forgets "
+                                 "a name), percent-encoded");
+            return NULL;
+        }
+    } else {
+        json_t *value = is_put ? query_json(a, wsi, "value=") : json_null(); /* DELETE: null forgets */
+        if (is_put && (!value || json_is_null(value))) {
             json_decref(value);
             answer_error(a, 400, "PUT .../profile/{name} takes ?value= with the name's value as JSON "
                                  "(percent-encoded; DELETE forgets a name)");
             return NULL;
         }
+        changes = json_object();
+        json_object_set_new(changes, name, value);
     }
-    json_t *changes = json_object();
-    json_object_set_new(changes, name, value);
     char err[200];
     if (cg_profile_check(changes, err, sizeof(err)) < 0) {
         json_decref(changes);
@@ -186,7 +203,7 @@ static json_t *profile_change(admin_req *a, struct lws *wsi, const char *name, i
 
 /*
  * /admin/users/{user}/profile[/{name}] (rest: what follows "/admin/users/"): GET the profile,
- * DELETE it whole; PUT one name (?value=JSON), DELETE one name.
+ * PUT names of it (?set={...}), DELETE it whole; PUT one name (?value=JSON), DELETE one name.
  */
 static void route_profile(admin_req *a, struct lws *wsi, const char *rest, int is_get, int is_put, int is_delete)
 {
@@ -194,8 +211,8 @@ static void route_profile(admin_req *a, struct lws *wsi, const char *rest, int i
     const char *mark = strstr(rest, "/profile");
     const char *name = mark && mark[8] == '/' ? mark + 9 : NULL;
     if (!mark || copy_id(rest, (size_t)(mark - rest), a->user, sizeof(a->user)) < 0 || strchr(a->user, '/') ||
-        (name && (!*name || strchr(name, '/'))) || (is_put && !name) || (is_get && name)) {
-        answer_error(a, 400, "use GET or DELETE /admin/users/{user}/profile, PUT or DELETE "
+        (name && (!*name || strchr(name, '/'))) || (is_get && name)) {
+        answer_error(a, 400, "use GET, PUT (?set=) or DELETE /admin/users/{user}/profile, PUT (?value=) or DELETE "
                              "/admin/users/{user}/profile/{name} (percent-encoded)");
         return;
     }
@@ -204,7 +221,7 @@ static void route_profile(admin_req *a, struct lws *wsi, const char *rest, int i
         return;
     }
     cg_info("admin: %s the profile of one user", is_get ? "view" : is_put ? "change" : "forget");
-    if (name) {
+    if (name || is_put) {
         json_t *changes = profile_change(a, wsi, name, is_put);
         if (changes && !(a->pending = st->ops->profiles->update(st, a->user, changes, on_profile, a)))
             answer_error(a, 500, "the store refused the request");

@@ -9,8 +9,9 @@ header), checking:
   with Redis, through the other gateway too;
 - the client: profile.get answers a profile frame; profile.forget of names, and of everything;
   the next turn's frame has what is left;
-- the admin API: GET, PUT of one name (?value=JSON; 413 past profile_cap, 400 for a value
-  that is not JSON or a bad name), DELETE of one name and of all; DELETE /admin/users/{user}
+- the admin API: GET; PUT of names (?set={...}) and of one name (?value=JSON); 413 past
+  profile_cap, 400 for a value that is not JSON, a set that is no object or a bad name;
+  DELETE of one name and of all; DELETE /admin/users/{user}
   leaves no key of the user in Redis, the profile's included;
 - bounds: a directive whose profile would pass profile_cap, or names a bad attribute, is
   refused whole (a warning; nothing of it kept: not the profile, not its soft context);
@@ -156,9 +157,17 @@ async def part_profile(mode):
                     status, body = await http(name_url(gw, "home city", "x"), "PUT")
                     check(status == 400, f"a bad name: {status} {body}")
                     check(await profile_command(c, "profile.get") == {"currency": "EUR"}, "after the admin's PUT")
+                    status, body = await http(profile_url(gw) + "?set=" + urllib.parse.quote(
+                        json.dumps({"language": "french", "currency": None}), safe=""), "PUT")
+                    check(status == 200 and body["profile"] == {"language": "french"}, f"PUT ?set=: {status} {body}")
+                    status, body = await http(profile_url(gw) + "?set=%5B1%5D", "PUT")
+                    check(status == 400, f"PUT ?set= of an array: {status} {body}")
                     status, body = await http(profile_url(gw), "DELETE")
                     check(status == 200 and body["profile"] == {}, f"{status} {body}")
                     check(await profile_command(c, "profile.get") == {}, "after the admin's DELETE")
+                    status, body = await http(profile_url(gw) + "?set=" + urllib.parse.quote('{"bio":"' + "z" * 300 + '"}',
+                                                                                         safe=""), "PUT")
+                    check(status == 413, f"PUT ?set= past the cap: {status} {body}")
                 with step(f"{tag} profile.forget of everything"):
                     await turn(c, app, "f1", "A", "remember me", {"profile": SAM})
                     check(await profile_command(c, "profile.forget") == {}, "forget all")
