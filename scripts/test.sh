@@ -10,7 +10,7 @@ scripts/deps.sh test
 if [ "${1:-}" = --fuzz ]; then
   scripts/deps.sh fuzz
   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCHATGATE_FUZZ=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null
-  cmake --build build-fuzz --target fuzz_rules_load fuzz_pipeline fuzz_dropin fuzz_protocol fuzz_sse fuzz_config fuzz_reply -j "$(nproc)"
+  cmake --build build-fuzz --target fuzz_all -j "$(nproc)"
   cd build-fuzz
   exec ctest --output-on-failure -L fuzz
 fi

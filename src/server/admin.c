@@ -210,7 +210,8 @@ static void route_profile(admin_req *a, struct lws *wsi, const char *rest, int i
     cg_store *st = a->srv->turn.store;
     const char *mark = strstr(rest, "/profile");
     const char *name = mark && mark[8] == '/' ? mark + 9 : NULL;
-    if (!mark || copy_id(rest, (size_t)(mark - rest), a->user, sizeof(a->user)) < 0 || strchr(a->user, '/') ||
+    if (!mark || (mark[8] != 0 && mark[8] != '/') || copy_id(rest, (size_t)(mark - rest), a->user, sizeof(a->user)) < 0 ||
+        strchr(a->user, '/') ||
         (name && (!*name || strchr(name, '/'))) || (is_get && name)) {
         answer_error(a, 400, "use GET, PUT (?set=) or DELETE /admin/users/{user}/profile, PUT (?value=) or DELETE "
                              "/admin/users/{user}/profile/{name} (percent-encoded)");

@@ -13,7 +13,8 @@ Covers:
   dialog evicted from the memory copy during the outage (max_store_bytes) is not written
   back (counted as reason="gone"); an older copy held by one gateway through an outage is
   not written over a newer copy another gateway wrote meanwhile (last_activity);
-- behind twemproxy (defect 5): nutcracker with hash_tag "{}" in front of Redis: saves and
+- behind twemproxy (defect 5): nutcracker with hash_tag "{}" in front of Redis (the user's
+  profile too: written by its script, read with HGETALL, deleted with the user): saves and
   loads work (a dialog survives a gateway restart), DELETE /admin/users works, the store
   never goes degraded; and Redis never sees MULTI, EXEC, KEYS or SCAN from the gateway;
 - forget-user with long escaping ids (defect 6): --auth header, a 256-byte user id and three
@@ -532,7 +533,8 @@ async def part_twemproxy(app, rules):
         async with harness.Gateway(header_args(rules), config_for(app, url), env=env, name="gateway-twem1") as gw:
             with step("behind nutcracker: a conversation is saved in Redis, the store never degraded"):
                 c = await connect_as(gw, user)
-                await say(c, app, "t1", "from Nairobi", room, {"service": "travel", "params": {"from": "Nairobi"}})
+                await say(c, app, "t1", "from Nairobi", room, {"service": "travel", "params": {"from": "Nairobi"},
+                                                               "profile": {"home_city": "Nairobi"}})
                 await say(c, app, "t2", "to London", room, {"params": {"to": "London"}})
                 await say(c, app, "t3", "other room", "other", {"service": "travel", "params": {"x": 1}})
                 await c.close()
@@ -547,6 +549,10 @@ async def part_twemproxy(app, rules):
                 check(fwd.get("params") == {"from": "Nairobi", "to": "London", "cabin_class": "economy"},
                       f"params after the restart: {fwd.get('params')}")
                 check(len(fwd.get("history") or []) == 4, f"history after the restart: {fwd.get('history')}")
+                check(fwd.get("profile") == {"home_city": "Nairobi"},
+                      f"the user's profile through nutcracker (its update script and HGETALL): {fwd.get('profile')}")
+                check(redis.command("HGET", "chatgate:{" + harness.escape_id(user) + "}:profile", "home_city")
+                      == '"Nairobi"', "the profile's hash in Redis")
                 await c.close()
             with step("behind nutcracker: DELETE /admin/users removes every key of the user"):
                 check(len(user_keys(redis, user)) > 3, f"keys before: {redis.keys('chatgate:*')}")

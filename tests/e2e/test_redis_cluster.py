@@ -45,6 +45,9 @@ redis_topo.RedisCluster from Debian's redis-server 7.0), users u0..u49 spread ov
 10. The failover of 2 once more, the last master with a replica stopped (SIGSTOP: its
    connections open, nothing answered) instead of killed, cluster-require-full-coverage no:
    the command timeout drops that master alone; the same checks as 8.
+11. The user's profile (issue 40): "call me Zed" on one gateway (the shipped rules' remember,
+   the update script routed to the user's slot), read with profile.get on the other; its key
+   is on the master of the user's slot alone.
 
 Every client frame goes through harness.FrameTracker (ack first, one terminal frame, done.text
 the deltas). Run: python3 tests/e2e/test_redis_cluster.py --gateway build/chatgate (about 45 s);
@@ -973,6 +976,30 @@ async def part_one_turn(w):
         check(not worst, f"dialogs the upstream had two requests of at once, over the whole test: {worst}")
 
 
+async def part_profile(w):
+    """The user's profile on the cluster: one hash under the user's hash tag, on the master of
+    the user's slot alone; written through one gateway (the shipped rules' remember), read
+    through the other."""
+    with step("profile: 'call me Zed' on gateway A, read on gateway B; the key on its slot's master only"):
+        tab = w.tabs[0]  # u0, on gateway A
+        s = await tab.ask("call me Zed", "pf-1", "pf")
+        check(s.kind == "done", f"the message should be answered: {s.kind}")
+        other = w.gb if tab.gw is w.ga else w.ga
+        c = await Client.connect(other, expect_user=tab.user, extra_headers={"X-User-Id": tab.user})
+        await c.send({"type": "profile.get"})
+        frame = await c.next_matching(lambda f: f.get("type") == "profile", 10, "the profile frame")
+        check(frame["profile"] == {"name": "Zed"}, f"{tab.user}'s profile through {other.name}: {frame}")
+        await c.close()
+
+        def placement():
+            key = "chatgate:{" + harness.escape_id(tab.user) + "}:profile"
+            owner = w.cluster.master_of_slot(user_slot(w.cluster, tab.user))
+            held = [m.port for m in w.cluster.masters() if m.keys(key)]
+            return owner.port, held
+        owner, held = await asyncio.to_thread(placement)
+        check(held == [owner], f"the profile key should be on its slot's master {owner} alone: {held}")
+
+
 async def main(args):
     started = time.monotonic()
     cluster = redis_topo.RedisCluster(n_masters=3, replicas_per_master=1)
@@ -992,7 +1019,7 @@ async def main(args):
                 w = World(cluster, upstream, ga, gb, tabs, cfg, gw_args)
                 parts = (part_routing, part_failover, part_reshard, part_cancel, part_one_turn,
                          part_cancel_fallback, part_bus_slot_moved, part_failover_partial, part_parked_at_close,
-                         part_failover_stopped)
+                         part_failover_stopped, part_profile)
                 only = os.environ.get("CG_E2E_PARTS")  # e.g. "1,3": those parts only (0 is routing)
                 for n, part in enumerate(parts):
                     if not only or str(n) in only.split(","):
