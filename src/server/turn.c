@@ -453,7 +453,8 @@ static void turn_trace(cg_turn *t, turn_end_kind end)
     if (!cg_log_enabled(CG_LOG_DEBUG))
         return;
     uint64_t now = uv_hrtime();
-    const cg_upstream *up = t->route >= 0 ? &t->q->env->upstreams[t->route] : NULL;
+    /* the upstream called (a drop-in turn's reply comes from the adapter's app: none) */
+    const cg_upstream *up = t->q->backend == &upstream_backend && t->t_upstream ? &t->q->env->upstreams[t->route] : NULL;
     cg_debug("turn %s: dialog #%08lx, %s, store %s in %.1f ms, upstream %s (replica %d, %d attempt(s)), first text "
              "at %.1f ms, %.1f ms in all, %s",
              t->id, t->lock.key ? cg_store_key_tag(t->lock.key) : 0ul, t->trace ? t->trace : "rules - params -",
