@@ -12,8 +12,10 @@
  * the next turn's HGETALL, which would then read the profile without it (an update is rare,
  * and Redis hashing its 700 bytes is cheaper than a gate like the dialogs' saves).
  *
- * What Redis answers is copied into rs->profiles, which answers while Redis is away (degraded:
- * an update then changes that copy only, and is lost when Redis comes back: logged).
+ * What Redis answers is copied into rs->profiles, which answers while Redis is away. An update
+ * made meanwhile changes that copy, and its changes wait in rs->profile_pending: the link's
+ * coming back writes them to Redis (cg_redis_profiles_writeback), through the same script,
+ * so a profile is not lost to an outage (nor passes the cap: a change refused then is logged).
  */
 #include <hiredis/hiredis.h>
 #include <stdio.h>
@@ -88,6 +90,42 @@ static void answer(redis_req *r, const cg_store_status *st)
     cg_redis_req_finish(r);
 }
 
+/* An update made while Redis is away (or that it failed): its changes wait for the link to
+ * come back, merged with the user's earlier ones (a later value of a name wins). */
+static void keep_for_writeback(redis_store *rs, const char *eu, json_t *changes)
+{
+    json_t *had = json_object_get(rs->profile_pending, eu);
+    if (!had && (long)json_object_size(rs->profile_pending) >= rs->base.cfg.max_dialogs) {
+        cg_warn("redis %s:%d: away: %ld profiles wait for the write-back already: this update is kept in this "
+                "gateway's memory only",
+                rs->host, rs->port, (long)json_object_size(rs->profile_pending));
+        return;
+    }
+    if (!had)
+        json_object_set_new(rs->profile_pending, eu, had = json_object());
+    json_object_update(had, changes);
+}
+
+static void send_profile(redis_store *rs, redis_req *r);
+
+void cg_redis_profiles_writeback(redis_store *rs)
+{
+    json_t *pending = rs->profile_pending;
+    if (!json_object_size(pending))
+        return;
+    rs->profile_pending = json_object();
+    cg_info("redis %s:%d: back: writing %ld profile update(s) made while it was away", rs->host, rs->port,
+            (long)json_object_size(pending));
+    const char *eu;
+    json_t *changes;
+    json_object_foreach(pending, eu, changes) {
+        redis_req *r = cg_redis_req_new_escaped(rs, CG_STORE_PROFILE, eu, "", NULL);
+        r->changes = json_incref(changes); /* nobody waits: no callback */
+        send_profile(rs, r);
+    }
+    json_decref(pending);
+}
+
 /* Redis is away, or failed r: the copy answers (and an update changes it alone). */
 static void from_copy(redis_req *r)
 {
@@ -100,9 +138,7 @@ static void from_copy(redis_req *r)
     if (r->changes) {
         json_t *next = cg_profile_apply(had, r->changes);
         if (next && (long)cg_profile_size(next) <= lt->profile_cap) {
-            cg_warn("redis %s:%d: away: a profile's update is kept in this gateway's memory only (lost when Redis "
-                    "is back)",
-                    rs->host, rs->port);
+            keep_for_writeback(rs, r->eu, r->changes);
             cg_profiles_put(rs->profiles, r->eu, next, now, lt->profile_s);
             r->profile = next;
             had = NULL;
@@ -159,6 +195,9 @@ static void on_reply(cg_redis_conn *ac, void *reply_, void *priv)
         renew(rs, r->eu);
     r->profile = p;
     r->profile_err = written ? 0 : CG_E_TOO_LARGE;
+    if (!written && !r->cb.profile) /* a write-back: nobody else hears it */
+        cg_warn("redis %s:%d: a profile update made while Redis was away would pass profile_cap now: not written",
+                rs->host, rs->port);
     static const cg_store_status ok = {0, 0, 0};
     answer(r, &ok);
 }

@@ -127,6 +127,7 @@ void cg_redis_store_free(redis_store *rs)
 {
     cg_fallback_free(rs->fb);
     cg_profiles_free(rs->profiles);
+    json_decref(rs->profile_pending);
     for (int i = 0; i < rs->n_sentinels; i++)
         free(rs->sentinel_hosts[i]);
     free(rs->sentinel_hosts);

@@ -50,6 +50,7 @@ static void on_link_up(void *data, int moved)
 {
     redis_store *rs = data;
     cg_fallback_up(rs->fb, moved);
+    cg_redis_profiles_writeback(rs);
     cg_redis_drain_waiting(rs);
 }
 
@@ -413,6 +414,7 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->leases = json_object();
     rs->saving = json_object();
     rs->profiles = cg_profiles_new(cfg->max_dialogs);
+    rs->profile_pending = json_object();
     cg_redis_scripts_init();
     lease_holder_id(rs);
     if (!rs->leases || !rs->saving)

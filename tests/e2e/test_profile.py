@@ -15,6 +15,8 @@ header), checking:
   leaves no key of the user in Redis, the profile's included;
 - bounds: a directive whose profile would pass profile_cap, or names a bad attribute, is
   refused whole (a warning; nothing of it kept: not the profile, not its soft context);
+- with Redis stopped, a profile update is kept in the gateway's copy, and written to Redis
+  (restarted empty) when it is back;
 - another user can neither read nor change this user's profile; a profile lapses
   lifetimes.profile_s after its last use (memory), and Redis's key has that lifetime;
 - logs never show a profile's values;
@@ -183,6 +185,17 @@ async def part_profile(mode):
                         check(status == 200, f"forget user: {status}")
                         left = [k for k in redis.keys("*") if "sam" in k]
                         check(left == [], f"keys of the user left: {left}")
+                if redis:
+                    with step(f"{tag} Redis away: a profile update is kept, and written back when Redis is back"):
+                        redis.stop()
+                        t, _ = await turn(c, app, "w1", "A", "while Redis is down", {"profile": {"currency": "KES"}})
+                        t.expect_done()
+                        check(await profile_command(c, "profile.get") == {"currency": "KES"},
+                              "the gateway's copy answers while Redis is away")
+                        await redis.arestart()  # empty: only the write-back can put the profile there
+                        key = "chatgate:{" + harness.escape_id(USER) + "}:profile"
+                        await harness.wait_condition(lambda: redis.command("HGET", key, "currency") == '"KES"', 10,
+                                                     "the profile update made while Redis was away, in Redis")
                 with step(f"{tag} logs never show a profile's values"):
                     for g in (gw, gw_llm):
                         log = g.log_text()

@@ -107,6 +107,8 @@ struct redis_store {
     cg_fallback *fb; /* degraded mode (fallback.c): the gateway's copy of the dialogs, what
                       * it wrote while Redis was away, the limits counted meanwhile */
     cg_profiles *profiles; /* the copies of the profiles Redis answered (redis_profile.c) */
+    json_t *profile_pending; /* eu -> the changes made while Redis was away, written back when
+                              * it is up again (at most max_dialogs users) */
     redis_req *waiting, *waiting_tail; /* before the first connection is decided */
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
@@ -184,6 +186,8 @@ extern const cg_store_reply_ops cg_redis_reply_ops; /* redis_reply.c */
 extern const cg_store_profile_ops cg_redis_profile_ops; /* redis_profile.c */
 /* The user's profile key: "<prefix>:{<eu>}:profile" (redis_profile.c), for forget-user's DEL. */
 void cg_redis_profile_key(redis_store *rs, cg_argv *a, const char *eu);
+/* The link is up: the profile changes made while Redis was away go to it (redis_profile.c). */
+void cg_redis_profiles_writeback(redis_store *rs);
 /* redis_stream.c: the stream (the turn export's XADD). */
 extern const cg_store_stream_ops cg_redis_stream_ops;
 /* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
