@@ -76,8 +76,7 @@ struct conn {
 	char *in;         /* the request head, then whatever follows it */
 	size_t in_len, in_cap;
 	size_t body_left;
-	char *out; /* what the socket did not take yet */
-	size_t out_len, out_off, out_cap;
+	struct bench_out out; /* what the socket did not take yet */
 	unsigned int sent;  /* deltas of this reply written */
 	int64_t start_ns;   /* the reply's start (its schedule) */
 	int64_t due_ns;     /* the next write's time */
@@ -196,7 +195,7 @@ static void conn_close(struct conn *c)
 	heap_remove(c);
 	close(c->fd);
 	free(c->in);
-	free(c->out);
+	free(c->out.buf);
 	free(c);
 }
 
@@ -206,52 +205,26 @@ static void conn_close(struct conn *c)
  */
 static int conn_write(struct conn *c, const char *buf, size_t len)
 {
-	if (c->out_len == c->out_off) {
-		ssize_t n = write(c->fd, buf, len);
+	int rc = bench_out_write(&c->out, c->fd, buf, len, "sse_server");
 
-		if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-			return -1;
-		if (n < 0)
-			n = 0;
-		buf += n;
-		len -= (size_t)n;
-		c->out_len = c->out_off = 0;
-		if (!len)
-			return 0;
-	}
-	if (c->out_len + len > c->out_cap) {
-		c->out_cap = (c->out_len + len) * 2;
-		c->out = xrealloc(c->out, c->out_cap);
-	}
-	memcpy(c->out + c->out_len, buf, len);
-	c->out_len += len;
-	set_epollout(c, true);
-	return 0;
+	if (rc > 0)
+		set_epollout(c, true);
+	return rc < 0 ? -1 : 0;
 }
 
 /* Writes what waits; -1 when the connection is gone. */
 static int conn_flush(struct conn *c)
 {
-	while (c->out_off < c->out_len) {
-		ssize_t n = write(c->fd, c->out + c->out_off, c->out_len - c->out_off);
+	int rc = bench_out_flush(&c->out, c->fd);
 
-		if (n < 0) {
-			if (errno == EAGAIN || errno == EWOULDBLOCK)
-				return 0;
-			if (errno == EINTR)
-				continue;
-			return -1;
-		}
-		c->out_off += (size_t)n;
-	}
-	c->out_len = c->out_off = 0;
-	set_epollout(c, false);
-	return 0;
+	if (rc == 0)
+		set_epollout(c, false);
+	return rc < 0 ? -1 : 0;
 }
 
 static bool conn_blocked(const struct conn *c)
 {
-	return c->out_off < c->out_len;
+	return c->out.off < c->out.len;
 }
 
 /* One chunk of the chunked encoding around payload, into buf. */

@@ -165,9 +165,7 @@ struct conn {
 	/* the stamp being read */
 	unsigned int stamp_pos;
 	uint64_t stamp_val;
-	/* bytes the socket did not take yet */
-	char *out;
-	size_t out_off, out_len, out_cap;
+	struct bench_out out; /* bytes the socket did not take yet */
 };
 
 static struct {
@@ -304,46 +302,20 @@ static void set_epollout(struct conn *c, bool on)
 /* One write() of buf after what waits; the rest waits for EPOLLOUT. -1: the connection is gone. */
 static int conn_write(struct conn *c, const void *buf, size_t len)
 {
-	const char *p = buf;
+	int rc = bench_out_write(&c->out, c->fd, buf, len, "stream_bench");
 
-	if (c->out_off == c->out_len) {
-		ssize_t n = write(c->fd, p, len);
-
-		if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-			return -1;
-		if (n > 0) {
-			p += n;
-			len -= (size_t)n;
-		}
-		c->out_off = c->out_len = 0;
-		if (!len)
-			return 0;
-	}
-	if (c->out_len + len > c->out_cap) {
-		c->out_cap = 2 * (c->out_len + len);
-		c->out = xrealloc(c->out, c->out_cap);
-	}
-	memcpy(c->out + c->out_len, p, len);
-	c->out_len += len;
-	set_epollout(c, true);
-	return 0;
+	if (rc > 0)
+		set_epollout(c, true);
+	return rc < 0 ? -1 : 0;
 }
 
 static int conn_flush(struct conn *c)
 {
-	while (c->out_off < c->out_len) {
-		ssize_t n = write(c->fd, c->out + c->out_off, c->out_len - c->out_off);
+	int rc = bench_out_flush(&c->out, c->fd);
 
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
-		}
-		c->out_off += (size_t)n;
-	}
-	c->out_off = c->out_len = 0;
-	set_epollout(c, false);
-	return 0;
+	if (rc == 0)
+		set_epollout(c, false);
+	return rc < 0 ? -1 : 0;
 }
 
 /* A client WebSocket frame (masked), FIN set. */
@@ -716,9 +688,10 @@ static void conn_gone(struct conn *c)
 	close(c->fd);
 	free(c->in);
 	free(c->msg);
-	free(c->out);
-	c->in = c->msg = c->out = NULL;
-	c->in_cap = c->msg_cap = c->out_cap = 0;
+	free(c->out.buf);
+	c->in = c->msg = NULL;
+	c->in_cap = c->msg_cap = 0;
+	c->out = (struct bench_out){0};
 }
 
 static void open_more(void)
