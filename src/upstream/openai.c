@@ -708,8 +708,12 @@ static char *build_body(const cg_upstream_config *cfg, const cg_upstream_message
                           "stream_options", "include_usage", 1, "messages", messages);
     if (!o)
         return NULL;
+    /* the tool's schema is read once, and shared by every request (dumping does not change it) */
+    static json_t *tools;
+    if (cfg->state_tool && !tools)
+        tools = json_loads(state_tool_json, 0, NULL); /* lives for the process */
     if (cfg->state_tool &&
-        (json_object_set_new(o, "tools", json_loads(state_tool_json, 0, NULL)) < 0 ||
+        (json_object_set(o, "tools", tools) < 0 ||
          json_object_set_new(o, "tool_choice", json_string("auto")) < 0)) {
         json_decref(o);
         return NULL;
