@@ -15,6 +15,11 @@
  * both handles close, and from the close callback (libuv allows one poll per socket, and
  * lws makes its own) the socket and what was read go to lws. A head over the buffer is
  * handed over as far as it came: lws reads the rest and answers 431.
+ *
+ * The buffer starts at CG_HEAD_FIRST bytes, which a browser's or a client library's
+ * handshake fits in, and doubles up to the header space only for a head that needs it: a
+ * burst of connections (thousands opening at once) would otherwise each touch the whole
+ * header space (64 KiB by default), and the allocator keeps what was touched.
  */
 #define _GNU_SOURCE /* accept4, memmem */
 #include <uv.h>
@@ -41,6 +46,7 @@
 #define CG_ACCEPT_PAUSE_MS 100
 #define CG_MAX_LISTENERS 2
 #define CG_HEAD_TIMEOUT_MS 10000 /* as lws's own wait for a head (timeout_secs_ah_idle) */
+#define CG_HEAD_FIRST 2048       /* the head buffer's first size */
 
 typedef struct listener {
     uv_poll_t poll;
@@ -63,9 +69,10 @@ typedef struct head_conn {
     int finished;  /* the handles are closing */
     int adopt;     /* then: hand the socket to lws (1), or close it (0) */
     int hold;      /* a drop-in upgrade: handed over without the last CRLF, held */
-    size_t len, taken, give, cap; /* bytes come (peeked); taken out of the socket; lws gets; the buffer's size */
+    size_t len, taken, give; /* bytes come (peeked); taken out of the socket; lws gets */
+    size_t size, cap;        /* the buffer's size now, and at most */
     struct head_conn *prev, *next;
-    char buf[];
+    char *buf; /* owned */
 } head_conn;
 
 static listener listeners[CG_MAX_LISTENERS];
@@ -96,6 +103,7 @@ static void head_closed(uv_handle_t *handle)
     head_unlink(h);
     if (!h->adopt) {
         close(h->fd);
+        free(h->buf);
         free(h);
         return;
     }
@@ -111,6 +119,7 @@ static void head_closed(uv_handle_t *handle)
         if (cg_dropin_hold(srv, wsi) < 0)
             lws_rx_flow_control(wsi, 1);
     }
+    free(h->buf); /* lws copied what it was given */
     free(h);
 }
 
@@ -230,7 +239,7 @@ static void head_readable(uv_poll_t *p, int status, int events)
         return;
     }
     /* what is in the socket, after what was taken already */
-    ssize_t n = recv(h->fd, h->buf + h->taken, h->cap - h->taken, MSG_PEEK);
+    ssize_t n = recv(h->fd, h->buf + h->taken, h->size - h->taken, MSG_PEEK);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return;
     if (n <= 0) { /* gone before its head was whole */
@@ -247,9 +256,12 @@ static void head_readable(uv_poll_t *p, int status, int events)
     /* not whole: all of it is taken, and the poll waits for more */
     if (head_take(h, h->len) < 0) {
         head_finish(h, 0);
-    } else if (h->len == h->cap) { /* over the buffer: lws reads on, and answers 431 */
+    } else if (h->len == h->cap) { /* over the header space: lws reads on, and answers 431 */
         h->give = h->len;
         head_finish(h, 1);
+    } else if (h->len == h->size) { /* the buffer is full: room for more (the poll wakes again) */
+        h->size = h->size * 2 < h->cap ? h->size * 2 : h->cap;
+        h->buf = cg_realloc(h->buf, h->size);
     }
 }
 
@@ -267,10 +279,12 @@ static void head_start(listener *l, int fd)
         return;
     }
     size_t cap = (size_t)cfg->max_header_bytes * 4 + 2048; /* within lws's pt_serv_buf_size (gateway.c) */
-    head_conn *h = cg_calloc(1, sizeof(*h) + cap);
+    head_conn *h = cg_calloc(1, sizeof(*h));
     h->l = l;
     h->fd = fd;
     h->cap = cap;
+    h->size = CG_HEAD_FIRST < cap ? CG_HEAD_FIRST : cap;
+    h->buf = cg_malloc(h->size);
     h->handles = 2;
     h->next = heads;
     if (heads)

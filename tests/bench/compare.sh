@@ -32,7 +32,8 @@
 #
 # --idle measures memory instead: N (default 10000) connections are opened to each proxy and
 # held idle (chatgate: after its hello; the others: once open), and the proxy's VmRSS growth
-# is divided by the connections. nginx and node hold two sockets per client (client and
+# is divided by the connections; then they close, and the RSS once it settles is given beside
+# the RSS before (what the process kept of them). nginx and node hold two sockets per client (client and
 # app), so they get at most half the descriptor limit.
 #
 # Environment:
@@ -265,11 +266,29 @@ if [ ${#path_names[@]} = 0 ]; then
 fi
 
 # ---- idle: memory per connection ----
+
+# The process's VmRSS once its closed connections are gone: wait (at most 30 s) until it holds
+# no more descriptors than $2, then read every 0.5 s until two reads agree (at most 10 s).
+rss_settled_kb() {
+	local last=-1 now k
+	for k in $(seq 1 300); do
+		[ "$(ls "/proc/$1/fd" 2>/dev/null | wc -l)" -le "$2" ] && break
+		sleep 0.1
+	done
+	for k in $(seq 1 20); do
+		now=$(awk '/^VmRSS:/ { print $2 }' "/proc/$1/status" 2>/dev/null)
+		[ "$now" = "$last" ] && break
+		last=$now
+		sleep 0.5
+	done
+	echo "${now:-0}"
+}
+
 if [ $mode = idle ]; then
 	echo "compare.sh: $idle_n idle connections per path; fd limit $fd_limit"
 	echo
-	echo "| path | connections | RSS before | RSS with all up | KiB per connection |"
-	echo "|---|---|---|---|---|"
+	echo "| path | connections | RSS before | RSS with all up | KiB per connection | RSS once all closed | over before |"
+	echo "|---|---|---|---|---|---|---|"
 	status=0
 	for name in "${path_names[@]}"; do
 		n=$idle_n
@@ -281,6 +300,7 @@ if [ $mode = idle ]; then
 		*) [ "$n" -gt $((fd_limit - 100)) ] && n=$((fd_limit - 100)) ;;
 		esac
 		out=$tmp/idle-$name.out
+		fds_before=$(ls "/proc/$pid/fd" | wc -l)
 		# shellcheck disable=SC2086  # the path's options are a list
 		"$bench" --url "${path_url[$name]}" --connections "$n" --idle 3 --connect-timeout 60 \
 			--pid "$pid" ${path_opts[$name]} >"$out" 2>"$out.err"
@@ -291,11 +311,14 @@ if [ $mode = idle ]; then
 			status=1
 			continue
 		fi
-		printf '| %s | %s | %s MiB | %s MiB | %s |\n' "${path_desc[$name]}" "$ready" \
-			"$(awk -v k="$(result "$out" rss_before_kb)" 'BEGIN { printf "%.1f", k / 1024 }')" \
+		closed_kb=$(rss_settled_kb "$pid" $((fds_before + 2)))
+		before_kb=$(result "$out" rss_before_kb)
+		printf '| %s | %s | %s MiB | %s MiB | %s | %s MiB | %s MiB |\n' "${path_desc[$name]}" "$ready" \
+			"$(awk -v k="$before_kb" 'BEGIN { printf "%.1f", k / 1024 }')" \
 			"$(awk -v k="$(result "$out" rss_after_kb)" 'BEGIN { printf "%.1f", k / 1024 }')" \
-			"$(result "$out" kib_per_conn)"
-		sleep 1 # let the closed sockets go
+			"$(result "$out" kib_per_conn)" \
+			"$(awk -v k="$closed_kb" 'BEGIN { printf "%.1f", k / 1024 }')" \
+			"$(awk -v a="$closed_kb" -v b="$before_kb" 'BEGIN { printf "%+.2f", (a - b) / 1024 }')"
 	done
 	[ -n "$gateway_b" ] && echo && echo "chatgate: $gateway; chatgate (B): $gateway_b"
 	exit $status
