@@ -333,11 +333,15 @@ int cg_dropin_map_arguments(json_t *cfg)
     return (int)n;
 }
 
-/* Is the chatgate object placed where the codec puts it by default (socket.io: appended
- * after the event's arguments)? Then the client's arguments are counted. */
+/* Is the chatgate object one of the socket.io event's arguments, appended after them (the
+ * default, or object_at "/-" written out)? A handler takes its arguments by position, so the
+ * client's arguments are counted, and the object always goes at the same one. (Any other
+ * append pointer is an array inside the frame: the object is its last element, which a
+ * client cannot take, since it is appended after what the client sent.) */
 static int appends_object(json_t *cfg)
 {
-    return codec_of(cfg) == CODEC_SOCKETIO && !cfg_str(cfg, NULL, "object_at");
+    const char *at = cfg_str(cfg, NULL, "object_at");
+    return codec_of(cfg) == CODEC_SOCKETIO && (!at || strcmp(at, "/-") == 0);
 }
 
 /* json codec: a frame that is not a chat message but carries a member where the chatgate

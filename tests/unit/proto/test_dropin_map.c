@@ -123,6 +123,18 @@ static void test_socketio_object_place(void)
     free(f.buf);
     cg_dropin_chat_clear(&chat);
     json_decref(cfg);
+
+    /* object_at "/-" written out is the default: the client's own object after its argument
+     * is refused, not handed to the handler where it reads chatgate's */
+    cfg = sio_cfg();
+    json_object_set_new(cfg, "object_at", json_string("/-"));
+    CHECK(KIND(cfg, "42[\"chat message\",\"x\",{\"user\":\"admin\"}]") == CG_DROPIN_REFUSE);
+    CHECK(cg_dropin_map_client(cfg, one, strlen(one), 0, &chat, why, sizeof(why)) == CG_DROPIN_CHAT);
+    f = cg_dropin_map_forward(cfg, &chat, json_pack("{s:s}", "user", "u"));
+    CHECK_STR(f.json, "42[\"chat message\",\"x\",{\"user\":\"u\"}]");
+    free(f.buf);
+    cg_dropin_chat_clear(&chat);
+    json_decref(cfg);
 }
 
 /* The json codec: JSON jansson refuses, a chat message in a binary frame, or one in another
