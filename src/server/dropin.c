@@ -658,16 +658,16 @@ int cg_dropin_confirm_held(struct lws *client)
     cg_dropin *d = held_of(client);
     if (!d || d->hold != HOLD_APP_REFUSED)
         return 0;
-    unsigned int status = d->app_status == 401 || d->app_status == 403 ? d->app_status : 502;
+    /* the app's own refusal (4xx, 5xx), as a proxy passes it on; anything else (no answer,
+     * or one that is neither 101 nor a refusal) is a bad gateway */
+    unsigned int status = d->app_status >= 400 && d->app_status <= 599 ? d->app_status : 502;
     char body[128];
     if (d->app_status)
         snprintf(body, sizeof(body), "the app refused the connection with HTTP %u\n", d->app_status);
     else
         snprintf(body, sizeof(body), "the app could not be reached\n");
     d->srv->metrics.refused_connections++;
-    return cg_http_refuse(client, (int)status, status == 401 ? "Unauthorized" : status == 403 ? "Forbidden"
-                                                                                             : "Bad Gateway",
-                          body);
+    return cg_http_refuse(client, (int)status, cg_http_reason((int)status), body);
 }
 
 int cg_dropin_add_headers(struct lws *client, void *in)

@@ -45,6 +45,34 @@ int cg_http_refuse(struct lws *wsi, int status, const char *reason, const char *
     return http_answer(wsi, status, reason, "", body);
 }
 
+const char *cg_http_reason(int status)
+{
+    static const struct {
+        int status;
+        const char *reason;
+    } reasons[] = {{400, "Bad Request"},
+                   {401, "Unauthorized"},
+                   {403, "Forbidden"},
+                   {404, "Not Found"},
+                   {405, "Method Not Allowed"},
+                   {408, "Request Timeout"},
+                   {409, "Conflict"},
+                   {410, "Gone"},
+                   {413, "Content Too Large"},
+                   {426, "Upgrade Required"},
+                   {429, "Too Many Requests"},
+                   {431, "Request Header Fields Too Large"},
+                   {500, "Internal Server Error"},
+                   {501, "Not Implemented"},
+                   {502, "Bad Gateway"},
+                   {503, "Service Unavailable"},
+                   {504, "Gateway Timeout"}};
+    for (size_t i = 0; i < sizeof(reasons) / sizeof(reasons[0]); i++)
+        if (reasons[i].status == status)
+            return reasons[i].reason;
+    return "Error";
+}
+
 /*
  * Sums the request's headers as lws kept them. Every header is cut at max_header_bytes by
  * lws (the token limits), so one that reaches it was longer.

@@ -47,6 +47,7 @@
 #define CG_MAX_LISTENERS 2
 #define CG_HEAD_TIMEOUT_MS 10000 /* as lws's own wait for a head (timeout_secs_ah_idle) */
 #define CG_HEAD_FIRST 2048       /* the head buffer's first size */
+#define CG_HEAD_AGAIN_MS 2       /* the pause before a head's last byte is looked for again */
 
 typedef struct listener {
     uv_poll_t poll;
@@ -63,6 +64,7 @@ typedef struct listener {
 typedef struct head_conn {
     uv_poll_t poll;
     uv_timer_t timer;
+    uv_timer_t again; /* reads again after a pause: the head's last byte is awaited (head_readable) */
     listener *l;
     int fd;
     int handles;   /* open handles: the struct goes when both have closed */
@@ -129,8 +131,10 @@ static void head_finish(head_conn *h, int adopt)
     h->adopt = adopt;
     uv_poll_stop(&h->poll);
     uv_timer_stop(&h->timer);
+    uv_timer_stop(&h->again);
     uv_close((uv_handle_t *)&h->poll, head_closed);
     uv_close((uv_handle_t *)&h->timer, head_closed);
+    uv_close((uv_handle_t *)&h->again, head_closed);
 }
 
 /* The request target of the head (its request line's second word), and its length. */
@@ -230,6 +234,14 @@ static int head_take(head_conn *h, size_t upto)
     return 0;
 }
 
+static void head_readable(uv_poll_t *p, int status, int events);
+
+static void head_again(uv_timer_t *t)
+{
+    head_conn *h = t->data;
+    uv_poll_start(&h->poll, UV_READABLE, head_readable);
+}
+
 static void head_readable(uv_poll_t *p, int status, int events)
 {
     (void)events;
@@ -253,7 +265,16 @@ static void head_readable(uv_poll_t *p, int status, int events)
         head_done(h, (size_t)(blank - h->buf) + 4);
         return;
     }
-    /* not whole: all of it is taken, and the poll waits for more */
+    /* Not whole: all of it is taken, and the poll waits for more. But a head that has come
+     * up to "\r\n\r" on a drop-in listener keeps that "\r" in the socket: it may begin the
+     * final CRLF, which a held head leaves for lws (head_done). The poll, which would wake at
+     * once for it, pauses meanwhile, and the socket is looked at again shortly. */
+    int keep = (h->l->flags & CG_LISTEN_DROPIN) && h->len >= 3 && memcmp(h->buf + h->len - 3, "\r\n\r", 3) == 0;
+    if (keep) {
+        h->len--;
+        uv_poll_stop(&h->poll);
+        uv_timer_start(&h->again, head_again, CG_HEAD_AGAIN_MS, 0);
+    }
     if (head_take(h, h->len) < 0) {
         head_finish(h, 0);
     } else if (h->len == h->cap) { /* over the header space: lws reads on, and answers 431 */
@@ -285,7 +306,7 @@ static void head_start(listener *l, int fd)
     h->cap = cap;
     h->size = CG_HEAD_FIRST < cap ? CG_HEAD_FIRST : cap;
     h->buf = cg_malloc(h->size);
-    h->handles = 2;
+    h->handles = 3;
     h->next = heads;
     if (heads)
         heads->prev = h;
@@ -294,7 +315,8 @@ static void head_start(listener *l, int fd)
     uv_loop_t *loop = uv_handle_get_loop((uv_handle_t *)&l->poll);
     uv_poll_init(loop, &h->poll, fd);
     uv_timer_init(loop, &h->timer);
-    h->poll.data = h->timer.data = h;
+    uv_timer_init(loop, &h->again);
+    h->poll.data = h->timer.data = h->again.data = h;
     uv_poll_start(&h->poll, UV_READABLE, head_readable);
     uv_timer_start(&h->timer, head_timeout, CG_HEAD_TIMEOUT_MS, 0);
 }

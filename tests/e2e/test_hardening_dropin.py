@@ -454,8 +454,81 @@ async def part_client_leaves_during_hold():
         server.close()
 
 
+def raw_upgrade(port, key, tail_apart=False):
+    """A drop-in handshake written by hand on a new socket; with tail_apart the head's last
+    byte goes 0.3 s after the rest. Returns (the answer's status line, when it came)."""
+    head = (f"GET /socket HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Sec-WebSocket-Protocol: chat.v2\r\nCookie: sid=x\r\n\r\n").encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=8)
+    try:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tail_apart:
+            s.sendall(head[:-1])
+            time.sleep(0.3)  # the scenario: the head's last byte comes in a segment of its own
+            s.sendall(head[-1:])
+        else:
+            s.sendall(head)
+        data = s.recv(4096)
+        return data.split(b"\r\n")[0], time.monotonic()
+    finally:
+        s.close()
+
+
+async def part_app_answers():
+    """Issue 35, item 9: the client is answered once the app has answered, with what the app
+    answered. a. a head whose last byte comes apart from the rest is held too (the gateway
+    took the "\r\n\r" out of the socket before, and so answered 101 before the app had);
+    b. the app's refusal reaches the client with the app's status (404, 429, 500, 503), as a
+    proxy passes it on (it was 502 for all but 401 and 403)."""
+    answers = {"status": 101}
+    events = []
+
+    async def app(reader, writer):
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = await reader.read(4096)
+            if not chunk:
+                return
+            head += chunk
+        key = next(l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:"))
+        await asyncio.sleep(0.5)  # an app slow to answer: the client must not be answered before it
+        if answers["status"] == 101:
+            accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Protocol: chat.v2\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 %d Whatever\r\ncontent-length: 2\r\nconnection: close\r\n\r\nno" % answers["status"])
+        await writer.drain()
+        events.append(time.monotonic())
+        await reader.read(4096)
+        writer.close()
+
+    server = await asyncio.start_server(app, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Gateway(config=config(f"ws://127.0.0.1:{port}"), env=ENV, name="gateway:app-answers") as gw:
+            for apart in (False, True):
+                with step(f"a. head {'with its last byte apart' if apart else 'in one write'}: 101 after the app's"):
+                    events.clear()
+                    key = base64.b64encode(os.urandom(16)).decode()
+                    first, t = await asyncio.to_thread(raw_upgrade, gw.port, key, apart)
+                    check(first.startswith(b"HTTP/1.1 101"), f"the client's handshake got {first!r}")
+                    check(events and t >= events[0], "the client was answered before the app had answered")
+            for status in (404, 429, 500, 503):
+                with step(f"b. the app answers {status}: the client gets {status}"):
+                    answers["status"] = status
+                    key = base64.b64encode(os.urandom(16)).decode()
+                    first, _ = await asyncio.to_thread(raw_upgrade, gw.port, key)
+                    check(first.startswith(b"HTTP/1.1 %d " % status), f"the client's handshake got {first!r}")
+            gw.assert_alive()
+    finally:
+        server.close()
+
+
 async def main(args):
     await independent(part_client_leaves_during_hold())
+    await independent(part_app_answers())
     await independent(part_path_encoded())
     await independent(part_long_id())
     await independent(part_two_tabs())

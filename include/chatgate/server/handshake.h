@@ -17,6 +17,10 @@
 /* Writes a whole HTTP answer (status, reason, a text body, connection: close); returns 1. */
 int cg_http_refuse(struct lws *wsi, int status, const char *reason, const char *body);
 
+/* The reason phrase of an HTTP status the gateway answers or passes on ("Error" for one it
+ * does not name: RFC 9110 lets a client ignore the phrase). */
+const char *cg_http_reason(int status);
+
 /* When the request's headers pass max_header_bytes, answers 431 and returns 1; else 0. */
 int cg_refuse_large_headers(struct lws *wsi);
 
