@@ -30,6 +30,7 @@ typedef struct fake_store {
     cg_store base;
     fake_req *pending;                 /* limits and loads not answered yet, oldest first */
     int saves, removes, releases, limit_takes, limit_ends;
+    int fail_loads;                    /* the next ones the store refuses to start (acquire: NULL) */
     char last_history[512];            /* the last saved dialog's history, as JSON */
     json_t *dialogs;                   /* room -> the dialog as saved (cg_dialog_to_json) */
 } fake_store;
@@ -72,7 +73,12 @@ static int pending(fake_store *fs, cg_store_op kind)
 static cg_store_req *fs_acquire(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
 {
     (void)user;
-    fake_req *r = hold((fake_store *)st, CG_STORE_LOAD, room, ctx);
+    fake_store *fs = (fake_store *)st;
+    if (fs->fail_loads > 0) { /* the store could not start the load: nothing held, no lease */
+        fs->fail_loads--;
+        return NULL;
+    }
+    fake_req *r = hold(fs, CG_STORE_LOAD, room, ctx);
     r->cb.load = cb;
     return (cg_store_req *)r;
 }
@@ -935,6 +941,147 @@ static void test_forward_limit_refused(void)
     world_close(&w);
 }
 
+/*
+ * Issue 35, defect 1 (a refused drop-in chat frame must never reach the app), for the refusal
+ * when the store cannot start the dialog's load (turn_load -> say_early_error): the turn says
+ * the error (internal, the message's one end), hands the frame's opaque back through unsent
+ * exactly once, and never calls forward; the frames after it go on. At each place the load
+ * starts from: first in line, behind another turn of the connection, after the user's limits
+ * (the limit taken is ended), and when another tab's turn lets the dialog's lock go. The
+ * adapter's side (unsent drops the frame: dropin.c, sink_unsent) is one function for every
+ * refusal after arrival; test_dropin_trust's part_user_limit holds it with real processes.
+ * Fails if a failed load reached forward (as the params cap's refusal did before 164cb37) or
+ * if its opaque were not given back (the frame would wait in the adapter's queue for ever,
+ * and what the client sent after it with it).
+ */
+static void test_forward_load_failed(void)
+{
+    world w;
+    world_open(&w, NULL);
+    forwarding(&w);
+    w.fs.fail_loads = 1;
+    CHECK(send_frame(&w, "a1", "hello", "1") == 0); /* accepted: the refusal is the turn's */
+    CHECK_STR(the_app.opaque_back, "U1 ");
+    CHECK(the_app.forwarded == 0 && w.cl.last_err == CG_E_INTERNAL && terminals_of(&w, "a1") == 1);
+    CHECK(w.fs.saves == 0 && w.fs.releases == 0 && pending(&w.fs, CG_STORE_LOAD) == 0);
+    CHECK(w.q.inflight == NULL && w.env.inflight == 0);
+    /* the line moves on: the next frame is loaded and forwarded */
+    send_frame(&w, "a2", "again", "2");
+    answer_load(&w.fs);
+    CHECK(the_app.forwarded == 1);
+    cg_turn_end(the_app.t, 0);
+    /* one queued behind a forwarded turn: its load is refused when its turn comes */
+    send_frame(&w, "a3", "first", "3");
+    send_frame(&w, "a4", "queued", "4");
+    answer_load(&w.fs);
+    w.fs.fail_loads = 1;
+    cg_turn_end(the_app.t, 0);
+    CHECK_STR(the_app.opaque_back, "U1 F2 F3 U4 ");
+    CHECK(the_app.forwarded == 2 && terminals_of(&w, "a4") == 1 && w.fs.saves == 2);
+    world_close(&w);
+
+    /* with a user's limits: counted, then the load refused; the limit it took is ended */
+    world_open(&w, ", \"limits\": {\"messages_per_minute\": 10}");
+    forwarding(&w);
+    cg_turns_set_plan(&w.q, NULL);
+    w.fs.fail_loads = 1;
+    send_frame(&w, "b1", "hello", "1");
+    CHECK_STR(the_app.opaque_back, ""); /* not before the limit's verdict */
+    CHECK(answer_limit(&w.fs, CG_LIMIT_OK) == 0);
+    CHECK_STR(the_app.opaque_back, "U1 ");
+    CHECK(the_app.forwarded == 0 && w.cl.last_err == CG_E_INTERNAL && terminals_of(&w, "b1") == 1);
+    CHECK(w.fs.limit_ends == 1);
+    world_close(&w);
+
+    /* waiting for the dialog's lock, which another tab's forwarded turn holds: the load is
+     * refused when the lock passes */
+    world_open(&w, NULL);
+    forwarding(&w);
+    client other_cl = {.terminals = json_object()};
+    cg_turns other;
+    static const cg_turn_forwarding fw = {0};
+    cg_turns_init(&other, &w.env, &fw_sink, &fw, &other_cl, "alice", "s_other");
+    cg_turn_request r = {.kind = CG_TURN_CHAT, .id = strdup("o1"), .room = strdup("r1"), .text = strdup("mine"),
+                         .opaque = (void *)"O"};
+    CHECK(cg_turns_submit(&other, &r) == 0);
+    answer_load(&w.fs);
+    CHECK(the_app.forwarded == 1);
+    cg_turn *held = the_app.t;
+    send_frame(&w, "c1", "hello", "1");
+    CHECK(pending(&w.fs, CG_STORE_LOAD) == 0); /* waits for the lock */
+    w.fs.fail_loads = 1;
+    cg_turn_end(held, 0); /* the other tab's turn ends: the lock passes to c1, whose load is refused */
+    CHECK_STR(the_app.opaque_back, "FO U1 ");
+    CHECK(the_app.forwarded == 1 && terminals_of(&w, "c1") == 1 && w.cl.last_err == CG_E_INTERNAL);
+    CHECK(w.q.inflight == NULL && pending(&w.fs, CG_STORE_LOAD) == 0);
+    cg_turns_close(&other);
+    json_decref(other_cl.terminals);
+    world_close(&w);
+}
+
+/*
+ * Issue 35, defect 1, the params cap on a drop-in turn: refused (too_large), saved as an error
+ * with the dialog unchanged, the frame handed back unsent, never forwarded. Before 164cb37
+ * turn_start refused over-the-cap params only for a sink without forward: a drop-in turn was
+ * forwarded with the error in its chatgate object (this case then sees "F1 ").
+ */
+static void test_forward_params_cap(void)
+{
+    world w;
+    world_open(&w, ", \"params_cap\": 64");
+    forwarding(&w);
+    send_frame(&w, "p1",
+               "Find me flights from Nairobiiiiiiiiiiiiiiiiiiiiiiiiiiiiiii to Londonnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn "
+               "next week",
+               "1");
+    answer_load(&w.fs);
+    CHECK_STR(the_app.opaque_back, "U1 ");
+    CHECK(the_app.forwarded == 0 && w.cl.last_err == CG_E_TOO_LARGE && terminals_of(&w, "p1") == 1);
+    CHECK(w.fs.saves == 1 && w.metrics.turns_error == 1);
+    CHECK(!json_object_get(json_object_get(json_object_get(w.fs.dialogs, "r1"), "params"), "travel"));
+    /* the next frame goes */
+    send_frame(&w, "p2", "hello", "2");
+    answer_load(&w.fs);
+    CHECK_STR(the_app.opaque_back, "U1 F2 ");
+    cg_turn_end(the_app.t, 0);
+    world_close(&w);
+}
+
+/*
+ * Issue 35, defect 1, at shutdown: a drop-in frame that arrives while the gateway drains
+ * (env.stopping, set by SIGTERM: gateway.c, on_signal) is refused on arrival (turns_accept):
+ * cg_turns_submit answers the code, the client's error is said, and the frame is neither
+ * forwarded nor handed back through unsent (turn.h: a refused request's opaque stays the
+ * caller's, which drops it; an unsent as well would free it twice). The reply in flight
+ * still ends and is saved, as a drain lets it. Fails if a drain stopped refusing drop-in
+ * frames (the frame would queue behind the reply in flight and be forwarded at its end) or
+ * if the refusal gave the opaque back too.
+ */
+static void test_forward_draining(void)
+{
+    world w;
+    world_open(&w, NULL);
+    forwarding(&w);
+    send_frame(&w, "d1", "before", "1");
+    answer_load(&w.fs);
+    CHECK(the_app.forwarded == 1);
+    cg_turn *in_flight = the_app.t;
+    w.env.stopping = 1; /* the drain begins */
+    CHECK(send_frame(&w, "d2", "during the drain", "2") == CG_E_INTERNAL);
+    CHECK(terminals_of(&w, "d2") == 1 && w.cl.last_err == CG_E_INTERNAL);
+    CHECK(w.q.queued == 0 && w.q.head == NULL);
+    CHECK_STR(the_app.opaque_back, "F1 ");
+    cg_turn_end(in_flight, 0); /* the reply in flight ends: nothing was waiting behind it */
+    CHECK(w.fs.saves == 1 && pending(&w.fs, CG_STORE_LOAD) == 0 && w.q.inflight == NULL);
+    CHECK_STR(the_app.opaque_back, "F1 ");
+    CHECK(the_app.forwarded == 1);
+    /* a frame before any limit or load is refused the same (no turn in flight) */
+    CHECK(send_frame(&w, "d3", "and again", "3") == CG_E_INTERNAL);
+    CHECK(pending(&w.fs, CG_STORE_LOAD) == 0 && the_app.forwarded == 1);
+    CHECK_STR(the_app.opaque_back, "F1 ");
+    world_close(&w);
+}
+
 int main(void)
 {
     test_done();
@@ -951,5 +1098,8 @@ int main(void)
     test_blocked();
     test_forward();
     test_forward_limit_refused();
+    test_forward_load_failed();
+    test_forward_params_cap();
+    test_forward_draining();
     return unit_done("turn");
 }
