@@ -302,7 +302,8 @@ static const figure_row figures[] = {
      ST(writeback_dropped_gone, AS_ULONG)},
     {"chatgate_store_save_conflicts_total", NULL, "counter", "Saves refused: Redis held another or a newer copy.",
      ST(save_conflicts, AS_ULONG)},
-    {"chatgate_store_primary_switches_total", NULL, "counter", "Redis Sentinel: failovers followed to a new primary.",
+    {"chatgate_store_primary_switches_total", NULL, "counter",
+     "Redis failovers followed: a new Sentinel primary, or a lost cluster master's slots given to another.",
      ST(primary_switches, AS_ULONG)},
     {"chatgate_store_not_primary_total", "seen=\"readonly\"", "counter",
      "Redis Sentinel: -READONLY answers, and connects whose ROLE was not master; each time the connection is "

@@ -308,8 +308,9 @@ void cg_fallback_note_saved(cg_fallback *fb, const char *key, const char *eu, co
     json_object_set_new(fb->recent, key, json_pack("{s:s, s:s, s:I}", "u", eu, "r", er, "t", (json_int_t)now));
 }
 
-/* The store moved to another copy: the dialogs saved lately join the write-back. */
-static void rewrite_recent(cg_fallback *fb)
+/* The store moved to another copy (of the users pick takes; every user when pick is NULL):
+ * the dialogs saved lately join the write-back. */
+static void rewrite_recent(cg_fallback *fb, int (*pick)(void *ctx, const char *eu), void *ctx)
 {
     uint64_t now = now_ms(fb);
     const char *key;
@@ -320,27 +321,36 @@ static void rewrite_recent(cg_fallback *fb)
         const char *eu = json_string_value(json_object_get(entry, "u"));
         const char *er = json_string_value(json_object_get(entry, "r"));
         uint64_t t = (uint64_t)json_integer_value(json_object_get(entry, "t"));
-        if (!eu || !er || now - t > SWITCH_REWRITE_MS || json_object_get(fb->dirty, key))
-            continue;
-        cg_dialog d;
-        if (cg_memstore_get(fb->mem, key, now_s(fb), &d)) { /* else the store keeps what it has */
-            mark_dirty(fb, key, eu, er, &d);
-            n++;
+        if (eu && pick && !pick(ctx, eu))
+            continue; /* on a copy that did not move: still recent for a later move */
+        if (eu && er && now - t <= SWITCH_REWRITE_MS && !json_object_get(fb->dirty, key)) {
+            cg_dialog d;
+            if (cg_memstore_get(fb->mem, key, now_s(fb), &d)) { /* else the store keeps what it has */
+                mark_dirty(fb, key, eu, er, &d);
+                n++;
+            }
+            cg_dialog_free(&d);
         }
-        cg_dialog_free(&d);
+        json_object_del(fb->recent, key); /* last: key, eu and er are the entry's */
     }
-    json_object_clear(fb->recent);
     if (n)
         cg_info("%s: writing %ld dialogs saved in the last %d s again: the old primary may have taken them after this "
                 "one was promoted",
                 fb->name, n, SWITCH_REWRITE_MS / 1000);
 }
 
+void cg_fallback_moved(cg_fallback *fb, int (*pick)(void *ctx, const char *eu), void *ctx)
+{
+    rewrite_recent(fb, pick, ctx);
+    if (!fb->st->stats.degraded)
+        flush_dirty(fb);
+}
+
 void cg_fallback_up(cg_fallback *fb, int moved)
 {
     cg_store_stats *s = &fb->st->stats;
     if (moved)
-        rewrite_recent(fb);
+        rewrite_recent(fb, NULL, NULL);
     if (s->degraded) {
         s->degraded = 0;
         s->degraded_seconds += (double)(now_ms(fb) - s->degraded_since_ms) / 1000.0;

@@ -272,15 +272,45 @@ static cl_node *node_get(cg_redis_cluster *cl, const char *host, int port)
     return n;
 }
 
-/* Takes map m as the cluster's: every master in it connected. -1 when the router was lost. */
+/* The slots that the map now in force gives a lost master and map m (its node i being
+ * nodes[node_of[i]]) another: a bitmap (cg_calloc'd, the caller's to free), or NULL. */
+static unsigned char *failed_over(const cg_redis_cluster *cl, const cg_redis_slot_map *m, const int *node_of,
+                                  int *count)
+{
+    unsigned char *slots = NULL;
+    *count = 0;
+    for (int s = 0; s < CG_REDIS_SLOTS; s++) {
+        int was = cl->map.owner[s], now = m->owner[s];
+        if (was < 0 || now < 0 || !cl->nodes[cl->map_node[was]].lost || node_of[now] == cl->map_node[was])
+            continue;
+        if (!slots)
+            slots = cg_calloc(1, CG_REDIS_SLOTS / 8);
+        slots[s / 8] |= (unsigned char)(1u << (s % 8));
+        (*count)++;
+    }
+    return slots;
+}
+
+/* Takes map m as the cluster's: every master in it connected. -1 when the router was lost.
+ * Slots of a lost master that m gives another (a replica promoted) are told (on_failover)
+ * once m is in force. */
 static int map_apply(cg_redis_cluster *cl, const cg_redis_slot_map *m)
 {
-    cl->map = *m;
+    int node_of[CG_REDIS_CLUSTER_MAX_NODES];
     for (int i = 0; i < m->n_nodes; i++) {
         cl_node *n = node_get(cl, m->nodes[i].host, m->nodes[i].port);
         if (!n)
             return -1;
-        cl->map_node[i] = (int)(n - cl->nodes);
+        node_of[i] = (int)(n - cl->nodes);
+    }
+    int count = 0;
+    unsigned char *slots = cl->state == CL_UP && cl->cfg.on_failover ? failed_over(cl, m, node_of, &count) : NULL;
+    cl->map = *m;
+    memcpy(cl->map_node, node_of, sizeof(node_of[0]) * (size_t)m->n_nodes);
+    if (slots) {
+        cg_warn("redis cluster: %d slots of a lost master have another now (a replica promoted)", count);
+        cl->cfg.on_failover(cl->cfg.data, slots);
+        free(slots);
     }
     return 0;
 }

@@ -481,6 +481,14 @@ static void on_cluster_state(void *data, int up, const char *why)
     link_trusted(ln);
 }
 
+static void on_cluster_failover(void *data, const unsigned char *slots)
+{
+    cg_redis_link *ln = data;
+    ln->cfg.stats->primary_switches++;
+    if (ln->cfg.on_failover)
+        ln->cfg.on_failover(ln->cfg.data, slots);
+}
+
 static void cluster_connect(cg_redis_link *ln)
 {
     ln->state = L_CONNECTING;
@@ -496,6 +504,7 @@ static void cluster_connect(cg_redis_link *ln)
         .seed_ports = ln->cfg.seed_ports,
         .n_seeds = ln->cfg.n_seeds,
         .on_state = on_cluster_state,
+        .on_failover = on_cluster_failover,
         .data = ln,
         .stats = &ln->cfg.stats->cluster,
     };

@@ -54,6 +54,22 @@ static void on_link_up(void *data, int moved)
     cg_redis_drain_waiting(rs);
 }
 
+/* Is the user (escaped) in one of the slots (a bitmap) that failed over? */
+static int in_slots(void *ctx, const char *eu)
+{
+    const unsigned char *slots = ctx;
+    unsigned s = cg_redis_key_slot(eu, strlen(eu)); /* the hash tag of every key of the user */
+    return slots[s / 8] >> (s % 8) & 1;
+}
+
+/* A cluster master's slots went to its promoted replica, which may lack what the old master
+ * took last (replication is asynchronous): the dialogs saved in them lately go again. */
+static void on_link_failover(void *data, const unsigned char *slots)
+{
+    redis_store *rs = data;
+    cg_fallback_moved(rs->fb, in_slots, (void *)slots);
+}
+
 /* The link is down (it reconnects by itself): the store answers from memory meanwhile. */
 static void on_link_down(void *data, const char *why)
 {
@@ -444,6 +460,7 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
         .command_timeout_ms = cfg->command_timeout_ms,
         .on_up = on_link_up,
         .on_down = on_link_down,
+        .on_failover = on_link_failover,
         .data = rs,
         .stats = &rs->base.stats,
     };

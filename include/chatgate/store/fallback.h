@@ -66,6 +66,10 @@ void cg_fallback_down(cg_fallback *fb, const char *why);
  * than before (Sentinel named another primary) and may lack what the old one took last, so
  * the dialogs saved in the last SWITCH_REWRITE_MS (cg_fallback_note_saved) go again too. */
 void cg_fallback_up(cg_fallback *fb, int moved);
+/* Part of the store moved to another copy while it stayed up (a cluster master's slots to
+ * its promoted replica): the dialogs saved lately of the users pick takes (eu: the user,
+ * escaped) go again, as cg_fallback_up's move does for all. */
+void cg_fallback_moved(cg_fallback *fb, int (*pick)(void *ctx, const char *eu), void *ctx);
 int cg_fallback_degraded(const cg_fallback *fb);
 /* Called every 100 ms or so while the store is up (now: uv_now()): the dialogs marked while
  * it was up (a save it failed with an error) are written back again once a second. */

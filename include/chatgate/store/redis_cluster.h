@@ -93,6 +93,10 @@ typedef struct cg_redis_cluster_config {
      * one was lost before up), the router is closed and must not be used after this call
      * returns */
     void (*on_state)(void *data, int up, const char *why);
+    /* a map read again names another master for slots of a lost one (a replica promoted):
+     * slots is a bitmap of those (bit s % 8 of byte s / 8); what the lost master took last
+     * may not have reached its replica. May be NULL. */
+    void (*on_failover)(void *data, const unsigned char *slots);
     void *data;
     cg_redis_cluster_stats *stats; /* counted into; may be NULL */
 } cg_redis_cluster_config;

@@ -49,6 +49,9 @@ typedef struct cg_redis_link_config {
      * one trusted); down: why (each failure, the first of an outage and the retries) */
     void (*on_up)(void *data, int primary_moved);
     void (*on_down)(void *data, const char *why);
+    /* Cluster: slots (a bitmap, as cg_redis_cluster_config's on_failover) went from a lost
+     * master to a replica promoted, while the link stayed up */
+    void (*on_failover)(void *data, const unsigned char *slots);
     void *data;
     cg_store_stats *stats; /* errors, reconnects, primary_switches, not-primary and cluster counts */
 } cg_redis_link_config;

@@ -311,6 +311,38 @@ static void test_rewrite_after_move(uv_loop_t *loop)
     cg_fallback_free(fb);
 }
 
+static int pick_u(void *ctx, const char *eu)
+{
+    (void)ctx;
+    return strcmp(eu, "u") == 0;
+}
+
+/* A cluster master's slots went to its replica while the store stayed up: only the dialogs of
+ * the users in them go again; the others stay noted for a later move. */
+static void test_rewrite_after_part_moved(uv_loop_t *loop)
+{
+    fake f;
+    cg_fallback *fb = fake_open(&f, loop, 100, 0);
+    cg_dialog d;
+    cg_dialog_init(&d, f.now);
+    cg_memstore_keep(cg_fallback_copy(fb), "u:a", &d, f.now, "rev1", 0);
+    cg_memstore_keep(cg_fallback_copy(fb), "v:b", &d, f.now, "rev1", 0);
+    cg_dialog_free(&d);
+    cg_fallback_note_saved(fb, "u:a", "u", "a");
+    cg_fallback_note_saved(fb, "v:b", "v", "b");
+    cg_fallback_moved(fb, pick_u, NULL);
+    CHECK(f.n == 1);
+    CHECK_STR(f.got[0].key, "u:a");
+    cg_fallback_written(fb, "u:a", f.got[0].version, 1);
+    cg_fallback_moved(fb, pick_u, NULL); /* u's was taken off the set */
+    CHECK(f.n == 1);
+    cg_fallback_down(fb, "failover");
+    cg_fallback_up(fb, 1); /* a move of everything: v's, still noted, goes */
+    CHECK(f.n == 2);
+    CHECK_STR(f.got[1].key, "v:b");
+    cg_fallback_free(fb);
+}
+
 static void test_forget_user_and_abandoned(uv_loop_t *loop)
 {
     fake f;
@@ -368,6 +400,7 @@ int main(void)
     test_bounds_and_gone(&loop);
     test_failed_writeback_goes_again(&loop);
     test_rewrite_after_move(&loop);
+    test_rewrite_after_part_moved(&loop);
     test_forget_user_and_abandoned(&loop);
     uv_loop_close(&loop);
     return unit_done("fallback");
