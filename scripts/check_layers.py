@@ -10,11 +10,14 @@ A file may include headers of its own layer and of lower-ranked layers, never of
 one nor of a sibling of the same rank (proto and dialog know nothing of each other, nor do
 store and upstream). The script reads every `#include "chatgate/..."` line of src/ and
 include/ and prints each one that breaks the rule, as file:line: the line; it exits 1 when
-there is one, 0 otherwise. It also refuses a header outside a layer folder.
+there is one, 0 otherwise. It also refuses a header outside a layer folder, and a cycle of
+includes between modules (x.c and x.h are one module, and a header x_internal.h, which only
+x's own files include, is x's too): two modules that include each other are one job split
+in two, or a function in the wrong file.
 
     scripts/check_layers.py            check (CI runs this through ctest: lint_layers)
     scripts/check_layers.py --graph    also print the include graph's cycles between modules
-                                       (x.c and x.h are one module) and lines per file
+                                       and lines per file
 """
 import os
 import re
@@ -37,8 +40,11 @@ def layer_of(path):
 
 
 def module_of(path):
-    """src/store/lock.c and include/chatgate/store/lock.h are one module: store/lock."""
+    """src/store/lock.c and include/chatgate/store/lock.h are one module: store/lock (and
+    include/chatgate/dialog/rules_internal.h is dialog/rules')."""
     base = os.path.splitext(path)[0]
+    if base.endswith("_internal") and path.endswith(".h"):
+        base = base[: -len("_internal")]
     for prefix in ("src/", "include/chatgate/"):
         if base.startswith(prefix):
             return base[len(prefix):]
@@ -66,7 +72,7 @@ def check(root):
                     continue
                 target = m.group(1)
                 tlayer = target.split("/")[0] if "/" in target else None
-                edges.setdefault(module_of(path), set()).add(os.path.splitext(target)[0])
+                edges.setdefault(module_of(path), set()).add(module_of("include/chatgate/" + target))
                 if layer not in RANK:
                     continue
                 if tlayer not in RANK:
@@ -111,18 +117,17 @@ def cycles(edges):
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     problems, edges = check(root)
+    found = cycles({k: {t for t in v if t != k} for k, v in edges.items()})
+    problems += [f"include cycle between modules: {' <-> '.join(comp)}" for comp in found]
     if "--graph" in sys.argv[1:]:
-        found = cycles({k: {t for t in v if t != k} for k, v in edges.items()})
         print(f"include cycles between modules: {len(found)}")
-        for comp in found:
-            print("  " + " <-> ".join(comp))
         for path in sources(root):
             with open(os.path.join(root, path), encoding="utf-8") as f:
                 print(f"{sum(1 for _ in f):6d} {path}")
     for p in problems:
         print(p)
     if problems:
-        print(f"check_layers: {len(problems)} include(s) against the layering (docs/architecture.md, Layers)")
+        print(f"check_layers: {len(problems)} include(s) against the layering or cycles (docs/architecture.md, Layers)")
         return 1
     print("check_layers: every include goes to its own layer or a lower one")
     return 0

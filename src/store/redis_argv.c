@@ -7,7 +7,7 @@
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/num.h"
 #include "chatgate/store/redis_argv.h"
-#include "chatgate/store/redis_internal.h"
+#include "chatgate/store/redis_cluster.h"
 
 
 static size_t digits(size_t n)
@@ -159,15 +159,5 @@ const char *cg_argv_framed(cg_argv *a, size_t *len)
     resp_line(at, '*', (size_t)a->argc, hl - 3);
     *len = a->w.used - a->w.pre + hl;
     return at;
-}
-
-/* Sends a's command; 0, or -1 when the link refused it (it is down). */
-int cg_redis_send_argv(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, void *priv)
-{
-    size_t len;
-    const char *cmd = cg_argv_framed(a, &len);
-    int rc = cmd ? cg_redis_link_send(rs->link, a->slot, cmd, len, fn, priv) : -1;
-    cg_argv_clear(a);
-    return rc == REDIS_OK ? 0 : -1;
 }
 

@@ -54,6 +54,15 @@ static void on_link_up(void *data, int moved)
     cg_redis_drain_waiting(rs);
 }
 
+int cg_redis_send_argv(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, void *priv)
+{
+    size_t len;
+    const char *cmd = cg_argv_framed(a, &len);
+    int rc = cmd ? cg_redis_link_send(rs->link, a->slot, cmd, len, fn, priv) : -1;
+    cg_argv_clear(a);
+    return rc == REDIS_OK ? 0 : -1;
+}
+
 /* Is the user (escaped) in one of the slots (a bitmap) that failed over? */
 static int in_slots(void *ctx, const char *eu)
 {

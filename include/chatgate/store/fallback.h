@@ -10,7 +10,8 @@
  *
  * The fallback knows no store: it is handed a backend (a table of function pointers: the
  * write-back) and is told when the store goes away and comes back. The store, for its
- * part, asks it before each request (cg_fallback_serves) and hands it what it cannot answer.
+ * part, asks it whether it is degraded (cg_fallback_degraded) and hands it what it cannot
+ * answer (cg_fallback_answer_req).
  * Nothing here calls back from inside a call except the backend's write-back, which answers
  * later, through cg_fallback_written.
  *

@@ -55,9 +55,4 @@ void cg_argv_free(cg_argv *a);
  * argument; its bytes at the pointer returned, *len of them. NULL when a is empty. */
 const char *cg_argv_framed(cg_argv *a, size_t *len);
 
-/* Sends a's command on the store's link and empties a; 0, or -1 when the link refused it
- * (it is down). */
-struct redis_store;
-int cg_redis_send_argv(struct redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, void *priv);
-
 #endif

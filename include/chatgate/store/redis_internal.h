@@ -158,6 +158,9 @@ void cg_redis_handle_closed(uv_handle_t *h);
 void cg_redis_store_unref(redis_store *rs);
 /* Frees rs and what it owns (what open has not made yet is NULL: a bad URL's store too). */
 void cg_redis_store_free(redis_store *rs);
+/* Sends a's command on the store's link and empties a; 0, or -1 when the link refused it
+ * (it is down). (redis_store.c) */
+int cg_redis_send_argv(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, void *priv);
 
 /* ---- redis_store.c: open (the URL) and close, the link's going and coming -------------- */
 
