@@ -418,7 +418,10 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
         cg_redis_store_free(rs);
         return NULL;
     }
-    if (strncmp(cfg->url, "rediss", 6) == 0 || bus.tls) {
+    /* one TLS context for both, each using it when its own URL asks for TLS */
+    int store_tls = strncmp(cfg->url, "rediss", 6) == 0;
+    rs->bus_tls = bus_url ? bus.tls : store_tls;
+    if (store_tls || rs->bus_tls) {
         cg_redis_tls_config tc = {cfg->tls.ca_file, cfg->tls.cert_file, cfg->tls.key_file, cfg->tls.server_name,
                                   !cfg->tls.no_verify};
         if (!(rs->tls = cg_redis_tls_new(&tc, err, errlen))) {
@@ -452,7 +455,7 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     cg_redis_link_config lc = {
         .loop = loop,
         .flush = cfg->flush,
-        .tls = rs->tls,
+        .tls = store_tls ? rs->tls : NULL,
         .host = rs->master ? NULL : rs->host,
         .port = rs->port,
         .db = rs->db,

@@ -36,6 +36,10 @@ is in Redis is read through each server's plain inspection port, never through t
 6. rediss-cluster:// (3 masters, 3 replicas, TLS on clients, bus and replication): twelve
    users' messages done, each dialog on the master of its user's slot, and the dialogs spread
    over more than one master.
+7. The store and redis.bus each with their own scheme: a plain store with a rediss:// bus,
+   and a rediss:// store with a plain bus (one server, its plain and TLS ports): the dialog
+   written, and the bus subscribed on the port of its own scheme (CLIENT LIST's laddr). The
+   TLS of one used to be the other's too: the plain one then spoke TLS to a plain port.
 
 The Sentinel topology and the cluster start in the background at the beginning (they take
 seconds), while steps 1-4 run.
@@ -439,6 +443,31 @@ async def tls_cluster(cluster, started, certs, rules, users=12):
             cluster.stop()
 
 
+def subscribers_on(redis, port):
+    """The connections CLIENT LIST shows subscribed (sub=N>0) through local port `port`."""
+    return [line for line in redis.command("CLIENT", "LIST").splitlines()
+            if f" laddr=127.0.0.1:{port} " in f" {line} " and not re.search(r" sub=0 ", f" {line} ")
+            and " sub=" in line]
+
+
+async def mixed_schemes(certs, rules):
+    with step("7. a plain store with a rediss:// redis.bus, and a rediss:// store with a plain bus: each "
+              "connection speaks its own URL's scheme"):
+        redis = await TLSRedisServer(certs).astart()
+        for store, bus, bus_port in ((redis.plain_url, tls_url(redis), redis.tls_port),
+                                     (tls_url(redis), redis.plain_url, redis.port)):
+            name = "gw-plain-store" if store == redis.plain_url else "gw-tls-store"
+
+            async def body(gw):
+                await expect_connected(gw, redis, room=name)
+                subs = await poll(f"{gw.name}: the bus subscribed on port {bus_port}",
+                                  lambda: subscribers_on(redis, bus_port), 5,
+                                  lambda: redis.command("CLIENT", "LIST"))
+                print(f"   {gw.name}: bus subscribed through port {bus_port}: {len(subs)} connection(s)", flush=True)
+            await with_gateway(rules, store, name, {"tls_ca_file": certs.ca, "bus": bus}, body)
+            redis.command("FLUSHALL")
+
+
 async def main(args):
     rules = harness.empty_rules_dir()
     started = time.monotonic()
@@ -455,6 +484,7 @@ async def main(args):
         await independent(acl_users(certs, rules))
         await independent(tls_sentinel(sentinels, certs, rules))
         await independent(tls_cluster(cluster, cluster_started, certs, rules))
+        await independent(mixed_schemes(certs, rules))
     finally:
         for task in (cluster_started, sentinels):
             if not task.done():

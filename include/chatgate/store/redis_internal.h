@@ -101,7 +101,10 @@ struct redis_store {
     char **seed_hosts;     /* redis-cluster:// only: the seeds (the link copies them) */
     int *seed_ports;
     int n_seeds;
-    cg_redis_tls *tls;     /* rediss: the TLS context of every connection, else NULL */
+    cg_redis_tls *tls;     /* the TLS context (redis.tls_*) when the store's URL or redis.bus
+                            * is rediss, else NULL */
+    int bus_tls;           /* the bus's connections are TLS: redis.bus is rediss (or, without
+                            * it, the store's URL is) */
     cg_redis_link *link;   /* the store's Redis, up or down */
     uv_timer_t tick;       /* lease renewals, the write-back of dialogs marked while connected */
     cg_fallback *fb; /* degraded mode (fallback.c): the gateway's copy of the dialogs, what
@@ -127,15 +130,14 @@ static inline int cg_redis_linked(const redis_store *rs)
     return cg_redis_link_up(rs->link);
 }
 
-/* A connection to a resolved address on the store's loop (redis_client.h), TLS when the
- * store's URL is rediss (host: the name its certificate must be for), with data and its
- * event callback (the bus's: the link opens its own); NULL with why filled when it could
- * not even start. */
+/* A connection of the bus to a resolved address on the store's loop (redis_client.h), TLS
+ * when the bus's is (host: the name its certificate must be for), with data and its event
+ * callback (the link opens its own); NULL with why filled when it could not even start. */
 static inline cg_redis_conn *cg_redis_async_open(redis_store *rs, const char *address, int port, const char *host,
                                                  void *data, cg_redis_event_fn *on_event, char *why, size_t whylen)
 {
-    return cg_redis_conn_open(rs->base.loop, address, port, host, rs->tls, rs->base.cfg.flush, data, on_event, why,
-                              whylen);
+    return cg_redis_conn_open(rs->base.loop, address, port, host, rs->bus_tls ? rs->tls : NULL, rs->base.cfg.flush,
+                              data, on_event, why, whylen);
 }
 
 /* ---- redis_req.c: the requests, and the store's end ------------------------------------ */
