@@ -17,6 +17,12 @@ as such too (or refused). Each part below, with how it failed on main 63bc085:
   them) go; the return date would pass the cap: that say never reaches the app, and the next
   say carries the dialog's params unchanged. Failed: the say was forwarded, with "error":
   {"code": "too_large", ...} in its chatgate object.
+- part_draining: SIGTERM while a drop-in reply streams (the drain waits for it): a say sent
+  during the drain never reaches the app, neither at once nor when the reply in flight ends
+  (turn.c, turns_accept: refused on arrival, the frame dropped by the adapter), a typing frame
+  after it does, and the refusal is logged; exit 0. Guards the refusal at shutdown of defect
+  1's list (it held on 63bc085 too): without it the say would wait behind the reply and go to
+  the app at its end.
 - part_forged_json: a say carrying its own "chatgate": {"user": "admin", ...} reaches the app
   with the gateway's object (this passed before); a typing frame carrying one reaches the app
   without it. Failed: the typing frame passed with the client's object.
@@ -43,6 +49,7 @@ as such too (or refused). Each part below, with how it failed on main 63bc085:
 import asyncio
 import json
 import re
+import signal
 
 import websockets
 
@@ -196,6 +203,37 @@ async def part_params_cap():
                       f"p3's object should have the params {PARAMS1} and no error: {short(cg, 600)}")
             await client.close()
             gw.assert_alive()
+
+
+async def part_draining():
+    async with ChatApp(chunk_interval=0.15) as app:  # the story: 20 chunks, 3 s
+        gw = gateway(app, "gateway:draining")
+        await gw.astart()
+        sid = await login(app)
+        client = await connect(gw.ws_url("/socket"), sid)
+        sess = await app.next_session(0)
+        with step("SIGTERM while a drop-in reply streams: a say sent during the drain never reaches the app "
+                  "(refused on arrival, logged), not even once the reply in flight has ended; frames that are "
+                  "not chat still pass; the gateway exits 0"):
+            await client.say("Tell me a long story", "d0", "trip")
+            chatgate_of(await wait_say(sess, "d0"), "d0")  # forwarded: the reply in flight holds the drain
+            gw.send_signal(signal.SIGTERM)
+            ok = await harness.wait_until(lambda: re.search(r"signal \d+: stopping", gw.log_text()), T)
+            check(ok, f"the gateway did not log the drain's start: {gw.log_tail(5)}")
+            ended = [f for f in client.frames if isinstance(f, dict) and f.get("reply_to") == "d0"
+                     and f.get("kind") == "end"]
+            check(not ended, "the reply in flight ended before the say during the drain could be sent")
+            await client.say("sent during the drain", "d1", "trip")
+            await marker(client, sess, "after-drain-say")
+            check(sess.say("d1") is None,
+                  f"a say sent while the gateway drains reached the app: {short(sess.say('d1'))}")
+            check(re.search(r"refused \(internal: the gateway is shutting down", gw.log_text()),
+                  f"no log line says the say was refused for the shutdown: {gw.log_tail(6)}")
+            code = await gw.await_exit(15)
+            check(code == 0, f"the gateway's exit status after SIGTERM: {code}")
+            check(sess.say("d0") and sess.say("d1") is None,
+                  f"after the drain the app had the says {[s.get('msg_id') for s in sess.says]}, expected d0 alone "
+                  f"(a say queued behind the reply in flight would have gone to the app at its end)")
 
 
 # -------------------------------------------------------------------------------------- 2
@@ -525,6 +563,7 @@ async def main(args):
     await independent(part_user_limit())
     await independent(part_rate_and_queue())
     await independent(part_params_cap())
+    await independent(part_draining())
     await independent(part_forged_json())
     await independent(part_forged_socketio())
     await independent(part_socketio_grammar())

@@ -1,6 +1,7 @@
 """Issue 35 (hardening, round 2): the WebSocket handshake (Origin, RFC 6455), JWT times, and
-numbers an upstream sends. Each part says what main 63bc085 did instead (seen with its plain
-RelWithDebInfo build, and for E1 and E2 its build with CHATGATE_SANITIZE too).
+numbers a peer sends (an upstream, a ws chat app, Redis). Each part says what main 63bc085 did
+instead (seen with its plain RelWithDebInfo build, and for E1 and E2 its build with
+CHATGATE_SANITIZE too; E3, E4 and B's masked Origin: with the fix's hunks reverted).
 
 Handshakes are written by hand on raw sockets (`raw_handshake`), so that the Host, Origin,
 Sec-WebSocket-Version, Sec-WebSocket-Key and request target are exactly what the part says.
@@ -21,7 +22,11 @@ handshakes carry an app session cookie and the subprotocol chat.v2).
   --allow-origin and 101 with --allow-origin null; the log line of a refusal names the
   refused Origin: null, and rebind.attacker.example. Before: the line said only "refused a
   connection from another site's page (Origin not allowed; see --allow-origin)", and the
-  rebound page got 101, unlogged.
+  rebound page got 101, unlogged. An Origin carrying a secret (http://alice@example.com.evil:1,
+  an sk- API key, a JWT, ?token=) gets 403 and its line names it masked as src/core/log.c masks
+  every line (Origin 'http://[email]:1', 'https://[token].example', ...), the secret nowhere
+  in the log: "masked as other values are" (defect 11). Fails without the Origin in the line
+  (the masked form is looked for) and if the line bypassed the masks (the secret is).
 - part_rfc6455 (C), on both paths: Sec-WebSocket-Version 8, 14, abc or none gets 426 with
   "Sec-WebSocket-Version: 13"; a Sec-WebSocket-Key that is not base64 of exactly 16 bytes
   (abc, 15 bytes, 17 bytes, 24 characters outside base64) or none gets 400; a correct
@@ -48,6 +53,25 @@ handshakes carry an app session cookie and the subprotocol chat.v2).
   (18446744073709551616, past any 64-bit integer) neither crashes the gateway nor counts
   negative: at 600 tokens a turn after it, the user is refused by the third turn (main
   already did: it took the chunk for "not a JSON object", an upstream_error, and estimated).
+- part_awaiting_ttl (E3; 5f7b0bf, dialog.c: a backend's awaiting ttl clamped to a year), a ws
+  chat app (harness.FakeApp /state) whose done sets awaiting with ttl 2^63-1, 2^62 or 1e30, on
+  the memory store and on a redis-server of the test's own: the awaiting state is kept
+  (context.get, and the next message reaches the app with it); in Redis its key's TTL and its
+  expires_at are at most a year away (1e30 is no integer: lifetimes.awaiting_s). ttl 2^63
+  (past int64: the app's frame is refused) leaves the gateway up. Before (seen with 5f7b0bf's
+  dialog.c hunk reverted): now + 2^63-1 wrapped into the past, so the awaiting state was gone
+  at the next load (memory and Redis; the sanitizer build aborts on the overflow); with
+  2^62 the Redis save failed ("ERR invalid expire time in 'expire' command"), so Redis held
+  no awaiting state.
+- part_stored_counts (E4; 5f7b0bf, dialog.c: stored counts clamped; dialog.c and admin.c:
+  usage sums saturate), a redis-server of the test's own holding dialogs the gateway has no
+  copy of (docs/state.md, Redis layout), their dialog hash written by the test: turn_count
+  99999999999999999999 and message_count 2^63-1 are still >= 2^53 and positive after a
+  message (context.get, and as written back to Redis); -5 and -7 count from 0 (1 after a
+  message); usage in, out and turns of 2^63-1 stay 2^63-1 after a turn, and GET
+  /admin/users/{user}/usage totals two such rooms to 2^63-1. Before: the counts wrapped to
+  -9223372036854775808 (and -4, -6), the usage to negative numbers, the admin total of two
+  rooms to -2.
 """
 
 import asyncio
@@ -57,11 +81,12 @@ import os
 import re
 import socket
 import time
+import urllib.parse
 
 import websockets
 
 import harness
-from harness import Client, Gateway, check, independent, step
+from harness import Client, Gateway, check, context_command, independent, step
 from dropin_app import ChatApp
 from test_dropin import ENV as DROPIN_ENV, config as dropin_config
 
@@ -196,6 +221,17 @@ async def part_origin_allow_list():
 # -------------------------------------------------------------------------------------- B
 
 
+# (Origin, what the log line must name instead, the secret that must not be in the log at all):
+# src/core/log.c masks e-mail addresses as [email], API keys, JWTs and token= values as [token]
+SECRET_ORIGINS = [
+    ("http://alice@example.com.evil:1", "Origin 'http://[email]:1'", "alice@example.com"),
+    ("https://sk-live0123456789abcdefghij.example", "Origin 'https://[token].example'", "sk-live0123456789abcdefghij"),
+    ("http://eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJib2IifQ.c2lnbmF0dXJl.example", "Origin 'http://[token].example'",
+     "eyJzdWIiOiJib2IifQ"),
+    ("http://x.example/?token=s3cr3t-origin-value", "Origin 'http://x.example/?[token]", "s3cr3t-origin-value"),
+]
+
+
 async def refusal_logged(gw, origin, pattern, since):
     """None when a log line written after `since` characters is about an Origin and matches
     `pattern` (the refused Origin); else what is wrong."""
@@ -227,6 +263,22 @@ async def part_origin_logged():
                 why = await refusal_logged(gw, origin, pattern, since)
                 if why:
                     wrong.append(why)
+            check(not wrong, "\n  ".join(wrong))
+        with step("an Origin that carries a secret (an e-mail address, an API key, a JWT, a token in a query): "
+                  "403, and the refusal's log line names the Origin masked as every logged value is, the "
+                  "secret never in clear"):
+            wrong = []
+            for origin, masked, secret in SECRET_ORIGINS:
+                since = len(gw.log_text())
+                got = await asyncio.to_thread(raw_handshake, p, origin=origin)
+                if got[0] != 403:
+                    wrong.append(f"{origin}: expected 403, got {shown(got)}")
+                why = await refusal_logged(gw, origin, re.escape(masked), since)
+                if why:
+                    wrong.append(why)
+                new = gw.log_text()[since:]
+                if secret in new:
+                    wrong.append(f"{secret!r} is in the log in clear: {[l for l in new.splitlines() if secret in l]}")
             check(not wrong, "\n  ".join(wrong))
     async with Gateway(["--allow-origin", "null"], harness.make_config({"demo": harness.demo_upstream()}, "demo"),
                        name="gateway:origin-null") as gw:
@@ -475,6 +527,143 @@ async def part_usage_overflow():
             no_sanitizer_report(gw)
 
 
+# ---- E3, E4: numbers a ws chat app and Redis hand the gateway
+
+
+YEAR_S = 366 * 86400  # the longest awaiting ttl the gateway keeps (dialog.c: a backend's ttl, clamped)
+AWAITING_S = 60       # lifetimes.awaiting_s: the ttl of an awaiting state whose directive names none
+
+
+def awaiting_says(ttl_json):
+    """A message text the state app (harness.FakeApp /state) answers with a directive setting an
+    awaiting confirmation whose ttl is `ttl_json`, written as is into the app's JSON frame."""
+    return ('confirm it STATE:{"awaiting":{"type":"confirmation","context":{"action":"pay"},"ttl":%s}}'
+            % ttl_json)
+
+
+def redis_awaiting(redis, user, room):
+    """The dialog's awaiting key in Redis: (its JSON or None, its TTL in seconds)."""
+    key = f"chatgate:{{{harness.escape_id(user)}}}:{room}:awaiting"
+    raw = redis.get(key)
+    return (json.loads(raw) if raw else None), redis.ttl(key)
+
+
+async def part_awaiting_ttl():
+    ttls = [("2^63-1", str(INT64_MAX), YEAR_S), ("2^62", str(2**62), YEAR_S),
+            ("1e30 (no integer)", "1e30", AWAITING_S)]
+    async with harness.FakeApp() as app, harness.RedisServer() as redis:
+        for store in ("memory", "redis"):
+            cfg = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app",
+                                       store=redis.url if store == "redis" else "memory",
+                                       lifetimes={"awaiting_s": AWAITING_S})
+            async with Gateway(["--rules", harness.empty_rules_dir()], cfg, name=f"gateway:awaiting-{store}") as gw:
+                client = await Client.connect(gw)
+                user = client.hello["user"]
+                for i, (label, ttl, longest) in enumerate(ttls):
+                    room = f"ttl{i}"
+                    with step(f"{store} store: a ws chat app's directive sets awaiting with ttl {label}: the "
+                              f"awaiting state is kept (context.get, and forwarded with the next message)"
+                              + (f", its key's TTL at most {longest} s" if store == "redis" else "")):
+                        (await client.message(awaiting_says(ttl), mid=f"set{i}", room=room)).expect_done()
+                        gw.assert_alive()
+                        no_sanitizer_report(gw)
+                        state = await context_command(client, "context.get", room)
+                        check((state.get("awaiting") or {}).get("context") == {"action": "pay"},
+                              f"ttl {ttl}: the awaiting state the app set is gone at once (now + ttl wrapped "
+                              f"into the past?): context.get has awaiting {harness.brief(state.get('awaiting'))}")
+                        (await client.message("and then", mid=f"next{i}", room=room)).expect_done()
+                        forwarded = (await app.wait_message(f"next{i}")).get("awaiting")
+                        check((forwarded or {}).get("context") == {"action": "pay"},
+                              f"ttl {ttl}: the next message reached the app without the awaiting state: "
+                              f"{harness.brief(forwarded)}")
+                        if store == "redis":
+                            now = time.time()
+                            kept, key_ttl = redis_awaiting(redis, user, room)
+                            check(kept is not None and 0 < key_ttl <= longest,
+                                  f"ttl {ttl}: Redis should hold the awaiting state with a TTL of at most "
+                                  f"{longest} s: {harness.brief(kept)}, TTL {key_ttl} (the save may have failed: "
+                                  f"{[l for l in gw.log_text().splitlines() if 'save failed' in l][-1:]})")
+                            expires = kept.get("expires_at")
+                            check(isinstance(expires, int) and now < expires <= now + longest + 5,
+                                  f"ttl {ttl}: expires_at {expires} should be within {longest} s from now "
+                                  f"({now:.0f})")
+                with step(f"{store} store: ttl 2^63 (past any 64-bit integer): the gateway stays up, the "
+                          f"message ends once, and no awaiting state is kept with a wrapped expiry"):
+                    turn = await client.message(awaiting_says(str(2**63)), mid="past", room="past")
+                    print(f"   ttl 2^63: {harness.brief(turn.terminal, 200)}")
+                    check(turn.kind in ("done", "error"), f"ttl 2^63: {turn.describe()}")
+                    gw.assert_alive()
+                    no_sanitizer_report(gw)
+                    state = await context_command(client, "context.get", "past")
+                    if state.get("awaiting") and store == "redis":
+                        _, key_ttl = redis_awaiting(redis, user, "past")
+                        check(0 < key_ttl <= YEAR_S, f"ttl 2^63: awaiting kept with TTL {key_ttl}")
+                await client.check_alive()
+                await client.close()
+                gw.assert_alive()
+                no_sanitizer_report(gw)
+
+
+ADMIN_TOKEN = "handshake-numbers-admin"
+MAX_USAGE = {"app": {"in": INT64_MAX, "out": INT64_MAX, "turns": INT64_MAX}}
+
+
+async def part_stored_counts():
+    async with harness.FakeApp() as app, harness.RedisServer() as redis:
+        cfg = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=redis.url)
+        async with Gateway(["--rules", harness.empty_rules_dir()], cfg, env={"CHATGATE_ADMIN_TOKEN": ADMIN_TOKEN},
+                           name="gateway:stored-counts") as gw:
+            client = await Client.connect(gw)
+            user = client.hello["user"]
+            now = int(time.time())
+
+            def dialog_key(room):
+                return f"chatgate:{{{harness.escape_id(user)}}}:{room}:dialog"
+
+            # dialogs Redis holds (docs/state.md, Redis layout) with a peer's numbers in them: the
+            # gateway has no copy of them, so a turn's load reads these
+            stored = {"big": ("99999999999999999999", str(INT64_MAX)), "neg": ("-5", "-7")}
+            for room, (turns, messages) in stored.items():
+                redis.command("HSET", dialog_key(room), "created_at", str(now - 100), "last_activity", str(now - 50),
+                              "turn_count", turns, "message_count", messages, "usage", json.dumps(MAX_USAGE))
+            with step("Redis holds turn_count 99999999999999999999 and message_count 2^63-1: after a message, "
+                      "both are still 2^53 or more and positive (saturated, not wrapped), in context.get and "
+                      "written back to Redis"):
+                before = (await context_command(client, "context.get", "big"))["meta"]
+                (await client.message("hello big", mid="big1", room="big")).expect_done()
+                no_sanitizer_report(gw)
+                meta = (await context_command(client, "context.get", "big"))["meta"]
+                for name in ("turn_count", "message_count"):
+                    check(2**53 <= meta[name] <= INT64_MAX and meta[name] >= before[name],
+                          f"{name}: {before[name]} before the message, {meta[name]} after (stored "
+                          f"{dict(zip(('turn_count', 'message_count'), stored['big']))[name]}): a count "
+                          f"from Redis must saturate, not wrap negative")
+                back = redis.hgetall(dialog_key("big"))
+                check(all(0 < int(back[n]) <= INT64_MAX for n in ("turn_count", "message_count")),
+                      f"the counts written back to Redis: {back}")
+            with step("Redis holds turn_count -5 and message_count -7: after a message each is 1"):
+                (await client.message("hello neg", mid="neg1", room="neg")).expect_done()
+                meta = (await context_command(client, "context.get", "neg"))["meta"]
+                check(meta["turn_count"] == 1 and meta["message_count"] == 1,
+                      f"negative stored counts should count from 0: {meta}")
+            with step(f"Redis holds usage in, out and turns of 2^63-1: after a turn each stays 2^63-1, and "
+                      f"GET /admin/users/{{user}}/usage sums two such rooms to 2^63-1, never negative"):
+                for room in ("big", "neg"):
+                    usage = json.loads(redis.hgetall(dialog_key(room)).get("usage") or "null")
+                    check(usage == MAX_USAGE, f"room {room}: usage after a turn {usage}, expected it saturated "
+                                              f"at {MAX_USAGE}")
+                url = f"{gw.http_url}/admin/users/{urllib.parse.quote(user, safe='')}/usage"
+                status, _, body = await asyncio.to_thread(harness.http_request, url,
+                                                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+                check(status == 200, f"{url}: {status} {body[:200]!r}")
+                total = json.loads(body).get("total")
+                check(total == MAX_USAGE, f"the admin API's total of two rooms at {MAX_USAGE['app']} each: {total}")
+            await client.check_alive()
+            await client.close()
+            gw.assert_alive()
+            no_sanitizer_report(gw)
+
+
 async def main(args):
     await independent(part_origin_rebinding())
     await independent(part_origin_allow_list())
@@ -483,6 +672,8 @@ async def main(args):
     await independent(part_jwt_times())
     await independent(part_retry_after())
     await independent(part_usage_overflow())
+    await independent(part_awaiting_ttl())
+    await independent(part_stored_counts())
 
 
 if __name__ == "__main__":
