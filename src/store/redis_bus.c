@@ -137,6 +137,16 @@ static void on_resolved(void *data, const char *address, const char *err)
         bus_lost(b, &b->sub, err);
         return;
     }
+    if (b->sharded) { /* SSUBSCRIBE alone: SPUBLISH goes through the router */
+        if ((b->sub = bus_open(b, address))) {
+            const char *argv[] = {"SSUBSCRIBE", b->channel};
+            size_t len[] = {10, strlen(b->channel)};
+            cg_redis_conn_argv(b->sub, on_message, NULL, 2, argv, len);
+        } else {
+            bus_lost(b, &b->sub, "could not connect");
+        }
+        return;
+    }
     if (!b->sub && (b->sub = bus_open(b, address))) {
         const char *argv[] = {"SUBSCRIBE", b->channel};
         size_t len[] = {9, strlen(b->channel)};
@@ -148,53 +158,39 @@ static void on_resolved(void *data, const char *address, const char *err)
         bus_lost(b, b->sub ? &b->pub : &b->sub, "could not connect");
 }
 
-/* A cluster's: SSUBSCRIBE on a connection of its own to the master the map names for the
- * channel's slot (the router must be up: else the retry comes back later). */
-static void sharded_subscribe(cg_redis_bus *b)
+/* A cluster's: where the channel's slot lives (its master as the map names it, an address or
+ * a host name, or where a MOVED answer to the last SSUBSCRIBE said), for a connection of its
+ * own (the router must be up: else the retry comes back later). 0, or -1 (b->host unset). */
+static int sharded_target(cg_redis_bus *b)
 {
     cg_redis_conn *data = cg_redis_link_conn(b->rs->link, cg_redis_key_slot(b->channel, strlen(b->channel)));
-    char address[64];
-    int port = 0;
     const char *peer = data ? cg_redis_conn_peer(data) : NULL;
     const char *colon = peer ? strrchr(peer, ':') : NULL;
-    if (b->moved.kind == CG_REDIRECT_MOVED) { /* where the last SSUBSCRIBE was sent */
-        snprintf(address, sizeof(address), "%s", b->moved.host);
+    const char *host;
+    int port;
+    if (b->moved.kind == CG_REDIRECT_MOVED) {
+        host = b->moved.host;
         port = b->moved.port;
         b->moved.kind = CG_REDIRECT_NONE;
-    } else if (!colon || (size_t)(colon - peer) >= sizeof(address)) {
-        bus_lost(b, &b->sub, "the cluster is not connected");
-        return;
+    } else if (colon) {
+        host = cg_redis_conn_host(data);
+        port = (int)strtol(colon + 1, NULL, 10); /* written by the client: "addr:port" */
     } else {
-        memcpy(address, peer, (size_t)(colon - peer));
-        address[colon - peer] = 0;
-        if (address[0] == '[') { /* "[v6]:port" */
-            memmove(address, address + 1, strlen(address));
-            address[strlen(address) - 1] = 0;
-        }
-        port = atoi(colon + 1);
+        return -1;
     }
+    char *copy = cg_strdup(host); /* host may be b->host's own text */
     free(b->host);
-    b->host = cg_strdup(address);
+    b->host = copy;
     b->port = port;
-    char why[160];
-    b->sub = cg_redis_async_open(b->rs, address, port, address, b, on_bus_event, why, sizeof(why));
-    if (!b->sub) {
-        bus_lost(b, &b->sub, why);
-        return;
-    }
-    if (b->rs->password)
-        cg_redis_conn_auth(b->sub, b->rs->user, b->rs->password, NULL, NULL);
-    const char *argv[] = {"SSUBSCRIBE", b->channel};
-    size_t len[] = {10, strlen(b->channel)};
-    cg_redis_conn_argv(b->sub, on_message, NULL, 2, argv, len);
+    return 0;
 }
 
 static void bus_connect(cg_redis_bus *b)
 {
     if (b->closing || b->resolve || (b->sub && (b->pub || b->sharded)))
         return;
-    if (b->sharded) {
-        sharded_subscribe(b);
+    if (b->sharded && sharded_target(b) < 0) {
+        bus_lost(b, &b->sub, "the cluster is not connected");
         return;
     }
     b->resolve = cg_resolve_start(b->rs->base.loop, b->host, on_resolved, b);
@@ -230,6 +226,8 @@ cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn 
     b->sharded = 1;
     b->host = cg_strdup(rs->host);
     b->port = rs->port;
+    b->user = rs->user ? cg_strdup(rs->user) : NULL; /* AUTH as the store's connections */
+    b->password = rs->password ? cg_strdup(rs->password) : NULL;
     if (asprintf(&b->channel, "%s:bus:%s", rs->base.cfg.prefix, rs->holder) < 0)
         abort(); /* out of memory at startup */
     uv_timer_init(rs->base.loop, &b->retry);

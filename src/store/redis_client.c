@@ -675,6 +675,11 @@ const char *cg_redis_conn_error(const cg_redis_conn *c)
     return c->why[0] ? c->why : "the connection closed";
 }
 
+const char *cg_redis_conn_host(const cg_redis_conn *c)
+{
+    return c->host;
+}
+
 const char *cg_redis_conn_peer(const cg_redis_conn *c)
 {
     return c->peer;

@@ -27,6 +27,7 @@
 #include "chatgate/core/alloc.h"
 #include "chatgate/store/redis_cluster.h"
 
+#include <arpa/inet.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +47,8 @@ typedef struct cl_node {
     cg_redis_cluster *cl;
     cg_redis_node_addr addr;
     cg_redis_conn *conn; /* NULL: not connected (yet) */
+    cg_resolve *resolve; /* a node named by a host name (cluster-preferred-endpoint-type
+                          * hostname): its address being looked up, off the loop */
     int answered;        /* its PING came back */
     int lost;            /* lost while the router was up, and not answering since (logged once) */
 } cl_node;
@@ -121,6 +124,9 @@ void cg_redis_cluster_close(cg_redis_cluster *cl)
     cl->seed = NULL;
     cg_redis_conn_close(seed);
     for (int i = 0; i < cl->n_nodes; i++) { /* their commands get NULL, and are freed */
+        if (cl->nodes[i].resolve)
+            cg_resolve_abandon(cl->nodes[i].resolve);
+        cl->nodes[i].resolve = NULL;
         cg_redis_conn *c = cl->nodes[i].conn;
         cl->nodes[i].conn = NULL;
         cg_redis_conn_close(c);
@@ -234,9 +240,50 @@ static void on_node_ping(cg_redis_conn *c, void *reply_, void *priv)
     cl->cfg.on_state(cl->cfg.data, 1, NULL);
 }
 
-/* The node at host:port, connected (AUTH and PING queued) when it was not; NULL when the
- * table is full (the router is then lost). A connection that cannot even start is the
- * router's end before it is up, and that node's loss after (node_lost). */
+/* Connects n to address (AUTH and PING queued); 0, or -1 when the connection could not
+ * even start: n is lost (node_lost). */
+static int node_connect(cl_node *n, const char *address)
+{
+    cg_redis_cluster *cl = n->cl;
+    char why[200];
+    /* the map names nodes by address or host name: the certificate is checked against
+     * redis.tls_server_name when set, else against that */
+    n->conn = cg_redis_conn_open(cl->cfg.loop, address, n->addr.port, n->addr.host, cl->cfg.tls, cl->cfg.flush, n,
+                                 on_node_event, why, sizeof(why));
+    if (!n->conn) {
+        node_lost(n, why);
+        return -1;
+    }
+    n->answered = 0;
+    send_auth(cl, n->conn);
+    cg_redis_conn_cmd(n->conn, on_node_ping, n, "PING");
+    return 0;
+}
+
+static void on_node_resolved(void *data, const char *address, const char *err)
+{
+    cl_node *n = data;
+    n->resolve = NULL;
+    if (!address) {
+        char why[200];
+        snprintf(why, sizeof(why), "resolving its host name: %.150s", err ? err : "failed");
+        node_lost(n, why);
+        return;
+    }
+    node_connect(n, address);
+}
+
+/* Is host an IP address (not a name to look up)? */
+static int numeric_host(const char *host)
+{
+    unsigned char buf[sizeof(struct in6_addr)];
+    return inet_pton(AF_INET, host, buf) == 1 || inet_pton(AF_INET6, host, buf) == 1;
+}
+
+/* The node at host:port, connected (AUTH and PING queued) when it was not, or its host name
+ * looked up first; NULL when the table is full (the router is then lost). A connection that
+ * cannot even start is the router's end before it is up, and that node's loss after
+ * (node_lost). */
 static cl_node *node_get(cg_redis_cluster *cl, const char *host, int port)
 {
     cl_node *n = NULL;
@@ -254,22 +301,17 @@ static cl_node *node_get(cg_redis_cluster *cl, const char *host, int port)
         n->addr.port = port;
         snprintf(n->addr.host, sizeof(n->addr.host), "%s", host);
     }
-    if (n->conn)
+    if (n->conn || n->resolve)
         return n;
-    char why[200];
-    /* the map names nodes by address: the certificate is checked against redis.tls_server_name
-     * when set, else against that address */
-    n->conn = cg_redis_conn_open(cl->cfg.loop, host, port, host, cl->cfg.tls, cl->cfg.flush, n, on_node_event, why,
-                                 sizeof(why));
-    if (!n->conn) {
-        int up = cl->state == CL_UP;
-        node_lost(n, why);
-        return up && cl->state == CL_UP ? n : NULL;
+    int up = cl->state == CL_UP;
+    if (!numeric_host(host)) {
+        if ((n->resolve = cg_resolve_start(cl->cfg.loop, host, on_node_resolved, n)))
+            return n;
+        node_lost(n, "could not start resolving its host name");
+    } else if (node_connect(n, host) == 0) {
+        return n;
     }
-    n->answered = 0;
-    send_auth(cl, n->conn);
-    cg_redis_conn_cmd(n->conn, on_node_ping, n, "PING");
-    return n;
+    return up && cl->state == CL_UP ? n : NULL;
 }
 
 /* The slots that the map now in force gives a lost master and map m (its node i being

@@ -1008,6 +1008,64 @@ async def part_profile(w):
         check(held == [owner], f"the profile key should be on its slot's master {owner} alone: {held}")
 
 
+async def part_hostnames(w):
+    """A cluster that names its nodes by host name (cluster-announce-hostname with
+    cluster-preferred-endpoint-type hostname: what managed clusters may answer): the map
+    holds "localhost", not addresses; two new gateways look the names up, serve their users
+    at Redis (never degraded), and a cancel on one stops a reply streaming on the other
+    (sharded pub/sub at the name's master). They could not connect before."""
+    cluster = w.cluster
+    with step("host names in the map: two new gateways connect through 'localhost' names, answer at Redis, "
+              "and cancel across each other"):
+        def endpoints(kind):
+            for n in cluster.live():  # the nodes killed by the failover parts stay down
+                n.command("CONFIG", "SET", "cluster-announce-hostname", "localhost")
+                n.command("CONFIG", "SET", "cluster-preferred-endpoint-type", kind)
+        await asyncio.to_thread(endpoints, "hostname")
+        try:
+            await cluster.await_stable()
+
+            def names():  # the names spread by the cluster bus: each master's answer, once all know
+                return sorted({entry[2][0] for m in cluster.masters() for entry in m.command("CLUSTER", "SLOTS")})
+            await harness.wait_condition(lambda: names() == ["localhost"], 10,
+                                         lambda: f"the cluster should name its masters 'localhost': {names()}")
+            print(f"   CLUSTER SLOTS names the masters {names()}", flush=True)
+            async with harness.Gateway(w.args, w.config, name="gateway-c") as gc, \
+                    harness.Gateway(w.args, w.config, name="gateway-d") as gd:
+                users = [f"hn{i}|user" for i in range(6)]
+                sents = []
+                for i, user in enumerate(users):
+                    tab = await Tab.open(gc if i % 2 == 0 else gd, user)
+                    sents.append(await tab.ask(f"hello {user}", f"{user}-h", "h"))
+                    await tab.close()
+                check(all(s.kind == "done" for s in sents), f"{[(s.mid, s.kind) for s in sents]}")
+                for gw in (gc, gd):
+                    m = await metrics(gw)
+                    check(m.value("chatgate_store_degraded") == 0, f"{gw.name} is degraded")
+                    check(sum(m.series("chatgate_store_errors_total").values()) == 0,
+                          f"{gw.name} counted store errors")
+                await saved_all(cluster, users, "h")
+                user = "hx|user"
+                a, b, long = await cross_cancel(w, gc, gd, user)
+                phrase = asyncio.create_task(b.ask("stop", f"{user}-1", "c"))
+                first = await long
+                second = await phrase
+                check(first.kind == "cancelled", f"C's reply should be cancelled by D's phrase: {first.kind}")
+                check(second.kind == "done", f"D's phrase: {second.kind}")
+                await a.close()
+                await b.close()
+        finally:
+            await asyncio.to_thread(endpoints, "ip")
+
+
+async def saved_all(cluster, users, room):
+    """Each user's dialog history is on the master of its slot (the save reached Redis)."""
+    def found():
+        owners = owners_of(cluster, users)
+        return all(history(cluster, owners, u, room) for u in users)
+    await harness.wait_condition(found, 5, "every user's dialog in Redis")
+
+
 async def main(args):
     started = time.monotonic()
     cluster = redis_topo.RedisCluster(n_masters=3, replicas_per_master=1)
@@ -1027,7 +1085,7 @@ async def main(args):
                 w = World(cluster, upstream, ga, gb, tabs, cfg, gw_args)
                 parts = (part_routing, part_failover, part_reshard, part_cancel, part_one_turn,
                          part_cancel_fallback, part_bus_slot_moved, part_failover_partial, part_parked_at_close,
-                         part_failover_stopped, part_profile)
+                         part_failover_stopped, part_profile, part_hostnames)
                 only = os.environ.get("CG_E2E_PARTS")  # e.g. "1,3": those parts only (0 is routing)
                 for n, part in enumerate(parts):
                     if not only or str(n) in only.split(","):

@@ -64,6 +64,8 @@ void *cg_redis_conn_data(const cg_redis_conn *c);
 void cg_redis_conn_set_data(cg_redis_conn *c, void *data);
 /* "ip:port" it connects to (for logs and the cluster's node table) */
 const char *cg_redis_conn_peer(const cg_redis_conn *c);
+/* The host name c was opened for (the name its TLS certificate is checked against). */
+const char *cg_redis_conn_host(const cg_redis_conn *c);
 
 /* Why it failed or closed (for a command callback given NULL). */
 const char *cg_redis_conn_error(const cg_redis_conn *c);
