@@ -7,8 +7,12 @@
  * Pub/sub goes to a Redis directly (twemproxy has no SUBSCRIBE): `redis.bus`, by default the
  * store's own redis:// URL. Two connections on the loop, as a subscribed connection can
  * send nothing else: one SUBSCRIBEd to this gateway's channel, one that PUBLISHes. Each
- * reconnects after a second when it is lost. A message lost meanwhile is not lost for good:
- * B also sets the dialog's cancel flag, which A's lease renewal reads (redis_dialog.c).
+ * reconnects after a second when it is lost (doubling while it fails, with jitter, so that
+ * gateways do not come back in step), and each is probed: a PING every BUS_PROBE_MS, and a
+ * connection that leaves one unanswered for redis.command_timeout_ms (a Redis stopped or cut
+ * off: the socket stays open) is dropped and made again. A message lost meanwhile is not
+ * lost for good: B also sets the dialog's cancel flag, which A's lease renewal reads
+ * (redis_dialog.c).
  *
  * In a Redis Cluster (redis-cluster://) the bus is sharded pub/sub, Redis 7's: a channel lives
  * on the master of its slot, so A SSUBSCRIBEs on its own connection to that master (found in
@@ -31,6 +35,8 @@
 
 #define BUS_RETRY_MS 1000      /* the first retry; doubling to BUS_RETRY_MAX_MS while it fails */
 #define BUS_RETRY_MAX_MS 60000
+#define BUS_PROBE_MS 5000 /* a PING on each connection this often */
+#define BUS_PROBE_TICK_MS 1000 /* how often the answers are looked at */
 
 struct cg_redis_bus {
     redis_store *rs;
@@ -43,11 +49,16 @@ struct cg_redis_bus {
     cg_redis_conn *sub, *pub;
     cg_resolve *resolve;
     uv_timer_t retry;
+    uv_timer_t probe;
+    uint64_t sub_ping, pub_ping; /* loop ms of the PING each waits for the answer of; 0: none */
+    uint64_t pinged;             /* loop ms of the last PINGs sent */
+    int handles;  /* the timers not yet closed: freed at 0 */
     int failures; /* in a row, since the last subscription confirmed: the backoff, and one log */
     int closing;
 };
 
 static void bus_connect(cg_redis_bus *b);
+static void on_message(cg_redis_conn *ac, void *reply_, void *priv);
 
 static void on_retry(uv_timer_t *t)
 {
@@ -68,6 +79,7 @@ static void bus_lost(cg_redis_bus *b, cg_redis_conn **slot, const char *why)
     uint64_t delay = (uint64_t)BUS_RETRY_MS << (b->failures < 7 ? b->failures - 1 : 6);
     if (b->sharded) /* the cluster's map decides where: it is back as soon as the store is */
         delay = BUS_RETRY_MS;
+    delay += (uint64_t)(rand() % (int)(delay / 4 + 1)); /* jitter, so gateways don't reconnect in step */
     if (!b->closing && !uv_is_active((uv_handle_t *)&b->retry))
         uv_timer_start(&b->retry, on_retry, delay < BUS_RETRY_MAX_MS ? delay : BUS_RETRY_MAX_MS, 0);
 }
@@ -96,6 +108,11 @@ static void on_message(cg_redis_conn *ac, void *reply_, void *priv)
         char why[200];
         snprintf(why, sizeof(why), "subscribing was answered '%.120s'", r->str);
         bus_lost(b, &b->sub, why);
+        return;
+    }
+    if (b && r && ac == b->sub && r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
+        r->element[0]->type == REDIS_REPLY_STRING && strcmp(r->element[0]->str, "pong") == 0) {
+        b->sub_ping = 0; /* the probe's PING, answered in the subscribed state */
         return;
     }
     if (!b || !r || r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_STRING)
@@ -185,6 +202,59 @@ static int sharded_target(cg_redis_bus *b)
     return 0;
 }
 
+static void on_pub_pong(cg_redis_conn *ac, void *reply, void *priv)
+{
+    (void)priv;
+    cg_redis_bus *b = cg_redis_conn_data(ac);
+    if (b && reply && ac == b->pub)
+        b->pub_ping = 0;
+}
+
+/* Each connection's last PING answered within the command timeout, or the connection goes
+ * (its event says lost, and it is made again); then a new PING on each. */
+static void on_probe(uv_timer_t *t)
+{
+    cg_redis_bus *b = t->data;
+    uint64_t now = uv_now(b->rs->base.loop), limit = (uint64_t)b->rs->base.cfg.command_timeout_ms;
+    struct {
+        cg_redis_conn **conn;
+        uint64_t *ping;
+    } each[] = {{&b->sub, &b->sub_ping}, {&b->pub, &b->pub_ping}};
+    for (int i = 0; i < 2; i++) {
+        cg_redis_conn *c = *each[i].conn;
+        if (!c) {
+            *each[i].ping = 0;
+            continue;
+        }
+        if (*each[i].ping && now - *each[i].ping > limit) {
+            char why[96];
+            snprintf(why, sizeof(why), "no answer to PING within %llu ms", (unsigned long long)limit);
+            *each[i].conn = NULL;
+            *each[i].ping = 0;
+            cg_redis_conn_set_data(c, NULL); /* its close calls back no bus */
+            cg_redis_conn_close(c);
+            bus_lost(b, each[i].conn, why);
+            continue;
+        }
+        if (!*each[i].ping && now - b->pinged >= BUS_PROBE_MS) {
+            *each[i].ping = now ? now : 1;
+            cg_redis_conn_cmd(c, c == b->sub ? on_message : on_pub_pong, NULL, "PING");
+        }
+    }
+    if (now - b->pinged >= BUS_PROBE_MS)
+        b->pinged = now;
+}
+
+static void probe_start(cg_redis_bus *b)
+{
+    uv_timer_init(b->rs->base.loop, &b->probe);
+    b->probe.data = b;
+    b->handles = 2;
+    b->pinged = uv_now(b->rs->base.loop);
+    uv_timer_start(&b->probe, on_probe, BUS_PROBE_TICK_MS, BUS_PROBE_TICK_MS);
+    uv_unref((uv_handle_t *)&b->probe);
+}
+
 static void bus_connect(cg_redis_bus *b)
 {
     if (b->closing || b->resolve || (b->sub && (b->pub || b->sharded)))
@@ -214,6 +284,7 @@ cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus
         abort(); /* out of memory at startup */
     uv_timer_init(rs->base.loop, &b->retry);
     b->retry.data = b;
+    probe_start(b);
     bus_connect(b);
     return b;
 }
@@ -232,6 +303,7 @@ cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn 
         abort(); /* out of memory at startup */
     uv_timer_init(rs->base.loop, &b->retry);
     b->retry.data = b;
+    probe_start(b);
     uv_timer_start(&b->retry, on_retry, BUS_RETRY_MS, 0); /* once the router is likely up */
     return b;
 }
@@ -263,6 +335,8 @@ void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_a
 static void on_retry_closed(uv_handle_t *h)
 {
     cg_redis_bus *b = h->data;
+    if (--b->handles > 0)
+        return;
     free(b->host);
     free(b->user);
     free(b->password);
@@ -285,4 +359,5 @@ void cg_redis_bus_close(cg_redis_bus *b)
             cg_redis_conn_close(contexts[i]);
         }
     uv_close((uv_handle_t *)&b->retry, on_retry_closed);
+    uv_close((uv_handle_t *)&b->probe, on_retry_closed);
 }

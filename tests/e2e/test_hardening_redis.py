@@ -329,6 +329,34 @@ async def part_bus_url(app, rules):
         redis.cleanup(keep=True)
 
 
+async def part_bus_stopped(app, rules):
+    """The bus's Redis stopped (SIGSTOP: its sockets stay open, nothing answers): the bus's
+    probe finds it within BUS_PROBE_MS (5 s) plus redis.command_timeout_ms, says so, and
+    subscribes again once it answers (issue 36, item 1: the bus's connections are probed as
+    the store's are; before, a stopped bus Redis went unnoticed)."""
+    store = await harness.RedisServer().astart()
+    bus = await harness.RedisServer().astart()
+    try:
+        cfg = config_for(app, store.url, bus=bus.url)
+        async with harness.Gateway(header_args(rules), cfg, name="gateway-bus-stopped") as gw:
+            with step("the bus's Redis stopped: 'no answer to PING' within 8 s; resumed: listening again"):
+                await harness.wait_condition(lambda: bus.command("PUBSUB", "CHANNELS", "*:bus:*"), 5,
+                                             "the bus subscribed")
+                mark = len(gw.log_text())
+                bus.pause()
+                try:
+                    await harness.wait_log(gw, r"redis bus \S+: no answer to PING within 1000 ms", 9, mark)
+                finally:
+                    bus.resume()
+                await harness.wait_log(gw, r"redis bus \S+: listening again", 8, mark)
+                await harness.wait_condition(lambda: bus.command("PUBSUB", "CHANNELS", "*:bus:*"), 5,
+                                             "the bus subscribed again")
+                await wait_store(gw, False, 3, "the store (another Redis) all along")
+    finally:
+        store.cleanup(keep=True)
+        bus.cleanup(keep=True)
+
+
 # ---- defect 4: the write-back never erases good data ---------------------------------------
 
 
@@ -715,6 +743,7 @@ async def main(args):
         lambda app: part_forget_long(app, rules),
         lambda app: part_resolve(app, rules),
         lambda app: part_bus_url(app, rules),
+        lambda app: part_bus_stopped(app, rules),
     ]
     only = os.environ.get("CG_E2E_PARTS")  # e.g. "7,8" to run some parts while debugging
     async with harness.FakeApp() as app:
