@@ -60,9 +60,9 @@ handshakes carry an app session cookie and the subprotocol chat.v2).
   expires_at are at most a year away (1e30 is no integer: lifetimes.awaiting_s). ttl 2^63
   (past int64: the app's frame is refused) leaves the gateway up. Before (seen with 5f7b0bf's
   dialog.c hunk reverted): now + 2^63-1 wrapped into the past, so the awaiting state was gone
-  at the next load (memory and Redis; the sanitizer build aborts on the overflow); with
-  2^62 the Redis save failed ("ERR invalid expire time in 'expire' command"), so Redis held
-  no awaiting state.
+  at the next load (memory and Redis; the sanitizer build aborted: "signed integer overflow:
+  9223372036854775807 + 1795864520", dialog.c); with 2^62 the Redis save failed ("ERR
+  invalid expire time in 'expire' command"), so Redis held no awaiting state.
 - part_stored_counts (E4; 5f7b0bf, dialog.c: stored counts clamped; dialog.c and admin.c:
   usage sums saturate), a redis-server of the test's own holding dialogs the gateway has no
   copy of (docs/state.md, Redis layout), their dialog hash written by the test: turn_count
@@ -71,7 +71,8 @@ handshakes carry an app session cookie and the subprotocol chat.v2).
   message); usage in, out and turns of 2^63-1 stay 2^63-1 after a turn, and GET
   /admin/users/{user}/usage totals two such rooms to 2^63-1. Before: the counts wrapped to
   -9223372036854775808 (and -4, -6), the usage to negative numbers, the admin total of two
-  rooms to -2.
+  rooms to -2; the sanitizer build aborted at the message's count ("signed integer overflow:
+  9223372036854775807 + 1", pipeline.c).
 """
 
 import asyncio
