@@ -224,16 +224,17 @@ def tally_line(t):
             + (f", protocol violations {t['violations'][:3]}" if t["violations"] else ""))
 
 
-async def load(tabs, tag, stop, pause=0.02, until_n=None, rooms=4):
+async def load(tabs, tag, stop, pause=0.02, until_n=None, rooms=4, who=""):
     """Each tab sends, one message at a time, into rooms <tag>0 to <tag><rooms-1> in turn until
-    `stop` is set (or `until_n` messages each). The Sent of every message."""
+    `stop` is set (or `until_n` messages each). `who` tells a user's second tab's messages
+    (texts and ids) from its first's, in the same rooms. The Sent of every message."""
     sents = []
 
     async def one(tab):
         n = 0
         while not stop.is_set() and (until_n is None or n < until_n):
             room = f"{tag}{n % rooms}"
-            s = await tab.ask(f"msg {tab.user}/{room} {n}", f"{tag}-{tab.user}-{n}", room)
+            s = await tab.ask(f"msg {tab.user}{who}/{room} {n}", f"{tag}{who}-{tab.user}-{n}", room)
             sents.append(s)
             n += 1
             await asyncio.sleep(pause)  # the load's pace
@@ -371,9 +372,9 @@ def owners_of(cluster, users):
 
 
 def check_histories(cluster, sents, excuse=None, one_writer=True):
-    """Every done turn's user message is in its dialog's history exactly once, in the order
-    sent, and (`one_writer`: each dialog written by one tab, one message at a time) the
-    history's ts never go back. `excuse(sent)`: True when a missing turn may be missing.
+    """Every done turn's user message is in its dialog's history exactly once, each tab's in
+    the order it sent them (a tab's texts share their words but the last), and (`one_writer`:
+    each dialog written by one tab, one message at a time) the history's ts never go back. `excuse(sent)`: True when a missing turn may be missing.
     Returns (missing and excused, missing not excused, other problems)."""
     by_dialog = {}
     for s in sents:
@@ -393,11 +394,14 @@ def check_histories(cluster, sents, excuse=None, one_writer=True):
         twice = [c for c, n in counts.items() if n > 1]
         if twice:
             problems.append(f"{user}/{room}: user messages twice in history: {twice[:3]}")
-        ours = [s.text for s in turns]
-        order = [c for c in users_said if c in set(ours)]
-        expected = [t for t in ours if t in set(order)]
-        if one_writer and order != expected:
-            problems.append(f"{user}/{room}: history order {order} is not the order sent {expected}")
+        writers = {}
+        for s in turns:
+            writers.setdefault(s.text.rsplit(" ", 1)[0], []).append(s.text)
+        for ours in writers.values():
+            order = [c for c in users_said if c in set(ours)]
+            expected = [t for t in ours if t in set(order)]
+            if order != expected:
+                problems.append(f"{user}/{room}: history order {order} is not the order sent {expected}")
         lacking = [s for s in turns if s.kind == "done" and counts.get(s.text, 0) == 0]
         for s in lacking:
             (excused if excuse and excuse(s) else missing).append(s)
@@ -504,7 +508,7 @@ async def failover_round(w, full_coverage, pause=False):
     setting = "yes" if full_coverage else "no"
     how = "SIGSTOP" if pause else "kill -9"
     with step(f"failover (cluster-require-full-coverage {setting}): {how} of a master while {N_USERS} clients "
-              "send; every message answered once; history complete (what the killed master took last is written again to its promoted replica); "
+              "send (the master's users from a second tab on the other gateway too); every message answered once; history complete (what the killed master took last is written again to its promoted replica); "
               "no gateway degraded as a whole" + ("" if full_coverage else
                                                   "; the other masters' users never told store_degraded")):
         for node in cluster.live():
@@ -529,7 +533,12 @@ async def failover_round(w, full_coverage, pause=False):
         seen = {}
         watcher = asyncio.create_task(watch_degraded(w.gws, watch_stop, seen))
         tag = "fs" if pause else "fo" if full_coverage else "fp"  # message ids of their own
+        # the victim's users also write from a second tab, on the other gateway: two gateways
+        # on one dialog through the failover, whose copies must merge (docs/state.md)
+        seconds = [await Tab.open(w.gb if tab.gw is w.ga else w.ga, tab.user) for tab in w.tabs
+                   if tab.user in victim_users]
         loader = asyncio.create_task(load(w.tabs, tag, stop))
+        loader2 = asyncio.create_task(load(seconds, tag, stop, who="+2"))
         try:
             await asyncio.sleep(1.5)  # the scenario: traffic for a while before the master goes
             await asyncio.to_thread(cluster.pause_master if pause else cluster.kill_master, victim)
@@ -542,13 +551,16 @@ async def failover_round(w, full_coverage, pause=False):
         finally:
             stop.set()
             sents = await loader
+            sents += await loader2
         settle_started = time.time()
         await settled(w.gws)
         settled_at = time.time()
         watch_stop.set()
         await watcher
         await asyncio.sleep(0.3)  # a duplicate would come now
-        t = tally(sents, w.tabs, tag + "-")
+        t = tally(sents, w.tabs + seconds, tag)
+        for tab in seconds:
+            await tab.close()
         after = await counters(w.gws)
         d = delta(after, before)
         print(f"   {tally_line(t)}; errors: {t['errors'][:3]}", flush=True)
@@ -570,7 +582,7 @@ async def failover_round(w, full_coverage, pause=False):
             # the save, came at most REPLICATION_WINDOW before; 0.5 s after it for the test's
             # own loop, which reads 50 clients' frames.
             return s.user in victim_users and killed_at - REPLICATION_WINDOW <= s.answered_at <= killed_at + 0.5
-        excused, missing, problems = await asyncio.to_thread(check_histories, cluster, sents, may_be_lost)
+        excused, missing, problems = await asyncio.to_thread(check_histories, cluster, sents, may_be_lost, False)
         after_fo = [s for s in missing if s.answered_at and s.answered_at >= failed_over_at]
         print(f"   history: {len(excused)} turn(s) missing within the replication window (of {len(window)} "
               f"answered on the killed master's dialogs in the last {REPLICATION_WINDOW:.0f} s before the kill): "
