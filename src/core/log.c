@@ -53,7 +53,7 @@ void cg_log_set_json(int json)
 #define PHONE_END "(?![\\w/]|[.:]\\d)"
 static const struct { const char *pattern; const char *replacement; } masks[] = {
     {"(?i)\\bbearer\\s+[\\w.~+/=-]+|\\beyJ[\\w-]+\\.[\\w-]+\\.[\\w-]*|\\bsk-[\\w-]{6,}"
-     "|(?<=[?&])(?:access_token|resume|token|api_key)=[^&\\s\"]+|\\bu_[0-9a-f]{16}\\.[\\w-]{20,}",
+     "|(?<=[?&])(?:access_token|resume|token|api_key)=[^&\\s\"']+|\\bu_[0-9a-f]{16}\\.[\\w-]{20,}",
      "[token]"},
     {"(?<![\\w.+-])[\\w.+-]+@[\\w-]+(?:\\.[\\w-]+)+", "[email]"},
     /* "+" and a country code is a phone number after anything but a digit or another "+"

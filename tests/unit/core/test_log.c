@@ -25,6 +25,8 @@ static void test_masks(void)
     check_mask("Authorization: Bearer abc.def-ghi", "Authorization: [token]");
     check_mask("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1In0.c2ln", "jwt [token]");
     check_mask("GET /ws?access_token=abc.def&x=1", "GET /ws?[token]&x=1");
+    check_mask("refused Origin 'http://x.example/?token=s3cr3t-value' (not a loopback page)",
+               "refused Origin 'http://x.example/?[token]' (not a loopback page)"); /* the quote ends it */
     check_mask("resume u_0123456789abcdef.AAAAAAAAAAAAAAAAAAAAAAAAAAAA", "resume [token]");
     check_mask("key sk-abcdefghijkl", "key [token]");
     check_mask("listening on 127.0.0.1:8080 at 2026-11-22T06:00:00Z", "listening on 127.0.0.1:8080 at 2026-11-22T06:00:00Z");
