@@ -269,9 +269,16 @@ static void on_app_frame(ws_conn *k, const char *buf, size_t len)
     json_t *id = json_object_get(o, "id");
     json_t *type = json_object_get(o, "type");
     if (!json_is_object(o) || !json_is_string(type)) {
+        /* what was wrong, and where: jansson's text ("too big integer near ...", at a
+         * column) when it is no JSON at all */
+        char why[200];
+        if (!o)
+            snprintf(why, sizeof(why), "not JSON (%s, at byte %d)", jerr.text, jerr.position);
+        else
+            snprintf(why, sizeof(why), "%s", json_is_object(o) ? "no \"type\" string" : "not a JSON object");
         json_decref(o);
-        call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL, "sent a frame that is not a chatgate JSON frame: %.*s",
-                  (int)(len < 80 ? len : 80), buf);
+        call_fail(k, CG_CALL_FINAL, NULL, CG_E_UPSTREAM_ERROR, NULL,
+                  "sent a frame that is not a chatgate JSON frame: %s: %.*s", why, (int)(len < 80 ? len : 80), buf);
         return;
     }
     if (!json_is_string(id) || strcmp(json_string_value(id), c->id) != 0) {

@@ -593,6 +593,8 @@ async def part_awaiting_ttl():
                     turn = await client.message(awaiting_says(str(2**63)), mid="past", room="past")
                     print(f"   ttl 2^63: {harness.brief(turn.terminal, 200)}")
                     check(turn.kind in ("done", "error"), f"ttl 2^63: {turn.describe()}")
+                    if turn.kind == "error":  # the app's frame refused: the log says what was wrong, where
+                        await harness.wait_log(gw, r"not a chatgate JSON frame: not JSON \(too big integer", 3)
                     gw.assert_alive()
                     no_sanitizer_report(gw)
                     state = await context_command(client, "context.get", "past")
