@@ -197,11 +197,37 @@ static int send_last_script(redis_store *rs, script_id id, cg_argv *a, cg_redis_
  * EVAL after them: the next turn would read the dialog without this save, and its lease
  * would make this save fail. rs->saving counts the saves in flight per dialog key; the held
  * loads wait in rs->gated and go when their dialog has none.
+ *
+ * But a turn's load behind one plain save (a turn's, not a merge or a write-back: the
+ * common case, a client's next message right after its done) goes at once, on the same
+ * connection, asking about the rev that save writes (rs->save_next): Redis runs the two in
+ * order, the save's answer updates the gateway's copy before the load's answer is read, and
+ * the load answers "same" from it; one round trip instead of two. Should the load's answer
+ * come while the save is still unanswered (it went again as EVAL after NOSCRIPT, or turned
+ * into a merge), that answer read Redis before the save: it is dropped, and the load goes
+ * again behind the gate (on_load_reply).
  */
+static size_t params_count(json_t *params);
+
 static void gate_enter(redis_store *rs, const char *key)
 {
     json_t *n = json_object_get(rs->saving, key);
     json_object_set_new(rs->saving, key, json_integer(n ? json_integer_value(n) + 1 : 1));
+    if (n) /* more than one save in flight: a load waits for them all */
+        json_object_del(rs->save_next, key);
+}
+
+/* r, a plain save, is in flight alone for its dialog: what the copy will be once answered. */
+static void gate_note_plain(redis_store *rs, const redis_req *r)
+{
+    json_t *n = json_object_get(rs->saving, r->key);
+    if (!n || json_integer_value(n) != 1 || !r->rev)
+        return;
+    json_t *next = json_object();
+    json_object_set_new(next, "rev", json_string(r->rev));
+    json_object_set_new(next, "p", json_integer((json_int_t)params_count(r->snapshot->params)));
+    json_object_set_new(next, "h", json_integer((json_int_t)json_array_size(r->snapshot->history)));
+    json_object_set_new(rs->save_next, r->key, next);
 }
 
 static void gate_leave(redis_store *rs, const char *key)
@@ -212,6 +238,7 @@ static void gate_leave(redis_store *rs, const char *key)
         return;
     }
     json_object_del(rs->saving, key);
+    json_object_del(rs->save_next, key);
     redis_req **pp = &rs->gated;
     while (*pp) { /* the held loads of this dialog go now, in their order */
         redis_req *r = *pp;
@@ -635,6 +662,17 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
+    if (r->pipelined) {
+        r->pipelined = 0;
+        if (reply && json_object_get(rs->saving, r->key)) {
+            /* the save it went behind is unanswered still: this answer read Redis before it
+             * (the save went again after NOSCRIPT, or merges); again, behind the gate. A
+             * lease it took is this gateway's: the next load takes it again. */
+            rs->base.stats.loads_pipelined_again++;
+            dispatch(rs, r);
+            return;
+        }
+    }
     if (reply && reply->type == REDIS_REPLY_ARRAY && reply->elements == 3 && reply->element[0]->type == REDIS_REPLY_STRING &&
         strcmp(reply->element[0]->str, "busy") == 0 && reply->element[1]->type == REDIS_REPLY_STRING) {
         lease_wait(rs, r, reply);
@@ -672,6 +710,8 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     cg_redis_req_finish(r);
 }
 
+static void send_load_cmd(redis_store *rs, redis_req *r);
+
 static void send_load(redis_store *rs, redis_req *r)
 {
     /* the rev of the copy this gateway holds, if Redis may answer "same" (a turn's load:
@@ -683,6 +723,28 @@ static void send_load(redis_store *rs, redis_req *r)
     r->rev = v.rev ? cg_strdup(v.rev) : NULL;
     r->copy_params = params_count(v.params);
     r->copy_history = json_array_size(v.history);
+    send_load_cmd(rs, r);
+}
+
+/* A turn's load behind the one plain save of its dialog in flight (the gate's comment): sent
+ * now, asking about the rev that save writes; 0, or -1 when it must wait at the gate. */
+static int send_load_behind(redis_store *rs, redis_req *r)
+{
+    json_t *next = json_object_get(rs->save_next, r->key);
+    if (!next || !r->lease || r->full)
+        return -1;
+    free(r->rev);
+    r->rev = cg_strdup(json_string_value(json_object_get(next, "rev")));
+    r->copy_params = (size_t)json_integer_value(json_object_get(next, "p"));
+    r->copy_history = (size_t)json_integer_value(json_object_get(next, "h"));
+    r->pipelined = 1;
+    rs->base.stats.loads_pipelined++;
+    send_load_cmd(rs, r);
+    return 0;
+}
+
+static void send_load_cmd(redis_store *rs, redis_req *r)
+{
     cg_argv a = {0};
     if (r->lease) { /* a turn's load takes the lease: the line of waiters is its KEYS[8] */
         cg_argv_str(&a, "EVALSHA");
@@ -1556,10 +1618,14 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     r->appended = from >= 0;
 
     gate_enter(rs, r->key);
-    if (send_last_script(rs, S_SAVE, &a, on_save_reply, r) < 0)
+    if (send_last_script(rs, S_SAVE, &a, on_save_reply, r) < 0) {
         gate_leave(rs, r->key);
-    else if (rs->master)
-        cg_fallback_note_saved(rs->fb, r->key, r->eu, r->er);
+    } else {
+        if (!r->version && !r->merges && !r->merge_rev)
+            gate_note_plain(rs, r);
+        if (rs->master)
+            cg_fallback_note_saved(rs->fb, r->key, r->eu, r->er);
+    }
     cg_argv_free(&a);
 }
 
@@ -1604,7 +1670,7 @@ static void dispatch(redis_store *rs, redis_req *r)
     /* a dirty dialog is read and written in memory until its write-back */
     int clean = connected && !cg_fallback_is_dirty(rs->fb, r->key);
     if (r->kind == CG_STORE_LOAD && clean) {
-        if (!gated(rs, r))
+        if (send_load_behind(rs, r) < 0 && !gated(rs, r))
             send_load(rs, r);
     } else if (r->kind == CG_STORE_SAVE && r->snapshot && clean) {
         cg_redis_send_save(rs, r);

@@ -139,6 +139,7 @@ void cg_redis_store_free(redis_store *rs)
     free(rs->master);
     json_decref(rs->leases);
     json_decref(rs->saving);
+    json_decref(rs->save_next);
     free(rs->host);
     free(rs->user);
     free(rs->password);

@@ -441,11 +441,12 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->fb = cg_fallback_new(&rs->base, name, &redis_backend, rs);
     rs->leases = json_object();
     rs->saving = json_object();
+    rs->save_next = json_object();
     rs->profiles = cg_profiles_new(cfg->max_dialogs);
     rs->profile_pending = json_object();
     cg_redis_scripts_init();
     lease_holder_id(rs);
-    if (!rs->leases || !rs->saving)
+    if (!rs->leases || !rs->saving || !rs->save_next)
         abort(); /* out of memory at startup */
     uv_timer_init(loop, &rs->tick);
     rs->tick.data = rs;

@@ -136,6 +136,8 @@ void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gaug
     dst->lease_lost += src->lease_lost;
     dst->remote_cancels += src->remote_cancels;
     dst->loads_cached += src->loads_cached;
+    dst->loads_pipelined += src->loads_pipelined;
+    dst->loads_pipelined_again += src->loads_pipelined_again;
     dst->saves_appended += src->saves_appended;
     dst->primary_switches += src->primary_switches;
     dst->readonly_replies += src->readonly_replies;

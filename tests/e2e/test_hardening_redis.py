@@ -54,11 +54,13 @@ class RedisFront:
     """A TCP server between the gateway and a real Redis. mode "proxy" passes the bytes on;
     "error" answers every command with `error` (a RESP error line, without the '-');
     "stall" accepts and answers nothing (Redis stopped, for this gateway only). A mode holds
-    for the connections accepted while it is set; `cut()` closes every open connection."""
+    for the connections accepted while it is set; `cut()` closes every open connection.
+    `delay` (s) holds each piece of Redis's answers that long on its way back, in "proxy"."""
 
     def __init__(self, redis_port):
         self.redis_port = redis_port
         self.mode = "proxy"
+        self.delay = 0.0
         self.error = ""
         self.accepted = 0
         self.writers = set()
@@ -116,9 +118,11 @@ class RedisFront:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.redis_port)
         self.writers.add(up_writer)
 
-        async def pipe(src, dst):
+        async def pipe(src, dst, answers=False):
             try:
                 while data := await src.read(65536):
+                    if answers and self.delay:
+                        await asyncio.sleep(self.delay)
                     dst.write(data)
                     await dst.drain()
             except OSError:
@@ -127,7 +131,7 @@ class RedisFront:
                 dst.close()
 
         try:
-            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer, answers=True))
         finally:
             self.writers.discard(up_writer)
 
@@ -355,6 +359,58 @@ async def part_bus_stopped(app, rules):
     finally:
         store.cleanup(keep=True)
         bus.cleanup(keep=True)
+
+
+async def part_pipelined_load(app, rules):
+    """A turn's load goes at once behind its dialog's save still in flight (one round trip for
+    the two, issue 39), and reads right. Redis's answers are held 50 ms by a front, so each
+    next message's load is sent while the turn before's save is unanswered: every turn must
+    forward the whole history before it, and the loads are counted pipelined. Then the save
+    script is flushed from Redis (SCRIPT FLUSH; a context.get loads the load script again):
+    the next save goes again as EVAL after NOSCRIPT, behind the pipelined load Redis already
+    ran; that load's answer must be dropped and the load sent again (counted), so the turn
+    after still sees the turn before."""
+    redis = await harness.RedisServer().astart()
+    front = await RedisFront(redis.port).start()
+    try:
+        async with harness.Gateway(header_args(rules), config_for(app, front.url), name="gateway-pipelined") as gw:
+            c = await Client.connect(gw, expect_user="pipe", extra_headers={"X-User-Id": "pipe"})
+            said = []
+
+            async def turn(k):
+                t = await c.message(f"pipe {k}", mid=f"pipe{k}", room="r")
+                t.expect_done()
+                fwd = await app.wait_message(f"pipe{k}")
+                got = harness.history_pairs(fwd["history"])
+                check(got == said[-10:], f"turn {k} forwarded the history {got}, expected {said[-10:]}")
+                said.extend([("user", f"pipe {k}"), ("assistant", t.terminal["text"])])
+
+            with step("answers held 50 ms: turns back to back, each load sent behind the save before it, "
+                      "each turn given the whole history"):
+                await turn(1)
+                front.delay = 0.05
+                for k in range(2, 8):
+                    await turn(k)
+                m = await metrics(gw)
+                piped = m.value("chatgate_store_loads_pipelined_total")
+                print(f"   loads pipelined {piped:.0f} of 6, answered 'same' "
+                      f"{m.value('chatgate_store_loads_cached_total'):.0f}", flush=True)
+                check(piped >= 4, f"only {piped} of 6 loads went behind a save in flight")
+            with step("the save script flushed from Redis: the load behind the save's NOSCRIPT is sent again, "
+                      "and the next turn sees the one before"):
+                redis.command("SCRIPT", "FLUSH")
+                await c.send({"type": "context.get", "room": "r"})  # loads the load script again (EVAL)
+                await c.next_matching(lambda f: f.get("type") == "context", 5, "the context")
+                for k in range(8, 11):
+                    await turn(k)
+                m = await metrics(gw)
+                again = m.value("chatgate_store_loads_pipelined_again_total")
+                print(f"   loads sent again {again:.0f}", flush=True)
+                check(again >= 1, "no pipelined load was sent again after its save's NOSCRIPT")
+            await c.close()
+    finally:
+        await front.close()
+        redis.cleanup(keep=True)
 
 
 # ---- defect 4: the write-back never erases good data ---------------------------------------
@@ -744,6 +800,7 @@ async def main(args):
         lambda app: part_resolve(app, rules),
         lambda app: part_bus_url(app, rules),
         lambda app: part_bus_stopped(app, rules),
+        lambda app: part_pipelined_load(app, rules),
     ]
     only = os.environ.get("CG_E2E_PARTS")  # e.g. "7,8" to run some parts while debugging
     async with harness.FakeApp() as app:

@@ -71,6 +71,8 @@ struct redis_req {
                                        * params, its history messages) */
     int full;          /* load: reads everything, whatever the gateway holds; save: rewrites
                         * the whole history (its append was refused) */
+    int pipelined;     /* load: sent behind a save of its dialog still in flight, asking about
+                        * the rev that save writes (redis_dialog.c, "gate") */
     int appended;      /* save: sent only the history's new messages */
     int merges;        /* save: how often Redis's copy was read and merged with this one */
     int lease_lost;    /* save: refused for a lease another gateway took (-2): its turn began
@@ -115,6 +117,8 @@ struct redis_store {
     redis_req *waiting, *waiting_tail; /* before the first connection is decided */
     json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
+    json_t *save_next; /* key -> {rev, p, h}: the one plain save in flight of that dialog, what
+                        * the gateway's copy will be once it is answered (a load goes behind it) */
     redis_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */

@@ -106,6 +106,8 @@ typedef struct cg_store_stats {
     unsigned long lease_lost;              /* turns' saves refused: their lease had passed on */
     unsigned long remote_cancels;          /* turns stopped at another gateway's request */
     unsigned long loads_cached;            /* loads answered "unchanged": the gateway's copy was Redis's */
+    unsigned long loads_pipelined;         /* loads sent behind their dialog's save in flight */
+    unsigned long loads_pipelined_again;   /* of those, sent again: the save was not answered first */
     unsigned long saves_appended;          /* saves that sent only the history's new messages */
     /* Redis Sentinel (redis-sentinel://) */
     unsigned long primary_switches;  /* connections trusted to a primary other than the last one */
