@@ -98,6 +98,12 @@ static int is_session_callback(lws_callback_function *cb)
  * subprotocol), then the drop-in app's subprotocols (lws accepts only names it was given;
  * they are handled by the same session callback), then the client and HTTP handlers.
  */
+/* A client connection's receive buffer in lws, allocated at its upgrade and held while it is
+ * open: the most of a message lws hands over at once. A chat message is mostly far smaller;
+ * a longer one comes in pieces, put together by core/wsrx. Each KiB here is a KiB per idle
+ * connection (docs/architecture.md, "Memory"); the app connections, few, keep 4 KiB. */
+#define CG_CLIENT_RX_BUFFER 2048
+
 static struct lws_protocols *build_protocols(const cg_config *cfg)
 {
     static const struct lws_protocols fixed[] = {
@@ -110,10 +116,11 @@ static struct lws_protocols *build_protocols(const cg_config *cfg)
     size_t n_fixed = sizeof(fixed) / sizeof(fixed[0]), n_subs = json_array_size(subs);
     struct lws_protocols *p = cg_calloc(1 + n_subs + n_fixed + 1, sizeof(*p)); /* zeroed: the list's end */
     size_t n = 0;
-    p[n++] = (struct lws_protocols){CG_PROTOCOL_NAME, front_callback, cg_session_size(), 4096, 0, NULL, 0};
+    p[n++] = (struct lws_protocols){CG_PROTOCOL_NAME, front_callback, cg_session_size(), CG_CLIENT_RX_BUFFER, 0, NULL,
+                                    0};
     for (size_t i = 0; i < n_subs; i++)
         p[n++] = (struct lws_protocols){json_string_value(json_array_get(subs, i)), cg_session_callback,
-                                        cg_session_size(), 4096, 0, NULL, 0};
+                                        cg_session_size(), CG_CLIENT_RX_BUFFER, 0, NULL, 0};
     for (size_t i = 0; i < n_fixed; i++) {
         p[n] = fixed[i];
         if (strcmp(p[n].name, CG_LWS_PROTOCOL_ADMIN) == 0)
@@ -603,7 +610,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     if (load_rule_sets(cfg, &gw->srv.turn.rules, &gw->srv.turn.shadow, err, errlen) < 0)
         return CG_GATEWAY_BAD_CONFIG;
     count_rules(&gw->srv.metrics, gw->srv.turn.rules);
-    /* Client frames arrive in pieces of 4096 bytes; a frame over it is reassembled. */
+    /* Client frames arrive in pieces of CG_CLIENT_RX_BUFFER bytes; a frame over it is
+     * reassembled (core/wsrx.h). */
     gw->protocols = build_protocols(cfg);
     set_mounts(gw, cfg);
 

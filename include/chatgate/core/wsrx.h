@@ -2,7 +2,8 @@
 #define CHATGATE_CORE_WSRX_H
 /*
  * wsrx.h: one WebSocket message put together from the fragments lws hands over (at most
- * the protocol's rx_buffer_size, 4 KiB, at a time), within a bound.
+ * the protocol's rx_buffer_size at a time: 2 KiB for clients, 4 KiB from apps), within a
+ * bound.
  *
  * A message that comes in one piece, the common case, is used where lws has it: nothing is
  * copied and no buffer exists. Only a message in several pieces gets a buffer, grown by
