@@ -404,6 +404,25 @@ async def part_path_encoded():
         server.close()
 
 
+async def read_upgrade_key(reader):
+    """A raw app's side: reads a WebSocket upgrade's head; its Sec-WebSocket-Key, or None when
+    the connection ended first."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = await reader.read(4096)
+        if not chunk:
+            return None
+        head += chunk
+    return next(l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:"))
+
+
+def switching(key):
+    """A raw app's 101 to the upgrade with `key`, taking the subprotocol chat.v2."""
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    return (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Protocol: chat.v2\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+
+
 async def part_client_leaves_during_hold():
     """Issue 35, item 9: the client's handshake waits for the app's. A client that leaves
     while the app is slow to answer must not leave the app's connection behind: once the app
@@ -411,18 +430,12 @@ async def part_client_leaves_during_hold():
     events = []
 
     async def slow_app(reader, writer):
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = await reader.read(4096)
-            if not chunk:
-                return
-            head += chunk
-        key = next(l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:"))
+        key = await read_upgrade_key(reader)
+        if key is None:
+            return
         events.append(("request", time.monotonic()))
         await asyncio.sleep(1.0)  # the client leaves meanwhile
-        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                     b"Sec-WebSocket-Protocol: chat.v2\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        writer.write(switching(key))
         await writer.drain()
         events.append(("101", time.monotonic()))
         rest = await reader.read(4096)  # a close frame (masked, opcode 8), or EOF
@@ -485,18 +498,12 @@ async def part_app_answers():
     events = []
 
     async def app(reader, writer):
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = await reader.read(4096)
-            if not chunk:
-                return
-            head += chunk
-        key = next(l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:"))
+        key = await read_upgrade_key(reader)
+        if key is None:
+            return
         await asyncio.sleep(0.5)  # an app slow to answer: the client must not be answered before it
         if answers["status"] == 101:
-            accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                         b"Sec-WebSocket-Protocol: chat.v2\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+            writer.write(switching(key))
         else:
             writer.write(b"HTTP/1.1 %d Whatever\r\ncontent-length: 2\r\nconnection: close\r\n\r\nno" % answers["status"])
         await writer.drain()
