@@ -312,6 +312,9 @@ static const figure_row figures[] = {
     {"chatgate_store_not_primary_total", "seen=\"role\"", "counter", NULL, ST(replica_refused, AS_ULONG)},
     {"chatgate_store_lease_waits_total", NULL, "counter",
      "Turns that found their dialog's lease held by another gateway and waited for it.", ST(lease_waits, AS_ULONG)},
+    {"chatgate_store_lease_wakes_total", NULL, "counter",
+     "Waiting turns woken at once when the gateway holding their dialog's lease let it go (the bus).",
+     ST(lease_wakes, AS_ULONG)},
     {"chatgate_store_lease_lost_total", NULL, "counter",
      "Turns whose save found their dialog's lease passed to another gateway (this one was away past "
      "redis.lease_ms); merged with that gateway's copy.",

@@ -44,7 +44,7 @@ struct cg_redis_bus {
     int port;
     char *channel;               /* this gateway's: "<prefix>:bus:<holder>" */
     int sharded;                 /* a cluster's: SSUBSCRIBE at the channel's master, SPUBLISH via the router */
-    cg_redis_bus_cancel_fn *on_cancel; /* a cancel for this gateway: the store decides what it stops */
+    cg_redis_bus_cancel_fn *on_cancel; /* a message for this gateway: the store reads it */
     cg_redis_redirect moved; /* sharded: where a MOVED answer to SSUBSCRIBE said the channel is */
     cg_redis_conn *sub, *pub;
     cg_resolve *resolve;
@@ -133,7 +133,7 @@ static void on_message(cg_redis_conn *ac, void *reply_, void *priv)
     }
     if ((strcmp(kind, "message") != 0 && strcmp(kind, "smessage") != 0) || r->element[2]->type != REDIS_REPLY_STRING)
         return;
-    b->on_cancel(b->rs, r->element[2]->str); /* "<dialog key> <lease>" */
+    b->on_cancel(b->rs, r->element[2]->str); /* a cancel, a wait or a wake */
 }
 
 static cg_redis_conn *bus_open(cg_redis_bus *b, const char *address)

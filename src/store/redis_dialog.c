@@ -512,13 +512,125 @@ static void lease_release(redis_store *rs, const char *eu, const char *er, const
 /* The lease was held by another holder: the load is sent again after a backoff (25 ms,
  * doubling to 250 ms, never past the lease's own end), in the request's own timer. A wait
  * per dialog is rare (the in-process lock already queues this gateway's own turns), and
- * short: the holder's save releases it. Polling keeps the store one connection and one
- * kind of command; a pub/sub wake-up would save at most the backoff. */
+ * short: the holder's save releases it. With a bus, the holder is also asked to say when it
+ * lets the lease go ("wait <key> <us>" on its channel); its "wake <key>" sends the load again
+ * at once, so a turn waits for the turns ahead of it and not the backoff's rest. Without a
+ * bus (or its message lost) the backoff still comes. */
 static void leave_line(redis_store *rs, redis_req *r);
+
+static void lease_waiting_add(redis_store *rs, redis_req *r)
+{
+    if (r->lw_listed)
+        return;
+    r->lw_next = rs->lease_waiting;
+    rs->lease_waiting = r;
+    r->lw_listed = 1;
+}
+
+void cg_redis_lease_unwait(redis_store *rs, redis_req *r)
+{
+    if (!r->lw_listed)
+        return;
+    for (redis_req **pp = &rs->lease_waiting; *pp; pp = &(*pp)->lw_next)
+        if (*pp == r) {
+            *pp = r->lw_next;
+            break;
+        }
+    r->lw_next = NULL;
+    r->lw_listed = 0;
+}
+
+/* The gateway a busy answer names: the lease's holder ("<holder> <fence>"), or that of the
+ * turn waiting first ("the turn <holder>#<n> waiting before this one"); NULL when neither. */
+static char *busy_holder(const redisReply *busy)
+{
+    const char *v = busy->element[1]->str, *end = v + busy->element[1]->len;
+    if (strncmp(v, "the turn ", 9) == 0) {
+        v += 9;
+        const char *sp = memchr(v, ' ', (size_t)(end - v));
+        end = sp ? sp : end;
+        while (end > v && end[-1] != '#')
+            end--;
+        end = end > v ? end - 1 : v;
+    } else {
+        const char *sp = memchr(v, ' ', (size_t)(end - v));
+        end = sp ? sp : end;
+    }
+    return end > v ? cg_strndup(v, (size_t)(end - v)) : NULL;
+}
+
+/* Asks the gateway that holds (or waits first for) r's lease to wake r when it lets go. */
+static void ask_wake(redis_store *rs, redis_req *r, const redisReply *busy)
+{
+    char *holder = rs->bus ? busy_holder(busy) : NULL;
+    if (!holder || strcmp(holder, rs->holder) == 0 || (r->asked && strcmp(r->asked, holder) == 0)) {
+        free(holder);
+        return;
+    }
+    size_t n = 5 + strlen(r->key) + 1 + strlen(rs->holder) + 1;
+    char *msg = cg_malloc(n);
+    snprintf(msg, n, "wait %s %s", r->key, rs->holder);
+    cg_redis_bus_publish(rs->bus, holder, msg);
+    free(msg);
+    free(r->asked);
+    r->asked = holder;
+}
+
+#define WAKE_MAX_DIALOGS 10000 /* dialogs of ours others wait for, remembered at most */
+#define WAKE_MAX_WAITERS 8     /* gateways remembered as waiting for one dialog */
+
+/* Tells every gateway waiting for key's lease (wake_on_release) that it is free. */
+static void wake_waiters(redis_store *rs, const char *key)
+{
+    json_t *list = json_object_get(rs->wake_on_release, key);
+    if (!list || !rs->bus)
+        return;
+    size_t n = 5 + strlen(key) + 1, i;
+    char *msg = cg_malloc(n);
+    snprintf(msg, n, "wake %s", key);
+    json_t *h;
+    json_array_foreach(list, i, h) cg_redis_bus_publish(rs->bus, json_string_value(h), msg);
+    free(msg);
+    json_object_del(rs->wake_on_release, key);
+}
+
+/* "wait <key> <holder>": holder waits for a lease of ours; told when we let it go, or at once
+ * when we hold none (it went meanwhile). */
+static void note_waiter(redis_store *rs, const char *key, size_t key_len, const char *holder)
+{
+    char *k = cg_strndup(key, key_len);
+    json_t *list = json_object_get(rs->wake_on_release, k);
+    if (!list && json_object_size(rs->wake_on_release) < WAKE_MAX_DIALOGS) {
+        list = json_array();
+        json_object_set_new(rs->wake_on_release, k, list);
+    }
+    int known = 0;
+    size_t i;
+    json_t *h;
+    json_array_foreach(list, i, h) known |= strcmp(json_string_value(h), holder) == 0;
+    if (list && !known && json_array_size(list) < WAKE_MAX_WAITERS)
+        json_array_append_new(list, json_string(holder));
+    if (!json_object_get(rs->leases, k) && !json_object_get(rs->saving, k))
+        wake_waiters(rs, k);
+    free(k);
+}
+
+static void on_lease_retry(uv_timer_t *t);
+
+/* "wake <key>": the loads waiting for key's lease ask again now. */
+static void on_wake(redis_store *rs, const char *key)
+{
+    for (redis_req *r = rs->lease_waiting; r; r = r->lw_next)
+        if (strcmp(r->key, key) == 0 && uv_is_active((uv_handle_t *)&r->defer)) {
+            rs->base.stats.lease_wakes++;
+            uv_timer_start(&r->defer, on_lease_retry, 0, 0);
+        }
+}
 
 static void on_lease_retry(uv_timer_t *t)
 {
     redis_req *r = t->data;
+    cg_redis_lease_unwait(r->rs, r);
     if (r->abandoned || r->rs->closing) {
         leave_line(r->rs, r);
         cg_redis_req_finish(r);
@@ -566,6 +678,8 @@ static void lease_wait(redis_store *rs, redis_req *r, redisReply *busy)
     }
     r->defer.data = r;
     uv_timer_start(&r->defer, on_lease_retry, delay, 0);
+    lease_waiting_add(rs, r);
+    ask_wake(rs, r, busy);
 }
 
 /* {"v": the lease, "t": when taken (loop ms)}, rs->leases' entry of a dialog; NULL when
@@ -786,7 +900,22 @@ static int lease_current(redis_store *rs, const char *key_and_lease)
 
 /* A cancel (the flag, or a bus message) names the dialog and the lease it is for: it stops
  * the turn only while that lease is still this gateway's, never the dialog's next turn. */
-void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease)
+static void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease);
+
+void cg_redis_bus_message(redis_store *rs, const char *text)
+{
+    if (strncmp(text, "wait ", 5) == 0) { /* a dialog key holds no space (escaped) */
+        const char *key = text + 5, *sp = strchr(key, ' ');
+        if (sp && sp[1])
+            note_waiter(rs, key, (size_t)(sp - key), sp + 1);
+    } else if (strncmp(text, "wake ", 5) == 0) {
+        on_wake(rs, text + 5);
+    } else {
+        cg_redis_cancel_turn(rs, text);
+    }
+}
+
+static void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease)
 {
     if (!lease_current(rs, key_and_lease))
         return;
@@ -821,7 +950,7 @@ static store_note *note_new(redis_store *rs, const char *a, const char *b)
 static void on_lease_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
-    store_note *note = priv; /* a renewal's; NULL for a release */
+    store_note *note = priv; /* a renewal's */
     const char *kl = note ? note->text : NULL;
     redisReply *reply = reply_;
     redis_store *rs = note ? note->rs : NULL;
@@ -840,12 +969,30 @@ static void on_lease_reply(cg_redis_conn *ac, void *reply_, void *priv)
     free(note);
 }
 
+/* A release was answered: the gateways waiting for the lease are told. */
+static void on_release_reply(cg_redis_conn *ac, void *reply, void *priv)
+{
+    (void)ac;
+    store_note *note = priv; /* the dialog's key */
+    if (reply)
+        wake_waiters(note->rs, note->text);
+    free(note);
+}
+
 static void lease_release(redis_store *rs, const char *eu, const char *er, const char *value)
 {
     cg_argv a = {0};
     arg_script(rs, &a, S_RELEASE, eu, er);
     cg_argv_str(&a, value);
-    send_script(rs, S_RELEASE, &a, on_lease_reply, NULL);
+    size_t nu = strlen(eu), nr = strlen(er);
+    char *key = cg_malloc(nu + nr + 2);
+    memcpy(key, eu, nu);
+    key[nu] = ':';
+    memcpy(key + nu + 1, er, nr + 1);
+    store_note *note = note_new(rs, key, NULL);
+    free(key);
+    if (send_script(rs, S_RELEASE, &a, on_release_reply, note) < 0)
+        free(note);
     cg_argv_free(&a);
 }
 
@@ -1446,6 +1593,7 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
 
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
 {
+    wake_waiters(rs, r->key); /* the save let the lease go (or it was not ours) */
     if (cg_redis_reply_failed(rs, reply, 0, "save") || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;
         cg_redis_answer_from_memory(r); /* keeps it in memory, dirty, for the write-back */

@@ -18,6 +18,7 @@ static void req_closed(uv_handle_t *h)
     free(r->lease_value);
     free(r->merge_rev);
     free(r->ticket);
+    free(r->asked);
     free(r->rev);
     json_decref(r->changes);
     json_decref(r->profile);
@@ -32,6 +33,7 @@ static void req_closed(uv_handle_t *h)
 /* Frees r once the replies still due to it have come (they come, possibly NULL). */
 void cg_redis_req_finish(redis_req *r)
 {
+    cg_redis_lease_unwait(r->rs, r);
     r->finished = 1;
     if (r->steps == 0)
         uv_close((uv_handle_t *)&r->defer, req_closed);
@@ -140,6 +142,7 @@ void cg_redis_store_free(redis_store *rs)
     json_decref(rs->leases);
     json_decref(rs->saving);
     json_decref(rs->save_next);
+    json_decref(rs->wake_on_release);
     free(rs->host);
     free(rs->user);
     free(rs->password);

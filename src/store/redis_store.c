@@ -442,11 +442,12 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->leases = json_object();
     rs->saving = json_object();
     rs->save_next = json_object();
+    rs->wake_on_release = json_object();
     rs->profiles = cg_profiles_new(cfg->max_dialogs);
     rs->profile_pending = json_object();
     cg_redis_scripts_init();
     lease_holder_id(rs);
-    if (!rs->leases || !rs->saving || !rs->save_next)
+    if (!rs->leases || !rs->saving || !rs->save_next || !rs->wake_on_release)
         abort(); /* out of memory at startup */
     uv_timer_init(loop, &rs->tick);
     rs->tick.data = rs;
@@ -483,9 +484,9 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     if (!(rs->link = cg_redis_link_open(&lc)))
         abort(); /* out of memory at startup */
     if (bus_url)
-        rs->bus = cg_redis_bus_open(rs, &bus, cg_redis_cancel_turn);
+        rs->bus = cg_redis_bus_open(rs, &bus, cg_redis_bus_message);
     else if (rs->n_seeds)
-        rs->bus = cg_redis_bus_open_sharded(rs, cg_redis_cancel_turn);
+        rs->bus = cg_redis_bus_open_sharded(rs, cg_redis_bus_message);
     else
         cg_info("redis: no redis.bus for a Sentinel store: cancels between gateways come with the lease renewal");
     return &rs->base;

@@ -137,6 +137,7 @@ void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gaug
     dst->remote_cancels += src->remote_cancels;
     dst->loads_cached += src->loads_cached;
     dst->loads_pipelined += src->loads_pipelined;
+    dst->lease_wakes += src->lease_wakes;
     dst->loads_pipelined_again += src->loads_pipelined_again;
     dst->saves_appended += src->saves_appended;
     dst->primary_switches += src->primary_switches;

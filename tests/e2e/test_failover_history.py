@@ -7,7 +7,10 @@ two gateways on the one store.
    on gateway B sends once while A's first turn runs: B's turn goes next (it took a place in
    the dialog's line of waiters), before A's second, so it waits no longer than the turn
    ahead of it. Before the line, A's next turn took the lease the moment A's save freed it,
-   and B's poll lost every race: it waited for all of A's turns.
+   and B's poll lost every race: it waited for all of A's turns. And B's turn starts (its
+   ack) within 60 ms of A's first done: A, asked on the bus, wakes B when its save has let
+   the lease go (chatgate_store_lease_wakes_total); B's polls alone, 25 ms doubling to 250,
+   left it idle 100 ms or more.
 2. A Sentinel failover under traffic: 10 dialogs, each with a tab on each gateway sending
    back to back; the primary is killed (SIGKILL) mid-traffic and the replica promoted. Every
    message gets exactly one terminal frame, each done; afterwards every answered turn is in
@@ -65,13 +68,17 @@ async def lease_order(rules):
                 async def tab_b():
                     await a_started.wait()  # A's first turn runs (its reply takes about 0.4 s)
                     sent = time.monotonic()
-                    t = await b.message("b0 " + "word " * 20, mid="b0", room="r", timeout=20)
+                    await b.send({"type": "message", "id": "b0", "text": "b0 " + "word " * 20, "room": "r"})
+                    await b.next_matching(lambda f: f.get("type") == "ack" and f.get("id") == "b0", 20,
+                                          "b0's ack (its dialog loaded, the lease taken)")
+                    done_at["b0 acked"] = time.monotonic()
+                    t = await b.collect_turn("b0", 20)
                     check(t.kind == "done", f"b0: {harness.brief(t.terminal)}")
                     done_at["b0"] = time.monotonic()
                     done_at["b0 sent"] = sent
 
                 await asyncio.gather(tab_a(), tab_b())
-                order = sorted((k for k in done_at if k != "b0 sent"), key=done_at.get)
+                order = sorted((k for k in done_at if k not in ("b0 sent", "b0 acked")), key=done_at.get)
                 waited = done_at["b0"] - done_at["b0 sent"]
                 a0 = done_at["a0"] - done_at["b0 sent"]
                 print(f"   order of done: {order}; B's turn took {waited:.2f} s (A's first ended {a0:.2f} s "
@@ -80,6 +87,10 @@ async def lease_order(rules):
                       f"B's turn should come right after A's first: done in the order {order}")
                 m = await metrics(gb)
                 check(m.value("chatgate_store_lease_waits_total") >= 1, "B never waited for the lease")
+                idle = done_at["b0 acked"] - done_at["a0"]
+                print(f"   B's turn began {idle * 1000:.0f} ms after A's first done")
+                check(m.value("chatgate_store_lease_wakes_total") >= 1, "B was never woken by A's release")
+                check(idle < 0.06, f"B's turn began {idle * 1000:.0f} ms after A's first done (at most 60 ms)")
                 said = [h["content"].split()[0] for h in history_of(redis, "orderly", "r") if h["role"] == "user"]
                 check(said[:2] == ["a0", "b0"] and sorted(said) == ["a0", "a1", "a2", "a3", "a4", "b0"],
                       f"the history should hold every turn once, b0 second: {said}")

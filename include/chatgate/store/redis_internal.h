@@ -79,6 +79,9 @@ struct redis_req {
                         * before that gateway's, so Redis's copy counts as the newer one */
     char *merge_rev;   /* save of a merge: the rev of Redis's copy it merged with ("" none) */
     char *ticket;      /* a turn's load: its place in the line for the lease, "<holder>#<n>" */
+    char *asked;       /* a turn's load waiting: the holder asked to wake it (redis_dialog.c) */
+    redis_req *lw_next; /* in rs->lease_waiting, while its retry waits */
+    int lw_listed;
     int64_t renewed;   /* save: when the lifetimes of the keys it writes were last set, this
                         * save's time when it sets them (docs/state.md, "Lifetimes in Redis") */
     json_t *changes;   /* profile: an update's (NULL: a read) */
@@ -120,6 +123,9 @@ struct redis_store {
     json_t *save_next; /* key -> {rev, p, h}: the one plain save in flight of that dialog, what
                         * the gateway's copy will be once it is answered (a load goes behind it) */
     redis_req *gated; /* loads held for a save of their dialog, in order (via wait_next) */
+    redis_req *lease_waiting; /* turns' loads waiting to ask for a lease again (via lw_next) */
+    json_t *wake_on_release; /* key -> [holder, ...]: gateways waiting for a lease of ours, told
+                              * on the bus when it is let go */
     char holder[48]; /* this store's lease holder id: host, pid and a random part */
     cg_redis_bus *bus; /* cancels between gateways (redis_bus.c), or NULL */
     unsigned long long rev_seq; /* the last rev this store wrote: revs are "<holder>#<seq>" */
@@ -212,25 +218,29 @@ void cg_redis_drain_waiting(redis_store *rs);
 int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elements, const char *what);
 /* The tick: renews the leases held that are a third through their lifetime. */
 void cg_redis_renew_leases(redis_store *rs);
-/* A cancel from another gateway, "<dialog key> <lease>": the turn stops if the lease is
- * still this gateway's (on_cancel), else it is a late one and nothing happens. */
-void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease);
+/* A message on this gateway's bus channel: a cancel, "<dialog key> <lease>" (the turn stops
+ * if the lease is still this gateway's, else it is a late one and nothing happens); "wait
+ * <dialog key> <holder>", another gateway waiting for a lease of ours; "wake <dialog key>",
+ * a lease we wait for let go. */
+void cg_redis_bus_message(redis_store *rs, const char *text);
+/* r no longer waits to ask for its lease again (finished). */
+void cg_redis_lease_unwait(redis_store *rs, redis_req *r);
 /* Computes the scripts' SHA1s (once, at open). */
 void cg_redis_scripts_init(void);
 
 /* ---- redis_bus.c ----------------------------------------------------------------------- */
 
-/* What the bus hands a cancel for this gateway to ("<dialog key> <lease>"): the bus knows
+/* What the bus hands a message for this gateway to (cg_redis_bus_message): the bus knows
  * nothing of dialogs. */
-typedef void cg_redis_bus_cancel_fn(redis_store *rs, const char *key_and_lease);
+typedef void cg_redis_bus_cancel_fn(redis_store *rs, const char *text);
 /* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy,
  * parsed by cg_redis_parse_url): the bus takes its host and password. */
 cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_cancel_fn *on_cancel);
 /* A cluster's bus (redis-cluster:// without redis.bus): sharded pub/sub through the store's
  * router. */
 cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn *on_cancel);
-/* Tells the gateway `holder` to stop its turn: key_and_lease is "<dialog key> <lease>";
- * nothing when the bus is down. */
+/* Publishes text on the channel of the gateway `holder` (a cancel: "<dialog key> <lease>";
+ * cg_redis_bus_message's others); nothing when the bus is down. */
 void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease);
 void cg_redis_bus_close(cg_redis_bus *b);
 

@@ -103,6 +103,7 @@ typedef struct cg_store_stats {
     unsigned long merges;                  /* saves that met another copy and merged with it */
     unsigned long merged_messages;         /* history messages those merges added to Redis's copy */
     unsigned long lease_waits;             /* turns that found their dialog's lease held elsewhere */
+    unsigned long lease_wakes;             /* waiting turns woken by the holder's message */
     unsigned long lease_lost;              /* turns' saves refused: their lease had passed on */
     unsigned long remote_cancels;          /* turns stopped at another gateway's request */
     unsigned long loads_cached;            /* loads answered "unchanged": the gateway's copy was Redis's */
