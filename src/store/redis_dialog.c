@@ -906,7 +906,8 @@ void cg_redis_bus_message(redis_store *rs, const char *text)
 {
     if (strncmp(text, "wait ", 5) == 0) { /* a dialog key holds no space (escaped) */
         const char *key = text + 5, *sp = strchr(key, ' ');
-        if (sp && sp[1])
+        /* from Redis, so checked: a holder id as this store makes them, no longer */
+        if (sp && sp[1] && strlen(sp + 1) < sizeof(rs->holder) && !strchr(sp + 1, ' '))
             note_waiter(rs, key, (size_t)(sp - key), sp + 1);
     } else if (strncmp(text, "wake ", 5) == 0) {
         on_wake(rs, text + 5);
