@@ -14,7 +14,8 @@
  * so the CRLF that a held head ends with stays in the socket for lws to read later. Then
  * both handles close, and from the close callback (libuv allows one poll per socket, and
  * lws makes its own) the socket and what was read go to lws. A head over the buffer is
- * handed over as far as it came: lws reads the rest and answers 431.
+ * handed over as far as it came: lws reads the rest and answers 431. (A head that has come
+ * up to "\r\n\r" keeps that byte in the socket, looked at again 2 ms later: head_readable.)
  *
  * The buffer starts at CG_HEAD_FIRST bytes, which a browser's or a client library's
  * handshake fits in, and doubles up to the header space only for a head that needs it: a
@@ -67,7 +68,7 @@ typedef struct head_conn {
     uv_timer_t again; /* reads again after a pause: the head's last byte is awaited (head_readable) */
     listener *l;
     int fd;
-    int handles;   /* open handles: the struct goes when both have closed */
+    int handles;   /* open handles: the struct goes when all three have closed */
     int finished;  /* the handles are closing */
     int adopt;     /* then: hand the socket to lws (1), or close it (0) */
     int hold;      /* a drop-in upgrade: handed over without the last CRLF, held */
@@ -269,6 +270,16 @@ static void head_readable(uv_poll_t *p, int status, int events)
      * up to "\r\n\r" on a drop-in listener keeps that "\r" in the socket: it may begin the
      * final CRLF, which a held head leaves for lws (head_done). The poll, which would wake at
      * once for it, pauses meanwhile, and the socket is looked at again shortly. */
+    if (h->len == h->cap) { /* over the header space: lws reads on, and answers 431 */
+        if (head_take(h, h->len) < 0) {
+            head_finish(h, 0);
+            return;
+        }
+        h->give = h->len;
+        head_finish(h, 1);
+        return;
+    }
+    int full = h->len == h->size; /* the peek filled the buffer: more may wait in the socket */
     int keep = (h->l->flags & CG_LISTEN_DROPIN) && h->len >= 3 && memcmp(h->buf + h->len - 3, "\r\n\r", 3) == 0;
     if (keep) {
         h->len--;
@@ -277,10 +288,7 @@ static void head_readable(uv_poll_t *p, int status, int events)
     }
     if (head_take(h, h->len) < 0) {
         head_finish(h, 0);
-    } else if (h->len == h->cap) { /* over the header space: lws reads on, and answers 431 */
-        h->give = h->len;
-        head_finish(h, 1);
-    } else if (h->len == h->size) { /* the buffer is full: room for more (the poll wakes again) */
+    } else if (full) { /* room for more (the poll, or the pause's end, looks again) */
         h->size = h->size * 2 < h->cap ? h->size * 2 : h->cap;
         h->buf = cg_realloc(h->buf, h->size);
     }

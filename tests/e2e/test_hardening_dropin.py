@@ -467,12 +467,17 @@ async def part_client_leaves_during_hold():
         server.close()
 
 
-def raw_upgrade(port, key, tail_apart=False):
+def raw_upgrade(port, key, tail_apart=False, length=None):
     """A drop-in handshake written by hand on a new socket; with tail_apart the head's last
-    byte goes 0.3 s after the rest. Returns (the answer's status line, when it came)."""
-    head = (f"GET /socket HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
-            f"Sec-WebSocket-Protocol: chat.v2\r\nCookie: sid=x\r\n\r\n").encode()
+    byte goes 0.3 s after the rest; `length`: the head padded (its cookie) to that many bytes.
+    Returns (the answer's status line, when it came)."""
+    def head_of(cookie):
+        return (f"GET /socket HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                f"Sec-WebSocket-Protocol: chat.v2\r\nCookie: sid={cookie}\r\n\r\n").encode()
+    head = head_of("x")
+    if length:
+        head = head_of("x" * (1 + length - len(head)))
     s = socket.create_connection(("127.0.0.1", port), timeout=8)
     try:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -515,11 +520,13 @@ async def part_app_answers():
     port = server.sockets[0].getsockname()[1]
     try:
         async with Gateway(config=config(f"ws://127.0.0.1:{port}"), env=ENV, name="gateway:app-answers") as gw:
-            for apart in (False, True):
-                with step(f"a. head {'with its last byte apart' if apart else 'in one write'}: 101 after the app's"):
+            # 2049 bytes: its "\r\n\r" ends exactly where the listener's first buffer (2 KiB) does
+            for apart, length in ((False, None), (True, None), (True, 2049)):
+                with step(f"a. head {'with its last byte apart' if apart else 'in one write'}"
+                          f"{f' ({length} bytes)' if length else ''}: 101 after the app's"):
                     events.clear()
                     key = base64.b64encode(os.urandom(16)).decode()
-                    first, t = await asyncio.to_thread(raw_upgrade, gw.port, key, apart)
+                    first, t = await asyncio.to_thread(raw_upgrade, gw.port, key, apart, length)
                     check(first.startswith(b"HTTP/1.1 101"), f"the client's handshake got {first!r}")
                     check(events and t >= events[0], "the client was answered before the app had answered")
             for status in (404, 429, 500, 503):
