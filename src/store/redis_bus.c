@@ -44,7 +44,7 @@ struct cg_redis_bus {
     int port;
     char *channel;               /* this gateway's: "<prefix>:bus:<holder>" */
     int sharded;                 /* a cluster's: SSUBSCRIBE at the channel's master, SPUBLISH via the router */
-    cg_redis_bus_cancel_fn *on_cancel; /* a message for this gateway: the store reads it */
+    cg_redis_bus_message_fn *to_store; /* a message for this gateway: the store reads it */
     cg_redis_redirect moved; /* sharded: where a MOVED answer to SSUBSCRIBE said the channel is */
     cg_redis_conn *sub, *pub;
     cg_resolve *resolve;
@@ -133,7 +133,7 @@ static void on_message(cg_redis_conn *ac, void *reply_, void *priv)
     }
     if ((strcmp(kind, "message") != 0 && strcmp(kind, "smessage") != 0) || r->element[2]->type != REDIS_REPLY_STRING)
         return;
-    b->on_cancel(b->rs, r->element[2]->str); /* a cancel, a wait or a wake */
+    b->to_store(b->rs, r->element[2]->str); /* a cancel, a wait or a wake */
 }
 
 static cg_redis_conn *bus_open(cg_redis_bus *b, const char *address)
@@ -270,11 +270,11 @@ static void bus_connect(cg_redis_bus *b)
 
 /* The URL was checked at open (cg_redis_parse_url, the store's own parser): the database does
  * not matter to pub/sub. */
-cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_cancel_fn *on_cancel)
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_message_fn *to_store)
 {
     cg_redis_bus *b = cg_calloc(1, sizeof(*b));
     b->rs = rs;
-    b->on_cancel = on_cancel;
+    b->to_store = to_store;
     b->host = url->host;
     b->user = url->user;
     b->password = url->password;
@@ -289,11 +289,11 @@ cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus
     return b;
 }
 
-cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn *on_cancel)
+cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_message_fn *to_store)
 {
     cg_redis_bus *b = cg_calloc(1, sizeof(*b));
     b->rs = rs;
-    b->on_cancel = on_cancel;
+    b->to_store = to_store;
     b->sharded = 1;
     b->host = cg_strdup(rs->host);
     b->port = rs->port;

@@ -205,7 +205,7 @@ static int send_last_script(redis_store *rs, script_id id, cg_argv *a, cg_redis_
  * the load answers "same" from it; one round trip instead of two. Should the load's answer
  * come while the save is still unanswered (it went again as EVAL after NOSCRIPT, or turned
  * into a merge), that answer read Redis before the save: it is dropped, and the load goes
- * again behind the gate (on_load_reply).
+ * again, behind the save sent again or at the gate (on_load_reply).
  */
 static size_t params_count(json_t *params);
 
@@ -780,8 +780,9 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
         r->pipelined = 0;
         if (reply && json_object_get(rs->saving, r->key)) {
             /* the save it went behind is unanswered still: this answer read Redis before it
-             * (the save went again after NOSCRIPT, or merges); again, behind the gate. A
-             * lease it took is this gateway's: the next load takes it again. */
+             * (the save went again after NOSCRIPT, or merges); the load goes again, behind
+             * the save sent again or at the gate. A lease it took is this gateway's: the
+             * next load takes it again. */
             rs->base.stats.loads_pipelined_again++;
             dispatch(rs, r);
             return;
@@ -900,7 +901,7 @@ static int lease_current(redis_store *rs, const char *key_and_lease)
 
 /* A cancel (the flag, or a bus message) names the dialog and the lease it is for: it stops
  * the turn only while that lease is still this gateway's, never the dialog's next turn. */
-static void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease);
+static void cancel_turn(redis_store *rs, const char *key_and_lease);
 
 void cg_redis_bus_message(redis_store *rs, const char *text)
 {
@@ -912,11 +913,11 @@ void cg_redis_bus_message(redis_store *rs, const char *text)
     } else if (strncmp(text, "wake ", 5) == 0) {
         on_wake(rs, text + 5);
     } else {
-        cg_redis_cancel_turn(rs, text);
+        cancel_turn(rs, text);
     }
 }
 
-static void cg_redis_cancel_turn(redis_store *rs, const char *key_and_lease)
+static void cancel_turn(redis_store *rs, const char *key_and_lease)
 {
     if (!lease_current(rs, key_and_lease))
         return;
@@ -957,7 +958,7 @@ static void on_lease_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_store *rs = note ? note->rs : NULL;
     if (kl && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 2) {
         /* another gateway asked, and its bus message did not come (or came first) */
-        cg_redis_cancel_turn(rs, kl);
+        cancel_turn(rs, kl);
     } else if (kl && rs && reply && reply->type == REDIS_REPLY_INTEGER && reply->integer == 0 &&
                lease_current(rs, kl)) {
         json_t *held = json_object_getn(rs->leases, kl, strcspn(kl, " "));

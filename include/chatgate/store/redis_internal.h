@@ -232,13 +232,13 @@ void cg_redis_scripts_init(void);
 
 /* What the bus hands a message for this gateway to (cg_redis_bus_message): the bus knows
  * nothing of dialogs. */
-typedef void cg_redis_bus_cancel_fn(redis_store *rs, const char *text);
+typedef void cg_redis_bus_message_fn(redis_store *rs, const char *text);
 /* Subscribes to this gateway's channel at url (redis://, a Redis itself, not twemproxy,
  * parsed by cg_redis_parse_url): the bus takes its host and password. */
-cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_cancel_fn *on_cancel);
+cg_redis_bus *cg_redis_bus_open(redis_store *rs, cg_redis_url *url, cg_redis_bus_message_fn *to_store);
 /* A cluster's bus (redis-cluster:// without redis.bus): sharded pub/sub through the store's
  * router. */
-cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_cancel_fn *on_cancel);
+cg_redis_bus *cg_redis_bus_open_sharded(redis_store *rs, cg_redis_bus_message_fn *to_store);
 /* Publishes text on the channel of the gateway `holder` (a cancel: "<dialog key> <lease>";
  * cg_redis_bus_message's others); nothing when the bus is down. */
 void cg_redis_bus_publish(cg_redis_bus *b, const char *holder, const char *key_and_lease);
