@@ -206,13 +206,19 @@ static void take_currency(char *s, char code[4])
     }
 }
 
+/* in, lowercased (ASCII), into s of n bytes, cut to fit. */
+static void lower_copy(const char *in, char *s, size_t n)
+{
+    size_t i = 0;
+    for (; in[i] && i < n - 1; i++)
+        s[i] = (char)tolower((unsigned char)in[i]);
+    s[i] = 0;
+}
+
 int cg_normalise_currency(const char *in, char code[4])
 {
     char s[128];
-    size_t n = 0;
-    for (const char *p = in; *p && n < sizeof(s) - 1; p++)
-        s[n++] = (char)tolower((unsigned char)*p);
-    s[n] = 0;
+    lower_copy(in, s, sizeof(s));
     take_currency(s, code);
     return code[0] ? 0 : -1;
 }
@@ -231,10 +237,7 @@ void cg_normalise_title(char *s)
 int cg_normalise_amount(const char *in, double *amount, char currency[4])
 {
     char s[128];
-    size_t n = 0;
-    for (const char *p = in; *p && n < sizeof(s) - 1; p++)
-        s[n++] = (char)tolower((unsigned char)*p);
-    s[n] = 0;
+    lower_copy(in, s, sizeof(s));
     take_currency(s, currency); /* taken out, wherever it stands */
     /* the number: digits with ',' thousands and '.' decimals, then k or m */
     char digits[64];

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "chatgate/core/alloc.h"
+#include "chatgate/core/error.h"
 #include "chatgate/store/profiles.h"
 
 struct cg_profiles {
@@ -127,6 +128,21 @@ void cg_profiles_put(cg_profiles *p, const char *user, json_t *profile, int64_t 
         free(oldest);
     }
     json_object_set_new(p->users, user, e);
+}
+
+int cg_profiles_update(cg_profiles *p, const char *user, json_t *changes, int64_t now, int64_t ttl_s, long cap,
+                       json_t **profile)
+{
+    json_t *had = cg_profiles_get(p, user, now, ttl_s);
+    json_t *next = cg_profile_apply(had, changes);
+    if (!next || (long)cg_profile_size(next) > cap) {
+        json_decref(next);
+        *profile = had ? json_incref(had) : NULL;
+        return next ? CG_E_TOO_LARGE : CG_E_INTERNAL;
+    }
+    cg_profiles_put(p, user, next, now, ttl_s);
+    *profile = next;
+    return 0;
 }
 
 void cg_profiles_remove(cg_profiles *p, const char *user)

@@ -132,23 +132,15 @@ static void from_copy(redis_req *r)
     redis_store *rs = r->rs;
     int64_t now = rs->base.now(rs->base.clock_ctx);
     const cg_lifetimes *lt = &rs->base.cfg.lifetimes;
-    json_t *had = cg_profiles_get(rs->profiles, r->eu, now, lt->profile_s);
     json_decref(r->profile);
     r->profile = NULL;
-    if (r->changes) {
-        json_t *next = cg_profile_apply(had, r->changes);
-        if (next && (long)cg_profile_size(next) <= lt->profile_cap) {
-            keep_for_writeback(rs, r->eu, r->changes);
-            cg_profiles_put(rs->profiles, r->eu, next, now, lt->profile_s);
-            r->profile = next;
-            had = NULL;
-        } else {
-            json_decref(next);
-            r->profile_err = next ? CG_E_TOO_LARGE : CG_E_INTERNAL;
-        }
+    if (!r->changes) {
+        json_t *had = cg_profiles_get(rs->profiles, r->eu, now, lt->profile_s);
+        r->profile = had ? json_incref(had) : NULL;
+    } else if (!(r->profile_err = cg_profiles_update(rs->profiles, r->eu, r->changes, now, lt->profile_s,
+                                                     lt->profile_cap, &r->profile))) {
+        keep_for_writeback(rs, r->eu, r->changes);
     }
-    if (had)
-        r->profile = json_incref(had);
     cg_redis_answer_later_from_memory(r); /* from the loop: the fallback says degraded */
 }
 
@@ -159,10 +151,7 @@ static void renew(redis_store *rs, const char *eu)
     cg_argv_str(&a, "PEXPIRE");
     cg_redis_profile_key(rs, &a, eu);
     cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.profile_s * 1000);
-    size_t len;
-    const char *cmd = cg_argv_framed(&a, &len);
-    if (cmd)
-        cg_redis_link_send(rs->link, a.slot, cmd, len, NULL, NULL);
+    cg_redis_send_argv(rs, &a, NULL, NULL);
     cg_argv_free(&a);
 }
 
@@ -231,9 +220,7 @@ static void send_profile(redis_store *rs, redis_req *r)
                 cg_argv_json(&a, v);
         }
     }
-    size_t len;
-    const char *cmd = cg_argv_framed(&a, &len);
-    int rc = cmd ? cg_redis_link_send(rs->link, a.slot, cmd, len, on_reply, r) : -1;
+    int rc = cg_redis_send_argv(rs, &a, on_reply, r);
     cg_argv_free(&a);
     if (rc < 0) {
         rs->base.stats.errors++;

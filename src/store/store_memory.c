@@ -628,21 +628,11 @@ static cg_store_req *mem_profile_update(cg_store *st, const char *user, json_t *
     memory_req *r = profile_req(ms, user, cb, ctx);
     if (!r)
         return NULL;
-    int64_t now = st->now(st->clock_ctx);
     const cg_lifetimes *lt = &st->cfg.lifetimes;
-    json_t *had = cg_profiles_get(ms->profiles, r->key, now, lt->profile_s);
-    json_t *next = cg_profile_apply(had, changes);
-    if (next && (long)cg_profile_size(next) > lt->profile_cap) {
-        r->err = CG_E_TOO_LARGE;
-        json_decref(next);
-        r->profile = had ? json_incref(had) : json_object();
-    } else if (next) {
-        cg_profiles_put(ms->profiles, r->key, next, now, lt->profile_s);
-        r->profile = next;
-    } else {
-        r->err = CG_E_INTERNAL;
-        r->profile = had ? json_incref(had) : json_object();
-    }
+    r->err = cg_profiles_update(ms->profiles, r->key, changes, st->now(st->clock_ctx), lt->profile_s, lt->profile_cap,
+                                &r->profile);
+    if (!r->profile)
+        r->profile = json_object();
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
 

@@ -39,6 +39,11 @@ size_t cg_profile_size(json_t *profile);
 json_t *cg_profiles_get(cg_profiles *p, const char *user, int64_t now, int64_t ttl_s);
 /* Puts a copy of profile (an empty one removes it) as user's, living until now + ttl_s. */
 void cg_profiles_put(cg_profiles *p, const char *user, json_t *profile, int64_t now, int64_t ttl_s);
+/* Applies changes (checked: cg_profile_check) to user's profile, as long as the result takes
+ * at most cap bytes: 0, or CG_E_TOO_LARGE (nothing changed), or CG_E_INTERNAL (out of
+ * memory). *profile gets the profile after it (a new reference; NULL when there is none). */
+int cg_profiles_update(cg_profiles *p, const char *user, json_t *changes, int64_t now, int64_t ttl_s, long cap,
+                       json_t **profile);
 /* Forgets user's profile. */
 void cg_profiles_remove(cg_profiles *p, const char *user);
 /* How many profiles are held. */
