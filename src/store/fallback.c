@@ -44,11 +44,20 @@
  * starts again rather than grow. */
 #define WARNED_MAX 100000
 
+typedef struct fb_req fb_req;
+
 struct cg_fallback {
     cg_store *st;      /* its loop, clock, cfg and stats */
     char name[96];     /* in logs: "redis host:port" */
+    cg_fallback_inner inner; /* the store it stands in front of */
     const cg_fallback_backend_ops *ops;
     void *backend;
+    fb_req *live;      /* the requests not yet finished, doubly linked: freed at the end */
+    fb_req *queue, **queue_tail; /* answered from memory at the next turn of the loop */
+    uv_timer_t answer; /* runs the queue */
+    int closing;
+    void (*closed)(void *arg);
+    void *closed_arg;
     cg_memstore *mem;  /* the gateway's copy */
     cg_limiter *limits; /* limits per user while away (this gateway's counts only) */
     json_t *dirty, *unknown, *recent, *warned;
@@ -68,12 +77,20 @@ static int64_t now_s(const cg_fallback *fb)
     return fb->st->now(fb->st->clock_ctx);
 }
 
-cg_fallback *cg_fallback_new(cg_store *st, const char *name, const cg_fallback_backend_ops *ops, void *backend)
+static void on_answer(uv_timer_t *t);
+
+cg_fallback *cg_fallback_new(cg_store *st, const char *name, const cg_fallback_inner *inner,
+                             const cg_fallback_backend_ops *ops, void *backend)
 {
     cg_fallback *fb = cg_calloc(1, sizeof(*fb));
     const cg_store_config *cfg = &st->cfg;
     fb->st = st;
+    st->fallback = fb;
     snprintf(fb->name, sizeof(fb->name), "%s", name);
+    fb->inner = *inner;
+    fb->queue_tail = &fb->queue;
+    uv_timer_init(st->loop, &fb->answer);
+    fb->answer.data = fb;
     fb->ops = ops;
     fb->backend = backend;
     fb->mem = cg_memstore_new(cfg->max_dialogs, &cfg->lifetimes, &st->stats);
@@ -90,10 +107,14 @@ cg_fallback *cg_fallback_new(cg_store *st, const char *name, const cg_fallback_b
     return fb;
 }
 
+static void req_free(fb_req *w);
+
 void cg_fallback_free(cg_fallback *fb)
 {
     if (!fb)
         return;
+    while (fb->live) /* what the inner store will not answer now: the store is gone */
+        req_free(fb->live);
     cg_memstore_free(fb->mem);
     cg_limiter_free(fb->limits);
     json_decref(fb->dirty);
@@ -359,25 +380,24 @@ void cg_fallback_up(cg_fallback *fb, int moved)
     flush_dirty(fb);
 }
 
-void cg_fallback_closing(cg_fallback *fb)
+static void on_answer_closed(uv_handle_t *h)
 {
+    cg_fallback *fb = h->data;
+    if (fb->closed)
+        fb->closed(fb->closed_arg);
+}
+
+void cg_fallback_closing(cg_fallback *fb, void (*closed)(void *arg), void *arg)
+{
+    fb->closing = 1;
+    fb->closed = closed;
+    fb->closed_arg = arg;
     if (json_object_size(fb->dirty))
         cg_warn("%s: stopping with %zu dialogs not yet written back", fb->name, json_object_size(fb->dirty));
+    uv_close((uv_handle_t *)&fb->answer, on_answer_closed); /* the queue goes with the fallback */
 }
 
-/* ---- answers from memory --------------------------------------------------------------- */
-
-static cg_store_status answer_status(cg_fallback *fb, const char *key, int load)
-{
-    cg_store_status st = {1, 0, 0};
-    if (load && !json_object_get(fb->warned, key)) {
-        if (json_object_size(fb->warned) > WARNED_MAX)
-            json_object_clear(fb->warned);
-        st.warn = json_object_set_new(fb->warned, key, json_true()) == 0;
-    }
-    fb->st->stats.degraded_answers++;
-    return st;
-}
+/* ---- what the inner store's answers mean here ------------------------------------------ */
 
 int cg_fallback_base_unknown(const cg_fallback *fb, const char *key)
 {
@@ -395,18 +415,7 @@ void cg_fallback_forget(cg_fallback *fb, const char *key)
     json_object_del(fb->unknown, key);
 }
 
-static int load_from_memory(cg_fallback *fb, const char *key, cg_dialog *d)
-{
-    int found = cg_memstore_get(fb->mem, key, now_s(fb), d);
-    if (!found) { /* the store's copy is unknown: until it is read or written, a save only creates */
-        while ((long)json_object_size(fb->unknown) >= fb->st->cfg.max_dialogs && json_object_size(fb->unknown))
-            json_object_del(fb->unknown, json_object_iter_key(json_object_iter(fb->unknown)));
-        json_object_set_new(fb->unknown, key, json_true()); /* out of memory: created_at still guards */
-    }
-    return found;
-}
-
-void cg_fallback_save(cg_fallback *fb, const char *key, const char *eu, const char *er, const cg_dialog *d)
+static void fallback_save(cg_fallback *fb, const char *key, const char *eu, const char *er, const cg_dialog *d)
 {
     cg_memstore_keep(fb->mem, key, d, now_s(fb), NULL, 0);
     mark_dirty(fb, key, eu, er, d);
@@ -418,7 +427,7 @@ void cg_fallback_remove(cg_fallback *fb, const char *key)
     dirty_del(fb, key);
 }
 
-void cg_fallback_remove_user(cg_fallback *fb, const char *user, const char *eu)
+static void fallback_remove_user(cg_fallback *fb, const char *user, const char *eu)
 {
     cg_memstore_del_user(fb->mem, user);
     cg_limiter_forget(fb->limits, eu);
@@ -432,59 +441,389 @@ void cg_fallback_remove_user(cg_fallback *fb, const char *user, const char *eu)
     }
 }
 
-void cg_fallback_answer_req(cg_fallback *fb, cg_store_req *req, const cg_fallback_subject *s, int closing)
+/* ---- the wrapper: where each request goes ------------------------------------------------ */
+
+/*
+ * A request of the wrapper's: cg_store_req's fields first (store.h), then what it needs to
+ * be answered from memory. It goes to the inner store (inner, until that answers) unless
+ * memory answers it at once: the store is away, or the dialog is dirty. The inner store's
+ * answer is passed on, unless it was status.unavailable (or the dialog went dirty
+ * meanwhile): memory answers then. A save keeps its own share of the dialog, so that memory
+ * can keep it if the inner store fails it.
+ */
+struct fb_req {
+    CG_STORE_REQ_FIELDS
+    cg_fallback *fb;
+    fb_req *prev, *next; /* in fb->live */
+    fb_req *queued;      /* in fb->queue */
+    cg_store_req *inner; /* in flight at the inner store, or NULL */
+    char *eu, *er;       /* user and room, escaped */
+    char *key;           /* "<eu>:<er>"; the rooms' and remove_user's: "<eu>:" */
+    char *user;          /* remove_user: the user as given */
+    cg_dialog *snapshot; /* save: the dialog (parts shared), until the inner store took it */
+    cg_limits limits;    /* limit: what the message is held to */
+    int lease;           /* load: a turn's, which took the dialog's lease at the inner store */
+};
+
+static fb_req *req_new(cg_fallback *fb, cg_store_op kind, const char *user, const char *room, void *ctx)
 {
-    int wanted = !req->abandoned && !closing;
-    cg_store_status st = answer_status(fb, s->key, req->kind == CG_STORE_LOAD);
-    switch (req->kind) {
-    case CG_STORE_LOAD: {
-        cg_dialog d;
-        st.found = load_from_memory(fb, s->key, &d);
-        if (wanted)
-            req->cb.load(req->ctx, &d, &st);
-        else
-            cg_dialog_free(&d);
-        return;
-    }
-    case CG_STORE_SAVE:
-        if (s->version) /* a write-back that failed: it goes again (the tick, a reconnect) */
-            cg_fallback_writeback_failed(fb, s->key, s->version);
-        else if (s->snapshot)
-            cg_fallback_save(fb, s->key, s->eu, s->er, s->snapshot);
-        break;
-    case CG_STORE_REMOVE:
-        cg_fallback_remove(fb, s->key);
-        break;
-    case CG_STORE_REMOVE_USER:
-        cg_fallback_remove_user(fb, s->user, s->eu);
-        break;
-    case CG_STORE_ROOMS: {
-        json_t *rooms = cg_memstore_rooms(fb->mem, s->key);
-        if (wanted)
-            req->cb.rooms(req->ctx, rooms, &st);
-        json_decref(rooms);
-        return;
-    }
-    case CG_STORE_PROFILE:
-        if (wanted && req->cb.profile) {
-            json_t *p = s->profile ? json_incref(s->profile) : json_object();
-            req->cb.profile(req->ctx, p, s->profile_err, &st);
-            json_decref(p);
-        }
-        return;
-    case CG_STORE_LIMIT:
-        if (wanted) { /* a turn gone is not counted */
-            cg_limit_verdict v;
-            cg_limiter_take(fb->limits, s->eu, s->limits, cg_store_now_ms(fb->st), &v);
-            req->cb.limit(req->ctx, &v, &st);
-        }
-        return;
-    }
-    if (wanted && req->cb.done) /* save, remove, remove_user */
-        req->cb.done(req->ctx, &st);
+    fb_req *w = cg_calloc(1, sizeof(*w));
+    w->fb = fb;
+    w->kind = kind;
+    w->ctx = ctx;
+    w->eu = cg_store_escape(user ? user : "");
+    w->er = cg_store_escape(room ? room : "");
+    size_t nu = strlen(w->eu), nr = strlen(w->er);
+    w->key = cg_malloc(nu + nr + 2);
+    memcpy(w->key, w->eu, nu);
+    w->key[nu] = ':';
+    memcpy(w->key + nu + 1, w->er, nr + 1);
+    w->next = fb->live;
+    if (fb->live)
+        fb->live->prev = w;
+    fb->live = w;
+    return w;
 }
 
-void cg_fallback_limit_end(cg_fallback *fb, const char *eu, const cg_limits *lim, long long tokens, int64_t now)
+static void req_free(fb_req *w)
 {
-    cg_limiter_end(fb->limits, eu, lim, tokens, now);
+    cg_fallback *fb = w->fb;
+    if (w->prev)
+        w->prev->next = w->next;
+    else
+        fb->live = w->next;
+    if (w->next)
+        w->next->prev = w->prev;
+    if (w->snapshot) {
+        cg_dialog_free(w->snapshot);
+        free(w->snapshot);
+    }
+    free(w->eu);
+    free(w->er);
+    free(w->key);
+    free(w->user);
+    free(w);
 }
+
+/* Does memory answer requests about key now? */
+static int answers_here(const cg_fallback *fb, const char *key)
+{
+    return fb->st->stats.degraded || fb->closing || json_object_get(fb->dirty, key) != NULL;
+}
+
+/* Is anyone still waiting for w's answer? */
+static int wanted(const fb_req *w)
+{
+    return !w->abandoned && !w->fb->closing;
+}
+
+static cg_store_status answer_status(cg_fallback *fb, const char *key, int load)
+{
+    cg_store_status st = {.degraded = 1};
+    if (load && !json_object_get(fb->warned, key)) {
+        if (json_object_size(fb->warned) > WARNED_MAX)
+            json_object_clear(fb->warned);
+        st.warn = json_object_set_new(fb->warned, key, json_true()) == 0;
+    }
+    fb->st->stats.degraded_answers++;
+    return st;
+}
+
+static int load_from_memory(cg_fallback *fb, const char *key, cg_dialog *d)
+{
+    int found = cg_memstore_get(fb->mem, key, now_s(fb), d);
+    if (!found) { /* the store's copy is unknown: until it is read or written, a save only creates */
+        while ((long)json_object_size(fb->unknown) >= fb->st->cfg.max_dialogs && json_object_size(fb->unknown))
+            json_object_del(fb->unknown, json_object_iter_key(json_object_iter(fb->unknown)));
+        json_object_set_new(fb->unknown, key, json_true()); /* out of memory: created_at still guards */
+    }
+    return found;
+}
+
+/*
+ * Answers w from memory (the store is away, failed it, or the dialog is dirty), then frees
+ * it: a load from the gateway's copy (degraded, found, and warn on the dialog's first such
+ * load in this outage: a save's answer reaches nobody, so it must not use up the warning); a
+ * save kept and marked for the write-back (one kept at its call has no snapshot left); the
+ * rooms memory holds; a limit counted by this gateway alone (a turn gone is not counted); a
+ * delete was done here at its call.
+ */
+static void answer_here(fb_req *w)
+{
+    cg_fallback *fb = w->fb;
+    int want = wanted(w);
+    cg_store_status st = answer_status(fb, w->key, w->kind == CG_STORE_LOAD);
+    switch (w->kind) {
+    case CG_STORE_LOAD: {
+        cg_dialog d;
+        st.found = load_from_memory(fb, w->key, &d);
+        if (want)
+            w->cb.load(w->ctx, &d, &st);
+        else
+            cg_dialog_free(&d);
+        break;
+    }
+    case CG_STORE_ROOMS: {
+        json_t *rooms = want ? cg_memstore_rooms(fb->mem, w->key) : NULL;
+        if (want)
+            w->cb.rooms(w->ctx, rooms, &st);
+        json_decref(rooms);
+        break;
+    }
+    case CG_STORE_LIMIT:
+        if (want) {
+            cg_limit_verdict v;
+            cg_limiter_take(fb->limits, w->eu, &w->limits, cg_store_now_ms(fb->st), &v);
+            w->cb.limit(w->ctx, &v, &st);
+        }
+        break;
+    case CG_STORE_SAVE:
+        if (w->snapshot) /* failed by the store: kept for the write-back */
+            fallback_save(fb, w->key, w->eu, w->er, w->snapshot);
+        /* fall through */
+    default: /* save, remove, remove_user */
+        if (want && w->cb.done)
+            w->cb.done(w->ctx, &st);
+        break;
+    }
+    req_free(w);
+}
+
+/* The queue: the answers from memory due, in the order they were asked. */
+static void on_answer(uv_timer_t *t)
+{
+    cg_fallback *fb = t->data;
+    fb_req *w = fb->queue;
+    fb->queue = NULL;
+    fb->queue_tail = &fb->queue;
+    while (w) {
+        fb_req *next = w->queued;
+        answer_here(w);
+        w = next;
+    }
+}
+
+/* Answers w from memory from the loop, never inside the call that made it (store.h). */
+static cg_store_req *answer_later(fb_req *w)
+{
+    *w->fb->queue_tail = w;
+    w->fb->queue_tail = &w->queued;
+    if (!w->fb->closing)
+        uv_timer_start(&w->fb->answer, on_answer, 0, 0);
+    return (cg_store_req *)w;
+}
+
+/* The caller of a load, a rooms' read or a limit went: its inner request goes with it (a
+ * turn's load gives up its place in the lease's line; a limit taken is ended). */
+static void abandon_inner(cg_store_req *req)
+{
+    fb_req *w = (fb_req *)req;
+    if (!w->inner)
+        return; /* in the queue, or being answered: it ends there */
+    cg_store_abandon(w->inner);
+    req_free(w);
+}
+
+/* The inner store's answer to a load: passed on, or memory answers. A lease taken for a
+ * dialog that went dirty meanwhile (its save failed while the load waited behind it) is let
+ * go: its turn runs on memory's copy. */
+static void inner_loaded(void *ctx, cg_dialog *d, const cg_store_status *status)
+{
+    fb_req *w = ctx;
+    cg_fallback *fb = w->fb;
+    w->inner = NULL;
+    if (status->unavailable || json_object_get(fb->dirty, w->key)) {
+        if (d) {
+            cg_dialog_free(d);
+            if (w->lease && fb->inner.lease->release) {
+                char *user = cg_store_unescape(w->eu, strlen(w->eu)), *room = cg_store_unescape(w->er, strlen(w->er));
+                fb->inner.lease->release(fb->st, user, room);
+                free(user);
+                free(room);
+            }
+        }
+        answer_here(w);
+        return;
+    }
+    if (wanted(w))
+        w->cb.load(w->ctx, d, status);
+    else
+        cg_dialog_free(d);
+    req_free(w);
+}
+
+static cg_store_req *load(cg_store *st, const char *user, const char *room, int lease, cg_store_load_fn cb,
+                          void *ctx)
+{
+    cg_fallback *fb = st->fallback;
+    st->stats.loads++;
+    fb_req *w = req_new(fb, CG_STORE_LOAD, user, room, ctx);
+    w->cb.load = cb;
+    w->lease = lease;
+    if (answers_here(fb, w->key))
+        return answer_later(w);
+    w->inner = lease ? fb->inner.lease->acquire(st, user, room, inner_loaded, w)
+                     : fb->inner.dialogs->load(st, user, room, inner_loaded, w);
+    if (!w->inner)
+        return answer_later(w);
+    w->on_abandon = abandon_inner;
+    return (cg_store_req *)w;
+}
+
+static cg_store_req *fb_load(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
+{
+    return load(st, user, room, 0, cb, ctx);
+}
+
+static cg_store_req *fb_acquire(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
+{
+    return load(st, user, room, 1, cb, ctx);
+}
+
+static void fb_release(cg_store *st, const char *user, const char *room)
+{
+    if (st->fallback->inner.lease->release)
+        st->fallback->inner.lease->release(st, user, room);
+}
+
+/* The inner store's answer to a save, a delete or forgetting a user: passed on, or (it could
+ * not) memory answers, keeping a save for the write-back. Never abandoned at the inner
+ * store: a save it failed must still be kept. */
+static void inner_done(void *ctx, const cg_store_status *status)
+{
+    fb_req *w = ctx;
+    w->inner = NULL;
+    if (status->unavailable) {
+        answer_here(w);
+        return;
+    }
+    if (wanted(w) && w->cb.done)
+        w->cb.done(w->ctx, status);
+    req_free(w);
+}
+
+static cg_store_req *fb_save(cg_store *st, const char *user, const char *room, const cg_dialog *d, cg_store_done_fn cb,
+                             void *ctx)
+{
+    cg_fallback *fb = st->fallback;
+    st->stats.saves++;
+    fb_req *w = req_new(fb, CG_STORE_SAVE, user, room, ctx);
+    w->cb.done = cb;
+    if (answers_here(fb, w->key)) {
+        fallback_save(fb, w->key, w->eu, w->er, d); /* now: a load asked after this save sees it */
+        return answer_later(w);
+    }
+    w->snapshot = cg_malloc(sizeof(*w->snapshot));
+    if (cg_dialog_share(w->snapshot, d) < 0) { /* out of memory: not kept here if the store fails it */
+        free(w->snapshot);
+        w->snapshot = NULL;
+    }
+    w->inner = fb->inner.dialogs->save(st, user, room, d, inner_done, w);
+    return w->inner ? (cg_store_req *)w : answer_later(w);
+}
+
+/* A delete is done here at once, whatever the store says; the store is told while up. */
+static cg_store_req *fb_remove(cg_store *st, const char *user, const char *room, cg_store_done_fn cb, void *ctx)
+{
+    cg_fallback *fb = st->fallback;
+    st->stats.deletes++;
+    fb_req *w = req_new(fb, CG_STORE_REMOVE, user, room, ctx);
+    w->cb.done = cb;
+    cg_fallback_remove(fb, w->key);
+    if (!fb->st->stats.degraded && !fb->closing)
+        w->inner = fb->inner.dialogs->remove(st, user, room, inner_done, w);
+    return w->inner ? (cg_store_req *)w : answer_later(w); /* away: the caller is told (503 at the admin API) */
+}
+
+static cg_store_req *fb_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
+{
+    cg_fallback *fb = st->fallback;
+    st->stats.deletes++;
+    fb_req *w = req_new(fb, CG_STORE_REMOVE_USER, user, "", ctx);
+    w->cb.done = cb;
+    w->user = cg_strdup(user ? user : "");
+    fallback_remove_user(fb, w->user, w->eu); /* memory, write-back and the counts kept here */
+    if (!fb->st->stats.degraded && !fb->closing)
+        w->inner = fb->inner.dialogs->remove_user(st, user, inner_done, w);
+    return w->inner ? (cg_store_req *)w : answer_later(w);
+}
+
+static void inner_rooms(void *ctx, json_t *rooms, const cg_store_status *status)
+{
+    fb_req *w = ctx;
+    w->inner = NULL;
+    if (status->unavailable) {
+        answer_here(w);
+        return;
+    }
+    if (wanted(w))
+        w->cb.rooms(w->ctx, rooms, status);
+    req_free(w);
+}
+
+static cg_store_req *fb_rooms(cg_store *st, const char *user, cg_store_rooms_fn cb, void *ctx)
+{
+    cg_fallback *fb = st->fallback;
+    fb_req *w = req_new(fb, CG_STORE_ROOMS, user, "", ctx);
+    w->cb.rooms = cb;
+    if (!fb->st->stats.degraded && !fb->closing)
+        w->inner = fb->inner.dialogs->rooms(st, user, inner_rooms, w);
+    if (!w->inner)
+        return answer_later(w);
+    w->on_abandon = abandon_inner;
+    return (cg_store_req *)w;
+}
+
+static void inner_limited(void *ctx, const cg_limit_verdict *v, const cg_store_status *status)
+{
+    fb_req *w = ctx;
+    w->inner = NULL;
+    if (status->unavailable) {
+        answer_here(w);
+        return;
+    }
+    if (wanted(w))
+        w->cb.limit(w->ctx, v, status);
+    req_free(w);
+}
+
+static cg_store_req *fb_take(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, cg_store_limit_fn cb,
+                             void *ctx)
+{
+    cg_fallback *fb = st->fallback;
+    fb_req *w = req_new(fb, CG_STORE_LIMIT, user, "", ctx);
+    w->cb.limit = cb;
+    w->limits = *lim;
+    if (!fb->st->stats.degraded && !fb->closing)
+        w->inner = fb->inner.limits->take(st, user, lim, turn, inner_limited, w);
+    if (!w->inner)
+        return answer_later(w);
+    w->on_abandon = abandon_inner;
+    return (cg_store_req *)w;
+}
+
+/* A turn counted here (its verdict says local), or ending while the store is away, ends
+ * here; its tokens count here then, this gateway's own. */
+static void fb_end(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, int local, long long tokens)
+{
+    cg_fallback *fb = st->fallback;
+    if (!local && !fb->st->stats.degraded && !fb->closing) {
+        fb->inner.limits->end(st, user, lim, turn, local, tokens);
+        return;
+    }
+    char *eu = cg_store_escape(user ? user : "");
+    cg_limiter_end(fb->limits, eu, lim, tokens, cg_store_now_ms(st));
+    free(eu);
+}
+
+const cg_store_dialog_ops cg_fallback_dialog_ops = {
+    .load = fb_load,
+    .save = fb_save,
+    .remove = fb_remove,
+    .remove_user = fb_remove_user,
+    .rooms = fb_rooms,
+};
+
+const cg_store_lease_ops cg_fallback_lease_ops = {.acquire = fb_acquire, .release = fb_release};
+
+const cg_store_limit_ops cg_fallback_limit_ops = {.take = fb_take, .end = fb_end};

@@ -87,7 +87,7 @@ static void send_last(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_
 {
     if (cg_redis_send_argv(rs, a, fn, r) < 0) {
         rs->base.stats.errors++;
-        cg_redis_answer_later_from_memory(r);
+        cg_redis_answer_later_unavailable(r);
         return;
     }
 }
@@ -184,7 +184,7 @@ static int send_last_script(redis_store *rs, script_id id, cg_argv *a, cg_redis_
 {
     if (send_script(rs, id, a, fn, r) < 0) {
         rs->base.stats.errors++;
-        cg_redis_answer_later_from_memory(r);
+        cg_redis_answer_later_unavailable(r);
         return -1;
     }
     return 0;
@@ -766,7 +766,8 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
         save->merge_rev = cg_strdup(rev ? rev : "");
         return 0;
     }
-    cg_memstore_put_rev(cg_fallback_copy(rs->fb), r->key, d, now, rev, 0); /* the copy that survives an outage */
+    if (!cg_fallback_is_dirty(rs->fb, r->key)) /* else memory's is newer: degraded mode answers from it */
+        cg_memstore_put_rev(cg_fallback_copy(rs->fb), r->key, d, now, rev, 0); /* the copy that survives an outage */
     return 0;
 }
 
@@ -802,14 +803,14 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
             cg_warn("redis %s:%d: load: unexpected answer (type %d, %zu elements)", rs->host, rs->port, reply->type,
                     reply->type == REDIS_REPLY_ARRAY ? reply->elements : 0);
         rs->base.stats.errors++;
-        cg_redis_answer_from_memory(r);
+        cg_redis_answer_unavailable(r);
         return;
     }
     if (rc == 1)
         return; /* sent again, in full */
     redisReply *lease = reply->element[0];
     cg_fallback_known(rs->fb, r->key); /* Redis's copy is known now */
-    cg_store_status st = {0, 0, 0};
+    cg_store_status st = {0};
     for (size_t i = 1; i < reply->elements; i++) /* any of the five keys there ("same": the dialog is) */
         st.found |= reply->element[i]->type == REDIS_REPLY_STRING ||
                     (reply->element[i]->type == REDIS_REPLY_ARRAY && reply->element[i]->elements > 0);
@@ -1356,13 +1357,13 @@ static void on_limit_reply(cg_redis_conn *ac, void *reply_, void *priv)
         reply->element[1]->type != REDIS_REPLY_INTEGER || reply->element[0]->integer < CG_LIMIT_OK ||
         reply->element[0]->integer > CG_LIMIT_TURNS) {
         rs->base.stats.errors++;
-        cg_redis_answer_from_memory(r);
+        cg_redis_answer_unavailable(r);
         return;
     }
     cg_limit_verdict v = {(cg_limit_hit)reply->element[0]->integer, (long)reply->element[1]->integer, 0};
     if (v.hit == CG_LIMIT_TURNS)
         v.retry_after_ms = CG_LIMIT_TURN_RETRY_MS;
-    static const cg_store_status ok = {0, 0, 0};
+    static const cg_store_status ok = {0};
     if (!r->abandoned && !rs->closing)
         r->cb.limit(r->ctx, &v, &ok);
     else if (v.hit == CG_LIMIT_OK)
@@ -1495,11 +1496,10 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
 {
     redis_req *r = ctx;
     redis_store *rs = r->rs;
-    if (st->degraded) { /* Redis failed meanwhile: the save stays in memory, for the write-back */
-        cg_dialog_free(d);
+    if (st->unavailable) { /* Redis failed meanwhile: the save stays in memory, for the write-back */
         rs->base.stats.errors++;
         gate_leave(rs, r->key);
-        cg_redis_answer_from_memory(r);
+        cg_redis_answer_unavailable(r);
         return;
     }
     if (!r->merge_rev) /* the load's answer names Redis's rev (load_answer) */
@@ -1520,7 +1520,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
         cg_dialog_free(d);
         cg_error("redis: out of memory merging two copies of a dialog: this gateway's is kept for the write-back");
         gate_leave(rs, r->key);
-        cg_redis_answer_from_memory(r);
+        cg_redis_answer_unavailable(r);
         return;
     }
     *merged = *d; /* d's parts move to merged */
@@ -1598,7 +1598,7 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
     wake_waiters(rs, r->key); /* the save let the lease go (or it was not ours) */
     if (cg_redis_reply_failed(rs, reply, 0, "save") || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;
-        cg_redis_answer_from_memory(r); /* keeps it in memory, dirty, for the write-back */
+        cg_redis_answer_unavailable(r); /* keeps it in memory, dirty, for the write-back */
         return;
     }
     int written = reply->integer == 1;
@@ -1612,7 +1612,7 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
                          r->renewed);
         rs->base.stats.saves_appended += (unsigned long)r->appended;
     }
-    static const cg_store_status ok = {0, 0, 0};
+    static const cg_store_status ok = {0};
     if (!r->abandoned && !rs->closing && r->cb.done)
         r->cb.done(r->ctx, &ok);
     cg_redis_req_finish(r);
@@ -1788,12 +1788,12 @@ static void on_remove_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_store *rs = r->rs;
     if (cg_redis_reply_failed(rs, reply_, 0, "delete") || r->step_failed) {
         rs->base.stats.errors++;
-        cg_redis_answer_from_memory(r);
+        cg_redis_answer_unavailable(r);
         return;
     }
     if (r->kind == CG_STORE_REMOVE)
         cg_fallback_remove(rs->fb, r->key);
-    static const cg_store_status ok = {0, 0, 0};
+    static const cg_store_status ok = {0};
     if (!r->abandoned && !rs->closing && r->cb.done)
         r->cb.done(r->ctx, &ok);
     cg_redis_req_finish(r);
@@ -1813,23 +1813,17 @@ static void send_remove(redis_store *rs, redis_req *r)
 
 /* ---- the ops --------------------------------------------------------------------------- */
 
-/* Starts r on Redis or answers it from memory, as the connection stands now. */
+/* Starts r on Redis, or answers it unavailable when the link is down (degraded mode, in
+ * front of the store, answers from memory then: a delete while degraded is refused, 503 at
+ * the admin API). */
 static void dispatch(redis_store *rs, redis_req *r)
 {
     int connected = cg_redis_linked(rs) && !rs->closing;
-    /* a dirty dialog is read and written in memory until its write-back */
-    int clean = connected && !cg_fallback_is_dirty(rs->fb, r->key);
-    if (r->kind == CG_STORE_LOAD && clean) {
+    if (r->kind == CG_STORE_LOAD && connected) {
         if (send_load_behind(rs, r) < 0 && !gated(rs, r))
             send_load(rs, r);
-    } else if (r->kind == CG_STORE_SAVE && r->snapshot && clean) {
+    } else if (r->kind == CG_STORE_SAVE && r->snapshot && connected) {
         cg_redis_send_save(rs, r);
-    } else if (r->kind == CG_STORE_SAVE && r->snapshot) {
-        /* written to memory now, so a load queued after this save sees it */
-        cg_fallback_save(rs->fb, r->key, r->eu, r->er, r->snapshot);
-        cg_redis_snapshot_free(r->snapshot); /* held in memory now: cg_redis_answer_from_memory only answers it */
-        r->snapshot = NULL;
-        cg_redis_answer_later_from_memory(r);
     } else if (r->kind == CG_STORE_REMOVE && connected) {
         if (!gated(rs, r)) /* behind a save of the dialog in flight, as loads are */
             send_remove(rs, r);
@@ -1842,7 +1836,7 @@ static void dispatch(redis_store *rs, redis_req *r)
         send_last_script(rs, S_ROOMS, &a, r->kind == CG_STORE_ROOMS ? on_room_list : on_rooms_reply, r);
         cg_argv_free(&a);
     } else {
-        cg_redis_answer_later_from_memory(r); /* a delete while degraded: the caller is told (503 at the admin API) */
+        cg_redis_answer_later_unavailable(r);
     }
 }
 
@@ -1877,7 +1871,6 @@ static redis_req *load(cg_store *st, const char *user, const char *room, int lea
                           void *ctx)
 {
     redis_store *rs = (redis_store *)st;
-    st->stats.loads++;
     redis_req *r = cg_redis_req_new(rs, CG_STORE_LOAD, user, room, ctx);
     r->cb.load = cb;
     r->lease = lease;
@@ -1901,7 +1894,6 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
                              cg_store_done_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
-    st->stats.saves++;
     redis_req *r = cg_redis_req_new(rs, CG_STORE_SAVE, user, room, ctx);
     r->cb.done = cb;
     r->snapshot = cg_redis_snapshot(d);
@@ -1919,10 +1911,8 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
 static cg_store_req *rs_remove(cg_store *st, const char *user, const char *room, cg_store_done_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
-    st->stats.deletes++;
     redis_req *r = cg_redis_req_new(rs, CG_STORE_REMOVE, user, room, ctx);
     r->cb.done = cb;
-    cg_fallback_remove(rs->fb, r->key); /* from memory and the write-back, whatever Redis says */
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
@@ -1954,7 +1944,7 @@ static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *reply = reply_;
     if (cg_redis_reply_failed(rs, reply, 0, "forget user (its rooms)") || reply->type != REDIS_REPLY_ARRAY || !cg_redis_linked(rs)) {
         rs->base.stats.errors++;
-        cg_redis_answer_from_memory(r);
+        cg_redis_answer_unavailable(r);
         return;
     }
     cg_argv a = {0};
@@ -1983,7 +1973,7 @@ static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *reply = reply_;
     if (cg_redis_reply_failed(rs, reply, 0, "rooms") || reply->type != REDIS_REPLY_ARRAY) {
         rs->base.stats.errors++;
-        cg_redis_answer_from_memory(r);
+        cg_redis_answer_unavailable(r);
         return;
     }
     json_t *rooms = json_array();
@@ -1995,7 +1985,7 @@ static void on_room_list(cg_redis_conn *ac, void *reply_, void *priv)
         json_array_append_new(rooms, json_string(room)); /* a name that is not UTF-8 is left out */
         free(room);
     }
-    static const cg_store_status ok = {0, 0, 0};
+    static const cg_store_status ok = {0};
     if (!r->abandoned && !rs->closing)
         r->cb.rooms(r->ctx, rooms, &ok);
     json_decref(rooms);
@@ -2014,10 +2004,8 @@ static cg_store_req *rs_rooms(cg_store *st, const char *user, cg_store_rooms_fn 
 static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
 {
     redis_store *rs = (redis_store *)st;
-    st->stats.deletes++;
     redis_req *r = cg_redis_req_new(rs, CG_STORE_REMOVE_USER, user, "", ctx);
     r->cb.done = cb;
-    cg_fallback_remove_user(rs->fb, user, r->eu); /* memory, write-back and the counts kept here */
     cg_profiles_remove(rs->profiles, r->eu);
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
@@ -2044,17 +2032,16 @@ static void on_limit_end_reply(cg_redis_conn *ac, void *reply_, void *priv)
         cg_warn("redis: a turn's end was not counted against its user's limits: %s", reply->str);
 }
 
-/* Where the turn was counted: Redis (its place there goes, its tokens count there), or
- * memory when Redis was away at its start. Tokens spent while Redis is away count in
- * memory, this gateway's own. */
+/* A turn counted in Redis ended: its place there goes, its tokens count there. (One
+ * counted in memory, or ending while Redis is away, degraded mode ends.) With the link down
+ * just now it cannot be told: the place lapses (LIMIT_SLOT_MS), the tokens are not counted. */
 static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uint64_t turn, int local,
                       long long tokens)
 {
+    (void)lim;
+    (void)local;
     int64_t now = cg_store_now_ms(&rs->base);
-    int connected = cg_redis_linked(rs) && !rs->closing;
-    if (local || !connected) {
-        cg_fallback_limit_end(rs->fb, eu, lim, tokens, now);
-    } else {
+    if (cg_redis_linked(rs) && !rs->closing) {
         cg_limit_clock c;
         cg_limit_clock_at(now, &c);
         cg_argv a = {0};
@@ -2069,7 +2056,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
         cg_argv_int(&a, (long long)(c.to_minute_ms + 1000));
         cg_argv_int(&a, (long long)(c.to_day_ms + 1000));
         if (send_script(rs, S_LIMIT_END, &a, on_limit_end_reply, NULL) < 0)
-            cg_fallback_limit_end(rs->fb, eu, lim, tokens, now);
+            cg_warn("redis: a turn's end was not counted against its user's limits: the link is down");
         cg_argv_free(&a);
     }
 }

@@ -141,7 +141,7 @@ static void from_copy(redis_req *r)
                                                      lt->profile_cap, &r->profile))) {
         keep_for_writeback(rs, r->eu, r->changes);
     }
-    cg_redis_answer_later_from_memory(r); /* from the loop: the fallback says degraded */
+    cg_redis_answer_later_unavailable(r); /* from the loop: the fallback says degraded */
 }
 
 /* A profile found is used: its lifetime starts again (nobody waits for the answer). */
@@ -187,7 +187,7 @@ static void on_reply(cg_redis_conn *ac, void *reply_, void *priv)
     if (!written && !r->cb.profile) /* a write-back: nobody else hears it */
         cg_warn("redis %s:%d: a profile update made while Redis was away would pass profile_cap now: not written",
                 rs->host, rs->port);
-    static const cg_store_status ok = {0, 0, 0};
+    static const cg_store_status ok = {0};
     answer(r, &ok);
 }
 

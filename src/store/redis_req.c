@@ -1,6 +1,7 @@
 /*
- * redis_req.c: the Redis store's requests (redis_internal.h's redis_req): made, answered from
- * memory when Redis is away or failed them (through the fallback, fallback.c), and freed once
+ * redis_req.c: the Redis store's requests (redis_internal.h's redis_req): made, answered
+ * "unavailable" when Redis is away or failed them (degraded mode, fallback.c, in front of
+ * the store, then answers from memory), and freed once
  * the replies still due to them have come; and the store's own end, when its last handle
  * and request are gone. Below the rest of the Redis store: it calls none of it.
  */
@@ -90,30 +91,41 @@ void cg_redis_snapshot_free(cg_dialog *s)
     }
 }
 
-/* Answers r from memory (Redis is away or failed it), then finishes it. */
-void cg_redis_answer_from_memory(redis_req *r)
+/*
+ * Answers r "unavailable" (Redis is away or failed it: degraded mode, in front of the store,
+ * answers from memory), then finishes it. A write-back's failure is the fallback's to know:
+ * it goes again. A profile is answered from the store's own copy (redis_profile.c), degraded.
+ * Called unless the caller left, closing or not: the caller is degraded mode, which keeps a
+ * failed save even then.
+ */
+void cg_redis_answer_unavailable(redis_req *r)
 {
-    cg_fallback_subject s = {
-        .key = r->key,
-        .eu = r->eu,
-        .er = r->er,
-        .user = r->user,
-        .snapshot = r->snapshot,
-        .version = r->version,
-        .limits = &r->limits,
-        .profile = r->profile,
-        .profile_err = r->profile_err,
-    };
-    cg_fallback_answer_req(r->rs->fb, (cg_store_req *)r, &s, r->rs->closing);
+    static const cg_store_status away = {.unavailable = 1};
+    if (r->kind == CG_STORE_SAVE && r->version)
+        cg_fallback_writeback_failed(r->rs->fb, r->key, r->version);
+    else if (!r->abandoned && r->kind == CG_STORE_PROFILE && !r->rs->closing && r->cb.profile) {
+        cg_store_status st = {.degraded = 1};
+        json_t *p = r->profile ? json_incref(r->profile) : json_object();
+        r->rs->base.stats.degraded_answers++;
+        r->cb.profile(r->ctx, p, r->profile_err, &st);
+        json_decref(p);
+    } else if (!r->abandoned && r->kind == CG_STORE_LOAD)
+        r->cb.load(r->ctx, NULL, &away);
+    else if (!r->abandoned && r->kind == CG_STORE_ROOMS)
+        r->cb.rooms(r->ctx, NULL, &away);
+    else if (!r->abandoned && r->kind == CG_STORE_LIMIT)
+        r->cb.limit(r->ctx, NULL, &away);
+    else if (!r->abandoned && r->kind != CG_STORE_PROFILE && r->cb.done)
+        r->cb.done(r->ctx, &away);
     cg_redis_req_finish(r);
 }
 
 static void deferred_answer(uv_timer_t *t)
 {
-    cg_redis_answer_from_memory(t->data);
+    cg_redis_answer_unavailable(t->data);
 }
 
-void cg_redis_answer_later_from_memory(redis_req *r)
+void cg_redis_answer_later_unavailable(redis_req *r)
 {
     uv_timer_start(&r->defer, deferred_answer, 0, 0);
 }

@@ -107,6 +107,11 @@ static void on_link_closed(void *data)
     uv_close((uv_handle_t *)&rs->tick, cg_redis_handle_closed);
 }
 
+static void fallback_closed(void *data)
+{
+    cg_redis_store_unref(data);
+}
+
 /*
  * Shutdown: the saves the sessions just made are still on their way, so the link waits for
  * the commands in flight, for at most a second (redis_link.c).
@@ -119,7 +124,7 @@ void cg_redis_close(cg_store *st)
     uv_timer_stop(&rs->tick);
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;
-    cg_fallback_closing(rs->fb);
+    cg_fallback_closing(rs->fb, fallback_closed, rs);
     if (rs->link)
         cg_redis_link_close(rs->link, on_link_closed);
     else
@@ -128,12 +133,14 @@ void cg_redis_close(cg_store *st)
 
 /* ---- the store ---------------------------------------------------------------------------- */
 
-/* The four jobs' tables are redis_dialog.c's; the store's life is this file's. */
+/* The jobs' tables are redis_dialog.c's, but for the dialogs, the lease and the limits:
+ * degraded mode (fallback.c) stands in front of those, and calls redis_dialog.c's; the
+ * store's life is this file's. */
 static const cg_store_ops redis_ops = {
     .name = "redis",
-    .dialogs = &cg_redis_dialog_ops,
-    .lease = &cg_redis_lease_ops,
-    .limits = &cg_redis_limit_ops,
+    .dialogs = &cg_fallback_dialog_ops,
+    .lease = &cg_fallback_lease_ops,
+    .limits = &cg_fallback_limit_ops,
     .profiles = &cg_redis_profile_ops,
     .bus = &cg_redis_bus_ops,
     .replies = &cg_redis_reply_ops,
@@ -438,7 +445,8 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
     rs->base.now = cg_store_default_now;
     char name[96];
     snprintf(name, sizeof(name), "redis %s:%d", rs->host, rs->port);
-    rs->fb = cg_fallback_new(&rs->base, name, &redis_backend, rs);
+    static const cg_fallback_inner inner = {&cg_redis_dialog_ops, &cg_redis_lease_ops, &cg_redis_limit_ops};
+    rs->fb = cg_fallback_new(&rs->base, name, &inner, &redis_backend, rs);
     rs->leases = json_object();
     rs->saving = json_object();
     rs->save_next = json_object();
@@ -451,7 +459,7 @@ cg_store *cg_store_redis_open(uv_loop_t *loop, const cg_store_config *cfg, char 
         abort(); /* out of memory at startup */
     uv_timer_init(loop, &rs->tick);
     rs->tick.data = rs;
-    rs->handles = 1;
+    rs->handles = 2; /* the tick, and the fallback's timer */
     uv_timer_start(&rs->tick, on_tick, 100, 100);
     uv_unref((uv_handle_t *)&rs->tick);
     cg_redis_link_config lc = {

@@ -443,10 +443,10 @@ static void req_free(memory_req *r)
 /* Answers r (unless it was abandoned) and frees it. */
 static void req_run(memory_req *r)
 {
-    static const cg_store_status ok = {0, 0, 0};
+    static const cg_store_status ok = {0};
     if (!r->abandoned && r->kind == CG_STORE_LOAD) {
         cg_dialog d;
-        cg_store_status st = {0, 0, 0};
+        cg_store_status st = {0};
         st.found = cg_memstore_get(r->ms->mem, r->key, r->ms->base.now(r->ms->base.clock_ctx), &d);
         r->cb.load(r->ctx, &d, &st);
     } else if (!r->abandoned && r->kind == CG_STORE_ROOMS) {

@@ -1,22 +1,28 @@
 /*
- * fallback.h: degraded mode, for any dialog store that can be away (today the Redis one).
+ * fallback.h: degraded mode, a wrapper in front of any dialog store that can be away (today
+ * the Redis one).
  *
- * A store shared between gateways answers from this process's memory while it is away:
- * the gateway's copy of each dialog (what it last read or wrote there), so a conversation
- * keeps its context; the dialogs written while away (the dirty set, bounded in dialogs and
- * bytes, least recently written going first), written back when the store returns, each
- * through the store's own merging write-back; the per-user limits counted here meanwhile;
- * whether each dialog was told "store_degraded"; how long the store was away.
+ * The wrapper's tables (cg_fallback_dialog_ops, _lease_ops, _limit_ops) stand in the
+ * store's table in front of its own (the inner store's), and decide where each request goes:
+ * to the inner store while it is up, else to this process's memory:
+ *   - the gateway's copy of each dialog (what it last read or wrote through the inner store),
+ *     so a conversation keeps its context while the store is away;
+ *   - the dialogs written while away, or whose save the inner store failed (the dirty set,
+ *     bounded in dialogs and bytes, least recently written going first): read and written
+ *     here until their write-back, each through the inner store's merging write-back;
+ *   - the per-user limits counted here meanwhile; whether each dialog was told
+ *     "store_degraded"; how long the store was away.
+ * The inner store answers only what it did: a request it could not do is answered with
+ * status.unavailable (store.h), and the wrapper answers it from memory. It never answers
+ * from memory itself.
  *
- * The fallback knows no store: it is handed a backend (a table of function pointers: the
- * write-back) and is told when the store goes away and comes back. The store, for its
- * part, asks it whether it is degraded (cg_fallback_degraded) and hands it what it cannot
- * answer (cg_fallback_answer_req).
- * Nothing here calls back from inside a call except the backend's write-back, which answers
+ * The wrapper knows no store: it is handed the inner tables, a backend (the write-back) and
+ * is told when the store goes away and comes back. The gateway's copy is also what the inner
+ * store keeps as its cache of its own copy (Redis's rev: docs/state.md, "The gateway's
+ * copy"): cg_fallback_copy hands it over, and the inner store tells the fallback what its
+ * answers mean for it (known, forget, written, note_saved).
+ * Nothing here calls back from inside a call but the backend's write-back, which answers
  * later, through cg_fallback_written.
- *
- * The gateway's copy is also what a store may keep as its cache of its own copy (Redis's
- * rev: docs/state.md, "The gateway's copy"): cg_fallback_copy hands it over.
  */
 #ifndef CHATGATE_STORE_FALLBACK_H
 #define CHATGATE_STORE_FALLBACK_H
@@ -50,13 +56,24 @@ typedef struct cg_fallback_backend_ops {
     int (*writeback)(void *backend, const cg_fallback_dirty *item, cg_dialog *d);
 } cg_fallback_backend_ops;
 
+/* The store the wrapper stands in front of: its jobs' own tables. */
+typedef struct cg_fallback_inner {
+    const cg_store_dialog_ops *dialogs;
+    const cg_store_lease_ops *lease;
+    const cg_store_limit_ops *limits;
+} cg_fallback_inner;
+
 /*
  * A fallback for st (its loop, clock, cfg: max_dialogs, max_bytes, lifetimes,
  * writeback_max_bytes; its stats: degraded, degraded_seconds, degraded_answers,
- * writeback_*, flushed), named `name` in logs ("redis 10.0.0.5:6379"), starting as not
- * degraded. Aborts when out of memory (startup).
+ * writeback_*, flushed, loads, saves, deletes), in front of inner's tables (st->fallback is
+ * set: the wrapper's tables find it there), named `name` in logs ("redis 10.0.0.5:6379"),
+ * starting as not degraded. Aborts when out of memory (startup).
  */
-cg_fallback *cg_fallback_new(cg_store *st, const char *name, const cg_fallback_backend_ops *ops, void *backend);
+cg_fallback *cg_fallback_new(cg_store *st, const char *name, const cg_fallback_inner *inner,
+                             const cg_fallback_backend_ops *ops, void *backend);
+/* Frees fb, and the requests still in it, once cg_fallback_closing's `closed` was called
+ * (and the inner store will answer nothing more). */
 void cg_fallback_free(cg_fallback *fb);
 
 /* ---- the store's state, as the store tells it ------------------------------------------ */
@@ -75,46 +92,19 @@ int cg_fallback_degraded(const cg_fallback *fb);
 /* Called every 100 ms or so while the store is up (now: uv_now()): the dialogs marked while
  * it was up (a save it failed with an error) are written back again once a second. */
 void cg_fallback_tick(cg_fallback *fb, uint64_t now);
-/* The store is closing: says how many dialogs were never written back. */
-void cg_fallback_closing(cg_fallback *fb);
+/* The store is closing: no callback is called from now on; says how many dialogs were never
+ * written back; closed(arg) is called from the loop once the fallback's timer has closed. */
+void cg_fallback_closing(cg_fallback *fb, void (*closed)(void *arg), void *arg);
 
-/* ---- answers from memory ------------------------------------------------------------------ */
+/* ---- the wrapper's tables: the store's ops for its dialogs, lease and limits ------------ */
+
+extern const cg_store_dialog_ops cg_fallback_dialog_ops;
+extern const cg_store_lease_ops cg_fallback_lease_ops;
+extern const cg_store_limit_ops cg_fallback_limit_ops;
 
 /* Does memory answer for key even while the store is up? A dialog written while the store was
  * away (or whose save it failed) is read and written here until its write-back. */
 int cg_fallback_is_dirty(const cg_fallback *fb, const char *key);
-
-/* What a request is about, as its store holds it: the fallback knows no store's request
- * type beyond their common header (store.h, CG_STORE_REQ_FIELDS). */
-typedef struct cg_fallback_subject {
-    const char *key;           /* the dialog's key; rooms: "<eu>:" */
-    const char *eu, *er;       /* user and room, escaped */
-    const char *user;          /* remove_user: the user as given */
-    const cg_dialog *snapshot; /* save: the dialog; NULL when cg_fallback_save kept it already */
-    long version;              /* save: a write-back's version (cg_fallback_dirty), else 0 */
-    const cg_limits *limits;   /* limit: what the message is held to */
-    json_t *profile;           /* profile: the answer (the store's copy decided it; NULL: none) */
-    int profile_err;           /* profile: an update refused */
-} cg_fallback_subject;
-
-/*
- * Answers req (any store's request: its kind and callback) from memory, the store being away
- * or having failed it: a load from the gateway's copy (degraded, found, and warn on the
- * dialog's first such load in this outage: a save's answer reaches nobody, so it must not
- * use up the warning); a save kept and marked for the write-back (a failed write-back goes
- * again later); a delete here; the rooms memory holds; a limit counted by this gateway
- * alone. The callback is not called when req was abandoned or `closing`.
- */
-void cg_fallback_answer_req(cg_fallback *fb, cg_store_req *req, const cg_fallback_subject *s, int closing);
-
-/* Keeps d in memory (its parts shared, not copied: store.h) and marks it for the write-back. */
-void cg_fallback_save(cg_fallback *fb, const char *key, const char *eu, const char *er, const cg_dialog *d);
-/* Forgets key here: memory and write-back. */
-void cg_fallback_remove(cg_fallback *fb, const char *key);
-/* Forgets every dialog of user (eu: escaped) here: memory, write-back and limit counts. */
-void cg_fallback_remove_user(cg_fallback *fb, const char *user, const char *eu);
-/* A turn counted here ended (its tokens count here too). */
-void cg_fallback_limit_end(cg_fallback *fb, const char *eu, const cg_limits *lim, long long tokens, int64_t now);
 
 /* ---- the store's answers, as they bear on memory ------------------------------------------ */
 
@@ -139,6 +129,8 @@ void cg_fallback_writeback_failed(cg_fallback *fb, const char *key, long version
 /* The store took a save of key just now (eu, er: its user and room, escaped): noted for the
  * rewrite after a move (cg_fallback_up). */
 void cg_fallback_note_saved(cg_fallback *fb, const char *key, const char *eu, const char *er);
+/* The store deleted key itself (a room over max_rooms_per_user): forgotten here too. */
+void cg_fallback_remove(cg_fallback *fb, const char *key);
 /* The dialogs waiting for their write-back, now. */
 size_t cg_fallback_dirty_count(const cg_fallback *fb);
 

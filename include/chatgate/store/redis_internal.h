@@ -160,10 +160,10 @@ void cg_redis_req_finish(redis_req *r);
 /* A save's snapshot of d (its parts shared), or NULL out of memory; and its end. */
 cg_dialog *cg_redis_snapshot(const cg_dialog *d);
 void cg_redis_snapshot_free(cg_dialog *s);
-/* Answers r from memory (Redis is away or failed it: the fallback's), now or from the loop;
- * finishes it. */
-void cg_redis_answer_from_memory(redis_req *r);
-void cg_redis_answer_later_from_memory(redis_req *r);
+/* Answers r "unavailable" (Redis is away or failed it: degraded mode in front of the store
+ * answers from memory), now or from the loop; finishes it. */
+void cg_redis_answer_unavailable(redis_req *r);
+void cg_redis_answer_later_unavailable(redis_req *r);
 /* A handle or request of the store's is gone (the close callback of its handles); the store
  * is freed with its last one once it is closing. */
 void cg_redis_handle_closed(uv_handle_t *h);

@@ -30,6 +30,9 @@ typedef struct cg_store_status {
     int degraded; /* answered from memory: Redis is away */
     int warn;     /* the first such answer for this dialog: tell the client */
     int found;    /* load: the dialog existed (a cache hit) */
+    int unavailable; /* an inner store's answer to degraded mode (fallback.h), never the
+                      * gateway's: it could not do it (away, or it failed the request),
+                      * and a load's dialog, a limit's verdict, the rooms are NULL */
 } cg_store_status;
 
 /* d is the caller's to keep (cg_dialog_free) */
@@ -65,6 +68,8 @@ typedef enum {
 #define CG_STORE_REQ_FIELDS                                                                   \
     void *ctx;     /* the caller's, handed to its callback */                                 \
     int abandoned; /* the caller is gone: its callback will not be called */                  \
+    void (*on_abandon)(cg_store_req *req); /* NULL, or what the store does at once when the  \
+                                            * caller goes (degraded mode: its inner request) */ \
     cg_store_op kind;                                                                         \
     union {                                                                                   \
         cg_store_load_fn load;   /* CG_STORE_LOAD (and a lease's acquire) */                   \
@@ -287,14 +292,20 @@ struct cg_store {
      * whose key (cg_store_dialog_key) is given, which this process holds. */
     void (*on_cancel)(void *cancel_ctx, const char *key);
     void *cancel_ctx;
+    /* Degraded mode in front of this store's dialogs, lease and limits (fallback.h), or
+     * NULL: a store that cannot be away (memory). Its tables find it here. */
+    struct cg_fallback *fallback;
 };
 
 /* The caller of req (any request of any store, NULL too) is gone: its callback will not be
  * called; the store frees the request when its work is done. */
 static inline void cg_store_abandon(cg_store_req *req)
 {
-    if (req)
-        req->abandoned = 1;
+    if (!req)
+        return;
+    req->abandoned = 1;
+    if (req->on_abandon)
+        req->on_abandon(req);
 }
 
 /* Creates the store cfg->url names; NULL with err on a bad URL. */

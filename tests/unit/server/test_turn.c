@@ -162,7 +162,7 @@ static int answer_load(fake_store *fs)
         cg_dialog d;
         json_t *saved = json_object_get(fs->dialogs, r->room);
         cg_dialog_from_json(&d, saved, fs_now(NULL)); /* a fresh dialog when NULL */
-        cg_store_status st = {0, 0, saved != NULL};
+        cg_store_status st = {.found = saved != NULL};
         r->cb.load(r->ctx, &d, &st);
     }
     free(r);
@@ -176,7 +176,7 @@ static int answer_limit(fake_store *fs, cg_limit_hit hit)
         return -1;
     if (!r->abandoned) {
         cg_limit_verdict v = {.hit = hit, .retry_after_ms = hit ? 1500 : 0};
-        cg_store_status st = {0, 0, 0};
+        cg_store_status st = {0};
         r->cb.limit(r->ctx, &v, &st);
     }
     free(r);
