@@ -1,7 +1,9 @@
 /*
- * fallback.c: degraded mode for any dialog store that can be away (fallback.h).
+ * fallback.c: degraded mode for any dialog store that can be away (fallback.h): the
+ * gateway's copy, the dirty set and the write-back, and the wrapper's tables in front of the
+ * store's dialogs, lease and limits.
  *
- * Three sets, each a JSON object used as an ordered map (jansson keeps insertion order, so
+ * Four sets, each a JSON object used as an ordered map (jansson keeps insertion order, so
  * the first key is the oldest):
  *   dirty   key -> {"u","r","v","b","n","f"}: written to memory only; user and room
  *           (escaped), the write's version, its bytes, whether the store's copy was unknown
@@ -624,6 +626,34 @@ static void abandon_inner(cg_store_req *req)
     req_free(w);
 }
 
+/* w goes on at the inner store (inner), or, when the store could not even take it, memory
+ * answers it from the loop; a request whose answer carries nothing to keep (a load, the
+ * rooms, a limit) goes with its caller at the inner store too. */
+static cg_store_req *sent(fb_req *w, int abandonable)
+{
+    if (!w->inner)
+        return answer_later(w);
+    if (abandonable)
+        w->on_abandon = abandon_inner;
+    return (cg_store_req *)w;
+}
+
+/* The inner store answered w: 1 when it could not, and memory answered (w is gone), else 0. */
+static int answered_here(fb_req *w, const cg_store_status *status)
+{
+    w->inner = NULL;
+    if (!status->unavailable)
+        return 0;
+    answer_here(w);
+    return 1;
+}
+
+/* Is the store there to ask? */
+static int store_up(const cg_fallback *fb)
+{
+    return !fb->st->stats.degraded && !fb->closing;
+}
+
 /* The inner store's answer to a load: passed on, or memory answers. A lease taken for a
  * dialog that went dirty meanwhile (its save failed while the load waited behind it) is let
  * go: its turn runs on memory's copy. */
@@ -664,10 +694,7 @@ static cg_store_req *load(cg_store *st, const char *user, const char *room, int 
         return answer_later(w);
     w->inner = lease ? fb->inner.lease->acquire(st, user, room, inner_loaded, w)
                      : fb->inner.dialogs->load(st, user, room, inner_loaded, w);
-    if (!w->inner)
-        return answer_later(w);
-    w->on_abandon = abandon_inner;
-    return (cg_store_req *)w;
+    return sent(w, 1);
 }
 
 static cg_store_req *fb_load(cg_store *st, const char *user, const char *room, cg_store_load_fn cb, void *ctx)
@@ -692,11 +719,8 @@ static void fb_release(cg_store *st, const char *user, const char *room)
 static void inner_done(void *ctx, const cg_store_status *status)
 {
     fb_req *w = ctx;
-    w->inner = NULL;
-    if (status->unavailable) {
-        answer_here(w);
+    if (answered_here(w, status))
         return;
-    }
     if (wanted(w) && w->cb.done)
         w->cb.done(w->ctx, status);
     req_free(w);
@@ -719,7 +743,7 @@ static cg_store_req *fb_save(cg_store *st, const char *user, const char *room, c
         w->snapshot = NULL;
     }
     w->inner = fb->inner.dialogs->save(st, user, room, d, inner_done, w);
-    return w->inner ? (cg_store_req *)w : answer_later(w);
+    return sent(w, 0);
 }
 
 /* A delete is done here at once, whatever the store says; the store is told while up. */
@@ -730,9 +754,9 @@ static cg_store_req *fb_remove(cg_store *st, const char *user, const char *room,
     fb_req *w = req_new(fb, CG_STORE_REMOVE, user, room, ctx);
     w->cb.done = cb;
     cg_fallback_remove(fb, w->key);
-    if (!fb->st->stats.degraded && !fb->closing)
+    if (store_up(fb))
         w->inner = fb->inner.dialogs->remove(st, user, room, inner_done, w);
-    return w->inner ? (cg_store_req *)w : answer_later(w); /* away: the caller is told (503 at the admin API) */
+    return sent(w, 0); /* away: the caller is told (503 at the admin API) */
 }
 
 static cg_store_req *fb_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
@@ -743,19 +767,16 @@ static cg_store_req *fb_remove_user(cg_store *st, const char *user, cg_store_don
     w->cb.done = cb;
     w->user = cg_strdup(user ? user : "");
     fallback_remove_user(fb, w->user, w->eu); /* memory, write-back and the counts kept here */
-    if (!fb->st->stats.degraded && !fb->closing)
+    if (store_up(fb))
         w->inner = fb->inner.dialogs->remove_user(st, user, inner_done, w);
-    return w->inner ? (cg_store_req *)w : answer_later(w);
+    return sent(w, 0);
 }
 
 static void inner_rooms(void *ctx, json_t *rooms, const cg_store_status *status)
 {
     fb_req *w = ctx;
-    w->inner = NULL;
-    if (status->unavailable) {
-        answer_here(w);
+    if (answered_here(w, status))
         return;
-    }
     if (wanted(w))
         w->cb.rooms(w->ctx, rooms, status);
     req_free(w);
@@ -766,22 +787,16 @@ static cg_store_req *fb_rooms(cg_store *st, const char *user, cg_store_rooms_fn 
     cg_fallback *fb = st->fallback;
     fb_req *w = req_new(fb, CG_STORE_ROOMS, user, "", ctx);
     w->cb.rooms = cb;
-    if (!fb->st->stats.degraded && !fb->closing)
+    if (store_up(fb))
         w->inner = fb->inner.dialogs->rooms(st, user, inner_rooms, w);
-    if (!w->inner)
-        return answer_later(w);
-    w->on_abandon = abandon_inner;
-    return (cg_store_req *)w;
+    return sent(w, 1);
 }
 
 static void inner_limited(void *ctx, const cg_limit_verdict *v, const cg_store_status *status)
 {
     fb_req *w = ctx;
-    w->inner = NULL;
-    if (status->unavailable) {
-        answer_here(w);
+    if (answered_here(w, status))
         return;
-    }
     if (wanted(w))
         w->cb.limit(w->ctx, v, status);
     req_free(w);
@@ -794,12 +809,9 @@ static cg_store_req *fb_take(cg_store *st, const char *user, const cg_limits *li
     fb_req *w = req_new(fb, CG_STORE_LIMIT, user, "", ctx);
     w->cb.limit = cb;
     w->limits = *lim;
-    if (!fb->st->stats.degraded && !fb->closing)
+    if (store_up(fb))
         w->inner = fb->inner.limits->take(st, user, lim, turn, inner_limited, w);
-    if (!w->inner)
-        return answer_later(w);
-    w->on_abandon = abandon_inner;
-    return (cg_store_req *)w;
+    return sent(w, 1);
 }
 
 /* A turn counted here (its verdict says local), or ending while the store is away, ends
@@ -807,7 +819,7 @@ static cg_store_req *fb_take(cg_store *st, const char *user, const cg_limits *li
 static void fb_end(cg_store *st, const char *user, const cg_limits *lim, uint64_t turn, int local, long long tokens)
 {
     cg_fallback *fb = st->fallback;
-    if (!local && !fb->st->stats.degraded && !fb->closing) {
+    if (!local && store_up(fb)) {
         fb->inner.limits->end(st, user, lim, turn, local, tokens);
         return;
     }

@@ -1,8 +1,9 @@
 /*
  * redis_dialog.c: the Redis store's dialog operations (load, save, remove, forget a user)
  * and the tables of its four jobs: the keys, the scripts and their arguments, and reading
- * the replies. The link they travel over is redis_link.c's; the answers from memory when
- * it is away, the fallback's (fallback.c, through redis_req.c); what the Redis store's
+ * the replies. The link they travel over is redis_link.c's; what it could not do it answers
+ * "unavailable", and degraded mode (fallback.c, in front of the store) answers from memory
+ * then; what the Redis store's
  * files share is in chatgate/store/redis_internal.h.
  *
  * Layout (docs/state.md), the user's hash tag on every key, so a user's dialogs, their
@@ -82,7 +83,7 @@ static void send_step(redis_store *rs, cg_argv *a, redis_req *r)
         r->step_failed = 1;
 }
 
-/* Sends r's last command; r is answered from memory if that fails. */
+/* Sends r's last command; r is answered "unavailable" if that fails. */
 static void send_last(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_req *r)
 {
     if (cg_redis_send_argv(rs, a, fn, r) < 0) {
@@ -177,7 +178,7 @@ static int send_script(redis_store *rs, script_id id, cg_argv *a, cg_redis_reply
     return rc;
 }
 
-/* Sends r's script; r is answered from memory if that fails. */
+/* Sends r's script; r is answered "unavailable" if that fails. */
 static void dispatch(redis_store *rs, redis_req *r);
 
 static int send_last_script(redis_store *rs, script_id id, cg_argv *a, cg_redis_reply_fn *fn, redis_req *r)
@@ -1345,7 +1346,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
                       long long tokens);
 
 /* The verdict: {limit met, retry after ms}; anything else is a Redis that is not ours to
- * trust, and the message is judged from memory. A turn let through that is gone by now
+ * trust: "unavailable", and degraded mode judges the message from memory. A turn let through that is gone by now
  * (its client left) ends here. */
 static void on_limit_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {

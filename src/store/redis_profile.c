@@ -141,7 +141,7 @@ static void from_copy(redis_req *r)
                                                      lt->profile_cap, &r->profile))) {
         keep_for_writeback(rs, r->eu, r->changes);
     }
-    cg_redis_answer_later_unavailable(r); /* from the loop: the fallback says degraded */
+    cg_redis_answer_later_unavailable(r); /* from the loop, degraded, with the copy kept here */
 }
 
 /* A profile found is used: its lifetime starts again (nobody waits for the answer). */

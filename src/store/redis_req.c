@@ -1,9 +1,9 @@
 /*
  * redis_req.c: the Redis store's requests (redis_internal.h's redis_req): made, answered
  * "unavailable" when Redis is away or failed them (degraded mode, fallback.c, in front of
- * the store, then answers from memory), and freed once
- * the replies still due to them have come; and the store's own end, when its last handle
- * and request are gone. Below the rest of the Redis store: it calls none of it.
+ * the store, then answers from memory), and freed once the replies still due to them have
+ * come; and the store's own end, when its last handle and request are gone. Below the rest
+ * of the Redis store: it calls none of it.
  */
 #include <stdlib.h>
 #include <string.h>

@@ -5,9 +5,9 @@
  * over it (keys, scripts, load, save, remove) are in redis_dialog.c; what the two share is in
  * chatgate/store/redis_internal.h.
  *
- * While Redis is away (the link says down) the store answers from memory: that is the
- * fallback's (fallback.c, degraded mode for any store), which this file tells when the link
- * goes and comes and hands the requests it cannot send. The fallback writes back what it
+ * While Redis is away (the link says down) the store answers "unavailable", and degraded
+ * mode (fallback.c, a wrapper in front of any store's dialogs, lease and limits) answers
+ * from memory: this file tells it when the link goes and comes. The fallback writes back what it
  * held through the store's merging write-back (cg_redis_send_writeback). What a failover
  * can lose is in docs/state.md.
  */
@@ -79,12 +79,12 @@ static void on_link_failover(void *data, const unsigned char *slots)
     cg_fallback_moved(rs->fb, in_slots, (void *)slots);
 }
 
-/* The link is down (it reconnects by itself): the store answers from memory meanwhile. */
+/* The link is down (it reconnects by itself): degraded mode answers from memory meanwhile. */
 static void on_link_down(void *data, const char *why)
 {
     redis_store *rs = data;
     cg_fallback_down(rs->fb, why);
-    cg_redis_drain_waiting(rs); /* from memory now */
+    cg_redis_drain_waiting(rs); /* "unavailable": from memory now */
 }
 
 /* Every 100 ms: the leases held renewed, the dialogs marked while connected sent again. */
@@ -120,7 +120,7 @@ void cg_redis_close(cg_store *st)
 {
     redis_store *rs = (redis_store *)st;
     rs->closing = 1;
-    cg_redis_drain_waiting(rs); /* answered from memory: their callers are told nothing while closing */
+    cg_redis_drain_waiting(rs); /* "unavailable": their callers are told nothing while closing */
     uv_timer_stop(&rs->tick);
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;

@@ -16,11 +16,13 @@
  *                   line, merging two copies, reading the replies; the four jobs' tables;
  *   redis_bus.c     the pub/sub connections that carry cancels between gateways (sharded
  *                   in a cluster), handing each to the store's callback;
- *   redis_req.c     the requests, their answers from memory, and the store's end;
+ *   redis_req.c     the requests, their "unavailable" answers, and the store's end;
  *   redis_stream.c  the stream a record is appended to (XADD: the turn export).
  * Degraded mode (the gateway's copy of the dialogs, what was written while Redis was away,
- * the write-back) is no Redis code: fallback.c, which the store tells when the link goes
- * and comes, and hands what it cannot send.
+ * the write-back) is no Redis code: fallback.c, a wrapper whose tables stand in the store's
+ * table in front of redis_dialog.c's dialogs, lease and limits; the store tells it when the
+ * link goes and comes, answers it "unavailable" where it could not do a request, and keeps
+ * its copy of each dialog's rev in the fallback's copy.
  */
 #ifndef CHATGATE_STORE_REDIS_INTERNAL_H
 #define CHATGATE_STORE_REDIS_INTERNAL_H
@@ -88,7 +90,7 @@ struct redis_req {
     json_t *profile;   /* profile: the answer, once there */
     int profile_err;   /* profile: an update refused (CG_E_TOO_LARGE) */
     redis_req *wait_next; /* waiting for the first connection's verdict */
-    uv_timer_t defer;          /* answers from memory come through this */
+    uv_timer_t defer;          /* "unavailable" answers come through this, and lease retries */
 };
 
 struct redis_store {
@@ -112,8 +114,9 @@ struct redis_store {
                             * it, the store's URL is) */
     cg_redis_link *link;   /* the store's Redis, up or down */
     uv_timer_t tick;       /* lease renewals, the write-back of dialogs marked while connected */
-    cg_fallback *fb; /* degraded mode (fallback.c): the gateway's copy of the dialogs, what
-                      * it wrote while Redis was away, the limits counted meanwhile */
+    cg_fallback *fb; /* degraded mode (fallback.c), in front of this store: the gateway's
+                      * copy of the dialogs (this store's rev cache too), what it wrote
+                      * while Redis was away, the limits counted meanwhile */
     cg_profiles *profiles; /* the copies of the profiles Redis answered (redis_profile.c) */
     json_t *profile_pending; /* eu -> the changes made while Redis was away, written back when
                               * it is up again (at most max_dialogs users) */

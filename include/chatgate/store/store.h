@@ -4,7 +4,8 @@
  * Two stores: in memory (one process, TTLs and bounds on dialogs and bytes held, least
  * recently used going first) and Redis (any number of gateways; docs/state.md's key layout,
  * one pipelined read and one pipelined write per message, on the gateway's loop). When
- * Redis fails, degraded mode (fallback.h, no Redis code) answers from memory, says so
+ * Redis fails, degraded mode (fallback.h, no Redis code: a wrapper whose tables stand in
+ * front of the store's dialogs, lease and limits) answers from memory, says so
  * (status.degraded, status.warn once per dialog), and writes what it held back to Redis
  * when it returns.
  *
@@ -61,9 +62,9 @@ typedef enum {
 /*
  * What every request of every store begins with (as libuv's UV_REQ_FIELDS): what it asks,
  * the caller's callback for the answer and its context, and whether the caller still wants
- * it. Each store's own request type (memory_req, redis_req) starts with these fields, so a
- * cg_store_req * is a pointer to any of them: cg_store_abandon works on all, and degraded
- * mode (fallback.h) answers any store's request from memory.
+ * it. Each store's own request type (memory_req, redis_req, degraded mode's) starts with
+ * these fields, so a cg_store_req * is a pointer to any of them: cg_store_abandon works on
+ * all.
  */
 #define CG_STORE_REQ_FIELDS                                                                   \
     void *ctx;     /* the caller's, handed to its callback */                                 \
