@@ -3,8 +3,7 @@
  * and the tables of its four jobs: the keys, the scripts and their arguments, and reading
  * the replies. The link they travel over is redis_link.c's; what it could not do it answers
  * "unavailable", and degraded mode (fallback.c, in front of the store) answers from memory
- * then; what the Redis store's
- * files share is in chatgate/store/redis_internal.h.
+ * then; what the Redis store's files share is in chatgate/store/redis_internal.h.
  *
  * Layout (docs/state.md), the user's hash tag on every key, so a user's dialogs, their
  * leases and the rooms set live on one shard (one cluster slot):
@@ -1346,8 +1345,8 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
                       long long tokens);
 
 /* The verdict: {limit met, retry after ms}; anything else is a Redis that is not ours to
- * trust: "unavailable", and degraded mode judges the message from memory. A turn let through that is gone by now
- * (its client left) ends here. */
+ * trust: "unavailable", and degraded mode judges the message from memory. A turn let
+ * through that is gone by now (its client left) ends here. */
 static void on_limit_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
