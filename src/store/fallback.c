@@ -735,6 +735,10 @@ static cg_store_req *fb_save(cg_store *st, const char *user, const char *room, c
     w->cb.done = cb;
     if (answers_here(fb, w->key)) {
         fallback_save(fb, w->key, w->eu, w->er, d); /* now: a load asked after this save sees it */
+        /* the save ends its turn's lease (store.h): one the store gave the turn's load before
+         * it went away, or before the dialog was marked, is let go, never renewed on */
+        if (fb->inner.lease->release)
+            fb->inner.lease->release(st, user, room);
         return answer_later(w);
     }
     w->snapshot = cg_malloc(sizeof(*w->snapshot));
@@ -746,7 +750,9 @@ static cg_store_req *fb_save(cg_store *st, const char *user, const char *room, c
     return sent(w, 0);
 }
 
-/* A delete is done here at once, whatever the store says; the store is told while up. */
+/* A delete is done here at once, whatever the store says, and always handed to the store
+ * too (away, it answers "unavailable": the caller is told, 503 at the admin API), so that
+ * what it keeps of its own here (the Redis store's copies of profiles) goes as well. */
 static cg_store_req *fb_remove(cg_store *st, const char *user, const char *room, cg_store_done_fn cb, void *ctx)
 {
     cg_fallback *fb = st->fallback;
@@ -754,9 +760,9 @@ static cg_store_req *fb_remove(cg_store *st, const char *user, const char *room,
     fb_req *w = req_new(fb, CG_STORE_REMOVE, user, room, ctx);
     w->cb.done = cb;
     cg_fallback_remove(fb, w->key);
-    if (store_up(fb))
+    if (!fb->closing)
         w->inner = fb->inner.dialogs->remove(st, user, room, inner_done, w);
-    return sent(w, 0); /* away: the caller is told (503 at the admin API) */
+    return sent(w, 0);
 }
 
 static cg_store_req *fb_remove_user(cg_store *st, const char *user, cg_store_done_fn cb, void *ctx)
@@ -767,7 +773,7 @@ static cg_store_req *fb_remove_user(cg_store *st, const char *user, cg_store_don
     w->cb.done = cb;
     w->user = cg_strdup(user ? user : "");
     fallback_remove_user(fb, w->user, w->eu); /* memory, write-back and the counts kept here */
-    if (store_up(fb))
+    if (!fb->closing)
         w->inner = fb->inner.dialogs->remove_user(st, user, inner_done, w);
     return sent(w, 0);
 }
