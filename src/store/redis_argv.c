@@ -110,7 +110,10 @@ void cg_argv_json(cg_argv *a, json_t *v)
  * live on one shard). */
 void cg_argv_put_key(cg_argv *a, const char *prefix, const char *eu, const char *er, const char *part)
 {
-    a->slot = cg_redis_key_slot(eu, strlen(eu)); /* every key of a command has this tag */
+    if (!a->slot_known) { /* every key of a command has this tag */
+        a->slot = cg_redis_key_slot(eu, strlen(eu));
+        a->slot_known = 1;
+    }
     cg_jsonw_raw(&a->w, prefix, strlen(prefix));
     CG_JSONW_LIT(&a->w, ":{");
     cg_jsonw_raw(&a->w, eu, strlen(eu));
@@ -139,6 +142,7 @@ void cg_argv_clear(cg_argv *a)
 {
     a->argc = 0;
     a->slot = 0;
+    a->slot_known = 0;
     a->w.used = a->w.pre;
 }
 

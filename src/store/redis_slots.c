@@ -10,15 +10,28 @@
 #include <string.h>
 
 /* CRC16-CCITT as the cluster spec defines it (XMODEM: polynomial 0x1021, initial value 0, no
- * reflection), a bit at a time: keys are short and a turn hashes a handful. */
-unsigned cg_redis_crc16(const char *buf, size_t len)
+ * reflection), a byte at a time through a table of the 256 bytes' remainders, made at the
+ * first use from the bitwise definition: a turn hashes a user's tag twice (a command's keys
+ * share it), and bit by bit it was 4% of the gateway's instructions a turn (callgrind). */
+static unsigned short crc16_table[256];
+
+static void crc16_table_make(void)
 {
-    unsigned crc = 0;
-    for (size_t i = 0; i < len; i++) {
-        crc ^= (unsigned)(unsigned char)buf[i] << 8;
+    for (unsigned b = 0; b < 256; b++) {
+        unsigned crc = b << 8;
         for (int bit = 0; bit < 8; bit++)
             crc = (crc & 0x8000) ? ((crc << 1) ^ 0x1021) & 0xffff : (crc << 1) & 0xffff;
+        crc16_table[b] = (unsigned short)crc;
     }
+}
+
+unsigned cg_redis_crc16(const char *buf, size_t len)
+{
+    if (crc16_table[1] == 0) /* 0x1021 once made: one process, one thread hashes */
+        crc16_table_make();
+    unsigned crc = 0;
+    for (size_t i = 0; i < len; i++)
+        crc = ((crc << 8) ^ crc16_table[((crc >> 8) ^ (unsigned char)buf[i]) & 0xff]) & 0xffff;
     return crc;
 }
 

@@ -13,7 +13,8 @@
 # later dumped, and the turns the gateway counted in between (chatgate_turns_total, from
 # /metrics) divide them. Prints one line a binary:
 #   INSTR kind=pass binary=... turns=N instructions=N per_turn=N
-# Needs valgrind (Debian's), curl, and redis-server for full.
+# CG_INSTR_KEEP=PATH keeps each binary's callgrind dump as PATH.<binary's name>, for
+# callgrind_annotate. Needs valgrind (Debian's), curl, and redis-server for full.
 set -u
 . "$(dirname "$0")/ports.sh"
 
@@ -66,6 +67,7 @@ for bin in "${binaries[@]}"; do
 	wait $bench
 	dump=$(ls -t "$tmp"/cg.out.* 2>/dev/null | head -n 1)
 	ir=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }')
+	[ -n "${CG_INSTR_KEEP:-}" ] && [ -n "$dump" ] && cp "$dump" "$CG_INSTR_KEEP.$(basename "$bin")"
 	kill $gw 2>/dev/null
 	wait $gw 2>/dev/null
 	rm -f "$tmp"/cg.out*

@@ -24,6 +24,7 @@ typedef struct cg_argv {
     cg_jsonw w;   /* the arguments as RESP bulk strings, after ARGV_HEAD bytes of headroom */
     int argc;
     unsigned slot; /* Redis Cluster: the slot of its keys (their hash tag, the user's) */
+    int slot_known; /* slot is its first key's: every key of a command has the same tag */
 } cg_argv;
 
 /* Arguments: a string of n bytes, a C string, a number, a JSON value ("null" for one it
