@@ -193,13 +193,28 @@ void cg_jsonw_json(cg_jsonw *w, json_t *v)
         json_value(w, v, 0);
 }
 
+/* "00" to "99": two digits a division (a turn writes a few hundred numbers: RESP lengths,
+ * times in ms, counts). */
+static const char two_digits[] = "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+                                 "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+                                 "8081828384858687888990919293949596979899";
+
 size_t cg_int_text(char *end, long long n)
 {
     char *p = end;
     unsigned long long u = n < 0 ? 0ULL - (unsigned long long)n : (unsigned long long)n;
-    do
-        *--p = (char)('0' + u % 10);
-    while (u /= 10);
+    while (u >= 100) {
+        unsigned d = (unsigned)(u % 100) * 2;
+        u /= 100;
+        *--p = two_digits[d + 1];
+        *--p = two_digits[d];
+    }
+    if (u >= 10) {
+        *--p = two_digits[u * 2 + 1];
+        *--p = two_digits[u * 2];
+    } else {
+        *--p = (char)('0' + u);
+    }
     if (n < 0)
         *--p = '-';
     return (size_t)(end - p);

@@ -524,8 +524,11 @@ static void test_null_and_values(void)
 
 static void test_int(void)
 {
-    static const long long ns[] = {0, -1, 1, 9, 10, -10, 123456789, LLONG_MIN, LLONG_MAX,
-                                   LLONG_MIN + 1, LLONG_MAX - 1};
+    /* each digit count, odd and even (two digits are written at a time), at their edges */
+    static const long long ns[] = {0,       -1,       1,         9,          10,        -10,      11,
+                                   99,      -99,      100,       101,        999,       1000,     1009,
+                                   9999,    10000,    99999,     100000,     123456789, 1700000000123,
+                                   LLONG_MIN, LLONG_MAX, LLONG_MIN + 1, LLONG_MAX - 1};
     for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++) {
         cg_jsonw w;
         cg_jsonw_init(&w, 16, 0);
