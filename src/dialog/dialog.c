@@ -735,13 +735,14 @@ char *cg_dialog_summary(const cg_dialog *d, json_t *merged_params, json_t *tool_
     if (json_object_size(annotations))
         json_object_set(parts, "annotations", annotations);
     char *out = NULL;
-    char *s = json_object_size(parts) ? json_dumps(parts, JSON_COMPACT) : NULL;
-    if (s) {
+    if (json_object_size(parts)) { /* the lead, then the parts, written once (no json_dumps) */
         static const char lead[] = "What the conversation has established so far: ";
-        size_t n = sizeof(lead) + strlen(s);
-        out = cg_malloc(n);
-        snprintf(out, n, "%s%s", lead, s);
-        free(s);
+        cg_jsonw w;
+        size_t n;
+        cg_jsonw_init(&w, 0, 256);
+        cg_jsonw_raw(&w, lead, sizeof(lead) - 1);
+        cg_jsonw_json(&w, parts);
+        out = cg_jsonw_end(&w, &n);
     }
     json_decref(parts);
     return out ? out : cg_strdup(""); /* nothing established */
