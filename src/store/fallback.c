@@ -584,6 +584,12 @@ static void answer_here(fb_req *w)
             fallback_save(fb, w->key, w->eu, w->er, w->snapshot);
         /* fall through */
     default: /* save, remove, remove_user */
+        /* a delete the store failed is done here again: a save of the dialog it waited behind
+         * at the store may have failed first, and been kept (it would be written back) */
+        if (w->kind == CG_STORE_REMOVE)
+            cg_fallback_remove(fb, w->key);
+        else if (w->kind == CG_STORE_REMOVE_USER)
+            fallback_remove_user(fb, w->user, w->eu);
         if (want && w->cb.done)
             w->cb.done(w->ctx, &st);
         break;
@@ -620,8 +626,9 @@ static cg_store_req *answer_later(fb_req *w)
 static void abandon_inner(cg_store_req *req)
 {
     fb_req *w = (fb_req *)req;
-    if (!w->inner)
-        return; /* in the queue, or being answered: it ends there */
+    if (!w->inner || w->fb->closing)
+        return; /* in the queue, or being answered: it ends there; closing, the inner store
+                 * may have dropped its request unanswered: cg_fallback_free frees w */
     cg_store_abandon(w->inner);
     req_free(w);
 }

@@ -814,7 +814,9 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     for (size_t i = 1; i < reply->elements; i++) /* any of the five keys there ("same": the dialog is) */
         st.found |= reply->element[i]->type == REDIS_REPLY_STRING ||
                     (reply->element[i]->type == REDIS_REPLY_ARRAY && reply->element[i]->elements > 0);
-    int wanted = !r->abandoned && !rs->closing;
+    /* a merge's read is answered closing too: the save waiting for it must end, or the store
+     * (which waits for its requests) would never be freed */
+    int wanted = !r->abandoned && (!rs->closing || r->cb.load == on_merge_loaded);
     if (lease->len > 0 && wanted) /* held until this dialog's save, or its release */
         json_object_set_new(rs->leases, r->key, lease_held(lease->str, lease->len, uv_now(rs->base.loop)));
     else if (lease->len > 0) /* the caller left meanwhile: let go at once */
@@ -2007,6 +2009,7 @@ static cg_store_req *rs_remove_user(cg_store *st, const char *user, cg_store_don
     redis_req *r = cg_redis_req_new(rs, CG_STORE_REMOVE_USER, user, "", ctx);
     r->cb.done = cb;
     cg_profiles_remove(rs->profiles, r->eu);
+    json_object_del(rs->profile_pending, r->eu); /* a change made while Redis was away goes too */
     start_or_wait(rs, r);
     return (cg_store_req *)r; /* its first fields are cg_store_req's */
 }
