@@ -548,7 +548,7 @@ static int load_from_memory(cg_fallback *fb, const char *key, cg_dialog *d)
  * load in this outage: a save's answer reaches nobody, so it must not use up the warning); a
  * save kept and marked for the write-back (one kept at its call has no snapshot left); the
  * rooms memory holds; a limit counted by this gateway alone (a turn gone is not counted); a
- * delete was done here at its call.
+ * delete, done here at its call, done again.
  */
 static void answer_here(fb_req *w)
 {
