@@ -210,6 +210,18 @@ static void test_keys(void)
     free(k2);
     free(k3);
     free(k4);
+    /* every byte: kept when in [A-Za-z0-9_.@|-], else %XX */
+    static const char kept[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.@|-";
+    for (int c = 1; c < 256; c++) {
+        char id[2] = {(char)c, 0}, want[4];
+        if (strchr(kept, c))
+            snprintf(want, sizeof(want), "%c", c);
+        else
+            snprintf(want, sizeof(want), "%%%02X", c);
+        char *e = cg_store_escape(id);
+        CHECK_STR(e, want);
+        free(e);
+    }
 }
 
 /* The bytes held follow the dialog's weight when each put's history goes on from the last
