@@ -726,6 +726,12 @@ static void fb_release(cg_store *st, const char *user, const char *room)
 static void inner_done(void *ctx, const cg_store_status *status)
 {
     fb_req *w = ctx;
+    cg_dialog merged;
+    if (status->unavailable && status->unsaved && w->snapshot && cg_dialog_share(&merged, status->unsaved) == 0) {
+        /* the store had merged it with its own copy: memory keeps that, the newer */
+        cg_dialog_free(w->snapshot);
+        *w->snapshot = merged;
+    }
     if (answered_here(w, status))
         return;
     if (wanted(w) && w->cb.done)

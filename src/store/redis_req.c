@@ -115,7 +115,11 @@ void cg_redis_answer_unavailable(redis_req *r)
         r->cb.rooms(r->ctx, NULL, &away);
     else if (!r->abandoned && r->kind == CG_STORE_LIMIT)
         r->cb.limit(r->ctx, NULL, &away);
-    else if (!r->abandoned && r->kind != CG_STORE_PROFILE && r->cb.done)
+    else if (!r->abandoned && r->kind == CG_STORE_SAVE && r->cb.done) {
+        cg_store_status st = away;
+        st.unsaved = r->merges ? r->snapshot : NULL; /* a merge's: the other copy's turns too */
+        r->cb.done(r->ctx, &st);
+    } else if (!r->abandoned && r->kind != CG_STORE_PROFILE && r->cb.done)
         r->cb.done(r->ctx, &away);
     cg_redis_req_finish(r);
 }

@@ -34,6 +34,9 @@ typedef struct cg_store_status {
     int unavailable; /* an inner store's answer to degraded mode (fallback.h), never the
                       * gateway's: it could not do it (away, or it failed the request),
                       * and a load's dialog, a limit's verdict, the rooms are NULL */
+    const cg_dialog *unsaved; /* with unavailable, a save's: the dialog as the store last
+                               * had it (merged with its own copy), for degraded mode to keep;
+                               * NULL: the one it was given. Borrowed for the call. */
 } cg_store_status;
 
 /* d is the caller's to keep (cg_dialog_free) */

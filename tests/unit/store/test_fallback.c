@@ -44,6 +44,7 @@ typedef struct fake {
     int saved;        /* saves it took */
     int abandoned;    /* its requests whose caller left before its answer */
     int ended;        /* turns' ends it was told */
+    const cg_dialog *unsaved; /* the dialog a failed save answers it had (a merge's), or NULL */
     inner_req *due;   /* its answers, from the loop */
     uv_timer_t timer;
 } fake;
@@ -91,6 +92,7 @@ static void inner_answer(uv_timer_t *t)
             json_decref(rooms);
         } else if (!r->abandoned && r->cb.done) {
             f->saved += r->kind == CG_STORE_SAVE && !f->unavailable;
+            st.unsaved = r->kind == CG_STORE_SAVE && f->unavailable ? f->unsaved : NULL;
             r->cb.done(r->ctx, &st);
         }
         free(r);
@@ -665,6 +667,23 @@ static void test_in_front_of_the_store(uv_loop_t *loop)
     CHECK(sz.calls == 1 && rz.calls == 1 && rz.st.degraded);
     CHECK(!cg_fallback_is_dirty(fb, "r:z"));
 
+    /* a save the store had merged with its own copy before failing: memory keeps the merge */
+    char err[64];
+    cg_dialog md;
+    cg_dialog_init(&md, f.now);
+    json_t *p = json_pack("{s:s}", "from", "merged");
+    cg_dialog_merge_params(&md, "travel", p, &f.st.cfg.lifetimes, err, sizeof(err));
+    json_decref(p);
+    f.unsaved = &md;
+    f.unavailable = 1;
+    s = save(&f, fb, "m", "n", "mine");
+    f.unavailable = 0;
+    f.unsaved = NULL;
+    cg_dialog_free(&md);
+    l = load(&f, "m:n");
+    CHECK(s.st.degraded && l.st.degraded);
+    CHECK_STR(l.from, "merged");
+
     /* a turn's end: the store's when it counted the turn and is up, else memory's */
     cg_fallback_limit_ops.end(&f.st, "v", &lim, 1, 0, 10);
     CHECK(f.ended == 1);
@@ -675,7 +694,7 @@ static void test_in_front_of_the_store(uv_loop_t *loop)
     cg_fallback_up(fb, 0);
 
     /* each request counted once, by the wrapper */
-    CHECK(f.st.stats.loads == 5 && f.st.stats.saves == 5 && f.st.stats.deletes == 1);
+    CHECK(f.st.stats.loads == 6 && f.st.stats.saves == 6 && f.st.stats.deletes == 1);
     fake_close(&f, fb);
 }
 
