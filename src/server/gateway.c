@@ -93,17 +93,17 @@ static int is_session_callback(lws_callback_function *cb)
     return cb == cg_session_callback || cb == front_callback;
 }
 
-/*
- * The vhost's protocols: chatgate.v1 first (the default for a WebSocket without a
- * subprotocol), then the drop-in app's subprotocols (lws accepts only names it was given;
- * they are handled by the same session callback), then the client and HTTP handlers.
- */
 /* A client connection's receive buffer in lws, allocated at its upgrade and held while it is
  * open: the most of a message lws hands over at once. A chat message is mostly far smaller;
  * a longer one comes in pieces, put together by core/wsrx. Each KiB here is a KiB per idle
  * connection (docs/architecture.md, "Memory"); the app connections, few, keep 4 KiB. */
 #define CG_CLIENT_RX_BUFFER 2048
 
+/*
+ * The vhost's protocols: chatgate.v1 first (the default for a WebSocket without a
+ * subprotocol), then the drop-in app's subprotocols (lws accepts only names it was given;
+ * they are handled by the same session callback), then the client and HTTP handlers.
+ */
 static struct lws_protocols *build_protocols(const cg_config *cfg)
 {
     static const struct lws_protocols fixed[] = {

@@ -475,11 +475,7 @@ static fb_req *req_new(cg_fallback *fb, cg_store_op kind, const char *user, cons
     w->ctx = ctx;
     w->eu = cg_store_escape(user ? user : "");
     w->er = cg_store_escape(room ? room : "");
-    size_t nu = strlen(w->eu), nr = strlen(w->er);
-    w->key = cg_malloc(nu + nr + 2);
-    memcpy(w->key, w->eu, nu);
-    w->key[nu] = ':';
-    memcpy(w->key + nu + 1, w->er, nr + 1);
+    w->key = cg_store_key_join(w->eu, w->er);
     w->next = fb->live;
     if (fb->live)
         fb->live->prev = w;

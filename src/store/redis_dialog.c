@@ -989,11 +989,7 @@ static void lease_release(redis_store *rs, const char *eu, const char *er, const
     cg_argv a = {0};
     arg_script(rs, &a, S_RELEASE, eu, er);
     cg_argv_str(&a, value);
-    size_t nu = strlen(eu), nr = strlen(er);
-    char *key = cg_malloc(nu + nr + 2);
-    memcpy(key, eu, nu);
-    key[nu] = ':';
-    memcpy(key + nu + 1, er, nr + 1);
+    char *key = cg_store_key_join(eu, er);
     store_note *note = note_new(rs, key, NULL);
     free(key);
     if (send_script(rs, S_RELEASE, &a, on_release_reply, note) < 0)
@@ -1475,8 +1471,7 @@ static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *rep
         if (room->type != REDIS_REPLY_STRING)
             continue;
         char *er = cg_strndup(room->str, room->len); /* stored escaped, as the keys use it */
-        char *key = cg_malloc(strlen(r->eu) + room->len + 2);
-        sprintf(key, "%s:%s", r->eu, er); /* the gateway's key of that dialog (cg_store_dialog_key) */
+        char *key = cg_store_key_join(r->eu, er); /* the gateway's key of that dialog */
         cg_fallback_remove(rs->fb, key);
         arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);
         free(key);

@@ -47,11 +47,7 @@ static redis_req *req_alloc(redis_store *rs, cg_store_op kind, char *eu, char *e
     r->kind = kind;
     r->eu = eu;
     r->er = er;
-    size_t nu = strlen(eu), nr = strlen(er); /* "<eu>:<er>", twice a turn: no asprintf */
-    r->key = cg_malloc(nu + nr + 2);
-    memcpy(r->key, eu, nu);
-    r->key[nu] = ':';
-    memcpy(r->key + nu + 1, er, nr + 1);
+    r->key = cg_store_key_join(eu, er);
     r->ctx = ctx;
     uv_timer_init(rs->base.loop, &r->defer);
     r->defer.data = r;

@@ -69,6 +69,16 @@ char *cg_store_unescape(const char *s, size_t n)
     return out;
 }
 
+char *cg_store_key_join(const char *eu, const char *er)
+{
+    size_t nu = strlen(eu), nr = strlen(er); /* a few times a turn: no asprintf */
+    char *key = cg_malloc(nu + nr + 2);
+    memcpy(key, eu, nu);
+    key[nu] = ':';
+    memcpy(key + nu + 1, er, nr + 1);
+    return key;
+}
+
 char *cg_store_dialog_key(const char *user, const char *room)
 {
     /* a few times a turn (its lock, the store's load and save): escaped in place, one malloc */

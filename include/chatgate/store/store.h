@@ -321,6 +321,8 @@ cg_store *cg_store_open(uv_loop_t *loop, const cg_store_config *cfg, char *err, 
  * Returns a malloc'd string.
  */
 char *cg_store_dialog_key(const char *user, const char *room);
+/* The same key from ids already escaped (cg_store_escape): "<eu>:<er>", malloc'd. */
+char *cg_store_key_join(const char *eu, const char *er);
 /* What a log line may say of a dialog's key: a hash, never the user's id (an e-mail, a
  * phone number), printed "dialog #%08lx". */
 unsigned long cg_store_key_tag(const char *key);
