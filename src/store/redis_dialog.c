@@ -95,7 +95,7 @@ static void send_last(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_
 /* A dialog's keys, KEYS[1..8] of a script (the rooms set is KEYS[9]): its data, its lease,
  * the lease's fence counter, and the flag another gateway sets to cancel its turn. A script
  * is given the first of them up to the last it uses (script_keys). */
-static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lease", "fence", "cancel"};
+static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lock", "fence", "cancel"};
 #define N_PARTS 8
 
 /*
@@ -269,20 +269,32 @@ static int gated(redis_store *rs, redis_req *r)
 /* ---- load ------------------------------------------------------------------------------ */
 
 /*
+ * The dialog's lock, KEYS[6], holds the lease and the fence in one string (docs/state.md,
+ * "The dialog lease"): "<holder> <fence>" while a turn holds it (PX redis.lease_ms), and
+ * "- <fence>" once its save or release let it go (EX dialog_s: the fence outlives the turn
+ * with the dialog). Either ends in " w" while turns of other gateways wait in the line
+ * (KEYS[8]): only then, or when the lock is gone, does a load look at the line. So a turn's
+ * load takes the lease in two calls (GET, SET) where the lease, the fence counter and the
+ * line's EXISTS were four (issue 39). A lock gone (a holder that died, a key evicted) has no
+ * fence to go on from: the next is Redis's clock in microseconds, above any fence given
+ * since (each came from an earlier clock reading, plus one a turn).
+ */
+
+/*
  * The load, one atomic step: the dialog's lease (when ARGV[1], the holder, is not empty),
  * then the five reads. A lease held by another holder answers {"busy", its value, its PTTL}
- * and reads nothing; else the lease is "holder fence", the fence one more than the
- * dialog's last (KEYS[7]: given the dialog's lifetime, ARGV[3], when INCR makes it, and
- * renewed with the dialog's keys by a save), for ARGV[2] ms. The answer is the
- * lease ("" when none was asked), then the five parts (GET's nil comes back as nil); or,
- * when ARGV[4] names the rev of the copy this gateway holds and Redis's copy is that one,
- * the lease and "same". Redis's copy is that one when its params hash has that rev, its
- * dialog hash is there, and its history list is there when the copy has messages (ARGV[5]
- * "1"; "0" when it has none): a part that lapsed or was evicted in Redis alone. The params
- * hash and the list are not counted: only a save writes them, and it writes a new rev with
- * them (counting them was two calls of the load's eight; issue 12). The fence goes into the
- * lease as "%d": Lua's own number-to-string is sprintf's "%.14g", whose floating-point
- * formatting was 1.4% of Redis's time under the benchmark (issue 12).
+ * and reads nothing; else the lease is "holder fence", the fence one more than the lock's
+ * last, for ARGV[2] ms. The answer is the lease ("" when none was asked), then the five
+ * parts (GET's nil comes back as nil); or, when ARGV[4] names the rev of the copy this
+ * gateway holds and Redis's copy is that one, the lease and "same". Redis's copy is that one
+ * when its params hash has that rev, its dialog hash is there, and its history list is there
+ * when the copy has messages (ARGV[5] "1"; "0" when it has none): a part that lapsed or was
+ * evicted in Redis alone. The params hash and the list are not counted: only a save writes
+ * them, and it writes a new rev with them (counting them was two calls of the load's eight;
+ * issue 12). The fence goes into the lease as "%d": Lua's own number-to-string is sprintf's
+ * "%.14g", whose floating-point formatting was 1.4% of Redis's time under the benchmark
+ * (issue 12). redis.replicate_commands() lets Redis 4 replicate TIME's effects, not the
+ * script (from Redis 5 that is how every script replicates).
  */
 static const char load_script[] =
     "local lease = ''\n"
@@ -295,17 +307,25 @@ static const char load_script[] =
     "    redis.call('PEXPIRE', line, 20000)\n"
     "  end\n"
     "  local cur = redis.call('GET', KEYS[6])\n"
-    "  if cur and string.match(cur, '^%S+') ~= ARGV[1] then\n"
+    "  local holder, fence, mark\n"
+    "  if cur then holder, fence, mark = string.match(cur, '^(%S+) (%d+)(.*)$') end\n"
+    "  if holder and holder ~= '-' and holder ~= ARGV[1] then\n"
     "    queue()\n"
-    "    return {'busy', cur, redis.call('PTTL', KEYS[6])}\n"
+    "    local ttl = redis.call('PTTL', KEYS[6])\n"
+    "    if mark == '' and ttl > 0 then redis.call('SET', KEYS[6], cur .. ' w', 'PX', ttl) end\n"
+    "    return {'busy', cur, ttl}\n"
     "  end\n"
-    "  if redis.call('EXISTS', line) == 1 then\n" /* turns of other gateways wait: the first goes first */
-    "    local all, first, first_seq = redis.call('HGETALL', line), nil, nil\n"
+    "  local waiting = false\n"
+    "  if (not holder or mark ~= '') and redis.call('EXISTS', line) == 1 then\n" /* the first waiting goes first */
+    "    local all, first, first_seq, others = redis.call('HGETALL', line), nil, nil, 0\n"
     "    for i = 1, #all, 2 do\n"
     "      if all[i] ~= '#' then\n"
     "        local seq, due = string.match(all[i + 1], '^(%d+) (%d+)$')\n"
     "        if not due or tonumber(due) < now then redis.call('HDEL', line, all[i])\n" /* a waiter gone */
-    "        elseif not first_seq or tonumber(seq) < first_seq then first, first_seq = all[i], tonumber(seq) end\n"
+    "        else\n"
+    "          if all[i] ~= ticket then others = others + 1 end\n"
+    "          if not first_seq or tonumber(seq) < first_seq then first, first_seq = all[i], tonumber(seq) end\n"
+    "        end\n"
     "      end\n"
     "    end\n"
     "    if first and first ~= ticket then\n"
@@ -313,12 +333,17 @@ static const char load_script[] =
     "      return {'busy', 'the turn ' .. first .. ' waiting before this one', 0}\n"
     "    end\n"
     "    redis.call('HDEL', line, ticket)\n"
-    "    if not first then redis.call('DEL', line) end\n"
+    "    if others == 0 then redis.call('DEL', line) end\n"
+    "    waiting = others > 0\n"
     "  end\n"
-    "  local fence = redis.call('INCR', KEYS[7])\n"
-    "  if fence == 1 then redis.call('EXPIRE', KEYS[7], ARGV[3]) end\n"
+    "  if fence then fence = tonumber(fence) + 1\n"
+    "  else\n" /* no lock, or not one of ours: the clock, above every fence given before */
+    "    redis.replicate_commands()\n"
+    "    local t = redis.call('TIME')\n"
+    "    fence = tonumber(t[1]) * 1000000 + tonumber(t[2])\n"
+    "  end\n"
     "  lease = ARGV[1] .. ' ' .. string.format('%d', fence)\n"
-    "  redis.call('SET', KEYS[6], lease, 'PX', ARGV[2])\n"
+    "  redis.call('SET', KEYS[6], waiting and lease .. ' w' or lease, 'PX', ARGV[2])\n"
     "end\n"
     "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] and\n"
     "   (ARGV[5] == '1' and redis.call('EXISTS', KEYS[2], KEYS[5]) == 2 or ARGV[5] == '0' and redis.call('EXISTS', KEYS[2]) == 1) then\n"
@@ -327,32 +352,38 @@ static const char load_script[] =
     "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
     "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], '0', '-1')}\n";
 
-/* A lease still ours, renewed (ARGV[1] the lease, ARGV[2] ms): 1, 2 when another gateway
- * asked to cancel the turn (the flag names this lease's fence; it is taken), or 0 when the
- * lease is not exactly ours.
+/* A lease still ours (ARGV[1], maybe marked " w" since), renewed for ARGV[2] ms: 1, 2 when
+ * another gateway asked to cancel the turn (the flag names this lease's fence; it is taken),
+ * or 0 when the lease is not ours.
  * A lease gone is never taken back here: a renewal sent again after NOSCRIPT may land after
  * the turn's save released it (the save itself decides about a lease lost in a failover). */
 static const char renew_script[] =
-    "if redis.call('GET', KEYS[6]) ~= ARGV[1] then return 0 end\n"
+    "local cur = redis.call('GET', KEYS[6])\n"
+    "if cur ~= ARGV[1] and cur ~= ARGV[1] .. ' w' then return 0 end\n"
     "redis.call('PEXPIRE', KEYS[6], ARGV[2])\n"
     "if redis.call('GET', KEYS[8]) == string.match(ARGV[1], '%d+$') then redis.call('DEL', KEYS[8]) return 2 end\n"
     "return 1\n";
 
 /* Another gateway's turn of the dialog must stop (ARGV[1]: the flag's lifetime, ms): the
  * flag its lease renewal reads, in case the bus message is lost; answers the lease ("" when
- * none) so that its holder can be told on the bus now. The flag holds the fence of the lease
- * it stops: a flag left over (its turn ended without a save, or a renewal) then never stops
- * the dialog's next turn, which has another fence, so a load need not delete it. */
+ * none is held) so that its holder can be told on the bus now. The flag holds the fence of
+ * the lease it stops: a flag left over (its turn ended without a save, or a renewal) then
+ * never stops the dialog's next turn, which has a higher fence, so nothing need delete it. */
 static const char cancel_script[] =
     "local cur = redis.call('GET', KEYS[6])\n"
-    "if not cur then return '' end\n"
-    "redis.call('SET', KEYS[8], string.match(cur, '%d+$') or '', 'PX', ARGV[1])\n"
-    "return cur\n";
+    "local lease, holder, fence\n"
+    "if cur then lease, holder, fence = string.match(cur, '^((%S+) (%d+))') end\n"
+    "if not lease or holder == '-' then return '' end\n"
+    "redis.call('SET', KEYS[8], fence, 'PX', ARGV[1])\n"
+    "return lease\n";
 
-/* A lease let go by its holder without a save. */
+/* A lease let go by its holder without a save: the lock keeps the fence (and the mark of
+ * turns waiting) for ARGV[2] s, the dialog's lifetime. */
 static const char release_script[] =
-    "if redis.call('GET', KEYS[6]) == ARGV[1] then redis.call('DEL', KEYS[6]) return 1 end\n"
-    "return 0\n";
+    "local cur = redis.call('GET', KEYS[6])\n"
+    "if cur ~= ARGV[1] and cur ~= ARGV[1] .. ' w' then return 0 end\n"
+    "redis.call('SET', KEYS[6], '- ' .. string.sub(cur, #string.match(ARGV[1], '^%S+') + 2), 'EX', ARGV[2])\n"
+    "return 1\n";
 
 static json_t *parse_json_reply(redisReply *r)
 {
@@ -989,6 +1020,7 @@ static void lease_release(redis_store *rs, const char *eu, const char *er, const
     cg_argv a = {0};
     arg_script(rs, &a, S_RELEASE, eu, er);
     cg_argv_str(&a, value);
+    cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s); /* how long the lock keeps the fence */
     char *key = cg_store_key_join(eu, er);
     store_note *note = note_new(rs, key, NULL);
     free(key);
@@ -1156,15 +1188,14 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * and none read twice.
  */
 static const char save_script[] =
-    "local held, evicted = false, nil\n"
+    "local held, evicted, cur = false, nil, nil\n"
     "if ARGV[17] ~= '' then\n"
-    "  local cur = redis.call('GET', KEYS[6])\n"
-    "  held = cur == ARGV[17]\n"
-    "  if not held then\n"
-    "    if cur and string.match(cur, '^%S+') ~= string.match(ARGV[17], '^%S+') then return -2 end\n"
-    "    if not cur and (tonumber(redis.call('GET', KEYS[7])) or 0) > tonumber(string.match(ARGV[17], '%d+$')) then\n"
-    "      return -2\n"
-    "    end\n"
+    "  cur = redis.call('GET', KEYS[6])\n"
+    "  held = cur == ARGV[17] or cur == ARGV[17] .. ' w'\n"
+    "  if not held and cur then\n"
+    "    local holder, fence = string.match(cur, '^(%S+) (%d+)')\n"
+    "    if holder ~= '-' and holder ~= string.match(ARGV[17], '^%S+') then return -2 end\n"
+    "    if holder == '-' and tonumber(fence) > tonumber(string.match(ARGV[17], '%d+$')) then return -2 end\n"
     "  end\n"
     "end\n"
     "local function save()\n"
@@ -1254,11 +1285,12 @@ static const char save_script[] =
     "    if append and had + n - h + 1 > keep then redis.call('LTRIM', KEYS[5], '-' .. ARGV[23], '-1') end\n"
     "    if not append or ARGV[24] == '0' or renew then redis.call('EXPIRE', KEYS[5], ARGV[6]) end\n"
     "  end\n"
-    "  if renew and ARGV[17] ~= '' then redis.call('EXPIRE', KEYS[7], ARGV[5]) end\n"
     "  return 1\n"
     "end\n"
     "local code = save()\n"
-    "if ARGV[17] ~= '' and code ~= -3 then redis.call('DEL', KEYS[6], KEYS[8]) end\n"
+    "if ARGV[17] ~= '' and code ~= -3 then\n" /* the lock let go, its fence and its mark kept */
+    "  redis.call('SET', KEYS[6], '- ' .. string.match(ARGV[17], '%d+$') .. (cur and string.match(cur, ' w$') or ''), 'EX', ARGV[5])\n"
+    "end\n"
     "if evicted then table.insert(evicted, 1, code); return evicted end\n"
     "return code\n";
 

@@ -280,8 +280,9 @@ async def part_kill_holder(rules):
                     while app.inflight.get(("kill|user", "trip"), 0) == 0:
                         check(time.monotonic() < deadline, "the app never got k1")
                         await asyncio.sleep(0.02)
-                    check(redis.find_key(harness.dialog_key("kill|user", "trip", "lease")) is not None,
-                          "no lease key while a turn runs")
+                    lock = redis.find_key(harness.dialog_key("kill|user", "trip", "lock"))
+                    check(lock is not None and not (redis.get(lock) or "- ").startswith("- "),
+                          f"no lease in the dialog's lock while a turn runs: {lock and redis.get(lock)}")
                     os.kill(ga.pid, signal.SIGKILL)
                     ga.returncode = ga.proc.wait()
                     ga.stopped = True  # stopped by the test, not a crash: nothing to stop later
@@ -442,8 +443,12 @@ async def part_cross_cancel(rules):
                           "2.5 s, over two renewals, ends done"):
                     user = "cc5|user"
                     c = await connect_as(ga, user)
-                    (await c.message("first", mid="x5a", room="trip")).expect_done()  # the lease of fence 1
-                    redis.command("SET", harness.dialog_key(user, "trip", "cancel"), "1", "PX", "60000")
+                    (await c.message("first", mid="x5a", room="trip")).expect_done()  # a lease, and its fence
+                    lock = harness.dialog_key(user, "trip", "lock")
+                    await harness.wait_condition(lambda: (redis.get(lock) or "").startswith("- "), 5,
+                                                 f"the first turn's lock let go ({lock})")
+                    fence = redis.get(lock).split()[1]  # "- <fence>": the flag of the turn that ended
+                    redis.command("SET", harness.dialog_key(user, "trip", "cancel"), fence, "PX", "60000")
                     app.slow["x5b"] = 2.5
                     turn = await c.message("a slow one", mid="x5b", room="trip", timeout=10)
                     check(turn.terminal.get("type") == "done",

@@ -225,7 +225,7 @@ async def part_mid_turn(app, redis, rules):
         await mid_turn(app, redis, rules, "midp", ("params",))
 
 
-def ttls(redis, user, parts=("params", "dialog", "history", "fence")):
+def ttls(redis, user, parts=("params", "dialog", "history")):
     """The TTLs of a dialog's keys (room "r") and of the user's rooms set, by part."""
     got = {part: redis.ttl(harness.dialog_key(user, "r", part)) for part in parts}
     got["rooms"] = redis.ttl(harness.rooms_key(user))
@@ -239,7 +239,7 @@ async def part_lifetimes(app, redis, rules):
             c = await connect(gw, "life")
             for k in range(1, 3):  # the first save renews, as every rewrite does
                 await turn(c, app, f"life{k}", f"life {k}", "r", {"service": "travel", "params": {"n": k}})
-            for part in ("params", "dialog", "history", "fence"):
+            for part in ("params", "dialog", "history"):
                 redis.command("EXPIRE", harness.dialog_key("life", "r", part), "100")
             redis.command("EXPIRE", harness.rooms_key("life"), "100")
             await turn(c, app, "life3", "life 3", "r")  # the same params: an append, nothing made
@@ -264,20 +264,21 @@ async def part_lifetimes(app, redis, rules):
             check(store_counts(gw)[1] == 2, f"the saves after the first appended: {store_counts(gw)}")
             await c.close()
     short = {"params_s": 120, "dialog_s": 120, "awaiting_s": 60, "soft_s": 60, "history_s": 60}
-    with step("a save a second or more after the last renewal (60 s lifetimes) renews them all, the fence's too"):
+    with step("a save a second or more after the last renewal (60 s lifetimes) renews them all; the lock, "
+              "with its fence, lives the dialog's lifetime from every save"):
         cfg = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=redis.url,
                                    lifetimes=short, history_n=10)
         async with harness.Gateway(args(rules), cfg, name="gw-life-c") as gw:
             c = await connect(gw, "lifec")
             for k in range(1, 3):
                 await turn(c, app, f"lifec{k}", f"lifec {k}", "r")
-            for part in ("params", "dialog", "history", "fence"):
+            for part in ("params", "dialog", "history", "lock"):
                 redis.command("EXPIRE", harness.dialog_key("lifec", "r", part), "30")
             redis.command("EXPIRE", harness.rooms_key("lifec"), "30")
             await asyncio.sleep(2.1)  # the subject: the renewal of a lifetime over two seconds old
             await turn(c, app, "lifec3", "lifec 3", "r")
-            got = ttls(redis, "lifec")
-            want = {"params": 120, "dialog": 120, "history": 60, "fence": 120, "rooms": 120}
+            got = ttls(redis, "lifec", ("params", "dialog", "history", "lock"))
+            want = {"params": 120, "dialog": 120, "history": 60, "lock": 120, "rooms": 120}
             check(all(want[p] - 5 <= t <= want[p] for p, t in got.items()),
                   f"renewed to their lifetimes {want}: {got}")
             check(store_counts(gw)[1] == 2, f"the saves after the first appended: {store_counts(gw)}")
@@ -286,7 +287,7 @@ async def part_lifetimes(app, redis, rules):
 
 async def part_parts_deleted(app, redis, rules):
     with step("an awaiting state and soft context set, then cleared: Redis's keys go with them, "
-              "and turns with neither delete nothing more (one DEL a turn: the save's of the lease); "
+              "and turns with neither delete nothing (the save lets the lock go with a SET, keeping the fence); "
               "their loads, answered 'same', count nothing (no HLEN; no LLEN: an appending save checks the "
               "list's length by its RPUSH's answer; one HGET of the rev: the load's, the save holding the lease "
               "reads it no more)"):
@@ -305,16 +306,22 @@ async def part_parts_deleted(app, redis, rules):
             await turn(c, app, "parts-warm", "warm", "r")
             def calls():
                 stats = redis.info_commandstats()
-                return {cmd: stats.get(cmd, {}).get("calls", 0) for cmd in ("del", "hlen", "llen", "hget", "rpush")}
+                return {cmd: stats.get(cmd, {}).get("calls", 0)
+                        for cmd in ("del", "hlen", "llen", "hget", "rpush", "exists", "incr", "get", "set")}
             cached, before = store_counts(gw)[0], calls()
             for k in range(5):
                 await turn(c, app, f"parts-n{k}", f"plain {k}", "r")
             # the last save lands after its done: wait for it (a loaded machine may take a while)
-            await harness.wait_until(lambda: calls()["del"] - before["del"] >= 5, 5)
+            await harness.wait_until(lambda: calls()["rpush"] - before["rpush"] >= 5, 5)
             await asyncio.sleep(0.2)  # anything more would have come by now
             made = {cmd: n - before[cmd] for cmd, n in calls().items()}
-            check(made["del"] == 5, f"5 turns with neither should make 5 DELs (the save's of the lease and the "
-                                    f"cancel flag; a load deletes no flag: it names its fence), made {made['del']}")
+            check(made["del"] == 0, f"5 turns with neither should delete nothing (the save lets the lock go with a "
+                                    f"SET; a cancel flag names its fence, and none is deleted), made {made['del']}")
+            # the lease in two calls a load (GET and SET of the lock, no INCR of a fence, and no EXISTS of
+            # the line unless the lock says turns wait), one GET and one SET a save
+            check(made["get"] == 10 and made["set"] == 10 and made["incr"] == 0 and made["exists"] == 5,
+                  f"5 turns should GET and SET the lock twice each (load, save), with no INCR and one EXISTS a "
+                  f"load (the dialog's, not the line's): {made}")
             check(made["hget"] == 5, f"5 turns should read the rev 5 times (the loads'; a save under its own lease "
                                      f"knows it), read it {made['hget']} times")
             check(store_counts(gw)[0] - cached == 5, f"the 5 loads were answered 'same': {store_counts(gw)}")
