@@ -15,9 +15,12 @@
  *   P:{U}:R:awaiting  STRING JSON, EX its lifetime
  *   P:{U}:R:soft      STRING JSON, EX its lifetime
  *   P:{U}:R:history   LIST  JSON messages, oldest first, EXPIRE 30 min
- *   P:{U}:R:lease     STRING "holder fence", PX redis.lease_ms: the turn that has the dialog
- *   P:{U}:R:fence     STRING the dialog's last fence number
- *   P:{U}:R:cancel    STRING set by another gateway to stop the lease holder's turn
+ *   P:{U}:R:lock      STRING the lease: the ticket "<holder>#<n>" of the turn that has the
+ *                           dialog (PX redis.lease_ms), "-<ticket>" once let go (EX dialog_s),
+ *                           " w" after either while turns of other gateways wait
+ *   P:{U}:R:line      HASH  those turns' tickets, in order
+ *   P:{U}:R:cancel    STRING set by another gateway to stop the lease holder's turn (its ticket)
+ *   P:{U}:R:fence     STRING a fence counter of versions before the lock: only deleted
  *   P:{U}:rooms       SET   the user's rooms, for "forget this user" without SCAN
  * Every dialog operation is one script on those keys, sent as EVALSHA (and once as EVAL
  * when the server answers NOSCRIPT): a load takes the lease, then reads; a save checks the
@@ -92,15 +95,15 @@ static void send_last(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_
     }
 }
 
-/* A dialog's keys, KEYS[1..8] of a script (the rooms set is KEYS[9]): its data, its lease,
- * the lease's fence counter, and the flag another gateway sets to cancel its turn. A script
- * is given the first of them up to the last it uses (script_keys). */
-static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lock", "fence", "cancel"};
+/* A dialog's keys: its data, its lock (the lease), the flag another gateway sets to cancel
+ * its turn, and the fence counter of versions before the lock (deleted with the dialog, never
+ * used). A script is given the first of them up to the last it uses (script_keys). */
+static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lock", "cancel", "fence"};
 #define N_PARTS 8
 
 /*
- * Every key of the dialog (eu, er), its lease and fence too: a script's KEYS[1..8], and a
- * DEL's arguments (a deleted dialog leaves nothing of the user behind; a turn of it running
+ * The first n keys of the dialog (eu, er): a script's KEYS[1..n], or all of them (N_PARTS)
+ * as a DEL's arguments (a deleted dialog leaves nothing of the user behind; a turn of it running
  * meanwhile keeps its entry in rs->leases, so its save still refuses to write over another
  * holder's lease).
  */
@@ -149,20 +152,21 @@ void cg_redis_scripts_init(void)
     }
 }
 
-/* How many keys a dialog's script is given: KEYS[1] up to the last it uses (9: the rooms set
- * too). A key passed is a string Redis's Lua makes, hashing each of its bytes, at every call
- * (docs/state.md, "What the scripts cost Redis"): the load uses none after the fence. */
-static const int script_keys[S_COUNT] = {[S_LOAD] = 7, [S_SAVE] = 9, [S_RENEW] = 8, [S_RELEASE] = 6, [S_CANCEL] = 8};
+/* How many of the dialog's keys a script is given: KEYS[1] up to the last it uses; the save
+ * also the rooms set, as KEYS[7], and a turn's load the line. A key passed is a string
+ * Redis's Lua makes, hashing each of its bytes, at every call (docs/state.md, "What the
+ * scripts cost Redis"): the save and the load use none after the lock. */
+static const int script_keys[S_COUNT] = {[S_LOAD] = 6, [S_SAVE] = 6, [S_RENEW] = 7, [S_RELEASE] = 6, [S_CANCEL] = 7};
 
-/* EVALSHA <sha> <n> <the dialog's first keys> [<the rooms set>] */
+/* EVALSHA <sha> <n> <the dialog's first keys> [<the rooms set>: the save's] */
 static void arg_script(redis_store *rs, cg_argv *a, script_id id, const char *eu, const char *er)
 {
-    int n = script_keys[id];
+    int n = script_keys[id], rooms = id == S_SAVE;
     cg_argv_str(a, "EVALSHA");
     cg_argv_str(a, script_sha[id]);
-    cg_argv_int(a, n);
-    arg_dialog_keys(rs, a, eu, er, n < N_PARTS ? n : N_PARTS);
-    if (n > N_PARTS)
+    cg_argv_int(a, n + rooms);
+    arg_dialog_keys(rs, a, eu, er, n);
+    if (rooms)
         cg_argv_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
 }
 
@@ -269,55 +273,51 @@ static int gated(redis_store *rs, redis_req *r)
 /* ---- load ------------------------------------------------------------------------------ */
 
 /*
- * The dialog's lock, KEYS[6], holds the lease and the fence in one string (docs/state.md,
- * "The dialog lease"): "<holder> <fence>" while a turn holds it (PX redis.lease_ms), and
- * "- <fence>" once its save or release let it go (EX dialog_s: the fence outlives the turn
- * with the dialog). Either ends in " w" while turns of other gateways wait in the line
- * (KEYS[8]): only then, or when the lock is gone, does a load look at the line. So a turn's
- * load takes the lease in two calls (GET, SET) where the lease, the fence counter and the
- * line's EXISTS were four (issue 39). A lock gone (a holder that died, a key evicted) has no
- * fence to go on from: the next is Redis's clock in microseconds, above any fence given
- * since (each came from an earlier clock reading, plus one a turn).
+ * The dialog's lock, KEYS[6], is its lease (docs/state.md, "The dialog lease"): the turn's
+ * ticket, "<holder>#<n>" (unique: the holder id has a random part, n counts its turns),
+ * while the turn holds it (PX redis.lease_ms), and "-<ticket>" once its save or release let
+ * it go (EX dialog_s; a holder id never begins with '-'). Either ends in " w" while turns of
+ * other gateways wait in the line (KEYS[7]): only then, or when the lock is gone, does a
+ * load look at the line. So a turn's load takes the lease in two calls (GET, SET) where the
+ * lease, a fence counter (INCR) and the line's EXISTS were four (issue 39), and the lease
+ * needs no number made in Lua: a lease's ticket names it wherever a fence did (a save's
+ * check, the cancel flag). The common path reads the lock with string.byte and a plain
+ * find: no Lua pattern, no number (callgrind of the replay, tests/bench/script_cost.sh).
  */
 
 /*
  * The load, one atomic step: the dialog's lease (when ARGV[1], the holder, is not empty),
  * then the five reads. A lease held by another holder answers {"busy", its value, its PTTL}
- * and reads nothing; else the lease is "holder fence", the fence one more than the lock's
- * last, for ARGV[2] ms. The answer is the lease ("" when none was asked), then the five
- * parts (GET's nil comes back as nil); or, when ARGV[4] names the rev of the copy this
- * gateway holds and Redis's copy is that one, the lease and "same". Redis's copy is that one
- * when its params hash has that rev, its dialog hash is there, and its history list is there
- * when the copy has messages (ARGV[5] "1"; "0" when it has none): a part that lapsed or was
- * evicted in Redis alone. The params hash and the list are not counted: only a save writes
- * them, and it writes a new rev with them (counting them was two calls of the load's eight;
- * issue 12). The fence goes into the lease as "%d": Lua's own number-to-string is sprintf's
- * "%.14g", whose floating-point formatting was 1.4% of Redis's time under the benchmark
- * (issue 12). redis.replicate_commands() lets Redis 4 replicate TIME's effects, not the
- * script (from Redis 5 that is how every script replicates).
+ * and reads nothing; else the lease is ARGV[6], the turn's ticket, for ARGV[2] ms. The
+ * answer is the lease ("" when none was asked), then the five parts (GET's nil comes back
+ * as nil); or, when ARGV[4] names the rev of the copy this gateway holds and Redis's copy
+ * is that one, the lease and "same". Redis's copy is that one when its params hash has that
+ * rev, its dialog hash is there, and its history list is there when the copy has messages
+ * (ARGV[5] "1"; "0" when it has none): a part that lapsed or was evicted in Redis alone.
+ * The params hash and the list are not counted: only a save writes them, and it writes a
+ * new rev with them (counting them was two calls of the load's eight; issue 12).
  */
 static const char load_script[] =
     "local lease = ''\n"
     "if ARGV[1] ~= '' then\n"
-    "  local line, ticket, now = KEYS[8], ARGV[6], tonumber(ARGV[7])\n"
+    "  local line, ticket = KEYS[7], ARGV[6]\n"
     "  local function queue()\n" /* takes (or keeps, renewed) this turn's place in line */
     "    local had = redis.call('HGET', line, ticket)\n"
     "    local seq = had and string.match(had, '^%d+') or redis.call('HINCRBY', line, '#', 1)\n"
-    "    redis.call('HSET', line, ticket, seq .. ' ' .. string.format('%d', now + 10000))\n"
+    "    redis.call('HSET', line, ticket, seq .. ' ' .. string.format('%d', tonumber(ARGV[7]) + 10000))\n"
     "    redis.call('PEXPIRE', line, 20000)\n"
     "  end\n"
     "  local cur = redis.call('GET', KEYS[6])\n"
-    "  local holder, fence, mark\n"
-    "  if cur then holder, fence, mark = string.match(cur, '^(%S+) (%d+)(.*)$') end\n"
-    "  if holder and holder ~= '-' and holder ~= ARGV[1] then\n"
+    "  local marked = cur and string.byte(cur, -1) == 119\n" /* " w" (a ticket ends in a digit) */
+    "  if cur and string.byte(cur, 1) ~= 45 and string.find(cur, ARGV[1], 1, true) ~= 1 then\n" /* held by another */
     "    queue()\n"
     "    local ttl = redis.call('PTTL', KEYS[6])\n"
-    "    if mark == '' and ttl > 0 then redis.call('SET', KEYS[6], cur .. ' w', 'PX', ttl) end\n"
+    "    if not marked and ttl > 0 then redis.call('SET', KEYS[6], cur .. ' w', 'PX', ttl) end\n"
     "    return {'busy', cur, ttl}\n"
     "  end\n"
     "  local waiting = false\n"
-    "  if (not holder or mark ~= '') and redis.call('EXISTS', line) == 1 then\n" /* the first waiting goes first */
-    "    local all, first, first_seq, others = redis.call('HGETALL', line), nil, nil, 0\n"
+    "  if (not cur or marked) and redis.call('EXISTS', line) == 1 then\n" /* the first waiting goes first */
+    "    local all, first, first_seq, others, now = redis.call('HGETALL', line), nil, nil, 0, tonumber(ARGV[7])\n"
     "    for i = 1, #all, 2 do\n"
     "      if all[i] ~= '#' then\n"
     "        local seq, due = string.match(all[i + 1], '^(%d+) (%d+)$')\n"
@@ -336,14 +336,8 @@ static const char load_script[] =
     "    if others == 0 then redis.call('DEL', line) end\n"
     "    waiting = others > 0\n"
     "  end\n"
-    "  if fence then fence = tonumber(fence) + 1\n"
-    "  else\n" /* no lock, or not one of ours: the clock, above every fence given before */
-    "    redis.replicate_commands()\n"
-    "    local t = redis.call('TIME')\n"
-    "    fence = tonumber(t[1]) * 1000000 + tonumber(t[2])\n"
-    "  end\n"
-    "  lease = ARGV[1] .. ' ' .. string.format('%d', fence)\n"
-    "  redis.call('SET', KEYS[6], waiting and lease .. ' w' or lease, 'PX', ARGV[2])\n"
+    "  lease = ticket\n"
+    "  redis.call('SET', KEYS[6], waiting and ticket .. ' w' or ticket, 'PX', ARGV[2])\n"
     "end\n"
     "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] and\n"
     "   (ARGV[5] == '1' and redis.call('EXISTS', KEYS[2], KEYS[5]) == 2 or ARGV[5] == '0' and redis.call('EXISTS', KEYS[2]) == 1) then\n"
@@ -353,36 +347,35 @@ static const char load_script[] =
     "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], '0', '-1')}\n";
 
 /* A lease still ours (ARGV[1], maybe marked " w" since), renewed for ARGV[2] ms: 1, 2 when
- * another gateway asked to cancel the turn (the flag names this lease's fence; it is taken),
- * or 0 when the lease is not ours.
+ * another gateway asked to cancel the turn (the flag names this lease; it is taken), or 0
+ * when the lease is not ours.
  * A lease gone is never taken back here: a renewal sent again after NOSCRIPT may land after
  * the turn's save released it (the save itself decides about a lease lost in a failover). */
 static const char renew_script[] =
     "local cur = redis.call('GET', KEYS[6])\n"
     "if cur ~= ARGV[1] and cur ~= ARGV[1] .. ' w' then return 0 end\n"
     "redis.call('PEXPIRE', KEYS[6], ARGV[2])\n"
-    "if redis.call('GET', KEYS[8]) == string.match(ARGV[1], '%d+$') then redis.call('DEL', KEYS[8]) return 2 end\n"
+    "if redis.call('GET', KEYS[7]) == ARGV[1] then redis.call('DEL', KEYS[7]) return 2 end\n"
     "return 1\n";
 
 /* Another gateway's turn of the dialog must stop (ARGV[1]: the flag's lifetime, ms): the
  * flag its lease renewal reads, in case the bus message is lost; answers the lease ("" when
- * none is held) so that its holder can be told on the bus now. The flag holds the fence of
- * the lease it stops: a flag left over (its turn ended without a save, or a renewal) then
- * never stops the dialog's next turn, which has a higher fence, so nothing need delete it. */
+ * none is held) so that its holder can be told on the bus now. The flag holds the lease it
+ * stops: a flag left over (its turn ended without a save, or a renewal) then never stops
+ * the dialog's next turn, which has another ticket, so nothing need delete it. */
 static const char cancel_script[] =
     "local cur = redis.call('GET', KEYS[6])\n"
-    "local lease, holder, fence\n"
-    "if cur then lease, holder, fence = string.match(cur, '^((%S+) (%d+))') end\n"
-    "if not lease or holder == '-' then return '' end\n"
-    "redis.call('SET', KEYS[8], fence, 'PX', ARGV[1])\n"
-    "return lease\n";
+    "if not cur or string.byte(cur, 1) == 45 then return '' end\n"
+    "if string.byte(cur, -1) == 119 then cur = string.sub(cur, 1, -3) end\n"
+    "redis.call('SET', KEYS[7], cur, 'PX', ARGV[1])\n"
+    "return cur\n";
 
-/* A lease let go by its holder without a save: the lock keeps the fence (and the mark of
- * turns waiting) for ARGV[2] s, the dialog's lifetime. */
+/* A lease let go by its holder without a save: the lock says so, and keeps the mark of
+ * turns waiting, for ARGV[2] s (the dialog's lifetime). */
 static const char release_script[] =
     "local cur = redis.call('GET', KEYS[6])\n"
     "if cur ~= ARGV[1] and cur ~= ARGV[1] .. ' w' then return 0 end\n"
-    "redis.call('SET', KEYS[6], '- ' .. string.sub(cur, #string.match(ARGV[1], '^%S+') + 2), 'EX', ARGV[2])\n"
+    "redis.call('SET', KEYS[6], '-' .. cur, 'EX', ARGV[2])\n"
     "return 1\n";
 
 static json_t *parse_json_reply(redisReply *r)
@@ -571,23 +564,25 @@ void cg_redis_lease_unwait(redis_store *rs, redis_req *r)
     r->lw_listed = 0;
 }
 
-/* The gateway a busy answer names: the lease's holder ("<holder> <fence>"), or that of the
- * turn waiting first ("the turn <holder>#<n> waiting before this one"); NULL when neither. */
+/* The holder of a ticket, "<holder>#<n>" (a lease, a turn in line), up to its first space
+ * (" w", " waiting ..."); NULL when it has none. */
+static char *ticket_holder(const char *v, size_t len)
+{
+    const char *sp = memchr(v, ' ', len), *end = sp ? sp : v + len;
+    while (end > v && end[-1] != '#')
+        end--;
+    return end > v + 1 ? cg_strndup(v, (size_t)(end - 1 - v)) : NULL;
+}
+
+/* The gateway a busy answer names: the lease's holder ("<holder>#<n>"), or that of the turn
+ * waiting first ("the turn <holder>#<n> waiting before this one"); NULL when neither. */
 static char *busy_holder(const redisReply *busy)
 {
-    const char *v = busy->element[1]->str, *end = v + busy->element[1]->len;
-    if (strncmp(v, "the turn ", 9) == 0) {
-        v += 9;
-        const char *sp = memchr(v, ' ', (size_t)(end - v));
-        end = sp ? sp : end;
-        while (end > v && end[-1] != '#')
-            end--;
-        end = end > v ? end - 1 : v;
-    } else {
-        const char *sp = memchr(v, ' ', (size_t)(end - v));
-        end = sp ? sp : end;
-    }
-    return end > v ? cg_strndup(v, (size_t)(end - v)) : NULL;
+    const char *v = busy->element[1]->str;
+    size_t len = busy->element[1]->len;
+    if (len > 9 && strncmp(v, "the turn ", 9) == 0)
+        v += 9, len -= 9;
+    return ticket_holder(v, len);
 }
 
 /* Asks the gateway that holds (or waits first for) r's lease to wake r when it lets go. */
@@ -895,11 +890,11 @@ static int send_load_behind(redis_store *rs, redis_req *r)
 static void send_load_cmd(redis_store *rs, redis_req *r)
 {
     cg_argv a = {0};
-    if (r->lease) { /* a turn's load takes the lease: the line of waiters is its KEYS[8] */
+    if (r->lease) { /* a turn's load takes the lease: the line of waiters is its KEYS[7] */
         cg_argv_str(&a, "EVALSHA");
         cg_argv_str(&a, script_sha[S_LOAD]);
-        cg_argv_int(&a, 8);
-        arg_dialog_keys(rs, &a, r->eu, r->er, 7);
+        cg_argv_int(&a, script_keys[S_LOAD] + 1);
+        arg_dialog_keys(rs, &a, r->eu, r->er, script_keys[S_LOAD]);
         cg_argv_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
     } else {
         arg_script(rs, &a, S_LOAD, r->eu, r->er);
@@ -1075,11 +1070,11 @@ static void on_cancel_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *reply = reply_;
     redis_store *rs = note->rs;
     if (reply && reply->type == REDIS_REPLY_STRING && reply->len > 0) {
-        char *holder = cg_strndup(reply->str, strcspn(reply->str, " "));
+        char *holder = ticket_holder(reply->str, reply->len);
         char *kl = NULL;
         if (asprintf(&kl, "%s %.*s", key, (int)reply->len, reply->str) < 0)
             abort();
-        if (strcmp(holder, rs->holder) != 0)
+        if (holder && strcmp(holder, rs->holder) != 0)
             cg_redis_bus_publish(rs->bus, holder, kl);
         free(kl);
         free(holder);
@@ -1192,10 +1187,9 @@ static const char save_script[] =
     "if ARGV[17] ~= '' then\n"
     "  cur = redis.call('GET', KEYS[6])\n"
     "  held = cur == ARGV[17] or cur == ARGV[17] .. ' w'\n"
-    "  if not held and cur then\n"
-    "    local holder, fence = string.match(cur, '^(%S+) (%d+)')\n"
-    "    if holder ~= '-' and holder ~= string.match(ARGV[17], '^%S+') then return -2 end\n"
-    "    if holder == '-' and tonumber(fence) > tonumber(string.match(ARGV[17], '%d+$')) then return -2 end\n"
+    "  if not held and cur then\n" /* held or let go by another gateway since: -2 */
+    "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
+    "    if string.find(cur, string.match(ARGV[17], '^[^#]*#'), from, true) ~= from then return -2 end\n"
     "  end\n"
     "end\n"
     "local function save()\n"
@@ -1232,22 +1226,22 @@ static const char save_script[] =
     "    if pushed > 0 then redis.call('LTRIM', KEYS[5], 0, -pushed - 1) end\n"
     "    return -3\n"
     "  end\n"
-    "  local room = redis.pcall('ZADD', KEYS[9], ARGV[28], ARGV[18])\n"
+    "  local room = redis.pcall('ZADD', KEYS[7], ARGV[28], ARGV[18])\n"
     "  if type(room) == 'table' then\n" /* a rooms SET of a version before the bound: made a ZSET */
-    "    local old = redis.call('SMEMBERS', KEYS[9])\n"
-    "    redis.call('DEL', KEYS[9])\n"
-    "    for i = 1, #old do redis.call('ZADD', KEYS[9], '0', old[i]) end\n"
-    "    room = redis.call('ZADD', KEYS[9], ARGV[28], ARGV[18])\n"
+    "    local old = redis.call('SMEMBERS', KEYS[7])\n"
+    "    redis.call('DEL', KEYS[7])\n"
+    "    for i = 1, #old do redis.call('ZADD', KEYS[7], '0', old[i]) end\n"
+    "    room = redis.call('ZADD', KEYS[7], ARGV[28], ARGV[18])\n"
     "  end\n"
-    "  if room == 1 or renew then redis.call('EXPIRE', KEYS[9], ARGV[19]) end\n"
+    "  if room == 1 or renew then redis.call('EXPIRE', KEYS[7], ARGV[19]) end\n"
     "  if room == 1 and ARGV[27] ~= '0' then\n"
-    "    local over = redis.call('ZCARD', KEYS[9]) - tonumber(ARGV[27])\n"
+    "    local over = redis.call('ZCARD', KEYS[7]) - tonumber(ARGV[27])\n"
     "    if over > 0 then\n" /* the oldest go, one more looked at: this room may tie with them */
     "      evicted = {}\n"
-    "      for _, r in ipairs(redis.call('ZRANGE', KEYS[9], 0, over)) do\n"
+    "      for _, r in ipairs(redis.call('ZRANGE', KEYS[7], 0, over)) do\n"
     "        if r ~= ARGV[18] and #evicted < over then evicted[#evicted + 1] = r end\n"
     "      end\n"
-    "      redis.call('ZREM', KEYS[9], unpack(evicted))\n"
+    "      redis.call('ZREM', KEYS[7], unpack(evicted))\n"
     "    end\n"
     "  end\n"
     "  for i = P + 1, P + 2 * np, 200 do\n"
@@ -1289,7 +1283,7 @@ static const char save_script[] =
     "end\n"
     "local code = save()\n"
     "if ARGV[17] ~= '' and code ~= -3 then\n" /* the lock let go, its fence and its mark kept */
-    "  redis.call('SET', KEYS[6], '- ' .. string.match(ARGV[17], '%d+$') .. (cur and string.match(cur, ' w$') or ''), 'EX', ARGV[5])\n"
+    "  redis.call('SET', KEYS[6], '-' .. (held and cur or ARGV[17] .. (cur and string.byte(cur, -1) == 119 and ' w' or '')), 'EX', ARGV[5])\n"
     "end\n"
     "if evicted then table.insert(evicted, 1, code); return evicted end\n"
     "return code\n";

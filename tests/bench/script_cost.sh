@@ -15,6 +15,11 @@
 #   SCRIPTS binary=... turns=N usec_per_script=X calls_per_turn=Y
 # (turns: the save scripts replayed; calls_per_turn: the Redis commands the scripts ran, per
 # turn). Compare binaries in one run: the figures still move by a tenth between sittings.
+# CG_SCRIPT_INSTR=1 replays once more into a redis-server under valgrind's callgrind and adds
+# instructions_per_script: the server's instructions over the replay (its reading of the
+# commands included) divided by the scripts, the same on every run, so a change of a few
+# percent shows (needs valgrind). CG_SCRIPT_KEEP=PATH keeps each binary's callgrind dump as
+# PATH.<binary's name>, for callgrind_annotate.
 # Needs redis-server, redis-cli (Debian's redis-server and redis-tools), curl and python3.
 set -u
 . "$(dirname "$0")/ports.sh"
@@ -37,6 +42,32 @@ bench_workdir script_cost
 app_port=$(pick_free_port) || exit 1
 bench_start app "$app_port" "$build/tests/bench/app_backend" --port "$app_port" || exit 1
 bench_config "$app_port" >"$tmp/chatgate.json"
+
+# The instructions a script of $tmp/monitor.txt costs a redis-server under callgrind: counted
+# from a zero after start-up to a dump after the replay, divided by the scripts replayed.
+replay_instructions() {
+	local port pid dump scripts total
+	command -v valgrind >/dev/null || { echo "$0: CG_SCRIPT_INSTR needs valgrind" >&2; echo 0; return 1; }
+	port=$(pick_free_port) || return 1
+	valgrind --tool=callgrind --callgrind-out-file="$tmp/replay.cg.%p" redis-server --port "$port" \
+		--bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" >"$tmp/replay-cg.log" 2>&1 &
+	pid=$!
+	pids+=("$pid")
+	for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+	callgrind_control -z "$pid" >/dev/null 2>&1
+	python3 "$here/resp_replay.py" "$tmp/monitor.txt" "$port" >"$tmp/replay-cg.out" 2>&1
+	scripts=$(redis-cli -p "$port" info commandstats | tr -d '\r' |
+		awk -F'[:,=]' '/^cmdstat_(evalsha|eval):/ { n += $3 } END { print n + 0 }')
+	callgrind_control -d "$pid" >/dev/null 2>&1
+	dump=$(ls "$tmp"/replay.cg."$pid".* 2>/dev/null | head -n 1)
+	total=$(awk '/^(summary|totals):/ { print $2; exit }' "$dump" 2>/dev/null)
+	kill "$pid"
+	wait "$pid" 2>/dev/null
+	[ -n "${CG_SCRIPT_KEEP:-}" ] && [ -n "$dump" ] && cp "$dump" "$CG_SCRIPT_KEEP.$(basename "$bin")"
+	rm -f "$tmp"/replay.cg."$pid"*
+	[ -n "$total" ] && [ "$scripts" -gt 0 ] || { echo "$0: the callgrind replay counted nothing" >&2; echo 0; return 1; }
+	echo $((total / scripts))
+}
 
 status=0
 for bin in "${binaries[@]}"; do
@@ -85,6 +116,10 @@ for bin in "${binaries[@]}"; do
 		status=1
 		continue
 	fi
-	echo "SCRIPTS binary=$bin turns=$turns usec_per_script=$best calls_per_turn=$(awk "BEGIN { printf \"%.1f\", $calls / $turns }")"
+	instr=
+	if [ -n "${CG_SCRIPT_INSTR:-}" ]; then
+		instr=" instructions_per_script=$(replay_instructions)" || status=1
+	fi
+	echo "SCRIPTS binary=$bin turns=$turns usec_per_script=$best calls_per_turn=$(awk "BEGIN { printf \"%.1f\", $calls / $turns }")$instr"
 done
 exit $status

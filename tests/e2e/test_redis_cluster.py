@@ -343,11 +343,11 @@ async def settled(gws, timeout=25.0):
 
 async def saved(node, user, room, what):
     """Until `node` holds the dialog's history and a lock no turn holds: the turn's save, one
-    script that lets the lock go last ("- <fence>"), has landed (it lands after done)."""
+    script that lets the lock go last ("-<ticket>"), has landed (it lands after done)."""
     def landed():
         lock = node.find_key(harness.dialog_key(user, room, "lock"))
         return node.find_key(harness.dialog_key(user, room, "history")) and \
-            (not lock or (node.get(lock) or "").startswith("- "))
+            (not lock or (node.get(lock) or "").startswith("-"))
     await harness.wait_condition(lambda: asyncio.to_thread(landed), 5,
                                  f"{what}: the save of {user}/{room} on {node.port} (its history, no lease)")
 

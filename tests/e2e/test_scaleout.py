@@ -281,7 +281,7 @@ async def part_kill_holder(rules):
                         check(time.monotonic() < deadline, "the app never got k1")
                         await asyncio.sleep(0.02)
                     lock = redis.find_key(harness.dialog_key("kill|user", "trip", "lock"))
-                    check(lock is not None and not (redis.get(lock) or "- ").startswith("- "),
+                    check(lock is not None and not (redis.get(lock) or "-").startswith("-"),
                           f"no lease in the dialog's lock while a turn runs: {lock and redis.get(lock)}")
                     os.kill(ga.pid, signal.SIGKILL)
                     ga.returncode = ga.proc.wait()
@@ -439,16 +439,16 @@ async def part_cross_cancel(rules):
                           "(a third of redis.lease_ms, 1 s here)"):
                     s, c = await cross_cancel(app, ga, gb, "cc3|user", "x3", "phrase", 2.5)
                     print(f"   A's cancelled after {s * 1000:.0f} ms (renewal every 1,000 ms)")
-                with step("a cancel flag left by an earlier turn (its fence) stops no later turn: a reply of "
+                with step("a cancel flag left by an earlier turn (its lease) stops no later turn: a reply of "
                           "2.5 s, over two renewals, ends done"):
                     user = "cc5|user"
                     c = await connect_as(ga, user)
-                    (await c.message("first", mid="x5a", room="trip")).expect_done()  # a lease, and its fence
+                    (await c.message("first", mid="x5a", room="trip")).expect_done()  # a lease: the turn's ticket
                     lock = harness.dialog_key(user, "trip", "lock")
-                    await harness.wait_condition(lambda: (redis.get(lock) or "").startswith("- "), 5,
+                    await harness.wait_condition(lambda: (redis.get(lock) or "").startswith("-"), 5,
                                                  f"the first turn's lock let go ({lock})")
-                    fence = redis.get(lock).split()[1]  # "- <fence>": the flag of the turn that ended
-                    redis.command("SET", harness.dialog_key(user, "trip", "cancel"), fence, "PX", "60000")
+                    ended = redis.get(lock)[1:].split()[0]  # "-<its ticket>": the flag of the turn that ended
+                    redis.command("SET", harness.dialog_key(user, "trip", "cancel"), ended, "PX", "60000")
                     app.slow["x5b"] = 2.5
                     turn = await c.message("a slow one", mid="x5b", room="trip", timeout=10)
                     check(turn.terminal.get("type") == "done",

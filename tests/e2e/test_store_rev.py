@@ -26,7 +26,8 @@ state app (harness FakeApp /state, no rules):
 - lifetimes in Redis (docs/state.md, "Lifetimes in Redis"): a save within a sixtieth of the
   shortest lifetime of the last renewal leaves the keys' lifetimes as they are; a key gone
   during such a save (the dialog's hash, the rooms set) is made again with its lifetime, never
-  without one; a save after that interval renews them all, the fence's included.
+  without one; a save after that interval renews them all; the lock lives the dialog's lifetime
+  from every save.
 - an awaiting state and soft context cleared by an appending save are deleted in Redis, and
   a save appending to a copy that had neither does not delete them again.
 - parts in Redis that chatgate does not write (a params field whose value is not JSON or
@@ -265,7 +266,7 @@ async def part_lifetimes(app, redis, rules):
             await c.close()
     short = {"params_s": 120, "dialog_s": 120, "awaiting_s": 60, "soft_s": 60, "history_s": 60}
     with step("a save a second or more after the last renewal (60 s lifetimes) renews them all; the lock, "
-              "with its fence, lives the dialog's lifetime from every save"):
+              "let go, lives the dialog's lifetime from every save"):
         cfg = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=redis.url,
                                    lifetimes=short, history_n=10)
         async with harness.Gateway(args(rules), cfg, name="gw-life-c") as gw:
@@ -287,7 +288,7 @@ async def part_lifetimes(app, redis, rules):
 
 async def part_parts_deleted(app, redis, rules):
     with step("an awaiting state and soft context set, then cleared: Redis's keys go with them, "
-              "and turns with neither delete nothing (the save lets the lock go with a SET, keeping the fence); "
+              "and turns with neither delete nothing (the save lets the lock go with a SET); "
               "their loads, answered 'same', count nothing (no HLEN; no LLEN: an appending save checks the "
               "list's length by its RPUSH's answer; one HGET of the rev: the load's, the save holding the lease "
               "reads it no more)"):
@@ -316,8 +317,8 @@ async def part_parts_deleted(app, redis, rules):
             await asyncio.sleep(0.2)  # anything more would have come by now
             made = {cmd: n - before[cmd] for cmd, n in calls().items()}
             check(made["del"] == 0, f"5 turns with neither should delete nothing (the save lets the lock go with a "
-                                    f"SET; a cancel flag names its fence, and none is deleted), made {made['del']}")
-            # the lease in two calls a load (GET and SET of the lock, no INCR of a fence, and no EXISTS of
+                                    f"SET; a cancel flag names its lease, and none is deleted), made {made['del']}")
+            # the lease in two calls a load (GET and SET of the lock: no INCR of a fence, and no EXISTS of
             # the line unless the lock says turns wait), one GET and one SET a save
             check(made["get"] == 10 and made["set"] == 10 and made["incr"] == 0 and made["exists"] == 5,
                   f"5 turns should GET and SET the lock twice each (load, save), with no INCR and one EXISTS a "
