@@ -288,23 +288,23 @@ static int gated(redis_store *rs, redis_req *r)
 /*
  * The load, one atomic step: the dialog's lease (when ARGV[1], the holder, is not empty),
  * then the five reads. A lease held by another holder answers {"busy", its value, its PTTL}
- * and reads nothing; else the lease is ARGV[6], the turn's ticket, for ARGV[2] ms. The
+ * and reads nothing; else the lease is ARGV[5], the turn's ticket, for ARGV[2] ms. The
  * answer is the lease ("" when none was asked), then the five parts (GET's nil comes back
- * as nil); or, when ARGV[4] names the rev of the copy this gateway holds and Redis's copy
+ * as nil); or, when ARGV[3] names the rev of the copy this gateway holds and Redis's copy
  * is that one, the lease and "same". Redis's copy is that one when its params hash has that
  * rev, its dialog hash is there, and its history list is there when the copy has messages
- * (ARGV[5] "1"; "0" when it has none): a part that lapsed or was evicted in Redis alone.
+ * (ARGV[4] "1"; "0" when it has none): a part that lapsed or was evicted in Redis alone.
  * The params hash and the list are not counted: only a save writes them, and it writes a
  * new rev with them (counting them was two calls of the load's eight; issue 12).
  */
 static const char load_script[] =
     "local lease = ''\n"
     "if ARGV[1] ~= '' then\n"
-    "  local line, ticket = KEYS[7], ARGV[6]\n"
+    "  local line, ticket = KEYS[7], ARGV[5]\n"
     "  local function queue()\n" /* takes (or keeps, renewed) this turn's place in line */
     "    local had = redis.call('HGET', line, ticket)\n"
     "    local seq = had and string.match(had, '^%d+') or redis.call('HINCRBY', line, '#', 1)\n"
-    "    redis.call('HSET', line, ticket, seq .. ' ' .. string.format('%d', tonumber(ARGV[7]) + 10000))\n"
+    "    redis.call('HSET', line, ticket, seq .. ' ' .. string.format('%d', tonumber(ARGV[6]) + 10000))\n"
     "    redis.call('PEXPIRE', line, 20000)\n"
     "  end\n"
     "  local cur = redis.call('GET', KEYS[6])\n"
@@ -317,7 +317,7 @@ static const char load_script[] =
     "  end\n"
     "  local waiting = false\n"
     "  if (not cur or marked) and redis.call('EXISTS', line) == 1 then\n" /* the first waiting goes first */
-    "    local all, first, first_seq, others, now = redis.call('HGETALL', line), nil, nil, 0, tonumber(ARGV[7])\n"
+    "    local all, first, first_seq, others, now = redis.call('HGETALL', line), nil, nil, 0, tonumber(ARGV[6])\n"
     "    for i = 1, #all, 2 do\n"
     "      if all[i] ~= '#' then\n"
     "        local seq, due = string.match(all[i + 1], '^(%d+) (%d+)$')\n"
@@ -339,8 +339,8 @@ static const char load_script[] =
     "  lease = ticket\n"
     "  redis.call('SET', KEYS[6], waiting and ticket .. ' w' or ticket, 'PX', ARGV[2])\n"
     "end\n"
-    "if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[4] and\n"
-    "   (ARGV[5] == '1' and redis.call('EXISTS', KEYS[2], KEYS[5]) == 2 or ARGV[5] == '0' and redis.call('EXISTS', KEYS[2]) == 1) then\n"
+    "if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[3] and\n"
+    "   (ARGV[4] == '1' and redis.call('EXISTS', KEYS[2], KEYS[5]) == 2 or ARGV[4] == '0' and redis.call('EXISTS', KEYS[2]) == 1) then\n"
     "  return {lease, 'same'}\n"
     "end\n"
     "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
@@ -901,7 +901,6 @@ static void send_load_cmd(redis_store *rs, redis_req *r)
     }
     cg_argv_str(&a, r->lease ? rs->holder : "");
     cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
-    cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s);
     cg_argv_str(&a, r->rev ? r->rev : "");
     cg_argv_str(&a, r->copy_history ? "1" : "0");
     if (r->lease) { /* its place in the line of turns waiting for the lease (docs/state.md) */
