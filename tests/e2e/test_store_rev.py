@@ -30,6 +30,9 @@ state app (harness FakeApp /state, no rules):
   from every save.
 - an awaiting state and soft context cleared by an appending save are deleted in Redis, and
   a save appending to a copy that had neither does not delete them again.
+- the dialog's lock (its lease) holding what chatgate did not write: a value let go ("-",
+  "-x w") is taken at once; a value that is no ticket is another's lease until it lapses;
+  every turn leaves "-<its ticket>" for the dialog's lifetime;
 - parts in Redis that chatgate does not write (a params field whose value is not JSON or
   whose name has no service, a history message that is not a JSON object), read by a
   gateway with no copy: the rest is read, one warning names the first, and the turn's save
@@ -45,6 +48,7 @@ that was cleared, or always deleting one that was not there, the last part.
 
 import asyncio
 import json
+import time
 
 import harness
 from harness import Client, check, history_pairs, independent, step, state_reply_text
@@ -379,6 +383,40 @@ async def part_unreadable(app, redis, rules):
               f"one warning naming the history message left out: {warnings}")
 
 
+async def part_lock_values(app, redis, rules):
+    """The dialog's lock holding what chatgate did not write (docs/state.md, "The dialog
+    lease"): a value that is no ticket is another holder's lease until it lapses; a value
+    let go ("-...") is free, marked or not; every turn leaves its own ticket, let go."""
+    lock = harness.dialog_key("lockv", "r", "lock")
+    async with harness.Gateway(args(rules), config(app, redis), name="gw-lockv") as gw:
+        c = await connect(gw, "lockv")
+        await turn(c, app, "lv1", "lv 1", "r")
+        await harness.wait_condition(lambda: (redis.get(lock) or "").startswith("-"), 5, "the first turn's lock let go")
+        first = redis.get(lock)
+        with step("every turn leaves the lock let go with its own ticket (\"-<holder>#<n>\"), living "
+                  "the dialog's lifetime"):
+            check("#" in first and " " not in first and 7100 <= redis.ttl(lock) <= 7200,
+                  f"the lock after a turn: {first!r}, TTL {redis.ttl(lock)}")
+        with step("a lock let go that chatgate did not write (\"-\", \"-x w\", no TTL): the next turn "
+                  "takes it at once"):
+            for value in ("-", "-x w"):
+                redis.command("SET", lock, value)
+                started = time.monotonic()
+                await turn(c, app, f"lv-{len(value)}", "lv", "r")
+                check(time.monotonic() - started < 2, f"a turn after the lock {value!r} should not wait")
+                await harness.wait_condition(lambda: (redis.get(lock) or "").startswith("-") and redis.get(lock) != value,
+                                             5, f"the turn's own lock after {value!r}")
+        with step("a lock that is no ticket (\"garbage\", PX 1500) is another's lease: the turn waits "
+                  "for it to lapse, then runs"):
+            redis.command("SET", lock, "garbage", "PX", "1500")
+            started = time.monotonic()
+            await turn(c, app, "lv-g", "lv", "r")
+            waited = time.monotonic() - started
+            check(1.2 <= waited < 5, f"the turn should wait for the foreign lock to lapse (1.5 s): {waited:.2f} s")
+            print(f"   waited {waited:.2f} s")
+        await c.close()
+
+
 async def main(args_):
     rules = harness.empty_rules_dir()
     redis = await harness.RedisServer().astart()
@@ -391,6 +429,7 @@ async def main(args_):
             await independent(part_lifetimes(app, redis, rules))
             await independent(part_parts_deleted(app, redis, rules))
             await independent(part_unreadable(app, redis, rules))
+            await independent(part_lock_values(app, redis, rules))
     finally:
         redis.cleanup(keep=True)
 
