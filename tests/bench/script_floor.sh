@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# What the parts of a Lua script cost Redis, in instructions (valgrind's callgrind), so that
+# a layout of the dialog in Redis can be weighed before it is written (docs/state.md, "What
+# the scripts cost Redis"):
+#
+#   tests/bench/script_floor.sh
+#
+# Starts a redis-server under callgrind on a free port and sends it, for each case below,
+# 10,000 EVALSHA pipelined 50 at a time (after 1,000 not counted), and prints the server's
+# instructions per EVALSHA: what doing nothing costs with one key, with 10 and 20 arguments
+# of one byte, with 10 of 45 bytes (a key's length), with a save's arguments (7 keys, 28
+# arguments and two history messages), and one call of GET, EXISTS, DEL, SET and SET ... PX.
+# The difference between two lines is what the part costs; the figures are the same on
+# every run (they are instructions, not time). Needs redis-server, redis-cli,
+# redis-benchmark (Debian's redis-server and redis-tools) and valgrind.
+set -u
+. "$(dirname "$0")/ports.sh"
+
+for tool in redis-server redis-cli redis-benchmark valgrind callgrind_control; do
+	command -v $tool >/dev/null || { echo "$0: $tool is needed (apt-get install redis-server redis-tools valgrind)" >&2; exit 1; }
+done
+bench_workdir script_floor
+
+port=$(pick_free_port) || exit 1
+valgrind --tool=callgrind --callgrind-out-file="$tmp/floor.%p" redis-server --port "$port" --bind 127.0.0.1 \
+	--save "" --appendonly no --dir "$tmp" >"$tmp/redis.log" 2>&1 &
+redis=$!
+pids+=("$redis")
+for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+redis-cli -p "$port" ping >/dev/null 2>&1 || { echo "$0: redis-server under valgrind did not start" >&2; exit 1; }
+
+# one case: LABEL SCRIPT NUMKEYS [KEYS AND ARGUMENTS...]
+measure() {
+	local label=$1 script=$2 sha dump total
+	shift 2
+	sha=$(redis-cli -p "$port" script load "$script")
+	redis-benchmark -p "$port" -c 1 -P 50 -n 1000 -q evalsha "$sha" "$@" >/dev/null 2>&1
+	callgrind_control -z "$redis" >/dev/null 2>&1
+	redis-benchmark -p "$port" -c 1 -P 50 -n 10000 -q evalsha "$sha" "$@" >/dev/null 2>&1
+	callgrind_control -d "$redis" >/dev/null 2>&1
+	dump=$(ls -t "$tmp"/floor."$redis".* 2>/dev/null | head -n 1)
+	total=$(awk '/^(summary|totals):/ { print $2; exit }' "$dump" 2>/dev/null)
+	rm -f "$tmp"/floor."$redis".*
+	if [ -z "$total" ]; then
+		echo "$0: no count for: $label" >&2
+		return 1
+	fi
+	printf '%7d  %s\n' $((total / 10000)) "$label"
+}
+
+u='chatgate:{u_deca945840b10a33}'
+key="$u:bench:params"
+keys7="$u:bench:params $u:bench:dialog $u:bench:awaiting $u:bench:soft $u:bench:history $u:bench:lock $u:rooms"
+args28='1795882308 1795882311 0 21600 21600 1800 14717 14718 travel 1 null 0 0 -1 gw:1:c78e2085#32079 14718
+bench 21600 {"app":{"in":1721574,"out":147170,"turns":14717}} gw:1:c78e2085#32080 gw:1:c78e2085#32079 10 10 0 1 0
+1795882311030'
+short10='a b c d e f g h i j'
+long10=$(for k in 0 1 2 3 4 5 6 7 8 9; do printf '%s:bench:param%s ' "$u" "$k"; done)
+msg1='{"role":"user","content":"Find flights from Nairobi to London on Feb 10","ts":1795882311}'
+msg2='{"role":"assistant","content":"Here are some flights","ts":1795882311}'
+
+echo "instructions a script (EVALSHA), redis-server $(redis-server --version | sed -n 's/.*v=\([^ ]*\).*/\1/p') under callgrind:"
+status=0
+# shellcheck disable=SC2086 # the lists are meant to split into arguments
+{
+	measure "return 1; 1 key" "return 1" 1 "$key"
+	measure "return 1; 1 key and 10 arguments of 1 byte" "return 1" 1 "$key" $short10
+	measure "return 1; 1 key and 20 arguments of 1 byte" "return 1" 1 "$key" $short10 $short10
+	measure "return 1; 1 key and 10 arguments of 45 bytes" "return 1" 1 "$key" $long10
+	measure "return 1; a save's 7 keys, 28 arguments and 2 messages" "return 1" 7 $keys7 $args28 "$msg1" "$msg2"
+	measure "GET; 1 key" "return redis.call('GET', KEYS[1])" 1 "$key"
+	measure "EXISTS; 1 key" "return redis.call('EXISTS', KEYS[1])" 1 "$key"
+	measure "DEL; 1 key" "return redis.call('DEL', KEYS[1])" 1 "$key"
+	measure "SET; 1 key, 1 argument" "return redis.call('SET', KEYS[1], ARGV[1])" 1 "$key" "gw:1:aa#1"
+	measure "SET PX; 1 key, 2 arguments" "return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])" 1 "$key" "gw:1:aa#1" 15000
+} || status=1
+redis-cli -p "$port" shutdown nosave >/dev/null 2>&1
+exit $status
