@@ -309,7 +309,7 @@ static const char load_script[] =
     "  end\n"
     "  local cur = redis.call('GET', KEYS[6])\n"
     "  local marked = cur and string.byte(cur, -1) == 119\n" /* " w" (a ticket ends in a digit) */
-    "  if cur and string.byte(cur, 1) ~= 45 and string.find(cur, ARGV[1], 1, true) ~= 1 then\n" /* held by another */
+    "  if cur and string.byte(cur, 1) ~= 45 and string.find(cur, ARGV[1], 1, true) ~= 1 then\n" /* another's */
     "    queue()\n"
     "    local ttl = redis.call('PTTL', KEYS[6])\n"
     "    if not marked and ttl > 0 then redis.call('SET', KEYS[6], cur .. ' w', 'PX', ttl) end\n"
@@ -1014,7 +1014,7 @@ static void lease_release(redis_store *rs, const char *eu, const char *er, const
     cg_argv a = {0};
     arg_script(rs, &a, S_RELEASE, eu, er);
     cg_argv_str(&a, value);
-    cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s); /* how long the lock keeps the fence */
+    cg_argv_int(&a, (long long)rs->base.cfg.lifetimes.dialog_s); /* how long the lock says who let go */
     char *key = cg_store_key_join(eu, er);
     store_note *note = note_new(rs, key, NULL);
     free(key);
@@ -1149,17 +1149,17 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * A key's lifetime is set whenever this save makes the key (the rooms set's ZADD adds the
  * room, the dialog hash's HSET adds fields, a list appended to had none, the params and a
  * rewritten list are made anew), so no key is ever left without one; a key that was there
- * keeps the lifetime it had (HSET, RPUSH, LTRIM keep it) unless ARGV[25] renews them all,
- * the fence's with them.
+ * keeps the lifetime it had (HSET, RPUSH, LTRIM keep it) unless ARGV[25] renews them all.
  * Returns 1 when written, -3 (with nothing written, or what was taken back) when an append
  * finds another rev or a list of another length, 0 when Redis holds another incarnation, -1
  * a newer copy, -2 when
- * the lease is no longer this save's: another holder has it, or it is gone and the dialog's
- * fence moved past this save's (another gateway took the dialog over and finished). A lease
- * gone with the fence not past this save's, or this holder's own older lease (a failover to
- * a replica that had not received the lease, or its release), is no one else's: the save
- * goes on (this process orders its own turns of a dialog). A save that held the lease lets go of it,
- * written or not, but for -3: it is sent again at once, rewriting the history.
+ * the lease is no longer this save's: another holder has it, or had it and let it go
+ * ("-<its ticket>": another gateway took the dialog over and finished). A lock gone, or this
+ * holder's own other lease, held or let go (a failover to a replica that had not received
+ * the lease, or its release), is no one else's: the save goes on (this process orders its
+ * own turns of a dialog). A save that held the lease lets go of it ("-<ticket>", its mark
+ * kept, for the dialog's lifetime), written or not, but for -3: it is sent again at once,
+ * rewriting the history.
  * An append whose rev is Redis's needs no look at created_at and last_activity: any other
  * incarnation, or any newer write, would have written another rev. So only a rewrite reads
  * them (an append to another incarnation gets -3, and its rewrite then 0). And while the
@@ -1281,8 +1281,9 @@ static const char save_script[] =
     "  return 1\n"
     "end\n"
     "local code = save()\n"
-    "if ARGV[17] ~= '' and code ~= -3 then\n" /* the lock let go, its fence and its mark kept */
-    "  redis.call('SET', KEYS[6], '-' .. (held and cur or ARGV[17] .. (cur and string.byte(cur, -1) == 119 and ' w' or '')), 'EX', ARGV[5])\n"
+    "if ARGV[17] ~= '' and code ~= -3 then\n" /* the lock let go, its mark kept */
+    "  local was = held and cur or ARGV[17] .. (cur and string.byte(cur, -1) == 119 and ' w' or '')\n"
+    "  redis.call('SET', KEYS[6], '-' .. was, 'EX', ARGV[5])\n"
     "end\n"
     "if evicted then table.insert(evicted, 1, code); return evicted end\n"
     "return code\n";

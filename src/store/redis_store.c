@@ -397,8 +397,9 @@ static void lease_holder_id(redis_store *rs)
     char host[24] = "";
     unsigned char rnd[4] = {0};
     gethostname(host, sizeof(host) - 1);
-    for (char *p = host; *p; p++) /* one word: the lock is "holder fence", or "-holder fence" let go */
-        if ((unsigned char)*p <= ' ' || *p == 0x7f || (p == host && *p == '-'))
+    /* one word, and no '#' (a lock is the ticket "<holder>#<n>", "-" before it once let go) */
+    for (char *p = host; *p; p++)
+        if ((unsigned char)*p <= ' ' || *p == 0x7f || *p == '#' || (p == host && *p == '-'))
             *p = '_';
     if (RAND_bytes(rnd, sizeof(rnd)) != 1)
         abort();

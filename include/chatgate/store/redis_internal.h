@@ -66,7 +66,7 @@ struct redis_req {
     int base_unknown; /* save: the dialog began from nothing while Redis was away */
     int lease;        /* load: takes the dialog's lease (a turn's load) */
     int lease_waits;  /* load: how often the lease was found held (the backoff grows) */
-    char *lease_value; /* save: the lease this save must still hold ("holder fence"), or NULL */
+    char *lease_value; /* save: the lease this save must still hold (its ticket, "<holder>#<n>"), or NULL */
     char *rev;         /* load: the rev of the gateway's copy it asked Redis about, or NULL;
                         * save: the rev it writes (docs/state.md, "The gateway's copy") */
     size_t copy_params, copy_history; /* load: what that copy held when asked about (its
@@ -121,7 +121,7 @@ struct redis_store {
     json_t *profile_pending; /* eu -> the changes made while Redis was away, written back when
                               * it is up again (at most max_dialogs users) */
     redis_req *waiting, *waiting_tail; /* before the first connection is decided */
-    json_t *leases;  /* key -> {"v": "holder fence", "t": ms renewed}: dialog leases held */
+    json_t *leases;  /* key -> {"v": the lease ("<holder>#<n>"), "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
     json_t *save_next; /* key -> {rev, p, h}: the one plain save in flight of that dialog, what
                         * the gateway's copy will be once it is answered (a load goes behind it) */
