@@ -296,28 +296,40 @@ static int gated(redis_store *rs, redis_req *r)
  * (ARGV[4] "1"; "0" when it has none): a part that lapsed or was evicted in Redis alone.
  * The params hash and the list are not counted: only a save writes them, and it writes a
  * new rev with them (counting them was two calls of the load's eight; issue 12).
+ * ARGV[6], "1", comes with a turn that waited in line before: it looks for its place there
+ * even when the lock does not say anyone waits (a save that found its lock lapsed lets go
+ * unmarked). A turn's own lease, met again (its load sent again: a full read, behind a
+ * save), is kept without a look at the line. The line's deadlines are Redis's clock (TIME,
+ * after redis.replicate_commands(), which Redis 4 needs before a write that follows it).
  */
 static const char load_script[] =
     "local lease = ''\n"
     "if ARGV[1] ~= '' then\n"
     "  local line, ticket = KEYS[7], ARGV[5]\n"
-    "  local function queue()\n" /* takes (or keeps, renewed) this turn's place in line */
+    "  local function queue(now)\n" /* takes (or keeps, renewed) this turn's place in line */
     "    local had = redis.call('HGET', line, ticket)\n"
     "    local seq = had and string.match(had, '^%d+') or redis.call('HINCRBY', line, '#', 1)\n"
-    "    redis.call('HSET', line, ticket, seq .. ' ' .. string.format('%d', tonumber(ARGV[6]) + 10000))\n"
+    "    redis.call('HSET', line, ticket, seq .. ' ' .. string.format('%d', now + 10000))\n"
     "    redis.call('PEXPIRE', line, 20000)\n"
+    "  end\n"
+    "  local function clock()\n" /* Redis's, in ms, for the line's deadlines (before any write) */
+    "    redis.replicate_commands()\n"
+    "    local t = redis.call('TIME')\n"
+    "    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
     "  end\n"
     "  local cur = redis.call('GET', KEYS[6])\n"
     "  local marked = cur and string.byte(cur, -1) == 119\n" /* " w" (a ticket ends in a digit) */
-    "  if cur and string.byte(cur, 1) ~= 45 and string.find(cur, ARGV[1], 1, true) ~= 1 then\n" /* another's */
-    "    queue()\n"
+    "  if cur and string.byte(cur, 1) ~= 45 and\n" /* held, not let go ('-'), and not by this holder */
+    "     (string.find(cur, ARGV[1], 1, true) ~= 1 or string.byte(cur, #ARGV[1] + 1) ~= 35) then\n"
+    "    queue(clock())\n"
     "    local ttl = redis.call('PTTL', KEYS[6])\n"
     "    if not marked and ttl > 0 then redis.call('SET', KEYS[6], cur .. ' w', 'PX', ttl) end\n"
     "    return {'busy', cur, ttl}\n"
     "  end\n"
-    "  local waiting = false\n"
-    "  if (not cur or marked) and redis.call('EXISTS', line) == 1 then\n" /* the first waiting goes first */
-    "    local all, first, first_seq, others, now = redis.call('HGETALL', line), nil, nil, 0, tonumber(ARGV[6])\n"
+    "  local mine = cur == ticket or marked and cur == ticket .. ' w'\n" /* this turn's own, loaded again */
+    "  local waiting = mine and marked\n"
+    "  if not mine and (not cur or marked or ARGV[6]) and redis.call('EXISTS', line) == 1 then\n"
+    "    local all, first, first_seq, others, now = redis.call('HGETALL', line), nil, nil, 0, clock()\n"
     "    for i = 1, #all, 2 do\n"
     "      if all[i] ~= '#' then\n"
     "        local seq, due = string.match(all[i + 1], '^(%d+) (%d+)$')\n"
@@ -329,7 +341,7 @@ static const char load_script[] =
     "      end\n"
     "    end\n"
     "    if first and first ~= ticket then\n"
-    "      queue()\n"
+    "      queue(now)\n"
     "      return {'busy', 'the turn ' .. first .. ' waiting before this one', 0}\n"
     "    end\n"
     "    redis.call('HDEL', line, ticket)\n"
@@ -665,15 +677,6 @@ static void on_lease_retry(uv_timer_t *t)
     dispatch(r->rs, r);
 }
 
-/* The wall clock in ms: a waiter's place in line lapses by it (10 s after its last poll), so
- * that a gateway that died waiting holds up no one for long. */
-static long long wall_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* A turn that waited in line for the lease and went away gives up its place at once (else
  * the turns behind it would wait for its place to lapse). No answer. */
 static void leave_line(redis_store *rs, redis_req *r)
@@ -910,7 +913,8 @@ static void send_load_cmd(redis_store *rs, redis_req *r)
             r->ticket = cg_strdup(ticket);
         }
         cg_argv_str(&a, r->ticket);
-        cg_argv_int(&a, wall_ms());
+        if (r->lease_waits) /* it has a place in the line to take back */
+            cg_argv_str(&a, "1");
     }
     send_last_script(rs, S_LOAD, &a, on_load_reply, r);
     cg_argv_free(&a);
@@ -1188,7 +1192,9 @@ static const char save_script[] =
     "  held = cur == ARGV[17] or cur == ARGV[17] .. ' w'\n"
     "  if not held and cur then\n" /* held or let go by another gateway since: -2 */
     "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
-    "    if string.find(cur, string.match(ARGV[17], '^[^#]*#'), from, true) ~= from then return -2 end\n"
+    "    if string.find(cur, string.match(ARGV[17], '^[^#]*#') or ARGV[17], from, true) ~= from then return -2 end\n"
+    "  elseif not held and ARGV[22] == '' then\n" /* the lock gone: a rewrite has no rev to go by */
+    "    return -2\n"
     "  end\n"
     "end\n"
     "local function save()\n"
@@ -1561,7 +1567,12 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     }
     cg_redis_snapshot_free(r->snapshot);
     r->snapshot = merged;
-    free(r->lease_value); /* a merge keeps every turn: it writes over Redis's copy only as it read it */
+    /* a merge keeps every turn: it writes over Redis's copy only as it read it, with no lease;
+     * the turn's own (an append refused -3 keeps it) is let go once that write is answered */
+    if (r->lease_value && !r->release_after)
+        r->release_after = r->lease_value;
+    else
+        free(r->lease_value);
     r->lease_value = NULL;
     r->full = 1;
     char *key = cg_strdup(r->key);
@@ -1618,6 +1629,8 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
 
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
 {
+    if (r->release_after && cg_redis_linked(rs)) /* a merge's: the turn's lease, kept till now */
+        lease_release(rs, r->eu, r->er, r->release_after);
     wake_waiters(rs, r->key); /* the save let the lease go (or it was not ours) */
     if (cg_redis_reply_failed(rs, reply, 0, "save") || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;

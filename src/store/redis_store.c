@@ -12,6 +12,7 @@
  * can lose is in docs/state.md.
  */
 #define _GNU_SOURCE /* asprintf */
+#include <ctype.h>
 #include <hiredis/hiredis.h>
 
 #include <openssl/rand.h>
@@ -397,9 +398,10 @@ static void lease_holder_id(redis_store *rs)
     char host[24] = "";
     unsigned char rnd[4] = {0};
     gethostname(host, sizeof(host) - 1);
-    /* one word, and no '#' (a lock is the ticket "<holder>#<n>", "-" before it once let go) */
+    /* letters, digits, '.', ':', '-' and '_' only: one word of UTF-8 with no '#' (a lock is
+     * the ticket "<holder>#<n>", "-" before it once let go), which no '-' begins */
     for (char *p = host; *p; p++)
-        if ((unsigned char)*p <= ' ' || *p == 0x7f || *p == '#' || (p == host && *p == '-'))
+        if (!(isalnum((unsigned char)*p) || strchr(".:_-", *p)) || (p == host && *p == '-'))
             *p = '_';
     if (RAND_bytes(rnd, sizeof(rnd)) != 1)
         abort();

@@ -22,7 +22,8 @@ state app (harness FakeApp /state, no rules):
 - Redis's copy gone during a turn (its keys deleted), or only its history list (lapsed or
   evicted alone), so the copy the save would append to is no longer Redis's: the save is
   refused before it writes anything and sent again in full, so the list holds the whole
-  dialog (as the gateway's next turn sees it), not the new messages alone.
+  dialog (as the gateway's next turn sees it), not the new messages alone; the turn's lease,
+  which the refused append kept, is let go once the merged save is answered.
 - lifetimes in Redis (docs/state.md, "Lifetimes in Redis"): a save within a sixtieth of the
   shortest lifetime of the last renewal leaves the keys' lifetimes as they are; a key gone
   during such a save (the dialog's hash, the rooms set) is made again with its lifetime, never
@@ -212,6 +213,10 @@ async def mid_turn(app, redis, rules, user, parts):
         everything += [("user", text), ("assistant", t.terminal["text"])]
         ok = await harness.wait_until(lambda: redis_history(redis, user, "r") == everything, 5)
         check(ok, f"Redis's list should hold all 8 messages: {redis_history(redis, user, 'r')}")
+        lock = harness.dialog_key(user, "r", "lock")  # the 4th turn's lease, kept by the refused append
+        let_go = await harness.wait_until(lambda: (redis.get(lock) or "").startswith("-"), 3)
+        check(let_go, f"the lock should be let go once the merged save is answered, not held until it lapses "
+                      f"(15 s): {redis.get(lock)!r}")
         _, appended = store_counts(gw)
         check(appended == 2, f"2 saves appended (the 4th was refused, sent again in full): {appended}")
         _, fwd = await turn(c, app, f"{user}5", "mid 5", "r")

@@ -80,6 +80,8 @@ struct redis_req {
     int lease_lost;    /* save: refused for a lease another gateway took (-2): its turn began
                         * before that gateway's, so Redis's copy counts as the newer one */
     char *merge_rev;   /* save of a merge: the rev of Redis's copy it merged with ("" none) */
+    char *release_after; /* save of a merge: the turn's lease, which the merge's write does not
+                          * carry; let go once that is answered, so no one waits for it to lapse */
     char *ticket;      /* a turn's load: its place in the line for the lease, "<holder>#<n>" */
     char *asked;       /* a turn's load waiting: the holder asked to wake it (redis_dialog.c) */
     redis_req *lw_next; /* in rs->lease_waiting, while its retry waits */
