@@ -1158,10 +1158,12 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * finds another rev or a list of another length, 0 when Redis holds another incarnation, -1
  * a newer copy, -2 when
  * the lease is no longer this save's: another holder has it, or had it and let it go
- * ("-<its ticket>": another gateway took the dialog over and finished). A lock gone, or this
- * holder's own other lease, held or let go (a failover to a replica that had not received
- * the lease, or its release), is no one else's: the save goes on (this process orders its
- * own turns of a dialog). A save that held the lease lets go of it ("-<ticket>", its mark
+ * ("-<its ticket>": another gateway took the dialog over and finished). This holder's own
+ * other lease, held or let go (a failover to a replica that had not received the lease, or
+ * its release), is no one else's: the save goes on (this process orders its own turns of a
+ * dialog). So does an append when the lock is gone (evicted, lost in a failover): its rev
+ * decides. A rewrite, which has no rev to go by, answers -5 then, and is merged (another
+ * gateway may have taken the dialog over, saved, and died holding it). A save that held the lease lets go of it ("-<ticket>", its mark
  * kept, for the dialog's lifetime), written or not, but for -3: it is sent again at once,
  * rewriting the history.
  * An append whose rev is Redis's needs no look at created_at and last_activity: any other
@@ -1194,7 +1196,7 @@ static const char save_script[] =
     "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
     "    if string.find(cur, string.match(ARGV[17], '^[^#]*#') or ARGV[17], from, true) ~= from then return -2 end\n"
     "  elseif not held and ARGV[22] == '' then\n" /* the lock gone: a rewrite has no rev to go by */
-    "    return -2\n"
+    "    return -5\n"
     "  end\n"
     "end\n"
     "local function save()\n"
@@ -1469,11 +1471,13 @@ static void save_refused(redis_store *rs, redis_req *r, long long why)
             r->version ? "write-back" : "save",
             why == 0    ? "another copy (this one began while Redis was away)"
             : why == -2 ? "a copy whose lease another gateway holds"
+            : why == -5 ? "a copy this turn's lease no longer guards (its lock was gone)"
                         : "a newer copy");
     cg_fallback_forget(rs->fb, r->key); /* the next load reads Redis's copy */
 }
 
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply);
+static int release_kept(redis_store *rs, redis_req *r, char **kept);
 
 static void on_rooms_del_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
@@ -1527,6 +1531,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     redis_store *rs = r->rs;
     if (st->unavailable) { /* Redis failed meanwhile: the save stays in memory, for the write-back */
         rs->base.stats.errors++;
+        release_kept(rs, r, &r->lease_value);
         gate_leave(rs, r->key);
         cg_redis_answer_unavailable(r);
         return;
@@ -1548,6 +1553,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     if (!merged) {
         cg_dialog_free(d);
         cg_error("redis: out of memory merging two copies of a dialog: this gateway's is kept for the write-back");
+        release_kept(rs, r, &r->lease_value);
         gate_leave(rs, r->key);
         cg_redis_answer_unavailable(r);
         return;
@@ -1610,7 +1616,8 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot && r->merges < MERGE_TRIES) {
         /* Redis holds a copy other than the one this save began from (-3: appending found
          * another rev; 0, -1: another incarnation, or a newer copy; -4: the copy merged with
-         * changed again; -2: the lease passed to another gateway, which may have saved): both
+         * changed again; -2: the lease passed to another gateway, which may have saved; -5: a
+         * rewrite found the lock gone, and another gateway may have saved): both
          * copies' turns are kept, merged. This turn was answered: dropping it would lose it. */
         if (reply->integer == -2) {
             r->lease_lost = 1;
@@ -1627,11 +1634,23 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     free(key);
 }
 
+/* A turn's lease that a save did not let go (an append refused -3 keeps it, and the merge
+ * that follows writes with none): let go now (*kept, freed). 1 when the release went: its
+ * answer wakes the gateways waiting for the lease. */
+static int release_kept(redis_store *rs, redis_req *r, char **kept)
+{
+    int sent = *kept && cg_redis_linked(rs);
+    if (sent)
+        lease_release(rs, r->eu, r->er, *kept);
+    free(*kept);
+    *kept = NULL;
+    return sent;
+}
+
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
 {
-    if (r->release_after && cg_redis_linked(rs)) /* a merge's: the turn's lease, kept till now */
-        lease_release(rs, r->eu, r->er, r->release_after);
-    wake_waiters(rs, r->key); /* the save let the lease go (or it was not ours) */
+    if (!release_kept(rs, r, &r->release_after)) /* a merge's: the turn's lease, kept till now */
+        wake_waiters(rs, r->key); /* the save let the lease go (or it was not ours) */
     if (cg_redis_reply_failed(rs, reply, 0, "save") || reply->type != REDIS_REPLY_INTEGER) {
         rs->base.stats.errors++;
         cg_redis_answer_unavailable(r); /* keeps it in memory, dirty, for the write-back */

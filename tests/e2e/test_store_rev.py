@@ -420,6 +420,20 @@ async def part_lock_values(app, redis, rules):
             check(1.2 <= waited < 5, f"the turn should wait for the foreign lock to lapse (1.5 s): {waited:.2f} s")
             print(f"   waited {waited:.2f} s")
         await c.close()
+        with step("a new dialog's first save (a rewrite) that finds its lock gone (evicted, lost in a failover) "
+                  "is merged with Redis's copy and written, and not counted as a lost lease"):
+            c = await connect(gw, "lockgone")
+            pending = asyncio.ensure_future(c.message("first [delay=1]", mid="lg1", room="r"))
+            await app.wait_message("lg1")
+            redis.command("DEL", harness.dialog_key("lockgone", "r", "lock"))
+            (await pending).expect_done()
+            ok = await harness.wait_until(lambda: len(redis_history(redis, "lockgone", "r")) == 2, 5)
+            check(ok, f"the turn should be written: {redis_history(redis, 'lockgone', 'r')}")
+            _, _, raw = harness.http_get(gw.http_url + "/metrics")
+            m = harness.parse_metrics(raw.decode())
+            check(int(m.value("chatgate_store_lease_lost_total")) == 0,
+                  f"a lock gone is no lease lost: {m.value('chatgate_store_lease_lost_total')}")
+            await c.close()
 
 
 async def main(args_):
