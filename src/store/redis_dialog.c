@@ -1163,9 +1163,10 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * its release), is no one else's: the save goes on (this process orders its own turns of a
  * dialog). So does an append when the lock is gone (evicted, lost in a failover): its rev
  * decides. A rewrite, which has no rev to go by, answers -5 then, and is merged (another
- * gateway may have taken the dialog over, saved, and died holding it). A save that held the lease lets go of it ("-<ticket>", its mark
- * kept, for the dialog's lifetime), written or not, but for -3: it is sent again at once,
- * rewriting the history.
+ * gateway may have taken the dialog over, saved, and died holding it). A save that held the
+ * lease lets go of it ("-<ticket>", its mark kept, for the dialog's lifetime), written or
+ * not, but for -3: the turn is then merged with Redis's copy, and its lease let go once that
+ * is written.
  * An append whose rev is Redis's needs no look at created_at and last_activity: any other
  * incarnation, or any newer write, would have written another rev. So only a rewrite reads
  * them (an append to another incarnation gets -3, and its rewrite then 0). And while the
