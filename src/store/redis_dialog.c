@@ -158,16 +158,25 @@ void cg_redis_scripts_init(void)
  * scripts cost Redis"): the save and the load use none after the lock. */
 static const int script_keys[S_COUNT] = {[S_LOAD] = 6, [S_SAVE] = 6, [S_RENEW] = 7, [S_RELEASE] = 6, [S_CANCEL] = 7};
 
-/* EVALSHA <sha> <n> <the dialog's first keys> [<the rooms set>: the save's] */
-static void arg_script(redis_store *rs, cg_argv *a, script_id id, const char *eu, const char *er)
+/* EVALSHA <sha> <n> <the dialog's first keys> [<the rooms set>: the save's] [<the dialog's
+ * `extra` key>: a turn's load, its line], every key under the user's hash tag */
+static void arg_script_with(redis_store *rs, cg_argv *a, script_id id, const char *eu, const char *er,
+                            const char *extra)
 {
     int n = script_keys[id], rooms = id == S_SAVE;
     cg_argv_str(a, "EVALSHA");
     cg_argv_str(a, script_sha[id]);
-    cg_argv_int(a, n + rooms);
+    cg_argv_int(a, n + rooms + (extra != NULL));
     arg_dialog_keys(rs, a, eu, er, n);
     if (rooms)
         cg_argv_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
+    if (extra)
+        cg_argv_key(a, rs->base.cfg.prefix, eu, er, extra);
+}
+
+static void arg_script(redis_store *rs, cg_argv *a, script_id id, const char *eu, const char *er)
+{
+    arg_script_with(rs, a, id, eu, er, NULL);
 }
 
 /* Sends a script command built in a (taken): by SHA, and once more as EVAL with its text
@@ -285,6 +294,9 @@ static int gated(redis_store *rs, redis_req *r)
  * find: no Lua pattern, no number (callgrind of the replay, tests/bench/script_cost.sh).
  */
 
+/* Lua: the lock read, `cur`, is the lease v (an expression), marked " w" or not. */
+#define LUA_LOCK_IS(v) "(cur == " v " or cur == " v " .. ' w')"
+
 /*
  * The load, one atomic step: the dialog's lease (when ARGV[1], the holder, is not empty),
  * then the five reads. A lease held by another holder answers {"busy", its value, its PTTL}
@@ -365,7 +377,7 @@ static const char load_script[] =
  * the turn's save released it (the save itself decides about a lease lost in a failover). */
 static const char renew_script[] =
     "local cur = redis.call('GET', KEYS[6])\n"
-    "if cur ~= ARGV[1] and cur ~= ARGV[1] .. ' w' then return 0 end\n"
+    "if not " LUA_LOCK_IS("ARGV[1]") " then return 0 end\n"
     "redis.call('PEXPIRE', KEYS[6], ARGV[2])\n"
     "if redis.call('GET', KEYS[7]) == ARGV[1] then redis.call('DEL', KEYS[7]) return 2 end\n"
     "return 1\n";
@@ -386,7 +398,7 @@ static const char cancel_script[] =
  * turns waiting, for ARGV[2] s (the dialog's lifetime). */
 static const char release_script[] =
     "local cur = redis.call('GET', KEYS[6])\n"
-    "if cur ~= ARGV[1] and cur ~= ARGV[1] .. ' w' then return 0 end\n"
+    "if not " LUA_LOCK_IS("ARGV[1]") " then return 0 end\n"
     "redis.call('SET', KEYS[6], '-' .. cur, 'EX', ARGV[2])\n"
     "return 1\n";
 
@@ -893,15 +905,8 @@ static int send_load_behind(redis_store *rs, redis_req *r)
 static void send_load_cmd(redis_store *rs, redis_req *r)
 {
     cg_argv a = {0};
-    if (r->lease) { /* a turn's load takes the lease: the line of waiters is its KEYS[7] */
-        cg_argv_str(&a, "EVALSHA");
-        cg_argv_str(&a, script_sha[S_LOAD]);
-        cg_argv_int(&a, script_keys[S_LOAD] + 1);
-        arg_dialog_keys(rs, &a, r->eu, r->er, script_keys[S_LOAD]);
-        cg_argv_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
-    } else {
-        arg_script(rs, &a, S_LOAD, r->eu, r->er);
-    }
+    /* a turn's load takes the lease: the line of waiters is its KEYS[7] */
+    arg_script_with(rs, &a, S_LOAD, r->eu, r->er, r->lease ? "line" : NULL);
     cg_argv_str(&a, r->lease ? rs->holder : "");
     cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
     cg_argv_str(&a, r->rev ? r->rev : "");
@@ -1192,7 +1197,7 @@ static const char save_script[] =
     "local held, evicted, cur = false, nil, nil\n"
     "if ARGV[17] ~= '' then\n"
     "  cur = redis.call('GET', KEYS[6])\n"
-    "  held = cur == ARGV[17] or cur == ARGV[17] .. ' w'\n"
+    "  held = " LUA_LOCK_IS("ARGV[17]") "\n"
     "  if not held and cur then\n" /* held or let go by another gateway since: -2 */
     "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
     "    if string.find(cur, string.match(ARGV[17], '^[^#]*#') or ARGV[17], from, true) ~= from then return -2 end\n"

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # tests/bench/ports.sh: sourced by the bench scripts (run.sh, compare.sh, scaleout.sh,
-# instructions.sh, script_cost.sh).
+# instructions.sh, script_cost.sh, script_floor.sh).
 # port_is_open PORT: something accepts on 127.0.0.1:PORT.
 # pick_free_port: prints a port nothing listens on (20000-32767, below Linux's ephemeral
 #   ports, which an outgoing connection could take before the port is bound); 1 when 50
@@ -18,6 +18,13 @@
 # bench_start NAME PORT COMMAND...: runs COMMAND in the background (its log in
 #   $tmp/NAME.log), adds it to $pids, sets started_pid, and waits until PORT accepts; 1, with
 #   the log's end, when it exits first or does not listen within 10 s.
+# callgrind_redis PORT: starts a redis-server on 127.0.0.1:PORT under valgrind's callgrind
+#   (its dumps $tmp/redis.cg.<pid>.*), adds it to $pids, sets started_pid, and waits (30 s at
+#   most) until it answers; 1 when it does not.
+# callgrind_count PID: dumps PID's counts (callgrind_control -d) and sets callgrind_total to
+#   the instructions it ran since its last zero (callgrind_control -z), and callgrind_dump to
+#   the dump's path (removed at the next count); 1 when there is none. (Not in a $(...): the
+#   variables are the answer.)
 
 port_is_open() {
 	(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
@@ -97,4 +104,25 @@ spread() {
 
 median() {
 	awk -v n="$2" -v col="$1" '$1 == n && $col != "-" { print $col }' "$tmp/runs" | spread | awk '{ print $2 }'
+}
+
+callgrind_redis() {
+	valgrind --tool=callgrind --callgrind-out-file="$tmp/redis.cg.%p" redis-server --port "$1" \
+		--bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" >"$tmp/redis-cg.log" 2>&1 &
+	started_pid=$!
+	pids+=("$started_pid")
+	for _ in $(seq 300); do
+		redis-cli -p "$1" ping >/dev/null 2>&1 && return 0
+		sleep 0.1
+	done
+	echo "${0##*/}: redis-server under valgrind did not answer on port $1 within 30 s" >&2
+	return 1
+}
+
+callgrind_count() {
+	[ -n "${callgrind_dump:-}" ] && rm -f "$callgrind_dump"
+	callgrind_control -d "$1" >/dev/null 2>&1
+	callgrind_dump=$(ls -t "$tmp"/redis.cg."$1".* 2>/dev/null | head -n 1)
+	callgrind_total=$(awk '/^(summary|totals):/ { print $2; exit }' "$callgrind_dump" 2>/dev/null)
+	[ -n "$callgrind_total" ]
 }

@@ -46,25 +46,21 @@ bench_config "$app_port" >"$tmp/chatgate.json"
 # The instructions a script of $tmp/monitor.txt costs a redis-server under callgrind: counted
 # from a zero after start-up to a dump after the replay, divided by the scripts replayed.
 replay_instructions() {
-	local port pid dump scripts total
+	local port pid scripts total
 	command -v valgrind >/dev/null || { echo "$0: CG_SCRIPT_INSTR needs valgrind" >&2; echo 0; return 1; }
 	port=$(pick_free_port) || return 1
-	valgrind --tool=callgrind --callgrind-out-file="$tmp/replay.cg.%p" redis-server --port "$port" \
-		--bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" >"$tmp/replay-cg.log" 2>&1 &
-	pid=$!
-	pids+=("$pid")
-	for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+	callgrind_redis "$port" || { echo 0; return 1; }
+	pid=$started_pid
 	callgrind_control -z "$pid" >/dev/null 2>&1
 	python3 "$here/resp_replay.py" "$tmp/monitor.txt" "$port" >"$tmp/replay-cg.out" 2>&1
 	scripts=$(redis-cli -p "$port" info commandstats | tr -d '\r' |
 		awk -F'[:,=]' '/^cmdstat_(evalsha|eval):/ { n += $3 } END { print n + 0 }')
-	callgrind_control -d "$pid" >/dev/null 2>&1
-	dump=$(ls "$tmp"/replay.cg."$pid".* 2>/dev/null | head -n 1)
-	total=$(awk '/^(summary|totals):/ { print $2; exit }' "$dump" 2>/dev/null)
+	total=
+	callgrind_count "$pid" && total=$callgrind_total
 	kill "$pid"
 	wait "$pid" 2>/dev/null
-	[ -n "${CG_SCRIPT_KEEP:-}" ] && [ -n "$dump" ] && cp "$dump" "$CG_SCRIPT_KEEP.$(basename "$bin")"
-	rm -f "$tmp"/replay.cg."$pid"*
+	[ -n "${CG_SCRIPT_KEEP:-}" ] && [ -n "$total" ] && cp "$callgrind_dump" "$CG_SCRIPT_KEEP.$(basename "$bin")"
+	rm -f "$tmp"/redis.cg."$pid"*
 	[ -n "$total" ] && [ "$scripts" -gt 0 ] || { echo "$0: the callgrind replay counted nothing" >&2; echo 0; return 1; }
 	echo $((total / scripts))
 }

@@ -22,30 +22,22 @@ done
 bench_workdir script_floor
 
 port=$(pick_free_port) || exit 1
-valgrind --tool=callgrind --callgrind-out-file="$tmp/floor.%p" redis-server --port "$port" --bind 127.0.0.1 \
-	--save "" --appendonly no --dir "$tmp" >"$tmp/redis.log" 2>&1 &
-redis=$!
-pids+=("$redis")
-for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
-redis-cli -p "$port" ping >/dev/null 2>&1 || { echo "$0: redis-server under valgrind did not start" >&2; exit 1; }
+callgrind_redis "$port" || exit 1
+redis=$started_pid
 
 # one case: LABEL SCRIPT NUMKEYS [KEYS AND ARGUMENTS...]
 measure() {
-	local label=$1 script=$2 sha dump total
+	local label=$1 script=$2 sha
 	shift 2
 	sha=$(redis-cli -p "$port" script load "$script")
 	redis-benchmark -p "$port" -c 1 -P 50 -n 1000 -q evalsha "$sha" "$@" >/dev/null 2>&1
 	callgrind_control -z "$redis" >/dev/null 2>&1
 	redis-benchmark -p "$port" -c 1 -P 50 -n 10000 -q evalsha "$sha" "$@" >/dev/null 2>&1
-	callgrind_control -d "$redis" >/dev/null 2>&1
-	dump=$(ls -t "$tmp"/floor."$redis".* 2>/dev/null | head -n 1)
-	total=$(awk '/^(summary|totals):/ { print $2; exit }' "$dump" 2>/dev/null)
-	rm -f "$tmp"/floor."$redis".*
-	if [ -z "$total" ]; then
+	if ! callgrind_count "$redis"; then
 		echo "$0: no count for: $label" >&2
 		return 1
 	fi
-	printf '%7d  %s\n' $((total / 10000)) "$label"
+	printf '%7d  %s\n' $((callgrind_total / 10000)) "$label"
 }
 
 u='chatgate:{u_deca945840b10a33}'

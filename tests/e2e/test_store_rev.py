@@ -68,11 +68,16 @@ async def turn(client, app, mid, text, room, state=None):
     return t, await app.wait_message(mid)
 
 
-def store_counts(gw):
-    """(loads answered "same", saves appended) from the gateway's /metrics."""
+def metrics(gw):
+    """The gateway's /metrics, parsed."""
     status, _, raw = harness.http_get(gw.http_url + "/metrics")
     check(status == 200, f"GET /metrics: {status}")
-    m = harness.parse_metrics(raw.decode())
+    return harness.parse_metrics(raw.decode())
+
+
+def store_counts(gw):
+    """(loads answered "same", saves appended) from the gateway's /metrics."""
+    m = metrics(gw)
     return (int(m.value("chatgate_store_loads_cached_total")), int(m.value("chatgate_store_saves_appended_total")))
 
 
@@ -429,10 +434,8 @@ async def part_lock_values(app, redis, rules):
             (await pending).expect_done()
             ok = await harness.wait_until(lambda: len(redis_history(redis, "lockgone", "r")) == 2, 5)
             check(ok, f"the turn should be written: {redis_history(redis, 'lockgone', 'r')}")
-            _, _, raw = harness.http_get(gw.http_url + "/metrics")
-            m = harness.parse_metrics(raw.decode())
-            check(int(m.value("chatgate_store_lease_lost_total")) == 0,
-                  f"a lock gone is no lease lost: {m.value('chatgate_store_lease_lost_total')}")
+            lost = metrics(gw).value("chatgate_store_lease_lost_total")
+            check(int(lost) == 0, f"a lock gone is no lease lost: {lost}")
             await c.close()
 
 
