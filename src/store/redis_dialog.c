@@ -394,12 +394,14 @@ static const char cancel_script[] =
     "redis.call('SET', KEYS[7], cur, 'PX', ARGV[1])\n"
     "return cur\n";
 
-/* A lease let go by its holder without a save: the lock says so, and keeps the mark of
- * turns waiting, for ARGV[2] s (the dialog's lifetime). */
+/* A lease let go by its holder without a save: the lock deleted (the plain way in takes a
+ * missing lock), or, while turns of other gateways wait, "-<ticket> w" for ARGV[2] s (the
+ * dialog's lifetime), which sends the next turn to the load script and the line. */
 static const char release_script[] =
     "local cur = redis.call('GET', KEYS[6])\n"
     "if not " LUA_LOCK_IS("ARGV[1]") " then return 0 end\n"
-    "redis.call('SET', KEYS[6], '-' .. cur, 'EX', ARGV[2])\n"
+    "if string.byte(cur, -1) == 119 then redis.call('SET', KEYS[6], '-' .. cur, 'EX', ARGV[2])\n"
+    "else redis.call('DEL', KEYS[6]) end\n"
     "return 1\n";
 
 static json_t *parse_json_reply(redisReply *r)
@@ -756,10 +758,10 @@ static size_t params_count(json_t *params)
  * or 0 when that copy is no longer the one asked about, or no longer holds what it held
  * when asked (a part of it lapsed meanwhile); r then loads in full.
  */
-static int load_cached(redis_store *rs, redis_req *r, redisReply *reply, int64_t now, cg_dialog *d)
+static int load_cached(redis_store *rs, redis_req *r, int64_t now, cg_dialog *d)
 {
     const char *rev = cg_memstore_rev(cg_fallback_copy(rs->fb), r->key, now);
-    if (reply->elements != 2 || !rev || strcmp(rev, r->rev) != 0)
+    if (!rev || strcmp(rev, r->rev) != 0)
         return 0;
     if (!cg_memstore_get(cg_fallback_copy(rs->fb), r->key, now, d))
         return 0;
@@ -776,7 +778,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st);
 static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t now, cg_dialog *d)
 {
     if (reply->elements >= 2 && reply->element[1]->type == REDIS_REPLY_STRING && r->rev) {
-        if (load_cached(rs, r, reply, now, d)) {
+        if (reply->elements == 2 && load_cached(rs, r, now, d)) {
             rs->base.stats.loads_cached++;
             return 0;
         }
@@ -812,24 +814,50 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
     return 0;
 }
 
+/* r's load is answered with d (taken) and st; the lease it took (len > 0) is held until
+ * the dialog's save or release, or let go at once when the caller left meanwhile. */
+static void load_done(redis_store *rs, redis_req *r, const char *lease, size_t len, cg_dialog *d,
+                      const cg_store_status *st)
+{
+    cg_fallback_known(rs->fb, r->key); /* Redis's copy is known now */
+    /* a merge's read is answered closing too: the save waiting for it must end, or the store
+     * (which waits for its requests) would never be freed */
+    int wanted = !r->abandoned && (!rs->closing || r->cb.load == on_merge_loaded);
+    if (len > 0 && wanted)
+        json_object_set_new(rs->leases, r->key, lease_held(lease, len, uv_now(rs->base.loop)));
+    else if (len > 0)
+        lease_release(rs, r->eu, r->er, lease);
+    if (wanted)
+        r->cb.load(r->ctx, d, st);
+    else
+        cg_dialog_free(d);
+    cg_redis_req_finish(r);
+}
+
+/* r went in behind a save of its dialog (send_load_behind) that is still unanswered: its
+ * answer read Redis before that save (which went again after NOSCRIPT, or merges), so it
+ * goes again, behind the save sent again or at the gate; 1 then. A lease it took is this
+ * gateway's: the next load takes it again. */
+static int load_again_behind(redis_store *rs, redis_req *r, int answered)
+{
+    if (!r->pipelined)
+        return 0;
+    r->pipelined = 0;
+    if (!answered || !json_object_get(rs->saving, r->key))
+        return 0;
+    rs->base.stats.loads_pipelined_again++;
+    dispatch(rs, r);
+    return 1;
+}
+
 static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
     (void)ac;
     redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
-    if (r->pipelined) {
-        r->pipelined = 0;
-        if (reply && json_object_get(rs->saving, r->key)) {
-            /* the save it went behind is unanswered still: this answer read Redis before it
-             * (the save went again after NOSCRIPT, or merges); the load goes again, behind
-             * the save sent again or at the gate. A lease it took is this gateway's: the
-             * next load takes it again. */
-            rs->base.stats.loads_pipelined_again++;
-            dispatch(rs, r);
-            return;
-        }
-    }
+    if (load_again_behind(rs, r, reply != NULL))
+        return;
     if (reply && reply->type == REDIS_REPLY_ARRAY && reply->elements == 3 && reply->element[0]->type == REDIS_REPLY_STRING &&
         strcmp(reply->element[0]->str, "busy") == 0 && reply->element[1]->type == REDIS_REPLY_STRING) {
         lease_wait(rs, r, reply);
@@ -849,24 +877,11 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     }
     if (rc == 1)
         return; /* sent again, in full */
-    redisReply *lease = reply->element[0];
-    cg_fallback_known(rs->fb, r->key); /* Redis's copy is known now */
     cg_store_status st = {0};
     for (size_t i = 1; i < reply->elements; i++) /* any of the five keys there ("same": the dialog is) */
         st.found |= reply->element[i]->type == REDIS_REPLY_STRING ||
                     (reply->element[i]->type == REDIS_REPLY_ARRAY && reply->element[i]->elements > 0);
-    /* a merge's read is answered closing too: the save waiting for it must end, or the store
-     * (which waits for its requests) would never be freed */
-    int wanted = !r->abandoned && (!rs->closing || r->cb.load == on_merge_loaded);
-    if (lease->len > 0 && wanted) /* held until this dialog's save, or its release */
-        json_object_set_new(rs->leases, r->key, lease_held(lease->str, lease->len, uv_now(rs->base.loop)));
-    else if (lease->len > 0) /* the caller left meanwhile: let go at once */
-        lease_release(rs, r->eu, r->er, lease->str);
-    if (wanted)
-        r->cb.load(r->ctx, &d, &st);
-    else
-        cg_dialog_free(&d);
-    cg_redis_req_finish(r);
+    load_done(rs, r, reply->element[0]->str, reply->element[0]->len, &d, &st);
 }
 
 static void send_load_cmd(redis_store *rs, redis_req *r);
@@ -902,8 +917,149 @@ static int send_load_behind(redis_store *rs, redis_req *r)
     return 0;
 }
 
+/*
+ * The plain way in (issue 39). A turn's load that holds a copy of its dialog (the common
+ * case) goes in as three plain commands, pipelined, in place of the load script:
+ *   SET <lock> <ticket> NX PX <lease_ms>   the lease, when the lock is free
+ *   HGET <params> rev                      Redis's copy is the gateway's,
+ *   EXISTS <dialog> [<history>]            none of its parts lapsed alone
+ * which are the script's questions, for a small part of what the script costs Redis (its
+ * call, and every call made in it, are dear: docs/state.md, "What the scripts cost Redis").
+ * A free lock is a missing one: a save or release lets go of a lock no one waits for by
+ * deleting it. When all three say yes, the turn is answered from the copy. Otherwise the
+ * load script goes next, a second round trip: the lock was held, or let go with turns of
+ * other gateways waiting ("-<ticket> w"), and the script puts the turn in line; or the lease
+ * was taken and Redis's copy is another one, and the script, meeting the turn's own lease,
+ * reads the dialog in full.
+ * The three are not one atomic step, and need not be: the lease is taken first, and what
+ * may write the dialog between them without the lease (a write-back) may as well write it
+ * between the script and the turn's save. What is given up: a lock that lapsed (its holder
+ * died) while turns waited in line is taken by whichever turn comes first, in line or not.
+ */
+enum { PLAIN_SENT = 1, PLAIN_LEASE = 2, PLAIN_REV = 4, PLAIN_PARTS = 8, PLAIN_FAILED = 16 };
+
+static void plain_answered(redis_req *r);
+
+/* A plain command's reply, 1 when it is one (it is not, logged, when NULL or an error). */
+static int plain_reply(redis_req *r, redisReply *reply)
+{
+    if (!cg_redis_reply_failed(r->rs, reply, 0, "load"))
+        return 1;
+    r->plain |= PLAIN_FAILED;
+    return 0;
+}
+
+static void on_plain_lease(cg_redis_conn *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    redis_req *r = priv;
+    redisReply *reply = reply_;
+    if (plain_reply(r, reply) && reply->type == REDIS_REPLY_STATUS) /* OK; nil: the lock is not free */
+        r->plain |= PLAIN_LEASE;
+    plain_answered(r);
+}
+
+static void on_plain_rev(cg_redis_conn *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    redis_req *r = priv;
+    redisReply *reply = reply_;
+    if (plain_reply(r, reply) && reply->type == REDIS_REPLY_STRING && reply->len == strlen(r->rev) &&
+        memcmp(reply->str, r->rev, reply->len) == 0)
+        r->plain |= PLAIN_REV;
+    plain_answered(r);
+}
+
+static void on_plain_parts(cg_redis_conn *ac, void *reply_, void *priv)
+{
+    (void)ac;
+    redis_req *r = priv;
+    redisReply *reply = reply_;
+    if (plain_reply(r, reply) && reply->type == REDIS_REPLY_INTEGER && reply->integer == (r->copy_history ? 2 : 1))
+        r->plain |= PLAIN_PARTS;
+    plain_answered(r);
+}
+
+/* The three answers came (plain_due counts them, and a hold while they are sent). */
+static void plain_answered(redis_req *r)
+{
+    if (--r->plain_due > 0)
+        return;
+    redis_store *rs = r->rs;
+    int failed = r->plain & PLAIN_FAILED, lease = r->plain & PLAIN_LEASE;
+    if (load_again_behind(rs, r, !failed))
+        return;
+    if (failed) {
+        if (lease && cg_redis_linked(rs)) /* taken, and no turn will let go of it */
+            lease_release(rs, r->eu, r->er, r->ticket);
+        rs->base.stats.errors++;
+        cg_redis_answer_unavailable(r);
+        return;
+    }
+    cg_dialog d;
+    if (lease && (r->plain & PLAIN_REV) && (r->plain & PLAIN_PARTS) &&
+        load_cached(rs, r, rs->base.now(rs->base.clock_ctx), &d)) {
+        rs->base.stats.loads_cached++;
+        cg_store_status st = {.found = 1};
+        load_done(rs, r, r->ticket, strlen(r->ticket), &d, &st);
+        return;
+    }
+    if (lease) /* Redis's copy is another: read in full, the lease kept (the script's "mine") */
+        r->full = 1;
+    send_load(rs, r);
+}
+
+static void plain_send(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_req *r)
+{
+    if (cg_redis_send_argv(rs, a, fn, r) == 0)
+        r->plain_due++;
+    else
+        r->plain |= PLAIN_FAILED;
+}
+
+static void send_plain_load(redis_store *rs, redis_req *r)
+{
+    const char *prefix = rs->base.cfg.prefix;
+    cg_argv a = {0};
+    r->plain = PLAIN_SENT;
+    r->plain_due = 1; /* held while sending: an answer given at once must not end r */
+    cg_argv_str(&a, "SET");
+    cg_argv_key(&a, prefix, r->eu, r->er, "lock");
+    cg_argv_str(&a, r->ticket);
+    cg_argv_str(&a, "NX");
+    cg_argv_str(&a, "PX");
+    cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
+    plain_send(rs, &a, on_plain_lease, r);
+    cg_argv_str(&a, "HGET");
+    cg_argv_key(&a, prefix, r->eu, r->er, "params");
+    cg_argv_str(&a, "rev");
+    plain_send(rs, &a, on_plain_rev, r);
+    cg_argv_str(&a, "EXISTS");
+    cg_argv_key(&a, prefix, r->eu, r->er, "dialog");
+    if (r->copy_history)
+        cg_argv_key(&a, prefix, r->eu, r->er, "history");
+    plain_send(rs, &a, on_plain_parts, r);
+    cg_argv_free(&a);
+    if (r->plain_due == 1) { /* none went: answered later, as a script that could not go is */
+        r->plain_due = 0;
+        rs->base.stats.errors++;
+        cg_redis_answer_later_unavailable(r);
+        return;
+    }
+    plain_answered(r); /* the hold: the answers come later */
+}
+
 static void send_load_cmd(redis_store *rs, redis_req *r)
 {
+    if (r->lease && !r->ticket) { /* its ticket: the lease's value, its place in line */
+        char ticket[80];
+        snprintf(ticket, sizeof(ticket), "%s#%llu", rs->holder, ++rs->ticket_seq);
+        r->ticket = cg_strdup(ticket);
+    }
+    if (r->lease && r->rev && !r->full && !r->lease_waits && !(r->plain & PLAIN_SENT)) {
+        send_plain_load(rs, r);
+        return;
+    }
     cg_argv a = {0};
     /* a turn's load takes the lease: the line of waiters is its KEYS[7] */
     arg_script_with(rs, &a, S_LOAD, r->eu, r->er, r->lease ? "line" : NULL);
@@ -912,11 +1068,6 @@ static void send_load_cmd(redis_store *rs, redis_req *r)
     cg_argv_str(&a, r->rev ? r->rev : "");
     cg_argv_str(&a, r->copy_history ? "1" : "0");
     if (r->lease) { /* its place in the line of turns waiting for the lease (docs/state.md) */
-        if (!r->ticket) {
-            char ticket[80];
-            snprintf(ticket, sizeof(ticket), "%s#%llu", rs->holder, ++rs->ticket_seq);
-            r->ticket = cg_strdup(ticket);
-        }
         cg_argv_str(&a, r->ticket);
         if (r->lease_waits) /* it has a place in the line to take back */
             cg_argv_str(&a, "1");
@@ -1162,16 +1313,18 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * Returns 1 when written, -3 (with nothing written, or what was taken back) when an append
  * finds another rev or a list of another length, 0 when Redis holds another incarnation, -1
  * a newer copy, -2 when
- * the lease is no longer this save's: another holder has it, or had it and let it go
- * ("-<its ticket>": another gateway took the dialog over and finished). This holder's own
- * other lease, held or let go (a failover to a replica that had not received the lease, or
- * its release), is no one else's: the save goes on (this process orders its own turns of a
- * dialog). So does an append when the lock is gone (evicted, lost in a failover): its rev
- * decides. A rewrite, which has no rev to go by, answers -5 then, and is merged (another
- * gateway may have taken the dialog over, saved, and died holding it). A save that held the
- * lease lets go of it ("-<ticket>", its mark kept, for the dialog's lifetime), written or
- * not, but for -3: the turn is then merged with Redis's copy, and its lease let go once that
- * is written.
+ * the lease is no longer this save's: another holder has it, or let it go with turns waiting
+ * ("-<its ticket> w"), or the lock is gone and Redis's copy is not the one this turn began
+ * from (its rev is not ARGV[22]; none, for a rewrite, which began from no copy): another
+ * gateway took the dialog over once this turn's lease lapsed, saved and let go (a let-go
+ * lock no one waits for is deleted). A lock gone with Redis's copy still this turn's
+ * (lapsed, evicted, lost in a failover) is no one else's, and neither is this holder's own
+ * other lease (a failover to a replica that had not received it, a later turn's taken
+ * before this save ran again as EVAL): the save goes on (this process orders its own turns
+ * of a dialog). A save that held the lease lets go of it, written or not, but for -3 (the
+ * turn is then merged with Redis's copy, and its lease let go once that is written): the
+ * lock is deleted, or, while turns of other gateways wait, "-<ticket> w" for the dialog's
+ * lifetime.
  * An append whose rev is Redis's needs no look at created_at and last_activity: any other
  * incarnation, or any newer write, would have written another rev. So only a rewrite reads
  * them (an append to another incarnation gets -3, and its rewrite then 0). And while the
@@ -1201,8 +1354,8 @@ static const char save_script[] =
     "  if not held and cur then\n" /* held or let go by another gateway since: -2 */
     "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
     "    if string.find(cur, string.match(ARGV[17], '^[^#]*#') or ARGV[17], from, true) ~= from then return -2 end\n"
-    "  elseif not held and ARGV[22] == '' then\n" /* the lock gone: a rewrite has no rev to go by */
-    "    return -5\n"
+    "  elseif not held and ARGV[3] == '0' and (redis.call('HGET', KEYS[1], 'rev') or '') ~= ARGV[22] then\n"
+    "    return -2\n" /* the lock gone, and Redis's copy moved on: another gateway saved since */
     "  end\n"
     "end\n"
     "local function save()\n"
@@ -1295,9 +1448,9 @@ static const char save_script[] =
     "  return 1\n"
     "end\n"
     "local code = save()\n"
-    "if ARGV[17] ~= '' and code ~= -3 then\n" /* the lock let go, its mark kept */
-    "  local was = held and cur or ARGV[17] .. (cur and string.byte(cur, -1) == 119 and ' w' or '')\n"
-    "  redis.call('SET', KEYS[6], '-' .. was, 'EX', ARGV[5])\n"
+    "if ARGV[17] ~= '' and code ~= -3 and cur then\n" /* the lock let go: deleted, or marked still */
+    "  if string.byte(cur, -1) == 119 then redis.call('SET', KEYS[6], '-' .. (held and cur or ARGV[17] .. ' w'), 'EX', ARGV[5])\n"
+    "  else redis.call('DEL', KEYS[6]) end\n"
     "end\n"
     "if evicted then table.insert(evicted, 1, code); return evicted end\n"
     "return code\n";
@@ -1477,7 +1630,6 @@ static void save_refused(redis_store *rs, redis_req *r, long long why)
             r->version ? "write-back" : "save",
             why == 0    ? "another copy (this one began while Redis was away)"
             : why == -2 ? "a copy whose lease another gateway holds"
-            : why == -5 ? "a copy this turn's lease no longer guards (its lock was gone)"
                         : "a newer copy");
     cg_fallback_forget(rs->fb, r->key); /* the next load reads Redis's copy */
 }
@@ -1622,8 +1774,7 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot && r->merges < MERGE_TRIES) {
         /* Redis holds a copy other than the one this save began from (-3: appending found
          * another rev; 0, -1: another incarnation, or a newer copy; -4: the copy merged with
-         * changed again; -2: the lease passed to another gateway, which may have saved; -5: a
-         * rewrite found the lock gone, and another gateway may have saved): both
+         * changed again; -2: the lease passed to another gateway, which may have saved): both
          * copies' turns are kept, merged. This turn was answered: dropping it would lose it. */
         if (reply->integer == -2) {
             r->lease_lost = 1;

@@ -27,13 +27,13 @@ state app (harness FakeApp /state, no rules):
 - lifetimes in Redis (docs/state.md, "Lifetimes in Redis"): a save within a sixtieth of the
   shortest lifetime of the last renewal leaves the keys' lifetimes as they are; a key gone
   during such a save (the dialog's hash, the rooms set) is made again with its lifetime, never
-  without one; a save after that interval renews them all; the lock lives the dialog's lifetime
-  from every save.
+  without one; a save after that interval renews them all; the lock, let go, is deleted.
 - an awaiting state and soft context cleared by an appending save are deleted in Redis, and
   a save appending to a copy that had neither does not delete them again.
 - the dialog's lock (its lease) holding what chatgate did not write: a value let go ("-",
   "-x w") is taken at once; a value that is no ticket is another's lease until it lapses;
-  every turn leaves "-<its ticket>" for the dialog's lifetime;
+  every turn holds its ticket while it runs and deletes the lock when done; a turn's load is
+  three plain commands (SET NX, HGET, EXISTS), no script, when nothing is in its way;
 - parts in Redis that chatgate does not write (a params field whose value is not JSON or
   whose name has no service, a history message that is not a JSON object), read by a
   gateway with no copy: the rest is read, one warning names the first, and the turn's save
@@ -219,7 +219,7 @@ async def mid_turn(app, redis, rules, user, parts):
         ok = await harness.wait_until(lambda: redis_history(redis, user, "r") == everything, 5)
         check(ok, f"Redis's list should hold all 8 messages: {redis_history(redis, user, 'r')}")
         lock = harness.dialog_key(user, "r", "lock")  # the 4th turn's lease, kept by the refused append
-        let_go = await harness.wait_until(lambda: (redis.get(lock) or "").startswith("-"), 3)
+        let_go = await harness.wait_until(lambda: redis.get(lock) is None, 3)
         check(let_go, f"the lock should be let go once the merged save is answered, not held until it lapses "
                       f"(15 s): {redis.get(lock)!r}")
         _, appended = store_counts(gw)
@@ -280,30 +280,34 @@ async def part_lifetimes(app, redis, rules):
             await c.close()
     short = {"params_s": 120, "dialog_s": 120, "awaiting_s": 60, "soft_s": 60, "history_s": 60}
     with step("a save a second or more after the last renewal (60 s lifetimes) renews them all; the lock, "
-              "let go, lives the dialog's lifetime from every save"):
+              "let go, is deleted"):
         cfg = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=redis.url,
                                    lifetimes=short, history_n=10)
         async with harness.Gateway(args(rules), cfg, name="gw-life-c") as gw:
             c = await connect(gw, "lifec")
             for k in range(1, 3):
                 await turn(c, app, f"lifec{k}", f"lifec {k}", "r")
-            for part in ("params", "dialog", "history", "lock"):
+            for part in ("params", "dialog", "history"):
                 redis.command("EXPIRE", harness.dialog_key("lifec", "r", part), "30")
             redis.command("EXPIRE", harness.rooms_key("lifec"), "30")
             await asyncio.sleep(2.1)  # the subject: the renewal of a lifetime over two seconds old
             await turn(c, app, "lifec3", "lifec 3", "r")
-            got = ttls(redis, "lifec", ("params", "dialog", "history", "lock"))
-            want = {"params": 120, "dialog": 120, "history": 60, "lock": 120, "rooms": 120}
+            got = ttls(redis, "lifec", ("params", "dialog", "history"))
+            want = {"params": 120, "dialog": 120, "history": 60, "rooms": 120}
             check(all(want[p] - 5 <= t <= want[p] for p, t in got.items()),
                   f"renewed to their lifetimes {want}: {got}")
+            lock = harness.dialog_key("lifec", "r", "lock")
+            check(await harness.wait_until(lambda: redis.get(lock) is None, 3),
+                  f"the lock, let go, should be deleted: {redis.get(lock)!r}")
             check(store_counts(gw)[1] == 2, f"the saves after the first appended: {store_counts(gw)}")
             await c.close()
 
 
 async def part_parts_deleted(app, redis, rules):
     with step("an awaiting state and soft context set, then cleared: Redis's keys go with them, "
-              "and turns with neither delete nothing (the save lets the lock go with a SET); "
-              "their loads, answered 'same', count nothing (no HLEN; no LLEN: an appending save checks the "
+              "and turns with neither delete nothing but the lock they let go; "
+              "their loads, answered 'same', are three plain commands (SET NX, HGET, EXISTS: no script) and "
+              "count nothing (no HLEN; no LLEN: an appending save checks the "
               "list's length by its RPUSH's answer; one HGET of the rev: the load's, the save holding the lease "
               "reads it no more)"):
         async with harness.Gateway(args(rules), config(app, redis), name="gw-parts") as gw:
@@ -322,7 +326,8 @@ async def part_parts_deleted(app, redis, rules):
             def calls():
                 stats = redis.info_commandstats()
                 return {cmd: stats.get(cmd, {}).get("calls", 0)
-                        for cmd in ("del", "hlen", "llen", "hget", "rpush", "exists", "incr", "get", "set")}
+                        for cmd in ("del", "hlen", "llen", "hget", "rpush", "exists", "incr", "get", "set",
+                                    "evalsha", "eval")}
             cached, before = store_counts(gw)[0], calls()
             for k in range(5):
                 await turn(c, app, f"parts-n{k}", f"plain {k}", "r")
@@ -330,13 +335,15 @@ async def part_parts_deleted(app, redis, rules):
             await harness.wait_until(lambda: calls()["rpush"] - before["rpush"] >= 5, 5)
             await asyncio.sleep(0.2)  # anything more would have come by now
             made = {cmd: n - before[cmd] for cmd, n in calls().items()}
-            check(made["del"] == 0, f"5 turns with neither should delete nothing (the save lets the lock go with a "
-                                    f"SET; a cancel flag names its lease, and none is deleted), made {made['del']}")
-            # the lease in two calls a load (GET and SET of the lock: no INCR of a fence, and no EXISTS of
-            # the line unless the lock says turns wait), one GET and one SET a save
-            check(made["get"] == 10 and made["set"] == 10 and made["incr"] == 0 and made["exists"] == 5,
-                  f"5 turns should GET and SET the lock twice each (load, save), with no INCR and one EXISTS a "
-                  f"load (the dialog's, not the line's): {made}")
+            check(made["del"] == 5, f"5 turns with neither should delete nothing but the lock each lets go (a cancel "
+                                    f"flag names its lease, and none is deleted), made {made['del']}")
+            # a load: SET NX of the lock, HGET of the rev, EXISTS of the parts, as plain commands (no
+            # script: one EVALSHA a turn, the save's); a save: GET of the lock, DEL to let it go
+            check(made["evalsha"] == 5 and made["eval"] == 0,
+                  f"5 turns should run 5 scripts (the saves; a load that finds the lock free is no script): {made}")
+            check(made["get"] == 5 and made["set"] == 5 and made["incr"] == 0 and made["exists"] == 5,
+                  f"5 turns should SET the lock once (the load's NX) and GET it once (the save's), with no INCR "
+                  f"and one EXISTS a load (the dialog's, not the line's): {made}")
             check(made["hget"] == 5, f"5 turns should read the rev 5 times (the loads'; a save under its own lease "
                                      f"knows it), read it {made['hget']} times")
             check(store_counts(gw)[0] - cached == 5, f"the 5 loads were answered 'same': {store_counts(gw)}")
@@ -396,17 +403,22 @@ async def part_unreadable(app, redis, rules):
 async def part_lock_values(app, redis, rules):
     """The dialog's lock holding what chatgate did not write (docs/state.md, "The dialog
     lease"): a value that is no ticket is another holder's lease until it lapses; a value
-    let go ("-...") is free, marked or not; every turn leaves its own ticket, let go."""
+    let go ("-...") is free, marked or not; every turn holds its own ticket, and deletes the
+    lock when done."""
     lock = harness.dialog_key("lockv", "r", "lock")
     async with harness.Gateway(args(rules), config(app, redis), name="gw-lockv") as gw:
         c = await connect(gw, "lockv")
         await turn(c, app, "lv1", "lv 1", "r")
-        await harness.wait_condition(lambda: (redis.get(lock) or "").startswith("-"), 5, "the first turn's lock let go")
-        first = redis.get(lock)
-        with step("every turn leaves the lock let go with its own ticket (\"-<holder>#<n>\"), living "
-                  "the dialog's lifetime"):
-            check("#" in first and " " not in first and 7100 <= redis.ttl(lock) <= 7200,
-                  f"the lock after a turn: {first!r}, TTL {redis.ttl(lock)}")
+        with step("every turn holds the lock with its own ticket (\"<holder>#<n>\", redis.lease_ms) while it "
+                  "runs, and deletes it when done"):
+            pending = asyncio.ensure_future(c.message("lv 2 [delay=1]", mid="lv2", room="r"))
+            await app.wait_message("lv2")
+            held, ttl = redis.get(lock), redis.command("PTTL", lock)
+            check(held and "#" in held and " " not in held and not held.startswith("-") and 0 < ttl <= 15000,
+                  f"the lock during a turn: {held!r}, PTTL {ttl}")
+            (await pending).expect_done()
+            check(await harness.wait_until(lambda: redis.get(lock) is None, 5),
+                  f"the lock after the turn: {redis.get(lock)!r}")
         with step("a lock let go that chatgate did not write (\"-\", \"-x w\", no TTL): the next turn "
                   "takes it at once"):
             for value in ("-", "-x w"):
@@ -414,8 +426,7 @@ async def part_lock_values(app, redis, rules):
                 started = time.monotonic()
                 await turn(c, app, f"lv-{len(value)}", "lv", "r")
                 check(time.monotonic() - started < 2, f"a turn after the lock {value!r} should not wait")
-                await harness.wait_condition(lambda: (redis.get(lock) or "").startswith("-") and redis.get(lock) != value,
-                                             5, f"the turn's own lock after {value!r}")
+                await harness.wait_condition(lambda: redis.get(lock) is None, 5, f"the turn's own lock let go after {value!r}")
         with step("a lock that is no ticket (\"garbage\", PX 1500) is another's lease: the turn waits "
                   "for it to lapse, then runs"):
             redis.command("SET", lock, "garbage", "PX", "1500")
@@ -426,7 +437,7 @@ async def part_lock_values(app, redis, rules):
             print(f"   waited {waited:.2f} s")
         await c.close()
         with step("a new dialog's first save (a rewrite) that finds its lock gone (evicted, lost in a failover) "
-                  "is merged with Redis's copy and written, and not counted as a lost lease"):
+                  "and no copy in Redis (no other gateway saved) is written, and not counted as a lost lease"):
             c = await connect(gw, "lockgone")
             pending = asyncio.ensure_future(c.message("first [delay=1]", mid="lg1", room="r"))
             await app.wait_message("lg1")

@@ -75,6 +75,9 @@ struct redis_req {
                         * the whole history (its append was refused) */
     int pipelined;     /* load: sent behind a save of its dialog still in flight, asking about
                         * the rev that save writes (redis_dialog.c, "gate") */
+    int plain;         /* load: how it goes in (redis_dialog.c, "The plain way in"): PLAIN_*
+                        * flags, the plain commands' answers so far */
+    int plain_due;     /* load: plain commands sent and not answered yet */
     int appended;      /* save: sent only the history's new messages */
     int merges;        /* save: how often Redis's copy was read and merged with this one */
     int lease_lost;    /* save: refused for a lease another gateway took (-2): its turn began
