@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# What the gateway's Lua scripts cost Redis, away from the machine's noise: with the gateway
-# and Redis sharing a core (docs/state.md, "What the scripts cost Redis"), every µs of
-# Redis's time a turn is one the gateway waits, and the benchmark's own figures move too
-# much to see a change of a tenth.
+# What a turn costs Redis, away from the machine's noise: with the gateway and Redis sharing
+# a core (docs/state.md, "What the scripts cost Redis"), every µs of Redis's time a turn is
+# one the gateway waits, and the benchmark's own figures move too much to see a change of a
+# tenth.
 #
 #   tests/bench/script_cost.sh BUILD_DIR [BINARY...]
 #
 # For each binary (default BUILD_DIR/chatgate): app_backend, a redis-server and the gateway
 # (the shipped rules/, Redis store) on free ports; cg_bench runs one connection for 3 s
-# while `redis-cli monitor` records; then the recorded script commands are replayed,
-# pipelined, into a fresh redis-server (resp_replay.py), whose INFO commandstats gives the
-# scripts' time. The replay is run three times, each into a new server, and the best is
-# kept. Prints one line a binary:
-#   SCRIPTS binary=... turns=N usec_per_script=X calls_per_turn=Y
-# (turns: the save scripts replayed; calls_per_turn: the Redis commands the scripts ran, per
-# turn). Compare binaries in one run: the figures still move by a tenth between sittings.
+# while `redis-cli monitor` records; then the commands the gateway sent (scripts and plain
+# commands) are replayed, pipelined, into a fresh redis-server (resp_replay.py). The replay
+# is run three times, each into a new server, and the best is kept. Prints one line a binary:
+#   SCRIPTS binary=... turns=N usec_per_script=X calls_per_turn=Y cpu_us_per_turn=Z
+# (turns: cg_bench's answered messages, no warm-up; usec_per_script: the scripts' own time, from INFO
+# commandstats; calls_per_turn: the commands Redis ran a turn, the plain ones sent and those
+# the scripts ran; cpu_us_per_turn: the replaying server's CPU, /proc, over the replay).
+# Compare binaries in one run: the figures still move by a tenth between sittings.
 # CG_SCRIPT_INSTR=1 replays once more into a redis-server under valgrind's callgrind and adds
-# instructions_per_script: the server's instructions over the replay (its reading of the
-# commands included) divided by the scripts, the same on every run, so a change of a few
+# instructions_per_turn: the server's instructions over the replay (its reading of the
+# commands included) divided by the turns, the same on every run, so a change of a few
 # percent shows (needs valgrind). CG_SCRIPT_KEEP=PATH keeps each binary's callgrind dump as
 # PATH.<binary's name>, for callgrind_annotate.
 # Needs redis-server, redis-cli (Debian's redis-server and redis-tools), curl and python3.
@@ -43,26 +44,29 @@ app_port=$(pick_free_port) || exit 1
 bench_start app "$app_port" "$build/tests/bench/app_backend" --port "$app_port" || exit 1
 bench_config "$app_port" >"$tmp/chatgate.json"
 
-# The instructions a script of $tmp/monitor.txt costs a redis-server under callgrind: counted
-# from a zero after start-up to a dump after the replay, divided by the scripts replayed.
+# The instructions a turn of $tmp/monitor.txt costs a redis-server under callgrind: counted
+# from a zero after start-up to a dump after the replay, divided by the turns ($turns).
 replay_instructions() {
-	local port pid scripts total
+	local port pid total
 	command -v valgrind >/dev/null || { echo "$0: CG_SCRIPT_INSTR needs valgrind" >&2; echo 0; return 1; }
 	port=$(pick_free_port) || return 1
 	callgrind_redis "$port" || { echo 0; return 1; }
 	pid=$started_pid
 	callgrind_control -z "$pid" >/dev/null 2>&1
 	python3 "$here/resp_replay.py" "$tmp/monitor.txt" "$port" >"$tmp/replay-cg.out" 2>&1
-	scripts=$(redis-cli -p "$port" info commandstats | tr -d '\r' |
-		awk -F'[:,=]' '/^cmdstat_(evalsha|eval):/ { n += $3 } END { print n + 0 }')
 	total=
 	callgrind_count "$pid" && total=$callgrind_total
 	kill "$pid"
 	wait "$pid" 2>/dev/null
 	[ -n "${CG_SCRIPT_KEEP:-}" ] && [ -n "$total" ] && cp "$callgrind_dump" "$CG_SCRIPT_KEEP.$(basename "$bin")"
 	rm -f "$tmp"/redis.cg."$pid"*
-	[ -n "$total" ] && [ "$scripts" -gt 0 ] || { echo "$0: the callgrind replay counted nothing" >&2; echo 0; return 1; }
-	echo $((total / scripts))
+	[ -n "$total" ] || { echo "$0: the callgrind replay counted nothing" >&2; echo 0; return 1; }
+	echo $((total / turns))
+}
+
+# A process's CPU time (user and system), in clock ticks.
+cpu_ticks() {
+	awk '{ print $14 + $15 }' "/proc/$1/stat"
 }
 
 status=0
@@ -78,32 +82,40 @@ for bin in "${binaries[@]}"; do
 	redis-cli -p "$redis_port" monitor >"$tmp/monitor.txt" 2>&1 &
 	monitor=$!
 	sleep 0.3
-	"$build/tests/bench/cg_bench" --url "ws://127.0.0.1:$port/ws" --connections 1 --duration 3 >"$tmp/bench.out" 2>&1
+	"$build/tests/bench/cg_bench" --url "ws://127.0.0.1:$port/ws" --connections 1 --duration 3 --warmup 0 \
+		>"$tmp/bench.out" 2>&1
 	sleep 0.5
 	kill $monitor $gw $redis 2>/dev/null
 	wait $monitor $gw $redis 2>/dev/null
-	best= calls= turns=
+	best= calls= cpu= turns=$(result "$tmp/bench.out" msgs)
+	[ -n "$turns" ] || turns=0
 	for _ in 1 2 3; do
 		replay_port=$(pick_free_port) || exit 1
 		bench_start replay "$replay_port" redis-server --port "$replay_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" || exit 1
 		replay=$started_pid
+		ticks=$(cpu_ticks "$replay")
 		if ! python3 "$here/resp_replay.py" "$tmp/monitor.txt" "$replay_port" >"$tmp/replay.out" 2>&1; then
 			cat "$tmp/replay.out" >&2
 			kill $replay
 			status=1
 			break
 		fi
+		ticks=$(($(cpu_ticks "$replay") - ticks))
 		stats=$(redis-cli -p "$replay_port" info commandstats | tr -d '\r')
 		kill $replay
 		wait $replay 2>/dev/null
 		# cmdstat_<name>:calls=N,usec=N,usec_per_call=X,...: the scripts' own time, and the
-		# commands they ran (everything but the scripts, PING and INFO)
+		# commands run (everything but the scripts, PING and INFO)
 		read -r u c n <<<"$(awk -F'[:,=]' '
 			/^cmdstat_(evalsha|eval):/ { scripts += $3; usec += $5 }
 			/^cmdstat_/ && !/^cmdstat_(evalsha|eval|ping|info):/ { inner += $3 }
 			END { printf "%.2f %d %d\n", scripts ? usec / scripts : 0, inner, scripts }' <<<"$stats")"
 		if [ "$n" -gt 0 ] && { [ -z "$best" ] || awk "BEGIN { exit !($u < $best) }"; }; then
-			best=$u calls=$c turns=$((n / 2))
+			best=$u calls=$c
+		fi
+		# the replay's CPU: its best, as the scripts' time (clock ticks: 100 a second)
+		if [ -z "$cpu" ] || [ "$ticks" -lt "$cpu" ]; then
+			cpu=$ticks
 		fi
 	done
 	if [ -z "$best" ] || [ "$turns" -eq 0 ]; then
@@ -114,8 +126,9 @@ for bin in "${binaries[@]}"; do
 	fi
 	instr=
 	if [ -n "${CG_SCRIPT_INSTR:-}" ]; then
-		instr=" instructions_per_script=$(replay_instructions)" || status=1
+		instr=" instructions_per_turn=$(replay_instructions)" || status=1
 	fi
-	echo "SCRIPTS binary=$bin turns=$turns usec_per_script=$best calls_per_turn=$(awk "BEGIN { printf \"%.1f\", $calls / $turns }")$instr"
+	echo "SCRIPTS binary=$bin turns=$turns usec_per_script=$best calls_per_turn=$(awk "BEGIN { printf \"%.1f\", $calls / $turns }")" \
+		"cpu_us_per_turn=$(awk "BEGIN { printf \"%.1f\", $cpu * 10000 / $turns }")$instr"
 done
 exit $status

@@ -733,9 +733,12 @@ async def part_reshard(w):
         check(asks > 0, f"no ASK counted while slot {slot} was MIGRATING with its keys gone: {d}")
         check(second.kind == "done" and len(second.terminals) == 1,
               f"the message during the migration: {second.terminals}")
-        hist = [json.loads(m).get("content") for m in dst.lrange(harness.dialog_key(user, "a", "history"))]
-        check(hist == [f"msg {user}/a 0", f"echo: msg {user}/a 0", f"msg {user}/a 1", f"echo: msg {user}/a 1"],
-              f"the dialog on {dst.port} after the migration: {hist}")
+        want = [f"msg {user}/a 0", f"echo: msg {user}/a 0", f"msg {user}/a 1", f"echo: msg {user}/a 1"]
+        history = harness.dialog_key(user, "a", "history")
+        def hist():
+            return [json.loads(m).get("content") for m in dst.lrange(history)]
+        await harness.wait_until(lambda: hist() == want, 5)  # the save lands after done
+        check(hist() == want, f"the dialog on {dst.port} after the migration: {hist()}")
         await tab.close()
 
 
