@@ -79,10 +79,11 @@ static void on_step_reply(cg_redis_conn *ac, void *reply_, void *priv)
 
 static void send_step(redis_store *rs, cg_argv *a, redis_req *r)
 {
-    if (cg_redis_send_argv(rs, a, on_step_reply, r) == 0)
-        r->steps++;
-    else
+    r->steps++; /* before: a write that fails at once answers from inside the send */
+    if (cg_redis_send_argv(rs, a, on_step_reply, r) < 0) {
+        r->steps--;
         r->step_failed = 1;
+    }
 }
 
 /* Sends r's last command; r is answered "unavailable" if that fails. */
@@ -834,16 +835,16 @@ static void load_done(redis_store *rs, redis_req *r, const char *lease, size_t l
     cg_redis_req_finish(r);
 }
 
-/* r went in behind a save of its dialog (send_load_behind) that is still unanswered: its
- * answer read Redis before that save (which went again after NOSCRIPT, or merges), so it
- * goes again, behind the save sent again or at the gate; 1 then. A lease it took is this
- * gateway's: the next load takes it again. */
-static int load_again_behind(redis_store *rs, redis_req *r, int answered)
+/* r went in behind a save of its dialog (send_load_behind), and was answered while that
+ * save was not (ahead): its answer may have read Redis before that save (which went again
+ * after NOSCRIPT, or merges), so it goes again, behind the save sent again or at the gate;
+ * 1 then. A lease it took is this gateway's: the next load takes it again. */
+static int load_again_behind(redis_store *rs, redis_req *r, int ahead)
 {
     if (!r->pipelined)
         return 0;
     r->pipelined = 0;
-    if (!answered || !json_object_get(rs->saving, r->key))
+    if (!ahead)
         return 0;
     rs->base.stats.loads_pipelined_again++;
     dispatch(rs, r);
@@ -856,7 +857,7 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redis_req *r = priv;
     redis_store *rs = r->rs;
     redisReply *reply = reply_;
-    if (load_again_behind(rs, r, reply != NULL))
+    if (load_again_behind(rs, r, reply && json_object_get(rs->saving, r->key)))
         return;
     if (reply && reply->type == REDIS_REPLY_ARRAY && reply->elements == 3 && reply->element[0]->type == REDIS_REPLY_STRING &&
         strcmp(reply->element[0]->str, "busy") == 0 && reply->element[1]->type == REDIS_REPLY_STRING) {
@@ -871,6 +872,10 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
         if (reply && reply->type != REDIS_REPLY_ERROR && rc < 0)
             cg_warn("redis %s:%d: load: unexpected answer (type %d, %zu elements)", rs->host, rs->port, reply->type,
                     reply->type == REDIS_REPLY_ARRAY ? reply->elements : 0);
+        /* a lease this load took (its plain SET, or the script before it failed) is no one's
+         * now: let go (the release script lets go only of this ticket's) */
+        if (r->lease && r->ticket && cg_redis_linked(rs))
+            lease_release(rs, r->eu, r->er, r->ticket);
         rs->base.stats.errors++;
         cg_redis_answer_unavailable(r);
         return;
@@ -936,13 +941,18 @@ static int send_load_behind(redis_store *rs, redis_req *r)
  * between the script and the turn's save. What is given up: a lock that lapsed (its holder
  * died) while turns waited in line is taken by whichever turn comes first, in line or not.
  */
-enum { PLAIN_SENT = 1, PLAIN_LEASE = 2, PLAIN_REV = 4, PLAIN_PARTS = 8, PLAIN_FAILED = 16 };
+enum { PLAIN_SENT = 1, PLAIN_LEASE = 2, PLAIN_REV = 4, PLAIN_PARTS = 8, PLAIN_FAILED = 16, PLAIN_AHEAD = 32 };
 
 static void plain_answered(redis_req *r);
 
-/* A plain command's reply, 1 when it is one (it is not, logged, when NULL or an error). */
+/* A plain command's reply, 1 when it is one (it is not, logged, when NULL or an error). One
+ * answered while the save it went behind is not (PLAIN_AHEAD) may have run before that save:
+ * in a cluster, a TRYAGAIN parks the save's many keys while the plain commands' one key each
+ * is served, so that only some of them run after it. */
 static int plain_reply(redis_req *r, redisReply *reply)
 {
+    if (r->pipelined && json_object_get(r->rs->saving, r->key))
+        r->plain |= PLAIN_AHEAD;
     if (!cg_redis_reply_failed(r->rs, reply, 0, "load"))
         return 1;
     r->plain |= PLAIN_FAILED;
@@ -987,11 +997,15 @@ static void plain_answered(redis_req *r)
         return;
     redis_store *rs = r->rs;
     int failed = r->plain & PLAIN_FAILED, lease = r->plain & PLAIN_LEASE;
-    if (load_again_behind(rs, r, !failed))
+    if (load_again_behind(rs, r, !failed && (r->plain & PLAIN_AHEAD)))
         return;
-    if (failed) {
+    if (failed || r->abandoned || rs->closing) {
         if (lease && cg_redis_linked(rs)) /* taken, and no turn will let go of it */
             lease_release(rs, r->eu, r->er, r->ticket);
+        if (!failed) { /* the caller left, or the store closes: no answer is wanted */
+            cg_redis_req_finish(r);
+            return;
+        }
         rs->base.stats.errors++;
         cg_redis_answer_unavailable(r);
         return;
@@ -1009,18 +1023,22 @@ static void plain_answered(redis_req *r)
     send_load(rs, r);
 }
 
-static void plain_send(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_req *r)
+/* 1 when the command went; counted before it goes (an answer may come from inside the send). */
+static int plain_send(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_req *r)
 {
+    r->plain_due++;
     if (cg_redis_send_argv(rs, a, fn, r) == 0)
-        r->plain_due++;
-    else
-        r->plain |= PLAIN_FAILED;
+        return 1;
+    r->plain_due--;
+    r->plain |= PLAIN_FAILED;
+    return 0;
 }
 
 static void send_plain_load(redis_store *rs, redis_req *r)
 {
     const char *prefix = rs->base.cfg.prefix;
     cg_argv a = {0};
+    int sent = 0;
     r->plain = PLAIN_SENT;
     r->plain_due = 1; /* held while sending: an answer given at once must not end r */
     cg_argv_str(&a, "SET");
@@ -1029,24 +1047,24 @@ static void send_plain_load(redis_store *rs, redis_req *r)
     cg_argv_str(&a, "NX");
     cg_argv_str(&a, "PX");
     cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
-    plain_send(rs, &a, on_plain_lease, r);
+    sent += plain_send(rs, &a, on_plain_lease, r);
     cg_argv_str(&a, "HGET");
     cg_argv_key(&a, prefix, r->eu, r->er, "params");
     cg_argv_str(&a, "rev");
-    plain_send(rs, &a, on_plain_rev, r);
+    sent += plain_send(rs, &a, on_plain_rev, r);
     cg_argv_str(&a, "EXISTS");
     cg_argv_key(&a, prefix, r->eu, r->er, "dialog");
     if (r->copy_history)
         cg_argv_key(&a, prefix, r->eu, r->er, "history");
-    plain_send(rs, &a, on_plain_parts, r);
+    sent += plain_send(rs, &a, on_plain_parts, r);
     cg_argv_free(&a);
-    if (r->plain_due == 1) { /* none went: answered later, as a script that could not go is */
+    if (!sent) { /* none went: answered later, as a script that could not go is */
         r->plain_due = 0;
         rs->base.stats.errors++;
         cg_redis_answer_later_unavailable(r);
         return;
     }
-    plain_answered(r); /* the hold: the answers come later */
+    plain_answered(r); /* the hold */
 }
 
 static void send_load_cmd(redis_store *rs, redis_req *r)
@@ -1314,14 +1332,15 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * finds another rev or a list of another length, 0 when Redis holds another incarnation, -1
  * a newer copy, -2 when
  * the lease is no longer this save's: another holder has it, or let it go with turns waiting
- * ("-<its ticket> w"), or the lock is gone and Redis's copy is not the one this turn began
- * from (its rev is not ARGV[22]; none, for a rewrite, which began from no copy): another
- * gateway took the dialog over once this turn's lease lapsed, saved and let go (a let-go
- * lock no one waits for is deleted). A lock gone with Redis's copy still this turn's
- * (lapsed, evicted, lost in a failover) is no one else's, and neither is this holder's own
- * other lease (a failover to a replica that had not received it, a later turn's taken
- * before this save ran again as EVAL): the save goes on (this process orders its own turns
- * of a dialog). A save that held the lease lets go of it, written or not, but for -3 (the
+ * ("-<its ticket> w"), or the lock is gone and Redis's copy has a rev another gateway wrote
+ * (a rev is "<holder>#<n>"), other than ARGV[22]: that gateway took the dialog over once
+ * this turn's lease lapsed, saved and let go (a let-go lock no one waits for is deleted).
+ * A lock gone with Redis's copy still this turn's (lapsed, evicted, lost in a failover) is
+ * no one else's, and neither is this holder's own other lease (a failover to a replica that
+ * had not received it, a later turn's taken before this save ran again as EVAL): the save
+ * goes on (this process orders its own turns of a dialog); an append's rev check decides,
+ * and a rewrite that finds a rev of this gateway's own answers -5, merged like any save that
+ * meets another copy. A save that held the lease lets go of it, written or not, but for -3 (the
  * turn is then merged with Redis's copy, and its lease let go once that is written): the
  * lock is deleted, or, while turns of other gateways wait, "-<ticket> w" for the dialog's
  * lifetime.
@@ -1354,8 +1373,12 @@ static const char save_script[] =
     "  if not held and cur then\n" /* held or let go by another gateway since: -2 */
     "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
     "    if string.find(cur, string.match(ARGV[17], '^[^#]*#') or ARGV[17], from, true) ~= from then return -2 end\n"
-    "  elseif not held and ARGV[3] == '0' and (redis.call('HGET', KEYS[1], 'rev') or '') ~= ARGV[22] then\n"
-    "    return -2\n" /* the lock gone, and Redis's copy moved on: another gateway saved since */
+    "  elseif not held and ARGV[3] == '0' then\n" /* the lock gone: Redis's rev says who wrote since */
+    "    local rev = redis.call('HGET', KEYS[1], 'rev')\n"
+    "    if rev and rev ~= ARGV[22] then\n"
+    "      if string.find(rev, string.match(ARGV[17], '^[^#]*#') or ARGV[17], 1, true) ~= 1 then return -2 end\n"
+    "      if ARGV[22] == '' then return -5 end\n"
+    "    end\n"
     "  end\n"
     "end\n"
     "local function save()\n"
@@ -1630,6 +1653,7 @@ static void save_refused(redis_store *rs, redis_req *r, long long why)
             r->version ? "write-back" : "save",
             why == 0    ? "another copy (this one began while Redis was away)"
             : why == -2 ? "a copy whose lease another gateway holds"
+            : why == -5 ? "a copy this turn's lease no longer guards (its lock was gone)"
                         : "a newer copy");
     cg_fallback_forget(rs->fb, r->key); /* the next load reads Redis's copy */
 }
@@ -1774,7 +1798,8 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot && r->merges < MERGE_TRIES) {
         /* Redis holds a copy other than the one this save began from (-3: appending found
          * another rev; 0, -1: another incarnation, or a newer copy; -4: the copy merged with
-         * changed again; -2: the lease passed to another gateway, which may have saved): both
+         * changed again; -2: the lease passed to another gateway, which may have saved; -5: a
+         * rewrite found the lock gone and a copy this gateway wrote in Redis): both
          * copies' turns are kept, merged. This turn was answered: dropping it would lose it. */
         if (reply->integer == -2) {
             r->lease_lost = 1;

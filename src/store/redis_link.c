@@ -165,14 +165,12 @@ static void on_cmd_reply(cg_redis_conn *c, void *reply_, void *priv)
     cmd_free(k);
 }
 
-/* Puts k in flight (time sent: now) and on the wire. */
+/* Puts k in flight (time sent: now) and on the wire; 0, or -1 (k not in flight) when the
+ * connection refused it. k is in flight before it is handed over: a write that fails at once
+ * (no flusher: at shutdown) answers it, NULL, from inside the send, and that answer takes k
+ * out of flight and frees it. */
 static int send_on_wire(cg_redis_link *ln, link_cmd *k, const char *cmd, size_t len)
 {
-    int rc = ln->cluster ? cg_redis_cluster_send(ln->cluster, k->slot, cmd, len, on_cmd_reply, k)
-             : ln->conn  ? cg_redis_conn_formatted(ln->conn, on_cmd_reply, k, cmd, len)
-                         : -1;
-    if (rc < 0)
-        return -1;
     k->sent_at = now_ms(ln);
     k->prev = ln->tail;
     k->next = NULL;
@@ -182,6 +180,13 @@ static int send_on_wire(cg_redis_link *ln, link_cmd *k, const char *cmd, size_t 
         ln->head = k;
     ln->tail = k;
     ln->pending++;
+    int rc = ln->cluster ? cg_redis_cluster_send(ln->cluster, k->slot, cmd, len, on_cmd_reply, k)
+             : ln->conn  ? cg_redis_conn_formatted(ln->conn, on_cmd_reply, k, cmd, len)
+                         : -1;
+    if (rc < 0) { /* refused before anything was queued: no answer came */
+        cmd_unlink(k);
+        return -1;
+    }
     return 0;
 }
 
