@@ -14,7 +14,8 @@
 #   SCRIPTS binary=... turns=N usec_per_script=X calls_per_turn=Y cpu_us_per_turn=Z
 # (turns: cg_bench's answered messages, no warm-up; usec_per_script: the scripts' own time, from INFO
 # commandstats; calls_per_turn: the commands Redis ran a turn, the plain ones sent and those
-# the scripts ran; cpu_us_per_turn: the replaying server's CPU, /proc, over the replay).
+# the scripts ran; cpu_us_per_turn: the replaying server's CPU over the replay, from
+# /proc/PID/schedstat).
 # Compare binaries in one run: the figures still move by a tenth between sittings.
 # CG_SCRIPT_INSTR=1 replays once more into a redis-server under valgrind's callgrind and adds
 # instructions_per_turn: the server's instructions over the replay (its reading of the
@@ -64,9 +65,11 @@ replay_instructions() {
 	echo $((total / turns))
 }
 
-# A process's CPU time (user and system), in clock ticks.
-cpu_ticks() {
-	awk '{ print $14 + $15 }' "/proc/$1/stat"
+# A process's CPU time, in ns: its main thread's, from the scheduler (/proc/PID/schedstat),
+# where /proc/PID/stat counts 10 ms ticks, a tenth of a replay's time. redis-server does its
+# commands on that thread.
+cpu_ns() {
+	awk '{ print $1 }' "/proc/$1/schedstat"
 }
 
 status=0
@@ -93,14 +96,14 @@ for bin in "${binaries[@]}"; do
 		replay_port=$(pick_free_port) || exit 1
 		bench_start replay "$replay_port" redis-server --port "$replay_port" --bind 127.0.0.1 --save "" --appendonly no --dir "$tmp" || exit 1
 		replay=$started_pid
-		ticks=$(cpu_ticks "$replay")
+		ns=$(cpu_ns "$replay")
 		if ! python3 "$here/resp_replay.py" "$tmp/monitor.txt" "$replay_port" >"$tmp/replay.out" 2>&1; then
 			cat "$tmp/replay.out" >&2
 			kill $replay
 			status=1
 			break
 		fi
-		ticks=$(($(cpu_ticks "$replay") - ticks))
+		ns=$(($(cpu_ns "$replay") - ns))
 		stats=$(redis-cli -p "$replay_port" info commandstats | tr -d '\r')
 		kill $replay
 		wait $replay 2>/dev/null
@@ -113,9 +116,9 @@ for bin in "${binaries[@]}"; do
 		if [ "$n" -gt 0 ] && { [ -z "$best" ] || awk "BEGIN { exit !($u < $best) }"; }; then
 			best=$u calls=$c
 		fi
-		# the replay's CPU: its best, as the scripts' time (clock ticks: 100 a second)
-		if [ -z "$cpu" ] || [ "$ticks" -lt "$cpu" ]; then
-			cpu=$ticks
+		# the replay's CPU: its best, as the scripts' time
+		if [ -z "$cpu" ] || [ "$ns" -lt "$cpu" ]; then
+			cpu=$ns
 		fi
 	done
 	if [ -z "$best" ] || [ "$turns" -eq 0 ]; then
@@ -129,6 +132,6 @@ for bin in "${binaries[@]}"; do
 		instr=" instructions_per_turn=$(replay_instructions)" || status=1
 	fi
 	echo "SCRIPTS binary=$bin turns=$turns usec_per_script=$best calls_per_turn=$(awk "BEGIN { printf \"%.1f\", $calls / $turns }")" \
-		"cpu_us_per_turn=$(awk "BEGIN { printf \"%.1f\", $cpu * 10000 / $turns }")$instr"
+		"cpu_us_per_turn=$(awk "BEGIN { printf \"%.1f\", $cpu / 1000 / $turns }")$instr"
 done
 exit $status
