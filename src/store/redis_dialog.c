@@ -297,6 +297,9 @@ static int gated(redis_store *rs, redis_req *r)
 
 /* Lua: the lock read, `cur`, is the lease v (an expression), marked " w" or not. */
 #define LUA_LOCK_IS(v) "(cur == " v " or cur == " v " .. ' w')"
+/* Lua: the holder part, "<holder>#", of the lease v (a holder id holds no '#'): what begins
+ * every ticket and rev of that holder. A pattern match: only off the common path. */
+#define LUA_HOLDER_OF(v) "(string.match(" v ", '^[^#]*#') or " v ")"
 
 /*
  * The load, one atomic step: the dialog's lease (when ARGV[1], the holder, is not empty),
@@ -558,7 +561,7 @@ int cg_redis_reply_failed(redis_store *rs, redisReply *reply, size_t want_elemen
     return 0;
 }
 
-static void lease_release(redis_store *rs, const char *eu, const char *er, const char *value);
+static int lease_release(redis_store *rs, const char *eu, const char *er, const char *value);
 
 /* The lease was held by another holder: the load is sent again after a backoff (25 ms,
  * doubling to 250 ms, never past the lease's own end), in the request's own timer. A wait
@@ -874,7 +877,7 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
                     reply->type == REDIS_REPLY_ARRAY ? reply->elements : 0);
         /* a lease this load took (its plain SET, or the script before it failed) is no one's
          * now: let go (the release script lets go only of this ticket's) */
-        if (r->lease && r->ticket && cg_redis_linked(rs))
+        if (r->lease && r->ticket)
             lease_release(rs, r->eu, r->er, r->ticket);
         rs->base.stats.errors++;
         cg_redis_answer_unavailable(r);
@@ -1000,7 +1003,7 @@ static void plain_answered(redis_req *r)
     if (load_again_behind(rs, r, !failed && (r->plain & PLAIN_AHEAD)))
         return;
     if (failed || r->abandoned || rs->closing) {
-        if (lease && cg_redis_linked(rs)) /* taken, and no turn will let go of it */
+        if (lease) /* taken, and no turn will let go of it */
             lease_release(rs, r->eu, r->er, r->ticket);
         if (!failed) { /* the caller left, or the store closes: no answer is wanted */
             cg_redis_req_finish(r);
@@ -1187,7 +1190,9 @@ static void on_release_reply(cg_redis_conn *ac, void *reply, void *priv)
     free(note);
 }
 
-static void lease_release(redis_store *rs, const char *eu, const char *er, const char *value)
+/* Lets go of the lease value (the release script: only while the lock is that lease); 0, or
+ * -1 when the link is down (the lease then lapses by itself). */
+static int lease_release(redis_store *rs, const char *eu, const char *er, const char *value)
 {
     cg_argv a = {0};
     arg_script(rs, &a, S_RELEASE, eu, er);
@@ -1196,9 +1201,11 @@ static void lease_release(redis_store *rs, const char *eu, const char *er, const
     char *key = cg_store_key_join(eu, er);
     store_note *note = note_new(rs, key, NULL);
     free(key);
-    if (send_script(rs, S_RELEASE, &a, on_release_reply, note) < 0)
+    int rc = send_script(rs, S_RELEASE, &a, on_release_reply, note);
+    if (rc < 0)
         free(note);
     cg_argv_free(&a);
+    return rc;
 }
 
 /* Splits a dialog key "<eu>:<er>" (escaped ids hold no ':'). */
@@ -1372,11 +1379,11 @@ static const char save_script[] =
     "  held = " LUA_LOCK_IS("ARGV[17]") "\n"
     "  if not held and cur then\n" /* held or let go by another gateway since: -2 */
     "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
-    "    if string.find(cur, string.match(ARGV[17], '^[^#]*#') or ARGV[17], from, true) ~= from then return -2 end\n"
+    "    if string.find(cur, " LUA_HOLDER_OF("ARGV[17]") ", from, true) ~= from then return -2 end\n"
     "  elseif not held and ARGV[3] == '0' then\n" /* the lock gone: Redis's rev says who wrote since */
     "    local rev = redis.call('HGET', KEYS[1], 'rev')\n"
     "    if rev and rev ~= ARGV[22] then\n"
-    "      if string.find(rev, string.match(ARGV[17], '^[^#]*#') or ARGV[17], 1, true) ~= 1 then return -2 end\n"
+    "      if string.find(rev, " LUA_HOLDER_OF("ARGV[17]") ", 1, true) ~= 1 then return -2 end\n"
     "      if ARGV[22] == '' then return -5 end\n"
     "    end\n"
     "  end\n"
@@ -1821,9 +1828,7 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
  * answer wakes the gateways waiting for the lease. */
 static int release_kept(redis_store *rs, redis_req *r, char **kept)
 {
-    int sent = *kept && cg_redis_linked(rs);
-    if (sent)
-        lease_release(rs, r->eu, r->er, *kept);
+    int sent = *kept && lease_release(rs, r->eu, r->er, *kept) == 0;
     free(*kept);
     *kept = NULL;
     return sent;
