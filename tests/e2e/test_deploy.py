@@ -104,8 +104,9 @@ class HAProxy:
         return {row["svname"]: row for row in rows if row.get("pxname") == "chatgate"}
 
     async def servers(self):
-        """{server name: (status, last check)} of the chatgate backend."""
-        return {name: (row.get("status"), row.get("check_status"))
+        """{server name: (status, last check)} of the chatgate backend. The last check's
+        status as HAProxy gives it, less the "* " it puts first while the next check runs."""
+        return {name: (row.get("status"), (row.get("check_status") or "").removeprefix("* "))
                 for name, row in (await self.stats()).items() if name not in ("BACKEND", "FRONTEND")}
 
     def stop(self):
