@@ -1910,14 +1910,14 @@ static int lifetimes_due(const cg_lifetimes *lt, int64_t renewed, int64_t now)
     return renewed <= 0 || now - renewed >= shortest / 60;
 }
 
-/* A room's last use, for the order of the rooms set: the store's clock (whole seconds, which
- * CHATGATE_NOW moves) in ms, plus the wall clock's milliseconds, so that the turns of one
- * second keep their order, across gateways too. */
+/* A room's last use, for the order of the rooms set: the store's clock in ms (CHATGATE_NOW
+ * moves it), so that the turns of one second keep their order, across gateways too. A clock
+ * a test put in its place has whole seconds only. */
 static long long room_score(redis_store *rs)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (long long)rs->base.now(rs->base.clock_ctx) * 1000 + ts.tv_nsec / 1000000;
+    if (rs->base.now == cg_store_default_now)
+        return cg_store_default_now_ms();
+    return (long long)rs->base.now(rs->base.clock_ctx) * 1000;
 }
 
 void cg_redis_send_save(redis_store *rs, redis_req *r)

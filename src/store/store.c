@@ -90,10 +90,9 @@ char *cg_store_dialog_key(const char *user, const char *room)
 }
 
 /* CHATGATE_NOW ("2026-02-05" or "2026-02-05T10:30:00Z") moves the clock, which then runs
- * on from there; the offset is taken once, at the first call. */
-int64_t cg_store_default_now(void *unused)
+ * on from there; the offset (seconds) is taken once, at the first call. */
+static int64_t clock_offset(void)
 {
-    (void)unused;
     static int init;
     static int64_t offset;
     if (!init) {
@@ -116,7 +115,23 @@ int64_t cg_store_default_now(void *unused)
             }
         }
     }
-    return (int64_t)time(NULL) + offset;
+    return offset;
+}
+
+int64_t cg_store_default_now(void *unused)
+{
+    (void)unused;
+    return (int64_t)time(NULL) + clock_offset();
+}
+
+/* One reading of the clock, not time() plus clock_gettime()'s milliseconds: time() reads
+ * the kernel's tick-updated second, which can lag clock_gettime() by a tick, so the pair
+ * could step back by most of a second at a second's turn. */
+int64_t cg_store_default_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return ((int64_t)ts.tv_sec + clock_offset()) * 1000 + ts.tv_nsec / 1000000;
 }
 
 double cg_store_degraded_seconds(const cg_store_stats *st, uint64_t now)

@@ -507,12 +507,14 @@ async def part_app_answers():
         if key is None:
             return
         await asyncio.sleep(0.5)  # an app slow to answer: the client must not be answered before it
+        # the time of the answer is taken before it is written: once written, the gateway may
+        # pass it on, and the client's thread see it, before this coroutine runs again
+        events.append(time.monotonic())
         if answers["status"] == 101:
             writer.write(switching(key))
         else:
             writer.write(b"HTTP/1.1 %d Whatever\r\ncontent-length: 2\r\nconnection: close\r\n\r\nno" % answers["status"])
         await writer.drain()
-        events.append(time.monotonic())
         await reader.read(4096)
         writer.close()
 

@@ -387,6 +387,8 @@ int64_t cg_store_now_ms(cg_store *st);
 
 /* Wall-clock seconds, or CHATGATE_NOW's when set (tests and demos). */
 int64_t cg_store_default_now(void *unused);
+/* The same clock in milliseconds, from one reading: ordered across a second's turn. */
+int64_t cg_store_default_now_ms(void);
 
 /* Seconds with Redis away so far: degraded_seconds plus the outage going on, if any (now
  * is uv_now(), as degraded_since_ms is). */
