@@ -877,8 +877,10 @@ static void on_load_reply(cg_redis_conn *ac, void *reply_, void *priv)
                     reply->type == REDIS_REPLY_ARRAY ? reply->elements : 0);
         /* a lease this load took (its plain SET, or the script before it failed) is no one's
          * now: let go (the release script lets go only of this ticket's) */
-        if (r->lease && r->ticket)
+        if (r->lease && r->ticket) {
             lease_release(rs, r->eu, r->er, r->ticket);
+            leave_line(rs, r); /* a turn that waited in line: its place goes too */
+        }
         rs->base.stats.errors++;
         cg_redis_answer_unavailable(r);
         return;
@@ -1073,9 +1075,13 @@ static void send_plain_load(redis_store *rs, redis_req *r)
 static void send_load_cmd(redis_store *rs, redis_req *r)
 {
     if (r->lease && !r->ticket) { /* its ticket: the lease's value, its place in line */
-        char ticket[80];
-        snprintf(ticket, sizeof(ticket), "%s#%llu", rs->holder, ++rs->ticket_seq);
-        r->ticket = cg_strdup(ticket);
+        /* "<holder>#<n>" (a holder is at most 47 bytes, n 20 digits), every turn: not snprintf */
+        char num[24], ticket[sizeof(rs->holder) + sizeof(num)];
+        size_t hn = strlen(rs->holder), dn = cg_int_text(num + sizeof(num), (long long)++rs->ticket_seq);
+        memcpy(ticket, rs->holder, hn);
+        ticket[hn] = '#';
+        memcpy(ticket + hn + 1, num + sizeof(num) - dn, dn);
+        r->ticket = cg_strndup(ticket, hn + 1 + dn);
     }
     if (r->lease && r->rev && !r->full && !r->lease_waits && !(r->plain & PLAIN_SENT)) {
         send_plain_load(rs, r);
@@ -1353,13 +1359,14 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * lifetime.
  * An append whose rev is Redis's needs no look at created_at and last_activity: any other
  * incarnation, or any newer write, would have written another rev. So only a rewrite reads
- * them (an append to another incarnation gets -3, and its rewrite then 0). And while the
- * lease is still exactly this save's, the rev is not read either: the load that took the
- * lease checked it (or read it), and every other save needs the lease, so it cannot have
- * changed (a Redis that lost writes in a failover has this lease only if it has what came
- * before it). The params hash lapsing or evicted meanwhile, rev and all, is still seen: the
- * HSET of the new rev then adds a field instead of replacing one, and the save is undone
- * and refused (-3) before anything else is written.
+ * them (an append to another incarnation gets -3, and its rewrite then 0). The rev is read
+ * even while the lease is still exactly this save's: a write-back and a merge write with no
+ * lease (modes 1 and 3), so another gateway's can land during this turn, and with a history
+ * at its length the list's count would not show it (a held lease skipped this read until
+ * issue 39's third round, and such a turn then wrote over the other's params, its copy
+ * missing the other's messages). The params hash lapsing or evicted meanwhile, rev and all,
+ * is also seen by the HSET of the new rev, which then adds a field instead of replacing one:
+ * the save is undone and refused (-3).
  * An append pushes its messages first: RPUSH answers the list's length, which must be the
  * copy's and theirs, so the list is checked without an LLEN of its own (one call of the
  * turn's 13, issue 12). A list of another length (lapsed or evicted alone) has them taken
@@ -1395,7 +1402,7 @@ static const char save_script[] =
     "  local h, n = P + 1 + 2 * math.max(np, 0), #ARGV\n"
     "  local pushed = 0\n"
     "  if append then\n"
-    "    if not held and redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] then return -3 end\n"
+    "    if redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] then return -3 end\n"
     "    if keep > 0 and n >= h then\n"
     "      local len\n"
     "      for i = h, n, 200 do\n"
@@ -1667,6 +1674,7 @@ static void save_refused(redis_store *rs, redis_req *r, long long why)
 
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply);
 static int release_kept(redis_store *rs, redis_req *r, char **kept);
+static void release_leases(redis_store *rs, redis_req *r);
 
 static void on_rooms_del_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
@@ -1720,7 +1728,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     redis_store *rs = r->rs;
     if (st->unavailable) { /* Redis failed meanwhile: the save stays in memory, for the write-back */
         rs->base.stats.errors++;
-        release_kept(rs, r, &r->lease_value);
+        release_leases(rs, r);
         gate_leave(rs, r->key);
         cg_redis_answer_unavailable(r);
         return;
@@ -1742,7 +1750,7 @@ static void on_merge_loaded(void *ctx, cg_dialog *d, const cg_store_status *st)
     if (!merged) {
         cg_dialog_free(d);
         cg_error("redis: out of memory merging two copies of a dialog: this gateway's is kept for the write-back");
-        release_kept(rs, r, &r->lease_value);
+        release_leases(rs, r);
         gate_leave(rs, r->key);
         cg_redis_answer_unavailable(r);
         return;
@@ -1834,11 +1842,26 @@ static int release_kept(redis_store *rs, redis_req *r, char **kept)
     return sent;
 }
 
+/* A merge that ends without writing: the turn's lease, whichever round holds it (the first
+ * moves it to release_after), is let go. */
+static void release_leases(redis_store *rs, redis_req *r)
+{
+    release_kept(rs, r, &r->lease_value);
+    release_kept(rs, r, &r->release_after);
+}
+
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
 {
-    if (!release_kept(rs, r, &r->release_after)) /* a merge's: the turn's lease, kept till now */
+    int failed = cg_redis_reply_failed(rs, reply, 0, "save") || reply->type != REDIS_REPLY_INTEGER;
+    /* a merge's lease (the turn's, kept till now); and the turn's own when the script failed
+     * (-OOM, -NOREPLICAS, -BUSY, a cluster's TRYAGAIN past its tries: it never ran, or stopped
+     * before letting go), which no one would let go before it lapses */
+    int released = release_kept(rs, r, &r->release_after);
+    if (failed)
+        released |= release_kept(rs, r, &r->lease_value);
+    if (!released)
         wake_waiters(rs, r->key); /* the save let the lease go (or it was not ours) */
-    if (cg_redis_reply_failed(rs, reply, 0, "save") || reply->type != REDIS_REPLY_INTEGER) {
+    if (failed) {
         rs->base.stats.errors++;
         cg_redis_answer_unavailable(r); /* keeps it in memory, dirty, for the write-back */
         return;

@@ -23,7 +23,12 @@ state app (harness FakeApp /state, no rules):
   evicted alone), so the copy the save would append to is no longer Redis's: the save is
   refused before it writes anything and sent again in full, so the list holds the whole
   dialog (as the gateway's next turn sees it), not the new messages alone; the turn's lease,
-  which the refused append kept, is let go once the merged save is answered.
+  which the refused append kept, is let go once the merged save is answered;
+- another gateway's write-back or merge (which hold no lease) landing during a turn, with
+  the history at its full length (the list's count unchanged): the turn's save reads the rev
+  under its own lease too, meets the other's and merges, so the next turn sees both;
+- a save answered with an error (Redis out of memory during the turn): the turn's lease is
+  let go at once, and the turn is kept (the next one sees it).
 - lifetimes in Redis (docs/state.md, "Lifetimes in Redis"): a save within a sixtieth of the
   shortest lifetime of the last renewal leaves the keys' lifetimes as they are; a key gone
   during such a save (the dialog's hash, the rooms set) is made again with its lifetime, never
@@ -40,7 +45,8 @@ state app (harness FakeApp /state, no rules):
   rewrites the dialog without them.
 Checked by breaking the code: without the load's rev check the two-gateway part fails,
 without its check that the history list is there the lapsed-history part, without its check of the
-dialog's hash the hash part, without the save's rev check the first mid-turn part and
+dialog's hash the hash part, without the save's rev check the first mid-turn part (and,
+without that check under the turn's own lease, the foreign-write part) and
 without its count of messages the second (the list holds 2 messages); without the copy the
 counts do; renewing at every save fails the first lifetimes part, renewing the dialog's hash
 only when due the second, never renewing the third; never deleting an awaiting state
@@ -235,9 +241,64 @@ async def part_mid_turn(app, redis, rules):
         await mid_turn(app, redis, rules, "mid", ("params", "dialog", "history"))
     with step("only the history list gone during a turn (lapsed, or evicted), the rev kept: the same"):
         await mid_turn(app, redis, rules, "midh", ("history",))
-    with step("only the params hash gone during a turn (its rev with it; a save under its own lease does not "
-              "read the rev first): the same"):
+    with step("only the params hash gone during a turn (its rev with it): the same"):
         await mid_turn(app, redis, rules, "midp", ("params",))
+
+
+async def part_foreign_write(app, redis, rules):
+    with step("another gateway's write-back or merge (they hold no lease) lands during a turn, the history at "
+              "its full length, so the list's count cannot show it: the turn's save meets the other rev and "
+              "merges; the next turn sees the other's message"):
+        user = "foreign"
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-foreign") as gw:
+            c = await connect(gw, user)
+            for k in range(1, 6):  # 10 messages: history_n
+                await turn(c, app, f"{user}{k}", f"foreign {k}", "r")
+            pending = asyncio.ensure_future(c.message("foreign 6 [delay=1]", mid=f"{user}6", room="r"))
+            await app.wait_message(f"{user}6")
+            # what a lease-less merge of another gateway leaves: a message more, the oldest gone
+            # (the list's length unchanged), and its rev
+            hist = harness.dialog_key(user, "r", "history")
+            other = dict(json.loads(redis.lrange(hist)[-1]), role="user", content="from the other gateway")
+            redis.command("RPUSH", hist, json.dumps(other))
+            redis.command("LPOP", hist)
+            redis.command("HSET", harness.dialog_key(user, "r", "params"), "rev", "other-gw:1:00000000#1")
+            t = await pending
+            t.expect_done()
+            # (not counted among chatgate_store_merges_total: history_n cuts the merge back to the
+            # length of either copy, so it does not look like two copies' turns)
+            _, fwd = await turn(c, app, f"{user}7", "foreign 7", "r")
+            pairs = history_pairs(fwd["history"])
+            check(("user", "from the other gateway") in pairs and ("user", "foreign 6 [delay=1]") in pairs,
+                  f"the next turn should see both the other gateway's message and this one's: {pairs}")
+            await c.close()
+
+
+async def part_save_error(app, redis, rules):
+    with step("a save answered with an error (Redis out of memory: maxmemory reached during the turn, "
+              "noeviction): the turn's lease is let go at once, not held until it lapses (15 s)"):
+        user = "oom"
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-oom") as gw:
+            c = await connect(gw, user)
+            await turn(c, app, f"{user}1", "oom 1", "r")
+            lock = harness.dialog_key(user, "r", "lock")
+            pending = asyncio.ensure_future(c.message("oom 2 [delay=1]", mid=f"{user}2", room="r"))
+            await app.wait_message(f"{user}2")
+            check(redis.get(lock), "the turn should hold the lock while it runs")
+            redis.command("CONFIG", "SET", "maxmemory", "1")  # every write that may grow memory is refused
+            try:
+                t = await pending
+                t.expect_done()
+                # the save's script stops at its RPUSH (-OOM); DEL is allowed out of memory
+                let_go = await harness.wait_until(lambda: redis.get(lock) is None, 3)
+                check(let_go, f"the turn's lease should be let go once its save failed: {redis.get(lock)!r}, "
+                              f"PTTL {redis.command('PTTL', lock)} ms")
+            finally:
+                redis.command("CONFIG", "SET", "maxmemory", "0")
+            _, fwd = await turn(c, app, f"{user}3", "oom 3", "r")
+            check(("user", "oom 2 [delay=1]") in history_pairs(fwd["history"]),
+                  f"the turn whose save failed is kept (in memory, written back): {fwd['history']}")
+            await c.close()
 
 
 def ttls(redis, user, parts=("params", "dialog", "history")):
@@ -308,8 +369,8 @@ async def part_parts_deleted(app, redis, rules):
               "and turns with neither delete nothing but the lock they let go; "
               "their loads, answered 'same', are three plain commands (SET NX, HGET, EXISTS: no script) and "
               "count nothing (no HLEN; no LLEN: an appending save checks the "
-              "list's length by its RPUSH's answer; one HGET of the rev: the load's, the save holding the lease "
-              "reads it no more)"):
+              "list's length by its RPUSH's answer; two HGETs of the rev: the load's, and the save's, which reads "
+              "it under its own lease too, since a write-back or merge of another gateway holds none)"):
         async with harness.Gateway(args(rules), config(app, redis), name="gw-parts") as gw:
             c = await connect(gw, "parts")
             awaiting = {"type": "selection", "options": [{"name": "KQ100"}], "ttl": 60}
@@ -344,8 +405,8 @@ async def part_parts_deleted(app, redis, rules):
             check(made["get"] == 5 and made["set"] == 5 and made["incr"] == 0 and made["exists"] == 5,
                   f"5 turns should SET the lock once (the load's NX) and GET it once (the save's), with no INCR "
                   f"and one EXISTS a load (the dialog's, not the line's): {made}")
-            check(made["hget"] == 5, f"5 turns should read the rev 5 times (the loads'; a save under its own lease "
-                                     f"knows it), read it {made['hget']} times")
+            check(made["hget"] == 10, f"5 turns should read the rev 10 times (the loads' and the saves': a save "
+                                      f"under its own lease reads it too), read it {made['hget']} times")
             check(store_counts(gw)[0] - cached == 5, f"the 5 loads were answered 'same': {store_counts(gw)}")
             check(made["hlen"] == 0 and made["llen"] == 0 and made["rpush"] == 5,
                   f"5 loads answered 'same' should count nothing in Redis (no HLEN), and their 5 appending "
@@ -459,6 +520,8 @@ async def main(args_):
             await independent(part_two_gateways(app, redis, rules))
             await independent(part_behind_the_back(app, redis, rules))
             await independent(part_mid_turn(app, redis, rules))
+            await independent(part_foreign_write(app, redis, rules))
+            await independent(part_save_error(app, redis, rules))
             await independent(part_lifetimes(app, redis, rules))
             await independent(part_parts_deleted(app, redis, rules))
             await independent(part_unreadable(app, redis, rules))
