@@ -1075,13 +1075,9 @@ static void send_plain_load(redis_store *rs, redis_req *r)
 static void send_load_cmd(redis_store *rs, redis_req *r)
 {
     if (r->lease && !r->ticket) { /* its ticket: the lease's value, its place in line */
-        /* "<holder>#<n>" (a holder is at most 47 bytes, n 20 digits), every turn: not snprintf */
-        char num[24], ticket[sizeof(rs->holder) + sizeof(num)];
-        size_t hn = strlen(rs->holder), dn = cg_int_text(num + sizeof(num), (long long)++rs->ticket_seq);
-        memcpy(ticket, rs->holder, hn);
-        ticket[hn] = '#';
-        memcpy(ticket + hn + 1, num + sizeof(num) - dn, dn);
-        r->ticket = cg_strndup(ticket, hn + 1 + dn);
+        char ticket[80];
+        snprintf(ticket, sizeof(ticket), "%s#%llu", rs->holder, ++rs->ticket_seq);
+        r->ticket = cg_strdup(ticket);
     }
     if (r->lease && r->rev && !r->full && !r->lease_waits && !(r->plain & PLAIN_SENT)) {
         send_plain_load(rs, r);
