@@ -278,11 +278,11 @@ void cg_fallback_written(cg_fallback *fb, const char *key, long version, int wri
         json_object_del(fb->unknown, key);
         flush_one(fb, key, entry);
     }
-    if (written) {
-        json_object_del(fb->unknown, key); /* written: the store's copy is ours, known */
-    } else if (entry) {
-        dirty_del(fb, key); /* a newer outage write of the copy refused: refused too */
-    }
+    /* written: the store's copy is ours, known. Not written: a newer version of the copy
+     * (turns answered since) stays dirty; its own write-back merges with the store's copy,
+     * so dropping it with this one's refusal would lose them */
+    if (written)
+        json_object_del(fb->unknown, key);
 }
 
 void cg_fallback_writeback_failed(cg_fallback *fb, const char *key, long version)
@@ -419,6 +419,15 @@ void cg_fallback_forget(cg_fallback *fb, const char *key)
 
 static void fallback_save(cg_fallback *fb, const char *key, const char *eu, const char *er, const cg_dialog *d)
 {
+    cg_memstore_view held;
+    if (cg_fallback_is_dirty(fb, key) && !cg_memstore_view_of(fb->mem, key, now_s(fb), &held)) {
+        /* its copy written during the outage was evicted (max_dialogs, max_store_bytes) or
+         * lapsed before its write-back: this save's copy replaces it, without its turns */
+        fb->st->stats.writeback_dropped_gone++;
+        cg_warn("%s: dialog #%08lx written during the outage was no longer held in memory (evicted or expired) when "
+                "it was saved again: the turns before are not written back",
+                fb->name, cg_store_key_tag(key));
+    }
     cg_memstore_keep(fb->mem, key, d, now_s(fb), NULL, 0);
     mark_dirty(fb, key, eu, er, d);
 }

@@ -1670,7 +1670,8 @@ static void save_refused(redis_store *rs, redis_req *r, long long why)
 
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply);
 static int release_kept(redis_store *rs, redis_req *r, char **kept);
-static void release_leases(redis_store *rs, redis_req *r);
+static int release_leases(redis_store *rs, redis_req *r);
+static void merges_spent(redis_store *rs, redis_req *r, long long code);
 
 static void on_rooms_del_reply(cg_redis_conn *ac, void *reply_, void *priv)
 {
@@ -1806,7 +1807,9 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *reply = reply_;
     reply = save_evictions(rs, r, reply);
     char *key = cg_strdup(r->key); /* r may be finished below; the gate opens last */
-    if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot && r->merges < MERGE_TRIES) {
+    if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot && r->merges >= MERGE_TRIES) {
+        merges_spent(rs, r, reply->integer);
+    } else if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot) {
         /* Redis holds a copy other than the one this save began from (-3: appending found
          * another rev; 0, -1: another incarnation, or a newer copy; -4: the copy merged with
          * changed again; -2: the lease passed to another gateway, which may have saved; -5: a
@@ -1827,6 +1830,21 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     free(key);
 }
 
+/* A save whose merges all met a copy newer still (-4: another writer saved between each
+ * merge's read and its write): its turns are answered ones, so they are not dropped, as a
+ * refused save's are, but kept in memory, dirty (the merged copy, with the other's turns),
+ * and written back later like an outage's. Its lease is let go meanwhile. */
+static void merges_spent(redis_store *rs, redis_req *r, long long code)
+{
+    rs->base.stats.save_conflicts++;
+    cg_warn("redis %s:%d: a %s of dialog #%08lx met a newer copy after each of %d merges (%lld): kept in memory, "
+            "written back later",
+            rs->host, rs->port, r->version ? "write-back" : "save", cg_store_key_tag(r->key), MERGE_TRIES, code);
+    if (!release_leases(rs, r))
+        wake_waiters(rs, r->key);
+    cg_redis_answer_unavailable(r);
+}
+
 /* A turn's lease that a save did not let go (an append refused -3 keeps it, and the merge
  * that follows writes with none): let go now (*kept, freed). 1 when the release went: its
  * answer wakes the gateways waiting for the lease. */
@@ -1839,11 +1857,11 @@ static int release_kept(redis_store *rs, redis_req *r, char **kept)
 }
 
 /* A merge that ends without writing: the turn's lease, whichever round holds it (the first
- * moves it to release_after), is let go. */
-static void release_leases(redis_store *rs, redis_req *r)
+ * moves it to release_after), is let go. 1 when a release went (its answer wakes waiters). */
+static int release_leases(redis_store *rs, redis_req *r)
 {
-    release_kept(rs, r, &r->lease_value);
-    release_kept(rs, r, &r->release_after);
+    int sent = release_kept(rs, r, &r->lease_value);
+    return release_kept(rs, r, &r->release_after) | sent;
 }
 
 static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)

@@ -506,6 +506,40 @@ async def part_writeback_evicted(app, rules, bound):
         redis.cleanup(keep=True)
 
 
+async def part_writeback_evicted_again(app, rules):
+    """A dirty dialog the memory copy drops during the outage (max_store_bytes), then talked in
+    again before the outage ends: its turns before are not written back, and that is counted
+    (reason="gone") and logged when it happens, not passed over (the second save's copy would
+    be written back in its place, and the first's loss seen nowhere)."""
+    redis = await harness.RedisServer().astart()
+    front = await RedisFront(redis.port).start()
+    user = "wb|evicted-again"
+    cfg = config_for(app, front.url)
+    cfg["max_store_bytes"] = 16384
+    try:
+        async with harness.Gateway(header_args(rules), cfg, name="gateway-wb-evict-again") as gw:
+            c = await connect_as(gw, user)
+            with step("max_store_bytes 16384, an outage: a message in a dialog, 4 big others evict it from "
+                      "memory, then a message in it again: counted as reason=\"gone\" and logged at once"):
+                await wait_store(gw, False, 3, "at start")
+                await outage(front, gw)
+                await say(c, app, "g1", "during the outage", "keep")
+                for n in range(4):
+                    await say(c, app, f"g-other{n}", "big " * 1000, f"other{n}")
+                m = harness.parse_metrics(harness.http_get(gw.http_url + "/metrics")[2].decode())
+                before = m.value("chatgate_store_writeback_dropped_total", reason="gone")
+                await say(c, app, "g2", "again", "keep")
+                m = harness.parse_metrics(harness.http_get(gw.http_url + "/metrics")[2].decode())
+                after = m.value("chatgate_store_writeback_dropped_total", reason="gone")
+                check(after == before + 1, f"the dialog's lost turns should be counted when it is saved again: "
+                                           f"{before} then {after}")
+                await harness.wait_log(gw, "was no longer held in memory .*when it was saved again", 2)
+            await c.close()
+    finally:
+        await front.close()
+        redis.cleanup(keep=True)
+
+
 async def part_writeback_older(app, rules):
     """Gateway A holds an older copy through its outage; gateway B wrote a newer one: B's values
     stay where both set one, and A's turn of the outage joins the history (merged, issue 36)."""
@@ -792,6 +826,7 @@ async def main(args):
         lambda app: part_writeback_fresh_load(app, rules),
         lambda app: part_writeback_evicted(app, rules, "count"),
         lambda app: part_writeback_evicted(app, rules, "bytes"),
+        lambda app: part_writeback_evicted_again(app, rules),
         lambda app: part_writeback_older(app, rules),
         lambda app: part_writeback_bound(app, rules),
         lambda app: part_twemproxy(app, rules),
