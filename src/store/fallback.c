@@ -117,6 +117,10 @@ void cg_fallback_free(cg_fallback *fb)
         return;
     while (fb->live) /* what the inner store will not answer now: the store is gone */
         req_free(fb->live);
+    /* the count at stopping (cg_fallback_closing) may have grown since: a last save that met
+     * another copy needed a merge, which a closing link no longer sends */
+    if (json_object_size(fb->dirty))
+        cg_warn("%s: %zu dialogs not written back are lost at exit", fb->name, json_object_size(fb->dirty));
     cg_memstore_free(fb->mem);
     cg_limiter_free(fb->limits);
     json_decref(fb->dirty);
