@@ -5,9 +5,10 @@
  *
  * Four sets, each a JSON object used as an ordered map (jansson keeps insertion order, so
  * the first key is the oldest):
- *   dirty   key -> {"u","r","v","b","n","f"}: written to memory only; user and room
+ *   dirty   key -> {"u","r","v","b","n","fv"}: written to memory only; user and room
  *           (escaped), the write's version, its bytes, whether the store's copy was unknown
- *           when it began, and whether its write-back is in flight;
+ *           when it began, and the version whose write-back is in flight, if any (kept
+ *           when a newer write replaces the entry: one write-back of a dialog at a time);
  *   unknown keys served fresh from memory while away: a save of them only creates;
  *   recent  key -> {"u","r","t"}: saves the store took in the last SWITCH_REWRITE_MS;
  *   warned  keys told "store_degraded" in this outage.
@@ -175,9 +176,13 @@ static void mark_dirty(cg_fallback *fb, const char *key, const char *eu, const c
     size_t bytes = cg_dialog_weight(d) + strlen(key) + 64; /* about its JSON */
     json_t *old = json_object_get(fb->dirty, key);
     int base_unknown = json_object_get(fb->unknown, key) || json_is_true(json_object_get(old, "n"));
+    json_t *in_flight = json_incref(json_object_get(old, "fv"));
     dirty_del(fb, key); /* re-added at the end: the set runs from least to most recent */
     json_t *entry = json_pack("{s:s, s:s, s:I, s:I, s:b}", "u", eu, "r", er, "v", (json_int_t)++fb->dirty_seq, "b",
                               (json_int_t)bytes, "n", base_unknown);
+    if (entry && in_flight)
+        json_object_set(entry, "fv", in_flight); /* the older write-back still runs: this one waits */
+    json_decref(in_flight);
     if (!entry || json_object_set_new(fb->dirty, key, entry) < 0) {
         cg_error("%s: out of memory: a dialog will not be written back", fb->name);
         fb->st->stats.writeback_dropped_bound++;
@@ -200,6 +205,12 @@ size_t cg_fallback_dirty_count(const cg_fallback *fb)
 
 /* ---- the write-back ------------------------------------------------------------------- */
 
+/* 1 while a write-back of the dialog (this version or an older one) is in flight. */
+static int in_flight(json_t *entry)
+{
+    return json_object_get(entry, "fv") != NULL;
+}
+
 /* Hands one dirty dialog, as memory holds it, to the backend; 0, or -1 when memory no longer
  * holds it (evicted or expired): it is dropped then, never written blank over the store's. */
 static int flush_one(cg_fallback *fb, const char *key, json_t *entry)
@@ -221,9 +232,9 @@ static int flush_one(cg_fallback *fb, const char *key, json_t *entry)
         .version = (long)json_integer_value(json_object_get(entry, "v")),
         .base_unknown = json_is_true(json_object_get(entry, "n")),
     };
-    json_object_set_new(entry, "f", json_true()); /* its write-back is in flight */
+    json_object_set_new(entry, "fv", json_integer((json_int_t)item.version)); /* its write-back is in flight */
     if (fb->ops->writeback(fb->backend, &item, &d) < 0) {
-        json_object_del(entry, "f"); /* still dirty: tried again at the next tick or reconnect */
+        json_object_del(entry, "fv"); /* still dirty: tried again at the next tick or reconnect */
         return 0;
     }
     /* the store runs this write-back before any save sent after it: those are updates of
@@ -240,6 +251,8 @@ static void flush_dirty(cg_fallback *fb)
     long gone = 0;
     size_t sent = 0;
     json_object_foreach_safe(fb->dirty, tmp, key, entry) {
+        if (in_flight(entry))
+            continue; /* its answer sends the newer version (cg_fallback_written) */
         if (flush_one(fb, key, entry) < 0)
             gone++;
         else
@@ -262,8 +275,9 @@ void cg_fallback_tick(cg_fallback *fb, uint64_t now)
     json_t *entry;
     void *tmp;
     json_object_foreach_safe(fb->dirty, tmp, key, entry) {
-        if (!json_is_true(json_object_get(entry, "f")))
-            flush_one(fb, key, entry);
+        if (!in_flight(entry) && flush_one(fb, key, entry) < 0)
+            cg_warn("%s: dialog #%08lx written during the outage is no longer held in memory (evicted or expired): "
+                    "not written back", fb->name, cg_store_key_tag(key));
     }
 }
 
@@ -275,7 +289,10 @@ void cg_fallback_written(cg_fallback *fb, const char *key, long version, int wri
         if (written)
             fb->st->stats.flushed++;
         entry = NULL;
-    } else if (entry && written && !fb->st->stats.degraded) {
+    } else if (entry && json_integer_value(json_object_get(entry, "fv")) == version) {
+        json_object_del(entry, "fv"); /* the newer version's turn: sent below, or by the tick */
+    }
+    if (entry && written && !fb->st->stats.degraded && !in_flight(entry)) {
         /* changed meanwhile: its newer version, now; the store holds this dialog's copy now,
          * so the newer one is an update, not a create-only (that would be refused) */
         json_object_set_new(entry, "n", json_false());
@@ -292,8 +309,8 @@ void cg_fallback_written(cg_fallback *fb, const char *key, long version, int wri
 void cg_fallback_writeback_failed(cg_fallback *fb, const char *key, long version)
 {
     json_t *entry = json_object_get(fb->dirty, key);
-    if (entry && json_integer_value(json_object_get(entry, "v")) == version)
-        json_object_del(entry, "f");
+    if (entry && json_integer_value(json_object_get(entry, "fv")) == version)
+        json_object_del(entry, "fv"); /* this version, or a newer one written meanwhile: the tick sends it */
 }
 
 /* ---- the store going and coming ------------------------------------------------------- */
