@@ -243,7 +243,9 @@ static int flush_one(cg_fallback *fb, const char *key, json_t *entry)
     return 0;
 }
 
-static void flush_dirty(cg_fallback *fb)
+/* Hands every dirty dialog not already in flight to the backend; `tell` logs how many went
+ * (a reconnect's round, not the tick's). Those memory no longer holds are dropped, and said. */
+static void flush_dirty(cg_fallback *fb, int tell)
 {
     const char *key;
     json_t *entry;
@@ -262,7 +264,7 @@ static void flush_dirty(cg_fallback *fb)
         cg_warn("%s: %ld dialogs written during the outage are no longer held in memory (evicted or expired): not "
                 "written back, the store keeps its copy",
                 fb->name, gone);
-    if (sent)
+    if (sent && tell)
         cg_info("%s: writing back %zu dialogs held in memory", fb->name, sent);
 }
 
@@ -271,14 +273,7 @@ void cg_fallback_tick(cg_fallback *fb, uint64_t now)
     if (!json_object_size(fb->dirty) || fb->st->stats.degraded || now - fb->flushed_at < FLUSH_AGAIN_MS)
         return;
     fb->flushed_at = now;
-    const char *key;
-    json_t *entry;
-    void *tmp;
-    json_object_foreach_safe(fb->dirty, tmp, key, entry) {
-        if (!in_flight(entry) && flush_one(fb, key, entry) < 0)
-            cg_warn("%s: dialog #%08lx written during the outage is no longer held in memory (evicted or expired): "
-                    "not written back", fb->name, cg_store_key_tag(key));
-    }
+    flush_dirty(fb, 0);
 }
 
 void cg_fallback_written(cg_fallback *fb, const char *key, long version, int written)
@@ -387,7 +382,7 @@ void cg_fallback_moved(cg_fallback *fb, int (*pick)(void *ctx, const char *eu), 
 {
     rewrite_recent(fb, pick, ctx);
     if (!fb->st->stats.degraded)
-        flush_dirty(fb);
+        flush_dirty(fb, 1);
 }
 
 void cg_fallback_up(cg_fallback *fb, int moved)
@@ -400,7 +395,7 @@ void cg_fallback_up(cg_fallback *fb, int moved)
         s->degraded_seconds += (double)(now_ms(fb) - s->degraded_since_ms) / 1000.0;
         json_object_clear(fb->warned);
     }
-    flush_dirty(fb);
+    flush_dirty(fb, 1);
 }
 
 static void on_answer_closed(uv_handle_t *h)

@@ -1807,9 +1807,11 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *reply = reply_;
     reply = save_evictions(rs, r, reply);
     char *key = cg_strdup(r->key); /* r may be finished below; the gate opens last */
-    if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot && r->merges >= MERGE_TRIES) {
+    if (!reply || reply->type != REDIS_REPLY_INTEGER || reply->integer > 0 || !r->snapshot) {
+        save_answered(rs, r, reply);
+    } else if (r->merges >= MERGE_TRIES) {
         merges_spent(rs, r, reply->integer);
-    } else if (reply && reply->type == REDIS_REPLY_INTEGER && reply->integer <= 0 && r->snapshot) {
+    } else {
         /* Redis holds a copy other than the one this save began from (-3: appending found
          * another rev; 0, -1: another incarnation, or a newer copy; -4: the copy merged with
          * changed again; -2: the lease passed to another gateway, which may have saved; -5: a
@@ -1823,8 +1825,6 @@ static void on_save_reply(cg_redis_conn *ac, void *reply_, void *priv)
                     rs->host, rs->port);
         }
         merge_start(rs, r);
-    } else {
-        save_answered(rs, r, reply);
     }
     gate_leave(rs, key);
     free(key);
@@ -1870,9 +1870,7 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
     /* a merge's lease (the turn's, kept till now); and the turn's own when the script failed
      * (-OOM, -NOREPLICAS, -BUSY, a cluster's TRYAGAIN past its tries: it never ran, or stopped
      * before letting go), which no one would let go before it lapses */
-    int released = release_kept(rs, r, &r->release_after);
-    if (failed)
-        released |= release_kept(rs, r, &r->lease_value);
+    int released = failed ? release_leases(rs, r) : release_kept(rs, r, &r->release_after);
     if (!released)
         wake_waiters(rs, r->key); /* the save let the lease go (or it was not ours) */
     if (failed) {

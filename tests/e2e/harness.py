@@ -1778,7 +1778,7 @@ class FrameTracker:
             return
         if kind == "error" and frame.get("code") == "not_found":
             return
-        st = self.state.setdefault(mid, {"ack": None, "deltas": [], "terminal": None})
+        st = self.state.setdefault(mid, {"ack": None, "deltas": [], "bytes": 0, "terminal": None})
         if st["terminal"] is not None:
             fail(f"frame after the terminal frame of {mid!r}: {brief(frame)} "
                  f"(terminal was {brief(st['terminal'])})")
@@ -1793,7 +1793,7 @@ class FrameTracker:
             st["deltas"].append(frame["text"])
             # a running count: joining every delta at each one was quadratic, a minute of
             # the test's own CPU over a 20 MB reply
-            st["bytes"] = st.get("bytes", 0) + len(frame["text"].encode("utf-8"))
+            st["bytes"] += len(frame["text"].encode("utf-8"))
             relayed = st["bytes"]
             check(frame.get("seq") == relayed,
                   f"delta seq of {mid!r} is {frame.get('seq')!r}, not the reply's bytes so far ({relayed}): "

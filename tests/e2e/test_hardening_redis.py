@@ -526,11 +526,9 @@ async def part_writeback_evicted_again(app, rules):
                 await say(c, app, "g1", "during the outage", "keep")
                 for n in range(4):
                     await say(c, app, f"g-other{n}", "big " * 1000, f"other{n}")
-                m = harness.parse_metrics(harness.http_get(gw.http_url + "/metrics")[2].decode())
-                before = m.value("chatgate_store_writeback_dropped_total", reason="gone")
+                before = (await metrics(gw)).value("chatgate_store_writeback_dropped_total", reason="gone")
                 await say(c, app, "g2", "again", "keep")
-                m = harness.parse_metrics(harness.http_get(gw.http_url + "/metrics")[2].decode())
-                after = m.value("chatgate_store_writeback_dropped_total", reason="gone")
+                after = (await metrics(gw)).value("chatgate_store_writeback_dropped_total", reason="gone")
                 check(after == before + 1, f"the dialog's lost turns should be counted when it is saved again: "
                                            f"{before} then {after}")
                 await harness.wait_log(gw, "was no longer held in memory .*when it was saved again", 2)
