@@ -150,6 +150,7 @@ static void dirty_del(cg_fallback *fb, const char *key)
     if (!entry)
         return;
     fb->dirty_bytes -= (long)json_integer_value(json_object_get(entry, "b"));
+    cg_memstore_pin(fb->mem, key, 0); /* Redis has its turns now, or they are given up */
     json_object_del(fb->dirty, key);
     dirty_gauges(fb);
 }
@@ -189,6 +190,9 @@ static void mark_dirty(cg_fallback *fb, const char *key, const char *eu, const c
         return;
     }
     fb->dirty_bytes += (long)bytes;
+    /* the memory copy is the only one of its turns until the write-back: not evicted (the
+     * dirty set's own bounds, below, bound these) */
+    cg_memstore_pin(fb->mem, key, 1);
     dirty_bound(fb);
     dirty_gauges(fb);
 }
@@ -437,8 +441,9 @@ static void fallback_save(cg_fallback *fb, const char *key, const char *eu, cons
 {
     cg_memstore_view held;
     if (cg_fallback_is_dirty(fb, key) && !cg_memstore_view_of(fb->mem, key, now_s(fb), &held)) {
-        /* its copy written during the outage was evicted (max_dialogs, max_store_bytes) or
-         * lapsed before its write-back: this save's copy replaces it, without its turns */
+        /* its copy written during the outage lapsed before its write-back (or memory ran
+         * out): this save's copy replaces it, without its turns. Not the bounds: a dirty
+         * dialog is pinned in memory (cg_memstore_pin) */
         fb->st->stats.writeback_dropped_gone++;
         cg_warn("%s: dialog #%08lx written during the outage was no longer held in memory (evicted or expired) when "
                 "it was saved again: the turns before are not written back",

@@ -13,7 +13,11 @@
  *
  * Eviction takes the oldest entry and stops when an eviction frees nothing, so the loop
  * cannot spin. The entry just written is never evicted: a dialog larger than the byte
- * bound alone is still kept, until the next write pushes it out.
+ * bound alone is still kept, until the next write pushes it out. Nor is a pinned one
+ * (cg_memstore_pin): the Redis store's dialogs written while Redis was away, whose memory
+ * copy is the only one of their turns until the write-back. Those wait in a list of their
+ * own, out of eviction's way, and are bounded by the write-back set's bounds instead (the
+ * table holds at most max_store_bytes of the rest beside them).
  *
  * The store's ops answer on the next loop iteration (a zero timer), never from inside the
  * call, as store.h promises.
@@ -32,7 +36,8 @@
 #include "chatgate/store/store.h"
 
 typedef struct mem_entry {
-    TAILQ_ENTRY(mem_entry) order; /* the use order, least recent first */
+    TAILQ_ENTRY(mem_entry) order; /* in the use order, least recent first, or the pinned list */
+    int pinned;                   /* in m->pinned: never evicted */
     cg_dialog d;
     int64_t dialog_exp, params_exp, history_exp;
     size_t bytes;    /* the key's length and the dialog's weight */
@@ -46,7 +51,8 @@ typedef struct mem_entry {
 struct cg_memstore {
     json_t *index; /* key -> the entry (core/addrmap.h); a lookup was a tenth of a put's
                     * time as a binary tree of string compares (tsearch) */
-    TAILQ_HEAD(, mem_entry) order;
+    TAILQ_HEAD(mem_list, mem_entry) order;
+    struct mem_list pinned; /* entries not to evict, in the order they were pinned */
     long count;
     long max_dialogs;
     size_t max_bytes;
@@ -62,6 +68,7 @@ cg_memstore *cg_memstore_new(long max_dialogs, const cg_lifetimes *lt, cg_store_
     cg_memstore *m = cg_calloc(1, sizeof(*m));
     m->index = json_object();
     TAILQ_INIT(&m->order);
+    TAILQ_INIT(&m->pinned);
     m->max_dialogs = max_dialogs;
     m->max_bytes = CG_MEMSTORE_DEFAULT_MAX_BYTES;
     m->lt = *lt;
@@ -125,12 +132,25 @@ static mem_entry *entry_find(cg_memstore *m, const char *key)
     return cg_addrmap_get(m->index, key);
 }
 
+/* The list e is on: the use order, or the pinned list. */
+static struct mem_list *list_of(cg_memstore *m, const mem_entry *e)
+{
+    return e->pinned ? &m->pinned : &m->order;
+}
+
+/* e was just used: to the end of its list. */
+static void entry_touch(cg_memstore *m, mem_entry *e)
+{
+    TAILQ_REMOVE(list_of(m, e), e, order);
+    TAILQ_INSERT_TAIL(list_of(m, e), e, order);
+}
+
 /* Removes e from the table and frees it, taking its bytes off the total. */
 static void entry_drop(cg_memstore *m, mem_entry *e)
 {
     user_count_add(m, e->key, -1);
     json_object_del(m->index, e->key);
-    TAILQ_REMOVE(&m->order, e, order);
+    TAILQ_REMOVE(list_of(m, e), e, order);
     m->count--;
     m->bytes -= e->bytes < m->bytes ? e->bytes : m->bytes;
     publish_bytes(m);
@@ -145,6 +165,8 @@ void cg_memstore_free(cg_memstore *m)
         return;
     while (!TAILQ_EMPTY(&m->order))
         entry_drop(m, TAILQ_FIRST(&m->order));
+    while (!TAILQ_EMPTY(&m->pinned))
+        entry_drop(m, TAILQ_FIRST(&m->pinned));
     json_decref(m->index);
     json_decref(m->user_count);
     free(m);
@@ -160,12 +182,15 @@ static const char *over_bound(const cg_memstore *m)
     return NULL;
 }
 
-/* Evicts least recently used entries until both bounds hold, keeping the newest one. */
-static void evict(cg_memstore *m)
+/* Evicts least recently used entries until both bounds hold, never keep (the entry just
+ * written) nor a pinned one: with only those left, the table stays over its bounds until
+ * they are unpinned (the pinned are bounded by their owner). */
+static void evict(cg_memstore *m, const mem_entry *keep)
 {
     const char *reason;
-    while ((reason = over_bound(m)) != NULL && m->count > 1) {
-        entry_drop(m, TAILQ_FIRST(&m->order));
+    mem_entry *e;
+    while ((reason = over_bound(m)) != NULL && (e = TAILQ_FIRST(&m->order)) != NULL && e != keep) {
+        entry_drop(m, e);
         if (m->stats) {
             if (strcmp(reason, "bytes") == 0)
                 m->stats->evictions_bytes++;
@@ -194,9 +219,7 @@ int cg_memstore_get(cg_memstore *m, const char *key, int64_t now, cg_dialog *d)
         return 0;
     }
     cg_dialog_lapse(d, now, e->params_exp, e->history_exp);
-    /* most recently used: to the end of the order */
-    TAILQ_REMOVE(&m->order, e, order);
-    TAILQ_INSERT_TAIL(&m->order, e, order);
+    entry_touch(m, e); /* most recently used */
     return 1;
 }
 
@@ -328,12 +351,11 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
     }
     m->bytes -= before < m->bytes ? before : m->bytes;
     m->bytes += e->bytes;
-    TAILQ_REMOVE(&m->order, e, order); /* most recently used */
-    TAILQ_INSERT_TAIL(&m->order, e, order);
+    entry_touch(m, e); /* most recently used */
     if (!had)
         rooms_bound(m, e);
     publish_bytes(m);
-    evict(m);
+    evict(m, e);
 }
 
 void cg_memstore_put_rev(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now, const char *rev,
@@ -355,34 +377,56 @@ void cg_memstore_del(cg_memstore *m, const char *key)
         entry_drop(m, e);
 }
 
-int cg_memstore_del_user(cg_memstore *m, const char *user)
+void cg_memstore_pin(cg_memstore *m, const char *key, int pinned)
 {
-    char *prefix = cg_store_dialog_key(user, ""); /* "<user>:" */
-    size_t n = strlen(prefix);
+    mem_entry *e = entry_find(m, key);
+    if (!e || e->pinned == !!pinned)
+        return;
+    TAILQ_REMOVE(list_of(m, e), e, order);
+    e->pinned = !!pinned;
+    TAILQ_INSERT_TAIL(list_of(m, e), e, order); /* unpinned: as if just used */
+}
+
+static int user_drop(cg_memstore *m, struct mem_list *list, const char *prefix, size_t n)
+{
     int deleted = 0;
-    for (mem_entry *e = TAILQ_FIRST(&m->order), *next; e; e = next) {
+    for (mem_entry *e = TAILQ_FIRST(list), *next; e; e = next) {
         next = TAILQ_NEXT(e, order);
         if (strncmp(e->key, prefix, n) == 0) {
             entry_drop(m, e);
             deleted++;
         }
     }
+    return deleted;
+}
+
+int cg_memstore_del_user(cg_memstore *m, const char *user)
+{
+    char *prefix = cg_store_dialog_key(user, ""); /* "<user>:" */
+    size_t n = strlen(prefix);
+    int deleted = user_drop(m, &m->order, prefix, n) + user_drop(m, &m->pinned, prefix, n);
     free(prefix);
     return deleted;
 }
 
-json_t *cg_memstore_rooms(cg_memstore *m, const char *prefix)
+static void rooms_of(json_t *rooms, struct mem_list *list, const char *prefix, size_t n)
 {
-    json_t *rooms = json_array();
-    size_t n = strlen(prefix);
     mem_entry *e;
-    TAILQ_FOREACH(e, &m->order, order) {
+    TAILQ_FOREACH(e, list, order) {
         if (rooms && strncmp(e->key, prefix, n) == 0) {
             char *room = cg_store_unescape(e->key + n, strlen(e->key + n));
             json_array_append_new(rooms, json_string(room)); /* a name that is not UTF-8 is left out */
             free(room);
         }
     }
+}
+
+json_t *cg_memstore_rooms(cg_memstore *m, const char *prefix)
+{
+    json_t *rooms = json_array();
+    size_t n = strlen(prefix);
+    rooms_of(rooms, &m->order, prefix, n);
+    rooms_of(rooms, &m->pinned, prefix, n);
     return rooms;
 }
 
