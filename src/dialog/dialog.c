@@ -841,11 +841,27 @@ static void hold_json(json_t **slot, json_t *value)
     json_decref(old);
 }
 
+/* b goes on from a: a's last message is one of b's, before b's last (b's turns came after
+ * every turn of a; the window of history_n may have cut a's older ones from b). */
+static int goes_on_from(json_t *b, json_t *a)
+{
+    size_t na = json_array_size(a), nb = json_array_size(b);
+    json_t *last = na ? json_array_get(a, na - 1) : NULL;
+    for (size_t i = nb ? nb - 1 : 0; last && i-- > 0;)
+        if (json_equal(json_array_get(b, i), last))
+            return 1;
+    return 0;
+}
+
 long cg_dialog_merge(cg_dialog *into, const cg_dialog *other, const cg_lifetimes *lt)
 {
     long added = 0;
     json_t *history = history_union(into->history, other->history, &added);
-    int other_last = other->last_activity > into->last_activity;
+    /* last_activity is in whole seconds: in a tie, other counts as active last only when it
+     * goes on from into (a write-back of turns in the second of Redis's last save: into is
+     * where other came from); two copies that each hold turns of that second keep into's */
+    int other_last = other->last_activity > into->last_activity ||
+                     (other->last_activity == into->last_activity && goes_on_from(other->history, into->history));
     json_t *params = history ? params_union(into->params, other->params, other_last) : NULL;
     if (!history || !params) {
         json_decref(history);

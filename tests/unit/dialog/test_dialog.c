@@ -549,6 +549,54 @@ static void test_merge_copies(void)
     cg_dialog_free(&c);
 }
 
+/* Two copies active in the same second (last_activity is in seconds): the one that goes on
+ * from the other (a write-back of turns made in the second of Redis's last save) counts as
+ * active last, its params kept; two that each hold a turn the other lacks keep into's. */
+static void test_merge_same_second(void)
+{
+    cg_dialog base, ahead, apart;
+    cg_dialog_init(&base, 100);
+    cg_dialog_push_history(&base, "user", "from Kisumu", 100, &lt, NULL);
+    cg_dialog_push_history(&base, "assistant", "ok Kisumu", 100, &lt, NULL);
+    json_t *p = json_pack("{s:{s:s}}", "travel", "from", "Kisumu");
+    CHECK(cg_dialog_merge_all_params(&base, p, &lt, NULL, 0) == 0);
+    json_decref(p);
+    CHECK(cg_dialog_copy(&ahead, &base) == 0);
+    CHECK(cg_dialog_copy(&apart, &base) == 0);
+    cg_dialog_push_history(&ahead, "user", "from nowhere", 100, &lt, NULL);
+    cg_dialog_push_history(&ahead, "assistant", "ok nowhere", 100, &lt, NULL);
+    p = json_pack("{s:{s:s}}", "travel", "from", "nowhere");
+    CHECK(cg_dialog_merge_all_params(&ahead, p, &lt, NULL, 0) == 0);
+    json_decref(p);
+    base.last_activity = ahead.last_activity = apart.last_activity = 100;
+
+    cg_dialog into;
+    CHECK(cg_dialog_copy(&into, &base) == 0);
+    CHECK(cg_dialog_merge(&into, &ahead, &lt) == 2);
+    CHECK_STR(json_string_value(json_object_get(json_object_get(into.params, "travel"), "from")), "nowhere");
+    cg_dialog_free(&into);
+
+    /* the same with a window of 3 that cut base's first message from ahead */
+    cg_lifetimes small = lt;
+    small.history_n = 3;
+    json_array_remove(ahead.history, 0);
+    CHECK(cg_dialog_copy(&into, &base) == 0);
+    CHECK(cg_dialog_merge(&into, &ahead, &small) == 2);
+    CHECK_STR(json_string_value(json_object_get(json_object_get(into.params, "travel"), "from")), "nowhere");
+    cg_dialog_free(&into);
+
+    /* apart holds a turn of that second that ahead lacks: into (apart) keeps its value */
+    cg_dialog_push_history(&apart, "user", "from Mombasa", 100, &lt, NULL);
+    p = json_pack("{s:{s:s}}", "travel", "from", "Mombasa");
+    CHECK(cg_dialog_merge_all_params(&apart, p, &lt, NULL, 0) == 0);
+    json_decref(p);
+    CHECK(cg_dialog_merge(&apart, &ahead, &lt) == 2); /* ahead's turn */
+    CHECK_STR(json_string_value(json_object_get(json_object_get(apart.params, "travel"), "from")), "Mombasa");
+    cg_dialog_free(&base);
+    cg_dialog_free(&ahead);
+    cg_dialog_free(&apart);
+}
+
 /* The last tool result: within tool_result_cap it is kept and handed back (and in the LLM's
  * summary); a directive with a larger one is refused whole; one kept larger (before the cap
  * was checked on write) is not handed back. */
@@ -608,6 +656,7 @@ int main(void)
     test_history_text();
     test_merge();
     test_merge_copies();
+    test_merge_same_second();
     test_cap();
     test_pipeline_cap_all_or_nothing();
     test_directive_all_or_nothing();
