@@ -841,8 +841,6 @@ static void hold_json(json_t **slot, json_t *value)
     json_decref(old);
 }
 
-/* b goes on from a: a's last message is one of b's, before b's last (b's turns came after
- * every turn of a; the window of history_n may have cut a's older ones from b). */
 static int goes_on_from(json_t *b, json_t *a)
 {
     size_t na = json_array_size(a), nb = json_array_size(b);
@@ -851,6 +849,11 @@ static int goes_on_from(json_t *b, json_t *a)
         if (json_equal(json_array_get(b, i), last))
             return 1;
     return 0;
+}
+
+int cg_dialog_goes_on_from(const cg_dialog *b, const cg_dialog *a)
+{
+    return goes_on_from(b->history, a->history);
 }
 
 long cg_dialog_merge(cg_dialog *into, const cg_dialog *other, const cg_lifetimes *lt)

@@ -265,12 +265,13 @@ async def part_foreign_write(app, redis, rules):
             redis.command("HSET", harness.dialog_key(user, "r", "params"), "rev", "other-gw:1:00000000#1")
             t = await pending
             t.expect_done()
-            # (not counted among chatgate_store_merges_total: history_n cuts the merge back to the
-            # length of either copy, so it does not look like two copies' turns)
             _, fwd = await turn(c, app, f"{user}7", "foreign 7", "r")
             pairs = history_pairs(fwd["history"])
             check(("user", "from the other gateway") in pairs and ("user", "foreign 6 [delay=1]") in pairs,
                   f"the next turn should see both the other gateway's message and this one's: {pairs}")
+            # counted though history_n cuts the merge back to either copy's length (it was not)
+            merges = metrics(gw).value("chatgate_store_merges_total")
+            check(merges == 1, f"the merge of two copies' turns should be counted once: {merges}")
             await c.close()
 
 

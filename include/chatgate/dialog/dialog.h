@@ -145,6 +145,10 @@ void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content,
  * memory (into unchanged).
  */
 long cg_dialog_merge(cg_dialog *into, const cg_dialog *other, const cg_lifetimes *lt);
+/* b goes on from a: a's last message is one of b's, before b's last (b's turns came after
+ * every turn of a, though the window of history_n may have cut a's older ones from b). A
+ * merge of the two is then no conflict: a holds no turn b lacks. */
+int cg_dialog_goes_on_from(const cg_dialog *b, const cg_dialog *a);
 
 /* The state as the client's context frame shows it (docs/protocol.md, "Server frames"). New reference. */
 json_t *cg_dialog_context(const cg_dialog *d);
