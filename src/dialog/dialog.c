@@ -841,6 +841,7 @@ static void hold_json(json_t **slot, json_t *value)
     json_decref(old);
 }
 
+/* cg_dialog_goes_on_from, of two histories: a's last message among b's, before b's last. */
 static int goes_on_from(json_t *b, json_t *a)
 {
     size_t na = json_array_size(a), nb = json_array_size(b);

@@ -216,7 +216,7 @@ static int in_flight(json_t *entry)
 }
 
 /* Hands one dirty dialog, as memory holds it, to the backend; 0, or -1 when memory no longer
- * holds it (evicted or expired): it is dropped then, never written blank over the store's. */
+ * holds it (expired, or memory ran out): it is dropped then, never written blank over the store's. */
 static int flush_one(cg_fallback *fb, const char *key, json_t *entry)
 {
     const char *eu = json_string_value(json_object_get(entry, "u"));
@@ -265,7 +265,7 @@ static void flush_dirty(cg_fallback *fb, int tell)
             sent++;
     }
     if (gone)
-        cg_warn("%s: %ld dialogs written during the outage are no longer held in memory (evicted or expired): not "
+        cg_warn("%s: %ld dialogs written during the outage are no longer held in memory (expired): not "
                 "written back, the store keeps its copy",
                 fb->name, gone);
     if (sent && tell)
@@ -445,7 +445,7 @@ static void fallback_save(cg_fallback *fb, const char *key, const char *eu, cons
          * out): this save's copy replaces it, without its turns. Not the bounds: a dirty
          * dialog is pinned in memory (cg_memstore_pin) */
         fb->st->stats.writeback_dropped_gone++;
-        cg_warn("%s: dialog #%08lx written during the outage was no longer held in memory (evicted or expired) when "
+        cg_warn("%s: dialog #%08lx written during the outage was no longer held in memory (expired) when "
                 "it was saved again: the turns before are not written back",
                 fb->name, cg_store_key_tag(key));
     }

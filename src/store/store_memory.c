@@ -387,6 +387,7 @@ void cg_memstore_pin(cg_memstore *m, const char *key, int pinned)
     TAILQ_INSERT_TAIL(list_of(m, e), e, order); /* unpinned: as if just used */
 }
 
+/* Drops list's entries whose key starts with prefix (n bytes); how many. */
 static int user_drop(cg_memstore *m, struct mem_list *list, const char *prefix, size_t n)
 {
     int deleted = 0;
@@ -409,6 +410,7 @@ int cg_memstore_del_user(cg_memstore *m, const char *user)
     return deleted;
 }
 
+/* Appends to rooms the rooms of list's entries whose key starts with prefix (n bytes). */
 static void rooms_of(json_t *rooms, struct mem_list *list, const char *prefix, size_t n)
 {
     mem_entry *e;
