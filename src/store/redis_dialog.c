@@ -729,10 +729,11 @@ static void lease_wait(redis_store *rs, redis_req *r, redisReply *busy)
     ask_wake(rs, r, busy);
 }
 
-/* {"v": the lease, "t": when taken (loop ms)}, rs->leases' entry of a dialog; NULL when
- * the lease is not UTF-8 (which is no lease of ours) or memory ran out. Built member by
- * member: json_pack's format was a fiftieth of a load's answer. */
-static json_t *lease_held(const char *lease, size_t len, uint64_t now)
+/* {"v": the lease, "t": when taken (loop ms), "r": the rev of Redis's copy the load read,
+ * when it had one}, rs->leases' entry of a dialog; NULL when the lease is not UTF-8 (which
+ * is no lease of ours) or memory ran out. Built member by member: json_pack's format was a
+ * fiftieth of a load's answer. */
+static json_t *lease_held(const char *lease, size_t len, uint64_t now, const char *base_rev)
 {
     json_t *held = json_object(), *v = cg_json_stringn(lease, len);
     if (!held || !v || json_object_set_new_nocheck(held, "v", v) < 0 ||
@@ -742,6 +743,9 @@ static json_t *lease_held(const char *lease, size_t len, uint64_t now)
             json_decref(v);
         return NULL;
     }
+    json_t *rev = base_rev ? json_string(base_rev) : NULL; /* not UTF-8: none (a rewrite then trusts the lease) */
+    if (rev)
+        json_object_set_new_nocheck(held, "r", rev);
     return held;
 }
 
@@ -769,8 +773,11 @@ static int load_cached(redis_store *rs, redis_req *r, int64_t now, cg_dialog *d)
         return 0;
     if (!cg_memstore_get(cg_fallback_copy(rs->fb), r->key, now, d))
         return 0;
-    if (params_count(d->params) == r->copy_params && json_array_size(d->history) == r->copy_history)
+    if (params_count(d->params) == r->copy_params && json_array_size(d->history) == r->copy_history) {
+        free(r->base_rev);
+        r->base_rev = cg_strdup(r->rev);
         return 1;
+    }
     cg_dialog_free(d);
     return 0;
 }
@@ -795,6 +802,8 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
     left_out lo = {0};
     if (reply->elements != 6 || !(j = dialog_from_replies(reply->element + 1, &rev, &lo)))
         return -1;
+    free(r->base_rev); /* the rev read, even when the copy is given none below */
+    r->base_rev = rev ? cg_strdup(rev) : NULL;
     if (lo.n) {
         /* no rev for the copy: its next save cannot append to what Redis holds, so it
          * rewrites every part, without what was left out (docs/state.md) */
@@ -806,11 +815,13 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
     cg_dialog_adopt_json(d, j, now); /* j was built from the replies for this */
     json_decref(j);
     if (r->cb.load == on_merge_loaded) {
-        /* a merge's read: the save waiting for it must know the rev it read; the gateway's
-         * copy is left as it is (it may hold turns of this gateway that Redis's lacks) */
+        /* a merge's read: the save waiting for it must know the rev it read (Redis's, even
+         * when parts were left out: the merge is written over that copy, without them; with
+         * none the merge met -4 at every try and never landed); the gateway's copy is left as
+         * it is (it may hold turns of this gateway that Redis's lacks) */
         redis_req *save = r->ctx;
         free(save->merge_rev);
-        save->merge_rev = cg_strdup(rev ? rev : "");
+        save->merge_rev = cg_strdup(r->base_rev ? r->base_rev : "");
         return 0;
     }
     if (!cg_fallback_is_dirty(rs->fb, r->key)) /* else memory's is newer: degraded mode answers from it */
@@ -828,7 +839,7 @@ static void load_done(redis_store *rs, redis_req *r, const char *lease, size_t l
      * (which waits for its requests) would never be freed */
     int wanted = !r->abandoned && (!rs->closing || r->cb.load == on_merge_loaded);
     if (len > 0 && wanted)
-        json_object_set_new(rs->leases, r->key, lease_held(lease, len, uv_now(rs->base.loop)));
+        json_object_set_new(rs->leases, r->key, lease_held(lease, len, uv_now(rs->base.loop), r->base_rev));
     else if (len > 0)
         lease_release(rs, r->eu, r->er, lease);
     if (wanted)
@@ -1314,13 +1325,18 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * The save, one atomic step on the dialog's keys and its user's rooms set. ARGV: 1
  * created_at, 2 last_activity, 3 the mode: "0" a save, "1" a write-back (also refused when
  * Redis's copy is newer), "2" a dialog that began from nothing while Redis was away (written
- * only if Redis has none), 4-6 params_s, dialog_s, history_s, 7 turn_count, 8 message_count,
+ * only if Redis has none), "3" a merge (written only over the rev it merged with, ARGV[22],
+ * else -4), "4" a turn's rewrite under its lease when the gateway holds no copy with a rev
+ * (evicted since its load, or the load left parts out): written only over the rev that load
+ * read, ARGV[22], else -3, merged (a write-back or merge of another gateway holds no lease,
+ * so the lease alone does not say that no one wrote meanwhile), 4-6 params_s, dialog_s, history_s, 7 turn_count, 8 message_count,
  * 9 service, 10 "1" when there is a service, 11 last_tool_result, 12-13 awaiting and its EX
  * (0: none), 14-15 soft and its EX, 16 the number of params (-1: appending, the params are
  * those of Redis's copy, and only their rev is written), 17 the lease this save must
  * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
  * long the rooms set lives, 20 usage (JSON, "null" for none), 21 the rev this save writes,
- * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten),
+ * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten;
+ * modes 3 and 4: the rev the rewrite must find),
  * 23 how many messages the history holds after this save, 24 how many Redis's list holds
  * when it is appended to (the copy's: a list lapsed or evicted alone is not appended to),
  * 25 "1" when the lifetimes are renewed (lifetimes_due), 26 "1" when Redis's copy, the
@@ -1383,7 +1399,7 @@ static const char save_script[] =
     "  if not held and cur then\n" /* held or let go by another gateway since: -2 */
     "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
     "    if string.find(cur, " LUA_HOLDER_OF("ARGV[17]") ", from, true) ~= from then return -2 end\n"
-    "  elseif not held and ARGV[3] == '0' then\n" /* the lock gone: Redis's rev says who wrote since */
+    "  elseif not held and (ARGV[3] == '0' or ARGV[3] == '4') then\n" /* the lock gone: Redis's rev says who wrote since */
     "    local rev = redis.call('HGET', KEYS[1], 'rev')\n"
     "    if rev and rev ~= ARGV[22] then\n"
     "      if string.find(rev, " LUA_HOLDER_OF("ARGV[17]") ", 1, true) ~= 1 then return -2 end\n"
@@ -1393,7 +1409,7 @@ static const char save_script[] =
     "end\n"
     "local function save()\n"
     "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
-    "  local append, keep, had = ARGV[22] ~= '' and ARGV[3] ~= '3', tonumber(ARGV[23]), tonumber(ARGV[24])\n"
+    "  local append, keep, had = ARGV[22] ~= '' and ARGV[3] ~= '3' and ARGV[3] ~= '4', tonumber(ARGV[23]), tonumber(ARGV[24])\n"
     "  local np, P, renew = tonumber(ARGV[16]), 28, ARGV[25] == '1'\n"
     "  local h, n = P + 1 + 2 * math.max(np, 0), #ARGV\n"
     "  local pushed = 0\n"
@@ -1414,6 +1430,8 @@ static const char save_script[] =
     "    end\n"
     "  elseif ARGV[3] == '3' then\n" /* a merge: only over the copy it merged with */
     "    if (redis.call('HGET', KEYS[1], 'rev') or '') ~= ARGV[22] then return -4 end\n"
+    "  elseif ARGV[3] == '4' then\n" /* a turn's rewrite: only over the copy its load read */
+    "    if redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] then return -3 end\n"
     "  else\n"
     "    local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
     "    if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
@@ -1982,12 +2000,17 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
      * (rewriting the hash was a sixth of the save's work in Redis) */
     int params_same = from >= 0 && copy.params && json_equal(copy.params, d->params);
 
+    /* a turn's rewrite under its lease while the gateway holds no copy with a rev (evicted
+     * since the load, or the load left parts out): only over the rev that load read, since a
+     * write-back or merge of another gateway (no lease) may have landed meanwhile */
+    const char *over = from < 0 && !copy.rev && !r->merge_rev && !r->version && r->lease_value ? r->base_rev : NULL;
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
     cg_argv_int(&a, (long long)d->created_at);
     cg_argv_int(&a, (long long)d->last_activity);
     cg_argv_str(&a, r->merge_rev                                                    ? "3"
                 : r->base_unknown || cg_fallback_base_unknown(rs->fb, r->key) ? "2"
                 : r->version                                                  ? "1"
+                : over                                                        ? "4"
                                                                               : "0");
     cg_argv_int(&a, (long long)lt->params_s);
     cg_argv_int(&a, (long long)lt->dialog_s);
@@ -2018,7 +2041,7 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     if (!(r->rev = cg_jsonw_end(&rev, &rev_len)))
         abort();
     cg_argv_str(&a, r->rev);
-    cg_argv_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : ""); /* the rev it must find */
+    cg_argv_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : over ? over : ""); /* the rev it must find */
     cg_argv_int(&a, (long long)(json_array_size(d->history)));
     cg_argv_int(&a, (long long)n_had);
     /* a rewrite makes its keys anew, and an awaiting or soft context that outlives the three
@@ -2178,6 +2201,8 @@ static cg_store_req *rs_save(cg_store *st, const char *user, const char *room, c
     json_t *held = json_object_get(rs->leases, r->key);
     if (held) { /* the turn's lease: the save writes only while it holds, and lets go of it */
         r->lease_value = cg_strdup(json_string_value(json_object_get(held, "v")));
+        const char *base = json_string_value(json_object_get(held, "r"));
+        r->base_rev = base ? cg_strdup(base) : NULL;
         json_object_del(rs->leases, r->key);
     }
     start_or_wait(rs, r);

@@ -18,6 +18,7 @@ static void req_closed(uv_handle_t *h)
     cg_redis_snapshot_free(r->snapshot);
     free(r->lease_value);
     free(r->merge_rev);
+    free(r->base_rev);
     free(r->release_after);
     free(r->ticket);
     free(r->asked);

@@ -42,13 +42,17 @@ state app (harness FakeApp /state, no rules):
 - parts in Redis that chatgate does not write (a params field whose value is not JSON or
   whose name has no service, a history message that is not a JSON object), read by a
   gateway with no copy: the rest is read, one warning names the first, and the turn's save
-  rewrites the dialog without them.
+  rewrites the dialog without them; and when another gateway's write-back or merge (no
+  lease) lands during that turn, the rewrite meets its rev and merges, so its message stays
+  (save mode 4: before, the rewrite under the turn's own lease wrote over it).
 Checked by breaking the code: without the load's rev check the two-gateway part fails,
 without its check that the history list is there the lapsed-history part, without its check of the
 dialog's hash the hash part, without the save's rev check the first mid-turn part (and,
 without that check under the turn's own lease, the foreign-write part) and
 without its count of messages the second (the list holds 2 messages); without the copy the
-counts do; renewing at every save fails the first lifetimes part, renewing the dialog's hash
+counts do; without the rewrite's rev check (mode 4) the rewrite-over part, and without the
+merge's read keeping the rev of a dialog with a part left out that part too (its merge never
+lands); renewing at every save fails the first lifetimes part, renewing the dialog's hash
 only when due the second, never renewing the third; never deleting an awaiting state
 that was cleared, or always deleting one that was not there, the last part.
 """
@@ -462,6 +466,36 @@ async def part_unreadable(app, redis, rules):
               f"one warning naming the history message left out: {warnings}")
 
 
+async def part_rewrite_over(app, redis, rules):
+    params, history = harness.dialog_key("over", "r", "params"), harness.dialog_key("over", "r", "history")
+    with step("a turn whose save rewrites the dialog (its load left a params field out, so the gateway's copy "
+              "has no rev) while another gateway's lease-less write lands during it: the rewrite finds "
+              "another rev than its load read and merges; Redis keeps the other's message and the turn's"):
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-over-a") as gw:
+            c = await connect(gw, "over")
+            await turn(c, app, "ov1", "ov1", "r", {"service": "travel", "params": {"from": "Nairobi"}})
+            await c.close()
+        redis.command("HSET", params, "travel.bad", "{not json")
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-over-b") as gw:
+            c = await connect(gw, "over")
+            pending = asyncio.ensure_future(c.message("ov2 [delay=1]", mid="ov2", room="r"))
+            await app.wait_message("ov2")
+            other = dict(json.loads(redis.lrange(history)[-1]), role="user", content="from the other gateway")
+            redis.command("RPUSH", history, json.dumps(other))
+            redis.command("HSET", params, "rev", "other-gw:1:00000000#1")
+            (await pending).expect_done()
+            def said():
+                return [content for role, content in redis_history(redis, "over", "r") if role == "user"]
+            await harness.wait_until(lambda: len(said()) == 3, 5)  # the save lands after the done
+            await c.close()
+        said = said()
+        check(said == ["ov1", "from the other gateway", "ov2 [delay=1]"],
+              f"Redis should keep the other gateway's message and the turn's: {said}")
+        got = redis.hgetall(params)
+        check("travel.bad" not in got and json.loads(got.get("travel.from", "null")) == "Nairobi",
+              f"the merge's params, without the field left out: {got}")
+
+
 async def part_lock_values(app, redis, rules):
     """The dialog's lock holding what chatgate did not write (docs/state.md, "The dialog
     lease"): a value that is no ticket is another holder's lease until it lapses; a value
@@ -526,6 +560,7 @@ async def main(args_):
             await independent(part_lifetimes(app, redis, rules))
             await independent(part_parts_deleted(app, redis, rules))
             await independent(part_unreadable(app, redis, rules))
+            await independent(part_rewrite_over(app, redis, rules))
             await independent(part_lock_values(app, redis, rules))
     finally:
         redis.cleanup(keep=True)

@@ -83,6 +83,9 @@ struct redis_req {
     int lease_lost;    /* save: refused for a lease another gateway took (-2): its turn began
                         * before that gateway's, so Redis's copy counts as the newer one */
     char *merge_rev;   /* save of a merge: the rev of Redis's copy it merged with ("" none) */
+    char *base_rev;    /* load: the rev of Redis's copy it read (or found the same), NULL for
+                        * none; save: the rev the turn's load read, kept with its lease, which
+                        * a rewrite under that lease must still find (save mode 4) */
     char *release_after; /* save of a merge: the turn's lease, which the merge's write does not
                           * carry; let go once that is answered, so no one waits for it to lapse */
     char *ticket;      /* a turn's load: its place in the line for the lease, "<holder>#<n>" */
