@@ -89,7 +89,9 @@ const char *cg_redis_link_name(const cg_redis_link *ln)
 
 int cg_redis_link_up(const cg_redis_link *ln)
 {
-    return ln && ln->state == L_UP && !ln->closing;
+    /* closing, an up link drains until its deadline: what requests in flight still send (a
+     * save's merge, a lease let go) goes too; the store takes no new request meanwhile */
+    return ln && ln->state == L_UP;
 }
 
 int cg_redis_link_pending(const cg_redis_link *ln)
@@ -148,7 +150,7 @@ static void on_cmd_reply(cg_redis_conn *c, void *reply_, void *priv)
     redisReply *reply = reply_;
     cmd_unlink(k);
     if (reply && reply->type == REDIS_REPLY_ERROR && k->script && strncmp(reply->str, "NOSCRIPT", 8) == 0 &&
-        ln->state == L_UP && !ln->closing) {
+        ln->state == L_UP) {
         /* the node that answered lacks the script: once more as EVAL, to the slot's node */
         size_t len;
         char *eval = as_eval(k, &len);

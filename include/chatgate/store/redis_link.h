@@ -58,7 +58,8 @@ typedef struct cg_redis_link_config {
 
 /* Starts connecting (from the loop); NULL out of memory. */
 cg_redis_link *cg_redis_link_open(const cg_redis_link_config *cfg);
-/* Commands can go now. */
+/* Commands can go now: connected, and not closed (a link closing drains its commands in
+ * flight for up to a second, and takes theirs meanwhile: a save's merge, a lease let go). */
 int cg_redis_link_up(const cg_redis_link *ln);
 /* Sends a whole RESP command whose keys are in slot; 0, or -1 when the link is down (cb is
  * then never called). cb gets the answer, or NULL when the link went down first. */
