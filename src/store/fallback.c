@@ -150,7 +150,7 @@ static void dirty_del(cg_fallback *fb, const char *key)
     if (!entry)
         return;
     fb->dirty_bytes -= (long)json_integer_value(json_object_get(entry, "b"));
-    cg_memstore_pin(fb->mem, key, 0); /* Redis has its turns now, or they are given up */
+    cg_memstore_pin(fb->mem, key, CG_MEMSTORE_UNPIN); /* Redis has its turns now, or they are given up */
     json_object_del(fb->dirty, key);
     dirty_gauges(fb);
 }
@@ -162,7 +162,9 @@ static void dirty_bound(cg_fallback *fb)
     long max_dialogs = fb->st->cfg.max_dialogs, dropped = 0;
     while (json_object_size(fb->dirty) > 0 &&
            ((long)json_object_size(fb->dirty) > max_dialogs || fb->dirty_bytes > fb->dirty_max_bytes)) {
-        dirty_del(fb, json_object_iter_key(json_object_iter(fb->dirty)));
+        const char *key = json_object_iter_key(json_object_iter(fb->dirty));
+        cg_memstore_pin(fb->mem, key, CG_MEMSTORE_UNPIN_OLDEST); /* the least recently written */
+        dirty_del(fb, key);
         fb->st->stats.writeback_dropped_bound++;
         dropped++;
     }
@@ -192,7 +194,7 @@ static void mark_dirty(cg_fallback *fb, const char *key, const char *eu, const c
     fb->dirty_bytes += (long)bytes;
     /* the memory copy is the only one of its turns until the write-back: not evicted (the
      * dirty set's own bounds, below, bound these) */
-    cg_memstore_pin(fb->mem, key, 1);
+    cg_memstore_pin(fb->mem, key, CG_MEMSTORE_PIN);
     dirty_bound(fb);
     dirty_gauges(fb);
 }

@@ -2003,15 +2003,14 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     /* a turn's rewrite under its lease while the gateway holds no copy with a rev (evicted
      * since the load, or the load left parts out): only over the rev that load read, since a
      * write-back or merge of another gateway (no lease) may have landed meanwhile */
-    const char *over = from < 0 && !copy.rev && !r->merge_rev && !r->version && r->lease_value ? r->base_rev : NULL;
+    int base_unknown = r->base_unknown || cg_fallback_base_unknown(rs->fb, r->key);
+    const char *over = from < 0 && !copy.rev && !r->merge_rev && !base_unknown && !r->version && r->lease_value
+                           ? r->base_rev
+                           : NULL;
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
     cg_argv_int(&a, (long long)d->created_at);
     cg_argv_int(&a, (long long)d->last_activity);
-    cg_argv_str(&a, r->merge_rev                                                    ? "3"
-                : r->base_unknown || cg_fallback_base_unknown(rs->fb, r->key) ? "2"
-                : r->version                                                  ? "1"
-                : over                                                        ? "4"
-                                                                              : "0");
+    cg_argv_str(&a, r->merge_rev ? "3" : base_unknown ? "2" : r->version ? "1" : over ? "4" : "0");
     cg_argv_int(&a, (long long)lt->params_s);
     cg_argv_int(&a, (long long)lt->dialog_s);
     cg_argv_int(&a, (long long)lt->history_s);
@@ -2343,7 +2342,7 @@ static void limit_end(redis_store *rs, const char *eu, const cg_limits *lim, uin
     (void)lim;
     (void)local;
     int64_t now = cg_store_now_ms(&rs->base);
-    if (cg_redis_linked(rs) && !rs->closing) {
+    if (cg_redis_linked(rs)) { /* closing too: the link drains, and the place is let go */
         cg_limit_clock c;
         cg_limit_clock_at(now, &c);
         cg_argv a = {0};

@@ -16,8 +16,8 @@
  * bound alone is still kept, until the next write pushes it out. Nor is a pinned one
  * (cg_memstore_pin): the Redis store's dialogs written while Redis was away, whose memory
  * copy is the only one of their turns until the write-back. Those wait in a list of their
- * own, out of eviction's way, and are bounded by the write-back set's bounds instead (the
- * table holds at most max_store_bytes of the rest beside them).
+ * own, out of eviction's way, and are bounded by the write-back set's bounds instead: the
+ * bounds count the rest, which the table holds beside them (pinned_count, pinned_bytes).
  *
  * The store's ops answer on the next loop iteration (a zero timer), never from inside the
  * call, as store.h promises.
@@ -54,6 +54,8 @@ struct cg_memstore {
     TAILQ_HEAD(mem_list, mem_entry) order;
     struct mem_list pinned; /* entries not to evict, in the order they were pinned */
     long count;
+    long pinned_count;   /* of count, the pinned entries, which the bounds do not count */
+    size_t pinned_bytes; /* of bytes, theirs */
     long max_dialogs;
     size_t max_bytes;
     size_t bytes; /* the sum of the entries' bytes */
@@ -145,12 +147,25 @@ static void entry_touch(cg_memstore *m, mem_entry *e)
     TAILQ_INSERT_TAIL(list_of(m, e), e, order);
 }
 
+/* e's bytes come (by +1) to the pinned share of the totals, or go (-1), when it is pinned. */
+static void pinned_add(cg_memstore *m, const mem_entry *e, int by)
+{
+    if (!e->pinned)
+        return;
+    m->pinned_count += by;
+    if (by > 0)
+        m->pinned_bytes += e->bytes;
+    else
+        m->pinned_bytes -= e->bytes < m->pinned_bytes ? e->bytes : m->pinned_bytes;
+}
+
 /* Removes e from the table and frees it, taking its bytes off the total. */
 static void entry_drop(cg_memstore *m, mem_entry *e)
 {
     user_count_add(m, e->key, -1);
     json_object_del(m->index, e->key);
     TAILQ_REMOVE(list_of(m, e), e, order);
+    pinned_add(m, e, -1);
     m->count--;
     m->bytes -= e->bytes < m->bytes ? e->bytes : m->bytes;
     publish_bytes(m);
@@ -172,19 +187,18 @@ void cg_memstore_free(cg_memstore *m)
     free(m);
 }
 
-/* Which bound is passed, if any: "count", "bytes" or NULL. */
+/* Which bound the entries not pinned pass, if any: "count", "bytes" or NULL. */
 static const char *over_bound(const cg_memstore *m)
 {
-    if (m->count > m->max_dialogs)
+    if (m->count - m->pinned_count > m->max_dialogs)
         return "count";
-    if (m->bytes > m->max_bytes)
+    if (m->bytes - m->pinned_bytes > m->max_bytes)
         return "bytes";
     return NULL;
 }
 
 /* Evicts least recently used entries until both bounds hold, never keep (the entry just
- * written) nor a pinned one: with only those left, the table stays over its bounds until
- * they are unpinned (the pinned are bounded by their owner). */
+ * written; it alone may pass them) nor a pinned one (not counted: their owner bounds them). */
 static void evict(cg_memstore *m, const mem_entry *keep)
 {
     const char *reason;
@@ -343,14 +357,17 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
         return;
     }
     size_t before = e->bytes;
+    pinned_add(m, e, -1); /* its weight changes: counted again below */
     if (entry_set(m, e, had, d, now, rev, renewed, shared) < 0) {
         /* what was held is older than what the caller has: better none than a stale one */
+        pinned_add(m, e, +1); /* unchanged: entry_drop takes it off */
         entry_drop(m, e);
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
     }
     m->bytes -= before < m->bytes ? before : m->bytes;
     m->bytes += e->bytes;
+    pinned_add(m, e, +1);
     entry_touch(m, e); /* most recently used */
     if (!had)
         rooms_bound(m, e);
@@ -377,14 +394,20 @@ void cg_memstore_del(cg_memstore *m, const char *key)
         entry_drop(m, e);
 }
 
-void cg_memstore_pin(cg_memstore *m, const char *key, int pinned)
+void cg_memstore_pin(cg_memstore *m, const char *key, cg_memstore_pinning how)
 {
     mem_entry *e = entry_find(m, key);
-    if (!e || e->pinned == !!pinned)
+    int pinned = how == CG_MEMSTORE_PIN;
+    if (!e || e->pinned == pinned)
         return;
     TAILQ_REMOVE(list_of(m, e), e, order);
-    e->pinned = !!pinned;
-    TAILQ_INSERT_TAIL(list_of(m, e), e, order); /* unpinned: as if just used */
+    pinned_add(m, e, -1);
+    e->pinned = pinned;
+    pinned_add(m, e, +1);
+    if (how == CG_MEMSTORE_UNPIN_OLDEST)
+        TAILQ_INSERT_HEAD(list_of(m, e), e, order);
+    else
+        TAILQ_INSERT_TAIL(list_of(m, e), e, order);
 }
 
 /* Drops list's entries whose key starts with prefix (n bytes); how many. */

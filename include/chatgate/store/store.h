@@ -373,10 +373,16 @@ typedef struct cg_memstore_view {
 /* Fills v from key's live entry; 0 when there is none (v all NULL and 0). */
 int cg_memstore_view_of(cg_memstore *m, const char *key, int64_t now, cg_memstore_view *v);
 void cg_memstore_del(cg_memstore *m, const char *key);
-/* Pins key's entry (pinned 1: never evicted by the bounds; it still lapses with its lifetime
- * and goes with a delete) or lets it go back to the use order (0, as if just used). For
- * dialogs whose only copy is this one (the write-back's): their owner bounds them. */
-void cg_memstore_pin(cg_memstore *m, const char *key, int pinned);
+/* How cg_memstore_pin moves an entry. */
+typedef enum cg_memstore_pinning {
+    CG_MEMSTORE_PIN,          /* never evicted, nor counted by the bounds (it still lapses
+                               * with its lifetime, and goes with a delete) */
+    CG_MEMSTORE_UNPIN,        /* back in the use order, as if just used */
+    CG_MEMSTORE_UNPIN_OLDEST, /* back in the use order, the first to evict */
+} cg_memstore_pinning;
+/* Pins key's entry, or lets it go back to the use order: for dialogs whose only copy is this
+ * one (the write-back's), whose owner bounds them. */
+void cg_memstore_pin(cg_memstore *m, const char *key, cg_memstore_pinning how);
 /* Deletes every dialog of user (keys "<escaped user>:..."); returns how many. */
 int cg_memstore_del_user(cg_memstore *m, const char *user);
 /* The rooms (names as given) of the dialogs whose key starts with prefix ("<escaped user>:"). */

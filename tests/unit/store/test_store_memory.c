@@ -337,63 +337,72 @@ static void test_rooms_bound(void)
     cg_memstore_free(m);
 }
 
-/* A pinned dialog (the Redis store's written while Redis was away) is never evicted by the
- * bounds: the others go around it; it still lapses, is deleted, and once let go is evictable
- * again, as if just used. */
+/* A pinned dialog (the Redis store's written while Redis was away) is never evicted, nor
+ * counted by the bounds: the others go around it, up to the bounds beside it; it still
+ * lapses and goes with a delete, and once let go it is evictable again, as if just used or
+ * as the oldest. */
 static void test_pinned(void)
 {
     cg_lifetimes lt;
     cg_lifetimes_default(&lt);
     cg_store_stats stats = {0};
-    cg_memstore *m = cg_memstore_new(3, &lt, &stats);
+    cg_memstore *m = cg_memstore_new(2, &lt, &stats);
     int existed;
     put_dialog(m, "a", 0, "A");
-    cg_memstore_pin(m, "a", 1);
-    cg_memstore_pin(m, "nobody", 1); /* no entry: nothing to pin */
+    cg_memstore_pin(m, "a", CG_MEMSTORE_PIN);
+    cg_memstore_pin(m, "nobody", CG_MEMSTORE_PIN); /* no entry: nothing to pin */
     put_dialog(m, "b", 0, "B");
-    put_dialog(m, "c", 0, "C");
-    put_dialog(m, "d", 1, "D"); /* over the bound: b goes, not the older a */
-    CHECK(stats.evictions == 1 && cg_memstore_count(m) == 3);
+    put_dialog(m, "c", 0, "C"); /* two beside a: within the bound */
+    CHECK(cg_memstore_count(m) == 3 && stats.evictions == 0);
+    put_dialog(m, "d", 1, "D"); /* b goes, not the older a */
+    CHECK(cg_memstore_count(m) == 3 && stats.evictions == 1);
     from_of(m, "b", 2, &existed);
     CHECK(!existed);
     CHECK_STR(from_of(m, "a", 2, &existed), "A"); /* read: still pinned */
     put_dialog(m, "a", 2, "A2");                  /* written again: still pinned */
     put_dialog(m, "e", 3, "E");                   /* c goes */
-    put_dialog(m, "f", 3, "F");                   /* d goes */
-    put_dialog(m, "g", 3, "G");                   /* e goes */
-    CHECK(stats.evictions == 4);
+    CHECK(stats.evictions == 2);
     CHECK_STR(from_of(m, "a", 4, &existed), "A2");
 
-    /* only pinned ones and the newest: the table stays over its bound, nothing pinned goes */
-    cg_memstore_pin(m, "f", 1);
-    cg_memstore_pin(m, "g", 1);
-    put_dialog(m, "h", 5, "H"); /* 4 held, 3 allowed: the newest is kept */
-    CHECK(cg_memstore_count(m) == 4 && stats.evictions == 4);
-    put_dialog(m, "i", 5, "I"); /* h goes, the only one not pinned but i */
-    CHECK(cg_memstore_count(m) == 4 && stats.evictions == 5);
-    from_of(m, "h", 6, &existed);
-    CHECK(!existed);
+    /* the bounds count none of the pinned: two more beside them, nothing evicted */
+    cg_memstore_pin(m, "d", CG_MEMSTORE_PIN);
+    cg_memstore_pin(m, "e", CG_MEMSTORE_PIN);
+    put_dialog(m, "f", 5, "F");
+    put_dialog(m, "g", 5, "G");
+    CHECK(cg_memstore_count(m) == 5 && stats.evictions == 2);
 
-    /* let go: evictable again, as if just used (i is older now) */
-    cg_memstore_pin(m, "f", 0);
-    put_dialog(m, "j", 7, "J"); /* over: i goes, then f */
-    CHECK(cg_memstore_count(m) == 3 && stats.evictions == 7);
-    from_of(m, "f", 8, &existed);
+    /* let go as the oldest: the first to go at the next write */
+    cg_memstore_pin(m, "d", CG_MEMSTORE_UNPIN_OLDEST);
+    put_dialog(m, "h", 6, "H"); /* d and f go */
+    CHECK(cg_memstore_count(m) == 4 && stats.evictions == 4);
+    from_of(m, "d", 7, &existed);
     CHECK(!existed);
-    CHECK_STR(from_of(m, "g", 8, &existed), "G");
+    from_of(m, "f", 7, &existed);
+    CHECK(!existed);
+    /* let go as just used: the others go first */
+    cg_memstore_pin(m, "e", CG_MEMSTORE_UNPIN);
+    put_dialog(m, "i", 8, "I"); /* g and h go */
+    CHECK(cg_memstore_count(m) == 3 && stats.evictions == 6);
+    CHECK_STR(from_of(m, "e", 9, &existed), "E");
+
+    /* the byte bound counts none of the pinned either */
+    cg_memstore_set_max_bytes(m, cg_memstore_bytes(m));
+    cg_memstore_pin(m, "e", CG_MEMSTORE_PIN);
+    put_dialog(m, "j", 9, "J"); /* the bytes of e are off the count: room for j beside i */
+    CHECK(stats.evictions_bytes == 0 && cg_memstore_count(m) == 4);
 
     /* a pinned one is listed among its user's rooms, still lapses, and goes with a delete or
      * its user's */
     put_dialog(m, "u:x", 9, "X");
-    cg_memstore_pin(m, "u:x", 1);
+    cg_memstore_pin(m, "u:x", CG_MEMSTORE_PIN);
     json_t *rooms = cg_memstore_rooms(m, "u:");
     CHECK(json_array_size(rooms) == 1 && strcmp(json_string_value(json_array_get(rooms, 0)), "x") == 0);
     json_decref(rooms);
     CHECK(cg_memstore_del_user(m, "u") == 1);
     from_of(m, "u:x", 9, &existed);
     CHECK(!existed);
-    cg_memstore_del(m, "g");
-    from_of(m, "g", 9, &existed);
+    cg_memstore_del(m, "e");
+    from_of(m, "e", 9, &existed);
     CHECK(!existed);
     from_of(m, "a", 9 + lt.dialog_s, &existed);
     CHECK(!existed);
