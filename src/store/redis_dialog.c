@@ -1329,9 +1329,9 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * else -4), "4" a turn's rewrite under its lease when the gateway holds no copy with a rev
  * (evicted since its load, or the load left parts out): written only over the rev that load
  * read, ARGV[22], else -3, merged (a write-back or merge of another gateway holds no lease,
- * so the lease alone does not say that no one wrote meanwhile), 4-6 params_s, dialog_s, history_s, 7 turn_count, 8 message_count,
- * 9 service, 10 "1" when there is a service, 11 last_tool_result, 12-13 awaiting and its EX
- * (0: none), 14-15 soft and its EX, 16 the number of params (-1: appending, the params are
+ * so the lease alone does not say that no one wrote meanwhile), 4-6 params_s, dialog_s,
+ * history_s, 7 turn_count, 8 message_count, 9 service, 10 "1" when there is a service, 11
+ * last_tool_result, 12-13 awaiting and its EX (0: none), 14-15 soft and its EX, 16 the number of params (-1: appending, the params are
  * those of Redis's copy, and only their rev is written), 17 the lease this save must
  * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
  * long the rooms set lives, 20 usage (JSON, "null" for none), 21 the rev this save writes,
