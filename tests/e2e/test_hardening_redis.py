@@ -12,8 +12,9 @@ Covers:
   away (a fresh gateway, so memory has a blank one) is not written over Redis's copy; a
   dialog whose write-back max_dialogs drops is not written back (reason="bound"); one
   written during the outage stays in memory past max_store_bytes (pinned: the dialogs
-  Redis has are evicted instead) and every turn of it reaches Redis; an older copy held by one gateway through an outage is
-  not written over a newer copy another gateway wrote meanwhile (last_activity);
+  Redis has are evicted instead) and every turn of it reaches Redis; an older copy held by
+  one gateway through an outage is not written over a newer copy another gateway wrote
+  meanwhile (last_activity);
 - behind twemproxy (defect 5): nutcracker with hash_tag "{}" in front of Redis (the user's
   profile too: written by its script, read with HGETALL, deleted with the user): saves and
   loads work (a dialog survives a gateway restart), DELETE /admin/users works, the store
