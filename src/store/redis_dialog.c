@@ -1331,8 +1331,9 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * read, ARGV[22], else -3, merged (a write-back or merge of another gateway holds no lease,
  * so the lease alone does not say that no one wrote meanwhile), 4-6 params_s, dialog_s,
  * history_s, 7 turn_count, 8 message_count, 9 service, 10 "1" when there is a service, 11
- * last_tool_result, 12-13 awaiting and its EX (0: none), 14-15 soft and its EX, 16 the number of params (-1: appending, the params are
- * those of Redis's copy, and only their rev is written), 17 the lease this save must
+ * last_tool_result, 12-13 awaiting and its EX (0: none), 14-15 soft and its EX, 16 the
+ * number of params (-1: appending, the params are those of Redis's copy, and only their rev
+ * is written), 17 the lease this save must
  * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
  * long the rooms set lives, 20 usage (JSON, "null" for none), 21 the rev this save writes,
  * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten;
@@ -1428,10 +1429,8 @@ static const char save_script[] =
     "    elseif redis.call('LLEN', KEYS[5]) ~= had then\n"
     "      return -3\n"
     "    end\n"
-    "  elseif ARGV[3] == '3' then\n" /* a merge: only over the copy it merged with */
-    "    if (redis.call('HGET', KEYS[1], 'rev') or '') ~= ARGV[22] then return -4 end\n"
-    "  elseif ARGV[3] == '4' then\n" /* a turn's rewrite: only over the copy its load read */
-    "    if redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] then return -3 end\n"
+    "  elseif ARGV[3] == '3' or ARGV[3] == '4' then\n" /* a merge, a turn's rewrite: only over the copy read */
+    "    if (redis.call('HGET', KEYS[1], 'rev') or '') ~= ARGV[22] then return ARGV[3] == '3' and -4 or -3 end\n"
     "  else\n"
     "    local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
     "    if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
@@ -2000,17 +1999,19 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
      * (rewriting the hash was a sixth of the save's work in Redis) */
     int params_same = from >= 0 && copy.params && json_equal(copy.params, d->params);
 
-    /* a turn's rewrite under its lease while the gateway holds no copy with a rev (evicted
-     * since the load, or the load left parts out): only over the rev that load read, since a
-     * write-back or merge of another gateway (no lease) may have landed meanwhile */
-    int base_unknown = r->base_unknown || cg_fallback_base_unknown(rs->fb, r->key);
-    const char *over = from < 0 && !copy.rev && !r->merge_rev && !base_unknown && !r->version && r->lease_value
-                           ? r->base_rev
-                           : NULL;
+    /* the save script's mode (its comment). 4: a turn's rewrite under its lease while the
+     * gateway holds no copy with a rev (evicted since the load, or the load left parts out),
+     * only over the rev that load read, since a write-back or merge of another gateway (no
+     * lease) may have landed meanwhile */
+    char mode = r->merge_rev                                                    ? '3'
+                : r->base_unknown || cg_fallback_base_unknown(rs->fb, r->key) ? '2'
+                : r->version                                                  ? '1'
+                : from < 0 && !copy.rev && r->lease_value && r->base_rev      ? '4'
+                                                                              : '0';
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
     cg_argv_int(&a, (long long)d->created_at);
     cg_argv_int(&a, (long long)d->last_activity);
-    cg_argv_str(&a, r->merge_rev ? "3" : base_unknown ? "2" : r->version ? "1" : over ? "4" : "0");
+    cg_argv_arg(&a, &mode, 1);
     cg_argv_int(&a, (long long)lt->params_s);
     cg_argv_int(&a, (long long)lt->dialog_s);
     cg_argv_int(&a, (long long)lt->history_s);
@@ -2040,7 +2041,7 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     if (!(r->rev = cg_jsonw_end(&rev, &rev_len)))
         abort();
     cg_argv_str(&a, r->rev);
-    cg_argv_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : over ? over : ""); /* the rev it must find */
+    cg_argv_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : mode == '4' ? r->base_rev : ""); /* the rev it must find */
     cg_argv_int(&a, (long long)(json_array_size(d->history)));
     cg_argv_int(&a, (long long)n_had);
     /* a rewrite makes its keys anew, and an awaiting or soft context that outlives the three

@@ -147,7 +147,13 @@ static void entry_touch(cg_memstore *m, mem_entry *e)
     TAILQ_INSERT_TAIL(list_of(m, e), e, order);
 }
 
-/* e's bytes come (by +1) to the pinned share of the totals, or go (-1), when it is pinned. */
+/* *total less n, never below 0. */
+static void bytes_less(size_t *total, size_t n)
+{
+    *total -= n < *total ? n : *total;
+}
+
+/* e (pinned) comes (by +1) to the pinned share of the totals, or goes (-1). */
 static void pinned_add(cg_memstore *m, const mem_entry *e, int by)
 {
     if (!e->pinned)
@@ -156,7 +162,7 @@ static void pinned_add(cg_memstore *m, const mem_entry *e, int by)
     if (by > 0)
         m->pinned_bytes += e->bytes;
     else
-        m->pinned_bytes -= e->bytes < m->pinned_bytes ? e->bytes : m->pinned_bytes;
+        bytes_less(&m->pinned_bytes, e->bytes);
 }
 
 /* Removes e from the table and frees it, taking its bytes off the total. */
@@ -167,7 +173,7 @@ static void entry_drop(cg_memstore *m, mem_entry *e)
     TAILQ_REMOVE(list_of(m, e), e, order);
     pinned_add(m, e, -1);
     m->count--;
-    m->bytes -= e->bytes < m->bytes ? e->bytes : m->bytes;
+    bytes_less(&m->bytes, e->bytes);
     publish_bytes(m);
     cg_dialog_free(&e->d);
     free(e->rev);
@@ -357,17 +363,18 @@ static void put(cg_memstore *m, const char *key, const cg_dialog *d, int64_t now
         return;
     }
     size_t before = e->bytes;
-    pinned_add(m, e, -1); /* its weight changes: counted again below */
     if (entry_set(m, e, had, d, now, rev, renewed, shared) < 0) {
         /* what was held is older than what the caller has: better none than a stale one */
-        pinned_add(m, e, +1); /* unchanged: entry_drop takes it off */
         entry_drop(m, e);
         cg_error("memory store: out of memory keeping a dialog; it was dropped");
         return;
     }
-    m->bytes -= before < m->bytes ? before : m->bytes;
+    bytes_less(&m->bytes, before); /* its new weight, in the total (and the pinned share) */
     m->bytes += e->bytes;
-    pinned_add(m, e, +1);
+    if (e->pinned) {
+        bytes_less(&m->pinned_bytes, before);
+        m->pinned_bytes += e->bytes;
+    }
     entry_touch(m, e); /* most recently used */
     if (!had)
         rooms_bound(m, e);
