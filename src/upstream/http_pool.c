@@ -64,6 +64,7 @@ struct cg_http_pool {
     int asked;           /* a transfer has a stop, an add or a resume to apply (apply_pending) */
     long open;           /* sockets open now */
     long busy;           /* transfers that hold a connection */
+    long added;          /* transfers in the multi handle: the connections they may hold */
     long server_keepalive_s; /* the last `Keep-Alive: timeout=N` heard, 0 when none */
     int in_curl;
     int freeing;
@@ -162,6 +163,37 @@ static int on_close_socket(void *userp, curl_socket_t fd)
 
 /* ---- the multi handle ------------------------------------------------------------------ */
 
+/*
+ * max_idle_connections bounds the idle connections. libcurl's CURLMOPT_MAXCONNECTS bounds
+ * its whole cache, busy connections included: when a transfer ends with the cache past it,
+ * libcurl walks every connection for the oldest idle one and closes it. Set to
+ * max_idle_connections, more replies at once than that closed each connection as its reply
+ * ended (the one just let go was the only idle one), so every message paid a new TCP and
+ * TLS connection, and each end a walk of them all. So the bound follows the transfers: libcurl
+ * reads it only when a transfer lets its connection go, while that transfer is still
+ * counted here (it leaves in finish_done), so the others' connections may be busy and
+ * max_idle_connections more may wait, the one let go among them. Set whenever the count
+ * changes. max_idle_connections 0 forbids reuse instead (cg_http_pool_easy), and the bound
+ * is libcurl's default.
+ */
+static void cache_bound(cg_http_pool *p)
+{
+    if (p->multi && p->cfg->max_idle_connections > 0)
+        curl_multi_setopt(p->multi, CURLMOPT_MAXCONNECTS,
+                          (p->added > 0 ? p->added - 1 : 0) + (long)p->cfg->max_idle_connections);
+}
+
+/* Puts the transfer into the multi handle; -1 when libcurl refuses it. */
+static int transfer_add(cg_http_pool *p, transfer *t)
+{
+    if (curl_multi_add_handle(p->multi, t->easy) != CURLM_OK)
+        return -1;
+    t->added = 1;
+    p->added++;
+    cache_bound(p);
+    return 0;
+}
+
 static int multi_open(cg_http_pool *p)
 {
     if (p->multi)
@@ -173,10 +205,7 @@ static int multi_open(cg_http_pool *p)
     curl_multi_setopt(p->multi, CURLMOPT_SOCKETDATA, p);
     curl_multi_setopt(p->multi, CURLMOPT_TIMERFUNCTION, on_curl_timer);
     curl_multi_setopt(p->multi, CURLMOPT_TIMERDATA, p);
-    /* the cache holds busy and idle connections; past the bound the oldest idle one closes
-     * when a transfer ends. 0 would mean libcurl's default: reuse is then forbidden instead. */
-    if (p->cfg->max_idle_connections > 0)
-        curl_multi_setopt(p->multi, CURLMOPT_MAXCONNECTS, (long)p->cfg->max_idle_connections);
+    cache_bound(p);
     return 0;
 }
 
@@ -221,8 +250,11 @@ static void arm_idle(cg_http_pool *p)
 /* The transfer leaves the pool: out of the multi handle, cleaned up, its owner told. */
 static void transfer_end(cg_http_pool *p, transfer *t, CURLcode result)
 {
-    if (t->added)
+    if (t->added) {
         curl_multi_remove_handle(p->multi, t->easy); /* an unfinished one's connection closes */
+        p->added--;
+        cache_bound(p);
+    }
     if (t->busy)
         p->busy--;
     LIST_REMOVE(t, link);
@@ -274,12 +306,9 @@ static void apply_pending(cg_http_pool *p)
             transfer_end(p, t, CURLE_ABORTED_BY_CALLBACK);
             continue;
         }
-        if (!t->added) {
-            if (curl_multi_add_handle(p->multi, t->easy) != CURLM_OK) {
-                transfer_end(p, t, CURLE_OUT_OF_MEMORY);
-                continue;
-            }
-            t->added = 1;
+        if (!t->added && transfer_add(p, t) < 0) {
+            transfer_end(p, t, CURLE_OUT_OF_MEMORY);
+            continue;
         }
         if (t->resume) {
             t->resume = 0;
@@ -399,11 +428,10 @@ int cg_http_pool_start(cg_http_pool *p, CURL *easy, cg_http_done_fn done, void *
     t->data = data;
     curl_easy_setopt(easy, CURLOPT_PRIVATE, t);
     if (!p->in_curl) {
-        if (curl_multi_add_handle(p->multi, easy) != CURLM_OK) {
+        if (transfer_add(p, t) < 0) {
             free(t);
             return -1;
         }
-        t->added = 1;
     } else {
         p->asked = 1;
         uv_timer_start(&p->kick, on_kick, 0, 0);

@@ -10,6 +10,11 @@ SLOW gets 60 words 100 ms apart. Covers, each on a gateway of its own:
   opened 1, reused 19, idle 1 for that upstream;
 - 6 clients at once on an upstream with max_idle_connections 2: 6 connections, and when all
   are answered only 2 stay open (the server sees the others close), idle 2 in /metrics;
+- more replies at once than max_idle_connections (2): while 3 slow replies stream, a 4th
+  client's 5 messages one after the other reuse one connection (4 connections in all).
+  max_idle_connections bounds the idle connections, not all of them: libcurl's
+  CURLMOPT_MAXCONNECTS counts the busy ones too, and set to 2 it closed each reply's
+  connection as it ended, so every message opened a new one (8 connections);
 - a cancel mid-reply: the server sees that connection close within 1 s; the next message
   is answered on a connection of its own (never the cancelled one);
 - a server answering `Connection: close`: a new connection for each of 5 messages, reused 0;
@@ -141,6 +146,32 @@ async def concurrent():
             await c.close()
 
 
+async def busier_than_idle():
+    async with PoolServer() as server, gateway(server, max_idle_connections=2) as gw:
+        slow = [await Client.connect(gw) for _ in range(3)]
+        quick = await Client.connect(gw)
+        with step("3 slow replies streaming; a 4th client's 5 messages reuse one connection"):
+            for i, c in enumerate(slow):
+                await c.send_message("SLOW please", mid=f"s{i}")
+            for i, c in enumerate(slow):
+                await c.recv_type("delta", f"s{i}")
+            check(server.accepted == 3, f"3 connections for the slow replies, got {server.accepted}")
+            for i in range(5):
+                (await quick.message(f"quick {i}", mid=f"q{i}")).expect_done()
+            check(server.accepted == 4,
+                  f"the 5 quick messages should share one kept connection (4 in all), the server accepted "
+                  f"{server.accepted}")
+            m = await metrics(gw)
+            check(m["reused_total"] == 4, f"pool metrics: {m}")
+        with step("the slow replies end whole; afterwards 2 connections kept"):
+            for i, c in enumerate(slow):
+                (await c.collect_turn(f"s{i}", timeout=20)).expect_done()
+            ok = await harness.wait_until(lambda: server.open == 2, 3.0)
+            check(ok, f"2 connections should stay open (max_idle_connections), the server has {server.open}")
+        for c in slow + [quick]:
+            await c.close()
+
+
 async def cancel():
     async with PoolServer() as server, gateway(server) as gw:
         client = await Client.connect(gw)
@@ -198,6 +229,7 @@ async def idle_timeout():
 async def main(args):
     await sequential()
     await concurrent()
+    await busier_than_idle()
     await cancel()
     await connection_close()
     await idle_timeout()

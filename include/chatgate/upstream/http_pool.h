@@ -20,7 +20,8 @@
  * CURLE_ABORTED_BY_CALLBACK, at once or (asked from inside libcurl) soon after. Until done
  * the transfer's own callbacks may still run.
  *
- * Idle connections: at most max_idle_connections are kept (CURLMOPT_MAXCONNECTS); one idle
+ * Idle connections: at most max_idle_connections are kept besides the busy ones
+ * (CURLMOPT_MAXCONNECTS, which counts both, follows the transfers running); one idle
  * longer than idle_keepalive_ms, or than the server's own `Keep-Alive: timeout=N` less a
  * second, is not used again (CURLOPT_MAXAGE_CONN, whole seconds); and when nothing has run
  * for idle_keepalive_ms the pool closes them all (libcurl itself closes an old one only when
