@@ -26,6 +26,7 @@ static void end(cg_wsclient *w, const cg_wsclient_end *e)
     if (w->state == CG_WSCLIENT_ENDED)
         return;
     w->state = CG_WSCLIENT_ENDED;
+    cg_keepalive_remove(w->conn.net->keepalive, &w->ka);
     if (w->resolve) {
         cg_resolve_abandon(w->resolve);
         w->resolve = NULL;
@@ -152,14 +153,22 @@ int cg_wsclient_callback(struct lws *wsi, enum lws_callback_reasons reason, void
         return 0;
     case LWS_CALLBACK_CLIENT_ESTABLISHED:
         w->state = CG_WSCLIENT_OPEN;
+        cg_keepalive_add(w->conn.net->keepalive, &w->ka, wsi);
         cg_wsconn_open(&w->conn, wsi); /* a close asked for meanwhile goes now */
         if (w->ops->opened)
             w->ops->opened(w);
         return 0;
     case LWS_CALLBACK_CLIENT_WRITEABLE:
+        /* a ping that is due goes first, but never after a close frame */
+        if (!cg_wsconn_closing(&w->conn) && cg_keepalive_writable(w->conn.net->keepalive, &w->ka) < 0)
+            return -1;
         return cg_wsconn_writable(&w->conn);
+    case LWS_CALLBACK_CLIENT_RECEIVE_PONG:
+        cg_keepalive_seen(w->conn.net->keepalive, &w->ka);
+        return 0;
     case LWS_CALLBACK_CLIENT_RECEIVE: {
         cg_flusher *f = w->conn.net->flush;
+        cg_keepalive_seen(w->conn.net->keepalive, &w->ka);
         on_receive(w, wsi, in, len);
         cg_flush_event_end(f, wsi); /* what it made for its client goes now (flush.h) */
         return 0;

@@ -203,6 +203,11 @@ void cg_wsconn_close(cg_wsconn *c, int code, const char *reason)
     }
 }
 
+int cg_wsconn_closing(const cg_wsconn *c)
+{
+    return closing(c);
+}
+
 void cg_wsconn_close_now(cg_wsconn *c, int code, const char *reason)
 {
     if (c->state == CG_WSCONN_CLOSE_SENT || !c->wsi)

@@ -384,6 +384,11 @@ int cg_dropin_client_writable(cg_dropin *d)
     return cg_wsconn_writable(&d->to_client);
 }
 
+int cg_dropin_client_closing(const cg_dropin *d)
+{
+    return cg_wsconn_closing(&d->to_client);
+}
+
 /* ---- frames to and from the app -------------------------------------------------------- */
 
 /*

@@ -21,6 +21,7 @@
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h> /* getppid */
 #include <stdio.h>
 #include <stdlib.h>
@@ -258,6 +259,8 @@ static void on_abort_tick(uv_timer_t *t)
         gw->srv.turn.store->ops->close(gw->srv.turn.store);
     gw->srv.turn.store = NULL;
     cg_flusher_close(&gw->srv.flusher);
+    if (gw->srv.net.keepalive) /* started */
+        cg_keepalive_close(gw->srv.net.keepalive);
 }
 
 void cg_gateway_abort(cg_gateway *gw)
@@ -327,6 +330,8 @@ static void gateway_stop(cg_gateway *gw)
     uv_close((uv_handle_t *)&gw->sig_int, NULL);
     uv_close((uv_handle_t *)&gw->sig_hup, NULL);
     cg_flusher_close(&gw->srv.flusher);
+    if (gw->srv.net.keepalive) /* started */
+        cg_keepalive_close(gw->srv.net.keepalive);
     cg_net_batch_free(&gw->srv.batch);
     cg_ruleset_unref(gw->srv.turn.rules);
     gw->srv.turn.rules = NULL;
@@ -495,6 +500,39 @@ static void set_mounts(cg_gateway *gw, const cg_config *cfg)
         gw->mount_healthz.mount_next = &gw->mount_admin;
 }
 
+/*
+ * The process's descriptor limit (soft RLIMIT_NOFILE), set before lws sizes its tables by it.
+ * lws 4.1.6 finds a socket's connection by its descriptor in a table as long as that limit.
+ * Given a smaller fd_limit_per_thread, it walks the table at every event instead of indexing
+ * it (unix-fds.c): with the shipped unit's LimitNOFILE=65536 and max_connections 1024, every
+ * event of every connection walked up to every connection. 8,000 idle connections spent a
+ * third of their CPU there (issue 39). So lws gets no fd limit: the limit is raised
+ * to what max_connections needs (a client and an upstream socket each, and room for kept-alive
+ * upstream connections, Redis and files) where the hard limit allows, and an unreasonable one
+ * (over 10 million, where lws falls back to 2,560) is lowered.
+ */
+static void set_fd_limit(const cg_config *cfg)
+{
+    rlim_t need = (rlim_t)cfg->max_connections * 2 + 1024;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) < 0)
+        return;
+    rlim_t want = rl.rlim_cur;
+    if (want < need)
+        want = rl.rlim_max != RLIM_INFINITY && rl.rlim_max < need ? rl.rlim_max : need;
+    if (want > 10000000)
+        want = need > (1 << 20) ? need : (1 << 20);
+    if (want != rl.rlim_cur) {
+        rl.rlim_cur = want;
+        if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
+            cg_warn("could not set the descriptor limit (ulimit -n) to %llu", (unsigned long long)want);
+    }
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < need)
+        cg_warn("max_connections %ld needs about %llu descriptors, and the limit (ulimit -n, LimitNOFILE) is %llu: "
+                "connections past it are refused",
+                cfg->max_connections, (unsigned long long)need, (unsigned long long)rl.rlim_cur);
+}
+
 /* The lws context on the gateway's loop, its vhost, and the admin listener when it has its
  * own; 0, or -1 (said). */
 static int start_lws(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
@@ -512,12 +550,12 @@ static int start_lws(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
     info.mounts = &gw->mount;
     info.user = &gw->srv; /* cg_server_of() */
     info.vhost_name = "chatgate";
-    info.fd_limit_per_thread = (unsigned int)(cfg->max_connections * 2 + 64);
+    set_fd_limit(cfg); /* and no fd_limit_per_thread: its comment says why */
     info.timeout_secs = 30;
-    /* WebSocket pings when a connection is quiet (proxies drop idle ones: nginx after 60 s),
-     * and a hang-up when nothing valid, not even a pong, came for idle_timeout_s */
-    gw->retry.secs_since_valid_ping = (uint16_t)cfg->ping_interval_s;
-    gw->retry.secs_since_valid_hangup = (uint16_t)cfg->idle_timeout_s;
+    /* No pings nor hang-ups of lws's: a zero policy turns them off for every connection
+     * accepted (the client ones get cg_net_connect's); the gateway's keepalive does them
+     * (core/keepalive.h: lws's walked every connection's timer at each ping and pong). */
+    memset(&gw->retry, 0, sizeof(gw->retry));
     info.retry_and_idle_policy = &gw->retry;
     info.connect_timeout_secs = 30;
     /* Header space: every header cut at max_header_bytes (so that one too long header ends
@@ -627,7 +665,10 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
     if (start_lws(gw, cfg, loop) < 0)
         return -1;
     gw->srv.net = (cg_net){.loop = loop, .lws = gw->lws, .vhost = gw->vhost, .flush = &gw->srv.flusher,
-                           .tls_ca = cfg->tls_ca};
+                           .keepalive = &gw->srv.keepalive, .tls_ca = cfg->tls_ca};
+    /* WebSocket pings when a connection is quiet (proxies drop idle ones: nginx after 60 s),
+     * and a hang-up when nothing, not even a pong, came for idle_timeout_s */
+    cg_keepalive_init(&gw->srv.keepalive, &gw->srv.net, (unsigned)cfg->ping_interval_s, (unsigned)cfg->idle_timeout_s);
     int flags = CG_LISTEN_DROPIN | (cg_worker_self() ? CG_LISTEN_SHARED : 0);
     if (cg_listener_open(&gw->srv, gw->vhost, cfg->listen_host, cfg->listen_port, flags, "listener") < 0)
         return -1;

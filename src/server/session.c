@@ -25,6 +25,7 @@
 #include "chatgate/core/buf.h"
 #include "chatgate/core/error.h"
 #include "chatgate/core/flush.h"
+#include "chatgate/core/keepalive.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/net.h"
 #include "chatgate/core/wsconn.h"
@@ -64,6 +65,7 @@ struct cg_session {
     unsigned long auto_id;
 
     cg_wsconn ws;      /* the frames to the client, and the one from it being reassembled */
+    cg_keepalive_item ka; /* its pings (keepalive.h) */
     cg_turns *turns;   /* the messages of this connection (turn.h); heap: a reply may outlive it (resume.h) */
     cg_parked *listening; /* the replies of gone connections this one resumed (resume.h) */
     cg_session *next, **pprev; /* in the process's open sessions (a resume finds a reply here) */
@@ -413,6 +415,7 @@ static void session_open(cg_session *s, struct lws *wsi)
     s->ws.frames_out = &srv->metrics.frames_out;
     s->ws.high = (size_t)srv->cfg->send_buffer;
     cg_wsconn_open(&s->ws, wsi);
+    cg_keepalive_add(srv->net.keepalive, &s->ka, wsi);
     snprintf(s->session_id, sizeof(s->session_id), "s_%lu", ++srv->session_seq);
     session_turns_new(s);
     s->next = open_sessions;
@@ -451,6 +454,7 @@ static void session_close(cg_session *s)
     if (!s->established)
         return;
     cg_server *srv = s->srv;
+    cg_keepalive_remove(srv->net.keepalive, &s->ka);
     if (s->dropin) {
         cg_dropin_close(s->dropin);
         s->dropin = NULL;
@@ -519,14 +523,23 @@ int cg_session_callback(struct lws *wsi, enum lws_callback_reasons reason, void 
     case LWS_CALLBACK_ESTABLISHED:
         session_open(s, wsi);
         return 0;
+    case LWS_CALLBACK_RECEIVE_PONG:
+        cg_keepalive_seen(s->srv->net.keepalive, &s->ka);
+        return 0;
     case LWS_CALLBACK_RECEIVE: {
         cg_flusher *f = s->srv->net.flush;
+        cg_keepalive_seen(s->srv->net.keepalive, &s->ka);
         session_on_receive(s, in, len);
         cg_flush_event_end(f, wsi); /* the message goes to its app now (core/flush.h) */
         return 0;
     }
-    case LWS_CALLBACK_SERVER_WRITEABLE:
+    case LWS_CALLBACK_SERVER_WRITEABLE: {
+        /* a ping that is due goes first, but never after a close frame */
+        int closing = s->dropin ? cg_dropin_client_closing(s->dropin) : cg_wsconn_closing(&s->ws);
+        if (!closing && cg_keepalive_writable(s->srv->net.keepalive, &s->ka) < 0)
+            return -1;
         return s->dropin ? cg_dropin_client_writable(s->dropin) : session_writable(s);
+    }
     case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
         return session_peer_close(s, in, len);
     case LWS_CALLBACK_CLOSED:

@@ -936,10 +936,16 @@ async def part_second_signal():
               f"(expected 0 at once)")
 
 
-async def raw_ws_watch(port, limit):
-    """A raw client: handshake, then read frames and never answer a ping. Returns (frames as
-    (seconds since the handshake, opcode, payload), seconds until the connection ended or
-    None, how it ended)."""
+def masked_text(text):
+    """A client's text frame (RFC 6455: masked), of under 126 bytes."""
+    data, mask = text.encode(), os.urandom(4)
+    return bytes([0x81, 0x80 | len(data)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+async def raw_ws_watch(port, limit, talk_every=None):
+    """A raw client: handshake, then read frames and never answer a ping; with talk_every,
+    it sends a context.get every that many seconds. Returns (frames as (seconds since the
+    handshake, opcode, payload), seconds until the connection ended or None, how it ended)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     key = base64.b64encode(os.urandom(16)).decode()
     writer.write((f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
@@ -950,6 +956,13 @@ async def raw_ws_watch(port, limit):
     t0 = time.monotonic()
     frames = []
     ended, how = None, "still open"
+
+    async def talk():
+        while True:
+            await asyncio.sleep(talk_every)
+            writer.write(masked_text('{"type":"context.get"}'))
+            await writer.drain()
+    talker = asyncio.ensure_future(talk()) if talk_every else None
     try:
         while True:
             left = t0 + limit - time.monotonic()
@@ -968,10 +981,12 @@ async def raw_ws_watch(port, limit):
                 break
     except asyncio.IncompleteReadError:
         ended, how = time.monotonic() - t0, "EOF"
+    except asyncio.TimeoutError:  # before OSError, which it is one of since Python 3.11
+        pass
     except (ConnectionError, OSError) as err:
         ended, how = time.monotonic() - t0, repr(err)
-    except asyncio.TimeoutError:
-        pass
+    if talker:
+        talker.cancel()
     writer.close()
     return frames, ended, how
 
@@ -992,7 +1007,11 @@ async def part_pings():
             async def raw_client():
                 return await raw_ws_watch(gw.port, 8.0)
 
-            _, (frames, ended, how) = await asyncio.gather(good_client(), raw_client())
+            async def talking_client():
+                return await raw_ws_watch(gw.port, 6.0, talk_every=1.0)
+
+            _, (frames, ended, how), (t_frames, t_ended, t_how) = await asyncio.gather(
+                good_client(), raw_client(), talking_client())
             opcodes = [op for _, op, _ in frames]
             pings = [t for t, op, _ in frames if op == 0x9]
             check(frames and frames[0][1] == 0x1 and b'"hello"' in frames[0][2],
@@ -1003,6 +1022,12 @@ async def part_pings():
             check(pings[0] < ended, f"the first ping ({pings[0]:.1f}s) should come before the hang-up ({ended:.1f}s)")
             check(2.5 <= ended <= 6.5, f"the silent client should be dropped about idle_timeout_s (3 s) after "
                   f"connecting; it ended ({how}) after {ended:.1f}s; pings at {[round(p, 1) for p in pings]}")
+            # any frame counts, not only a pong: lws's own keepalive counted pongs alone, and
+            # dropped this one after 3 s
+            answers = [p for _, op, p in t_frames if op == 0x1 and b'"context"' in p]
+            check(t_ended is None, f"a client that never answers pings but sends a frame every second should stay "
+                  f"open; it ended ({t_how}) after {t_ended:.1f}s" if t_ended is not None else "")
+            check(len(answers) >= 4, f"the talking client should have its context answers: {len(answers)}")
 
 
 async def main(args):

@@ -18,6 +18,7 @@ typedef struct cg_net {
     struct lws_context *lws;
     struct lws_vhost *vhost;
     struct cg_flusher *flush; /* output written once per loop iteration (flush.h) */
+    struct cg_keepalive *keepalive; /* pings of quiet WebSocket connections (keepalive.h) */
     const struct cg_tls_ca *tls_ca; /* CA certificates trusted besides the system's (tls_ca.h), or NULL */
 } cg_net;
 

@@ -17,6 +17,7 @@
  */
 #include <stddef.h>
 
+#include "chatgate/core/keepalive.h"
 #include "chatgate/core/net.h"
 #include "chatgate/core/wsconn.h"
 
@@ -61,6 +62,7 @@ typedef enum {
 
 struct cg_wsclient {
     cg_wsconn conn;   /* the frames, both ways (conn.owner is the owner too) */
+    cg_keepalive_item ka; /* its pings while open (keepalive.h) */
     const cg_wsclient_ops *ops;
     void *owner;
     cg_wsclient_state state;

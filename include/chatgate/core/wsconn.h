@@ -143,6 +143,8 @@ void cg_wsconn_wait(cg_wsconn *c, unsigned ms);
 /* Queues a close frame after what is queued (the reason is cut to what one holds); a no-op
  * when one is queued or sent already. */
 void cg_wsconn_close(cg_wsconn *c, int code, const char *reason);
+/* 1 once a close frame is queued or out: nothing more may be written but it. */
+int cg_wsconn_closing(const cg_wsconn *c);
 /* Writes a close frame now, from the connection's own callback: the answer to a peer's bad
  * close frame. What is queued is not written. */
 void cg_wsconn_close_now(cg_wsconn *c, int code, const char *reason);

@@ -44,6 +44,8 @@ void cg_dropin_client_refuse(cg_dropin *d, int code, const char *reason);
 /* The client connection is writable: writes what it takes (at shutdown, then a close frame);
  * -1 closes the connection. */
 int cg_dropin_client_writable(cg_dropin *d);
+/* 1 once the client's close frame is queued or out (wsconn.h, cg_wsconn_closing). */
+int cg_dropin_client_closing(const cg_dropin *d);
 /* The client is gone: the app connection goes too; d is freed when that is done. */
 void cg_dropin_close(cg_dropin *d);
 

@@ -16,6 +16,7 @@
 
 #include "chatgate/config/config.h"
 #include "chatgate/core/flush.h"
+#include "chatgate/core/keepalive.h"
 #include "chatgate/core/metrics.h"
 #include "chatgate/core/net.h"
 #include "chatgate/server/resume.h"
@@ -26,6 +27,7 @@ typedef struct cg_server {
     const cg_config *cfg;
     cg_net net;                /* the loop, lws context, vhost and flusher */
     cg_flusher flusher;        /* net.flush */
+    cg_keepalive keepalive;    /* net.keepalive: pings of quiet WebSocket connections */
     cg_net_batch batch;        /* frames written together (session.c); one loop, one at a time */
     cg_turn_env turn;          /* what every turn gets; points into the members below */
     cg_resume resume;          /* replies of clients gone mid-reply (resume.h) */
