@@ -29,12 +29,10 @@ static void unlink_item(cg_flush_item *it)
  * (cg_flush_request_event) is registered for it instead. */
 static void call(cg_flusher *f, cg_flush_item *it)
 {
-    if (f->serving && (it->owner == f->serving || (it->after_first && f->first))) {
+    if (f->serving && (it->owner == f->serving || (it->after_first && f->first)))
         cg_flush_request(f, it, it->flush);
-    } else {
-        it->after_first = 0; /* met: a later request starts afresh */
+    else
         it->flush(it);
-    }
 }
 
 /* Calls the flush of each item on *list, as the list was when called; at an event's end,

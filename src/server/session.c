@@ -144,17 +144,14 @@ static void session_send_delta(void *conn, const char *id, const char *text, siz
         cg_buf_append(&o->text, &have, &o->cap, text, len, len + 64);
         o->seq = seq;
         cg_wsconn_grew(&s->ws, len);
-    } else {
-        o = cg_calloc(1, sizeof(*o));
-        o->f.destroy = session_free_frame;
-        o->seq = seq;
-        o->delta_id = cg_strdup(id);
-        cg_buf_append(&o->text, &o->f.len, &o->cap, text, len, len + 64);
-        cg_wsconn_push(&s->ws, &o->f);
+        return;
     }
-    /* goes when the upstream's event that brought it ends (core/flush.h), which brought
-     * every delta it could go with; a last frame's wait for the store's commands is kept */
-    cg_wsconn_soon(&s->ws, s->ws.flush.pprev && s->ws.flush.after_first);
+    o = cg_calloc(1, sizeof(*o));
+    o->f.destroy = session_free_frame;
+    o->seq = seq;
+    o->delta_id = cg_strdup(id);
+    cg_buf_append(&o->text, &o->f.len, &o->cap, text, len, len + 64);
+    cg_wsconn_push(&s->ws, &o->f);
 }
 
 /*

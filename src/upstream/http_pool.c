@@ -30,7 +30,6 @@
 #include <openssl/ssl.h>
 
 #include "chatgate/core/alloc.h"
-#include "chatgate/core/flush.h"
 #include "chatgate/core/log.h"
 #include "chatgate/core/tls_ca.h"
 #include "chatgate/upstream/http_pool.h"
@@ -60,7 +59,6 @@ struct cg_http_pool {
     CURLM *multi;  /* NULL while no connection is open and nothing runs */
     CURLSH *share; /* TLS sessions and DNS answers, kept across multi handles */
     const cg_tls_ca *ca; /* trusted besides the system's CAs (tls_ca_file), or NULL */
-    cg_flusher *flush;   /* the clients' output of a socket's event goes at its end; or NULL */
     uv_timer_t curl_timer, kick, idle;
     LIST_HEAD(, transfer) transfers; /* every running transfer */
     int asked;           /* a transfer has a stop, an add or a resume to apply (apply_pending) */
@@ -334,12 +332,6 @@ static void socket_action(cg_http_pool *p, curl_socket_t fd, int events)
     finish_done(p);
     apply_pending(p);
     arm_idle(p);
-    /* the deltas read go to their clients now rather than after every other event of the
-     * iteration (core/flush.h): a socket has one event an iteration, so waiting could add
-     * no company, only delay (with thousands of streams, a delta waited for a thousand
-     * other sockets' reads) */
-    if (p->flush)
-        cg_flush_event_end(p->flush, p);
 }
 
 static void on_kick(uv_timer_t *t)
@@ -363,7 +355,7 @@ static CURLcode on_ssl_ctx(CURL *easy, void *ssl_ctx, void *data)
 }
 
 cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, const cg_tls_ca *ca,
-                               cg_flusher *flush, cg_metrics *metrics, int index)
+                               cg_metrics *metrics, int index)
 {
     static int curl_ready;
     if (!curl_ready) {
@@ -376,7 +368,6 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
     p->loop = loop;
     p->cfg = cfg;
     p->ca = ca;
-    p->flush = flush;
     p->metrics = metrics;
     p->index = index;
     p->share = curl_share_init();

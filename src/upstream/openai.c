@@ -753,7 +753,7 @@ static openai_state *state_of(cg_upstream *up)
     for (int i = 0; i < st->replicas.n; i++)
         ok &= (st->urls[i] = request_url(up->cfg->n_replicas ? up->cfg->replicas[i] : up->cfg->url)) != NULL;
     st->headers = request_headers(up->cfg);
-    st->pool = cg_http_pool_new(up->net->loop, up->cfg, up->net->tls_ca, up->net->flush, up->metrics, up->index);
+    st->pool = cg_http_pool_new(up->net->loop, up->cfg, up->net->tls_ca, up->metrics, up->index);
     if (!ok || !st->headers || !st->pool) {
         openai_close(up);
         up->state = NULL;

@@ -28,11 +28,8 @@
  * gateway had been through every event of the iteration, and then all of it at once. With
  * everything on two cores, bursts left a core idle a fifth of the time (issue 12: 7 to 10%
  * more turns a second with no rules). Nothing more is written than before: the frames that
- * wait are the ones that could still gain company (Redis commands, which go pipelined at
- * the iteration's end). A reply's deltas go at the end of the upstream event that brought
- * them too (issue 39's fifth round): one socket has one event an iteration, so they could
- * gain none, and with thousands of streams a delta waited for a thousand other sockets'
- * reads (stream.sh, 9,000 streams: delay p99 29.7 against 37.7 ms, A/B in one run).
+ * wait are the ones that could still gain company (deltas, and Redis commands, which go
+ * pipelined at the iteration's end).
  */
 #include <stdint.h>
 #include <uv.h>

@@ -34,18 +34,15 @@
 #include <uv.h>
 
 #include "chatgate/config/config.h"
-#include "chatgate/core/flush.h"
 #include "chatgate/core/metrics.h"
 
 typedef struct cg_http_pool cg_http_pool;
 typedef void (*cg_http_done_fn)(void *data, CURLcode result);
 
 /* A pool for the upstream cfg on loop, whose TLS connections trust ca (tls_ca_file, may be
- * NULL) besides the system's CAs; what a socket's event makes for the clients is written at
- * the event's end through flush (may be NULL: at the iteration's end); metrics (may be NULL)
- * gets its counters at index. NULL when libcurl cannot start. */
+ * NULL) besides the system's CAs; metrics (may be NULL) gets its counters at index. NULL
+ * when libcurl cannot start. */
 cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, const struct cg_tls_ca *ca,
-                               struct cg_flusher *flush,
                                cg_metrics *metrics, int index);
 
 /* A new easy handle with the pool's settings (its sockets, the TLS session share, the idle
