@@ -13,9 +13,11 @@
 
 static void on_tick(uv_timer_t *t);
 
-void cg_keepalive_init(cg_keepalive *k, const cg_net *net, unsigned ping_s, unsigned idle_s)
+void cg_keepalive_init(cg_keepalive *k, const cg_net *net, unsigned ping_s, unsigned idle_s,
+                       cg_metrics *metrics)
 {
     k->net = net;
+    k->metrics = metrics;
     k->ping_ms = (uint64_t)ping_s * 1000;
     k->idle_ms = (uint64_t)idle_s * 1000;
     TAILQ_INIT(&k->quiet);
@@ -77,6 +79,8 @@ static void on_tick(uv_timer_t *t)
     }
     while ((it = TAILQ_FIRST(&k->pinged)) && it->seen_ms + k->idle_ms <= now) {
         unlink_item(k, it);
+        if (k->metrics)
+            k->metrics->ws_idle_hangups++;
         /* abrupt, as a peer that answers nothing would not read a close frame: the owner
          * hears of it from lws's close callback, and removes its item (a no-op by then) */
         cg_net_kill_async(k->net, it->wsi, PENDING_TIMEOUT_USER_OK);
@@ -127,5 +131,9 @@ int cg_keepalive_writable(cg_keepalive *k, cg_keepalive_item *it)
     it->ping_due = 0;
     /* with a payload: lws 4.1 tells the protocol of no pong that comes back empty */
     unsigned char buf[LWS_PRE + 2] = {[LWS_PRE] = 'c', [LWS_PRE + 1] = 'g'};
-    return lws_write(it->wsi, buf + LWS_PRE, 2, LWS_WRITE_PING) < 2 ? -1 : 0;
+    if (lws_write(it->wsi, buf + LWS_PRE, 2, LWS_WRITE_PING) < 2)
+        return -1;
+    if (k->metrics)
+        k->metrics->ws_pings++;
+    return 0;
 }

@@ -668,7 +668,8 @@ int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char
                            .keepalive = &gw->srv.keepalive, .tls_ca = cfg->tls_ca};
     /* WebSocket pings when a connection is quiet (proxies drop idle ones: nginx after 60 s),
      * and a hang-up when nothing, not even a pong, came for idle_timeout_s */
-    cg_keepalive_init(&gw->srv.keepalive, &gw->srv.net, (unsigned)cfg->ping_interval_s, (unsigned)cfg->idle_timeout_s);
+    cg_keepalive_init(&gw->srv.keepalive, &gw->srv.net, (unsigned)cfg->ping_interval_s, (unsigned)cfg->idle_timeout_s,
+                      &gw->srv.metrics);
     int flags = CG_LISTEN_DROPIN | (cg_worker_self() ? CG_LISTEN_SHARED : 0);
     if (cg_listener_open(&gw->srv, gw->vhost, cfg->listen_host, cfg->listen_port, flags, "listener") < 0)
         return -1;

@@ -31,7 +31,9 @@
   than --shutdown-timeout-s is cut and the process still exits 0 in time; a second SIGTERM
   stops at once; pings: a client that answers them (the websockets library does) stays
   connected while idle, a raw client that never answers sees a ping and is dropped after
-  idle_timeout_s.
+  idle_timeout_s, and one that never answers but sends a frame every second stays (any
+  frame is a sign of life, core/keepalive.h); chatgate_ws_idle_hangups_total counts the one
+  dropped.
 """
 
 import asyncio
@@ -1028,6 +1030,11 @@ async def part_pings():
             check(t_ended is None, f"a client that never answers pings but sends a frame every second should stay "
                   f"open; it ended ({t_how}) after {t_ended:.1f}s" if t_ended is not None else "")
             check(len(answers) >= 4, f"the talking client should have its context answers: {len(answers)}")
+        with step("/metrics counts the pings and the one hang-up"):
+            m = await metrics(gw)
+            hangups, pings = m.value("chatgate_ws_idle_hangups_total"), m.value("chatgate_ws_pings_total")
+            check(hangups == 1, f"chatgate_ws_idle_hangups_total should be 1 (the silent client), got {hangups}")
+            check(pings >= 2, f"chatgate_ws_pings_total should count the pings of both quiet clients, got {pings}")
 
 
 async def main(args):

@@ -30,6 +30,8 @@
 #include <libwebsockets.h>
 #include <uv.h>
 
+#include "chatgate/core/metrics.h"
+
 struct cg_net;
 typedef struct cg_keepalive cg_keepalive;
 
@@ -54,12 +56,14 @@ struct cg_keepalive {
     uv_timer_t timer;
     uint64_t ping_ms, idle_ms;
     struct cg_keepalive_list quiet, pinged;
+    cg_metrics *metrics; /* ws_pings, ws_idle_hangups; or NULL */
     int closed;
 };
 
 /* Sets k up on net's loop: pings after ping_s of silence, a hang-up after idle_s (over
- * ping_s). */
-void cg_keepalive_init(cg_keepalive *k, const struct cg_net *net, unsigned ping_s, unsigned idle_s);
+ * ping_s), each counted in metrics (may be NULL). */
+void cg_keepalive_init(cg_keepalive *k, const struct cg_net *net, unsigned ping_s, unsigned idle_s,
+                       cg_metrics *metrics);
 /* Closes the timer; the items are let go (their connections are closing). */
 void cg_keepalive_close(cg_keepalive *k);
 

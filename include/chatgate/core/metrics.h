@@ -55,6 +55,8 @@ typedef struct cg_metrics {
     unsigned long rate_limited;
     unsigned long refused_connections;
     unsigned long unauthorized;
+    unsigned long ws_pings;        /* pings of quiet WebSocket connections, either end (keepalive.h) */
+    unsigned long ws_idle_hangups; /* connections closed for idle_timeout_s of silence */
     unsigned long degraded_warnings; /* store_degraded sent to clients */
     /* what the pipeline decided (docs/architecture.md, "Operations") */
     unsigned long awaiting_resolutions;
