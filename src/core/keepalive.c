@@ -102,13 +102,13 @@ void cg_keepalive_seen(cg_keepalive *k, cg_keepalive_item *it)
 {
     if (!k || k->closed || !it->wsi)
         return;
-    int was_empty = TAILQ_EMPTY(&k->quiet) && TAILQ_EMPTY(&k->pinged);
     unlink_item(k, it);
     it->seen_ms = uv_now(k->timer.loop);
     TAILQ_INSERT_TAIL(&k->quiet, it, link);
     it->state = CG_KEEPALIVE_QUIET;
-    /* a tail's deadline is the latest: the timer moves only for a first item */
-    if (was_empty || !uv_is_active((uv_handle_t *)&k->timer))
+    /* a tail's deadline is the latest: the timer, running while any item is watched, moves
+     * only for a first one */
+    if (!uv_is_active((uv_handle_t *)&k->timer))
         arm(k);
 }
 

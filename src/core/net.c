@@ -104,6 +104,8 @@ void cg_resolve_abandon(cg_resolve *r)
     r->done = NULL;
 }
 
+const lws_retry_bo_t cg_net_no_lws_keepalive;
+
 struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void *opaque, struct lws **pwsi)
 {
     struct lws_client_connect_info i;
@@ -120,10 +122,8 @@ struct lws *cg_net_connect(const cg_net *net, const cg_connect_spec *spec, void 
     i.local_protocol_name = spec->local_protocol;
     i.opaque_user_data = opaque;
     i.pwsi = pwsi;
-    /* no pings nor hang-ups of lws's: the keepalive's (keepalive.h); without a policy lws
-     * would use its context's default, a ping every 300 s */
-    static const lws_retry_bo_t no_validity;
-    i.retry_and_idle_policy = &no_validity;
+    /* without a policy lws would use its context's default, a ping every 300 s */
+    i.retry_and_idle_policy = &cg_net_no_lws_keepalive;
     return lws_client_connect_via_info(&i);
 }
 

@@ -552,11 +552,9 @@ static int start_lws(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop)
     info.vhost_name = "chatgate";
     set_fd_limit(cfg); /* and no fd_limit_per_thread: its comment says why */
     info.timeout_secs = 30;
-    /* No pings nor hang-ups of lws's: a zero policy turns them off for every connection
-     * accepted (the client ones get cg_net_connect's); the gateway's keepalive does them
-     * (core/keepalive.h: lws's walked every connection's timer at each ping and pong). */
-    memset(&gw->retry, 0, sizeof(gw->retry));
-    info.retry_and_idle_policy = &gw->retry;
+    /* no pings nor hang-ups of lws's: the gateway's keepalive does them (core/keepalive.h:
+     * lws's walked every connection's timer at each ping and pong) */
+    info.retry_and_idle_policy = &cg_net_no_lws_keepalive;
     info.connect_timeout_secs = 30;
     /* Header space: every header cut at max_header_bytes (so that one too long header ends
      * the parse normally and gets its 431), and room for several of them; lws allocates it

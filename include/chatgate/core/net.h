@@ -45,6 +45,10 @@ typedef struct cg_connect_spec {
     const char *local_protocol; /* our lws protocol that handles the connection */
 } cg_connect_spec;
 
+/* lws's pings and idle hang-up turned off (a policy of zeros), for the context's accepted
+ * connections and every client one: the keepalive does them (keepalive.h says why). */
+extern const lws_retry_bo_t cg_net_no_lws_keepalive;
+
 /* Starts an lws client connection as spec says, with opaque as the wsi's opaque user data;
  * lws stores the wsi in *pwsi before any callback. NULL on failure (a CLIENT_CONNECTION_ERROR
  * callback may already have run). */

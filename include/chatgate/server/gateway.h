@@ -26,7 +26,6 @@ struct cg_gateway {
     struct lws_http_mount mount, mount_metrics, mount_healthz, mount_admin;
     uv_timer_t drain;
     uint64_t drain_deadline; /* uv_now() */
-    lws_retry_bo_t retry;    /* lws's ping and idle policy: none (keepalive.h says why) */
     struct lws_protocols *protocols; /* built at start: the app's subprotocols are in it */
     struct lws_token_limits token_limits; /* each header's bound: max_header_bytes */
 };
