@@ -13,9 +13,41 @@
 
 static void on_tick(uv_timer_t *t);
 
+static void lws_want_writable(struct lws *wsi)
+{
+    lws_callback_on_writable(wsi);
+}
+
+static int lws_partial(struct lws *wsi)
+{
+    return lws_partial_buffered(wsi);
+}
+
+/* A ping with a payload: lws 4.1 tells the protocol of no pong that comes back empty. */
+static int lws_ping(struct lws *wsi)
+{
+    unsigned char buf[LWS_PRE + 2] = {[LWS_PRE] = 'c', [LWS_PRE + 1] = 'g'};
+    return lws_write(wsi, buf + LWS_PRE, 2, LWS_WRITE_PING) < 2 ? -1 : 0;
+}
+
+/* Abrupt, as a peer that answers nothing would not read a close frame: the owner hears of
+ * it from lws's close callback, and removes its item (a no-op by then). */
+static void lws_hang_up(const cg_net *net, struct lws *wsi)
+{
+    cg_net_kill_async(net, wsi, PENDING_TIMEOUT_USER_OK);
+}
+
+const cg_keepalive_io cg_keepalive_lws_io = {
+    .want_writable = lws_want_writable,
+    .partial = lws_partial,
+    .ping = lws_ping,
+    .hang_up = lws_hang_up,
+};
+
 void cg_keepalive_init(cg_keepalive *k, const cg_net *net, unsigned ping_s, unsigned idle_s,
                        cg_metrics *metrics)
 {
+    k->io = &cg_keepalive_lws_io;
     k->net = net;
     k->metrics = metrics;
     k->ping_ms = (uint64_t)ping_s * 1000;
@@ -75,15 +107,13 @@ static void on_tick(uv_timer_t *t)
         TAILQ_INSERT_TAIL(&k->pinged, it, link);
         it->state = CG_KEEPALIVE_PINGED;
         it->ping_due = 1;
-        lws_callback_on_writable(it->wsi);
+        k->io->want_writable(it->wsi);
     }
     while ((it = TAILQ_FIRST(&k->pinged)) && it->seen_ms + k->idle_ms <= now) {
         unlink_item(k, it);
         if (k->metrics)
             k->metrics->ws_idle_hangups++;
-        /* abrupt, as a peer that answers nothing would not read a close frame: the owner
-         * hears of it from lws's close callback, and removes its item (a no-op by then) */
-        cg_net_kill_async(k->net, it->wsi, PENDING_TIMEOUT_USER_OK);
+        k->io->hang_up(k->net, it->wsi);
     }
     arm(k);
 }
@@ -124,14 +154,12 @@ int cg_keepalive_writable(cg_keepalive *k, cg_keepalive_item *it)
 {
     if (!k || !it->ping_due || !it->wsi)
         return 0;
-    if (lws_partial_buffered(it->wsi)) { /* a frame is half out: the ping goes after it */
-        lws_callback_on_writable(it->wsi);
+    if (k->io->partial(it->wsi)) { /* a frame is half out: the ping goes after it */
+        k->io->want_writable(it->wsi);
         return 0;
     }
     it->ping_due = 0;
-    /* with a payload: lws 4.1 tells the protocol of no pong that comes back empty */
-    unsigned char buf[LWS_PRE + 2] = {[LWS_PRE] = 'c', [LWS_PRE + 1] = 'g'};
-    if (lws_write(it->wsi, buf + LWS_PRE, 2, LWS_WRITE_PING) < 2)
+    if (k->io->ping(it->wsi) < 0)
         return -1;
     if (k->metrics)
         k->metrics->ws_pings++;

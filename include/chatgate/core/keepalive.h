@@ -22,7 +22,8 @@
  * One thread: the loop's. A connection's item is its owner's (the session, the client
  * connection); the owner calls cg_keepalive_seen for every frame it receives and
  * cg_keepalive_writable first in its writable callback, which writes a ping that is due.
- * Every function takes k NULL (a cg_net without one: a unit test's) as a no-op.
+ * Every function takes k NULL (a cg_net without one: a unit test's) as a no-op. The socket
+ * is reached through a table (cg_keepalive_io): lws's, or a unit test's fake.
  */
 #include <stdint.h>
 #include <sys/queue.h>
@@ -51,7 +52,17 @@ typedef struct cg_keepalive_item {
 
 TAILQ_HEAD(cg_keepalive_list, cg_keepalive_item);
 
+/* The socket: lws's (cg_keepalive_lws_io), or a test's. */
+typedef struct cg_keepalive_io {
+    void (*want_writable)(struct lws *wsi);
+    int (*partial)(struct lws *wsi); /* bytes of an earlier write still wait in lws */
+    int (*ping)(struct lws *wsi);    /* writes a ping: 0, or -1 when the write failed */
+    void (*hang_up)(const struct cg_net *net, struct lws *wsi); /* closes it from the loop */
+} cg_keepalive_io;
+extern const cg_keepalive_io cg_keepalive_lws_io;
+
 struct cg_keepalive {
+    const cg_keepalive_io *io; /* cg_keepalive_lws_io, set by init */
     const struct cg_net *net; /* the loop, and lws for a hang-up */
     uv_timer_t timer;
     uint64_t ping_ms, idle_ms;
