@@ -108,8 +108,8 @@ static int timer_stopped(void)
 
 /* ---- the cases --------------------------------------------------------------------------- */
 
-#define PING_MS 40
-#define IDLE_MS 120
+#define PING_MS 100
+#define IDLE_MS 500 /* far from PING_MS: a slow machine's stall does not reorder the steps */
 
 static void test_pings_and_hang_ups(void)
 {
