@@ -305,6 +305,8 @@ static const figure_row figures[] = {
      "Dialogs never written back: over the bound, or gone from memory.", ST(writeback_dropped_bound, AS_ULONG)},
     {"chatgate_store_writeback_dropped_total", "reason=\"gone\"", "counter", NULL,
      ST(writeback_dropped_gone, AS_ULONG)},
+    {"chatgate_store_writeback_failures_total", NULL, "counter",
+     "Write-backs the store failed (an error answer, the link lost); each goes again.", ST(writeback_failed, AS_ULONG)},
     {"chatgate_store_save_conflicts_total", NULL, "counter", "Saves refused: Redis held another or a newer copy.",
      ST(save_conflicts, AS_ULONG)},
     {"chatgate_store_primary_switches_total", NULL, "counter",

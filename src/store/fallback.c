@@ -309,6 +309,7 @@ void cg_fallback_written(cg_fallback *fb, const char *key, long version, int wri
 
 void cg_fallback_writeback_failed(cg_fallback *fb, const char *key, long version)
 {
+    fb->st->stats.writeback_failed++;
     json_t *entry = json_object_get(fb->dirty, key);
     if (entry && json_integer_value(json_object_get(entry, "fv")) == version)
         json_object_del(entry, "fv"); /* this version, or a newer one written meanwhile: the tick sends it */

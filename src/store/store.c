@@ -156,6 +156,7 @@ void cg_store_stats_add(cg_store_stats *dst, const cg_store_stats *src, int gaug
     dst->evictions_rooms += src->evictions_rooms;
     dst->writeback_dropped_bound += src->writeback_dropped_bound;
     dst->writeback_dropped_gone += src->writeback_dropped_gone;
+    dst->writeback_failed += src->writeback_failed;
     dst->save_conflicts += src->save_conflicts;
     dst->lease_waits += src->lease_waits;
     dst->lease_lost += src->lease_lost;

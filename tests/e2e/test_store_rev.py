@@ -28,7 +28,9 @@ state app (harness FakeApp /state, no rules):
   the history at its full length (the list's count unchanged): the turn's save reads the rev
   under its own lease too, meets the other's and merges, so the next turn sees both;
 - a save answered with an error (Redis out of memory during the turn): the turn's lease is
-  let go at once, and the turn is kept (the next one sees it).
+  let go at once, and the turn is kept (the next one sees it); a write-back Redis keeps
+  refusing (an ACL that denies the scripts) goes again every second, each refusal counted in
+  chatgate_store_writeback_failures_total, and lands once Redis takes it.
 - lifetimes in Redis (docs/state.md, "Lifetimes in Redis"): a save within a sixtieth of the
   shortest lifetime of the last renewal leaves the keys' lifetimes as they are; a key gone
   during such a save (the dialog's hash, the rooms set) is made again with its lifetime, never
@@ -304,6 +306,31 @@ async def part_save_error(app, redis, rules):
             _, fwd = await turn(c, app, f"{user}3", "oom 3", "r")
             check(("user", "oom 2 [delay=1]") in history_pairs(fwd["history"]),
                   f"the turn whose save failed is kept (in memory, written back): {fwd['history']}")
+            await c.close()
+
+    with step("a write-back Redis keeps refusing (an ACL that denies the scripts) is sent again every second, "
+              "each refusal counted (chatgate_store_writeback_failures_total), and written once Redis takes it"):
+        user = "acl"
+        async with harness.Gateway(args(rules), config(app, redis), name="gw-acl") as gw:
+            c = await connect(gw, user)
+            await turn(c, app, f"{user}1", "acl 1", "r")
+            failed_before = metrics(gw).value("chatgate_store_writeback_failures_total")
+            redis.command("ACL", "SETUSER", "default", "-eval", "-evalsha")
+            try:
+                # the load is plain commands; the save is a script, refused: kept for the write-back
+                await turn(c, app, f"{user}2", "acl 2", "r")
+                refused = await harness.wait_until(
+                    lambda: metrics(gw).value("chatgate_store_writeback_failures_total") >= failed_before + 2, 5)
+                m = metrics(gw)
+                check(refused and m.value("chatgate_store_writeback_pending") == 1,
+                      "each refused try of the write-back should be counted, the dialog still pending: "
+                      f"{m.value('chatgate_store_writeback_failures_total') - failed_before} refusals, "
+                      f"{m.value('chatgate_store_writeback_pending')} pending")
+            finally:
+                redis.command("ACL", "SETUSER", "default", "+@all")
+            written = await harness.wait_until(lambda: metrics(gw).value("chatgate_store_writeback_pending") == 0, 5)
+            check(written and ("user", "acl 2") in redis_history(redis, user, "r"),
+                  f"the write-back should land once Redis takes scripts again: {redis_history(redis, user, 'r')}")
             await c.close()
 
 

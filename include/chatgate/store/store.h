@@ -108,6 +108,9 @@ typedef struct cg_store_stats {
     long writeback_pending, writeback_pending_bytes; /* dialogs written to memory only, now */
     unsigned long writeback_dropped_bound; /* dropped by the bound on those */
     unsigned long writeback_dropped_gone;  /* no longer in memory at the write-back: not written */
+    unsigned long writeback_failed;        /* write-backs the store failed (an error answer, the link
+                                            * lost): each goes again, so a count that keeps
+                                            * growing is a store that keeps refusing */
     unsigned long save_conflicts;          /* saves refused: Redis held another or a newer copy */
     unsigned long merges;                  /* saves that met another copy and merged with it */
     unsigned long merged_messages;         /* history messages those merges added to Redis's copy */

@@ -464,8 +464,10 @@ static void test_failed_writeback_goes_again(uv_loop_t *loop)
     CHECK(f.n == 1);
 
     /* the store failed it (an error answer): sent again a second after the last round */
+    unsigned long failed = f.st.stats.writeback_failed;
     cg_fallback_writeback_failed(fb, "u:a", f.got[0].version);
     CHECK(cg_fallback_is_dirty(fb, "u:a"));
+    CHECK(f.st.stats.writeback_failed == failed + 1); /* /metrics: chatgate_store_writeback_failures_total */
     cg_fallback_tick(fb, 5900);
     CHECK(f.n == 1);
     cg_fallback_tick(fb, 6000);
