@@ -755,16 +755,24 @@ static json_int_t message_ts(json_t *m)
     return json_integer_value(json_object_get(m, "ts"));
 }
 
-/* m is one of h's messages (the same role, content, time and marks)? */
-static int holds_message(json_t *h, json_t *m)
+/*
+ * Which of b's messages a holds: held[i] is 1 when b's i-th is one of a's (the same role,
+ * content, time and marks), each of a's standing for one of b's at most. So a message said
+ * twice in one second (a user's "yes", sent again) is two, not one: matched only by
+ * equality, the second was taken for the first, and a merge dropped that turn.
+ */
+static void held_in(json_t *a, json_t *b, unsigned char *held)
 {
-    size_t i;
-    json_t *k;
-    json_array_foreach(h, i, k) {
-        if (json_equal(k, m))
-            return 1;
+    size_t na = json_array_size(a), nb = json_array_size(b);
+    unsigned char *used = cg_calloc(na ? na : 1, 1);
+    for (size_t i = 0; i < nb; i++) {
+        held[i] = 0;
+        for (size_t k = 0; k < na && !held[i]; k++) {
+            if (!used[k] && json_equal(json_array_get(a, k), json_array_get(b, i)))
+                used[k] = held[i] = 1;
+        }
     }
-    return 0;
+    free(used);
 }
 
 /*
@@ -778,14 +786,16 @@ static json_t *history_union(json_t *a, json_t *b, long *added)
 {
     json_t *out = a ? json_copy(a) : json_array(); /* shallow: its messages are shared, never changed */
     size_t nb = json_array_size(b);
+    unsigned char *held = cg_calloc(nb ? nb : 1, 1);
+    held_in(a, b, held);
     *added = 0;
     for (size_t i = 0; out && i < nb;) {
-        if (holds_message(a, json_array_get(b, i))) {
+        if (held[i]) {
             i++;
             continue;
         }
         size_t end = i + 1;
-        while (end < nb && !holds_message(a, json_array_get(b, end)))
+        while (end < nb && !held[end])
             end++;
         json_int_t began = message_ts(json_array_get(b, i));
         size_t at = json_array_size(out);
@@ -800,12 +810,14 @@ static json_t *history_union(json_t *a, json_t *b, long *added)
         for (size_t k = i; k < end; k++, at++) {
             if (json_array_insert(out, at, json_array_get(b, k)) < 0) {
                 json_decref(out);
-                return NULL;
+                out = NULL;
+                break;
             }
         }
         *added += (long)(end - i);
         i = end;
     }
+    free(held);
     return out;
 }
 

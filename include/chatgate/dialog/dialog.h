@@ -134,7 +134,8 @@ void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content,
 /*
  * Merges two copies of one dialog that went separate ways (two gateways served it while the
  * store was switching, or a write-back meets a copy written meanwhile) into into: the
- * history is the union of both, each message once (the same role, content, time and marks),
+ * history is the union of both, each message once (the same role, content, time and marks;
+ * one said twice is two: each of into's stands for one of other's),
  * into's in its order and other's turns it lacks each put whole before into's first turn that
  * began after it, cut to lt->history_n; a param set on both sides
  * takes the value of the copy active last, a param on one side is kept; awaiting, soft

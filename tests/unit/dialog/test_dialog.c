@@ -544,6 +544,24 @@ static void test_merge_copies(void)
         CHECK_STR(json_string_value(json_object_get(json_array_get(e.history, i), "content")), order[i]);
     cg_dialog_free(&e);
     cg_dialog_free(&f);
+
+    /* a message said twice in one second ("yes", sent again, the same answer) is two: the
+     * copy that holds both gives the other its second turn */
+    cg_dialog once, twice;
+    cg_dialog_init(&once, 100);
+    cg_dialog_push_history(&once, "user", "book it", 130, &lt, NULL);
+    cg_dialog_push_history(&once, "user", "yes", 131, &lt, NULL);
+    cg_dialog_push_history(&once, "assistant", "done", 131, &lt, NULL);
+    CHECK(cg_dialog_copy(&twice, &once) == 0);
+    cg_dialog_push_history(&twice, "user", "yes", 131, &lt, NULL);
+    cg_dialog_push_history(&twice, "assistant", "done", 131, &lt, NULL);
+    CHECK(cg_dialog_merge(&once, &twice, &lt) == 2);
+    CHECK(json_array_size(once.history) == 5);
+    CHECK(cg_dialog_merge(&once, &twice, &lt) == 0); /* and once only */
+    CHECK(cg_dialog_merge(&twice, &once, &lt) == 0);
+    CHECK(json_array_size(twice.history) == 5);
+    cg_dialog_free(&once);
+    cg_dialog_free(&twice);
     cg_dialog_free(&a);
     cg_dialog_free(&b);
     cg_dialog_free(&c);
