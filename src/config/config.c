@@ -195,6 +195,8 @@ static const up_setting upstream_settings[] = {
      "OpenAI: N kept-alive connections held idle for the next request (0: a new one per message)"},
     {"idle_keepalive_ms", T_INT, UOFF(idle_keepalive_ms), 1000, 3600000,
      "OpenAI: MILLISECONDS before an idle kept connection is closed"},
+    {"replies_per_handle", T_INT, UOFF(replies_per_handle), 1, 100000,
+     "OpenAI: N replies at once that share one libcurl handle and its connections"},
     {"delay_ms", T_INT, UOFF(delay_ms), 0, 60000, "demo: MILLISECONDS between words (0: all at once)"},
     {"out_ms", T_INT, UOFF(out_ms), 100, 3600000, "MILLISECONDS a replica that failed is not picked"},
     {"max_attempts", T_INT, UOFF(max_attempts), 1, CG_MAX_REPLICAS, "N replicas one message may be sent to"},
@@ -460,6 +462,7 @@ static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, cha
     u->idle_timeout_ms = 60000;
     u->max_idle_connections = 16;
     u->idle_keepalive_ms = 30000;
+    u->replies_per_handle = 500;
     u->delay_ms = 30;
     u->api_key_env = cg_strdup("CHATGATE_UPSTREAM_API_KEY");
     u->system_prompt = cg_strdup("You are a helpful assistant.");

@@ -7,6 +7,15 @@
  * and every poll event or timer goes to curl_multi_socket_action, after which the finished
  * transfers are read off (finish_done).
  *
+ * A pool runs its transfers in lanes: a lane is one multi handle with its own connections,
+ * and takes at most cfg->replies_per_handle transfers at once, the first lane with room
+ * taking the next. libcurl 7.88 walks a multi handle's every connection at each transfer's
+ * start (for one to reuse) and end (curl_multi_remove_handle looks for connect-only ones),
+ * and hashes its sockets in 911 fixed slots: with 6,000 streams of 20 deltas, those walks
+ * were a quarter of the gateway's CPU (perf, issue 39). Lanes keep each walk to a lane's
+ * connections. A connection is reused within its lane only; with fewer transfers than a
+ * lane takes, every one runs in the first, as with one handle.
+ *
  * libcurl forbids adding or removing a transfer from inside any of its callbacks, and a
  * reply's callbacks reach the session, which may start the next message or cancel one. So
  * while the pool is inside libcurl (in_curl), start and stop only mark the transfer and the
@@ -34,8 +43,11 @@
 #include "chatgate/core/tls_ca.h"
 #include "chatgate/upstream/http_pool.h"
 
+typedef struct lane lane;
+
 typedef struct transfer {
     CURL *easy;
+    lane *lane;  /* the multi handle it runs in */
     cg_http_done_fn done;
     void *data;
     int added;   /* in the multi handle */
@@ -47,24 +59,36 @@ typedef struct transfer {
 
 typedef struct sock_watch {
     uv_poll_t poll;
-    cg_http_pool *pool;
+    lane *lane;
     curl_socket_t fd;
 } sock_watch;
+
+/* Lanes a pool may open: past LANES_MAX * replies_per_handle transfers, the emptiest lane
+ * takes the next. */
+#define LANES_MAX 64
+
+struct lane {
+    cg_http_pool *pool;
+    CURLM *multi;        /* NULL while no connection is open and nothing runs */
+    uv_timer_t curl_timer, idle;
+    long added;          /* transfers in the multi handle: the connections they may hold */
+    long transfers;      /* transfers it runs, added or waiting to be */
+    int ready;           /* its timers are initialised (a lane is set up at its first use) */
+};
 
 struct cg_http_pool {
     uv_loop_t *loop;
     const cg_upstream_config *cfg;
     cg_metrics *metrics;
     int index;
-    CURLM *multi;  /* NULL while no connection is open and nothing runs */
     CURLSH *share; /* TLS sessions and DNS answers, kept across multi handles */
     const cg_tls_ca *ca; /* trusted besides the system's CAs (tls_ca_file), or NULL */
-    uv_timer_t curl_timer, kick, idle;
+    uv_timer_t kick;
+    lane lanes[LANES_MAX];
     LIST_HEAD(, transfer) transfers; /* every running transfer */
     int asked;           /* a transfer has a stop, an add or a resume to apply (apply_pending) */
     long open;           /* sockets open now */
     long busy;           /* transfers that hold a connection */
-    long added;          /* transfers in the multi handle: the connections they may hold */
     long server_keepalive_s; /* the last `Keep-Alive: timeout=N` heard, 0 when none */
     int in_curl;
     int freeing;
@@ -79,14 +103,14 @@ static void update_idle(cg_http_pool *p)
 
 /* ---- sockets and timers ---------------------------------------------------------------- */
 
-static void socket_action(cg_http_pool *p, curl_socket_t fd, int events);
+static void socket_action(lane *l, curl_socket_t fd, int events);
 
 static void on_poll(uv_poll_t *h, int status, int events)
 {
     sock_watch *w = h->data;
     int flags = status < 0 ? CURL_CSELECT_ERR
                            : ((events & UV_READABLE) ? CURL_CSELECT_IN : 0) | ((events & UV_WRITABLE) ? CURL_CSELECT_OUT : 0);
-    socket_action(w->pool, w->fd, flags);
+    socket_action(w->lane, w->fd, flags);
 }
 
 static void watch_closed(uv_handle_t *h)
@@ -97,45 +121,42 @@ static void watch_closed(uv_handle_t *h)
 static int on_socket(CURL *easy, curl_socket_t fd, int what, void *userp, void *socketp)
 {
     (void)easy;
-    cg_http_pool *p = userp;
+    lane *l = userp;
     sock_watch *w = socketp;
     if (what == CURL_POLL_REMOVE) {
         if (w) {
-            curl_multi_assign(p->multi, fd, NULL);
+            curl_multi_assign(l->multi, fd, NULL);
             uv_close((uv_handle_t *)&w->poll, watch_closed);
         }
         return 0;
     }
     if (!w) {
         w = cg_calloc(1, sizeof(*w));
-        if (uv_poll_init_socket(p->loop, &w->poll, fd) < 0) {
+        if (uv_poll_init_socket(l->pool->loop, &w->poll, fd) < 0) {
             free(w);
             return -1;
         }
         uv_unref((uv_handle_t *)&w->poll); /* see cg_http_pool_new */
-        w->pool = p;
+        w->lane = l;
         w->fd = fd;
         w->poll.data = w;
-        curl_multi_assign(p->multi, fd, w);
+        curl_multi_assign(l->multi, fd, w);
     }
     int events = (what & CURL_POLL_IN ? UV_READABLE : 0) | (what & CURL_POLL_OUT ? UV_WRITABLE : 0);
     uv_poll_start(&w->poll, events, on_poll);
     return 0;
 }
 
-static void on_curl_timeout(uv_timer_t *t)
-{
-    socket_action(t->data, CURL_SOCKET_TIMEOUT, 0);
-}
+static void on_curl_timeout(uv_timer_t *t);
 
 static int on_curl_timer(CURLM *multi, long ms, void *userp)
 {
     (void)multi;
-    cg_http_pool *p = userp;
+    lane *l = userp;
     if (ms < 0)
-        uv_timer_stop(&p->curl_timer);
+        uv_timer_stop(&l->curl_timer);
     else
-        uv_timer_start(&p->curl_timer, on_curl_timeout, (uint64_t)ms, 0);
+        uv_timer_start(&l->curl_timer, on_curl_timeout, (uint64_t)ms, 0);
     return 0;
 }
 
@@ -161,7 +182,7 @@ static int on_close_socket(void *userp, curl_socket_t fd)
     return close(fd);
 }
 
-/* ---- the multi handle ------------------------------------------------------------------ */
+/* ---- the lanes' multi handles ----------------------------------------------------------- */
 
 /*
  * max_idle_connections bounds the idle connections. libcurl's CURLMOPT_MAXCONNECTS bounds
@@ -174,52 +195,54 @@ static int on_close_socket(void *userp, curl_socket_t fd)
  * counted here (it leaves in finish_done), so the others' connections may be busy and
  * max_idle_connections more may wait, the one let go among them. Set whenever the count
  * changes. max_idle_connections 0 forbids reuse instead (cg_http_pool_easy), and the bound
- * is libcurl's default.
+ * is libcurl's default. Each lane has its own cache and bound, so a pool keeps up to
+ * max_idle_connections idle in each lane that ran transfers in the last idle_keepalive_ms.
  */
-static void cache_bound(cg_http_pool *p)
+static void cache_bound(lane *l)
 {
-    if (p->multi && p->cfg->max_idle_connections > 0)
-        curl_multi_setopt(p->multi, CURLMOPT_MAXCONNECTS,
-                          (p->added > 0 ? p->added - 1 : 0) + (long)p->cfg->max_idle_connections);
+    if (l->multi && l->pool->cfg->max_idle_connections > 0)
+        curl_multi_setopt(l->multi, CURLMOPT_MAXCONNECTS,
+                          (l->added > 0 ? l->added - 1 : 0) + (long)l->pool->cfg->max_idle_connections);
 }
 
-/* Puts the transfer into the multi handle; -1 when libcurl refuses it. */
-static int transfer_add(cg_http_pool *p, transfer *t)
+/* Puts the transfer into its lane's multi handle; -1 when libcurl refuses it. */
+static int transfer_add(transfer *t)
 {
-    if (curl_multi_add_handle(p->multi, t->easy) != CURLM_OK)
+    lane *l = t->lane;
+    if (curl_multi_add_handle(l->multi, t->easy) != CURLM_OK)
         return -1;
     t->added = 1;
-    p->added++;
-    cache_bound(p);
+    l->added++;
+    cache_bound(l);
     return 0;
 }
 
-static int multi_open(cg_http_pool *p)
+static int multi_open(lane *l)
 {
-    if (p->multi)
+    if (l->multi)
         return 0;
-    p->multi = curl_multi_init();
-    if (!p->multi)
+    l->multi = curl_multi_init();
+    if (!l->multi)
         return -1;
-    curl_multi_setopt(p->multi, CURLMOPT_SOCKETFUNCTION, on_socket);
-    curl_multi_setopt(p->multi, CURLMOPT_SOCKETDATA, p);
-    curl_multi_setopt(p->multi, CURLMOPT_TIMERFUNCTION, on_curl_timer);
-    curl_multi_setopt(p->multi, CURLMOPT_TIMERDATA, p);
-    cache_bound(p);
+    curl_multi_setopt(l->multi, CURLMOPT_SOCKETFUNCTION, on_socket);
+    curl_multi_setopt(l->multi, CURLMOPT_SOCKETDATA, l);
+    curl_multi_setopt(l->multi, CURLMOPT_TIMERFUNCTION, on_curl_timer);
+    curl_multi_setopt(l->multi, CURLMOPT_TIMERDATA, l);
+    cache_bound(l);
     return 0;
 }
 
-/* Every idle connection closed: the multi handle goes with them (a new one comes with the
- * next transfer; the TLS sessions stay in the share). */
-static void multi_close(cg_http_pool *p)
+/* Every idle connection of the lane closed: its multi handle goes with them (a new one
+ * comes with its next transfer; the TLS sessions stay in the share). */
+static void multi_close(lane *l)
 {
-    if (!p->multi || !LIST_EMPTY(&p->transfers))
+    if (!l->multi || l->transfers > 0)
         return;
-    p->in_curl++;
-    curl_multi_cleanup(p->multi);
-    p->in_curl--;
-    p->multi = NULL;
-    uv_timer_stop(&p->curl_timer);
+    l->pool->in_curl++;
+    curl_multi_cleanup(l->multi);
+    l->pool->in_curl--;
+    l->multi = NULL;
+    uv_timer_stop(&l->curl_timer);
 }
 
 static long keepalive_ms(const cg_http_pool *p)
@@ -233,28 +256,33 @@ static long keepalive_ms(const cg_http_pool *p)
 
 static void on_idle_timeout(uv_timer_t *t)
 {
-    cg_http_pool *p = t->data;
-    if (LIST_EMPTY(&p->transfers) && p->open > 0)
-        cg_debug("upstream '%s': closing %ld idle connection(s)", p->cfg->name, p->open);
-    multi_close(p);
+    lane *l = t->data;
+    if (l->transfers == 0 && l->multi)
+        cg_debug("upstream '%s': closing the idle connections of lane %d (%ld open in all)", l->pool->cfg->name,
+                 (int)(l - l->pool->lanes), l->pool->open);
+    multi_close(l);
 }
 
-static void arm_idle(cg_http_pool *p)
+/* A lane with no transfer closes its connections after idle_keepalive_ms. */
+static void arm_idle(lane *l)
 {
-    if (!LIST_EMPTY(&p->transfers) || !p->multi)
-        uv_timer_stop(&p->idle);
+    if (l->transfers > 0 || !l->multi)
+        uv_timer_stop(&l->idle);
     else
-        uv_timer_start(&p->idle, on_idle_timeout, (uint64_t)keepalive_ms(p), 0);
+        uv_timer_start(&l->idle, on_idle_timeout, (uint64_t)keepalive_ms(l->pool), 0);
 }
 
 /* The transfer leaves the pool: out of the multi handle, cleaned up, its owner told. */
 static void transfer_end(cg_http_pool *p, transfer *t, CURLcode result)
 {
+    lane *l = t->lane;
     if (t->added) {
-        curl_multi_remove_handle(p->multi, t->easy); /* an unfinished one's connection closes */
-        p->added--;
-        cache_bound(p);
+        curl_multi_remove_handle(l->multi, t->easy); /* an unfinished one's connection closes */
+        l->added--;
+        cache_bound(l);
     }
+    l->transfers--;
+    arm_idle(l); /* its last transfer: its connections close after idle_keepalive_ms */
     if (t->busy)
         p->busy--;
     LIST_REMOVE(t, link);
@@ -274,13 +302,15 @@ static transfer *transfer_of(CURL *easy)
     return t;
 }
 
-/* The owners hear of their ended transfers; what they start or stop meanwhile waits (in_curl). */
-static void finish_done(cg_http_pool *p)
+/* The owners hear of the lane's ended transfers; what they start or stop meanwhile waits
+ * (in_curl). */
+static void finish_done(lane *l)
 {
+    cg_http_pool *p = l->pool;
     CURLMsg *msg;
     int left;
     p->in_curl++;
-    while (p->multi && (msg = curl_multi_info_read(p->multi, &left))) {
+    while (l->multi && (msg = curl_multi_info_read(l->multi, &left))) {
         if (msg->msg != CURLMSG_DONE)
             continue;
         transfer_end(p, transfer_of(msg->easy_handle), msg->data.result);
@@ -306,7 +336,7 @@ static void apply_pending(cg_http_pool *p)
             transfer_end(p, t, CURLE_ABORTED_BY_CALLBACK);
             continue;
         }
-        if (!t->added && transfer_add(p, t) < 0) {
+        if (!t->added && transfer_add(t) < 0) {
             transfer_end(p, t, CURLE_OUT_OF_MEMORY);
             continue;
         }
@@ -319,29 +349,66 @@ static void apply_pending(cg_http_pool *p)
     p->in_curl--;
 }
 
-static void socket_action(cg_http_pool *p, curl_socket_t fd, int events)
+static void socket_action(lane *l, curl_socket_t fd, int events)
 {
-    if (!p->multi)
+    cg_http_pool *p = l->pool;
+    if (!l->multi)
         return;
     int running;
     p->in_curl++;
-    curl_multi_socket_action(p->multi, fd, events, &running);
+    curl_multi_socket_action(l->multi, fd, events, &running);
     p->in_curl--;
     if (p->in_curl)
         return;
-    finish_done(p);
+    finish_done(l);
     apply_pending(p);
-    arm_idle(p);
+    arm_idle(l); /* an event of an idle lane's connection: idle from now */
+}
+
+static void on_curl_timeout(uv_timer_t *t)
+{
+    socket_action(t->data, CURL_SOCKET_TIMEOUT, 0);
 }
 
 static void on_kick(uv_timer_t *t)
 {
     cg_http_pool *p = t->data;
-    if (!p->multi)
-        return;
     apply_pending(p);
-    finish_done(p);
-    arm_idle(p);
+    for (int i = 0; i < LANES_MAX && p->lanes[i].ready; i++)
+        finish_done(&p->lanes[i]);
+}
+
+/* Sets up lane i at its first use: its timers (the pool's handles, closed with it). */
+static lane *lane_ready(cg_http_pool *p, int i)
+{
+    lane *l = &p->lanes[i];
+    if (!l->ready) {
+        l->pool = p;
+        uv_timer_init(p->loop, &l->curl_timer);
+        uv_timer_init(p->loop, &l->idle);
+        l->curl_timer.data = l->idle.data = l;
+        uv_unref((uv_handle_t *)&l->curl_timer); /* see cg_http_pool_new */
+        uv_unref((uv_handle_t *)&l->idle);
+        p->handles += 2;
+        l->ready = 1;
+    }
+    return l;
+}
+
+/* The lane of a new transfer: the first with room (replies_per_handle; a configuration
+ * made without it gets the default, 500), else, every lane full, the one running fewest. */
+static lane *lane_for_next(cg_http_pool *p)
+{
+    long per = p->cfg->replies_per_handle > 0 ? p->cfg->replies_per_handle : 500;
+    int emptiest = 0;
+    for (int i = 0; i < LANES_MAX; i++) {
+        lane *l = &p->lanes[i];
+        if (!l->ready || l->transfers < per)
+            return lane_ready(p, i);
+        if (l->transfers < p->lanes[emptiest].transfers)
+            emptiest = i;
+    }
+    return &p->lanes[emptiest];
 }
 
 /* ---- the API ---------------------------------------------------------------------------- */
@@ -377,17 +444,13 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
     }
     curl_share_setopt(p->share, CURLSHOPT_SHARE, CURL_LOCK_DATA_SSL_SESSION);
     curl_share_setopt(p->share, CURLSHOPT_SHARE, CURL_LOCK_DATA_DNS);
-    uv_timer_init(loop, &p->curl_timer);
     uv_timer_init(loop, &p->kick);
-    uv_timer_init(loop, &p->idle);
-    p->curl_timer.data = p->kick.data = p->idle.data = p;
-    p->handles = 3;
-    /* The pool's handles do not keep the loop running: at the gateway's stop, its sessions
-     * (whose calls these are) are gone first, and idle connections are not a reason to stay;
-     * cg_upstream_close (the gateway's stop) frees the pool. */
-    uv_unref((uv_handle_t *)&p->curl_timer);
+    p->kick.data = p;
+    p->handles = 1;
+    /* The pool's handles (the lanes' too) do not keep the loop running: at the gateway's
+     * stop, its sessions (whose calls these are) are gone first, and idle connections are
+     * not a reason to stay; cg_upstream_close (the gateway's stop) frees the pool. */
     uv_unref((uv_handle_t *)&p->kick);
-    uv_unref((uv_handle_t *)&p->idle);
     return p;
 }
 
@@ -420,15 +483,19 @@ CURL *cg_http_pool_easy(cg_http_pool *p)
 
 int cg_http_pool_start(cg_http_pool *p, CURL *easy, cg_http_done_fn done, void *data)
 {
-    if (p->freeing || multi_open(p) < 0)
+    if (p->freeing)
+        return -1;
+    lane *l = lane_for_next(p);
+    if (multi_open(l) < 0)
         return -1;
     transfer *t = cg_calloc(1, sizeof(*t));
     t->easy = easy;
+    t->lane = l;
     t->done = done;
     t->data = data;
     curl_easy_setopt(easy, CURLOPT_PRIVATE, t);
     if (!p->in_curl) {
-        if (transfer_add(p, t) < 0) {
+        if (transfer_add(t) < 0) {
             free(t);
             return -1;
         }
@@ -436,8 +503,9 @@ int cg_http_pool_start(cg_http_pool *p, CURL *easy, cg_http_done_fn done, void *
         p->asked = 1;
         uv_timer_start(&p->kick, on_kick, 0, 0);
     }
+    l->transfers++;
     LIST_INSERT_HEAD(&p->transfers, t, link);
-    uv_timer_stop(&p->idle);
+    uv_timer_stop(&l->idle);
     return 0;
 }
 
@@ -453,7 +521,6 @@ void cg_http_pool_stop(cg_http_pool *p, CURL *easy)
         return;
     }
     transfer_end(p, t, CURLE_ABORTED_BY_CALLBACK);
-    arm_idle(p);
 }
 
 void cg_http_pool_pause(cg_http_pool *p, CURL *easy, int paused)
@@ -531,8 +598,12 @@ void cg_http_pool_free(cg_http_pool *p)
     p->freeing = 1;
     while (!LIST_EMPTY(&p->transfers))
         transfer_end(p, LIST_FIRST(&p->transfers), CURLE_ABORTED_BY_CALLBACK);
-    multi_close(p);
-    uv_close((uv_handle_t *)&p->curl_timer, pool_handle_closed);
+    for (int i = 0; i < LANES_MAX && p->lanes[i].ready; i++) {
+        lane *l = &p->lanes[i];
+        multi_close(l);
+        l->curl_timer.data = l->idle.data = p; /* pool_handle_closed counts them */
+        uv_close((uv_handle_t *)&l->curl_timer, pool_handle_closed);
+        uv_close((uv_handle_t *)&l->idle, pool_handle_closed);
+    }
     uv_close((uv_handle_t *)&p->kick, pool_handle_closed);
-    uv_close((uv_handle_t *)&p->idle, pool_handle_closed);
 }

@@ -19,7 +19,11 @@ SLOW gets 60 words 100 ms apart. Covers, each on a gateway of its own:
   is answered on a connection of its own (never the cancelled one);
 - a server answering `Connection: close`: a new connection for each of 5 messages, reused 0;
 - idle_keepalive_ms 1000: the idle connection is closed by the gateway within 3 s, and
-  idle 0 in /metrics.
+  idle 0 in /metrics;
+- replies_per_handle 2 (libcurl handles of 2 replies each): 6 slow replies at once run in 3
+  handles, each answered whole; each handle keeps its own 2 idle connections (6 stay open,
+  where one handle kept 2), the next 6 messages at once reuse them (no new connection), and
+  idle_keepalive_ms closes every handle's.
 """
 
 import asyncio
@@ -226,6 +230,36 @@ async def idle_timeout():
         await client.close()
 
 
+async def lanes():
+    async with PoolServer() as server, gateway(server, max_idle_connections=2, replies_per_handle=2,
+                                               idle_keepalive_ms=1000) as gw:
+        clients = [await Client.connect(gw) for _ in range(6)]
+        with step("replies_per_handle 2: 6 slow replies at once run in 3 handles, each whole; "
+                  "each handle keeps its 2 idle connections"):
+            turns = await asyncio.gather(*(c.message("SLOW please", mid=f"l{i}", timeout=20)
+                                           for i, c in enumerate(clients)))
+            for t in turns:
+                t.expect_done()
+                check(len(t.terminal.get("text", "")) > 100, f"a slow reply should come whole: {t.describe()}")
+            check(server.accepted == 6, f"6 replies at once should need 6 connections, got {server.accepted}")
+            m = await metrics(gw)
+            check(server.open == 6 and m["idle"] == 6,
+                  f"each of the 3 handles should keep its 2 connections (6), the server has {server.open} open; {m}")
+        with step("the next 6 messages at once reuse them: no new connection"):
+            turns = await asyncio.gather(*(c.message("again", mid=f"a{i}") for i, c in enumerate(clients)))
+            for t in turns:
+                t.expect_done()
+            m = await metrics(gw)
+            check(server.accepted == 6 and m["reused_total"] == 6,
+                  f"no new connection expected: the server accepted {server.accepted}; {m}")
+        with step("idle_keepalive_ms 1000 closes every handle's connections"):
+            ok = await harness.wait_until(lambda: server.open == 0, 4.0)
+            m = await metrics(gw)
+            check(ok and m["idle"] == 0, f"every idle connection should close, the server has {server.open}; {m}")
+        for c in clients:
+            await c.close()
+
+
 async def main(args):
     await sequential()
     await concurrent()
@@ -233,6 +267,7 @@ async def main(args):
     await cancel()
     await connection_close()
     await idle_timeout()
+    await lanes()
 
 
 if __name__ == "__main__":

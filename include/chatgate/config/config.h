@@ -63,6 +63,7 @@ typedef struct cg_upstream_config {
     int idle_timeout_ms;
     int max_idle_connections; /* OpenAI: kept-alive connections held idle (16; 0 = none kept) */
     int idle_keepalive_ms;    /* OpenAI: an idle kept connection is closed after this (30 s) */
+    int replies_per_handle;   /* OpenAI: transfers one libcurl multi handle runs at once (500) */
     int delay_ms; /* demo: pause between words */
     cg_headers headers; /* openai, ws: sent on each request or handshake (headers.h) */
     /* replicas and failing over (docs/upstreams.md, "Replicas, retries and fallback"): the URLs of one

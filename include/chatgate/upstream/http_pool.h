@@ -11,8 +11,9 @@
  * not read to its end, or that answered `Connection: close` or HTTP/1.0, and retries a
  * request once on a fresh connection when a kept one turns out dead before any answer.
  *
- * The pool owns its multi handle, its uv handles and the sockets; a transfer (one easy
- * handle) is the caller's. cg_http_pool_start adds it: `done` is called once, from the
+ * The pool owns its multi handles (one for each replies_per_handle transfers at once, up to
+ * 64: http_pool.c says why), its uv handles and the sockets; a transfer (one easy handle) is
+ * the caller's. cg_http_pool_start adds it: `done` is called once, from the
  * loop and outside any libcurl callback, when the transfer ends by itself (the easy handle
  * is then cleaned up by the pool). cg_http_pool_stop takes it out early (a cancel, a
  * timeout, a reply we refuse); libcurl then closes its connection rather than keep it,
@@ -20,12 +21,12 @@
  * CURLE_ABORTED_BY_CALLBACK, at once or (asked from inside libcurl) soon after. Until done
  * the transfer's own callbacks may still run.
  *
- * Idle connections: at most max_idle_connections are kept besides the busy ones
- * (CURLMOPT_MAXCONNECTS, which counts both, follows the transfers running); one idle
+ * Idle connections: at most max_idle_connections are kept besides the busy ones, in each
+ * multi handle (CURLMOPT_MAXCONNECTS, which counts both, follows its transfers); one idle
  * longer than idle_keepalive_ms, or than the server's own `Keep-Alive: timeout=N` less a
  * second, is not used again (CURLOPT_MAXAGE_CONN, whole seconds); and when nothing has run
- * for idle_keepalive_ms the pool closes them all (libcurl itself closes an old one only when
- * it looks for a connection).
+ * in a multi handle for idle_keepalive_ms the pool closes all of its connections (libcurl
+ * itself closes an old one only when it looks for a connection).
  */
 #ifndef CHATGATE_UPSTREAM_HTTP_POOL_H
 #define CHATGATE_UPSTREAM_HTTP_POOL_H
