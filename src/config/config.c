@@ -462,7 +462,7 @@ static cg_upstream_config *upstream_upsert(cg_config *cfg, const char *name, cha
     u->idle_timeout_ms = 60000;
     u->max_idle_connections = 16;
     u->idle_keepalive_ms = 30000;
-    u->replies_per_handle = 500;
+    u->replies_per_handle = CG_REPLIES_PER_HANDLE;
     u->delay_ms = 30;
     u->api_key_env = cg_strdup("CHATGATE_UPSTREAM_API_KEY");
     u->system_prompt = cg_strdup("You are a helpful assistant.");

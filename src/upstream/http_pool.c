@@ -396,10 +396,10 @@ static lane *lane_ready(cg_http_pool *p, int i)
 }
 
 /* The lane of a new transfer: the first with room (replies_per_handle; a configuration
- * made without it gets the default, 500), else, every lane full, the one running fewest. */
+ * made without it gets the default), else, every lane full, the one running fewest. */
 static lane *lane_for_next(cg_http_pool *p)
 {
-    long per = p->cfg->replies_per_handle > 0 ? p->cfg->replies_per_handle : 500;
+    long per = p->cfg->replies_per_handle > 0 ? p->cfg->replies_per_handle : CG_REPLIES_PER_HANDLE;
     int emptiest = 0;
     for (int i = 0; i < LANES_MAX; i++) {
         lane *l = &p->lanes[i];
@@ -582,13 +582,23 @@ void cg_http_pool_header(cg_http_pool *p, const char *line, size_t len)
         p->server_keepalive_s = v;
 }
 
-static void pool_handle_closed(uv_handle_t *h)
+/* One of the pool's uv handles closed: the pool goes with the last. */
+static void handle_closed(cg_http_pool *p)
 {
-    cg_http_pool *p = h->data;
     if (--p->handles == 0) {
         curl_share_cleanup(p->share);
         free(p);
     }
+}
+
+static void pool_handle_closed(uv_handle_t *h)
+{
+    handle_closed(h->data);
+}
+
+static void lane_handle_closed(uv_handle_t *h)
+{
+    handle_closed(((lane *)h->data)->pool);
 }
 
 void cg_http_pool_free(cg_http_pool *p)
@@ -601,9 +611,8 @@ void cg_http_pool_free(cg_http_pool *p)
     for (int i = 0; i < LANES_MAX && p->lanes[i].ready; i++) {
         lane *l = &p->lanes[i];
         multi_close(l);
-        l->curl_timer.data = l->idle.data = p; /* pool_handle_closed counts them */
-        uv_close((uv_handle_t *)&l->curl_timer, pool_handle_closed);
-        uv_close((uv_handle_t *)&l->idle, pool_handle_closed);
+        uv_close((uv_handle_t *)&l->curl_timer, lane_handle_closed);
+        uv_close((uv_handle_t *)&l->idle, lane_handle_closed);
     }
     uv_close((uv_handle_t *)&p->kick, pool_handle_closed);
 }

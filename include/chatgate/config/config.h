@@ -44,6 +44,10 @@ typedef enum cg_upstream_kind {
     CG_UPSTREAM_WS,     /* ws:// or wss:// */
 } cg_upstream_kind;
 
+/* upstreams.NAME.replies_per_handle when the configuration does not say (docs/protocol.md,
+ * "Upstreams": why libcurl's handles take a bounded number of replies) */
+#define CG_REPLIES_PER_HANDLE 500
+
 typedef struct cg_upstream_config {
     char *name;
     char *url;
@@ -63,7 +67,7 @@ typedef struct cg_upstream_config {
     int idle_timeout_ms;
     int max_idle_connections; /* OpenAI: kept-alive connections held idle (16; 0 = none kept) */
     int idle_keepalive_ms;    /* OpenAI: an idle kept connection is closed after this (30 s) */
-    int replies_per_handle;   /* OpenAI: transfers one libcurl multi handle runs at once (500) */
+    int replies_per_handle;   /* OpenAI: transfers one libcurl multi handle runs at once */
     int delay_ms; /* demo: pause between words */
     cg_headers headers; /* openai, ws: sent on each request or handshake (headers.h) */
     /* replicas and failing over (docs/upstreams.md, "Replicas, retries and fallback"): the URLs of one
