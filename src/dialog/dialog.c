@@ -557,8 +557,8 @@ static size_t content_bytes(json_t *m)
     return json_string_length(json_object_get(m, "content"));
 }
 
-void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
-                            const cg_lifetimes *lt, json_t *extra)
+json_t *cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
+                               const cg_lifetimes *lt)
 {
     /* built member by member: json_pack reads its format string at every call, which was a
      * twentieth of a turn's instructions with no rules (callgrind, issue 12) */
@@ -567,21 +567,20 @@ void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content,
         json_object_set_new_nocheck(m, "content", cg_json_string(content)) < 0 ||
         json_object_set_new_nocheck(m, "ts", json_integer((json_int_t)ts)) < 0) {
         json_decref(m);
-        return; /* out of memory; content that is not UTF-8 never reaches here: it came from JSON */
+        return NULL; /* out of memory; content that is not UTF-8 never reaches here: it came from JSON */
     }
-    if (json_is_object(extra))
-        json_object_update(m, extra);
     int counted = d->text_of == d->history && d->text_n == json_array_size(d->history);
     size_t bytes = content_bytes(m);
     if (json_array_append_new(d->history, m) < 0)
-        return;
+        return NULL;
     d->text_bytes += bytes;
     while ((long)json_array_size(d->history) > lt->history_n) {
         d->text_bytes -= content_bytes(json_array_get(d->history, 0));
         json_array_remove(d->history, 0);
     }
     d->text_of = counted ? d->history : NULL;
-    d->text_n = json_array_size(d->history);
+    size_t n = d->text_n = json_array_size(d->history);
+    return n && json_array_get(d->history, n - 1) == m ? m : NULL; /* history_n 0 keeps none */
 }
 
 size_t cg_dialog_history_text(cg_dialog *d)

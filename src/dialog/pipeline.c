@@ -10,6 +10,7 @@
 
 #include "chatgate/core/alloc.h"
 #include "chatgate/core/error.h"
+#include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
 #include "chatgate/dialog/pipeline.h"
 
@@ -226,10 +227,9 @@ void cg_pipeline_begin(const cg_config *cfg, const cg_ruleset *rs, cg_dialog *d,
 
 void cg_pipeline_keep_user(cg_dialog *d, const char *text, const char *enriched, int64_t at, const cg_lifetimes *lt)
 {
-    /* a NULL extra (the pack failed) only leaves out the mark */
-    json_t *extra = enriched ? json_pack("{s:s}", "enriched", enriched) : NULL;
-    cg_dialog_push_history(d, "user", text, at, lt, extra);
-    json_decref(extra);
+    json_t *m = cg_dialog_push_history(d, "user", text, at, lt);
+    if (m && enriched) /* a mark that fails (out of memory) is only left out */
+        json_object_set_new_nocheck(m, "enriched", cg_json_string(enriched));
 }
 
 const char *const cg_outcome_names[CG_OUTCOME_FIELDS] = {

@@ -600,7 +600,7 @@ static void assistant_line(replay_ctx *c, const replay_transcript *t, const repl
         cg_dialog *d = &rd->side[k];
         if (l->state && cg_dialog_apply_directive(d, l->state, l->upstream, now, &c->lt, err[k], sizeof(err[k])) >= 0)
             err[k][0] = 0;
-        cg_dialog_push_history(d, "assistant", l->text, now, &c->lt, NULL);
+        cg_dialog_push_history(d, "assistant", l->text, now, &c->lt);
         d->last_activity = now;
     }
     /* said once when both sides refuse it alike (a mistake in the directive itself) */

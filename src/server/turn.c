@@ -493,13 +493,11 @@ static void turn_save(cg_turn *t, turn_end_kind end)
     cg_pipeline_keep_user(d, t->text, t->enriched, t->arrived, lt);
     annotate_user_message(t);
     if (end == END_DONE || ((end == END_CANCELLED || end == END_ENDED) && t->reply_len > 0)) {
-        json_t *extra = json_object();
-        if (end == END_CANCELLED)
-            json_object_set_new(extra, "cancelled", json_true());
-        if (q->backend == &upstream_backend && t->t_upstream) /* who answered (docs/state.md, History) */
-            json_object_set_new(extra, "upstream", cg_json_string(q->env->upstreams[t->route].cfg->name));
-        cg_dialog_push_history(d, "assistant", t->reply ? t->reply : "", now, lt, extra);
-        json_decref(extra);
+        json_t *reply = cg_dialog_push_history(d, "assistant", t->reply ? t->reply : "", now, lt);
+        if (reply && end == END_CANCELLED)
+            json_object_set_new_nocheck(reply, "cancelled", json_true());
+        if (reply && q->backend == &upstream_backend && t->t_upstream) /* who answered (docs/state.md, History) */
+            json_object_set_new_nocheck(reply, "upstream", cg_json_string(q->env->upstreams[t->route].cfg->name));
     }
     if (end == END_DONE || end == END_ABSORBED || end == END_ENDED) {
         d->turn_count++;

@@ -63,7 +63,7 @@ static double run(const cg_ruleset *rs, long iterations)
         const char *text = messages[i % N_MESSAGES];
         cg_dialog d;
         cg_dialog_init(&d, NOW);
-        cg_dialog_push_history(&d, "user", "What's the weather in Tokyo?", NOW, &lt, NULL);
+        cg_dialog_push_history(&d, "user", "What's the weather in Tokyo?", NOW, &lt);
         if (i % 4 == 0) {
             d.awaiting = json_pack("{s:s, s:[{s:s}, {s:s}], s:s}", "type", "selection", "options", "district",
                                    "Shibuya", "district", "Shinjuku", "source", "llm");

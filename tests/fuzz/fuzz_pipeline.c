@@ -53,7 +53,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                "district", "Shibuya", "name", "Shake Shack", "district", "Shinjuku", "source", "app");
         d.awaiting_expires = NOW + 60;
     }
-    cg_dialog_push_history(&d, "user", "What's the weather in Tokyo?", NOW - 10, &lt, NULL);
+    cg_dialog_push_history(&d, "user", "What's the weather in Tokyo?", NOW - 10, &lt);
     d.service = strdup("travel");
     cg_pipeline_result res;
     cg_pipeline_run(&cfg, rules, &d, f.text, NOW, &lt, &res);

@@ -127,9 +127,15 @@ int cg_dialog_forget(cg_dialog *d, json_t *keys);
 int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, int64_t now,
                               const cg_lifetimes *lt, char *err, size_t errlen);
 
-/* Appends one message to the history, keeping the last lt->history_n. extra may be NULL. */
-void cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
-                            const cg_lifetimes *lt, json_t *extra);
+/*
+ * Appends one message ({"role", "content", "ts"}) to the history, keeping the last
+ * lt->history_n. Returns it (d's), for the caller's marks (enriched, upstream, ...), set on it
+ * before anyone else sees it (history items never change once shared); NULL when out of
+ * memory or kept out (history_n 0). Marks set so, not handed in as an object to merge,
+ * cost a turn no objects of their own (json_pack and json_object_update, callgrind, issue 39).
+ */
+json_t *cg_dialog_push_history(cg_dialog *d, const char *role, const char *content, int64_t ts,
+                               const cg_lifetimes *lt);
 
 /*
  * Merges two copies of one dialog that went separate ways (two gateways served it while the

@@ -292,7 +292,7 @@ static void test_history_and_round_trip(void)
     char text[32];
     for (int i = 1; i <= 12; i++) {
         snprintf(text, sizeof(text), "m%d", i);
-        cg_dialog_push_history(&d, i % 2 ? "user" : "assistant", text, 100 + i, &lt, NULL);
+        cg_dialog_push_history(&d, i % 2 ? "user" : "assistant", text, 100 + i, &lt);
     }
     CHECK(json_array_size(d.history) == 10); /* FIFO at N = 10 */
     CHECK_STR(json_string_value(json_object_get(json_array_get(d.history, 0), "content")), "m3");
@@ -380,23 +380,23 @@ static void test_history_kept(void)
     json_t *empty = json_array();
     CHECK(cg_dialog_history_kept(empty, d.history) == 0); /* nothing kept: all of it new */
     for (int i = 1; i <= 4; i++)
-        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt, NULL);
+        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt);
     CHECK(cg_dialog_history_kept(empty, d.history) == 0);
     cg_dialog had;
     CHECK(cg_dialog_copy(&had, &d) == 0);
     CHECK(cg_dialog_history_kept(had.history, d.history) == 4); /* nothing new */
-    cg_dialog_push_history(&d, "user", "m5", 105, &lt, NULL);
-    cg_dialog_push_history(&d, "assistant", "m6", 106, &lt, NULL);
+    cg_dialog_push_history(&d, "user", "m5", 105, &lt);
+    cg_dialog_push_history(&d, "assistant", "m6", 106, &lt);
     CHECK(cg_dialog_history_kept(had.history, d.history) == 4);
     for (int i = 7; i <= 14; i++) /* past history_n (10): the window moves over 4 of had's */
-        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt, NULL);
+        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt);
     CHECK(json_array_size(d.history) == 10);
     CHECK(cg_dialog_history_kept(had.history, d.history) == -1); /* all of had gone */
     cg_dialog_free(&d);
     /* one of had's left at the front */
     CHECK(cg_dialog_copy(&d, &had) == 0);
     for (int i = 5; i <= 13; i++)
-        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt, NULL);
+        cg_dialog_push_history(&d, "user", "m", 100 + i, &lt);
     CHECK(json_array_size(d.history) == 10);
     CHECK(cg_dialog_history_kept(had.history, d.history) == 1);
     CHECK(json_array_get(d.history, 0) == json_array_get(had.history, 3));
@@ -404,7 +404,7 @@ static void test_history_kept(void)
     cg_dialog other;
     cg_dialog_init(&other, 100);
     for (int i = 1; i <= 4; i++)
-        cg_dialog_push_history(&other, "user", "m", 100 + i, &lt, NULL);
+        cg_dialog_push_history(&other, "user", "m", 100 + i, &lt);
     CHECK(cg_dialog_history_kept(had.history, other.history) == -1);
     /* a cleared history */
     json_array_clear(d.history);
@@ -441,9 +441,10 @@ static void test_history_text(void)
     for (int i = 0; i < 40; i++) {
         char text[64];
         snprintf(text, sizeof(text), "message %d %.*s", i, i % 13, "xxxxxxxxxxxxx");
-        json_t *extra = i % 5 == 0 ? json_pack("{s:b}", "cancelled", 1) : NULL;
-        cg_dialog_push_history(&d, i % 2 ? "assistant" : "user", text, 1000 + i, &small, extra);
-        json_decref(extra);
+        json_t *m = cg_dialog_push_history(&d, i % 2 ? "assistant" : "user", text, 1000 + i, &small);
+        CHECK(m && json_array_get(d.history, json_array_size(d.history) - 1) == m); /* the one pushed */
+        if (i % 5 == 0)
+            json_object_set_new(m, "cancelled", json_true());
         exact &= cg_dialog_history_text(&d) == text_counted(&d);
         if (i % 3 == 0) { /* the next turn's copy, as a load's */
             cg_dialog next;
@@ -479,15 +480,13 @@ static void test_merge_copies(void)
 {
     cg_dialog a, b;
     cg_dialog_init(&a, 100);
-    cg_dialog_push_history(&a, "user", "u1", 100, &lt, NULL);
-    cg_dialog_push_history(&a, "assistant", "a1", 101, &lt, NULL);
+    cg_dialog_push_history(&a, "user", "u1", 100, &lt);
+    cg_dialog_push_history(&a, "assistant", "a1", 101, &lt);
     CHECK(cg_dialog_copy(&b, &a) == 0); /* the common part */
-    cg_dialog_push_history(&a, "user", "from A", 110, &lt, NULL);
-    cg_dialog_push_history(&a, "assistant", "A's answer", 112, &lt, NULL);
-    cg_dialog_push_history(&b, "user", "from B", 111, &lt, NULL);
-    json_t *mark = json_pack("{s:b}", "cancelled", 1);
-    cg_dialog_push_history(&b, "assistant", "B's answer", 111, &lt, mark);
-    json_decref(mark);
+    cg_dialog_push_history(&a, "user", "from A", 110, &lt);
+    cg_dialog_push_history(&a, "assistant", "A's answer", 112, &lt);
+    cg_dialog_push_history(&b, "user", "from B", 111, &lt);
+    json_object_set_new(cg_dialog_push_history(&b, "assistant", "B's answer", 111, &lt), "cancelled", json_true());
     a.last_activity = 112;
     b.last_activity = 120;
     a.turn_count = 2;
@@ -533,11 +532,11 @@ static void test_merge_copies(void)
     /* a turn of the other copy that began before one of into's goes before it, whole */
     cg_dialog e, f;
     cg_dialog_init(&e, 100);
-    cg_dialog_push_history(&e, "user", "late", 120, &lt, NULL);
-    cg_dialog_push_history(&e, "assistant", "late answer", 121, &lt, NULL);
+    cg_dialog_push_history(&e, "user", "late", 120, &lt);
+    cg_dialog_push_history(&e, "assistant", "late answer", 121, &lt);
     cg_dialog_init(&f, 100);
-    cg_dialog_push_history(&f, "user", "early", 115, &lt, NULL);
-    cg_dialog_push_history(&f, "assistant", "early answer", 125, &lt, NULL);
+    cg_dialog_push_history(&f, "user", "early", 115, &lt);
+    cg_dialog_push_history(&f, "assistant", "early answer", 125, &lt);
     CHECK(cg_dialog_merge(&e, &f, &lt) == 2);
     const char *order[] = {"early", "early answer", "late", "late answer"};
     for (size_t i = 0; i < 4 && i < json_array_size(e.history); i++)
@@ -549,12 +548,12 @@ static void test_merge_copies(void)
      * copy that holds both gives the other its second turn */
     cg_dialog once, twice;
     cg_dialog_init(&once, 100);
-    cg_dialog_push_history(&once, "user", "book it", 130, &lt, NULL);
-    cg_dialog_push_history(&once, "user", "yes", 131, &lt, NULL);
-    cg_dialog_push_history(&once, "assistant", "done", 131, &lt, NULL);
+    cg_dialog_push_history(&once, "user", "book it", 130, &lt);
+    cg_dialog_push_history(&once, "user", "yes", 131, &lt);
+    cg_dialog_push_history(&once, "assistant", "done", 131, &lt);
     CHECK(cg_dialog_copy(&twice, &once) == 0);
-    cg_dialog_push_history(&twice, "user", "yes", 131, &lt, NULL);
-    cg_dialog_push_history(&twice, "assistant", "done", 131, &lt, NULL);
+    cg_dialog_push_history(&twice, "user", "yes", 131, &lt);
+    cg_dialog_push_history(&twice, "assistant", "done", 131, &lt);
     CHECK(cg_dialog_merge(&once, &twice, &lt) == 2);
     CHECK(json_array_size(once.history) == 5);
     CHECK(cg_dialog_merge(&once, &twice, &lt) == 0); /* and once only */
@@ -574,15 +573,15 @@ static void test_merge_same_second(void)
 {
     cg_dialog base, ahead, apart;
     cg_dialog_init(&base, 100);
-    cg_dialog_push_history(&base, "user", "from Kisumu", 100, &lt, NULL);
-    cg_dialog_push_history(&base, "assistant", "ok Kisumu", 100, &lt, NULL);
+    cg_dialog_push_history(&base, "user", "from Kisumu", 100, &lt);
+    cg_dialog_push_history(&base, "assistant", "ok Kisumu", 100, &lt);
     json_t *p = json_pack("{s:{s:s}}", "travel", "from", "Kisumu");
     CHECK(cg_dialog_merge_all_params(&base, p, &lt, NULL, 0) == 0);
     json_decref(p);
     CHECK(cg_dialog_copy(&ahead, &base) == 0);
     CHECK(cg_dialog_copy(&apart, &base) == 0);
-    cg_dialog_push_history(&ahead, "user", "from nowhere", 100, &lt, NULL);
-    cg_dialog_push_history(&ahead, "assistant", "ok nowhere", 100, &lt, NULL);
+    cg_dialog_push_history(&ahead, "user", "from nowhere", 100, &lt);
+    cg_dialog_push_history(&ahead, "assistant", "ok nowhere", 100, &lt);
     p = json_pack("{s:{s:s}}", "travel", "from", "nowhere");
     CHECK(cg_dialog_merge_all_params(&ahead, p, &lt, NULL, 0) == 0);
     json_decref(p);
@@ -604,7 +603,7 @@ static void test_merge_same_second(void)
     cg_dialog_free(&into);
 
     /* apart holds a turn of that second that ahead lacks: into (apart) keeps its value */
-    cg_dialog_push_history(&apart, "user", "from Mombasa", 100, &lt, NULL);
+    cg_dialog_push_history(&apart, "user", "from Mombasa", 100, &lt);
     p = json_pack("{s:{s:s}}", "travel", "from", "Mombasa");
     CHECK(cg_dialog_merge_all_params(&apart, p, &lt, NULL, 0) == 0);
     json_decref(p);

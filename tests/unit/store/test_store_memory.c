@@ -20,7 +20,7 @@ static void put_dialog(cg_memstore *m, const char *key, int64_t now, const char 
     cg_dialog_init(&d, now);
     json_t *p = json_pack("{s:s}", "from", from);
     cg_dialog_merge_params(&d, "travel", p, &lt, err, sizeof(err));
-    cg_dialog_push_history(&d, "user", "hi", now, &lt, NULL);
+    cg_dialog_push_history(&d, "user", "hi", now, &lt);
     cg_memstore_put_rev(m, key, &d, now, NULL, 0);
     json_decref(p);
     cg_dialog_free(&d);
@@ -134,7 +134,7 @@ static void put_sized(cg_memstore *m, const char *key, int64_t now, size_t n)
     char *text = malloc(n + 1);
     memset(text, 'x', n);
     text[n] = 0;
-    cg_dialog_push_history(&d, "assistant", text, now, &lt, NULL);
+    cg_dialog_push_history(&d, "assistant", text, now, &lt);
     cg_memstore_put_rev(m, key, &d, now, NULL, 0);
     free(text);
     cg_dialog_free(&d);
@@ -240,7 +240,7 @@ static void test_weight_and_rev(void)
     for (int i = 0; i < 60; i++) {
         char text[128];
         snprintf(text, sizeof(text), "message %d %.*s", i, i, "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");
-        cg_dialog_push_history(&d, i % 2 ? "assistant" : "user", text, 1000 + i, &lt, NULL);
+        cg_dialog_push_history(&d, i % 2 ? "assistant" : "user", text, 1000 + i, &lt);
         if (i == 30)
             json_array_clear(d.history);
         if (i == 40) { /* another history of equal text: weighed whole */
