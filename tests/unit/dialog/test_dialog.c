@@ -472,6 +472,12 @@ static void test_history_text(void)
     CHECK(exact);
     CHECK(json_array_size(d.history) == 4 && text_counted(&d) > 0);
     cg_dialog_free(&d);
+    /* a history of no messages (history_n 0) keeps none: nothing handed back to mark */
+    small.history_n = 0;
+    cg_dialog_init(&d, 1000);
+    CHECK(cg_dialog_push_history(&d, "user", "kept out", 1000, &small) == NULL);
+    CHECK(json_array_size(d.history) == 0 && cg_dialog_history_text(&d) == 0);
+    cg_dialog_free(&d);
 }
 
 /* Two copies of one dialog that went separate ways (two gateways while the store switched):
