@@ -16,17 +16,21 @@
  *   P:{U}:R:soft      STRING JSON, EX its lifetime
  *   P:{U}:R:history   LIST  JSON messages, oldest first, EXPIRE 30 min
  *   P:{U}:R:lock      STRING the lease: the ticket "<holder>#<n>" of the turn that has the
- *                           dialog (PX redis.lease_ms), "-<ticket>" once let go (EX dialog_s),
- *                           " w" after either while turns of other gateways wait
+ *                           dialog (PX redis.lease_ms), marked " w" while turns of other
+ *                           gateways wait; deleted once let go, or "-<ticket> w" (EX
+ *                           dialog_s) when turns still wait
  *   P:{U}:R:line      HASH  those turns' tickets, in order
  *   P:{U}:R:cancel    STRING set by another gateway to stop the lease holder's turn (its ticket)
  *   P:{U}:R:fence     STRING a fence counter of versions before the lock: only deleted
- *   P:{U}:rooms       SET   the user's rooms, for "forget this user" without SCAN
- * Every dialog operation is one script on those keys, sent as EVALSHA (and once as EVAL
- * when the server answers NOSCRIPT): a load takes the lease, then reads; a save checks the
- * lease, writes the dialog and the rooms set, and lets go of the lease. So it runs on a
- * single Redis, behind twemproxy (which refuses MULTI) and on one cluster slot, in one
- * command and one round trip. (The gateway holds the whole dialog for the turn, so
+ *   P:{U}:rooms       ZSET  the user's rooms scored by their last save (ms), for "forget this
+ *                           user" without SCAN and max_rooms_per_user
+ * Every dialog operation but a turn's common load is one script on those keys, sent as
+ * EVALSHA (and once as EVAL when the server answers NOSCRIPT): a load takes the lease, then
+ * reads; a save checks the lease, writes the dialog and the rooms set, and lets go of the
+ * lease. So it runs on a single Redis, behind twemproxy (which refuses MULTI) and on one
+ * cluster slot, in one command and one round trip. A turn's load while the gateway holds a
+ * copy is three plain commands, pipelined (SET NX PX, HGET rev, EXISTS); the load script
+ * runs only when they do not all say yes (send_plain_load). (The gateway holds the whole dialog for the turn, so
  * rewriting is simpler than HSET/HDEL deltas and gives the same keys.)
  *
  * Two things spare a turn most of that work (docs/state.md, "The gateway's copy"). Every
@@ -34,13 +38,14 @@
  * under it: a load names that rev, and Redis answers "same" instead of the dialog when its
  * copy is that one, so the dialog is not read, sent and parsed again. And a save whose
  * history is that copy's plus new messages appends them (RPUSH, LTRIM) instead of
- * rewriting the list, refused (-3) and sent again in full when Redis's rev is another.
+ * rewriting the list, refused (-3) and merged with Redis's copy when Redis's rev is another.
  *
  * A save is conditional, inside its script: Redis's copy is kept when it is another
  * incarnation of the dialog (its created_at differs: this gateway loaded a fresh dialog
  * while Redis was away, and Redis still has the real one), and a write-back after an outage
- * is also refused when Redis's copy is newer (last_activity). A refused save drops the
- * memory copy, so the next load reads Redis's.
+ * is also refused when Redis's copy is newer (last_activity). A refused save is merged with
+ * Redis's copy, read again, and written over the rev read (mode 3); after MERGE_TRIES
+ * refusals it stays in memory for the write-back (merges_spent).
  */
 #define _GNU_SOURCE /* asprintf */
 #include <hiredis/hiredis.h>
@@ -285,10 +290,12 @@ static int gated(redis_store *rs, redis_req *r)
 /*
  * The dialog's lock, KEYS[6], is its lease (docs/state.md, "The dialog lease"): the turn's
  * ticket, "<holder>#<n>" (unique: the holder id has a random part, n counts its turns),
- * while the turn holds it (PX redis.lease_ms), and "-<ticket>" once its save or release let
- * it go (EX dialog_s; a holder id never begins with '-'). Either ends in " w" while turns of
- * other gateways wait in the line (KEYS[7]): only then, or when the lock is gone, does a
- * load look at the line. So a turn's load takes the lease in two calls (GET, SET) where the
+ * while the turn holds it (PX redis.lease_ms); once its save or release let it go, the lock
+ * is deleted, or, while turns of other gateways wait in the line (KEYS[7]), "-<ticket> w"
+ * (EX dialog_s; a holder id never begins with '-'). A held lock ends in " w" too while they
+ * wait: only then, or when the lock is gone, does a load look at the line. So the load
+ * script takes the lease in two calls (GET, SET; a turn's common load, send_plain_load,
+ * in one SET NX) where the
  * lease, a fence counter (INCR) and the line's EXISTS were four (issue 39), and the lease
  * needs no number made in Lua: a lease's ticket names it wherever a fence did (a save's
  * check, the cancel flag). The common path reads the lock with string.byte and a plain

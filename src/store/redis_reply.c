@@ -3,7 +3,7 @@
  * (store.h, cg_store_reply_ops; server/resume.h).
  *
  * The gateway that holds a parked reply appends it to a Redis Stream, a piece at a time:
- *   P:{U}:I:reply         STREAM  entries {seq, text[, room][, end]}; MAXLEN ~ 4096; it lives
+ *   P:{U}:I:reply         STREAM  entries {seq, text[, room][, end]}; MAXLEN ~ 16384; it lives
  *                                 a while after its last entry (the caller's ttl)
  *   P:{U}:I:reply-listen  STRING  set by a gateway that serves a resume of it, for a moment
  * U the escaped user, I the escaped message id: a user's keys share its hash tag, so they
