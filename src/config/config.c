@@ -123,7 +123,7 @@ static const setting settings[] = {
      "HOST:PORT for the admin API alone (default: on --listen; on only with CHATGATE_ADMIN_TOKEN)"},
     {"ping_interval_s", T_INT, OFF(ping_interval_s), 1, 3600, NULL, 0, "SECONDS between pings of a quiet WebSocket"},
     {"idle_timeout_s", T_INT, OFF(idle_timeout_s), 2, 65535, NULL, 0,
-     "SECONDS without anything valid, not even a pong, before a WebSocket is closed; over ping_interval_s"},
+     "SECONDS without any frame, not even a pong, before a WebSocket is closed; over ping_interval_s"},
     {"shutdown_timeout_s", T_INT, OFF(shutdown_timeout_s), 0, 3600, NULL, 1,
      "SECONDS replies in flight may take to finish after SIGTERM (default 10)"},
     {"workers", T_INT, OFF(workers), 1, CG_MAX_WORKERS, auto_word, 1,
