@@ -181,10 +181,11 @@ static int continue_after_tool(cg_upstream_call *c)
     free(c->body);
     c->body = text;
     c->body_len = text_len;
-    if (c->easy) /* the answered transfer goes (unless it ended): its done finds it stopped */
-        cg_http_pool_stop(c->pool, c->easy);
-    c->easy = NULL;
+    CURL *answered = c->easy;
+    c->easy = NULL; /* forgotten first: its done, which may come at once, finds it stopped */
     c->cur = NULL;
+    if (answered) /* the answered transfer goes (unless it ended) */
+        cg_http_pool_stop(c->pool, answered);
     c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
     c->tool_index = -1;
     c->tool_args_len = 0;
@@ -599,11 +600,16 @@ static void openai_stop(cg_call *core, cg_call_stop why)
             cg_http_pool_pause(c->pool, c->easy, 0);
         return;
     }
-    cg_http_pool_stop(c->pool, c->easy); /* done comes (maybe at once): call_finish */
+    CURL *easy = c->easy;
     if (why == CG_CALL_STOP_RETRY) {
+        /* forgotten before the stop: outside libcurl the pool ends the transfer at once, and
+         * its done must find a stopped attempt, not the current one, or it is taken for a
+         * second failure and retried inside this retry (test_replicas: the next replica got
+         * the message twice, and max_attempts was passed) */
         c->easy = NULL;
         c->cur = NULL;
     }
+    cg_http_pool_stop(c->pool, easy); /* done comes (maybe at once): call_finish */
 }
 
 static void openai_pause_reading(cg_call *core, int paused)

@@ -10,6 +10,10 @@ replicas of one upstream `llm` (`urls`), balanced by dialog:
 - a replica answering 503/500 and one refusing connections are retried on the next
   replica: every message is answered, the client sees no error, and /metrics counts the
   retries and the replicas marked out;
+- a replica that takes the request and never answers is retried once on the next replica
+  after `first_byte_timeout_ms`: the next gets the message once, and one retry is counted
+  (the stopped transfer's end, heard at once, was taken for a second failure: the message
+  went twice to the next replica, one of them unread);
 - a 429 with `Retry-After: 30` keeps its replica out for 30 s, not `out_ms`;
 - a failure after the first delta (the stream cut) is reported, never retried: the error
   reaches the client and no other replica got that message;
@@ -129,6 +133,30 @@ async def part_failures():
                 check(retried >= 5 and fake.requests_for("err500"),
                       f"the failing replicas should have been tried first for some dialogs: {retried} retried, "
                       f"{len(fake.requests_for('err500'))} requests got 500")
+        fake.requests.clear()
+        urls = [fake.url("hang"), fake.url("ok")]
+        cfg = config({"llm": upstream(urls, first_byte_timeout_ms=300, out_ms=100)}, "llm")
+        async with Gateway(config=cfg, name="hang") as gw:
+            client = await Client.connect(gw)
+            with step("a replica that takes the request and never answers is retried once on the next: the "
+                      "next gets the message once, and one retry is counted (the stopped transfer's end is "
+                      "not a second failure)"):
+                retried = 0
+                for i in range(10):
+                    before = len(fake.requests_for("ok"))
+                    done = await turn_on(client, f"wait {i}", f"h{i}", f"room-{i}")
+                    await asyncio.sleep(0.3)  # a second request, if any, would be sent by now
+                    got = len(fake.requests_for("ok")) - before
+                    check(got == 1, f"message {i} reached the answering replica {got} times: {done}")
+                    check(done.get("attempts", 1) <= 2, f"one retry at most with two replicas: {done}")
+                    retried += done.get("attempts", 1) == 2
+                    await asyncio.sleep(0.15)  # past out_ms: the silent replica is tried again
+                text = await metrics_text(gw)
+                check(retried >= 2, f"too few dialogs went to the silent replica first ({retried} of 10): the "
+                      "test proves nothing")
+                check(metric(text, "chatgate_upstream_retries_total", "llm") == retried,
+                      f"{retried} messages were retried, /metrics says "
+                      f"{metric(text, 'chatgate_upstream_retries_total', 'llm')}")
         fake.requests.clear()
         urls = [fake.url("err429"), fake.url("ok")]
         cfg = config({"llm": upstream(urls, out_ms=100)}, "llm")
