@@ -87,7 +87,8 @@ void cg_flush_request_event(cg_flusher *f, cg_flush_item *item, void (*flush)(cg
  * Returns -1, registering nothing, once the flusher is closed. */
 int cg_flush_request_answer(cg_flusher *f, cg_flush_item *item, void (*flush)(cg_flush_item *item));
 /* The end of an I/O event that serving (a wsi, a Redis context) was read for: runs the
- * answers, then the event's items, until none are left. */
+ * answers, then the event's items, for up to four rounds; what is left goes at the loop
+ * iteration's end. */
 void cg_flush_event_end(cg_flusher *f, const void *serving);
 /* The connection whose event is being ended, or NULL. */
 static inline const void *cg_flush_serving(const cg_flusher *f)

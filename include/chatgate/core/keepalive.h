@@ -22,7 +22,8 @@
  * One thread: the loop's. A connection's item is its owner's (the session, the client
  * connection); the owner calls cg_keepalive_seen for every frame it receives and
  * cg_keepalive_writable first in its writable callback, which writes a ping that is due.
- * Every function takes k NULL (a cg_net without one: a unit test's) as a no-op. The socket
+ * add, seen, remove and writable take k NULL (a cg_net without one: a unit test's) as a
+ * no-op. The socket
  * is reached through a table (cg_keepalive_io): lws's, or a unit test's fake.
  */
 #include <stdint.h>

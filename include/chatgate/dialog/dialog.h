@@ -119,8 +119,9 @@ int cg_dialog_forget(cg_dialog *d, json_t *keys);
 
 /*
  * Applies a backend's state directive (docs/state.md): service, params, awaiting
- * (null clears; ttl in seconds optional), soft_context (null clears), last_tool_result.
- * source names the upstream that sent it (awaiting remembers it). Returns 0, or
+ * (null clears; ttl in seconds optional), soft_context (null clears; ttl optional),
+ * last_tool_result. source names the upstream that sent it (awaiting and soft context
+ * remember it). Returns 0, or
  * CG_E_TOO_LARGE / CG_E_BAD_FRAME (CG_E_INTERNAL out of memory) with err; a refused
  * directive changes nothing.
  */

@@ -65,8 +65,9 @@ void cg_dropin_close(cg_dropin *d);
  * cg_dropin_client_gone (WSI_DESTROY before that: d goes as for a client that left).
  */
 int cg_dropin_hold(cg_server *srv, struct lws *client);
-/* Who a drop-in client is: with auth none the app's session cookie (dropin.user_cookie),
- * else --auth as for chatgate.v1; 0, or -1 with err. plan is CG_MAX_PLAN_NAME + 1 bytes. */
+/* Who a drop-in client is: with auth none the app's session cookie (dropin.user_cookie)
+ * when it sends one, else as for chatgate.v1 (a resume token, or a fresh id); with --auth
+ * as for chatgate.v1; 0, or -1 with err. plan is CG_MAX_PLAN_NAME + 1 bytes. */
 int cg_dropin_identify(cg_server *srv, struct lws *client, char *user, size_t userlen, char *plan, char *err,
                        size_t errlen);
 int cg_dropin_confirm_held(struct lws *client);

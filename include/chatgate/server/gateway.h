@@ -32,14 +32,15 @@ struct cg_gateway {
 
 /*
  * Sets up the store, listener, mounts and upstreams on loop. 0; -1 when the server cannot
- * start (logged); CG_GATEWAY_BAD_CONFIG when the store URL is wrong (err says why).
+ * start (logged); CG_GATEWAY_BAD_CONFIG for a bad store URL, rule set or export setting
+ * (err says why).
  */
 #define CG_GATEWAY_BAD_CONFIG (-2)
 int cg_gateway_start(cg_gateway *gw, const cg_config *cfg, uv_loop_t *loop, char *err, size_t errlen);
 /* After a failed start: closes and frees what start made, running the loop until its
  * handles are gone, so that the caller can close the loop. */
 void cg_gateway_abort(cg_gateway *gw);
-/* Runs until SIGTERM or SIGINT, then tears down; returns the exit status. */
+/* Runs until SIGTERM or SIGINT, then tears down; returns 0. */
 int cg_gateway_run(cg_gateway *gw);
 
 #endif

@@ -50,8 +50,8 @@ void cg_resume_init(cg_resume *r, cg_turn_env *env, uint64_t grace_ms, long max_
 
 /*
  * The client of q (heap-allocated) is gone. 0: its reply in flight is parked, and q is the
- * registry's; -1: there is none to keep (or resume is off, or the bound is reached): the
- * caller closes q as always.
+ * registry's; -1: there is none to keep (or resume is off, the gateway is draining, or the
+ * bound is reached): the caller closes q as always.
  */
 int cg_resume_park(cg_resume *r, cg_turns *q, const char *user);
 
@@ -64,7 +64,8 @@ int cg_resume_park(cg_resume *r, cg_turns *q, const char *user);
 int cg_resume_attach(cg_resume *r, const char *user, const char *id, uint64_t after, const cg_resume_listener *l);
 /* The same for a reply another gateway sharing a Redis store may hold: 1, and it comes as it
  * is read from the store (deltas as the holder published them, then its terminal frame), or
- * a not_found error frame when the store has none; -1 when the store shares no replies. */
+ * a not_found error frame when the store has none; -1 when the store shares no replies, or
+ * at max_parked, or at the user's bound of readers. */
 int cg_resume_attach_remote(cg_resume *r, const char *user, const char *id, uint64_t after,
                             const cg_resume_listener *l);
 
@@ -76,7 +77,8 @@ void cg_resume_pause_all(cg_parked *listening, int paused);
  * grace starts afresh. */
 void cg_resume_detach_all(cg_parked **listening);
 
-/* The user's cancel of a parked reply: 0, -1 when there is none of this id. */
+/* The user's cancel of a parked reply: 0 (a reply read from another gateway: the cancel goes
+ * there over the store's bus), -1 when there is none of this id. */
 int cg_resume_cancel(cg_resume *r, const char *user, const char *id);
 
 /* The gateway begins to drain. Without a store that shares replies (memory), nobody can

@@ -19,9 +19,11 @@
  *     forwarded turn, the app's own end; the adapter is told nothing more);
  *   - the user's message always joins the history; the reply joins it when done, or when
  *     cancelled or ended with some text (marked "cancelled" when cancelled);
- *   - a message refused on its way (rate, queue bound, a user's limits, its dialog's load,
- *     params over the cap) is never sent on: no upstream call, and an adapter that forwards
- *     itself (drop-in) gets its opaque back through unsent, to drop, never to send as it came.
+ *   - a message refused on its way is never sent on: no upstream call. One refused by a
+ *     user's limits, its dialog's load or the params cap hands an adapter that forwards
+ *     itself (drop-in) its opaque back through unsent, to drop, never to send as it came;
+ *     one refused on arrival (rate, queue bound, shutdown, an id in use: cg_turns_submit's
+ *     error) leaves it the adapter's.
  *
  * Ownership: the adapter embeds cg_turns in its connection struct and calls cg_turns_close()
  * when the connection goes; the turns and their requests are the turn module's. Sink calls
@@ -91,7 +93,7 @@ typedef struct cg_turn_request {
     char *room;   /* malloc'd */
     char *text;   /* malloc'd; chat only */
     json_t *keys; /* context.forget: the keys to forget */
-    int unique_id; /* chatgate.v1: refused (bad_frame) while a message with this id waits */
+    int unique_id; /* chatgate.v1: refused (bad_frame) while a message with this id waits or runs */
     void *opaque; /* the adapter's, handed back in cg_turn_forward (drop-in: the frame's slot) */
 } cg_turn_request;
 
@@ -204,7 +206,7 @@ int cg_turns_cancel(cg_turns *q, const char *id);
 void cg_turns_cancel_current(cg_turns *q);
 
 /* Stops the chat turn of the dialog (key: cg_store_dialog_key) that runs in this process,
- * if any: another gateway asked (the store's on_cancel), or another connection did. */
+ * if any: another gateway asked (the store's on_cancel). */
 void cg_turns_cancel_dialog(cg_turn_env *env, const char *key);
 
 /* The client reads slowly (1) or caught up (0): the upstream call in flight pauses. */

@@ -134,7 +134,8 @@ typedef struct cg_store_stats {
 
 /*
  * A store is seven narrow interfaces, one a job, each with a memory and a Redis
- * implementation (but the stream, Redis only), and what every request shares (abandon) and
+ * implementation (but the bus, the replies and the stream: Redis only), and what every
+ * request shares (abandon) and
  * the store's end (close). Callers call through the table of the job they need: the
  * dialogs (an admin's read or delete), the lease (a turn), the limiter (a chat message with
  * limits), the bus (a cancel for another gateway), the replies (a resume through another
@@ -269,8 +270,9 @@ typedef struct cg_store_tls {
 } cg_store_tls;
 
 typedef struct cg_store_config {
-    const char *url; /* "memory", "redis://[:password@]host:port[/db]" or
-                      * "redis-sentinel://[:password@]host:port[,host:port...]/master[/db]" */
+    const char *url; /* "memory", "redis://[:password@]host:port[/db]",
+                      * "redis-sentinel://[:password@]host:port[,host:port...]/master[/db]" or
+                      * "redis-cluster://host:port[,...]"; rediss for each over TLS */
     const char *prefix; /* key prefix, "chatgate" */
     cg_lifetimes lifetimes;
     long max_dialogs;        /* memory store bound */
@@ -284,7 +286,8 @@ typedef struct cg_store_config {
                                * of the same loop iteration (core/flush.h); NULL: when the
                                * socket is writable */
     const char *bus_url;      /* Redis: where gateways tell each other to cancel (redis.bus);
-                               * NULL: the store's own URL when it is redis://, else none */
+                               * NULL: the store's own URL when it is redis:// or rediss://,
+                               * a cluster's sharded pub/sub, else none */
     cg_store_tls tls;
 } cg_store_config;
 

@@ -49,7 +49,8 @@ typedef struct cg_call cg_call;
 typedef struct cg_call_kind {
     /* Sends the call's request to replica r (opening a connection when it needs one) and
      * arms the phase it is in (cg_call_arm): 0, or -1 when it could not even start (the
-     * core then ends the call itself). */
+     * core then tries the next replica, within max_attempts; when none starts, the call
+     * fails). */
     int (*attempt)(cg_call *c, int r);
     /* Stops the current attempt, for why; c->phase says where it was. */
     void (*stop)(cg_call *c, cg_call_stop why);
@@ -91,7 +92,7 @@ struct cg_call {
     int attempts;
     int replica;          /* the latest attempt's (the one that answered, after a done) */
     int attempting;       /* an attempt runs: the kind has not been told to stop it */
-    long retry_after_ms;  /* a 429's Retry-After for the replica that failed, 0 when none */
+    long retry_after_ms;  /* the failed answer's Retry-After (a 429's or a 5xx's), 0 when none */
     int status;           /* the current attempt's HTTP status, 0: none (an error's "status") */
     size_t reply_bytes;   /* of delta text relayed: none, and a failure may be retried */
 };

@@ -13,7 +13,8 @@
  *
  * The pool owns its multi handles (one for each replies_per_handle transfers at once, up to
  * 64: http_pool.c says why), its uv handles and the sockets; a transfer (one easy handle) is
- * the caller's. cg_http_pool_start adds it: `done` is called once, from the
+ * the caller's until cg_http_pool_start takes it (0: the pool frees it however it ends;
+ * -1: still the caller's, to free). cg_http_pool_start adds it: `done` is called once, from the
  * loop and outside any libcurl callback, when the transfer ends by itself (the easy handle
  * is then cleaned up by the pool). cg_http_pool_stop takes it out early (a cancel, a
  * timeout, a reply we refuse); libcurl then closes its connection rather than keep it,
@@ -47,7 +48,8 @@ cg_http_pool *cg_http_pool_new(uv_loop_t *loop, const cg_upstream_config *cfg, c
                                cg_metrics *metrics, int index);
 
 /* A new easy handle with the pool's settings (its sockets, the TLS session share, the idle
- * age); the caller sets the request and owns the handle. NULL on failure. */
+ * age); the caller sets the request and owns the handle until cg_http_pool_start takes it.
+ * NULL on failure. */
 CURL *cg_http_pool_easy(cg_http_pool *p);
 
 /* Runs the transfer; -1 when it could not be added (done is then never called). */
@@ -69,8 +71,9 @@ void cg_http_pool_sending(cg_http_pool *p, CURL *easy);
 /* A response header line: notes a `Keep-Alive: timeout=N`. */
 void cg_http_pool_header(cg_http_pool *p, const char *line, size_t len);
 
-/* Closes every connection and frees the pool once its handles are closed; no transfer may
- * be running (they have been stopped). */
+/* Closes every connection and frees the pool once its handles are closed. Transfers still
+ * running end now: their `done` comes from inside this call, with
+ * CURLE_ABORTED_BY_CALLBACK. */
 void cg_http_pool_free(cg_http_pool *p);
 
 #endif

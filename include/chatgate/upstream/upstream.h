@@ -41,7 +41,9 @@ typedef struct cg_upstream_call cg_upstream_call;
 typedef struct cg_upstream_events {
     void (*on_delta)(void *ctx, const char *text, size_t len);
     /* usage and state are borrowed (NULL when the upstream gave none); state is a
-     * WebSocket app's state directive (docs/state.md, "The state directive") */
+     * WebSocket app's state directive (docs/state.md, "The state directive") or, with
+     * state_tool, the model's chatgate_state arguments (a string when they are not an
+     * object: refused) */
     void (*on_done)(void *ctx, json_t *usage, json_t *state);
     /* err is a CG_E_UPSTREAM_* code; message names the upstream and what went wrong.
      * detail (borrowed, NULL when there is nothing to add) holds what the upstream itself
