@@ -2087,7 +2087,11 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     } else {
         if (!r->version && !r->merges && !r->merge_rev)
             gate_note_plain(rs, r);
-        if (rs->master)
+        /* a Sentinel's or a cluster's failover may promote a replica that lacks this save
+         * (replication is asynchronous): what was saved lately is written again then
+         * (cg_fallback_moved). A cluster's saves went unnoted until issue 39's seventh round,
+         * so a cluster failover wrote nothing again */
+        if (rs->master || rs->n_seeds)
             cg_fallback_note_saved(rs->fb, r->key, r->eu, r->er);
     }
     cg_argv_free(&a);

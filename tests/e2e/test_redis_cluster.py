@@ -7,7 +7,10 @@ redis_topo.RedisCluster from Debian's redis-server 7.0), users u0..u49 spread ov
    of the hash tag), all three masters hold some; 0 store errors; no CROSSSLOT in the gateway
    logs nor in any master's INFO errorstats.
 2. Master failover under traffic: the 50 clients keep sending (one message at a time each);
-   kill -9 of the master holding most users, its replica promoted; more traffic after. Per
+   kill -9 of the master holding most users, its replica promoted; more traffic after. The
+   replicas are stopped and their links to the master cut 0.4 s before the kill, and a quiet
+   dialog on that master has one turn then and none after: the promoted replica never got
+   it, and only the gateways' rewrite of what they saved lately brings it back. Per
    message: answered once (done or error, counted apart), lost (no terminal frame), duplicated.
    Once both gateways settled (store_degraded 0, writeback_pending 0), each dialog's history
    in the cluster: every answered user message exactly once and in the order sent. A turn may
@@ -524,6 +527,13 @@ async def failover_round(w, full_coverage, pause=False):
         # a master with a replica to fail over to (an earlier round's promoted one has none)
         victim = max([m for m in cluster.masters() if cluster.replicas_of(m)], key=lambda m: counts.get(m.port, 0))
         victim_users = {u for u, m in owners.items() if m.port == victim.port}
+        quiet_user = None
+        for i in range(2000):  # a user of its own whose slot is the victim's
+            u = f"quiet-{'s' if pause else 'k'}{setting}-{i}"
+            if (await asyncio.to_thread(owners_of, cluster, [u]))[u].port == victim.port:
+                quiet_user = u
+                break
+        check(quiet_user, f"no user name found for master {victim.port}'s slots")
         seed_ports = [n.client_port for n in cluster.nodes[:3]]
         print(f"   victim {victim.port} (a seed: {victim.client_port in seed_ports}) holds {len(victim_users)} "
               f"users' slots; replicas {[r.port for r in cluster.replicas_of(victim)]}", flush=True)
@@ -542,8 +552,27 @@ async def failover_round(w, full_coverage, pause=False):
         loader2 = asyncio.create_task(load(seconds, tag, stop, who="+2"))
         try:
             await asyncio.sleep(1.5)  # the scenario: traffic for a while before the master goes
+            # replication is asynchronous: the replicas miss the master's last 0.4 s (stopped,
+            # their links to it cut, so that nothing waits in their sockets either), which only
+            # the gateways' rewrite can bring back
+            lagging = [] if pause else cluster.replicas_of(victim)
+            for r in lagging:
+                r.pause()
+            if lagging:
+                out = await asyncio.to_thread(cluster.cli, "CLIENT", "KILL", "TYPE", "replica", node=victim)
+                check(redis_topo.replies(out) and int(redis_topo.replies(out)[0]) >= 1,
+                      f"CLIENT KILL TYPE replica on {victim.port}: {out.stdout}{out.stderr}")
+                # a quiet dialog on the victim: one turn now, then none through the failover,
+                # so no turn in degraded mode writes it back: only the rewrite of what was
+                # saved lately can (the loaders' dialogs all have turns meanwhile)
+                quiet = await Tab.open(w.ga, quiet_user)
+                quiet_turn = await quiet.ask("remember me through the failover", f"{tag}-quiet", "quiet")
+                check(quiet_turn.kind == "done", f"the quiet dialog's turn: {quiet_turn}")
+                await asyncio.sleep(0.4)
             await asyncio.to_thread(cluster.pause_master if pause else cluster.kill_master, victim)
             killed_at = time.time()
+            for r in lagging:
+                r.resume()
             new = await cluster.await_failover(victim, timeout=20)
             failed_over_at = time.time()
             print(f"   replica {new.port} promoted {failed_over_at - killed_at:.2f} s after the kill "
@@ -627,6 +656,13 @@ async def failover_round(w, full_coverage, pause=False):
               f"no gateway counted the failover (chatgate_store_primary_switches_total): {d}")
         check(not excused, f"{len(excused)} turn(s) answered on the killed master were not written again to its "
                            f"promoted replica: {[(s.mid, round(s.answered_at - killed_at, 3)) for s in excused][:5]}")
+        if not pause:
+            kept = await asyncio.to_thread(history, cluster, await asyncio.to_thread(owners_of, cluster, [quiet_user]),
+                                           quiet_user, "quiet")
+            await quiet.close()
+            check([m.get("content") for m in kept][:1] == ["remember me through the failover"],
+                  f"the quiet dialog's turn, answered by the master before it died and never replicated, should "
+                  f"have been written again to the promoted replica: its history there is {kept}")
         await asyncio.to_thread(check_no_crossslot, cluster, w.gws)
         if pause:  # SIGCONT: it comes back as a replica of the promoted one
             victim.resume()
