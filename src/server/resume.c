@@ -369,10 +369,11 @@ static cg_parked *find(cg_resume *r, const char *user, const char *id, int remot
 
 /* ---- a resume of another gateway's reply (REMOTE) ----------------------------------------- */
 
-/* p's listener, if another connection than l's, loses the reply to l: its one terminal frame. */
+/* p's listener, if another connection than l's, loses the reply to l: its one terminal frame
+ * (none when it has had the reply's own already: a reply ends once for a listener). */
 static void displace(const cg_parked *p, const cg_resume_listener *l)
 {
-    if (p->l.conn && p->l.conn != l->conn)
+    if (p->l.conn && p->l.conn != l->conn && !p->terminal)
         p->l.frame(p->l.conn, cg_protocol_error_detail(p->id, cg_err_code(CG_E_NOT_FOUND), "this reply was resumed "
                                                        "on another connection", NULL), 1);
 }

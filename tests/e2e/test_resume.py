@@ -173,6 +173,20 @@ async def same_gateway():
             await tab1.close()
             await tab2.close()
 
+        with step("a second tab resumes a reply the first already got to its end: the second gets the kept "
+                  "reply and its done, the first nothing more (its one terminal frame was the done)"):
+            client, token, got, seq = await start_reply(gw, "one end per tab " * 4, "e1", 1)
+            await drop(client)
+            tab1 = await resume(gw, token, "e1", seq)
+            turn1, got1 = await rest_of(tab1, "e1", got, seq)
+            check(turn1.kind == "done", f"tab 1: {turn1.describe()}")
+            tab2 = await resume(gw, token, "e1", seq)
+            turn2, got2 = await rest_of(tab2, "e1", got, seq)
+            check(turn2.kind == "done" and got2 == got1, f"tab 2: {turn2.describe()}")
+            await tab1.expect_silence(0.5, lambda f: f.get("id") == "e1", "frame about e1 after its done")
+            await tab1.close()
+            await tab2.close()
+
         with step("a resume before the gateway saw the old connection go (it still looks open): taken over"):
             client, token, got, seq = await start_reply(gw, "my old connection is half open " * 4, "h1", 1)
             again = await resume(gw, token, "h1", seq)  # the old one was never closed
