@@ -156,6 +156,21 @@ static int request_start(cg_upstream_call *c, openai_state *st, int r);
  * tool_kept for the continuation's done. -1 when it could not be started (the call then ends
  * as it is: the state set, no text).
  */
+/* What a request learns of its answer, forgotten before the next request of the call: a
+ * retry's (whose status the core resets too) or the continuation's after a tool call, which
+ * kept the first answer's 200 until issue 39's seventh round, so that a continuation that
+ * failed before any header was taken for a 200 without events (a final upstream_error, not
+ * retried, no fallback). */
+static void request_reset(cg_upstream_call *c)
+{
+    c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
+    c->error_body_len = 0;
+    c->tool_index = -1;
+    c->tool_args_len = 0;
+    c->core.status = 0;
+    c->core.retry_after_ms = 0;
+}
+
 static int continue_after_tool(cg_upstream_call *c)
 {
     openai_state *st = c->core.up->state;
@@ -186,9 +201,7 @@ static int continue_after_tool(cg_upstream_call *c)
     c->cur = NULL;
     if (answered) /* the answered transfer goes (unless it ended) */
         cg_http_pool_stop(c->pool, answered);
-    c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
-    c->tool_index = -1;
-    c->tool_args_len = 0;
+    request_reset(c);
     c->sse_fresh = 1; /* not here: this runs inside the parser's own callback */
     cg_call_arm(&c->core, CG_CALL_CONNECT);
     return request_start(c, st, c->replica);
@@ -569,10 +582,7 @@ static int request_start(cg_upstream_call *c, openai_state *st, int r)
 static int openai_attempt(cg_call *core, int r)
 {
     cg_upstream_call *c = (cg_upstream_call *)core;
-    c->request_sent = c->event_stream = c->events_seen = c->finish_seen = 0;
-    c->error_body_len = 0;
-    c->tool_index = -1;
-    c->tool_args_len = 0;
+    request_reset(c);
     json_decref(c->usage);
     c->usage = NULL;
     if (core->attempts) {

@@ -14,7 +14,8 @@ arguments come in pieces, as OpenAI's API streams them. Checked, with the shippe
   tool result;
 - the hotel selection with a model that only calls the function (no text, finish_reason
   tool_calls): the gateway asks again with the call and a tool message, tool_choice none,
-  and streams that reply; "the second one" resolves to the second option;
+  and streams that reply; "the second one" resolves to the second option; a continuation
+  that gets no answer at all ends in upstream_unavailable, not a "200 without events";
 - the model's call keeps what the user said about themselves in the user's profile;
 - arguments that are not a JSON object: a warning bad_frame, nothing kept, the reply done;
 - an upstream without state_tool: no `tools` in its request, and a call in its answer is
@@ -46,6 +47,10 @@ class ScriptedModel(harness.FakeOpenAI):
     async def _do_model(self, conn, req):
         last = req.messages[-1] if req.messages else {}
         text, call = "", None
+        if last.get("role") == "tool" and req.last_user_text == "Find me a hotel, then fail":
+            conn.writer.transport.abort()  # the continuation gets no answer at all
+            req.aborted = True
+            return False
         if last.get("role") == "tool":
             text = "I found two hotels: 1. Park Hyatt 2. Aman. Which one?"
         elif req.last_user_text == "Send 5000 KES to +254712345678":
@@ -55,7 +60,7 @@ class ScriptedModel(harness.FakeOpenAI):
         elif req.last_user_text == "yes":
             text = "Sent 5000 KES."
             call = {"awaiting": None, "last_tool_result": {"type": "payment", "status": "sent"}}
-        elif req.last_user_text == "Find me a hotel in Tokyo":
+        elif req.last_user_text in ("Find me a hotel in Tokyo", "Find me a hotel, then fail"):
             call = {"service": "hotels", "awaiting": {"type": "selection", "options": HOTELS}}
         elif req.last_user_text == "the second one":
             text = "Booked the Aman."
@@ -150,6 +155,13 @@ async def part_model_state():
                       f"the second request should end with the call and a tool message: {harness.brief(again.messages[-2:], 600)}")
                 want = "I found two hotels: 1. Park Hyatt 2. Aman. Which one?"
                 check(t.terminal.get("text") == want and text_of(t) == want, f"{t.describe()}")
+            with step("the continuation after a call, answered with nothing at all (the connection reset): "
+                      "the upstream sent no answer (upstream_unavailable), not a 200 without events (the first "
+                      "answer's status was kept)"):
+                t = await client.message("Find me a hotel, then fail", mid="hf", room="hotelfail")
+                check(t.kind == "error" and t.terminal.get("code") == "upstream_unavailable"
+                      and "200" not in t.terminal.get("message", ""),
+                      f"a continuation that got no answer: {t.describe()}")
             with step("'the second one' resolves the model's selection"):
                 t = await client.message("the second one", mid="h2", room="hotel")
                 t.expect_done()
