@@ -371,8 +371,11 @@ static void session_on_receive(cg_session *s, const char *in, size_t len)
     size_t max = (size_t)s->srv->cfg->max_frame;
     const char *msg;
     size_t msg_len;
-    if (s->unauthorized || !cg_wsconn_receive(&s->ws, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in,
-                                              len, max, &msg, &msg_len))
+    /* a connection this gateway is closing (unauthorized, taken over by a resume elsewhere,
+     * going away) starts nothing more: a taken-over one's turns are new and had no limits */
+    if (s->unauthorized || cg_wsconn_closing(&s->ws) ||
+        !cg_wsconn_receive(&s->ws, lws_is_first_fragment(wsi), lws_is_final_fragment(wsi), in, len, max, &msg,
+                           &msg_len))
         return;
     if (s->dropin) { /* the app's protocol: frames of any kind go to drop-in */
         if (!msg) {
