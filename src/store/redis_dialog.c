@@ -30,8 +30,9 @@
  * lease. So it runs on a single Redis, behind twemproxy (which refuses MULTI) and on one
  * cluster slot, in one command and one round trip. A turn's load while the gateway holds a
  * copy is three plain commands, pipelined (SET NX PX, HGET rev, EXISTS); the load script
- * runs only when they do not all say yes (send_plain_load). (The gateway holds the whole dialog for the turn, so
- * rewriting is simpler than HSET/HDEL deltas and gives the same keys.)
+ * runs only when they do not all say yes (send_plain_load). (The gateway holds the whole
+ * dialog for the turn, so rewriting is simpler than HSET/HDEL deltas and gives the same
+ * keys.)
  *
  * Two things spare a turn most of that work (docs/state.md, "The gateway's copy"). Every
  * save writes a new rev, unique to this store, and the memory store keeps the gateway's copy

@@ -23,8 +23,8 @@
  * connection); the owner calls cg_keepalive_seen for every frame it receives and
  * cg_keepalive_writable first in its writable callback, which writes a ping that is due.
  * add, seen, remove and writable take k NULL (a cg_net without one: a unit test's) as a
- * no-op. The socket
- * is reached through a table (cg_keepalive_io): lws's, or a unit test's fake.
+ * no-op. The socket is reached through a table (cg_keepalive_io): lws's, or a unit test's
+ * fake.
  */
 #include <stdint.h>
 #include <sys/queue.h>

@@ -121,9 +121,8 @@ int cg_dialog_forget(cg_dialog *d, json_t *keys);
  * Applies a backend's state directive (docs/state.md): service, params, awaiting
  * (null clears; ttl in seconds optional), soft_context (null clears; ttl optional),
  * last_tool_result. source names the upstream that sent it (awaiting and soft context
- * remember it). Returns 0, or
- * CG_E_TOO_LARGE / CG_E_BAD_FRAME (CG_E_INTERNAL out of memory) with err; a refused
- * directive changes nothing.
+ * remember it). Returns 0, or CG_E_TOO_LARGE / CG_E_BAD_FRAME (CG_E_INTERNAL out of
+ * memory) with err; a refused directive changes nothing.
  */
 int cg_dialog_apply_directive(cg_dialog *d, json_t *state, const char *source, int64_t now,
                               const cg_lifetimes *lt, char *err, size_t errlen);

@@ -6,10 +6,9 @@
  * What must always hold: a turn never waits for the export. A record is made where the turn
  * ends (turn.c fills a cg_export_record) and queued; the sink is handed it at once when it
  * has room (an XADD through the store's link, a write through libuv's thread pool), and
- * its answer comes later. The queue is bounded
- * (export.max_queue, records queued and on their way together): while the sink is slow or
- * away, a record past the bound is dropped and counted (chatgate_export_dropped_total), and
- * what is held goes once the sink is back. A record the sink failed on its way is queued
+ * its answer comes later. The queue is bounded (export.max_queue, records queued and on
+ * their way together): while the sink is slow or away, a record past the bound is dropped
+ * and counted (chatgate_export_dropped_total), and what is held goes once the sink is back. A record the sink failed on its way is queued
  * again at the front: Redis may have taken it before the failure, so a consumer may see a
  * record twice (gateway and seq name it).
  *

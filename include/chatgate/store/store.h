@@ -135,8 +135,7 @@ typedef struct cg_store_stats {
 /*
  * A store is seven narrow interfaces, one a job, each with a memory and a Redis
  * implementation (but the bus, the replies and the stream: Redis only), and what every
- * request shares (abandon) and
- * the store's end (close). Callers call through the table of the job they need: the
+ * request shares (abandon) and the store's end (close). Callers call through the table of the job they need: the
  * dialogs (an admin's read or delete), the lease (a turn), the limiter (a chat message with
  * limits), the bus (a cancel for another gateway), the replies (a resume through another
  * gateway), the profiles (a user's attributes), and a stream (the turn export's records).

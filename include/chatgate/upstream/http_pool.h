@@ -14,8 +14,8 @@
  * The pool owns its multi handles (one for each replies_per_handle transfers at once, up to
  * 64: http_pool.c says why), its uv handles and the sockets; a transfer (one easy handle) is
  * the caller's until cg_http_pool_start takes it (0: the pool frees it however it ends;
- * -1: still the caller's, to free). cg_http_pool_start adds it: `done` is called once, from the
- * loop and outside any libcurl callback, when the transfer ends by itself (the easy handle
+ * -1: still the caller's, to free). cg_http_pool_start adds it: `done` is called once,
+ * from the loop and outside any libcurl callback, when the transfer ends by itself (the easy handle
  * is then cleaned up by the pool). cg_http_pool_stop takes it out early (a cancel, a
  * timeout, a reply we refuse); libcurl then closes its connection rather than keep it,
  * which is how the backend learns to stop generating; `done` still comes, with
