@@ -355,12 +355,16 @@ static void session_on_frame(cg_session *s, const char *buf, size_t len)
         cg_client_frame_clear(&f);
         return;
     }
-    if (f.type == CG_FRAME_RESUME)
-        session_resume(s, f.id, f.after);
-    else if (f.type != CG_FRAME_CANCEL)
+    if (f.type == CG_FRAME_RESUME) {
+        /* charged to the rate limit as a message is: each costs Redis reads, and a reader of
+         * another gateway's reply takes one of max_parked's slots */
+        if (cg_turns_rate(s->turns, f.id) == 0)
+            session_resume(s, f.id, f.after);
+    } else if (f.type != CG_FRAME_CANCEL) {
         session_on_request(s, &f);
-    else if (cg_turns_cancel(s->turns, f.id) < 0 && cg_resume_cancel(&s->srv->resume, s->user, f.id) < 0)
+    } else if (cg_turns_cancel(s->turns, f.id) < 0 && cg_resume_cancel(&s->srv->resume, s->user, f.id) < 0) {
         session_send_error(s, f.id, CG_E_NOT_FOUND, "no message with this id is waiting or in flight");
+    }
     cg_client_frame_clear(&f);
 }
 

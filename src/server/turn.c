@@ -1386,15 +1386,23 @@ void cg_turns_set_plan(cg_turns *q, const char *plan)
                 q->name, plan);
 }
 
+int cg_turns_rate(cg_turns *q, const char *id)
+{
+    const cg_config *cfg = q->env->cfg;
+    if (cg_rate_take(&q->rate, cfg->rate_per_second, cfg->rate_burst, uv_now(q->env->loop)))
+        return 0;
+    char err[160];
+    snprintf(err, sizeof(err), "over %ld messages a second", cfg->rate_per_second);
+    say_error(q, id, CG_E_RATE_LIMITED, err, NULL);
+    return CG_E_RATE_LIMITED;
+}
+
 int cg_turns_admit(cg_turns *q, const char *id)
 {
     const cg_config *cfg = q->env->cfg;
     char err[160];
-    if (!cg_rate_take(&q->rate, cfg->rate_per_second, cfg->rate_burst, uv_now(q->env->loop))) {
-        snprintf(err, sizeof(err), "over %ld messages a second", cfg->rate_per_second);
-        say_error(q, id, CG_E_RATE_LIMITED, err, NULL);
+    if (cg_turns_rate(q, id))
         return CG_E_RATE_LIMITED;
-    }
     /* waiting: the queue, and a request in flight still waiting for its dialog (its lock or
      * its load), which has nothing under way yet either */
     cg_turn *t = q->inflight;

@@ -14,8 +14,11 @@ streams word by word from the demo upstream, reads a few deltas, and loses its c
 - another user's resume of the same id: not_found, none of the text;
 - a cancel after a resume: cancelled, no more deltas;
 - a second tab resuming the same reply takes it over: the first gets its one terminal frame
-  (not_found); a resume that comes while the old connection still looks open (half-open TCP)
-  takes its reply over and closes it with 4000;
+  (not_found), and a tab that already had the reply's done gets nothing more; a resume that
+  comes while the old connection still looks open (half-open TCP) takes its reply over and
+  closes it with 4000;
+- resume frames are charged to the rate limit: 60 at once, past the burst of 40, get
+  rate_limited;
 - a cancel phrase ("stop") in a new message while the reply is kept ends the kept reply first;
 - a client that closes with 1000 (it is done) stops its reply as before; one that closes with
   1001 (going away: a tab put to sleep) keeps it;
@@ -208,6 +211,24 @@ async def same_gateway():
             check("'after'" in err["message"], f"the error does not name 'after': {err}")
             await c.send({"type": "resume", "id": "never", "after": 0})
             await c.expect_error("not_found", "never")
+            await c.close()
+
+        with step("resume frames are charged to the rate limit as messages are (each costs the store "
+                  "reads, and a reader of another gateway's reply a parked slot): past the burst, "
+                  "rate_limited"):
+            c = await Client.connect(gw)
+            for i in range(60):  # the default burst is 40, at 20 a second
+                await c.send({"type": "resume", "id": f"flood{i}", "after": 0})
+            codes = {}
+            for i in range(60):
+                err = await c.next_matching(lambda f: f.get("type") == "error" and f.get("id") == f"flood{i}", 5,
+                                            f"the answer to resume flood{i}")
+                codes[err["code"]] = codes.get(err["code"], 0) + 1
+            check(codes.get("rate_limited", 0) >= 10 and codes.get("not_found", 0) >= 30,
+                  f"60 resumes at once: {codes} (rate_limited past the burst of 40)")
+            await asyncio.sleep(1.0)
+            await c.send({"type": "resume", "id": "again", "after": 0})
+            await c.expect_error("not_found", "again")  # the bucket refilled
             await c.close()
 
 

@@ -198,6 +198,10 @@ int cg_turns_submit(cg_turns *q, cg_turn_request *r);
  * request (drop-in: a frame marked as chat that is not one): 0, or the CG_E_* code it was
  * refused with (said and counted). */
 int cg_turns_admit(cg_turns *q, const char *id);
+/* The rate alone (rate_limit): 0, or CG_E_RATE_LIMITED, said and counted. For a frame that
+ * costs the gateway work but queues nothing (chatgate.v1's resume: Redis reads, a parked
+ * reply's slot). */
+int cg_turns_rate(cg_turns *q, const char *id);
 
 /* The client's cancel of message id: the reply in flight (cancelled), or a message still
  * waiting (cancelled, never run); -1 when no chat message has this id. */
