@@ -48,6 +48,7 @@ struct cg_parked {
     char *terminal;  /* once ended: its terminal frame's JSON, for a late resume */
     size_t terminal_len;
     uint64_t deadline; /* uv_now() at which the grace ends */
+    uint64_t ended_at; /* uv_now() at its end (ENDED, KEPT): kept twice the grace past it at most */
     uv_timer_t *timer; /* malloc'd: it closes after the record is freed */
     cg_resume_listener l; /* l.conn NULL: nobody listens */
     cg_parked *lnext, **lpprev; /* in the listener's list */
@@ -211,12 +212,19 @@ static void arm(cg_parked *p, uint64_t ms)
     uv_timer_start(p->timer, on_timer, ms, 0);
 }
 
-/* The grace starts afresh: nobody listens from now. */
+/* The grace starts afresh: nobody listens from now. An ended reply's, for a listener whose
+ * connection went before its end reached it, only up to twice the grace after the end: a
+ * client that resumes and drops it again and again does not keep it for ever. */
 static void grace_restart(cg_parked *p)
 {
-    p->deadline = uv_now(p->timer->loop) + p->r->grace_ms;
+    uint64_t now = uv_now(p->timer->loop), grace = p->r->grace_ms;
+    p->deadline = now + grace;
+    if (p->state == PARKED_ENDED || p->state == PARKED_KEPT) {
+        uint64_t last = p->ended_at + 2 * grace;
+        p->deadline = last < p->deadline ? last : p->deadline;
+    }
     if (p->state != PARKED_ENDED) /* ENDED: its close comes first, and arms what is left */
-        arm(p, p->r->grace_ms);
+        arm(p, p->deadline > now ? p->deadline - now : 0);
 }
 
 /* The turn has ended: its frame is kept; the turns close from the loop. */
@@ -227,6 +235,7 @@ static void ended(cg_parked *p, cg_frame_text frame)
         return;
     }
     p->state = PARKED_ENDED;
+    p->ended_at = uv_now(p->timer->loop);
     free(p->terminal);
     p->terminal = cg_malloc(frame.len + 1);
     memcpy(p->terminal, frame.json, frame.len + 1);

@@ -23,6 +23,8 @@ streams word by word from the demo upstream, reads a few deltas, and loses its c
 - a client that closes with 1000 (it is done) stops its reply as before; one that closes with
   1001 (going away: a tab put to sleep) keeps it;
 - resume.grace_ms 0: the reply stops at the disconnect, as before resume existed;
+- an ended reply resumed and dropped every 0.6 s (grace 1 s) is gone twice the grace after
+  its end: each drop restarts the grace, but not past that;
 - a gateway that drains with the memory store stops the replies it keeps at once (nobody could
   resume them), instead of waiting for them;
 - 100 clients dropping at random points of their replies and coming back: every reply
@@ -247,6 +249,30 @@ async def after_grace():
             history = state.get("history", [])
             check(any(h.get("role") == "assistant" and h.get("cancelled") for h in history),
                   f"the history of {room_user} has no cancelled reply: {history}")
+            await again.close()
+    async with harness.Gateway(config=config(grace_ms=1000, delay_ms=20)) as gw:
+        with step("an ended reply resumed and dropped again and again is kept at most twice the grace after "
+                  "its end, not for ever"):
+            client, token, got, seq = await start_reply(gw, "kept for late resumes", "k1", 1)
+            await drop(client)
+            await asyncio.sleep(0.5)  # the short reply ends while nobody listens
+            ended = asyncio.get_running_loop().time()
+            def end_of_k1(f):
+                return f.get("id") == "k1" and f.get("type") in ("done", "error", "cancelled")
+            answers = []
+            for _ in range(6):  # a resume and a drop every 0.6 s, each restarting the grace before
+                again = await resume(gw, token, "k1", seq)
+                end = await again.next_matching(end_of_k1, 10, "the resume's end")
+                answers.append(end.get("code") or end["type"])
+                await drop(again)
+                if end["type"] != "done":
+                    break
+                await asyncio.sleep(0.6)
+            await asyncio.sleep(max(0.0, ended + 2.0 + 0.5 - asyncio.get_running_loop().time()))
+            again = await resume(gw, token, "k1", seq)
+            last = await again.next_matching(end_of_k1, 10, "the last resume's end")
+            check(answers[0] == "done" and last.get("code") == "not_found",
+                  f"resumes every 0.6 s: {answers}; then, past twice the grace after the end: {last}")
             await again.close()
 
 
