@@ -22,7 +22,8 @@
  *   P:{U}:R:line      HASH  those turns' tickets, in order
  *   P:{U}:R:cancel    STRING set by another gateway to stop the lease holder's turn (its ticket)
  *   P:{U}:R:fence     STRING a fence counter of versions before the lock: only deleted
- *   P:{U}:rooms       ZSET  the user's rooms scored by their last save (ms), for "forget this
+ *   P:{U}:rooms       ZSET  the user's rooms scored by their last save that rewrote or renewed
+ *                           the lifetimes (ms; within 30 s by default), for "forget this
  *                           user" without SCAN and max_rooms_per_user
  * Every dialog operation but a turn's common load is one script on those keys, sent as
  * EVALSHA (and once as EVAL when the server answers NOSCRIPT): a load takes the lease, then
@@ -1369,10 +1370,12 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * many rooms a user keeps (max_rooms_per_user; "0": no bound), 28 now (ms: the room's
  * score), then the params' field-value pairs, then the history (appending: only its new
  * messages).
- * The rooms set is a ZSET scored by each room's last save (ms): a new room past ARGV[27]
+ * The rooms set is a ZSET scored by each room's last save that rewrote the dialog or renewed
+ * the lifetimes (ms; an append's room is in it already, and writing its score at every save
+ * was one call of a turn's 12, issue 39's eighth round): a new room past ARGV[27]
  * takes the user's least recently used ones out of it, and the answer is then
  * {code, evicted room, ...}, the gateway deleting their keys (undeclared keys are not the
- * script's to touch). A rooms SET of an older version is made a ZSET at its first save.
+ * script's to touch). A rooms SET of an older version is made a ZSET at its first ZADD.
  * A key's lifetime is set whenever this save makes the key (the rooms set's ZADD adds the
  * room, the dialog hash's HSET adds fields, a list appended to had none, the params and a
  * rewritten list are made anew), so no key is ever left without one; a key that was there
@@ -1465,14 +1468,17 @@ static const char save_script[] =
     "    if pushed > 0 then redis.call('LTRIM', KEYS[5], 0, -pushed - 1) end\n"
     "    return -3\n"
     "  end\n"
-    "  local room = redis.pcall('ZADD', KEYS[7], ARGV[28], ARGV[18])\n"
-    "  if type(room) == 'table' then\n" /* a rooms SET of a version before the bound: made a ZSET */
-    "    local old = redis.call('SMEMBERS', KEYS[7])\n"
-    "    redis.call('DEL', KEYS[7])\n"
-    "    for i = 1, #old do redis.call('ZADD', KEYS[7], '0', old[i]) end\n"
-    "    room = redis.call('ZADD', KEYS[7], ARGV[28], ARGV[18])\n"
+    "  local room = 0\n"
+    "  if not append or renew then\n" /* an append's room is in the set: its score is renewed when the lifetimes are */
+    "    room = redis.pcall('ZADD', KEYS[7], ARGV[28], ARGV[18])\n"
+    "    if type(room) == 'table' then\n" /* a rooms SET of a version before the bound: made a ZSET */
+    "      local old = redis.call('SMEMBERS', KEYS[7])\n"
+    "      redis.call('DEL', KEYS[7])\n"
+    "      for i = 1, #old do redis.call('ZADD', KEYS[7], '0', old[i]) end\n"
+    "      room = redis.call('ZADD', KEYS[7], ARGV[28], ARGV[18])\n"
+    "    end\n"
+    "    if room == 1 or renew then redis.call('EXPIRE', KEYS[7], ARGV[19]) end\n"
     "  end\n"
-    "  if room == 1 or renew then redis.call('EXPIRE', KEYS[7], ARGV[19]) end\n"
     "  if room == 1 and ARGV[27] ~= '0' then\n"
     "    local over = redis.call('ZCARD', KEYS[7]) - tonumber(ARGV[27])\n"
     "    if over > 0 then\n" /* the oldest go, one more looked at: this room may tie with them */

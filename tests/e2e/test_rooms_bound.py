@@ -6,8 +6,13 @@ counted in chatgate_store_evictions_total{reason="rooms"}; other users are untou
   forgotten (GET /admin/dialogs says not found), r1, r3 and r4 and another user's room stay;
   the metric counts 1. Before: every room stayed (only max_dialogs, for all users, bounded
   them).
-- Redis: the same; r2's keys are gone from Redis, the user's rooms set (a ZSET by last use)
-  holds the three others. Before: all four stayed.
+- Redis, lifetimes under a minute (every save renews them): the same; r2's keys are gone from
+  Redis, the user's rooms set (a ZSET by last use) holds the three others. Before: all four
+  stayed.
+- Redis, the default lifetimes: a room's score is renewed with its keys' lifetimes (a sixtieth
+  of the shortest, 30 s), not at every save, so rooms used within 30 s of each other are in no
+  set order: r1 again within it leaves r1's score, and r1 goes. Before issue 39's eighth round
+  every save wrote the score (a call of the turn's 12 in Redis), and r2 went.
 - Redis, an older layout: a rooms SET written by an earlier version (a room "old") is made a
   ZSET at the user's next save, and keeps "old"; DELETE /admin/users still forgets every key.
 """
@@ -24,8 +29,13 @@ ENV = {"CHATGATE_ADMIN_TOKEN": ADMIN_TOKEN}
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-def gateway(store, name):
-    cfg = harness.state_config({"demo": harness.demo_upstream()}, "demo", store=store, max_rooms_per_user=3)
+# lifetimes under a minute: every save renews them, and with them the room's score
+SHORT = {"params_s": 50, "dialog_s": 50, "history_s": 50}
+
+
+def gateway(store, name, lifetimes=None):
+    extra = {"lifetimes": lifetimes} if lifetimes else {}
+    cfg = harness.state_config({"demo": harness.demo_upstream()}, "demo", store=store, max_rooms_per_user=3, **extra)
     return Gateway(["--auth", "header", "--user-header", "X-User-Id"], cfg, env=ENV, name=name)
 
 
@@ -46,22 +56,22 @@ async def evictions(gw):
     return harness.parse_metrics(body.decode()).value("chatgate_store_evictions_total", reason="rooms")
 
 
-async def fill(gw):
-    """ann talks in r1, r2, r3, r1 again, then r4; bob in one room."""
-    ann, bob = await connect_as(gw, "ann"), await connect_as(gw, "bob")
+async def fill(gw, user="ann"):
+    """user talks in r1, r2, r3, r1 again, then r4; bob in one room."""
+    ann, bob = await connect_as(gw, user), await connect_as(gw, "bob")
     for i, room in enumerate(["r1", "r2", "r3", "r1", "r4"]):
         (await ann.message(f"hello {i}", mid=f"a{i}", room=room)).expect_done()
         await asyncio.sleep(0.01)  # each room's last use its own millisecond
-    (await bob.message("hi", mid="b1", room="x")).expect_done()
+    (await bob.message("hi", mid=f"b1-{user}", room="x")).expect_done()
     await ann.close()
     await bob.close()
 
 
-async def check_bound(gw):
-    await fill(gw)
-    got = {room: await found(gw, "ann", room) for room in ("r1", "r2", "r3", "r4")}
-    check(got == {"r1": True, "r2": False, "r3": True, "r4": True},
-          f"ann's rooms after r4 (bound 3, r2 the least recently used): {got}")
+async def check_bound(gw, user="ann", gone="r2"):
+    await fill(gw, user)
+    got = {room: await found(gw, user, room) for room in ("r1", "r2", "r3", "r4")}
+    want = {room: room != gone for room in got}
+    check(got == want, f"{user}'s rooms after r4 (bound 3, {gone} should have gone): {got}")
     check(await found(gw, "bob", "x"), "bob's room should stay")
     n = await evictions(gw)
     check(n == 1, f'chatgate_store_evictions_total{{reason="rooms"}} is {n}, expected 1')
@@ -76,8 +86,16 @@ async def part_memory():
 async def part_redis():
     redis = await harness.RedisServer().astart()
     try:
-        async with gateway(redis.url, "rooms-redis") as gw:
-            with step("Redis, max_rooms_per_user 3: the same; r2's keys are gone, the rooms ZSET holds r1 r3 r4"):
+        async with gateway(redis.url, "rooms-redis-default") as gw:
+            with step("Redis, the default lifetimes: r1's save within 30 s of its first leaves its score, so "
+                      "r1 goes, not r2 (a room's score is renewed with the lifetimes)"):
+                await check_bound(gw, "dan", gone="r1")
+                rooms = redis.zrange("chatgate:{dan}:rooms")
+                check(sorted(rooms) == ["r2", "r3", "r4"], f"dan's rooms set: {rooms}")
+            gw.assert_alive()
+        async with gateway(redis.url, "rooms-redis", SHORT) as gw:
+            with step("Redis, max_rooms_per_user 3, lifetimes under a minute: the same as memory; r2's keys are "
+                      "gone, the rooms ZSET holds r1 r3 r4"):
                 await check_bound(gw)
                 keys = redis.keys("chatgate:{ann}:*")
                 check(not [k for k in keys if ":r2:" in k], f"r2's keys left in Redis: {keys}")

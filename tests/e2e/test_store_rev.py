@@ -357,7 +357,8 @@ async def part_lifetimes(app, redis, rules):
                   f"a save 30 s within the last renewal keeps the keys' lifetimes (set to 100 s): {got}")
             check(store_counts(gw)[1] == 2, f"the saves after the first appended: {store_counts(gw)}")
             await c.close()
-    with step("keys gone during such a save (the dialog's hash, the rooms set) are made with their lifetime"):
+    with step("keys gone during such a save are made with their lifetime (the dialog's hash), or not made "
+              "(the rooms set: an appending save within the renewal adds nothing to it)"):
         async with harness.Gateway(args(rules), config(app, redis), name="gw-life-b") as gw:
             c = await connect(gw, "lifeb")
             for k in range(1, 3):
@@ -368,13 +369,14 @@ async def part_lifetimes(app, redis, rules):
             (await pending).expect_done()
             ok = await harness.wait_until(lambda: redis.ttl(harness.dialog_key("lifeb", "r", "dialog")) > 0, 5)
             got = ttls(redis, "lifeb", ("dialog",))
-            check(ok and 7100 <= got["dialog"] <= 7200 and 7100 <= got["rooms"] <= 7200,
-                  f"the dialog's hash and the rooms set, made again by the save, should live 2 h: {got}")
+            check(ok and 7100 <= got["dialog"] <= 7200 and got["rooms"] == -2,
+                  f"the dialog's hash, made again by the save, should live 2 h, and the rooms set stay gone "
+                  f"until a save renews the lifetimes: {got}")
             check(store_counts(gw)[1] == 2, f"the saves after the first appended: {store_counts(gw)}")
             await c.close()
     short = {"params_s": 120, "dialog_s": 120, "awaiting_s": 60, "soft_s": 60, "history_s": 60}
-    with step("a save a second or more after the last renewal (60 s lifetimes) renews them all; the lock, "
-              "let go, is deleted"):
+    with step("a save a second or more after the last renewal (60 s lifetimes) renews them all, and puts the "
+              "room back in a rooms set that was deleted; the lock, let go, is deleted"):
         cfg = harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=redis.url,
                                    lifetimes=short, history_n=10)
         async with harness.Gateway(args(rules), cfg, name="gw-life-c") as gw:
@@ -383,13 +385,15 @@ async def part_lifetimes(app, redis, rules):
                 await turn(c, app, f"lifec{k}", f"lifec {k}", "r")
             for part in ("params", "dialog", "history"):
                 redis.command("EXPIRE", harness.dialog_key("lifec", "r", part), "30")
-            redis.command("EXPIRE", harness.rooms_key("lifec"), "30")
+            redis.command("DEL", harness.rooms_key("lifec"))
             await asyncio.sleep(2.1)  # the subject: the renewal of a lifetime over two seconds old
             await turn(c, app, "lifec3", "lifec 3", "r")
             got = ttls(redis, "lifec", ("params", "dialog", "history"))
             want = {"params": 120, "dialog": 120, "history": 60, "rooms": 120}
             check(all(want[p] - 5 <= t <= want[p] for p, t in got.items()),
                   f"renewed to their lifetimes {want}: {got}")
+            rooms = redis.zrange(harness.rooms_key("lifec"))
+            check(rooms == ["r"], f"the renewing save should put the room back in the rooms set: {rooms}")
             lock = harness.dialog_key("lifec", "r", "lock")
             check(await harness.wait_until(lambda: redis.get(lock) is None, 3),
                   f"the lock, let go, should be deleted: {redis.get(lock)!r}")
@@ -421,7 +425,7 @@ async def part_parts_deleted(app, redis, rules):
                 stats = redis.info_commandstats()
                 return {cmd: stats.get(cmd, {}).get("calls", 0)
                         for cmd in ("del", "hlen", "llen", "hget", "rpush", "exists", "incr", "get", "set",
-                                    "evalsha", "eval")}
+                                    "evalsha", "eval", "zadd")}
             cached, before = store_counts(gw)[0], calls()
             for k in range(5):
                 await turn(c, app, f"parts-n{k}", f"plain {k}", "r")
@@ -444,6 +448,8 @@ async def part_parts_deleted(app, redis, rules):
             check(made["hlen"] == 0 and made["llen"] == 0 and made["rpush"] == 5,
                   f"5 loads answered 'same' should count nothing in Redis (no HLEN), and their 5 appending "
                   f"saves check the list's length by their RPUSH's answer (5 RPUSHes, no LLEN): {made}")
+            check(made["zadd"] == 0, f"5 appending saves within the lifetimes' renewal should leave the rooms set "
+                                     f"as it is (its room's score is renewed with the lifetimes): {made}")
             check(store_counts(gw)[1] >= 7, f"those saves appended: {store_counts(gw)}")
             await c.close()
 
