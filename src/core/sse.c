@@ -9,6 +9,7 @@
 
 #include "chatgate/core/alloc.h"
 #include "chatgate/core/sse.h"
+#include "chatgate/core/swar.h"
 
 void cg_sse_init(cg_sse *p, size_t max_event, cg_sse_event_fn on_event, void *ctx)
 {
@@ -94,7 +95,18 @@ static int process_line(cg_sse *p, const char *line, size_t len)
 int cg_sse_feed(cg_sse *p, const char *buf, size_t len)
 {
     size_t start = 0;
+    const unsigned char *u = (const unsigned char *)buf;
     for (size_t i = 0; i < len; i++) {
+        /* eight bytes at once while no line ends among them: a streamed reply is mostly the
+         * text of its "data:" lines (a byte at a time was an eighth of a delta's instructions) */
+        if (i + 8 <= len) {
+            uint64_t w = cg_swar_load(u + i);
+            if (!cg_swar_has(w, '\n') && !cg_swar_has(w, '\r')) {
+                p->after_cr = 0;
+                i += 7;
+                continue;
+            }
+        }
         char c = buf[i];
         if (c != '\n' && c != '\r') {
             p->after_cr = 0;

@@ -133,17 +133,23 @@ static int on_key(void *ctx, const unsigned char *key, size_t len)
 {
     cg_chunk *k = ctx;
     cg_chunk_level *l = &k->level[k->depth - 1];
+#define KEY(in, key, name) {in, key, sizeof(name) - 1, name}
     static const struct {
-        unsigned char in, key;
+        unsigned char in, key, len;
         const char *name;
     } keys[] = {
-        {IN_TOP, KEY_CHOICES, "choices"}, {IN_TOP, KEY_USAGE, "usage"},       {IN_TOP, KEY_OTHER, "error"},
-        {IN_CHOICE, KEY_DELTA, "delta"},  {IN_CHOICE, KEY_FINISH, "finish_reason"}, {IN_DELTA, KEY_CONTENT, "content"},
-        {IN_DELTA, KEY_TOOLS, "tool_calls"},
+        KEY(IN_TOP, KEY_CHOICES, "choices"), KEY(IN_TOP, KEY_USAGE, "usage"), KEY(IN_TOP, KEY_OTHER, "error"),
+        KEY(IN_CHOICE, KEY_DELTA, "delta"), KEY(IN_CHOICE, KEY_FINISH, "finish_reason"),
+        KEY(IN_DELTA, KEY_CONTENT, "content"), KEY(IN_DELTA, KEY_TOOLS, "tool_calls"),
     };
+#undef KEY
     l->key = KEY_OTHER;
+    if (l->kind == IN_SKIPPED || l->kind == IN_CHOICES) /* no key there matters (most of a chunk's keys) */
+        return 1;
     for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
-        if (keys[i].in != l->kind || strlen(keys[i].name) != len || memcmp(keys[i].name, key, len) != 0)
+        /* the length first: no strlen, and no memcmp but for a likely match (a key of every
+         * chunk, a thirteenth of a delta's instructions with them) */
+        if (keys[i].len != len || keys[i].in != l->kind || memcmp(keys[i].name, key, len) != 0)
             continue;
         if (keys[i].key == KEY_OTHER) /* "error": jansson's */
             return 0;
@@ -151,6 +157,11 @@ static int on_key(void *ctx, const unsigned char *key, size_t len)
             return 0;
         k->seen |= 1u << keys[i].key;
         l->key = keys[i].key;
+        if (l->kind == IN_TOP && !k->head_at) { /* the head ends at the first: its quote, in data */
+            const char *quote = (const char *)key - 1;
+            if (quote > k->data && quote < k->data + k->data_len && *quote == '"')
+                k->head_at = (size_t)(quote - k->data);
+        }
         break;
     }
     return 1;
@@ -191,7 +202,15 @@ static const yajl_callbacks callbacks = {
     .yajl_end_array = leave,
 };
 
-int cg_chunk_read(cg_chunk *k, const char *data, size_t len)
+/* How many of data's first bytes are the head: all of it, followed by a key's quote; else 0. */
+static size_t head_matched(const cg_chunk_head *head, const char *data, size_t len)
+{
+    if (!head || !head->len || len <= head->len || data[head->len] != '"')
+        return 0;
+    return memcmp(data, head->bytes, head->len) == 0 ? head->len : 0;
+}
+
+int cg_chunk_read(cg_chunk *k, cg_chunk_head *head, const char *data, size_t len)
 {
     k->content = NULL;
     k->content_len = 0;
@@ -202,13 +221,21 @@ int cg_chunk_read(cg_chunk *k, const char *data, size_t len)
     k->depth = 0;
     k->ended = 0;
     k->seen = 0;
-    if (!cg_yajl_plain_bytes(data, len))
+    k->head_at = 0;
+    size_t skip = head_matched(head, data, len); /* the head's bytes were checked when it was kept */
+    if (!cg_yajl_plain_bytes(data + skip, len - skip))
         return 0;
     yajl_handle h = cg_yajl_open(&k->room, &callbacks, k);
     if (!h)
         return 0;
-    int read = cg_yajl_whole(h, data, len, &k->ended);
+    int read = skip ? yajl_parse(h, (const unsigned char *)"{", 1) == yajl_status_ok &&
+                          cg_yajl_whole(h, data + skip, len - skip, &k->ended)
+                    : cg_yajl_whole(h, data, len, &k->ended);
     yajl_free(h);
+    if (read && !skip && head) { /* a plain chunk read whole: its head is the reply's now */
+        head->len = k->head_at > 1 && k->head_at <= CG_CHUNK_HEAD_MAX ? k->head_at : 0;
+        memcpy(head->bytes, data, head->len);
+    }
     return read;
 }
 

@@ -82,6 +82,7 @@ struct cg_upstream_call {
     int events_seen;
     int finish_seen; /* a chunk with a finish_reason: the reply is complete */
     cg_sse sse;
+    cg_chunk_head head; /* the chunks' head, read once a reply (chunk.h) */
     json_t *usage;
     /* the model's call of chatgate_state (upstreams.NAME.state_tool): its index among the
      * reply's tool calls (-1: none yet) and its arguments as they stream, bounded */
@@ -262,7 +263,7 @@ static int on_event(void *ctx, const char *event, const char *data, size_t len)
         return 1;
     }
     cg_chunk k; /* the plain chunk without a tree; anything else is jansson's (chunk.h) */
-    int plain = cg_chunk_read(&k, data, len);
+    int plain = cg_chunk_read(&k, &c->head, data, len);
     if (plain) {
         if (k.finished)
             c->finish_seen = 1;

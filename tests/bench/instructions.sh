@@ -5,7 +5,7 @@
 # counters for perf. It counts user space only: the kernel's share (the sends and receives)
 # is in compare.sh's CPU per turn, and in `strace -c -p PID`.
 #
-#   tests/bench/instructions.sh BUILD_DIR pass|full [BINARY...]
+#   tests/bench/instructions.sh BUILD_DIR pass|full|stream|stream-rules [BINARY...]
 #
 # pass: the ws app upstream (app_backend), no rules, memory store; full: the shipped rules/
 # and a Redis store (a redis-server started here). Each binary (default BUILD_DIR/chatgate)
@@ -13,15 +13,24 @@
 # later dumped, and the turns the gateway counted in between (chatgate_turns_total, from
 # /metrics) divide them. Prints one line a binary:
 #   INSTR kind=pass binary=... turns=N instructions=N per_turn=N
+# stream: a streamed reply's deltas instead (stream.sh's workload, under callgrind): an
+# sse_server streaming 100 deltas a reply, one every 10 ms, as the OpenAI-compatible
+# upstream, no rules, memory store, 50 streams of stream_bench; the deltas the server wrote
+# in the window (its /stats) divide the count: per_delta=N (a turn's own work included, a
+# hundredth of it a delta). stream-rules: the same with the shipped rules/ (the reply rule
+# runs on every delta). How many deltas one read brings moves with the machine's load, and
+# with it what a delta costs by a few percent: compare the functions of a delta's path in
+# CG_INSTR_KEEP's dumps (cg_sse_feed, cg_chunk_read) when that matters.
 # CG_INSTR_KEEP=PATH keeps each binary's callgrind dump as PATH.<binary's name>, for
 # callgrind_annotate. Needs valgrind (Debian's), curl, and redis-server for full.
 set -u
 . "$(dirname "$0")/ports.sh"
 
-if [ $# -lt 2 ] || { [ "$2" != pass ] && [ "$2" != full ]; }; then
-	echo "usage: $0 BUILD_DIR pass|full [BINARY...]" >&2
+case ${2:-} in pass | full | stream | stream-rules) ;; *)
+	echo "usage: $0 BUILD_DIR pass|full|stream|stream-rules [BINARY...]" >&2
 	exit 2
-fi
+	;;
+esac
 build=$(cd "$1" && pwd) kind=$2
 shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -45,6 +54,16 @@ if [ "$kind" = full ]; then
 	rules=$repo/rules store=redis://127.0.0.1:$redis_port
 fi
 bench_config "$app_port" >"$tmp/chatgate.json"
+case $kind in stream*)
+	sse_port=$(pick_free_port) || exit 1
+	"$build/tests/bench/sse_server" --port "$sse_port" --deltas 100 --interval-ms 10 >"$tmp/sse.log" 2>&1 &
+	pids+=($!)
+	[ "$kind" = stream-rules ] && rules=$repo/rules
+	cat >"$tmp/chatgate.json" <<EOF
+{"upstreams":{"llm":{"url":"http://127.0.0.1:$sse_port/v1","model":"m","max_idle_connections":1024}},"default_upstream":"llm","rate_limit":{"messages_per_second":1000000,"burst":1000000},"max_connections":5000}
+EOF
+	;;
+esac
 
 status=0
 for bin in "${binaries[@]}"; do
@@ -54,11 +73,21 @@ for bin in "${binaries[@]}"; do
 	gw=$!
 	pids+=($gw)
 	for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.3; done
-	"$build/tests/bench/cg_bench" --url "ws://127.0.0.1:$port/ws" --connections 10 --duration 14 --warmup 2 \
-		--connect-timeout 30 >"$tmp/bench.out" 2>&1 &
+	case $kind in
+	stream*)
+		"$build/tests/bench/stream_bench" --url "ws://127.0.0.1:$port/ws" --streams 50 --duration 14 --warmup 2 \
+			>"$tmp/bench.out" 2>&1 &
+		# the deltas the server wrote
+		turns() { curl -s "http://127.0.0.1:$sse_port/stats" | sed -n 's/.*"deltas":\([0-9]*\).*/\1/p'; }
+		;;
+	*)
+		"$build/tests/bench/cg_bench" --url "ws://127.0.0.1:$port/ws" --connections 10 --duration 14 --warmup 2 \
+			--connect-timeout 30 >"$tmp/bench.out" 2>&1 &
+		turns() { curl -s "http://127.0.0.1:$port/metrics" | awk '/^chatgate_turns_total/ { s += $2 } END { print s + 0 }'; }
+		;;
+	esac
 	bench=$!
 	sleep 4
-	turns() { curl -s "http://127.0.0.1:$port/metrics" | awk '/^chatgate_turns_total/ { s += $2 } END { print s + 0 }'; }
 	callgrind_control -z $gw >/dev/null 2>&1
 	t0=$(turns)
 	sleep 8
@@ -78,6 +107,9 @@ for bin in "${binaries[@]}"; do
 		status=1
 		continue
 	fi
-	echo "INSTR kind=$kind binary=$bin turns=$n instructions=$ir per_turn=$((ir / n))"
+	case $kind in
+	stream*) echo "INSTR kind=$kind binary=$bin deltas=$n instructions=$ir per_delta=$((ir / n))" ;;
+	*) echo "INSTR kind=$kind binary=$bin turns=$n instructions=$ir per_turn=$((ir / n))" ;;
+	esac
 done
 exit $status

@@ -25,12 +25,30 @@
  *   - at most CG_CHUNK_DEPTH levels of nesting.
  * So a chunk read here gives what jansson's reading gives (unit_chunk and fuzz_chunk hold the
  * two to each other).
+ *
+ * The head. A server's chunks of one reply begin with the same members ("id", "object",
+ * "created", "model", "system_fingerprint": about half of a chunk's bytes), and yajl's
+ * reading was half of the gateway's instructions a delta (callgrind, issue 39's eighth
+ * round). So the bytes of a chunk read as plain, up to its first key that matters
+ * ("choices" or "usage"), are kept as the reply's head (cg_chunk_head); a chunk that begins
+ * with the same bytes, followed at once by a key's opening quote, is read as "{" and the rest:
+ * the head's members were read and checked in full once, and both leave the reader at the
+ * same place, inside the top object and before a key (a "}" at once, valid after "{" but not
+ * after the head's ",", is not a key's quote, so that chunk is read whole). Any other chunk
+ * is read whole, and a plain one becomes the head.
  */
 #include <stddef.h>
 
 #include "chatgate/core/yajlread.h"
 
 #define CG_CHUNK_DEPTH 16
+#define CG_CHUNK_HEAD_MAX 256 /* bytes of a head kept: a longer one is not kept */
+
+/* A reply's head (above), kept by its caller from one chunk to the next: zeroed to begin. */
+typedef struct cg_chunk_head {
+    size_t len; /* 0: none */
+    char bytes[CG_CHUNK_HEAD_MAX];
+} cg_chunk_head;
 
 /* A container the reader is in (chunk.c's kinds and keys), and the key whose value is next. */
 typedef struct cg_chunk_level {
@@ -48,14 +66,15 @@ typedef struct cg_chunk {
     char *copy; /* the content when it had escapes, decoded: malloc'd */
     int depth, ended;
     unsigned seen; /* the keys met, by bit: one twice is not the plain case */
+    size_t head_at; /* where the first key that matters begins (its quote), 0 when unknown */
     cg_chunk_level level[CG_CHUNK_DEPTH];
     cg_yajl_room room;
 } cg_chunk;
 
 /* Reads data[0..len) into k: 1 when it is the plain case above, 0 when not (read it with
- * jansson). Either way cg_chunk_free(k) afterwards; the content may point into data, which
- * must outlive it. */
-int cg_chunk_read(cg_chunk *k, const char *data, size_t len);
+ * jansson). head (NULL for none) is the reply's head, used and kept (above). Either way
+ * cg_chunk_free(k) afterwards; the content may point into data, which must outlive it. */
+int cg_chunk_read(cg_chunk *k, cg_chunk_head *head, const char *data, size_t len);
 void cg_chunk_free(cg_chunk *k);
 
 #endif

@@ -8,6 +8,9 @@
  * read with the right values; what is not the plain case must not be; and 200,000 real
  * chunks with bytes deleted, inserted and replaced, with a fixed seed, must agree with
  * jansson whenever read. Every input is an exact-size heap copy, so ASan sees a read past it.
+ * The reply's head (chunk.h): the chunks of one reply after the first are read from the end
+ * of the head it kept, and must still agree with jansson, mutated too; a chunk that is the
+ * head and a "}" (invalid: the head ends in a comma) must not be read as "{}".
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -33,13 +36,14 @@ static void show(const char *what, const char *s, size_t n)
     fprintf(stderr, "\"\n");
 }
 
-/* Reads s[0..n) both ways; 1 when the reader said 1 (and then checks it agreed). */
-static int read_both(const char *s, size_t n, cg_chunk *k, int *agreed)
+/* Reads s[0..n) both ways, the reader with head (NULL: none); 1 when the reader said 1
+ * (and then checks it agreed). */
+static int read_both(const char *s, size_t n, cg_chunk_head *head, cg_chunk *k, int *agreed)
 {
     char *copy = unit_dup_exact(s, n);
     chunk_ref r;
     chunk_ref_read(&r, copy, n);
-    int plain = cg_chunk_read(k, copy, n);
+    int plain = cg_chunk_read(k, head, copy, n);
     *agreed = !plain || chunk_ref_agrees(k, &r);
     if (!*agreed)
         show("the reader and jansson disagree on", s, n);
@@ -101,7 +105,7 @@ static void test_plain(void)
         cg_chunk k;
         int agreed;
         char *copy = unit_dup_exact(cases[i].s, cases[i].n);
-        int plain = cg_chunk_read(&k, copy, cases[i].n);
+        int plain = cg_chunk_read(&k, NULL, copy, cases[i].n);
         CHECK(plain);
         if (plain) {
             size_t want = cases[i].content ? strlen(cases[i].content) : 0;
@@ -112,7 +116,7 @@ static void test_plain(void)
             show("not read", cases[i].s, cases[i].n);
         cg_chunk_free(&k);
         free(copy);
-        CHECK(read_both(cases[i].s, cases[i].n, &k, &agreed) && agreed);
+        CHECK(read_both(cases[i].s, cases[i].n, NULL, &k, &agreed) && agreed);
     }
 }
 
@@ -165,7 +169,7 @@ static void test_not_plain(void)
     for (size_t i = 0; i < N(cases); i++) {
         cg_chunk k;
         int agreed;
-        int plain = read_both(cases[i].s, cases[i].n, &k, &agreed);
+        int plain = read_both(cases[i].s, cases[i].n, NULL, &k, &agreed);
         CHECK(!plain);
         if (plain)
             show("read, but not the plain case", cases[i].s, cases[i].n);
@@ -185,29 +189,90 @@ static void test_mutated(void)
     };
     static const char alphabet[] = "{}[]\":,\\ 0123456789.-eEtrufalsn\xC3\xA9\x01\f";
     uint64_t state = 0x5DEECE66Dull;
-    unsigned reads = 0, runs = 200000, disagreements = 0;
+    unsigned reads = 0, runs = 200000, disagreements = 0, from_head = 0;
     char buf[512];
     for (unsigned i = 0; i < runs; i++) {
         const char *seed = seeds[i % N(seeds)];
         size_t n = strlen(seed);
+        cg_chunk k;
+        int agreed;
+        /* every other run: the seed read first, its head kept, as the reply's first chunk */
+        cg_chunk_head head = {0};
+        int with_head = (i / N(seeds)) % 2;
+        if (with_head) {
+            read_both(seed, n, &head, &k, &agreed); /* the fourth is not plain ("error") */
+            CHECK(agreed);
+            from_head += head.len > 0;
+        }
         memcpy(buf, seed, n);
         for (unsigned m = 1 + unit_rand(&state) % 3; m > 0; m--)
             unit_mutate(&state, buf, &n, sizeof(buf), alphabet[unit_rand(&state) % (sizeof(alphabet) - 1)]);
-        cg_chunk k;
-        int agreed;
-        reads += read_both(buf, n, &k, &agreed);
+        reads += read_both(buf, n, with_head ? &head : NULL, &k, &agreed);
         disagreements += !agreed;
     }
     CHECK(disagreements == 0);
+    CHECK(from_head == runs / N(seeds) / 2); /* the first seed's head, every time it came first */
     /* a reader that leaves everything to jansson would agree too: most mutations keep a
      * chunk plain (a byte inside a string or a number), so a good share must be read */
     fprintf(stderr, "test_chunk: %u of %u mutated chunks read, %u disagreements\n", reads, runs, disagreements);
     CHECK(reads > runs / 5);
 }
 
+/* ---- 4. the reply's head ----------------------------------------------------------------- */
+
+#define HEAD "{\"id\":\"chatcmpl-9\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\","
+
+static void test_head(void)
+{
+    cg_chunk_head head = {0};
+    cg_chunk k;
+    int agreed;
+    static const char first[] = HEAD "\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one\"},\"finish_reason\":null}]}";
+    CHECK(read_both(L(first), &head, &k, &agreed) && agreed);
+    CHECK(head.len == sizeof(HEAD) - 1 && memcmp(head.bytes, HEAD, head.len) == 0);
+    static const struct {
+        const char *s;
+        size_t n;
+        const char *content; /* NULL: no delta */
+        int plain, finished;
+    } next[] = {
+        {L(HEAD "\"choices\":[{\"index\":0,\"delta\":{\"content\":\"two\"},\"finish_reason\":null}]}"), "two", 1, 0},
+        {L(HEAD "\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}"), NULL, 1, 1},
+        /* after the head: any member, the keys that matter as ever */
+        {L(HEAD "\"x\":[1,{\"choices\":2}],\"choices\":[{\"delta\":{\"content\":\"three\"}}]}"), "three", 1, 0},
+        {L(HEAD "\"choices\":[],\"choices\":[{\"delta\":{\"content\":\"b\"}}]}"), NULL, 0, 0},
+        {L(HEAD "\"error\":{\"message\":\"overloaded\"}}"), NULL, 0, 0},
+        {L(HEAD "\"choices\":[],\"usage\":{\"prompt_tokens\":5}}"), NULL, 0, 0},
+        /* the head then "}": invalid (a comma before it), not "{}" */
+        {L(HEAD "}"), NULL, 0, 0},
+        {L(HEAD " }"), NULL, 0, 0},
+        {L(HEAD "\"choices\":[]"), NULL, 0, 0},
+        {L(HEAD "\"choices\":[]} x"), NULL, 0, 0},
+        /* another head: read whole, and kept */
+        {L("{\"id\":\"chatcmpl-10\",\"choices\":[{\"delta\":{\"content\":\"four\"}}]}"), "four", 1, 0},
+    };
+    for (size_t i = 0; i < N(next); i++) {
+        int plain = read_both(next[i].s, next[i].n, &head, &k, &agreed);
+        CHECK(agreed && plain == next[i].plain);
+        char *copy = unit_dup_exact(next[i].s, next[i].n);
+        cg_chunk_head before = head;
+        if (cg_chunk_read(&k, &before, copy, next[i].n)) {
+            size_t want = next[i].content ? strlen(next[i].content) : 0;
+            CHECK(k.content_len == want && (!want || memcmp(k.content, next[i].content, want) == 0));
+            CHECK(k.finished == next[i].finished);
+        }
+        cg_chunk_free(&k);
+        free(copy);
+        if (!agreed || plain != next[i].plain)
+            show("the head's case", next[i].s, next[i].n);
+    }
+    CHECK(head.len == strlen("{\"id\":\"chatcmpl-10\","));
+}
+
 int main(void)
 {
     test_plain();
+    test_head();
     test_not_plain();
     test_mutated();
     return unit_done("unit_chunk");
