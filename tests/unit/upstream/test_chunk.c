@@ -182,6 +182,8 @@ static void test_mutated(void)
 {
     static const char *const seeds[] = {
         "{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,"
+        "\"delta\":{\"content\":\"Hello there, caf\xC3\xA9\"},\"finish_reason\":null}]}",
+        "{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,"
         "\"delta\":{\"content\":\"He said \\\"hi\\\"\\n\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}",
         "{\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}",
         "{\"choices\":[{\"delta\":{\"content\":\"caf\xC3\xA9\"},\"logprobs\":{\"x\":[-0.5,1,true,false,null]}}]}",
@@ -189,7 +191,7 @@ static void test_mutated(void)
     };
     static const char alphabet[] = "{}[]\":,\\ 0123456789.-eEtrufalsn\xC3\xA9\x01\f";
     uint64_t state = 0x5DEECE66Dull;
-    unsigned reads = 0, runs = 200000, disagreements = 0, from_head = 0;
+    unsigned reads = 0, runs = 200000, disagreements = 0, from_head = 0, in_frame = 0;
     char buf[512];
     for (unsigned i = 0; i < runs; i++) {
         const char *seed = seeds[i % N(seeds)];
@@ -207,63 +209,87 @@ static void test_mutated(void)
         memcpy(buf, seed, n);
         for (unsigned m = 1 + unit_rand(&state) % 3; m > 0; m--)
             unit_mutate(&state, buf, &n, sizeof(buf), alphabet[unit_rand(&state) % (sizeof(alphabet) - 1)]);
-        reads += read_both(buf, n, with_head ? &head : NULL, &k, &agreed);
+        int plain = read_both(buf, n, with_head ? &head : NULL, &k, &agreed);
+        reads += plain;
+        in_frame += plain && k.path == CG_CHUNK_IN_FRAME;
         disagreements += !agreed;
     }
     CHECK(disagreements == 0);
-    CHECK(from_head == runs / N(seeds) / 2); /* the first seed's head, every time it came first */
+    CHECK(from_head == 2 * (runs / N(seeds) / 2)); /* the first two seeds' heads, each time */
+    CHECK(in_frame > runs / 400); /* mutations of the first seed's text */
     /* a reader that leaves everything to jansson would agree too: most mutations keep a
      * chunk plain (a byte inside a string or a number), so a good share must be read */
-    fprintf(stderr, "test_chunk: %u of %u mutated chunks read, %u disagreements\n", reads, runs, disagreements);
+    fprintf(stderr, "test_chunk: %u of %u mutated chunks read (%u in a frame), %u disagreements\n", reads, runs,
+            in_frame, disagreements);
     CHECK(reads > runs / 5);
 }
 
-/* ---- 4. the reply's head ----------------------------------------------------------------- */
+/* ---- 4. the reply's head and frame ------------------------------------------------------ */
 
 #define HEAD "{\"id\":\"chatcmpl-9\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\","
+#define FRAME_A HEAD "\"choices\":[{\"index\":0,\"delta\":{\"content\":\""
+#define FRAME_B "\"},\"finish_reason\":null}]}"
 
 static void test_head(void)
 {
     cg_chunk_head head = {0};
     cg_chunk k;
     int agreed;
-    static const char first[] = HEAD "\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one\"},\"finish_reason\":null}]}";
+    static const char first[] = FRAME_A "one" FRAME_B;
     CHECK(read_both(L(first), &head, &k, &agreed) && agreed);
     CHECK(head.len == sizeof(HEAD) - 1 && memcmp(head.bytes, HEAD, head.len) == 0);
+    CHECK(head.before == sizeof(FRAME_A) - 1 && head.after == sizeof(FRAME_B) - 1);
+    /* read one after the other, each with what the ones before left */
     static const struct {
         const char *s;
         size_t n;
         const char *content; /* NULL: no delta */
-        int plain, finished;
+        int plain, finished, path;
     } next[] = {
-        {L(HEAD "\"choices\":[{\"index\":0,\"delta\":{\"content\":\"two\"},\"finish_reason\":null}]}"), "two", 1, 0},
-        {L(HEAD "\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}"), NULL, 1, 1},
+        {L(FRAME_A "two" FRAME_B), "two", 1, 0, CG_CHUNK_IN_FRAME},
+        {L(FRAME_A "caf\xC3\xA9, \x7f ok" FRAME_B), "caf\xC3\xA9, \x7f ok", 1, 0, CG_CHUNK_IN_FRAME},
+        {L(FRAME_A FRAME_B), NULL, 1, 0, CG_CHUNK_IN_FRAME},
+        /* text the frame cannot take as it stands: the head, or the whole chunk, reads it */
+        {L(FRAME_A "a\\nb" FRAME_B), "a\nb", 1, 0, CG_CHUNK_AFTER_HEAD},
+        {L(FRAME_A "a\"b" FRAME_B), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
+        {L(FRAME_A "a\x01" FRAME_B), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
+        {L(FRAME_A "a\xC3" FRAME_B), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
+        {L(FRAME_A "a" FRAME_B " x"), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
+        {L(FRAME_A "a" FRAME_B "\n"), "a", 1, 0, CG_CHUNK_AFTER_HEAD},
+        {L(HEAD "\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}"), NULL, 1, 1, CG_CHUNK_AFTER_HEAD},
+        /* the frame of "a" and a newline, from the chunk before last */
+        {L(FRAME_A "three" FRAME_B "\n"), "three", 1, 0, CG_CHUNK_IN_FRAME},
+        /* text with quotes that would make other members: not the frame's */
+        {L(FRAME_A "\",\"x\":\"" FRAME_B), NULL, 1, 0, CG_CHUNK_AFTER_HEAD},
         /* after the head: any member, the keys that matter as ever */
-        {L(HEAD "\"x\":[1,{\"choices\":2}],\"choices\":[{\"delta\":{\"content\":\"three\"}}]}"), "three", 1, 0},
-        {L(HEAD "\"choices\":[],\"choices\":[{\"delta\":{\"content\":\"b\"}}]}"), NULL, 0, 0},
-        {L(HEAD "\"error\":{\"message\":\"overloaded\"}}"), NULL, 0, 0},
-        {L(HEAD "\"choices\":[],\"usage\":{\"prompt_tokens\":5}}"), NULL, 0, 0},
+        {L(HEAD "\"x\":[1,{\"choices\":2}],\"choices\":[{\"delta\":{\"content\":\"four\"}}]}"), "four", 1, 0,
+         CG_CHUNK_AFTER_HEAD},
+        {L(HEAD "\"choices\":[],\"choices\":[{\"delta\":{\"content\":\"b\"}}]}"), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
+        {L(HEAD "\"error\":{\"message\":\"overloaded\"}}"), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
+        {L(HEAD "\"choices\":[],\"usage\":{\"prompt_tokens\":5}}"), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
         /* the head then "}": invalid (a comma before it), not "{}" */
-        {L(HEAD "}"), NULL, 0, 0},
-        {L(HEAD " }"), NULL, 0, 0},
-        {L(HEAD "\"choices\":[]"), NULL, 0, 0},
-        {L(HEAD "\"choices\":[]} x"), NULL, 0, 0},
+        {L(HEAD "}"), NULL, 0, 0, CG_CHUNK_WHOLE},
+        {L(HEAD " }"), NULL, 0, 0, CG_CHUNK_WHOLE},
+        {L(HEAD "\"choices\":[]"), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
+        {L(HEAD "\"choices\":[]} x"), NULL, 0, 0, CG_CHUNK_AFTER_HEAD},
         /* another head: read whole, and kept */
-        {L("{\"id\":\"chatcmpl-10\",\"choices\":[{\"delta\":{\"content\":\"four\"}}]}"), "four", 1, 0},
+        {L("{\"id\":\"chatcmpl-10\",\"choices\":[{\"delta\":{\"content\":\"five\"}}]}"), "five", 1, 0, CG_CHUNK_WHOLE},
     };
     for (size_t i = 0; i < N(next); i++) {
+        cg_chunk_head was = head;
         int plain = read_both(next[i].s, next[i].n, &head, &k, &agreed);
         CHECK(agreed && plain == next[i].plain);
         char *copy = unit_dup_exact(next[i].s, next[i].n);
-        cg_chunk_head before = head;
-        if (cg_chunk_read(&k, &before, copy, next[i].n)) {
+        int again = cg_chunk_read(&k, &was, copy, next[i].n);
+        CHECK(again == plain && k.path == next[i].path);
+        if (again) {
             size_t want = next[i].content ? strlen(next[i].content) : 0;
             CHECK(k.content_len == want && (!want || memcmp(k.content, next[i].content, want) == 0));
             CHECK(k.finished == next[i].finished);
         }
         cg_chunk_free(&k);
         free(copy);
-        if (!agreed || plain != next[i].plain)
+        if (!agreed || plain != next[i].plain || again != plain || k.path != next[i].path)
             show("the head's case", next[i].s, next[i].n);
     }
     CHECK(head.len == strlen("{\"id\":\"chatcmpl-10\","));
