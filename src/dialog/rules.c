@@ -110,6 +110,53 @@ char *cg_rules_trim(char *s)
     return s;
 }
 
+/* Adds to map the bytes a match of code can begin with (PCRE2's start bitmap, or its first
+ * code unit); 0 when PCRE2 does not know them, or the pattern can match nothing at all. */
+static int first_bytes(const pcre2_code *code, int caseless, unsigned char map[32])
+{
+    const uint8_t *bits = NULL;
+    uint32_t empty = 1, type = 0, unit = 0;
+    if (pcre2_pattern_info(code, PCRE2_INFO_MATCHEMPTY, &empty) != 0 || empty ||
+        pcre2_pattern_info(code, PCRE2_INFO_FIRSTCODETYPE, &type) != 0)
+        return 0;
+    if (type == 1) { /* one code unit begins every match (its other case too when caseless) */
+        pcre2_pattern_info(code, PCRE2_INFO_FIRSTCODEUNIT, &unit);
+        if (unit > 0xff || (caseless && unit >= 0x80))
+            return 0;
+        map[unit / 8] |= (unsigned char)(1u << (unit % 8));
+        if (caseless && ((unit | 0x20) >= 'a' && (unit | 0x20) <= 'z'))
+            map[(unit ^ 0x20) / 8] |= (unsigned char)(1u << ((unit ^ 0x20) % 8));
+        return 1;
+    }
+    if (type != 0 || pcre2_pattern_info(code, PCRE2_INFO_FIRSTBITMAP, &bits) != 0 || !bits)
+        return 0; /* a match at a line's start, or anywhere */
+    for (int i = 0; i < 32; i++)
+        map[i] |= bits[i];
+    return 1;
+}
+
+/* The bytes a match of any mask or stop reply rule can begin with (rules_internal.h:
+ * reply_first), of both forms of each pattern. PCRE2 knows none for the UTF form of most
+ * patterns with \d or \w (Unicode's digits and letters begin with many bytes); a rule with
+ * an ASCII form then counts every byte past ASCII: at an ASCII byte the two forms begin the
+ * same matches (rules_parse.c, ascii_equivalent), so the ASCII form's bytes say it there. */
+static void reply_first_bytes(cg_ruleset *rs)
+{
+    int known = rs->has_reply;
+    for (size_t i = 0; i < rs->n && known; i++) {
+        const rule *r = &rs->rules[i];
+        if (!r->on_reply || r->action == A_TAG)
+            continue;
+        int ascii = r->re_ascii && first_bytes(r->re_ascii, !r->case_sensitive, rs->reply_first);
+        int utf = first_bytes(r->re, !r->case_sensitive, rs->reply_first);
+        if ((r->re_ascii && !ascii) || (!utf && !ascii))
+            known = 0;
+        else if (!utf)
+            memset(rs->reply_first + 0x80 / 8, 0xff, 0x80 / 8);
+    }
+    rs->reply_first_known = known;
+}
+
 /* The match data and limits every evaluation of the set uses, whether it has reply rules,
  * and whether a message's rules read the previous message. */
 static cg_ruleset *ruleset_finish(cg_ruleset *rs)
@@ -126,6 +173,7 @@ static cg_ruleset *ruleset_finish(cg_ruleset *rs)
         if (c + 1 > max_groups)
             max_groups = c + 1;
     }
+    reply_first_bytes(rs);
     rs->md = pcre2_match_data_create(max_groups, NULL);
     rs->mctx = pcre2_match_context_create(NULL);
     pcre2_set_match_limit(rs->mctx, CG_RULES_MATCH_LIMIT);

@@ -18,9 +18,11 @@
 # upstream, no rules, memory store, 50 streams of stream_bench; the deltas the server wrote
 # in the window (its /stats) divide the count: per_delta=N (a turn's own work included, a
 # hundredth of it a delta). stream-rules: the same with the shipped rules/ (the reply rule
-# runs on every delta). How many deltas one read brings moves with the machine's load, and
-# with it what a delta costs by a few percent: compare the functions of a delta's path in
-# CG_INSTR_KEEP's dumps (cg_sse_feed, cg_chunk_read) when that matters.
+# runs on every delta). CG_STREAM_TEXT sets a delta's text (sse_server's --text; its default
+# "w12 " has digits, so the shipped card rule runs on every delta, where a delta of words
+# passes the rules untouched: rules_reply.c). How many deltas one read brings moves with the
+# machine's load, and with it what a delta costs by a few percent: compare the functions of
+# a delta's path in CG_INSTR_KEEP's dumps (cg_sse_feed, cg_chunk_read) when that matters.
 # CG_INSTR_KEEP=PATH keeps each binary's callgrind dump as PATH.<binary's name>, for
 # callgrind_annotate. Needs valgrind (Debian's), curl, and redis-server for full.
 set -u
@@ -56,7 +58,8 @@ fi
 bench_config "$app_port" >"$tmp/chatgate.json"
 case $kind in stream*)
 	sse_port=$(pick_free_port) || exit 1
-	"$build/tests/bench/sse_server" --port "$sse_port" --deltas 100 --interval-ms 10 >"$tmp/sse.log" 2>&1 &
+	"$build/tests/bench/sse_server" --port "$sse_port" --deltas 100 --interval-ms 10 \
+		${CG_STREAM_TEXT:+--text "$CG_STREAM_TEXT"} >"$tmp/sse.log" 2>&1 &
 	pids+=($!)
 	[ "$kind" = stream-rules ] && rules=$repo/rules
 	cat >"$tmp/chatgate.json" <<EOF

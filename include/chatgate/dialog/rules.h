@@ -104,7 +104,8 @@ cg_reply_filter *cg_reply_filter_new(const cg_ruleset *rs, size_t window);
 void cg_reply_filter_free(cg_reply_filter *f);
 /* Feeds len bytes of the reply (final: it ended, nothing more comes): the text the client
  * may have now, masked, is *out (*out_len bytes, maybe 0; the filter's buffer, good until
- * the next feed, reused so that a delta costs no allocation). 0, or 1 when a stop rule
+ * the next feed, reused so that a delta costs no allocation; or text itself, when no rule
+ * could act on it). 0, or 1 when a stop rule
  * matched: *out is the text before the match, and nothing more goes. */
 int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int final, const char **out,
                          size_t *out_len);

@@ -111,6 +111,11 @@ struct cg_ruleset {
     pcre2_match_data *md;
     cg_rules_counts counts; /* where evaluation counts what each rule did; zero: nowhere */
     int has_reply;          /* some rule is `on reply` (known at load: each reply asks) */
+    /* every byte a match of a mask or stop reply rule can begin with, when PCRE2 knows it of
+     * each of their patterns (rules.c, reply_first_bytes): a delta with none of them, and no
+     * text held, passes those rules as it is (rules_reply.c) */
+    unsigned char reply_first[32];
+    int reply_first_known;
     int reads_previous;     /* some message rule enriches, or needs the history (cg_ruleset_reads_previous) */
 };
 

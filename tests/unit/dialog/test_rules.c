@@ -473,6 +473,74 @@ static void test_reply_rules(void)
     cg_ruleset_unref(rs);
 }
 
+/* Feeds one delta; 1 when it went on as it came (the filter's own text, untouched). */
+static int fed_as_is(cg_reply_filter *f, const char *text, int final, char *got, size_t cap)
+{
+    const char *out;
+    size_t m;
+    cg_reply_filter_feed(f, text, strlen(text), final, &out, &m);
+    size_t had = strlen(got);
+    if (had + m < cap) {
+        memcpy(got + had, out, m);
+        got[had + m] = 0;
+    }
+    return out == text && m == strlen(text);
+}
+
+/* A delta none of whose bytes can begin a mask or stop rule's match passes as it came, while
+ * nothing is held; what it leaves for the next delta's lookbehind is kept (issue 39). */
+static void test_reply_pass(void)
+{
+    /* the shipped card rule's shape (digits begin a match), and a caseless stop rule ('s' or 'S') */
+    static const char text[] = "rule card\n  on reply\n  match (?<![\\w+-])(?:\\d{4}[ -]?){3}\\d{4}(?![\\w-])\n"
+                               "  do mask [card]\n"
+                               "rule key\n  on reply\n  match sk-[a-z]{8}\n  do stop\n";
+    cg_ruleset *rs = NULL;
+    char err[256];
+    CHECK(cg_rules_load_text("pass.rules", text, strlen(text), &rs, err, sizeof(err)) == 0);
+    char got[256] = "";
+    cg_reply_filter *f = cg_reply_filter_new(rs, 64);
+    CHECK(fed_as_is(f, "Your card: ", 0, got, sizeof(got)));
+    CHECK(!fed_as_is(f, "4111 1111 ", 0, got, sizeof(got))); /* digits: may begin a match, held */
+    CHECK(!fed_as_is(f, "1111 1111 was used", 1, got, sizeof(got)));
+    CHECK_STR(got, "Your card: [card] was used");
+    cg_reply_filter_free(f);
+    /* the lookbehind sees the text passed on before: "abc4111..." holds no card number */
+    got[0] = 0;
+    f = cg_reply_filter_new(rs, 64);
+    CHECK(fed_as_is(f, "abc", 0, got, sizeof(got)));
+    fed_as_is(f, "4111 1111 1111 1111", 1, got, sizeof(got));
+    CHECK_STR(got, "abc4111 1111 1111 1111");
+    cg_reply_filter_free(f);
+    /* a caseless rule's first letter in either case stops the pass: "SK-..." is the key */
+    got[0] = 0;
+    f = cg_reply_filter_new(rs, 64);
+    CHECK(fed_as_is(f, "your key: ", 0, got, sizeof(got)));
+    CHECK(!fed_as_is(f, "SK-ABCDEFGH and more", 1, got, sizeof(got)));
+    CHECK_STR(got, "your key: ");
+    cg_reply_filter_free(f);
+    /* a byte past ASCII may begin a Unicode digit: such a delta does not pass */
+    got[0] = 0;
+    f = cg_reply_filter_new(rs, 64);
+    CHECK(!fed_as_is(f, "caf\xC3\xA9 ", 0, got, sizeof(got)));
+    CHECK(fed_as_is(f, "ok", 1, got, sizeof(got)));
+    CHECK_STR(got, "caf\xC3\xA9 ok");
+    cg_reply_filter_free(f);
+    /* and any cut of a text gives what one delta gives */
+    const char *texts[] = {"paid with 4111111111111111. Thanks, sk-abcdefgh", "abc 4111-1111-1111-1111 ok",
+                           "Amex 3782 822463 10005 on file", "no digits in here at all, none"};
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
+        char *whole = reply_through(rs, 64, texts[i], 0);
+        for (size_t step = 1; step <= 9; step++) {
+            char *cut = reply_through(rs, 64, texts[i], step);
+            CHECK_STR(cut, whole);
+            free(cut);
+        }
+        free(whole);
+    }
+    cg_ruleset_unref(rs);
+}
+
 /* A *.rules FIFO no one writes to (core/file.h): read at once as empty, where fopen()
  * waited in open() for ever, which on a SIGHUP reload would have stopped the loop. */
 static void test_fifo_file(void)
@@ -507,6 +575,7 @@ int main(void)
     test_selection();
     test_timezone();
     test_reply_rules();
+    test_reply_pass();
     test_fifo_file();
     clear_dir();
     rmdir(dir);
