@@ -9,8 +9,6 @@
 #include <string.h>
 
 #include "chatgate/core/alloc.h"
-#include "chatgate/core/swar.h"
-#include "chatgate/core/utf8.h"
 #include "chatgate/upstream/chunk.h"
 
 /* The containers the reader can be in. */
@@ -212,44 +210,11 @@ static size_t head_matched(const cg_chunk_head *head, const char *data, size_t l
     return memcmp(data, head->bytes, head->len) == 0 ? head->len : 0;
 }
 
-/* Bytes that are a JSON string's text as they stand: no quote, backslash or control byte,
- * and UTF-8 as jansson takes it (cg_yajl_plain_bytes' rule). */
-static int text_plain(const unsigned char *u, size_t n)
-{
-    for (size_t i = 0; i < n;) {
-        if (i + 8 <= n) {
-            uint64_t w = cg_swar_load(u + i);
-            if (!(w & CG_SWAR_HIGHS) && !cg_swar_has(w, '"') && !cg_swar_has(w, '\\') && !cg_swar_has_below(w, 0x20)) {
-                i += 8;
-                continue;
-            }
-        }
-        if (u[i] >= 0x80) {
-            size_t l = cg_utf8_char_len(u + i, n - i);
-            if (!l)
-                return 0;
-            i += l;
-        } else if (u[i] == '"' || u[i] == '\\' || u[i] < 0x20) {
-            return 0;
-        } else {
-            i++;
-        }
-    }
-    return 1;
-}
-
 /* A chunk that is the frame around plain text: read, 1; else 0. */
 static int read_in_frame(cg_chunk *k, const cg_chunk_head *head, const char *data, size_t len)
 {
-    if (!head || !head->before || len < head->before + head->after ||
-        memcmp(data, head->frame, head->before) != 0 ||
-        memcmp(data + len - head->after, head->frame + head->before, head->after) != 0)
+    if (!head || !cg_textframe_match(&head->frame, data, len, &k->content, &k->content_len))
         return 0;
-    size_t n = len - head->before - head->after;
-    if (!text_plain((const unsigned char *)data + head->before, n))
-        return 0;
-    k->content = data + head->before;
-    k->content_len = n;
     k->finished = head->finished;
     k->path = CG_CHUNK_IN_FRAME;
     return 1;
@@ -261,15 +226,7 @@ static void keep_frame(const cg_chunk *k, cg_chunk_head *head)
 {
     if (!k->content || k->copy)
         return;
-    size_t before = (size_t)(k->content - k->data), after = k->data_len - before - k->content_len;
-    head->before = 0; /* none, unless this one is kept */
-    if (before < 1 || after < 1 || before + after > CG_CHUNK_FRAME_MAX || k->data[before - 1] != '"' ||
-        k->data[before + k->content_len] != '"')
-        return;
-    memcpy(head->frame, k->data, before);
-    memcpy(head->frame + before, k->data + before + k->content_len, after);
-    head->before = before;
-    head->after = after;
+    cg_textframe_keep(&head->frame, k->data, k->data_len, k->content, k->content_len);
     head->finished = k->finished;
 }
 

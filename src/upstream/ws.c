@@ -34,6 +34,7 @@
 #include "chatgate/core/jsonflat.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/textframe.h"
 #include "chatgate/core/wsclient.h"
 #include "chatgate/core/wsconn.h"
 #include "chatgate/upstream/call.h"
@@ -81,6 +82,7 @@ struct cg_upstream_call {
      * another replica; NULL when the upstream cannot retry (one replica, or max_attempts 1) */
     char *frame;
     size_t frame_len;
+    cg_textframe delta; /* around the last delta's text: the next is read without a parser */
 };
 
 static void call_free(cg_upstream_call *c)
@@ -233,6 +235,12 @@ static void app_done(cg_upstream_call *c, const char *text, size_t len, json_t *
  */
 static int on_plain_frame(cg_upstream_call *c, const char *buf, size_t len)
 {
+    const char *t;
+    size_t t_len;
+    if (cg_textframe_match(&c->delta, buf, len, &t, &t_len)) { /* this message's delta, as the last */
+        app_delta(c, t_len ? t : NULL, t_len);
+        return 1;
+    }
     cg_jsonflat f;
     int done = 0;
     if (!cg_jsonflat_read(&f, buf, len))
@@ -248,6 +256,8 @@ static int on_plain_frame(cg_upstream_call *c, const char *buf, size_t len)
     if (!cg_jsonflat_is(id, c->id))
         goto out; /* about another message */
     size_t text_len = text && text->kind == CG_JSONFLAT_STRING ? text->len : 0;
+    if (delta && text && text->kind == CG_JSONFLAT_STRING) /* before the delta: it may end the call */
+        cg_textframe_keep(&c->delta, buf, len, text->str, text->len);
     if (delta)
         app_delta(c, text_len ? text->str : NULL, text_len);
     else

@@ -37,21 +37,19 @@
  * after the head's ",", is not a key's quote, so that chunk is read whole). Any other chunk
  * is read whole, and a plain one becomes the head.
  *
- * The frame. Most chunks of a reply differ in nothing but their text: the bytes before the
- * content's opening quote and after its closing one are the same from one to the next. So a
- * plain chunk read with a content of its own bytes (no escape) keeps its frame, those two
- * runs; a chunk that is the same frame around text with no quote, backslash or control byte,
- * in UTF-8 as jansson takes it, is read without yajl: its tokens are the frame chunk's, but
- * for that one string's text, which is the new content, and its finish is the frame's. The
- * head is tried next, then the whole chunk.
+ * The frame. Most chunks of a reply differ in nothing but their text (core/textframe.h): a
+ * plain chunk read with a content of its own bytes (no escape) keeps the frame around it, and
+ * a chunk that is the same frame around a plain text is read without yajl: its tokens are the
+ * frame chunk's, but for that one string's text, which is the new content, and its finish is
+ * the frame chunk's. The head is tried next, then the whole chunk.
  */
 #include <stddef.h>
 
+#include "chatgate/core/textframe.h"
 #include "chatgate/core/yajlread.h"
 
 #define CG_CHUNK_DEPTH 16
-#define CG_CHUNK_HEAD_MAX 256  /* bytes of a head kept: a longer one is not kept */
-#define CG_CHUNK_FRAME_MAX 384 /* bytes of a frame kept, both runs */
+#define CG_CHUNK_HEAD_MAX 256 /* bytes of a head kept: a longer one is not kept */
 
 /* How a chunk was read (cg_chunk.path): for the tests, which hold each way to jansson. */
 enum { CG_CHUNK_WHOLE, CG_CHUNK_AFTER_HEAD, CG_CHUNK_IN_FRAME };
@@ -61,9 +59,8 @@ enum { CG_CHUNK_WHOLE, CG_CHUNK_AFTER_HEAD, CG_CHUNK_IN_FRAME };
 typedef struct cg_chunk_head {
     size_t len; /* the head's bytes; 0: none */
     char bytes[CG_CHUNK_HEAD_MAX];
-    size_t before, after; /* the frame's runs, in frame[0..before + after); before 0: none */
-    int finished;         /* the frame chunk's finish */
-    char frame[CG_CHUNK_FRAME_MAX];
+    cg_textframe frame; /* around the last content read with yajl */
+    int finished;       /* the frame chunk's finish */
 } cg_chunk_head;
 
 /* A container the reader is in (chunk.c's kinds and keys), and the key whose value is next. */

@@ -238,7 +238,7 @@ static void test_head(void)
     static const char first[] = FRAME_A "one" FRAME_B;
     CHECK(read_both(L(first), &head, &k, &agreed) && agreed);
     CHECK(head.len == sizeof(HEAD) - 1 && memcmp(head.bytes, HEAD, head.len) == 0);
-    CHECK(head.before == sizeof(FRAME_A) - 1 && head.after == sizeof(FRAME_B) - 1);
+    CHECK(head.frame.before == sizeof(FRAME_A) - 1 && head.frame.after == sizeof(FRAME_B) - 1);
     /* read one after the other, each with what the ones before left */
     static const struct {
         const char *s;
