@@ -18,7 +18,8 @@ void cg_buf_append(char **buf, size_t *len, size_t *cap, const void *data, size_
         *buf = nb;
         *cap = ncap;
     }
-    memcpy(*buf + *len, data, n);
+    if (n) /* data may be NULL then, which memcpy may not be given */
+        memcpy(*buf + *len, data, n);
     *len += n;
     (*buf)[*len] = 0;
 }

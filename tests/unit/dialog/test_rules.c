@@ -480,7 +480,7 @@ static int fed_as_is(cg_reply_filter *f, const char *text, int final, char *got,
     size_t m;
     cg_reply_filter_feed(f, text, strlen(text), final, &out, &m);
     size_t had = strlen(got);
-    if (had + m < cap) {
+    if (m && had + m < cap) {
         memcpy(got + had, out, m);
         got[had + m] = 0;
     }
