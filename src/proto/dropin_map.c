@@ -236,8 +236,13 @@ static int decode_client(json_t *cfg, const char *buf, size_t len, int binary, j
                                   "chat messages as text");
             return -1;
         }
-        if (binary && !cg_utf8_valid(buf, len)) /* a text frame's UTF-8 is jansson's to check */
-            return 0;
+        if (binary && !cg_utf8_valid(buf, len)) { /* a text frame's UTF-8 is jansson's to check */
+            if (!looks_like_json(buf, len))
+                return 0; /* bytes, not a message */
+            /* Node's JSON.parse of a Buffer reads bad bytes as U+FFFD: the app would read it */
+            snprintf(why, whylen, "JSON in a binary frame that is not valid UTF-8: send chat messages as text");
+            return -1;
+        }
         *v = json_loadb(buf, len, JSON_REJECT_DUPLICATES, NULL);
         if (!*v && looks_like_json(buf, len)) {
             snprintf(why, whylen, "JSON the gateway cannot read (a number out of range, NaN, a lone surrogate, "
@@ -344,16 +349,22 @@ static int appends_object(json_t *cfg)
     return codec_of(cfg) == CODEC_SOCKETIO && (!at || strcmp(at, "/-") == 0);
 }
 
-/* json codec: a frame that is not a chat message but carries a member where the chatgate
- * object goes (object_at, object_key): the member is removed, so that no frame reaches the
- * app with an object the client wrote in chatgate's place. 1 when one was removed. */
+/* json codec: a client frame that carries a member where the chatgate object goes (object_at,
+ * object_key), or where the app puts a state directive (state_key): the member is removed, so
+ * that no frame reaches the app with an object the client wrote in chatgate's place, and no app
+ * that echoes what a client sent hands the gateway a directive the client wrote. 1 when one was
+ * removed. */
 static int strip_object(json_t *cfg, json_t *frame)
 {
     if (codec_of(cfg) != CODEC_JSON)
         return 0;
     const char *at = cfg_str(cfg, NULL, "object_at"), *key = cfg_str(cfg, NULL, "object_key");
+    const char *state_key = cfg_str(cfg, NULL, "state_key");
     json_t *target = cg_json_pointer_get(frame, at ? at : "");
-    return json_is_object(target) && json_object_del(target, key ? key : "chatgate") == 0;
+    int stripped = json_is_object(target) && json_object_del(target, key ? key : "chatgate") == 0;
+    if (state_key && json_is_object(frame) && json_object_del(frame, state_key) == 0)
+        stripped = 1;
+    return stripped;
 }
 
 cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t len, int binary,
@@ -380,8 +391,9 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t 
                  cancel ? "cancel" : "chat message");
         goto refuse;
     }
-    if (cancel) {
-        cg_dropin_chat_clear(chat);
+    if (cancel && !is_chat) { /* a frame that is both is a chat message: it passes the pipeline */
+        if (!strip_object(cfg, o))
+            cg_dropin_chat_clear(chat); /* no frame: it goes as it came */
         return CG_DROPIN_CANCEL;
     }
     if (!is_chat) {
@@ -413,6 +425,7 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t 
         field_text(o, cfg_str(cfg, "client", "room"), CG_MAX_ROOM, "default", "room", &chat->room, why, whylen) < 0)
         goto refuse;
     chat->text = dup_bytes(json_string_value(text), json_string_length(text));
+    strip_object(cfg, o); /* a state directive the client wrote (chatgate's object is replaced) */
     return CG_DROPIN_CHAT;
 refuse: {
     long attachments = chat->attachments;

@@ -324,8 +324,11 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
     }
     d->drop_binary = 0;
     cg_dropin_client_kind kind = cg_dropin_map_client(d->cfg, buf, len, binary, &c->chat, why, sizeof(why));
-    if (kind == CG_DROPIN_CANCEL)
-        cg_turns_cancel_current(&d->turns); /* the client's own cancel frame goes on to the app as it is */
+    if (kind == CG_DROPIN_CANCEL) {
+        cg_turns_cancel_current(&d->turns); /* the client's own cancel frame goes on to the app */
+        if (c->chat.frame)
+            kind = CG_DROPIN_STRIPPED; /* without a member in chatgate's place */
+    }
     if (kind == CG_DROPIN_REFUSE) { /* the app would read it as a message, unchecked: never forwarded */
         d->drop_binary = c->chat.attachments;
         pending_free(c);

@@ -25,7 +25,14 @@ as such too (or refused). Each part below, with how it failed on main 63bc085:
   the app at its end.
 - part_forged_json: a say carrying its own "chatgate": {"user": "admin", ...} reaches the app
   with the gateway's object (this passed before); a typing frame carrying one reaches the app
-  without it. Failed: the typing frame passed with the client's object.
+  without it. Failed: the typing frame passed with the client's object. Issue 39's eighth
+  round: the client's own cancel (halt) carrying one reaches the app without it, and say and
+  typing frames carrying a "chatgate_state" (the app's state_key: an app that echoes a
+  client's frame would hand it back as the app's directive) reach it without that. Failed:
+  the halt and the chatgate_state passed as the client wrote them.
+- part_chat_and_cancel: a mapping whose cancel marker ("/cancel" exists) a chat message can
+  carry too: such a say is a chat message, and reaches the app with the object. Failed: it
+  was taken for a cancel and passed as written, past the rules, limits and lock.
 - part_forged_socketio: a fake socket.io app (`SioApp`: socket.io-parser 4.2.4's grammar, in
   Python): 42["chat message","x",{"user":"admin"}] (one argument more than the mapping takes)
   never reaches the app; 42["chat message","x"] reaches it as ["chat message","x",{object}],
@@ -43,7 +50,9 @@ as such too (or refused). Each part below, with how it failed on main 63bc085:
   number out of range (1e400, 2^64), NaN, \u0000 or a lone \ud800 in the body, a 200-byte
   msg_id, a 300-byte conversation, and a say in a binary frame: none reaches the app, each is
   counted in chatgate_bad_frames_total, the session goes on (later frames arrive). Failed: they
-  all reached the app as the client wrote them.
+  all reached the app as the client wrote them. Issue 39's eighth round: a say in a binary
+  frame that is not valid UTF-8 (Node's JSON.parse of a Buffer reads the bad byte as U+FFFD)
+  is refused too. Failed: it passed untouched, with a chatgate object of the client's.
 """
 
 import asyncio
@@ -258,7 +267,45 @@ async def part_forged_json():
                 got = [f for f in typings(sess) if f.get("conversation") == "forged"]
                 check(got == [{"kind": "typing", "conversation": "forged"}],
                       f"the app should get the typing frame without the client's chatgate member: {shorts(got)}")
+            with step("the client's own cancel (halt) carrying a chatgate member reaches the app without it"):
+                await client.send({"kind": "halt", "msg_id": "zz", "chatgate": forged})
+                await marker(client, sess, "after-halt")
+                got = [f for f in sess.frames if isinstance(f, dict) and f.get("kind") == "halt"
+                       and f.get("msg_id") == "zz"]
+                check(got == [{"kind": "halt", "msg_id": "zz"}],
+                      f"the app should get the halt without the client's chatgate member: {shorts(got)}")
+            with step("say and typing frames carrying a chatgate_state (the app's state_key) reach the app "
+                      "without it"):
+                directive = {"service": "travel", "params": {"to": "Nowhere"}}
+                await client.send({"kind": "typing", "conversation": "state", "chatgate_state": directive})
+                await client.say("hello again", "f2", "trip", chatgate_state=directive)
+                await reply(client, "f2")
+                await marker(client, sess, "after-state")
+                got = [f for f in typings(sess) if f.get("conversation") == "state"]
+                check(got == [{"kind": "typing", "conversation": "state"}],
+                      f"the typing frame should reach the app without the chatgate_state: {shorts(got)}")
+                say = await wait_say(sess, "f2")
+                check("chatgate_state" not in say, f"the say should reach the app without the chatgate_state: "
+                                                   f"{short(say, 400)}")
             await client.close()
+
+
+async def part_chat_and_cancel():
+    async with ChatApp(chunk_interval=0.01) as app:
+        cfg = config(app.url)
+        cfg["dropin"]["client"]["cancel"] = {"pointer": "/cancel", "exists": True}
+        async with Gateway(config=cfg, env=ENV, name="gateway:chat-and-cancel") as gw:
+            sid = await login(app)
+            client = await connect(gw.ws_url("/socket"), sid)
+            sess = await app.next_session(0)
+            with step("a say that carries the cancel marker too is a chat message: it reaches the app with the "
+                      "gateway's object"):
+                await client.say("hello", "cc1", "trip", cancel=1, chatgate={"user": "admin"})
+                await reply(client, "cc1")
+                cg = chatgate_of(await wait_say(sess, "cc1"), "cc1")
+                check(cg.get("user") != "admin", f"the app got the client's chatgate object: {short(cg, 400)}")
+            await client.close()
+            gw.assert_alive()
 
 
 class SioApp(harness.WsServer):
@@ -537,16 +584,21 @@ async def part_json_unreadable():
             with step("says the app reads but the gateway cannot check (" + ", ".join(w for _, _, w in JSON_BAD)
                       + ", a say in a binary frame): none reaches the app, each is a bad frame; the session goes on"):
                 binary_say = json.dumps({"kind": "say", "msg_id": "n8", "conversation": "trip", "body": "x"}).encode()
+                # not valid UTF-8: Node's JSON.parse(buffer) reads the byte as U+FFFD, and the say
+                bad_utf8 = b'{"kind":"say","msg_id":"n9","conversation":"trip","body":"hi \xff",' \
+                           b'"chatgate":{"user":"victim"}}'
                 for mid, raw, _ in JSON_BAD:
                     if raw is None:
                         raw = json.dumps({"kind": "say", "msg_id": mid, "conversation": "trip", "body": "x"})
                     await client.send(raw)
                 await client.send_binary(binary_say)
+                await client.send_binary(bad_utf8)
                 await marker(client, sess, "after-bad")
-                ids = {mid for mid, _, _ in JSON_BAD} | {"n8"}
+                ids = {mid for mid, _, _ in JSON_BAD} | {"n8", "n9"}
                 reached = [f for f in sess.frames if isinstance(f, dict) and f.get("msg_id") in ids]
                 check(not reached, f"{len(reached)} of them reached the app: {shorts(reached)}")
                 check(binary_say not in sess.raw, "the say in a binary frame reached the app")
+                check(bad_utf8 not in sess.raw, "the say in a binary frame that is not UTF-8 reached the app")
                 m = await metrics(gw)
                 counted = m.value("chatgate_bad_frames_total") - before
                 check(counted == len(ids), f"chatgate_bad_frames_total went up by {counted}, expected {len(ids)}")
@@ -565,6 +617,7 @@ async def main(args):
     await independent(part_params_cap())
     await independent(part_draining())
     await independent(part_forged_json())
+    await independent(part_chat_and_cancel())
     await independent(part_forged_socketio())
     await independent(part_socketio_grammar())
     await independent(part_socketio_binary_event())
