@@ -307,7 +307,7 @@ static int origin_allowed(struct lws *wsi, const char *allow, char *origin, size
 typedef struct refusal {
     int status;
     const char *reason, *extra, *body;
-    char log[512];
+    char log[768]; /* an Origin (511 bytes at most) whole: a value cut before the log's masks is not masked */
 } refusal;
 
 /*
@@ -359,7 +359,7 @@ static int upgrade_refusal(struct lws *wsi, cg_server *srv, refusal *r)
     if (!origin_allowed(wsi, srv->cfg->allow_origin, origin, sizeof(origin))) {
         *r = (refusal){403, "Forbidden", "", "this Origin may not connect (see --allow-origin)\n", ""};
         snprintf(r->log, sizeof(r->log),
-                 "refused a connection from the page of Origin '%.200s': not a loopback page of this gateway nor "
+                 "refused a connection from the page of Origin '%s': not a loopback page of this gateway nor "
                  "in --allow-origin (a page opened from a file sends 'null')",
                  origin);
         return 1;

@@ -30,8 +30,11 @@
  * SENTINEL's REPLICAOF NO ONE to the +switch-master the store acts on: about a second when
  * Sentinel runs the failover, the down-after time and more when the old primary died).
  * The gateway holds what it wrote in memory, so the store notes each dialog it saves and, on
- * a move, the ones saved in the last SWITCH_REWRITE_MS go through the write-back (which
- * merges, never writing over a newer copy another gateway wrote since).
+ * a move, the ones saved in the SWITCH_REWRITE_MS before the store lost the old primary (or
+ * before the move, when it never lost it) go through the write-back (which merges, never
+ * writing over a newer copy another gateway wrote since). Counted from the move, a primary
+ * that died was forgotten with what it lacked whenever the Sentinels took longer than that
+ * to promote another: their stock down-after time is 30 s.
  */
 #define SWITCH_REWRITE_MS 30000
 
@@ -358,7 +361,8 @@ void cg_fallback_note_saved(cg_fallback *fb, const char *key, const char *eu, co
  * the dialogs saved lately join the write-back. */
 static void rewrite_recent(cg_fallback *fb, int (*pick)(void *ctx, const char *eu), void *ctx)
 {
-    uint64_t now = now_ms(fb);
+    /* the last moment the old copy took writes: when the store lost it, if it did */
+    uint64_t now = fb->st->stats.degraded ? fb->st->stats.degraded_since_ms : now_ms(fb);
     const char *key;
     json_t *entry;
     void *tmp;
@@ -369,7 +373,7 @@ static void rewrite_recent(cg_fallback *fb, int (*pick)(void *ctx, const char *e
         uint64_t t = (uint64_t)json_integer_value(json_object_get(entry, "t"));
         if (eu && pick && !pick(ctx, eu))
             continue; /* on a copy that did not move: still recent for a later move */
-        if (eu && er && now - t <= SWITCH_REWRITE_MS && !json_object_get(fb->dirty, key)) {
+        if (eu && er && (t >= now || now - t <= SWITCH_REWRITE_MS) && !json_object_get(fb->dirty, key)) {
             cg_dialog d;
             if (cg_memstore_get(fb->mem, key, now_s(fb), &d)) { /* else the store keeps what it has */
                 mark_dirty(fb, key, eu, er, &d);
@@ -380,8 +384,8 @@ static void rewrite_recent(cg_fallback *fb, int (*pick)(void *ctx, const char *e
         json_object_del(fb->recent, key); /* last: key, eu and er are the entry's */
     }
     if (n)
-        cg_info("%s: writing %ld dialogs saved in the last %d s again: the old primary may have taken them after this "
-                "one was promoted",
+        cg_info("%s: writing %ld dialogs saved in the last %d s before the switch again: the old primary may have "
+                "taken them after this one was promoted",
                 fb->name, n, SWITCH_REWRITE_MS / 1000);
 }
 

@@ -321,9 +321,23 @@ async def part_rfc6455():
                         (f"target {base}/..{base}", 400, dict(path=f"{base}/..{base}")),
                         (f"target /.{base}", 400, dict(path=f"/.{base}")),
                         (f"target /%2e%2E{base}", 400, dict(path=f"/%2e%2E{base}")),
+                        # slashes as %2F, which lws decodes before it collapses the dots
+                        (f"target {base}%2F..%2F{base[1:]}", 400, dict(path=f"{base}%2F..%2F{base[1:]}")),
+                        (f"target /x%2f..%2f{base[1:]}", 400, dict(path=f"/x%2f..%2f{base[1:]}")),
+                        (f"target /.{base} with a token in its query", 400,
+                         dict(path=f"/.{base}?x=1;access%5Ftoken=SECRETVALUE123")),
                         ("a correct handshake", 101, dict()),
                     ])
                 check(not wrong, "RFC 6455 handshake checks:\n  " + "\n  ".join(wrong))
+            with step("the log of those refusals holds no query (a percent-encoded token the masks do not "
+                      "know), and an Origin refused is masked whole (an e-mail in it, past 200 bytes)"):
+                got = await asyncio.to_thread(raw_handshake, gw.port, "/ws",
+                                              origin="http://" + "a" * 185 + ".alice.smith@example.com")
+                check(got[0] == 403, f"the Origin should be refused: {shown(got)}")
+                await asyncio.sleep(0.2)  # the log line is written as the refusal goes
+                log = gw.log_text()
+                check("SECRETVALUE123" not in log, "the log holds the token of a refused target's query")
+                check("alice.smith" not in log, "the log holds part of an e-mail address in a refused Origin")
             gw.assert_alive()
 
 

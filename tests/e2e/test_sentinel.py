@@ -18,6 +18,13 @@ nothing: the gateway must try the next Sentinel).
    still names the node and ROLE refuses it (both counted); messages are answered from
    memory meanwhile. REPLICAOF NO ONE: the gateway uses it again and writes back.
 5. Bad URLs exit 2 with a clear message: no master name, no Sentinel host, a bad port.
+6. A slow failover (down-after 31 s, past the 30 s the gateway writes again what it saved
+   before a switch): a quiet dialog's turn that the old primary took and the replica never
+   got (its link cut, the replica stopped), then kill -9 of the primary. The Sentinels
+   promote the replica 31 s later, and the gateway writes the turn there again. Failed before
+   issue 39's eighth round, which counts the 30 s back from the moment the store lost the
+   primary, not from the switch: the new primary kept the first turn only, and the answered
+   second was lost.
 """
 
 import asyncio
@@ -46,14 +53,14 @@ class Sentinel(harness.RedisServer):
     """A redis-sentinel on a free port, monitoring `primary` as MASTER (quorum 2). Sentinel
     rewrites its config file, so it lives in the server's own temp dir."""
 
-    def __init__(self, primary):
+    def __init__(self, primary, down_after_ms=1000):
         super().__init__()
         self.primary = primary
         self.conf = self.dir / "sentinel.conf"
         self.conf.write_text(
             f"port {self.port}\nbind 127.0.0.1\ndaemonize no\ndir {self.dir}\n"
             f"sentinel monitor {MASTER} 127.0.0.1 {primary.port} 2\n"
-            f"sentinel down-after-milliseconds {MASTER} 1000\n"
+            f"sentinel down-after-milliseconds {MASTER} {down_after_ms}\n"
             f"sentinel failover-timeout {MASTER} 6000\n"
             f"sentinel parallel-syncs {MASTER} 1\n")
 
@@ -119,14 +126,14 @@ class Sender:
             await asyncio.sleep(0.02)  # the senders' pace
 
 
-async def start_sentinels(primary, replica, sentinels):
+async def start_sentinels(primary, replica, sentinels, down_after_ms=1000):
     """Starts replica (of primary) and three Sentinels into the list sentinels (so that the
     caller's cleanup sees every one started), and waits until they all know each other."""
     await replica.astart()
     await wait_for("the replica's link to the primary is up",
                    lambda: "master_link_status:up" in replica.command("INFO", "replication"), 10)
     for _ in range(3):
-        sentinels.append(Sentinel(primary))
+        sentinels.append(Sentinel(primary, down_after_ms))
         await sentinels[-1].astart()
     await wait_for("every Sentinel knows the replica and the other Sentinels",
                    lambda: all(len(s.command("SENTINEL", "replicas", MASTER)) == 1 and
@@ -271,6 +278,50 @@ async def demoted(rules):
         primary.cleanup(keep=True)
 
 
+async def slow_failover(rules):
+    primary = await harness.RedisServer().astart()
+    replica = Replica(primary)
+    sentinels = []
+    try:
+        await start_sentinels(primary, replica, sentinels, down_after_ms=31000)
+        url = "redis-sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in sentinels) + f"/{MASTER}"
+        config = harness.state_config({"demo": harness.demo_upstream(delay_ms=5)}, "demo", store=url)
+        async with harness.Gateway(["--rules", rules], config, name="gateway-slow") as gw:
+            with step("a quiet dialog: a turn replicated, then one the replica never gets, then kill -9 of the "
+                      "primary"):
+                await wait_for("connected", lambda: "redis 127.0.0.1:%d: connected" % primary.port
+                               in gw.log_text(), 10)
+                c = await Client.connect(gw)
+                user = c.hello["user"]
+                (await c.message("one", mid="q1", room="quiet", timeout=10)).expect_done()
+                await wait_for("the first turn replicated", lambda: history_len(replica, user, "quiet") == 2, 5)
+                replica.pause()
+                primary.command("CLIENT", "KILL", "TYPE", "replica")  # nothing more reaches it
+                (await c.message("two", mid="q2", room="quiet", timeout=10)).expect_done()
+                await wait_for("the second turn on the primary", lambda: history_len(primary, user, "quiet") == 4, 5)
+                primary.kill()
+                replica.resume()
+                await c.close()
+            with step("the Sentinels promote the replica 31 s later: the gateway writes the second turn there "
+                      "again"):
+                await wait_for("the Sentinels name the replica as the primary",
+                               lambda: sentinels[0].command("SENTINEL", "get-master-addr-by-name", MASTER)[1]
+                               == str(replica.port), 60)
+                await wait_for("the gateway follows", lambda: "redis 127.0.0.1:%d: connected" % replica.port
+                               in gw.log_text(), 20)
+                try:
+                    await wait_for("both turns on the new primary",
+                                   lambda: history_len(replica, user, "quiet") == 4, 10)
+                except harness.TestFailure:
+                    harness.fail(f"the new primary holds {history_len(replica, user, 'quiet')} of the quiet "
+                                 f"dialog's 4 messages: the answered second turn was lost")
+    finally:
+        for s in sentinels:
+            s.cleanup(keep=True)
+        replica.cleanup(keep=True)
+        primary.cleanup(keep=True)
+
+
 async def bad_urls():
     cases = [
         ("redis-sentinel://127.0.0.1:26379", "no master name"),
@@ -295,7 +346,8 @@ async def main(args):
     await independent(bad_urls())
     await independent(failover(rules))
     await independent(demoted(rules))
+    await independent(slow_failover(rules))
 
 
 if __name__ == "__main__":
-    harness.run(main, timeout=80)
+    harness.run(main, timeout=160)
