@@ -99,13 +99,15 @@ void cg_wsconn_init(cg_wsconn *c, cg_ws_role role, const cg_net *net, const cg_w
 }
 
 /* The marks: full past high until under a quarter of it, overfull past twice high until
- * the same. A queue without a mark is never full. */
+ * the same, the queue's bytes counted with each frame's cost. A queue without a mark is
+ * never full. */
 static void check_flow(cg_wsconn *c)
 {
     if (!c->high)
         return;
-    int full = c->full ? c->bytes > c->high / 4 : c->bytes > c->high;
-    int overfull = c->overfull ? c->bytes > c->high / 4 : c->bytes > 2 * c->high;
+    size_t held = c->bytes + (size_t)c->n * CG_WSFRAME_COST;
+    int full = c->full ? held > c->high / 4 : held > c->high;
+    int overfull = c->overfull ? held > c->high / 4 : held > 2 * c->high;
     if (full == c->full && overfull == c->overfull)
         return;
     c->full = full;

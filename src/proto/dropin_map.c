@@ -392,8 +392,12 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t 
         goto refuse;
     }
     if (cancel && !is_chat) { /* a frame that is both is a chat message: it passes the pipeline */
+        char *id = NULL;      /* the message it stops ("": whichever is in flight) */
+        if (field_text(o, cfg_str(cfg, "client", "cancel_id"), CG_MAX_ID, "", "cancel_id", &id, why, whylen) < 0)
+            why[0] = 0;       /* an id no message can have: it stops none */
         if (!strip_object(cfg, o))
             cg_dropin_chat_clear(chat); /* no frame: it goes as it came */
+        chat->id = id;
         return CG_DROPIN_CANCEL;
     }
     if (!is_chat) {

@@ -325,7 +325,8 @@ void cg_dropin_client_frame(cg_dropin *d, const char *buf, size_t len, int binar
     d->drop_binary = 0;
     cg_dropin_client_kind kind = cg_dropin_map_client(d->cfg, buf, len, binary, &c->chat, why, sizeof(why));
     if (kind == CG_DROPIN_CANCEL) {
-        cg_turns_cancel_current(&d->turns); /* the client's own cancel frame goes on to the app */
+        if (c->chat.id) /* the client's own cancel frame goes on to the app */
+            cg_turns_cancel_current(&d->turns, c->chat.id);
         if (c->chat.frame)
             kind = CG_DROPIN_STRIPPED; /* without a member in chatgate's place */
     }

@@ -1583,10 +1583,11 @@ int cg_turns_cancel(cg_turns *q, const char *id)
     return -1;
 }
 
-void cg_turns_cancel_current(cg_turns *q)
+void cg_turns_cancel_current(cg_turns *q, const char *id)
 {
-    if (q->inflight && q->inflight->kind == CG_TURN_CHAT)
-        turn_cancel(q->inflight, 1);
+    cg_turn *t = q->inflight;
+    if (t && t->kind == CG_TURN_CHAT && (!id[0] || strcmp(cg_turn_id(t), id) == 0))
+        turn_cancel(t, 1);
 }
 
 void cg_turns_pause(cg_turns *q, int paused)

@@ -30,7 +30,9 @@ that maps that protocol.
   once (no second copy from the gateway) and works; without a cancel_frame in the mapping (and
   an app that cannot stop a reply) "stop", the client's own halt, or "nevermind" followed at
   once by another say: no chunk of that reply the app sent after it got the cancelling frame
-  reaches the client, non-chat frames still pass meanwhile, and the session goes on;
+  reaches the client, non-chat frames still pass meanwhile, and the session goes on; the
+  client's own halt naming another message (client.cancel_id) stops nothing (issue 39's
+  eighth round: it stopped relaying the reply in flight, whatever its id);
 - a state directive (chatgate_state in the app's end frame) is removed from what the client
   sees and applied: the next say carries its params;
 - failure: app unreachable -> the client's handshake is answered 502 (issue 35: the client
@@ -579,6 +581,17 @@ async def part_cancel_relay(scenario):
                           f"the app's binary echo, sent while the cancelled reply's tail was held back, never "
                           f"reached the client (non-chat frames must pass); the client got {shorts(client.frames[-6:])}")
                     check_relay_stopped(client, sess, "L1", "halt")
+            elif scenario == "halt_other":
+                with step("no cancel_frame: the client's own halt naming another message (client.cancel_id) "
+                          "stops nothing: the reply in flight reaches the client to its end"):
+                    await client.say("Tell me a long story", "L9", "trip")
+                    await wait_chunks(client, "L9", 3)
+                    await client.halt("someone-else")
+                    r = await reply(client, "L9", "L9 after a halt of another message")
+                    sent, got = len(sess.sent_about("L9", "chunk")), len(chunks_of(client.frames, "L9"))
+                    check(r.kind == "end" and got == sent,
+                          f"L9 should reach the client whole: {got} of the {sent} chunks the app sent, "
+                          f"then {short(r.last)}")
             elif scenario == "say_after":
                 with step("no cancel_frame: 'nevermind' then at once another say, while the stopped reply "
                           "still streams at the app: that say is answered, the stopped reply stays stopped"):
@@ -742,7 +755,7 @@ async def main(args):
     await independent(part_over_max_frame())
     await independent(part_flights())
     await independent(part_cancel())
-    for scenario in ("phrase", "halt", "say_after"):
+    for scenario in ("phrase", "halt", "halt_other", "say_after"):
         await independent(part_cancel_relay(scenario))
     await independent(part_state())
     await independent(part_failure())

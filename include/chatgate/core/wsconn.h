@@ -17,9 +17,9 @@
  *     (cg_net_client_frame); the writable callback only when the socket is full. A close
  *     frame goes from the writable callback, and the connection at the writable after it;
  *     a peer that does not read gets CG_WSCONN_CLOSE_WAIT_S from when the close was asked.
- *   - the water marks: past `high` bytes the queue is "full" until it is under a quarter of
- *     it, past twice `high` "overfull" until the same; the owner's flow() hears each change
- *     and pauses what fills the queue.
+ *   - the water marks: past `high` bytes (each frame counted with CG_WSFRAME_COST more) the
+ *     queue is "full" until it is under a quarter of it, past twice `high` "overfull" until
+ *     the same; the owner's flow() hears each change and pauses what fills the queue.
  *   - reading: a message reassembled from its fragments within a bound (wsrx.h), and
  *     pausing the socket's reading (lws rx flow control), kept while not open.
  *
@@ -64,6 +64,11 @@ typedef struct cg_wsframe {
      * the frame are freed */
     void (*destroy)(struct cg_wsframe *f);
 } cg_wsframe;
+
+/* What a queued frame costs beyond its bytes. The water marks count it with them, so that a
+ * peer sending empty frames (lws hands them over) fills a queue too: counted by their bytes
+ * alone, they grew one without bound. */
+#define CG_WSFRAME_COST (sizeof(cg_wsframe) + CG_WS_PRE)
 
 /* The owner's side; any member may be NULL. */
 typedef struct cg_wsconn_ops {

@@ -39,8 +39,10 @@ typedef enum {
     CG_DROPIN_PASS,     /* not a chat message or cancel: untouched */
     CG_DROPIN_CHAT,     /* a chat message: chat is filled */
     CG_DROPIN_REFUSE,   /* the app would read it as a message, the gateway cannot check it: why says what */
-    CG_DROPIN_CANCEL,   /* the client's own cancel frame (not a chat message too): chat->frame is NULL,
-                         * or, when it carried a member in chatgate's place, as for CG_DROPIN_STRIPPED */
+    CG_DROPIN_CANCEL,   /* the client's own cancel frame (not a chat message too): chat->id is the id of
+                         * the message it stops (client.cancel_id; "" any, NULL none: one no message
+                         * can have); chat->frame is NULL, or, when it carried a member in chatgate's
+                         * place, as for CG_DROPIN_STRIPPED */
     CG_DROPIN_STRIPPED, /* not a chat message, but it carried a member in chatgate's place (or the app's
                          * state_key): chat->frame is the frame without it, to send as
                          * cg_dropin_map_encode writes it */

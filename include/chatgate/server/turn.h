@@ -206,8 +206,8 @@ int cg_turns_rate(cg_turns *q, const char *id);
 /* The client's cancel of message id: the reply in flight (cancelled), or a message still
  * waiting (cancelled, never run); -1 when no chat message has this id. */
 int cg_turns_cancel(cg_turns *q, const char *id);
-/* The client's own cancel frame (drop-in): the reply in flight, whatever its id. */
-void cg_turns_cancel_current(cg_turns *q);
+/* The client's own cancel frame (drop-in): the reply in flight, when its id is id ("": any). */
+void cg_turns_cancel_current(cg_turns *q, const char *id);
 
 /* Stops the chat turn of the dialog (key: cg_store_dialog_key) that runs in this process,
  * if any: another gateway asked (the store's on_cancel). */

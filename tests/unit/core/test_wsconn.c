@@ -308,7 +308,8 @@ static void test_marks(void)
 {
     cg_wsconn c;
     reset(&c, CG_WS_SERVER);
-    c.high = 100;
+    size_t w = 60 + CG_WSFRAME_COST; /* what a frame of 60 bytes counts for */
+    c.high = w + w / 2;
     char data[100];
     memset(data, 'x', sizeof(data));
     cg_wsconn_send(&c, data, 60, 0);
@@ -316,12 +317,20 @@ static void test_marks(void)
     cg_wsconn_send(&c, data, 60, 0);
     CHECK(flows == 1 && last_full == 1 && last_overfull == 0);
     cg_wsconn_send(&c, data, 60, 0);
-    CHECK(flows == 1); /* 180: full still, not overfull */
+    CHECK(flows == 1); /* 3w: full still, not overfull */
     cg_wsconn_send(&c, data, 30, 0);
     CHECK(flows == 2 && last_full == 1 && last_overfull == 1);
     cg_wsconn_open(&c, fake_wsi);
     turn_loop();
     CHECK(flows == 3 && last_full == 0 && last_overfull == 0 && c.bytes == 0);
+    cg_wsconn_clear(&c);
+
+    /* empty frames fill a queue too (a peer's, relayed): each counts its cost */
+    reset(&c, CG_WS_SERVER);
+    c.high = 10 * CG_WSFRAME_COST;
+    for (int i = 0; i < 11; i++)
+        cg_wsconn_send(&c, "", 0, 0);
+    CHECK(flows == 1 && last_full == 1 && c.bytes == 0);
     cg_wsconn_clear(&c);
 
     reset(&c, CG_WS_CLIENT);

@@ -871,10 +871,13 @@ static void test_forward(void)
     cg_turn_end(the_app.t, 0);
     CHECK(w.fs.saves == 1 && strstr(w.fs.last_history, "\"hi there\""));
 
-    /* the client cancels: the app is told, the turn goes on until the app's end */
+    /* the client cancels: the app is told, the turn goes on until the app's end; a cancel
+     * that names another message (client.cancel_id) stops nothing */
     send_frame(&w, "a2", "long one", "2");
     answer_load(&w.fs);
-    cg_turns_cancel_current(&w.q);
+    cg_turns_cancel_current(&w.q, "a1");
+    CHECK(the_app.stopped == 0);
+    cg_turns_cancel_current(&w.q, "a2");
     CHECK(the_app.stopped == 1 && w.fs.saves == 1);
     cg_turn_end(the_app.t, 1);
     CHECK(w.fs.saves == 2 && strstr(w.fs.last_history, "\"long one\""));
@@ -883,7 +886,7 @@ static void test_forward(void)
     /* a cancel before the message is forwarded stops nothing: it goes, and the app gets the
      * client's cancel after it (the adapter's own relay) */
     send_frame(&w, "a3", "loading", "3");
-    cg_turns_cancel_current(&w.q);
+    cg_turns_cancel_current(&w.q, "");
     answer_load(&w.fs);
     CHECK(the_app.forwarded == 3 && the_app.stopped == 1);
     cg_turn_end(the_app.t, 0);
