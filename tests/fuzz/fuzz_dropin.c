@@ -81,6 +81,15 @@ static void client_side(json_t *cfg, const char *buf, size_t len, int binary)
         cg_dropin_chat_clear(&chat);
         return;
     }
+    if (kind == CG_DROPIN_CANCEL) { /* the id it stops, and the frame without a member in chatgate's
+                                     * place when it carried one */
+        const char *key = json_string_value(json_object_get(cfg, "object_key"));
+        const char *at = json_string_value(json_object_get(cfg, "object_at"));
+        CHECK(!chat.frame || !json_object_get(cg_json_pointer_get(chat.frame, at ? at : ""), key ? key : "chatgate"));
+        CHECK(!chat.id || strlen(chat.id) <= CG_MAX_ID);
+        cg_dropin_chat_clear(&chat);
+        return;
+    }
     if (kind != CG_DROPIN_CHAT) {
         CHECK(!chat.frame && !chat.id);
         return;
