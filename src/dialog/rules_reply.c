@@ -148,6 +148,18 @@ static void emit(cg_reply_filter *f, const char *s, size_t n)
         cg_buf_append(&f->out, &f->out_len, &f->out_cap, s, n, 256);
 }
 
+/* Keeps held[upto, len) and, before it, up to CONTEXT bytes already passed on (whole
+ * characters), for the next delta's lookbehinds. */
+static void keep_from(cg_reply_filter *f, size_t upto)
+{
+    size_t keep = upto < CONTEXT ? upto : CONTEXT;
+    while (keep > 0 && ((unsigned char)f->held[upto - keep] & 0xC0) == 0x80)
+        keep--;
+    memmove(f->held, f->held + upto - keep, f->held_len - (upto - keep));
+    f->held_len -= upto - keep;
+    f->ctx = keep;
+}
+
 /* One delta (rules.h, cg_reply_filter_feed): what goes on now is appended to f->out. */
 static int feed(cg_reply_filter *f, const char *text, size_t len, int final)
 {
@@ -176,13 +188,7 @@ static int feed(cg_reply_filter *f, const char *text, size_t len, int final)
         emit(f, f->held + pos, upto - pos);
     else
         upto = pos;
-    /* keep what is held, with up to CONTEXT bytes passed on before it (whole characters) */
-    size_t keep = upto < CONTEXT ? upto : CONTEXT;
-    while (keep > 0 && ((unsigned char)f->held[upto - keep] & 0xC0) == 0x80)
-        keep--;
-    memmove(f->held, f->held + upto - keep, f->held_len - (upto - keep));
-    f->held_len -= upto - keep;
-    f->ctx = keep;
+    keep_from(f, upto);
     return 0;
 }
 
@@ -206,23 +212,14 @@ static int passes(const cg_reply_filter *f, const char *text, size_t len)
     return 1;
 }
 
-/* Keeps the last CONTEXT bytes of what was passed on and text (whole characters). */
-static void keep_context(cg_reply_filter *f, const char *text, size_t len)
-{
-    cg_buf_append(&f->held, &f->held_len, &f->held_cap, text, len, 256);
-    size_t keep = f->held_len < CONTEXT ? f->held_len : CONTEXT;
-    while (keep > 0 && ((unsigned char)f->held[f->held_len - keep] & 0xC0) == 0x80)
-        keep--;
-    memmove(f->held, f->held + f->held_len - keep, keep);
-    f->held_len = f->ctx = keep;
-}
 
 int cg_reply_filter_feed(cg_reply_filter *f, const char *text, size_t len, int final, const char **out,
                          size_t *out_len)
 {
     f->out_len = 0; /* the last delta's output has been passed on */
     if (!f->stopped && passes(f, text, len)) {
-        keep_context(f, text, len);
+        cg_buf_append(&f->held, &f->held_len, &f->held_cap, text, len, 256);
+        keep_from(f, f->held_len); /* all of it passed on: its last bytes are context */
         *out = text;
         *out_len = len;
         return 0;

@@ -255,9 +255,10 @@ static int on_plain_frame(cg_upstream_call *c, const char *buf, size_t len)
     done = 1;
     if (!cg_jsonflat_is(id, c->id))
         goto out; /* about another message */
-    size_t text_len = text && text->kind == CG_JSONFLAT_STRING ? text->len : 0;
-    if (delta && text && text->kind == CG_JSONFLAT_STRING) /* before the delta: it may end the call */
-        cg_textframe_keep(&c->delta, buf, len, text->str, text->len);
+    int is_text = text && text->kind == CG_JSONFLAT_STRING;
+    size_t text_len = is_text ? text->len : 0;
+    if (delta && is_text) /* before the delta: it may end the call */
+        cg_textframe_keep(&c->delta, buf, len, text->str, text_len);
     if (delta)
         app_delta(c, text_len ? text->str : NULL, text_len);
     else
