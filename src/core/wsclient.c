@@ -76,7 +76,7 @@ int cg_wsclient_connect(cg_wsclient *w, const char *host, const cg_connect_spec 
     return 0;
 }
 
-void cg_wsclient_close(cg_wsclient *w, int code, const char *reason)
+static void close_keeping(cg_wsclient *w, int code, const char *reason, int keep_queue)
 {
     switch (w->state) {
     case CG_WSCLIENT_IDLE:
@@ -89,12 +89,23 @@ void cg_wsclient_close(cg_wsclient *w, int code, const char *reason)
             cg_net_kill_async(w->conn.net, w->conn.wsi, PENDING_TIMEOUT_KILLED_BY_PARENT);
         return;
     case CG_WSCLIENT_OPEN:
-        cg_wsconn_clear(&w->conn);
-        cg_wsconn_close(&w->conn, code, reason);
+        if (!keep_queue)
+            cg_wsconn_clear(&w->conn);
+        cg_wsconn_close(&w->conn, code, reason); /* queued behind what is kept */
         return;
     case CG_WSCLIENT_ENDED:
         return;
     }
+}
+
+void cg_wsclient_close(cg_wsclient *w, int code, const char *reason)
+{
+    close_keeping(w, code, reason, 0);
+}
+
+void cg_wsclient_finish(cg_wsclient *w, int code, const char *reason)
+{
+    close_keeping(w, code, reason, 1);
 }
 
 /* The app's close frame, checked: kept for the end. */

@@ -165,9 +165,12 @@ void cg_dropin_close(cg_dropin *d)
     /* the turn in flight is saved as cancelled, the waiting ones go, their dialogs' locks too
      * (their chat frames leave to_app) */
     cg_turns_close(&d->turns);
-    /* nothing more is written to the app but its close frame (1001), once its handshake is
-     * done if it is not yet (still resolving: the app connection ends now, app_ended) */
-    cg_wsclient_close(&d->app, 1001, "client left");
+    /* the app is written what the client sent before it left and the gateway let through
+     * (chat messages whose turns had not forwarded them went with cg_turns_close), then its
+     * close frame (1001); an app connection not open yet goes at once (the client's
+     * handshake waits for the app's, so the client has sent nothing; still resolving: the
+     * app connection ends now, app_ended) */
+    cg_wsclient_finish(&d->app, 1001, "client left");
     dropin_unref(d); /* the client's reference */
 }
 

@@ -40,7 +40,9 @@ that maps that protocol.
   app closes with 4002 "bye" -> the
   client gets 4002 "bye"; the app drops the TCP connection -> 1011; the client goes away
   (closing, or dropping TCP, mid-reply too) -> the app's connection closes within 1 s, with a
-  close frame;
+  close frame; a presence frame the client sent behind a chat message that waits for its
+  dialog (another tab's reply runs), then its close: the presence reaches the app, then the
+  close (1001);
 - config mistakes: a mapping pointer that is not a JSON pointer, a non-ws app URL: exit 2 with
   "FILE:LINE:COL: dropin.KEY: ..." on stderr, LINE that key's line;
 - SIGTERM while a drop-in reply streams: the client gets a close frame (not 1006), the app's
@@ -704,6 +706,26 @@ async def part_failure():
                 check(sess.close_code not in (None, 1005, 1006),
                       f"the gateway should close the app's connection with a close frame (1000/1001), the app saw "
                       f"{sess.close_code} {sess.close_reason!r}")
+            with step("the client sends a chat message that waits for its dialog (another tab's reply runs), "
+                      "a presence frame behind it, and closes: the app gets the presence, then the close (issue 39's "
+                      "ninth round: the app's queue was dropped at the client's close)"):
+                tab1 = await connect(url, sid)
+                await tab1.say("Tell me a long story", "L9", "shared")
+                await wait_chunks(tab1, "L9", 2)
+                tab2 = await connect(url, sid)  # the same cookie: the same user, so the same dialog
+                sess2 = app.sessions[-1]
+                await tab2.say("and one more thing", "w9", "shared")  # waits for L9's turn
+                await tab2.presence("leaving")
+                await tab2.ws.close()
+                check(await sess2.wait_closed(3.0), "the app's connection was still open 3 s after the client closed")
+                got = [f for f in sess2.frames if isinstance(f, dict)]
+                check({"kind": "presence", "status": "leaving"} in got,
+                      f"the presence frame the client sent before its close never reached the app: it got "
+                      f"{shorts(got)}, then close {sess2.close_code}")
+                check(sess2.close_code == 1001, f"the app's connection should close with 1001, "
+                                                f"the app saw {sess2.close_code} {sess2.close_reason!r}")
+                await reply(tab1, "L9")
+                await tab1.close()
             with step("the client closes mid-reply: the app's connection closes within 1 s"):
                 client = await connect(url, sid)
                 await client.say("Tell me a long story", "L3")

@@ -88,6 +88,11 @@ int cg_wsclient_connect(cg_wsclient *w, const char *host, const cg_connect_spec 
  * ended still comes, possibly from inside this call (when there was no socket). */
 void cg_wsclient_close(cg_wsclient *w, int code, const char *reason);
 
+/* The same, but an open connection is first written what was queued (frames its owner
+ * already let through), then the close frame: within CG_WSCONN_CLOSE_WAIT_S (wsconn.h). A
+ * proxy's peer that left after sending expects what it sent to arrive. */
+void cg_wsclient_finish(cg_wsclient *w, int code, const char *reason);
+
 /* The lws protocol callback of every such connection. */
 int cg_wsclient_callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len);
 
