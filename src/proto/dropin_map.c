@@ -301,7 +301,7 @@ static int field_text(json_t *frame, const char *ptr, size_t max, const char *df
                       char *why, size_t whylen)
 {
     json_t *v = ptr ? cg_json_pointer_get(frame, ptr) : NULL;
-    if (json_is_integer(v)) {
+    if (json_is_integer(v)) { /* (cg_dropin_map_client notes it for the cancel frame) */
         char num[32];
         int n = snprintf(num, sizeof(num), "%" JSON_INTEGER_FORMAT, json_integer_value(v));
         *out = dup_bytes(num, (size_t)n);
@@ -425,9 +425,11 @@ cg_dropin_client_kind cg_dropin_map_client(json_t *cfg, const char *buf, size_t 
                  json_array_size(o) - 1, takes);
         goto refuse;
     }
-    if (field_text(o, cfg_str(cfg, "client", "id"), CG_MAX_ID, "", "id", &chat->id, why, whylen) < 0 ||
+    const char *id_ptr = cfg_str(cfg, "client", "id");
+    if (field_text(o, id_ptr, CG_MAX_ID, "", "id", &chat->id, why, whylen) < 0 ||
         field_text(o, cfg_str(cfg, "client", "room"), CG_MAX_ROOM, "default", "room", &chat->room, why, whylen) < 0)
         goto refuse;
+    chat->id_is_integer = id_ptr && json_is_integer(cg_json_pointer_get(o, id_ptr));
     chat->text = dup_bytes(json_string_value(text), json_string_length(text));
     strip_object(cfg, o); /* a state directive the client wrote (chatgate's object is replaced) */
     return CG_DROPIN_CHAT;
@@ -598,7 +600,7 @@ int cg_dropin_app_frame_about(const cg_dropin_app_frame *f, const char *id)
     return !f->id || (f->id_len == strlen(id) && memcmp(f->id, id, f->id_len) == 0);
 }
 
-char *cg_dropin_map_cancel_frame(json_t *cfg, const char *id, size_t *len)
+char *cg_dropin_map_cancel_frame(json_t *cfg, const char *id, int id_is_integer, size_t *len)
 {
     json_t *tmpl = json_object_get(json_object_get(cfg, "app_frames"), "cancel_frame");
     codec c = codec_of(cfg);
@@ -623,8 +625,13 @@ char *cg_dropin_map_cancel_frame(json_t *cfg, const char *id, size_t *len)
     size_t hl = strlen(head), cap = hl + strlen(s) * (idl + 1) + 1, n = hl;
     out = cg_malloc(cap);
     memcpy(out, head, hl);
+    int bare = c != CODEC_TEXT && id_is_integer; /* "{id}" alone: the number, unquoted */
     for (const char *p = s; *p;) {
-        if (strncmp(p, "{id}", 4) == 0) {
+        if (bare && strncmp(p, "\"{id}\"", 6) == 0 && p[6] != ':') { /* a value, not a key (compact JSON) */
+            memcpy(out + n, id_text, idl); /* digits and '-': nothing JSON escapes */
+            n += idl;
+            p += 6;
+        } else if (strncmp(p, "{id}", 4) == 0) {
             memcpy(out + n, id_text, idl);
             n += idl;
             p += 4;

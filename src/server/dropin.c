@@ -87,6 +87,7 @@ struct cg_dropin {
         unsigned long frames;
     } suppress;
     unsigned long forwards; /* chat messages handed to the app so far */
+    char *integer_id; /* the last one's id, when the client wrote it as an integer: its cancel frame's too */
     /* the client's handshake held until the app has answered its own (cg_dropin_hold) */
     enum { HOLD_NONE, HOLD_WAITING, HOLD_APP_OPEN, HOLD_APP_REFUSED } hold;
     unsigned int app_status; /* HOLD_APP_REFUSED: the app's HTTP status, 0 when it gave none */
@@ -154,6 +155,7 @@ static void dropin_unref(cg_dropin *d)
     free(d->path);
     free(d->subprotocol);
     free(d->suppress.id);
+    free(d->integer_id);
     json_decref(d->app_cookies);
     free(d);
 }
@@ -225,7 +227,9 @@ static void sink_stop_forward(void *conn, cg_turn *t, int client_said)
     if (client_said)
         return;
     size_t len = 0;
-    char *s = cg_dropin_map_cancel_frame(d->cfg, cg_turn_id(t), &len);
+    const char *id = cg_turn_id(t);
+    int id_is_integer = d->integer_id && strcmp(d->integer_id, id) == 0;
+    char *s = cg_dropin_map_cancel_frame(d->cfg, id, id_is_integer, &len);
     if (!s) { /* only when out of memory: the reply goes on */
         cg_warn("dropin: the cancel frame could not be built: the reply in flight goes on");
         return;
@@ -266,7 +270,6 @@ static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
 {
     cg_dropin *d = conn;
     pending_chat *c = f->opaque;
-    (void)t;
     if (!c->slot) { /* the app connection was gone when it was to be queued */
         pending_free(c);
         return -1;
@@ -279,6 +282,8 @@ static int sink_forward(void *conn, cg_turn *t, const cg_turn_forward *f)
         return -1;
     }
     d->forwards++;
+    free(d->integer_id);
+    d->integer_id = c->chat.id_is_integer ? cg_strdup(cg_turn_id(t)) : NULL;
     cg_wsconn_release(&d->app.conn, c->slot, built.buf, built.len); /* same headroom */
     pending_free(c);
     return 0;

@@ -32,7 +32,8 @@ that maps that protocol.
   once by another say: no chunk of that reply the app sent after it got the cancelling frame
   reaches the client, non-chat frames still pass meanwhile, and the session goes on; the
   client's own halt naming another message (client.cancel_id) stops nothing (issue 39's
-  eighth round: it stopped relaying the reply in flight, whatever its id);
+  eighth round: it stopped relaying the reply in flight, whatever its id); a message whose id
+  is an integer is halted with that integer (`"{id}"` in the cancel_frame);
 - a state directive (chatgate_state in the app's end frame) is removed from what the client
   sees and applied: the next say carries its params;
 - failure: app unreachable -> the client's handshake is answered 502 (issue 35: the client
@@ -513,6 +514,15 @@ async def part_cancel():
                 late = chunks_of(frames, "L2")
                 check(not late, f"{len(late)} chunks of L2 came after halted: {shorts(late)}")
                 got = [m for m, _ in sess.halts[n_halts:]]
+            with step("a message whose id is an integer: 'stop' sends the app a halt with that integer, which the "
+                      "app's reply keyed by number honours (issue 39's ninth round: it got \"7\" and went on)"):
+                await client.say("Yet another long one", 7, "trip")
+                await wait_chunks(client, 7, 3)
+                await client.say("stop", 8, "trip")
+                r = await reply(client, 7, "7 after stop")
+                check(r.kind == "halted", f"7 should end with halted, got {short(r.last)} after {len(r.chunks)} chunks")
+                halts = [f for f in sess.frames if isinstance(f, dict) and f.get("kind") == "halt"]
+                check(halts[-1] == {"kind": "halt", "msg_id": 7}, f"the app's last halt: {shorts(halts[-1:])}")
             with step("the session goes on: the next say gets its whole reply"):
                 await client.say("are you there?", "c3", "trip")
                 r = await reply(client, "c3")

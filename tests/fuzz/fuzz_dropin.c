@@ -134,7 +134,7 @@ static void client_side(json_t *cfg, const char *buf, size_t len, int binary)
     json_decref(object);
     free(built.buf);
     size_t clen = 0;
-    char *cancel = cg_dropin_map_cancel_frame(cfg, chat.id, &clen);
+    char *cancel = cg_dropin_map_cancel_frame(cfg, chat.id, chat.id_is_integer, &clen);
     int has_cancel = json_object_get(json_object_get(cfg, "app_frames"), "cancel_frame") != NULL;
     CHECK(!cancel == !has_cancel);
     if (cancel && !(codec && strcmp(codec, "text") == 0)) { /* JSON, behind socket.io's "42" */

@@ -54,6 +54,7 @@ typedef struct cg_dropin_chat {
     json_t *frame; /* the whole frame, decoded (socket.io: the event's array; text: a string) */
     char *prefix;  /* socket.io: the packet's "42/ns,7" as the client wrote it; else NULL */
     char *id;      /* "" when the frame has none */
+    int id_is_integer; /* the client wrote the id as a JSON integer (id is its digits) */
     char *room;    /* "default" when the frame has none */
     char *text;
     long attachments; /* socket.io: the binary frames of this (binary) event that follow it */
@@ -96,9 +97,10 @@ void cg_dropin_app_frame_clear(cg_dropin_app_frame *f);
 int cg_dropin_app_frame_about(const cg_dropin_app_frame *f, const char *id);
 
 /* dropin.app_frames.cancel_frame for id ("{id}" in its strings becomes the id, JSON-escaped;
- * the text codec's is a plain string, the id put in as it is; socket.io's an event array, sent
- * in dropin.namespace): a malloc'd string and its length, or NULL when the mapping has none or
- * it cannot be built. */
-char *cg_dropin_map_cancel_frame(json_t *dropin_cfg, const char *id, size_t *len);
+ * a string that is "{id}" alone becomes the integer itself when id_is_integer, as the client
+ * wrote it, so that an app keying messages by number finds it; the text codec's is a plain
+ * string, the id put in as it is; socket.io's an event array, sent in dropin.namespace): a
+ * malloc'd string and its length, or NULL when the mapping has none or it cannot be built. */
+char *cg_dropin_map_cancel_frame(json_t *dropin_cfg, const char *id, int id_is_integer, size_t *len);
 
 #endif

@@ -176,11 +176,46 @@ static void test_json_codec(void)
     json_decref(cfg);
 }
 
+/* A cancel frame's "{id}" is the id as the client wrote it: an integer stays one where the
+ * template's string is "{id}" alone (issue 39's ninth round: "7" was sent, and an app keying
+ * its messages by number stopped nothing); in a longer string, or a key, it is text. */
+static void test_cancel_frame_id(void)
+{
+    json_t *cfg = json_cfg();
+    json_t *appf = json_loads("{\"cancel_frame\":{\"kind\":\"halt\",\"msg_id\":\"{id}\",\"note\":\"stop {id}\","
+                              "\"{id}\":[\"{id}\"]}}",
+                              0, NULL);
+    json_object_set_new(cfg, "app_frames", appf);
+    const char *say = "{\"kind\":\"say\",\"body\":\"stop\",\"id\":7}";
+    cg_dropin_chat chat;
+    char why[160];
+    char *copy = unit_dup_exact(say, strlen(say));
+    CHECK(cg_dropin_map_client(cfg, copy, strlen(say), 0, &chat, why, sizeof(why)) == CG_DROPIN_CHAT);
+    CHECK(chat.id_is_integer && strcmp(chat.id, "7") == 0);
+    size_t len = 0;
+    char *s = cg_dropin_map_cancel_frame(cfg, chat.id, chat.id_is_integer, &len);
+    json_t *got = s ? json_loads(s, 0, NULL) : NULL;
+    json_t *want = json_loads("{\"kind\":\"halt\",\"msg_id\":7,\"note\":\"stop 7\",\"7\":[7]}", 0, NULL);
+    CHECK(got && json_equal(got, want));
+    json_decref(got);
+    free(s);
+    s = cg_dropin_map_cancel_frame(cfg, "7", 0, &len); /* the client wrote "7" */
+    got = s ? json_loads(s, 0, NULL) : NULL;
+    CHECK(got && json_is_string(json_object_get(got, "msg_id")));
+    json_decref(got);
+    free(s);
+    json_decref(want);
+    cg_dropin_chat_clear(&chat);
+    free(copy);
+    json_decref(cfg);
+}
+
 int main(void)
 {
     test_socketio_grammar();
     test_socketio_binary_events();
     test_socketio_object_place();
     test_json_codec();
+    test_cancel_frame_id();
     return unit_done("test_dropin_map");
 }
