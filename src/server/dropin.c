@@ -577,6 +577,15 @@ static void release_flush(cg_flush_item *item)
     cg_debug("dropin: session %s: the client's handshake goes on (%d)", d->name, rc);
 }
 
+/* A client waiting for the app's handshake holds two sockets for up to CG_DROPIN_HOLD_S: it
+ * counts toward max_connections (srv->n_held, read by the handshake's checks) until the app
+ * has answered (until issue 39's ninth round it did not, and a flood of them passed it). */
+static void hold_set(cg_dropin *d, int hold)
+{
+    d->srv->n_held += (hold == HOLD_WAITING) - (d->hold == HOLD_WAITING);
+    d->hold = hold;
+}
+
 /* The held client's handshake goes on: lws reads the end of its head (listener.h). Not from
  * inside the app connection's callback, where lws does not apply another wsi's flow change:
  * at the end of the loop iteration. */
@@ -604,20 +613,20 @@ static void hold_app_cookies(cg_dropin *d, struct lws *app)
 /* The app answered 101: the client's handshake goes on. */
 static void hold_app_open(cg_dropin *d)
 {
-    d->hold = HOLD_APP_OPEN;
+    hold_set(d, HOLD_APP_OPEN);
     hold_release(d);
 }
 
 /* The app refused the handshake (status) or could not be reached (0): so is the client. */
 static void hold_refused(cg_dropin *d, unsigned int status)
 {
-    d->hold = HOLD_APP_REFUSED;
+    hold_set(d, HOLD_APP_REFUSED);
     d->app_status = status;
     hold_release(d);
 }
 
-/* The clients held now: a few at a time, found by their wsi (a wsi's opaque data is not
- * ours to read: other connections keep theirs there). */
+/* The clients held now, found by their wsi (a wsi's opaque data is not ours to read: other
+ * connections keep theirs there); at most max_connections (hold_set). */
 static cg_dropin *held_head;
 
 static cg_dropin *held_of(struct lws *client)
@@ -637,7 +646,7 @@ static void held_remove(cg_dropin *d)
             break;
         }
     d->held_next = NULL;
-    d->hold = HOLD_NONE;
+    hold_set(d, HOLD_NONE);
 }
 
 int cg_dropin_identify(cg_server *srv, struct lws *client, char *user, size_t userlen, char *plan, char *err,
@@ -662,7 +671,7 @@ int cg_dropin_hold(cg_server *srv, struct lws *client)
     cg_dropin *d = dropin_new(srv, client, user, plan, "(handshake)");
     if (!d)
         return -1;
-    d->hold = HOLD_WAITING;
+    hold_set(d, HOLD_WAITING);
     d->held_next = held_head;
     held_head = d;
     /* lws's wait for the rest of a head (10 s) becomes the app's: its connect bound and more */

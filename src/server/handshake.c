@@ -368,10 +368,14 @@ static int upgrade_refusal(struct lws *wsi, cg_server *srv, refusal *r)
         *r = (refusal){503, "Service Unavailable", "", "shutting down\n", ""};
         return 1;
     }
-    if (srv->n_sessions >= srv->cfg->max_connections) {
+    /* drop-in clients waiting for their app's handshake hold two sockets each too */
+    long held = srv->n_held;
+    if (srv->n_sessions + held >= srv->cfg->max_connections) {
         *r = (refusal){503, "Service Unavailable", "", "too many connections\n", ""};
-        snprintf(r->log, sizeof(r->log), "refused a connection: %ld connected, the limit is %ld", srv->n_sessions,
-                 srv->cfg->max_connections);
+        snprintf(r->log, sizeof(r->log),
+                 "refused a connection: %ld connected and %ld drop-in clients waiting for the app's handshake, the "
+                 "limit is %ld",
+                 srv->n_sessions, held, srv->cfg->max_connections);
         return 1;
     }
     long total;

@@ -14,6 +14,8 @@ item of 15, each with the behaviour that failed on main 1b36468.
   queue_limit;
 - defect 10: a drop-in client refused by --auth gets a close frame 1008 (not 1006), counted in
   chatgate_unauthorized_total;
+- issue 39's ninth round: drop-in clients waiting for their app's handshake count toward
+  max_connections (three held, max_connections 3: a fourth client gets 503);
 - 15 (close frames, RFC 6455 7.4): a close frame with a 1-byte payload, a code over 4999 or a
   reserved one, from a chatgate.v1 client or a drop-in client (raw socket frames), is answered
   with 1002; a valid one is echoed; the app closing with an invalid code closes the client with
@@ -542,7 +544,55 @@ async def part_app_answers():
         server.close()
 
 
+async def part_held_count():
+    """Issue 39's ninth round: drop-in clients held while their app is slow to answer its
+    handshake (up to 40 s) hold two sockets each, but max_connections counted only open
+    sessions: a flood of them got past it. They count now: with max_connections 3 and three
+    clients held, a fourth client (drop-in or /ws) is answered 503."""
+    apps = []
+
+    async def silent_app(reader, writer):
+        apps.append(writer)
+        await read_upgrade_key(reader)  # and never answers
+        await reader.read()
+
+    server = await asyncio.start_server(silent_app, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    held = []
+    try:
+        async with Gateway(config={**config(f"ws://127.0.0.1:{port}"), "max_connections": 3}, env=ENV,
+                           name="gateway:held-count") as gw:
+            with step("three drop-in clients wait for a silent app's handshake; a fourth drop-in client, and a /ws "
+                      "client, are answered 503 at once"):
+                for _ in range(3):
+                    s = socket.create_connection(("127.0.0.1", gw.port), timeout=5)
+                    key = base64.b64encode(os.urandom(16)).decode()
+                    s.sendall((f"GET /socket HTTP/1.1\r\nHost: 127.0.0.1:{gw.port}\r\nUpgrade: websocket\r\n"
+                               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                               f"Sec-WebSocket-Protocol: chat.v2\r\nCookie: sid=x\r\n\r\n").encode())
+                    held.append(s)
+                ok = await harness.wait_until(lambda: len(apps) == 3, 5)
+                check(ok, f"the app got {len(apps)} of the 3 held clients' connections")
+                key = base64.b64encode(os.urandom(16)).decode()
+                try:
+                    first, _ = await asyncio.wait_for(asyncio.to_thread(raw_upgrade, gw.port, key), 3)
+                except (asyncio.TimeoutError, socket.timeout):
+                    first = b"(no answer within 3 s: held like the others)"
+                check(first.startswith(b"HTTP/1.1 503"), f"a fourth drop-in client got {first!r}, expected 503")
+                status = await harness.handshake_status(gw.ws_url("/ws"), open_timeout=3)
+                check(status == 503, f"a /ws client got {status}, expected 503")
+                await harness.wait_log(gw, r"0 connected and 3 drop-in clients waiting for the app's handshake", 3)
+            gw.assert_alive()
+    finally:
+        for s in held:
+            s.close()
+        for w in apps:
+            w.close()
+        server.close()
+
+
 async def main(args):
+    await independent(part_held_count())
     await independent(part_client_leaves_during_hold())
     await independent(part_app_answers())
     await independent(part_path_encoded())

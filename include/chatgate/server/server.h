@@ -34,6 +34,7 @@ typedef struct cg_server {
     cg_metrics metrics;
     cg_upstream upstreams[CG_MAX_UPSTREAMS];
     long n_sessions;           /* WebSocket clients connected now */
+    long n_held;               /* drop-in clients waiting for their app's handshake (dropin.c) */
     unsigned long session_seq; /* for session ids */
     int closing_all;           /* shutdown: clients are being sent close frames */
     unsigned char *resume_secret; /* CHATGATE_RESUME_SECRET, or random per process; owned */
