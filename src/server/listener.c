@@ -13,8 +13,10 @@
  * (so the level-triggered poll waits for more); once it is, only what lws is handed is taken,
  * so the CRLF that a held head ends with stays in the socket for lws to read later. Then
  * both handles close, and from the close callback (libuv allows one poll per socket, and
- * lws makes its own) the socket and what was read go to lws. A head over the buffer is
- * handed over as far as it came: lws reads the rest and answers 431. (A head that has come
+ * lws makes its own) the socket and what was read go to lws. A head whose headers are over
+ * max_header_bytes is answered 431 here (lws's own check sees only the headers it knows by
+ * name); one over the buffer is handed over as far as it came: lws reads the rest and
+ * answers 431. (A head that has come
  * up to "\r\n\r" keeps that byte in the socket, looked at again 2 ms later: head_readable.)
  *
  * The buffer starts at CG_HEAD_FIRST bytes, which a browser's or a client library's
@@ -189,18 +191,63 @@ static int dot_segments(const char *raw, size_t n)
 
 static int head_take(head_conn *h, size_t upto);
 
+/* Answers the head here (a refusal, "connection: close") and closes the connection. The
+ * head is taken out of the socket first: closing a socket with bytes unread sends a reset,
+ * which can reach the client before it has read the answer. */
+static void head_refuse(head_conn *h, int status, const char *reason, const char *body)
+{
+    if (head_take(h, h->len) < 0) {
+        head_finish(h, 0);
+        return;
+    }
+    char answer[512];
+    int n = snprintf(answer, sizeof(answer),
+                     "HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %zu\r\n"
+                     "cache-control: no-store\r\nconnection: close\r\n\r\n%s",
+                     status, reason, strlen(body), body);
+    h->l->srv->metrics.refused_connections++;
+    if (n > 0 && (size_t)n < sizeof(answer) && send(h->fd, answer, (size_t)n, MSG_NOSIGNAL) < 0)
+        cg_debug("%s: the %d could not be sent: %s", h->l->what, status, strerror(errno));
+    head_finish(h, 0);
+}
+
+/*
+ * A head whose headers (every byte after the request line, up to the blank line: names,
+ * values, line ends) are over max_header_bytes: 431, here. lws's own check sums only the headers it knows by name (its token table), so a
+ * request padded with headers of other names (three 15 KB X-Pad headers) passed it until
+ * issue 39's ninth round.
+ */
+static void refuse_large(head_conn *h, size_t header_bytes)
+{
+    long limit = h->l->srv->cfg->max_header_bytes;
+    char body[160];
+    cg_warn("%s: refused a request with %zu bytes of headers or more, over max_header_bytes (%ld): 431", h->l->what,
+            header_bytes, limit);
+    snprintf(body, sizeof(body), "the request's headers are over %ld bytes (a cookie or token too long?)\n", limit);
+    head_refuse(h, 431, "Request Header Fields Too Large", body);
+}
+
+/* The bytes of the head's headers: from after the request line to the blank line (end). */
+static size_t head_header_bytes(const head_conn *h, size_t end)
+{
+    const char *nl = memchr(h->buf, '\n', end);
+    size_t from = nl ? (size_t)(nl - h->buf) + 1 : end;
+    return end - 2 > from ? end - 2 - from : 0;
+}
+
 /* The head is whole (its blank line ends at end; h->len bytes have come, h->taken of them
- * are out of the socket): answered here (dot segments), or handed to lws, whole or held. */
+ * are out of the socket): answered here (headers over the bound, dot segments), or handed
+ * to lws, whole or held. */
 static void head_done(head_conn *h, size_t end)
 {
-    size_t tn;
+    size_t tn, header_bytes = head_header_bytes(h, end);
+    if (header_bytes > (size_t)h->l->srv->cfg->max_header_bytes) {
+        refuse_large(h, header_bytes);
+        return;
+    }
     const char *target = head_target(h, &tn);
     int upgrade = head_upgrade(h);
     if (upgrade && target && dot_segments(target, tn)) {
-#define DOT_BODY "a WebSocket request target may not hold dot segments\n"
-        static const char answer[] = "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: 53\r\n"
-                                     "cache-control: no-store\r\nconnection: close\r\n\r\n" DOT_BODY;
-        _Static_assert(sizeof(DOT_BODY) - 1 == 53, "the content-length is the body's");
         /* its path only, whole: a query may hold a token in a form the log's masks do not know
          * (percent-encoded), and a value cut before the masks see it is not masked */
         size_t pn = 0;
@@ -212,10 +259,7 @@ static void head_done(head_conn *h, size_t end)
         else
             cg_warn("%s: refused a WebSocket handshake whose target's path (%zu bytes) holds dot segments: 400",
                     h->l->what, pn);
-        h->l->srv->metrics.refused_connections++;
-        if (send(h->fd, answer, sizeof(answer) - 1, MSG_NOSIGNAL) < 0)
-            cg_debug("%s: the 400 could not be sent: %s", h->l->what, strerror(errno));
-        head_finish(h, 0);
+        head_refuse(h, 400, "Bad Request", "a WebSocket request target may not hold dot segments\n");
         return;
     }
     /* held only when lws can hold the whole head in its header space and nothing came after
@@ -284,7 +328,8 @@ static void head_readable(uv_poll_t *p, int status, int events)
      * up to "\r\n\r" on a drop-in listener keeps that "\r" in the socket: it may begin the
      * final CRLF, which a held head leaves for lws (head_done). The poll, which would wake at
      * once for it, pauses meanwhile, and the socket is looked at again shortly. */
-    if (h->len == h->cap) { /* over the header space: lws reads on, and answers 431 */
+    if (h->len == h->cap) { /* over the header space: lws reads on (to the end, which this
+                             * buffer cannot), and answers 431 */
         if (head_take(h, h->len) < 0) {
             head_finish(h, 0);
             return;

@@ -4,7 +4,8 @@ python3-websockets for WebSocket handshakes, http.client and raw sockets for HTT
 Covers:
 - header space: a WebSocket handshake and a page request with a 10 KB cookie are served
   (lws's default 4 KB used to drop them without an answer); with 20 KB, 100 KB of cookie,
-  or a 20 KB Authorization header, the answer is HTTP 431 with a body that says why, on
+  or a 20 KB Authorization header, or three 6 KB headers of names libwebsockets does not
+  know (issue 39's ninth round), the answer is HTTP 431 with a body that says why, on
   the WebSocket path as on plain HTTP; `max_header_bytes` in the config moves the bound;
   the gateway keeps serving afterwards;
 - a request without an upgrade on /ws, or under the drop-in path, gets 426 Upgrade Required
@@ -120,6 +121,10 @@ async def test_header_space():
             await expect_431(gw, {"Cookie": "session=" + "c" * 20000}, "20 KB cookie")
             await expect_431(gw, {"Cookie": "session=" + "c" * 100000}, "100 KB cookie")
             await expect_431(gw, {"Authorization": "Bearer " + "t" * 20000}, "20 KB Authorization")
+        with step("three 6 KB headers of names libwebsockets does not know (X-Pad-N): HTTP 431 too (issue 39's "
+                  "ninth round: only known headers were counted, and 45 KB of them got 101)"):
+            await expect_431(gw, {f"X-Pad-{i}": "p" * 6000 for i in range(3)}, "3 x 6 KB X-Pad")
+            await expect_431(gw, {f"X-Pad-{i}": "p" * 15000 for i in range(3)}, "3 x 15 KB X-Pad")
         with step("raw request: the 431 is a whole HTTP/1.1 answer"):
             answer = await asyncio.to_thread(raw_request, gw.port,
                                              upgrade_request(gw.port, "/ws", b"Cookie: " + b"k" * 30000 + b"\r\n"))
