@@ -121,8 +121,9 @@ void cg_fallback_free(cg_fallback *fb)
         return;
     while (fb->live) /* what the inner store will not answer now: the store is gone */
         req_free(fb->live);
-    /* the count at stopping (cg_fallback_closing) may have grown since: a last save that met
-     * another copy needed a merge, which a closing link no longer sends */
+    /* the count at stopping (cg_fallback_stop_writeback) may have changed since: a write-back
+     * still in flight then was answered while the link drained, or its newer version was
+     * marked, which the closing link no longer sends */
     if (json_object_size(fb->dirty))
         cg_warn("%s: %zu dialogs not written back are lost at exit", fb->name, json_object_size(fb->dirty));
     cg_memstore_free(fb->mem);
@@ -421,9 +422,21 @@ void cg_fallback_closing(cg_fallback *fb, void (*closed)(void *arg), void *arg)
     fb->closing = 1;
     fb->closed = closed;
     fb->closed_arg = arg;
-    if (json_object_size(fb->dirty))
-        cg_warn("%s: stopping with %zu dialogs not yet written back", fb->name, json_object_size(fb->dirty));
     uv_close((uv_handle_t *)&fb->answer, on_answer_closed); /* the queue goes with the fallback */
+    if (fb->st->stats.degraded || !json_object_size(fb->dirty))
+        return;
+    /* memory holds the only copy of these turns, and their clients were answered: what waits
+     * for the tick's next round (a write-back refused, a save failed while up) goes now; what
+     * is in flight goes on, a newer version after it (cg_fallback_written). The store waits
+     * for them (cg_fallback_dirty_count), then calls cg_fallback_stop_writeback */
+    fb->flushed_at = now_ms(fb); /* the tick, while the store waits, sends a refused one again a second on */
+    flush_dirty(fb, 1);
+}
+
+void cg_fallback_stop_writeback(cg_fallback *fb, const char *why)
+{
+    if (json_object_size(fb->dirty))
+        cg_warn("%s: stopping with %zu dialogs not yet written back (%s)", fb->name, json_object_size(fb->dirty), why);
 }
 
 /* ---- what the inner store's answers mean here ------------------------------------------ */

@@ -100,6 +100,19 @@ static void on_tick(uv_timer_t *t)
 
 /* ---- close -------------------------------------------------------------------------- */
 
+/*
+ * How long shutdown waits, Redis up, for the write-back of the dialogs still marked (their
+ * turns were answered, and memory holds their only copy): each is two round trips (Redis's
+ * copy read, the merge written), a newer version goes after the one in flight, one that met
+ * another copy merges again, and one Redis refused goes again a second later. Without this
+ * wait only the commands in flight had the link's second, and what waited behind them (or
+ * for the tick) was lost at exit. 5 s is many rounds at any Redis's pace; with the link's
+ * second after it and the drain of replies (shutdown_timeout_s, 10 s), it stays within what
+ * the master (shutdown_timeout_s + 10 s) and the systemd unit (TimeoutStopSec=30) give.
+ */
+#define CLOSE_WRITEBACK_MS 5000
+#define CLOSE_POLL_MS 10
+
 /* The last step of close, once the link has closed: the tick goes, and the store with it. */
 static void on_link_closed(void *data)
 {
@@ -113,9 +126,43 @@ static void fallback_closed(void *data)
     cg_redis_store_unref(data);
 }
 
+/* The write-back is over (why: for the log of what is left): the link closes, waiting for its
+ * commands in flight for at most a second (redis_link.c). */
+static void close_link(redis_store *rs, const char *why)
+{
+    uv_timer_stop(&rs->tick);
+    cg_fallback_stop_writeback(rs->fb, why);
+    if (rs->link)
+        cg_redis_link_close(rs->link, on_link_closed);
+    else
+        on_link_closed(rs);
+}
+
+/* The tick while close waits for the write-back: until nothing is marked, Redis goes, or the
+ * deadline. A write-back Redis refused goes again meanwhile, a second after its round. */
+static void on_close_tick(uv_timer_t *t)
+{
+    redis_store *rs = t->data;
+    uint64_t now = uv_now(rs->base.loop);
+    char why[80];
+    if (!cg_fallback_dirty_count(rs->fb)) {
+        close_link(rs, "all written back");
+    } else if (!cg_redis_linked(rs)) {
+        close_link(rs, "Redis went away while they were written back");
+    } else if (now >= rs->close_deadline) {
+        snprintf(why, sizeof(why), "their write-back was not answered within %d s", CLOSE_WRITEBACK_MS / 1000);
+        close_link(rs, why);
+    } else {
+        cg_fallback_tick(rs->fb, now);
+    }
+}
+
 /*
- * Shutdown: the saves the sessions just made are still on their way, so the link waits for
- * the commands in flight, for at most a second (redis_link.c).
+ * Shutdown: the saves the sessions just made are still on their way, and, Redis up, the
+ * dialogs still marked for the write-back go now (cg_fallback_closing): close waits for them,
+ * at most CLOSE_WRITEBACK_MS, on the tick (held by the loop meanwhile, never blocking it); then
+ * the link waits for the commands in flight, for at most a second. Redis away, nothing waits:
+ * what is marked is lost at exit, and said.
  */
 void cg_redis_close(cg_store *st)
 {
@@ -126,10 +173,13 @@ void cg_redis_close(cg_store *st)
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;
     cg_fallback_closing(rs->fb, fallback_closed, rs);
-    if (rs->link)
-        cg_redis_link_close(rs->link, on_link_closed);
-    else
-        on_link_closed(rs);
+    if (!cg_fallback_dirty_count(rs->fb) || !cg_redis_linked(rs)) {
+        close_link(rs, "Redis is away");
+        return;
+    }
+    rs->close_deadline = uv_now(rs->base.loop) + CLOSE_WRITEBACK_MS;
+    uv_ref((uv_handle_t *)&rs->tick); /* the loop runs on for it now */
+    uv_timer_start(&rs->tick, on_close_tick, CLOSE_POLL_MS, CLOSE_POLL_MS);
 }
 
 /* ---- the store ---------------------------------------------------------------------------- */

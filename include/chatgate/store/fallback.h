@@ -92,9 +92,16 @@ int cg_fallback_degraded(const cg_fallback *fb);
 /* Called every 100 ms or so while the store is up (now: uv_now()): the dialogs marked while
  * it was up (a save it failed with an error) are written back again once a second. */
 void cg_fallback_tick(cg_fallback *fb, uint64_t now);
-/* The store is closing: no callback is called from now on; says how many dialogs were never
- * written back; closed(arg) is called from the loop once the fallback's timer has closed. */
+/* The store is closing: no callback is called from now on; closed(arg) is called from the
+ * loop once the fallback's timer has closed. While the store is up (not degraded), the
+ * dialogs still marked and not in flight are handed to the backend now; the write-backs go
+ * on (a newer version after the one in flight, a refused one again through
+ * cg_fallback_tick), and the store may wait for cg_fallback_dirty_count to reach 0 before it
+ * closes, then calls cg_fallback_stop_writeback. */
 void cg_fallback_closing(cg_fallback *fb, void (*closed)(void *arg), void *arg);
+/* The store writes back no more (all done, its deadline passed, or it is away: why, for the
+ * log): says how many dialogs are left unwritten; they are lost at exit. */
+void cg_fallback_stop_writeback(cg_fallback *fb, const char *why);
 
 /* ---- the wrapper's tables: the store's ops for its dialogs, lease and limits ------------ */
 

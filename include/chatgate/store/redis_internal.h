@@ -143,6 +143,7 @@ struct redis_store {
     unsigned long long ticket_seq; /* the last ticket a turn of this store took */
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
+    uint64_t close_deadline; /* closing: until when the write-back is waited for (uv_now, ms) */
 };
 
 /* The store can send commands: its link is up. */

@@ -8,8 +8,9 @@
  * write-back when it returns (each dirty dialog handed to the backend once, with its
  * version; a newer write made meanwhile sent when the older one is answered; a refused one
  * dropped, a newer one kept; one memory no longer holds never written), the bounds of the dirty set, a failed
- * write-back sent again by the tick, the rewrite after a move, forgetting a user, and
- * requests whose caller left (at the wrapper and at the inner store).
+ * write-back sent again by the tick, the write-back at closing (the store up or away), the
+ * rewrite after a move, forgetting a user, and requests whose caller left (at the wrapper and
+ * at the inner store).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -228,13 +229,19 @@ static cg_fallback *fake_open(fake *f, uv_loop_t *loop, long max_dialogs, long w
     return cg_fallback_new(&f->st, "fake store", &inner, &fake_ops, f);
 }
 
-/* The store's end: the fallback's timer closes, then it is freed. */
-static void fake_close(fake *f, cg_fallback *fb)
+/* The store's end, once cg_fallback_closing was called: the fallback's timer closes, then it
+ * is freed. */
+static void fake_free(fake *f, cg_fallback *fb)
 {
-    cg_fallback_closing(fb, NULL, NULL);
     uv_close((uv_handle_t *)&f->timer, NULL);
     uv_run(f->st.loop, UV_RUN_DEFAULT);
     cg_fallback_free(fb);
+}
+
+static void fake_close(fake *f, cg_fallback *fb)
+{
+    cg_fallback_closing(fb, NULL, NULL);
+    fake_free(f, fb);
 }
 
 /* ---- requests, through the wrapper's tables ------------------------------------------------ */
@@ -481,6 +488,42 @@ static void test_failed_writeback_goes_again(uv_loop_t *loop)
     fake_close(&f, fb);
 }
 
+/* Closing while the store is up: the dialogs still marked go now (the store waits for them),
+ * those in flight go on, a newer version after its older one; the store away, none goes. */
+static void test_closing_writes_back(uv_loop_t *loop)
+{
+    fake f;
+    cg_fallback *fb = fake_open(&f, loop, 100, 0);
+    cg_fallback_down(fb, "down");
+    save(&f, fb, "u", "a", "a1");
+    save(&f, fb, "u", "b", "b1");
+    cg_fallback_up(fb, 0);
+    CHECK(f.n == 2);
+    save(&f, fb, "u", "a", "a2");                            /* waits behind a1's write-back */
+    cg_fallback_writeback_failed(fb, "u:b", f.got[1].version); /* waits for the tick's next round */
+    cg_fallback_closing(fb, NULL, NULL);
+    CHECK(f.n == 3); /* b again, at once; a's in flight goes on */
+    CHECK_STR(f.got[2].key, "u:b");
+    CHECK(f.got[2].version == f.got[1].version);
+    cg_fallback_written(fb, "u:a", f.got[0].version, 1); /* closing, the newer goes still */
+    CHECK(f.n == 4);
+    CHECK_STR(f.got[3].from, "a2");
+    cg_fallback_written(fb, "u:b", f.got[2].version, 1);
+    cg_fallback_written(fb, "u:a", f.got[3].version, 1);
+    CHECK(cg_fallback_dirty_count(fb) == 0 && f.st.stats.flushed == 2);
+    cg_fallback_stop_writeback(fb, "all written back");
+    fake_free(&f, fb);
+
+    /* the store away: nothing goes, what is marked is lost at exit (said) */
+    fb = fake_open(&f, loop, 100, 0);
+    cg_fallback_down(fb, "down");
+    save(&f, fb, "u", "a", "a1");
+    cg_fallback_closing(fb, NULL, NULL);
+    CHECK(f.n == 0 && cg_fallback_dirty_count(fb) == 1);
+    cg_fallback_stop_writeback(fb, "the store is away");
+    fake_free(&f, fb);
+}
+
 static void test_rewrite_after_move(uv_loop_t *loop)
 {
     fake f;
@@ -715,6 +758,7 @@ int main(void)
     test_newer_write_meanwhile(&loop);
     test_bounds_and_gone(&loop);
     test_failed_writeback_goes_again(&loop);
+    test_closing_writes_back(&loop);
     test_rewrite_after_move(&loop);
     test_rewrite_after_part_moved(&loop);
     test_forget_user_and_abandoned(&loop);

@@ -1,0 +1,308 @@
+"""End-to-end test of the write-back at shutdown (docs/state.md, When Redis fails): a
+dialog marked for the write-back is written to Redis before the gateway exits, when Redis
+is there to take it. Its turns were answered; until the shutdown write-back they were
+dropped with a warning ("stopping with N dialogs not yet written back") when SIGTERM came
+first (parts 1 and 2 fail on that binary: every dialog lacks its last turns).
+
+1. An outage, then SIGTERM as soon as Redis is back: Redis is LATENCY s away (SlowLink, a
+   relay in the test that passes Redis's answers on that late), so that a write-back (two
+   round trips) and the newer version behind it take longer than the link's second at
+   close. DIALOGS dialogs (a connection and a room each, the state app) talk once with Redis
+   up; Redis is killed (SIGKILL) and each talks twice more, served from memory and marked
+   for the write-back; Redis is started again on its port (empty). The moment the gateway's
+   log says it reconnected (the write-backs in flight), each dialog talks once more (a newer
+   version, waiting behind the one in flight), then the gateway gets SIGTERM. It exits 0,
+   and every dialog's history in Redis holds all four turns.
+2. Marked while Redis is up, then SIGTERM: Redis refuses writes (min-replicas-to-write 1 and
+   no replica: -NOREPLICAS, as when a primary's replicas lag) while DIALOGS dialogs talk, so
+   each save is kept in memory and marked, and the store's tick sends them again once a
+   second (each refused, counted in chatgate_store_writeback_failures_total). Right after
+   one such round Redis takes writes again and the gateway gets SIGTERM, well before the
+   tick's next round: the shutdown itself must send them. Every dialog's history in Redis
+   holds its turn.
+3. Redis away at shutdown: nothing waits for it (the gateway exits within the drain), and
+   the log says how many dialogs were not written back.
+"""
+
+import asyncio
+import json
+import re
+import signal
+import time
+
+import harness
+from harness import Client, check, check_turn_done, independent, step
+
+DIALOGS = 120
+AWAY_DIALOGS = 10
+LATENCY = 0.5  # s: each answer of Redis's, in part 1 (SlowLink)
+EXIT_TIMEOUT = 10.0  # the drain (nothing in flight: 0.3 s) and the store's close (at most 5 s)
+
+
+async def metrics(gw):
+    status, _, body = await asyncio.to_thread(harness.http_get, gw.http_url + "/metrics", 3.0)
+    check(status == 200, f"/metrics: HTTP {status}")
+    return harness.parse_metrics(body.decode())
+
+
+async def wait_metric(gw, name, predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        m = await metrics(gw)
+        value = m.value(name) if m.has(name) else None
+        if value is not None and predicate(value):
+            return value
+        if time.monotonic() > deadline:
+            gw.failed = True
+            harness.fail(f"{what}: {name} is {value} after {timeout:.0f} s")
+        await asyncio.sleep(0.05)
+
+
+async def wait_log(gw, pattern, count, timeout, what):
+    """Wait until the gateway's log holds `count` lines matching `pattern` (polled every 5 ms:
+    the test acts on the moment it appears)."""
+    deadline = time.monotonic() + timeout
+    regex = re.compile(pattern, re.MULTILINE)
+    while len(regex.findall(gw.log_text())) < count:
+        if time.monotonic() > deadline:
+            gw.failed = True
+            harness.fail(f"{what}: the log did not say /{pattern}/ {count} times within {timeout:.0f} s")
+        await asyncio.sleep(0.005)
+
+
+async def say(client, app, room, mid, text, directive=None):
+    if directive is not None:
+        app.directives[mid] = directive
+    turn = await client.message(text, mid=mid, room=room, timeout=10)
+    check_turn_done(turn)
+    return turn
+
+
+async def all_of(coros):
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        harness.fail(f"{len(failed)} of {len(results)} dialogs failed; the first: {type(failed[0]).__name__}: "
+                     f"{failed[0]}")
+
+
+def said_in_redis(redis, user, room):
+    """The user's messages of the dialog's history in Redis, in order."""
+    key = harness.dialog_key(user, room, "history")
+    return [m["content"] for m in (json.loads(x) for x in redis.lrange(key)) if m.get("role") == "user"]
+
+
+def check_all_written(redis, dialogs, gw, what):
+    """Every dialog (user, room, [its texts]) holds its texts in Redis's history, in order."""
+    missing = []
+    for user, room, texts in dialogs:
+        got = said_in_redis(redis, user, room)
+        if got != texts:
+            missing.append((room, got, texts))
+    left = re.findall(r"stopping with (\d+) dialogs not yet written back|(\d+) dialogs not written back are lost",
+                      gw.log_text())
+    print(f"   {len(dialogs) - len(missing)} of {len(dialogs)} dialogs whole in Redis after the exit; "
+          f"the log's count of dialogs left: {[a or b for a, b in left] or 'none'}")
+    if missing:
+        gw.failed = True
+        room, got, want = missing[0]
+        harness.fail(f"{what}: {len(missing)} of {len(dialogs)} dialogs lack turns in Redis after the gateway "
+                     f"exited (their clients were answered); e.g. room {room}: Redis holds {got}, expected {want}")
+
+
+async def stop_now(gw):
+    gw.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    code = await gw.await_exit(EXIT_TIMEOUT)
+    took = time.monotonic() - started
+    check(code == 0, f"the gateway should exit 0 after SIGTERM within {EXIT_TIMEOUT:.0f} s, got {code}")
+    return took
+
+
+def config_for(app, redis, command_timeout_ms=1000):
+    return harness.state_config({"app": harness.app_upstream(app, "/state")}, "app", store=redis.url,
+                                redis={"command_timeout_ms": command_timeout_ms, "connect_timeout_ms": 1000})
+
+
+class SlowLink:
+    """A TCP relay between the gateway and Redis that passes each piece of Redis's answers on
+    `delay` s after it came (a constant latency, as of a Redis far away or busy: a piece never
+    waits behind the previous one's delay). Its connection to Redis is made per connection
+    of the gateway's; Redis gone, the gateway's connection is closed."""
+
+    def __init__(self, redis_port, delay):
+        self.redis_port = redis_port
+        self.delay = delay
+        self.server = None
+        self.port = None
+
+    async def start(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}"
+
+    def close(self):
+        if self.server:
+            self.server.close()
+
+    async def _serve(self, reader, writer):
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.redis_port)
+        except OSError:
+            writer.close()
+            return
+        loop = asyncio.get_running_loop()
+        due = asyncio.Queue()
+
+        async def requests():
+            while data := await reader.read(65536):
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def answers():
+            while data := await up_reader.read(65536):
+                due.put_nowait((loop.time() + self.delay, data))
+            due.put_nowait((loop.time() + self.delay, None))
+
+        async def pass_on():
+            while True:
+                at, data = await due.get()
+                await asyncio.sleep(max(0.0, at - loop.time()))
+                if data is None:
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        tasks = [asyncio.create_task(t) for t in (requests(), answers(), pass_on())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            writer.close()
+            up_writer.close()
+
+
+async def part_after_outage(app, rules):
+    redis = await harness.RedisServer().astart()
+    link = await SlowLink(redis.port, LATENCY).start()
+    try:
+        gw = harness.Gateway(["--rules", rules, "--max-connections", 1000],
+                             config_for(app, link, command_timeout_ms=int(LATENCY * 1000) * 4),
+                             name="gateway-outage")
+        await gw.astart()
+        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
+        dialogs = [(c.hello["user"], f"r{i}", []) for i, c in enumerate(clients)]
+
+        async def talk(i, k):
+            user, room, texts = dialogs[i]
+            text = f"message {k} of dialog {i}"
+            await say(clients[i], app, room, f"d{i}-{k}", text, {"service": "travel", "params": {"k": k}})
+            texts.append(text)
+
+        with step(f"1. Redis {LATENCY:.1f} s away: {DIALOGS} dialogs talk once; Redis is killed, and each talks "
+                  "twice more (served from memory, marked for the write-back)"):
+            await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
+            await all_of(talk(i, 1) for i in range(DIALOGS))
+            redis.kill()
+            await wait_metric(gw, "chatgate_store_degraded", lambda v: v == 1, 5, "the outage")
+            for k in (2, 3):
+                await all_of(talk(i, k) for i in range(DIALOGS))
+            pending = await wait_metric(gw, "chatgate_store_writeback_pending", lambda v: v == DIALOGS, 3,
+                                        "the outage's dialogs marked for the write-back")
+            print(f"   {pending:.0f} dialogs marked for the write-back")
+
+        with step("1b. Redis back: the moment the gateway reconnects (its write-backs in flight) each dialog talks "
+                  "once more (a newer version behind the one in flight), then SIGTERM: the gateway exits 0 and "
+                  "every dialog's turns are in Redis"):
+            await redis.astart()
+            await wait_log(gw, r"redis \S+: connected", 2, 10, "the reconnect")
+            reconnected = time.monotonic()
+            await all_of(talk(i, 4) for i in range(DIALOGS))
+            for c in clients:
+                await c.close()
+            print(f"   SIGTERM {time.monotonic() - reconnected:.2f}s after the reconnect")
+            took = await stop_now(gw)
+            print(f"   exited {took:.2f}s after SIGTERM")
+            check_all_written(redis, dialogs, gw, "SIGTERM right after the reconnect")
+    finally:
+        link.close()
+        redis.cleanup(keep=True)
+
+
+async def part_refused_while_up(app, rules):
+    redis = await harness.RedisServer().astart()
+    try:
+        gw = harness.Gateway(["--rules", rules, "--max-connections", 1000], config_for(app, redis),
+                             name="gateway-refused")
+        await gw.astart()
+        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
+        dialogs = [(c.hello["user"], f"o{i}", [f"the only message of dialog {i}"]) for i, c in enumerate(clients)]
+
+        with step(f"2. Redis refuses writes (-NOREPLICAS) while {DIALOGS} dialogs talk: each save is kept in memory, "
+                  "marked, and sent again by the tick, refused"):
+            await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
+            redis.command("CONFIG", "SET", "min-replicas-to-write", "1")
+            await all_of(say(clients[i], app, room, f"o{i}", texts[0], {"service": "travel", "params": {"i": i}})
+                         for i, (_, room, texts) in enumerate(dialogs))
+            await wait_metric(gw, "chatgate_store_writeback_pending", lambda v: v == DIALOGS, 3,
+                              "the refused saves marked for the write-back")
+            before = (await metrics(gw)).value("chatgate_store_writeback_failures_total")
+            await wait_metric(gw, "chatgate_store_writeback_failures_total", lambda v: v >= before + DIALOGS, 5,
+                              "a round of the tick's write-backs, refused")
+            round_at = time.monotonic()
+
+        with step("2b. Redis takes writes again; SIGTERM at once (before the tick's next round): it exits 0, "
+                  "and every dialog's turn is in Redis"):
+            redis.command("CONFIG", "SET", "min-replicas-to-write", "0")
+            for c in clients:
+                await c.close()
+            print(f"   SIGTERM {time.monotonic() - round_at:.2f}s after the tick's refused round")
+            took = await stop_now(gw)
+            print(f"   exited {took:.2f}s after SIGTERM")
+            check_all_written(redis, dialogs, gw, "SIGTERM with write-backs waiting for the tick")
+    finally:
+        redis.cleanup(keep=True)
+
+
+async def part_away_at_shutdown(app, rules):
+    redis = await harness.RedisServer().astart()
+    try:
+        gw = harness.Gateway(["--rules", rules], config_for(app, redis), name="gateway-away")
+        await gw.astart()
+        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(AWAY_DIALOGS)))
+        with step(f"3. Redis away at shutdown: {AWAY_DIALOGS} dialogs marked in an outage; SIGTERM: the gateway "
+                  "exits 0 without waiting for Redis, and says how many dialogs were not written back"):
+            await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
+            redis.kill()
+            await wait_metric(gw, "chatgate_store_degraded", lambda v: v == 1, 5, "the outage")
+            await all_of(say(c, app, f"a{i}", f"a{i}", f"message of dialog {i} in the outage")
+                         for i, c in enumerate(clients))
+            for c in clients:
+                await c.close()
+            took = await stop_now(gw)
+            print(f"   exited {took:.2f}s after SIGTERM")
+            check(took < 1.5, f"with Redis away the gateway should not wait for it at shutdown: {took:.2f}s")
+            check(f"stopping with {AWAY_DIALOGS} dialogs not yet written back" in gw.log_text(),
+                  "the log should say how many dialogs were not written back")
+    finally:
+        redis.cleanup(keep=True)
+
+
+async def main(args):
+    rules = harness.empty_rules_dir()
+    async with harness.FakeApp() as app:
+        await independent(part_after_outage(app, rules))
+        await independent(part_refused_while_up(app, rules))
+        await independent(part_away_at_shutdown(app, rules))
+
+
+if __name__ == "__main__":
+    harness.run(main, timeout=50)
