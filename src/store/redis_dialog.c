@@ -61,6 +61,7 @@
 #include "chatgate/core/alloc.h"
 #include "chatgate/core/jsonout.h"
 #include "chatgate/core/log.h"
+#include "chatgate/core/num.h"
 #include "chatgate/store/store.h"
 #include "chatgate/store/redis_argv.h"
 #include "chatgate/store/redis_internal.h"
@@ -103,33 +104,46 @@ static void send_last(redis_store *rs, cg_argv *a, cg_redis_reply_fn *fn, redis_
     }
 }
 
-/* A dialog's keys: its data, its lock (the lease), the flag another gateway sets to cancel
- * its turn, and the fence counter of versions before the lock (deleted with the dialog, never
- * used). A script is given the first of them up to the last it uses (script_keys). */
-static const char *const parts[] = {"params", "dialog", "awaiting", "soft", "history", "lock", "cancel", "fence"};
-#define N_PARTS 8
-
 /*
- * The first n keys of the dialog (eu, er): a script's KEYS[1..n], or all of them (N_PARTS)
- * as a DEL's arguments (a deleted dialog leaves nothing of the user behind; a turn of it running
- * meanwhile keeps its entry in rs->leases, so its save still refuses to write over another
- * holder's lease).
+ * A dialog's keys (docs/state.md, "Redis layout"): its state (one hash: rev, created_at,
+ * last_activity and the rest as one JSON value, v), its history, its lock (the lease), the
+ * line of turns of other gateways waiting for it, and the flag another gateway sets to
+ * cancel its turn. Then the keys of the layout before issue 39's ninth round (params, dialog,
+ * awaiting, soft: read by a load that finds no state, once, after an upgrade) and the fence
+ * counter of versions before the lock: deleted with the dialog, never written.
  */
-static void arg_dialog_keys(redis_store *rs, cg_argv *a, const char *eu, const char *er, int n)
+enum { K_STATE, K_HISTORY, K_LOCK, K_LINE, K_PARAMS, K_DIALOG, K_AWAITING, K_SOFT, K_CANCEL, K_FENCE, K_COUNT };
+static const char *const parts[K_COUNT] = {"state",  "history",  "lock", "line",   "params",
+                                           "dialog", "awaiting", "soft", "cancel", "fence"};
+
+/* Keys of the dialog, in the order a script numbers them (KEYS[1] first). */
+typedef struct key_list {
+    unsigned char n, at[K_COUNT];
+} key_list;
+
+/* Every key of a dialog: a deleted dialog leaves nothing of the user behind (a turn of it
+ * running meanwhile keeps its entry in rs->leases, so its save still refuses to write over
+ * another holder's lease). */
+static const key_list all_keys = {K_COUNT, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}};
+
+/* The dialog's (eu, er) keys of list, as arguments: a script's KEYS, or a DEL's. */
+static void arg_dialog_keys(redis_store *rs, cg_argv *a, const char *eu, const char *er, const key_list *list)
 {
     /* the first whole; the others copy its stem, "<prefix>:{<eu>}:<er>:" (two scripts a turn:
      * measuring and copying the pieces again for every key was 3,700 instructions) */
-    cg_argv_key(a, rs->base.cfg.prefix, eu, er, parts[0]);
+    const char *first = parts[list->at[0]];
+    cg_argv_key(a, rs->base.cfg.prefix, eu, er, first);
     size_t stem = cg_argv_key_stem_len(rs->base.cfg.prefix, eu, er);
-    size_t from = a->w.used - 2 - strlen(parts[0]) - stem; /* the first's bytes end at its CRLF */
-    for (int i = 1; i < n; i++) {
-        size_t pl = strlen(parts[i]);
+    size_t from = a->w.used - 2 - strlen(first) - stem; /* the first's bytes end at its CRLF */
+    for (int k = 1; k < list->n; k++) {
+        const char *part = parts[list->at[k]];
+        size_t pl = strlen(part);
         cg_argv_known(a, stem + pl);
         if (a->w.used + stem >= a->w.cap)
             cg_jsonw_grow(&a->w, stem);
         memcpy(a->w.buf + a->w.used, a->w.buf + from, stem); /* from lies before: no overlap */
         a->w.used += stem;
-        cg_jsonw_raw(&a->w, parts[i], pl);
+        cg_jsonw_raw(&a->w, part, pl);
         cg_argv_done(a);
     }
 }
@@ -160,31 +174,29 @@ void cg_redis_scripts_init(void)
     }
 }
 
-/* How many of the dialog's keys a script is given: KEYS[1] up to the last it uses; the save
- * also the rooms set, as KEYS[7], and a turn's load the line. A key passed is a string
- * Redis's Lua makes, hashing each of its bytes, at every call (docs/state.md, "What the
- * scripts cost Redis"): the save and the load use none after the lock. */
-static const int script_keys[S_COUNT] = {[S_LOAD] = 6, [S_SAVE] = 6, [S_RENEW] = 7, [S_RELEASE] = 6, [S_CANCEL] = 7};
+/* The dialog's keys a script is given, those it uses only (Redis wants every key a script
+ * touches named, and a key passed is a string Redis's Lua makes, hashing each of its bytes,
+ * at every call: docs/state.md, "What the scripts cost Redis"); the save's are followed by
+ * the user's rooms set. */
+static const key_list script_keys[S_COUNT] = {
+    [S_LOAD] = {8, {K_STATE, K_HISTORY, K_LOCK, K_LINE, K_PARAMS, K_DIALOG, K_AWAITING, K_SOFT}},
+    [S_SAVE] = {3, {K_STATE, K_HISTORY, K_LOCK}},
+    [S_RENEW] = {2, {K_LOCK, K_CANCEL}},
+    [S_RELEASE] = {1, {K_LOCK}},
+    [S_CANCEL] = {2, {K_LOCK, K_CANCEL}},
+};
 
-/* EVALSHA <sha> <n> <the dialog's first keys> [<the rooms set>: the save's] [<the dialog's
- * `extra` key>: a turn's load, its line], every key under the user's hash tag */
-static void arg_script_with(redis_store *rs, cg_argv *a, script_id id, const char *eu, const char *er,
-                            const char *extra)
-{
-    int n = script_keys[id], rooms = id == S_SAVE;
-    cg_argv_str(a, "EVALSHA");
-    cg_argv_str(a, script_sha[id]);
-    cg_argv_int(a, n + rooms + (extra != NULL));
-    arg_dialog_keys(rs, a, eu, er, n);
-    if (rooms)
-        cg_argv_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
-    if (extra)
-        cg_argv_key(a, rs->base.cfg.prefix, eu, er, extra);
-}
-
+/* EVALSHA <sha> <n> <the dialog's keys of the script> [<the rooms set>: the save's], every
+ * key under the user's hash tag */
 static void arg_script(redis_store *rs, cg_argv *a, script_id id, const char *eu, const char *er)
 {
-    arg_script_with(rs, a, id, eu, er, NULL);
+    int rooms = id == S_SAVE;
+    cg_argv_str(a, "EVALSHA");
+    cg_argv_str(a, script_sha[id]);
+    cg_argv_int(a, script_keys[id].n + rooms);
+    arg_dialog_keys(rs, a, eu, er, &script_keys[id]);
+    if (rooms)
+        cg_argv_key(a, rs->base.cfg.prefix, eu, NULL, "rooms");
 }
 
 /* Sends a script command built in a (taken): by SHA, and once more as EVAL with its text
@@ -290,10 +302,10 @@ static int gated(redis_store *rs, redis_req *r)
 /* ---- load ------------------------------------------------------------------------------ */
 
 /*
- * The dialog's lock, KEYS[6], is its lease (docs/state.md, "The dialog lease"): the turn's
+ * The dialog's lock is its lease (docs/state.md, "The dialog lease"): the turn's
  * ticket, "<holder>#<n>" (unique: the holder id has a random part, n counts its turns),
  * while the turn holds it (PX redis.lease_ms); once its save or release let it go, the lock
- * is deleted, or, while turns of other gateways wait in the line (KEYS[7]), "-<ticket> w"
+ * is deleted, or, while turns of other gateways wait in the line, "-<ticket> w"
  * (EX dialog_s; a holder id never begins with '-'). A held lock ends in " w" too while they
  * wait: only then, or when the lock is gone, does a load look at the line. So the load
  * script takes the lease in two calls (GET, SET; a turn's common load, send_plain_load,
@@ -311,16 +323,18 @@ static int gated(redis_store *rs, redis_req *r)
 #define LUA_HOLDER_OF(v) "(string.match(" v ", '^[^#]*#') or " v ")"
 
 /*
- * The load, one atomic step: the dialog's lease (when ARGV[1], the holder, is not empty),
- * then the five reads. A lease held by another holder answers {"busy", its value, its PTTL}
- * and reads nothing; else the lease is ARGV[5], the turn's ticket, for ARGV[2] ms. The
- * answer is the lease ("" when none was asked), then the five parts (GET's nil comes back
- * as nil); or, when ARGV[3] names the rev of the copy this gateway holds and Redis's copy
- * is that one, the lease and "same". Redis's copy is that one when its params hash has that
- * rev, its dialog hash is there, and its history list is there when the copy has messages
- * (ARGV[4] "1"; "0" when it has none): a part that lapsed or was evicted in Redis alone.
- * The params hash and the list are not counted: only a save writes them, and it writes a
- * new rev with them (counting them was two calls of the load's eight; issue 12).
+ * The load, one atomic step, on KEYS: 1 state, 2 history, 3 lock, 4 line, and 5-8 the parts
+ * of the layout before the state (params, dialog, awaiting, soft). The dialog's lease (when
+ * ARGV[1], the holder, is not empty), then the reads. A lease held by another holder answers
+ * {"busy", its value, its PTTL} and reads nothing; else the lease is ARGV[5], the turn's
+ * ticket, for ARGV[2] ms. The answer is the lease ("" when none was asked), then the state
+ * hash's fields and the history; or, when ARGV[3] names the rev of the copy this gateway
+ * holds and Redis's copy is that one, the lease and "same". Redis's copy is that one when its
+ * state has that rev, and its history list is there when the copy has messages (ARGV[4]
+ * "1"; "0" when it has none): a list lapsed or evicted alone. A dialog with no state but
+ * parts of the layout before it (written before an upgrade) is read from those once: the
+ * lease, then the four parts and the history (six elements), and its next save writes the
+ * state (docs/state.md, "Upgrading").
  * ARGV[6], "1", comes with a turn that waited in line before: it looks for its place there
  * even when the lock does not say anyone waits (a save that found its lock lapsed lets go
  * unmarked). A turn's own lease, met again (its load sent again: a full read, behind a
@@ -330,7 +344,7 @@ static int gated(redis_store *rs, redis_req *r)
 static const char load_script[] =
     "local lease = ''\n"
     "if ARGV[1] ~= '' then\n"
-    "  local line, ticket = KEYS[7], ARGV[5]\n"
+    "  local line, ticket = KEYS[4], ARGV[5]\n"
     "  local function queue(now)\n" /* takes (or keeps, renewed) this turn's place in line */
     "    local had = redis.call('HGET', line, ticket)\n"
     "    local seq = had and string.match(had, '^%d+') or redis.call('HINCRBY', line, '#', 1)\n"
@@ -342,13 +356,13 @@ static const char load_script[] =
     "    local t = redis.call('TIME')\n"
     "    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
     "  end\n"
-    "  local cur = redis.call('GET', KEYS[6])\n"
+    "  local cur = redis.call('GET', KEYS[3])\n"
     "  local marked = cur and string.byte(cur, -1) == 119\n" /* " w" (a ticket ends in a digit) */
     "  if cur and string.byte(cur, 1) ~= 45 and\n" /* held, not let go ('-'), and not by this holder */
     "     (string.find(cur, ARGV[1], 1, true) ~= 1 or string.byte(cur, #ARGV[1] + 1) ~= 35) then\n"
     "    queue(clock())\n"
-    "    local ttl = redis.call('PTTL', KEYS[6])\n"
-    "    if not marked and ttl > 0 then redis.call('SET', KEYS[6], cur .. ' w', 'PX', ttl) end\n"
+    "    local ttl = redis.call('PTTL', KEYS[3])\n"
+    "    if not marked and ttl > 0 then redis.call('SET', KEYS[3], cur .. ' w', 'PX', ttl) end\n"
     "    return {'busy', cur, ttl}\n"
     "  end\n"
     "  local mine = cur == ticket or marked and cur == ticket .. ' w'\n" /* this turn's own, loaded again */
@@ -374,25 +388,29 @@ static const char load_script[] =
     "    waiting = others > 0\n"
     "  end\n"
     "  lease = ticket\n"
-    "  redis.call('SET', KEYS[6], waiting and ticket .. ' w' or ticket, 'PX', ARGV[2])\n"
+    "  redis.call('SET', KEYS[3], waiting and ticket .. ' w' or ticket, 'PX', ARGV[2])\n"
     "end\n"
     "if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'rev') == ARGV[3] and\n"
-    "   (ARGV[4] == '1' and redis.call('EXISTS', KEYS[2], KEYS[5]) == 2 or ARGV[4] == '0' and redis.call('EXISTS', KEYS[2]) == 1) then\n"
+    "   (ARGV[4] == '0' or redis.call('EXISTS', KEYS[2]) == 1) then\n"
     "  return {lease, 'same'}\n"
     "end\n"
-    "return {lease, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2]), redis.call('GET', KEYS[3]),\n"
-    "        redis.call('GET', KEYS[4]), redis.call('LRANGE', KEYS[5], '0', '-1')}\n";
+    "local state = redis.call('HGETALL', KEYS[1])\n"
+    "if #state == 0 and redis.call('EXISTS', KEYS[5], KEYS[6]) > 0 then\n" /* the layout before the state */
+    "  return {lease, redis.call('HGETALL', KEYS[5]), redis.call('HGETALL', KEYS[6]), redis.call('GET', KEYS[7]),\n"
+    "          redis.call('GET', KEYS[8]), redis.call('LRANGE', KEYS[2], '0', '-1')}\n"
+    "end\n"
+    "return {lease, state, redis.call('LRANGE', KEYS[2], '0', '-1')}\n";
 
 /* A lease still ours (ARGV[1], maybe marked " w" since), renewed for ARGV[2] ms: 1, 2 when
  * another gateway asked to cancel the turn (the flag names this lease; it is taken), or 0
  * when the lease is not ours.
  * A lease gone is never taken back here: a renewal sent again after NOSCRIPT may land after
  * the turn's save released it (the save itself decides about a lease lost in a failover). */
-static const char renew_script[] =
-    "local cur = redis.call('GET', KEYS[6])\n"
+static const char renew_script[] = /* KEYS: lock, cancel */
+    "local cur = redis.call('GET', KEYS[1])\n"
     "if not " LUA_LOCK_IS("ARGV[1]") " then return 0 end\n"
-    "redis.call('PEXPIRE', KEYS[6], ARGV[2])\n"
-    "if redis.call('GET', KEYS[7]) == ARGV[1] then redis.call('DEL', KEYS[7]) return 2 end\n"
+    "redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
+    "if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) return 2 end\n"
     "return 1\n";
 
 /* Another gateway's turn of the dialog must stop (ARGV[1]: the flag's lifetime, ms): the
@@ -400,26 +418,40 @@ static const char renew_script[] =
  * none is held) so that its holder can be told on the bus now. The flag holds the lease it
  * stops: a flag left over (its turn ended without a save, or a renewal) then never stops
  * the dialog's next turn, which has another ticket, so nothing need delete it. */
-static const char cancel_script[] =
-    "local cur = redis.call('GET', KEYS[6])\n"
+static const char cancel_script[] = /* KEYS: lock, cancel */
+    "local cur = redis.call('GET', KEYS[1])\n"
     "if not cur or string.byte(cur, 1) == 45 then return '' end\n"
     "if string.byte(cur, -1) == 119 then cur = string.sub(cur, 1, -3) end\n"
-    "redis.call('SET', KEYS[7], cur, 'PX', ARGV[1])\n"
+    "redis.call('SET', KEYS[2], cur, 'PX', ARGV[1])\n"
     "return cur\n";
 
 /* A lease let go by its holder without a save: the lock deleted (the plain way in takes a
  * missing lock), or, while turns of other gateways wait, "-<ticket> w" for ARGV[2] s (the
  * dialog's lifetime), which sends the next turn to the load script and the line. */
-static const char release_script[] =
-    "local cur = redis.call('GET', KEYS[6])\n"
+static const char release_script[] = /* KEYS: lock */
+    "local cur = redis.call('GET', KEYS[1])\n"
     "if not " LUA_LOCK_IS("ARGV[1]") " then return 0 end\n"
-    "if string.byte(cur, -1) == 119 then redis.call('SET', KEYS[6], '-' .. cur, 'EX', ARGV[2])\n"
-    "else redis.call('DEL', KEYS[6]) end\n"
+    "if string.byte(cur, -1) == 119 then redis.call('SET', KEYS[1], '-' .. cur, 'EX', ARGV[2])\n"
+    "else redis.call('DEL', KEYS[1]) end\n"
     "return 1\n";
 
+/* A JSON value Redis holds, or NULL. An integer past a long long's range (a peer's count of
+ * 99999999999999999999), which jansson refuses and with it the whole value (a dialog's state
+ * is one value), is read as that bound, and said: counts saturate (core/num.h). */
 static json_t *parse_json_reply(redisReply *r)
 {
-    return r && r->type == REDIS_REPLY_STRING ? json_loadb(r->str, r->len, JSON_DECODE_ANY | JSON_ALLOW_NUL, NULL) : NULL;
+    if (!r || r->type != REDIS_REPLY_STRING)
+        return NULL;
+    json_t *j = json_loadb(r->str, r->len, JSON_DECODE_ANY | JSON_ALLOW_NUL, NULL);
+    size_t n;
+    char *saturated = j ? NULL : cg_json_saturate_ints(r->str, r->len, &n);
+    if (saturated) {
+        j = json_loadb(saturated, n, JSON_DECODE_ANY | JSON_ALLOW_NUL, NULL);
+        free(saturated);
+        if (j)
+            cg_warn("redis: a value read back held an integer past 2^63: read as that bound");
+    }
+    return j;
 }
 
 /* Sets key in obj to v (stolen); a failure (out of memory, a key jansson refuses) is logged. */
@@ -507,17 +539,81 @@ static void expiring_from_reply(json_t *j, redisReply *rep, const char *name, co
     set_checked(j, name, strlen(name), v);
 }
 
-/* Turns the five replies of a load into the JSON cg_dialog_from_json reads, and *rev into
- * the dialog's rev (NULL when it has none: written by an older chatgate); NULL when out of
- * memory. What it cannot read is left out and counted in lo. */
-static json_t *dialog_from_replies(redisReply **rep, const char **rev, left_out *lo)
+/* The history list of a load: its messages, each a JSON object (another is left out). */
+static json_t *history_from_reply(redisReply *rep, left_out *lo)
+{
+    json_t *history = json_array();
+    for (size_t i = 0; history && rep->type == REDIS_REPLY_ARRAY && i < rep->elements; i++) {
+        json_t *m = parse_json_reply(rep->element[i]);
+        if (!json_is_object(m)) {
+            char at[24];
+            int n = snprintf(at, sizeof(at), "%zu", i + 1);
+            leave_out(lo, "history message (not a JSON object) number", at, (size_t)n);
+            json_decref(m);
+        } else {
+            (void)json_array_append_new(history, m); /* out of memory: m is freed, the history shorter */
+        }
+    }
+    return history;
+}
+
+/*
+ * The state hash (rev, created_at, last_activity, v) and the history list of a load, into the
+ * JSON cg_dialog_from_json reads (v is that JSON but the history), and *rev into the state's
+ * rev (NULL when it has none); NULL when out of memory, or when there is no state (an empty
+ * dialog then). A part past its lifetime (v's params_until and dialog_until, the saving
+ * gateway's clock: docs/state.md, "Lifetimes in Redis") is left out, as a key of its own
+ * that lapsed was. What it cannot read is left out and counted in lo.
+ */
+static json_t *dialog_from_state(redisReply *state, redisReply *hist, int64_t now, const char **rev, left_out *lo)
 {
     *rev = NULL;
-    json_t *j = json_object(), *meta = json_object(), *history = json_array();
-    if (!j || !meta || !history) {
+    json_t *j = NULL;
+    for (size_t i = 0; state->type == REDIS_REPLY_ARRAY && i + 1 < state->elements; i += 2) {
+        redisReply *f = state->element[i], *v = state->element[i + 1];
+        if (f->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING)
+            continue;
+        if (f->len == 3 && memcmp(f->str, "rev", 3) == 0) {
+            *rev = v->str;
+        } else if (f->len == 1 && f->str[0] == 'v') {
+            json_decref(j);
+            j = parse_json_reply(v);
+            if (!json_is_object(j) || json_object_get(j, "history")) {
+                leave_out(lo, "state field (not a dialog's JSON object)", f->str, f->len);
+                json_decref(j);
+                j = NULL;
+            }
+        }
+    }
+    if (!j)
+        j = json_object();
+    if (!j)
+        return NULL;
+    json_t *until = json_object_get(j, "params_until");
+    if (json_is_integer(until) && json_integer_value(until) <= now)
+        json_object_set_new(j, "params", json_object());
+    until = json_object_get(j, "dialog_until");
+    if (json_is_integer(until) && json_integer_value(until) <= now) {
+        static const char *const dialog_parts[] = {"meta", "service", "usage", "last_tool_result"};
+        for (size_t i = 0; i < sizeof(dialog_parts) / sizeof(dialog_parts[0]); i++)
+            json_object_del(j, dialog_parts[i]);
+    }
+    json_object_del(j, "params_until");
+    json_object_del(j, "dialog_until");
+    set_checked(j, "history", 7, history_from_reply(hist, lo));
+    return j;
+}
+
+/* The same from the five replies of a dialog written in the layout before the state (params,
+ * dialog, awaiting, soft, history: docs/state.md, "Upgrading"), read once after an upgrade;
+ * *rev is the params hash's. */
+static json_t *dialog_from_parts(redisReply **rep, const char **rev, left_out *lo)
+{
+    *rev = NULL;
+    json_t *j = json_object(), *meta = json_object();
+    if (!j || !meta) {
         json_decref(j);
         json_decref(meta);
-        json_decref(history);
         return NULL;
     }
     set_checked(j, "params", 6, params_from_reply(rep[0], rev, lo));
@@ -539,18 +635,7 @@ static json_t *dialog_from_replies(redisReply **rep, const char **rev, left_out 
     set_checked(j, "meta", 4, meta);
     expiring_from_reply(j, rep[2], "awaiting", "awaiting_expires", lo);
     expiring_from_reply(j, rep[3], "soft_context", "soft_expires", lo);
-    for (size_t i = 0; rep[4]->type == REDIS_REPLY_ARRAY && i < rep[4]->elements; i++) {
-        json_t *m = parse_json_reply(rep[4]->element[i]);
-        if (!json_is_object(m)) {
-            char at[24];
-            int n = snprintf(at, sizeof(at), "%zu", i + 1);
-            leave_out(lo, "history message (not a JSON object) number", at, (size_t)n);
-            json_decref(m);
-        } else {
-            (void)json_array_append_new(history, m); /* out of memory: m is freed, the history shorter */
-        }
-    }
-    set_checked(j, "history", 7, history);
+    set_checked(j, "history", 7, history_from_reply(rep[4], lo));
     return j;
 }
 
@@ -809,8 +894,17 @@ static int load_answer(redis_store *rs, redis_req *r, redisReply *reply, int64_t
     const char *rev;
     json_t *j;
     left_out lo = {0};
-    if (reply->elements != 6 || !(j = dialog_from_replies(reply->element + 1, &rev, &lo)))
+    int before_state = reply->elements == 6; /* written before an upgrade (load_script) */
+    if (reply->elements == 3)
+        j = dialog_from_state(reply->element[1], reply->element[2], now, &rev, &lo);
+    else if (before_state)
+        j = dialog_from_parts(reply->element + 1, &rev, &lo);
+    else
         return -1;
+    if (!j)
+        return -1;
+    if (before_state) /* Redis has no state of that rev: the next save writes the state anew */
+        rev = NULL;
     free(r->base_rev); /* the rev read, even when the copy is given none below */
     r->base_rev = rev ? cg_strdup(rev) : NULL;
     if (lo.n) {
@@ -949,14 +1043,15 @@ static int send_load_behind(redis_store *rs, redis_req *r)
 
 /*
  * The plain way in (issue 39). A turn's load that holds a copy of its dialog (the common
- * case) goes in as three plain commands, pipelined, in place of the load script:
+ * case) goes in as plain commands, pipelined, in place of the load script:
  *   SET <lock> <ticket> NX PX <lease_ms>   the lease, when the lock is free
- *   HGET <params> rev                      Redis's copy is the gateway's,
- *   EXISTS <dialog> [<history>]            none of its parts lapsed alone
+ *   HGET <state> rev                       Redis's copy is the gateway's,
+ *   EXISTS <history>                       and its history did not lapse alone (only when
+ *                                          the copy has messages)
  * which are the script's questions, for a small part of what the script costs Redis (its
  * call, and every call made in it, are dear: docs/state.md, "What the scripts cost Redis").
  * A free lock is a missing one: a save or release lets go of a lock no one waits for by
- * deleting it. When all three say yes, the turn is answered from the copy. Otherwise the
+ * deleting it. When all say yes, the turn is answered from the copy. Otherwise the
  * load script goes next, a second round trip: the lock was held, or let go with turns of
  * other gateways waiting ("-<ticket> w"), and the script puts the turn in line; or the lease
  * was taken and Redis's copy is another one, and the script, meeting the turn's own lease,
@@ -1010,12 +1105,12 @@ static void on_plain_parts(cg_redis_conn *ac, void *reply_, void *priv)
     (void)ac;
     redis_req *r = priv;
     redisReply *reply = reply_;
-    if (plain_reply(r, reply) && reply->type == REDIS_REPLY_INTEGER && reply->integer == (r->copy_history ? 2 : 1))
+    if (plain_reply(r, reply) && reply->type == REDIS_REPLY_INTEGER && reply->integer == 1)
         r->plain |= PLAIN_PARTS;
     plain_answered(r);
 }
 
-/* The three answers came (plain_due counts them, and a hold while they are sent). */
+/* The answers came (plain_due counts them, and a hold while they are sent). */
 static void plain_answered(redis_req *r)
 {
     if (--r->plain_due > 0)
@@ -1074,14 +1169,16 @@ static void send_plain_load(redis_store *rs, redis_req *r)
     cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
     sent += plain_send(rs, &a, on_plain_lease, r);
     cg_argv_str(&a, "HGET");
-    cg_argv_key(&a, prefix, r->eu, r->er, "params");
+    cg_argv_key(&a, prefix, r->eu, r->er, parts[K_STATE]);
     cg_argv_str(&a, "rev");
     sent += plain_send(rs, &a, on_plain_rev, r);
-    cg_argv_str(&a, "EXISTS");
-    cg_argv_key(&a, prefix, r->eu, r->er, "dialog");
-    if (r->copy_history)
-        cg_argv_key(&a, prefix, r->eu, r->er, "history");
-    sent += plain_send(rs, &a, on_plain_parts, r);
+    if (r->copy_history) {
+        cg_argv_str(&a, "EXISTS");
+        cg_argv_key(&a, prefix, r->eu, r->er, parts[K_HISTORY]);
+        sent += plain_send(rs, &a, on_plain_parts, r);
+    } else {
+        r->plain |= PLAIN_PARTS; /* nothing of the copy's can have lapsed but the state, whose rev says */
+    }
     cg_argv_free(&a);
     if (!sent) { /* none went: answered later, as a script that could not go is */
         r->plain_due = 0;
@@ -1119,8 +1216,7 @@ static void send_load_cmd(redis_store *rs, redis_req *r)
         return;
     }
     cg_argv a = {0};
-    /* a turn's load takes the lease: the line of waiters is its KEYS[7] */
-    arg_script_with(rs, &a, S_LOAD, r->eu, r->er, r->lease ? "line" : NULL);
+    arg_script(rs, &a, S_LOAD, r->eu, r->er);
     cg_argv_str(&a, r->lease ? rs->holder : "");
     cg_argv_int(&a, (long long)rs->base.cfg.lease_ms);
     cg_argv_str(&a, r->rev ? r->rev : "");
@@ -1346,46 +1442,44 @@ static void rs_release(cg_store *st, const char *user, const char *room)
 /* ---- save ------------------------------------------------------------------------------ */
 
 /*
- * The save, one atomic step on the dialog's keys and its user's rooms set. ARGV: 1
- * created_at, 2 last_activity, 3 the mode: "0" a save, "1" a write-back (also refused when
- * Redis's copy is newer), "2" a dialog that began from nothing while Redis was away (written
- * only if Redis has none), "3" a merge (written only over the rev it merged with, ARGV[22],
- * else -4), "4" a turn's rewrite under its lease when the gateway holds no copy with a rev
- * (evicted since its load, or the load left parts out): written only over the rev that load
- * read, ARGV[22], else -3, merged (a write-back or merge of another gateway holds no lease,
- * so the lease alone does not say that no one wrote meanwhile), 4-6 params_s, dialog_s,
- * history_s, 7 turn_count, 8 message_count, 9 service, 10 "1" when there is a service, 11
- * last_tool_result, 12-13 awaiting and its EX (0: none), 14-15 soft and its EX, 16 the
- * number of params (-1: appending, the params are those of Redis's copy, and only their rev
- * is written), 17 the lease this save must
- * still hold ("" for none: a write-back), 18 the room (escaped) for the rooms set, 19 how
- * long the rooms set lives, 20 usage (JSON, "null" for none), 21 the rev this save writes,
- * 22 the rev of Redis's copy that the history is appended to ("": the history is rewritten;
- * modes 3 and 4: the rev the rewrite must find),
- * 23 how many messages the history holds after this save, 24 how many Redis's list holds
- * when it is appended to (the copy's: a list lapsed or evicted alone is not appended to),
- * 25 "1" when the lifetimes are renewed (lifetimes_due), 26 "1" when Redis's copy, the
- * one appended to, has neither an awaiting state nor soft context (the gateway's copy of
- * that rev had none: its save deleted them), so deleting them again is left out, 27 how
- * many rooms a user keeps (max_rooms_per_user; "0": no bound), 28 now (ms: the room's
- * score), then the params' field-value pairs, then the history (appending: only its new
- * messages).
+ * The save, one atomic step on the dialog's keys (KEYS: 1 state, 2 history, 3 lock) and its
+ * user's rooms set (KEYS[4]). ARGV: 1 the mode: "0" a save, "1" a write-back (also refused
+ * when Redis's copy is newer), "2" a dialog that began from nothing while Redis was away
+ * (written only if Redis has none), "3" a merge (written only over the rev it merged with,
+ * ARGV[3], else -4), "4" a turn's rewrite under its lease when the gateway holds no copy with
+ * a rev (evicted since its load, or the load left parts out): written only over the rev that
+ * load read, ARGV[3], else -3, merged (a write-back or merge of another gateway holds no
+ * lease, so the lease alone does not say that no one wrote meanwhile); 2 the lease this save
+ * must still hold ("" for none: a write-back); 3 the rev of Redis's copy that the history is
+ * appended to ("": the history is rewritten; modes 3 and 4: the rev the rewrite must find); 4
+ * the rev this save writes; 5 created_at; 6 last_activity; 7 v, the dialog as JSON but its
+ * history (what cg_dialog_from_json reads, with params_until and dialog_until); 8 how long
+ * the state lives (the longest of params_s, dialog_s and an awaiting state's or soft
+ * context's time left); 9 history_s; 10 how long the rooms set lives; 11 dialog_s (a lock let
+ * go with turns waiting); 12 how many messages the history holds after this save; 13 how many
+ * Redis's list holds when it is appended to (the copy's: a list lapsed or evicted alone is
+ * not appended to); 14 "1" when the lifetimes are renewed (lifetimes_due); 15 the room
+ * (escaped) for the rooms set; 16 how many rooms a user keeps (max_rooms_per_user; "0": no
+ * bound); 17 now (ms: the room's score); then the history (appending: only its new messages).
+ * The state is one HSET of rev, created_at, last_activity and v: the dialog's parts as keys
+ * of their own (params, dialog, awaiting, soft) took 28 arguments and 2 to 6 calls more a
+ * save until issue 39's ninth round (docs/state.md, "What the scripts cost Redis").
  * The rooms set is a ZSET scored by each room's last save that rewrote the dialog or renewed
  * the lifetimes (ms; an append's room is in it already, and writing its score at every save
- * was one call of a turn's 12, issue 39's eighth round): a new room past ARGV[27]
+ * was one call of a turn's 12, issue 39's eighth round): a new room past ARGV[16]
  * takes the user's least recently used ones out of it, and the answer is then
  * {code, evicted room, ...}, the gateway deleting their keys (undeclared keys are not the
  * script's to touch). A rooms SET of an older version is made a ZSET at its first ZADD.
  * A key's lifetime is set whenever this save makes the key (the rooms set's ZADD adds the
- * room, the dialog hash's HSET adds fields, a list appended to had none, the params and a
- * rewritten list are made anew), so no key is ever left without one; a key that was there
- * keeps the lifetime it had (HSET, RPUSH, LTRIM keep it) unless ARGV[25] renews them all.
+ * room, the state's HSET adds fields, a list appended to had none, a rewritten list is made
+ * anew), so no key is ever left without one; a key that was there keeps the lifetime it had
+ * (HSET, RPUSH, LTRIM keep it) unless ARGV[14] renews them all.
  * Returns 1 when written, -3 (with nothing written, or what was taken back) when an append
  * finds another rev or a list of another length, 0 when Redis holds another incarnation, -1
  * a newer copy, -2 when
  * the lease is no longer this save's: another holder has it, or let it go with turns waiting
  * ("-<its ticket> w"), or the lock is gone and Redis's copy has a rev another gateway wrote
- * (a rev is "<holder>#<n>"), other than ARGV[22]: that gateway took the dialog over once
+ * (a rev is "<holder>#<n>"), other than ARGV[3]: that gateway took the dialog over once
  * this turn's lease lapsed, saved and let go (a let-go lock no one waits for is deleted).
  * A lock gone with Redis's copy still this turn's (lapsed, evicted, lost in a failover) is
  * no one else's, and neither is this holder's own other lease (a failover to a replica that
@@ -1403,133 +1497,99 @@ static void rs_release(cg_store *st, const char *user, const char *room)
  * lease (modes 1 and 3), so another gateway's can land during this turn, and with a history
  * at its length the list's count would not show it (a held lease skipped this read until
  * issue 39's third round, and such a turn then wrote over the other's params, its copy
- * missing the other's messages). The params hash lapsing or evicted meanwhile, rev and all,
- * is also seen by the HSET of the new rev, which then adds a field instead of replacing one:
- * the save is undone and refused (-3).
+ * missing the other's messages).
  * An append pushes its messages first: RPUSH answers the list's length, which must be the
  * copy's and theirs, so the list is checked without an LLEN of its own (one call of the
  * turn's 13, issue 12). A list of another length (lapsed or evicted alone) has them taken
  * back (LTRIM of as many from its end; a list that was not there is empty again, so gone),
- * as does the params hash's check after it, and the save is refused (-3).
- * Kept cheap for Redis, whose time this script is half of (issue 12): the lease is compared
- * whole first (still this save's, the common case) and taken apart only when it differs; the
- * common save (usage and a service both there) makes no table, and no closure but save();
- * an append trims the list only when it would hold more than ARGV[23]; no number is turned
- * into a string for a call (Lua does that with sprintf's "%.14g", a float's formatting),
- * and none read twice.
+ * and the save is refused (-3).
+ * Kept cheap for Redis, whose time this script is most of (issue 12): the lease is compared
+ * whole first (still this save's, the common case) and taken apart only when it differs; no
+ * table is made but for evicted rooms, and no closure but save(); an append trims the list
+ * only when it would hold more than ARGV[12]; no number is turned into a string for a call
+ * (Lua does that with sprintf's "%.14g", a float's formatting), and none read twice.
  */
 static const char save_script[] =
     "local held, evicted, cur = false, nil, nil\n"
-    "if ARGV[17] ~= '' then\n"
-    "  cur = redis.call('GET', KEYS[6])\n"
-    "  held = " LUA_LOCK_IS("ARGV[17]") "\n"
+    "if ARGV[2] ~= '' then\n"
+    "  cur = redis.call('GET', KEYS[3])\n"
+    "  held = " LUA_LOCK_IS("ARGV[2]") "\n"
     "  if not held and cur then\n" /* held or let go by another gateway since: -2 */
     "    local from = string.byte(cur, 1) == 45 and 2 or 1\n"
-    "    if string.find(cur, " LUA_HOLDER_OF("ARGV[17]") ", from, true) ~= from then return -2 end\n"
-    "  elseif not held and (ARGV[3] == '0' or ARGV[3] == '4') then\n" /* the lock gone: Redis's rev says who wrote since */
+    "    if string.find(cur, " LUA_HOLDER_OF("ARGV[2]") ", from, true) ~= from then return -2 end\n"
+    "  elseif not held and (ARGV[1] == '0' or ARGV[1] == '4') then\n" /* the lock gone: Redis's rev says who wrote since */
     "    local rev = redis.call('HGET', KEYS[1], 'rev')\n"
-    "    if rev and rev ~= ARGV[22] then\n"
-    "      if string.find(rev, " LUA_HOLDER_OF("ARGV[17]") ", 1, true) ~= 1 then return -2 end\n"
-    "      if ARGV[22] == '' then return -5 end\n"
+    "    if rev and rev ~= ARGV[3] then\n"
+    "      if string.find(rev, " LUA_HOLDER_OF("ARGV[2]") ", 1, true) ~= 1 then return -2 end\n"
+    "      if ARGV[3] == '' then return -5 end\n"
     "    end\n"
     "  end\n"
     "end\n"
     "local function save()\n"
-    "  if ARGV[3] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[5]) > 0 then return 0 end\n"
-    "  local append, keep, had = ARGV[22] ~= '' and ARGV[3] ~= '3' and ARGV[3] ~= '4', tonumber(ARGV[23]), tonumber(ARGV[24])\n"
-    "  local np, P, renew = tonumber(ARGV[16]), 28, ARGV[25] == '1'\n"
-    "  local h, n = P + 1 + 2 * math.max(np, 0), #ARGV\n"
-    "  local pushed = 0\n"
+    "  if ARGV[1] == '2' and redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then return 0 end\n"
+    "  local append, keep, had = ARGV[3] ~= '' and ARGV[1] ~= '3' and ARGV[1] ~= '4', tonumber(ARGV[12]), tonumber(ARGV[13])\n"
+    "  local renew, h, n, pushed = ARGV[14] == '1', 18, #ARGV, 0\n"
     "  if append then\n"
-    "    if redis.call('HGET', KEYS[1], 'rev') ~= ARGV[22] then return -3 end\n"
+    "    if redis.call('HGET', KEYS[1], 'rev') ~= ARGV[3] then return -3 end\n"
     "    if keep > 0 and n >= h then\n"
     "      local len\n"
     "      for i = h, n, 200 do\n"
-    "        len = redis.call('RPUSH', KEYS[5], unpack(ARGV, i, math.min(i + 199, n)))\n"
+    "        len = redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 199, n)))\n"
     "      end\n"
     "      pushed = n - h + 1\n"
     "      if len ~= had + pushed then\n"
-    "        redis.call('LTRIM', KEYS[5], 0, -pushed - 1)\n"
+    "        redis.call('LTRIM', KEYS[2], 0, -pushed - 1)\n"
     "        return -3\n"
     "      end\n"
-    "    elseif redis.call('LLEN', KEYS[5]) ~= had then\n"
+    "    elseif redis.call('LLEN', KEYS[2]) ~= had then\n"
     "      return -3\n"
     "    end\n"
-    "  elseif ARGV[3] == '3' or ARGV[3] == '4' then\n" /* a merge, a turn's rewrite: only over the copy read */
-    "    if (redis.call('HGET', KEYS[1], 'rev') or '') ~= ARGV[22] then return ARGV[3] == '3' and -4 or -3 end\n"
+    "  elseif ARGV[1] == '3' or ARGV[1] == '4' then\n" /* a merge, a turn's rewrite: only over the copy read */
+    "    if (redis.call('HGET', KEYS[1], 'rev') or '') ~= ARGV[3] then return ARGV[1] == '3' and -4 or -3 end\n"
     "  else\n"
-    "    local have = redis.call('HMGET', KEYS[2], 'created_at', 'last_activity')\n"
-    "    if have[1] and have[1] ~= ARGV[1] then return 0 end\n"
-    "    if ARGV[3] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[2]) then return -1 end\n"
-    "  end\n"
-    "  if np >= 0 then redis.call('DEL', KEYS[1]) end\n"
-    "  if redis.call('HSET', KEYS[1], 'rev', ARGV[21]) == 1 and np < 0 then\n"
-    "    redis.call('DEL', KEYS[1])\n"
-    "    if pushed > 0 then redis.call('LTRIM', KEYS[5], 0, -pushed - 1) end\n"
-    "    return -3\n"
+    "    local have = redis.call('HMGET', KEYS[1], 'created_at', 'last_activity')\n"
+    "    if have[1] and have[1] ~= ARGV[5] then return 0 end\n"
+    "    if ARGV[1] == '1' and have[2] and tonumber(have[2]) > tonumber(ARGV[6]) then return -1 end\n"
     "  end\n"
     "  local room = 0\n"
     "  if not append or renew then\n" /* an append's room is in the set: its score is renewed when the lifetimes are */
-    "    room = redis.pcall('ZADD', KEYS[7], ARGV[28], ARGV[18])\n"
+    "    room = redis.pcall('ZADD', KEYS[4], ARGV[17], ARGV[15])\n"
     "    if type(room) == 'table' then\n" /* a rooms SET of a version before the bound: made a ZSET */
-    "      local old = redis.call('SMEMBERS', KEYS[7])\n"
-    "      redis.call('DEL', KEYS[7])\n"
-    "      for i = 1, #old do redis.call('ZADD', KEYS[7], '0', old[i]) end\n"
-    "      room = redis.call('ZADD', KEYS[7], ARGV[28], ARGV[18])\n"
+    "      local old = redis.call('SMEMBERS', KEYS[4])\n"
+    "      redis.call('DEL', KEYS[4])\n"
+    "      for i = 1, #old do redis.call('ZADD', KEYS[4], '0', old[i]) end\n"
+    "      room = redis.call('ZADD', KEYS[4], ARGV[17], ARGV[15])\n"
     "    end\n"
-    "    if room == 1 or renew then redis.call('EXPIRE', KEYS[7], ARGV[19]) end\n"
+    "    if room == 1 or renew then redis.call('EXPIRE', KEYS[4], ARGV[10]) end\n"
     "  end\n"
-    "  if room == 1 and ARGV[27] ~= '0' then\n"
-    "    local over = redis.call('ZCARD', KEYS[7]) - tonumber(ARGV[27])\n"
+    "  if room == 1 and ARGV[16] ~= '0' then\n"
+    "    local over = redis.call('ZCARD', KEYS[4]) - tonumber(ARGV[16])\n"
     "    if over > 0 then\n" /* the oldest go, one more looked at: this room may tie with them */
     "      evicted = {}\n"
-    "      for _, r in ipairs(redis.call('ZRANGE', KEYS[7], 0, over)) do\n"
-    "        if r ~= ARGV[18] and #evicted < over then evicted[#evicted + 1] = r end\n"
+    "      for _, r in ipairs(redis.call('ZRANGE', KEYS[4], 0, over)) do\n"
+    "        if r ~= ARGV[15] and #evicted < over then evicted[#evicted + 1] = r end\n"
     "      end\n"
-    "      redis.call('ZREM', KEYS[7], unpack(evicted))\n"
+    "      redis.call('ZREM', KEYS[4], unpack(evicted))\n"
     "    end\n"
     "  end\n"
-    "  for i = P + 1, P + 2 * np, 200 do\n"
-    "    redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 199, P + 2 * np)))\n"
-    "  end\n"
-    "  if np >= 0 or renew then redis.call('EXPIRE', KEYS[1], ARGV[4]) end\n"
-    "  local added\n"
-    "  if ARGV[20] ~= 'null' and ARGV[10] == '1' then\n"
-    "    added = redis.call('HSET', KEYS[2], 'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
-    "                       'message_count', ARGV[8], 'last_tool_result', ARGV[11], 'usage', ARGV[20], 'service', ARGV[9])\n"
-    "  else\n"
-    "    local set, unset = {'created_at', ARGV[1], 'last_activity', ARGV[2], 'turn_count', ARGV[7],\n"
-    "                        'message_count', ARGV[8], 'last_tool_result', ARGV[11]}, {}\n"
-    "    if ARGV[20] ~= 'null' then set[#set + 1] = 'usage'; set[#set + 1] = ARGV[20]\n"
-    "    else unset[#unset + 1] = 'usage' end\n"
-    "    if ARGV[10] == '1' then set[#set + 1] = 'service'; set[#set + 1] = ARGV[9]\n"
-    "    else unset[#unset + 1] = 'service' end\n"
-    "    added = redis.call('HSET', KEYS[2], unpack(set))\n"
-    "    redis.call('HDEL', KEYS[2], unpack(unset))\n"
-    "  end\n"
-    "  if added > 0 or renew then redis.call('EXPIRE', KEYS[2], ARGV[5]) end\n"
-    "  local gone = {}\n"
-    "  if ARGV[13] ~= '0' then redis.call('SET', KEYS[3], ARGV[12], 'EX', ARGV[13])\n"
-    "  elseif ARGV[26] ~= '1' then gone[#gone + 1] = KEYS[3] end\n"
-    "  if ARGV[15] ~= '0' then redis.call('SET', KEYS[4], ARGV[14], 'EX', ARGV[15])\n"
-    "  elseif ARGV[26] ~= '1' then gone[#gone + 1] = KEYS[4] end\n"
-    "  if not append or keep == 0 then gone[#gone + 1] = KEYS[5] end\n"
-    "  if #gone > 0 then redis.call('DEL', unpack(gone)) end\n"
+    "  local added = redis.call('HSET', KEYS[1], 'rev', ARGV[4], 'created_at', ARGV[5], 'last_activity', ARGV[6], 'v', ARGV[7])\n"
+    "  if added > 0 or renew then redis.call('EXPIRE', KEYS[1], ARGV[8]) end\n"
+    "  if not append or keep == 0 then redis.call('DEL', KEYS[2]) end\n"
     "  if pushed == 0 then\n"
     "    for i = h, n, 200 do\n"
-    "      redis.call('RPUSH', KEYS[5], unpack(ARGV, i, math.min(i + 199, n)))\n"
+    "      redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 199, n)))\n"
     "    end\n"
     "  end\n"
     "  if keep > 0 then\n"
-    "    if append and had + n - h + 1 > keep then redis.call('LTRIM', KEYS[5], '-' .. ARGV[23], '-1') end\n"
-    "    if not append or ARGV[24] == '0' or renew then redis.call('EXPIRE', KEYS[5], ARGV[6]) end\n"
+    "    if append and had + n - h + 1 > keep then redis.call('LTRIM', KEYS[2], '-' .. ARGV[12], '-1') end\n"
+    "    if not append or ARGV[13] == '0' or renew then redis.call('EXPIRE', KEYS[2], ARGV[9]) end\n"
     "  end\n"
     "  return 1\n"
     "end\n"
     "local code = save()\n"
-    "if ARGV[17] ~= '' and code ~= -3 and cur then\n" /* the lock let go: deleted, or marked still */
-    "  if string.byte(cur, -1) == 119 then redis.call('SET', KEYS[6], '-' .. (held and cur or ARGV[17] .. ' w'), 'EX', ARGV[5])\n"
-    "  else redis.call('DEL', KEYS[6]) end\n"
+    "if ARGV[2] ~= '' and code ~= -3 and cur then\n" /* the lock let go: deleted, or marked still */
+    "  if string.byte(cur, -1) == 119 then redis.call('SET', KEYS[3], '-' .. (held and cur or ARGV[2] .. ' w'), 'EX', ARGV[11])\n"
+    "  else redis.call('DEL', KEYS[3]) end\n"
     "end\n"
     "if evicted then table.insert(evicted, 1, code); return evicted end\n"
     "return code\n";
@@ -1749,7 +1809,7 @@ static redisReply *save_evictions(redis_store *rs, redis_req *r, redisReply *rep
         char *er = cg_strndup(room->str, room->len); /* stored escaped, as the keys use it */
         char *key = cg_store_key_join(r->eu, er); /* the gateway's key of that dialog */
         cg_fallback_remove(rs->fb, key);
-        arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);
+        arg_dialog_keys(rs, &a, r->eu, er, &all_keys);
         free(key);
         free(er);
         n++;
@@ -1940,22 +2000,73 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
     cg_redis_req_finish(r);
 }
 
-/* An expiring part and its EX: "0" when it is absent or already expired. */
-static void arg_expiring(cg_argv *a, json_t *value, int64_t expires, int64_t now, int64_t *longest)
+/* One value of v: "null" in its place when it cannot be written (not valid UTF-8, too deep),
+ * as a value of its own argument was before the state (cg_argv_json). */
+static void put_value(cg_jsonw *w, json_t *v)
 {
-    if (!value || expires <= now) {
-        cg_argv_str(a, "");
-        cg_argv_str(a, "0");
-        return;
+    size_t at = w->used;
+    cg_jsonw_json(w, v);
+    if (w->failed) {
+        w->failed = 0;
+        w->used = at;
+        CG_JSONW_LIT(w, "null");
     }
-    json_t *copy = json_deep_copy(value);
-    if (!copy || json_object_set_new(copy, "expires_at", json_integer(expires)) < 0)
-        abort(); /* out of memory */
-    cg_argv_json(a, copy);
-    json_decref(copy);
-    cg_argv_int(a, (long long)(expires - now));
-    if (expires - now > *longest)
+}
+
+static void put_int_member(cg_jsonw *w, const char *name_lit, size_t name_len, long long n)
+{
+    cg_jsonw_raw(w, name_lit, name_len);
+    cg_jsonw_int(w, n);
+}
+#define PUT_INT(w, lit, n) put_int_member((w), (lit), sizeof(lit) - 1, (n))
+
+/* An awaiting state or soft context with its end, or null and 0 when it has none or it is
+ * over. Its time left, when longer, is how long the state must live (*longest). */
+static void put_expiring(cg_jsonw *w, const char *name, const char *expires_name, json_t *value, int64_t expires,
+                         int64_t now, int64_t *longest)
+{
+    int live = value && expires > now;
+    cg_jsonw_raw(w, name, strlen(name));
+    put_value(w, live ? value : NULL);
+    cg_jsonw_raw(w, expires_name, strlen(expires_name));
+    cg_jsonw_int(w, live ? (long long)expires : 0);
+    if (live && expires - now > *longest)
         *longest = expires - now;
+}
+
+/*
+ * The state's v: the dialog but its history, as cg_dialog_to_json writes it (the keys
+ * cg_dialog_from_json reads), written straight into the argument, with params_until and
+ * dialog_until, the times its params and the rest lapse (the state is one key, which lives
+ * the longest of their lifetimes: dialog_from_state leaves out what lapsed). *longest grows
+ * to an awaiting state's or soft context's time left when that is longer.
+ */
+static void arg_state(cg_argv *a, const cg_dialog *d, const cg_lifetimes *lt, int64_t now, int64_t *longest)
+{
+    size_t start = cg_argv_begin(a);
+    cg_jsonw *w = &a->w;
+    json_t *service = d->service ? json_string(d->service) : NULL;
+    CG_JSONW_LIT(w, "{\"service\":");
+    put_value(w, service);
+    json_decref(service);
+    CG_JSONW_LIT(w, ",\"params\":");
+    put_value(w, d->params);
+    put_expiring(w, ",\"awaiting\":", ",\"awaiting_expires\":", d->awaiting, d->awaiting_expires, now, longest);
+    put_expiring(w, ",\"soft_context\":", ",\"soft_expires\":", d->soft, d->soft_expires, now, longest);
+    PUT_INT(w, ",\"meta\":{\"created_at\":", (long long)d->created_at);
+    PUT_INT(w, ",\"last_activity\":", (long long)d->last_activity);
+    PUT_INT(w, ",\"turn_count\":", (long long)d->turn_count);
+    PUT_INT(w, ",\"message_count\":", (long long)d->message_count);
+    CG_JSONW_LIT(w, "},\"last_tool_result\":");
+    put_value(w, d->last_tool_result);
+    if (d->usage) {
+        CG_JSONW_LIT(w, ",\"usage\":");
+        put_value(w, d->usage);
+    }
+    PUT_INT(w, ",\"params_until\":", (long long)(now + lt->params_s));
+    PUT_INT(w, ",\"dialog_until\":", (long long)(now + lt->dialog_s));
+    CG_JSONW_LIT(w, "}");
+    cg_argv_end(a, start);
 }
 
 /*
@@ -2006,12 +2117,9 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     int64_t now = rs->base.now(rs->base.clock_ctx);
     const cg_dialog *d = r->snapshot; /* only read, into the arguments */
     cg_argv a = {0};
-    int64_t longest = lt->dialog_s; /* how long the rooms set must outlive this save */
-    if (lt->params_s > longest)
-        longest = lt->params_s;
-    if (lt->history_s > longest)
-        longest = lt->history_s;
-    int64_t longest_lifetime = longest;
+    const int64_t state_lifetime = lt->dialog_s > lt->params_s ? lt->dialog_s : lt->params_s;
+    int64_t state_s = state_lifetime; /* how long the state lives: longer for an awaiting state or soft context */
+    int64_t longest_lifetime = state_s > lt->history_s ? state_s : lt->history_s; /* the rooms set's, at least */
 
     cg_memstore_view copy; /* the gateway's copy: what this save can append to */
     cg_memstore_view_of(cg_fallback_copy(rs->fb), r->key, now, &copy);
@@ -2024,10 +2132,6 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
         merge_start(rs, r);
         return;
     }
-    /* appending to Redis's copy, whose params these still are: only their rev is written
-     * (rewriting the hash was a sixth of the save's work in Redis) */
-    int params_same = from >= 0 && copy.params && json_equal(copy.params, d->params);
-
     /* the save script's mode (its comment). 4: a turn's rewrite under its lease while the
      * gateway holds no copy with a rev (evicted since the load, or the load left parts out),
      * only over the rev that load read, since a write-back or merge of another gateway (no
@@ -2038,52 +2142,35 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
                 : from < 0 && !copy.rev && r->lease_value && r->base_rev      ? '4'
                                                                               : '0';
     arg_script(rs, &a, S_SAVE, r->eu, r->er);
-    cg_argv_int(&a, (long long)d->created_at);
-    cg_argv_int(&a, (long long)d->last_activity);
     cg_argv_arg(&a, &mode, 1);
-    cg_argv_int(&a, (long long)lt->params_s);
-    cg_argv_int(&a, (long long)lt->dialog_s);
-    cg_argv_int(&a, (long long)lt->history_s);
-    cg_argv_int(&a, (long long)d->turn_count);
-    cg_argv_int(&a, (long long)d->message_count);
-    cg_argv_str(&a, d->service ? d->service : "");
-    cg_argv_str(&a, d->service ? "1" : "0");
-    cg_argv_json(&a, d->last_tool_result);
-    arg_expiring(&a, d->awaiting, d->awaiting_expires, now, &longest);
-    arg_expiring(&a, d->soft, d->soft_expires, now, &longest);
-    const char *service, *name;
-    json_t *names, *value;
-    cg_argv_int(&a, params_same ? -1 : (long long)params_count(d->params));
     cg_argv_str(&a, r->lease_value ? r->lease_value : "");
-    cg_argv_str(&a, r->er);
-    cg_argv_int(&a, (long long)longest);
-    cg_argv_json(&a, d->usage);
+    cg_argv_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : mode == '4' ? r->base_rev : ""); /* the rev it must find */
     /* a new rev for every write, write-backs too: a copy another gateway holds of an older one
      * must never pass for this one */
     free(r->rev);
     r->rev = holder_numbered(rs, ++rs->rev_seq);
     cg_argv_str(&a, r->rev);
-    cg_argv_str(&a, r->merge_rev ? r->merge_rev : from >= 0 ? copy.rev : mode == '4' ? r->base_rev : ""); /* the rev it must find */
+    cg_argv_int(&a, (long long)d->created_at);
+    cg_argv_int(&a, (long long)d->last_activity);
+    arg_state(&a, d, lt, now, &state_s);
+    int64_t longest = state_s > longest_lifetime ? state_s : longest_lifetime; /* the rooms set's */
+    cg_argv_int(&a, (long long)state_s);
+    cg_argv_int(&a, (long long)lt->history_s);
+    cg_argv_int(&a, (long long)longest);
+    cg_argv_int(&a, (long long)lt->dialog_s); /* how long a lock let go with turns waiting says so */
     cg_argv_int(&a, (long long)(json_array_size(d->history)));
     cg_argv_int(&a, (long long)n_had);
-    /* a rewrite makes its keys anew, and an awaiting or soft context that outlives the three
-     * lifetimes needs the rooms set's renewed: those renew at once */
-    int renew = from < 0 || longest > longest_lifetime || lifetimes_due(lt, copy.renewed, now);
+    /* a rewrite makes its keys anew, and an awaiting or soft context that outlives the state's
+     * lifetime needs the state's renewed (an append's HSET keeps the lifetime it had: the
+     * awaiting state it adds would go with it), and the rooms set's when it outlives all
+     * three: those renew at once */
+    int renew = from < 0 || state_s > state_lifetime || longest > longest_lifetime ||
+                lifetimes_due(lt, copy.renewed, now);
     r->renewed = renew ? now : copy.renewed;
     cg_argv_str(&a, renew ? "1" : "0");
-    cg_argv_str(&a, from >= 0 && !copy.awaiting && !copy.soft ? "1" : "0");
+    cg_argv_str(&a, r->er);
     cg_argv_int(&a, (long long)rs->base.cfg.max_rooms_per_user);
     cg_argv_int(&a, room_score(rs)); /* the room's last use, its score */
-    json_object_foreach(params_same ? NULL : d->params, service, names) {
-        json_object_foreach(names, name, value) {
-            size_t start = cg_argv_begin(&a); /* "<service>.<name>" */
-            cg_jsonw_raw(&a.w, service, strlen(service));
-            CG_JSONW_LIT(&a.w, ".");
-            cg_jsonw_raw(&a.w, name, strlen(name));
-            cg_argv_end(&a, start);
-            cg_argv_json(&a, value);
-        }
-    }
     for (size_t i = from >= 0 ? (size_t)from : 0; i < json_array_size(d->history); i++)
         cg_argv_json(&a, json_array_get(d->history, i));
     r->appended = from >= 0;
@@ -2128,8 +2215,7 @@ static void send_remove(redis_store *rs, redis_req *r)
 {
     cg_argv a = {0};
     cg_argv_str(&a, "DEL");
-    arg_dialog_keys(rs, &a, r->eu, r->er, N_PARTS);
-    cg_argv_key(&a, rs->base.cfg.prefix, r->eu, r->er, "line");
+    arg_dialog_keys(rs, &a, r->eu, r->er, &all_keys);
     send_step(rs, &a, r);
     arg_rooms_script(rs, &a, r->eu, r->er); /* after the data: forget-user must find a room as long as it has data */
     send_last_script(rs, S_ROOMS, &a, on_remove_reply, r);
@@ -2281,7 +2367,7 @@ static void on_rooms_reply(cg_redis_conn *ac, void *reply_, void *priv)
         if (room->type != REDIS_REPLY_STRING)
             continue;
         char *er = cg_strndup(room->str, room->len); /* stored escaped, as the keys use it */
-        arg_dialog_keys(rs, &a, r->eu, er, N_PARTS);
+        arg_dialog_keys(rs, &a, r->eu, er, &all_keys);
         free(er);
     }
     cg_argv_key(&a, rs->base.cfg.prefix, r->eu, NULL, "rooms");

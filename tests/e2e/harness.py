@@ -2127,14 +2127,41 @@ class RedisServer:
         flat = self.command("HGETALL", key)
         return dict(zip(flat[::2], flat[1::2]))
 
-    def params_hash(self, key):
-        """A dialog's params HASH without its "rev" field (docs/state.md: the version the last
-        save wrote, "<holder>#<n>"), which must be there when the hash is."""
+    def state(self, key):
+        """A dialog's state (docs/state.md, Redis layout: the HASH `<dialog>:state`): its v,
+        decoded, with "rev", "created_at" and "last_activity" from the hash's own fields; {}
+        when there is none. Fails when the hash is there without a rev like '<holder>#<n>' or
+        a v that is a JSON object."""
         fields = self.hgetall(key)
-        rev = fields.pop("rev", None)
-        if fields and not (isinstance(rev, str) and re.fullmatch(r"\S+#[0-9]+", rev)):
-            fail(f"{key}: the params hash has no rev like '<holder>#<n>': {rev!r}")
-        return fields
+        if not fields:
+            return {}
+        rev = fields.get("rev")
+        if not (isinstance(rev, str) and re.fullmatch(r"\S+#[0-9]+", rev)):
+            fail(f"{key}: the state hash has no rev like '<holder>#<n>': {fields}")
+        try:
+            v = json.loads(fields.get("v", ""))
+        except ValueError:
+            v = None
+        if not isinstance(v, dict):
+            fail(f"{key}: the state hash's v is not a JSON object: {fields}")
+        v["rev"] = rev
+        for name in ("created_at", "last_activity"):
+            if name in fields:
+                v[name] = int(fields[name])
+        return v
+
+    def params_hash(self, key):
+        """A dialog's params as the params HASH of the layout before the state held them:
+        "<service>.<name>" -> the value as compact JSON text, from the state at `key` (a
+        dialog_key(..., "state")); {} when there is none."""
+        params = self.state(key).get("params") or {}
+        return {f"{service}.{name}": json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+                for service, names in params.items() for name, value in names.items()}
+
+    def param(self, key, field):
+        """One param, "<service>.<name>", as compact JSON text (HGET of the params hash before
+        the state), or None."""
+        return self.params_hash(key).get(field)
 
     def lrange(self, key, start=0, stop=-1):
         return self.command("LRANGE", key, start, stop)

@@ -547,6 +547,7 @@ async def part_usage_overflow():
 
 YEAR_S = 366 * 86400  # the longest awaiting ttl the gateway keeps (dialog.c: a backend's ttl, clamped)
 AWAITING_S = 60       # lifetimes.awaiting_s: the ttl of an awaiting state whose directive names none
+DIALOG_S = 21600      # lifetimes.params_s and dialog_s (their defaults): the state key's TTL at least
 
 
 def awaiting_says(ttl_json):
@@ -557,10 +558,11 @@ def awaiting_says(ttl_json):
 
 
 def redis_awaiting(redis, user, room):
-    """The dialog's awaiting key in Redis: (its JSON or None, its TTL in seconds)."""
-    key = f"chatgate:{{{harness.escape_id(user)}}}:{room}:awaiting"
-    raw = redis.get(key)
-    return (json.loads(raw) if raw else None), redis.ttl(key)
+    """The dialog's awaiting state in Redis, in its state (docs/state.md, Redis layout): (the
+    awaiting object or None, its awaiting_expires, the state key's TTL in seconds)."""
+    key = harness.dialog_key(user, room, "state")
+    v = redis.state(key)
+    return v.get("awaiting"), v.get("awaiting_expires"), redis.ttl(key)
 
 
 async def part_awaiting_ttl():
@@ -578,7 +580,8 @@ async def part_awaiting_ttl():
                     room = f"ttl{i}"
                     with step(f"{store} store: a ws chat app's directive sets awaiting with ttl {label}: the "
                               f"awaiting state is kept (context.get, and forwarded with the next message)"
-                              + (f", its key's TTL at most {longest} s" if store == "redis" else "")):
+                              + (f", its end at most {longest} s away and the state key's TTL covering it"
+                                 if store == "redis" else "")):
                         (await client.message(awaiting_says(ttl), mid=f"set{i}", room=room)).expect_done()
                         gw.assert_alive()
                         no_sanitizer_report(gw)
@@ -593,15 +596,19 @@ async def part_awaiting_ttl():
                               f"{harness.brief(forwarded)}")
                         if store == "redis":
                             now = time.time()
-                            kept, key_ttl = redis_awaiting(redis, user, room)
-                            check(kept is not None and 0 < key_ttl <= longest,
-                                  f"ttl {ttl}: Redis should hold the awaiting state with a TTL of at most "
-                                  f"{longest} s: {harness.brief(kept)}, TTL {key_ttl} (the save may have failed: "
+                            kept, expires, key_ttl = redis_awaiting(redis, user, room)
+                            check((kept or {}).get("context") == {"action": "pay"},
+                                  f"ttl {ttl}: Redis's state should hold the awaiting state: {harness.brief(kept)} "
+                                  f"(the save may have failed: "
                                   f"{[l for l in gw.log_text().splitlines() if 'save failed' in l][-1:]})")
-                            expires = kept.get("expires_at")
                             check(isinstance(expires, int) and now < expires <= now + longest + 5,
-                                  f"ttl {ttl}: expires_at {expires} should be within {longest} s from now "
+                                  f"ttl {ttl}: awaiting_expires {expires} should be within {longest} s from now "
                                   f"({now:.0f})")
+                            # the state key lives the longest of params_s, dialog_s and the awaiting
+                            # state's time left: never past that, never short of the awaiting state
+                            check(0 < key_ttl <= max(longest, DIALOG_S) and key_ttl >= expires - now - 2,
+                                  f"ttl {ttl}: the state key's TTL {key_ttl} should cover the awaiting state "
+                                  f"({expires - now:.0f} s left) and be at most {max(longest, DIALOG_S)} s")
                 with step(f"{store} store: ttl 2^63 (past any 64-bit integer): the gateway stays up, the "
                           f"message ends once, and no awaiting state is kept with a wrapped expiry"):
                     turn = await client.message(awaiting_says(str(2**63)), mid="past", room="past")
@@ -613,8 +620,12 @@ async def part_awaiting_ttl():
                     no_sanitizer_report(gw)
                     state = await context_command(client, "context.get", "past")
                     if state.get("awaiting") and store == "redis":
-                        _, key_ttl = redis_awaiting(redis, user, "past")
-                        check(0 < key_ttl <= YEAR_S, f"ttl 2^63: awaiting kept with TTL {key_ttl}")
+                        now = time.time()
+                        _, expires, key_ttl = redis_awaiting(redis, user, "past")
+                        check(isinstance(expires, int) and now < expires <= now + YEAR_S + 5,
+                              f"ttl 2^63: awaiting kept with awaiting_expires {expires} (now {now:.0f})")
+                        check(expires - now - 2 <= key_ttl <= YEAR_S,
+                              f"ttl 2^63: awaiting kept, the state key's TTL {key_ttl}")
                 await client.check_alive()
                 await client.close()
                 gw.assert_alive()
@@ -634,15 +645,22 @@ async def part_stored_counts():
             user = client.hello["user"]
             now = int(time.time())
 
-            def dialog_key(room):
-                return f"chatgate:{{{harness.escape_id(user)}}}:{room}:dialog"
+            def state_key(room):
+                return harness.dialog_key(user, room, "state")
 
-            # dialogs Redis holds (docs/state.md, Redis layout) with a peer's numbers in them: the
-            # gateway has no copy of them, so a turn's load reads these
-            stored = {"big": ("99999999999999999999", str(INT64_MAX)), "neg": ("-5", "-7")}
+            # dialogs Redis holds (docs/state.md, Redis layout: the state hash, as a peer's save
+            # writes it) with a peer's numbers in their meta: the gateway has no copy of them, so a
+            # turn's load reads these
+            stored = {"big": (99999999999999999999, INT64_MAX), "neg": (-5, -7)}
             for room, (turns, messages) in stored.items():
-                redis.command("HSET", dialog_key(room), "created_at", str(now - 100), "last_activity", str(now - 50),
-                              "turn_count", turns, "message_count", messages, "usage", json.dumps(MAX_USAGE))
+                v = {"service": None, "params": {}, "awaiting": None, "awaiting_expires": 0,
+                     "soft_context": None, "soft_expires": 0,
+                     "meta": {"created_at": now - 100, "last_activity": now - 50,
+                              "turn_count": turns, "message_count": messages},
+                     "last_tool_result": None, "usage": MAX_USAGE,
+                     "params_until": now + 3600, "dialog_until": now + 3600}
+                redis.command("HSET", state_key(room), "rev", "peer#7", "created_at", str(now - 100),
+                              "last_activity", str(now - 50), "v", json.dumps(v))
             with step("Redis holds turn_count 99999999999999999999 and message_count 2^63-1: after a message, "
                       "both are still 2^53 or more and positive (saturated, not wrapped), in context.get and "
                       "written back to Redis"):
@@ -655,9 +673,10 @@ async def part_stored_counts():
                           f"{name}: {before[name]} before the message, {meta[name]} after (stored "
                           f"{dict(zip(('turn_count', 'message_count'), stored['big']))[name]}): a count "
                           f"from Redis must saturate, not wrap negative")
-                back = redis.hgetall(dialog_key("big"))
-                check(all(0 < int(back[n]) <= INT64_MAX for n in ("turn_count", "message_count")),
-                      f"the counts written back to Redis: {back}")
+                back = redis.state(state_key("big")).get("meta") or {}
+                check(all(isinstance(back.get(n), int) and 0 < back[n] <= INT64_MAX
+                          for n in ("turn_count", "message_count")),
+                      f"the counts written back to Redis (the state's meta): {back}")
             with step("Redis holds turn_count -5 and message_count -7: after a message each is 1"):
                 (await client.message("hello neg", mid="neg1", room="neg")).expect_done()
                 meta = (await context_command(client, "context.get", "neg"))["meta"]
@@ -666,7 +685,7 @@ async def part_stored_counts():
             with step(f"Redis holds usage in, out and turns of 2^63-1: after a turn each stays 2^63-1, and "
                       f"GET /admin/users/{{user}}/usage sums two such rooms to 2^63-1, never negative"):
                 for room in ("big", "neg"):
-                    usage = json.loads(redis.hgetall(dialog_key(room)).get("usage") or "null")
+                    usage = redis.state(state_key(room)).get("usage")
                     check(usage == MAX_USAGE, f"room {room}: usage after a turn {usage}, expected it saturated "
                                               f"at {MAX_USAGE}")
                 url = f"{gw.http_url}/admin/users/{urllib.parse.quote(user, safe='')}/usage"

@@ -211,7 +211,7 @@ async def say(client, app, mid, text, room, directive=None, timeout=harness.DEFA
 
 
 def params_in_redis(redis, user, room):
-    key = redis.find_key(harness.dialog_key(user, room, "params"))
+    key = redis.find_key(harness.dialog_key(user, room, "state"))
     if not key:
         return {}
     return {k: json.loads(v) for k, v in redis.params_hash(key).items()}
@@ -759,7 +759,10 @@ async def part_forget_long(app, rules):
                 await c.close()
                 await wait_in_redis(redis, LONG_USER, long_room(2), "travel.n", 2)
                 before = user_keys(redis, LONG_USER)
-                check(len(before) >= 10, f"the user's keys in Redis before: {len(before)}")
+                # 3 dialogs of a state and a history each, and the rooms set
+                check(len(before) >= 7 and sum(k.endswith(":state") for k in before) == 3,
+                      f"the user's keys in Redis before: {len(before)}, "
+                      f"{sum(k.endswith(':state') for k in before)} states")
                 query = "/admin/users?user=" + urllib.parse.quote(LONG_USER, safe="")
                 status, _, body = await admin_delete(gw, query)
                 check(status == 200, f"DELETE {query[:40]}...: HTTP {status} {body!r}")

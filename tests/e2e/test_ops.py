@@ -646,12 +646,14 @@ async def part_admin_redis():
                 cd = await connect_as(gw, "auth0|abcd")
                 await say(cd, "d1", "Hello", "trip")
                 # the save follows the done frame: wait for it
-                await harness.wait_until(lambda: len(user_keys(redis, "auth0|abc")) >= 10
+                # a dialog's keys are its state and its history; a user's, those and its rooms set
+                await harness.wait_until(lambda: len(user_keys(redis, "auth0|abc")) >= 7
                                          and len(user_keys(redis, "a:b")) >= 5
-                                         and len(user_keys(redis, "auth0|abcd")) >= 4, 5)
+                                         and len(user_keys(redis, "auth0|abcd")) >= 3, 5)
                 keys = user_keys(redis, "auth0|abc")
-                check(len(keys) >= 7 and any(k.endswith(":rooms") for k in keys),
-                      f"auth0|abc should have dialog keys in 3 rooms and a rooms set: {keys}")
+                check(len(keys) >= 7 and any(k.endswith(":rooms") for k in keys)
+                      and sum(k.endswith(":state") for k in keys) == 3,
+                      f"auth0|abc should have dialog keys (a state each) in 3 rooms and a rooms set: {keys}")
                 status, body, _ = await admin_get(base, "auth0|abc", odd_room)
                 check_found(status, body, "auth0|abc", odd_room, True, "view with Redis")
                 check(body["state"].get("params") == {"travel": FLIGHT_PARAMS}, f"params from Redis: {brief(body)}")

@@ -136,7 +136,7 @@ async def connect_as(gw, user):
 def params_of(redis_servers, user, room):
     """The dialog's params as Redis holds them, on whichever server has the key."""
     for r in redis_servers:
-        key = r.find_key(harness.dialog_key(user, room, "params"))
+        key = r.find_key(harness.dialog_key(user, room, "state"))
         if key:
             return {k: json.loads(v) for k, v in r.params_hash(key).items()}
     return {}

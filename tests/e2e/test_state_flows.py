@@ -31,9 +31,14 @@ and forwarding:
   cancelled; an upstream error leaves only the user turn; no extra fields in messages.
   With Redis also: a second gateway on the same Redis (auth header, same user) sees params
   the app-side gateway kept, and its system message summarises them.
-- Redis only: the key layout of docs/state.md, Redis layout (one hash tag per dialog), values as
-  JSON, TTLs (params ~ lifetimes.params_s, dialog ~ dialog_s, history ~ history_s,
-  awaiting ~ its ttl, soft ~ soft_s), the user's rooms set; a store URL with /DB and
+- Redis only: the key layout of docs/state.md, Redis layout (one hash tag per dialog; since
+  issue 39's ninth round a dialog's state is one HASH, `<dialog>:state`: rev, created_at,
+  last_activity, and v, the dialog but its history as one JSON object, where the params,
+  dialog, awaiting and soft keys were, and none of those is written), values as JSON, ends
+  and TTLs (the params end ~ lifetimes.params_s and the dialog's parts ~ dialog_s inside the
+  state, whose TTL is the longest of the two and of an awaiting state's or soft context's
+  time left; history ~ history_s; awaiting ~ its ttl, soft ~ soft_s, as the state's
+  awaiting_expires and soft_expires), the user's rooms set; a store URL with /DB and
   redis.prefix put the keys in that database under that prefix; a Redis with requirepass
   works with the password in the URL, and a wrong one gives store_degraded.
 - Memory only: max_dialogs bounds the dialogs held, least recently used first.
@@ -110,6 +115,21 @@ def ttl_between(redis, key, low, high, what):
     return ttl
 
 
+def redis_state(redis, user, room):
+    """The dialog's state in Redis (docs/state.md, Redis layout: one HASH of rev, created_at,
+    last_activity and v, the dialog but its history as one JSON object), v decoded with the
+    hash's other fields (redis.state); {} when there is none."""
+    return redis.state(harness.dialog_key(user, room, "state"))
+
+
+def ends_in(state, name, low, high, what):
+    """The state's `name` (a unix time, e.g. awaiting_expires) is within [low, high] s from now."""
+    left = state.get(name, 0) - time.time()
+    check(low <= left <= high, f"{what}: the state's {name} should end in [{low}, {high}] s, ends in "
+                               f"{left:.1f} s ({state.get(name)!r})")
+    return left
+
+
 def redis_json_hash(redis, key):
     raw = redis.params_hash(key)
     out = {}
@@ -181,20 +201,29 @@ async def part_flight(cx):
             r = cx.redis
             tag = "{" + harness.escape_id(user) + "}:" + room  # the user's hash tag, then the room
             keys = r.keys(f"chatgate:{tag}:*".replace("{", "\\{").replace("}", "\\}"))
-            expected = {f"chatgate:{tag}:{p}" for p in ("params", "dialog", "history")}
+            expected = {f"chatgate:{tag}:{p}" for p in ("state", "history")}
             check(expected <= set(keys), f"expected keys {sorted(expected)}, Redis has {keys} "
                                          f"(all: {r.keys('chatgate:*')[:30]})")
-            check(r.type(f"chatgate:{tag}:params") == "hash", "params should be a HASH")
-            params = redis_json_hash(r, f"chatgate:{tag}:params")
+            old = {f"chatgate:{tag}:{p}" for p in ("params", "dialog", "awaiting", "soft")} & set(keys)
+            check(not old, f"keys of the layout before the state should not be written: {sorted(old)}")
+            check(r.type(f"chatgate:{tag}:state") == "hash", "state should be a HASH")
+            check(set(r.hgetall(f"chatgate:{tag}:state")) == {"rev", "created_at", "last_activity", "v"},
+                  f"the state hash's fields: {sorted(r.hgetall(f'chatgate:{tag}:state'))}")
+            params = redis_json_hash(r, f"chatgate:{tag}:state")
             check(params == {f"travel.{k}": v for k, v in kept.items()},
-                  f"params hash should be 'travel.<name>' -> JSON: {params}")
-            ttl_between(r, f"chatgate:{tag}:params", 3500, 3600, "params")
-            check(r.type(f"chatgate:{tag}:dialog") == "hash", "dialog should be a HASH")
-            dialog = r.hgetall(f"chatgate:{tag}:dialog")
-            check(dialog.get("service") == "travel", f"dialog hash service should be travel: {dialog}")
+                  f"the state's params should be 'travel' -> <name> -> JSON: {params}")
+            state = redis_state(r, user, room)  # fails unless v is a JSON object, with a rev
+            # the params lapse after params_s, the rest after dialog_s: inside the one key,
+            # which lives the longest of the two
+            ends_in(state, "params_until", 3500, 3600, "params")
+            ends_in(state, "dialog_until", 7100, 7200, "dialog")
+            ttl_between(r, f"chatgate:{tag}:state", 7100, 7200, "state (the longest of params_s and dialog_s)")
+            check(state.get("service") == "travel", f"the state's service should be travel: {state}")
+            meta = state.get("meta") or {}
             for key in ("created_at", "last_activity", "turn_count", "message_count"):
-                check(key in dialog, f"dialog hash lacks {key}: {dialog}")
-            ttl_between(r, f"chatgate:{tag}:dialog", 7100, 7200, "dialog")
+                check(isinstance(meta.get(key), int), f"the state's meta lacks {key}: {state}")
+            check(state.get("created_at") == meta["created_at"] and state.get("last_activity") == meta["last_activity"],
+                  f"the state hash's created_at and last_activity should be its meta's: {state}")
             check(r.type(f"chatgate:{tag}:history") == "list", "history should be a LIST")
             entries = [json.loads(e) for e in r.lrange(f"chatgate:{tag}:history")]
             check(len(entries) == 10 and {e.get("role") for e in entries} == {"user", "assistant"},
@@ -254,22 +283,45 @@ async def part_awaiting_soft(cx):
         t3, f3 = await turn(client, app, "a3", "ok", "pick")
         check_forwarded(f3, awaiting=None, what="a3 (after awaiting: null)")
         if cx.redis:
-            key = harness.dialog_key(user, "pick", "awaiting")
-            check(cx.redis.get(key) is None, f"{key} should be gone after awaiting: null")
+            state = redis_state(cx.redis, user, "pick")
+            check(state.get("awaiting", "absent") is None and state.get("awaiting_expires") == 0,
+                  f"the state's awaiting should be gone after awaiting: null: {state}")
     with step(cx.tag("awaiting ttl 1 s, lifetimes.awaiting_s 1, soft_s 2: expiry")):
         await turn(client, app, "b1", "Pick one", "pick2", {"awaiting": dict(awaiting, ttl=1)})
         await turn(client, app, "c1", "Pick one", "pick3", {"awaiting": awaiting})  # no ttl
+        s1_at = int(time.time())
         await turn(client, app, "s1", "Added Shake Shack", "soft", {"soft_context": soft})
+        s1_at = (s1_at, int(time.time()))
         await turn(client, app, "t1", "Added Ichiran", "soft-ttl", {"soft_context": dict(soft, ttl=30)})
+        d1_at = int(time.time())
         await turn(client, app, "d1", "Pick one", "pick4", {"awaiting": dict(awaiting, ttl=30)})
+        d1_at = (d1_at, int(time.time()))
         set_at = time.monotonic()
         t, fs = await turn(client, app, "s2", "What else is there?", "soft")
         check_forwarded(fs, soft=dict(soft, source="app"), what="s2 (soft context fresh, with its source)")
         if cx.redis:
-            ttl_between(cx.redis, harness.dialog_key(user, "soft", "soft"), 1, 2, "soft context (soft_s 2)")
-            ttl_between(cx.redis, harness.dialog_key(user, "pick4", "awaiting"), 25, 30, "awaiting (ttl 30)")
-            raw = cx.redis.get(harness.dialog_key(user, "pick4", "awaiting"))
-            check(json.loads(raw).get("options") == options, f"awaiting key should hold the JSON: {raw!r}")
+            # each ends inside the state (v's *_expires), whose TTL, the longest of params_s,
+            # dialog_s and their time left, covers them
+            soft_state = redis_state(cx.redis, user, "soft")
+            ends = soft_state.get("soft_expires")
+            check(s1_at[0] + 2 <= ends <= s1_at[1] + 2,
+                  f"the soft context should end soft_s (2 s) after the turn that set it, in [{s1_at[0] + 2}, "
+                  f"{s1_at[1] + 2}]: {ends!r}")
+            left = ends - time.time()
+            check(soft_state.get("soft_context") == dict(soft, source="app"),
+                  f"the state should hold the soft context: {soft_state}")
+            ttl = ttl_between(cx.redis, harness.dialog_key(user, "soft", "state"), 7100, 7200, "state of room soft")
+            check(ttl >= left, f"the state's TTL {ttl} s should cover the soft context's {left:.1f} s")
+            pick4 = redis_state(cx.redis, user, "pick4")
+            ends = pick4.get("awaiting_expires")
+            check(d1_at[0] + 30 <= ends <= d1_at[1] + 30,
+                  f"the awaiting state should end its ttl (30 s) after the turn that set it, in [{d1_at[0] + 30}, "
+                  f"{d1_at[1] + 30}]: {ends!r}")
+            left = ends - time.time()
+            check((pick4.get("awaiting") or {}).get("options") == options,
+                  f"the state should hold the awaiting state's JSON: {pick4}")
+            ttl = ttl_between(cx.redis, harness.dialog_key(user, "pick4", "state"), 7100, 7200, "state of room pick4")
+            check(ttl >= left, f"the state's TTL {ttl} s should cover the awaiting state's {left:.1f} s")
         # the subject: the short lifetimes (awaiting ttl 1 s) lapse
         await asyncio.sleep(max(0.0, 3.2 - (time.monotonic() - set_at)))
         _, fb = await turn(client, app, "b2", "The first one", "pick2")
@@ -344,7 +396,7 @@ async def part_params_cap(cx):
               f"the cap is per dialog: 6000 bytes of payment params over 5000 of travel should be refused: "
               f"{harness.brief(state.get('params'))}")
         if cx.redis:
-            params = redis_json_hash(cx.redis, harness.dialog_key(user, "cap", "params"))
+            params = redis_json_hash(cx.redis, harness.dialog_key(user, "cap", "state"))
             check(set(params) == {"travel.from", "travel.notes"} and params["travel.notes"] == "y" * 5000,
                   f"Redis params after the cap test: {harness.brief(params)}")
         check(state.get("service") == "travel",
@@ -401,7 +453,7 @@ async def part_context(cx):
         check(state.get("params") == {"travel": {"to": "London"}},
               f"after forget, params should be {{'travel': {{'to': 'London'}}}}: {harness.brief(state)}")
         if cx.redis:
-            params = redis_json_hash(cx.redis, harness.dialog_key(user, "ctx", "params"))
+            params = redis_json_hash(cx.redis, harness.dialog_key(user, "ctx", "state"))
             check(params == {"travel.to": "London"}, f"Redis params after forget: {params}")
         _, f2 = await turn(client, app, "x2", "Any direct ones?", "ctx")
         check_forwarded(f2, service="travel", params={"to": "London", "cabin_class": "economy"},
@@ -426,7 +478,7 @@ async def part_context(cx):
               and state.get("last_tool_result") is None,
               f"after clear the state should be empty: {harness.brief(state)}")
         if cx.redis:  # the answer does not wait for Redis (docs/protocol.md): the DEL lands soon after
-            for part in ("params", "history", "soft"):
+            for part in ("state", "history"):
                 key = harness.dialog_key(user, "ctx", part)
                 gone = await harness.wait_until(lambda: cx.redis.type(key) == "none", 2.0)
                 check(gone, f"{key} should be gone within 2 s of context.clear")
@@ -620,7 +672,7 @@ async def part_redis_password(app, rules):
                                        {"service": "travel", "params": {"from": "Nairobi"}})
                     _, f = await turn(client, app, f"pw{n}b", "again", "trip")
                     check(f["params"].get("from") == "Nairobi", f"params kept: {f['params']}")
-                    key = harness.dialog_key(user, "trip", "params")
+                    key = harness.dialog_key(user, "trip", "state")
                     if ok:
                         check(not t1.warnings, f"a warning with {what}: {t1.warnings}")
                         check(redis.params_hash(key) == {"travel.from": '"Nairobi"'},
@@ -666,12 +718,13 @@ async def part_redis_db_prefix(app, rules, redis):
             await turn(client, app, "db1", "hello", "trip", {"service": "travel", "params": {"from": "Nairobi"}})
             _, f = await turn(client, app, "db2", "again", "trip")
             check(f["params"].get("from") == "Nairobi", f"params with DB 3: {f['params']}")
-            key = harness.dialog_key(user, "trip", "params", prefix="cgtest")
+            key = harness.dialog_key(user, "trip", "state", prefix="cgtest")
             got = redis.command("HGETALL", key, db=3)
             got = dict(zip(got[::2], got[1::2]))
-            got.pop("rev", None)  # the version the save wrote (docs/state.md)
-            check(got == {"travel.from": '"Nairobi"'}, f"{key} in DB 3 should hold travel.from: {got}; "
-                                                       f"DB 3 keys: {redis.command('KEYS', '*', db=3)}")
+            v = json.loads(got.get("v", "null"))
+            check(isinstance(v, dict) and v.get("params") == {"travel": {"from": "Nairobi"}} and "#" in got.get("rev", ""),
+                  f"{key} in DB 3 should hold travel.from (and a rev): {got}; "
+                  f"DB 3 keys: {redis.command('KEYS', '*', db=3)}")
             check(not redis.keys(f"*{user}*"), f"keys of this user in DB 0: {redis.keys(f'*{user}*')}")
             await client.close()
 

@@ -101,10 +101,10 @@ async def two_users_same_room(app, rules, store_kind):
                       f"alice's dialog changed by bob's forget/clear: {harness.brief(state)}")
             if redis:
                 with step("[redis] the two dialogs have keys of their own"):
-                    pa = redis.params_hash(harness.dialog_key("alice", "shared", "params"))
-                    check(pa == {"travel.from": '"Nairobi"'}, f"alice's params hash: {pa}")
-                    check(redis.type(harness.dialog_key("bob", "shared", "params")) == "none",
-                          "bob's params hash should be gone after his clear")
+                    pa = redis.params_hash(harness.dialog_key("alice", "shared", "state"))
+                    check(pa == {"travel.from": '"Nairobi"'}, f"alice's params (in her state): {pa}")
+                    check(redis.type(harness.dialog_key("bob", "shared", "state")) == "none",
+                          "bob's state hash should be gone after his clear")
             await alice.close()
             await bob.close()
     finally:
@@ -182,9 +182,9 @@ async def hostile_ids(app, rules):
                     check(":" not in inside,
                           f"a key whose tag holds more than the user (an unescaped ':'): {key!r}")
                 for user, room in HOSTILE:
-                    key = find_key(redis, user, room, "params")
-                    check(key is not None, f"no params key for user {user!r} room {room!r} "
-                                           f"(expected {harness.dialog_key(user, room, 'params')}); keys: {keys}")
+                    key = find_key(redis, user, room, "state")
+                    check(key is not None, f"no state key for user {user!r} room {room!r} "
+                                           f"(expected {harness.dialog_key(user, room, 'state')}); keys: {keys}")
                     got = redis.params_hash(key)
                     check({k: json.loads(v) for k, v in got.items()} == {"travel.who": f"{user}|{room}"},
                           f"{key} holds {got}")

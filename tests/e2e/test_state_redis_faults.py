@@ -99,7 +99,7 @@ async def wait_written(redis, dialogs, name, value, timeout=10.0):
         missing = []
         for d in dialogs:
             try:
-                got = redis.command("HGET", harness.dialog_key(d.user, d.room, "params"), f"travel.{name}")
+                got = redis.param(harness.dialog_key(d.user, d.room, "state"), f"travel.{name}")
             except (OSError, harness.RedisError):
                 got = None
             if got is None or json.loads(got) != value:
@@ -109,7 +109,7 @@ async def wait_written(redis, dialogs, name, value, timeout=10.0):
         if time.monotonic() - started > timeout:
             harness.fail(f"{len(missing)} of {len(dialogs)} dialogs not written back to Redis within "
                          f"{timeout:.0f} s (travel.{name} == {value!r}); e.g. dialog {missing[0].i}: "
-                         f"{redis.hgetall(harness.dialog_key(missing[0].user, missing[0].room, 'params'))}; "
+                         f"{redis.params_hash(harness.dialog_key(missing[0].user, missing[0].room, 'state'))}; "
                          f"{len(redis.keys('chatgate:*'))} chatgate keys in Redis")
         await asyncio.sleep(0.2)
 
@@ -179,7 +179,7 @@ async def fifty_dialogs(app, rules):
                 d0 = dialogs[0]
                 hist = redis.lrange(harness.dialog_key(d0.user, d0.room, "history"))
                 check(len(hist) == 10, f"dialog 0's history should be back (10 messages), got {len(hist)}")
-                params0 = redis.hgetall(harness.dialog_key(d0.user, d0.room, "params"))
+                params0 = redis.params_hash(harness.dialog_key(d0.user, d0.room, "state"))
                 check(json.loads(params0.get("travel.from", "null")) == "Nairobi",
                       f"dialog 0's params from before the outage should be written back too: {params0}")
                 await wait_written(redis, dialogs, "inflight", 1, timeout=2)

@@ -18,4 +18,11 @@ long long cg_parse_decimal_sat(const char *s, long long max);
 /* v clamped to [lo, hi]. */
 long long cg_clamp(long long v, long long lo, long long hi);
 
+/* JSON text s (len bytes) with every integer outside strings that a long long cannot hold
+ * written as the bound it passed (9223372036854775807, or its negative - 1): jansson refuses
+ * such a number, and with it the whole text. A malloc'd copy and its length (*out_len), or
+ * NULL when s holds none (or out of memory). Numbers with a fraction or an exponent are
+ * left as they are (jansson reads those as reals). */
+char *cg_json_saturate_ints(const char *s, size_t len, size_t *out_len);
+
 #endif
