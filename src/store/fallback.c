@@ -809,6 +809,17 @@ static cg_store_req *fb_save(cg_store *st, const char *user, const char *room, c
     return sent(w, 0);
 }
 
+/* At closing, the store waits for these too: one the inner store fails is kept and marked
+ * only when its answer comes, after the store decided what to wait for. Walked, not counted:
+ * a close polls it for a few seconds at most. */
+size_t cg_fallback_saves_in_flight(const cg_fallback *fb)
+{
+    size_t n = 0;
+    for (const fb_req *w = fb->live; w; w = w->next)
+        n += w->kind == CG_STORE_SAVE && w->inner;
+    return n;
+}
+
 /* A delete is done here at once, whatever the store says, and always handed to the store
  * too (away, it answers "unavailable": the caller is told, 503 at the admin API), so that
  * what it keeps of its own here (the Redis store's copies of profiles) goes as well. */

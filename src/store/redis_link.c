@@ -94,6 +94,11 @@ int cg_redis_link_up(const cg_redis_link *ln)
     return ln && ln->state == L_UP;
 }
 
+int cg_redis_link_connecting(const cg_redis_link *ln)
+{
+    return ln && ln->state != L_CLOSED && ln->state != L_UP;
+}
+
 int cg_redis_link_pending(const cg_redis_link *ln)
 {
     return ln ? ln->pending : 0;
@@ -254,6 +259,18 @@ static void schedule_reconnect(cg_redis_link *ln)
     delay += (uint64_t)(rand() % (int)(delay / 4 + 1)); /* jitter, so gateways don't reconnect in step */
     if (!ln->closing)
         uv_timer_start(&ln->timer, on_reconnect_timer, delay, 0);
+}
+
+/* The backoff spares a Redis that is away the tries of every gateway; at shutdown, dialogs
+ * held in memory for the write-back are lost unless Redis takes them before the exit, and
+ * Redis is often back already (a deploy right after a Redis restart) while the backoff still
+ * has up to 5 s to run: the store asks for the one try now. */
+void cg_redis_link_connect_now(cg_redis_link *ln)
+{
+    if (!ln || ln->closing || ln->state != L_CLOSED)
+        return;
+    uv_timer_stop(&ln->timer);
+    link_connect(ln);
 }
 
 /* Closes what there is (its commands get NULL), says down, and reconnects with the backoff.

@@ -51,7 +51,10 @@ static void on_link_up(void *data, int moved)
 {
     redis_store *rs = data;
     cg_fallback_up(rs->fb, moved);
-    cg_redis_profiles_writeback(rs);
+    /* up again during close (its connect at shutdown): profiles are not sent while closing
+     * (redis_profile.c), and their write-back would only say it writes them */
+    if (!rs->closing)
+        cg_redis_profiles_writeback(rs);
     cg_redis_drain_waiting(rs);
 }
 
@@ -101,14 +104,16 @@ static void on_tick(uv_timer_t *t)
 /* ---- close -------------------------------------------------------------------------- */
 
 /*
- * How long shutdown waits, Redis up, for the write-back of the dialogs still marked (their
- * turns were answered, and memory holds their only copy): each is two round trips (Redis's
- * copy read, the merge written), a newer version goes after the one in flight, one that met
- * another copy merges again, and one Redis refused goes again a second later. Without this
- * wait only the commands in flight had the link's second, and what waited behind them (or
- * for the tick) was lost at exit. 5 s is many rounds at any Redis's pace; with the link's
- * second after it and the drain of replies (shutdown_timeout_s, 10 s), it stays within what
- * the master (shutdown_timeout_s + 10 s) and the systemd unit (TimeoutStopSec=30) give.
+ * How long shutdown waits for the write-back of the dialogs still marked (their turns were
+ * answered, and memory holds their only copy) and for the turns' saves in flight (one Redis
+ * fails is marked then), Redis down at first included (its connect, redis.connect_timeout_ms
+ * at most): each write-back is two round trips (Redis's copy read, the merge written), a
+ * newer version goes after the one in flight, one that met another copy merges again, and
+ * one Redis refused goes again a second later. Without this wait only the commands in flight
+ * had the link's second, and what waited behind them (or for the tick) was lost at exit. 5 s
+ * is many rounds at any Redis's pace; with the link's second after it and the drain of
+ * replies (shutdown_timeout_s, 10 s), it stays within what the master (shutdown_timeout_s +
+ * 10 s) and the systemd unit (TimeoutStopSec=30) give.
  */
 #define CLOSE_WRITEBACK_MS 5000
 #define CLOSE_POLL_MS 10
@@ -138,31 +143,64 @@ static void close_link(redis_store *rs, const char *why)
         on_link_closed(rs);
 }
 
-/* The tick while close waits for the write-back: until nothing is marked, Redis goes, or the
+/* What close waits for: the dialogs marked, and the turns' saves in flight (one that fails
+ * is marked only when its answer comes, and its turn was answered). */
+static int close_has_work(redis_store *rs)
+{
+    return cg_fallback_dirty_count(rs->fb) || cg_fallback_saves_in_flight(rs->fb);
+}
+
+/*
+ * Is Redis there for close to wait on (close has work): up, or a connect under way? Down, the
+ * link waits out its backoff (up to 5 s), while Redis is often back already (a deploy right
+ * after a Redis restart): the marked dialogs were lost at exit then. So the first time close
+ * finds it down it asks for a connect at once; coming up, the link writes them back
+ * (cg_fallback_up), and close waits on. Once only: a Redis still away (the try failed, or it
+ * went away again) ends the wait, as before, rather than retrying until the deadline.
+ * Called from the tick only, never from cg_redis_close: lws, destroyed just before the store
+ * closes, closes one of its sockets twice (in lws_context_destroy, and again from a handle's
+ * close callback at the end of that loop iteration), so a socket opened in between got that
+ * number and was closed under the link (libuv aborts on the EBADF).
+ */
+static int close_reaches_redis(redis_store *rs)
+{
+    if (cg_redis_linked(rs) || cg_redis_link_connecting(rs->link))
+        return 1;
+    if (rs->close_tried)
+        return 0;
+    rs->close_tried = 1;
+    cg_info("redis %s:%d: down at shutdown with %zu dialogs to write back: connecting now, not after the backoff",
+            rs->host, rs->port, cg_fallback_dirty_count(rs->fb) + cg_fallback_saves_in_flight(rs->fb));
+    cg_redis_link_connect_now(rs->link);
+    return cg_redis_linked(rs) || cg_redis_link_connecting(rs->link);
+}
+
+/* The tick while close waits: until nothing is marked or saving, Redis is away, or the
  * deadline. A write-back Redis refused goes again meanwhile, a second after its round. */
 static void on_close_tick(uv_timer_t *t)
 {
     redis_store *rs = t->data;
     uint64_t now = uv_now(rs->base.loop);
     char why[80];
-    if (!cg_fallback_dirty_count(rs->fb)) {
+    if (!close_has_work(rs)) {
         close_link(rs, "all written back");
-    } else if (!cg_redis_linked(rs)) {
-        close_link(rs, "Redis went away while they were written back");
+    } else if (!close_reaches_redis(rs)) {
+        close_link(rs, "Redis is away, tried once more at shutdown");
     } else if (now >= rs->close_deadline) {
         snprintf(why, sizeof(why), "their write-back was not answered within %d s", CLOSE_WRITEBACK_MS / 1000);
         close_link(rs, why);
-    } else {
+    } else if (cg_redis_linked(rs)) {
         cg_fallback_tick(rs->fb, now);
     }
 }
 
 /*
- * Shutdown: the saves the sessions just made are still on their way, and, Redis up, the
- * dialogs still marked for the write-back go now (cg_fallback_closing): close waits for them,
- * at most CLOSE_WRITEBACK_MS, on the tick (held by the loop meanwhile, never blocking it); then
- * the link waits for the commands in flight, for at most a second. Redis away, nothing waits:
- * what is marked is lost at exit, and said.
+ * Shutdown: the saves the sessions just made are still on their way, and the dialogs still
+ * marked for the write-back go now (cg_fallback_closing; Redis down, once the connect its
+ * first tick asks for is up): close waits for both, at most CLOSE_WRITEBACK_MS, on the tick
+ * (held by the loop meanwhile, never blocking it); then the link waits for the commands in
+ * flight, for at most a second. Redis away (that connect failed), nothing waits: what is
+ * marked is lost at exit, and said.
  */
 void cg_redis_close(cg_store *st)
 {
@@ -173,8 +211,8 @@ void cg_redis_close(cg_store *st)
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;
     cg_fallback_closing(rs->fb, fallback_closed, rs);
-    if (!cg_fallback_dirty_count(rs->fb) || !cg_redis_linked(rs)) {
-        close_link(rs, "Redis is away");
+    if (!close_has_work(rs)) {
+        close_link(rs, "all written back");
         return;
     }
     rs->close_deadline = uv_now(rs->base.loop) + CLOSE_WRITEBACK_MS;

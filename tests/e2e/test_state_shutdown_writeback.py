@@ -2,7 +2,9 @@
 dialog marked for the write-back is written to Redis before the gateway exits, when Redis
 is there to take it. Its turns were answered; until the shutdown write-back they were
 dropped with a warning ("stopping with N dialogs not yet written back") when SIGTERM came
-first (parts 1 and 2 fail on that binary: every dialog lacks its last turns).
+first (parts 1 and 2 fail on that binary: every dialog lacks its last turns). Parts 4 and 5
+fail on a1060c0, the first shutdown write-back: it counted a Redis in the reconnect backoff
+as away, and decided what to wait for before the saves in flight were answered.
 
 1. An outage, then SIGTERM as soon as Redis is back: Redis is LATENCY s away (SlowLink, a
    relay in the test that passes Redis's answers on that late), so that a write-back (two
@@ -22,6 +24,20 @@ first (parts 1 and 2 fail on that binary: every dialog lacks its last turns).
    holds its turn.
 3. Redis away at shutdown: nothing waits for it (the gateway exits within the drain), and
    the log says how many dialogs were not written back.
+4. SIGTERM while the gateway waits out its reconnect backoff, Redis back already (a deploy
+   right after a Redis restart): DIALOGS dialogs talk once, Redis is killed, each talks twice
+   more (marked); the test waits for the link's fifth try since the outage (counted at a
+   relay in front of Redis: the next waits 5 s, redis_link.c), starts Redis again and sends
+   SIGTERM before the gateway reconnected (no new connection at the relay). Until the
+   shutdown connect, the close saw Redis away and dropped every dialog (all of them lacked
+   their turns). Every dialog's history in Redis holds its three turns.
+5. A turn's save in flight at shutdown, then refused: Redis is SAVE_LATENCY s away; DIALOGS
+   dialogs talk once, then Redis refuses writes (-NOREPLICAS) and each talks again (its
+   lease and its save refused); SIGTERM as soon as every client has its answer (each save
+   on its way, its refusal SAVE_LATENCY s away), and Redis takes writes again 0.2 s later.
+   Until the close waited for the saves in flight, nothing was marked when it decided, and
+   the refusals marked the dialogs after it: every dialog lost its second turn. Every
+   dialog's history in Redis holds both turns.
 """
 
 import asyncio
@@ -36,6 +52,8 @@ from harness import Client, check, check_turn_done, independent, step
 DIALOGS = 120
 AWAY_DIALOGS = 10
 LATENCY = 0.5  # s: each answer of Redis's, in part 1 (SlowLink)
+SAVE_LATENCY = 0.7  # s: in part 5, longer than the drain's 0.3 s, so every save is in flight at close
+BACKOFF_TRIES = 5  # redis_link.c's tries after an outage's first 0.1+0.2+0.5+1+2 s: the next waits 5 s
 EXIT_TIMEOUT = 10.0  # the drain (nothing in flight: 0.3 s) and the store's close (at most 5 s)
 
 
@@ -128,13 +146,15 @@ class SlowLink:
     """A TCP relay between the gateway and Redis that passes each piece of Redis's answers on
     `delay` s after it came (a constant latency, as of a Redis far away or busy: a piece never
     waits behind the previous one's delay). Its connection to Redis is made per connection
-    of the gateway's; Redis gone, the gateway's connection is closed."""
+    of the gateway's; Redis gone, the gateway's connection is closed. `connections` counts
+    the gateway's connections (its tries, Redis away)."""
 
     def __init__(self, redis_port, delay):
         self.redis_port = redis_port
         self.delay = delay
         self.server = None
         self.port = None
+        self.connections = 0
 
     async def start(self):
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -150,6 +170,7 @@ class SlowLink:
             self.server.close()
 
     async def _serve(self, reader, writer):
+        self.connections += 1
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.redis_port)
         except OSError:
@@ -296,13 +317,131 @@ async def part_away_at_shutdown(app, rules):
         redis.cleanup(keep=True)
 
 
+async def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            harness.fail(f"{what}: not within {timeout:.0f} s")
+        await asyncio.sleep(0.01)
+
+
+async def part_in_backoff(app, rules):
+    redis = await harness.RedisServer().astart()
+    relay = await SlowLink(redis.port, 0.0).start()  # no delay: it counts the link's tries
+    try:
+        # the bus straight to Redis: only the link's connections go through the relay
+        cfg = config_for(app, relay)
+        cfg["redis"]["bus"] = redis.url
+        gw = harness.Gateway(["--rules", rules, "--max-connections", 1000], cfg, name="gateway-backoff")
+        await gw.astart()
+        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
+        dialogs = [(c.hello["user"], f"b{i}", []) for i, c in enumerate(clients)]
+
+        async def talk(i, k):
+            user, room, texts = dialogs[i]
+            text = f"message {k} of dialog {i}"
+            await say(clients[i], app, room, f"b{i}-{k}", text, {"service": "travel", "params": {"k": k}})
+            texts.append(text)
+
+        with step(f"4. {DIALOGS} dialogs talk once; Redis is killed, and each talks twice more (marked); the link "
+                  f"tries {BACKOFF_TRIES} times (its next try 5 s on)"):
+            await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
+            await all_of(talk(i, 1) for i in range(DIALOGS))
+            before = relay.connections
+            killed = time.monotonic()
+            redis.kill()
+            await wait_metric(gw, "chatgate_store_degraded", lambda v: v == 1, 5, "the outage")
+            for k in (2, 3):
+                await all_of(talk(i, k) for i in range(DIALOGS))
+            await wait_metric(gw, "chatgate_store_writeback_pending", lambda v: v == DIALOGS, 3,
+                              "the outage's dialogs marked for the write-back")
+            await wait_until(lambda: relay.connections >= before + BACKOFF_TRIES, 10, "the link's tries")
+            print(f"   the link's try {relay.connections - before} came {time.monotonic() - killed:.2f}s after "
+                  "the kill")
+
+        with step("4b. Redis started again (empty); SIGTERM before the gateway reconnected: it exits 0, and every "
+                  "dialog's turns are in Redis"):
+            tries = relay.connections
+            await redis.astart()
+            for c in clients:
+                await c.close()
+            check(relay.connections == tries and len(re.findall(r"redis \S+: connected", gw.log_text())) == 1,
+                  "the gateway reconnected before SIGTERM: the test came too late")
+            print(f"   SIGTERM {time.monotonic() - killed:.2f}s after the kill, the link still in its backoff")
+            took = await stop_now(gw)
+            print(f"   exited {took:.2f}s after SIGTERM; {relay.connections - tries} connection(s) at shutdown")
+            check_all_written(redis, dialogs, gw, "SIGTERM in the reconnect backoff, Redis back")
+    finally:
+        relay.close()
+        redis.cleanup(keep=True)
+
+
+def noreplicas_refusals(redis):
+    info = redis.command("INFO", "errorstats")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    found = re.search(r"errorstat_NOREPLICAS:count=(\d+)", text)
+    return int(found.group(1)) if found else 0
+
+
+async def part_save_refused_at_close(app, rules):
+    redis = await harness.RedisServer().astart()
+    link = await SlowLink(redis.port, SAVE_LATENCY).start()
+    try:
+        gw = harness.Gateway(["--rules", rules, "--max-connections", 1000],
+                             config_for(app, link, command_timeout_ms=int(SAVE_LATENCY * 1000) * 4),
+                             name="gateway-in-flight")
+        await gw.astart()
+        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
+        dialogs = [(c.hello["user"], f"s{i}", []) for i, c in enumerate(clients)]
+
+        async def talk(i, k):
+            user, room, texts = dialogs[i]
+            text = f"message {k} of dialog {i}"
+            await say(clients[i], app, room, f"s{i}-{k}", text, {"service": "travel", "params": {"k": k}})
+            texts.append(text)
+
+        with step(f"5. Redis {SAVE_LATENCY:.1f} s away: {DIALOGS} dialogs talk once (Redis has the scripts then: "
+                  "no NOSCRIPT round later), then Redis refuses writes (-NOREPLICAS) and each talks again; SIGTERM "
+                  "as soon as every client has its answer (every save in flight), and Redis takes writes again "
+                  "0.2 s later: the gateway exits 0, and every dialog's turns are in Redis"):
+            await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
+            await all_of(talk(i, 1) for i in range(DIALOGS))
+            await wait_until(lambda: all(said_in_redis(redis, u, r) == t for u, r, t in dialogs), 10,
+                             "the first turns' saves")
+            redis.command("CONFIG", "SET", "min-replicas-to-write", "1")
+            await all_of(talk(i, 2) for i in range(DIALOGS))
+            answered = time.monotonic()
+            pending = (await metrics(gw)).value("chatgate_store_writeback_pending")
+            for c in clients:
+                await c.close()
+            print(f"   SIGTERM {time.monotonic() - answered:.2f}s after the last answer; {pending:.0f} dialogs marked "
+                  "then (their saves' refusals not back yet)")
+            gw.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            await asyncio.sleep(0.2)
+            refused = noreplicas_refusals(redis)
+            redis.command("CONFIG", "SET", "min-replicas-to-write", "0")
+            code = await gw.await_exit(EXIT_TIMEOUT)
+            took = time.monotonic() - started
+            check(code == 0, f"the gateway should exit 0 after SIGTERM within {EXIT_TIMEOUT:.0f} s, got {code}")
+            print(f"   exited {took:.2f}s after SIGTERM; Redis had refused {refused} writes")
+            check(refused >= 2 * DIALOGS, f"Redis should have refused each second turn's lease and save "
+                                          f"({2 * DIALOGS} writes) before it took writes again: {refused}")
+            check_all_written(redis, dialogs, gw, "SIGTERM with saves in flight, refused")
+    finally:
+        link.close()
+        redis.cleanup(keep=True)
+
+
 async def main(args):
     rules = harness.empty_rules_dir()
     async with harness.FakeApp() as app:
         await independent(part_after_outage(app, rules))
         await independent(part_refused_while_up(app, rules))
         await independent(part_away_at_shutdown(app, rules))
+        await independent(part_in_backoff(app, rules))
+        await independent(part_save_refused_at_close(app, rules))
 
 
 if __name__ == "__main__":
-    harness.run(main, timeout=50)
+    harness.run(main, timeout=80)

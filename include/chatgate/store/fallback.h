@@ -96,9 +96,14 @@ void cg_fallback_tick(cg_fallback *fb, uint64_t now);
  * loop once the fallback's timer has closed. While the store is up (not degraded), the
  * dialogs still marked and not in flight are handed to the backend now; the write-backs go
  * on (a newer version after the one in flight, a refused one again through
- * cg_fallback_tick), and the store may wait for cg_fallback_dirty_count to reach 0 before it
- * closes, then calls cg_fallback_stop_writeback. */
+ * cg_fallback_tick), and the store may wait for cg_fallback_dirty_count and
+ * cg_fallback_saves_in_flight to reach 0 before it closes, then calls
+ * cg_fallback_stop_writeback. The store away, none goes now: cg_fallback_up, should it come
+ * back meanwhile, hands them over. */
 void cg_fallback_closing(cg_fallback *fb, void (*closed)(void *arg), void *arg);
+/* Saves handed to the inner store and not answered yet: one it fails is kept in memory and
+ * marked then, so a closing store waits for them as for the marked dialogs. */
+size_t cg_fallback_saves_in_flight(const cg_fallback *fb);
 /* The store writes back no more (all done, its deadline passed, or it is away: why, for the
  * log): says how many dialogs are left unwritten; they are lost at exit. */
 void cg_fallback_stop_writeback(cg_fallback *fb, const char *why);

@@ -144,6 +144,7 @@ struct redis_store {
     int handles; /* open uv handles + requests: freed when 0 after close */
     int closing;
     uint64_t close_deadline; /* closing: until when the write-back is waited for (uv_now, ms) */
+    int close_tried; /* closing: the connect at once was asked for (redis_store.c, once) */
 };
 
 /* The store can send commands: its link is up. */

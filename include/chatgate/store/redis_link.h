@@ -71,6 +71,11 @@ int cg_redis_link_script(cg_redis_link *ln, unsigned slot, const char *cmd, size
                          cg_redis_reply_fn *cb, void *priv);
 /* The connection to the master of slot (a cluster's; the one node's otherwise), or NULL. */
 cg_redis_conn *cg_redis_link_conn(cg_redis_link *ln, unsigned slot);
+/* A connect is under way (resolving, asking the Sentinels, connecting, probing). */
+int cg_redis_link_connecting(const cg_redis_link *ln);
+/* Waiting for the backoff: connects now instead (nothing when up, connecting or closing); a
+ * try that fails goes back to the backoff, on_down said. */
+void cg_redis_link_connect_now(cg_redis_link *ln);
 /* Commands in flight. */
 int cg_redis_link_pending(const cg_redis_link *ln);
 /* "host:port" the link is about, for logs. */

@@ -8,9 +8,9 @@
  * write-back when it returns (each dirty dialog handed to the backend once, with its
  * version; a newer write made meanwhile sent when the older one is answered; a refused one
  * dropped, a newer one kept; one memory no longer holds never written), the bounds of the dirty set, a failed
- * write-back sent again by the tick, the write-back at closing (the store up or away), the
- * rewrite after a move, forgetting a user, and requests whose caller left (at the wrapper and
- * at the inner store).
+ * write-back sent again by the tick, the write-back at closing (the store up or away; a save
+ * still at the store counted in flight, marked when it fails), the rewrite after a move,
+ * forgetting a user, and requests whose caller left (at the wrapper and at the inner store).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -524,6 +524,38 @@ static void test_closing_writes_back(uv_loop_t *loop)
     fake_free(&f, fb);
 }
 
+/* A save its store was still doing at closing counts as in flight (the store waits for it),
+ * until answered: taken, it is done; failed, it is marked only then, after the closing, and
+ * the store's tick writes it back. */
+static void test_closing_waits_for_saves(uv_loop_t *loop)
+{
+    fake f;
+    cg_fallback *fb = fake_open(&f, loop, 100, 0);
+    char err[64];
+    cg_dialog d;
+    cg_dialog_init(&d, f.now);
+    json_t *p = json_pack("{s:s}", "from", "a1");
+    cg_dialog_merge_params(&d, "travel", p, &f.st.cfg.lifetimes, err, sizeof(err));
+    json_decref(p);
+    cg_fallback_dialog_ops.save(&f.st, "u", "a", &d, NULL, NULL); /* a turn's save: nobody waits */
+    cg_fallback_dialog_ops.save(&f.st, "u", "b", &d, NULL, NULL);
+    cg_dialog_free(&d);
+    CHECK(cg_fallback_saves_in_flight(fb) == 2 && cg_fallback_dirty_count(fb) == 0);
+    f.unavailable = 1; /* the store fails both (an error answer, or its link went) */
+    cg_fallback_closing(fb, NULL, NULL);
+    CHECK(cg_fallback_saves_in_flight(fb) == 2 && f.n == 0);
+    uv_run(loop, UV_RUN_DEFAULT);
+    CHECK(cg_fallback_saves_in_flight(fb) == 0 && cg_fallback_dirty_count(fb) == 2);
+    f.unavailable = 0;
+    cg_fallback_tick(fb, 5000);
+    CHECK(f.n == 2);
+    cg_fallback_written(fb, "u:a", f.got[0].version, 1);
+    cg_fallback_written(fb, "u:b", f.got[1].version, 1);
+    CHECK(cg_fallback_dirty_count(fb) == 0);
+    cg_fallback_stop_writeback(fb, "all written back");
+    fake_free(&f, fb);
+}
+
 static void test_rewrite_after_move(uv_loop_t *loop)
 {
     fake f;
@@ -759,6 +791,7 @@ int main(void)
     test_bounds_and_gone(&loop);
     test_failed_writeback_goes_again(&loop);
     test_closing_writes_back(&loop);
+    test_closing_waits_for_saves(&loop);
     test_rewrite_after_move(&loop);
     test_rewrite_after_part_moved(&loop);
     test_forget_user_and_abandoned(&loop);
