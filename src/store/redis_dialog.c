@@ -7,13 +7,12 @@
  *
  * Layout (docs/state.md), the user's hash tag on every key, so a user's dialogs, their
  * leases and the rooms set live on one shard (one cluster slot):
- *   P:{U}:R:params    HASH  "<service>.<name>" -> JSON value, and "rev": the version of the
- *                           dialog that the last save wrote (docs/state.md, "The gateway's
- *                           copy"); here because every save, by any chatgate version, rewrites it
- *   P:{U}:R:dialog    HASH  service, created_at, last_activity, turn_count, message_count,
- *                           last_tool_result, usage (JSON: tokens by upstream)
- *   P:{U}:R:awaiting  STRING JSON, EX its lifetime
- *   P:{U}:R:soft      STRING JSON, EX its lifetime
+ *   P:{U}:R:state     HASH  "rev": the version of the dialog that the last save wrote
+ *                           (docs/state.md, "The gateway's copy"), created_at, last_activity,
+ *                           and "v": the rest of the dialog but its history as one JSON value
+ *                           (params, service, counts, awaiting, soft context, last tool
+ *                           result, usage, and when its params and the rest lapse), EXPIRE
+ *                           the longest of params_s and dialog_s
  *   P:{U}:R:history   LIST  JSON messages, oldest first, EXPIRE 30 min
  *   P:{U}:R:lock      STRING the lease: the ticket "<holder>#<n>" of the turn that has the
  *                           dialog (PX redis.lease_ms), marked " w" while turns of other
@@ -21,6 +20,8 @@
  *                           dialog_s) when turns still wait
  *   P:{U}:R:line      HASH  those turns' tickets, in order
  *   P:{U}:R:cancel    STRING set by another gateway to stop the lease holder's turn (its ticket)
+ *   P:{U}:R:params, dialog, awaiting, soft: the dialog of versions before the state, a
+ *                           key a part: read once by a load that finds no state, and deleted
  *   P:{U}:R:fence     STRING a fence counter of versions before the lock: only deleted
  *   P:{U}:rooms       ZSET  the user's rooms scored by their last save that rewrote or renewed
  *                           the lifetimes (ms; within 30 s by default), for "forget this
@@ -30,7 +31,7 @@
  * reads; a save checks the lease, writes the dialog and the rooms set, and lets go of the
  * lease. So it runs on a single Redis, behind twemproxy (which refuses MULTI) and on one
  * cluster slot, in one command and one round trip. A turn's load while the gateway holds a
- * copy is three plain commands, pipelined (SET NX PX, HGET rev, EXISTS); the load script
+ * copy is plain commands, pipelined (SET NX PX, HGET rev, EXISTS of the history); the load script
  * runs only when they do not all say yes (send_plain_load). (The gateway holds the whole
  * dialog for the turn, so rewriting is simpler than HSET/HDEL deltas and gives the same
  * keys.)
@@ -2163,9 +2164,8 @@ void cg_redis_send_save(redis_store *rs, redis_req *r)
     /* a rewrite makes its keys anew, and an awaiting or soft context that outlives the state's
      * lifetime needs the state's renewed (an append's HSET keeps the lifetime it had: the
      * awaiting state it adds would go with it), and the rooms set's when it outlives all
-     * three: those renew at once */
-    int renew = from < 0 || state_s > state_lifetime || longest > longest_lifetime ||
-                lifetimes_due(lt, copy.renewed, now);
+     * three (longest then passes longest_lifetime too): those renew at once */
+    int renew = from < 0 || state_s > state_lifetime || lifetimes_due(lt, copy.renewed, now);
     r->renewed = renew ? now : copy.renewed;
     cg_argv_str(&a, renew ? "1" : "0");
     cg_argv_str(&a, r->er);
