@@ -16,6 +16,8 @@
  * made meanwhile changes that copy, and its changes wait in rs->profile_pending: the link's
  * coming back writes them to Redis (cg_redis_profiles_writeback), through the same script,
  * so a profile is not lost to an outage (nor passes the cap: a change refused then is logged).
+ * Shutdown waits for them too (redis_store.c, close_has_work): the updates sent are counted
+ * until answered, and those still pending are sent when the link is up while closing.
  */
 #include <hiredis/hiredis.h>
 #include <stdio.h>
@@ -108,6 +110,11 @@ static void keep_for_writeback(redis_store *rs, const char *eu, json_t *changes)
 
 static void send_profile(redis_store *rs, redis_req *r);
 
+size_t cg_redis_profiles_unwritten(const redis_store *rs)
+{
+    return json_object_size(rs->profile_pending) + (size_t)rs->profile_updates_sent;
+}
+
 void cg_redis_profiles_writeback(redis_store *rs)
 {
     json_t *pending = rs->profile_pending;
@@ -164,6 +171,7 @@ static void on_reply(cg_redis_conn *ac, void *reply_, void *priv)
     redisReply *hash = reply;
     int written = 1;
     if (r->changes) { /* {1|0, the profile} */
+        rs->profile_updates_sent--;
         if (!reply || reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
             reply->element[0]->type != REDIS_REPLY_INTEGER) {
             hash = NULL;
@@ -192,10 +200,11 @@ static void on_reply(cg_redis_conn *ac, void *reply_, void *priv)
 }
 
 /* Sends r's command (a read) or script (an update), or answers it from the copy when Redis
- * is away. */
+ * is away. Closing, an update still goes (its changes would be lost at exit otherwise: close
+ * waits for its answer); a read has nobody to tell. */
 static void send_profile(redis_store *rs, redis_req *r)
 {
-    if (!cg_redis_linked(rs) || rs->closing) {
+    if (!cg_redis_linked(rs) || (rs->closing && !r->changes)) {
         from_copy(r);
         return;
     }
@@ -225,6 +234,8 @@ static void send_profile(redis_store *rs, redis_req *r)
     if (rc < 0) {
         rs->base.stats.errors++;
         from_copy(r);
+    } else if (r->changes) {
+        rs->profile_updates_sent++;
     }
 }
 

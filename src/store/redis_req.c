@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "chatgate/core/alloc.h"
+#include "chatgate/core/log.h"
 #include "chatgate/store/redis_internal.h"
 
 static void req_closed(uv_handle_t *h)
@@ -143,6 +144,11 @@ void cg_redis_store_free(redis_store *rs)
 {
     cg_fallback_free(rs->fb);
     cg_profiles_free(rs->profiles);
+    /* the count at close (redis_store.c) may have changed since: an update answered while
+     * the link drained, or one Redis failed then, kept again */
+    if (rs->profile_pending && json_object_size(rs->profile_pending))
+        cg_warn("redis %s:%d: %zu profile update(s) not written back are lost at exit", rs->host, rs->port,
+                json_object_size(rs->profile_pending));
     json_decref(rs->profile_pending);
     for (int i = 0; i < rs->n_sentinels; i++)
         free(rs->sentinel_hosts[i]);

@@ -51,10 +51,7 @@ static void on_link_up(void *data, int moved)
 {
     redis_store *rs = data;
     cg_fallback_up(rs->fb, moved);
-    /* up again during close (its connect at shutdown): profiles are not sent while closing
-     * (redis_profile.c), and their write-back would only say it writes them */
-    if (!rs->closing)
-        cg_redis_profiles_writeback(rs);
+    cg_redis_profiles_writeback(rs); /* during close too (its connect at shutdown): close waits */
     cg_redis_drain_waiting(rs);
 }
 
@@ -117,6 +114,8 @@ static void on_tick(uv_timer_t *t)
  */
 #define CLOSE_WRITEBACK_MS 5000
 #define CLOSE_POLL_MS 10
+/* A profile update Redis failed while close waits goes again at this pace, as a dialog's. */
+#define CLOSE_RESEND_MS 1000
 
 /* The last step of close, once the link has closed: the tick goes, and the store with it. */
 static void on_link_closed(void *data)
@@ -137,6 +136,9 @@ static void close_link(redis_store *rs, const char *why)
 {
     uv_timer_stop(&rs->tick);
     cg_fallback_stop_writeback(rs->fb, why);
+    if (cg_redis_profiles_unwritten(rs))
+        cg_warn("redis %s:%d: stopping with %zu profile update(s) not yet written back (%s)", rs->host, rs->port,
+                cg_redis_profiles_unwritten(rs), why);
     if (rs->link)
         cg_redis_link_close(rs->link, on_link_closed);
     else
@@ -144,10 +146,27 @@ static void close_link(redis_store *rs, const char *why)
 }
 
 /* What close waits for: the dialogs marked, and the turns' saves in flight (one that fails
- * is marked only when its answer comes, and its turn was answered). */
+ * is marked only when its answer comes, and its turn was answered); the profile updates made
+ * while Redis was away, and those sent (memory holds their only copy, as the dialogs'). */
+static size_t close_work(redis_store *rs)
+{
+    return cg_fallback_dirty_count(rs->fb) + cg_fallback_saves_in_flight(rs->fb) + cg_redis_profiles_unwritten(rs);
+}
+
 static int close_has_work(redis_store *rs)
 {
-    return cg_fallback_dirty_count(rs->fb) || cg_fallback_saves_in_flight(rs->fb);
+    return close_work(rs) != 0;
+}
+
+/* Closing, Redis up: the profile updates kept (made while it was away, or failed by it since)
+ * go, one round at a time, a second apart (the link's coming up sent the first). */
+static void close_send_profiles(redis_store *rs, uint64_t now)
+{
+    if (rs->profile_updates_sent || !json_object_size(rs->profile_pending) ||
+        now < rs->close_profiles_at + CLOSE_RESEND_MS)
+        return;
+    rs->close_profiles_at = now;
+    cg_redis_profiles_writeback(rs);
 }
 
 /*
@@ -169,8 +188,9 @@ static int close_reaches_redis(redis_store *rs)
     if (rs->close_tried)
         return 0;
     rs->close_tried = 1;
-    cg_info("redis %s:%d: down at shutdown with %zu dialogs to write back: connecting now, not after the backoff",
-            rs->host, rs->port, cg_fallback_dirty_count(rs->fb) + cg_fallback_saves_in_flight(rs->fb));
+    cg_info("redis %s:%d: down at shutdown with %zu dialogs and profile updates to write back: connecting now, "
+            "not after the backoff",
+            rs->host, rs->port, close_work(rs));
     cg_redis_link_connect_now(rs->link);
     return cg_redis_linked(rs) || cg_redis_link_connecting(rs->link);
 }
@@ -191,6 +211,7 @@ static void on_close_tick(uv_timer_t *t)
         close_link(rs, why);
     } else if (cg_redis_linked(rs)) {
         cg_fallback_tick(rs->fb, now);
+        close_send_profiles(rs, now);
     }
 }
 

@@ -23,7 +23,8 @@ as away, and decided what to wait for before the saves in flight were answered.
    tick's next round: the shutdown itself must send them. Every dialog's history in Redis
    holds its turn.
 3. Redis away at shutdown: nothing waits for it (the gateway exits within the drain), and
-   the log says how many dialogs were not written back.
+   the log says how many dialogs, and profile updates (each turn carries one), were not
+   written back.
 4. SIGTERM while the gateway waits out its reconnect backoff, Redis back already (a deploy
    right after a Redis restart): DIALOGS dialogs talk once, Redis is killed, each talks twice
    more (marked); the test waits for the link's fifth try since the outage (counted at a
@@ -38,6 +39,14 @@ as away, and decided what to wait for before the saves in flight were answered.
    Until the close waited for the saves in flight, nothing was marked when it decided, and
    the refusals marked the dialogs after it: every dialog lost its second turn. Every
    dialog's history in Redis holds both turns.
+6. Profile updates made in an outage, SIGTERM in the reconnect backoff, Redis back (part 4's
+   shape; docs/state.md, The user's profile): PROFILES users' profiles are changed while
+   Redis is away, kept in the gateway's copy and waiting for the write-back; Redis is started
+   again (empty) and SIGTERM comes before the gateway reconnected. a: by the state app's
+   directives on turns (the dialogs are marked too: the close connects for them); b: through
+   the admin API only (nothing else for the close to wait for). Until the close waited for
+   the profiles, every update was lost (a: the link's coming up at close skipped them; b: the
+   close saw nothing to do). Every user's profile hash in Redis holds the update.
 """
 
 import asyncio
@@ -45,11 +54,14 @@ import json
 import re
 import signal
 import time
+import urllib.parse
 
 import harness
 from harness import Client, check, check_turn_done, independent, step
 
 DIALOGS = 120
+PROFILES = 40
+ADMIN_TOKEN = "shutdown-admin-token"
 AWAY_DIALOGS = 10
 LATENCY = 0.5  # s: each answer of Redis's, in part 1 (SlowLink)
 SAVE_LATENCY = 0.7  # s: in part 5, longer than the drain's 0.3 s, so every save is in flight at close
@@ -300,12 +312,13 @@ async def part_away_at_shutdown(app, rules):
         await gw.astart()
         clients = await asyncio.gather(*(Client.connect(gw) for _ in range(AWAY_DIALOGS)))
         with step(f"3. Redis away at shutdown: {AWAY_DIALOGS} dialogs marked in an outage; SIGTERM: the gateway "
-                  "exits 0 without waiting for Redis, and says how many dialogs were not written back"):
+                  "exits 0 without waiting for Redis, and says how many dialogs and profile updates were not "
+                  "written back"):
             await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
             redis.kill()
             await wait_metric(gw, "chatgate_store_degraded", lambda v: v == 1, 5, "the outage")
-            await all_of(say(c, app, f"a{i}", f"a{i}", f"message of dialog {i} in the outage")
-                         for i, c in enumerate(clients))
+            await all_of(say(c, app, f"a{i}", f"a{i}", f"message of dialog {i} in the outage",
+                             {"profile": {"home_city": f"city {i}"}}) for i, c in enumerate(clients))
             for c in clients:
                 await c.close()
             took = await stop_now(gw)
@@ -313,6 +326,8 @@ async def part_away_at_shutdown(app, rules):
             check(took < 1.5, f"with Redis away the gateway should not wait for it at shutdown: {took:.2f}s")
             check(f"stopping with {AWAY_DIALOGS} dialogs not yet written back" in gw.log_text(),
                   "the log should say how many dialogs were not written back")
+            check(f"stopping with {AWAY_DIALOGS} profile update(s) not yet written back" in gw.log_text(),
+                  "the log should say how many profile updates were not written back")
     finally:
         redis.cleanup(keep=True)
 
@@ -433,6 +448,76 @@ async def part_save_refused_at_close(app, rules):
         redis.cleanup(keep=True)
 
 
+def profile_in_redis(redis, user):
+    return redis.hgetall("chatgate:{" + harness.escape_id(user) + "}:profile")
+
+
+async def admin_put_profile(gw, user, name, value):
+    url = (f"{gw.http_url}/admin/users/{urllib.parse.quote(user, safe='')}/profile/{name}?value="
+           + urllib.parse.quote(json.dumps(value), safe=""))
+    status, _, body = await asyncio.to_thread(harness.http_request, url, "PUT",
+                                              {"Authorization": f"Bearer {ADMIN_TOKEN}"}, None)
+    # Redis away: 503, the gateway's copy answered (and holds the change for the write-back)
+    check(status == 503 and b"copy answered" in body, f"admin PUT in the outage: {status} {body[:200]!r}")
+
+
+async def part_profiles_in_backoff(app, rules, via):
+    redis = await harness.RedisServer().astart()
+    relay = await SlowLink(redis.port, 0.0).start()  # no delay: it counts the link's tries
+    try:
+        cfg = config_for(app, relay)
+        cfg["redis"]["bus"] = redis.url  # only the link's connections go through the relay
+        gw = harness.Gateway(["--rules", rules, "--max-connections", 1000], cfg,
+                             env={"CHATGATE_ADMIN_TOKEN": ADMIN_TOKEN}, name=f"gateway-profiles-{via}")
+        await gw.astart()
+        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(PROFILES)))
+        users = [c.hello["user"] for c in clients]
+        how = "by directives on turns" if via == "a" else "by the admin API only"
+        with step(f"6{via}. Redis killed; {PROFILES} users' profiles changed ({how}), kept in memory; the link "
+                  f"tries {BACKOFF_TRIES} times"):
+            await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
+            before = relay.connections
+            killed = time.monotonic()
+            redis.kill()
+            await wait_metric(gw, "chatgate_store_degraded", lambda v: v == 1, 5, "the outage")
+            if via == "a":
+                await all_of(say(c, app, f"p{i}", f"p{i}", f"I live in city {i}",
+                                 {"profile": {"home_city": f"city {i}"}}) for i, c in enumerate(clients))
+            else:
+                for i, user in enumerate(users):
+                    await admin_put_profile(gw, user, "home_city", f"city {i}")
+            await wait_until(lambda: relay.connections >= before + BACKOFF_TRIES, 10, "the link's tries")
+        with step(f"6{via}, shutdown: Redis started again (empty); SIGTERM before the gateway reconnected: it exits 0, and "
+                  "every user's profile in Redis holds the update"):
+            tries = relay.connections
+            await redis.astart()
+            for c in clients:
+                await c.close()
+            check(relay.connections == tries and len(re.findall(r"redis \S+: connected", gw.log_text())) == 1,
+                  "the gateway reconnected before SIGTERM: the test came too late")
+            print(f"   SIGTERM {time.monotonic() - killed:.2f}s after the kill, the link still in its backoff")
+            took = await stop_now(gw)
+            print(f"   exited {took:.2f}s after SIGTERM; {relay.connections - tries} connection(s) at shutdown")
+            check_profiles_written(redis, users, gw)
+    finally:
+        relay.close()
+        redis.cleanup(keep=True)
+
+
+def check_profiles_written(redis, users, gw):
+    """Every user i's profile in Redis holds home_city "city i"."""
+    missing = [(i, got) for i, got in ((i, profile_in_redis(redis, u)) for i, u in enumerate(users))
+               if got.get("home_city") != json.dumps(f"city {i}")]
+    left = re.findall(r"(\d+) profile update\(s\) not (?:yet )?written back", gw.log_text())
+    print(f"   {len(users) - len(missing)} of {len(users)} profiles in Redis after the exit; the log's count left: "
+          f"{left or 'none'}")
+    if missing:
+        gw.failed = True
+        i, got = missing[0]
+        harness.fail(f"{len(missing)} of {len(users)} profile updates made in the outage are not in Redis after the "
+                     f"gateway exited; e.g. user {i}: Redis holds {got}")
+
+
 async def main(args):
     rules = harness.empty_rules_dir()
     async with harness.FakeApp() as app:
@@ -441,7 +526,9 @@ async def main(args):
         await independent(part_away_at_shutdown(app, rules))
         await independent(part_in_backoff(app, rules))
         await independent(part_save_refused_at_close(app, rules))
+        await independent(part_profiles_in_backoff(app, rules, "a"))
+        await independent(part_profiles_in_backoff(app, rules, "b"))
 
 
 if __name__ == "__main__":
-    harness.run(main, timeout=80)
+    harness.run(main, timeout=110)

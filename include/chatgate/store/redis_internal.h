@@ -128,6 +128,8 @@ struct redis_store {
     cg_profiles *profiles; /* the copies of the profiles Redis answered (redis_profile.c) */
     json_t *profile_pending; /* eu -> the changes made while Redis was away, written back when
                               * it is up again (at most max_dialogs users) */
+    int profile_updates_sent; /* profile updates sent and not answered yet: close waits for them
+                               * (one Redis fails goes back to profile_pending) */
     redis_req *waiting, *waiting_tail; /* before the first connection is decided */
     json_t *leases;  /* key -> {"v": the lease ("<holder>#<n>"), "t": ms renewed}: dialog leases held */
     json_t *saving;  /* key -> saves in flight: later loads of that dialog wait (rs->gated) */
@@ -145,6 +147,7 @@ struct redis_store {
     int closing;
     uint64_t close_deadline; /* closing: until when the write-back is waited for (uv_now, ms) */
     int close_tried; /* closing: the connect at once was asked for (redis_store.c, once) */
+    uint64_t close_profiles_at; /* closing: when profile_pending was last sent (uv_now, ms) */
 };
 
 /* The store can send commands: its link is up. */
@@ -216,6 +219,9 @@ extern const cg_store_profile_ops cg_redis_profile_ops; /* redis_profile.c */
 void cg_redis_profile_key(redis_store *rs, cg_argv *a, const char *eu);
 /* The link is up: the profile changes made while Redis was away go to it (redis_profile.c). */
 void cg_redis_profiles_writeback(redis_store *rs);
+/* The profile updates not in Redis yet: waiting for the write-back, or sent and not answered
+ * (redis_profile.c; shutdown waits for them). */
+size_t cg_redis_profiles_unwritten(const redis_store *rs);
 /* redis_stream.c: the stream (the turn export's XADD). */
 extern const cg_store_stream_ops cg_redis_stream_ops;
 /* Sends r's save (its snapshot): one conditional script (S_SAVE) that writes the dialog and
