@@ -108,6 +108,45 @@ async def say(client, app, room, mid, text, directive=None):
     return turn
 
 
+async def stop_in_backoff(gw, redis, relay, clients, killed):
+    """Redis started again (empty) while the gateway's link waits out its backoff, and
+    SIGTERM before it reconnected (checked: no connection at the relay, one "connected" in the
+    log); waits for the exit."""
+    tries = relay.connections
+    await redis.astart()
+    for c in clients:
+        await c.close()
+    check(relay.connections == tries and len(re.findall(r"redis \S+: connected", gw.log_text())) == 1,
+          "the gateway reconnected before SIGTERM: the test came too late")
+    print(f"   SIGTERM {time.monotonic() - killed:.2f}s after the kill, the link still in its backoff")
+    took = await stop_now(gw)
+    print(f"   exited {took:.2f}s after SIGTERM; {relay.connections - tries} connection(s) at shutdown")
+
+
+async def gateway_behind(app, rules, link, latency, name):
+    """A gateway started on Redis behind link, latency s away (its commands' timeout four
+    round trips), for DIALOGS clients."""
+    gw = harness.Gateway(["--rules", rules, "--max-connections", 1000],
+                         config_for(app, link, command_timeout_ms=int(latency * 1000) * 4), name=name)
+    await gw.astart()
+    return gw
+
+
+async def open_dialogs(app, gw, room, mid):
+    """DIALOGS clients of gw, a dialog each (rooms "<room><i>"): the clients, the dialogs as
+    (user, room, the texts said), and talk(i, k), which sends dialog i's message k (its params
+    {"k": k}) and notes its text once answered."""
+    clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
+    dialogs = [(c.hello["user"], f"{room}{i}", []) for i, c in enumerate(clients)]
+
+    async def talk(i, k):
+        user, room_i, texts = dialogs[i]
+        text = f"message {k} of dialog {i}"
+        await say(clients[i], app, room_i, f"{mid}{i}-{k}", text, {"service": "travel", "params": {"k": k}})
+        texts.append(text)
+    return clients, dialogs, talk
+
+
 async def all_of(coros):
     results = await asyncio.gather(*coros, return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -227,18 +266,8 @@ async def part_after_outage(app, rules):
     redis = await harness.RedisServer().astart()
     link = await SlowLink(redis.port, LATENCY).start()
     try:
-        gw = harness.Gateway(["--rules", rules, "--max-connections", 1000],
-                             config_for(app, link, command_timeout_ms=int(LATENCY * 1000) * 4),
-                             name="gateway-outage")
-        await gw.astart()
-        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
-        dialogs = [(c.hello["user"], f"r{i}", []) for i, c in enumerate(clients)]
-
-        async def talk(i, k):
-            user, room, texts = dialogs[i]
-            text = f"message {k} of dialog {i}"
-            await say(clients[i], app, room, f"d{i}-{k}", text, {"service": "travel", "params": {"k": k}})
-            texts.append(text)
+        gw = await gateway_behind(app, rules, link, LATENCY, "gateway-outage")
+        clients, dialogs, talk = await open_dialogs(app, gw, "r", "d")
 
         with step(f"1. Redis {LATENCY:.1f} s away: {DIALOGS} dialogs talk once; Redis is killed, and each talks "
                   "twice more (served from memory, marked for the write-back)"):
@@ -349,14 +378,7 @@ async def part_in_backoff(app, rules):
         cfg["redis"]["bus"] = redis.url
         gw = harness.Gateway(["--rules", rules, "--max-connections", 1000], cfg, name="gateway-backoff")
         await gw.astart()
-        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
-        dialogs = [(c.hello["user"], f"b{i}", []) for i, c in enumerate(clients)]
-
-        async def talk(i, k):
-            user, room, texts = dialogs[i]
-            text = f"message {k} of dialog {i}"
-            await say(clients[i], app, room, f"b{i}-{k}", text, {"service": "travel", "params": {"k": k}})
-            texts.append(text)
+        clients, dialogs, talk = await open_dialogs(app, gw, "b", "b")
 
         with step(f"4. {DIALOGS} dialogs talk once; Redis is killed, and each talks twice more (marked); the link "
                   f"tries {BACKOFF_TRIES} times (its next try 5 s on)"):
@@ -376,15 +398,7 @@ async def part_in_backoff(app, rules):
 
         with step("4b. Redis started again (empty); SIGTERM before the gateway reconnected: it exits 0, and every "
                   "dialog's turns are in Redis"):
-            tries = relay.connections
-            await redis.astart()
-            for c in clients:
-                await c.close()
-            check(relay.connections == tries and len(re.findall(r"redis \S+: connected", gw.log_text())) == 1,
-                  "the gateway reconnected before SIGTERM: the test came too late")
-            print(f"   SIGTERM {time.monotonic() - killed:.2f}s after the kill, the link still in its backoff")
-            took = await stop_now(gw)
-            print(f"   exited {took:.2f}s after SIGTERM; {relay.connections - tries} connection(s) at shutdown")
+            await stop_in_backoff(gw, redis, relay, clients, killed)
             check_all_written(redis, dialogs, gw, "SIGTERM in the reconnect backoff, Redis back")
     finally:
         relay.close()
@@ -402,18 +416,8 @@ async def part_save_refused_at_close(app, rules):
     redis = await harness.RedisServer().astart()
     link = await SlowLink(redis.port, SAVE_LATENCY).start()
     try:
-        gw = harness.Gateway(["--rules", rules, "--max-connections", 1000],
-                             config_for(app, link, command_timeout_ms=int(SAVE_LATENCY * 1000) * 4),
-                             name="gateway-in-flight")
-        await gw.astart()
-        clients = await asyncio.gather(*(Client.connect(gw) for _ in range(DIALOGS)))
-        dialogs = [(c.hello["user"], f"s{i}", []) for i, c in enumerate(clients)]
-
-        async def talk(i, k):
-            user, room, texts = dialogs[i]
-            text = f"message {k} of dialog {i}"
-            await say(clients[i], app, room, f"s{i}-{k}", text, {"service": "travel", "params": {"k": k}})
-            texts.append(text)
+        gw = await gateway_behind(app, rules, link, SAVE_LATENCY, "gateway-in-flight")
+        clients, dialogs, talk = await open_dialogs(app, gw, "s", "s")
 
         with step(f"5. Redis {SAVE_LATENCY:.1f} s away: {DIALOGS} dialogs talk once (Redis has the scripts then: "
                   "no NOSCRIPT round later), then Redis refuses writes (-NOREPLICAS) and each talks again; SIGTERM "
@@ -489,15 +493,7 @@ async def part_profiles_in_backoff(app, rules, via):
             await wait_until(lambda: relay.connections >= before + BACKOFF_TRIES, 10, "the link's tries")
         with step(f"6{via}, shutdown: Redis started again (empty); SIGTERM before the gateway reconnected: it exits 0, and "
                   "every user's profile in Redis holds the update"):
-            tries = relay.connections
-            await redis.astart()
-            for c in clients:
-                await c.close()
-            check(relay.connections == tries and len(re.findall(r"redis \S+: connected", gw.log_text())) == 1,
-                  "the gateway reconnected before SIGTERM: the test came too late")
-            print(f"   SIGTERM {time.monotonic() - killed:.2f}s after the kill, the link still in its backoff")
-            took = await stop_now(gw)
-            print(f"   exited {took:.2f}s after SIGTERM; {relay.connections - tries} connection(s) at shutdown")
+            await stop_in_backoff(gw, redis, relay, clients, killed)
             check_profiles_written(redis, users, gw)
     finally:
         relay.close()
