@@ -213,9 +213,9 @@ static void head_refuse(head_conn *h, int status, const char *reason, const char
 
 /*
  * A head whose headers (every byte after the request line, up to the blank line: names,
- * values, line ends) are over max_header_bytes: 431, here. lws's own check sums only the headers it knows by name (its token table), so a
- * request padded with headers of other names (three 15 KB X-Pad headers) passed it until
- * issue 39's ninth round.
+ * values, line ends) are over max_header_bytes: 431, here. lws's own check sums only the
+ * headers it knows by name (its token table), so a request padded with headers of other
+ * names (three 15 KB X-Pad headers) passed it until issue 39's ninth round.
  */
 static void refuse_large(head_conn *h, size_t header_bytes)
 {
