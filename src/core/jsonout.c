@@ -193,6 +193,22 @@ void cg_jsonw_json(cg_jsonw *w, json_t *v)
         json_value(w, v, 0);
 }
 
+void cg_jsonw_null_if_failed(cg_jsonw *w, size_t at)
+{
+    if (!w->failed)
+        return;
+    w->failed = 0;
+    w->used = at;
+    CG_JSONW_LIT(w, "null");
+}
+
+void cg_jsonw_json_or_null(cg_jsonw *w, json_t *v)
+{
+    size_t at = w->used;
+    cg_jsonw_json(w, v);
+    cg_jsonw_null_if_failed(w, at);
+}
+
 /* "00" to "99": two digits a division (a turn writes a few hundred numbers: RESP lengths,
  * times in ms, counts). */
 static const char two_digits[] = "00010203040506070809101112131415161718192021222324252627282930313233343536373839"

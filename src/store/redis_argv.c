@@ -96,12 +96,7 @@ void cg_argv_int(cg_argv *a, long long n)
 void cg_argv_json(cg_argv *a, json_t *v)
 {
     size_t start = cg_argv_begin(a);
-    cg_jsonw_json(&a->w, v);
-    if (a->w.failed) {
-        a->w.failed = 0;
-        a->w.used = start;
-        CG_JSONW_LIT(&a->w, "null");
-    }
+    cg_jsonw_json_or_null(&a->w, v);
     cg_argv_end(a, start);
 }
 

@@ -561,8 +561,8 @@ static json_t *history_from_reply(redisReply *rep, left_out *lo)
 /*
  * The state hash (rev, created_at, last_activity, v) and the history list of a load, into the
  * JSON cg_dialog_from_json reads (v is that JSON but the history), and *rev into the state's
- * rev (NULL when it has none); NULL when out of memory, or when there is no state (an empty
- * dialog then). A part past its lifetime (v's params_until and dialog_until, the saving
+ * rev (NULL when it has none); an empty dialog's when there is no state, NULL only when out
+ * of memory. A part past its lifetime (v's params_until and dialog_until, the saving
  * gateway's clock: docs/state.md, "Lifetimes in Redis") is left out, as a key of its own
  * that lapsed was. What it cannot read is left out and counted in lo.
  */
@@ -2001,19 +2001,6 @@ static void save_answered(redis_store *rs, redis_req *r, redisReply *reply)
     cg_redis_req_finish(r);
 }
 
-/* One value of v: "null" in its place when it cannot be written (not valid UTF-8, too deep),
- * as a value of its own argument was before the state (cg_argv_json). */
-static void put_value(cg_jsonw *w, json_t *v)
-{
-    size_t at = w->used;
-    cg_jsonw_json(w, v);
-    if (w->failed) {
-        w->failed = 0;
-        w->used = at;
-        CG_JSONW_LIT(w, "null");
-    }
-}
-
 static void put_int_member(cg_jsonw *w, const char *name_lit, size_t name_len, long long n)
 {
     cg_jsonw_raw(w, name_lit, name_len);
@@ -2028,7 +2015,7 @@ static void put_expiring(cg_jsonw *w, const char *name, const char *expires_name
 {
     int live = value && expires > now;
     cg_jsonw_raw(w, name, strlen(name));
-    put_value(w, live ? value : NULL);
+    cg_jsonw_json_or_null(w, live ? value : NULL);
     cg_jsonw_raw(w, expires_name, strlen(expires_name));
     cg_jsonw_int(w, live ? (long long)expires : 0);
     if (live && expires - now > *longest)
@@ -2046,12 +2033,12 @@ static void arg_state(cg_argv *a, const cg_dialog *d, const cg_lifetimes *lt, in
 {
     size_t start = cg_argv_begin(a);
     cg_jsonw *w = &a->w;
-    json_t *service = d->service ? json_string(d->service) : NULL;
     CG_JSONW_LIT(w, "{\"service\":");
-    put_value(w, service);
-    json_decref(service);
+    size_t at = w->used;
+    cg_jsonw_str(w, d->service, d->service ? strlen(d->service) : 0); /* NULL: null */
+    cg_jsonw_null_if_failed(w, at);
     CG_JSONW_LIT(w, ",\"params\":");
-    put_value(w, d->params);
+    cg_jsonw_json_or_null(w, d->params);
     put_expiring(w, ",\"awaiting\":", ",\"awaiting_expires\":", d->awaiting, d->awaiting_expires, now, longest);
     put_expiring(w, ",\"soft_context\":", ",\"soft_expires\":", d->soft, d->soft_expires, now, longest);
     PUT_INT(w, ",\"meta\":{\"created_at\":", (long long)d->created_at);
@@ -2059,10 +2046,10 @@ static void arg_state(cg_argv *a, const cg_dialog *d, const cg_lifetimes *lt, in
     PUT_INT(w, ",\"turn_count\":", (long long)d->turn_count);
     PUT_INT(w, ",\"message_count\":", (long long)d->message_count);
     CG_JSONW_LIT(w, "},\"last_tool_result\":");
-    put_value(w, d->last_tool_result);
+    cg_jsonw_json_or_null(w, d->last_tool_result);
     if (d->usage) {
         CG_JSONW_LIT(w, ",\"usage\":");
-        put_value(w, d->usage);
+        cg_jsonw_json_or_null(w, d->usage);
     }
     PUT_INT(w, ",\"params_until\":", (long long)(now + lt->params_s));
     PUT_INT(w, ",\"dialog_until\":", (long long)(now + lt->dialog_s));

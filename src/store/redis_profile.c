@@ -16,7 +16,7 @@
  * made meanwhile changes that copy, and its changes wait in rs->profile_pending: the link's
  * coming back writes them to Redis (cg_redis_profiles_writeback), through the same script,
  * so a profile is not lost to an outage (nor passes the cap: a change refused then is logged).
- * Shutdown waits for them too (redis_store.c, close_has_work): the updates sent are counted
+ * Shutdown waits for them too (redis_store.c, close_work): the updates sent are counted
  * until answered, and those still pending are sent when the link is up while closing.
  */
 #include <hiredis/hiredis.h>

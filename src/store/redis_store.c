@@ -153,11 +153,6 @@ static size_t close_work(redis_store *rs)
     return cg_fallback_dirty_count(rs->fb) + cg_fallback_saves_in_flight(rs->fb) + cg_redis_profiles_unwritten(rs);
 }
 
-static int close_has_work(redis_store *rs)
-{
-    return close_work(rs) != 0;
-}
-
 /* Closing, Redis up: the profile updates kept (made while it was away, or failed by it since)
  * go, one round at a time, a second apart (the link's coming up sent the first). */
 static void close_send_profiles(redis_store *rs, uint64_t now)
@@ -202,7 +197,7 @@ static void on_close_tick(uv_timer_t *t)
     redis_store *rs = t->data;
     uint64_t now = uv_now(rs->base.loop);
     char why[80];
-    if (!close_has_work(rs)) {
+    if (!close_work(rs)) {
         close_link(rs, "all written back");
     } else if (!close_reaches_redis(rs)) {
         close_link(rs, "Redis is away, tried once more at shutdown");
@@ -232,7 +227,7 @@ void cg_redis_close(cg_store *st)
     cg_redis_bus_close(rs->bus);
     rs->bus = NULL;
     cg_fallback_closing(rs->fb, fallback_closed, rs);
-    if (!close_has_work(rs)) {
+    if (!close_work(rs)) {
         close_link(rs, "all written back");
         return;
     }

@@ -258,8 +258,6 @@ int cg_memstore_view_of(cg_memstore *m, const char *key, int64_t now, cg_memstor
     v->rev = e->rev;
     v->history = e->history_exp > now ? e->d.history : NULL;
     v->params = e->params_exp > now ? e->d.params : NULL;
-    v->awaiting = e->d.awaiting;
-    v->soft = e->d.soft;
     v->renewed = e->renewed;
     return 1;
 }

@@ -94,6 +94,12 @@ void cg_jsonw_str(cg_jsonw *w, const char *s, size_t len);
 /* Appends v as compact JSON, as json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY) writes it
  * (keys in the order set; reals are left to jansson); v NULL appends null. */
 void cg_jsonw_json(cg_jsonw *w, json_t *v);
+/* The value written since `at` (w->used before it) becomes null when it could not be written
+ * (w->failed: text that is not UTF-8, nesting too deep), and w goes on: one value lost, not
+ * the whole text. */
+void cg_jsonw_null_if_failed(cg_jsonw *w, size_t at);
+/* cg_jsonw_json, then cg_jsonw_null_if_failed. */
+void cg_jsonw_json_or_null(cg_jsonw *w, json_t *v);
 /* Appends n as a JSON number. */
 void cg_jsonw_int(cg_jsonw *w, long long n);
 /* n in decimal, written backwards to end just before end (at most 20 bytes); its length. */

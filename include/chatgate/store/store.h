@@ -371,8 +371,6 @@ typedef struct cg_memstore_view {
     const char *rev;  /* as cg_memstore_rev */
     json_t *history;  /* the history items; NULL when their time is up */
     json_t *params;   /* the params; NULL when their time is up */
-    json_t *awaiting; /* the awaiting state and the soft context as put, their expiry not */
-    json_t *soft;     /* applied (what Redis's copy of that rev holds), or NULL */
     int64_t renewed;  /* as given to the put */
 } cg_memstore_view;
 /* Fills v from key's live entry; 0 when there is none (v all NULL and 0). */

@@ -909,8 +909,33 @@ static void test_json_stringn(void)
     CHECK(wrong == 0);
 }
 
+/* cg_jsonw_json_or_null, cg_jsonw_null_if_failed: a value that cannot be written becomes null
+ * in its place, and what comes after it is written (a save's state, one JSON value). */
+static void test_or_null(void)
+{
+    size_t len = 0;
+    cg_jsonw w;
+    cg_jsonw_init(&w, 0, 0);
+    json_t *bad = json_stringn_nocheck("ok\xC0\x80", 4), *good = json_pack("{s:i}", "n", 7);
+    CG_JSONW_LIT(&w, "{\"a\":");
+    cg_jsonw_json_or_null(&w, bad);
+    CG_JSONW_LIT(&w, ",\"b\":");
+    size_t at = w.used;
+    cg_jsonw_str(&w, "\xFF", 1);
+    cg_jsonw_null_if_failed(&w, at);
+    CG_JSONW_LIT(&w, ",\"c\":");
+    cg_jsonw_json_or_null(&w, good);
+    CG_JSONW_LIT(&w, "}");
+    char *out = cg_jsonw_end(&w, &len);
+    CHECK_STR(out, "{\"a\":null,\"b\":null,\"c\":{\"n\":7}}");
+    free(out);
+    json_decref(bad);
+    json_decref(good);
+}
+
 int main(void)
 {
+    test_or_null();
     test_swar();
     test_json_stringn();
     test_init_in();
