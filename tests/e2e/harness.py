@@ -2285,6 +2285,109 @@ async def context_command(client, kind, room, timeout=DEFAULT_TIMEOUT, **extra):
     return state
 
 
+class RedisFront:
+    """A TCP server between a gateway and a real Redis. mode "proxy" passes the bytes on;
+    "error" answers every command with `error` (a RESP error line, without the '-');
+    "stall" accepts and answers nothing (Redis stopped, for this gateway only). A mode holds
+    for the connections accepted while it is set; `cut()` closes every open connection.
+    `delay` (s) passes each piece of Redis's answers on that long after it came, in "proxy":
+    a constant latency, as of a Redis far away or busy (a piece never waits behind the
+    previous one's delay). `accepted` counts the gateway's connections (its tries, Redis
+    away); Redis gone, the gateway's connection is closed."""
+
+    def __init__(self, redis_port, delay=0.0):
+        self.redis_port = redis_port
+        self.mode = "proxy"
+        self.delay = delay
+        self.error = ""
+        self.accepted = 0
+        self.writers = set()
+        self.server = None
+        self.port = None
+
+    async def start(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}"
+
+    def cut(self):
+        for w in list(self.writers):
+            w.close()
+
+    async def close(self):
+        self.cut()
+        self.server.close()
+
+    async def _serve(self, reader, writer):
+        self.accepted += 1
+        self.writers.add(writer)
+        try:
+            if self.mode == "error":
+                while await self._read_command(reader):
+                    writer.write(b"-" + self.error.encode() + b"\r\n")
+                    await writer.drain()
+            elif self.mode == "stall":
+                while await reader.read(65536):
+                    pass
+            else:
+                await self._proxy(reader, writer)
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            self.writers.discard(writer)
+            writer.close()
+
+    @staticmethod
+    async def _read_command(reader):
+        """One RESP command (an array of bulk strings); False at the end of the stream."""
+        line = await reader.readline()
+        if not line:
+            return False
+        for _ in range(int(line[1:])):
+            size = await reader.readline()
+            await reader.readexactly(int(size[1:]) + 2)
+        return True
+
+    async def _proxy(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.redis_port)
+        self.writers.add(up_writer)
+        loop = asyncio.get_running_loop()
+        due = asyncio.Queue()
+
+        async def requests():
+            while data := await reader.read(65536):
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def answers():
+            while data := await up_reader.read(65536):
+                due.put_nowait((loop.time() + self.delay, data))
+            due.put_nowait((loop.time() + self.delay, None))
+
+        async def pass_on():
+            while True:
+                at, data = await due.get()
+                await asyncio.sleep(max(0.0, at - loop.time()))
+                if data is None:
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        tasks = [asyncio.create_task(t) for t in (requests(), answers(), pass_on())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.writers.discard(up_writer)
+            up_writer.close()
+
+
 # --------------------------------------------------------------------------------------
 # Identity helpers
 

@@ -49,95 +49,6 @@ from harness import Client, check, check_turn_done, independent, step
 ADMIN_TOKEN = "hardening-redis-admin-token"
 
 
-# ---- a front for Redis that can answer errors, stall, or pass the bytes on ----------------
-
-
-class RedisFront:
-    """A TCP server between the gateway and a real Redis. mode "proxy" passes the bytes on;
-    "error" answers every command with `error` (a RESP error line, without the '-');
-    "stall" accepts and answers nothing (Redis stopped, for this gateway only). A mode holds
-    for the connections accepted while it is set; `cut()` closes every open connection.
-    `delay` (s) holds each piece of Redis's answers that long on its way back, in "proxy"."""
-
-    def __init__(self, redis_port):
-        self.redis_port = redis_port
-        self.mode = "proxy"
-        self.delay = 0.0
-        self.error = ""
-        self.accepted = 0
-        self.writers = set()
-        self.server = None
-        self.port = None
-
-    async def start(self):
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self):
-        return f"redis://127.0.0.1:{self.port}"
-
-    def cut(self):
-        for w in list(self.writers):
-            w.close()
-
-    async def close(self):
-        self.cut()
-        self.server.close()
-
-    async def _serve(self, reader, writer):
-        self.accepted += 1
-        self.writers.add(writer)
-        try:
-            if self.mode == "error":
-                while await self._read_command(reader):
-                    writer.write(b"-" + self.error.encode() + b"\r\n")
-                    await writer.drain()
-            elif self.mode == "stall":
-                while await reader.read(65536):
-                    pass
-            else:
-                await self._proxy(reader, writer)
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            pass
-        finally:
-            self.writers.discard(writer)
-            writer.close()
-
-    @staticmethod
-    async def _read_command(reader):
-        """One RESP command (an array of bulk strings); False at the end of the stream."""
-        line = await reader.readline()
-        if not line:
-            return False
-        for _ in range(int(line[1:])):
-            size = await reader.readline()
-            await reader.readexactly(int(size[1:]) + 2)
-        return True
-
-    async def _proxy(self, reader, writer):
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.redis_port)
-        self.writers.add(up_writer)
-
-        async def pipe(src, dst, answers=False):
-            try:
-                while data := await src.read(65536):
-                    if answers and self.delay:
-                        await asyncio.sleep(self.delay)
-                    dst.write(data)
-                    await dst.drain()
-            except OSError:
-                pass
-            finally:
-                dst.close()
-
-        try:
-            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer, answers=True))
-        finally:
-            self.writers.discard(up_writer)
-
-
 # ---- helpers ------------------------------------------------------------------------------
 
 
@@ -249,7 +160,7 @@ def config_for(app, url, **redis):
 async def part_probe_error(app, rules, error):
     name = error.split()[0]
     redis = await harness.RedisServer().astart()
-    front = await RedisFront(redis.port).start()
+    front = await harness.RedisFront(redis.port).start()
     front.mode, front.error = "error", error
     try:
         async with harness.Gateway(header_args(rules), config_for(app, front.url), name=f"gateway-{name}") as gw:
@@ -373,7 +284,7 @@ async def part_pipelined_load(app, rules):
     ran; that load's answer must be dropped and the load sent again (counted), so the turn
     after still sees the turn before."""
     redis = await harness.RedisServer().astart()
-    front = await RedisFront(redis.port).start()
+    front = await harness.RedisFront(redis.port).start()
     try:
         async with harness.Gateway(header_args(rules), config_for(app, front.url), name="gateway-pipelined") as gw:
             c = await Client.connect(gw, expect_user="pipe", extra_headers={"X-User-Id": "pipe"})
@@ -422,7 +333,7 @@ async def part_writeback_fresh_load(app, rules):
     """A dialog first loaded while Redis is away (a fresh gateway): Redis's copy stays, and the
     turn of the outage joins it (the two copies merge, issue 36)."""
     redis = await harness.RedisServer().astart()
-    front = await RedisFront(redis.port).start()
+    front = await harness.RedisFront(redis.port).start()
     user, room = "wb|fresh", "trip"
     try:
         async with harness.Gateway(header_args(rules), config_for(app, redis.url), name="gateway-wb1") as gw:
@@ -468,7 +379,7 @@ async def part_writeback_evicted(app, rules):
     written back: the write-back set has the same bound in dialogs and drops it first
     (reason="bound"), and Redis's copy stays as it was."""
     redis = await harness.RedisServer().astart()
-    front = await RedisFront(redis.port).start()
+    front = await harness.RedisFront(redis.port).start()
     user = "wb|evicted-count"
     cfg = config_for(app, front.url)
     cfg["max_dialogs"] = 2
@@ -511,7 +422,7 @@ async def part_writeback_pinned(app, rules):
     copy, whose turns were lost (reason="gone"), and a message after that was forwarded
     without them."""
     redis = await harness.RedisServer().astart()
-    front = await RedisFront(redis.port).start()
+    front = await harness.RedisFront(redis.port).start()
     user = "wb|pinned"
     cfg = config_for(app, front.url)
     cfg["max_store_bytes"] = 16384
@@ -567,7 +478,7 @@ async def part_writeback_older(app, rules):
     """Gateway A holds an older copy through its outage; gateway B wrote a newer one: B's values
     stay where both set one, and A's turn of the outage joins the history (merged, issue 36)."""
     redis = await harness.RedisServer().astart()
-    front = await RedisFront(redis.port).start()
+    front = await harness.RedisFront(redis.port).start()
     user, room = "wb|race", "race"
     try:
         async with harness.Gateway(header_args(rules), config_for(app, front.url), name="gateway-wb-a") as gwa, \
@@ -608,7 +519,7 @@ async def part_writeback_older(app, rules):
 
 async def part_writeback_bound(app, rules):
     redis = await harness.RedisServer().astart()
-    front = await RedisFront(redis.port).start()
+    front = await harness.RedisFront(redis.port).start()
     user = "wb|bound"
     try:
         cfg = config_for(app, front.url, writeback_max_bytes=8192)

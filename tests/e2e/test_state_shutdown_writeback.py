@@ -6,7 +6,7 @@ first (parts 1 and 2 fail on that binary: every dialog lacks its last turns). Pa
 fail on a1060c0, the first shutdown write-back: it counted a Redis in the reconnect backoff
 as away, and decided what to wait for before the saves in flight were answered.
 
-1. An outage, then SIGTERM as soon as Redis is back: Redis is LATENCY s away (SlowLink, a
+1. An outage, then SIGTERM as soon as Redis is back: Redis is LATENCY s away (harness.RedisFront, a
    relay in the test that passes Redis's answers on that late), so that a write-back (two
    round trips) and the newer version behind it take longer than the link's second at
    close. DIALOGS dialogs (a connection and a room each, the state app) talk once with Redis
@@ -63,7 +63,7 @@ DIALOGS = 120
 PROFILES = 40
 ADMIN_TOKEN = "shutdown-admin-token"
 AWAY_DIALOGS = 10
-LATENCY = 0.5  # s: each answer of Redis's, in part 1 (SlowLink)
+LATENCY = 0.5  # s: each answer of Redis's, in part 1 (harness.RedisFront's delay)
 SAVE_LATENCY = 0.7  # s: in part 5, longer than the drain's 0.3 s, so every save is in flight at close
 BACKOFF_TRIES = 5  # redis_link.c's tries after an outage's first 0.1+0.2+0.5+1+2 s: the next waits 5 s
 EXIT_TIMEOUT = 10.0  # the drain (nothing in flight: 0.3 s) and the store's close (at most 5 s)
@@ -112,15 +112,15 @@ async def stop_in_backoff(gw, redis, relay, clients, killed):
     """Redis started again (empty) while the gateway's link waits out its backoff, and
     SIGTERM before it reconnected (checked: no connection at the relay, one "connected" in the
     log); waits for the exit."""
-    tries = relay.connections
+    tries = relay.accepted
     await redis.astart()
     for c in clients:
         await c.close()
-    check(relay.connections == tries and len(re.findall(r"redis \S+: connected", gw.log_text())) == 1,
+    check(relay.accepted == tries and len(re.findall(r"redis \S+: connected", gw.log_text())) == 1,
           "the gateway reconnected before SIGTERM: the test came too late")
     print(f"   SIGTERM {time.monotonic() - killed:.2f}s after the kill, the link still in its backoff")
     took = await stop_now(gw)
-    print(f"   exited {took:.2f}s after SIGTERM; {relay.connections - tries} connection(s) at shutdown")
+    print(f"   exited {took:.2f}s after SIGTERM; {relay.accepted - tries} connection(s) at shutdown")
 
 
 async def gateway_behind(app, rules, link, latency, name):
@@ -193,78 +193,9 @@ def config_for(app, redis, command_timeout_ms=1000):
                                 redis={"command_timeout_ms": command_timeout_ms, "connect_timeout_ms": 1000})
 
 
-class SlowLink:
-    """A TCP relay between the gateway and Redis that passes each piece of Redis's answers on
-    `delay` s after it came (a constant latency, as of a Redis far away or busy: a piece never
-    waits behind the previous one's delay). Its connection to Redis is made per connection
-    of the gateway's; Redis gone, the gateway's connection is closed. `connections` counts
-    the gateway's connections (its tries, Redis away)."""
-
-    def __init__(self, redis_port, delay):
-        self.redis_port = redis_port
-        self.delay = delay
-        self.server = None
-        self.port = None
-        self.connections = 0
-
-    async def start(self):
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self):
-        return f"redis://127.0.0.1:{self.port}"
-
-    def close(self):
-        if self.server:
-            self.server.close()
-
-    async def _serve(self, reader, writer):
-        self.connections += 1
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.redis_port)
-        except OSError:
-            writer.close()
-            return
-        loop = asyncio.get_running_loop()
-        due = asyncio.Queue()
-
-        async def requests():
-            while data := await reader.read(65536):
-                up_writer.write(data)
-                await up_writer.drain()
-
-        async def answers():
-            while data := await up_reader.read(65536):
-                due.put_nowait((loop.time() + self.delay, data))
-            due.put_nowait((loop.time() + self.delay, None))
-
-        async def pass_on():
-            while True:
-                at, data = await due.get()
-                await asyncio.sleep(max(0.0, at - loop.time()))
-                if data is None:
-                    return
-                writer.write(data)
-                await writer.drain()
-
-        tasks = [asyncio.create_task(t) for t in (requests(), answers(), pass_on())]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        except (OSError, ConnectionError):
-            pass
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            writer.close()
-            up_writer.close()
-
-
 async def part_after_outage(app, rules):
     redis = await harness.RedisServer().astart()
-    link = await SlowLink(redis.port, LATENCY).start()
+    link = await harness.RedisFront(redis.port, LATENCY).start()
     try:
         gw = await gateway_behind(app, rules, link, LATENCY, "gateway-outage")
         clients, dialogs, talk = await open_dialogs(app, gw, "r", "d")
@@ -295,7 +226,7 @@ async def part_after_outage(app, rules):
             print(f"   exited {took:.2f}s after SIGTERM")
             check_all_written(redis, dialogs, gw, "SIGTERM right after the reconnect")
     finally:
-        link.close()
+        await link.close()
         redis.cleanup(keep=True)
 
 
@@ -371,7 +302,7 @@ async def wait_until(predicate, timeout, what):
 
 async def part_in_backoff(app, rules):
     redis = await harness.RedisServer().astart()
-    relay = await SlowLink(redis.port, 0.0).start()  # no delay: it counts the link's tries
+    relay = await harness.RedisFront(redis.port).start()  # no delay: it counts the link's tries
     try:
         # the bus straight to Redis: only the link's connections go through the relay
         cfg = config_for(app, relay)
@@ -384,7 +315,7 @@ async def part_in_backoff(app, rules):
                   f"tries {BACKOFF_TRIES} times (its next try 5 s on)"):
             await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
             await all_of(talk(i, 1) for i in range(DIALOGS))
-            before = relay.connections
+            before = relay.accepted
             killed = time.monotonic()
             redis.kill()
             await wait_metric(gw, "chatgate_store_degraded", lambda v: v == 1, 5, "the outage")
@@ -392,8 +323,8 @@ async def part_in_backoff(app, rules):
                 await all_of(talk(i, k) for i in range(DIALOGS))
             await wait_metric(gw, "chatgate_store_writeback_pending", lambda v: v == DIALOGS, 3,
                               "the outage's dialogs marked for the write-back")
-            await wait_until(lambda: relay.connections >= before + BACKOFF_TRIES, 10, "the link's tries")
-            print(f"   the link's try {relay.connections - before} came {time.monotonic() - killed:.2f}s after "
+            await wait_until(lambda: relay.accepted >= before + BACKOFF_TRIES, 10, "the link's tries")
+            print(f"   the link's try {relay.accepted - before} came {time.monotonic() - killed:.2f}s after "
                   "the kill")
 
         with step("4b. Redis started again (empty); SIGTERM before the gateway reconnected: it exits 0, and every "
@@ -401,7 +332,7 @@ async def part_in_backoff(app, rules):
             await stop_in_backoff(gw, redis, relay, clients, killed)
             check_all_written(redis, dialogs, gw, "SIGTERM in the reconnect backoff, Redis back")
     finally:
-        relay.close()
+        await relay.close()
         redis.cleanup(keep=True)
 
 
@@ -414,7 +345,7 @@ def noreplicas_refusals(redis):
 
 async def part_save_refused_at_close(app, rules):
     redis = await harness.RedisServer().astart()
-    link = await SlowLink(redis.port, SAVE_LATENCY).start()
+    link = await harness.RedisFront(redis.port, SAVE_LATENCY).start()
     try:
         gw = await gateway_behind(app, rules, link, SAVE_LATENCY, "gateway-in-flight")
         clients, dialogs, talk = await open_dialogs(app, gw, "s", "s")
@@ -448,7 +379,7 @@ async def part_save_refused_at_close(app, rules):
                                           f"({2 * DIALOGS} writes) before it took writes again: {refused}")
             check_all_written(redis, dialogs, gw, "SIGTERM with saves in flight, refused")
     finally:
-        link.close()
+        await link.close()
         redis.cleanup(keep=True)
 
 
@@ -467,7 +398,7 @@ async def admin_put_profile(gw, user, name, value):
 
 async def part_profiles_in_backoff(app, rules, via):
     redis = await harness.RedisServer().astart()
-    relay = await SlowLink(redis.port, 0.0).start()  # no delay: it counts the link's tries
+    relay = await harness.RedisFront(redis.port).start()  # no delay: it counts the link's tries
     try:
         cfg = config_for(app, relay)
         cfg["redis"]["bus"] = redis.url  # only the link's connections go through the relay
@@ -480,7 +411,7 @@ async def part_profiles_in_backoff(app, rules, via):
         with step(f"6{via}. Redis killed; {PROFILES} users' profiles changed ({how}), kept in memory; the link "
                   f"tries {BACKOFF_TRIES} times"):
             await wait_log(gw, r"redis \S+: connected", 1, 5, "the first connection")
-            before = relay.connections
+            before = relay.accepted
             killed = time.monotonic()
             redis.kill()
             await wait_metric(gw, "chatgate_store_degraded", lambda v: v == 1, 5, "the outage")
@@ -490,13 +421,13 @@ async def part_profiles_in_backoff(app, rules, via):
             else:
                 for i, user in enumerate(users):
                     await admin_put_profile(gw, user, "home_city", f"city {i}")
-            await wait_until(lambda: relay.connections >= before + BACKOFF_TRIES, 10, "the link's tries")
+            await wait_until(lambda: relay.accepted >= before + BACKOFF_TRIES, 10, "the link's tries")
         with step(f"6{via}, shutdown: Redis started again (empty); SIGTERM before the gateway reconnected: it exits 0, and "
                   "every user's profile in Redis holds the update"):
             await stop_in_backoff(gw, redis, relay, clients, killed)
             check_profiles_written(redis, users, gw)
     finally:
-        relay.close()
+        await relay.close()
         redis.cleanup(keep=True)
 
 
